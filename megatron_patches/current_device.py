@@ -1,0 +1,55 @@
+"""Make ``torch.cuda.current_device()`` name the CPU on CPU-only torch builds.
+
+Target: torch.cuda.current_device, as called by megatron-core for ``device=`` arguments in
+    tensor_parallel.layers (VocabParallelEmbedding with use_cpu_initialization=False),
+    utils.GlobalMemoryBuffer (DotProductAttention), Router.gating, the experts and the DDP
+    buffers.
+Why: every one of those raises ``AssertionError: Torch not compiled with CUDA enabled``.
+    Returning ``torch.device("cpu")`` keeps all those allocations valid on the CPU.
+Remove when: megatron-core takes its device from the model/config instead of
+    ``torch.cuda.current_device()`` (still hard-coded in 0.19.2). CPU-only: applying it on a
+    CUDA build raises PatchError.
+
+Installed on ``torch.cuda`` itself: the call sites are spread over dozens of megatron modules,
+and on a CPU-only build the original can only raise.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from megatron_patches import _compat
+
+logger = logging.getLogger(__name__)
+
+NAME = "current_device"
+SUPPORTED = ">=0.16.1,<0.20"
+CPU_ONLY = True
+
+
+def _cpu_current_device() -> torch.device:
+    return torch.device("cpu")
+
+
+def check_preconditions() -> None:
+    """Version and the zero-argument signature megatron calls."""
+    _compat.require_version(SUPPORTED)
+    _compat.check_signature(torch.cuda.current_device, ())
+
+
+def is_applied() -> bool:
+    return _compat.is_marked(torch.cuda.current_device, NAME)
+
+
+def apply() -> None:
+    """Replace torch.cuda.current_device with a function returning the CPU device. Idempotent."""
+    if is_applied():
+        return
+    _compat.require_no_cuda(NAME)
+    check_preconditions()
+    original = torch.cuda.current_device
+    _cpu_current_device.__wrapped__ = original  # type: ignore[attr-defined]  # for inspection
+    torch.cuda.current_device = _compat.mark(_cpu_current_device, NAME)
+    logger.info("applied megatron patch %s", NAME)

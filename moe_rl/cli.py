@@ -1,0 +1,81 @@
+"""`moe-rl` command line: parse, load the config, call one function."""
+
+from __future__ import annotations
+
+import sys
+from importlib import metadata
+
+import click
+
+from moe_rl.config import ConfigError, RunConfig, load_config
+
+_OPTIONAL = ("transformer-engine", "transformer-engine-torch", "vllm", "sglang", "apex", "transformers", "wandb")
+
+
+def _split_args(args: tuple[str, ...]) -> tuple[str | None, list[str]]:
+    """`[CONFIG] [key=value ...]`: the first argument is a config file unless it has an '='."""
+    if args and "=" not in args[0]:
+        return args[0], list(args[1:])
+    return None, list(args)
+
+
+def _load(args: tuple[str, ...]) -> RunConfig:
+    path, overrides = _split_args(args)
+    try:
+        return load_config(path, overrides)
+    except ConfigError as e:
+        raise click.ClickException(str(e)) from None
+
+
+@click.group()
+def main() -> None:
+    """RL training for Mixture-of-Experts LLMs on megatron-core."""
+
+
+@main.command(context_settings={"ignore_unknown_options": True})
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def train(args: tuple[str, ...]) -> None:
+    """Train: moe-rl train [CONFIG.yaml] [key=value ...]  (no config: the embedded tiny CPU default)."""
+    from moe_rl.launch import launch
+    from moe_rl.trainer import preflight
+
+    cfg = _load(args)
+    try:
+        preflight(cfg)  # data, weights and run dir are checked here, before any rank starts
+    except (ValueError, FileNotFoundError) as e:
+        raise click.ClickException(str(e)) from None
+    launch(cfg)
+
+
+@main.command("config")
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def show_config(args: tuple[str, ...]) -> None:
+    """Print the resolved config: moe-rl config [CONFIG.yaml] [key=value ...]."""
+    from moe_rl.config import to_yaml
+
+    click.echo(to_yaml(_load(args)), nl=False)
+
+
+@main.command()
+def env() -> None:
+    """Versions of torch, megatron-core and the optional GPU packages, and the patch plan."""
+    import torch
+
+    import megatron_patches
+
+    click.echo(f"python            {sys.version.split()[0]}")
+    click.echo(f"torch             {torch.__version__} (cuda available: {torch.cuda.is_available()})")
+    click.echo(f"megatron-core     {metadata.version('megatron-core')}")
+    for name in _OPTIONAL:
+        try:
+            ver = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            ver = "not installed"
+        click.echo(f"{name:<17} {ver}")
+    click.echo("megatron patches:")
+    for name, applies, reason in megatron_patches.plan():
+        click.echo(f"  {name:<22} {'apply' if applies else 'skip ':<5}  {reason}")
+
+
+if __name__ == "__main__":
+    main()

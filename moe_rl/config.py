@@ -1,0 +1,262 @@
+"""The typed config tree: the single source of truth for every run.
+
+Dataclasses define fields, defaults and validation. YAML files (``configs/*.yaml``) and dotted
+command-line overrides (``rollout.temperature=0.8``) only override them. Loading goes through
+OmegaConf's structured configs, so an unknown key or a wrong type fails before any work starts,
+naming the full dotted key; cross-field checks in ``__post_init__`` name the keys too.
+Megatron's own argument names appear only in ``moe_rl/learner/setup.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+
+class ConfigError(ValueError):
+    """A config file, key or value is wrong; the message names it."""
+
+
+def _check(cond: bool, key: str, msg: str) -> None:
+    if not cond:
+        raise ConfigError(f"config key '{key}': {msg}")
+
+
+def _one_of(value: str, key: str, choices: tuple[str, ...] | list[str]) -> None:
+    _check(value in choices, key, f"{value!r} is not one of {sorted(choices)}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A Qwen3-MoE-style decoder: RMSNorm, RoPE, GQA, SwiGLU experts, softmax Top-K router."""
+
+    vocab_size: int = 0  # 0: taken from the task tokenizer
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_attention_heads: int = 4
+    num_query_groups: int = 2  # key/value heads (GQA)
+    head_dim: int = 32
+    ffn_hidden_size: int = 256  # dense (non-MoE) layers
+    moe_ffn_hidden_size: int = 128  # each expert
+    num_experts: int = 8
+    moe_router_topk: int = 2
+    first_k_dense: int = 0  # the first N layers are dense MLPs (DeepSeek-style)
+    qk_layernorm: bool = True  # Qwen3 normalises q and k per head
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    max_seq_len: int = 64
+    router_aux_loss_coeff: float = 0.0  # switch load-balancing loss; 0 = off
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "num_layers", "num_attention_heads", "num_query_groups",
+                     "head_dim", "ffn_hidden_size", "moe_ffn_hidden_size", "num_experts",
+                     "moe_router_topk", "max_seq_len"):
+            _check(getattr(self, name) > 0, f"model.{name}", "must be > 0")
+        _check(self.vocab_size >= 0, "model.vocab_size", "must be >= 0 (0 = from the tokenizer)")
+        _check(self.moe_router_topk <= self.num_experts, "model.moe_router_topk",
+               f"top-k {self.moe_router_topk} > model.num_experts {self.num_experts}")
+        _check(self.num_attention_heads % self.num_query_groups == 0, "model.num_query_groups",
+               f"{self.num_query_groups} does not divide model.num_attention_heads "
+               f"{self.num_attention_heads}")
+        _check(0 <= self.first_k_dense < self.num_layers, "model.first_k_dense",
+               f"must be in [0, model.num_layers={self.num_layers}) so at least one layer is MoE")
+        _check(self.router_aux_loss_coeff >= 0, "model.router_aux_loss_coeff", "must be >= 0")
+
+    @property
+    def moe_layers(self) -> list[int]:
+        """Global (0-based) numbers of the MoE layers."""
+        return list(range(self.first_k_dense, self.num_layers))
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    nproc: int = 2  # local ranks `moe-rl train` starts (ignored under an external torchrun)
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    expert_parallel: int = 2
+    distributed_optimizer: bool = True
+    token_dispatcher: str = "alltoall"  # alltoall (production-like) | allgather
+    backend: str = "auto"  # auto: nccl on CUDA, gloo on CPU
+
+    def __post_init__(self) -> None:
+        for name in ("nproc", "tensor_parallel", "pipeline_parallel", "expert_parallel"):
+            _check(getattr(self, name) >= 1, f"parallel.{name}", "must be >= 1")
+        _one_of(self.token_dispatcher, "parallel.token_dispatcher", ("alltoall", "allgather"))
+        _one_of(self.backend, "parallel.backend", ("auto", "gloo", "nccl"))
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 2e-4
+    min_lr: float = 0.0
+    lr_schedule: str = "constant"  # constant | cosine
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+
+    def __post_init__(self) -> None:
+        _check(self.lr > 0, "optim.lr", "must be > 0")
+        _check(0 <= self.min_lr <= self.lr, "optim.min_lr", "must be in [0, optim.lr]")
+        _one_of(self.lr_schedule, "optim.lr_schedule", ("constant", "cosine"))
+        _check(self.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
+        _check(self.clip_grad > 0, "optim.clip_grad", "must be > 0")
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    engine: str = "builtin"  # builtin (CPU or small GPU models); vllm arrives with the GPU path
+    dtype: str = "bf16"  # the built-in engine's own numeric path: bf16 | fp32
+    prompts_per_step: int = 32  # global, over all data-parallel ranks
+    samples_per_prompt: int = 8
+    max_new_tokens: int = 12
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+
+    def __post_init__(self) -> None:
+        _one_of(self.engine, "rollout.engine", ("builtin",))
+        _one_of(self.dtype, "rollout.dtype", ("bf16", "fp32"))
+        for name in ("prompts_per_step", "samples_per_prompt", "max_new_tokens"):
+            _check(getattr(self, name) >= 1, f"rollout.{name}", "must be >= 1")
+        _check(self.temperature > 0, "rollout.temperature", "must be > 0")
+        _check(0 < self.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
+        _check(self.top_k >= 0, "rollout.top_k", "must be >= 0")
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    # Built-in generated tasks (mixed uniformly) unless `dataset` names a JSONL file.
+    tasks: list[str] = field(default_factory=lambda: ["reverse", "sort", "copy"])
+    min_len: int = 2
+    max_len: int = 5
+    dataset: str = ""  # JSONL prompt file; see moe_rl/tasks/dataset.py for the line format
+    reward: str = "exact_match"
+
+    def __post_init__(self) -> None:
+        _check(len(self.tasks) > 0 or bool(self.dataset), "task.tasks", "empty and no task.dataset")
+        _check(1 <= self.min_len <= self.max_len, "task.min_len",
+               f"need 1 <= task.min_len ({self.min_len}) <= task.max_len ({self.max_len})")
+
+
+@dataclass(frozen=True)
+class AlgoConfig:
+    advantage: str = "grpo"
+    grpo_std_norm: bool = True
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    kl_coef: float = 0.0  # KL to the reference (initial) policy; 0 = no reference model
+    kl_estimator: str = "k3"  # k1 | k2 | k3
+    num_minibatches: int = 1  # optimizer steps per RL step
+    micro_batch_size: int = 64  # sequences per forward/backward on one rank
+
+    def __post_init__(self) -> None:
+        _check(self.clip_low >= 0 and self.clip_high >= 0, "algo.clip_low", "clips must be >= 0")
+        _one_of(self.kl_estimator, "algo.kl_estimator", ("k1", "k2", "k3"))
+        _check(self.kl_coef >= 0, "algo.kl_coef", "must be >= 0")
+        _check(self.num_minibatches >= 1, "algo.num_minibatches", "must be >= 1")
+        _check(self.micro_batch_size >= 1, "algo.micro_batch_size", "must be >= 1")
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    wandb_mode: str = "offline"  # offline | online | disabled
+    wandb_project: str = "moe-rl"
+    progress_bar: bool = True
+
+    def __post_init__(self) -> None:
+        _one_of(self.wandb_mode, "log.wandb_mode", ("offline", "online", "disabled"))
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    run_dir: str = "runs/default"
+    resume: bool = False  # continue from run_dir's last checkpoint
+    seed: int = 1234
+    steps: int = 120
+    checkpoint_every: int = 40  # 0 = only at the end
+    init_weights: str = "builtin:warmstart"  # safetensors file, "builtin:warmstart" or "" (random)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def __post_init__(self) -> None:
+        _check(self.steps >= 1, "steps", "must be >= 1")
+        _check(self.checkpoint_every >= 0, "checkpoint_every", "must be >= 0")
+        m, p, r = self.model, self.parallel, self.rollout
+        _check(m.num_experts % p.expert_parallel == 0, "parallel.expert_parallel",
+               f"{p.expert_parallel} does not divide model.num_experts {m.num_experts}")
+        _check(m.num_query_groups % p.tensor_parallel == 0, "parallel.tensor_parallel",
+               f"{p.tensor_parallel} does not divide model.num_query_groups {m.num_query_groups}")
+        _check(m.num_layers % p.pipeline_parallel == 0, "parallel.pipeline_parallel",
+               f"{p.pipeline_parallel} does not divide model.num_layers {m.num_layers}")
+        # Weight export/sync and the log-prob pass handle EP (+DP) layouts so far; TP/PP sharded
+        # export lands with the HF checkpoint work. Refuse rather than train on a wrong layout.
+        _check(p.tensor_parallel == 1, "parallel.tensor_parallel", "only 1 is supported so far")
+        _check(p.pipeline_parallel == 1, "parallel.pipeline_parallel", "only 1 is supported so far")
+        mp = p.tensor_parallel * p.pipeline_parallel
+        _check(p.nproc % mp == 0, "parallel.nproc",
+               f"{p.nproc} ranks are not a multiple of TP*PP = {mp}")
+        dp = p.nproc // mp
+        _check((dp * p.tensor_parallel) % p.expert_parallel == 0, "parallel.expert_parallel",
+               f"EP {p.expert_parallel} must divide DP*TP = {dp * p.tensor_parallel}")
+        _check(r.prompts_per_step % dp == 0, "rollout.prompts_per_step",
+               f"{r.prompts_per_step} prompts do not split over {dp} data-parallel ranks")
+        _check(r.samples_per_prompt >= 2 or self.algo.advantage not in ("grpo", "rloo"),
+               "rollout.samples_per_prompt", f"{self.algo.advantage} needs >= 2 samples per prompt")
+        per_rank = r.prompts_per_step // dp
+        _check(per_rank % self.algo.num_minibatches == 0, "algo.num_minibatches",
+               f"{self.algo.num_minibatches} minibatches do not split the {per_rank} prompts per rank")
+
+    @property
+    def data_parallel(self) -> int:
+        return self.parallel.nproc // (self.parallel.tensor_parallel * self.parallel.pipeline_parallel)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Embedded defaults <- YAML file <- dotted overrides; validated, or ConfigError naming the key."""
+    base = OmegaConf.structured(RunConfig)
+    layers: list[Any] = [base]
+    where = "defaults"
+    try:
+        if path is not None:
+            where = str(path)
+            if not Path(path).is_file():
+                raise ConfigError(f"config file {path} does not exist")
+            loaded = OmegaConf.load(path)
+            layers.append(loaded if loaded is not None else {})
+        for item in overrides:
+            where = f"override {item!r}"
+            if "=" not in item:
+                raise ConfigError(f"override {item!r} is not of the form key=value")
+            layers.append(OmegaConf.from_dotlist([item]))
+        merged = OmegaConf.merge(*layers)
+        where = str(path) if path is not None else "defaults"
+        return OmegaConf.to_object(merged)  # type: ignore[return-value]
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None)
+        first = str(e).splitlines()[0]
+        raise ConfigError(f"{where}: config key '{key}': {first}") from None
+    except ConfigError as e:
+        if str(e).startswith("config key") and where != "defaults":
+            raise ConfigError(f"{where}: {e}") from None
+        raise
+
+
+def to_dict(cfg: RunConfig) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def to_yaml(cfg: RunConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))

@@ -1,0 +1,167 @@
+"""The megatron-core learner: log-prob passes and policy updates over micro-batches.
+
+Forward and backward run through megatron-core's own pipeline schedule
+(``get_forward_backward_func``), gradients are reduced by megatron's ``finalize_model_grads`` and
+applied by its (distributed) optimizer. The loss is a callable passed in (``LossFn``); its
+normaliser (the global token count) is computed here, once per minibatch, and passed down.
+
+Shape suffixes: B sequences, S positions.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from moe_rl.config import ModelConfig, OptimConfig, ParallelConfig
+from moe_rl.dist import DistContext
+from moe_rl.learner import setup
+from moe_rl.learner.logprobs import token_logprobs
+from moe_rl.learner.weights import canonical_to_megatron, gather_experts, megatron_to_canonical
+
+log = logging.getLogger(__name__)
+
+# loss_fn(micro_batch, logp_BS, entropy_BS, normalizer) -> (loss, metrics)
+LossFn = Callable[[dict[str, torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor],
+                  tuple[torch.Tensor, dict[str, Any]]]
+
+
+def split_micro_batches(batch: dict[str, torch.Tensor], seq_lens_B: torch.Tensor,
+                        micro_batch_size: int) -> list[dict[str, torch.Tensor]]:
+    """Split [B, S] tensors into micro-batches along B, each trimmed to its longest sequence."""
+    out = []
+    for start in range(0, int(seq_lens_B.shape[0]), micro_batch_size):
+        sl = slice(start, start + micro_batch_size)
+        s_max = int(seq_lens_B[sl].max())
+        out.append({k: (v[sl, :s_max] if v.dim() == 2 else v[sl]) for k, v in batch.items()})
+    return out
+
+
+class Learner:
+    """A megatron GPTModel (MoE, EP over the default group) with DDP and its optimizer."""
+
+    def __init__(self, model_cfg: ModelConfig, par: ParallelConfig, optim: OptimConfig,
+                 ctx: DistContext, init_weights: dict[str, torch.Tensor] | None = None,
+                 with_reference: bool = False):
+        from megatron.core import parallel_state as ps
+
+        self.model_cfg, self.par, self.ctx = model_cfg, par, ctx
+        self.gpt, self.tcfg = setup.build_model(model_cfg, par)
+        if init_weights is not None:
+            self.load_canonical(init_weights)
+        # The reference policy is a frozen copy of the initial weights (for the KL term).
+        self.ref = None
+        if with_reference:
+            self.ref, _ = setup.build_model(model_cfg, par)
+            self.ref.load_state_dict(self.gpt.state_dict())
+            self.ref.requires_grad_(False).eval()
+        self.ddp = setup.wrap_ddp(self.gpt, self.tcfg, par)
+        self.optimizer = setup.build_optimizer(self.ddp, optim, par)
+        self.dp_group = ps.get_data_parallel_group()
+        self.ep_group = ps.get_expert_model_parallel_group()
+
+    # ---- weights -------------------------------------------------------------------------
+    def load_canonical(self, full: dict[str, torch.Tensor]) -> None:
+        """Copy full canonical weights into this rank's shard; errors name the tensor."""
+        params = dict(self.gpt.named_parameters())
+        tensors = canonical_to_megatron(full, list(params), self.model_cfg, self.ctx.ep_rank, self.ctx.ep_size)
+        with torch.no_grad():
+            for name, p in params.items():
+                t = tensors[name]
+                if tuple(t.shape) != tuple(p.shape):
+                    raise ValueError(f"weight for {name} has shape {tuple(t.shape)}, "
+                                     f"the model expects {tuple(p.shape)}")
+                p.copy_(t)
+
+    def export_canonical(self) -> dict[str, torch.Tensor]:
+        """Full canonical weights (every expert), identical on every rank: the weight sync source."""
+        local = {n: p.detach() for n, p in self.gpt.named_parameters()}
+        canon = megatron_to_canonical(local, self.model_cfg, self.ctx.ep_rank, self.ctx.ep_size)
+        return gather_experts(canon, self.model_cfg, self.ctx.ep_size, self.ep_group)
+
+    # ---- passes --------------------------------------------------------------------------
+    def _schedule(self, model, micro_batches: list[dict[str, torch.Tensor]], loss_fn, forward_only: bool):
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            tokens_BS = mb["tokens"]
+            pos_BS = torch.arange(tokens_BS.shape[1], device=tokens_BS.device).expand_as(tokens_BS)
+            logits_BSV = model(tokens_BS, pos_BS, None)
+            return logits_BSV, partial(loss_fn, mb)
+
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[model],
+            num_microbatches=len(micro_batches), seq_length=int(micro_batches[0]["tokens"].shape[1]),
+            micro_batch_size=int(micro_batches[0]["tokens"].shape[0]), forward_only=forward_only)
+
+    @torch.no_grad()
+    def forward_logprobs(self, tokens_BS: torch.Tensor, seq_lens_B: torch.Tensor, temperature: float,
+                         micro_batch_size: int, reference: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs and entropies of given sequences (policy, or the frozen reference)."""
+        model = self.ref if reference else self.ddp
+        if model is None:
+            raise RuntimeError("reference log-probs requested but the learner has no reference model")
+        model.eval()
+
+        def collect(mb, logits_BSV):
+            logp_BS, ent_BS = token_logprobs(logits_BSV, mb["tokens"], temperature)
+            return logits_BSV.new_zeros(()), torch.tensor(0), {"logp": logp_BS, "entropy": ent_BS}
+
+        mbs = split_micro_batches({"tokens": tokens_BS}, seq_lens_B, micro_batch_size)
+        outs = self._schedule(model, mbs, collect, forward_only=True)
+        S = tokens_BS.shape[1]
+        logp_BS = torch.cat([torch.nn.functional.pad(o["logp"], (0, S - o["logp"].shape[1])) for o in outs])
+        ent_BS = torch.cat([torch.nn.functional.pad(o["entropy"], (0, S - o["entropy"].shape[1])) for o in outs])
+        return logp_BS, ent_BS
+
+    def forward_backward(self, minibatch: dict[str, torch.Tensor], seq_lens_B: torch.Tensor, loss_fn: LossFn,
+                         temperature: float, micro_batch_size: int) -> list:
+        """Gradients of the minibatch loss, reduced over data-parallel ranks; per-micro-batch metrics.
+
+        ``minibatch`` must hold "tokens" and "loss_mask" [B, S]; the normaliser passed to the loss
+        is the number of loss tokens summed over all data-parallel ranks."""
+        from megatron.core.distributed import finalize_model_grads
+
+        self.ddp.train()
+        normalizer = minibatch["loss_mask"].sum().to(torch.float64)
+        if dist.is_initialized():
+            dist.all_reduce(normalizer, group=self.dp_group)
+        normalizer = normalizer.clamp(min=1.0).float()
+
+        def compute(mb, logits_BSV):
+            logp_BS, ent_BS = token_logprobs(logits_BSV, mb["tokens"], temperature)
+            loss, metrics = loss_fn(mb, logp_BS, ent_BS, normalizer)
+            return loss, mb["loss_mask"].sum().int(), metrics
+
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        mbs = split_micro_batches(minibatch, seq_lens_B, micro_batch_size)
+        loss_metrics = self._schedule(self.ddp, mbs, compute, forward_only=False)
+        finalize_model_grads([self.ddp])  # sum over DP (scaling 1.0: the loss is already global)
+        return loss_metrics
+
+    def update(self, minibatch: dict[str, torch.Tensor], seq_lens_B: torch.Tensor, loss_fn: LossFn,
+               temperature: float, micro_batch_size: int, lr: float) -> tuple[dict[str, Any], list]:
+        """One optimizer step over a minibatch; returns (optimizer metrics, per-micro-batch loss metrics)."""
+        loss_metrics = self.forward_backward(minibatch, seq_lens_B, loss_fn, temperature, micro_batch_size)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        ok, grad_norm, _ = self.optimizer.step()
+        if not ok or grad_norm is None or not torch.isfinite(torch.as_tensor(grad_norm)):
+            raise FloatingPointError(f"optimizer step refused: gradient norm {grad_norm} (NaN/Inf)")
+        return {"train/grad_norm": float(grad_norm), "train/lr": lr}, loss_metrics
+
+    def canonical_grads(self) -> dict[str, torch.Tensor]:
+        """Reduced gradients in canonical names, every expert gathered (needs the plain DDP
+        optimizer: the distributed optimizer keeps only a shard of each reduced gradient)."""
+        if self.par.distributed_optimizer:
+            raise RuntimeError("canonical_grads needs parallel.distributed_optimizer=false")
+        local = {n: p.main_grad.detach().clone() for n, p in self.gpt.named_parameters()}
+        canon = megatron_to_canonical(local, self.model_cfg, self.ctx.ep_rank, self.ctx.ep_size)
+        return gather_experts(canon, self.model_cfg, self.ctx.ep_size, self.ep_group)

@@ -1,0 +1,122 @@
+"""The ONLY place that maps our config to megatron-core's TransformerConfig, GPTModel, DDP wrapper
+and optimizer. Megatron's argument names appear nowhere else."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from moe_rl.config import ModelConfig, OptimConfig, ParallelConfig
+
+# 'fully_reshardable' gathers optimizer shards over NCCL by default; the mem-efficient variant
+# gathers over the (gloo on CPU) DP group. No "chained_N." prefix so dense+expert optimizers
+# keep stable keys.
+OPTIM_CKPT_METADATA = {
+    "distrib_optim_sharding_type": "fully_reshardable",
+    "distrib_optim_fully_reshardable_mem_efficient": True,
+    "chained_optim_avoid_prefix": True,
+}
+
+
+def transformer_config(model: ModelConfig, par: ParallelConfig, *, bf16: bool = False):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    n_dense = model.first_k_dense
+    return TransformerConfig(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups,
+        kv_channels=model.head_dim,
+        ffn_hidden_size=model.ffn_hidden_size,
+        moe_ffn_hidden_size=model.moe_ffn_hidden_size,
+        num_moe_experts=model.num_experts,
+        moe_router_topk=model.moe_router_topk,
+        moe_layer_freq=[0] * n_dense + [1] * (model.num_layers - n_dense),
+        normalization="RMSNorm",
+        layernorm_epsilon=model.norm_eps,
+        qk_layernorm=model.qk_layernorm,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        # softmax over the top-k logits == Qwen3's softmax + renormalised top-k
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=False,
+        moe_router_dtype="fp32",
+        moe_router_load_balancing_type="aux_loss" if model.router_aux_loss_coeff > 0 else "none",
+        moe_aux_loss_coeff=model.router_aux_loss_coeff,
+        moe_token_dispatcher_type=par.token_dispatcher,
+        moe_grouped_gemm=False,  # grouped GEMM needs CUDA kernels; TE spec brings its own
+        moe_router_fusion=False,  # fused TE top-k would bypass routing replay
+        tensor_model_parallel_size=par.tensor_parallel,
+        pipeline_model_parallel_size=par.pipeline_parallel,
+        expert_model_parallel_size=par.expert_parallel,
+        # Our loss is already divided by the global token count (passed in), so megatron must
+        # neither divide it again nor average grads over DP: it sums them (scaling factor 1).
+        calculate_per_token_loss=True,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        bf16=bf16,
+        init_method_std=0.02,
+        # fusions are torch.compile'd C++ on CPU: slow to build, slower to run at this size
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        bias_activation_fusion=False,
+        gradient_accumulation_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+    )
+
+
+def build_model(model: ModelConfig, par: ParallelConfig, *, bf16: bool = False):
+    """A megatron GPTModel with MoE layers, local (non-TE) layer spec on CPU."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    cfg = transformer_config(model, par, bf16=bf16)
+    spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm")
+    gpt = GPTModel(
+        config=cfg,
+        transformer_layer_spec=spec,
+        vocab_size=model.vocab_size,
+        max_sequence_length=model.max_seq_len,
+        position_embedding_type="rope",
+        rotary_base=int(model.rope_theta),
+        share_embeddings_and_output_weights=False,
+    )
+    return gpt, cfg
+
+
+def wrap_ddp(gpt, cfg, par: ParallelConfig):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_cfg = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=par.distributed_optimizer,
+        bucket_size=None,
+        check_for_nan_in_grad=True,  # raise before the optimizer step, never train on NaN/Inf
+    )
+    return DistributedDataParallel(config=cfg, ddp_config=ddp_cfg, module=gpt)
+
+
+def build_optimizer(ddp_model, opt: OptimConfig, par: ParallelConfig, *, bf16: bool = False):
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    ocfg = OptimizerConfig(
+        optimizer="adam",
+        lr=opt.lr,
+        min_lr=opt.min_lr,
+        weight_decay=opt.weight_decay,
+        adam_beta1=opt.adam_beta1,
+        adam_beta2=opt.adam_beta2,
+        adam_eps=opt.adam_eps,
+        clip_grad=opt.clip_grad,
+        use_distributed_optimizer=par.distributed_optimizer,
+        bf16=bf16,
+        fp16=False,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+    )
+    return get_megatron_optimizer(ocfg, [ddp_model])

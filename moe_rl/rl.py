@@ -1,0 +1,136 @@
+"""The named steps the training loop calls: engine construction, seeds, batch preparation
+(old log-probs, advantages), the policy update, and rollout metrics.
+
+Shape suffixes: B sequences, S positions.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from moe_rl.advantages import get_advantage
+from moe_rl.config import RunConfig
+from moe_rl.learner import checkpoint
+from moe_rl.losses import kl_estimate, ppo_clip_loss
+from moe_rl.metrics import Max, Mean, Sum, merge_metrics
+from moe_rl.tasks import CharTokenizer
+from moe_rl.types import RolloutBatch, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+def step_seed(seed: int, step: int, dp_rank: int, stream: int) -> int:
+    """A seed per (run seed, step, data-parallel rank, use): a resumed run redraws the same
+    prompts and samples without storing any RNG state."""
+    return ((seed * 1_000_003 + step) * 1_009 + dp_rank) * 8 + stream
+
+
+def build_engine(cfg: RunConfig, tok: CharTokenizer):
+    from moe_rl.rollout.builtin import BuiltinEngine
+
+    return BuiltinEngine(cfg.model, dtype=cfg.rollout.dtype, pad_id=tok.pad_id)
+
+
+def sampling(cfg: RunConfig, tok: CharTokenizer) -> SamplingParams:
+    r = cfg.rollout
+    return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
+                          top_k=r.top_k, stop_token_ids=(tok.eos_id,))
+
+
+def maybe_resume(cfg: RunConfig, learner, run_dir: Path) -> int:
+    """The first step to run: 0, or the step after the last checkpoint when resuming."""
+    if not cfg.resume:
+        return 0
+    path = checkpoint.latest(run_dir / "checkpoints")
+    if path is None:
+        raise FileNotFoundError(f"resume=true but {run_dir}/checkpoints has no checkpoint")
+    state = checkpoint.load(learner, path)
+    log.info("resumed from %s (step %d)", path, state["step"])
+    return int(state["step"])
+
+
+def progress(cfg: RunConfig, start: int, ctx) -> tqdm:
+    return tqdm(total=cfg.steps, initial=start, desc="rl", unit="step", dynamic_ncols=True,
+                disable=not (ctx.is_main and cfg.log.progress_bar))
+
+
+def response_ids(batch: RolloutBatch, pad_id: int) -> torch.Tensor:
+    """The generated tokens of each sequence, left-aligned and right-padded: int64 [B, R]."""
+    r_max = int(batch.response_lens_B.max())
+    idx_BR = batch.prompt_lens_B[:, None] + torch.arange(r_max)[None, :]
+    valid_BR = torch.arange(r_max)[None, :] < batch.response_lens_B[:, None]
+    idx_BR = idx_BR.clamp(max=batch.tokens_BS.shape[1] - 1)
+    return torch.where(valid_BR, batch.tokens_BS.gather(1, idx_BR), torch.full_like(idx_BR, pad_id))
+
+
+def prepare(cfg: RunConfig, learner, batch: RolloutBatch, rewards_B: torch.Tensor):
+    """Old (and reference) log-probs and advantages: the tensors the update consumes."""
+    a, temp = cfg.algo, cfg.rollout.temperature
+    seq_lens_B = batch.prompt_lens_B + batch.response_lens_B
+    mask_BS = batch.response_mask_BS
+    old_logp_BS, entropy_BS = learner.forward_logprobs(batch.tokens_BS, seq_lens_B, temp, a.micro_batch_size)
+    adv_BS, metrics = get_advantage(a.advantage)(rewards_B, batch.group_B, mask_BS, std_norm=a.grpo_std_norm)
+    tb = {"tokens": batch.tokens_BS, "loss_mask": mask_BS, "old_logp": old_logp_BS, "advantages": adv_BS}
+    if a.kl_coef > 0:
+        tb["ref_logp"], _ = learner.forward_logprobs(batch.tokens_BS, seq_lens_B, temp, a.micro_batch_size,
+                                                     reference=True)
+    m = mask_BS.float()
+    n = m.sum()
+    # Training-inference mismatch on the sampled tokens: KL(pi_rollout || pi_learner), samples
+    # from the rollout, so the rollout's log-probs play "pi" in kl_estimate.
+    k3_BS = kl_estimate(batch.logprobs_BS, old_logp_BS, "k3")
+    diff_BS = (old_logp_BS - batch.logprobs_BS).abs() * m
+    metrics.update({
+        "train/entropy": Mean((entropy_BS * m).sum(), n),
+        "corr/k3_kl": Mean((k3_BS * m).sum(), n),
+        "corr/k1_kl": Mean(((batch.logprobs_BS - old_logp_BS) * m).sum(), n),
+        "corr/logprob_abs_diff": Mean(diff_BS.sum(), n),
+        "corr/logprob_abs_diff_max": Max(diff_BS.max()),
+    })
+    return {**tb, "seq_lens": seq_lens_B}, metrics
+
+
+def update(cfg: RunConfig, learner, tb: dict[str, torch.Tensor], lr: float) -> dict:
+    """algo.num_minibatches optimizer steps over the batch (split by whole prompt groups)."""
+    a = cfg.algo
+
+    def loss_fn(mb, logp_BS, entropy_BS, normalizer):
+        loss, metrics = ppo_clip_loss(logp_BS, mb["old_logp"], mb["advantages"], mb["loss_mask"],
+                                      clip_low=a.clip_low, clip_high=a.clip_high, normalizer=normalizer,
+                                      ref_logp_BS=mb.get("ref_logp"), kl_coef=a.kl_coef, kl_kind=a.kl_estimator)
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"non-finite policy loss {float(loss)}; refusing to train on it")
+        return loss, metrics
+
+    seq_lens_B = tb.pop("seq_lens")
+    chunks = [{k: v.chunk(a.num_minibatches)[i] for k, v in tb.items()} for i in range(a.num_minibatches)]
+    lens = seq_lens_B.chunk(a.num_minibatches)
+    merged: dict = {}
+    grad_norms = []
+    for mb, lens_B in zip(chunks, lens):
+        opt_metrics, per_micro = learner.update(mb, lens_B, loss_fn, cfg.rollout.temperature,
+                                                a.micro_batch_size, lr)
+        grad_norms.append(opt_metrics["train/grad_norm"])
+        for m in per_micro:
+            merged = merge_metrics(merged, m)
+    # grad norms are global already (identical on every rank): plain numbers
+    merged["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
+    merged["train/grad_norm_max"] = max(grad_norms)
+    merged["train/lr"] = lr
+    return merged
+
+
+def rollout_metrics(batch: RolloutBatch) -> dict:
+    lens_B = batch.response_lens_B.float()
+    n = torch.tensor(float(batch.num_seqs))
+    return {
+        "rollout/response_len_mean": Mean(lens_B.sum(), n),
+        "rollout/response_len_max": Max(lens_B.max()),
+        "rollout/finished_frac": Mean(batch.finished_B.float().sum(), n),
+        "rollout/num_seqs": Sum(n),
+        "rollout/num_response_tokens": Sum(lens_B.sum()),
+    }

@@ -1,0 +1,266 @@
+"""The built-in rollout engine: batched autoregressive sampling with a KV cache and route capture.
+
+Implements :class:`moe_rl.rollout.base.RolloutEngine` on CPU (and small models on GPU) over
+:class:`moe_rl.rollout.builtin_model.BuiltinMoEModel`. What it owns:
+
+- the request -> internal batch layout: each distinct prompt is prefilled once (left-padded to
+  the longest prompt) and its KV cache fanned out to its n samples, then all B = len(prompts) * n
+  sequences decode one token per step in lockstep;
+- sampling (temperature, top-k, top-p, stop tokens, max_new_tokens) from a local generator, so a
+  seed fixes the whole batch and global RNG is never touched;
+- the output layout of ``moe_rl/types.py`` (prompt + response left-aligned, right-padded) and the
+  route record of every sample (design.md, "The route record"), mirroring vLLM's
+  ``routed_experts`` (gpu_stack.md section 1.2): [T_b - 1, L_moe, K], prompt rows included, the
+  last sampled token has no row, ids in torch.topk order, uint8 (uint16 for E > 255).
+
+Log-probs: the reported log-prob of a token is always log softmax(logits / temperature) over the
+full vocabulary (``logprob_support = "full"``), computed in fp32 from the engine's logits. top-k and
+top-p only shape the distribution that is *sampled from*; they never renormalise the reported
+log-prob. This matches what the learner recomputes (full softmax at the same temperature), so the
+importance ratio measures engine-vs-learner mismatch and nothing else. (vLLM's
+``processed_logprobs`` would instead renormalise after top-k/top-p.)
+
+Shape suffixes: B sequences, U distinct prompts, P longest prompt, G generated steps, S padded
+sequence length (or KV slots), V vocabulary, L MoE layers, K top-k.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moe_rl.config import ModelConfig
+from moe_rl.rollout.base import route_dtype
+from moe_rl.rollout.builtin_model import DTYPES, BuiltinMoEModel, KVCache, RouterNoise
+from moe_rl.types import RolloutBatch, SamplingParams
+
+_NOISE_SEED_MUL = 6364136223846793005  # decorrelates the router-noise stream from sampling
+_NOISE_SEED_ADD = 1442695040888963407
+
+
+# --------------------------------------------------------------------------------------------
+# Sampling (pure)
+# --------------------------------------------------------------------------------------------
+
+def filter_logits(scaled_BV: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Mask (-inf) the tokens top-k / top-p exclude from the sampling distribution.
+
+    top_k: keep the k largest (ties at the k-th value kept); 0 = off.
+    top_p: keep the smallest prefix of tokens, by descending probability, whose mass reaches
+        top_p (the most likely token is always kept); 1 = off.
+    """
+    out_BV = scaled_BV
+    if 0 < top_k < scaled_BV.shape[-1]:
+        kth_B1 = torch.topk(out_BV, top_k, dim=-1).values[:, -1:]
+        out_BV = out_BV.masked_fill(out_BV < kth_B1, float("-inf"))
+    if top_p < 1.0:
+        sorted_BV, order_BV = torch.sort(out_BV, dim=-1, descending=True)
+        probs_BV = torch.softmax(sorted_BV, dim=-1)
+        mass_before_BV = torch.cumsum(probs_BV, dim=-1) - probs_BV  # exclusive cumsum
+        drop_sorted_BV = mass_before_BV >= top_p  # the mass already reached top_p before it
+        drop_BV = torch.zeros_like(drop_sorted_BV).scatter(-1, order_BV, drop_sorted_BV)
+        out_BV = out_BV.masked_fill(drop_BV, float("-inf"))
+    return out_BV
+
+
+def sample_next(logits_BV: torch.Tensor, temperature: float, top_k: int, top_p: float,
+                generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row; return (tokens_B int64, logprobs_B float32).
+
+    The sample comes from softmax(filter(logits / temperature)); the log-prob is that of the
+    chosen token under log softmax(logits / temperature) over the full vocabulary (see the
+    module docstring). Sampling uses the exponential-race trick argmax(p / Exp(1)) (as vLLM
+    does): one vectorized draw per step, and a token with p = 0 can never win.
+    """
+    scaled_BV = logits_BV.float() / temperature
+    logprobs_BV = torch.log_softmax(scaled_BV, dim=-1)
+    probs_BV = torch.softmax(filter_logits(scaled_BV, top_k, top_p), dim=-1)
+    race_BV = torch.empty_like(probs_BV).exponential_(generator=generator)
+    tokens_B = torch.argmax(probs_BV / race_BV, dim=-1)
+    return tokens_B, logprobs_BV.gather(-1, tokens_B[:, None]).squeeze(-1)
+
+
+# --------------------------------------------------------------------------------------------
+# The engine
+# --------------------------------------------------------------------------------------------
+
+@dataclass
+class _Rollout:
+    """Internal state of one generate call. Slot j of a row = KV-cache / internal position j:
+    the prompt sits right-aligned in slots [P - prompt_len, P), generated token g in slot P + g."""
+
+    prompt_BP: torch.Tensor  # int64, left-padded prompts (already fanned out to B rows)
+    prompt_valid_BP: torch.Tensor  # bool
+    prompt_lens_B: torch.Tensor  # int64
+    cache: KVCache
+    routes_BSLK: torch.Tensor  # int32, row j = ids computed when slot j was the input
+    logits_BV: torch.Tensor  # fp32, next-token logits
+    gen_tokens_BG: torch.Tensor  # int64
+    gen_logprobs_BG: torch.Tensor  # fp32
+    gen_valid_BG: torch.Tensor  # bool, true on emitted tokens (a prefix of each row)
+    finished_B: torch.Tensor  # bool, emitted a stop token
+    num_steps: int = 0
+
+
+class BuiltinEngine:
+    """The CPU rollout engine (see module docstring). Implements ``RolloutEngine``.
+
+    Args:
+        model_cfg: the architecture (``vocab_size`` must be resolved, > 0).
+        dtype: "bf16" (default; an inference engine's own numerics) or "fp32".
+        pad_id: token written after a sequence ends and fed for finished rows.
+        device: torch device of weights, cache and sampling.
+        router_logit_noise: std of Gaussian noise added to the fp32 router logits, drawn from
+            the call's seed: a dialled-in routing mismatch for experiments; 0 = off.
+    """
+
+    logprob_support: str = "full"
+    returns_routes: bool = True
+
+    def __init__(self, model_cfg: ModelConfig, *, dtype: str = "bf16", pad_id: int,
+                 device: torch.device | str = "cpu", router_logit_noise: float = 0.0) -> None:
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
+        if model_cfg.vocab_size <= 0:
+            raise ValueError("model.vocab_size must be > 0 to build the built-in engine")
+        if not 0 <= pad_id < model_cfg.vocab_size:
+            raise ValueError(f"pad_id {pad_id} is outside the vocabulary [0, {model_cfg.vocab_size})")
+        if router_logit_noise < 0:
+            raise ValueError(f"router_logit_noise must be >= 0, got {router_logit_noise}")
+        self.cfg = model_cfg
+        self.pad_id = pad_id
+        self.device = torch.device(device)
+        self.router_logit_noise = float(router_logit_noise)
+        self.model = BuiltinMoEModel(model_cfg, DTYPES[dtype], self.device)
+        self.route_dtype = route_dtype(model_cfg.num_experts)
+
+    def load_weights(self, named: dict[str, torch.Tensor]) -> None:
+        """Replace all weights; names/shapes must be exactly ``canonical_param_shapes(cfg)``."""
+        self.model.load_canonical(named)
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams,
+                 seed: int) -> RolloutBatch:
+        """Sample n responses per prompt, all B = len(prompts) * n sequences in one batch.
+
+        Sequence b answers prompt b // n. Deterministic given ``seed`` (local generators only).
+        A sequence stops after emitting a stop token (kept, counted in its response length) or
+        after ``max_new_tokens``; generation ends early once every sequence has stopped.
+        """
+        self._check_request(prompts, n, sampling)
+        sample_gen = torch.Generator(device=self.device).manual_seed(seed)
+        noise = None
+        if self.router_logit_noise > 0:
+            noise_seed = (seed * _NOISE_SEED_MUL + _NOISE_SEED_ADD) % 2**64
+            noise = RouterNoise(self.router_logit_noise,
+                                torch.Generator(device=self.device).manual_seed(noise_seed))
+        state = self._prefill(prompts, n, sampling.max_new_tokens, noise)
+        self._decode(state, sampling, sample_gen, noise)
+        return self._assemble(state, n)
+
+    # -- steps ----------------------------------------------------------------------------------
+    def _check_request(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> None:
+        V = self.cfg.vocab_size
+        if not self.model.loaded:
+            raise RuntimeError("BuiltinEngine: no weights loaded (call load_weights first)")
+        if not prompts or n < 1:
+            raise ValueError(f"need at least one prompt and n >= 1 (got {len(prompts)}, n={n})")
+        for u, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError(f"prompt {u} is empty")
+            if min(p) < 0 or max(p) >= V:
+                raise ValueError(f"prompt {u} has a token id outside [0, {V})")
+        if sampling.max_new_tokens < 1 or sampling.temperature <= 0:
+            raise ValueError("sampling needs max_new_tokens >= 1 and temperature > 0")
+        if not 0 < sampling.top_p <= 1 or sampling.top_k < 0:
+            raise ValueError("sampling needs top_p in (0, 1] and top_k >= 0")
+        if any(not 0 <= t < V for t in sampling.stop_token_ids):
+            raise ValueError(f"stop_token_ids {sampling.stop_token_ids} outside [0, {V})")
+
+    def _prefill(self, prompts: list[list[int]], n: int, max_new: int,
+                 noise: RouterNoise | None) -> _Rollout:
+        """Prefill each distinct prompt once (left-padded), then fan cache/logits/routes out n times."""
+        U, dev = len(prompts), self.device
+        lens_U = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=dev)
+        P = int(lens_U.max())
+        prompt_UP = torch.full((U, P), self.pad_id, dtype=torch.long, device=dev)
+        for u, p in enumerate(prompts):  # one row copy per prompt, not per token
+            prompt_UP[u, P - len(p):] = torch.tensor(p, dtype=torch.long, device=dev)
+        valid_UP = torch.arange(P, device=dev)[None, :] >= (P - lens_U)[:, None]
+        positions_UP = (valid_UP.long().cumsum(1) - 1).clamp(min=0)
+        # The last sampled token is never fed back, so P + max_new - 1 slots suffice.
+        cache_U = KVCache.allocate(self.cfg, U, P + max_new - 1, self.model.dtype, dev)
+        out = self.model.forward(prompt_UP, positions_UP, valid_UP, cache_U,
+                                 last_logits_only=True, noise=noise)
+        B, L, K = U * n, len(self.cfg.moe_layers), self.cfg.moe_router_topk
+        routes_BSLK = torch.zeros((B, P + max_new - 1, L, K), dtype=torch.int32, device=dev)
+        routes_BSLK[:, :P] = out.expert_ids_BTLK.repeat_interleave(n, dim=0)
+        return _Rollout(
+            prompt_BP=prompt_UP.repeat_interleave(n, dim=0),
+            prompt_valid_BP=valid_UP.repeat_interleave(n, dim=0),
+            prompt_lens_B=lens_U.repeat_interleave(n),
+            cache=cache_U.repeat_rows(n),
+            routes_BSLK=routes_BSLK,
+            logits_BV=out.logits[:, -1].repeat_interleave(n, dim=0),
+            gen_tokens_BG=torch.full((B, max_new), self.pad_id, dtype=torch.long, device=dev),
+            gen_logprobs_BG=torch.zeros((B, max_new), dtype=torch.float32, device=dev),
+            gen_valid_BG=torch.zeros((B, max_new), dtype=torch.bool, device=dev),
+            finished_B=torch.zeros(B, dtype=torch.bool, device=dev),
+        )
+
+    def _decode(self, st: _Rollout, sampling: SamplingParams, gen: torch.Generator,
+                noise: RouterNoise | None) -> None:
+        """Sample, record, feed back; one token for every row per step, finished rows feed pad."""
+        B, P = st.prompt_BP.shape
+        max_new = sampling.max_new_tokens
+        stop_ids = torch.tensor(sampling.stop_token_ids, dtype=torch.long, device=self.device)
+        key_valid_BS = torch.cat(
+            [st.prompt_valid_BP, torch.ones((B, max_new), dtype=torch.bool, device=self.device)], 1)
+        for g in range(max_new):
+            tok_B, lp_B = sample_next(st.logits_BV, sampling.temperature, sampling.top_k,
+                                      sampling.top_p, gen)
+            active_B = ~st.finished_B
+            st.gen_tokens_BG[:, g] = torch.where(active_B, tok_B, self.pad_id)
+            st.gen_logprobs_BG[:, g] = torch.where(active_B, lp_B, 0.0)
+            st.gen_valid_BG[:, g] = active_B
+            st.finished_B |= active_B & torch.isin(tok_B, stop_ids)
+            st.num_steps = g + 1
+            if g == max_new - 1 or bool(st.finished_B.all()):
+                break
+            slot = P + g
+            out = self.model.forward(st.gen_tokens_BG[:, g:g + 1], (st.prompt_lens_B + g)[:, None],
+                                     key_valid_BS[:, :slot + 1], st.cache, noise=noise)
+            st.routes_BSLK[:, slot] = out.expert_ids_BTLK[:, 0]
+            st.logits_BV = out.logits[:, -1]
+
+    def _assemble(self, st: _Rollout, n: int) -> RolloutBatch:
+        """Internal left-padded slots -> the right-padded layout of types.py, plus route records."""
+        B, P = st.prompt_BP.shape
+        G = st.num_steps
+        response_lens_B = st.gen_valid_BG[:, :G].sum(1)
+        total_B = st.prompt_lens_B + response_lens_B
+        S = int(total_B.max())
+        tokens_int = torch.cat([st.prompt_BP, st.gen_tokens_BG[:, :G]], 1)
+        logprobs_int = torch.cat([torch.zeros_like(st.prompt_BP, dtype=torch.float32),
+                                  st.gen_logprobs_BG[:, :G]], 1)
+        shift_B = P - st.prompt_lens_B  # output position s <- internal slot s + shift
+        s_S = torch.arange(S, device=self.device)
+        src_BS = (s_S[None, :] + shift_B[:, None]).clamp(max=P + G - 1)
+        in_seq_BS = s_S[None, :] < total_B[:, None]
+        response_mask_BS = in_seq_BS & (s_S[None, :] >= st.prompt_lens_B[:, None])
+        tokens_BS = torch.where(in_seq_BS, tokens_int.gather(1, src_BS), self.pad_id)
+        logprobs_BS = torch.where(response_mask_BS, logprobs_int.gather(1, src_BS), 0.0)
+        routes_all = st.routes_BSLK.to(self.route_dtype)
+        starts, totals = shift_B.tolist(), total_B.tolist()
+        routes = [routes_all[b, starts[b]:starts[b] + totals[b] - 1].clone() for b in range(B)]
+        return RolloutBatch(
+            tokens_BS=tokens_BS,
+            prompt_lens_B=st.prompt_lens_B.clone(),
+            response_lens_B=response_lens_B,
+            response_mask_BS=response_mask_BS,
+            logprobs_BS=logprobs_BS.float(),
+            routes=routes,
+            group_B=torch.arange(B, device=self.device) // n,
+            finished_B=st.finished_B.clone(),
+        )

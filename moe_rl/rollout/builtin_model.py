@@ -1,0 +1,377 @@
+"""The built-in rollout engine's own model: a Qwen3-MoE-style decoder in plain PyTorch, with a KV cache.
+
+This module owns the engine's numeric path (not megatron's): weights and activations in the
+engine dtype (bf16 by default, fp32 as an option), RMSNorm and RoPE computed in fp32 then cast,
+router logits in fp32, and a sort-by-expert MoE that runs each expert once on its slice of tokens.
+The architecture matches megatron-core's GPTModel with the local spec (and HF transformers'
+``Qwen3MoeForCausalLM``) exactly in fp32; in bf16 it differs the way a real inference engine does,
+so the training-inference mismatch that rollout correction handles is real on a laptop.
+
+Every forward records the Top-K expert ids of every MoE layer for every processed token: the raw
+material of the route record (design.md, "The route record"; vLLM's ``routed_experts``,
+gpu_stack.md section 1.2).
+
+Weights come in the canonical (HF Qwen3-MoE hub) names listed by :func:`canonical_param_shapes`;
+the learner exports exactly that dict with all experts gathered.
+
+Shape suffix legend:
+    B sequences, T query tokens of one forward call, S key positions (KV cache slots),
+    H hidden size, N attention heads, G key/value groups, D head dim, F FFN hidden size,
+    E experts, K router top-k, L MoE layers, V vocabulary, P routed (token, expert) pairs (T*K).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from moe_rl.config import ModelConfig
+
+DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+# --------------------------------------------------------------------------------------------
+# Canonical weights
+# --------------------------------------------------------------------------------------------
+
+def canonical_param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every canonical (HF Qwen3-MoE) tensor name of the model and its shape.
+
+    Experts are listed one by one (``mlp.experts.{e}.{gate,up,down}_proj.weight``), the hub
+    layout that ``save_pretrained`` writes; ``q_norm``/``k_norm`` only when ``cfg.qk_layernorm``.
+    """
+    if cfg.vocab_size <= 0:
+        raise ValueError("model.vocab_size must be > 0 to lay out weights (0 = not resolved yet)")
+    H, D, V = cfg.hidden_size, cfg.head_dim, cfg.vocab_size
+    q_out, kv_out = cfg.num_attention_heads * D, cfg.num_query_groups * D
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (V, H)}
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (H,)
+        shapes[p + "self_attn.q_proj.weight"] = (q_out, H)
+        shapes[p + "self_attn.k_proj.weight"] = (kv_out, H)
+        shapes[p + "self_attn.v_proj.weight"] = (kv_out, H)
+        shapes[p + "self_attn.o_proj.weight"] = (H, q_out)
+        if cfg.qk_layernorm:
+            shapes[p + "self_attn.q_norm.weight"] = (D,)
+            shapes[p + "self_attn.k_norm.weight"] = (D,)
+        shapes[p + "post_attention_layernorm.weight"] = (H,)
+        if i < cfg.first_k_dense:
+            Fd = cfg.ffn_hidden_size
+            shapes[p + "mlp.gate_proj.weight"] = (Fd, H)
+            shapes[p + "mlp.up_proj.weight"] = (Fd, H)
+            shapes[p + "mlp.down_proj.weight"] = (H, Fd)
+        else:
+            Fm = cfg.moe_ffn_hidden_size
+            shapes[p + "mlp.gate.weight"] = (cfg.num_experts, H)
+            for e in range(cfg.num_experts):
+                shapes[p + f"mlp.experts.{e}.gate_proj.weight"] = (Fm, H)
+                shapes[p + f"mlp.experts.{e}.up_proj.weight"] = (Fm, H)
+                shapes[p + f"mlp.experts.{e}.down_proj.weight"] = (H, Fm)
+    shapes["model.norm.weight"] = (H,)
+    shapes["lm_head.weight"] = (V, H)
+    return shapes
+
+
+def check_canonical_weights(named: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
+    """Raise ValueError naming the first missing, unexpected or mis-shaped tensor (strict ingest)."""
+    expected = canonical_param_shapes(cfg)
+    missing = [k for k in expected if k not in named]
+    if missing:
+        raise ValueError(f"load_weights: missing tensor {missing[0]!r} "
+                         f"({len(missing)} missing in all: {missing[:5]})")
+    unexpected = [k for k in named if k not in expected]
+    if unexpected:
+        raise ValueError(f"load_weights: unexpected tensor {unexpected[0]!r} "
+                         f"({len(unexpected)} unexpected in all: {unexpected[:5]})")
+    for name, shape in expected.items():
+        got = tuple(named[name].shape)
+        if got != shape:
+            raise ValueError(f"load_weights: tensor {name!r} has shape {got}, expected {shape}")
+        if not named[name].is_floating_point():
+            raise ValueError(f"load_weights: tensor {name!r} has dtype {named[name].dtype}, "
+                             "expected a floating point dtype")
+
+
+def random_canonical_weights(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
+    """Random fp32 canonical weights with O(1) activations and logits (tests, random init).
+
+    Linear weights ~ N(0, 1/fan_in), embeddings ~ N(0, 1), norm weights ~ 1 + N(0, 0.1^2) so
+    that a norm that is not applied (or applied in the wrong place) shows up in parity tests.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    out: dict[str, torch.Tensor] = {}
+    for name, shape in canonical_param_shapes(cfg).items():
+        if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+            out[name] = 1.0 + 0.1 * torch.randn(shape, generator=gen)
+        elif name == "model.embed_tokens.weight":
+            out[name] = torch.randn(shape, generator=gen)
+        else:
+            out[name] = torch.randn(shape, generator=gen) * shape[1] ** -0.5
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# KV cache and forward outputs
+# --------------------------------------------------------------------------------------------
+
+@dataclass
+class KVCache:
+    """Preallocated keys/values of every layer; slots [0, length) are filled.
+
+    All rows share the slot index (prompts are left-padded, decode steps are aligned), so one
+    ``length`` serves the batch; which slots a row may attend to is the caller's key mask.
+    k / v: one tensor per layer, [B, G, S_max, D] in the engine dtype.
+    """
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    length: int = 0
+
+    @classmethod
+    def allocate(cls, cfg: ModelConfig, batch: int, capacity: int, dtype: torch.dtype,
+                 device: torch.device | str) -> KVCache:
+        shape = (batch, cfg.num_query_groups, capacity, cfg.head_dim)
+        return cls(k=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)],
+                   v=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)])
+
+    @property
+    def capacity(self) -> int:
+        return int(self.k[0].shape[2])
+
+    def repeat_rows(self, n: int) -> KVCache:
+        """A cache with every row repeated n times in place (row b -> rows b*n .. b*n+n-1).
+
+        Lets the engine prefill each distinct prompt once and fan it out to its n samples.
+        """
+        return KVCache(k=[t.repeat_interleave(n, dim=0) for t in self.k],
+                       v=[t.repeat_interleave(n, dim=0) for t in self.v], length=self.length)
+
+
+class ForwardOut(NamedTuple):
+    """logits: fp32 [B, T, V] (or [B, 1, V] with last_logits_only); expert_ids_BTLK: int64."""
+
+    logits: torch.Tensor
+    expert_ids_BTLK: torch.Tensor
+
+
+@dataclass
+class RouterNoise:
+    """Gaussian noise of std ``std`` added to the fp32 router logits (dialled-in routing mismatch).
+
+    Drawn from ``generator`` so it is deterministic given the engine's seed.
+    """
+
+    std: float
+    generator: torch.Generator
+
+
+# --------------------------------------------------------------------------------------------
+# Numeric building blocks
+# --------------------------------------------------------------------------------------------
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) * w over the last dim, in fp32, cast back to x's dtype."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    return y.to(x.dtype)
+
+
+def rope_cos_sin(positions_BT: torch.Tensor, head_dim: int, theta: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 cos/sin [B, T, D] for non-interleaved (rotate_half) RoPE over the full head dim."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32,
+                                             device=positions_BT.device) / head_dim))
+    freqs_BTd = positions_BT.float()[..., None] * inv_freq
+    emb_BTD = torch.cat((freqs_BTd, freqs_BTd), dim=-1)
+    return emb_BTD.cos(), emb_BTD.sin()
+
+
+def apply_rope(x_BNTD: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin, in fp32 (positions must not lose bits in bf16), cast back."""
+    xf = x_BNTD.float()
+    half = xf.shape[-1] // 2
+    rotated = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
+    cos, sin = cos_BTD[:, None], sin_BTD[:, None]
+    return (xf * cos + rotated * sin).to(x_BNTD.dtype)
+
+
+def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor
+           ) -> torch.Tensor:
+    """down(silu(gate(x)) * up(x)); weights [F, H], [F, H], [H, F]."""
+    return F.linear(F.silu(F.linear(x, w_gate)) * F.linear(x, w_up), w_down)
+
+
+def moe_forward(x_TH: torch.Tensor, router_EH: torch.Tensor, w_gate_EFH: torch.Tensor,
+                w_up_EFH: torch.Tensor, w_down_EHF: torch.Tensor, top_k: int,
+                noise: RouterNoise | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax Top-K MoE (Qwen3, norm_topk_prob): route in fp32, run experts on sorted slices.
+
+    Top-k is taken over the fp32 router logits; the gate weights are the softmax over the k
+    selected logits (= renormalised top-k probabilities). Tokens are sorted by expert so each
+    expert runs one matmul on its contiguous slice; the only Python loop is over the E experts.
+
+    Args:
+        x_TH: tokens in the engine dtype. router_EH: router weight (kept in fp32).
+        w_gate_EFH, w_up_EFH, w_down_EHF: stacked expert weights in the engine dtype.
+    Returns:
+        y_TH in x's dtype, and ids_TK int64, in torch.topk order (descending logit).
+    """
+    num_experts = router_EH.shape[0]
+    logits_TE = F.linear(x_TH.float(), router_EH.float())
+    if noise is not None and noise.std > 0:
+        logits_TE = logits_TE + noise.std * torch.randn(
+            logits_TE.shape, generator=noise.generator, device=logits_TE.device)
+    top_logits_TK, ids_TK = torch.topk(logits_TE, top_k, dim=-1)
+    gates_TK = torch.softmax(top_logits_TK, dim=-1).to(x_TH.dtype)
+
+    flat_ids_P = ids_TK.reshape(-1)
+    order_P = torch.argsort(flat_ids_P, stable=True)
+    token_of_P = order_P // top_k
+    counts = torch.bincount(flat_ids_P, minlength=num_experts).tolist()
+    x_PH = x_TH[token_of_P]
+    outs = [swiglu(x_e, w_gate_EFH[e], w_up_EFH[e], w_down_EHF[e])
+            for e, x_e in enumerate(x_PH.split(counts)) if counts[e] > 0]
+    y_PH = torch.cat(outs) * gates_TK.reshape(-1)[order_P, None]
+    y_TH = torch.zeros_like(x_TH).index_add_(0, token_of_P, y_PH)
+    return y_TH, ids_TK
+
+
+# --------------------------------------------------------------------------------------------
+# The model
+# --------------------------------------------------------------------------------------------
+
+class BuiltinMoEModel:
+    """Qwen3-MoE decoder over canonical weights, with an optional KV cache and route capture.
+
+    Not an nn.Module on purpose: it is inference-only, holds no gradients, and its weights are
+    replaced wholesale by :meth:`load_canonical` on every weight sync.
+    """
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16,
+                 device: torch.device | str = "cpu") -> None:
+        if cfg.vocab_size <= 0:
+            raise ValueError("model.vocab_size must be > 0 to build the built-in engine")
+        self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
+        self.moe_layers: list[int] = cfg.moe_layers
+        self.w: dict[str, torch.Tensor] = {}  # canonical name -> tensor (experts stacked, below)
+        self.loaded = False
+
+    # -- weights ------------------------------------------------------------------------------
+    def load_canonical(self, named: dict[str, torch.Tensor]) -> None:
+        """Check names/shapes strictly, then copy into the engine dtype (router stays fp32).
+
+        Per MoE layer the experts are stacked into ``mlp.experts.{gate,up,down}_proj`` tensors
+        [E, F, H] / [E, F, H] / [E, H, F] so the MoE indexes one tensor per projection.
+        """
+        check_canonical_weights(named, self.cfg)
+        w: dict[str, torch.Tensor] = {}
+        for name, t in named.items():
+            if ".mlp.experts." in name:
+                continue
+            # The router is tiny and routing is precision-sensitive: keep it fp32 (like
+            # megatron's moe_router_dtype=fp32); everything else lives in the engine dtype.
+            dtype = torch.float32 if name.endswith("mlp.gate.weight") else self.dtype
+            w[name] = t.detach().to(device=self.device, dtype=dtype).clone()
+        for i in self.moe_layers:
+            p = f"model.layers.{i}.mlp.experts."
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                w[p + proj] = torch.stack(
+                    [named[f"{p}{e}.{proj}.weight"].detach() for e in range(self.cfg.num_experts)]
+                ).to(device=self.device, dtype=self.dtype)
+        self.w, self.loaded = w, True
+
+    # -- forward ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def forward(self, tokens_BT: torch.Tensor, positions_BT: torch.Tensor,
+                key_valid_BS: torch.Tensor, cache: KVCache | None = None,
+                last_logits_only: bool = False, noise: RouterNoise | None = None) -> ForwardOut:
+        """One forward over T new tokens per row; with a cache, appends to it and attends to it.
+
+        Args:
+            tokens_BT: int64 token ids. positions_BT: int64 RoPE positions (per row, from 0 at the
+                row's first real token).
+            key_valid_BS: bool, which key slots are real tokens; S = cache.length + T with a
+                cache (slots [0, S) after this call's append), else S = T. Attention is causal
+                in slot order and restricted to valid keys (a token always sees itself, so pad
+                rows stay finite).
+            cache: None for a no-cache forward over the whole sequence.
+            last_logits_only: compute the lm_head on the last position only (prefill).
+        Returns:
+            ForwardOut(logits fp32 [B, T or 1, V], expert_ids_BTLK int64 [B, T, L_moe, K]).
+        """
+        if not self.loaded:
+            raise RuntimeError("BuiltinMoEModel: no weights loaded (call load_weights first)")
+        cfg = self.cfg
+        B, T = tokens_BT.shape
+        start = cache.length if cache is not None else 0
+        if cache is not None and start + T > cache.capacity:
+            raise ValueError(f"KV cache overflow: {start} + {T} > capacity {cache.capacity}")
+        mask_B1TS = self._attention_mask(key_valid_BS, start, T)
+        cos_BTD, sin_BTD = rope_cos_sin(positions_BT, cfg.head_dim, cfg.rope_theta)
+        h_BTH = F.embedding(tokens_BT, self.w["model.embed_tokens.weight"])
+        ids_per_layer: list[torch.Tensor] = []
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            x_BTH = rms_norm(h_BTH, self.w[p + "input_layernorm.weight"], cfg.norm_eps)
+            h_BTH = h_BTH + self._attention(i, x_BTH, cos_BTD, sin_BTD, mask_B1TS, cache, start)
+            x_BTH = rms_norm(h_BTH, self.w[p + "post_attention_layernorm.weight"], cfg.norm_eps)
+            if i < cfg.first_k_dense:
+                y_BTH = swiglu(x_BTH, self.w[p + "mlp.gate_proj.weight"],
+                               self.w[p + "mlp.up_proj.weight"], self.w[p + "mlp.down_proj.weight"])
+            else:
+                y_TH, ids_TK = moe_forward(
+                    x_BTH.reshape(B * T, -1), self.w[p + "mlp.gate.weight"],
+                    self.w[p + "mlp.experts.gate_proj"], self.w[p + "mlp.experts.up_proj"],
+                    self.w[p + "mlp.experts.down_proj"], cfg.moe_router_topk, noise)
+                y_BTH = y_TH.view(B, T, -1)
+                ids_per_layer.append(ids_TK.view(B, T, -1))
+            h_BTH = h_BTH + y_BTH
+        if cache is not None:
+            cache.length = start + T
+        if last_logits_only:
+            h_BTH = h_BTH[:, -1:]
+        h_BTH = rms_norm(h_BTH, self.w["model.norm.weight"], cfg.norm_eps)
+        # The lm_head runs in the engine dtype (as an inference engine does); sampling is fp32.
+        logits_BTV = F.linear(h_BTH, self.w["lm_head.weight"]).float()
+        return ForwardOut(logits_BTV, torch.stack(ids_per_layer, dim=2))
+
+    def _attention_mask(self, key_valid_BS: torch.Tensor, start: int, T: int) -> torch.Tensor:
+        """bool [B, 1, T, S]: slot j is visible to query slot start+i iff j <= start+i and
+        (j is a real token or j is the query itself)."""
+        S = start + T
+        if key_valid_BS.shape[1] != S:
+            raise ValueError(f"key_valid_BS covers {key_valid_BS.shape[1]} slots, expected {S}")
+        q_slot_T = torch.arange(start, S, device=key_valid_BS.device)
+        k_slot_S = torch.arange(S, device=key_valid_BS.device)
+        causal_TS = k_slot_S[None, :] <= q_slot_T[:, None]
+        self_TS = k_slot_S[None, :] == q_slot_T[:, None]
+        return (causal_TS[None] & (key_valid_BS[:, None, :] | self_TS[None]))[:, None]
+
+    def _attention(self, i: int, x_BTH: torch.Tensor, cos_BTD: torch.Tensor,
+                   sin_BTD: torch.Tensor, mask_B1TS: torch.Tensor, cache: KVCache | None,
+                   start: int) -> torch.Tensor:
+        """GQA self-attention of layer i (q/k RMSNorm before RoPE); returns [B, T, H]."""
+        cfg, p = self.cfg, f"model.layers.{i}.self_attn."
+        B, T, _ = x_BTH.shape
+        N, G, D = cfg.num_attention_heads, cfg.num_query_groups, cfg.head_dim
+        q_BTND = F.linear(x_BTH, self.w[p + "q_proj.weight"]).view(B, T, N, D)
+        k_BTGD = F.linear(x_BTH, self.w[p + "k_proj.weight"]).view(B, T, G, D)
+        v_BGTD = F.linear(x_BTH, self.w[p + "v_proj.weight"]).view(B, T, G, D).transpose(1, 2)
+        if cfg.qk_layernorm:
+            q_BTND = rms_norm(q_BTND, self.w[p + "q_norm.weight"], cfg.norm_eps)
+            k_BTGD = rms_norm(k_BTGD, self.w[p + "k_norm.weight"], cfg.norm_eps)
+        q_BNTD = apply_rope(q_BTND.transpose(1, 2), cos_BTD, sin_BTD)
+        k_BGTD = apply_rope(k_BTGD.transpose(1, 2), cos_BTD, sin_BTD)
+        if cache is not None:
+            cache.k[i][:, :, start:start + T] = k_BGTD
+            cache.v[i][:, :, start:start + T] = v_BGTD
+            k_BGSD, v_BGSD = cache.k[i][:, :, :start + T], cache.v[i][:, :, :start + T]
+        else:
+            k_BGSD, v_BGSD = k_BGTD, v_BGTD
+        out_BNTD = F.scaled_dot_product_attention(q_BNTD, k_BGSD, v_BGSD, attn_mask=mask_B1TS,
+                                                  enable_gqa=True)
+        return F.linear(out_BNTD.transpose(1, 2).reshape(B, T, N * D), self.w[p + "o_proj.weight"])

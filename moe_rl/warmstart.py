@@ -1,0 +1,69 @@
+"""Initial weights: canonical safetensors files with the architecture and tokenizer they fit.
+
+``init_weights`` is a path, ``builtin:warmstart`` (the shipped tiny SFT checkpoint made by
+``scripts/make_warmstart.py``) or empty (megatron's random init). A file made for another
+architecture or tokenizer is refused, naming the key that differs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from importlib import resources
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from moe_rl.config import ModelConfig
+from moe_rl.rollout.builtin_model import check_canonical_weights
+from moe_rl.tasks import CharTokenizer
+
+BUILTIN = "builtin:warmstart"
+# Fields that change tensor shapes or the function computed; max_seq_len and the aux-loss
+# coefficient do not (RoPE has no parameters).
+ARCH_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_query_groups",
+               "head_dim", "ffn_hidden_size", "moe_ffn_hidden_size", "num_experts", "moe_router_topk",
+               "first_k_dense", "qk_layernorm", "rope_theta", "norm_eps")
+
+
+def builtin_path() -> Path:
+    return Path(str(resources.files("moe_rl") / "assets" / "warmstart.safetensors"))
+
+
+def save_init_weights(path: str | Path, tensors: dict[str, torch.Tensor], model: ModelConfig,
+                      tok: CharTokenizer, info: dict | None = None) -> None:
+    meta = {"model": json.dumps(dataclasses.asdict(model)), "tokenizer": tok.fingerprint(),
+            "info": json.dumps(info or {})}
+    save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(path), metadata=meta)
+
+
+def load_init_weights(spec: str, model: ModelConfig, tok: CharTokenizer) -> dict[str, torch.Tensor] | None:
+    if not spec:
+        return None
+    path = builtin_path() if spec == BUILTIN else Path(spec)
+    if not path.is_file():
+        raise FileNotFoundError(f"config key 'init_weights': {path} does not exist")
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+    if "model" in meta:
+        made_for = json.loads(meta["model"])
+        for key in ARCH_FIELDS:
+            if made_for.get(key) != getattr(model, key):
+                raise ValueError(f"init_weights {path} was made for model.{key}={made_for.get(key)}, "
+                                 f"but the config has model.{key}={getattr(model, key)}")
+    if "tokenizer" in meta and meta["tokenizer"] != tok.fingerprint():
+        raise ValueError(f"init_weights {path} was made for another tokenizer "
+                         f"(fingerprint {meta['tokenizer']}, ours {tok.fingerprint()})")
+    tensors = load_file(str(path))
+    try:
+        check_canonical_weights(tensors, model)
+    except ValueError as e:
+        raise ValueError(f"init_weights {path}: {e}") from None
+    return {k: v.float() for k, v in tensors.items()}
+
+
+def info(path: str | Path) -> dict:
+    with safe_open(str(path), framework="pt") as f:
+        return json.loads((f.metadata() or {}).get("info", "{}"))

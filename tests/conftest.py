@@ -1,0 +1,26 @@
+"""Test tiers by marker (unit / dist / e2e / gpu); gpu tests skip without CUDA.
+
+wandb writes offline under a temporary directory so tests never touch HOME or the network."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+
+_WANDB_TMP = tempfile.mkdtemp(prefix="moe_rl_wandb_")
+for var in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_CONFIG_DIR"):
+    os.environ.setdefault(var, _WANDB_TMP)
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,78 @@
+"""Shared fixtures of the rollout tests: a tiny Qwen3-MoE config, seeded random weights, engines,
+and a no-cache reference scorer (one unpadded sequence at a time)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from moe_rl.config import ModelConfig
+from moe_rl.rollout.builtin import BuiltinEngine
+from moe_rl.rollout.builtin_model import BuiltinMoEModel, ForwardOut, random_canonical_weights
+
+PAD_ID = 0
+
+
+def tiny_config(**overrides: object) -> ModelConfig:
+    """vocab 40, hidden 64, 3 layers (layer 0 dense), 4 heads / 2 kv groups, 8 experts top-2."""
+    base = dict(vocab_size=40, hidden_size=64, num_layers=3, num_attention_heads=4,
+                num_query_groups=2, head_dim=16, ffn_hidden_size=96, moe_ffn_hidden_size=32,
+                num_experts=8, moe_router_topk=2, first_k_dense=1, rope_theta=10000.0,
+                norm_eps=1e-6, max_seq_len=64)
+    base.update(overrides)
+    return ModelConfig(**base)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="session")
+def make_cfg() -> Callable[..., ModelConfig]:
+    """tiny_config as a fixture, so test modules need not import conftest."""
+    return tiny_config
+
+
+@pytest.fixture(scope="session")
+def cfg() -> ModelConfig:
+    return tiny_config()
+
+
+@pytest.fixture(scope="session")
+def weights(cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    return random_canonical_weights(cfg, seed=1234)
+
+
+@pytest.fixture(scope="session")
+def fp32_engine(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> BuiltinEngine:
+    engine = BuiltinEngine(cfg, dtype="fp32", pad_id=PAD_ID)
+    engine.load_weights(weights)
+    return engine
+
+
+@pytest.fixture(scope="session")
+def bf16_engine(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> BuiltinEngine:
+    engine = BuiltinEngine(cfg, dtype="bf16", pad_id=PAD_ID)
+    engine.load_weights(weights)
+    return engine
+
+
+@pytest.fixture(scope="session")
+def fp32_model(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> BuiltinMoEModel:
+    model = BuiltinMoEModel(cfg, torch.float32)
+    model.load_canonical(weights)
+    return model
+
+
+@pytest.fixture(scope="session")
+def score(fp32_model: BuiltinMoEModel) -> Callable[[torch.Tensor], ForwardOut]:
+    """Reference: fp32 no-cache forward of one unpadded sequence tokens_T.
+
+    Returns ForwardOut(logits [T, V], expert_ids [T, L, K]) with the batch dim dropped.
+    """
+
+    def _score(tokens_T: torch.Tensor) -> ForwardOut:
+        T = tokens_T.shape[0]
+        out = fp32_model.forward(tokens_T[None], torch.arange(T)[None],
+                                 torch.ones((1, T), dtype=torch.bool))
+        return ForwardOut(out.logits[0], out.expert_ids_BTLK[0])
+
+    return _score
