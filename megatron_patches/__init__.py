@@ -27,6 +27,7 @@ from megatron_patches._compat import MCORE_VERSION, PatchError
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "ALL_PATCHES",
     "ALWAYS_PATCHES",
     "CPU_PATCHES",
     "MCORE_VERSION",

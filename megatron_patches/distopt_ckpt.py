@@ -54,7 +54,9 @@ def _torch_adam(dopt: types.ModuleType) -> bool:
     return not dopt.HAVE_APEX_OR_TE
 
 
-def _wrap_sharded_state_dict(dopt: types.ModuleType, upstream: Callable[..., Any]) -> Callable[..., Any]:
+def _wrap_sharded_state_dict(
+    dopt: types.ModuleType, upstream: Callable[..., Any]
+) -> Callable[..., Any]:
     signature = inspect.signature(upstream)
 
     @functools.wraps(upstream)

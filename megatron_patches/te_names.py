@@ -35,6 +35,9 @@ TE_NAMES = (
     "fused_unpermute",
     "te_general_gemm",
 )
+# set on moe_utils by apply(): the names this patch bound (a module-specific marker, since the
+# module object is shared with other patches)
+BOUND_ATTR = "_moe_rl_te_names_bound"
 
 
 def _moe_utils() -> types.ModuleType:
@@ -56,17 +59,22 @@ def needed() -> tuple[bool, str]:
 
 
 def check_preconditions() -> None:
-    """Nothing to check when the names exist; else the version and the router function."""
+    """Nothing to check when the names exist; else the version and the router's global read."""
     if not needed()[0]:
         return
     _compat.require_version(SUPPORTED)
     moe_utils = _moe_utils()
     _compat.check_attr(moe_utils, "HAVE_TE")
-    _compat.check_attr(moe_utils, "RouterGatingLinearFunction")
+    router_fn = _compat.check_attr(moe_utils, "RouterGatingLinearFunction")
+    forward = _compat.check_attr(router_fn, "forward")
+    if "te_general_gemm" not in forward.__code__.co_names:
+        raise _compat.PatchError(
+            "RouterGatingLinearFunction.forward no longer reads the global te_general_gemm"
+        )
 
 
 def is_applied() -> bool:
-    return _compat.is_marked(_moe_utils(), NAME)
+    return BOUND_ATTR in _moe_utils().__dict__
 
 
 def apply() -> None:
@@ -78,5 +86,5 @@ def apply() -> None:
     missing = _missing(moe_utils)
     for name in missing:
         setattr(moe_utils, name, None)
-    _compat.mark(moe_utils, NAME)
+    setattr(moe_utils, BOUND_ATTR, tuple(missing))
     logger.info("applied megatron patch %s: bound %s to None", NAME, ", ".join(missing))

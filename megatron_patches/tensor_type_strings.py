@@ -35,7 +35,10 @@ CPU_ONLY = True
 CALLER_PACKAGE = "megatron.core.optimizer"
 # (module, attribute path) of the upstream code that compares type strings
 CALL_SITES = (
-    ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer._build_model_and_main_param_groups"),
+    (
+        "megatron.core.optimizer.distrib_optimizer",
+        "DistributedOptimizer._build_model_and_main_param_groups",
+    ),
     ("megatron.core.optimizer.optimizer", "Float16OptimizerWithFloat16Params.__init__"),
     ("megatron.core.optimizer.clip_grads", "clip_grad_by_total_norm_fp32"),
 )

@@ -36,6 +36,8 @@ def setup_logging(rank: int) -> None:
     level = logging.INFO if rank == 0 else logging.WARNING
     logging.basicConfig(level=level, format=f"[rank{rank}] %(levelname)s %(name)s: %(message)s",
                         force=True)
+    # megatron-core logs every buffer and parameter at INFO; keep its warnings only
+    logging.getLogger("megatron").setLevel(logging.WARNING)
 
 
 def init_distributed(par: ParallelConfig, seed: int) -> DistContext:

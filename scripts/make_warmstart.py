@@ -51,6 +51,7 @@ def main() -> None:
     from moe_rl.warmstart import save_init_weights
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.getLogger("megatron").setLevel(logging.WARNING)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29533"),
                       RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     megatron_patches.apply_all()

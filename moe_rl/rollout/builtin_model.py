@@ -105,7 +105,7 @@ def random_canonical_weights(cfg: ModelConfig, seed: int) -> dict[str, torch.Ten
     gen = torch.Generator().manual_seed(seed)
     out: dict[str, torch.Tensor] = {}
     for name, shape in canonical_param_shapes(cfg).items():
-        if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+        if name.endswith("norm.weight"):  # all RMSNorm weights, incl. q_norm / k_norm
             out[name] = 1.0 + 0.1 * torch.randn(shape, generator=gen)
         elif name == "model.embed_tokens.weight":
             out[name] = torch.randn(shape, generator=gen)

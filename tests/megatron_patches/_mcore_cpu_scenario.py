@@ -3,11 +3,11 @@
     python _mcore_cpu_scenario.py patched  OUT.json   # apply_all, train, distopt save/load
     python _mcore_cpu_scenario.py ablation OUT.json   # leave patches out, record the errors
 
-Each mode runs in its own process so that the pytest process is never patched. One process
-per mode amortises the ~10 s megatron import over several checks. The entry point is guarded
-by ``if __name__ == "__main__"`` because dist_checkpointing.save spawns a multiprocessing
-Manager, which re-imports __main__; keep module-level imports to the standard library so that
-re-import is cheap.
+Each mode runs in its own process so that the pytest process is never patched, and groups
+many checks to pay the ~10 s megatron import once. The entry point is guarded by
+``if __name__ == "__main__"`` because dist_checkpointing.save spawns a multiprocessing Manager,
+which re-imports __main__; module-level imports are stdlib only, so that re-import is cheap.
+Results go to OUT.json; test_patches_behaviour.py asserts on them.
 """
 
 from __future__ import annotations
@@ -15,25 +15,30 @@ from __future__ import annotations
 import json
 import sys
 import tempfile
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 VOCAB, SEQ, BATCH, NUM_EXPERTS = 64, 16, 2, 4
+NUM_TRAIN_STEPS = 3
 # fully_reshardable gathers over the gloo DP group only in its mem-efficient variant
 OPT_CKPT_META = {
     "distrib_optim_sharding_type": "fully_reshardable",
     "distrib_optim_fully_reshardable_mem_efficient": True,
     "chained_optim_avoid_prefix": True,
 }
+Result = dict[str, Any]
+
+
+# ---------------------------------------------------------------- building blocks
 
 
 def init_dist(tmp: Path) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    dist.init_process_group(
-        "gloo", init_method=f"file://{tmp / 'dist_store'}", rank=0, world_size=1
-    )
+    dist.init_process_group("gloo", init_method=f"file://{tmp / 'store'}", rank=0, world_size=1)
     parallel_state.initialize_model_parallel(1, 1)
 
 
@@ -64,18 +69,13 @@ def build_model() -> Any:
                     max_sequence_length=SEQ)
 
 
-def batch() -> tuple[Any, Any]:
+def forward_backward(model: Any) -> float:
     import torch
 
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(7))
-    return ids, torch.arange(SEQ).expand(BATCH, -1)
-
-
-def forward_backward(model: Any) -> float:
-    ids, pos = batch()
-    loss = model(ids, pos, None, labels=ids).float().mean()
+    loss = model(ids, torch.arange(SEQ).expand(BATCH, -1), None, labels=ids).float().mean()
     loss.backward()
-    return float(loss)
+    return loss.item()
 
 
 def wrap_ddp(model: Any) -> Any:
@@ -119,6 +119,17 @@ def adam_states(opt: Any) -> list[dict[str, Any]]:
     return [s for o in inner_optimizers(opt) for s in o.optimizer.state.values()]
 
 
+def step_report(opt: Any) -> Result:
+    steps = [s["step"] for s in adam_states(opt)]
+    return {"values": sorted({float(s) for s in steps}), "num": len(steps),
+            "num_distinct_tensors": len({id(s) for s in steps})}
+
+
+def max_diff(xs: list[Any], ys: list[Any]) -> float:
+    assert len(xs) == len(ys) > 0
+    return max(float((x.detach() - y.detach()).abs().max()) for x, y in zip(xs, ys, strict=True))
+
+
 def rng_snapshot() -> Any:
     import torch
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
@@ -134,51 +145,62 @@ def rng_restore(snapshot: Any) -> None:
     get_cuda_rng_tracker().set_states(dict(snapshot[1]))
 
 
-def expect_error(fn: Any) -> dict[str, str]:
-    """Run ``fn``; return the exception it raised as {type, message} (or 'no error')."""
+def expect_error(fn: Callable[[], Any]) -> dict[str, str]:
+    """Run ``fn``; return what it raised: type, message, and the innermost megatron frame."""
     try:
         fn()
     except Exception as err:  # the point is to record whatever upstream raises
-        return {"type": type(err).__name__, "message": str(err)}
-    return {"type": "none", "message": "no error"}
+        frames = [f for f in traceback.extract_tb(err.__traceback__)
+                  if "megatron/core/" in f.filename]
+        where = ""
+        if frames:
+            where = f"{frames[-1].filename.split('megatron/core/')[-1]}:{frames[-1].name}"
+        return {"type": type(err).__name__, "message": str(err), "where": where}
+    return {"type": "none", "message": "no error", "where": ""}
 
 
 # ---------------------------------------------------------------- mode: patched
 
 
-def check_apply_all() -> dict[str, Any]:
+def check_apply_all() -> Result:
     import numpy as np
     import torch
-
-    import megatron_patches
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    applied = megatron_patches.apply_all(cuda_available=False)
-    targets = (torch.cuda.current_device, torch.Tensor.type, DistributedOptimizer.load_state_dict)
-    again = megatron_patches.apply_all(cuda_available=False)
-    same = all(a is b for a, b in zip(targets, (
-        torch.cuda.current_device, torch.Tensor.type, DistributedOptimizer.load_state_dict)))
     from megatron.core.transformer.moe import moe_utils
 
+    import megatron_patches
+
+    def targets() -> tuple[Any, ...]:
+        return (torch.cuda.current_device, torch.Tensor.type,
+                DistributedOptimizer.load_state_dict, moe_utils.maybe_move_tensor_to_cpu)
+
+    # what a CUDA process gets (only the always-on fixes), then the CPU shims on top
+    applied_as_if_cuda = megatron_patches.apply_all(cuda_available=True)
+    applied = megatron_patches.apply_all(cuda_available=False)
+    first = targets()
+    again = megatron_patches.apply_all(cuda_available=False)
     splits = moe_utils.maybe_move_tensor_to_cpu(torch.tensor([1, 2]), as_numpy=True)
     return {
-        "applied": applied, "applied_again": again, "idempotent_targets": same,
+        "applied_as_if_cuda": applied_as_if_cuda,
+        "applied": applied,
+        "applied_again": again,
+        "idempotent_targets": all(a is b for a, b in zip(first, targets(), strict=True)),
         "a2a_numpy": isinstance(splits, np.ndarray),
         "type_outside_optimizer": torch.zeros(1).type(),
         "check_all_after_apply": megatron_patches.check_all(),
     }
 
 
-def train(result: dict[str, Any]) -> tuple[Any, Any, Any]:
+def train(result: Result) -> tuple[Any, Any, Any]:
     seed_all()
     model = build_model()
     ddp = wrap_ddp(model)
     opt = build_optimizer(ddp)
     before = [p.detach().clone() for p in model.parameters()]
-    result["losses"] = [train_step(ddp, opt) for _ in range(3)]
-    result["num_params_changed"] = sum(
-        int(not b.equal(p.detach())) for b, p in zip(before, model.parameters()))
+    result["losses"] = [train_step(ddp, opt) for _ in range(NUM_TRAIN_STEPS)]
     result["num_params"] = len(before)
+    result["num_params_changed"] = sum(
+        int(not b.equal(p.detach())) for b, p in zip(before, model.parameters(), strict=True))
     result["optimizers"] = [type(o).__name__ for o in inner_optimizers(opt)]
     return model, ddp, opt
 
@@ -207,51 +229,60 @@ def load_fresh(ckpt: Path) -> tuple[Any, Any, Any, Any]:
     return model, ddp, opt, loaded["optimizer"]
 
 
-def step_report(opt: Any) -> dict[str, Any]:
-    steps = [s["step"] for s in adam_states(opt)]
-    return {"values": sorted({float(s) for s in steps}), "num": len(steps),
-            "num_distinct_tensors": len({id(s) for s in steps})}
-
-
-def max_diff(xs: list[Any], ys: list[Any]) -> float:
-    return max(float((x.detach() - y.detach()).abs().max()) for x, y in zip(xs, ys))
-
-
-def checkpoint_roundtrip(result: dict[str, Any], model: Any, ddp: Any, opt: Any, tmp: Path) -> None:
-    ckpt = tmp / "ckpt"
+def checkpoint_roundtrip(result: Result, model: Any, ddp: Any, opt: Any, tmp: Path) -> None:
     result["steps_at_save"] = step_report(opt)
-    save(model, opt, ckpt)
-    model2, ddp2, opt2, loaded_opt_sd = load_fresh(ckpt)
+    save(model, opt, tmp / "ckpt")
+    model2, ddp2, opt2, loaded_opt_sd = load_fresh(tmp / "ckpt")
     result["steps_after_load"] = step_report(opt2)
     result["exp_avg_max_diff_after_load"] = max_diff(
         [s["exp_avg"] for s in adam_states(opt)], [s["exp_avg"] for s in adam_states(opt2)])
     result["param_max_diff_after_load"] = max_diff(
         list(model.parameters()), list(model2.parameters()))
-    # one more step on both runs from the same RNG state: resumed == uninterrupted
+    # one more step on both runs from the same RNG state: resumed must equal uninterrupted
     snapshot = rng_snapshot()
-    loss_a = train_step(ddp, opt)
+    loss_uninterrupted = train_step(ddp, opt)
     rng_restore(snapshot)
-    loss_b = train_step(ddp2, opt2)
-    result["next_loss_uninterrupted_vs_resumed"] = [loss_a, loss_b]
+    loss_resumed = train_step(ddp2, opt2)
+    result["next_loss_uninterrupted_vs_resumed"] = [loss_uninterrupted, loss_resumed]
     result["param_max_diff_after_next_step"] = max_diff(
         list(model.parameters()), list(model2.parameters()))
     result["steps_after_next_step"] = step_report(opt2)
-    result["upstream_load_still_aliases"] = upstream_aliases(opt2, loaded_opt_sd)
+    result["upstream_still_broken"] = upstream_still_broken(opt2, loaded_opt_sd)
 
 
-def upstream_aliases(opt: Any, loaded_opt_sd: Any) -> bool:
-    """Call upstream load_state_dict (under our wrapper) directly: is `step` still shared?"""
-    inners = inner_optimizers(opt)
-    if len(inners) != 1:
-        return False  # per-optimizer state splitting is ChainedOptimizer's job; not modelled
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+def upstream_still_broken(opt: Any, loaded_opt_sd: Any) -> Result:
+    """Call the upstream callables under our wrappers (``__wrapped__``): are the bugs there?
 
-    DistributedOptimizer.load_state_dict.__wrapped__(inners[0], loaded_opt_sd)
+    Each entry is a "Remove when" tripwire: when upstream fixes a bug, its entry flips.
+    Runs last: it leaves ``opt`` with upstream's shared ``step``.
+    """
+    import torch
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer as DistOpt
+    from megatron.core.transformer.moe import moe_utils
+
+    (inner,) = inner_optimizers(opt)  # EP=1: one DistributedOptimizer
+    fresh_model = build_model()
+    (fresh,) = inner_optimizers(build_optimizer(wrap_ddp(fresh_model)))
+    fresh_sd = fresh_model.sharded_state_dict(prefix="")
+    model_param = next(iter(inner.model_param_group_index_map))
+    no_step = {k: v for k, v in inner._get_main_param_and_optimizer_states(model_param).items()
+               if k != "step"}
+    # the loaders call it under no_grad
+    set_states = torch.no_grad()(DistOpt._set_main_param_and_optimizer_states.__wrapped__)
+    cpu_splits = moe_utils.maybe_move_tensor_to_cpu.__wrapped__(torch.tensor([1]), as_numpy=True)
+    broken = {
+        "a2a_splits": torch.is_tensor(cpu_splits),
+        "distopt_ckpt_i": expect_error(lambda: DistOpt.sharded_state_dict.__wrapped__(
+            fresh, fresh_sd, True, None, OPT_CKPT_META)),
+        "distopt_ckpt_ii": expect_error(lambda: set_states(inner, model_param, no_step)),
+    }
+    DistOpt.load_state_dict.__wrapped__(inner, loaded_opt_sd)
     report = step_report(opt)
-    return report["num"] > 1 and report["num_distinct_tensors"] == 1
+    broken["distopt_step_alias"] = report["num"] > 1 and report["num_distinct_tensors"] == 1
+    return broken
 
 
-def run_patched(tmp: Path) -> dict[str, Any]:
+def run_patched(tmp: Path) -> Result:
     result = check_apply_all()
     init_dist(tmp)
     model, ddp, opt = train(result)
@@ -261,31 +292,41 @@ def run_patched(tmp: Path) -> dict[str, Any]:
 
 # ---------------------------------------------------------------- mode: ablation
 
+# CPU shims left out at the start, in the order the scenario runs into their errors
+LEFT_OUT = (
+    "rng_tracker", "current_device", "cuda_stream", "causal_mask", "te_names",
+    "cuda_factories", "tensor_type_strings",
+)
 
-LEFT_OUT = ("rng_tracker", "cuda_stream", "te_names", "tensor_type_strings")
 
-
-def run_ablation(tmp: Path) -> dict[str, Any]:
-    """Apply all but LEFT_OUT, hit each one's upstream error, apply it, and go on."""
+def left_out_stage(result: Result, name: str, fn: Callable[[], Any]) -> None:
+    """Run ``fn`` while patch ``name`` is left out, record its error, then apply ``name``."""
     import megatron_patches
 
-    for name in megatron_patches.CPU_PATCHES + megatron_patches.ALWAYS_PATCHES:
+    result[name] = expect_error(fn)
+    megatron_patches.get_patch(name).apply()
+
+
+def run_ablation(tmp: Path) -> Result:
+    """Apply all but LEFT_OUT; hit each left-out patch's upstream error, apply it, go on."""
+    import megatron_patches
+
+    for name in megatron_patches.ALL_PATCHES:
         if name not in LEFT_OUT:
             megatron_patches.get_patch(name).apply()
     init_dist(tmp)
-    result: dict[str, Any] = {}
-    result["rng_tracker"] = expect_error(seed_all)
-    megatron_patches.get_patch("rng_tracker").apply()
+    result: Result = {}
+    left_out_stage(result, "rng_tracker", seed_all)
     seed_all()
-    result["cuda_stream"] = expect_error(build_model)
-    megatron_patches.get_patch("cuda_stream").apply()
+    left_out_stage(result, "current_device", build_model)
+    left_out_stage(result, "cuda_stream", build_model)
     model = build_model()
-    result["te_names"] = expect_error(lambda: forward_backward(model))
-    megatron_patches.get_patch("te_names").apply()
+    left_out_stage(result, "causal_mask", lambda: forward_backward(model))
+    left_out_stage(result, "te_names", lambda: forward_backward(model))
     model.zero_grad(set_to_none=True)
     ddp = wrap_ddp(model)
-    result["tensor_type_strings"] = expect_error(lambda: build_optimizer(ddp))
-    megatron_patches.get_patch("tensor_type_strings").apply()
+    left_out_stage(result, "cuda_factories", lambda: build_optimizer(ddp))
+    left_out_stage(result, "tensor_type_strings", lambda: build_optimizer(ddp))
     result["loss_after_all_applied"] = train_step(ddp, build_optimizer(ddp))
     result["apply_all_after"] = megatron_patches.apply_all(cuda_available=False)
     return result
@@ -293,8 +334,9 @@ def run_ablation(tmp: Path) -> dict[str, Any]:
 
 def main() -> None:
     mode, out = sys.argv[1], Path(sys.argv[2])
+    run = {"patched": run_patched, "ablation": run_ablation}[mode]
     with tempfile.TemporaryDirectory() as tmp:
-        result = {"patched": run_patched, "ablation": run_ablation}[mode](Path(tmp))
+        result = run(Path(tmp))
         import torch.distributed as dist
 
         dist.destroy_process_group()

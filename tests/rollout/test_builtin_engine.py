@@ -75,9 +75,10 @@ def test_stop_tokens_truncate_and_keep_the_stop(fp32_engine: BuiltinEngine, cfg:
         assert int(batch.response_lens_B[b]) == expected_len
         assert bool(batch.finished_B[b]) == bool(hits)
         # Greedy: the stopped run is the prefix of the unstopped one.
-        assert batch.tokens_BS[b, :p + expected_len].tolist() == base.tokens_BS[b, :p + expected_len].tolist()
-        torch.testing.assert_close(batch.logprobs_BS[b, :p + expected_len],
-                                   base.logprobs_BS[b, :p + expected_len], atol=1e-6, rtol=0)
+        end = p + expected_len
+        assert batch.tokens_BS[b, :end].tolist() == base.tokens_BS[b, :end].tolist()
+        torch.testing.assert_close(batch.logprobs_BS[b, :end], base.logprobs_BS[b, :end],
+                                   atol=1e-6, rtol=0)
 
 
 @pytest.mark.unit
@@ -216,7 +217,7 @@ def test_bf16_logprobs_differ_slightly_from_fp32(bf16_engine: BuiltinEngine, sco
 @pytest.mark.unit
 def test_router_logit_noise_perturbs_routes_deterministically(
         cfg: ModelConfig, weights: dict[str, torch.Tensor], score: Score) -> None:
-    engine = BuiltinEngine(cfg, dtype="fp32", pad_id=0, router_logit_noise=1.0)
+    engine = BuiltinEngine(cfg, dtype="fp32", pad_id=0, router_logit_noise=0.3)
     engine.load_weights(weights)
     sampling = SamplingParams(max_new_tokens=6)
     a = engine.generate(PROMPTS, 2, sampling, seed=8)
@@ -228,7 +229,7 @@ def test_router_logit_noise_perturbs_routes_deterministically(
         ref_ids = score(a.tokens_BS[i, :T]).expert_ids_BTLK[:T - 1]
         flips.append((route.long() != ref_ids).any(-1).float().reshape(-1))
     flip_frac = torch.cat(flips).mean().item()
-    print(f"router_logit_noise=1.0: flipped (token, layer) fraction {flip_frac:.3f}")
+    print(f"router_logit_noise=0.3: flipped (token, layer) fraction {flip_frac:.3f}")
     assert 0.05 < flip_frac < 0.95, f"noisy routing flip fraction {flip_frac:.3f}"
 
 

@@ -9,7 +9,6 @@ Routes are captured with forward hooks on the router modules (``output[2]``, gpu
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest

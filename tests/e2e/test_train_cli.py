@@ -1,0 +1,113 @@
+"""e2e tier: tiny training runs through the real CLI (`python -m moe_rl.cli`, which starts 2
+ranks with torch's elastic launcher), checkpoint + exact resume, and input errors that must stop
+a run before any rank starts."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TINY = ["rollout.prompts_per_step=8", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=8",
+        "log.progress_bar=false", "log.wandb_mode=offline"]
+
+
+def moe_rl(*args: str, check: bool = True, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run([sys.executable, "-m", "moe_rl.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"moe-rl {' '.join(args)} exited {proc.returncode}:\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def metrics(run_dir: Path) -> dict[int, dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r for r in map(json.loads, lines)}
+
+
+def _deterministic(rec: dict) -> dict:
+    return {k: v for k, v in rec.items() if not k.startswith(("time/", "perf/"))}
+
+
+@pytest.mark.e2e
+def test_resume_reproduces_uninterrupted_run(tmp_path):
+    full, part = tmp_path / "full", tmp_path / "part"
+    moe_rl("train", f"run_dir={full}", "steps=4", "checkpoint_every=2", *TINY)
+    moe_rl("train", f"run_dir={part}", "steps=2", "checkpoint_every=2", *TINY)
+    assert sorted(metrics(part)) == [0, 1]
+    assert (part / "checkpoints" / "latest").read_text().strip() == "step_000002"
+    moe_rl("train", f"run_dir={part}", "steps=4", "checkpoint_every=2", "resume=true", *TINY)
+
+    a, b = metrics(full), metrics(part)
+    assert sorted(a) == sorted(b) == [0, 1, 2, 3]
+    for step in range(4):
+        assert _deterministic(a[step]) == _deterministic(b[step]), f"step {step} differs after resume"
+    keys = set(a[3])
+    for key in ("reward/mean", "time/step_s", "rollout/response_len_mean", "corr/k3_kl", "train/lr",
+                "train/grad_norm", "train/pg_loss", "train/entropy", "adv/mean"):
+        assert key in keys, key
+    assert a[3]["train/grad_norm"] > 0 and 0 <= a[3]["reward/mean"] <= 1
+    # the run dir: resolved config, checkpoints (only complete ones), offline wandb run files
+    assert "expert_parallel: 2" in (full / "config.yaml").read_text()
+    assert sorted(p.name for p in (full / "checkpoints").iterdir()) == ["latest", "step_000002", "step_000004"]
+    assert list((full / "wandb").glob("offline-run-*/run-*.wandb"))
+
+
+@pytest.mark.e2e
+def test_jsonl_dataset_run(tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    rows = [{"prompt": f"C{a}{b}:", "answer": f"{a}{b}", "task": "copy2"} for a in range(10) for b in range(3)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = tmp_path / "run"
+    moe_rl("train", f"run_dir={run}", "steps=2", "checkpoint_every=0", f"task.dataset={data}", *TINY)
+    recs = metrics(run)
+    assert sorted(recs) == [0, 1]
+    assert "reward/mean/copy2" in recs[1]
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("args, needle", [
+    (["parallel.expert_parallel=3"], "parallel.expert_parallel"),
+    (["model.moe_router_topk=9"], "model.moe_router_topk"),
+    (["rollout.temprature=0.5"], "rollout.temprature"),
+    (["model.hidden_size=big"], "model.hidden_size"),
+    (["rollout.prompts_per_step=7"], "rollout.prompts_per_step"),
+    (["init_weights=/nonexistent.safetensors"], "init_weights"),
+    (["model.hidden_size=64"], "model.hidden_size=128"),  # warm start made for another architecture
+])
+def test_bad_config_fails_before_launch(tmp_path, args, needle):
+    proc = moe_rl("train", f"run_dir={tmp_path / 'r'}", *args, check=False, timeout=120)
+    assert proc.returncode != 0
+    assert needle in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "r").exists()  # nothing started
+
+
+@pytest.mark.e2e
+def test_bad_dataset_line_names_file_and_line(tmp_path):
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"prompt": "C12:", "answer": "12"}\n\n{"prompt": "C1Z:", "answer": "1"}\n')
+    proc = moe_rl("train", f"run_dir={tmp_path / 'r'}", f"task.dataset={data}", check=False, timeout=120)
+    assert proc.returncode != 0
+    assert f"{data}:3" in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.e2e
+def test_existing_run_dir_needs_resume(tmp_path):
+    run = tmp_path / "r"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("")
+    proc = moe_rl("train", f"run_dir={run}", check=False, timeout=120)
+    assert proc.returncode != 0 and "resume=true" in proc.stderr
+
+
+@pytest.mark.e2e
+def test_env_lists_versions_and_patches():
+    out = moe_rl("env", timeout=120).stdout
+    assert "megatron-core     0.16" in out
+    assert "vllm" in out and "transformer-engine" in out
+    assert "cuda_stream" in out and "distopt_step_alias" in out
