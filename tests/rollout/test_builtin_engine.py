@@ -191,8 +191,8 @@ def test_bf16_logprobs_differ_slightly_from_fp32(bf16_engine: BuiltinEngine, sco
                                                  cfg: ModelConfig) -> None:
     """The engine's bf16 path is a real, small training-inference mismatch.
 
-    Measured here: mean |bf16 - fp32| over generated tokens ~1e-2, max ~0.3-0.4; route agreement
-    per (token, layer) ~99%.
+    Measured here: mean |bf16 - fp32| over generated tokens 1.1e-2, max 0.14; route agreement
+    per (token, layer) 98.7% (192 tokens).
     """
     temperature = 0.8
     sampling = SamplingParams(max_new_tokens=12, temperature=temperature)
