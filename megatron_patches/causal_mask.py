@@ -63,7 +63,7 @@ def apply() -> None:
     """Swap transformer/utils.py's ``torch`` for the CPU-device proxy. Idempotent."""
     if is_applied():
         return
-    _compat.require_no_cuda(NAME)
     check_preconditions()
+    _compat.require_no_cuda(NAME)
     _torch_proxy.install(_modules()[0], NAME)
     logger.info("applied megatron patch %s", NAME)

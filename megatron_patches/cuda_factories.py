@@ -63,8 +63,8 @@ def apply() -> None:
     """Give each listed module the CPU-device torch proxy. Idempotent."""
     if is_applied():
         return
-    _compat.require_no_cuda(NAME)
     check_preconditions()
+    _compat.require_no_cuda(NAME)
     for module in _modules():
         _torch_proxy.install(module, NAME)
     logger.info("applied megatron patch %s to %d modules", NAME, len(MODULES))

@@ -129,8 +129,8 @@ def apply() -> None:
     """Install the no-op stubs on torch.cuda. Idempotent."""
     if is_applied():
         return
-    _compat.require_no_cuda(NAME)
     check_preconditions()
+    _compat.require_no_cuda(NAME)
     for name, stub in _STUBS.items():
         setattr(torch.cuda, name, _compat.mark(stub, NAME))
     logger.info("applied megatron patch %s", NAME)

@@ -47,8 +47,8 @@ def apply() -> None:
     """Replace torch.cuda.current_device with a function returning the CPU device. Idempotent."""
     if is_applied():
         return
-    _compat.require_no_cuda(NAME)
     check_preconditions()
+    _compat.require_no_cuda(NAME)
     original = torch.cuda.current_device
     _cpu_current_device.__wrapped__ = original  # type: ignore[attr-defined]  # for inspection
     torch.cuda.current_device = _compat.mark(_cpu_current_device, NAME)

@@ -107,8 +107,8 @@ def apply() -> None:
     """Point random.py's CUDA RNG accessors at the CPU generator. Idempotent."""
     if is_applied():
         return
-    _compat.require_no_cuda(NAME)
     check_preconditions()
+    _compat.require_no_cuda(NAME)
     random = _random_module()
     _torch_proxy.install(random, NAME, extra={"cuda": _cpu_cuda_namespace()})
     for name, replacement in (

@@ -79,7 +79,7 @@ def apply() -> None:
     """Wrap torch.Tensor.type with the optimizer-caller check. Idempotent."""
     if is_applied():
         return
-    _compat.require_no_cuda(NAME)
     check_preconditions()
+    _compat.require_no_cuda(NAME)
     torch.Tensor.type = _wrap(torch.Tensor.type)  # type: ignore[method-assign]
     logger.info("applied megatron patch %s", NAME)

@@ -17,7 +17,13 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 
 
+TIERS = ("unit", "dist", "e2e", "gpu")
+
+
 def pytest_collection_modifyitems(config, items):
+    untiered = [item.nodeid for item in items if not any(t in item.keywords for t in TIERS)]
+    if untiered:
+        raise pytest.UsageError(f"tests without a tier marker {TIERS}: {untiered}")
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")
