@@ -36,12 +36,15 @@ def main() -> None:
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 def train(args: tuple[str, ...]) -> None:
     """Train: moe-rl train [CONFIG.yaml] [key=value ...]  (no config: the embedded tiny CPU default)."""
-    from moe_rl.launch import launch
+    import os
+
+    from moe_rl.launch import launch, under_torchrun
     from moe_rl.trainer import preflight
 
     cfg = _load(args)
     try:
-        preflight(cfg)  # data, weights and run dir are checked here, before any rank starts
+        # data, weights and run dir are checked here, before any rank starts
+        preflight(cfg, check_run_dir=not under_torchrun() or os.environ.get("RANK") == "0")
     except (ValueError, FileNotFoundError) as e:
         raise click.ClickException(str(e)) from None
     launch(cfg)

@@ -31,14 +31,19 @@ def resolve(cfg: RunConfig, tok: CharTokenizer) -> RunConfig:
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=tok.vocab_size))
 
 
-def preflight(cfg: RunConfig) -> RunConfig:
-    """Everything that can fail on bad input, checked before any rank starts."""
+def preflight(cfg: RunConfig, check_run_dir: bool = True) -> RunConfig:
+    """Everything that can fail on bad input, checked before any rank starts.
+
+    Under an external torchrun every rank runs this; only rank 0 checks the run directory, which
+    another rank could otherwise see half-written by rank 0."""
     tok = CharTokenizer()
     cfg = resolve(cfg, tok)
     t = cfg.task
     build_prompt_source(t.tasks, t.min_len, t.max_len, t.dataset, t.reward, tok)  # reads the dataset
     load_init_weights(cfg.init_weights, cfg.model, tok)  # checks names, shapes, architecture
     run_dir = Path(cfg.run_dir)
+    if not check_run_dir:
+        return cfg
     if cfg.resume:
         if checkpoint.latest(run_dir / "checkpoints") is None:
             raise FileNotFoundError(f"resume=true but {run_dir}/checkpoints has no checkpoint")

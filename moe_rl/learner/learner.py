@@ -42,6 +42,10 @@ def split_micro_batches(batch: dict[str, torch.Tensor], seq_lens_B: torch.Tensor
     return out
 
 
+def tokens_in(mb: dict[str, torch.Tensor]) -> int:
+    return int(mb["loss_mask"].sum())
+
+
 class Learner:
     """A megatron GPTModel (MoE, EP over the default group) with DDP and its optimizer."""
 
@@ -137,6 +141,9 @@ class Learner:
         def compute(mb, logits_BSV):
             logp_BS, ent_BS = token_logprobs(logits_BSV, mb["tokens"], temperature)
             loss, metrics = loss_fn(mb, logp_BS, ent_BS, normalizer)
+            if not torch.isfinite(loss):  # never backpropagate NaN/Inf into the weights
+                raise FloatingPointError(f"non-finite loss {float(loss)} in a micro-batch of "
+                                         f"{tokens_in(mb)} loss tokens; no update was applied")
             return loss, mb["loss_mask"].sum().int(), metrics
 
         self.ddp.zero_grad_buffer()

@@ -111,3 +111,19 @@ def test_env_lists_versions_and_patches():
     assert "megatron-core     0.16" in out
     assert "vllm" in out and "transformer-engine" in out
     assert "cuda_stream" in out and "distopt_step_alias" in out
+
+
+@pytest.mark.e2e
+def test_external_torchrun_with_kl_to_reference(tmp_path):
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "moe_rl.cli", "train", f"run_dir={run}", "steps=2", "checkpoint_every=0",
+           "algo.kl_coef=0.05", *TINY]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    recs = metrics(run)
+    assert sorted(recs) == [0, 1]
+    # step 0 updates from the reference weights themselves: KL(pi || ref) is exactly 0 there,
+    # and positive once the policy has moved
+    assert recs[0]["train/kl_ref"] == 0.0
+    assert recs[1]["train/kl_ref"] > 0.0

@@ -86,6 +86,17 @@ def _worker(rank: int):
               "grad_rel": grad_rel, "same_keys": sorted(grads1) == sorted(grads2), "num_keys": len(grads1),
               "router_grad_abs_sum": router_grad, "sync": sync,
               "exported_equal_across_ranks": None}
+    # NaN/Inf is refused before any weight changes
+    before = {k: v.clone() for k, v in ep1.gpt.state_dict().items() if torch.is_tensor(v)}
+    tokens_BS, lens_B, mask_BS = _data(rank)
+    try:
+        ep1.update({"tokens": tokens_BS, "loss_mask": mask_BS}, lens_B,
+                   lambda mb, lp, ent, n: (_nll(mb, lp, ent, n)[0] * float("nan"), {}), 1.0, 4, lr=1e-2)
+        result["nan_error"] = None
+    except FloatingPointError as e:
+        result["nan_error"] = str(e)
+    after = ep1.gpt.state_dict()
+    result["unchanged_after_nan"] = all(torch.equal(before[k], after[k]) for k in before)
     flat = torch.cat([exported[k].flatten() for k in sorted(exported)])
     other = flat.clone()
     torch.distributed.all_reduce(other, op=torch.distributed.ReduceOp.MAX)
@@ -107,3 +118,5 @@ def test_ep2_matches_ep1_and_engine_sync():
         assert r["sync"]["num_response_tokens"] > 0
         assert r["sync"]["greedy_agree"], (rank, r)
         assert r["sync"]["logp_diff"] < SYNC_LOGP_TOL, (rank, r)
+        assert r["nan_error"] and "non-finite loss nan" in r["nan_error"], (rank, r)
+        assert r["unchanged_after_nan"], (rank, r)
