@@ -27,30 +27,13 @@ from typing import Callable
 import torch
 
 from moe_rl.metrics import Mean, MetricValue, Std
+from moe_rl.registry import Registry
 
 AdvantageFn = Callable[..., tuple[torch.Tensor, dict[str, MetricValue]]]
 
-ADVANTAGES: dict[str, AdvantageFn] = {}
-
-
-def register_advantage(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
-    """Decorator: add ``fn`` to ``ADVANTAGES`` under ``name``; a duplicate name raises ValueError."""
-
-    def deco(fn: AdvantageFn) -> AdvantageFn:
-        if name in ADVANTAGES:
-            raise ValueError(f"advantage estimator {name!r} is already registered "
-                             f"(by {ADVANTAGES[name].__module__}.{ADVANTAGES[name].__qualname__})")
-        ADVANTAGES[name] = fn
-        return fn
-
-    return deco
-
-
-def get_advantage(name: str) -> AdvantageFn:
-    """The estimator registered as ``name``; ValueError listing the known names otherwise."""
-    if name not in ADVANTAGES:
-        raise ValueError(f"unknown advantage estimator {name!r}; known: {sorted(ADVANTAGES)}")
-    return ADVANTAGES[name]
+ADVANTAGES: Registry[AdvantageFn] = Registry("advantage estimator")
+register_advantage = ADVANTAGES.register
+get_advantage = ADVANTAGES.lookup
 
 
 def _group_stats(rewards_B: torch.Tensor, group_B: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -136,7 +136,7 @@ class TaskConfig:
     # Built-in generated tasks (mixed uniformly) unless `dataset` names a JSONL file.
     tasks: list[str] = field(default_factory=lambda: ["reverse", "sort", "copy"])
     min_len: int = 2
-    max_len: int = 5
+    max_len: int = 4
     dataset: str = ""  # JSONL prompt file; see moe_rl/tasks/dataset.py for the line format
     reward: str = "exact_match"
 
@@ -149,7 +149,7 @@ class TaskConfig:
 @dataclass(frozen=True)
 class AlgoConfig:
     advantage: str = "grpo"
-    grpo_std_norm: bool = True
+    grpo_std_norm: bool = True  # grpo only: divide by the group std (rloo never does)
     clip_low: float = 0.2
     clip_high: float = 0.28
     kl_coef: float = 0.0  # KL to the reference (initial) policy; 0 = no reference model
@@ -158,6 +158,11 @@ class AlgoConfig:
     micro_batch_size: int = 64  # sequences per forward/backward on one rank
 
     def __post_init__(self) -> None:
+        from moe_rl.advantages import (
+            ADVANTAGES,  # the registry is the list of valid names
+        )
+
+        _one_of(self.advantage, "algo.advantage", list(ADVANTAGES))
         _check(self.clip_low >= 0 and self.clip_high >= 0, "algo.clip_low", "clips must be >= 0")
         _one_of(self.kl_estimator, "algo.kl_estimator", ("k1", "k2", "k3"))
         _check(self.kl_coef >= 0, "algo.kl_coef", "must be >= 0")

@@ -8,8 +8,6 @@ import logging
 import time
 from pathlib import Path
 
-import torch
-
 from moe_rl import rl
 from moe_rl.config import RunConfig, to_dict, to_yaml
 from moe_rl.dist import DistContext

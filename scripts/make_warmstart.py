@@ -32,11 +32,11 @@ def sft_batch(prompts, tok, device="cpu"):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="moe_rl/assets/warmstart.safetensors")
-    ap.add_argument("--target", type=float, default=0.25, help="stop at this sampled exact-match reward")
+    ap.add_argument("--target", type=float, default=0.2, help="stop at this sampled exact-match reward")
     ap.add_argument("--max-steps", type=int, default=800)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--eval-every", type=int, default=20)
+    ap.add_argument("--eval-every", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
 

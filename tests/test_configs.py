@@ -32,6 +32,7 @@ def test_configs_exist():
     (["model.first_k_dense=4"], "'model.first_k_dense'"),
     (["rollout.top_p=0"], "'rollout.top_p'"),
     (["algo.kl_estimator=k9"], "'algo.kl_estimator'"),
+    (["algo.advantage=ppo"], "'algo.advantage'"),
     (["algo.num_minibatches=3"], "'algo.num_minibatches'"),
     (["parallel.tensor_parallel=2"], "'parallel.tensor_parallel'"),
     (["nosuch=1"], "'nosuch'"),

@@ -22,7 +22,11 @@ from moe_rl.config import ModelConfig, OptimConfig, ParallelConfig
 from moe_rl.dist import DistContext
 from moe_rl.learner import setup
 from moe_rl.learner.logprobs import token_logprobs
-from moe_rl.learner.weights import canonical_to_megatron, gather_experts, megatron_to_canonical
+from moe_rl.learner.weights import (
+    canonical_to_megatron,
+    gather_experts,
+    megatron_to_canonical,
+)
 
 log = logging.getLogger(__name__)
 

@@ -90,7 +90,10 @@ def build_model(model: ModelConfig, par: ParallelConfig, *, bf16: bool = False):
 
 
 def wrap_ddp(gpt, cfg, par: ParallelConfig):
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+    )
 
     ddp_cfg = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,

@@ -193,8 +193,7 @@ def _parse_line(line: str, tokenizer: CharTokenizer, default_reward: str) -> Pro
     if not record["prompt"]:
         raise ValueError("key 'prompt' is empty")
     reward = record.get("reward", default_reward)
-    if reward not in REWARDS:
-        raise ValueError(f"unknown reward {reward!r}; known rewards: {sorted(REWARDS)}")
+    REWARDS.check(reward)
     task = record.get("task", "dataset")
     if not task:
         raise ValueError("key 'task' is empty")

@@ -24,22 +24,13 @@ from collections.abc import Callable
 
 import torch
 
+from moe_rl.registry import Registry
+
 Rng = random.Random | torch.Generator
 TaskFn = Callable[[Rng, int, int], tuple[str, str]]
 
-TASKS: dict[str, TaskFn] = {}
-
-
-def register_task(name: str) -> Callable[[TaskFn], TaskFn]:
-    """Decorator adding a generator to ``TASKS``; a duplicate name raises ValueError."""
-
-    def wrap(fn: TaskFn) -> TaskFn:
-        if name in TASKS:
-            raise ValueError(f"task {name!r} is already registered")
-        TASKS[name] = fn
-        return fn
-
-    return wrap
+TASKS: Registry[TaskFn] = Registry("task")
+register_task = TASKS.register
 
 
 def randint(rng: Rng, low: int, high: int) -> int:

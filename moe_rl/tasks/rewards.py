@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from moe_rl.metrics import Mean, MetricValue, Std
+from moe_rl.registry import Registry
 from moe_rl.tasks.tokenizer import CharTokenizer
 
 if TYPE_CHECKING:
@@ -41,25 +42,9 @@ if TYPE_CHECKING:
 Metrics = dict[str, MetricValue]
 RewardFn = Callable[[torch.Tensor, torch.Tensor, int, int], tuple[torch.Tensor, Metrics]]
 
-REWARDS: dict[str, RewardFn] = {}
-
-
-def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
-    """Decorator adding a reward function to ``REWARDS``; a duplicate name raises ValueError."""
-
-    def wrap(fn: RewardFn) -> RewardFn:
-        if name in REWARDS:
-            raise ValueError(f"reward {name!r} is already registered")
-        REWARDS[name] = fn
-        return fn
-
-    return wrap
-
-
-def check_reward_name(name: str) -> None:
-    """Raise ValueError naming the known rewards unless ``name`` is registered."""
-    if name not in REWARDS:
-        raise ValueError(f"unknown reward {name!r}; known rewards: {sorted(REWARDS)}")
+REWARDS: Registry[RewardFn] = Registry("reward")
+register_reward = REWARDS.register
+check_reward_name = REWARDS.check
 
 
 def _align(response_ids_BS: torch.Tensor, answer_ids_BA: torch.Tensor, eos_id: int,

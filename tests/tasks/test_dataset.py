@@ -89,7 +89,7 @@ def test_generated_single_task_and_validation() -> None:
     with pytest.raises(ValueError, match=r"min_len \(3\) <= max_len \(2\)"):
         GeneratedTasks(["copy"], 3, 2, TOK)
     with pytest.raises(ValueError,
-                       match=r"unknown reward 'bleu'; known rewards: \['char_accuracy'"):
+                       match=r"unknown reward 'bleu'; known: \['char_accuracy'"):
         GeneratedTasks(["copy"], 2, 3, TOK, reward="bleu")
 
 
@@ -151,7 +151,7 @@ def _assert_line_error(tmp_path: Path, bad: str, line_no: int, match: str) -> No
     ('{"prompt": "R12:", "answer": null}', r"key 'answer' must be a string, got NoneType"),
     ('{"prompt": "R12:", "answer": "21", "reward": 1}', r"key 'reward' must be a string"),
     ('{"prompt": "R12:", "answer": "21", "reward": "bleu"}',
-     r"unknown reward 'bleu'; known rewards: \['char_accuracy', 'exact_match'"),
+     r"unknown reward 'bleu'; known: \['char_accuracy', 'exact_match'"),
     ('{"prompt": "R12:", "answer": "21", "extra": "x"}', r"unknown key\(s\) \['extra'\]"),
     ('{"prompt": "", "answer": "21"}', r"key 'prompt' is empty"),
     ('{"prompt": "R12:", "answer": "21", "task": ""}', r"key 'task' is empty"),
