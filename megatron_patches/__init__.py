@@ -49,7 +49,7 @@ CPU_PATCHES: tuple[str, ...] = (
     "tensor_type_strings",
     "distopt_ckpt",
 )
-ALWAYS_PATCHES: tuple[str, ...] = ("distopt_step_alias",)
+ALWAYS_PATCHES: tuple[str, ...] = ("distopt_step_alias", "router_replay_hook")
 ALL_PATCHES: tuple[str, ...] = CPU_PATCHES + ALWAYS_PATCHES
 
 
@@ -115,7 +115,7 @@ def _plan_row(name: str, cuda_available: bool) -> tuple[str, bool, str]:
     is_needed, reason = _needed(patch)
     if not is_needed:
         return name, False, f"not needed: {reason}"
-    kind = "CPU shim; no CUDA" if name in CPU_PATCHES else "upstream bug on CPU and GPU"
+    kind = "CPU shim; no CUDA" if name in CPU_PATCHES else getattr(patch, "KIND", "upstream bug on CPU and GPU")
     return name, True, f"{kind} (megatron-core {MCORE_VERSION}, supports {patch.SUPPORTED})"
 
 

@@ -66,15 +66,15 @@ def env() -> None:
 
     import megatron_patches
 
-    click.echo(f"python            {sys.version.split()[0]}")
-    click.echo(f"torch             {torch.__version__} (cuda available: {torch.cuda.is_available()})")
-    click.echo(f"megatron-core     {metadata.version('megatron-core')}")
+    click.echo(f"python                     {sys.version.split()[0]}")
+    click.echo(f"torch                      {torch.__version__} (cuda available: {torch.cuda.is_available()})")
+    click.echo(f"megatron-core              {metadata.version('megatron-core')}")
     for name in _OPTIONAL:
         try:
             ver = metadata.version(name)
         except metadata.PackageNotFoundError:
             ver = "not installed"
-        click.echo(f"{name:<17} {ver}")
+        click.echo(f"{name:<26} {ver}")
     click.echo("megatron patches:")
     for name, applies, reason in megatron_patches.plan():
         click.echo(f"  {name:<22} {'apply' if applies else 'skip ':<5}  {reason}")

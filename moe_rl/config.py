@@ -92,7 +92,7 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class OptimConfig:
-    lr: float = 2e-4
+    lr: float = 1e-4
     min_lr: float = 0.0
     lr_schedule: str = "constant"  # constant | cosine
     warmup_steps: int = 0
@@ -154,7 +154,7 @@ class AlgoConfig:
     clip_high: float = 0.28
     kl_coef: float = 0.0  # KL to the reference (initial) policy; 0 = no reference model
     kl_estimator: str = "k3"  # k1 | k2 | k3
-    num_minibatches: int = 1  # optimizer steps per RL step
+    num_minibatches: int = 4  # optimizer steps per RL step: the batch is split into this many
     micro_batch_size: int = 64  # sequences per forward/backward on one rank
 
     def __post_init__(self) -> None:
@@ -185,8 +185,8 @@ class RunConfig:
     run_dir: str = "runs/default"
     resume: bool = False  # continue from run_dir's last checkpoint
     seed: int = 1234
-    steps: int = 120
-    checkpoint_every: int = 40  # 0 = only at the end
+    steps: int = 400
+    checkpoint_every: int = 100  # 0 = only at the end
     init_weights: str = "builtin:warmstart"  # safetensors file, "builtin:warmstart" or "" (random)
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)

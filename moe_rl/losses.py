@@ -1,7 +1,18 @@
-"""Policy losses: the PPO clipped surrogate, KL estimators, and token-sum aggregation.
+"""Policy losses: the PPO clipped surrogate (asymmetric and dual clip), decoupled PPO, the bypass
+losses, KL estimators, and token-sum aggregation.
 
-Pure tensor functions (math.md sections 2.1, 2.4; verl ``compute_policy_loss_vanilla``): no
-torch.distributed, no ``.item()``, no config objects. The cross-rank normaliser is an argument.
+Pure tensor functions (math.md sections 2.1, 2.4; verl ``compute_policy_loss_vanilla`` and
+``compute_policy_loss_bypass_mode``): no torch.distributed, no ``.item()``, no config objects.
+The cross-rank normaliser is an argument.
+
+Modes (math.md 2.1):
+- decoupled (3 policies): ``decoupled_ppo_loss``. Drift rollout -> old is corrected by IS weights
+  and rejection masks computed once per batch from pi_old / pi_rollout (``moe_rl.corrections``);
+  drift old -> theta by the PPO clip on r = pi_theta / pi_old. IS weights multiply OUTSIDE the clip.
+- bypass (2 policies, pi_old := pi_rollout): ``bypass_loss``. "ppo_clip" clips r = pi_theta /
+  pi_rollout and applies NO IS weight (it would double-count); "reinforce" is
+  -stopgrad(w) * log pi_theta * A with w from pi_theta / pi_rollout computed on the fly.
+  Rejection masks are recomputed from pi_theta inside every call.
 
 Shape suffixes: B sequences, S padded sequence length.
 
@@ -29,6 +40,25 @@ def log_ratio(num_logp_BS: torch.Tensor, den_logp_BS: torch.Tensor) -> torch.Ten
     return (num_logp_BS - den_logp_BS).clamp(-SAFETY_BOUND, SAFETY_BOUND)
 
 
+def kl_from_log_ratio(log_ratio_BS: torch.Tensor, kind: str = "k3") -> torch.Tensor:
+    """Per-sample estimators of KL(p || q) from log r = log(q / p), for samples drawn from p.
+
+        k1 = -log r                 unbiased, high variance, either sign per sample
+        k2 = (log r)^2 / 2          biased (KL to second order), >= 0, k2(r) = k2(1/r)
+        k3 = r - 1 - log r          unbiased, >= 0, asymmetric
+    Rollout correction (math.md "Common notation"): log r = log rho = log pi_train - log pi_rollout,
+    samples from pi_rollout, so these estimate KL(pi_rollout || pi_train). The caller clamps
+    log r (``log_ratio`` does) so exp stays finite.
+    """
+    if kind == "k1":
+        return -log_ratio_BS
+    if kind == "k2":
+        return 0.5 * log_ratio_BS * log_ratio_BS
+    if kind == "k3":
+        return torch.expm1(log_ratio_BS) - log_ratio_BS
+    raise ValueError(f"unknown KL estimator {kind!r}; known: {list(KL_KINDS)}")
+
+
 def kl_estimate(logp_BS: torch.Tensor, ref_logp_BS: torch.Tensor, kind: str = "k3") -> torch.Tensor:
     """Per-token estimate of KL(pi || ref), for tokens sampled from pi (Schulman 2020).
 
@@ -45,14 +75,7 @@ def kl_estimate(logp_BS: torch.Tensor, ref_logp_BS: torch.Tensor, kind: str = "k
     Returns:
         kl_BS, same shape; unmasked (the caller masks and aggregates).
     """
-    lr_BS = log_ratio(ref_logp_BS.detach(), logp_BS)
-    if kind == "k1":
-        return -lr_BS
-    if kind == "k2":
-        return 0.5 * lr_BS * lr_BS
-    if kind == "k3":
-        return torch.expm1(lr_BS) - lr_BS
-    raise ValueError(f"unknown KL estimator {kind!r}; known: {list(KL_KINDS)}")
+    return kl_from_log_ratio(log_ratio(ref_logp_BS.detach(), logp_BS), kind)
 
 
 def _check_normalizer(normalizer: float | torch.Tensor) -> None:
@@ -78,6 +101,52 @@ def _ppo_metrics(pg_sum: torch.Tensor, lr_BS: torch.Tensor, clipped_BS: torch.Te
     }
 
 
+def clipped_surrogate(
+    lr_BS: torch.Tensor, adv_BS: torch.Tensor, *, clip_low: float, clip_high: float,
+    clip_ratio_c: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token PPO loss with asymmetric clip and optional dual clip (verl semantics, math.md 2.4).
+
+    With ratio = exp(lr):
+        pg = max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high))
+        dual clip (clip_ratio_c = c > 1), only where A < 0:  pg = min(pg, -A * c)
+    The dual clip bounds the loss of a negative-advantage token by |A| * c when ratio >> 1
+    (e.g. an MoE routing flip); that branch is a constant, so it carries no gradient.
+
+    Args:
+        lr_BS: float [B, S] log ratio (log pi_theta - log pi_old), gradients flow.
+        adv_BS: float [B, S] advantages (detached by the caller).
+    Returns:
+        pg_BS: per-token loss; clipped_BS: bool, the clipped branch is strictly larger (no
+        gradient there); dual_BS: bool, the dual-clip bound is active.
+    """
+    if clip_ratio_c is not None and not clip_ratio_c > 1.0:
+        raise ValueError(f"clip_ratio_c must be > 1, got {clip_ratio_c}")
+    ratio_BS = torch.exp(lr_BS)
+    pg_unclipped_BS = -adv_BS * ratio_BS
+    pg_clipped_BS = -adv_BS * ratio_BS.clamp(1.0 - clip_low, 1.0 + clip_high)
+    pg_BS = torch.maximum(pg_unclipped_BS, pg_clipped_BS)
+    clipped_BS = (pg_clipped_BS > pg_unclipped_BS).detach()
+    if clip_ratio_c is None:
+        return pg_BS, clipped_BS, torch.zeros_like(clipped_BS)
+    pg_dual_BS = -adv_BS * clip_ratio_c
+    dual_BS = ((adv_BS < 0) & (pg_dual_BS < pg_BS)).detach()
+    return torch.where(dual_BS, pg_dual_BS, pg_BS), clipped_BS, dual_BS
+
+
+def _add_kl_term(loss_sum: torch.Tensor, metrics: dict[str, MetricValue], logp_BS: torch.Tensor,
+                 ref_logp_BS: torch.Tensor | None, mask_BS: torch.Tensor, kl_coef: float,
+                 kl_kind: str) -> torch.Tensor:
+    """Adds kl_coef * sum_t m_t kl_t to loss_sum and ``train/kl_ref`` to metrics (when ref given)."""
+    if kl_coef > 0 and ref_logp_BS is None:
+        raise ValueError("kl_coef > 0 needs ref_logp_BS")
+    if ref_logp_BS is None:
+        return loss_sum
+    kl_sum = (kl_estimate(logp_BS, ref_logp_BS, kl_kind) * mask_BS).sum()
+    metrics["train/kl_ref"] = Mean(kl_sum.detach(), metrics["train/pg_loss"].count)
+    return loss_sum + kl_coef * kl_sum if kl_coef > 0 else loss_sum
+
+
 def ppo_clip_loss(
     logp_BS: torch.Tensor,
     old_logp_BS: torch.Tensor,
@@ -91,13 +160,16 @@ def ppo_clip_loss(
     kl_coef: float = 0.0,
     kl_kind: str = "k3",
     is_weights_BS: torch.Tensor | None = None,
+    clip_ratio_c: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, MetricValue]]:
     """PPO clipped surrogate with asymmetric clip, token-sum / normalizer, plus an optional KL term.
 
     Per token, with ratio = exp(clamp(logp - old_logp, +-20)):
         pg = max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high))
+        (dual clip when clip_ratio_c is set: pg = min(pg, -A * clip_ratio_c) where A < 0)
         loss = sum_t m_t * (w_t * pg_t + kl_coef * kl_t) / normalizer
-    where w_t are optional IS weights (detached; 1 when None) and kl_t = kl_estimate(logp, ref).
+    where w_t are optional IS weights (detached; 1 when None), multiplying OUTSIDE the clip, and
+    kl_t = kl_estimate(logp, ref).
 
     Args:
         logp_BS: float [B, S] log pi_theta of the taken tokens (gradients flow here only).
@@ -112,32 +184,154 @@ def ppo_clip_loss(
         kl_coef, kl_kind: weight and estimator ("k1" | "k2" | "k3") of the KL(pi || ref) term.
         is_weights_BS: float [B, S] rollout-correction IS weights multiplying the PG term; the
             stop-gradient is applied here (math.md 2.1).
+        clip_ratio_c: dual-clip constant c > 1 (verl ``clip_ratio_c``, default there 3.0); None = off.
     Returns:
         loss: 0-dim tensor; metrics: ``train/pg_loss`` (the IS-weighted PG term, per token),
         ``train/pg_clipfrac`` (share of loss tokens where the clipped branch is strictly larger,
         so it carries no gradient),
         ``train/ppo_kl`` (mean of old_logp - logp, k1 of KL(old || new)), ``train/ratio_mean``,
-        ``train/ratio_max``, ``train/ratio_min``, and ``train/kl_ref`` when ref_logp_BS is given.
+        ``train/ratio_max``, ``train/ratio_min``, ``train/kl_ref`` when ref_logp_BS is given, and
+        ``train/pg_clipfrac_lower`` (share of loss tokens where the dual clip binds) when
+        clip_ratio_c is set.
     """
     _check_normalizer(normalizer)
-    if kl_coef > 0 and ref_logp_BS is None:
-        raise ValueError("kl_coef > 0 needs ref_logp_BS")
     mask_BS = loss_mask_BS.to(logp_BS.dtype)
     adv_BS = advantages_BS.detach().to(logp_BS.dtype)
     lr_BS = log_ratio(logp_BS, old_logp_BS.detach())
-    ratio_BS = torch.exp(lr_BS)
-    pg_unclipped_BS = -adv_BS * ratio_BS
-    pg_clipped_BS = -adv_BS * ratio_BS.clamp(1.0 - clip_low, 1.0 + clip_high)
-    pg_BS = torch.maximum(pg_unclipped_BS, pg_clipped_BS)
+    pg_BS, clipped_BS, dual_BS = clipped_surrogate(lr_BS, adv_BS, clip_low=clip_low, clip_high=clip_high,
+                                                   clip_ratio_c=clip_ratio_c)
     weighted_pg_BS = pg_BS if is_weights_BS is None else pg_BS * is_weights_BS.detach()
     loss_sum = (weighted_pg_BS * mask_BS).sum()
 
-    metrics = _ppo_metrics(loss_sum.detach(), lr_BS.detach(), (pg_clipped_BS > pg_unclipped_BS).detach(),
-                           loss_mask_BS)
-    if ref_logp_BS is not None:
-        kl_BS = kl_estimate(logp_BS, ref_logp_BS, kl_kind)
-        kl_sum = (kl_BS * mask_BS).sum()
-        metrics["train/kl_ref"] = Mean(kl_sum.detach(), metrics["train/pg_loss"].count)
-        if kl_coef > 0:
-            loss_sum = loss_sum + kl_coef * kl_sum
+    metrics = _ppo_metrics(loss_sum.detach(), lr_BS.detach(), clipped_BS, loss_mask_BS)
+    if clip_ratio_c is not None:
+        metrics["train/pg_clipfrac_lower"] = Mean((dual_BS.to(mask_BS.dtype) * mask_BS).sum(),
+                                                  metrics["train/pg_loss"].count)
+    loss_sum = _add_kl_term(loss_sum, metrics, logp_BS, ref_logp_BS, mask_BS, kl_coef, kl_kind)
     return loss_sum / normalizer, metrics
+
+
+def _apply_keep(loss_mask_BS: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """loss_mask AND keep, where keep is a token mask [B, S] or a sequence mask [B] (broadcast)."""
+    mask_BS = loss_mask_BS.bool()
+    if keep is None:
+        return mask_BS
+    keep = keep.bool()
+    if keep.dim() == 1:
+        keep = keep[:, None]
+    return mask_BS & keep
+
+
+def decoupled_ppo_loss(
+    logp_BS: torch.Tensor,
+    old_logp_BS: torch.Tensor,
+    advantages_BS: torch.Tensor,
+    loss_mask_BS: torch.Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    normalizer: float | torch.Tensor,
+    is_weights_BS: torch.Tensor | None = None,
+    keep: torch.Tensor | None = None,
+    clip_ratio_c: float | None = None,
+    ref_logp_BS: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    kl_kind: str = "k3",
+) -> tuple[torch.Tensor, dict[str, MetricValue]]:
+    """Decoupled PPO (Hilton et al. 2021; math.md 2.1): L = -E_mu[w_t * min(r_t A_t, clip(r_t) A_t)].
+
+    Two drifts, two mechanisms:
+    - rollout -> old: ``is_weights_BS`` (w_t, from pi_old / pi_rollout, computed once per batch by
+      ``moe_rl.corrections.importance.is_weights``) multiply each token's clipped loss OUTSIDE the
+      clip, detached; ``keep`` (from ``rejection_mask`` or ``trm_mask``) is ANDed into the loss mask.
+    - old -> theta: the PPO clip on r_t = pi_theta / pi_old (asymmetric; dual clip if clip_ratio_c).
+
+    Normaliser: an explicit argument, NOT recomputed after rejection. Pass the global number of loss
+    tokens BEFORE rejection (TRM, math.md 3.3: normalise by the total batch, not the accepted
+    count): rejected tokens / sequences contribute zero and the others are not re-weighted.
+
+    Args:
+        logp_BS, old_logp_BS, advantages_BS, loss_mask_BS, clip_low, clip_high, normalizer,
+        clip_ratio_c, ref_logp_BS, kl_coef, kl_kind: as ``ppo_clip_loss``.
+        is_weights_BS: float [B, S] IS weights (stop-gradient applied here); None = 1.
+        keep: bool [B, S] token keep mask or bool [B] sequence keep mask; None = keep all.
+    Returns:
+        (loss, metrics) as ``ppo_clip_loss``; metric means are over the kept loss tokens.
+    """
+    return ppo_clip_loss(logp_BS, old_logp_BS, advantages_BS, _apply_keep(loss_mask_BS, keep),
+                         clip_low=clip_low, clip_high=clip_high, normalizer=normalizer,
+                         ref_logp_BS=ref_logp_BS, kl_coef=kl_coef, kl_kind=kl_kind,
+                         is_weights_BS=is_weights_BS, clip_ratio_c=clip_ratio_c)
+
+
+BYPASS_MODES = ("ppo_clip", "reinforce")
+
+
+def bypass_loss(
+    logp_BS: torch.Tensor,
+    rollout_logp_BS: torch.Tensor,
+    advantages_BS: torch.Tensor,
+    loss_mask_BS: torch.Tensor,
+    *,
+    mode: str,
+    normalizer: float | torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    clip_ratio_c: float | None = None,
+    is_level: str | None = None,
+    is_clip_max: float | None = 2.0,
+    rs_options: tuple[str, ...] | list[str] = (),
+    rs_bounds: tuple | list = (),
+    keep: torch.Tensor | None = None,
+    ref_logp_BS: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    kl_kind: str = "k3",
+) -> tuple[torch.Tensor, dict[str, MetricValue]]:
+    """Bypass mode (math.md 2.1; verl ``compute_policy_loss_bypass_mode``): pi_old := pi_rollout.
+
+    The rejection mask (``rs_options`` / ``rs_bounds``, see ``corrections.importance.rejection_mask``)
+    is recomputed here from the CURRENT pi_theta (rho = pi_theta / pi_rollout, detached) and ANDed
+    with ``keep`` (e.g. a TRM mask the caller evaluated against pi_theta) into the loss mask.
+
+    - mode "ppo_clip": per-token ``clipped_surrogate`` on r = pi_theta / pi_rollout; no IS weight
+      (``is_level`` must be None: the ratio already is the IS ratio, a weight would double-count).
+    - mode "reinforce": loss_t = -stopgrad(w_t) * A_t * log pi_theta(y_t), with w from
+      ``is_weights(log rho, level=is_level, clip_max=is_clip_max)`` on the fly (w = 1 when
+      is_level is None). Its gradient is -w_t A_t grad log pi_theta: no log pi * grad w term.
+
+    Normaliser: as ``decoupled_ppo_loss`` (explicit; count loss tokens before rejection).
+    Returns:
+        (loss, metrics): the ``ppo_clip_loss`` train/ metrics (ratio = pi_theta / pi_rollout) plus the
+        corr/ metrics of the IS weights and rejection computed here.
+    """
+    from moe_rl.corrections.importance import is_weights, rejection_mask  # lazy: corrections imports losses
+
+    if mode not in BYPASS_MODES:
+        raise ValueError(f"unknown bypass mode {mode!r}; known: {list(BYPASS_MODES)}")
+    if mode == "ppo_clip" and is_level is not None:
+        raise ValueError("bypass ppo_clip applies no IS weights: the ratio is pi_theta/pi_rollout, a weight "
+                         "would double-count; set is_level=None")
+    _check_normalizer(normalizer)
+    lr_det_BS = log_ratio(logp_BS.detach(), rollout_logp_BS.detach())
+    base_mask_BS = loss_mask_BS.bool()  # IS weights and RS statistics see every response token
+    mask_BS = _apply_keep(base_mask_BS, keep)
+    corr_metrics: dict[str, MetricValue] = {}
+    if rs_options:
+        rs_keep_BS, corr_metrics = rejection_mask(lr_det_BS, base_mask_BS, rs_options, rs_bounds)
+        mask_BS = mask_BS & rs_keep_BS
+    if mode == "ppo_clip":
+        loss, metrics = ppo_clip_loss(logp_BS, rollout_logp_BS, advantages_BS, mask_BS,
+                                      clip_low=clip_low, clip_high=clip_high, normalizer=normalizer,
+                                      ref_logp_BS=ref_logp_BS, kl_coef=kl_coef, kl_kind=kl_kind,
+                                      clip_ratio_c=clip_ratio_c)
+        return loss, {**corr_metrics, **metrics}
+    w_BS = torch.ones_like(lr_det_BS)
+    if is_level is not None:
+        w_BS, is_metrics = is_weights(lr_det_BS, base_mask_BS, is_level, is_clip_max)
+        corr_metrics.update(is_metrics)
+    maskf_BS = mask_BS.to(logp_BS.dtype)
+    adv_BS = advantages_BS.detach().to(logp_BS.dtype)
+    loss_sum = (-w_BS.detach() * adv_BS * logp_BS * maskf_BS).sum()
+    metrics = _ppo_metrics(loss_sum.detach(), lr_det_BS, torch.zeros_like(mask_BS), mask_BS)
+    loss_sum = _add_kl_term(loss_sum, metrics, logp_BS, ref_logp_BS, maskf_BS, kl_coef, kl_kind)
+    return loss_sum / normalizer, {**corr_metrics, **metrics}

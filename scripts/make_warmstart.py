@@ -11,6 +11,7 @@ Deterministic for a given --seed on the same software stack.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import time
@@ -33,6 +34,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="moe_rl/assets/warmstart.safetensors")
     ap.add_argument("--target", type=float, default=0.2, help="stop at this sampled exact-match reward")
+    ap.add_argument("--target-greedy", type=float, default=0.0,
+                    help="also require this greedy exact-match reward before stopping")
+    ap.add_argument("--entropy-bonus", type=float, default=0.0,
+                    help="SFT loss = NLL - bonus * entropy: keeps the policy spread while its mode improves")
     ap.add_argument("--max-steps", type=int, default=800)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--lr", type=float, default=1e-3)
@@ -64,28 +69,32 @@ def main() -> None:
     learner = Learner(cfg.model, par, cfg.optim, ctx)
     engine = BuiltinEngine(cfg.model, dtype="fp32", pad_id=tok.pad_id)
 
-    def nll(mb, logp_BS, entropy_BS, normalizer):
-        return -(logp_BS * mb["loss_mask"]).sum() / normalizer, {}
+    def loss(mb, logp_BS, entropy_BS, normalizer):
+        m = mb["loss_mask"]
+        return -((logp_BS + args.entropy_bonus * entropy_BS) * m).sum() / normalizer, {}
 
-    def evaluate(step: int) -> float:
+    def evaluate(step: int, greedy: bool) -> float:
         engine.load_weights(learner.export_canonical())
         prompts = source.sample(256, seed=10_000_000 + step)
-        batch = engine.generate([p.prompt_ids for p in prompts], 1, sampling(cfg, tok), seed=step)
+        sp = sampling(cfg, tok)
+        sp = dataclasses.replace(sp, top_k=1) if greedy else sp
+        batch = engine.generate([p.prompt_ids for p in prompts], 1, sp, seed=step)
         rewards_B, _ = score(prompts, response_ids(batch, tok.pad_id), tok, 1)
         return float(rewards_B.mean())
 
     t0 = time.perf_counter()
-    reward = evaluate(0)
-    step = 0
-    while reward < args.target and step < args.max_steps:
+    sampled, greedy, step = evaluate(0, False), evaluate(0, True), 0
+    while (sampled < args.target or greedy < args.target_greedy) and step < args.max_steps:
         mb, lens_B = sft_batch(source.sample(args.batch, seed=args.seed * 1_000_000 + step), tok)
-        learner.update(mb, lens_B, nll, 1.0, args.batch, args.lr)
+        learner.update(mb, lens_B, loss, 1.0, args.batch, args.lr)
         step += 1
         if step % args.eval_every == 0:
-            reward = evaluate(step)
-            logging.info("sft step %d  sampled exact-match %.3f  (%.0f s)", step, reward, time.perf_counter() - t0)
-    info = {"sft_steps": step, "sampled_exact_match": reward, "seconds": round(time.perf_counter() - t0, 1),
-            "seed": args.seed, "target": args.target}
+            sampled, greedy = evaluate(step, False), evaluate(step, True)
+            logging.info("sft step %d  exact-match sampled %.3f greedy %.3f  (%.0f s)", step, sampled, greedy,
+                         time.perf_counter() - t0)
+    info = {"sft_steps": step, "sampled_exact_match": sampled, "greedy_exact_match": greedy,
+            "seconds": round(time.perf_counter() - t0, 1), "seed": args.seed, "target": args.target,
+            "target_greedy": args.target_greedy, "entropy_bonus": args.entropy_bonus, "lr": args.lr}
     save_init_weights(args.out, learner.export_canonical(), cfg.model, tok, info)
     logging.info("wrote %s: %s", args.out, info)
     dist.shutdown()

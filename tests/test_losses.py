@@ -1,4 +1,5 @@
-"""moe_rl.losses: hand-computed PPO values, clip direction, gradient flow, normaliser, KL forms."""
+"""moe_rl.losses: hand-computed PPO values, clip direction (asymmetric, dual), gradient flow, normaliser,
+KL forms, decoupled PPO (IS outside the clip, keep masks) and the bypass losses."""
 
 from __future__ import annotations
 
@@ -7,7 +8,17 @@ import math
 import pytest
 import torch
 
-from moe_rl.losses import SAFETY_BOUND, kl_estimate, log_ratio, ppo_clip_loss
+from moe_rl.corrections.importance import is_weights, rejection_mask
+from moe_rl.losses import (
+    SAFETY_BOUND,
+    bypass_loss,
+    clipped_surrogate,
+    decoupled_ppo_loss,
+    kl_estimate,
+    kl_from_log_ratio,
+    log_ratio,
+    ppo_clip_loss,
+)
 from moe_rl.metrics import merge_metrics, reduce_metrics
 
 # (ratio, advantage, expected per-token loss, clipped branch active)
@@ -188,3 +199,136 @@ def test_log_ratio_clamp():
     loss, _ = ppo_clip_loss(logp, torch.tensor([[-100.0]]), torch.tensor([[-1.0]]), torch.ones(1, 1),
                             clip_low=0.2, clip_high=0.28, normalizer=1)
     assert torch.isfinite(loss)
+
+
+# ----------------------------------------------------------------------------- dual clip
+
+
+@pytest.mark.unit
+def test_dual_clip_hand_computed():
+    # (ratio, A, expected loss with clip 0.2/0.28 and c = 3, dual active, has gradient)
+    cases = [(5.0, -1.0, 3.0, True, False),   # A < 0, -A*ratio = 5 > c = 3: bounded at 3, no gradient
+             (2.0, -1.0, 2.0, False, True),   # below c: unchanged
+             (5.0, 1.0, -1.28, False, False),  # A > 0: dual clip does not apply (normal clip)
+             (0.5, -2.0, 1.6, False, False)]  # A < 0, clipped from below as usual
+    logp = torch.tensor([[math.log(c[0]) for c in cases]], dtype=torch.float64, requires_grad=True)
+    old = torch.zeros_like(logp)
+    adv = torch.tensor([[c[1] for c in cases]], dtype=torch.float64)
+    mask = torch.ones_like(adv, dtype=torch.bool)
+    loss, m = ppo_clip_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.28, normalizer=4, clip_ratio_c=3.0)
+    assert loss.item() == pytest.approx(sum(c[2] for c in cases) / 4)
+    assert reduce_metrics(m)["train/pg_clipfrac_lower"] == pytest.approx(1 / 4)
+    loss.backward()
+    for i, case in enumerate(cases):
+        assert (logp.grad[0, i].item() != 0.0) == case[4], i
+    _, _, dual = clipped_surrogate(logp.detach(), adv, clip_low=0.2, clip_high=0.2)
+    assert not dual.any()  # off without clip_ratio_c
+    with pytest.raises(ValueError, match="clip_ratio_c"):
+        ppo_clip_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.2, normalizer=4, clip_ratio_c=1.0)
+    _, m = ppo_clip_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.28, normalizer=4)
+    assert "train/pg_clipfrac_lower" not in m
+
+
+# ----------------------------------------------------------------------------- decoupled PPO
+
+
+@pytest.mark.unit
+def test_decoupled_is_weights_multiply_outside_the_clip():
+    logp, old, adv = _inputs()
+    w = torch.tensor([[2.0, 0.5, 3.0, 1.0, 1.5, 0.25]], dtype=torch.float64)
+    mask = torch.ones_like(adv, dtype=torch.bool)
+    loss, _ = decoupled_ppo_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.28, normalizer=6,
+                                 is_weights_BS=w)
+    assert loss.item() == pytest.approx(sum(wi * c[2] for wi, c in zip(w[0].tolist(), CASES)) / 6)
+    loss.backward()
+    for i, (ratio, a, _, clipped) in enumerate(CASES):
+        # outside the clip: a clipped token stays gradient-free even with w != 1 (inside would change that)
+        expect = 0.0 if clipped else -w[0, i].item() * a * ratio / 6
+        assert logp.grad[0, i].item() == pytest.approx(expect)
+
+
+@pytest.mark.unit
+def test_decoupled_keep_mask_token_and_sequence_with_explicit_normalizer():
+    gen = torch.Generator().manual_seed(0)
+    logp = (torch.randn(3, 4, generator=gen, dtype=torch.float64) * 0.1 - 1).requires_grad_(True)
+    old = logp.detach() + 0.05 * torch.randn(3, 4, generator=gen, dtype=torch.float64)
+    adv = torch.randn(3, 4, generator=gen, dtype=torch.float64)
+    mask = torch.ones(3, 4, dtype=torch.bool)
+    kw = {"clip_low": 0.2, "clip_high": 0.28, "normalizer": 12}
+    keep_B = torch.tensor([True, False, True])
+    loss_seq, _ = decoupled_ppo_loss(logp, old, adv, mask, keep=keep_B, **kw)
+    loss_tok, _ = decoupled_ppo_loss(logp, old, adv, mask, keep=keep_B[:, None].expand(3, 4), **kw)
+    loss_ref, _ = ppo_clip_loss(logp, old, adv, mask & keep_B[:, None], **kw)
+    assert loss_seq.item() == pytest.approx(loss_ref.item()) and loss_tok.item() == pytest.approx(loss_ref.item())
+    (g,) = torch.autograd.grad(loss_seq, logp)
+    assert (g[1] == 0).all() and (g[0] != 0).all()
+    # not renormalised: the kept rows' gradient equals the one of the full batch with the same normaliser
+    (g_full,) = torch.autograd.grad(ppo_clip_loss(logp, old, adv, mask, **kw)[0], logp)
+    torch.testing.assert_close(g[0], g_full[0])
+
+
+# ----------------------------------------------------------------------------- bypass
+
+
+@pytest.mark.unit
+def test_bypass_ppo_clip_is_ppo_on_rollout_ratio_without_is():
+    logp, roll, adv = _inputs()
+    mask = torch.ones_like(adv, dtype=torch.bool)
+    kw = {"clip_low": 0.2, "clip_high": 0.28, "normalizer": 6}
+    loss, m = bypass_loss(logp, roll, adv, mask, mode="ppo_clip", **kw)
+    ref, _ = ppo_clip_loss(logp, roll, adv, mask, **kw)
+    assert loss.item() == pytest.approx(ref.item())
+    assert not any(k.startswith("corr/is") for k in m)
+    with pytest.raises(ValueError, match="double-count"):
+        bypass_loss(logp, roll, adv, mask, mode="ppo_clip", is_level="token", **kw)
+    with pytest.raises(ValueError, match="bypass mode"):
+        bypass_loss(logp, roll, adv, mask, mode="grpo", **kw)
+    # RS recomputed from the current pi_theta: token_k1 in [0.8, 1.3] drops ratios 1.5, 0.5, 0.5, 1.5
+    loss, m = bypass_loss(logp, roll, adv, mask, mode="ppo_clip", rs_options=["token_k1"], rs_bounds=[(0.8, 1.3)],
+                          **kw)
+    assert loss.item() == pytest.approx((-2.2 - 1.25) / 6)
+    assert reduce_metrics(m)["corr/rs_masked_fraction"] == pytest.approx(4 / 6)
+
+
+@pytest.mark.unit
+def test_bypass_reinforce_gradient_is_w_times_a_times_grad_logp():
+    gen = torch.Generator().manual_seed(1)
+    B, S = 4, 5
+    logp = (torch.randn(B, S, generator=gen, dtype=torch.float64) * 0.2 - 1.5).requires_grad_(True)
+    roll = logp.detach() + 0.3 * torch.randn(B, S, generator=gen, dtype=torch.float64)
+    adv = torch.randn(B, 1, generator=gen, dtype=torch.float64).expand(B, S)
+    mask = torch.rand(B, S, generator=gen) > 0.2
+    n = mask.sum()
+    for level in (None, "token", "sequence"):
+        loss, m = bypass_loss(logp, roll, adv, mask, mode="reinforce", is_level=level, is_clip_max=1.5,
+                              normalizer=n)
+        w = (torch.ones(B, S, dtype=torch.float64) if level is None
+             else is_weights(log_ratio(logp.detach(), roll), mask, level, 1.5)[0])
+        assert loss.item() == pytest.approx((-w * adv * logp.detach() * mask).sum().item() / n.item())
+        (g,) = torch.autograd.grad(loss, logp)
+        # stopgrad(w): exactly -w A / N per token, no log pi * grad w term
+        torch.testing.assert_close(g, -(w * adv * mask) / n)
+        assert ("corr/is_mean" in m) == (level is not None)
+
+
+@pytest.mark.unit
+def test_bypass_reinforce_rejection_and_keep():
+    logp, roll, adv = _inputs()
+    logp = logp.detach().requires_grad_(True)
+    mask = torch.ones_like(adv, dtype=torch.bool)
+    keep_rs, _ = rejection_mask(log_ratio(logp.detach(), roll), mask, ["token_k2"], [0.05])
+    loss, _ = bypass_loss(logp, roll, adv, mask, mode="reinforce", rs_options=["token_k2"], rs_bounds=[0.05],
+                          keep=torch.tensor([True]), normalizer=6)
+    assert loss.item() == pytest.approx((-adv * logp.detach() * keep_rs).sum().item() / 6)
+    loss, _ = bypass_loss(logp, roll, adv, mask, mode="reinforce", keep=torch.tensor([False]), normalizer=6)
+    assert loss.item() == 0.0
+
+
+@pytest.mark.unit
+def test_kl_from_log_ratio_matches_kl_estimate():
+    lr = torch.tensor([-1.0, 0.0, 0.7], dtype=torch.float64)
+    for kind in ("k1", "k2", "k3"):
+        torch.testing.assert_close(kl_from_log_ratio(lr, kind), kl_estimate(torch.zeros(3, dtype=torch.float64),
+                                                                            lr, kind))
+    with pytest.raises(ValueError, match="unknown KL estimator"):
+        kl_from_log_ratio(lr, "k5")

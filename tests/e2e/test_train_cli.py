@@ -5,6 +5,7 @@ a run before any rank starts."""
 from __future__ import annotations
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -108,7 +109,7 @@ def test_existing_run_dir_needs_resume(tmp_path):
 @pytest.mark.e2e
 def test_env_lists_versions_and_patches():
     out = moe_rl("env", timeout=120).stdout
-    assert "megatron-core     0.16" in out
+    assert re.search(r"megatron-core +0\.1[6-9]", out)
     assert "vllm" in out and "transformer-engine" in out
     assert "cuda_stream" in out and "distopt_step_alias" in out
 

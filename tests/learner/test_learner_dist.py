@@ -54,10 +54,14 @@ def _worker(rank: int):
     assert len(ep2.gpt.decoder.layers[1].mlp.experts.local_experts) == 2  # experts really split
     logp2, ent2, grads2 = _run(ep2, rank)
 
-    # learner -> engine sync after a real optimizer step, then greedy decoding in fp32
+    # learner -> engine sync after a real step of the distributed optimizer (which updates
+    # parameter shards, then all-gathers them), then greedy decoding in fp32
+    par2d = ParallelConfig(nproc=2, expert_parallel=2, distributed_optimizer=True)
+    ep2 = Learner(MODEL, par2d, OptimConfig(lr=1e-2), ctx2, weights)
     tokens_BS, lens_B, mask_BS = _data(rank)
     ep2.update({"tokens": tokens_BS, "loss_mask": mask_BS}, lens_B, _nll, 1.0, 4, lr=1e-2)
     exported = ep2.export_canonical()
+    moved = max(float((exported[k] - weights[k]).abs().max()) for k in weights)
     engine = BuiltinEngine(MODEL, dtype="fp32", pad_id=0)
     engine.load_weights(exported)
     out = engine.generate([[1, 5, 6, 7], [1, 9, 8]], 2, SamplingParams(max_new_tokens=6, top_k=1), seed=3)
@@ -70,7 +74,7 @@ def _worker(rank: int):
     m = out.response_mask_BS
     sync = {"greedy_agree": bool((greedy_BS[m] == out.tokens_BS[m]).all()),
             "logp_diff": float((learner_logp_BS - out.logprobs_BS)[m].abs().max()),
-            "num_response_tokens": int(m.sum())}
+            "num_response_tokens": int(m.sum()), "weights_moved": moved}
 
     ps.destroy_model_parallel()
     par1 = ParallelConfig(nproc=2, expert_parallel=1, distributed_optimizer=False)
@@ -115,7 +119,7 @@ def test_ep2_matches_ep1_and_engine_sync():
         assert r["grad_rel"] < GRAD_RTOL, (rank, r)
         assert r["router_grad_abs_sum"] > 0, (rank, r)
         assert r["exported_equal_across_ranks"], (rank, r)
-        assert r["sync"]["num_response_tokens"] > 0
+        assert r["sync"]["num_response_tokens"] > 0 and r["sync"]["weights_moved"] > 1e-4
         assert r["sync"]["greedy_agree"], (rank, r)
         assert r["sync"]["logp_diff"] < SYNC_LOGP_TOL, (rank, r)
         assert r["nan_error"] and "non-finite loss nan" in r["nan_error"], (rank, r)

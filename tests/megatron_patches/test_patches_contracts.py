@@ -44,7 +44,7 @@ def test_patch_lists_cover_every_patch_module_once() -> None:
     modules = {p.stem for p in PACKAGE_DIR.glob("*.py") if not p.stem.startswith("_")}
     assert sorted(megatron_patches.ALL_PATCHES) == sorted(modules)
     assert len(set(megatron_patches.ALL_PATCHES)) == len(megatron_patches.ALL_PATCHES)
-    assert megatron_patches.ALWAYS_PATCHES == ("distopt_step_alias",)
+    assert megatron_patches.ALWAYS_PATCHES == ("distopt_step_alias", "router_replay_hook")
 
 
 @pytest.mark.parametrize("name", megatron_patches.ALL_PATCHES)

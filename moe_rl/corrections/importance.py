@@ -1,0 +1,344 @@
+"""Rollout correction: importance weights, rejection masks, and off-policy diagnostics.
+
+math.md sections 2.2 (IS weights), 2.3 (rejection / masking), 2.6 (metrics); semantics of verl
+``rollout_corr_helper.py`` except the direction of k1 bounds (below). Pure tensor functions: no
+torch.distributed, no ``.item()``; metrics follow ``moe_rl.metrics`` (local Mean/Std/Max/Min).
+
+Shape suffixes: B sequences, S padded sequence length.
+
+Direction convention (the one convention of ``moe_rl.corrections``): every ratio bound is a bound
+on
+
+    rho = pi_train / pi_rollout,      log rho = train_logp - rollout_logp  (``log_ratio``),
+
+where pi_train is pi_old in decoupled mode and pi_theta in bypass mode. A k1 option with bounds
+(lo, hi) keeps a token / sequence iff lo <= rho_stat <= hi, i.e. log lo <= stat(log rho) <= log hi,
+where stat is the token value, the sum (rho_stat = rho(y)) or the mean (rho_stat = rho_geo). A bare
+float U means (1/U, U). NOTE verl: its k1 statistic is -log rho and it keeps log L <= k1 <= log U,
+which constrains pi_rollout / pi_train to [L, U], i.e. rho to [1/U, 1/L]. The two agree for
+reciprocal pairs (0.5_2.0, 0.999_1.001) and are mirrored for asymmetric ones (verl's "0.6_1.6"
+keeps rho in [0.625, 1.667]; ours keeps rho in [0.6, 1.6]). k2 / k3 options take one upper bound.
+
+Per-token statistics, from lr = clamp(log rho, +-20) (``SAFETY_BOUND``), all estimating
+KL(pi_rollout || pi_train) for tokens sampled from pi_rollout: k1 = -lr, k2 = lr^2 / 2,
+k3 = e^lr - 1 - lr (``moe_rl.losses.kl_from_log_ratio``).
+
+Sequences with no response token count in no sequence-level statistic.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+
+from moe_rl.corrections._masked import inf_like, masked_max, masked_mean, masked_min, seq_valid, stats
+from moe_rl.losses import SAFETY_BOUND, kl_from_log_ratio, log_ratio
+from moe_rl.metrics import MetricValue
+from moe_rl.registry import Registry
+
+__all__ = [
+    "IS_LEVELS",
+    "RS_AGGREGATIONS",
+    "SAFETY_BOUND",
+    "is_batch_mean_parts",
+    "is_weights",
+    "log_ratio",
+    "offpolicy_metrics",
+    "parse_rs_spec",
+    "rejection_mask",
+]
+
+Bound = float | tuple[float, float]  # see parse_rs_spec
+
+# --------------------------------------------------------------------------- IS weights
+
+LogWeightFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+IS_LEVELS: Registry[LogWeightFn] = Registry("IS weight level")
+
+
+@IS_LEVELS.register("token")
+def _token_log_weight(lr_BS: torch.Tensor, maskf_BS: torch.Tensor) -> torch.Tensor:
+    """log w_t = log rho_t."""
+    return lr_BS
+
+
+@IS_LEVELS.register("sequence")
+def _sequence_log_weight(lr_BS: torch.Tensor, maskf_BS: torch.Tensor) -> torch.Tensor:
+    """log w = clamp(sum_t log rho_t, +-20), broadcast to the sequence's tokens."""
+    total_B1 = (lr_BS * maskf_BS).sum(-1, keepdim=True).clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    return total_B1.expand_as(lr_BS)
+
+
+@IS_LEVELS.register("geometric")
+def _geometric_log_weight(lr_BS: torch.Tensor, maskf_BS: torch.Tensor) -> torch.Tensor:
+    """log w = mean_t log rho_t (log of rho_geo = rho(y)^(1/T)), broadcast."""
+    mean_B1 = (lr_BS * maskf_BS).sum(-1, keepdim=True) / maskf_BS.sum(-1, keepdim=True).clamp(min=1)
+    return mean_B1.expand_as(lr_BS)
+
+
+def is_batch_mean_parts(weights_BS: torch.Tensor, mask_BS: torch.Tensor,
+                        level: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Local (sum, count) whose global ratio is the batch-normalisation mean of ``is_weights``.
+
+    token level: over response tokens; sequence / geometric: over sequences (one weight each).
+    A caller with several ranks all-reduces both and passes sum / count as ``norm_mean``.
+    """
+    IS_LEVELS.check(level)
+    mask_BS = mask_BS.bool()
+    w_BS = weights_BS.detach()
+    if level == "token":
+        keepf = mask_BS.to(w_BS.dtype)
+        return (w_BS * keepf).sum(), keepf.sum()
+    valid_B = seq_valid(mask_BS)
+    seq_w_B = (w_BS * mask_BS.to(w_BS.dtype)).sum(-1) / mask_BS.sum(-1).clamp(min=1).to(w_BS.dtype)
+    return (seq_w_B * valid_B.to(w_BS.dtype)).sum(), valid_B.to(w_BS.dtype).sum()
+
+
+def is_weights(
+    log_ratio_BS: torch.Tensor,
+    mask_BS: torch.Tensor,
+    level: str = "token",
+    clip_max: float | None = 2.0,
+    *,
+    batch_normalize: bool = False,
+    norm_mean: float | torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, MetricValue]]:
+    """Truncated importance weights w = min(rho_level, clip_max) (math.md 2.2), detached.
+
+    Levels (``IS_LEVELS``): "token" rho_t; "sequence" rho(y) = exp(clamp(sum_t log rho_t, +-20));
+    "geometric" rho_geo = exp(mean_t log rho_t); sequence levels broadcast to every token.
+    Truncation is one-sided (no lower clamp); 1/clip_max is used only in the metrics. Weights are
+    0 on padding. With ``batch_normalize`` the truncated weights are divided by their batch mean
+    (tokens for "token", sequences otherwise): the local mean, or ``norm_mean`` when the caller
+    passes the global one (see ``is_batch_mean_parts``).
+
+    Args:
+        log_ratio_BS: float [B, S] log rho = log pi_train - log pi_rollout (``log_ratio``);
+            detached and clamped to +-20 here.
+        mask_BS: bool or 0/1 [B, S] response tokens.
+        level: "token" | "sequence" | "geometric".
+        clip_max: truncation C > 0; None = no truncation (plain IS).
+    Returns:
+        weights_BS: float [B, S], no gradient. metrics (IS weights, after truncation and
+        normalisation): ``corr/is_{mean,std,max,min}`` over tokens, ``corr/is_seq_{mean,std,max,min}``
+        over sequences (per-sequence mean weight), ``corr/is_ratio_fraction_{high,low}`` (untruncated
+        rho_level above C / below 1/C; tokens for "token", sequences otherwise) when clip_max is set,
+        and ``corr/is_batch_norm_factor`` (the mean divided by; local unless norm_mean is given)
+        when batch_normalize. ESS follows from is_mean and is_std after reduction
+        (``moe_rl.corrections.derive_metrics``).
+    """
+    if clip_max is not None and not clip_max > 0:
+        raise ValueError(f"clip_max must be > 0 or None, got {clip_max}")
+    lr_BS = log_ratio_BS.detach().clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    mask_BS = mask_BS.bool()
+    maskf_BS = mask_BS.to(lr_BS.dtype)
+    log_w_BS = IS_LEVELS.lookup(level)(lr_BS, maskf_BS)
+    w_BS = torch.exp(log_w_BS)
+    if clip_max is not None:
+        w_BS = w_BS.clamp(max=clip_max)
+    w_BS = w_BS * maskf_BS
+    metrics: dict[str, MetricValue] = {}
+    if batch_normalize:
+        if norm_mean is None:
+            total, count = is_batch_mean_parts(w_BS, mask_BS, level)
+            norm_mean = total / count.clamp(min=1)
+        norm_mean = torch.as_tensor(norm_mean, dtype=w_BS.dtype, device=w_BS.device)
+        w_BS = w_BS / norm_mean.clamp(min=torch.finfo(w_BS.dtype).tiny)
+        metrics["corr/is_batch_norm_factor"] = norm_mean.detach()
+    metrics.update(_is_metrics(w_BS, log_w_BS, mask_BS, level, clip_max))
+    return w_BS, metrics
+
+
+def _is_metrics(w_BS: torch.Tensor, log_w_BS: torch.Tensor, mask_BS: torch.Tensor, level: str,
+                clip_max: float | None) -> dict[str, MetricValue]:
+    w64_BS = w_BS.detach().to(torch.float64)
+    metrics = stats("corr/is", w64_BS, mask_BS, std=True)
+    valid_B = seq_valid(mask_BS)
+    seq_w_B = (w64_BS * mask_BS).sum(-1) / mask_BS.sum(-1).clamp(min=1)
+    metrics.update(stats("corr/is_seq", seq_w_B, valid_B, std=True))
+    if clip_max is not None:
+        log_c = math.log(clip_max)
+        unit_log_w, unit_keep = (log_w_BS, mask_BS) if level == "token" else (log_w_BS[:, 0], valid_B)
+        unit_log_w = unit_log_w.to(torch.float64)
+        metrics["corr/is_ratio_fraction_high"] = masked_mean((unit_log_w > log_c).to(torch.float64), unit_keep)
+        metrics["corr/is_ratio_fraction_low"] = masked_mean((unit_log_w < -log_c).to(torch.float64), unit_keep)
+    return metrics
+
+
+# --------------------------------------------------------------------------- rejection
+
+AggregateFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+RS_AGGREGATIONS: Registry[AggregateFn] = Registry("rejection aggregation")
+
+
+@RS_AGGREGATIONS.register("token")
+def _agg_token(stat_BS: torch.Tensor, mask_BS: torch.Tensor) -> torch.Tensor:
+    return stat_BS
+
+
+@RS_AGGREGATIONS.register("seq_sum")
+def _agg_seq_sum(stat_BS: torch.Tensor, mask_BS: torch.Tensor) -> torch.Tensor:
+    return (stat_BS * mask_BS.to(stat_BS.dtype)).sum(-1)
+
+
+@RS_AGGREGATIONS.register("seq_mean")
+def _agg_seq_mean(stat_BS: torch.Tensor, mask_BS: torch.Tensor) -> torch.Tensor:
+    return _agg_seq_sum(stat_BS, mask_BS) / mask_BS.sum(-1).clamp(min=1).to(stat_BS.dtype)
+
+
+@RS_AGGREGATIONS.register("seq_max")
+def _agg_seq_max(stat_BS: torch.Tensor, mask_BS: torch.Tensor) -> torch.Tensor:
+    return torch.where(mask_BS, stat_BS, -inf_like(stat_BS)).amax(-1)
+
+
+def parse_rs_spec(options: Sequence[str], bounds: Sequence[Bound] | Bound) -> list[tuple[str, str, float, float]]:
+    """Validate rejection options and bounds (call it when the config loads).
+
+    Args:
+        options: e.g. ["token_k1", "seq_max_k2", "seq_mean_k3"]; "<agg>_<k>" with agg in
+            ``RS_AGGREGATIONS`` and k in k1/k2/k3 (no seq_max_k1: k1 is sign-indefinite).
+        bounds: a list with one entry per option, or with one entry (or a bare float) broadcast
+            to all. k1 entry: (lo, hi) bounds on rho (0 < lo <= hi) or a float U >= 1 meaning
+            (1/U, U); k2/k3 entry: a float upper bound > 0. E.g. options ["token_k1", "seq_max_k2"]
+            with bounds [(0.6, 1.6), 2.5]; a single k1 option with bounds [(0.5, 2.0)].
+    Returns:
+        [(agg, kind, lo, hi)]: keep iff lo <= s <= hi, where s is the aggregated log rho for k1
+        (lo = log lo_rho, hi = log hi_rho) and the aggregated k2/k3 otherwise (lo = -inf).
+    """
+    if isinstance(options, str):
+        raise TypeError("options must be a list of option names, not a string")
+    bounds = list(bounds) if isinstance(bounds, (list, tuple)) else [bounds]
+    if len(bounds) == 1:
+        bounds = bounds * len(options)
+    if len(bounds) != len(options):
+        raise ValueError(f"{len(options)} rejection options but {len(bounds)} bounds")
+    return [_parse_one(opt, b) for opt, b in zip(options, bounds)]
+
+
+def _parse_one(option: str, bound: Bound) -> tuple[str, str, float, float]:
+    agg, _, kind = option.rpartition("_")
+    if kind not in ("k1", "k2", "k3") or agg not in RS_AGGREGATIONS:
+        raise ValueError(f"unknown rejection option {option!r}; use <agg>_<k1|k2|k3>, agg in "
+                         f"{sorted(RS_AGGREGATIONS)}")
+    if agg == "seq_max" and kind == "k1":
+        raise ValueError("seq_max_k1 is not supported (k1 is sign-indefinite); use seq_max_k2")
+    if kind != "k1":
+        if isinstance(bound, (tuple, list)) or not bound > 0:
+            raise ValueError(f"{option}: bound must be one float > 0, got {bound!r}")
+        return agg, kind, -math.inf, float(bound)
+    if isinstance(bound, (tuple, list)):
+        lo, hi = (float(b) for b in bound)
+    else:
+        if not bound >= 1:
+            raise ValueError(f"{option}: a single k1 bound U means (1/U, U) and needs U >= 1, got {bound}")
+        lo, hi = 1.0 / bound, float(bound)
+    if not 0 < lo <= hi:
+        raise ValueError(f"{option}: k1 bounds on rho need 0 < lo <= hi, got ({lo}, {hi})")
+    return agg, kind, math.log(lo), math.log(hi)
+
+
+def rejection_mask(
+    log_ratio_BS: torch.Tensor,
+    mask_BS: torch.Tensor,
+    options: Sequence[str],
+    bounds: Sequence[Bound] | Bound,
+) -> tuple[torch.Tensor, dict[str, MetricValue]]:
+    """Rejection sampling masks (math.md 2.3), several options AND-combined.
+
+    Each option "<agg>_<k>" aggregates a per-token statistic (k1/k2/k3 of log rho) per token
+    ("token") or per sequence ("seq_sum", "seq_mean", "seq_max"; the decision then covers the whole
+    sequence). k1 options keep log lo <= agg(log rho) <= log hi with (lo, hi) bounds on
+    rho = pi_train / pi_rollout (module docstring: NOT verl's mirrored reading); k2/k3 options keep
+    agg(k) <= upper.
+
+    Args:
+        log_ratio_BS: float [B, S] log rho = log pi_train - log pi_rollout; detached, clamped +-20.
+        mask_BS: bool or 0/1 [B, S] response tokens.
+        options, bounds: see ``parse_rs_spec``.
+    Returns:
+        keep_BS: bool [B, S] = mask AND every option's keep. metrics per option opt:
+        ``corr/rs_{opt}_{mean,max,min}`` of the aggregated k statistic (over tokens for token
+        options, sequences otherwise), ``corr/rs_{opt}_masked_fraction`` (response tokens rejected),
+        ``corr/rs_{opt}_seq_masked_fraction`` (sequences with a rejected token); overall
+        ``corr/rs_masked_fraction`` and ``corr/rs_seq_masked_fraction``.
+    """
+    specs = parse_rs_spec(options, bounds)
+    lr_BS = log_ratio_BS.detach().clamp(-SAFETY_BOUND, SAFETY_BOUND).to(torch.float64)
+    mask_BS = mask_BS.bool()
+    valid_B = seq_valid(mask_BS)
+    keep_BS = mask_BS.clone()
+    metrics: dict[str, MetricValue] = {}
+    for option, (agg, kind, lo, hi) in zip(options, specs):
+        k_BS = kl_from_log_ratio(lr_BS, kind)
+        stat = RS_AGGREGATIONS[agg](k_BS, mask_BS)  # [B, S] for "token", else [B]
+        test = -stat if kind == "k1" else stat       # k1 bounds act on agg(log rho) = -agg(k1)
+        opt_keep = (test >= lo) & (test <= hi)
+        opt_keep_BS = opt_keep if agg == "token" else opt_keep[:, None].expand_as(mask_BS)
+        rejected_BS = mask_BS & ~opt_keep_BS
+        unit_keep = mask_BS if agg == "token" else valid_B
+        metrics.update(stats(f"corr/rs_{option}", stat, unit_keep))
+        metrics.update(_rejected_fractions(f"corr/rs_{option}", rejected_BS, mask_BS, valid_B))
+        keep_BS &= opt_keep_BS
+    metrics.update(_rejected_fractions("corr/rs", mask_BS & ~keep_BS, mask_BS, valid_B))
+    return keep_BS, metrics
+
+
+def _rejected_fractions(prefix: str, rejected_BS: torch.Tensor, mask_BS: torch.Tensor,
+                        valid_B: torch.Tensor) -> dict[str, MetricValue]:
+    f64 = torch.float64
+    return {f"{prefix}_masked_fraction": masked_mean(rejected_BS.to(f64), mask_BS),
+            f"{prefix}_seq_masked_fraction": masked_mean(rejected_BS.any(-1).to(f64), valid_B)}
+
+
+# --------------------------------------------------------------------------- diagnostics
+
+
+def offpolicy_metrics(train_logp_BS: torch.Tensor, rollout_logp_BS: torch.Tensor,
+                      mask_BS: torch.Tensor) -> dict[str, MetricValue]:
+    """Off-policy diagnostics of pi_train vs pi_rollout (math.md 2.6, verl ``compute_offpolicy_metrics``).
+
+    pi_train is pi_old in decoupled mode and pi_theta in bypass mode / inside the update.
+
+    Args:
+        train_logp_BS, rollout_logp_BS: float [B, S] log-probs of the sampled tokens.
+        mask_BS: bool or 0/1 [B, S] response tokens.
+    Returns:
+        metrics, token means over response tokens and sequence means over sequences with a token
+        (all exactly reducible across ranks):
+        ``corr/k1_kl`` mean(log pi_rollout - log pi_train) (verl ``kl``; may be negative),
+        ``corr/k3_kl`` mean(rho - 1 - log rho), ``corr/chi2_token`` mean(rho^2) - 1,
+        ``corr/chi2_seq`` mean_seq exp(2 clamp(sum_t log rho_t, +-20)) - 1,
+        ``corr/{training,rollout}_log_ppl`` mean_seq(-mean_t log pi),
+        ``corr/{training,rollout}_ppl`` mean_seq exp(-mean_t log pi),
+        ``corr/log_ppl_diff`` mean_seq(mean_t log pi_rollout - mean_t log pi_train) and its
+        ``_max`` / ``_min``, ``corr/log_ppl_abs_diff`` (TRM's Delta_PPL, math.md 3.4),
+        ``corr/ppl_ratio`` mean_seq exp(log_ppl_diff) (= training_ppl / rollout_ppl per sequence).
+    """
+    f64 = torch.float64
+    mask_BS = mask_BS.bool()
+    maskf_BS = mask_BS.to(f64)
+    train_BS, roll_BS = train_logp_BS.detach().to(f64), rollout_logp_BS.detach().to(f64)
+    lr_BS = log_ratio(train_BS, roll_BS)
+    valid_B = seq_valid(mask_BS)
+    len_B = maskf_BS.sum(-1).clamp(min=1)
+    train_mean_B = (train_BS * maskf_BS).sum(-1) / len_B
+    roll_mean_B = (roll_BS * maskf_BS).sum(-1) / len_B
+    diff_B = roll_mean_B - train_mean_B
+    seq_lr_B = (lr_BS * maskf_BS).sum(-1).clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    return {
+        "corr/k1_kl": masked_mean(kl_from_log_ratio(lr_BS, "k1"), mask_BS),
+        "corr/k3_kl": masked_mean(kl_from_log_ratio(lr_BS, "k3"), mask_BS),
+        "corr/chi2_token": masked_mean(torch.expm1(2 * lr_BS), mask_BS),
+        "corr/chi2_seq": masked_mean(torch.expm1(2 * seq_lr_B), valid_B),
+        "corr/training_log_ppl": masked_mean(-train_mean_B, valid_B),
+        "corr/rollout_log_ppl": masked_mean(-roll_mean_B, valid_B),
+        "corr/training_ppl": masked_mean(torch.exp(-train_mean_B), valid_B),
+        "corr/rollout_ppl": masked_mean(torch.exp(-roll_mean_B), valid_B),
+        "corr/log_ppl_diff": masked_mean(diff_B, valid_B),
+        "corr/log_ppl_diff_max": masked_max(diff_B, valid_B),
+        "corr/log_ppl_diff_min": masked_min(diff_B, valid_B),
+        "corr/log_ppl_abs_diff": masked_mean(diff_B.abs(), valid_B),
+        "corr/ppl_ratio": masked_mean(torch.exp(diff_B), valid_B),
+    }

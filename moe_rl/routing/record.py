@@ -1,0 +1,244 @@
+"""The route record: which experts routed every token of a sample, in every MoE layer.
+
+Per sample ``ids_TLK`` [T - 1 - start, L, K]: row r is the Top-K routing computed when token
+``start + r`` was the input (prompt rows from prefill, response rows from decode; the last
+sampled token never went through the model and has no row). L counts MoE layers only, in the
+order of ``RouteHeader.layer_ids`` (global 0-based decoder-layer numbers). Ids are logical
+expert ids. The dtype is the narrowest unsigned type that holds E ids plus a MISSING sentinel
+(its max value): uint8 for E <= 255, else uint16. Records stay jagged; they are widened to
+int64 per layer only when a micro-batch is laid out for replay (``routing/layout.py``).
+
+Ingest (``validate``) is strict and names sample, layer and row: wrong shape or dtype, a row
+count that does not match the sample's tokens, ids out of range, repeated ids in a row, an
+all-zero MoE layer (the classic symptom of an engine that never captured a layer), a
+fingerprint from another model. ``from_vllm`` adapts vLLM's ``CompletionOutput.routed_experts``.
+
+Shape suffixes: N rows (tokens), L MoE layers, K top-k, A all decoder layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from moe_rl.config import ModelConfig
+
+
+class RouteError(ValueError):
+    """A route record is malformed; the message names sample, layer and row."""
+
+
+def route_dtype(num_experts: int) -> torch.dtype:
+    """Narrowest unsigned dtype holding ids 0..E-1 plus the MISSING sentinel (the dtype max)."""
+    if num_experts <= 255:
+        return torch.uint8
+    if num_experts <= 65535:
+        return torch.uint16
+    raise ValueError(f"{num_experts} experts do not fit a uint16 route record")
+
+
+def missing_id(dtype: torch.dtype) -> int:
+    return int(torch.iinfo(dtype).max)
+
+
+def model_fingerprint(cfg: ModelConfig) -> str:
+    """Identity of the routing function's shape: records from another model are refused."""
+    from moe_rl.warmstart import ARCH_FIELDS
+
+    arch = {k: getattr(cfg, k) for k in ARCH_FIELDS}
+    return hashlib.sha256(json.dumps(arch, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class RouteHeader:
+    layer_ids: tuple[int, ...]  # global 0-based layer number of each MoE layer, in record order
+    num_experts: int
+    top_k: int
+    fingerprint: str
+
+    @classmethod
+    def for_model(cls, cfg: ModelConfig) -> RouteHeader:
+        return cls(tuple(cfg.moe_layers), cfg.num_experts, cfg.moe_router_topk, model_fingerprint(cfg))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return route_dtype(self.num_experts)
+
+
+@dataclass
+class RouteRecord:
+    ids_TLK: torch.Tensor
+    prompt_len: int
+    start: int  # token position of row 0 (multi-turn: rows before it were sent earlier)
+    header: RouteHeader
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.ids_TLK.shape[0])
+
+
+@dataclass
+class RouteBatch:
+    """Route records of many samples, jagged: rows of all samples concatenated, no padding.
+
+    ids_NLK: [sum(rows_B), L, K] route dtype; rows_B / start_B / prompt_len_B: int64 [B]."""
+
+    ids_NLK: torch.Tensor
+    rows_B: torch.Tensor
+    start_B: torch.Tensor
+    prompt_len_B: torch.Tensor
+    header: RouteHeader
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.rows_B.shape[0])
+
+    @property
+    def first_B(self) -> torch.Tensor:
+        return torch.cumsum(self.rows_B, 0) - self.rows_B
+
+    @property
+    def sample_N(self) -> torch.Tensor:
+        return torch.repeat_interleave(torch.arange(self.num_samples), self.rows_B)
+
+    @property
+    def position_N(self) -> torch.Tensor:
+        """Token position of every row."""
+        sample_N = self.sample_N
+        return torch.arange(self.ids_NLK.shape[0]) - self.first_B[sample_N] + self.start_B[sample_N]
+
+    @classmethod
+    def from_records(cls, records: list[RouteRecord]) -> RouteBatch:
+        if not records:
+            raise ValueError("no route records")
+        header = records[0].header
+        for b, r in enumerate(records):
+            if r.header != header:
+                raise RouteError(f"sample {b}: route header {r.header} differs from sample 0's {header}")
+        return cls(torch.cat([r.ids_TLK for r in records]),
+                   torch.tensor([r.num_rows for r in records], dtype=torch.int64),
+                   torch.tensor([r.start for r in records], dtype=torch.int64),
+                   torch.tensor([r.prompt_len for r in records], dtype=torch.int64), header)
+
+    def select(self, idx_B: torch.Tensor) -> RouteBatch:
+        """The samples ``idx_B`` (in that order), one vectorized gather."""
+        rows_B = self.rows_B[idx_B]
+        row_N = torch.repeat_interleave(self.first_B[idx_B], rows_B) + (
+            torch.arange(int(rows_B.sum())) - torch.repeat_interleave(torch.cumsum(rows_B, 0) - rows_B, rows_B))
+        return RouteBatch(self.ids_NLK[row_N], rows_B, self.start_B[idx_B], self.prompt_len_B[idx_B], self.header)
+
+    def records(self) -> list[RouteRecord]:
+        chunks = torch.split(self.ids_NLK, self.rows_B.tolist())
+        return [RouteRecord(ids, int(p), int(s), self.header)
+                for ids, p, s in zip(chunks, self.prompt_len_B.tolist(), self.start_B.tolist())]
+
+
+def save_records(records: list[RouteRecord]) -> bytes:
+    """Serialise a batch of records (one header) with safetensors; jagged rows are concatenated."""
+    if not records:
+        raise ValueError("no route records to save")
+    header = records[0].header
+    if any(r.header != header for r in records):
+        raise ValueError("records of one batch must share a header")
+    rows = torch.tensor([r.num_rows for r in records], dtype=torch.int64)
+    meta = torch.tensor([[r.prompt_len, r.start] for r in records], dtype=torch.int64)
+    tensors = {"ids": torch.cat([r.ids_TLK for r in records]).contiguous(), "rows": rows, "meta": meta}
+    return st_save(tensors, metadata={"header": json.dumps(dataclasses.asdict(header))})
+
+
+def load_records(blob: bytes) -> list[RouteRecord]:
+    tensors = st_load(blob)
+    # safetensors layout: u64 little-endian header size, then the JSON header with __metadata__
+    n_header = int.from_bytes(blob[:8], "little")
+    meta = json.loads(blob[8:8 + n_header])["__metadata__"]
+    h = json.loads(meta["header"])
+    header = RouteHeader(tuple(h["layer_ids"]), h["num_experts"], h["top_k"], h["fingerprint"])
+    chunks = torch.split(tensors["ids"], tensors["rows"].tolist())
+    return [RouteRecord(ids, int(m[0]), int(m[1]), header) for ids, m in zip(chunks, tensors["meta"])]
+
+
+def from_vllm(routed_experts: np.ndarray, *, num_tokens: int, prompt_len: int, header: RouteHeader,
+              prompt_start: int = 0, sample: int = 0) -> RouteRecord:
+    """Adapt vLLM's ``CompletionOutput.routed_experts`` ([T - 1 - prompt_start, A, K], uint8 for
+    E <= 256 else uint16, every decoder layer, dense-layer rows zero) to a record: keep the MoE
+    layers by global number and move to our dtype (uint8 can hold 256 ids but then no MISSING).
+
+    Raises RouteError naming the sample on a shape that cannot be this sample's routes."""
+    arr = np.asarray(routed_experts)
+    if arr.ndim != 3:
+        raise RouteError(f"sample {sample}: vLLM routed_experts has shape {arr.shape}, expected [T-1, layers, K]")
+    expect_rows = num_tokens - 1 - prompt_start
+    if arr.shape[0] != expect_rows:
+        raise RouteError(f"sample {sample}: vLLM returned {arr.shape[0]} route rows for {num_tokens} tokens "
+                         f"from position {prompt_start}; expected {expect_rows}")
+    if max(header.layer_ids) >= arr.shape[1]:
+        raise RouteError(f"sample {sample}: vLLM routed_experts has {arr.shape[1]} layers but MoE layer "
+                         f"{max(header.layer_ids)} is expected")
+    if arr.shape[2] != header.top_k:
+        raise RouteError(f"sample {sample}: vLLM routed_experts has K={arr.shape[2]}, model top-k is {header.top_k}")
+    if arr.dtype not in (np.uint8, np.uint16, np.int16, np.int32):
+        raise RouteError(f"sample {sample}: vLLM routed_experts dtype {arr.dtype} is not an integer id type")
+    moe_NLK = torch.from_numpy(arr[:, list(header.layer_ids), :].astype(np.int64))
+    return RouteRecord(moe_NLK.to(header.dtype), prompt_len, prompt_start, header)
+
+
+def validate(batch: RouteBatch, num_tokens_B: torch.Tensor, header: RouteHeader) -> None:
+    """Strict ingest check; RouteError names the first bad sample, layer and row.
+
+    ``num_tokens_B[b]`` is sample b's prompt + response length."""
+    B = batch.num_samples
+    if int(num_tokens_B.shape[0]) != B:
+        raise RouteError(f"{B} route records for {int(num_tokens_B.shape[0])} samples")
+    if batch.header.fingerprint != header.fingerprint:
+        raise RouteError(f"route fingerprint {batch.header.fingerprint} is not the learner model's "
+                         f"{header.fingerprint}")
+    if batch.header != header:
+        raise RouteError(f"route header {batch.header} differs from the learner's {header}")
+    L, K = len(header.layer_ids), header.top_k
+    if batch.ids_NLK.dtype != header.dtype:
+        raise RouteError(f"route dtype {batch.ids_NLK.dtype}, expected {header.dtype}")
+    if batch.ids_NLK.dim() != 3 or tuple(batch.ids_NLK.shape[1:]) != (L, K):
+        raise RouteError(f"route shape {tuple(batch.ids_NLK.shape)}, expected [rows, {L}, {K}]")
+    expect_B = num_tokens_B - 1 - batch.start_B
+    wrong_B = batch.rows_B != expect_B
+    if bool(wrong_B.any()):
+        b = int(wrong_B.nonzero()[0])
+        raise RouteError(f"sample {b}: {int(batch.rows_B[b])} route rows for {int(num_tokens_B[b])} tokens "
+                         f"from position {int(batch.start_B[b])}; expected {int(expect_B[b])}")
+    ids_NLK = batch.ids_NLK.to(torch.int64)
+    if ids_NLK.numel() == 0:
+        return
+    sample_N, row_N = batch.sample_N, batch.position_N
+    missing = missing_id(header.dtype)
+    present_NLK = ids_NLK != missing
+    bad = present_NLK & (ids_NLK >= header.num_experts)
+    _raise_first(bad.any(-1), sample_N, row_N, header, lambda n, l: f"expert id {int(ids_NLK[n, l].max())} "
+                 f">= num_experts {header.num_experts}")
+    srt_NLK = ids_NLK.sort(-1).values
+    dup_NL = ((srt_NLK[..., 1:] == srt_NLK[..., :-1]) & (srt_NLK[..., 1:] != missing)).any(-1)
+    _raise_first(dup_NL, sample_N, row_N, header, lambda n, l: f"repeated expert ids {ids_NLK[n, l].tolist()}")
+    partial_NL = present_NLK.any(-1) & ~present_NLK.all(-1)
+    _raise_first(partial_NL, sample_N, row_N, header, lambda n, l: f"row mixes MISSING and ids {ids_NLK[n, l].tolist()}")
+    # an engine that never captured a layer leaves it all zero: per sample and layer
+    zero_NL = (ids_NLK == 0).all(-1).to(torch.int64)
+    zero_BL = torch.zeros(B, L, dtype=torch.int64).index_add_(0, sample_N, zero_NL)
+    all_zero_BL = (zero_BL == batch.rows_B[:, None]) & (batch.rows_B[:, None] > 0)
+    if bool(all_zero_BL.any()):
+        b, l = (int(x) for x in all_zero_BL.nonzero()[0])
+        raise RouteError(f"sample {b}, layer {header.layer_ids[l]}: every row routes to expert 0 only "
+                         f"(an engine that did not capture this layer?)")
+
+
+def _raise_first(bad_NL: torch.Tensor, sample_N: torch.Tensor, row_N: torch.Tensor, header: RouteHeader,
+                 what) -> None:
+    if not bool(bad_NL.any()):
+        return
+    n, l = (int(x) for x in bad_NL.nonzero()[0])
+    raise RouteError(f"sample {int(sample_N[n])}, layer {header.layer_ids[l]}, row {int(row_N[n])}: {what(n, l)}")
