@@ -51,6 +51,7 @@ class ModelConfig:
     norm_eps: float = 1e-6
     max_seq_len: int = 64
     router_aux_loss_coeff: float = 0.0  # switch load-balancing loss; 0 = off
+    recompute: bool = False  # full activation recomputation in the learner (routes are replayed again)
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_layers", "num_attention_heads", "num_query_groups",
@@ -120,6 +121,7 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
+    router_noise: float = 0.0  # std of Gaussian noise on the engine's router logits: dialled-in routing mismatch
 
     def __post_init__(self) -> None:
         _one_of(self.engine, "rollout.engine", ("builtin",))
@@ -129,6 +131,21 @@ class RolloutConfig:
         _check(self.temperature > 0, "rollout.temperature", "must be > 0")
         _check(0 < self.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
         _check(self.top_k >= 0, "rollout.top_k", "must be >= 0")
+        _check(self.router_noise >= 0, "rollout.router_noise", "must be >= 0")
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    # off: learner routes natively (agreement with the rollout's routes is still measured)
+    # r2:  the old-log-prob pass records the learner's routes; the update passes replay them
+    # r3:  the rollout engine's routes are replayed in the old-log-prob and update passes
+    replay: str = "off"
+    # Replay in the reference (KL) pass too, so the KL term measures the policy change and not
+    # routing noise between two forwards (all peers default to not replaying: peers.md 2.0).
+    replay_reference: bool = True
+
+    def __post_init__(self) -> None:
+        _one_of(self.replay, "routing.replay", ("off", "r2", "r3"))
 
 
 @dataclass(frozen=True)
@@ -185,8 +202,8 @@ class RunConfig:
     run_dir: str = "runs/default"
     resume: bool = False  # continue from run_dir's last checkpoint
     seed: int = 1234
-    steps: int = 400
-    checkpoint_every: int = 100  # 0 = only at the end
+    steps: int = 200
+    checkpoint_every: int = 50  # 0 = only at the end
     init_weights: str = "builtin:warmstart"  # safetensors file, "builtin:warmstart" or "" (random)
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -194,6 +211,7 @@ class RunConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
     def __post_init__(self) -> None:

@@ -18,6 +18,7 @@ from moe_rl.learner import checkpoint
 from moe_rl.losses import kl_estimate, ppo_clip_loss
 from moe_rl.metrics import Max, Mean, Sum, merge_metrics
 from moe_rl.tasks import CharTokenizer
+from moe_rl.routing.record import RouteBatch, RouteHeader, validate
 from moe_rl.types import RolloutBatch, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -32,7 +33,20 @@ def step_seed(seed: int, step: int, dp_rank: int, stream: int) -> int:
 def build_engine(cfg: RunConfig, tok: CharTokenizer):
     from moe_rl.rollout.builtin import BuiltinEngine
 
-    return BuiltinEngine(cfg.model, dtype=cfg.rollout.dtype, pad_id=tok.pad_id)
+    return BuiltinEngine(cfg.model, dtype=cfg.rollout.dtype, pad_id=tok.pad_id,
+                         router_logit_noise=cfg.rollout.router_noise)
+
+
+# replay mode of the old-log-prob pass, per routing.replay
+OLD_PASS_MODE = {"off": "observe", "r2": "record", "r3": "replay"}
+
+
+def rollout_routes(batch: RolloutBatch, header: RouteHeader) -> RouteBatch:
+    """The engine's per-sample route tensors as one jagged batch, checked at ingest."""
+    routes = RouteBatch(torch.cat(batch.routes), torch.tensor([r.shape[0] for r in batch.routes]),
+                        torch.zeros_like(batch.prompt_lens_B), batch.prompt_lens_B.clone(), header)
+    validate(routes, batch.prompt_lens_B + batch.response_lens_B, header)
+    return routes
 
 
 def sampling(cfg: RunConfig, tok: CharTokenizer) -> SamplingParams:
@@ -72,12 +86,23 @@ def prepare(cfg: RunConfig, learner, batch: RolloutBatch, rewards_B: torch.Tenso
     a, temp = cfg.algo, cfg.rollout.temperature
     seq_lens_B = batch.prompt_lens_B + batch.response_lens_B
     mask_BS = batch.response_mask_BS
-    old_logp_BS, entropy_BS = learner.forward_logprobs(batch.tokens_BS, seq_lens_B, temp, a.micro_batch_size)
+    rollout = rollout_routes(batch, learner.route_header)
+    replay = cfg.routing.replay
+    old_logp_BS, entropy_BS = learner.forward_logprobs(batch.tokens_BS, seq_lens_B, temp, a.micro_batch_size,
+                                                       routes=rollout, replay_mode=OLD_PASS_MODE[replay])
+    route_metrics = learner.replay.metrics()
+    # the routes the update (and reference) passes replay: R2 the old policy's, R3 the rollout's
+    routes = {"off": None, "r2": learner.replay.recorded() if replay == "r2" else None, "r3": rollout}[replay]
     adv_BS, metrics = get_advantage(a.advantage)(rewards_B, batch.group_B, mask_BS, std_norm=a.grpo_std_norm)
+    metrics.update(route_metrics)
     tb = {"tokens": batch.tokens_BS, "loss_mask": mask_BS, "old_logp": old_logp_BS, "advantages": adv_BS}
+    if routes is not None:
+        tb["routes"] = routes
     if a.kl_coef > 0:
+        ref_mode = "replay" if routes is not None and cfg.routing.replay_reference else None
         tb["ref_logp"], _ = learner.forward_logprobs(batch.tokens_BS, seq_lens_B, temp, a.micro_batch_size,
-                                                     reference=True)
+                                                     reference=True, routes=routes if ref_mode else None,
+                                                     replay_mode=ref_mode)
     m = mask_BS.float()
     n = m.sum()
     # Training-inference mismatch on the sampled tokens: KL(pi_rollout || pi_learner), samples
@@ -105,15 +130,15 @@ def update(cfg: RunConfig, learner, tb: dict[str, torch.Tensor], lr: float) -> d
         return loss, metrics
 
     seq_lens_B = tb.pop("seq_lens")
-    chunks = [{k: v.chunk(a.num_minibatches)[i] for k, v in tb.items()} for i in range(a.num_minibatches)]
-    lens = seq_lens_B.chunk(a.num_minibatches)
+    replay_mode = "replay" if "routes" in tb else None
     merged: dict = {}
     grad_norms = []
-    for mb, lens_B in zip(chunks, lens):
-        opt_metrics, per_micro = learner.update(mb, lens_B, loss_fn, cfg.rollout.temperature,
-                                                a.micro_batch_size, lr)
+    for idx_B in torch.arange(seq_lens_B.shape[0]).chunk(a.num_minibatches):
+        mb = {k: v.select(idx_B) if isinstance(v, RouteBatch) else v[idx_B] for k, v in tb.items()}
+        opt_metrics, per_micro = learner.update(mb, seq_lens_B[idx_B], loss_fn, cfg.rollout.temperature,
+                                                a.micro_batch_size, lr, replay_mode)
         grad_norms.append(opt_metrics["train/grad_norm"])
-        for m in per_micro:
+        for m in [*per_micro, learner.replay.metrics() if replay_mode else {}]:
             merged = merge_metrics(merged, m)
     # grad norms are global already (identical on every rank): plain numbers
     merged["train/grad_norm"] = sum(grad_norms) / len(grad_norms)

@@ -34,14 +34,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="moe_rl/assets/warmstart.safetensors")
     ap.add_argument("--target", type=float, default=0.2, help="stop at this sampled exact-match reward")
-    ap.add_argument("--target-greedy", type=float, default=0.0,
+    ap.add_argument("--target-greedy", type=float, default=0.8,
                     help="also require this greedy exact-match reward before stopping")
-    ap.add_argument("--entropy-bonus", type=float, default=0.0,
+    ap.add_argument("--entropy-bonus", type=float, default=0.25,
                     help="SFT loss = NLL - bonus * entropy: keeps the policy spread while its mode improves")
     ap.add_argument("--max-steps", type=int, default=800)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--eval-every", type=int, default=5)
+    ap.add_argument("--eval-every", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
 

@@ -27,6 +27,8 @@ from moe_rl.learner.weights import (
     gather_experts,
     megatron_to_canonical,
 )
+from moe_rl.routing.record import RouteBatch, RouteHeader
+from moe_rl.routing.replay import RouteReplay
 
 log = logging.getLogger(__name__)
 
@@ -35,14 +37,22 @@ LossFn = Callable[[dict[str, torch.Tensor], torch.Tensor, torch.Tensor, torch.Te
                   tuple[torch.Tensor, dict[str, Any]]]
 
 
-def split_micro_batches(batch: dict[str, torch.Tensor], seq_lens_B: torch.Tensor,
-                        micro_batch_size: int) -> list[dict[str, torch.Tensor]]:
-    """Split [B, S] tensors into micro-batches along B, each trimmed to its longest sequence."""
+def _slice(v, sl: slice, s_max: int):
+    if isinstance(v, RouteBatch):
+        return v.select(torch.arange(sl.start, min(sl.stop, v.num_samples)))
+    return v[sl, :s_max] if v.dim() == 2 else v[sl]
+
+
+def split_micro_batches(batch: dict, seq_lens_B: torch.Tensor, micro_batch_size: int) -> list[dict]:
+    """Split [B, S] tensors (and route records) into micro-batches along B, each trimmed to its
+    longest sequence; every micro-batch carries its "seq_lens"."""
     out = []
     for start in range(0, int(seq_lens_B.shape[0]), micro_batch_size):
         sl = slice(start, start + micro_batch_size)
         s_max = int(seq_lens_B[sl].max())
-        out.append({k: (v[sl, :s_max] if v.dim() == 2 else v[sl]) for k, v in batch.items()})
+        mb = {k: _slice(v, sl, s_max) for k, v in batch.items()}
+        mb["seq_lens"] = seq_lens_B[sl]
+        out.append(mb)
     return out
 
 
@@ -62,12 +72,17 @@ class Learner:
         self.gpt, self.tcfg = setup.build_model(model_cfg, par)
         if init_weights is not None:
             self.load_canonical(init_weights)
+        # Every model gets its own replay controller (megatron's RouterReplay instances are
+        # per router; the controller keeps the policy's and the reference's state apart).
+        self.route_header = RouteHeader.for_model(model_cfg)
+        self.replay = RouteReplay(self.gpt, self.route_header, ctx.ep_size, model_cfg.recompute)
         # The reference policy is a frozen copy of the initial weights (for the KL term).
-        self.ref = None
+        self.ref, self.ref_replay = None, None
         if with_reference:
             self.ref, _ = setup.build_model(model_cfg, par)
             self.ref.load_state_dict(self.gpt.state_dict())
             self.ref.requires_grad_(False).eval()
+            self.ref_replay = RouteReplay(self.ref, self.route_header, ctx.ep_size, model_cfg.recompute)
         self.ddp = setup.wrap_ddp(self.gpt, self.tcfg, par)
         self.optimizer = setup.build_optimizer(self.ddp, optim, par)
         self.dp_group = ps.get_data_parallel_group()
@@ -93,26 +108,46 @@ class Learner:
         return gather_experts(canon, self.model_cfg, self.ctx.ep_size, self.ep_group)
 
     # ---- passes --------------------------------------------------------------------------
-    def _schedule(self, model, micro_batches: list[dict[str, torch.Tensor]], loss_fn, forward_only: bool):
+    def _schedule(self, model, replay: RouteReplay, micro_batches: list[dict], loss_fn, forward_only: bool,
+                  replay_mode: str | None, prefix: str = "routing/"):
+        """megatron's schedule over micro-batches; with ``replay_mode``, one replay pass around it."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
             tokens_BS = mb["tokens"]
+            if replay_mode is not None:
+                replay.begin_micro_batch(mb.get("routes"), mb["seq_lens"], tokens_BS.shape[1])
             pos_BS = torch.arange(tokens_BS.shape[1], device=tokens_BS.device).expand_as(tokens_BS)
             logits_BSV = model(tokens_BS, pos_BS, None)
-            return logits_BSV, partial(loss_fn, mb)
+            return logits_BSV, partial(loss_after_forward, mb)
 
-        return get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[model],
-            num_microbatches=len(micro_batches), seq_length=int(micro_batches[0]["tokens"].shape[1]),
-            micro_batch_size=int(micro_batches[0]["tokens"].shape[0]), forward_only=forward_only)
+        def loss_after_forward(mb, logits_BSV):
+            if replay_mode is not None:
+                replay.end_forward()  # the forward is done: a recompute, if any, comes next
+            return loss_fn(mb, logits_BSV)
+
+        def run():
+            return get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[model],
+                num_microbatches=len(micro_batches), seq_length=int(micro_batches[0]["tokens"].shape[1]),
+                micro_batch_size=int(micro_batches[0]["tokens"].shape[0]), forward_only=forward_only)
+
+        if replay_mode is None:
+            return run()
+        with replay.run(replay_mode, with_backward=not forward_only, prefix=prefix):
+            return run()
 
     @torch.no_grad()
     def forward_logprobs(self, tokens_BS: torch.Tensor, seq_lens_B: torch.Tensor, temperature: float,
-                         micro_batch_size: int, reference: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-probs and entropies of given sequences (policy, or the frozen reference)."""
-        model = self.ref if reference else self.ddp
+                         micro_batch_size: int, reference: bool = False, routes: RouteBatch | None = None,
+                         replay_mode: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs and entropies of given sequences (policy, or the frozen reference).
+
+        ``replay_mode`` ("observe" | "record" | "replay", with ``routes`` unless recording) runs
+        the pass under routing replay; its metrics and recorded routes are then on
+        ``self.replay`` (or ``self.ref_replay``)."""
+        model, replay = (self.ref, self.ref_replay) if reference else (self.ddp, self.replay)
         if model is None:
             raise RuntimeError("reference log-probs requested but the learner has no reference model")
         model.eval()
@@ -121,15 +156,16 @@ class Learner:
             logp_BS, ent_BS = token_logprobs(logits_BSV, mb["tokens"], temperature)
             return logits_BSV.new_zeros(()), torch.tensor(0), {"logp": logp_BS, "entropy": ent_BS}
 
-        mbs = split_micro_batches({"tokens": tokens_BS}, seq_lens_B, micro_batch_size)
-        outs = self._schedule(model, mbs, collect, forward_only=True)
+        batch = {"tokens": tokens_BS} if routes is None else {"tokens": tokens_BS, "routes": routes}
+        mbs = split_micro_batches(batch, seq_lens_B, micro_batch_size)
+        outs = self._schedule(model, replay, mbs, collect, True, replay_mode)
         S = tokens_BS.shape[1]
         logp_BS = torch.cat([torch.nn.functional.pad(o["logp"], (0, S - o["logp"].shape[1])) for o in outs])
         ent_BS = torch.cat([torch.nn.functional.pad(o["entropy"], (0, S - o["entropy"].shape[1])) for o in outs])
         return logp_BS, ent_BS
 
-    def forward_backward(self, minibatch: dict[str, torch.Tensor], seq_lens_B: torch.Tensor, loss_fn: LossFn,
-                         temperature: float, micro_batch_size: int) -> list:
+    def forward_backward(self, minibatch: dict, seq_lens_B: torch.Tensor, loss_fn: LossFn,
+                         temperature: float, micro_batch_size: int, replay_mode: str | None = None) -> list:
         """Gradients of the minibatch loss, reduced over data-parallel ranks; per-micro-batch metrics.
 
         ``minibatch`` must hold "tokens" and "loss_mask" [B, S]; the normaliser passed to the loss
@@ -153,14 +189,16 @@ class Learner:
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
         mbs = split_micro_batches(minibatch, seq_lens_B, micro_batch_size)
-        loss_metrics = self._schedule(self.ddp, mbs, compute, forward_only=False)
+        loss_metrics = self._schedule(self.ddp, self.replay, mbs, compute, False, replay_mode,
+                                      prefix="routing/update_")
         finalize_model_grads([self.ddp])  # sum over DP (scaling 1.0: the loss is already global)
         return loss_metrics
 
-    def update(self, minibatch: dict[str, torch.Tensor], seq_lens_B: torch.Tensor, loss_fn: LossFn,
-               temperature: float, micro_batch_size: int, lr: float) -> tuple[dict[str, Any], list]:
+    def update(self, minibatch: dict, seq_lens_B: torch.Tensor, loss_fn: LossFn, temperature: float,
+               micro_batch_size: int, lr: float, replay_mode: str | None = None) -> tuple[dict[str, Any], list]:
         """One optimizer step over a minibatch; returns (optimizer metrics, per-micro-batch loss metrics)."""
-        loss_metrics = self.forward_backward(minibatch, seq_lens_B, loss_fn, temperature, micro_batch_size)
+        loss_metrics = self.forward_backward(minibatch, seq_lens_B, loss_fn, temperature, micro_batch_size,
+                                             replay_mode)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         ok, grad_norm, _ = self.optimizer.step()

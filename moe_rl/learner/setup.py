@@ -51,6 +51,8 @@ def transformer_config(model: ModelConfig, par: ParallelConfig, *, bf16: bool = 
         moe_token_dispatcher_type=par.token_dispatcher,
         moe_grouped_gemm=False,  # grouped GEMM needs CUDA kernels; TE spec brings its own
         moe_router_fusion=False,  # fused TE top-k would bypass routing replay
+        # every router owns a RouterReplay; moe_rl.routing.replay drives it per pass
+        moe_enable_routing_replay=True,
         tensor_model_parallel_size=par.tensor_parallel,
         pipeline_model_parallel_size=par.pipeline_parallel,
         expert_model_parallel_size=par.expert_parallel,
@@ -67,7 +69,15 @@ def transformer_config(model: ModelConfig, par: ParallelConfig, *, bf16: bool = 
         gradient_accumulation_fusion=False,
         apply_rope_fusion=False,
         persist_layer_norm=False,
+        **_recompute(model),
     )
+
+
+def _recompute(model: ModelConfig) -> dict:
+    """Full activation recomputation, one layer per checkpoint (routes are served again on it)."""
+    if not model.recompute:
+        return {}
+    return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
 
 
 def build_model(model: ModelConfig, par: ParallelConfig, *, bf16: bool = False):

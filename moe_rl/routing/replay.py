@@ -1,0 +1,221 @@
+"""Routing replay in megatron-core: the learner routes tokens through given experts.
+
+Built on megatron-core's own ``RouterReplay`` (``moe_enable_routing_replay``): every MoE router
+owns one instance, and ``megatron_patches.router_replay_hook`` lets an instance delegate its
+top-k choice to a per-layer hook installed here. Per pass (old log-probs, update, reference)
+the learner picks a mode:
+
+- ``observe``: route natively, compare with the given routes (routing agreement, replay off);
+- ``record``:  route natively and keep the routes (R2: the old-policy pass records them);
+- ``replay``:  force the given indices; gate values are recomputed from the live router logits
+  (``scores.gather``), so the router keeps its gradient; rows without a route (the last token
+  of each sequence, MISSING rows) route natively; padding rows get the spread pad routes.
+
+Fail closed: every micro-batch's routes are consumed exactly once per layer in the forward (a
+second forward without new routes raises: stale data), and, with activation recomputation,
+served again from a FIFO on recompute; at the end of a pass every layer must have consumed
+every micro-batch (and emptied its FIFO), or the pass raises naming layer and count. A fused
+router (which bypasses replay) is refused when the controller is built.
+
+Agreement is measured from the same forward (native top-k is computed anyway), on rows whose
+target came from a record: per layer, the fraction of rows whose native expert set differs from
+the given one, and overlap@K; per token, whether any layer differs and how many.
+
+Shape suffixes: N rows (S * B tokens of a micro-batch), L MoE layers, K top-k.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from moe_rl.metrics import Mean
+from moe_rl.routing.layout import layout, unlayout
+from moe_rl.routing.record import RouteBatch, RouteHeader
+from moe_rl.routing.stats import topk_agreement
+
+MODES = ("observe", "record", "replay")
+
+
+class ReplayError(RuntimeError):
+    """Replay could not be served exactly as required; the message names layer and counts."""
+
+
+class _LayerHook:
+    """What a RouterReplay instance calls instead of its own top-k (see router_replay_hook)."""
+
+    def __init__(self, owner: RouteReplay, pos: int, layer_id: int) -> None:
+        self.owner, self.pos, self.layer_id = owner, pos, layer_id
+        self.target_NK: torch.Tensor | None = None
+        self.fifo: deque[torch.Tensor] = deque()
+        self.served_forward = 0
+        self.served_backward = 0
+
+    def __call__(self, scores: torch.Tensor, topk: int, compute_native):
+        return self.owner._route(self, scores, topk, compute_native)
+
+
+class RouteReplay:
+    """Drives the routers of one megatron model (policy or reference: each has its own)."""
+
+    def __init__(self, gpt, header: RouteHeader, ep_size: int, recompute: bool) -> None:
+        from megatron_patches import router_replay_hook
+
+        if not router_replay_hook.is_applied():
+            raise ReplayError("megatron_patches.router_replay_hook is not applied (megatron_patches.apply_all)")
+        self.header, self.ep_size, self.recompute = header, ep_size, recompute
+        self.hooks: list[_LayerHook] = []
+        for layer in gpt.decoder.layers:
+            router = getattr(layer.mlp, "router", None)
+            if router is None:
+                continue
+            layer_id = layer.layer_number - 1  # megatron numbers layers from 1, globally
+            if getattr(router.config, "moe_router_fusion", False):
+                raise ReplayError(f"layer {layer_id}: the fused router bypasses routing replay")
+            if router.router_replay is None:
+                raise ReplayError(f"layer {layer_id}: built without moe_enable_routing_replay")
+            hook = _LayerHook(self, header.layer_ids.index(layer_id), layer_id)
+            router.router_replay.moe_rl_controller = hook
+            self.hooks.append(hook)
+        if not self.hooks:
+            raise ReplayError("the model has no MoE router to replay")
+        self.mode: str | None = None
+        self._reset()
+
+    # ---- one pass over micro-batches ------------------------------------------------------
+    def _reset(self) -> None:
+        self.phase = "forward"
+        self.num_micro_batches = 0
+        self._recorded: list[RouteBatch] = []
+        self._native_LNK: list[torch.Tensor | None] = [None] * len(self.hooks)
+        self._differs: list[torch.Tensor | None] = [None] * len(self.hooks)
+        self._metrics: dict = {}
+        self._mb: tuple | None = None
+        self._has_targets = False
+        for h in self.hooks:
+            h.target_NK, h.served_forward, h.served_backward = None, 0, 0
+            h.fifo.clear()
+
+    @contextmanager
+    def run(self, mode: str, with_backward: bool, prefix: str = "routing/") -> Iterator[RouteReplay]:
+        """One pass in ``mode``; with a backward (and recompute) the routes are queued for it.
+        Checks on exit that every route was consumed exactly once."""
+        if mode not in MODES:
+            raise ValueError(f"replay mode {mode!r} is not one of {MODES}")
+        self._reset()
+        self.mode, self.prefix, self.with_backward = mode, prefix, with_backward
+        try:
+            yield self
+            self._check_consumed()
+        finally:
+            self.mode = None
+
+    def begin_micro_batch(self, routes: RouteBatch | None, seq_lens_B: torch.Tensor, seq_len: int) -> None:
+        """Before a micro-batch's forward: lay its routes out like its tokens."""
+        self.phase = "forward"
+        self.num_micro_batches += 1
+        B = int(seq_lens_B.shape[0])
+        self._mb = (seq_lens_B, seq_len)
+        self._has_targets = routes is not None
+        if routes is None and self.mode == "record":
+            return  # R2 without rollout routes: record only, nothing to compare with
+        if routes is None or routes.num_samples != B:
+            raise ReplayError(f"{self.mode}: micro-batch of {B} sequences has "
+                              f"{None if routes is None else routes.num_samples} route records")
+        targets_NLK, recorded_N, counts = layout(routes, seq_lens_B, seq_len, self.ep_size)
+        self._recorded_N = recorded_N
+        for h in self.hooks:
+            h.target_NK = targets_NLK[:, h.pos].contiguous()
+        self._add(f"{self.prefix}missing_frac", Mean(counts["rows_missing"], counts["rows_expected"]))
+
+    def end_forward(self) -> None:
+        """After a micro-batch's forward (its loss is computed): recompute, if any, comes next."""
+        self.phase = "backward"
+        if self.mode == "record":
+            seq_lens_B, _ = self._mb
+            native_NLK = torch.stack(self._native_LNK, dim=1).cpu()
+            self._recorded.append(unlayout(native_NLK, seq_lens_B, torch.zeros_like(seq_lens_B), self.header))
+        if self._has_targets and all(d is not None for d in self._differs):
+            differs_LN = torch.stack(self._differs)[:, self._recorded_N]
+            n = torch.tensor(float(differs_LN.shape[1]))
+            any_N = differs_LN.any(0)
+            self._add(f"{self.prefix}flip_token_frac", Mean(any_N.float().sum(), n))
+            self._add(f"{self.prefix}flip_layers_per_token", Mean(differs_LN.float().sum(), n))
+        self._native_LNK = [None] * len(self.hooks)
+        self._differs = [None] * len(self.hooks)
+
+    def recorded(self) -> RouteBatch:
+        """R2: the routes recorded over the pass's micro-batches, in batch order."""
+        if not self._recorded:
+            raise ReplayError("nothing was recorded")
+        parts = self._recorded
+        return RouteBatch(torch.cat([p.ids_NLK for p in parts]), torch.cat([p.rows_B for p in parts]),
+                          torch.cat([p.start_B for p in parts]), torch.cat([p.prompt_len_B for p in parts]),
+                          self.header)
+
+    def metrics(self) -> dict:
+        return dict(self._metrics)
+
+    # ---- the per-layer decision ------------------------------------------------------------
+    def _route(self, hook: _LayerHook, scores: torch.Tensor, topk: int, compute_native):
+        native_probs, native_NK = compute_native(scores)
+        if self.mode is None:  # a pass without routes (SFT, evaluation): megatron's own routing
+            return native_probs, native_NK
+        if self.mode == "record" and self.phase == "forward":
+            self._native_LNK[hook.pos] = native_NK.detach()
+        if not self._has_targets:  # recording without routes to compare with
+            return native_probs, native_NK
+        target_NK = self._next_target(hook, scores.shape[0])
+        if self.phase == "forward":
+            self._observe(hook, native_NK, target_NK)
+        if self.mode != "replay":
+            return native_probs, native_NK
+        idx_NK = torch.where(target_NK >= 0, target_NK.to(native_NK.device), native_NK)
+        return scores.gather(1, idx_NK), idx_NK
+
+    def _next_target(self, hook: _LayerHook, num_rows: int) -> torch.Tensor:
+        if self.phase == "backward":
+            if not hook.fifo:
+                raise ReplayError(f"layer {hook.layer_id}: recompute asked for routes but none are queued")
+            target_NK = hook.fifo.popleft()
+            hook.served_backward += 1
+        else:
+            if hook.target_NK is None:
+                raise ReplayError(f"layer {hook.layer_id}: forward without routes for this micro-batch "
+                                  f"(stale or missing data)")
+            target_NK, hook.target_NK = hook.target_NK, None
+            hook.served_forward += 1
+            if self.recompute and self.with_backward and self.mode == "replay":
+                hook.fifo.append(target_NK)
+        if target_NK.shape[0] != num_rows:
+            raise ReplayError(f"layer {hook.layer_id}: {target_NK.shape[0]} routes for {num_rows} tokens")
+        return target_NK
+
+    def _observe(self, hook: _LayerHook, native_NK: torch.Tensor, target_NK: torch.Tensor) -> None:
+        rec_N = self._recorded_N
+        rec_N = rec_N.to(native_NK.device)
+        differs_N, overlap_N = topk_agreement(native_NK.detach()[rec_N], target_NK.to(native_NK.device)[rec_N])
+        n = torch.tensor(float(differs_N.shape[0]))
+        self._differs[hook.pos] = torch.zeros_like(rec_N).masked_scatter(rec_N, differs_N)
+        for suffix in ("", f"/layer{hook.layer_id}"):
+            self._add(f"{self.prefix}flip_router_frac{suffix}", Mean(differs_N.float().sum(), n))
+            self._add(f"{self.prefix}overlap_at_k{suffix}", Mean(overlap_N.sum(), n))
+
+    def _add(self, key: str, value: Mean) -> None:
+        old = self._metrics.get(key)
+        self._metrics[key] = value if old is None else Mean(old.sum + value.sum, old.count + value.count)
+
+    def _check_consumed(self) -> None:
+        if not self._has_targets:
+            return
+        n = self.num_micro_batches
+        for h in self.hooks:
+            if h.served_forward != n:
+                raise ReplayError(f"layer {h.layer_id}: consumed {h.served_forward} of {n} micro-batches' routes")
+            if h.target_NK is not None:
+                raise ReplayError(f"layer {h.layer_id}: routes of the last micro-batch were never used")
+            if h.fifo:
+                raise ReplayError(f"layer {h.layer_id}: {len(h.fifo)} queued routes were not consumed by recompute")

@@ -1,0 +1,40 @@
+"""Hugging Face transformers' Qwen3-MoE as the independent reference implementation in tests:
+the config for one of our ModelConfigs, and our canonical weights in HF v5's in-memory layout."""
+
+from __future__ import annotations
+
+import torch
+import transformers
+
+from moe_rl.config import ModelConfig
+
+
+def hf_config(cfg: ModelConfig) -> object:
+    hf_cfg = transformers.Qwen3MoeConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.ffn_hidden_size, moe_intermediate_size=cfg.moe_ffn_hidden_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_query_groups, head_dim=cfg.head_dim,
+        num_experts=cfg.num_experts, num_experts_per_tok=cfg.moe_router_topk,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=list(range(cfg.first_k_dense)),
+        rms_norm_eps=cfg.norm_eps, tie_word_embeddings=False, attention_bias=False,
+        max_position_embeddings=cfg.max_seq_len,
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+    )
+    # The plainest HF code paths: eager attention and a per-expert loop.
+    hf_cfg._attn_implementation = "eager"
+    hf_cfg._experts_implementation = "eager"
+    return hf_cfg
+
+
+def canonical_to_hf_memory(named: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Per-expert canonical names -> HF v5 in-memory fused experts (gate rows first, then up)."""
+    out = {k: v for k, v in named.items() if ".mlp.experts." not in k}
+    for i in cfg.moe_layers:
+        p = f"model.layers.{i}.mlp.experts."
+        rng = range(cfg.num_experts)
+        gate_EFH = torch.stack([named[f"{p}{e}.gate_proj.weight"] for e in rng])
+        up_EFH = torch.stack([named[f"{p}{e}.up_proj.weight"] for e in rng])
+        out[p + "gate_up_proj"] = torch.cat([gate_EFH, up_EFH], dim=1)
+        out[p + "down_proj"] = torch.stack([named[f"{p}{e}.down_proj.weight"] for e in rng])
+    return out
