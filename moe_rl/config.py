@@ -93,7 +93,7 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class OptimConfig:
-    lr: float = 1e-4
+    lr: float = 5e-5
     min_lr: float = 0.0
     lr_schedule: str = "constant"  # constant | cosine
     warmup_steps: int = 0
@@ -202,8 +202,8 @@ class RunConfig:
     run_dir: str = "runs/default"
     resume: bool = False  # continue from run_dir's last checkpoint
     seed: int = 1234
-    steps: int = 200
-    checkpoint_every: int = 50  # 0 = only at the end
+    steps: int = 300
+    checkpoint_every: int = 100  # 0 = only at the end
     init_weights: str = "builtin:warmstart"  # safetensors file, "builtin:warmstart" or "" (random)
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)

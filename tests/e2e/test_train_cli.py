@@ -128,3 +128,22 @@ def test_external_torchrun_with_kl_to_reference(tmp_path):
     # and positive once the policy has moved
     assert recs[0]["train/kl_ref"] == 0.0
     assert recs[1]["train/kl_ref"] > 0.0
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("mode", ["r2", "r3"])
+def test_routing_replay_modes_through_the_cli(tmp_path, mode):
+    run = tmp_path / mode
+    moe_rl("train", f"run_dir={run}", "steps=2", "checkpoint_every=0", f"routing.replay={mode}",
+           "rollout.router_noise=1.0", "algo.kl_coef=0.01", *TINY)
+    rec = metrics(run)[1]
+    # the rollout's routes differ from the learner's native ones (noisy engine router) ...
+    assert 0.0 < rec["routing/flip_router_frac"] < 1.0
+    assert rec["routing/flip_token_frac"] >= rec["routing/flip_router_frac"]
+    assert rec["routing/missing_frac"] == 0.0
+    assert "routing/flip_router_frac/layer0" in rec and 0.0 < rec["routing/overlap_at_k"] < 1.0
+    # ... and the update passes replayed routes (R3: the rollout's; R2: the old policy's)
+    assert "routing/update_flip_router_frac" in rec
+    if mode == "r2":
+        # step 0's first minibatch runs with the old policy's weights: its native routes are the record
+        assert metrics(run)[0]["routing/update_flip_router_frac"] < rec["routing/flip_router_frac"]
