@@ -119,7 +119,7 @@ def test_external_torchrun_with_kl_to_reference(tmp_path):
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            "-m", "moe_rl.cli", "train", f"run_dir={run}", "steps=2", "checkpoint_every=0",
-           "algo.kl_coef=0.05", *TINY]
+           "algo.kl_coef=0.05", "algo.num_minibatches=1", *TINY]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     recs = metrics(run)
