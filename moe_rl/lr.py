@@ -9,9 +9,8 @@ Composition: ``lr = scheduled_lr(step, total_steps, opt, multiplier, cfg.min_lr)
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
-from moe_rl.config import OptimConfig, _check, _one_of
+from moe_rl.config import LengthLRConfig, OptimConfig
 
 
 def lr_at(step: int, total_steps: int, opt: OptimConfig) -> float:
@@ -30,56 +29,6 @@ def lr_at(step: int, total_steps: int, opt: OptimConfig) -> float:
 # the exact trigger rule, decay factor, smoothing and every default are NOT public (5.2 [GAP]).
 # What follows is the 5.2 implementation proposal [I], with every part configurable. No default
 # below is from the paper; all are unverified starting points.
-
-
-@dataclass(frozen=True)
-class LengthLRConfig:
-    """Knobs of ``LengthLRScheduler`` (math.md 5.2 [I]; all defaults unverified).
-
-    Each step the scheduler observes the global mean response length x_k and:
-    1. smooths it: ``smoothing="ema"``: L_k = (1 - ema_alpha) L_{k-1} + ema_alpha x_k, L_0 = x_0;
-       ``smoothing="window"``: L_k = mean of the last ``window`` observations.
-    2. compares it with a reference: ``reference="running_min"``: min_{j<=k} L_j (math.md 5.2);
-       ``reference="lookback"``: L_{k-lookback} (a relative slope over ``lookback`` steps; no
-       trigger until that many smoothed values exist). ratio_k = L_k / reference.
-    3. counts consecutive steps with ratio_k > ``surge_ratio`` (the first ``min_observations``
-       observations and steps inside a cooldown do not count, and reset the count).
-    4. triggers when the count reaches ``patience``: multiplier <- max(multiplier * decay_factor,
-       min_multiplier), then no trigger for ``cooldown_steps`` steps. With ``rebase_after_trigger``
-       the reference restarts from the current smoothed length, so the next trigger needs a new
-       surge; without it a length that stays high decays again after every cooldown.
-    A trigger when the multiplier is already at ``min_multiplier`` changes nothing and is not an
-    event. The LR is then ``scheduled_lr(...)``: the base schedule (``lr_at``) times the
-    multiplier, never below ``min(base, min_lr)``.
-    """
-
-    enabled: bool = False
-    smoothing: str = "ema"  # ema | window
-    ema_alpha: float = 0.1  # weight of the newest observation (ema)
-    window: int = 10  # observations averaged (window)
-    reference: str = "running_min"  # running_min | lookback
-    lookback: int = 20  # steps back for reference="lookback"
-    surge_ratio: float = 1.2  # trigger threshold on smoothed / reference (> 1)
-    patience: int = 3  # consecutive steps above the threshold
-    min_observations: int = 10  # no trigger before this many observations (smoother warm-up)
-    decay_factor: float = 0.5  # multiplier <- multiplier * decay_factor on a trigger
-    cooldown_steps: int = 50  # steps after a trigger during which nothing triggers
-    min_multiplier: float = 0.1  # the multiplier's floor
-    min_lr: float = 0.0  # floor on the decayed LR (never raises it above the base schedule)
-    rebase_after_trigger: bool = True
-
-    def __post_init__(self) -> None:
-        _one_of(self.smoothing, "length_lr.smoothing", ("ema", "window"))
-        _one_of(self.reference, "length_lr.reference", ("running_min", "lookback"))
-        _check(0 < self.ema_alpha <= 1, "length_lr.ema_alpha", "must be in (0, 1]")
-        for name in ("window", "lookback", "patience"):
-            _check(getattr(self, name) >= 1, f"length_lr.{name}", "must be >= 1")
-        for name in ("min_observations", "cooldown_steps"):
-            _check(getattr(self, name) >= 0, f"length_lr.{name}", "must be >= 0")
-        _check(self.surge_ratio > 1, "length_lr.surge_ratio", "must be > 1")
-        _check(0 < self.decay_factor < 1, "length_lr.decay_factor", "must be in (0, 1)")
-        _check(0 <= self.min_multiplier <= 1, "length_lr.min_multiplier", "must be in [0, 1]")
-        _check(self.min_lr >= 0, "length_lr.min_lr", "must be >= 0")
 
 
 def scheduled_lr(step: int, total_steps: int, opt: OptimConfig, multiplier: float = 1.0,

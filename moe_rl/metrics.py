@@ -48,6 +48,7 @@ logger = logging.getLogger(__name__)
 Number = Union[float, int, torch.Tensor]
 
 METRICS_FILE = "metrics.jsonl"
+EVENTS_FILE = "events.jsonl"
 WANDB_ID_FILE = "wandb_id"
 
 
@@ -325,10 +326,12 @@ class MetricsWriter:
         if rank != 0:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        if resume_step is None:
-            _fsync_write(self.path, "")
-        else:
-            truncate_metrics_file(self.path, resume_step)
+        self.events_path = self.run_dir / EVENTS_FILE
+        for path in (self.path, self.events_path):
+            if resume_step is None:
+                _fsync_write(path, "")
+            else:
+                truncate_metrics_file(path, resume_step)
         self._file = open(self.path, "a", encoding="utf-8")
         if wandb_mode != "disabled":
             self._wandb_run = self._init_wandb(config_dict, wandb_mode, wandb_project,
@@ -362,6 +365,17 @@ class MetricsWriter:
         os.fsync(self._file.fileno())
         if self._wandb_run is not None:
             self._wandb_run.log({**metrics, "step": int(step)})
+
+    def log_events(self, events: list[dict]) -> None:
+        """Append events (dicts with "step", e.g. an LR decay with its cause) to events.jsonl."""
+        if self.rank != 0 or not events:
+            return
+        with open(self.events_path, "a", encoding="utf-8") as f:
+            for ev in events:
+                f.write(json.dumps({k: _json_value(v) for k, v in ev.items()}, sort_keys=True) + "\n")
+                logger.info("event at step %s: %s", ev.get("step"), ev.get("cause", ev))
+            f.flush()
+            os.fsync(f.fileno())
 
     def close(self) -> None:
         """Close the file and finish the wandb run. Idempotent."""

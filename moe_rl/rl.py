@@ -12,14 +12,18 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from moe_rl.advantages import get_advantage
+from moe_rl.advantages import extra_inputs, get_advantage
+from moe_rl.corrections import derive_metrics
+from moe_rl.corrections.importance import offpolicy_metrics
 from moe_rl.config import RunConfig
 from moe_rl.learner import checkpoint
-from moe_rl.losses import kl_estimate, ppo_clip_loss
+from moe_rl.losses import ppo_clip_loss
+from moe_rl.lr import LengthLRScheduler, scheduled_lr
 from moe_rl.metrics import Max, Mean, Sum, merge_metrics
 from moe_rl.tasks import CharTokenizer
 from moe_rl.routing.record import RouteBatch, RouteHeader, validate
 from moe_rl.types import RolloutBatch, SamplingParams
+from moe_rl.variance import finalize_variance_proxies, variance_proxies
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +59,7 @@ def sampling(cfg: RunConfig, tok: CharTokenizer) -> SamplingParams:
                           top_k=r.top_k, stop_token_ids=(tok.eos_id,))
 
 
-def maybe_resume(cfg: RunConfig, learner, run_dir: Path) -> int:
+def maybe_resume(cfg: RunConfig, learner, run_dir: Path, lr_sched: LengthLRScheduler) -> int:
     """The first step to run: 0, or the step after the last checkpoint when resuming."""
     if not cfg.resume:
         return 0
@@ -63,6 +67,7 @@ def maybe_resume(cfg: RunConfig, learner, run_dir: Path) -> int:
     if path is None:
         raise FileNotFoundError(f"resume=true but {run_dir}/checkpoints has no checkpoint")
     state = checkpoint.load(learner, path)
+    lr_sched.load_state_dict(state["length_lr"])
     log.info("resumed from %s (step %d)", path, state["step"])
     return int(state["step"])
 
@@ -88,35 +93,52 @@ def prepare(cfg: RunConfig, learner, batch: RolloutBatch, rewards_B: torch.Tenso
     mask_BS = batch.response_mask_BS
     rollout = rollout_routes(batch, learner.route_header)
     replay = cfg.routing.replay
-    old_logp_BS, entropy_BS = learner.forward_logprobs(batch.tokens_BS, seq_lens_B, temp, a.micro_batch_size,
-                                                       routes=rollout, replay_mode=OLD_PASS_MODE[replay])
+    old_logp_BS, entropy_BS, sum_pi_sq_BS = learner.forward_logprobs(
+        batch.tokens_BS, seq_lens_B, temp, a.micro_batch_size, routes=rollout, replay_mode=OLD_PASS_MODE[replay])
     route_metrics = learner.replay.metrics()
     # the routes the update (and reference) passes replay: R2 the old policy's, R3 the rollout's
     routes = {"off": None, "r2": learner.replay.recorded() if replay == "r2" else None, "r3": rollout}[replay]
-    adv_BS, metrics = get_advantage(a.advantage)(rewards_B, batch.group_B, mask_BS, std_norm=a.grpo_std_norm)
+    estimator = get_advantage(a.advantage)
+    inputs = {"logp_BS": old_logp_BS, "sum_pi_sq_BS": sum_pi_sq_BS}
+    adv_BS, metrics = estimator(rewards_B, batch.group_B, mask_BS, std_norm=a.grpo_std_norm,
+                                **extra_inputs(estimator, inputs))
     metrics.update(route_metrics)
+    metrics.update(variance_proxies(adv_BS, mask_BS, sum_pi_sq_BS, old_logp_BS))
     tb = {"tokens": batch.tokens_BS, "loss_mask": mask_BS, "old_logp": old_logp_BS, "advantages": adv_BS}
     if routes is not None:
         tb["routes"] = routes
     if a.kl_coef > 0:
         ref_mode = "replay" if routes is not None and cfg.routing.replay_reference else None
-        tb["ref_logp"], _ = learner.forward_logprobs(batch.tokens_BS, seq_lens_B, temp, a.micro_batch_size,
-                                                     reference=True, routes=routes if ref_mode else None,
-                                                     replay_mode=ref_mode)
+        tb["ref_logp"], _, _ = learner.forward_logprobs(batch.tokens_BS, seq_lens_B, temp, a.micro_batch_size,
+                                                        reference=True, routes=routes if ref_mode else None,
+                                                        replay_mode=ref_mode)
     m = mask_BS.float()
-    n = m.sum()
-    # Training-inference mismatch on the sampled tokens: KL(pi_rollout || pi_learner), samples
-    # from the rollout, so the rollout's log-probs play "pi" in kl_estimate.
-    k3_BS = kl_estimate(batch.logprobs_BS, old_logp_BS, "k3")
     diff_BS = (old_logp_BS - batch.logprobs_BS).abs() * m
+    # training-inference mismatch on the sampled tokens (pi_train = the learner's pi_old here)
+    metrics.update(offpolicy_metrics(old_logp_BS, batch.logprobs_BS, mask_BS))
     metrics.update({
-        "train/entropy": Mean((entropy_BS * m).sum(), n),
-        "corr/k3_kl": Mean((k3_BS * m).sum(), n),
-        "corr/k1_kl": Mean(((batch.logprobs_BS - old_logp_BS) * m).sum(), n),
-        "corr/logprob_abs_diff": Mean(diff_BS.sum(), n),
+        "train/entropy": Mean((entropy_BS * m).sum(), m.sum()),
+        "corr/logprob_abs_diff": Mean(diff_BS.sum(), m.sum()),
         "corr/logprob_abs_diff_max": Max(diff_BS.max()),
     })
     return {**tb, "seq_lens": seq_lens_B}, metrics
+
+
+def learning_rate(cfg: RunConfig, scheduler: LengthLRScheduler, step: int, batch: RolloutBatch,
+                  dp_group) -> tuple[float, dict, list[dict]]:
+    """This step's LR: the base schedule times the response-length decay multiplier, which sees
+    the global mean response length of this step's rollouts (one tiny all-reduce)."""
+    stats = torch.stack([batch.response_lens_B.double().sum(), torch.tensor(float(batch.num_seqs))])
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(stats, group=dp_group)
+    multiplier, events = scheduler.update(step, float(stats[0] / stats[1]))
+    lr = scheduled_lr(step, cfg.steps, cfg.optim, multiplier, cfg.optim.length_lr.min_lr)
+    return lr, scheduler.metrics() if cfg.optim.length_lr.enabled else {}, events
+
+
+def finalize(reduced: dict[str, float]) -> dict[str, float]:
+    """Metrics that are functions of globally reduced ones (after reduce_metrics)."""
+    return derive_metrics(finalize_variance_proxies(reduced, reduced["train/grad_norm"]))
 
 
 def update(cfg: RunConfig, learner, tb: dict[str, torch.Tensor], lr: float) -> dict:

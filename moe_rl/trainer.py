@@ -13,7 +13,7 @@ from moe_rl.config import RunConfig, to_dict, to_yaml
 from moe_rl.dist import DistContext
 from moe_rl.learner import checkpoint
 from moe_rl.learner.learner import Learner
-from moe_rl.lr import lr_at
+from moe_rl.lr import LengthLRScheduler
 from moe_rl.metrics import MetricsWriter, reduce_metrics
 from moe_rl.tasks import CharTokenizer, build_prompt_source, score
 from moe_rl.warmstart import load_init_weights
@@ -57,8 +57,8 @@ def train(cfg: RunConfig, ctx: DistContext) -> None:
     source = build_prompt_source(t.tasks, t.min_len, t.max_len, t.dataset, t.reward, tok)
     init = load_init_weights(cfg.init_weights, cfg.model, tok)
     learner = Learner(cfg.model, cfg.parallel, cfg.optim, ctx, init, with_reference=cfg.algo.kl_coef > 0)
-    engine = rl.build_engine(cfg, tok)
-    start = rl.maybe_resume(cfg, learner, run_dir)
+    engine, lr_sched = rl.build_engine(cfg, tok), LengthLRScheduler(cfg.optim.length_lr)
+    start = rl.maybe_resume(cfg, learner, run_dir, lr_sched)
     engine.load_weights(learner.export_canonical())
     if ctx.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -73,20 +73,24 @@ def train(cfg: RunConfig, ctx: DistContext) -> None:
                                 seed=rl.step_seed(cfg.seed, step, ctx.dp_rank, 1))
         t_roll = time.perf_counter()
         rewards_B, m_reward = score(prompts, rl.response_ids(batch, tok.pad_id), tok, r.samples_per_prompt,
-                                   task_names=source.task_names)
+                                    task_names=source.task_names)
         train_batch, m_old = rl.prepare(cfg, learner, batch, rewards_B)
+        lr, m_lr, events = rl.learning_rate(cfg, lr_sched, step, batch, learner.dp_group)
         t_old = time.perf_counter()
-        m_update = rl.update(cfg, learner, train_batch, lr_at(step, cfg.steps, cfg.optim))
+        m_update = rl.update(cfg, learner, train_batch, lr)
         t_upd = time.perf_counter()
         engine.load_weights(learner.export_canonical())  # weight sync learner -> engine
         t_end = time.perf_counter()
         times = {"time/rollout_s": t_roll - t0, "time/old_logprob_s": t_old - t_roll,
                  "time/update_s": t_upd - t_old, "time/sync_s": t_end - t_upd, "time/step_s": t_end - t0}
-        metrics = reduce_metrics({**m_reward, **m_old, **m_update, **rl.rollout_metrics(batch), **times})
+        metrics = rl.finalize(reduce_metrics({**m_reward, **m_old, **m_update, **m_lr, **rl.rollout_metrics(batch),
+                                              **times}))
         writer.log(step, metrics)
+        writer.log_events(events)
         bar.update(1)
         bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", step_s=f"{metrics['time/step_s']:.2f}")
         if (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0) or step + 1 == cfg.steps:
-            checkpoint.save(learner, run_dir / "checkpoints", step + 1, {"seed": cfg.seed})
+            checkpoint.save(learner, run_dir / "checkpoints", step + 1,
+                            {"seed": cfg.seed, "length_lr": lr_sched.state_dict()})
     bar.close()
     writer.close()

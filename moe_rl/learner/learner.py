@@ -21,7 +21,7 @@ import torch.distributed as dist
 from moe_rl.config import ModelConfig, OptimConfig, ParallelConfig
 from moe_rl.dist import DistContext
 from moe_rl.learner import setup
-from moe_rl.learner.logprobs import token_logprobs
+from moe_rl.learner.logprobs import token_logprobs, token_logprobs_energy
 from moe_rl.learner.weights import (
     canonical_to_megatron,
     gather_experts,
@@ -141,8 +141,9 @@ class Learner:
     @torch.no_grad()
     def forward_logprobs(self, tokens_BS: torch.Tensor, seq_lens_B: torch.Tensor, temperature: float,
                          micro_batch_size: int, reference: bool = False, routes: RouteBatch | None = None,
-                         replay_mode: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-probs and entropies of given sequences (policy, or the frozen reference).
+                         replay_mode: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Log-probs, entropies and sum_v pi(v)^2 (OTB's energy term, from the same softmax) of
+        given sequences (policy, or the frozen reference), each [B, S].
 
         ``replay_mode`` ("observe" | "record" | "replay", with ``routes`` unless recording) runs
         the pass under routing replay; its metrics and recorded routes are then on
@@ -153,16 +154,18 @@ class Learner:
         model.eval()
 
         def collect(mb, logits_BSV):
-            logp_BS, ent_BS = token_logprobs(logits_BSV, mb["tokens"], temperature)
-            return logits_BSV.new_zeros(()), torch.tensor(0), {"logp": logp_BS, "entropy": ent_BS}
+            logp_BS, ent_BS, spi_BS = token_logprobs_energy(logits_BSV, mb["tokens"], temperature)
+            return logits_BSV.new_zeros(()), torch.tensor(0), {"logp": logp_BS, "entropy": ent_BS, "spi": spi_BS}
 
         batch = {"tokens": tokens_BS} if routes is None else {"tokens": tokens_BS, "routes": routes}
         mbs = split_micro_batches(batch, seq_lens_B, micro_batch_size)
         outs = self._schedule(model, replay, mbs, collect, True, replay_mode)
         S = tokens_BS.shape[1]
-        logp_BS = torch.cat([torch.nn.functional.pad(o["logp"], (0, S - o["logp"].shape[1])) for o in outs])
-        ent_BS = torch.cat([torch.nn.functional.pad(o["entropy"], (0, S - o["entropy"].shape[1])) for o in outs])
-        return logp_BS, ent_BS
+
+        def gather(key: str) -> torch.Tensor:  # micro-batches were trimmed: pad back to S
+            return torch.cat([torch.nn.functional.pad(o[key], (0, S - o[key].shape[1])) for o in outs])
+
+        return gather("logp"), gather("entropy"), gather("spi")
 
     def forward_backward(self, minibatch: dict, seq_lens_B: torch.Tensor, loss_fn: LossFn,
                          temperature: float, micro_batch_size: int, replay_mode: str | None = None) -> list:

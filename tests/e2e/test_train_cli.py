@@ -35,14 +35,22 @@ def _deterministic(rec: dict) -> dict:
     return {k: v for k, v in rec.items() if not k.startswith(("time/", "perf/"))}
 
 
+# a response-length LR decay that triggers at almost any length change, so its state matters
+EAGER_LENGTH_LR = ["optim.length_lr.enabled=true", "optim.length_lr.surge_ratio=1.001",
+                   "optim.length_lr.min_observations=0", "optim.length_lr.patience=1",
+                   "optim.length_lr.ema_alpha=1.0", "optim.length_lr.cooldown_steps=0",
+                   "optim.length_lr.rebase_after_trigger=false"]
+
+
 @pytest.mark.e2e
 def test_resume_reproduces_uninterrupted_run(tmp_path):
     full, part = tmp_path / "full", tmp_path / "part"
-    moe_rl("train", f"run_dir={full}", "steps=4", "checkpoint_every=2", *TINY)
-    moe_rl("train", f"run_dir={part}", "steps=2", "checkpoint_every=2", *TINY)
+    args = ["checkpoint_every=2", "algo.advantage=otb", *EAGER_LENGTH_LR, *TINY]
+    moe_rl("train", f"run_dir={full}", "steps=4", *args)
+    moe_rl("train", f"run_dir={part}", "steps=2", *args)
     assert sorted(metrics(part)) == [0, 1]
     assert (part / "checkpoints" / "latest").read_text().strip() == "step_000002"
-    moe_rl("train", f"run_dir={part}", "steps=4", "checkpoint_every=2", "resume=true", *TINY)
+    moe_rl("train", f"run_dir={part}", "steps=4", "resume=true", *args)
 
     a, b = metrics(full), metrics(part)
     assert sorted(a) == sorted(b) == [0, 1, 2, 3]
@@ -53,6 +61,15 @@ def test_resume_reproduces_uninterrupted_run(tmp_path):
                 "train/grad_norm", "train/pg_loss", "train/entropy", "adv/mean"):
         assert key in keys, key
     assert a[3]["train/grad_norm"] > 0 and 0 <= a[3]["reward/mean"] <= 1
+    # OTB ran with its energies; the variance proxies are logged; the LR decayed on a length surge
+    for key in ("adv/proxy_signal", "adv/proxy_total_power", "adv/proxy_noise", "train/length_lr/multiplier"):
+        assert key in keys, key
+    events = [json.loads(x) for x in (full / "events.jsonl").read_text().splitlines()]
+    assert events and "surged" in events[0]["cause"]
+    assert (full / "events.jsonl").read_text() == (part / "events.jsonl").read_text()
+    last = events[-1]
+    assert a[last["step"]]["train/length_lr/multiplier"] == last["multiplier_after"] < 1.0
+    assert a[last["step"]]["train/lr"] == pytest.approx(5e-5 * last["multiplier_after"])
     # the run dir: resolved config, checkpoints (only complete ones), offline wandb run files
     assert "expert_parallel: 2" in (full / "config.yaml").read_text()
     assert sorted(p.name for p in (full / "checkpoints").iterdir()) == ["latest", "step_000002", "step_000004"]

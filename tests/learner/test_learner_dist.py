@@ -33,7 +33,7 @@ def _nll(mb, logp_BS, entropy_BS, normalizer):
 
 def _run(learner, rank):
     tokens_BS, lens_B, mask_BS = _data(rank)
-    logp_BS, ent_BS = learner.forward_logprobs(tokens_BS, lens_B, 1.0, micro_batch_size=4)
+    logp_BS, ent_BS, _ = learner.forward_logprobs(tokens_BS, lens_B, 1.0, micro_batch_size=4)
     learner.forward_backward({"tokens": tokens_BS, "loss_mask": mask_BS}, lens_B, _nll, 1.0, 4)
     return logp_BS, ent_BS, learner.canonical_grads()
 
@@ -66,7 +66,7 @@ def _worker(rank: int):
     engine.load_weights(exported)
     out = engine.generate([[1, 5, 6, 7], [1, 9, 8]], 2, SamplingParams(max_new_tokens=6, top_k=1), seed=3)
     seq_lens_B = out.prompt_lens_B + out.response_lens_B
-    learner_logp_BS, _ = ep2.forward_logprobs(out.tokens_BS, seq_lens_B, 1.0, micro_batch_size=4)
+    learner_logp_BS, _, _ = ep2.forward_logprobs(out.tokens_BS, seq_lens_B, 1.0, micro_batch_size=4)
     with torch.no_grad():
         pos = torch.arange(out.tokens_BS.shape[1]).expand_as(out.tokens_BS)
         logits_BSV = ep2.gpt(out.tokens_BS, pos, None)
