@@ -1,6 +1,6 @@
 """Advantage estimators side by side on the tiny task: GRPO n=4, GRPO n=16, OTB n=4.
 
-    python scripts/bench_advantages.py [--steps 120] [--prompts 16] [--target 0.8] [--out runs/bench_adv]
+    python scripts/bench_advantages.py [--steps 120] [--prompts 16] [--target 0.7] [--reuse] [--out runs/bench_adv]
 
 Each arm is a real `moe-rl train` run (same seed, same prompts per step, same warm start); only
 the estimator and the samples per prompt differ. Prints per arm: final reward (mean of the last
@@ -27,6 +27,8 @@ ARMS = {
 
 def run_arm(name: str, overrides: list[str], args) -> list[dict]:
     run_dir = Path(args.out) / name
+    if args.reuse:
+        return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     shutil.rmtree(run_dir, ignore_errors=True)
     cmd = [sys.executable, "-m", "moe_rl.cli", "train", f"run_dir={run_dir}", f"steps={args.steps}",
            f"rollout.prompts_per_step={args.prompts}", "checkpoint_every=0", "log.progress_bar=false",
@@ -59,7 +61,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=120)
     ap.add_argument("--prompts", type=int, default=16)
-    ap.add_argument("--target", type=float, default=0.8)
+    ap.add_argument("--target", type=float, default=0.7)
+    ap.add_argument("--reuse", action="store_true", help="summarise the runs already in --out, train nothing")
     ap.add_argument("--out", default="runs/bench_adv")
     args = ap.parse_args()
     rows = {name: summarize(run_arm(name, o, args), args.target) for name, o in ARMS.items()}

@@ -11,6 +11,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from moe_rl.routing.record import route_dtype  # re-exported: engines size their route records with it
+
 from moe_rl.types import RolloutBatch, SamplingParams
 
 
@@ -37,12 +39,3 @@ class RolloutEngine(Protocol):
     def load_weights(self, named: dict[str, torch.Tensor]) -> None:
         """Replace all weights with the canonical named tensors (strict: names and shapes)."""
         ...
-
-
-def route_dtype(num_experts: int) -> torch.dtype:
-    """Narrowest unsigned dtype of the route record; its max value is reserved as MISSING."""
-    if num_experts <= 255:
-        return torch.uint8
-    if num_experts <= 65535:
-        return torch.uint16
-    raise ValueError(f"{num_experts} experts do not fit the route record (max 65535)")
