@@ -201,6 +201,55 @@ class RoutingConfig:
 
 
 @dataclass(frozen=True)
+class CorrectionConfig:
+    """Rollout correction (math.md 2-3). Ratio bounds are on rho = pi_train / pi_rollout."""
+
+    mode: str = "decoupled"  # decoupled: rollout->old by IS/RS, old->theta by the clip | bypass
+    bypass_loss: str = "ppo_clip"  # bypass only: ppo_clip (ratio theta/rollout) | reinforce
+    is_level: str = "none"  # none | token | sequence | geometric
+    is_clip: float = 2.0  # one-sided truncation of the IS weights
+    is_batch_normalize: bool = False  # divide the weights by their global batch mean
+    rs: list[str] = field(default_factory=list)  # rejection options, AND-combined: token_k1, seq_mean_k3, ...
+    rs_bounds: list[str] = field(default_factory=list)  # per option (or one for all): "0.5_2.0" (k1) or "0.01"
+    dual_clip_c: float = 0.0  # dual clip for A < 0 (verl clip_ratio_c); 0 = off
+    trm_max: float = 0.0  # TRM max criterion delta on per-token k2 (0 = off); paper: 0.05 alone
+    trm_avg: float = 0.0  # TRM average criterion delta on per-token k3 (0 = off); paper: 0.001 alone
+    trm_reference: str = "old"  # evaluate TRM against pi_old (cheaper) | theta (the paper's guarantee)
+
+    def __post_init__(self) -> None:
+        from moe_rl.corrections.importance import parse_rs_spec
+
+        _one_of(self.mode, "correction.mode", ("decoupled", "bypass"))
+        _one_of(self.bypass_loss, "correction.bypass_loss", ("ppo_clip", "reinforce"))
+        _one_of(self.is_level, "correction.is_level", ("none", "token", "sequence", "geometric"))
+        _check(self.is_clip >= 1, "correction.is_clip", "must be >= 1")
+        _check(self.dual_clip_c == 0 or self.dual_clip_c > 1, "correction.dual_clip_c", "must be 0 (off) or > 1")
+        _check(self.trm_max >= 0 and self.trm_avg >= 0, "correction.trm_max", "TRM deltas must be >= 0")
+        _one_of(self.trm_reference, "correction.trm_reference", ("old", "theta"))
+        _check(not (self.mode == "bypass" and self.bypass_loss == "ppo_clip" and self.is_level != "none"),
+               "correction.is_level", "bypass ppo_clip applies no IS weight (the ratio already is one)")
+        _check(bool(self.rs) == bool(self.rs_bounds), "correction.rs_bounds", "give bounds exactly when rs is set")
+        if self.rs:
+            try:
+                parse_rs_spec(list(self.rs), self.bounds)
+            except (ValueError, TypeError) as e:
+                raise ConfigError(f"config key 'correction.rs': {e}") from None
+
+    @property
+    def bounds(self) -> list:
+        """rs_bounds as parse_rs_spec takes them: "lo_hi" -> (lo, hi), "x" -> x."""
+        try:
+            return [tuple(float(v) for v in b.split("_")) if "_" in b else float(b) for b in self.rs_bounds]
+        except ValueError:
+            raise ConfigError(f"config key 'correction.rs_bounds': {self.rs_bounds} are not numbers "
+                              f"('0.5_2.0' or '0.01')") from None
+
+    @property
+    def trm_on(self) -> bool:
+        return self.trm_max > 0 or self.trm_avg > 0
+
+
+@dataclass(frozen=True)
 class TaskConfig:
     # Built-in generated tasks (mixed uniformly) unless `dataset` names a JSONL file.
     tasks: list[str] = field(default_factory=lambda: ["reverse", "sort", "copy"])
@@ -264,6 +313,7 @@ class RunConfig:
     task: TaskConfig = field(default_factory=TaskConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
+    correction: CorrectionConfig = field(default_factory=CorrectionConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
     def __post_init__(self) -> None:

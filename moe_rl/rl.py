@@ -16,8 +16,8 @@ from moe_rl.advantages import extra_inputs, get_advantage
 from moe_rl.corrections import derive_metrics
 from moe_rl.corrections.importance import offpolicy_metrics
 from moe_rl.config import RunConfig
+from moe_rl import rollout_correction
 from moe_rl.learner import checkpoint
-from moe_rl.losses import ppo_clip_loss
 from moe_rl.lr import LengthLRScheduler, scheduled_lr
 from moe_rl.metrics import Max, Mean, Sum, merge_metrics
 from moe_rl.tasks import CharTokenizer
@@ -104,7 +104,12 @@ def prepare(cfg: RunConfig, learner, batch: RolloutBatch, rewards_B: torch.Tenso
                                 **extra_inputs(estimator, inputs))
     metrics.update(route_metrics)
     metrics.update(variance_proxies(adv_BS, mask_BS, sum_pi_sq_BS, old_logp_BS))
-    tb = {"tokens": batch.tokens_BS, "loss_mask": mask_BS, "old_logp": old_logp_BS, "advantages": adv_BS}
+    tb = {"tokens": batch.tokens_BS, "loss_mask": mask_BS, "old_logp": old_logp_BS, "advantages": adv_BS,
+          "rollout_logp": batch.logprobs_BS}
+    corr_tensors, corr_metrics = rollout_correction.prepare(cfg.correction, old_logp_BS, batch.logprobs_BS,
+                                                            mask_BS, learner.dp_group)
+    tb.update(corr_tensors)
+    metrics.update(corr_metrics)
     if routes is not None:
         tb["routes"] = routes
     if a.kl_coef > 0:
@@ -144,13 +149,7 @@ def finalize(reduced: dict[str, float]) -> dict[str, float]:
 def update(cfg: RunConfig, learner, tb: dict[str, torch.Tensor], lr: float) -> dict:
     """algo.num_minibatches optimizer steps over the batch (split by whole prompt groups)."""
     a = cfg.algo
-
-    def loss_fn(mb, logp_BS, entropy_BS, normalizer):
-        loss, metrics = ppo_clip_loss(logp_BS, mb["old_logp"], mb["advantages"], mb["loss_mask"],
-                                      clip_low=a.clip_low, clip_high=a.clip_high, normalizer=normalizer,
-                                      ref_logp_BS=mb.get("ref_logp"), kl_coef=a.kl_coef, kl_kind=a.kl_estimator)
-        return loss, metrics
-
+    loss_fn = rollout_correction.loss_fn(cfg.correction, a)
     seq_lens_B = tb.pop("seq_lens")
     replay_mode = "replay" if "routes" in tb else None
     merged: dict = {}

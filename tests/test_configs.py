@@ -8,7 +8,7 @@ import pytest
 
 from moe_rl.config import ConfigError, RunConfig, load_config
 
-CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").rglob("*.yaml"))
 
 
 @pytest.mark.unit

@@ -1,0 +1,87 @@
+"""Glue between ``correction.*`` config and the pure math of ``moe_rl/corrections`` and
+``moe_rl/losses``: what is computed once per batch (decoupled mode: IS weights, rejection and a
+TRM mask against pi_old), and the loss each micro-batch runs.
+
+Shape suffixes: B sequences, S positions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from moe_rl.config import AlgoConfig, CorrectionConfig
+from moe_rl.corrections.importance import is_batch_mean_parts, is_weights, rejection_mask
+from moe_rl.corrections.trm import sample_kl_tokens, trm_mask
+from moe_rl.losses import bypass_loss, decoupled_ppo_loss, log_ratio
+
+
+def _trm(cc: CorrectionConfig, train_logp_BS: torch.Tensor, rollout_logp_BS: torch.Tensor,
+         mask_BS: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """TRM sequence keep mask from sample-based estimators: k2 for the max criterion, k3 for
+    the average (math.md 3.3; exact KL needs the engine's full distributions)."""
+    lr_BS = log_ratio(train_logp_BS.detach(), rollout_logp_BS.detach())
+    return trm_mask(sample_kl_tokens(lr_BS, "k2"), mask_BS, max_delta=cc.trm_max or None,
+                    avg_delta=cc.trm_avg or None, avg_kl_tok_BS=sample_kl_tokens(lr_BS, "k3"))
+
+
+def prepare(cc: CorrectionConfig, old_logp_BS: torch.Tensor, rollout_logp_BS: torch.Tensor,
+            mask_BS: torch.Tensor, dp_group) -> tuple[dict[str, torch.Tensor], dict]:
+    """Decoupled mode's per-batch tensors (rollout -> old drift): "is_weights" and "keep"."""
+    out: dict[str, torch.Tensor] = {}
+    metrics: dict = {}
+    if cc.mode != "decoupled":
+        return out, metrics
+    lr_BS = log_ratio(old_logp_BS, rollout_logp_BS)
+    if cc.is_level != "none":
+        norm_mean = None
+        if cc.is_batch_normalize:  # the global mean, so every rank divides by the same number
+            w_BS, _ = is_weights(lr_BS, mask_BS, cc.is_level, cc.is_clip)
+            parts = torch.stack(is_batch_mean_parts(w_BS, mask_BS, cc.is_level)).double()
+            if dist.is_initialized():
+                dist.all_reduce(parts, group=dp_group)
+            norm_mean = float(parts[0] / parts[1].clamp(min=1))
+        out["is_weights"], m = is_weights(lr_BS, mask_BS, cc.is_level, cc.is_clip,
+                                          batch_normalize=cc.is_batch_normalize, norm_mean=norm_mean)
+        metrics.update(m)
+    keep_BS = mask_BS.bool()
+    if cc.rs:
+        rs_keep_BS, m = rejection_mask(lr_BS, mask_BS, list(cc.rs), cc.bounds)
+        keep_BS = keep_BS & rs_keep_BS
+        metrics.update(m)
+    if cc.trm_on and cc.trm_reference == "old":
+        keep_B, m = _trm(cc, old_logp_BS, rollout_logp_BS, mask_BS)
+        keep_BS = keep_BS & keep_B[:, None]
+        metrics.update(m)
+    out["keep"] = keep_BS
+    return out, metrics
+
+
+def loss_fn(cc: CorrectionConfig, a: AlgoConfig) -> Callable:
+    """The policy loss over one micro-batch; the normaliser (global loss tokens before any
+    rejection, as TRM requires) comes from the learner."""
+    clip_c = cc.dual_clip_c or None
+
+    def loss(mb, logp_BS, entropy_BS, normalizer):
+        keep = None
+        metrics: dict = {}
+        if cc.trm_on and cc.trm_reference == "theta":  # the paper's guarantee: against pi_theta
+            keep, metrics = _trm(cc, logp_BS, mb["rollout_logp"], mb["loss_mask"])
+        if cc.mode == "bypass":
+            value, m = bypass_loss(logp_BS, mb["rollout_logp"], mb["advantages"], mb["loss_mask"],
+                                   mode=cc.bypass_loss, normalizer=normalizer, clip_low=a.clip_low,
+                                   clip_high=a.clip_high, clip_ratio_c=clip_c,
+                                   is_level=None if cc.is_level == "none" else cc.is_level, is_clip_max=cc.is_clip,
+                                   rs_options=list(cc.rs), rs_bounds=cc.bounds, keep=keep,
+                                   ref_logp_BS=mb.get("ref_logp"), kl_coef=a.kl_coef, kl_kind=a.kl_estimator)
+            return value, {**metrics, **m}
+        keep_BS = mb["keep"] if keep is None else mb["keep"] & keep[:, None]
+        value, m = decoupled_ppo_loss(logp_BS, mb["old_logp"], mb["advantages"], mb["loss_mask"],
+                                      clip_low=a.clip_low, clip_high=a.clip_high, normalizer=normalizer,
+                                      is_weights_BS=mb.get("is_weights"), keep=keep_BS, clip_ratio_c=clip_c,
+                                      ref_logp_BS=mb.get("ref_logp"), kl_coef=a.kl_coef, kl_kind=a.kl_estimator)
+        return value, {**metrics, **m}
+
+    return loss
