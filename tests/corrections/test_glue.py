@@ -1,0 +1,73 @@
+"""unit tier: moe_rl/rollout_correction.py turns correction.* config into masks, weights and the loss."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from moe_rl import rollout_correction
+from moe_rl.config import load_config
+
+
+def _batch():
+    # 3 sequences x 4 tokens; sequence 1 drifted (rho = e^0.5 per token), the others did not
+    mask = torch.tensor([[0, 1, 1, 1], [0, 1, 1, 0], [0, 1, 1, 1]], dtype=torch.bool)
+    rollout = torch.full((3, 4), -1.0)
+    old = rollout.clone()
+    old[1] += 0.5
+    return mask, rollout, old
+
+
+@pytest.mark.unit
+def test_default_config_keeps_everything_and_has_no_weights():
+    cfg = load_config(None)
+    mask, rollout, old = _batch()
+    extra, metrics = rollout_correction.prepare(cfg.correction, old, rollout, mask, None)
+    assert torch.equal(extra["keep"], mask) and "is_weights" not in extra and metrics == {}
+
+
+@pytest.mark.unit
+def test_seq_mis_weights_and_rejects_the_drifted_sequence():
+    cfg = load_config("configs/corrections/seq_mis.yaml")
+    mask, rollout, old = _batch()
+    extra, metrics = rollout_correction.prepare(cfg.correction, old, rollout, mask, None)
+    # sum_t log rho of sequence 1 = 1.0 > log 2: rejected; the others (log rho = 0) kept
+    assert extra["keep"].any(-1).tolist() == [True, False, True]
+    w = extra["is_weights"]
+    assert w[1, 1].item() == pytest.approx(2.0)  # e^1.0 truncated at is_clip = 2
+    assert w[0, 1].item() == pytest.approx(1.0) and not w.requires_grad
+    assert float(metrics["corr/rs_seq_masked_fraction"].sum / metrics["corr/rs_seq_masked_fraction"].count) \
+        == pytest.approx(1 / 3)
+
+
+@pytest.mark.unit
+def test_trm_against_old_masks_whole_sequences_and_keeps_the_normaliser():
+    cfg = load_config(None, ["correction.trm_max=0.05"])
+    mask, rollout, old = _batch()
+    extra, _ = rollout_correction.prepare(cfg.correction, old, rollout, mask, None)
+    assert extra["keep"].any(-1).tolist() == [True, False, True]  # k2 = 0.125 > 0.05 in sequence 1
+    loss = rollout_correction.loss_fn(cfg.correction, cfg.algo)
+    adv = torch.ones(3, 4)
+    logp = old.clone().requires_grad_(True)
+    mb = {"loss_mask": mask, "old_logp": old, "rollout_logp": rollout, "advantages": adv, **extra}
+    value, _ = loss(mb, logp, None, mask.sum().float())
+    # ratio 1 everywhere: loss = -sum over KEPT tokens of A / (ALL loss tokens): 6 / 8
+    assert value.item() == pytest.approx(-6 / 8)
+    value.backward()
+    assert logp.grad[1].abs().sum() == 0 and logp.grad[0, 1].item() == pytest.approx(-1 / 8)
+
+
+@pytest.mark.unit
+def test_bypass_reinforce_gradient_is_weighted_score_function():
+    cfg = load_config("configs/corrections/bypass_reinforce.yaml")
+    mask, rollout, old = _batch()
+    loss = rollout_correction.loss_fn(cfg.correction, cfg.algo)
+    logp = old.clone().requires_grad_(True)
+    adv = torch.ones(3, 4)
+    value, _ = loss({"loss_mask": mask, "rollout_logp": rollout, "advantages": adv}, logp, None, 8.0)
+    value.backward()
+    # w = min(exp(sum_t log rho), 2): 1 for sequences 0 and 2, min(e^1, 2) = 2 for sequence 1
+    assert logp.grad[0, 1].item() == pytest.approx(-1 / 8)
+    assert logp.grad[1, 1].item() == pytest.approx(-min(math.e, 2.0) / 8)
