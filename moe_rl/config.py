@@ -215,6 +215,12 @@ class CorrectionConfig:
     trm_max: float = 0.0  # TRM max criterion delta on per-token k2 (0 = off); paper: 0.05 alone
     trm_avg: float = 0.0  # TRM average criterion delta on per-token k3 (0 = off); paper: 0.001 alone
     trm_reference: str = "old"  # evaluate TRM against pi_old (cheaper) | theta (the paper's guarantee)
+    # exact: per-token KL(pi_rollout || pi) from the engine's full distributions (the built-in
+    # engine returns them; vLLM gives top-k only); sample: k2 (max) and k3 (avg) estimators
+    trm_kl: str = "sample"
+    # Dynamic Vocabulary Pruning: the engine samples only from {v: p(v) >= dvp_threshold * max p}
+    # and both sides compute log-probs over that set (math.md 4; the paper's rule is a GAP). 0 = off
+    dvp_threshold: float = 0.0
 
     def __post_init__(self) -> None:
         from moe_rl.corrections.importance import parse_rs_spec
@@ -226,6 +232,8 @@ class CorrectionConfig:
         _check(self.dual_clip_c == 0 or self.dual_clip_c > 1, "correction.dual_clip_c", "must be 0 (off) or > 1")
         _check(self.trm_max >= 0 and self.trm_avg >= 0, "correction.trm_max", "TRM deltas must be >= 0")
         _one_of(self.trm_reference, "correction.trm_reference", ("old", "theta"))
+        _one_of(self.trm_kl, "correction.trm_kl", ("sample", "exact"))
+        _check(0 <= self.dvp_threshold < 1, "correction.dvp_threshold", "must be in [0, 1)")
         _check(not (self.mode == "bypass" and self.bypass_loss == "ppo_clip" and self.is_level != "none"),
                "correction.is_level", "bypass ppo_clip applies no IS weight (the ratio already is one)")
         _check(bool(self.rs) == bool(self.rs_bounds), "correction.rs_bounds", "give bounds exactly when rs is set")

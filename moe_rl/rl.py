@@ -53,10 +53,12 @@ def rollout_routes(batch: RolloutBatch, header: RouteHeader) -> RouteBatch:
     return routes
 
 
-def sampling(cfg: RunConfig, tok: CharTokenizer) -> SamplingParams:
-    r = cfg.rollout
+def sampling(cfg: RunConfig, tok: CharTokenizer | None) -> SamplingParams:
+    r, c = cfg.rollout, cfg.correction
+    exact_trm = c.trm_on and c.trm_kl == "exact"
     return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                          top_k=r.top_k, stop_token_ids=(tok.eos_id,))
+                          top_k=r.top_k, stop_token_ids=(tok.eos_id,) if tok else (),
+                          dvp_threshold=c.dvp_threshold, return_dist=exact_trm or c.dvp_threshold > 0)
 
 
 def maybe_resume(cfg: RunConfig, learner, run_dir: Path, lr_sched: LengthLRScheduler) -> int:
@@ -93,8 +95,10 @@ def prepare(cfg: RunConfig, learner, batch: RolloutBatch, rewards_B: torch.Tenso
     mask_BS = batch.response_mask_BS
     rollout = rollout_routes(batch, learner.route_header)
     replay = cfg.routing.replay
-    old_logp_BS, entropy_BS, sum_pi_sq_BS = learner.forward_logprobs(
-        batch.tokens_BS, seq_lens_B, temp, a.micro_batch_size, routes=rollout, replay_mode=OLD_PASS_MODE[replay])
+    inputs_BS = rollout_correction.token_inputs(cfg.correction, batch, sampling(cfg, None).logprob_support)
+    old = learner.forward_logprobs(batch.tokens_BS, seq_lens_B, temp, a.micro_batch_size, routes=rollout,
+                                   replay_mode=OLD_PASS_MODE[replay], token_inputs=inputs_BS)
+    old_logp_BS, entropy_BS, sum_pi_sq_BS = old.logp, old.entropy, old.sum_pi_sq
     route_metrics = learner.replay.metrics()
     # the routes the update (and reference) passes replay: R2 the old policy's, R3 the rollout's
     routes = {"off": None, "r2": learner.replay.recorded() if replay == "r2" else None, "r3": rollout}[replay]
@@ -107,16 +111,17 @@ def prepare(cfg: RunConfig, learner, batch: RolloutBatch, rewards_B: torch.Tenso
     tb = {"tokens": batch.tokens_BS, "loss_mask": mask_BS, "old_logp": old_logp_BS, "advantages": adv_BS,
           "rollout_logp": batch.logprobs_BS}
     corr_tensors, corr_metrics = rollout_correction.prepare(cfg.correction, old_logp_BS, batch.logprobs_BS,
-                                                            mask_BS, learner.dp_group)
-    tb.update(corr_tensors)
-    metrics.update(corr_metrics)
+                                                            mask_BS, learner.dp_group, old.extra.get("exact_kl"))
+    tb.update({**corr_tensors, **inputs_BS})
+    metrics.update({**corr_metrics, **rollout_correction.dvp_batch_metrics(cfg.correction, batch, old)})
     if routes is not None:
         tb["routes"] = routes
     if a.kl_coef > 0:
         ref_mode = "replay" if routes is not None and cfg.routing.replay_reference else None
-        tb["ref_logp"], _, _ = learner.forward_logprobs(batch.tokens_BS, seq_lens_B, temp, a.micro_batch_size,
-                                                        reference=True, routes=routes if ref_mode else None,
-                                                        replay_mode=ref_mode)
+        ref_inputs = {k: v for k, v in inputs_BS.items() if k == "safe"}  # the same support as the policy
+        tb["ref_logp"] = learner.forward_logprobs(batch.tokens_BS, seq_lens_B, temp, a.micro_batch_size,
+                                                  reference=True, routes=routes if ref_mode else None,
+                                                  replay_mode=ref_mode, token_inputs=ref_inputs).logp
     m = mask_BS.float()
     diff_BS = (old_logp_BS - batch.logprobs_BS).abs() * m
     # training-inference mismatch on the sampled tokens (pi_train = the learner's pi_old here)

@@ -14,21 +14,61 @@ import torch.distributed as dist
 
 from moe_rl.config import AlgoConfig, CorrectionConfig
 from moe_rl.corrections.importance import is_batch_mean_parts, is_weights, rejection_mask
+from moe_rl.corrections.dvp import RestrictedLogprobs, dvp_metrics, restricted_logprobs
 from moe_rl.corrections.trm import sample_kl_tokens, trm_mask
 from moe_rl.losses import bypass_loss, decoupled_ppo_loss, log_ratio
+from moe_rl.types import RolloutBatch
 
 
 def _trm(cc: CorrectionConfig, train_logp_BS: torch.Tensor, rollout_logp_BS: torch.Tensor,
-         mask_BS: torch.Tensor) -> tuple[torch.Tensor, dict]:
-    """TRM sequence keep mask from sample-based estimators: k2 for the max criterion, k3 for
-    the average (math.md 3.3; exact KL needs the engine's full distributions)."""
+         mask_BS: torch.Tensor, exact_kl_BS: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+    """TRM sequence keep mask (math.md 3.3): the exact per-token KL(pi_rollout || pi_train) from
+    full distributions, or the sample-based k2 (max criterion) and k3 (average criterion)."""
+    if cc.trm_kl == "exact":
+        if exact_kl_BS is None:
+            raise ValueError("correction.trm_kl=exact needs the rollout engine's full distributions")
+        kl = exact_kl_BS.detach()
+        return trm_mask(kl, mask_BS, max_delta=cc.trm_max or None, avg_delta=cc.trm_avg or None)
     lr_BS = log_ratio(train_logp_BS.detach(), rollout_logp_BS.detach())
     return trm_mask(sample_kl_tokens(lr_BS, "k2"), mask_BS, max_delta=cc.trm_max or None,
                     avg_delta=cc.trm_avg or None, avg_kl_tok_BS=sample_kl_tokens(lr_BS, "k3"))
 
 
+def token_inputs(cc: CorrectionConfig, batch: RolloutBatch, expected_support: str) -> dict[str, torch.Tensor]:
+    """Per-token tensors the learner needs from the engine: the DVP safe sets (its log-probs are
+    then computed over the same support) and the full rollout distributions (exact-KL TRM).
+
+    Refuses a batch whose log-probs are normalised over another support than the learner's."""
+    if batch.logprob_support != expected_support:
+        raise ValueError(f"the rollout engine reported log-probs over support {batch.logprob_support!r} "
+                         f"but the learner computes them over {expected_support!r}")
+    out = {}
+    if cc.dvp_threshold > 0:
+        if batch.safe_BSV is None:
+            raise ValueError("correction.dvp_threshold is set but the engine returned no safe sets")
+        out["safe"] = batch.safe_BSV
+    if cc.trm_on and cc.trm_kl == "exact":
+        if batch.dist_logp_BSV is None:
+            raise ValueError("correction.trm_kl=exact needs the engine's full distributions (return_dist)")
+        out["rollout_dist"] = batch.dist_logp_BSV
+    return out
+
+
+def dvp_batch_metrics(cc: CorrectionConfig, batch: RolloutBatch, old) -> dict:
+    """Pruned tail mass, sampled-outside fraction, safe-set size, k3 before and after pruning."""
+    if cc.dvp_threshold <= 0:
+        return {}
+    outside_BS1 = ~batch.response_mask_BS[..., None]  # prompt/pad positions: no distribution, no NaN
+    safe_BSV = batch.safe_BSV | outside_BS1
+    rollout = restricted_logprobs(batch.dist_logp_BSV, safe_BSV, batch.tokens_BS)
+    train = RestrictedLogprobs(old.logp, old.extra["full_logp"], old.extra["log_safe_mass"],
+                               batch.response_mask_BS.clone())
+    return dvp_metrics(train, rollout, safe_BSV, batch.response_mask_BS)
+
+
 def prepare(cc: CorrectionConfig, old_logp_BS: torch.Tensor, rollout_logp_BS: torch.Tensor,
-            mask_BS: torch.Tensor, dp_group) -> tuple[dict[str, torch.Tensor], dict]:
+            mask_BS: torch.Tensor, dp_group, exact_kl_BS: torch.Tensor | None = None
+            ) -> tuple[dict[str, torch.Tensor], dict]:
     """Decoupled mode's per-batch tensors (rollout -> old drift): "is_weights" and "keep"."""
     out: dict[str, torch.Tensor] = {}
     metrics: dict = {}
@@ -52,7 +92,7 @@ def prepare(cc: CorrectionConfig, old_logp_BS: torch.Tensor, rollout_logp_BS: to
         keep_BS = keep_BS & rs_keep_BS
         metrics.update(m)
     if cc.trm_on and cc.trm_reference == "old":
-        keep_B, m = _trm(cc, old_logp_BS, rollout_logp_BS, mask_BS)
+        keep_B, m = _trm(cc, old_logp_BS, rollout_logp_BS, mask_BS, exact_kl_BS)
         keep_BS = keep_BS & keep_B[:, None]
         metrics.update(m)
     out["keep"] = keep_BS
@@ -68,7 +108,7 @@ def loss_fn(cc: CorrectionConfig, a: AlgoConfig) -> Callable:
         keep = None
         metrics: dict = {}
         if cc.trm_on and cc.trm_reference == "theta":  # the paper's guarantee: against pi_theta
-            keep, metrics = _trm(cc, logp_BS, mb["rollout_logp"], mb["loss_mask"])
+            keep, metrics = _trm(cc, logp_BS, mb["rollout_logp"], mb["loss_mask"], mb.get("exact_kl"))
         if cc.mode == "bypass":
             value, m = bypass_loss(logp_BS, mb["rollout_logp"], mb["advantages"], mb["loss_mask"],
                                    mode=cc.bypass_loss, normalizer=normalizer, clip_low=a.clip_low,

@@ -23,6 +23,15 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     stop_token_ids: tuple[int, ...] = ()
+    # Dynamic Vocabulary Pruning: sample only from {v: p(v) >= dvp_threshold * max p} and report
+    # log-probs renormalised over that set; 0 = off (full vocabulary).
+    dvp_threshold: float = 0.0
+    return_dist: bool = False  # also return the full rollout distribution per generated token
+
+    @property
+    def logprob_support(self) -> str:
+        """The support the reported log-probs are normalised over; the learner must match it."""
+        return f"dvp:relative:{self.dvp_threshold:g}" if self.dvp_threshold > 0 else "full"
 
 
 @dataclass
@@ -47,6 +56,10 @@ class RolloutBatch:
     routes: list[torch.Tensor]
     group_B: torch.Tensor
     finished_B: torch.Tensor
+    logprob_support: str = "full"
+    # with SamplingParams.return_dist / dvp_threshold, at every generated position (0 elsewhere):
+    dist_logp_BSV: torch.Tensor | None = None  # float32 log softmax(logits / T) over the vocabulary
+    safe_BSV: torch.Tensor | None = None  # bool, the DVP safe set the token was sampled from
 
     @property
     def num_seqs(self) -> int:

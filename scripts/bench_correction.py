@@ -4,7 +4,7 @@
 
 Each arm is a real `moe-rl train` run with the same seed, warm start and budget; the rollout
 engine runs bf16 with Gaussian noise on its router logits, so the rollout policy really differs
-from the learner's. Arms: no correction, token TIS, Seq-MIS, TRM (max + avg against pi_theta).
+from the learner's. Arms: no correction, token TIS, Seq-MIS, TRM (max + avg against pi_theta), DVP.
 Prints per arm: final reward (mean of the last 10% of steps), peak k3 KL (rollout vs learner),
 grad-norm spikes (steps whose pre-clip gradient norm exceeds 3x the run's median), mean TRM
 acceptance, and the cost of the correction math (its per-batch preparation plus the loss over a
@@ -29,6 +29,7 @@ ARMS = {
     "token_tis": [str(ROOT / "configs/corrections/token_tis.yaml")],
     "seq_mis": [str(ROOT / "configs/corrections/seq_mis.yaml")],
     "trm": [str(ROOT / "configs/corrections/trm_both.yaml")],
+    "dvp": [str(ROOT / "configs/corrections/dvp.yaml")],
 }
 
 
@@ -93,7 +94,6 @@ def main() -> None:
         acc_s = f"{sum(acc) / len(acc):.3f}" if acc else "-"
         print(f"{name:10}{final:8.3f}{max(r['corr/k3_kl'] for r in recs):10.2e}{spikes:8d}{acc_s:>9}"
               f"{step_s:8.2f}{cost:10.2%}")
-    print("DVP: not yet wired into the engine and learner (math only, moe_rl/corrections/dvp.py).")
 
 
 if __name__ == "__main__":

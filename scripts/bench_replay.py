@@ -54,7 +54,7 @@ def _measure(args, out_path: str) -> None:
     res = {"bytes_per_token": routes.ids_NLK.element_size() * routes.ids_NLK.shape[1] * routes.ids_NLK.shape[2],
            "L_moe": routes.ids_NLK.shape[1], "K": routes.ids_NLK.shape[2], "E": cfg.model.num_experts}
     for name, mode in (("off", "observe"), ("r3", "replay")):
-        logp_BS, _, _ = learner.forward_logprobs(batch.tokens_BS, seq_lens_B, 1.0, 64, routes=routes, replay_mode=mode)
+        logp_BS = learner.forward_logprobs(batch.tokens_BS, seq_lens_B, 1.0, 64, routes=routes, replay_mode=mode).logp
         native = {k: v for k, v in learner.replay.metrics().items() if "/layer" not in k}
         lr = (logp_BS - batch.logprobs_BS)[m]
         k3 = kl_estimate(batch.logprobs_BS, logp_BS, "k3")[m]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -21,7 +21,9 @@ import torch.distributed as dist
 from moe_rl.config import ModelConfig, OptimConfig, ParallelConfig
 from moe_rl.dist import DistContext
 from moe_rl.learner import setup
-from moe_rl.learner.logprobs import token_logprobs, token_logprobs_energy
+from moe_rl.corrections.dvp import restricted_logprobs
+from moe_rl.corrections.trm import exact_kl_tokens
+from moe_rl.learner.logprobs import token_logprobs_energy
 from moe_rl.learner.weights import (
     canonical_to_megatron,
     gather_experts,
@@ -40,7 +42,7 @@ LossFn = Callable[[dict[str, torch.Tensor], torch.Tensor, torch.Tensor, torch.Te
 def _slice(v, sl: slice, s_max: int):
     if isinstance(v, RouteBatch):
         return v.select(torch.arange(sl.start, min(sl.stop, v.num_samples)))
-    return v[sl, :s_max] if v.dim() == 2 else v[sl]
+    return v[sl, :s_max] if v.dim() >= 2 else v[sl]
 
 
 def split_micro_batches(batch: dict, seq_lens_B: torch.Tensor, micro_batch_size: int) -> list[dict]:
@@ -54,6 +56,37 @@ def split_micro_batches(batch: dict, seq_lens_B: torch.Tensor, micro_batch_size:
         mb["seq_lens"] = seq_lens_B[sl]
         out.append(mb)
     return out
+
+
+class TokenStats(NamedTuple):
+    """Per-token outputs of a log-prob pass, each [B, S] (column t: the distribution of token t)."""
+
+    logp: torch.Tensor  # over the full vocabulary, or over the DVP safe set when one is given
+    entropy: torch.Tensor
+    sum_pi_sq: torch.Tensor
+    extra: dict  # "full_logp", "log_safe_mass" (DVP); "exact_kl" (with the rollout's distributions)
+
+
+def token_stats(mb: dict, logits_BSV: torch.Tensor, temperature: float) -> TokenStats:
+    """What the loss and the old-log-prob pass need from a micro-batch's logits.
+
+    mb["safe"] (bool [B, S, V], the engine's DVP safe sets) restricts log-probs to the same
+    support the engine reported; mb["rollout_dist"] (float [B, S, V] rollout log-probs) adds the
+    exact per-token KL(pi_rollout || pi_learner) that TRM's exact form uses."""
+    logp_BS, ent_BS, spi_BS = token_logprobs_energy(logits_BSV, mb["tokens"], temperature)
+    extra: dict = {}
+    if "safe" not in mb and "rollout_dist" not in mb:
+        return TokenStats(logp_BS, ent_BS, spi_BS, extra)
+    z_BSV = logits_BSV[:, :-1].float() / temperature
+    pad = logp_BS.new_zeros((logp_BS.shape[0], 1))
+    if "safe" in mb:
+        r = restricted_logprobs(z_BSV, mb["safe"][:, 1:], mb["tokens"][:, 1:])
+        extra["full_logp"], extra["log_safe_mass"] = logp_BS, torch.cat([pad, r.log_safe_mass_BS], 1)
+        logp_BS = torch.cat([pad, torch.where(r.inside_BS, r.logp_BS, torch.zeros_like(r.logp_BS))], 1)
+    if "rollout_dist" in mb:
+        mask_BS = mb["rollout_dist"][:, 1:].ne(0).any(-1)  # generated positions carry a distribution
+        extra["exact_kl"] = torch.cat([pad, exact_kl_tokens(mb["rollout_dist"][:, 1:], z_BSV, mask_BS)], 1)
+    return TokenStats(logp_BS, ent_BS, spi_BS, extra)
 
 
 def tokens_in(mb: dict[str, torch.Tensor]) -> int:
@@ -141,7 +174,7 @@ class Learner:
     @torch.no_grad()
     def forward_logprobs(self, tokens_BS: torch.Tensor, seq_lens_B: torch.Tensor, temperature: float,
                          micro_batch_size: int, reference: bool = False, routes: RouteBatch | None = None,
-                         replay_mode: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                         replay_mode: str | None = None, token_inputs: dict | None = None) -> TokenStats:
         """Log-probs, entropies and sum_v pi(v)^2 (OTB's energy term, from the same softmax) of
         given sequences (policy, or the frozen reference), each [B, S].
 
@@ -154,10 +187,13 @@ class Learner:
         model.eval()
 
         def collect(mb, logits_BSV):
-            logp_BS, ent_BS, spi_BS = token_logprobs_energy(logits_BSV, mb["tokens"], temperature)
-            return logits_BSV.new_zeros(()), torch.tensor(0), {"logp": logp_BS, "entropy": ent_BS, "spi": spi_BS}
+            st = token_stats(mb, logits_BSV, temperature)
+            return logits_BSV.new_zeros(()), torch.tensor(0), {"logp": st.logp, "entropy": st.entropy,
+                                                                "spi": st.sum_pi_sq, **st.extra}
 
-        batch = {"tokens": tokens_BS} if routes is None else {"tokens": tokens_BS, "routes": routes}
+        batch = {"tokens": tokens_BS, **(token_inputs or {})}
+        if routes is not None:
+            batch["routes"] = routes
         mbs = split_micro_batches(batch, seq_lens_B, micro_batch_size)
         outs = self._schedule(model, replay, mbs, collect, True, replay_mode)
         S = tokens_BS.shape[1]
@@ -165,7 +201,8 @@ class Learner:
         def gather(key: str) -> torch.Tensor:  # micro-batches were trimmed: pad back to S
             return torch.cat([torch.nn.functional.pad(o[key], (0, S - o[key].shape[1])) for o in outs])
 
-        return gather("logp"), gather("entropy"), gather("spi")
+        extra = {k: gather(k) for k in outs[0] if k not in ("logp", "entropy", "spi")}
+        return TokenStats(gather("logp"), gather("entropy"), gather("spi"), extra)
 
     def forward_backward(self, minibatch: dict, seq_lens_B: torch.Tensor, loss_fn: LossFn,
                          temperature: float, micro_batch_size: int, replay_mode: str | None = None) -> list:
@@ -182,8 +219,8 @@ class Learner:
         normalizer = normalizer.clamp(min=1.0).float()
 
         def compute(mb, logits_BSV):
-            logp_BS, ent_BS = token_logprobs(logits_BSV, mb["tokens"], temperature)
-            loss, metrics = loss_fn(mb, logp_BS, ent_BS, normalizer)
+            st = token_stats(mb, logits_BSV, temperature)
+            loss, metrics = loss_fn({**mb, **st.extra}, st.logp, st.entropy, normalizer)
             if not torch.isfinite(loss):  # never backpropagate NaN/Inf into the weights
                 raise FloatingPointError(f"non-finite loss {float(loss)} in a micro-batch of "
                                          f"{tokens_in(mb)} loss tokens; no update was applied")

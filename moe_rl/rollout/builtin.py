@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_rl.config import ModelConfig
+from moe_rl.corrections.dvp import safe_set
 from moe_rl.rollout.base import route_dtype
 from moe_rl.rollout.builtin_model import DTYPES, BuiltinMoEModel, KVCache, RouterNoise
 from moe_rl.types import RolloutBatch, SamplingParams
@@ -65,20 +66,29 @@ def filter_logits(scaled_BV: torch.Tensor, top_k: int, top_p: float) -> torch.Te
 
 
 def sample_next(logits_BV: torch.Tensor, temperature: float, top_k: int, top_p: float,
-                generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row; return (tokens_B int64, logprobs_B float32).
+                generator: torch.Generator, dvp_threshold: float = 0.0
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Sample one token per row; return (tokens_B int64, logprobs_B float32, the full log-probs
+    [B, V], and the DVP safe set [B, V] or None).
 
     The sample comes from softmax(filter(logits / temperature)); the log-prob is that of the
     chosen token under log softmax(logits / temperature) over the full vocabulary (see the
-    module docstring). Sampling uses the exponential-race trick argmax(p / Exp(1)) (as vLLM
+    module docstring), or, with ``dvp_threshold``, over the DVP safe set it was sampled from. Sampling uses the exponential-race trick argmax(p / Exp(1)) (as vLLM
     does): one vectorized draw per step, and a token with p = 0 can never win.
     """
     scaled_BV = logits_BV.float() / temperature
     logprobs_BV = torch.log_softmax(scaled_BV, dim=-1)
-    probs_BV = torch.softmax(filter_logits(scaled_BV, top_k, top_p), dim=-1)
+    filtered_BV = filter_logits(scaled_BV, top_k, top_p)
+    safe_BV = None
+    reported_BV = logprobs_BV
+    if dvp_threshold > 0:  # DVP: sample from the safe set only, report log-probs renormalised over it
+        safe_BV = safe_set(scaled_BV[:, None, :], rule="relative", threshold=dvp_threshold)[:, 0]
+        filtered_BV = filtered_BV.masked_fill(~safe_BV, float("-inf"))
+        reported_BV = torch.log_softmax(scaled_BV.masked_fill(~safe_BV, float("-inf")), dim=-1)
+    probs_BV = torch.softmax(filtered_BV, dim=-1)
     race_BV = torch.empty_like(probs_BV).exponential_(generator=generator)
     tokens_B = torch.argmax(probs_BV / race_BV, dim=-1)
-    return tokens_B, logprobs_BV.gather(-1, tokens_B[:, None]).squeeze(-1)
+    return tokens_B, reported_BV.gather(-1, tokens_B[:, None]).squeeze(-1), logprobs_BV, safe_BV
 
 
 # --------------------------------------------------------------------------------------------
@@ -101,6 +111,8 @@ class _Rollout:
     gen_valid_BG: torch.Tensor  # bool, true on emitted tokens (a prefix of each row)
     finished_B: torch.Tensor  # bool, emitted a stop token
     num_steps: int = 0
+    gen_dist_BGV: torch.Tensor | None = None  # fp32 full log-probs per step (return_dist)
+    gen_safe_BGV: torch.Tensor | None = None  # bool DVP safe set per step
 
 
 class BuiltinEngine:
@@ -157,7 +169,7 @@ class BuiltinEngine:
                                 torch.Generator(device=self.device).manual_seed(noise_seed))
         state = self._prefill(prompts, n, sampling.max_new_tokens, noise)
         self._decode(state, sampling, sample_gen, noise)
-        return self._assemble(state, n)
+        return self._assemble(state, n, sampling)
 
     # -- steps ----------------------------------------------------------------------------------
     def _check_request(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> None:
@@ -217,9 +229,18 @@ class BuiltinEngine:
         stop_ids = torch.tensor(sampling.stop_token_ids, dtype=torch.long, device=self.device)
         key_valid_BS = torch.cat(
             [st.prompt_valid_BP, torch.ones((B, max_new), dtype=torch.bool, device=self.device)], 1)
+        V = self.cfg.vocab_size
+        if sampling.return_dist:
+            st.gen_dist_BGV = torch.zeros((B, max_new, V), dtype=torch.float32, device=self.device)
+        if sampling.dvp_threshold > 0:
+            st.gen_safe_BGV = torch.zeros((B, max_new, V), dtype=torch.bool, device=self.device)
         for g in range(max_new):
-            tok_B, lp_B = sample_next(st.logits_BV, sampling.temperature, sampling.top_k,
-                                      sampling.top_p, gen)
+            tok_B, lp_B, dist_BV, safe_BV = sample_next(st.logits_BV, sampling.temperature, sampling.top_k,
+                                                        sampling.top_p, gen, sampling.dvp_threshold)
+            if st.gen_dist_BGV is not None:
+                st.gen_dist_BGV[:, g] = dist_BV
+            if st.gen_safe_BGV is not None:
+                st.gen_safe_BGV[:, g] = safe_BV
             active_B = ~st.finished_B
             st.gen_tokens_BG[:, g] = torch.where(active_B, tok_B, self.pad_id)
             st.gen_logprobs_BG[:, g] = torch.where(active_B, lp_B, 0.0)
@@ -234,7 +255,18 @@ class BuiltinEngine:
             st.routes_BSLK[:, slot] = out.expert_ids_BTLK[:, 0]
             st.logits_BV = out.logits[:, -1]
 
-    def _assemble(self, st: _Rollout, n: int) -> RolloutBatch:
+    def _per_position(self, gen_BGV: torch.Tensor | None, src_BS: torch.Tensor, P: int,
+                      response_mask_BS: torch.Tensor) -> torch.Tensor | None:
+        """A per-generated-token [B, G, V] tensor in the output layout [B, S, V] (0 elsewhere)."""
+        if gen_BGV is None:
+            return None
+        G, V = gen_BGV.shape[1], gen_BGV.shape[2]
+        g_BS = (src_BS - P).clamp(0, G - 1)
+        out_BSV = gen_BGV.gather(1, g_BS[..., None].expand(-1, -1, V))
+        return out_BSV * response_mask_BS[..., None].to(out_BSV.dtype) if out_BSV.is_floating_point() \
+            else out_BSV & response_mask_BS[..., None]
+
+    def _assemble(self, st: _Rollout, n: int, sampling: SamplingParams) -> RolloutBatch:
         """Internal left-padded slots -> the right-padded layout of types.py, plus route records."""
         B, P = st.prompt_BP.shape
         G = st.num_steps
@@ -263,4 +295,7 @@ class BuiltinEngine:
             routes=routes,
             group_B=torch.arange(B, device=self.device) // n,
             finished_B=st.finished_B.clone(),
+            logprob_support=sampling.logprob_support,
+            dist_logp_BSV=self._per_position(st.gen_dist_BGV, src_BS, P, response_mask_BS),
+            safe_BSV=self._per_position(st.gen_safe_BGV, src_BS, P, response_mask_BS),
         )

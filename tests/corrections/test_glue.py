@@ -71,3 +71,18 @@ def test_bypass_reinforce_gradient_is_weighted_score_function():
     # w = min(exp(sum_t log rho), 2): 1 for sequences 0 and 2, min(e^1, 2) = 2 for sequence 1
     assert logp.grad[0, 1].item() == pytest.approx(-1 / 8)
     assert logp.grad[1, 1].item() == pytest.approx(-min(math.e, 2.0) / 8)
+
+
+@pytest.mark.unit
+def test_learner_refuses_a_log_prob_support_mismatch():
+    from moe_rl.types import RolloutBatch
+
+    cfg = load_config(None, ["correction.dvp_threshold=0.05"])
+    z = torch.zeros(1, 3)
+    batch = RolloutBatch(z.long(), torch.ones(1).long(), torch.ones(1).long(), z.bool(), z, [],
+                         torch.zeros(1).long(), torch.ones(1).bool(), logprob_support="full")
+    with pytest.raises(ValueError, match="support 'full' but the learner computes them over 'dvp:relative:0.05'"):
+        rollout_correction.token_inputs(cfg.correction, batch, "dvp:relative:0.05")
+    batch.logprob_support = "dvp:relative:0.05"
+    with pytest.raises(ValueError, match="returned no safe sets"):
+        rollout_correction.token_inputs(cfg.correction, batch, "dvp:relative:0.05")

@@ -33,7 +33,7 @@ def _nll(mb, logp_BS, entropy_BS, normalizer):
 
 def _run(learner, rank):
     tokens_BS, lens_B, mask_BS = _data(rank)
-    logp_BS, ent_BS, _ = learner.forward_logprobs(tokens_BS, lens_B, 1.0, micro_batch_size=4)
+    logp_BS, ent_BS, _, _ = learner.forward_logprobs(tokens_BS, lens_B, 1.0, micro_batch_size=4)
     learner.forward_backward({"tokens": tokens_BS, "loss_mask": mask_BS}, lens_B, _nll, 1.0, 4)
     return logp_BS, ent_BS, learner.canonical_grads()
 
@@ -66,13 +66,23 @@ def _worker(rank: int):
     engine.load_weights(exported)
     out = engine.generate([[1, 5, 6, 7], [1, 9, 8]], 2, SamplingParams(max_new_tokens=6, top_k=1), seed=3)
     seq_lens_B = out.prompt_lens_B + out.response_lens_B
-    learner_logp_BS, _, _ = ep2.forward_logprobs(out.tokens_BS, seq_lens_B, 1.0, micro_batch_size=4)
+    learner_logp_BS = ep2.forward_logprobs(out.tokens_BS, seq_lens_B, 1.0, micro_batch_size=4).logp
     with torch.no_grad():
         pos = torch.arange(out.tokens_BS.shape[1]).expand_as(out.tokens_BS)
         logits_BSV = ep2.gpt(out.tokens_BS, pos, None)
     greedy_BS = torch.cat([out.tokens_BS[:, :1], logits_BSV[:, :-1].argmax(-1)], 1)
     m = out.response_mask_BS
-    sync = {"greedy_agree": bool((greedy_BS[m] == out.tokens_BS[m]).all()),
+    # DVP and exact KL: the engine's support travels with the batch; fp32 on both sides agrees
+    dvp = engine.generate([[1, 5, 6, 7], [1, 9, 8]], 4, SamplingParams(max_new_tokens=5, temperature=1.5,
+                                                                    dvp_threshold=0.2, return_dist=True), seed=4)
+    dvp_lens_B = dvp.prompt_lens_B + dvp.response_lens_B
+    st = ep2.forward_logprobs(dvp.tokens_BS, dvp_lens_B, 1.5, 4,
+                              token_inputs={"safe": dvp.safe_BSV, "rollout_dist": dvp.dist_logp_BSV})
+    dm = dvp.response_mask_BS
+    dvp_result = {"logp_diff": float((st.logp - dvp.logprobs_BS)[dm].abs().max()),
+                  "restricted_gt_full": bool((st.logp[dm] >= st.extra["full_logp"][dm] - 1e-6).all()),
+                  "exact_kl_max": float(st.extra["exact_kl"][dm].abs().max())}
+    sync = {"greedy_agree": bool((greedy_BS[m] == out.tokens_BS[m]).all()), "dvp": dvp_result,
             "logp_diff": float((learner_logp_BS - out.logprobs_BS)[m].abs().max()),
             "num_response_tokens": int(m.sum()), "weights_moved": moved}
 
@@ -122,5 +132,7 @@ def test_ep2_matches_ep1_and_engine_sync():
         assert r["sync"]["num_response_tokens"] > 0 and r["sync"]["weights_moved"] > 1e-4
         assert r["sync"]["greedy_agree"], (rank, r)
         assert r["sync"]["logp_diff"] < SYNC_LOGP_TOL, (rank, r)
+        assert r["sync"]["dvp"]["logp_diff"] < SYNC_LOGP_TOL and r["sync"]["dvp"]["restricted_gt_full"], r
+        assert r["sync"]["dvp"]["exact_kl_max"] < 1e-5, r  # same weights, both fp32
         assert r["nan_error"] and "non-finite loss nan" in r["nan_error"], (rank, r)
         assert r["unchanged_after_nan"], (rank, r)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import math
+
 import pytest
 import torch
 
@@ -162,7 +164,7 @@ def test_sample_next_follows_the_filtered_distribution() -> None:
     rows = 40_000
     for top_k, top_p in [(0, 1.0), (3, 1.0), (0, 0.7), (4, 0.9)]:
         gen = torch.Generator().manual_seed(top_k * 10 + int(top_p * 10))
-        tokens_B, lp_B = sample_next(logits_V.expand(rows, -1), 1.5, top_k, top_p, gen)
+        tokens_B, lp_B, _, _ = sample_next(logits_V.expand(rows, -1), 1.5, top_k, top_p, gen)
         expected_V = torch.softmax(filter_logits(logits_V[None] / 1.5, top_k, top_p), -1)[0]
         freq_V = torch.bincount(tokens_B, minlength=6).float() / rows
         assert (freq_V[expected_V == 0] == 0).all(), (top_k, top_p)
@@ -261,3 +263,29 @@ def test_bad_requests_are_rejected(fp32_engine: BuiltinEngine, cfg: ModelConfig)
         BuiltinEngine(cfg, pad_id=cfg.vocab_size)
     with pytest.raises(ValueError, match="dtype"):
         BuiltinEngine(cfg, dtype="fp16", pad_id=0)
+
+
+@pytest.mark.unit
+def test_dvp_samples_inside_the_safe_set_and_renormalises(fp32_engine: BuiltinEngine) -> None:
+    thr = 0.2
+    sp = SamplingParams(max_new_tokens=6, temperature=1.3, dvp_threshold=thr, return_dist=True)
+    out = fp32_engine.generate([[1, 5, 6, 7], [1, 9]], 16, sp, seed=11)
+    assert out.logprob_support == "dvp:relative:0.2" and out.safe_BSV is not None
+    m = out.response_mask_BS
+    full_BSV = out.dist_logp_BSV
+    # the safe set is exactly {v : p(v) >= thr * max p} of the engine's own distribution
+    expect_BSV = full_BSV >= full_BSV.max(-1, keepdim=True).values + math.log(thr) - 1e-6
+    assert torch.equal(out.safe_BSV[m], expect_BSV[m])
+    assert out.safe_BSV[m].gather(-1, out.tokens_BS[m][:, None]).all()  # every sample is inside
+    # reported log-prob = full log-prob minus the log of the safe set's mass
+    lse_safe = torch.logsumexp(full_BSV[m].masked_fill(~out.safe_BSV[m], -math.inf), -1)
+    full_tok = full_BSV[m].gather(-1, out.tokens_BS[m][:, None]).squeeze(-1)
+    assert torch.allclose(out.logprobs_BS[m], full_tok - lse_safe, atol=1e-6)
+    assert (out.logprobs_BS[m] >= full_tok - 1e-6).all() and (out.safe_BSV[m].sum(-1) < full_BSV.shape[-1]).any()
+    # full distributions without DVP: the reported log-prob is their entry for the sampled token
+    plain = fp32_engine.generate([[1, 5, 6, 7]], 4, SamplingParams(max_new_tokens=4, return_dist=True), seed=2)
+    pm = plain.response_mask_BS
+    assert plain.logprob_support == "full" and plain.safe_BSV is None
+    assert torch.allclose(plain.dist_logp_BSV[pm].gather(-1, plain.tokens_BS[pm][:, None]).squeeze(-1),
+                          plain.logprobs_BS[pm], atol=1e-6)
+    assert (plain.dist_logp_BSV[~pm] == 0).all()

@@ -112,7 +112,7 @@ def _worker(rank: int):
 
     # (1) forced indices honoured, last row native, pads spread
     seen, handles = _capture(learner)
-    logp_replay, _, _ = learner.forward_logprobs(tokens_BS, lens_B, 1.0, 4, routes=routes, replay_mode="replay")
+    logp_replay = learner.forward_logprobs(tokens_BS, lens_B, 1.0, 4, routes=routes, replay_mode="replay").logp
     for h in handles:
         h.remove()
     B = 4
@@ -134,7 +134,7 @@ def _worker(rank: int):
                            if k in ("routing/flip_router_frac", "routing/missing_frac")}
 
     # (2) micro-batching: 2 micro-batches of 2 give the same log-probs as 1 of 4
-    logp_mb2, _, _ = learner.forward_logprobs(tokens_BS, lens_B, 1.0, 2, routes=routes, replay_mode="replay")
+    logp_mb2 = learner.forward_logprobs(tokens_BS, lens_B, 1.0, 2, routes=routes, replay_mode="replay").logp
     real_BS = (torch.arange(S)[None] >= 1) & (torch.arange(S)[None] < lens_B[:, None])  # pads are garbage
     out["mb_diff"] = float((logp_mb2 - logp_replay)[real_BS].abs().max())
 
@@ -149,10 +149,10 @@ def _worker(rank: int):
                                  for lid, g in hf.items())
 
     # (4) R2: record natively, replay the record -> the native pass, bitwise
-    logp_native, _, _ = learner.forward_logprobs(tokens_BS, lens_B, 1.0, 4, replay_mode="record")
+    logp_native = learner.forward_logprobs(tokens_BS, lens_B, 1.0, 4, replay_mode="record").logp
     recorded = learner.replay.recorded()
     out["recorded_rows"] = recorded.rows_B.tolist()
-    logp_r2, _, _ = learner.forward_logprobs(tokens_BS, lens_B, 1.0, 2, routes=recorded, replay_mode="replay")
+    logp_r2 = learner.forward_logprobs(tokens_BS, lens_B, 1.0, 2, routes=recorded, replay_mode="replay").logp
     out["r2_equal"] = bool(torch.equal(logp_r2[real_BS], logp_native[real_BS]))
     out["r2_flip"] = float(sum(v.sum for k, v in learner.replay.metrics().items() if k == "routing/flip_router_frac"))
 
