@@ -218,6 +218,11 @@ class CorrectionConfig:
     # exact: per-token KL(pi_rollout || pi) from the engine's full distributions (the built-in
     # engine returns them; vLLM gives top-k only); sample: k2 (max) and k3 (avg) estimators
     trm_kl: str = "sample"
+    # length-neutral TRM (paper appendix): ln = LN-TRM, ser = SER (mean |rho - 1| <= threshold)
+    trm_length_neutral: str = "none"
+    trm_ln_threshold: float = 0.05  # delta_W (ln) or delta_SER (ser; the paper suggests 0.03-0.10)
+    trm_ln_eps: float = 0.05  # LN-TRM token weights min(1, (T-t) eps, sqrt((T-t) delta / 2))
+    trm_ln_delta: float = 0.001
     # Dynamic Vocabulary Pruning: the engine samples only from {v: p(v) >= dvp_threshold * max p}
     # and both sides compute log-probs over that set (math.md 4; the paper's rule is a GAP). 0 = off
     dvp_threshold: float = 0.0
@@ -233,6 +238,9 @@ class CorrectionConfig:
         _check(self.trm_max >= 0 and self.trm_avg >= 0, "correction.trm_max", "TRM deltas must be >= 0")
         _one_of(self.trm_reference, "correction.trm_reference", ("old", "theta"))
         _one_of(self.trm_kl, "correction.trm_kl", ("sample", "exact"))
+        _one_of(self.trm_length_neutral, "correction.trm_length_neutral", ("none", "ln", "ser"))
+        _check(self.trm_ln_threshold > 0 and self.trm_ln_eps > 0 and self.trm_ln_delta > 0,
+               "correction.trm_ln_threshold", "length-neutral TRM parameters must be > 0")
         _check(0 <= self.dvp_threshold < 1, "correction.dvp_threshold", "must be in [0, 1)")
         _check(not (self.mode == "bypass" and self.bypass_loss == "ppo_clip" and self.is_level != "none"),
                "correction.is_level", "bypass ppo_clip applies no IS weight (the ratio already is one)")
@@ -254,7 +262,7 @@ class CorrectionConfig:
 
     @property
     def trm_on(self) -> bool:
-        return self.trm_max > 0 or self.trm_avg > 0
+        return self.trm_max > 0 or self.trm_avg > 0 or self.trm_length_neutral != "none"
 
 
 @dataclass(frozen=True)

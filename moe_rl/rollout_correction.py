@@ -24,14 +24,16 @@ def _trm(cc: CorrectionConfig, train_logp_BS: torch.Tensor, rollout_logp_BS: tor
          mask_BS: torch.Tensor, exact_kl_BS: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """TRM sequence keep mask (math.md 3.3): the exact per-token KL(pi_rollout || pi_train) from
     full distributions, or the sample-based k2 (max criterion) and k3 (average criterion)."""
+    lr_BS = log_ratio(train_logp_BS.detach(), rollout_logp_BS.detach())
+    ln = {"length_neutral": cc.trm_length_neutral, "log_ratio_BS": lr_BS, "ln_threshold": cc.trm_ln_threshold,
+          "ln_eps": cc.trm_ln_eps, "ln_delta": cc.trm_ln_delta}
     if cc.trm_kl == "exact":
         if exact_kl_BS is None:
             raise ValueError("correction.trm_kl=exact needs the rollout engine's full distributions")
         kl = exact_kl_BS.detach()
-        return trm_mask(kl, mask_BS, max_delta=cc.trm_max or None, avg_delta=cc.trm_avg or None)
-    lr_BS = log_ratio(train_logp_BS.detach(), rollout_logp_BS.detach())
+        return trm_mask(kl, mask_BS, max_delta=cc.trm_max or None, avg_delta=cc.trm_avg or None, **ln)
     return trm_mask(sample_kl_tokens(lr_BS, "k2"), mask_BS, max_delta=cc.trm_max or None,
-                    avg_delta=cc.trm_avg or None, avg_kl_tok_BS=sample_kl_tokens(lr_BS, "k3"))
+                    avg_delta=cc.trm_avg or None, avg_kl_tok_BS=sample_kl_tokens(lr_BS, "k3"), **ln)
 
 
 def token_inputs(cc: CorrectionConfig, batch: RolloutBatch, expected_support: str) -> dict[str, torch.Tensor]:
