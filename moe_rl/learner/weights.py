@@ -55,39 +55,41 @@ def _join_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: ModelConfi
     return torch.cat([q.view(g, qpg, d, h), k.view(g, 1, d, h), v.view(g, 1, d, h)], dim=1).reshape(-1, h)
 
 
+def _classify(name: str, n_local: int, ep_rank: int) -> tuple[str, str]:
+    """How a megatron parameter maps: ("copy", canonical name), ("qkv", attention prefix) or
+    ("fc1", prefix of the gate_proj/up_proj pair). Experts get their global id."""
+    if name in _SIMPLE_TOP:
+        return "copy", _SIMPLE_TOP[name]
+    m = _MG_LAYER.match(name)
+    if m is None:
+        raise KeyError(f"no canonical name for megatron parameter {name!r}")
+    pre, rest = f"model.layers.{int(m.group(1))}.", m.group(2)
+    if rest in _SIMPLE_LAYER:
+        return "copy", pre + _SIMPLE_LAYER[rest]
+    if rest == "self_attention.linear_qkv.weight":
+        return "qkv", pre + "self_attn."
+    if rest == "mlp.linear_fc1.weight":
+        return "fc1", pre + "mlp."
+    e = _MG_EXPERT.match(rest)
+    if e is None:
+        raise KeyError(f"no canonical name for megatron parameter {name!r}")
+    epre = f"{pre}mlp.experts.{ep_rank * n_local + int(e.group(1))}."
+    return ("fc1", epre) if e.group(2) == "linear_fc1" else ("copy", epre + "down_proj.weight")
+
+
 def megatron_to_canonical(local: dict[str, torch.Tensor], cfg: ModelConfig, ep_rank: int,
                           ep_size: int) -> dict[str, torch.Tensor]:
     """Rename this rank's megatron params; experts get their global ids (only local ones)."""
-    n_local = cfg.num_experts // ep_size
     out: dict[str, torch.Tensor] = {}
     for name, t in local.items():
-        if name in _SIMPLE_TOP:
-            out[_SIMPLE_TOP[name]] = t
-            continue
-        m = _MG_LAYER.match(name)
-        if m is None:
-            raise KeyError(f"no canonical name for megatron parameter {name!r}")
-        i, rest = int(m.group(1)), m.group(2)
-        pre = f"model.layers.{i}."
-        if rest in _SIMPLE_LAYER:
-            out[pre + _SIMPLE_LAYER[rest]] = t
-        elif rest == "self_attention.linear_qkv.weight":
+        kind, target = _classify(name, cfg.num_experts // ep_size, ep_rank)
+        if kind == "copy":
+            out[target] = t
+        elif kind == "qkv":
             q, k, v = _split_qkv(t, cfg)
-            out[pre + "self_attn.q_proj.weight"], out[pre + "self_attn.k_proj.weight"] = q, k
-            out[pre + "self_attn.v_proj.weight"] = v
-        elif rest == "mlp.linear_fc1.weight":
-            gate, up = t.chunk(2, dim=0)
-            out[pre + "mlp.gate_proj.weight"], out[pre + "mlp.up_proj.weight"] = gate, up
-        elif (e := _MG_EXPERT.match(rest)) is not None:
-            gid = ep_rank * n_local + int(e.group(1))
-            epre = f"{pre}mlp.experts.{gid}."
-            if e.group(2) == "linear_fc1":
-                gate, up = t.chunk(2, dim=0)
-                out[epre + "gate_proj.weight"], out[epre + "up_proj.weight"] = gate, up
-            else:
-                out[epre + "down_proj.weight"] = t
+            out[target + "q_proj.weight"], out[target + "k_proj.weight"], out[target + "v_proj.weight"] = q, k, v
         else:
-            raise KeyError(f"no canonical name for megatron parameter {name!r}")
+            out[target + "gate_proj.weight"], out[target + "up_proj.weight"] = t.chunk(2, dim=0)
     return out
 
 
@@ -96,7 +98,6 @@ def canonical_to_megatron(full: dict[str, torch.Tensor], megatron_names: list[st
     """Build this rank's megatron tensors (by name) from a full canonical dict.
 
     Raises KeyError naming the first canonical tensor that is missing."""
-    n_local = cfg.num_experts // ep_size
 
     def get(key: str) -> torch.Tensor:
         if key not in full:
@@ -105,29 +106,14 @@ def canonical_to_megatron(full: dict[str, torch.Tensor], megatron_names: list[st
 
     out: dict[str, torch.Tensor] = {}
     for name in megatron_names:
-        if name in _SIMPLE_TOP:
-            out[name] = get(_SIMPLE_TOP[name])
-            continue
-        m = _MG_LAYER.match(name)
-        if m is None:
-            raise KeyError(f"no canonical name for megatron parameter {name!r}")
-        i, rest = int(m.group(1)), m.group(2)
-        pre = f"model.layers.{i}."
-        if rest in _SIMPLE_LAYER:
-            out[name] = get(pre + _SIMPLE_LAYER[rest])
-        elif rest == "self_attention.linear_qkv.weight":
-            out[name] = _join_qkv(get(pre + "self_attn.q_proj.weight"), get(pre + "self_attn.k_proj.weight"),
-                                  get(pre + "self_attn.v_proj.weight"), cfg)
-        elif rest == "mlp.linear_fc1.weight":
-            out[name] = torch.cat([get(pre + "mlp.gate_proj.weight"), get(pre + "mlp.up_proj.weight")])
-        elif (e := _MG_EXPERT.match(rest)) is not None:
-            epre = f"{pre}mlp.experts.{ep_rank * n_local + int(e.group(1))}."
-            if e.group(2) == "linear_fc1":
-                out[name] = torch.cat([get(epre + "gate_proj.weight"), get(epre + "up_proj.weight")])
-            else:
-                out[name] = get(epre + "down_proj.weight")
+        kind, target = _classify(name, cfg.num_experts // ep_size, ep_rank)
+        if kind == "copy":
+            out[name] = get(target)
+        elif kind == "qkv":
+            out[name] = _join_qkv(get(target + "q_proj.weight"), get(target + "k_proj.weight"),
+                                  get(target + "v_proj.weight"), cfg)
         else:
-            raise KeyError(f"no canonical name for megatron parameter {name!r}")
+            out[name] = torch.cat([get(target + "gate_proj.weight"), get(target + "up_proj.weight")])
     return out
 
 
