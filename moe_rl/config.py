@@ -223,9 +223,10 @@ class CorrectionConfig:
     trm_ln_threshold: float = 0.05  # delta_W (ln) or delta_SER (ser; the paper suggests 0.03-0.10)
     trm_ln_eps: float = 0.05  # LN-TRM token weights min(1, (T-t) eps, sqrt((T-t) delta / 2))
     trm_ln_delta: float = 0.001
-    # Dynamic Vocabulary Pruning: the engine samples only from {v: p(v) >= dvp_threshold * max p}
-    # and both sides compute log-probs over that set (math.md 4; the paper's rule is a GAP). 0 = off
+    # Dynamic Vocabulary Pruning: the engine samples only from a safe set per position and both
+    # sides compute log-probs over it (math.md 4; the paper's rule is a GAP, so it is a knob). 0 = off
     dvp_threshold: float = 0.0
+    dvp_rule: str = "relative"  # relative: p >= threshold * max p | top_p: smallest set with mass >= threshold
 
     def __post_init__(self) -> None:
         from moe_rl.corrections.importance import parse_rs_spec
@@ -242,6 +243,7 @@ class CorrectionConfig:
         _check(self.trm_ln_threshold > 0 and self.trm_ln_eps > 0 and self.trm_ln_delta > 0,
                "correction.trm_ln_threshold", "length-neutral TRM parameters must be > 0")
         _check(0 <= self.dvp_threshold < 1, "correction.dvp_threshold", "must be in [0, 1)")
+        _one_of(self.dvp_rule, "correction.dvp_rule", ("relative", "top_p"))
         _check(not (self.mode == "bypass" and self.bypass_loss == "ppo_clip" and self.is_level != "none"),
                "correction.is_level", "bypass ppo_clip applies no IS weight (the ratio already is one)")
         _check(bool(self.rs) == bool(self.rs_bounds), "correction.rs_bounds", "give bounds exactly when rs is set")

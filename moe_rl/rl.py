@@ -58,7 +58,8 @@ def sampling(cfg: RunConfig, tok: CharTokenizer | None) -> SamplingParams:
     exact_trm = c.trm_on and c.trm_kl == "exact"
     return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
                           top_k=r.top_k, stop_token_ids=(tok.eos_id,) if tok else (),
-                          dvp_threshold=c.dvp_threshold, return_dist=exact_trm or c.dvp_threshold > 0)
+                          dvp_threshold=c.dvp_threshold, dvp_rule=c.dvp_rule,
+                          return_dist=exact_trm or c.dvp_threshold > 0)
 
 
 def maybe_resume(cfg: RunConfig, learner, run_dir: Path, lr_sched: LengthLRScheduler) -> int:

@@ -23,15 +23,16 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     stop_token_ids: tuple[int, ...] = ()
-    # Dynamic Vocabulary Pruning: sample only from {v: p(v) >= dvp_threshold * max p} and report
-    # log-probs renormalised over that set; 0 = off (full vocabulary).
+    # Dynamic Vocabulary Pruning: sample only from the safe set of ``dvp_rule`` and report
+    # log-probs renormalised over it; 0 = off (full vocabulary).
     dvp_threshold: float = 0.0
+    dvp_rule: str = "relative"  # relative (p >= threshold * max p) | top_p (smallest set of mass >= threshold)
     return_dist: bool = False  # also return the full rollout distribution per generated token
 
     @property
     def logprob_support(self) -> str:
         """The support the reported log-probs are normalised over; the learner must match it."""
-        return f"dvp:relative:{self.dvp_threshold:g}" if self.dvp_threshold > 0 else "full"
+        return f"dvp:{self.dvp_rule}:{self.dvp_threshold:g}" if self.dvp_threshold > 0 else "full"
 
 
 @dataclass

@@ -66,7 +66,7 @@ def filter_logits(scaled_BV: torch.Tensor, top_k: int, top_p: float) -> torch.Te
 
 
 def sample_next(logits_BV: torch.Tensor, temperature: float, top_k: int, top_p: float,
-                generator: torch.Generator, dvp_threshold: float = 0.0
+                generator: torch.Generator, dvp_threshold: float = 0.0, dvp_rule: str = "relative"
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Sample one token per row; return (tokens_B int64, logprobs_B float32, the full log-probs
     [B, V], and the DVP safe set [B, V] or None).
@@ -82,7 +82,7 @@ def sample_next(logits_BV: torch.Tensor, temperature: float, top_k: int, top_p: 
     safe_BV = None
     reported_BV = logprobs_BV
     if dvp_threshold > 0:  # DVP: sample from the safe set only, report log-probs renormalised over it
-        safe_BV = safe_set(scaled_BV[:, None, :], rule="relative", threshold=dvp_threshold)[:, 0]
+        safe_BV = safe_set(scaled_BV[:, None, :], rule=dvp_rule, threshold=dvp_threshold)[:, 0]
         filtered_BV = filtered_BV.masked_fill(~safe_BV, float("-inf"))
         reported_BV = torch.log_softmax(scaled_BV.masked_fill(~safe_BV, float("-inf")), dim=-1)
     probs_BV = torch.softmax(filtered_BV, dim=-1)
@@ -236,7 +236,8 @@ class BuiltinEngine:
             st.gen_safe_BGV = torch.zeros((B, max_new, V), dtype=torch.bool, device=self.device)
         for g in range(max_new):
             tok_B, lp_B, dist_BV, safe_BV = sample_next(st.logits_BV, sampling.temperature, sampling.top_k,
-                                                        sampling.top_p, gen, sampling.dvp_threshold)
+                                                        sampling.top_p, gen, sampling.dvp_threshold,
+                                                        sampling.dvp_rule)
             if st.gen_dist_BGV is not None:
                 st.gen_dist_BGV[:, g] = dist_BV
             if st.gen_safe_BGV is not None:

@@ -289,3 +289,17 @@ def test_dvp_samples_inside_the_safe_set_and_renormalises(fp32_engine: BuiltinEn
     assert torch.allclose(plain.dist_logp_BSV[pm].gather(-1, plain.tokens_BS[pm][:, None]).squeeze(-1),
                           plain.logprobs_BS[pm], atol=1e-6)
     assert (plain.dist_logp_BSV[~pm] == 0).all()
+
+
+@pytest.mark.unit
+def test_dvp_top_p_rule_keeps_the_smallest_set_reaching_the_mass(fp32_engine: BuiltinEngine) -> None:
+    sp = SamplingParams(max_new_tokens=4, temperature=1.5, dvp_threshold=0.5, dvp_rule="top_p", return_dist=True)
+    out = fp32_engine.generate([[1, 5, 6, 7]], 8, sp, seed=5)
+    m = out.response_mask_BS
+    probs_NV = out.dist_logp_BSV[m].exp()
+    safe_NV = out.safe_BSV[m]
+    mass_N = (probs_NV * safe_NV).sum(-1)
+    assert out.logprob_support == "dvp:top_p:0.5" and (mass_N >= 0.5 - 1e-6).all()
+    # smallest: dropping the least likely kept token would fall below the mass
+    least_N = probs_NV.masked_fill(~safe_NV, float("inf")).min(-1).values
+    assert (mass_N - least_N < 0.5 + 1e-6).all()
