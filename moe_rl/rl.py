@@ -103,17 +103,17 @@ def prepare(cfg: RunConfig, learner, batch: RolloutBatch, rewards_B: torch.Tenso
     route_metrics = learner.replay.metrics()
     # the routes the update (and reference) passes replay: R2 the old policy's, R3 the rollout's
     routes = {"off": None, "r2": learner.replay.recorded() if replay == "r2" else None, "r3": rollout}[replay]
+    corr_tensors, corr_metrics = rollout_correction.prepare(cfg.correction, old_logp_BS, batch.logprobs_BS,
+                                                            mask_BS, learner.dp_group, old.extra.get("exact_kl"))
     estimator = get_advantage(a.advantage)
-    inputs = {"logp_BS": old_logp_BS, "sum_pi_sq_BS": sum_pi_sq_BS}
+    # OTB weights its energies by the squared rollout IS weights when rollout IS is on (math.md 6.2)
+    inputs = {"logp_BS": old_logp_BS, "sum_pi_sq_BS": sum_pi_sq_BS, "is_weights_BS": corr_tensors.get("is_weights")}
     adv_BS, metrics = estimator(rewards_B, batch.group_B, mask_BS, std_norm=a.grpo_std_norm,
                                 **extra_inputs(estimator, inputs))
     metrics.update(route_metrics)
-    metrics.update(variance_proxies(adv_BS, mask_BS, sum_pi_sq_BS, old_logp_BS))
+    metrics.update(variance_proxies(adv_BS, mask_BS, sum_pi_sq_BS, old_logp_BS, corr_tensors.get("is_weights")))
     tb = {"tokens": batch.tokens_BS, "loss_mask": mask_BS, "old_logp": old_logp_BS, "advantages": adv_BS,
-          "rollout_logp": batch.logprobs_BS}
-    corr_tensors, corr_metrics = rollout_correction.prepare(cfg.correction, old_logp_BS, batch.logprobs_BS,
-                                                            mask_BS, learner.dp_group, old.extra.get("exact_kl"))
-    tb.update({**corr_tensors, **inputs_BS})
+          "rollout_logp": batch.logprobs_BS, **corr_tensors, **inputs_BS}
     metrics.update({**corr_metrics, **rollout_correction.dvp_batch_metrics(cfg.correction, batch, old)})
     if routes is not None:
         tb["routes"] = routes

@@ -45,7 +45,7 @@ EAGER_LENGTH_LR = ["optim.length_lr.enabled=true", "optim.length_lr.surge_ratio=
 @pytest.mark.e2e
 def test_resume_reproduces_uninterrupted_run(tmp_path):
     full, part = tmp_path / "full", tmp_path / "part"
-    args = ["checkpoint_every=2", "algo.advantage=otb", *EAGER_LENGTH_LR, *TINY]
+    args = ["checkpoint_every=2", "algo.advantage=otb", "correction.is_level=token", *EAGER_LENGTH_LR, *TINY]
     moe_rl("train", f"run_dir={full}", "steps=4", *args)
     moe_rl("train", f"run_dir={part}", "steps=2", *args)
     assert sorted(metrics(part)) == [0, 1]
