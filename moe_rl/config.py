@@ -311,6 +311,8 @@ class LogConfig:
     wandb_mode: str = "offline"  # offline | online | disabled
     wandb_project: str = "moe-rl"
     progress_bar: bool = True
+    router_monitor: bool = True  # per-layer router-gradient monitor of the update passes
+    router_margin_eps: float = 0.1  # Top-K margin under which a token counts as near the boundary
 
     def __post_init__(self) -> None:
         _one_of(self.wandb_mode, "log.wandb_mode", ("offline", "online", "disabled"))

@@ -56,7 +56,8 @@ def train(cfg: RunConfig, ctx: DistContext) -> None:
     run_dir, t, r = Path(cfg.run_dir), cfg.task, cfg.rollout
     source = build_prompt_source(t.tasks, t.min_len, t.max_len, t.dataset, t.reward, tok)
     init = load_init_weights(cfg.init_weights, cfg.model, tok)
-    learner = Learner(cfg.model, cfg.parallel, cfg.optim, ctx, init, with_reference=cfg.algo.kl_coef > 0)
+    learner = Learner(cfg.model, cfg.parallel, cfg.optim, ctx, init, with_reference=cfg.algo.kl_coef > 0,
+                      monitor=cfg.log.router_monitor, monitor_margin_eps=cfg.log.router_margin_eps)
     engine, lr_sched = rl.build_engine(cfg, tok), LengthLRScheduler(cfg.optim.length_lr)
     start = rl.maybe_resume(cfg, learner, run_dir, lr_sched)
     engine.load_weights(learner.export_canonical())

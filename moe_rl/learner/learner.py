@@ -29,6 +29,7 @@ from moe_rl.learner.weights import (
     gather_experts,
     megatron_to_canonical,
 )
+from moe_rl.monitor.router_grad import RouterGradMonitor
 from moe_rl.routing.record import RouteBatch, RouteHeader
 from moe_rl.routing.replay import RouteReplay
 
@@ -98,7 +99,7 @@ class Learner:
 
     def __init__(self, model_cfg: ModelConfig, par: ParallelConfig, optim: OptimConfig,
                  ctx: DistContext, init_weights: dict[str, torch.Tensor] | None = None,
-                 with_reference: bool = False):
+                 with_reference: bool = False, monitor: bool = True, monitor_margin_eps: float = 0.1):
         from megatron.core import parallel_state as ps
 
         self.model_cfg, self.par, self.ctx = model_cfg, par, ctx
@@ -109,6 +110,11 @@ class Learner:
         # per router; the controller keeps the policy's and the reference's state apart).
         self.route_header = RouteHeader.for_model(model_cfg)
         self.replay = RouteReplay(self.gpt, self.route_header, ctx.ep_size, model_cfg.recompute)
+        # per-layer router-gradient monitor of the update passes (moe_rl/monitor/router_grad.py)
+        self.monitor = RouterGradMonitor(model_cfg.moe_layers, model_cfg.num_experts, model_cfg.moe_router_topk,
+                                         monitor_margin_eps) if monitor else None
+        self.replay.monitor = self.monitor
+        self.router_metrics: dict[str, float] = {}
         # The reference policy is a frozen copy of the initial weights (for the KL term).
         self.ref, self.ref_replay = None, None
         if with_reference:
@@ -149,6 +155,7 @@ class Learner:
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
             tokens_BS = mb["tokens"]
+            replay.phase = "forward"
             if replay_mode is not None:
                 replay.begin_micro_batch(mb.get("routes"), mb["seq_lens"], tokens_BS.shape[1])
             pos_BS = torch.arange(tokens_BS.shape[1], device=tokens_BS.device).expand_as(tokens_BS)
@@ -156,6 +163,7 @@ class Learner:
             return logits_BSV, partial(loss_after_forward, mb)
 
         def loss_after_forward(mb, logits_BSV):
+            replay.phase = "backward"  # the forward is done: a recompute, if any, comes next
             if replay_mode is not None:
                 replay.end_forward()  # the forward is done: a recompute, if any, comes next
             return loss_fn(mb, logits_BSV)
@@ -229,10 +237,33 @@ class Learner:
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
         mbs = split_micro_batches(minibatch, seq_lens_B, micro_batch_size)
-        loss_metrics = self._schedule(self.ddp, self.replay, mbs, compute, False, replay_mode,
-                                      prefix="routing/update_")
+        if self.monitor is not None:
+            self.monitor.reset()
+            self.monitor.active = True
+        try:
+            loss_metrics = self._schedule(self.ddp, self.replay, mbs, compute, False, replay_mode,
+                                          prefix="routing/update_")
+        finally:
+            if self.monitor is not None:
+                self.monitor.active = False
+        self.router_metrics = self._reduce_monitor() if self.monitor is not None else {}
         finalize_model_grads([self.ddp])  # sum over DP (scaling 1.0: the loss is already global)
         return loss_metrics
+
+    def _router_layers(self) -> list:
+        return [layer for layer in self.gpt.decoder.layers if getattr(layer.mlp, "router", None) is not None]
+
+    def _reduce_monitor(self) -> dict[str, float]:
+        """One all-reduce of the monitor's statistics and the router-weight gradients (the local
+        sums, before megatron reduces them: with the distributed optimizer only a shard of each
+        reduced gradient would be left), then per-layer metrics."""
+        stats = self.monitor.stats_LXE
+        grads_LEH = torch.stack([layer.mlp.router.weight.main_grad for layer in self._router_layers()])
+        packed = torch.cat([stats.flatten().to(grads_LEH.device), grads_LEH.double().flatten()])
+        if dist.is_initialized():
+            dist.all_reduce(packed, group=self.dp_group)
+        n = stats.numel()
+        return self.monitor.finalize(packed[:n].view_as(stats).cpu(), packed[n:].view_as(grads_LEH).cpu())
 
     def update(self, minibatch: dict, seq_lens_B: torch.Tensor, loss_fn: LossFn, temperature: float,
                micro_batch_size: int, lr: float, replay_mode: str | None = None) -> tuple[dict[str, Any], list]:
@@ -244,7 +275,7 @@ class Learner:
         ok, grad_norm, _ = self.optimizer.step()
         if not ok or grad_norm is None or not torch.isfinite(torch.as_tensor(grad_norm)):
             raise FloatingPointError(f"optimizer step refused: gradient norm {grad_norm} (NaN/Inf)")
-        return {"train/grad_norm": float(grad_norm), "train/lr": lr}, loss_metrics
+        return {"train/grad_norm": float(grad_norm), "train/lr": lr, **self.router_metrics}, loss_metrics
 
     def canonical_grads(self) -> dict[str, torch.Tensor]:
         """Reduced gradients in canonical names, every expert gathered (needs the plain DDP

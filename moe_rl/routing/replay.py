@@ -83,6 +83,8 @@ class RouteReplay:
         if not self.hooks:
             raise ReplayError("the model has no MoE router to replay")
         self.mode: str | None = None
+        self.monitor = None  # a RouterGradMonitor, observing the update passes' routing
+        self.phase = "forward"
         self._reset()
 
     # ---- one pass over micro-batches ------------------------------------------------------
@@ -162,6 +164,11 @@ class RouteReplay:
     # ---- the per-layer decision ------------------------------------------------------------
     def _route(self, hook: _LayerHook, scores: torch.Tensor, topk: int, compute_native):
         native_probs, native_NK = compute_native(scores)
+        if self.monitor is not None and self.monitor.active:
+            if self.phase == "forward":  # not again on recompute
+                self.monitor.observe_forward(hook.pos, scores, native_NK)
+            if scores.requires_grad:  # the no-grad first forward under recompute registers nothing
+                scores.register_hook(lambda g, pos=hook.pos: self.monitor.observe_grad(pos, g))
         if self.mode is None:  # a pass without routes (SFT, evaluation): megatron's own routing
             return native_probs, native_NK
         if self.mode == "record" and self.phase == "forward":

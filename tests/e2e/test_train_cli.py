@@ -58,9 +58,11 @@ def test_resume_reproduces_uninterrupted_run(tmp_path):
         assert _deterministic(a[step]) == _deterministic(b[step]), f"step {step} differs after resume"
     keys = set(a[3])
     for key in ("reward/mean", "time/step_s", "rollout/response_len_mean", "corr/k3_kl", "train/lr",
-                "train/grad_norm", "train/pg_loss", "train/entropy", "adv/mean"):
+                "train/grad_norm", "train/pg_loss", "train/entropy", "adv/mean", "router_grad/norm",
+                "router_grad/zero_frac", "router_grad/load_entropy/layer0", "routing/flip_router_frac"):
         assert key in keys, key
     assert a[3]["train/grad_norm"] > 0 and 0 <= a[3]["reward/mean"] <= 1
+    assert a[3]["router_grad/zero_frac"] == pytest.approx(6 / 8)  # E=8, K=2, no aux loss: (E-K)/E
     # OTB ran with its energies; the variance proxies are logged; the LR decayed on a length surge
     for key in ("adv/proxy_signal", "adv/proxy_total_power", "adv/proxy_noise", "train/length_lr/multiplier"):
         assert key in keys, key

@@ -133,6 +133,12 @@ def _worker(rank: int):
     out["flip_metrics"] = {k: float(v.sum / v.count) for k, v in learner.replay.metrics().items()
                            if k in ("routing/flip_router_frac", "routing/missing_frac")}
 
+    # (1b) router-gradient monitor: with softmax over the top-k logits and no aux loss only the
+    # K selected logits of a token get gradient: exactly (E - K) / E of the entries get none
+    learner.forward_backward({"tokens": tokens_BS, "loss_mask": mask_BS}, lens_B, _nll, 1.0, 2)
+    out["monitor"] = {k: v for k, v in learner.router_metrics.items() if "/layer" not in k}
+    out["monitor_layer"] = {k: v for k, v in learner.router_metrics.items() if k.endswith("/layer1")}
+
     # (2) micro-batching: 2 micro-batches of 2 give the same log-probs as 1 of 4
     logp_mb2 = learner.forward_logprobs(tokens_BS, lens_B, 1.0, 2, routes=routes, replay_mode="replay").logp
     real_BS = (torch.arange(S)[None] >= 1) & (torch.arange(S)[None] < lens_B[:, None])  # pads are garbage
@@ -194,5 +200,9 @@ def test_replay_in_megatron():
         assert r["recorded_rows"] == (_data(rank)[1] - 1).tolist()
         assert r["r2_equal"] and r["r2_flip"] == 0.0, r
         assert r["fail_closed"]
+        assert r["monitor"]["router_grad/zero_frac"] == 0.5 and r["monitor"]["router_grad/norm"] > 0, r
+        layer = r["monitor_layer"]
+        assert layer["router_grad/zero_frac/layer1"] == 0.5 and 0 < layer["router_grad/load_entropy/layer1"] <= 1
+        assert layer["router_grad/margin_mean/layer1"] > 0 and 0 <= layer["router_grad/near_boundary_frac/layer1"] <= 1
         assert r["recompute_grad_diff"] < 1e-6, r
         assert r["recompute_served"] == [(2, 2), (2, 2)], r
