@@ -160,22 +160,18 @@ def update(cfg: RunConfig, learner, tb: dict[str, torch.Tensor], lr: float) -> d
     replay_mode = "replay" if "routes" in tb else None
     merged: dict = {}
     grad_norms = []
-    router: dict[str, list[float]] = {}  # global per-minibatch router-monitor values
     for idx_B in torch.arange(seq_lens_B.shape[0]).chunk(a.num_minibatches):
         mb = {k: v.select(idx_B) if isinstance(v, RouteBatch) else v[idx_B] for k, v in tb.items()}
         opt_metrics, per_micro = learner.update(mb, seq_lens_B[idx_B], loss_fn, cfg.rollout.temperature,
                                                 a.micro_batch_size, lr, replay_mode)
         grad_norms.append(opt_metrics["train/grad_norm"])
-        for k, v in opt_metrics.items():
-            if k.startswith("router_grad/"):
-                router.setdefault(k, []).append(v)
         for m in [*per_micro, learner.replay.metrics() if replay_mode else {}]:
             merged = merge_metrics(merged, m)
     # grad norms are global already (identical on every rank): plain numbers
     merged["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
     merged["train/grad_norm_max"] = max(grad_norms)
     merged["train/lr"] = lr
-    merged.update({k: sum(v) / len(v) for k, v in router.items()})
+    merged.update(learner.router_monitor_metrics())  # one all-reduce for the whole step
     return merged
 
 

@@ -114,7 +114,6 @@ class Learner:
         self.monitor = RouterGradMonitor(model_cfg.moe_layers, model_cfg.num_experts, model_cfg.moe_router_topk,
                                          monitor_margin_eps) if monitor else None
         self.replay.monitor = self.monitor
-        self.router_metrics: dict[str, float] = {}
         # The reference policy is a frozen copy of the initial weights (for the KL term).
         self.ref, self.ref_replay = None, None
         if with_reference:
@@ -238,7 +237,6 @@ class Learner:
         self.optimizer.zero_grad()
         mbs = split_micro_batches(minibatch, seq_lens_B, micro_batch_size)
         if self.monitor is not None:
-            self.monitor.reset()
             self.monitor.active = True
         try:
             loss_metrics = self._schedule(self.ddp, self.replay, mbs, compute, False, replay_mode,
@@ -246,24 +244,27 @@ class Learner:
         finally:
             if self.monitor is not None:
                 self.monitor.active = False
-        self.router_metrics = self._reduce_monitor() if self.monitor is not None else {}
+        if self.monitor is not None:  # local sums: with the distributed optimizer only a shard survives finalize
+            self.monitor.add_router_grads(torch.stack([lay.mlp.router.weight.main_grad for lay in self._router_layers()]))
         finalize_model_grads([self.ddp])  # sum over DP (scaling 1.0: the loss is already global)
         return loss_metrics
 
     def _router_layers(self) -> list:
         return [layer for layer in self.gpt.decoder.layers if getattr(layer.mlp, "router", None) is not None]
 
-    def _reduce_monitor(self) -> dict[str, float]:
-        """One all-reduce of the monitor's statistics and the router-weight gradients (the local
-        sums, before megatron reduces them: with the distributed optimizer only a shard of each
-        reduced gradient would be left), then per-layer metrics."""
-        stats = self.monitor.stats_LXE
-        grads_LEH = torch.stack([layer.mlp.router.weight.main_grad for layer in self._router_layers()])
-        packed = torch.cat([stats.flatten().to(grads_LEH.device), grads_LEH.double().flatten()])
+    def router_monitor_metrics(self) -> dict[str, float]:
+        """The step's router-monitor metrics: one all-reduce of the accumulated statistics and
+        router-weight gradients over data-parallel ranks, then per-layer values; resets."""
+        if self.monitor is None or self.monitor.router_grad_LEH is None:
+            return {}
+        stats, grads_LEH = self.monitor.stats_LXE, self.monitor.router_grad_LEH
+        packed = torch.cat([stats.flatten().to(grads_LEH.device), grads_LEH.flatten()])
         if dist.is_initialized():
             dist.all_reduce(packed, group=self.dp_group)
         n = stats.numel()
-        return self.monitor.finalize(packed[:n].view_as(stats).cpu(), packed[n:].view_as(grads_LEH).cpu())
+        out = self.monitor.finalize(packed[:n].view_as(stats).cpu(), packed[n:].view_as(grads_LEH).cpu())
+        self.monitor.reset()
+        return out
 
     def update(self, minibatch: dict, seq_lens_B: torch.Tensor, loss_fn: LossFn, temperature: float,
                micro_batch_size: int, lr: float, replay_mode: str | None = None) -> tuple[dict[str, Any], list]:
@@ -275,7 +276,7 @@ class Learner:
         ok, grad_norm, _ = self.optimizer.step()
         if not ok or grad_norm is None or not torch.isfinite(torch.as_tensor(grad_norm)):
             raise FloatingPointError(f"optimizer step refused: gradient norm {grad_norm} (NaN/Inf)")
-        return {"train/grad_norm": float(grad_norm), "train/lr": lr, **self.router_metrics}, loss_metrics
+        return {"train/grad_norm": float(grad_norm), "train/lr": lr}, loss_metrics
 
     def canonical_grads(self) -> dict[str, torch.Tensor]:
         """Reduced gradients in canonical names, every expert gathered (needs the plain DDP

@@ -35,9 +35,17 @@ class RouterGradMonitor:
         width = max(num_experts, 5)  # the SCALARS row holds 5 numbers
         self.stats_LXE = torch.zeros(len(layer_ids), NUM_STATS, width, dtype=torch.float64)
         self.active = False  # observing only during update passes (set by the learner)
+        self.router_grad_LEH: torch.Tensor | None = None
 
     def reset(self) -> None:
+        """Start a step: statistics and router gradients accumulate over its minibatches."""
         self.stats_LXE.zero_()
+        self.router_grad_LEH = None
+
+    def add_router_grads(self, grads_LEH: torch.Tensor) -> None:
+        """A minibatch's local (not yet reduced) router-weight gradients."""
+        g = grads_LEH.detach().double()
+        self.router_grad_LEH = g.clone() if self.router_grad_LEH is None else self.router_grad_LEH + g
 
     def _stats(self, device: torch.device) -> torch.Tensor:
         if self.stats_LXE.device != device:  # accumulate where the router runs: no host sync per layer

@@ -136,8 +136,9 @@ def _worker(rank: int):
     # (1b) router-gradient monitor: with softmax over the top-k logits and no aux loss only the
     # K selected logits of a token get gradient: exactly (E - K) / E of the entries get none
     learner.forward_backward({"tokens": tokens_BS, "loss_mask": mask_BS}, lens_B, _nll, 1.0, 2)
-    out["monitor"] = {k: v for k, v in learner.router_metrics.items() if "/layer" not in k}
-    out["monitor_layer"] = {k: v for k, v in learner.router_metrics.items() if k.endswith("/layer1")}
+    router = learner.router_monitor_metrics()
+    out["monitor"] = {k: v for k, v in router.items() if "/layer" not in k}
+    out["monitor_layer"] = {k: v for k, v in router.items() if k.endswith("/layer1")}
 
     # (2) micro-batching: 2 micro-batches of 2 give the same log-probs as 1 of 4
     logp_mb2 = learner.forward_logprobs(tokens_BS, lens_B, 1.0, 2, routes=routes, replay_mode="replay").logp
