@@ -32,7 +32,7 @@ import torch
 
 from moe_rl.config import ModelConfig
 from moe_rl.corrections.dvp import safe_set
-from moe_rl.rollout.base import route_dtype
+from moe_rl.routing.record import route_dtype
 from moe_rl.rollout.builtin_model import DTYPES, BuiltinMoEModel, KVCache, RouterNoise
 from moe_rl.types import RolloutBatch, SamplingParams
 
