@@ -11,7 +11,6 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-
 from moe_rl.types import RolloutBatch, SamplingParams
 
 
