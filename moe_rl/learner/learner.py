@@ -111,8 +111,11 @@ class Learner:
         self.route_header = RouteHeader.for_model(model_cfg)
         self.replay = RouteReplay(self.gpt, self.route_header, ctx.ep_size, model_cfg.recompute)
         # per-layer router-gradient monitor of the update passes (moe_rl/monitor/router_grad.py)
-        self.monitor = RouterGradMonitor(model_cfg.moe_layers, model_cfg.num_experts, model_cfg.moe_router_topk,
-                                         monitor_margin_eps) if monitor else None
+        # (its structural blackout expectation follows the gating megatron actually built)
+        self.monitor = RouterGradMonitor(
+            model_cfg.moe_layers, model_cfg.num_experts, model_cfg.moe_router_topk, monitor_margin_eps,
+            pre_softmax=self.tcfg.moe_router_pre_softmax,
+            aux_loss=self.tcfg.moe_router_load_balancing_type != "none") if monitor else None
         self.replay.monitor = self.monitor
         # The reference policy is a frozen copy of the initial weights (for the KL term).
         self.ref, self.ref_replay = None, None
@@ -147,7 +150,7 @@ class Learner:
 
     # ---- passes --------------------------------------------------------------------------
     def _schedule(self, model, replay: RouteReplay, micro_batches: list[dict], loss_fn, forward_only: bool,
-                  replay_mode: str | None, prefix: str = "routing/"):
+                  replay_mode: str | None, prefix: str = "routing/", keep_native: bool = False):
         """megatron's schedule over micro-batches; with ``replay_mode``, one replay pass around it."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -156,7 +159,7 @@ class Learner:
             tokens_BS = mb["tokens"]
             replay.phase = "forward"
             if replay_mode is not None:
-                replay.begin_micro_batch(mb.get("routes"), mb["seq_lens"], tokens_BS.shape[1])
+                replay.begin_micro_batch(mb.get("routes"), mb["seq_lens"], tokens_BS.shape[1], mb.get("old_routes"))
             pos_BS = torch.arange(tokens_BS.shape[1], device=tokens_BS.device).expand_as(tokens_BS)
             logits_BSV = model(tokens_BS, pos_BS, None)
             return logits_BSV, partial(loss_after_forward, mb)
@@ -175,19 +178,21 @@ class Learner:
 
         if replay_mode is None:
             return run()
-        with replay.run(replay_mode, with_backward=not forward_only, prefix=prefix):
+        with replay.run(replay_mode, with_backward=not forward_only, prefix=prefix, keep_native=keep_native):
             return run()
 
     @torch.no_grad()
     def forward_logprobs(self, tokens_BS: torch.Tensor, seq_lens_B: torch.Tensor, temperature: float,
                          micro_batch_size: int, reference: bool = False, routes: RouteBatch | None = None,
-                         replay_mode: str | None = None, token_inputs: dict | None = None) -> TokenStats:
+                         replay_mode: str | None = None, token_inputs: dict | None = None,
+                         keep_native: bool = False) -> TokenStats:
         """Log-probs, entropies and sum_v pi(v)^2 (OTB's energy term, from the same softmax) of
         given sequences (policy, or the frozen reference), each [B, S].
 
         ``replay_mode`` ("observe" | "record" | "replay", with ``routes`` unless recording) runs
         the pass under routing replay; its metrics and recorded routes are then on
-        ``self.replay`` (or ``self.ref_replay``)."""
+        ``self.replay`` (or ``self.ref_replay``). ``keep_native`` records the native routes in
+        any mode (the monitor's update-induced flip rate compares the update passes with them)."""
         model, replay = (self.ref, self.ref_replay) if reference else (self.ddp, self.replay)
         if model is None:
             raise RuntimeError("reference log-probs requested but the learner has no reference model")
@@ -202,7 +207,7 @@ class Learner:
         if routes is not None:
             batch["routes"] = routes
         mbs = split_micro_batches(batch, seq_lens_B, micro_batch_size)
-        outs = self._schedule(model, replay, mbs, collect, True, replay_mode)
+        outs = self._schedule(model, replay, mbs, collect, True, replay_mode, keep_native=keep_native)
         S = tokens_BS.shape[1]
 
         def gather(key: str) -> torch.Tensor:  # micro-batches were trimmed: pad back to S
@@ -253,16 +258,20 @@ class Learner:
         return [layer for layer in self.gpt.decoder.layers if getattr(layer.mlp, "router", None) is not None]
 
     def router_monitor_metrics(self) -> dict[str, float]:
-        """The step's router-monitor metrics: one all-reduce of the accumulated statistics and
-        router-weight gradients over data-parallel ranks, then per-layer values; resets."""
+        """The step's router-monitor metrics: the accumulated statistics and router-weight
+        gradients summed over data-parallel ranks in one all-reduce (and the per-layer maxima in
+        one tiny max-reduce), then per-layer values; resets."""
         if self.monitor is None or self.monitor.router_grad_LEH is None:
             return {}
-        stats, grads_LEH = self.monitor.stats_LXE, self.monitor.router_grad_LEH
+        stats, max_L, grads_LEH = self.monitor.stats_LXW, self.monitor.max_L, self.monitor.router_grad_LEH
         packed = torch.cat([stats.flatten().to(grads_LEH.device), grads_LEH.flatten()])
+        max_L = max_L.clone()
         if dist.is_initialized():
             dist.all_reduce(packed, group=self.dp_group)
+            dist.all_reduce(max_L, op=dist.ReduceOp.MAX, group=self.dp_group)
         n = stats.numel()
-        out = self.monitor.finalize(packed[:n].view_as(stats).cpu(), packed[n:].view_as(grads_LEH).cpu())
+        out = self.monitor.finalize(packed[:n].view_as(stats).cpu(), max_L.cpu(),
+                                    packed[n:].view_as(grads_LEH).cpu())
         self.monitor.reset()
         return out
 

@@ -1,20 +1,26 @@
 """Router-gradient monitor: gradient blackout and routing stability, per MoE layer, every step.
 
 Top-K routing gives an unselected expert's router logit exactly zero gradient (math.md 7): with
-softmax over the top-k logits and no auxiliary loss, a fraction (E - K) / E of the router-logit
-entries gets none, structurally. The monitor measures that and what follows from it, from the
-update passes' own forwards and backwards (no extra pass):
+the gate renormalised over the selected set and no auxiliary loss, a fraction (E - K) / E of the
+router-logit entries gets none, structurally. The monitor measures that and what follows from it,
+from the update passes' own forwards and backwards (no extra pass):
 
 - ``observe_forward`` (each update micro-batch, forward only, not on recompute): native Top-K of
-  the router logits -> tokens routed per expert, Top-K margin (K-th minus (K+1)-th logit) and
-  the fraction of tokens within ``near_eps`` of the boundary;
+  the router logits -> tokens routed per expert, a histogram of the Top-K margin (K-th minus
+  (K+1)-th logit: percentiles survive the reduction over micro-batches and ranks), and the
+  near-boundary counts (margin under ``near_eps``, and under the bf16 resolution |h_(K)| 2^-8);
 - ``observe_grad`` (the router logits' gradient, via a tensor hook): among tokens whose router
-  got any gradient, the entries with exactly zero gradient; and per-expert gradient mass;
-- ``finalize`` (once per step, after the caller reduced the packed [L, 3, max(E, 5)] statistics over
-  data-parallel ranks in one all-reduce): per-layer metrics under ``router_grad/``.
+  got any gradient, the entries with exactly zero gradient, per-token gradient norms, and
+  per-expert gradient mass;
+- ``finalize`` (once per step, after the caller summed the packed statistics and max-reduced
+  the per-layer maxima over data-parallel ranks): per-layer metrics under ``router_grad/``.
 
-Pure tensor code; the single collective lives with the caller (``Learner``).
-Shape suffixes: N tokens, E experts, K top-k, L MoE layers.
+The update-induced and rollout-vs-learner flip rates come from the routing-replay controller,
+which lays routes out like tokens (moe_rl/routing/replay.py); ``rollout_flip_aliases`` files the
+latter under this prefix too, so one prefix holds the whole picture.
+
+Pure tensor code; the collectives live with the caller (``Learner``).
+Shape suffixes: N tokens, E experts, K top-k, L MoE layers, X statistic rows, W row width.
 """
 
 from __future__ import annotations
@@ -23,23 +29,65 @@ import math
 
 import torch
 
-# rows of the packed per-layer statistics [L, NUM_STATS, max(E, 5)]
-LOAD, GRAD_MASS, SCALARS = 0, 1, 2  # SCALARS row: zero-grad entries, grad entries, margin sum, near, tokens
-NUM_STATS = 3
-_ZERO, _ENTRIES, _MARGIN, _NEAR, _TOKENS = range(5)
+# rows of the packed per-layer statistics [L, NUM_STATS, W]
+LOAD, GRAD_MASS, MARGIN_HIST, SCALARS = range(4)
+NUM_STATS = 4
+# SCALARS row: zero-grad entries, grad entries, margin sum, near eps, near bf16, tokens,
+# per-token logit-grad norm sum, tokens with any gradient
+_ZERO, _ENTRIES, _MARGIN, _NEAR, _NEAR_BF16, _TOKENS, _TOK_NORM, _LIVE = range(8)
+NUM_SCALARS = 8
+# margin histogram: [0, 1e-6), 64 log-spaced bins up to 1e2, [1e2, inf)
+MARGIN_EDGES = torch.logspace(-6, 2, 65, dtype=torch.float64)
+NUM_BINS = MARGIN_EDGES.numel() + 1
+MARGIN_QUANTILES = (0.01, 0.05, 0.5)
+BF16_RESOLUTION = 2.0 ** -8
+
+
+def structural_zero_frac(num_experts: int, top_k: int, pre_softmax: bool = False, aux_loss: bool = False) -> float:
+    """Expected exact-zero fraction of router-logit gradients.
+
+    Gating renormalised over the selected set (softmax over the top-k logits; sigmoid scores
+    with top-k; softmax over all then renormalised) leaves unselected logits out of the output:
+    (E - K) / E. Softmax over all experts *without* renormalisation (megatron's
+    ``moe_router_pre_softmax``) keeps them in the denominator, and a load-balancing loss reads
+    every probability: then every entry gets a gradient."""
+    return 0.0 if pre_softmax or aux_loss else (num_experts - top_k) / num_experts
+
+
+def histogram_quantiles(hist_B: torch.Tensor, edges: torch.Tensor, qs: tuple[float, ...]) -> list[float]:
+    """Quantiles from a histogram whose bins are [0, e0), [e0, e1), ..., [e_last, inf):
+    geometric interpolation inside a log bin (linear in the first); NaN when empty."""
+    total = float(hist_B.sum())
+    if total == 0:
+        return [float("nan")] * len(qs)
+    cdf_B = torch.cumsum(hist_B.double(), 0)
+    lo_B = torch.cat([edges.new_zeros(1), edges])
+    hi_B = torch.cat([edges, edges[-1:]])  # the overflow bin reports its lower edge
+    out = []
+    for q in qs:
+        b = int(torch.searchsorted(cdf_B, torch.tensor([q * total], dtype=cdf_B.dtype)).clamp(max=len(hist_B) - 1))
+        below = float(cdf_B[b - 1]) if b > 0 else 0.0
+        frac = (q * total - below) / max(float(hist_B[b]), 1.0)
+        lo, hi = float(lo_B[b]), float(hi_B[b])
+        out.append(lo + frac * (hi - lo) if b == 0 or b == len(hist_B) - 1 else lo * (hi / lo) ** frac)
+    return out
 
 
 class RouterGradMonitor:
-    def __init__(self, layer_ids: list[int], num_experts: int, top_k: int, near_eps: float = 0.1) -> None:
+    def __init__(self, layer_ids: list[int], num_experts: int, top_k: int, near_eps: float = 0.1,
+                 pre_softmax: bool = False, aux_loss: bool = False) -> None:
         self.layer_ids, self.E, self.K, self.near_eps = list(layer_ids), num_experts, top_k, near_eps
-        width = max(num_experts, 5)  # the SCALARS row holds 5 numbers
-        self.stats_LXE = torch.zeros(len(layer_ids), NUM_STATS, width, dtype=torch.float64)
+        self.expected_zero_frac = structural_zero_frac(num_experts, top_k, pre_softmax, aux_loss)
+        width = max(num_experts, NUM_SCALARS, NUM_BINS)
+        self.stats_LXW = torch.zeros(len(layer_ids), NUM_STATS, width, dtype=torch.float64)
+        self.max_L = torch.zeros(len(layer_ids), dtype=torch.float64)  # per-token logit-grad norm max
         self.active = False  # observing only during update passes (set by the learner)
         self.router_grad_LEH: torch.Tensor | None = None
 
     def reset(self) -> None:
         """Start a step: statistics and router gradients accumulate over its minibatches."""
-        self.stats_LXE.zero_()
+        self.stats_LXW.zero_()
+        self.max_L.zero_()
         self.router_grad_LEH = None
 
     def add_router_grads(self, grads_LEH: torch.Tensor) -> None:
@@ -48,9 +96,9 @@ class RouterGradMonitor:
         self.router_grad_LEH = g.clone() if self.router_grad_LEH is None else self.router_grad_LEH + g
 
     def _stats(self, device: torch.device) -> torch.Tensor:
-        if self.stats_LXE.device != device:  # accumulate where the router runs: no host sync per layer
-            self.stats_LXE = self.stats_LXE.to(device)
-        return self.stats_LXE
+        if self.stats_LXW.device != device:  # accumulate where the router runs: no host sync per layer
+            self.stats_LXW, self.max_L = self.stats_LXW.to(device), self.max_L.to(device)
+        return self.stats_LXW
 
     def observe_forward(self, pos: int, logits_NE: torch.Tensor, native_NK: torch.Tensor) -> None:
         s = self._stats(logits_NE.device)[pos]
@@ -61,6 +109,9 @@ class RouterGradMonitor:
             margin_N = top[:, self.K - 1] - top[:, self.K]
             s[SCALARS, _MARGIN] += margin_N.sum()
             s[SCALARS, _NEAR] += (margin_N < self.near_eps).double().sum()
+            s[SCALARS, _NEAR_BF16] += (margin_N < top[:, self.K - 1].abs() * BF16_RESOLUTION).double().sum()
+            bins_N = torch.bucketize(margin_N, MARGIN_EDGES.to(margin_N.device), right=True)
+            s[MARGIN_HIST, :NUM_BINS] += torch.bincount(bins_N, minlength=NUM_BINS).double()
         s[SCALARS, _TOKENS] += logits.shape[0]
 
     def observe_grad(self, pos: int, grad_NE: torch.Tensor) -> None:
@@ -72,30 +123,58 @@ class RouterGradMonitor:
         s[SCALARS, _ZERO] += (g[live_N] == 0).double().sum()
         s[SCALARS, _ENTRIES] += live_N.sum() * self.E  # stays on the device: no sync per layer
         s[GRAD_MASS, :self.E] += g.abs().sum(0)
+        norm_N = g.norm(dim=-1)  # zero on tokens without gradient: they add nothing
+        s[SCALARS, _TOK_NORM] += norm_N.sum()
+        s[SCALARS, _LIVE] += live_N.sum()
+        self.max_L[pos] = torch.maximum(self.max_L[pos], norm_N.max() if norm_N.numel() else self.max_L[pos])
 
-    def finalize(self, stats_LXE: torch.Tensor, router_grad_LEH: torch.Tensor) -> dict[str, float]:
-        """Per-layer metrics from globally reduced statistics and router-weight gradients."""
+    def finalize(self, stats_LXW: torch.Tensor, max_L: torch.Tensor, router_grad_LEH: torch.Tensor) -> dict[str, float]:
+        """Per-layer metrics from globally reduced statistics, maxima and router-weight gradients."""
         out: dict[str, float] = {}
         zero_all = entries_all = 0.0
         for pos, lid in enumerate(self.layer_ids):
-            s = stats_LXE[pos]
+            s = stats_LXW[pos]
+            sc = [float(v) for v in s[SCALARS, :NUM_SCALARS]]
             load_E, mass_E = s[LOAD, :self.E], s[GRAD_MASS, :self.E]
-            zero, entries, tokens = float(s[SCALARS, _ZERO]), float(s[SCALARS, _ENTRIES]), float(s[SCALARS, _TOKENS])
-            zero_all, entries_all = zero_all + zero, entries_all + entries
+            zero_all, entries_all = zero_all + sc[_ZERO], entries_all + sc[_ENTRIES]
             p_E = load_E / load_E.sum().clamp(min=1)
             entropy = float(-(p_E * p_E.clamp(min=1e-30).log()).sum()) / math.log(self.E)
+            tokens, live = sc[_TOKENS], sc[_LIVE]
+            p1, p5, p50 = histogram_quantiles(s[MARGIN_HIST, :NUM_BINS], MARGIN_EDGES, MARGIN_QUANTILES)
             metrics = {
-                "zero_frac": zero / entries if entries else float("nan"),
+                "zero_frac": sc[_ZERO] / sc[_ENTRIES] if sc[_ENTRIES] else float("nan"),
                 "norm": float(router_grad_LEH[pos].norm()),
+                "logit_grad_norm_mean": sc[_TOK_NORM] / live if live else float("nan"),
+                "logit_grad_norm_max": float(max_L[pos]),
                 "never_selected": float((load_E == 0).sum()),
+                "never_selected_frac": float((load_E == 0).double().mean()),
+                "no_grad_expert_frac": float((mass_E == 0).double().mean()),
+                "expert_grad_mass_per_token": float((mass_E / load_E.clamp(min=1)).mean()),
                 "load_entropy": entropy,
                 "load_max_frac": float(p_E.max()),
-                "margin_mean": float(s[SCALARS, _MARGIN]) / tokens if tokens else float("nan"),
-                "near_boundary_frac": float(s[SCALARS, _NEAR]) / tokens if tokens else float("nan"),
-                "expert_grad_mass_per_token": float((mass_E / load_E.clamp(min=1)).mean()),
-                "no_grad_expert_frac": float((mass_E == 0).double().mean()),
+                "margin_mean": sc[_MARGIN] / tokens if tokens else float("nan"),
+                "margin_p1": p1, "margin_p5": p5, "margin_p50": p50,
+                "near_boundary_frac": sc[_NEAR] / tokens if tokens else float("nan"),
+                "near_boundary_bf16_frac": sc[_NEAR_BF16] / tokens if tokens else float("nan"),
             }
             out.update({f"router_grad/{k}/layer{lid}": v for k, v in metrics.items()})
         out["router_grad/zero_frac"] = zero_all / entries_all if entries_all else float("nan")
+        out["router_grad/zero_frac_expected"] = self.expected_zero_frac
         out["router_grad/norm"] = float(router_grad_LEH.norm())
         return out
+
+
+# rollout-vs-learner agreement (routing replay's names) -> this monitor's prefix
+_ROLLOUT_ALIASES = {"routing/flip_router_frac": "router_grad/rollout_flip_frac",
+                    "routing/flip_token_frac": "router_grad/rollout_flip_token_frac",
+                    "routing/flip_layers_per_token": "router_grad/rollout_flip_layers_per_token"}
+
+
+def rollout_flip_aliases(route_metrics: dict) -> dict:
+    """The old-log-prob pass's rollout-vs-learner flip rates, filed under ``router_grad/`` too."""
+    out = {}
+    for key, value in route_metrics.items():
+        base, sep, layer = key.partition("/layer")
+        if base in _ROLLOUT_ALIASES:
+            out[_ROLLOUT_ALIASES[base] + (sep + layer if sep else "")] = value
+    return out

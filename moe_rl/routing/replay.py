@@ -19,7 +19,10 @@ router (which bypasses replay) is refused when the controller is built.
 
 Agreement is measured from the same forward (native top-k is computed anyway), on rows whose
 target came from a record: per layer, the fraction of rows whose native expert set differs from
-the given one, and overlap@K; per token, whether any layer differs and how many.
+the given one, and overlap@K; per token, whether any layer differs and how many. An update pass
+can also be given ``old_routes`` (the old-log-prob pass's native routes, kept with
+``keep_native``): the same comparison against them is the update-induced flip rate of the
+router-gradient monitor (``router_grad/update_flip_*``), with or without replay.
 
 Shape suffixes: N rows (S * B tokens of a micro-batch), L MoE layers, K top-k.
 """
@@ -50,6 +53,7 @@ class _LayerHook:
     def __init__(self, owner: RouteReplay, pos: int, layer_id: int) -> None:
         self.owner, self.pos, self.layer_id = owner, pos, layer_id
         self.target_NK: torch.Tensor | None = None
+        self.old_NK: torch.Tensor | None = None  # the old-log-prob pass's native routes (compare only)
         self.fifo: deque[torch.Tensor] = deque()
         self.served_forward = 0
         self.served_backward = 0
@@ -94,36 +98,48 @@ class RouteReplay:
         self._recorded: list[RouteBatch] = []
         self._native_LNK: list[torch.Tensor | None] = [None] * len(self.hooks)
         self._differs: list[torch.Tensor | None] = [None] * len(self.hooks)
+        self._old_differs: list[torch.Tensor | None] = [None] * len(self.hooks)
         self._metrics: dict = {}
         self._mb: tuple | None = None
         self._has_targets = False
         for h in self.hooks:
-            h.target_NK, h.served_forward, h.served_backward = None, 0, 0
+            h.target_NK, h.old_NK, h.served_forward, h.served_backward = None, None, 0, 0
             h.fifo.clear()
 
     @contextmanager
-    def run(self, mode: str, with_backward: bool, prefix: str = "routing/") -> Iterator[RouteReplay]:
+    def run(self, mode: str, with_backward: bool, prefix: str = "routing/", keep_native: bool = False,
+            old_prefix: str = "router_grad/update_") -> Iterator[RouteReplay]:
         """One pass in ``mode``; with a backward (and recompute) the routes are queued for it.
-        Checks on exit that every route was consumed exactly once."""
+        ``keep_native`` keeps the native routes in any mode (``recorded()``); comparisons with
+        ``old_routes`` are filed under ``old_prefix``. Checks on exit that every route was
+        consumed exactly once."""
         if mode not in MODES:
             raise ValueError(f"replay mode {mode!r} is not one of {MODES}")
         self._reset()
         self.mode, self.prefix, self.with_backward = mode, prefix, with_backward
+        self.keep_native, self.old_prefix = keep_native or mode == "record", old_prefix
         try:
             yield self
             self._check_consumed()
         finally:
             self.mode = None
 
-    def begin_micro_batch(self, routes: RouteBatch | None, seq_lens_B: torch.Tensor, seq_len: int) -> None:
-        """Before a micro-batch's forward: lay its routes out like its tokens."""
+    def begin_micro_batch(self, routes: RouteBatch | None, seq_lens_B: torch.Tensor, seq_len: int,
+                          old_routes: RouteBatch | None = None) -> None:
+        """Before a micro-batch's forward: lay its routes (and ``old_routes``) out like its tokens."""
         self.phase = "forward"
         self.num_micro_batches += 1
         B = int(seq_lens_B.shape[0])
         self._mb = (seq_lens_B, seq_len)
         self._has_targets = routes is not None
-        if routes is None and self.mode == "record":
-            return  # R2 without rollout routes: record only, nothing to compare with
+        if old_routes is not None:
+            if old_routes.num_samples != B:
+                raise ReplayError(f"micro-batch of {B} sequences has {old_routes.num_samples} old-pass routes")
+            old_NLK, self._old_recorded_N, _ = layout(old_routes, seq_lens_B, seq_len, self.ep_size)
+            for h in self.hooks:
+                h.old_NK = old_NLK[:, h.pos].contiguous()
+        if routes is None and self.mode in ("record", "observe"):
+            return  # without rollout routes: record and/or compare with old routes only
         if routes is None or routes.num_samples != B:
             raise ReplayError(f"{self.mode}: micro-batch of {B} sequences has "
                               f"{None if routes is None else routes.num_samples} route records")
@@ -136,7 +152,7 @@ class RouteReplay:
     def end_forward(self) -> None:
         """After a micro-batch's forward (its loss is computed): recompute, if any, comes next."""
         self.phase = "backward"
-        if self.mode == "record":
+        if self.keep_native:
             seq_lens_B, _ = self._mb
             native_NLK = torch.stack(self._native_LNK, dim=1).cpu()
             self._recorded.append(unlayout(native_NLK, seq_lens_B, torch.zeros_like(seq_lens_B), self.header))
@@ -146,8 +162,17 @@ class RouteReplay:
             any_N = differs_LN.any(0)
             self._add(f"{self.prefix}flip_token_frac", Mean(any_N.float().sum(), n))
             self._add(f"{self.prefix}flip_layers_per_token", Mean(differs_LN.float().sum(), n))
+        if any(d is not None for d in self._old_differs):
+            unused = [h.layer_id for h, d in zip(self.hooks, self._old_differs) if d is None]
+            if unused:
+                raise ReplayError(f"layers {unused}: old-pass routes of this micro-batch were never compared")
+            differs_LN = torch.stack(self._old_differs)[:, self._old_recorded_N]
+            n = torch.tensor(float(differs_LN.shape[1]))
+            self._add(f"{self.old_prefix}flip_token_frac", Mean(differs_LN.any(0).float().sum(), n))
+            self._add(f"{self.old_prefix}flip_layers_per_token", Mean(differs_LN.float().sum(), n))
         self._native_LNK = [None] * len(self.hooks)
         self._differs = [None] * len(self.hooks)
+        self._old_differs = [None] * len(self.hooks)
 
     def recorded(self) -> RouteBatch:
         """R2: the routes recorded over the pass's micro-batches, in batch order."""
@@ -171,9 +196,15 @@ class RouteReplay:
                 scores.register_hook(lambda g, pos=hook.pos: self.monitor.observe_grad(pos, g))
         if self.mode is None:  # a pass without routes (SFT, evaluation): megatron's own routing
             return native_probs, native_NK
-        if self.mode == "record" and self.phase == "forward":
-            self._native_LNK[hook.pos] = native_NK.detach()
-        if not self._has_targets:  # recording without routes to compare with
+        if self.phase == "forward":
+            if self.keep_native:
+                self._native_LNK[hook.pos] = native_NK.detach()
+            if hook.old_NK is not None:  # update-induced flips: native now vs the old-log-prob pass
+                old_NK, hook.old_NK = hook.old_NK, None
+                self._old_differs[hook.pos] = self._agreement(
+                    native_NK, old_NK, self._old_recorded_N, f"{self.old_prefix}flip_frac", hook.layer_id,
+                    overlap=False)
+        if not self._has_targets:  # recording or comparing without routes to replay
             return native_probs, native_NK
         target_NK = self._next_target(hook, scores.shape[0])
         if self.phase == "forward":
@@ -202,14 +233,20 @@ class RouteReplay:
         return target_NK
 
     def _observe(self, hook: _LayerHook, native_NK: torch.Tensor, target_NK: torch.Tensor) -> None:
-        rec_N = self._recorded_N
+        self._differs[hook.pos] = self._agreement(native_NK, target_NK, self._recorded_N,
+                                                  f"{self.prefix}flip_router_frac", hook.layer_id)
+
+    def _agreement(self, native_NK: torch.Tensor, target_NK: torch.Tensor, rec_N: torch.Tensor, name: str,
+                   layer_id: int, overlap: bool = True) -> torch.Tensor:
+        """Per-layer flip rate (and overlap@K) on recorded rows; returns bool [N] (rows that differ)."""
         rec_N = rec_N.to(native_NK.device)
         differs_N, overlap_N = topk_agreement(native_NK.detach()[rec_N], target_NK.to(native_NK.device)[rec_N])
         n = torch.tensor(float(differs_N.shape[0]))
-        self._differs[hook.pos] = torch.zeros_like(rec_N).masked_scatter(rec_N, differs_N)
-        for suffix in ("", f"/layer{hook.layer_id}"):
-            self._add(f"{self.prefix}flip_router_frac{suffix}", Mean(differs_N.float().sum(), n))
-            self._add(f"{self.prefix}overlap_at_k{suffix}", Mean(overlap_N.sum(), n))
+        for suffix in ("", f"/layer{layer_id}"):
+            self._add(f"{name}{suffix}", Mean(differs_N.float().sum(), n))
+            if overlap:
+                self._add(f"{self.prefix}overlap_at_k{suffix}", Mean(overlap_N.sum(), n))
+        return torch.zeros_like(rec_N).masked_scatter(rec_N, differs_N)
 
     def _add(self, key: str, value: Mean) -> None:
         old = self._metrics.get(key)

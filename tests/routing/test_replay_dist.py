@@ -140,6 +140,16 @@ def _worker(rank: int):
     out["monitor"] = {k: v for k, v in router.items() if "/layer" not in k}
     out["monitor_layer"] = {k: v for k, v in router.items() if k.endswith("/layer1")}
 
+    # (1c) update-induced flips, replay off: an update forward with the old pass's weights is the
+    # same forward (determinism check, math.md 7.2 item 5): exactly 0 on CPU
+    learner.forward_logprobs(tokens_BS, lens_B, 1.0, 2, replay_mode="observe", keep_native=True)
+    old_routes = learner.replay.recorded()
+    mb_old = {"tokens": tokens_BS, "loss_mask": mask_BS, "old_routes": old_routes}
+    learner.forward_backward(mb_old, lens_B, _nll, 1.0, 2, replay_mode="observe")
+    out["update_flip_same"] = {k: float(v.sum / v.count) for k, v in learner.replay.metrics().items()
+                               if k.startswith("router_grad/update_flip")}
+    learner.router_monitor_metrics()
+
     # (2) micro-batching: 2 micro-batches of 2 give the same log-probs as 1 of 4
     logp_mb2 = learner.forward_logprobs(tokens_BS, lens_B, 1.0, 2, routes=routes, replay_mode="replay").logp
     real_BS = (torch.arange(S)[None] >= 1) & (torch.arange(S)[None] < lens_B[:, None])  # pads are garbage
@@ -185,6 +195,13 @@ def _worker(rank: int):
     g_rec = rec.canonical_grads()
     out["recompute_grad_diff"] = max(float((g_rec[k] - grads[k]).abs().max()) for k in grads)
     out["recompute_served"] = [(h.served_forward, h.served_backward) for h in rec.replay.hooks]
+
+    # (1d) after an optimizer step (Adam, lr 1e-2 on 0.02-scale weights) the update forward's
+    # expert sets move away from the old pass's: the same metric is then positive
+    learner.update(mb_old, lens_B, _nll, 1.0, 2, lr=1e-2, replay_mode="observe")
+    learner.forward_backward(mb_old, lens_B, _nll, 1.0, 2, replay_mode="observe")
+    out["update_flip_after_step"] = {k: float(v.sum / v.count) for k, v in learner.replay.metrics().items()
+                                     if k.startswith("router_grad/update_flip")}
     dist.shutdown()
     return out
 
@@ -205,5 +222,15 @@ def test_replay_in_megatron():
         layer = r["monitor_layer"]
         assert layer["router_grad/zero_frac/layer1"] == 0.5 and 0 < layer["router_grad/load_entropy/layer1"] <= 1
         assert layer["router_grad/margin_mean/layer1"] > 0 and 0 <= layer["router_grad/near_boundary_frac/layer1"] <= 1
+        assert 0 < layer["router_grad/margin_p1/layer1"] <= layer["router_grad/margin_p5/layer1"] \
+            <= layer["router_grad/margin_p50/layer1"], layer
+        assert layer["router_grad/logit_grad_norm_max/layer1"] >= layer["router_grad/logit_grad_norm_mean/layer1"] > 0
+        assert r["monitor"]["router_grad/zero_frac_expected"] == 0.5
+        same, moved = r["update_flip_same"], r["update_flip_after_step"]
+        assert set(same) == {"router_grad/update_flip_frac", "router_grad/update_flip_frac/layer1",
+                             "router_grad/update_flip_frac/layer2", "router_grad/update_flip_token_frac",
+                             "router_grad/update_flip_layers_per_token"}, same
+        assert all(v == 0.0 for v in same.values()), same
+        assert 0 < moved["router_grad/update_flip_frac"] <= moved["router_grad/update_flip_token_frac"] <= 1, moved
         assert r["recompute_grad_diff"] < 1e-6, r
         assert r["recompute_served"] == [(2, 2), (2, 2)], r

@@ -1,0 +1,234 @@
+"""Runs read back from their directories, the per-layer series, headline numbers and verdicts.
+
+Pure reading and numpy over ``metrics.jsonl`` (see moe_rl/metrics.py for the keys): a finished
+run, a run still writing, and a run killed mid-write (truncated last line, reported as a
+warning) all read the same way.
+
+Shape suffixes: T logged steps, L MoE layers.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from moe_rl.metrics import METRICS_FILE, read_metrics
+
+_LAYER_KEY = re.compile(r"^router_grad/zero_frac/layer(\d+)$")
+
+# per-layer heatmaps: router_grad/<name>/layer{N} -> title, fixed colour range (None: the data's)
+PANELS = (
+    ("zero_frac", "Router-logit entries with zero gradient (blackout)", (0.0, 1.0)),
+    ("no_grad_expert_frac", "Experts whose router logit got no gradient in the step", (0.0, 1.0)),
+    ("rollout_flip_frac", "Rollout vs learner: (token, layer) routes that differ", None),
+    ("update_flip_frac", "Update-induced flips: old-log-prob pass vs update forward", None),
+    ("load_entropy", "Expert-load entropy (1 = uniform)", (0.0, 1.0)),
+    ("margin_p50", "Top-K margin h(K) - h(K+1), median", None),
+    ("near_boundary_frac", "Tokens near the Top-K boundary (margin < log.router_margin_eps)", (0.0, 1.0)),
+)
+# step curves next to the heatmaps: reward, correction and mismatch metrics (when logged)
+CURVES = (
+    ("reward/mean", "Reward"),
+    ("routing/flip_token_frac", "Tokens with a rollout-vs-learner flip in any layer"),
+    ("router_grad/update_flip_token_frac", "Tokens with an update-induced flip in any layer"),
+    ("corr/k3_kl", "k3 KL, rollout to learner"),
+    ("corr/logprob_abs_diff", "Abs log-prob diff, rollout vs learner (mean)"),
+    ("corr/chi2_token", "Token chi^2 (IS weight variance)"),
+    ("corr/is_ratio_fraction_high", "IS weights clipped high"),
+    ("corr/trm_accept_rate", "TRM accepted sequences"),
+    ("corr/dvp_pruned_mass", "DVP pruned mass"),
+    ("train/pg_clipfrac", "PPO clip fraction"),
+    ("train/entropy", "Policy entropy"),
+    ("router_grad/norm", "Router-weight gradient norm"),
+)
+# verdict thresholds (math.md 7.2 defines the metrics, not alarms: these are ours, stated in the report)
+THRESHOLDS = {
+    "no_grad_expert_frac": 0.10,  # experts left without router gradient, mean per step
+    "zero_frac_gap": 0.05,  # |measured - structural| zero-gradient fraction
+    "rollout_flip_frac": 0.05,  # (token, layer) routes differing between rollout and learner
+    "update_flip_frac": 0.01,  # routes moved by the step's own update
+    "load_entropy": 0.80,  # below: load concentrates on few experts
+    "near_boundary_bf16_frac": 0.01,  # margins below bf16 resolution: rounding alone flips them
+}
+WINDOW = 100  # verdicts look at the last WINDOW logged steps
+
+
+class ReportError(ValueError):
+    """A run directory that cannot be reported on; the message names the path."""
+
+
+@dataclass
+class Run:
+    path: Path
+    records: list[dict]
+    warnings: list[str]
+    config: dict
+    config_text: str
+    name: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.name = self.path.resolve().name
+
+    @property
+    def steps_T(self) -> np.ndarray:
+        return np.array([r["step"] for r in self.records], dtype=np.int64)
+
+    def series(self, key: str) -> np.ndarray:
+        """float [T]: the metric per logged step, NaN where absent."""
+        return np.array([_num(r.get(key)) for r in self.records], dtype=np.float64)
+
+    def has(self, key: str) -> bool:
+        return any(key in r for r in self.records)
+
+    @property
+    def layers(self) -> list[int]:
+        ids = {int(m.group(1)) for r in self.records[-1:] for k in r if (m := _LAYER_KEY.match(k))}
+        return sorted(ids)
+
+    def matrix(self, name: str) -> np.ndarray:
+        """float [L, T] of router_grad/<name>/layer{N}; NaN where absent."""
+        if not self.layers:
+            return np.zeros((0, len(self.records)))
+        return np.stack([self.series(f"router_grad/{name}/layer{lid}") for lid in self.layers])
+
+    def cfg(self, dotted: str, default=None):
+        node = self.config
+        for part in dotted.split("."):
+            if not isinstance(node, dict) or part not in node:
+                return default
+            node = node[part]
+        return node
+
+    @property
+    def status(self) -> str:
+        total = self.cfg("steps")
+        done = int(self.records[-1]["step"]) + 1 if self.records else 0
+        if total is not None and done >= int(total):
+            return f"finished: {done} of {total} steps logged"
+        return f"in progress or stopped: {done} of {total if total is not None else '?'} steps logged"
+
+
+def _num(v) -> float:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else math.nan
+
+
+def load_run(path: str | Path) -> Run:
+    run_dir = Path(path)
+    metrics = run_dir / METRICS_FILE
+    if not metrics.is_file():
+        raise ReportError(f"{metrics} does not exist: {run_dir} is not a moe-rl run directory "
+                          f"(or its first step has not been logged yet)")
+    records, warnings = read_metrics(metrics)
+    warnings = [f"{metrics}: {w}" for w in warnings]
+    if not records:
+        warnings.append(f"{metrics}: no complete step logged yet")
+    cfg_path = run_dir / "config.yaml"
+    config_text = cfg_path.read_text() if cfg_path.is_file() else ""
+    if not config_text:
+        warnings.append(f"{cfg_path} is missing: the report cannot show the run's config")
+    config = yaml.safe_load(config_text) or {}
+    return Run(run_dir, records, warnings, config, config_text)
+
+
+def _window(x_T: np.ndarray, window: int = WINDOW) -> np.ndarray:
+    return x_T[..., -window:]
+
+
+def nanmean(x) -> float:
+    x = np.asarray(x, dtype=np.float64)
+    return float(np.nanmean(x)) if np.isfinite(x).any() else math.nan
+
+
+def headline(run: Run) -> list[tuple[str, float | str]]:
+    """(label, value) rows of the summary table; NaN where the run did not log the metric."""
+    reward_T, T = run.series("reward/mean"), len(run.records)
+    tenth = max(T // 10, 1)
+    rows: list[tuple[str, float | str]] = [
+        ("status", run.status),
+        ("routing replay", str(run.cfg("routing.replay", "?"))),
+        ("reward, first 10% of steps", nanmean(reward_T[:tenth])),
+        ("reward, last 10% of steps", nanmean(reward_T[-tenth:])),
+    ]
+    for label, key in (("rollout-vs-learner router flips", "routing/flip_router_frac"),
+                       ("tokens with any rollout-vs-learner flip", "routing/flip_token_frac"),
+                       ("update-induced router flips", "router_grad/update_flip_frac"),
+                       ("router-logit zero-gradient fraction", "router_grad/zero_frac"),
+                       ("structural (E-K)/E of the gating", "router_grad/zero_frac_expected"),
+                       ("k3 KL, rollout to learner", "corr/k3_kl"),
+                       ("abs log-prob diff, rollout vs learner", "corr/logprob_abs_diff")):
+        rows.append((f"{label} (mean)", nanmean(run.series(key))))
+    step_T = run.series("time/step_s")
+    rows.append(("median step time (s)", float(np.nanmedian(step_T)) if np.isfinite(step_T).any() else math.nan))
+    return rows
+
+
+@dataclass
+class Verdict:
+    layer: int
+    level: str  # "ok" | "warn"
+    findings: list[str]
+
+
+def layer_verdicts(run: Run, window: int = WINDOW) -> list[Verdict]:
+    """One short verdict per MoE layer over the last ``window`` logged steps."""
+    n = min(window, len(run.records))
+    span = f"the last {n} steps"
+    expected = nanmean(_window(run.series("router_grad/zero_frac_expected"), window))
+    mean = {name: (np.nanmean(_window(run.matrix(name), window), axis=1) if run.layers and
+                   np.isfinite(_window(run.matrix(name), window)).any() else np.full(len(run.layers), math.nan))
+            for name in ("zero_frac", "no_grad_expert_frac", "rollout_flip_frac", "update_flip_frac",
+                         "load_entropy", "load_max_frac", "margin_p50", "near_boundary_bf16_frac")}
+    r3 = run.cfg("routing.replay") == "r3"
+    out = []
+    for i, lid in enumerate(run.layers):
+        m = {k: float(v[i]) for k, v in mean.items()}
+        found: list[tuple[str, bool]] = []  # (finding, whether it crosses a threshold)
+        if math.isfinite(m["no_grad_expert_frac"]):
+            found.append(((f"{m['no_grad_expert_frac']:.0%} of experts got no router gradient per step "
+                           f"(mean over {span})"), m["no_grad_expert_frac"] > THRESHOLDS["no_grad_expert_frac"]))
+        if math.isfinite(m["zero_frac"]) and math.isfinite(expected):
+            gap = abs(m["zero_frac"] - expected) > THRESHOLDS["zero_frac_gap"]
+            found.append((f"zero-gradient fraction {m['zero_frac']:.3f} vs structural {expected:.3f}"
+                          + (": the live gating is not the configured one (aux loss? pre-softmax?)" if gap else
+                             ": unselected experts' logits never learn from a token (gradient blackout)"), gap))
+        if math.isfinite(m["rollout_flip_frac"]):
+            found.append((f"{m['rollout_flip_frac']:.1%} of routes differ between rollout and learner"
+                          + (" (R3 trains on the rollout's routes)" if r3 else ""),
+                          m["rollout_flip_frac"] > THRESHOLDS["rollout_flip_frac"] and not r3))
+        if math.isfinite(m["update_flip_frac"]):
+            found.append((f"{m['update_flip_frac']:.1%} of routes flip within a step's update",
+                          m["update_flip_frac"] > THRESHOLDS["update_flip_frac"]))
+        if math.isfinite(m["load_entropy"]):
+            found.append((f"load entropy {m['load_entropy']:.2f} (busiest expert {m['load_max_frac']:.0%} of routes)",
+                          m["load_entropy"] < THRESHOLDS["load_entropy"]))
+        if math.isfinite(m["margin_p50"]):
+            found.append(((f"median Top-K margin {m['margin_p50']:.3g}; {m['near_boundary_bf16_frac']:.1%} of "
+                           f"tokens within bf16 resolution of the boundary"),
+                          m["near_boundary_bf16_frac"] > THRESHOLDS["near_boundary_bf16_frac"]))
+        warn = any(bad for _, bad in found)
+        found = [text for text, _ in found]
+        out.append(Verdict(lid, "warn" if warn else "ok", found))
+    return out
+
+
+def flat_config(cfg: dict, prefix: str = "") -> dict[str, object]:
+    out: dict[str, object] = {}
+    for k, v in cfg.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flat_config(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def config_diff(runs: list[Run]) -> list[tuple[str, list[object]]]:
+    """Keys whose values differ between the runs (run_dir excluded: it always does)."""
+    flats = [flat_config(r.config) for r in runs]
+    keys = sorted(set().union(*flats) - {"run_dir"})
+    return [(k, [f.get(k, "-") for f in flats]) for k in keys if len({repr(f.get(k, "-")) for f in flats}) > 1]

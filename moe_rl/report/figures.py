@@ -1,0 +1,71 @@
+"""The report's figures as PNG bytes (matplotlib, Agg backend: no display, no network).
+
+Heatmaps put MoE layers on the y axis and logged steps on the x axis; with two runs they sit
+side by side on one shared colour scale, so "replay off vs r3" reads at a glance.
+"""
+
+from __future__ import annotations
+
+import io
+
+import matplotlib
+
+matplotlib.use("Agg")  # before pyplot: headless
+import matplotlib.pyplot as plt
+import numpy as np
+
+from moe_rl.report.data import Run
+
+DPI = 90
+
+
+def _png(fig) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=DPI, bbox_inches="tight")
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def heatmap(runs: list[Run], name: str, title: str, vrange: tuple[float, float] | None) -> bytes | None:
+    """router_grad/<name>/layer{N} over steps, one panel per run; None if no run logged it."""
+    mats = [r.matrix(name) for r in runs]
+    if not any(m.size and np.isfinite(m).any() for m in mats):
+        return None
+    finite = np.concatenate([m[np.isfinite(m)] for m in mats])
+    vmin, vmax = vrange if vrange is not None else (float(finite.min()), float(finite.max()))
+    if vmax <= vmin:
+        vmax = vmin + 1e-12
+    fig, axes = plt.subplots(1, len(runs), figsize=(5.2 * len(runs) + 1.2, 2.4), squeeze=False, sharey=True)
+    for ax, run, m_LT in zip(axes[0], runs, mats):
+        steps_T = run.steps_T
+        if m_LT.size == 0 or len(steps_T) == 0:
+            ax.set_title(f"{run.name}: not logged", fontsize=9)
+            continue
+        extent = (steps_T[0] - 0.5, steps_T[-1] + 0.5, len(run.layers) - 0.5, -0.5)
+        im = ax.imshow(np.ma.masked_invalid(m_LT), aspect="auto", interpolation="nearest", cmap="viridis",
+                       vmin=vmin, vmax=vmax, extent=extent)
+        ax.set_yticks(range(len(run.layers)), [f"layer {lid}" for lid in run.layers], fontsize=8)
+        ax.set_xlabel("step", fontsize=8)
+        ax.tick_params(labelsize=8)
+        ax.set_title(run.name, fontsize=9)
+    fig.colorbar(im, ax=axes[0].tolist(), fraction=0.025, pad=0.01)
+    fig.suptitle(title, fontsize=10, x=0.02, ha="left")
+    return _png(fig)
+
+
+def curve(runs: list[Run], key: str, title: str) -> bytes | None:
+    """One metric over steps, every run on the same axes; None if no run logged it."""
+    if not any(r.has(key) for r in runs):
+        return None
+    fig, ax = plt.subplots(figsize=(4.6, 2.2))
+    for run in runs:
+        y_T = run.series(key)
+        if np.isfinite(y_T).any():
+            ax.plot(run.steps_T, y_T, lw=1.0, label=run.name)
+    ax.set_title(title, fontsize=9)
+    ax.set_xlabel("step", fontsize=8)
+    ax.tick_params(labelsize=8)
+    ax.grid(alpha=0.3)
+    if len(runs) > 1:
+        ax.legend(fontsize=7)
+    return _png(fig)

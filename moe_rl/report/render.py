@@ -1,0 +1,84 @@
+"""Write the report: one self-contained HTML page (figures inlined as data URIs, CSS inline, no
+network) and a markdown summary with its figures as PNG files beside it."""
+
+from __future__ import annotations
+
+import base64
+import math
+import os
+import tempfile
+from pathlib import Path
+
+import jinja2
+
+from moe_rl.report import data, figures
+from moe_rl.report.data import Run
+
+_ENV = jinja2.Environment(loader=jinja2.PackageLoader("moe_rl.report", "templates"),
+                          autoescape=jinja2.select_autoescape(["html"]), keep_trailing_newline=True)
+
+
+def _fmt(v) -> str:
+    if isinstance(v, str):
+        return v
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "not logged"
+    return f"{v:.4g}"
+
+
+_ENV.filters["fmt"] = _fmt
+
+
+def _atomic_write(path: Path, payload: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "wb") as f:
+        f.write(payload)
+    os.chmod(tmp, 0o644)  # mkstemp creates 0600; a report is for reading
+    os.replace(tmp, path)
+
+
+def build(runs: list[Run]) -> dict:
+    """Everything the templates show, figures as PNG bytes keyed by a file stem."""
+    figs: list[dict] = []
+    for name, title, vrange in data.PANELS:
+        png = figures.heatmap(runs, name, title, vrange)
+        figs.append({"stem": f"heatmap_{name}", "title": title, "kind": "heatmap", "png": png,
+                     "metric": f"router_grad/{name}/layer*"})
+    for key, title in data.CURVES:
+        png = figures.curve(runs, key, title)
+        figs.append({"stem": "curve_" + key.replace("/", "_"), "title": title, "kind": "curve", "png": png,
+                     "metric": key})
+    heads = [dict(data.headline(r)) for r in runs]
+    return {
+        "runs": runs,
+        "headline": [(label, [h[label] for h in heads]) for label in heads[0]],
+        "verdicts": [data.layer_verdicts(r) for r in runs],
+        "figures": [f for f in figs if f["png"] is not None],
+        "missing": [f["title"] for f in figs if f["png"] is None],
+        "warnings": [w for r in runs for w in r.warnings],
+        "config_diff": data.config_diff(runs) if len(runs) > 1 else [],
+        "thresholds": data.THRESHOLDS,
+        "window": data.WINDOW,
+    }
+
+
+def write_report(run_dirs: list[str | Path], out_dir: str | Path | None = None) -> Path:
+    """Render the report of one run (or an A/B comparison) into ``out_dir`` (default:
+    RUN_DIR/report, or RUN_A/compare_<B> for two runs); returns the HTML path."""
+    runs = [data.load_run(p) for p in run_dirs]
+    if out_dir is None:
+        first = Path(run_dirs[0])
+        out_dir = first / "report" if len(runs) == 1 else first / f"compare_{runs[1].name}"
+    out = Path(out_dir)
+    (out / "figures").mkdir(parents=True, exist_ok=True)
+    ctx = build(runs)
+    for f in ctx["figures"]:
+        f["file"] = f"figures/{f['stem']}.png"
+        f["data_uri"] = "data:image/png;base64," + base64.b64encode(f["png"]).decode("ascii")
+        _atomic_write(out / f["file"], f["png"])
+    title = "Router stability report: " + " vs ".join(r.name for r in runs)
+    html = _ENV.get_template("report.html.j2").render(title=title, **ctx)
+    md = _ENV.get_template("report.md.j2").render(title=title, **ctx)
+    _atomic_write(out / "report.md", md.encode())
+    _atomic_write(out / "report.html", html.encode())
+    return out / "report.html"

@@ -1,0 +1,107 @@
+"""Router-gradient monitor cost, measured side by side in one run (tiny model, EP=2, 2 local ranks).
+
+    python scripts/bench_monitor.py [--prompts 16] [--reps 10]
+
+One rollout batch (the default config's shape: 16 prompts x 8 samples per rank), then the
+learner's part of an RL step (old-log-prob pass + 4 minibatch updates, lr 0 so every rep sees the
+same weights) with the monitor on and off, interleaved (on/off, off/on, ...) so drift and other
+load hit both alike. Prints the median learner time of each, their ratio, and the overhead as a
+share of a whole step (rollout + learner), against the issue's 3% budget.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import tempfile
+import time
+import uuid
+
+
+def _measure(args, out_path: str) -> None:
+    import torch
+
+    import megatron_patches
+    from moe_rl import dist, rl
+    from moe_rl.config import LogConfig, RunConfig
+    from moe_rl.learner.learner import Learner
+    from moe_rl.tasks import CharTokenizer, build_prompt_source, score
+    from moe_rl.trainer import resolve
+    from moe_rl.warmstart import load_init_weights
+
+    torch.set_num_threads(1)
+    megatron_patches.apply_all()
+    tok = CharTokenizer()
+    cfg_on = resolve(RunConfig(), tok)
+    cfg_off = dataclasses.replace(cfg_on, log=LogConfig(router_monitor=False))
+    ctx = dist.init_distributed(cfg_on.parallel, seed=0)
+    learner = Learner(cfg_on.model, cfg_on.parallel, cfg_on.optim, ctx,
+                      load_init_weights(cfg_on.init_weights, cfg_on.model, tok))
+    monitor = learner.monitor
+    engine = rl.build_engine(cfg_on, tok)
+    engine.load_weights(learner.export_canonical())
+    t, r = cfg_on.task, cfg_on.rollout
+    source = build_prompt_source(t.tasks, t.min_len, t.max_len, "", t.reward, tok)
+    prompts = source.sample(args.prompts, seed=ctx.dp_rank)
+    t0 = time.perf_counter()
+    batch = engine.generate([p.prompt_ids for p in prompts], r.samples_per_prompt, rl.sampling(cfg_on, tok),
+                            seed=ctx.dp_rank)
+    rollout_s = time.perf_counter() - t0
+    rewards_B, _ = score(prompts, rl.response_ids(batch, tok.pad_id), tok, r.samples_per_prompt,
+                         task_names=source.task_names)
+    times: dict[str, list[float]] = {"on": [], "off": []}
+    for rep in range(args.reps + 1):
+        for name in ("on", "off") if rep % 2 == 0 else ("off", "on"):
+            cfg = cfg_on if name == "on" else cfg_off
+            learner.monitor = learner.replay.monitor = monitor if name == "on" else None
+            torch.distributed.barrier()
+            t0 = time.perf_counter()
+            tb, _ = rl.prepare(cfg, learner, batch, rewards_B)
+            m = rl.update(cfg, learner, tb, lr=0.0)
+            torch.distributed.barrier()
+            if rep:  # the first round warms up
+                times[name].append(time.perf_counter() - t0)
+            assert ("router_grad/zero_frac" in m) == (name == "on")
+    res = {"times": times, "rollout_s": rollout_s, "tokens": int(batch.response_mask_BS.sum())}
+    gathered = [None] * ctx.world_size
+    torch.distributed.all_gather_object(gathered, res)
+    if ctx.is_main:
+        with open(out_path, "w") as f:
+            json.dump(gathered, f)
+    dist.shutdown()
+
+
+def _report(ranks: list[dict]) -> None:
+    on = statistics.median(t for r in ranks for t in r["times"]["on"])
+    off = statistics.median(t for r in ranks for t in r["times"]["off"])
+    rollout = statistics.median(r["rollout_s"] for r in ranks)
+    n = len(ranks[0]["times"]["on"])
+    print(f"tiny model, default batch; {sum(r['tokens'] for r in ranks)} response tokens over {len(ranks)} ranks; "
+          f"{n} interleaved reps each")
+    print(f"learner part of a step (old log-probs + 4 minibatch updates): monitor off {off * 1e3:.1f} ms, "
+          f"on {on * 1e3:.1f} ms, ratio on/off {on / off:.3f}")
+    print(f"rollout of the same batch: {rollout * 1e3:.1f} ms")
+    share = (on - off) / (off + rollout)
+    print(f"monitor overhead as a share of a whole step (rollout + learner): {share:+.2%} (budget 3%)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prompts", type=int, default=16, help="prompts per rank (8 samples each)")
+    ap.add_argument("--reps", type=int, default=10)
+    args = ap.parse_args()
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    out = os.path.join(tempfile.mkdtemp(), "bench.json")
+    lc = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2, run_id=str(uuid.uuid4()), rdzv_backend="c10d",
+                      rdzv_endpoint="127.0.0.1:0", max_restarts=0, start_method="spawn")
+    elastic_launch(lc, _measure)(args, out)
+    with open(out) as f:
+        _report(json.load(f))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+"""unit tier: `moe-rl report` on run directories written like the trainer writes them (real
+config.yaml from the config tree, metrics.jsonl lines with the monitor's keys): verdict numbers,
+truncated files, A/B comparison, valid HTML with every figure, and rendering in headless Chromium."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import html5lib
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from moe_rl.cli import main
+from moe_rl.config import RoutingConfig, RunConfig, to_yaml
+from moe_rl.report import data
+from moe_rl.report.data import ReportError, load_run
+from moe_rl.report.render import write_report
+
+LAYERS = (0, 1, 2)
+
+
+def _record(step: int, replay: str) -> dict:
+    rng = np.random.default_rng(step)
+    rec = {"step": step, "reward/mean": 0.5 + step / 100, "corr/k3_kl": 1e-3 * rng.random(),
+           "routing/flip_token_frac": 0.1, "router_grad/zero_frac": 0.75, "router_grad/zero_frac_expected": 0.75,
+           "router_grad/norm": 1.0, "time/step_s": 0.5, "router_grad/update_flip_token_frac": 0.02}
+    for lid in LAYERS:
+        rec.update({
+            f"router_grad/zero_frac/layer{lid}": 0.75,
+            # layer 1: 40% of experts without router gradient every step; others none
+            f"router_grad/no_grad_expert_frac/layer{lid}": 0.4 if lid == 1 else 0.0,
+            f"router_grad/rollout_flip_frac/layer{lid}": 0.12,  # the same mismatch; r3 only changes its meaning
+            f"router_grad/update_flip_frac/layer{lid}": 0.002 * (lid + 1),
+            f"router_grad/load_entropy/layer{lid}": 0.95 - 0.1 * lid,
+            f"router_grad/load_max_frac/layer{lid}": 0.2,
+            f"router_grad/margin_p50/layer{lid}": 0.3 + rng.random(),
+            f"router_grad/near_boundary_frac/layer{lid}": 0.05,
+            f"router_grad/near_boundary_bf16_frac/layer{lid}": 0.001,
+        })
+    return rec
+
+
+def _run_dir(path: Path, steps_logged: int, steps: int = 40, replay: str = "off", truncate: bool = False) -> Path:
+    path.mkdir(parents=True)
+    cfg = dataclasses.replace(RunConfig(), run_dir=str(path), steps=steps, routing=RoutingConfig(replay=replay))
+    (path / "config.yaml").write_text(to_yaml(cfg))
+    lines = [json.dumps(_record(s, replay)) for s in range(steps_logged)]
+    text = "\n".join(lines) + "\n"
+    if truncate:
+        text += json.dumps(_record(steps_logged, replay))[:57]  # killed mid-write
+    (path / "metrics.jsonl").write_text(text)
+    return path
+
+
+@pytest.mark.unit
+def test_verdicts_state_the_measured_numbers(tmp_path):
+    run = load_run(_run_dir(tmp_path / "a", 30))
+    verdicts = {v.layer: v for v in data.layer_verdicts(run)}
+    assert list(verdicts) == list(LAYERS)
+    v1 = verdicts[1]
+    assert v1.level == "warn"
+    assert "40% of experts got no router gradient per step (mean over the last 30 steps)" in v1.findings
+    assert "12.0% of routes differ between rollout and learner" in v1.findings  # > 5%, replay off
+    assert any(f.startswith("zero-gradient fraction 0.750 vs structural 0.750") for f in v1.findings)
+    assert "0.4% of routes flip within a step's update" in v1.findings
+    assert "load entropy 0.85 (busiest expert 20% of routes)" in v1.findings
+    assert verdicts[2].findings[-2] == "load entropy 0.75 (busiest expert 20% of routes)"
+    assert verdicts[2].level == "warn"  # load entropy under 0.8 (and rollout flips)
+    heads = dict(data.headline(run))
+    assert heads["reward, first 10% of steps"] == pytest.approx(np.mean([0.5 + s / 100 for s in range(3)]))
+    assert heads["reward, last 10% of steps"] == pytest.approx(np.mean([0.5 + s / 100 for s in range(27, 30)]))
+    assert heads["status"] == "in progress or stopped: 30 of 40 steps logged"
+
+
+@pytest.mark.unit
+def test_r3_flips_are_explained_not_alarmed(tmp_path):
+    run = load_run(_run_dir(tmp_path / "b", 10, replay="r3"))
+    v0 = data.layer_verdicts(run)[0]
+    assert "12.0% of routes differ between rollout and learner (R3 trains on the rollout's routes)" in v0.findings
+    assert v0.level == "ok"
+
+
+def _check_html(html_path: Path, expected_figures: int) -> str:
+    text = html_path.read_text()
+    html5lib.HTMLParser(strict=True).parse(text)  # raises on any parse error
+    assert "http://" not in text.replace("http://www.w3.org", "") and "https://" not in text  # self-contained
+    imgs = re.findall(r'<img src="data:image/png;base64,([A-Za-z0-9+/=]+)"', text)
+    assert len(imgs) == expected_figures
+    assert 'id="summary"' in text and '<table class="verdicts">' in text and "config.yaml</summary>" in text
+    return text
+
+
+@pytest.mark.unit
+def test_report_of_a_run_killed_mid_write(tmp_path):
+    run_dir = _run_dir(tmp_path / "killed", 25, truncate=True)
+    html = write_report([run_dir])
+    assert html == run_dir / "report" / "report.html"
+    # 7 heatmaps + the curves these records carry: reward, flips (2), k3, router norm
+    text = _check_html(html, 7 + 5)
+    assert "line 26: truncated last line dropped" in text
+    md = (html.parent / "report.md").read_text()
+    assert "in progress or stopped: 25 of 40 steps logged" in md
+    assert "- layer 1 **warn**: 40% of experts got no router gradient per step (mean over the last 25 steps)" in md
+    figures = sorted(p.name for p in (html.parent / "figures").iterdir())
+    assert len(figures) == 12 and all(f"figures/{f}" in md for f in figures)
+
+
+@pytest.mark.unit
+def test_compare_two_runs_side_by_side(tmp_path):
+    a, b = _run_dir(tmp_path / "off", 40, replay="off"), _run_dir(tmp_path / "r3", 40, replay="r3")
+    result = CliRunner().invoke(main, ["report", str(a), str(b), "--out", str(tmp_path / "cmp")])
+    assert result.exit_code == 0, result.output
+    text = _check_html(tmp_path / "cmp" / "report.html", 12)
+    assert "Router stability report: off vs r3" in text
+    row = re.search(r"<tr><td>routing.replay</td><td>(\w+)</td><td>(\w+)</td></tr>", text)
+    assert row and row.groups() == ("off", "r3")
+    assert text.count('<table class="verdicts">') == 2
+    assert "finished: 40 of 40 steps logged" in text
+
+
+@pytest.mark.unit
+def test_bad_run_dirs_fail_naming_the_path(tmp_path):
+    with pytest.raises(ReportError, match=r"empty/metrics.jsonl does not exist"):
+        load_run(tmp_path / "empty")
+    result = CliRunner().invoke(main, ["report", str(tmp_path / "nope")])
+    assert result.exit_code != 0 and "nope/metrics.jsonl does not exist" in result.output
+
+
+def _chromium() -> str | None:
+    return shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+
+
+@pytest.mark.unit
+def test_html_renders_in_headless_chromium(tmp_path):
+    browser = _chromium()
+    if browser is None:
+        if os.environ.get("CI"):
+            pytest.fail("CI must install Debian's chromium (see .ci/run)")
+        pytest.skip("chromium is not installed (CI installs it)")
+    a, b = _run_dir(tmp_path / "off", 40), _run_dir(tmp_path / "r3", 40, replay="r3")
+    html = write_report([a, b], tmp_path / "cmp")
+    flags = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--user-data-dir=" + str(tmp_path / "profile")]
+    dom = subprocess.run([*flags, "--virtual-time-budget=5000", "--dump-dom", html.as_uri()],
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    m = re.search(r'data-images-decoded="(\d+)" data-images-total="(\d+)"', dom)
+    assert m and m.groups() == ("12", "12"), dom[:500]  # the page's script ran and every figure decoded
+    shot = tmp_path / "shot.png"
+    subprocess.run([*flags, "--hide-scrollbars", "--window-size=1200,1600", f"--screenshot={shot}", html.as_uri()],
+                   capture_output=True, timeout=120, check=True)
+    from PIL import Image
+
+    pixels = np.asarray(Image.open(shot).convert("L"), dtype=np.float64)
+    assert pixels.shape == (1600, 1200)
+    assert pixels.std() > 10  # not a blank page: text, tables and heatmaps
