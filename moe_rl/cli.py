@@ -59,6 +59,39 @@ def show_config(args: tuple[str, ...]) -> None:
     click.echo(to_yaml(_load(args)), nl=False)
 
 
+@main.command("export-hf")
+@click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
+@click.argument("out_dir", type=click.Path())
+@click.option("--step", type=int, default=None, help="checkpoint step (default: the latest)")
+@click.option("--max-shard-gb", type=float, default=5.0, show_default=True, help="safetensors shard size")
+def export_hf(run_dir: str, out_dir: str, step: int | None, max_shard_gb: float) -> None:
+    """Write a run's checkpoint as a Hugging Face checkpoint: moe-rl export-hf RUN_DIR OUT_DIR [--step N]."""
+    from moe_rl.hf_checkpoint import export_run
+
+    try:
+        export_run(run_dir, out_dir, step, int(max_shard_gb * 2**30))
+    except (ValueError, FileNotFoundError, FileExistsError) as e:
+        raise click.ClickException(str(e)) from None
+
+
+@main.command()
+@click.argument("run_dirs", nargs=-1, required=True, type=click.Path(file_okay=False))
+@click.option("--out", type=click.Path(file_okay=False), default=None,
+              help="output directory (default: RUN_DIR/report, or RUN_A/compare_<B> for two runs)")
+def report(run_dirs: tuple[str, ...], out: str | None) -> None:
+    """Router stability report: moe-rl report RUN_DIR [RUN_DIR_B]  (HTML + markdown)."""
+    from moe_rl.report.data import ReportError
+    from moe_rl.report.render import write_report
+
+    if len(run_dirs) > 2:
+        raise click.UsageError("give one run directory, or two to compare")
+    try:
+        html = write_report(list(run_dirs), out)
+    except ReportError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"wrote {html} and {html.with_name('report.md')}")
+
+
 @main.command()
 def env() -> None:
     """Versions of torch, megatron-core and the optional GPU packages, and the patch plan."""

@@ -28,7 +28,8 @@ def _check(cond: bool, key: str, msg: str) -> None:
 
 
 def _one_of(value: str, key: str, choices: tuple[str, ...] | list[str]) -> None:
-    _check(value in choices, key, f"{value!r} is not one of {sorted(choices)}")
+    hint = " (YAML reads unquoted on/off/yes/no as booleans: quote the value)" if value in ("True", "False") else ""
+    _check(value in choices, key, f"{value!r} is not one of {sorted(choices)}{hint}")
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,12 @@ class ModelConfig:
     max_seq_len: int = 64
     router_aux_loss_coeff: float = 0.0  # switch load-balancing loss; 0 = off
     recompute: bool = False  # full activation recomputation in the learner (routes are replayed again)
+    # Learner kernels and precision (moe_rl/learner/te_spec.py). te and fp8 need CUDA and Transformer
+    # Engine; that is checked when a run starts (check_launch), so GPU recipes still load anywhere.
+    transformer_impl: str = "local"  # local: megatron's own modules (CPU) | te: Transformer Engine spec
+    precision: str = "fp32"  # fp32 | bf16 | fp8 (TE linears in FP8, bf16 params, fp32 main params)
+    fp8_recipe: str = "delayed"  # delayed | tensorwise | blockwise (megatron-core Fp8Recipe names)
+    fp8_format: str = "hybrid"  # hybrid: e4m3 forward, e5m2 gradients | e4m3 everywhere
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_layers", "num_attention_heads", "num_query_groups",
@@ -67,6 +74,13 @@ class ModelConfig:
         _check(0 <= self.first_k_dense < self.num_layers, "model.first_k_dense",
                f"must be in [0, model.num_layers={self.num_layers}) so at least one layer is MoE")
         _check(self.router_aux_loss_coeff >= 0, "model.router_aux_loss_coeff", "must be >= 0")
+        _one_of(self.transformer_impl, "model.transformer_impl", ("local", "te"))
+        _one_of(self.precision, "model.precision", ("fp32", "bf16", "fp8"))
+        # mxfp8 / nvfp4 are Blackwell-only (gpu_stack.md 3); custom needs a quantizer factory
+        _one_of(self.fp8_recipe, "model.fp8_recipe", ("delayed", "tensorwise", "blockwise"))
+        _one_of(self.fp8_format, "model.fp8_format", ("hybrid", "e4m3"))
+        _check(self.precision != "fp8" or self.transformer_impl == "te", "model.precision",
+               "fp8 GEMMs come from Transformer Engine: set model.transformer_impl=te")
 
     @property
     def moe_layers(self) -> list[int]:
@@ -164,8 +178,26 @@ class OptimConfig:
 
 
 @dataclass(frozen=True)
+class VllmConfig:
+    """The vLLM rollout engine (moe_rl/rollout/vllm_engine.py); used when rollout.engine=vllm."""
+
+    tensor_parallel: int = 1  # consecutive ranks that share one colocated vLLM engine
+    gpu_memory_utilization: float = 0.35  # vLLM's share of each GPU (weights + KV cache)
+    sleep_level: int = 1  # between rollouts: 0 stay awake | 1 offload weights, drop KV | 2 drop both
+    enforce_eager: bool = False  # no CUDA graphs (faster start, slower decode)
+    max_model_len: int = 0  # 0: model.max_seq_len
+    model_dir: str = ""  # HF dir vLLM starts from; "": init_weights' hf:DIR, else written from the learner
+
+    def __post_init__(self) -> None:
+        _check(self.tensor_parallel >= 1, "rollout.vllm.tensor_parallel", "must be >= 1")
+        _check(0 < self.gpu_memory_utilization < 1, "rollout.vllm.gpu_memory_utilization", "must be in (0, 1)")
+        _one_of(str(self.sleep_level), "rollout.vllm.sleep_level", ("0", "1", "2"))
+        _check(self.max_model_len >= 0, "rollout.vllm.max_model_len", "must be >= 0")
+
+
+@dataclass(frozen=True)
 class RolloutConfig:
-    engine: str = "builtin"  # builtin (CPU or small GPU models); vllm arrives with the GPU path
+    engine: str = "builtin"  # builtin (CPU or small GPU models) | vllm (CUDA; rollout.vllm)
     dtype: str = "bf16"  # the built-in engine's own numeric path: bf16 | fp32
     prompts_per_step: int = 32  # global, over all data-parallel ranks
     samples_per_prompt: int = 8
@@ -174,9 +206,10 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     router_noise: float = 0.0  # std of Gaussian noise on the engine's router logits: dialled-in routing mismatch
+    vllm: VllmConfig = field(default_factory=VllmConfig)
 
     def __post_init__(self) -> None:
-        _one_of(self.engine, "rollout.engine", ("builtin",))
+        _one_of(self.engine, "rollout.engine", ("builtin", "vllm"))
         _one_of(self.dtype, "rollout.dtype", ("bf16", "fp32"))
         for name in ("prompts_per_step", "samples_per_prompt", "max_new_tokens"):
             _check(getattr(self, name) >= 1, f"rollout.{name}", "must be >= 1")
@@ -325,7 +358,7 @@ class RunConfig:
     seed: int = 1234
     steps: int = 300
     checkpoint_every: int = 100  # 0 = only at the end
-    init_weights: str = "builtin:warmstart"  # safetensors file, "builtin:warmstart" or "" (random)
+    init_weights: str = "builtin:warmstart"  # safetensors file, "builtin:warmstart", "hf:DIR" or "" (random)
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -363,10 +396,37 @@ class RunConfig:
         per_rank = r.prompts_per_step // dp
         _check(per_rank % self.algo.num_minibatches == 0, "algo.num_minibatches",
                f"{self.algo.num_minibatches} minibatches do not split the {per_rank} prompts per rank")
+        if r.engine == "vllm":
+            from moe_rl.rollout.vllm_engine import check_vllm_config
+
+            check_vllm_config(self)
 
     @property
     def data_parallel(self) -> int:
         return self.parallel.nproc // (self.parallel.tensor_parallel * self.parallel.pipeline_parallel)
+
+
+def check_launch(cfg: RunConfig) -> None:
+    """What depends on the machine, checked when a run starts rather than when a config loads (so a
+    recipe for a GPU cluster still loads and prints on a laptop): Transformer Engine and FP8 need
+    CUDA and TE, the vLLM engine needs CUDA and vllm. Raises ConfigError naming the key and why."""
+    from moe_rl.learner.te_spec import check_te_environment
+
+    check_te_environment(cfg.model)
+    if cfg.rollout.engine == "vllm":
+        from moe_rl.rollout.vllm_engine import check_vllm_environment
+
+        check_vllm_environment()
+
+
+def _override(base, item: str):
+    """One ``key=value`` override. YAML 1.1 reads off/on/yes/no as booleans; a string-typed key
+    (``routing.replay=off``) keeps the text as typed instead of becoming 'False'."""
+    layer = OmegaConf.from_dotlist([item])
+    key, raw = item.split("=", 1)
+    if isinstance(OmegaConf.select(base, key, default=None), str) and isinstance(OmegaConf.select(layer, key), bool):
+        OmegaConf.update(layer, key, raw)
+    return layer
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
@@ -385,7 +445,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             where = f"override {item!r}"
             if "=" not in item:
                 raise ConfigError(f"override {item!r} is not of the form key=value")
-            layers.append(OmegaConf.from_dotlist([item]))
+            layers.append(_override(base, item))
         merged = OmegaConf.merge(*layers)
         where = str(path) if path is not None else "defaults"
         return OmegaConf.to_object(merged)  # type: ignore[return-value]

@@ -12,16 +12,17 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from moe_rl import rollout_correction
 from moe_rl.advantages import extra_inputs, get_advantage
+from moe_rl.config import RunConfig
 from moe_rl.corrections import derive_metrics
 from moe_rl.corrections.importance import offpolicy_metrics
-from moe_rl.config import RunConfig
-from moe_rl import rollout_correction
 from moe_rl.learner import checkpoint
 from moe_rl.lr import LengthLRScheduler, scheduled_lr
 from moe_rl.metrics import Max, Mean, Sum, merge_metrics
-from moe_rl.tasks import CharTokenizer
+from moe_rl.monitor.router_grad import rollout_flip_aliases
 from moe_rl.routing.record import RouteBatch, RouteHeader, validate
+from moe_rl.tasks import CharTokenizer
 from moe_rl.types import RolloutBatch, SamplingParams
 from moe_rl.variance import finalize_variance_proxies, variance_proxies
 
@@ -35,6 +36,11 @@ def step_seed(seed: int, step: int, dp_rank: int, stream: int) -> int:
 
 
 def build_engine(cfg: RunConfig, tok: CharTokenizer):
+    """The rollout engine rollout.engine names: builtin (CPU or small GPU models) or vllm (CUDA)."""
+    if cfg.rollout.engine == "vllm":
+        from moe_rl.rollout.vllm_engine import VllmEngine
+
+        return VllmEngine(cfg, cfg.model, pad_id=tok.pad_id)
     from moe_rl.rollout.builtin import BuiltinEngine
 
     return BuiltinEngine(cfg.model, dtype=cfg.rollout.dtype, pad_id=tok.pad_id,
@@ -97,12 +103,14 @@ def prepare(cfg: RunConfig, learner, batch: RolloutBatch, rewards_B: torch.Tenso
     rollout = rollout_routes(batch, learner.route_header)
     replay = cfg.routing.replay
     inputs_BS = rollout_correction.token_inputs(cfg.correction, batch, sampling(cfg, None).logprob_support)
+    monitor = cfg.log.router_monitor
     old = learner.forward_logprobs(batch.tokens_BS, seq_lens_B, temp, a.micro_batch_size, routes=rollout,
-                                   replay_mode=OLD_PASS_MODE[replay], token_inputs=inputs_BS)
+                                   replay_mode=OLD_PASS_MODE[replay], token_inputs=inputs_BS, keep_native=monitor)
     old_logp_BS, entropy_BS, sum_pi_sq_BS = old.logp, old.entropy, old.sum_pi_sq
     route_metrics = learner.replay.metrics()
+    old_routes = learner.replay.recorded() if monitor or replay == "r2" else None
     # the routes the update (and reference) passes replay: R2 the old policy's, R3 the rollout's
-    routes = {"off": None, "r2": learner.replay.recorded() if replay == "r2" else None, "r3": rollout}[replay]
+    routes = {"off": None, "r2": old_routes, "r3": rollout}[replay]
     corr_tensors, corr_metrics = rollout_correction.prepare(cfg.correction, old_logp_BS, batch.logprobs_BS,
                                                             mask_BS, learner.dp_group, old.extra.get("exact_kl"))
     estimator = get_advantage(a.advantage)
@@ -111,12 +119,16 @@ def prepare(cfg: RunConfig, learner, batch: RolloutBatch, rewards_B: torch.Tenso
     adv_BS, metrics = estimator(rewards_B, batch.group_B, mask_BS, std_norm=a.grpo_std_norm,
                                 **extra_inputs(estimator, inputs))
     metrics.update(route_metrics)
+    if monitor:
+        metrics.update(rollout_flip_aliases(route_metrics))
     metrics.update(variance_proxies(adv_BS, mask_BS, sum_pi_sq_BS, old_logp_BS, corr_tensors.get("is_weights")))
     tb = {"tokens": batch.tokens_BS, "loss_mask": mask_BS, "old_logp": old_logp_BS, "advantages": adv_BS,
           "rollout_logp": batch.logprobs_BS, **corr_tensors, **inputs_BS}
     metrics.update({**corr_metrics, **rollout_correction.dvp_batch_metrics(cfg.correction, batch, old)})
     if routes is not None:
         tb["routes"] = routes
+    if monitor:  # the update passes compare their routing with the old pass's (update-induced flips)
+        tb["old_routes"] = old_routes
     if a.kl_coef > 0:
         ref_mode = "replay" if routes is not None and cfg.routing.replay_reference else None
         ref_inputs = {k: v for k, v in inputs_BS.items() if k == "safe"}  # the same support as the policy
@@ -157,7 +169,7 @@ def update(cfg: RunConfig, learner, tb: dict[str, torch.Tensor], lr: float) -> d
     a = cfg.algo
     loss_fn = rollout_correction.loss_fn(cfg.correction, a)
     seq_lens_B = tb.pop("seq_lens")
-    replay_mode = "replay" if "routes" in tb else None
+    replay_mode = "replay" if "routes" in tb else "observe" if "old_routes" in tb else None
     merged: dict = {}
     grad_norms = []
     for idx_B in torch.arange(seq_lens_B.shape[0]).chunk(a.num_minibatches):

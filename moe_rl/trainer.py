@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from moe_rl import rl
-from moe_rl.config import RunConfig, to_dict, to_yaml
+from moe_rl.config import RunConfig, check_launch, to_dict, to_yaml
 from moe_rl.dist import DistContext
 from moe_rl.learner import checkpoint
 from moe_rl.learner.learner import Learner
@@ -36,6 +36,7 @@ def preflight(cfg: RunConfig, check_run_dir: bool = True) -> RunConfig:
     another rank could otherwise see half-written by rank 0."""
     tok = CharTokenizer()
     cfg = resolve(cfg, tok)
+    check_launch(cfg)  # CUDA / Transformer Engine / vLLM where the config asks for them
     t = cfg.task
     build_prompt_source(t.tasks, t.min_len, t.max_len, t.dataset, t.reward, tok)  # reads the dataset
     load_init_weights(cfg.init_weights, cfg.model, tok)  # checks names, shapes, architecture

@@ -1,8 +1,10 @@
 """Initial weights: canonical safetensors files with the architecture and tokenizer they fit.
 
 ``init_weights`` is a path, ``builtin:warmstart`` (the shipped tiny SFT checkpoint made by
-``scripts/make_warmstart.py``) or empty (megatron's random init). A file made for another
-architecture or tokenizer is refused, naming the key that differs.
+``scripts/make_warmstart.py``), ``hf:DIR`` (a Hugging Face checkpoint directory, see
+``moe_rl/hf_checkpoint.py``) or empty (megatron's random init). A file made for another
+architecture or tokenizer is refused, naming the key that differs (an HF checkpoint carries no
+tokenizer fingerprint: its vocabulary size is checked).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from moe_rl.rollout.builtin_model import check_canonical_weights
 from moe_rl.tasks import CharTokenizer
 
 BUILTIN = "builtin:warmstart"
+HF_PREFIX = "hf:"
 # Fields that change tensor shapes or the function computed; max_seq_len and the aux-loss
 # coefficient do not (RoPE has no parameters).
 ARCH_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_query_groups",
@@ -42,6 +45,13 @@ def save_init_weights(path: str | Path, tensors: dict[str, torch.Tensor], model:
 def load_init_weights(spec: str, model: ModelConfig, tok: CharTokenizer) -> dict[str, torch.Tensor] | None:
     if not spec:
         return None
+    if spec.startswith(HF_PREFIX):
+        from moe_rl.hf_checkpoint import load_hf_checkpoint
+
+        ckpt = Path(spec[len(HF_PREFIX):])
+        if not ckpt.is_dir():
+            raise FileNotFoundError(f"config key 'init_weights': {ckpt} is not a directory")
+        return load_hf_checkpoint(ckpt, model)
     path = builtin_path() if spec == BUILTIN else Path(spec)
     if not path.is_file():
         raise FileNotFoundError(f"config key 'init_weights': {path} does not exist")

@@ -61,3 +61,49 @@ def test_unknown_key_in_file_names_file_and_key(tmp_path):
     with pytest.raises(ConfigError) as e:
         load_config(p)
     assert str(p) in str(e.value) and "model.hiden_size" in str(e.value)
+
+
+QWEN3_RECIPE = Path(__file__).resolve().parents[1] / "configs" / "qwen3_30b_a3b_2x8h100.yaml"
+
+
+@pytest.mark.unit
+def test_qwen3_recipe_parses_and_its_memory_comment_matches_the_estimate():
+    import re
+
+    from moe_rl.memory import estimate
+
+    cfg = load_config(QWEN3_RECIPE)
+    assert (cfg.parallel.nproc, cfg.parallel.expert_parallel, cfg.rollout.engine, cfg.routing.replay) == \
+        (16, 16, "vllm", "r3")
+    assert (cfg.model.transformer_impl, cfg.model.precision) == ("te", "fp8")
+    est = estimate(cfg)
+    assert round(est["params_total_b"], 1) == 30.5 and round(est["params_active_b"], 2) == 3.35
+    stated = dict(re.findall(r"^#\s+(\w+) = ([\d.]+)$", QWEN3_RECIPE.read_text(), flags=re.MULTILINE))
+    assert len(stated) >= 10
+    for key, value in stated.items():
+        assert abs(est[key] - float(value)) <= (1.0 if key == "vllm_kv_tokens" else 0.05), key
+    assert est["train_peak_gib"] < 80 and est["rollout_peak_gib"] < 80 - 4  # CUDA context, NCCL, slack
+
+
+@pytest.mark.unit
+def test_gpu_recipes_load_here_but_only_launch_on_gpu():
+    import torch
+
+    from moe_rl.config import check_launch
+
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU refusal")
+    for path in (QWEN3_RECIPE, QWEN3_RECIPE.with_name("gpu_smoke.yaml")):
+        with pytest.raises(ConfigError, match="no CUDA device"):
+            check_launch(load_config(path))
+
+
+@pytest.mark.unit
+def test_yaml_boolean_spellings_stay_strings_for_string_keys(tmp_path):
+    # `routing.replay=off` on the command line: YAML 1.1 would read a boolean and fail the choice
+    assert load_config(None, ["routing.replay=off"]).routing.replay == "off"
+    assert load_config(None, ["log.router_monitor=off"]).log.router_monitor is False  # a bool key stays bool
+    path = tmp_path / "c.yaml"
+    path.write_text("routing:\n  replay: off\n")
+    with pytest.raises(ConfigError, match=r"c.yaml: config key 'routing.replay': 'False' .*quote the value"):
+        load_config(path)

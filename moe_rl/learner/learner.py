@@ -11,6 +11,7 @@ Shape suffixes: B sequences, S positions.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from functools import partial
 from typing import Any, NamedTuple
@@ -19,11 +20,12 @@ import torch
 import torch.distributed as dist
 
 from moe_rl.config import ModelConfig, OptimConfig, ParallelConfig
-from moe_rl.dist import DistContext
-from moe_rl.learner import setup
 from moe_rl.corrections.dvp import restricted_logprobs
 from moe_rl.corrections.trm import exact_kl_tokens
+from moe_rl.dist import DistContext
+from moe_rl.learner import setup
 from moe_rl.learner.logprobs import token_logprobs_energy
+from moe_rl.learner.te_spec import FP8_TOKEN_MULTIPLE, rename_to_local, te_name_map
 from moe_rl.learner.weights import (
     canonical_to_megatron,
     gather_experts,
@@ -46,14 +48,25 @@ def _slice(v, sl: slice, s_max: int):
     return v[sl, :s_max] if v.dim() >= 2 else v[sl]
 
 
-def split_micro_batches(batch: dict, seq_lens_B: torch.Tensor, micro_batch_size: int) -> list[dict]:
+def _pad_positions(v, extra: int):
+    if isinstance(v, RouteBatch) or v.dim() < 2 or extra == 0:
+        return v
+    return torch.nn.functional.pad(v, [0, 0] * (v.dim() - 2) + [0, extra])  # zeros: masked out, pad routes
+
+
+def split_micro_batches(batch: dict, seq_lens_B: torch.Tensor, micro_batch_size: int,
+                        token_multiple: int = 1) -> list[dict]:
     """Split [B, S] tensors (and route records) into micro-batches along B, each trimmed to its
-    longest sequence; every micro-batch carries its "seq_lens"."""
+    longest sequence, then padded so that B * S is a multiple of ``token_multiple`` (TE's FP8
+    GEMMs need 16); every micro-batch carries its "seq_lens"."""
     out = []
     for start in range(0, int(seq_lens_B.shape[0]), micro_batch_size):
         sl = slice(start, start + micro_batch_size)
         s_max = int(seq_lens_B[sl].max())
-        mb = {k: _slice(v, sl, s_max) for k, v in batch.items()}
+        b = int(seq_lens_B[sl].shape[0])
+        step = token_multiple // math.gcd(b, token_multiple)  # S must be a multiple of this
+        extra = -(-s_max // step) * step - s_max
+        mb = {k: _pad_positions(_slice(v, sl, s_max), extra) for k, v in batch.items()}
         mb["seq_lens"] = seq_lens_B[sl]
         out.append(mb)
     return out
@@ -104,6 +117,7 @@ class Learner:
 
         self.model_cfg, self.par, self.ctx = model_cfg, par, ctx
         self.gpt, self.tcfg = setup.build_model(model_cfg, par)
+        self.token_multiple = FP8_TOKEN_MULTIPLE if model_cfg.precision == "fp8" else 1
         if init_weights is not None:
             self.load_canonical(init_weights)
         # Every model gets its own replay controller (megatron's RouterReplay instances are
@@ -133,10 +147,12 @@ class Learner:
     def load_canonical(self, full: dict[str, torch.Tensor]) -> None:
         """Copy full canonical weights into this rank's shard; errors name the tensor."""
         params = dict(self.gpt.named_parameters())
-        tensors = canonical_to_megatron(full, list(params), self.model_cfg, self.ctx.ep_rank, self.ctx.ep_size)
+        local = te_name_map(list(params))  # TE fuses norms into linears: its names -> the local spec's
+        tensors = canonical_to_megatron(full, [local[n] for n in params], self.model_cfg, self.ctx.ep_rank,
+                                        self.ctx.ep_size)
         with torch.no_grad():
             for name, p in params.items():
-                t = tensors[name]
+                t = tensors[local[name]]
                 if tuple(t.shape) != tuple(p.shape):
                     raise ValueError(f"weight for {name} has shape {tuple(t.shape)}, "
                                      f"the model expects {tuple(p.shape)}")
@@ -144,7 +160,7 @@ class Learner:
 
     def export_canonical(self) -> dict[str, torch.Tensor]:
         """Full canonical weights (every expert), identical on every rank: the weight sync source."""
-        local = {n: p.detach() for n, p in self.gpt.named_parameters()}
+        local = rename_to_local({n: p.detach() for n, p in self.gpt.named_parameters()})
         canon = megatron_to_canonical(local, self.model_cfg, self.ctx.ep_rank, self.ctx.ep_size)
         return gather_experts(canon, self.model_cfg, self.ctx.ep_size, self.ep_group)
 
@@ -206,7 +222,7 @@ class Learner:
         batch = {"tokens": tokens_BS, **(token_inputs or {})}
         if routes is not None:
             batch["routes"] = routes
-        mbs = split_micro_batches(batch, seq_lens_B, micro_batch_size)
+        mbs = split_micro_batches(batch, seq_lens_B, micro_batch_size, self.token_multiple)
         outs = self._schedule(model, replay, mbs, collect, True, replay_mode, keep_native=keep_native)
         S = tokens_BS.shape[1]
 
@@ -240,7 +256,7 @@ class Learner:
 
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
-        mbs = split_micro_batches(minibatch, seq_lens_B, micro_batch_size)
+        mbs = split_micro_batches(minibatch, seq_lens_B, micro_batch_size, self.token_multiple)
         if self.monitor is not None:
             self.monitor.active = True
         try:
@@ -292,6 +308,6 @@ class Learner:
         optimizer: the distributed optimizer keeps only a shard of each reduced gradient)."""
         if self.par.distributed_optimizer:
             raise RuntimeError("canonical_grads needs parallel.distributed_optimizer=false")
-        local = {n: p.main_grad.detach().clone() for n, p in self.gpt.named_parameters()}
+        local = rename_to_local({n: p.main_grad.detach().clone() for n, p in self.gpt.named_parameters()})
         canon = megatron_to_canonical(local, self.model_cfg, self.ctx.ep_rank, self.ctx.ep_size)
         return gather_experts(canon, self.model_cfg, self.ctx.ep_size, self.ep_group)

@@ -49,8 +49,6 @@ def transformer_config(model: ModelConfig, par: ParallelConfig, *, bf16: bool = 
         moe_router_load_balancing_type="aux_loss" if model.router_aux_loss_coeff > 0 else "none",
         moe_aux_loss_coeff=model.router_aux_loss_coeff,
         moe_token_dispatcher_type=par.token_dispatcher,
-        moe_grouped_gemm=False,  # grouped GEMM needs CUDA kernels; TE spec brings its own
-        moe_router_fusion=False,  # fused TE top-k would bypass routing replay
         # every router owns a RouterReplay; moe_rl.routing.replay drives it per pass
         moe_enable_routing_replay=True,
         tensor_model_parallel_size=par.tensor_parallel,
@@ -59,8 +57,6 @@ def transformer_config(model: ModelConfig, par: ParallelConfig, *, bf16: bool = 
         # Our loss is already divided by the global token count (passed in), so megatron must
         # neither divide it again nor average grads over DP: it sums them (scaling factor 1).
         calculate_per_token_loss=True,
-        params_dtype=torch.bfloat16 if bf16 else torch.float32,
-        bf16=bf16,
         init_method_std=0.02,
         # fusions are torch.compile'd C++ on CPU: slow to build, slower to run at this size
         bias_dropout_fusion=False,
@@ -70,7 +66,18 @@ def transformer_config(model: ModelConfig, par: ParallelConfig, *, bf16: bool = 
         apply_rope_fusion=False,
         persist_layer_norm=False,
         **_recompute(model),
+        **_precision(model, bf16),
     )
+
+
+def _precision(model: ModelConfig, bf16: bool) -> dict:
+    """dtype, kernels and FP8 fields; model.precision / transformer_impl decide (learner/te_spec.py)."""
+    from moe_rl.learner.te_spec import precision_kwargs
+
+    kw = {"moe_grouped_gemm": False,  # grouped GEMM needs CUDA kernels; the TE spec brings its own
+          "params_dtype": torch.bfloat16 if bf16 else torch.float32, "bf16": bf16}
+    kw.update(precision_kwargs(model))  # moe_router_fusion is always False: it would bypass replay
+    return kw
 
 
 def _recompute(model: ModelConfig) -> dict:
@@ -81,12 +88,13 @@ def _recompute(model: ModelConfig) -> dict:
 
 
 def build_model(model: ModelConfig, par: ParallelConfig, *, bf16: bool = False):
-    """A megatron GPTModel with MoE layers, local (non-TE) layer spec on CPU."""
+    """A megatron GPTModel with MoE layers: the local layer spec (CPU), or TE's (model.transformer_impl=te)."""
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    from moe_rl.learner.te_spec import layer_spec
 
     cfg = transformer_config(model, par, bf16=bf16)
-    spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm")
+    spec = layer_spec(cfg, use_te=model.transformer_impl == "te")
     gpt = GPTModel(
         config=cfg,
         transformer_layer_spec=spec,
@@ -118,6 +126,7 @@ def wrap_ddp(gpt, cfg, par: ParallelConfig):
 def build_optimizer(ddp_model, opt: OptimConfig, par: ParallelConfig, *, bf16: bool = False):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+    bf16 = bf16 or bool(getattr(getattr(ddp_model, "config", None), "bf16", False))  # model.precision
     ocfg = OptimizerConfig(
         optimizer="adam",
         lr=opt.lr,

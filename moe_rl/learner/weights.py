@@ -2,18 +2,30 @@
 
 Canonical names are Hugging Face Qwen3-MoE names (``model.layers.3.mlp.experts.5.up_proj.weight``)
 with every expert present. The same mapping serves warm-start loading, the learner -> rollout
-engine weight sync (EP shards gathered) and, later, HF checkpoint import/export.
+engine weight sync (EP shards gathered) and HF checkpoint import/export (``moe_rl/hf_checkpoint.py``).
 
 Layouts that differ between the two sides:
 - megatron ``linear_qkv`` [G * (Q/G + 2) * D, H] interleaves per query group g: the Q/G query
   heads of g, then its key head, then its value head (G kv groups, Q heads, D head dim);
 - megatron ``linear_fc1`` [2F, H] is cat(gate_proj, up_proj);
 - megatron experts are local: global expert id = ep_rank * (E / ep_size) + local id.
+
+Tensor parallelism (``Shard``; ``etp`` is the expert tensor parallel size, megatron's default is
+TP): column-parallel ``linear_qkv`` holds the rank's G/TP query groups, interleaved as above;
+column-parallel ``linear_fc1`` holds cat(gate shard, up shard) of the rank (dense and experts);
+row-parallel ``linear_proj``/``linear_fc2`` are split on the input dim; the vocab-parallel
+embedding and output layer on vocab rows; norms and the router are replicated. On a rank,
+``megatron_to_canonical`` returns canonical names holding that rank's pieces and
+``merge_tensor_parallel`` joins the pieces of all TP ranks. Pipeline stages number their layers
+locally from 0; ``Shard.layer_offset`` is the stage's first global layer (the embedding lives only
+on the first stage, the final norm and output layer only on the last: only the names a stage has
+are asked for).
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -39,9 +51,48 @@ _SIMPLE_TOP = {
 }
 
 
+@dataclass(frozen=True)
+class Shard:
+    """One rank's tensor-parallel coordinates and its pipeline stage's first global layer."""
+
+    tp_rank: int = 0
+    tp_size: int = 1
+    etp_rank: int = 0  # expert tensor parallel (experts' fc1/fc2)
+    etp_size: int = 1
+    layer_offset: int = 0
+
+    @staticmethod
+    def for_stage(cfg: ModelConfig, pp_rank: int, pp_size: int, tp_rank: int = 0, tp_size: int = 1,
+                  etp_rank: int = 0, etp_size: int = 1) -> Shard:
+        """Megatron's uniform split: stage p owns layers [p * L / PP, (p + 1) * L / PP)."""
+        if cfg.num_layers % pp_size:
+            raise ValueError(f"pipeline size {pp_size} does not divide {cfg.num_layers} layers")
+        return Shard(tp_rank, tp_size, etp_rank, etp_size, pp_rank * cfg.num_layers // pp_size)
+
+
+NO_SHARD = Shard()
+
+
+def tp_split_dim(canonical: str) -> int | None:
+    """Dim along which TP splits a canonical tensor (experts by expert TP); None: replicated."""
+    if canonical.endswith(("norm.weight", "mlp.gate.weight")):
+        return None
+    if canonical.endswith(("o_proj.weight", "down_proj.weight")):
+        return 1  # row-parallel: split on the input dim
+    return 0  # column-parallel q/k/v, gate/up; vocab-parallel embedding and lm_head
+
+
+def _chunk(t: torch.Tensor, dim: int, rank: int, size: int, name: str) -> torch.Tensor:
+    if t.shape[dim] % size:
+        raise ValueError(f"tensor {name!r} dim {dim} of size {t.shape[dim]} does not split over {size} ranks")
+    return t.chunk(size, dim=dim)[rank]
+
+
 def _split_qkv(w: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    g, d, h = cfg.num_query_groups, cfg.head_dim, cfg.hidden_size
-    qpg = cfg.num_attention_heads // g
+    """Local q, k, v rows of a (possibly TP-local) linear_qkv; the group count comes from its shape."""
+    d, h = cfg.head_dim, cfg.hidden_size
+    qpg = cfg.num_attention_heads // cfg.num_query_groups
+    g = w.shape[0] // ((qpg + 2) * d)
     w_GXDH = w.view(g, qpg + 2, d, h)
     q = w_GXDH[:, :qpg].reshape(g * qpg * d, h)
     k = w_GXDH[:, qpg].reshape(g * d, h)
@@ -50,20 +101,22 @@ def _split_qkv(w: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.T
 
 
 def _join_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    g, d, h = cfg.num_query_groups, cfg.head_dim, cfg.hidden_size
-    qpg = cfg.num_attention_heads // g
+    d, h = cfg.head_dim, cfg.hidden_size
+    g = k.shape[0] // d
+    qpg = cfg.num_attention_heads // cfg.num_query_groups
     return torch.cat([q.view(g, qpg, d, h), k.view(g, 1, d, h), v.view(g, 1, d, h)], dim=1).reshape(-1, h)
 
 
-def _classify(name: str, n_local: int, ep_rank: int) -> tuple[str, str]:
+def _classify(name: str, n_local: int, ep_rank: int, layer_offset: int = 0) -> tuple[str, str]:
     """How a megatron parameter maps: ("copy", canonical name), ("qkv", attention prefix) or
-    ("fc1", prefix of the gate_proj/up_proj pair). Experts get their global id."""
+    ("fc1", prefix of the gate_proj/up_proj pair). Experts get their global id, layers their
+    global number."""
     if name in _SIMPLE_TOP:
         return "copy", _SIMPLE_TOP[name]
     m = _MG_LAYER.match(name)
     if m is None:
         raise KeyError(f"no canonical name for megatron parameter {name!r}")
-    pre, rest = f"model.layers.{int(m.group(1))}.", m.group(2)
+    pre, rest = f"model.layers.{layer_offset + int(m.group(1))}.", m.group(2)
     if rest in _SIMPLE_LAYER:
         return "copy", pre + _SIMPLE_LAYER[rest]
     if rest == "self_attention.linear_qkv.weight":
@@ -77,12 +130,19 @@ def _classify(name: str, n_local: int, ep_rank: int) -> tuple[str, str]:
     return ("fc1", epre) if e.group(2) == "linear_fc1" else ("copy", epre + "down_proj.weight")
 
 
+def _tp(target: str, shard: Shard) -> tuple[int, int]:
+    """(rank, size) of the tensor-parallel group that splits this canonical tensor."""
+    return (shard.etp_rank, shard.etp_size) if ".mlp.experts." in target else (shard.tp_rank, shard.tp_size)
+
+
 def megatron_to_canonical(local: dict[str, torch.Tensor], cfg: ModelConfig, ep_rank: int,
-                          ep_size: int) -> dict[str, torch.Tensor]:
-    """Rename this rank's megatron params; experts get their global ids (only local ones)."""
+                          ep_size: int, shard: Shard = NO_SHARD) -> dict[str, torch.Tensor]:
+    """Rename this rank's megatron params; experts get their global ids (only local ones).
+
+    With TP > 1 every split tensor is this rank's piece (``merge_tensor_parallel`` joins them)."""
     out: dict[str, torch.Tensor] = {}
     for name, t in local.items():
-        kind, target = _classify(name, cfg.num_experts // ep_size, ep_rank)
+        kind, target = _classify(name, cfg.num_experts // ep_size, ep_rank, shard.layer_offset)
         if kind == "copy":
             out[target] = t
         elif kind == "qkv":
@@ -93,8 +153,23 @@ def megatron_to_canonical(local: dict[str, torch.Tensor], cfg: ModelConfig, ep_r
     return out
 
 
+def merge_tensor_parallel(pieces: list[dict[str, torch.Tensor]], etp_size: int | None = None
+                          ) -> dict[str, torch.Tensor]:
+    """Join the canonical pieces of the TP ranks of one (EP rank, PP stage), ordered by TP rank.
+
+    Expert tensors are split over ``etp_size`` ranks (default: all of them); with ``etp_size``
+    1 they are replicated over TP. Replicated tensors are taken from TP rank 0."""
+    etp = len(pieces) if etp_size is None else etp_size
+    out: dict[str, torch.Tensor] = {}
+    for name, first in pieces[0].items():
+        dim = tp_split_dim(name)
+        n = etp if ".mlp.experts." in name else len(pieces)
+        out[name] = first if dim is None or n == 1 else torch.cat([p[name] for p in pieces[:n]], dim=dim)
+    return out
+
+
 def canonical_to_megatron(full: dict[str, torch.Tensor], megatron_names: list[str], cfg: ModelConfig,
-                          ep_rank: int, ep_size: int) -> dict[str, torch.Tensor]:
+                          ep_rank: int, ep_size: int, shard: Shard = NO_SHARD) -> dict[str, torch.Tensor]:
     """Build this rank's megatron tensors (by name) from a full canonical dict.
 
     Raises KeyError naming the first canonical tensor that is missing."""
@@ -102,11 +177,13 @@ def canonical_to_megatron(full: dict[str, torch.Tensor], megatron_names: list[st
     def get(key: str) -> torch.Tensor:
         if key not in full:
             raise KeyError(f"canonical weights lack tensor {key!r}")
-        return full[key]
+        dim = tp_split_dim(key)
+        rank, size = _tp(key, shard)
+        return full[key] if dim is None or size == 1 else _chunk(full[key], dim, rank, size, key)
 
     out: dict[str, torch.Tensor] = {}
     for name in megatron_names:
-        kind, target = _classify(name, cfg.num_experts // ep_size, ep_rank)
+        kind, target = _classify(name, cfg.num_experts // ep_size, ep_rank, shard.layer_offset)
         if kind == "copy":
             out[name] = get(target)
         elif kind == "qkv":

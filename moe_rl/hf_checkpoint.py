@@ -1,0 +1,345 @@
+"""Hugging Face checkpoints in and out: ``config.json`` + (sharded) safetensors of the Qwen3-MoE family.
+
+Canonical weight names ARE the HF Qwen3-MoE hub names (``moe_rl/learner/weights.py`` maps them to
+megatron and back for every EP/TP/PP layout), so import and export need no renaming: this module
+owns the file formats and the strict checks (design.md, "Model formats"; issue 7).
+
+- ``load_hf_config``: config.json -> ModelConfig fields; anything the learner cannot represent
+  exactly (unrenormalised Top-K, sliding window, tied embeddings, dense layers that are not the
+  first k, shared experts, RoPE scaling, ...) is refused, naming the key and the file.
+- ``read_hf_weights``: one tensor at a time per shard (``safe_open``); every expected tensor must be
+  present with its shape and nothing else may be there; errors name the tensor and the file.
+- ``write_hf_checkpoint``: shards + ``model.safetensors.index.json`` + ``config.json`` written into
+  a temporary sibling directory, fsynced and renamed, so a crash never leaves a half checkpoint.
+- ``export_run``: ``moe-rl export-hf``: a run's megatron dist checkpoint -> HF checkpoint, on the
+  run's own parallel layout.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from moe_rl.config import ModelConfig
+from moe_rl.rollout.builtin_model import canonical_param_shapes
+
+log = logging.getLogger(__name__)
+
+CONFIG = "config.json"
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+SUPPORTED_MODEL_TYPES = ("qwen3_moe",)
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is malformed, partial or not representable; the message names file and key."""
+
+
+# --------------------------------------------------------------------------------------------
+# config.json
+# --------------------------------------------------------------------------------------------
+
+def _refuse(path: Path, key: str, value: Any, why: str) -> CheckpointError:
+    return CheckpointError(f"{path}: key {key!r} = {value!r}: {why}")
+
+
+def _require(hf: dict, path: Path, key: str, ok, why: str, default: Any = None) -> None:
+    value = hf.get(key, default)
+    if not ok(value):
+        raise _refuse(path, key, value, why)
+
+
+def _first_k_dense(hf: dict, path: Path, num_layers: int, num_experts: int) -> int:
+    """Qwen3-MoE makes layer i MoE iff i not in mlp_only_layers and (i + 1) % decoder_sparse_step
+    == 0; the learner represents exactly the pattern "first k layers dense, the rest MoE"."""
+    step = int(hf.get("decoder_sparse_step", 1) or 1)
+    mlp_only = set(hf.get("mlp_only_layers") or [])
+    dense = [i for i in range(num_layers) if i in mlp_only or (i + 1) % step != 0 or num_experts == 0]
+    k = len(dense)
+    if dense != list(range(k)) or k >= num_layers:
+        key = "decoder_sparse_step" if step != 1 else "mlp_only_layers"
+        raise _refuse(path, key, hf.get(key), f"dense layers {dense} are not the first k of {num_layers} "
+                      "with at least one MoE layer after them (the learner's first_k_dense pattern)")
+    return k
+
+
+def _rope_theta(hf: dict, path: Path) -> float:
+    rope = hf.get("rope_parameters") or {}
+    if rope.get("rope_type") not in (None, "default"):
+        raise _refuse(path, "rope_parameters.rope_type", rope.get("rope_type"), "only plain RoPE is supported")
+    _require(hf, path, "rope_scaling", lambda v: not v or v.get("rope_type", v.get("type")) == "default",
+             "RoPE scaling is not supported")
+    theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    if theta != int(theta):  # megatron's rotary_base is an int
+        raise _refuse(path, "rope_theta", theta, "the learner needs an integer RoPE base")
+    return theta
+
+
+def model_fields_from_hf(hf: dict, path: Path) -> dict[str, Any]:
+    """ModelConfig fields of a parsed config.json (``path`` only names the file in errors)."""
+    _require(hf, path, "model_type", lambda v: v in SUPPORTED_MODEL_TYPES, f"supported: {SUPPORTED_MODEL_TYPES}")
+    _require(hf, path, "norm_topk_prob", lambda v: v is True,
+             "the learner renormalises the Top-K gate weights (softmax over the top-k logits)", False)
+    _require(hf, path, "use_sliding_window", lambda v: not v, "sliding-window attention is not supported", False)
+    _require(hf, path, "tie_word_embeddings", lambda v: not v, "tied input/output embeddings are not supported",
+             False)
+    _require(hf, path, "hidden_act", lambda v: v == "silu", "experts must be SwiGLU (silu)", "silu")
+    _require(hf, path, "attention_bias", lambda v: not v, "attention biases are not supported", False)
+    _require(hf, path, "shared_expert_intermediate_size", lambda v: not v,
+             "Qwen3-MoE has no shared experts; this checkpoint does", 0)
+    heads = int(hf["num_attention_heads"])
+    num_experts = int(hf.get("num_experts", hf.get("num_local_experts", 0)))
+    num_layers = int(hf["num_hidden_layers"])
+    return {
+        "vocab_size": int(hf["vocab_size"]), "hidden_size": int(hf["hidden_size"]), "num_layers": num_layers,
+        "num_attention_heads": heads, "num_query_groups": int(hf.get("num_key_value_heads") or heads),
+        "head_dim": int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
+        "ffn_hidden_size": int(hf["intermediate_size"]), "moe_ffn_hidden_size": int(hf["moe_intermediate_size"]),
+        "num_experts": num_experts, "moe_router_topk": int(hf["num_experts_per_tok"]),
+        "first_k_dense": _first_k_dense(hf, path, num_layers, num_experts), "qk_layernorm": True,
+        "rope_theta": _rope_theta(hf, path), "norm_eps": float(hf["rms_norm_eps"]),
+    }
+
+
+def load_hf_config(ckpt_dir: str | Path) -> dict[str, Any]:
+    """ModelConfig fields from ``ckpt_dir/config.json``; CheckpointError names a refused key."""
+    path = Path(ckpt_dir) / CONFIG
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist (an HF checkpoint directory has a config.json)")
+    hf = json.loads(path.read_text())
+    try:
+        return model_fields_from_hf(hf, path)
+    except KeyError as e:
+        raise CheckpointError(f"{path}: required key {e.args[0]!r} is missing") from None
+
+
+def hf_config_dict(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """The config.json transformers' Qwen3MoeForCausalLM loads for ``cfg`` (inverse of load_hf_config)."""
+    return {
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_query_groups,
+        "head_dim": cfg.head_dim, "intermediate_size": cfg.ffn_hidden_size,
+        "moe_intermediate_size": cfg.moe_ffn_hidden_size, "num_experts": cfg.num_experts,
+        "num_experts_per_tok": cfg.moe_router_topk, "norm_topk_prob": True, "decoder_sparse_step": 1,
+        "mlp_only_layers": list(range(cfg.first_k_dense)), "rms_norm_eps": cfg.norm_eps,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "max_position_embeddings": cfg.max_seq_len, "hidden_act": "silu", "attention_bias": False,
+        "attention_dropout": 0.0, "use_sliding_window": False, "sliding_window": None,
+        "tie_word_embeddings": False, "router_aux_loss_coef": cfg.router_aux_loss_coeff,
+        "dtype": _DTYPE_NAMES.get(dtype, "float32"),
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# weights in
+# --------------------------------------------------------------------------------------------
+
+def _weight_map(ckpt_dir: Path) -> tuple[dict[str, str], Path]:
+    """tensor name -> shard file name, and the file that says so (index or single file)."""
+    index = ckpt_dir / INDEX
+    if index.is_file():
+        return dict(json.loads(index.read_text())["weight_map"]), index
+    single = ckpt_dir / SINGLE
+    if single.is_file():
+        with safe_open(str(single), framework="pt") as f:
+            return dict.fromkeys(f.keys(), SINGLE), single
+    raise FileNotFoundError(f"{ckpt_dir} has neither {INDEX} nor {SINGLE}")
+
+
+def read_hf_weights(ckpt_dir: str | Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Every canonical tensor of ``cfg`` from an HF checkpoint, as stored (dtype unchanged).
+
+    Reads one shard at a time and checks each tensor's shape before loading it. CheckpointError
+    names the tensor and the file for a missing, unexpected or mis-shaped tensor."""
+    ckpt_dir = Path(ckpt_dir)
+    expected = canonical_param_shapes(cfg)
+    weight_map, listed_in = _weight_map(ckpt_dir)
+    missing = [k for k in expected if k not in weight_map]
+    if missing:
+        raise CheckpointError(f"{listed_in}: missing tensor {missing[0]!r} ({len(missing)} missing in all)")
+    unexpected = [k for k in weight_map if k not in expected]
+    if unexpected:
+        raise CheckpointError(f"{ckpt_dir / weight_map[unexpected[0]]}: unexpected tensor {unexpected[0]!r} "
+                              f"({len(unexpected)} unexpected in all)")
+    by_file: dict[str, list[str]] = {}
+    for name, file in weight_map.items():
+        by_file.setdefault(file, []).append(name)
+    out: dict[str, torch.Tensor] = {}
+    for file, names in by_file.items():
+        path = ckpt_dir / file
+        if not path.is_file():
+            raise CheckpointError(f"{listed_in} lists shard {file} for tensor {names[0]!r}, but {path} "
+                                  "does not exist")
+        with safe_open(str(path), framework="pt") as f:
+            present = set(f.keys())
+            for name in names:
+                if name not in present:
+                    raise CheckpointError(f"{path}: missing tensor {name!r} (listed there by {listed_in.name})")
+                shape = tuple(f.get_slice(name).get_shape())
+                if shape != expected[name]:
+                    raise CheckpointError(f"{path}: tensor {name!r} has shape {shape}, expected "
+                                          f"{expected[name]}")
+                out[name] = f.get_tensor(name)
+    return out
+
+
+def load_hf_checkpoint(ckpt_dir: str | Path, model: ModelConfig) -> dict[str, torch.Tensor]:
+    """Canonical fp32 weights of an HF checkpoint made for ``model``; a differing architecture
+    field is refused, naming it."""
+    from moe_rl.warmstart import ARCH_FIELDS
+
+    fields = load_hf_config(ckpt_dir)
+    for key in ARCH_FIELDS:
+        if key in fields and fields[key] != getattr(model, key):
+            raise CheckpointError(f"{Path(ckpt_dir) / CONFIG} describes model.{key}={fields[key]}, "
+                                  f"but the config has model.{key}={getattr(model, key)}")
+    return {k: v.float() for k, v in read_hf_weights(ckpt_dir, model).items()}
+
+
+# --------------------------------------------------------------------------------------------
+# weights out
+# --------------------------------------------------------------------------------------------
+
+def plan_shards(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
+    """Greedy in name order: a new shard starts when the next tensor would overflow this one."""
+    shards: list[list[str]] = [[]]
+    used = 0
+    for name, size in sizes.items():
+        if shards[-1] and used + size > max_shard_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(name)
+        used += size
+    return shards
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_hf_checkpoint(out_dir: str | Path, canonical: dict[str, torch.Tensor], cfg: ModelConfig,
+                        max_shard_bytes: int = 5 * 2**30, dtype: torch.dtype | None = None) -> Path:
+    """Write ``canonical`` (every tensor of ``cfg``) as an HF checkpoint that
+    ``AutoModelForCausalLM.from_pretrained`` loads. ``out_dir`` must not exist yet.
+
+    Files go to ``out_dir.tmp``, are fsynced, then the directory is renamed into place."""
+    from moe_rl.rollout.builtin_model import check_canonical_weights
+
+    out_dir = Path(out_dir)
+    if out_dir.exists():
+        raise FileExistsError(f"{out_dir} already exists; an HF export never overwrites")
+    check_canonical_weights(canonical, cfg)
+    names = list(canonical_param_shapes(cfg))  # a stable, model-ordered layout
+    tensors = {k: canonical[k].detach().to(dtype or canonical[k].dtype).contiguous() for k in names}
+    shards = plan_shards({k: t.numel() * t.element_size() for k, t in tensors.items()}, max_shard_bytes)
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed export
+    tmp.mkdir(parents=True)
+    files = [SINGLE] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                                               for i in range(len(shards))]
+    for file, shard in zip(files, shards):
+        save_file({k: tensors[k] for k in shard}, str(tmp / file), metadata={"format": "pt"})
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+                 "weight_map": {k: file for file, shard in zip(files, shards) for k in shard}}
+        (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    first_dtype = next(iter(tensors.values())).dtype
+    (tmp / CONFIG).write_text(json.dumps(hf_config_dict(cfg, first_dtype), indent=2) + "\n")
+    for p in tmp.iterdir():
+        _fsync(p)
+    _fsync(tmp)
+    os.replace(tmp, out_dir)
+    _fsync(out_dir.parent)
+    return out_dir
+
+
+# --------------------------------------------------------------------------------------------
+# moe-rl export-hf: a run's dist checkpoint -> HF checkpoint
+# --------------------------------------------------------------------------------------------
+
+def checkpoint_dir(run_dir: Path, step: int | None) -> Path:
+    from moe_rl.learner import checkpoint
+
+    root = Path(run_dir) / "checkpoints"
+    if step is None:
+        path = checkpoint.latest(root)
+        if path is None:
+            raise FileNotFoundError(f"{root} has no complete checkpoint")
+        return path
+    path = root / f"step_{step:06d}"
+    if not (path / "trainer_state.json").is_file():
+        raise FileNotFoundError(f"{path} is not a complete checkpoint")
+    return path
+
+
+def export_from_checkpoint(learner, ckpt: Path, out_dir: Path, max_shard_bytes: int) -> None:
+    """Collective: load the model part of a dist checkpoint into ``learner`` and write it as an HF
+    checkpoint from rank 0 (every rank gathers the experts)."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    state = dist_checkpointing.load({"model": learner.gpt.sharded_state_dict(prefix="")}, str(ckpt))
+    learner.gpt.load_state_dict(state["model"], strict=True)
+    canonical = learner.export_canonical()
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        write_hf_checkpoint(out_dir, canonical, learner.model_cfg, max_shard_bytes)
+        log.info("HF checkpoint written: %s (from %s)", out_dir, ckpt)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _export_worker(cfg, ckpt: Path, out_dir: Path, max_shard_bytes: int) -> None:
+    import megatron_patches
+    from moe_rl import dist
+    from moe_rl.learner.learner import Learner
+
+    if not torch.cuda.is_available():
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    dist.setup_logging(int(os.environ.get("RANK", "0")))
+    megatron_patches.apply_all()
+    ctx = dist.init_distributed(cfg.parallel, cfg.seed)
+    try:
+        learner = Learner(cfg.model, cfg.parallel, cfg.optim, ctx, monitor=False)
+        export_from_checkpoint(learner, ckpt, out_dir, max_shard_bytes)
+    finally:
+        dist.shutdown()
+
+
+def export_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None,
+               max_shard_bytes: int = 5 * 2**30) -> None:
+    """`moe-rl export-hf`: the run's ranks (its parallel layout) load a checkpoint and write HF."""
+    import uuid
+
+    from moe_rl.config import load_config
+    from moe_rl.launch import under_torchrun
+
+    run_dir, out_dir = Path(run_dir), Path(out_dir)
+    cfg = load_config(run_dir / "config.yaml")
+    if cfg.model.vocab_size <= 0:
+        raise ValueError(f"{run_dir / 'config.yaml'}: model.vocab_size is not resolved")
+    ckpt = checkpoint_dir(run_dir, step)
+    if out_dir.exists():
+        raise FileExistsError(f"{out_dir} already exists; an HF export never overwrites")
+    if under_torchrun():
+        _export_worker(cfg, ckpt, out_dir, max_shard_bytes)
+        return
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    lc = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=cfg.parallel.nproc, run_id=str(uuid.uuid4()),
+                      rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, start_method="spawn",
+                      monitor_interval=0.5)
+    elastic_launch(lc, _export_worker)(cfg, ckpt, out_dir, max_shard_bytes)

@@ -1,0 +1,320 @@
+"""The vLLM rollout engine (GPU): colocated vLLM with routed-experts capture (R3) and weight sync.
+
+The ONLY module that imports vllm (tests/test_style.py), and only inside ``VllmEngine``. Everything
+else here is pure and unit-tested on CPU with fakes that follow vLLM 0.33's documented output
+format (gpu_stack.md 1.2-1.4):
+
+- ``check_vllm_config``: what vLLM cannot do for the learner, refused when the config loads.
+  Log-probs: vLLM reports the sampled token's log-prob (``SamplingParams.logprobs=0``) either
+  ``raw_logprobs`` (before any processor: no temperature, no top-k/top-p) or
+  ``processed_logprobs`` (after temperature AND top-k/top-p, renormalised over the truncated
+  support). The learner uses log softmax(logits / T) over the full vocabulary, so
+  ``logprobs_mode`` picks processed when nothing truncates, raw when T = 1, and refuses the rest
+  (the log(S) bias of vllm#42259). DVP is refused: vLLM neither samples from nor returns a DVP
+  safe set; exact-KL TRM is refused: vLLM returns top-k log-probs, not full distributions.
+- ``build_requests``: one request per sample (n=1) with its own seed, token-id prompts.
+- ``to_rollout_batch``: ``RequestOutput`` list -> ``RolloutBatch`` (types.py layout) with every
+  sample's ``CompletionOutput.routed_experts`` adapted by ``routing.record.from_vllm``.
+- ``sync_items``: the learner's canonical (HF Qwen3-MoE) tensors in model order; vLLM's
+  ``Qwen3MoeForCausalLM.load_weights`` takes exactly these names (it stacks q/k/v, gate/up and
+  experts itself).
+
+Process model (design.md "Processes"): SPMD under torchrun, one vLLM engine per group of
+``rollout.vllm.tensor_parallel`` consecutive ranks, in-process (``distributed_executor_backend=
+"external_launcher"``: every rank of the group is one vLLM worker and submits the same requests;
+ranks in other groups run their own engine). ``generate`` gathers the group's prompts, generates
+them all, and returns this rank's share. Between rollouts the engine sleeps (``LLM.sleep``) so
+the learner gets the GPU memory back; ``load_weights`` wakes the weights, loads the learner's
+tensors in-process through ``LLM.apply_model`` (no copy through a socket; gpu_stack.md 1.3),
+and resets the prefix cache, whose KV blocks and cached routes came from the old weights.
+
+Shape suffixes: B samples, S padded sequence length, L MoE layers, K top-k.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moe_rl.config import ConfigError, ModelConfig, RunConfig
+from moe_rl.routing.record import RouteError, RouteHeader, from_vllm
+from moe_rl.types import RolloutBatch, SamplingParams
+
+log = logging.getLogger(__name__)
+
+# Routed-experts capture needs Model Runner V2 (gpu_stack.md 1.2); external_launcher needs the
+# engine core in this process. Set before vllm is imported; an explicit user setting wins.
+VLLM_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+_SEED_MUL = 1_000_003
+
+
+# --------------------------------------------------------------------------------------------
+# Config checks (pure)
+# --------------------------------------------------------------------------------------------
+
+def logprobs_mode(temperature: float, top_k: int, top_p: float) -> str:
+    """vLLM's ``logprobs_mode`` whose sampled-token log-prob equals the learner's
+    log softmax(logits / temperature) over the full vocabulary; ValueError when none does."""
+    if top_k == 0 and top_p >= 1.0:
+        return "processed_logprobs"  # temperature is the only processor: log softmax(z / T)
+    if temperature == 1.0:
+        return "raw_logprobs"  # before top-k/top-p, so not renormalised; T = 1 needs no scaling
+    raise ValueError(f"vLLM reports log-probs either before temperature (raw) or after top-k/top-p "
+                     f"renormalisation (processed); with temperature {temperature} and top_k={top_k}, "
+                     f"top_p={top_p} neither is the learner's full-vocabulary log softmax(z / T) "
+                     f"(vllm#42259). Use top_k=0 top_p=1, or temperature=1")
+
+
+def check_vllm_config(cfg: RunConfig) -> None:
+    """Refuse, naming the key, what the vLLM engine cannot give the learner."""
+    r, c, v = cfg.rollout, cfg.correction, cfg.rollout.vllm
+
+    def refuse(key: str, why: str) -> None:
+        raise ConfigError(f"config key '{key}': {why} (rollout.engine=vllm)")
+
+    try:
+        logprobs_mode(r.temperature, r.top_k, r.top_p)
+    except ValueError as e:
+        refuse("rollout.top_p", str(e))
+    if r.router_noise > 0:
+        refuse("rollout.router_noise", "router-logit noise exists only in the built-in engine")
+    if c.dvp_threshold > 0:
+        refuse("correction.dvp_threshold", "vLLM neither samples from a DVP safe set nor returns it, so "
+               "the learner cannot restrict its log-probs to the engine's support; use rollout.engine=builtin")
+    if c.trm_on and c.trm_kl == "exact":
+        refuse("correction.trm_kl", "exact TRM needs the rollout's full distributions; vLLM returns top-k "
+               "log-probs only: use correction.trm_kl=sample")
+    if cfg.parallel.nproc % v.tensor_parallel:
+        refuse("rollout.vllm.tensor_parallel", f"{v.tensor_parallel} does not divide parallel.nproc "
+               f"{cfg.parallel.nproc} (each engine spans consecutive ranks)")
+    if cfg.model.num_attention_heads % v.tensor_parallel:
+        refuse("rollout.vllm.tensor_parallel", f"{v.tensor_parallel} does not divide "
+               f"model.num_attention_heads {cfg.model.num_attention_heads}")
+
+
+def check_vllm_environment() -> None:
+    """vLLM needs CUDA and the vllm package (it cannot even be installed on CPU: gpu_stack.md 1.5)."""
+    if not torch.cuda.is_available():
+        raise ConfigError("config key 'rollout.engine': vllm needs a CUDA GPU; this machine has none "
+                          "(use rollout.engine=builtin on CPU)")
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise ConfigError("config key 'rollout.engine': vllm is not installed: install moe-rl[vllm] on a "
+                          "CUDA machine (pip install 'moe-rl[vllm]')")
+
+
+# --------------------------------------------------------------------------------------------
+# Requests and outputs (pure)
+# --------------------------------------------------------------------------------------------
+
+def request_seeds(seed: int, num_requests: int) -> list[int]:
+    """One seed per sample: reproducible given the call's seed, distinct across samples."""
+    return [(seed * _SEED_MUL + b) % 2**63 for b in range(num_requests)]
+
+
+def build_requests(prompts: list[list[int]], n: int, sampling: SamplingParams,
+                   seed: int) -> list[tuple[dict, dict[str, Any]]]:
+    """(prompt, SamplingParams kwargs) per sample b = u * n + i, answering prompt u.
+
+    One request per sample (n=1) with its own seed, so the batch is reproducible without relying
+    on how vLLM derives the seeds of parallel samples. Prefix caching shares the prompt prefill."""
+    if sampling.dvp_threshold > 0 or sampling.return_dist:
+        raise ValueError("the vLLM engine returns neither DVP safe sets nor full distributions")
+    seeds = request_seeds(seed, len(prompts) * n)
+    out = []
+    for b, s in enumerate(seeds):
+        kw: dict[str, Any] = {"n": 1, "temperature": sampling.temperature, "max_tokens": sampling.max_new_tokens,
+                              "stop_token_ids": list(sampling.stop_token_ids), "logprobs": 0, "seed": s,
+                              "detokenize": False}
+        if sampling.top_k > 0:  # vLLM's own defaults mean "off"; do not pass sentinels
+            kw["top_k"] = sampling.top_k
+        if sampling.top_p < 1.0:
+            kw["top_p"] = sampling.top_p
+        out.append(({"prompt_token_ids": list(prompts[b // n])}, kw))
+    return out
+
+
+def _sampled_logprobs(logprobs: list[dict], token_ids: list[int], sample: int) -> list[float]:
+    """The sampled token's entry of each ``{token_id: Logprob}`` dict (logprobs=0 returns just it)."""
+    if logprobs is None or len(logprobs) != len(token_ids):
+        raise RouteError(f"sample {sample}: vLLM returned {None if logprobs is None else len(logprobs)} log-prob "
+                         f"entries for {len(token_ids)} generated tokens (is SamplingParams.logprobs set?)")
+    out = []
+    for g, (entry, tok) in enumerate(zip(logprobs, token_ids)):
+        if tok not in entry:
+            raise RouteError(f"sample {sample}, generated token {g}: no log-prob for the sampled token {tok}")
+        out.append(float(entry[tok].logprob))
+    return out
+
+
+def to_rollout_batch(outputs: list, n: int, pad_id: int, header: RouteHeader,
+                     logprob_support: str = "full") -> RolloutBatch:
+    """vLLM ``RequestOutput``s (one per sample, in request order) -> RolloutBatch + route records.
+
+    Per output: ``prompt_token_ids``; ``outputs[0]`` (``CompletionOutput``) with ``token_ids``
+    (the stop token included), ``logprobs``, ``finish_reason`` ("stop" | "length") and
+    ``routed_experts`` ([P + G - 1, all decoder layers, K], uint8/uint16). Errors name the sample."""
+    B = len(outputs)
+    prompts, gens, lps, routes, finished = [], [], [], [], []
+    for b, out in enumerate(outputs):
+        c = out.outputs[0]
+        prompt, gen = [int(t) for t in out.prompt_token_ids], [int(t) for t in c.token_ids]
+        if not gen:
+            raise RouteError(f"sample {b}: vLLM generated no token (finish_reason={c.finish_reason!r})")
+        if c.routed_experts is None:
+            raise RouteError(f"sample {b}: vLLM returned no routed_experts (enable_return_routed_experts off, "
+                             f"or the request was aborted)")
+        lps.append(_sampled_logprobs(c.logprobs, gen, b))
+        routes.append(from_vllm(c.routed_experts, num_tokens=len(prompt) + len(gen), prompt_len=len(prompt),
+                                header=header, sample=b).ids_TLK)
+        prompts.append(prompt)
+        gens.append(gen)
+        finished.append(c.finish_reason == "stop")
+    prompt_lens_B = torch.tensor([len(p) for p in prompts], dtype=torch.int64)
+    response_lens_B = torch.tensor([len(g) for g in gens], dtype=torch.int64)
+    S = int((prompt_lens_B + response_lens_B).max())
+    tokens_BS = torch.full((B, S), pad_id, dtype=torch.int64)
+    logprobs_BS = torch.zeros((B, S), dtype=torch.float32)
+    for b in range(B):
+        P, G = len(prompts[b]), len(gens[b])
+        tokens_BS[b, :P + G] = torch.tensor(prompts[b] + gens[b], dtype=torch.int64)
+        logprobs_BS[b, P:P + G] = torch.tensor(lps[b], dtype=torch.float32)
+    s_S = torch.arange(S)
+    response_mask_BS = (s_S[None, :] >= prompt_lens_B[:, None]) & (s_S[None, :] < (prompt_lens_B + response_lens_B)[:, None])
+    return RolloutBatch(tokens_BS=tokens_BS, prompt_lens_B=prompt_lens_B, response_lens_B=response_lens_B,
+                        response_mask_BS=response_mask_BS, logprobs_BS=logprobs_BS, routes=routes,
+                        group_B=torch.arange(B) // n, finished_B=torch.tensor(finished, dtype=torch.bool),
+                        logprob_support=logprob_support)
+
+
+def sync_items(named: dict[str, torch.Tensor], expected: list[str]) -> list[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) pairs for vLLM's ``load_weights``, in model order; strict on names, since
+    a tensor the sync misses would keep stale (after sleep level 2: garbage) weights."""
+    missing = [k for k in expected if k not in named]
+    extra = sorted(set(named) - set(expected))
+    if missing or extra:
+        raise KeyError(f"weight sync: canonical tensors missing {missing[:3]} / unexpected {extra[:3]}")
+    return [(k, named[k].detach()) for k in expected]
+
+
+def engine_kwargs(cfg: RunConfig, model_dir: str, external: bool) -> dict[str, Any]:
+    """Keyword arguments of ``vllm.LLM`` for this run (gpu_stack.md 1.2-1.4)."""
+    r, v = cfg.rollout, cfg.rollout.vllm
+    kw: dict[str, Any] = {
+        "model": model_dir, "skip_tokenizer_init": True,  # token-id prompts; the tasks own tokenization
+        "dtype": DTYPES[r.dtype], "seed": cfg.seed, "tensor_parallel_size": v.tensor_parallel,
+        "gpu_memory_utilization": v.gpu_memory_utilization, "enforce_eager": v.enforce_eager,
+        "max_model_len": v.max_model_len or cfg.model.max_seq_len,
+        "enable_return_routed_experts": True, "enable_prefix_caching": True,  # R3 requires both
+        "enable_sleep_mode": v.sleep_level > 0,
+        "logprobs_mode": logprobs_mode(r.temperature, r.top_k, r.top_p),
+    }
+    if external:  # SPMD under torchrun: this process is the group's vLLM worker
+        kw["distributed_executor_backend"] = "external_launcher"
+    return kw
+
+
+# --------------------------------------------------------------------------------------------
+# The engine (needs CUDA and vllm)
+# --------------------------------------------------------------------------------------------
+
+class VllmEngine:
+    """Implements ``RolloutEngine`` on vLLM (see module docstring).
+
+    The LLM is created on the first ``load_weights`` call: from ``rollout.vllm.model_dir`` or the
+    ``hf:DIR`` of ``init_weights`` when given, else from an HF dir written with the learner's first
+    weights (small models: the smoke test)."""
+
+    logprob_support: str = "full"
+    returns_routes: bool = True
+
+    def __init__(self, cfg: RunConfig, model_cfg: ModelConfig, pad_id: int) -> None:
+        check_vllm_environment()
+        self.cfg, self.model_cfg, self.pad_id = cfg, model_cfg, pad_id
+        self.header = RouteHeader.for_model(model_cfg)
+        self.llm = None
+        self.asleep = False
+        self.group, self.group_rank, self.group_size = self._engine_group(cfg.rollout.vllm.tensor_parallel)
+        from moe_rl.rollout.builtin_model import canonical_param_shapes
+
+        self.expected = list(canonical_param_shapes(model_cfg))
+
+    @staticmethod
+    def _engine_group(size: int):
+        """The consecutive ranks sharing this rank's engine (every rank creates every group)."""
+        import torch.distributed as dist
+
+        if not dist.is_initialized() or size == 1:
+            return None, 0, 1
+        group, _ = dist.new_subgroups(group_size=size)
+        return group, dist.get_rank(group), size
+
+    def _model_dir(self, named: dict[str, torch.Tensor]) -> str:
+        v, init = self.cfg.rollout.vllm, self.cfg.init_weights
+        if v.model_dir:
+            return v.model_dir
+        if init.startswith("hf:"):
+            return init[3:]
+        from moe_rl.hf_checkpoint import write_hf_checkpoint
+
+        out = Path(tempfile.mkdtemp(prefix="moe_rl_vllm_")) / "model"
+        write_hf_checkpoint(out, {k: t.detach().cpu() for k, t in named.items()}, self.model_cfg,
+                            dtype=torch.bfloat16 if self.cfg.rollout.dtype == "bf16" else torch.float32)
+        return str(out)
+
+    def _start(self, named: dict[str, torch.Tensor]) -> None:
+        for k, val in VLLM_ENV.items():
+            os.environ.setdefault(k, val)
+        import torch.distributed as dist
+        import vllm
+
+        kw = engine_kwargs(self.cfg, self._model_dir(named), external=dist.is_initialized())
+        log.info("starting vLLM %s: %s", vllm.__version__, kw)
+        self.llm = vllm.LLM(**kw)
+
+    def load_weights(self, named: dict[str, torch.Tensor]) -> None:
+        """Weight sync: wake the weights, load the canonical tensors in-process, reset the prefix
+        cache (its KV blocks and cached routes belong to the old weights)."""
+        items = sync_items(named, self.expected)
+        if self.llm is None:
+            self._start(named)
+        if self.asleep:
+            self.llm.wake_up(tags=["weights"])
+        self.llm.apply_model(lambda model: model.load_weights(weights=iter(items)))
+        self.llm.reset_prefix_cache()
+
+    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams, seed: int) -> RolloutBatch:
+        """Sample n responses per prompt; the engine group's prompts go through together."""
+        import vllm
+
+        if self.llm is None:
+            raise RuntimeError("VllmEngine: no weights loaded (call load_weights first)")
+        if self.asleep:
+            self.llm.wake_up()  # the KV cache (weights were woken by load_weights)
+            self.asleep = False
+        calls = self._gather((prompts, seed))
+        reqs = [req for p, s in calls for req in build_requests(p, n, sampling, s)]
+        params = [vllm.SamplingParams(**kw) for _, kw in reqs]
+        outputs = self.llm.generate([prompt for prompt, _ in reqs], params, use_tqdm=False)
+        mine = sum(len(p) * n for p, _ in calls[:self.group_rank])
+        outputs = outputs[mine:mine + len(prompts) * n]
+        if self.cfg.rollout.vllm.sleep_level > 0:
+            self.llm.sleep(level=self.cfg.rollout.vllm.sleep_level)
+            self.asleep = True
+        return to_rollout_batch(outputs, n, self.pad_id, self.header, self.logprob_support)
+
+    def _gather(self, call: tuple) -> list[tuple]:
+        if self.group is None:
+            return [call]
+        import torch.distributed as dist
+
+        calls: list = [None] * self.group_size
+        dist.all_gather_object(calls, call, group=self.group)
+        return calls

@@ -1,0 +1,195 @@
+"""Transformer Engine glue on CPU: precision -> megatron fields, environment refusals, TE <-> local
+parameter names (lists written down from megatron-core 0.16.1's TE and local specs)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from packaging.version import Version
+
+from moe_rl.config import ConfigError, ModelConfig, check_launch, load_config
+from moe_rl.learner import te_spec
+from moe_rl.learner.weights import megatron_to_canonical
+from moe_rl.rollout.builtin_model import canonical_param_shapes
+
+CFG = ModelConfig(vocab_size=50, num_layers=3, first_k_dense=1, num_experts=4, moe_router_topk=2)
+
+
+def _local_names(cfg: ModelConfig) -> list[str]:
+    """Parameter names of megatron's local-spec GPTModel (what learner/weights.py maps)."""
+    names = ["embedding.word_embeddings.weight", "decoder.final_layernorm.weight", "output_layer.weight"]
+    for i in range(cfg.num_layers):
+        p = f"decoder.layers.{i}."
+        names += [p + s for s in ("input_layernorm.weight", "self_attention.linear_qkv.weight",
+                                  "self_attention.linear_proj.weight", "self_attention.q_layernorm.weight",
+                                  "self_attention.k_layernorm.weight", "pre_mlp_layernorm.weight")]
+        if i < cfg.first_k_dense:
+            names += [p + "mlp.linear_fc1.weight", p + "mlp.linear_fc2.weight"]
+        else:
+            names.append(p + "mlp.router.weight")
+            names += [f"{p}mlp.experts.local_experts.{j}.linear_fc{k}.weight"
+                      for j in range(cfg.num_experts) for k in (1, 2)]
+    return names
+
+
+def _te_names(cfg: ModelConfig) -> list[str]:
+    """The same model on the TE spec with moe_grouped_gemm (TELayerNormColumnParallelLinear fuses
+    the input norm into linear_qkv and, on dense layers, the pre-MLP norm into linear_fc1)."""
+    names = ["embedding.word_embeddings.weight", "decoder.final_layernorm.weight", "output_layer.weight"]
+    for i in range(cfg.num_layers):
+        p = f"decoder.layers.{i}."
+        names += [p + s for s in ("self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_qkv.weight",
+                                  "self_attention.linear_proj.weight", "self_attention.q_layernorm.weight",
+                                  "self_attention.k_layernorm.weight")]
+        if i < cfg.first_k_dense:
+            names += [p + "mlp.linear_fc1.layer_norm_weight", p + "mlp.linear_fc1.weight", p + "mlp.linear_fc2.weight"]
+        else:
+            names += [p + "pre_mlp_layernorm.weight", p + "mlp.router.weight"]
+            names += [f"{p}mlp.experts.linear_fc{k}.weight{j}" for j in range(cfg.num_experts) for k in (1, 2)]
+    return names
+
+
+def _local_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    H, D, F, Fm = cfg.hidden_size, cfg.head_dim, cfg.ffn_hidden_size, cfg.moe_ffn_hidden_size
+    qkv = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * D
+    by_suffix = {"input_layernorm.weight": (H,), "self_attention.linear_qkv.weight": (qkv, H),
+                 "self_attention.linear_proj.weight": (H, cfg.num_attention_heads * D),
+                 "self_attention.q_layernorm.weight": (D,), "self_attention.k_layernorm.weight": (D,),
+                 "pre_mlp_layernorm.weight": (H,), "mlp.linear_fc1.weight": (2 * F, H),
+                 "mlp.linear_fc2.weight": (H, F), "mlp.router.weight": (cfg.num_experts, H)}
+    out = {}
+    for n in _local_names(cfg):
+        if n.startswith(("embedding", "output")):
+            out[n] = (cfg.vocab_size, H)
+        elif n == "decoder.final_layernorm.weight":
+            out[n] = (H,)
+        elif "local_experts" in n:
+            out[n] = (2 * Fm, H) if n.endswith("linear_fc1.weight") else (H, Fm)
+        else:
+            out[n] = by_suffix[n.split(".", 3)[3]]
+    return out
+
+
+@pytest.mark.unit
+def test_te_names_map_one_to_one_onto_local_names():
+    m = te_spec.te_name_map(_te_names(CFG))
+    assert sorted(m.values()) == sorted(_local_names(CFG))
+    assert m["decoder.layers.0.mlp.linear_fc1.layer_norm_weight"] == "decoder.layers.0.pre_mlp_layernorm.weight"
+    assert m["decoder.layers.2.mlp.experts.linear_fc2.weight3"] == \
+        "decoder.layers.2.mlp.experts.local_experts.3.linear_fc2.weight"
+    assert m["decoder.layers.1.pre_mlp_layernorm.weight"] == "decoder.layers.1.pre_mlp_layernorm.weight"
+
+
+@pytest.mark.unit
+def test_te_model_reaches_canonical_names_through_the_local_mapping():
+    shapes = _local_shapes(CFG)
+    inverse = {v: k for k, v in te_spec.te_name_map(_te_names(CFG)).items()}
+    te_named = {inverse[n]: torch.zeros(s) for n, s in shapes.items()}
+    canon = megatron_to_canonical(te_spec.rename_to_local(te_named), CFG, 0, 1)
+    expect = canonical_param_shapes(CFG)
+    assert {k: tuple(v.shape) for k, v in canon.items()} == expect
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("name", ["decoder.layers.0.self_attention.linear_qkv.layer_norm_bias",
+                                  "decoder.layers.1.mlp.experts.weight1"])
+def test_unmappable_te_names_are_refused(name):
+    with pytest.raises(KeyError, match="no local-spec counterpart"):
+        te_spec.te_to_local_name(name)
+
+
+@pytest.mark.unit
+def test_precision_kwargs():
+    local = te_spec.precision_kwargs(ModelConfig())
+    assert local == {"moe_router_fusion": False}
+    bf16 = te_spec.precision_kwargs(ModelConfig(transformer_impl="te", precision="bf16"))
+    assert bf16["transformer_impl"] == "transformer_engine" and bf16["bf16"] and "fp8" not in bf16
+    assert bf16["params_dtype"] == torch.bfloat16 and bf16["moe_grouped_gemm"]
+    for recipe in ("delayed", "tensorwise", "blockwise"):
+        kw = te_spec.precision_kwargs(ModelConfig(transformer_impl="te", precision="fp8", fp8_recipe=recipe))
+        assert (kw["fp8"], kw["fp8_recipe"], kw["moe_router_fusion"]) == ("hybrid", recipe, False)
+
+
+@pytest.mark.unit
+def test_fp8_recipe_names_are_megatron_fp8recipe_values():
+    from megatron.core.enums import Fp8Recipe
+
+    assert set(te_spec.FP8_MIN_TE) <= {r.value for r in Fp8Recipe}
+
+
+@pytest.mark.unit
+def test_transformer_config_takes_the_precision_fields_and_never_fuses_the_router():
+    from moe_rl.config import ParallelConfig
+    from moe_rl.learner.setup import transformer_config
+
+    par = ParallelConfig(expert_parallel=1, nproc=1)
+    tc = transformer_config(dataclasses.replace(CFG, precision="bf16"), par)
+    assert tc.bf16 and tc.params_dtype == torch.bfloat16 and tc.moe_router_fusion is False
+    assert tc.fp8 is None and tc.moe_grouped_gemm is False
+    tc32 = transformer_config(CFG, par)
+    assert not tc32.bf16 and tc32.params_dtype == torch.float32 and tc32.moe_router_fusion is False
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("overrides, needle", [
+    (["model.precision=fp8"], "model.transformer_impl=te"),
+    (["model.fp8_recipe=mxfp8"], "'model.fp8_recipe'"),
+    (["model.precision=fp16"], "'model.precision'"),
+    (["model.transformer_impl=apex"], "'model.transformer_impl'"),
+])
+def test_static_precision_validation(overrides, needle):
+    with pytest.raises(ConfigError, match=needle):
+        load_config(None, overrides)
+
+
+@pytest.mark.unit
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
+@pytest.mark.parametrize("overrides, needle", [
+    (["model.transformer_impl=te", "model.precision=fp8"], "FP8 needs Hopper-class .* no CUDA device"),
+    (["model.transformer_impl=te"], "'model.transformer_impl'.*no CUDA device"),
+])
+def test_launch_refuses_te_and_fp8_without_cuda(overrides, needle):
+    cfg = load_config(None, overrides)  # loads (a GPU recipe must print anywhere) ...
+    with pytest.raises(ConfigError, match=needle):
+        check_launch(cfg)  # ... but does not start here
+    check_launch(load_config(None, []))  # the CPU default passes
+
+
+@pytest.mark.unit
+def test_te_problems_on_a_gpu_machine():
+    fp8 = ModelConfig(transformer_impl="te", precision="fp8", fp8_recipe="blockwise")
+    ok = {"cuda": True, "capability": (9, 0), "cuda_version": "12.9", "te_ver": Version("2.9.0"), "te_error": None}
+    assert te_spec.te_problems(fp8, **ok) == []
+    old = te_spec.te_problems(fp8, **{**ok, "te_ver": Version("2.2.0"), "cuda_version": "12.4"})
+    assert any("Transformer Engine >= 2.3.0.dev0" in p for p in old) and any("CUDA >= 12.9" in p for p in old)
+    ampere = te_spec.te_problems(fp8, **{**ok, "capability": (8, 0)})
+    assert ampere and "compute capability" in ampere[0]
+    broken = te_spec.te_problems(fp8, **{**ok, "te_error": "RuntimeError: empty meta package"})
+    assert "does not import" in broken[0]
+
+
+@pytest.mark.unit
+def test_fp8_padded_len():
+    assert [te_spec.fp8_padded_len(n) for n in (1, 16, 17, 100)] == [16, 16, 32, 112]
+
+
+@pytest.mark.unit
+def test_micro_batches_are_padded_to_the_fp8_token_multiple():
+    from moe_rl.learner.learner import split_micro_batches
+    from moe_rl.learner.te_spec import FP8_TOKEN_MULTIPLE
+
+    seq_lens_B = torch.tensor([5, 7, 3, 9, 2])
+    tokens_BS = torch.arange(5 * 9).view(5, 9) + 1
+    batch = {"tokens": tokens_BS, "loss_mask": torch.ones(5, 9), "safe": torch.ones(5, 9, 4, dtype=torch.bool)}
+    plain = split_micro_batches(batch, seq_lens_B, 2)
+    padded = split_micro_batches(batch, seq_lens_B, 2, FP8_TOKEN_MULTIPLE)
+    assert [mb["tokens"].shape for mb in plain] == [(2, 7), (2, 9), (1, 2)]
+    # B * S rounded up to a multiple of 16: 2 x 8, 2 x 16, 1 x 16
+    assert [tuple(mb["tokens"].shape) for mb in padded] == [(2, 8), (2, 16), (1, 16)]
+    for p, q in zip(plain, padded):
+        s = p["tokens"].shape[1]
+        assert torch.equal(q["tokens"][:, :s], p["tokens"]) and q["tokens"][:, s:].eq(0).all()
+        assert q["loss_mask"][:, s:].eq(0).all() and q["safe"].shape[1] == q["tokens"].shape[1]
+        assert torch.equal(q["seq_lens"], p["seq_lens"])
