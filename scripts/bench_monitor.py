@@ -52,20 +52,40 @@ def _measure(args, out_path: str) -> None:
     rollout_s = time.perf_counter() - t0
     rewards_B, _ = score(prompts, rl.response_ids(batch, tok.pad_id), tok, r.samples_per_prompt,
                          task_names=source.task_names)
+    # the monitor's own code, timed directly (robust to other load on the machine): its hooks,
+    # the update passes' comparison with the old pass's routes, and the once-per-step reduction
+    inside = [0.0]
+
+    def timed(fn):
+        def wrapper(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                inside[0] += time.perf_counter() - t0
+        return wrapper
+
+    monitor.observe_forward, monitor.observe_grad = timed(monitor.observe_forward), timed(monitor.observe_grad)
+    learner.router_monitor_metrics = timed(learner.router_monitor_metrics)
+    learner.replay._agreement = timed(learner.replay._agreement)
     times: dict[str, list[float]] = {"on": [], "off": []}
+    own: list[float] = []
     for rep in range(args.reps + 1):
         for name in ("on", "off") if rep % 2 == 0 else ("off", "on"):
             cfg = cfg_on if name == "on" else cfg_off
             learner.monitor = learner.replay.monitor = monitor if name == "on" else None
             torch.distributed.barrier()
+            inside[0] = 0.0
             t0 = time.perf_counter()
             tb, _ = rl.prepare(cfg, learner, batch, rewards_B)
             m = rl.update(cfg, learner, tb, lr=0.0)
             torch.distributed.barrier()
             if rep:  # the first round warms up
                 times[name].append(time.perf_counter() - t0)
+                if name == "on":
+                    own.append(inside[0])
             assert ("router_grad/zero_frac" in m) == (name == "on")
-    res = {"times": times, "rollout_s": rollout_s, "tokens": int(batch.response_mask_BS.sum())}
+    res = {"times": times, "own": own, "rollout_s": rollout_s, "tokens": int(batch.response_mask_BS.sum())}
     gathered = [None] * ctx.world_size
     torch.distributed.all_gather_object(gathered, res)
     if ctx.is_main:
@@ -86,6 +106,9 @@ def _report(ranks: list[dict]) -> None:
     print(f"rollout of the same batch: {rollout * 1e3:.1f} ms")
     share = (on - off) / (off + rollout)
     print(f"monitor overhead as a share of a whole step (rollout + learner): {share:+.2%} (budget 3%)")
+    own = statistics.median(t for r in ranks for t in r["own"])
+    print(f"time inside the monitor's own code (hooks, flip comparison, reduction), timed directly: "
+          f"{own * 1e3:.1f} ms = {own / (on + rollout):.2%} of a step with it")
 
 
 def main() -> None:

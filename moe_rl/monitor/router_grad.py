@@ -81,6 +81,7 @@ class RouterGradMonitor:
         width = max(num_experts, NUM_SCALARS, NUM_BINS)
         self.stats_LXW = torch.zeros(len(layer_ids), NUM_STATS, width, dtype=torch.float64)
         self.max_L = torch.zeros(len(layer_ids), dtype=torch.float64)  # per-token logit-grad norm max
+        self._edges: dict = {}  # MARGIN_EDGES per device, in the logits' dtype
         self.active = False  # observing only during update passes (set by the learner)
         self.router_grad_LEH: torch.Tensor | None = None
 
@@ -102,30 +103,35 @@ class RouterGradMonitor:
 
     def observe_forward(self, pos: int, logits_NE: torch.Tensor, native_NK: torch.Tensor) -> None:
         s = self._stats(logits_NE.device)[pos]
-        logits = logits_NE.detach().double()
-        s[LOAD, :self.E] += torch.bincount(native_NK.detach().reshape(-1), minlength=self.E).double()
+        logits = logits_NE.detach()  # the router's own dtype (fp32); sums accumulate in fp64
+        s[LOAD, :self.E] += torch.bincount(native_NK.detach().reshape(-1), minlength=self.E)
         if self.K < self.E:
-            top = torch.topk(logits, self.K + 1, dim=-1).values
+            top = torch.topk(logits, self.K + 1, dim=-1, sorted=True).values
             margin_N = top[:, self.K - 1] - top[:, self.K]
             s[SCALARS, _MARGIN] += margin_N.sum()
-            s[SCALARS, _NEAR] += (margin_N < self.near_eps).double().sum()
-            s[SCALARS, _NEAR_BF16] += (margin_N < top[:, self.K - 1].abs() * BF16_RESOLUTION).double().sum()
-            bins_N = torch.bucketize(margin_N, MARGIN_EDGES.to(margin_N.device), right=True)
-            s[MARGIN_HIST, :NUM_BINS] += torch.bincount(bins_N, minlength=NUM_BINS).double()
+            s[SCALARS, _NEAR] += (margin_N < self.near_eps).sum()
+            s[SCALARS, _NEAR_BF16] += (margin_N < top[:, self.K - 1].abs() * BF16_RESOLUTION).sum()
+            edges = self._edges.get(margin_N.device)
+            if edges is None:
+                edges = self._edges[margin_N.device] = MARGIN_EDGES.to(margin_N.device, margin_N.dtype)
+            s[MARGIN_HIST, :NUM_BINS] += torch.bincount(torch.bucketize(margin_N, edges, right=True),
+                                                        minlength=NUM_BINS)
         s[SCALARS, _TOKENS] += logits.shape[0]
 
     def observe_grad(self, pos: int, grad_NE: torch.Tensor) -> None:
         s = self._stats(grad_NE.device)[pos]
-        g = grad_NE.detach().double()
+        g = grad_NE.detach()
         # tokens the loss does not reach (padding, each sequence's last token) get no router
         # gradient at all; blackout is measured over the tokens that do
-        live_N = (g != 0).any(-1)
-        s[SCALARS, _ZERO] += (g[live_N] == 0).double().sum()
-        s[SCALARS, _ENTRIES] += live_N.sum() * self.E  # stays on the device: no sync per layer
+        nonzero_NE = g != 0
+        live_N = nonzero_NE.any(-1)
+        live = live_N.sum()
+        s[SCALARS, _ZERO] += live * self.E - nonzero_NE.sum()  # zero entries of live tokens
+        s[SCALARS, _ENTRIES] += live * self.E  # stays on the device: no sync per layer
         s[GRAD_MASS, :self.E] += g.abs().sum(0)
         norm_N = g.norm(dim=-1)  # zero on tokens without gradient: they add nothing
         s[SCALARS, _TOK_NORM] += norm_N.sum()
-        s[SCALARS, _LIVE] += live_N.sum()
+        s[SCALARS, _LIVE] += live
         self.max_L[pos] = torch.maximum(self.max_L[pos], norm_N.max() if norm_N.numel() else self.max_L[pos])
 
     def finalize(self, stats_LXW: torch.Tensor, max_L: torch.Tensor, router_grad_LEH: torch.Tensor) -> dict[str, float]:

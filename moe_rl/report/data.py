@@ -171,7 +171,11 @@ def headline(run: Run) -> list[tuple[str, float | str]]:
 class Verdict:
     layer: int
     level: str  # "ok" | "warn"
-    findings: list[str]
+    findings: list[tuple[str, bool]]  # (finding, whether it crosses its threshold)
+
+    @property
+    def texts(self) -> list[str]:
+        return [text for text, _ in self.findings]
 
 
 def layer_verdicts(run: Run, window: int = WINDOW) -> list[Verdict]:
@@ -211,7 +215,6 @@ def layer_verdicts(run: Run, window: int = WINDOW) -> list[Verdict]:
                            f"tokens within bf16 resolution of the boundary"),
                           m["near_boundary_bf16_frac"] > THRESHOLDS["near_boundary_bf16_frac"]))
         warn = any(bad for _, bad in found)
-        found = [text for text, _ in found]
         out.append(Verdict(lid, "warn" if warn else "ok", found))
     return out
 

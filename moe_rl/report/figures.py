@@ -49,7 +49,7 @@ def heatmap(runs: list[Run], name: str, title: str, vrange: tuple[float, float] 
         ax.tick_params(labelsize=8)
         ax.set_title(run.name, fontsize=9)
     fig.colorbar(im, ax=axes[0].tolist(), fraction=0.025, pad=0.01)
-    fig.suptitle(title, fontsize=10, x=0.02, ha="left")
+    fig.suptitle(title, fontsize=10, x=0.02, y=1.08, ha="left")  # above the run-name titles
     return _png(fig)
 
 

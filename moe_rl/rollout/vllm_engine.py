@@ -18,15 +18,35 @@ format (gpu_stack.md 1.2-1.4):
 - ``sync_items``: the learner's canonical (HF Qwen3-MoE) tensors in model order; vLLM's
   ``Qwen3MoeForCausalLM.load_weights`` takes exactly these names (it stacks q/k/v, gate/up and
   experts itself).
+- Weight sync through vLLM's weight-transfer API (read in the vllm 0.33.0 wheel:
+  ``vllm/entrypoints/rl/offline.py``, ``vllm/distributed/weight_transfer/{base,ipc_engine,factory}.py``,
+  ``vllm/v1/worker/gpu_worker.py``): ``layer_groups`` splits the canonical names into the
+  embedding block, one group per decoder layer (a MoE layer's router and all its experts
+  together) and the output block; ``update_info`` is one ``update_weights`` payload with vLLM's
+  per-parameter metadata (``names``, ``dtype_names`` spelled as torch's dtype name without
+  ``torch.``, ``shapes``); ``received_weights`` is the receiving side's check of tensors against
+  that metadata; ``WeightVersions`` numbers the syncs for ``finish_weight_update(weight_version)``.
 
 Process model (design.md "Processes"): SPMD under torchrun, one vLLM engine per group of
 ``rollout.vllm.tensor_parallel`` consecutive ranks, in-process (``distributed_executor_backend=
 "external_launcher"``: every rank of the group is one vLLM worker and submits the same requests;
 ranks in other groups run their own engine). ``generate`` gathers the group's prompts, generates
 them all, and returns this rank's share. Between rollouts the engine sleeps (``LLM.sleep``) so
-the learner gets the GPU memory back; ``load_weights`` wakes the weights, loads the learner's
-tensors in-process through ``LLM.apply_model`` (no copy through a socket; gpu_stack.md 1.3),
-and resets the prefix cache, whose KV blocks and cached routes came from the old weights.
+the learner gets the GPU memory back; ``load_weights`` wakes the weights, hands vLLM the
+learner's tensors in-process (no copy through a socket; gpu_stack.md 1.3), and resets the
+prefix cache, whose KV blocks and cached routes came from the old weights.
+
+Weight sync (``rollout.vllm.weight_sync``). ``transfer`` (default): ``start_weight_update``, one
+``update_weights`` per layer group, ``finish_weight_update(weight_version=n)`` for the n-th sync
+(0 = the first weights), then ``reset_prefix_cache``. vLLM's worker runs its layerwise reload
+between start and finish, so sending a layer at a time keeps its staging to one layer. The
+backend is ``moe_rl_inproc``, registered with vLLM's ``WeightTransferEngineFactory``: vLLM's IPC
+engine (its start/finish, i.e. the layerwise reload) receiving the tensors by reference instead
+of through CUDA IPC handles. vLLM's own ``ipc`` backend cannot serve this process model: here the
+vLLM worker is THIS process (``external_launcher`` / in-process engine core, where
+``collective_rpc`` calls the worker directly with the same Python objects), and a CUDA IPC
+handle cannot be opened by the process that exported it. ``load_weights``: the older
+``LLM.apply_model(model.load_weights)`` path, for vLLM builds without the transfer engine.
 
 Shape suffixes: B samples, S padded sequence length, L MoE layers, K top-k.
 """
@@ -51,6 +71,8 @@ log = logging.getLogger(__name__)
 # engine core in this process. Set before vllm is imported; an explicit user setting wins.
 VLLM_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+TRANSFER_BACKEND = "moe_rl_inproc"  # our WeightTransferEngineFactory key (see _register_transfer_backend)
+_LAYER_PREFIX = "model.layers."
 _SEED_MUL = 1_000_003
 
 
@@ -204,6 +226,93 @@ def sync_items(named: dict[str, torch.Tensor], expected: list[str]) -> list[tupl
     return [(k, named[k].detach()) for k in expected]
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """A dtype as vLLM's weight-transfer metadata spells it ("bfloat16", "float32"): torch's name
+    without the ``torch.`` prefix; vLLM's receivers map it back with ``getattr(torch, name)``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def _layer_index(name: str) -> int | None:
+    """The decoder-layer index of ``model.layers.<i>.<...>``, else None (embedding, norm, head)."""
+    if not name.startswith(_LAYER_PREFIX):
+        return None
+    head = name[len(_LAYER_PREFIX):].split(".", 1)[0]
+    return int(head) if head.isdigit() else None
+
+
+def layer_groups(names: list[str]) -> list[list[str]]:
+    """Split parameter names into transfer groups: the names before the first decoder layer
+    (embedding), one group per decoder layer in ascending index (a MoE layer's router and every
+    expert together, since all sit under ``model.layers.<i>.``), then the rest (final norm,
+    lm_head). Within a group the input order is kept; every name lands in exactly one group."""
+    if len(set(names)) != len(names):
+        dup = sorted({n for n in names if names.count(n) > 1})
+        raise ValueError(f"weight sync: duplicate parameter names {dup[:3]}")
+    pre: list[str] = []
+    post: list[str] = []
+    layers: dict[int, list[str]] = {}
+    for name in names:
+        i = _layer_index(name)
+        if i is None:
+            (post if layers else pre).append(name)
+        else:
+            layers.setdefault(i, []).append(name)
+    groups = [pre] + [layers[i] for i in sorted(layers)] + [post]
+    return [g for g in groups if g]
+
+
+def update_info(items: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+    """One ``update_weights`` payload: vLLM's per-parameter metadata (``names``, ``dtype_names``,
+    ``shapes``, as in its IPC update info) plus the tensors themselves, passed by reference to the
+    in-process worker."""
+    return {"names": [k for k, _ in items], "dtype_names": [dtype_name(t.dtype) for _, t in items],
+            "shapes": [list(t.shape) for _, t in items], "tensors": [t for _, t in items]}
+
+
+def received_weights(names: list[str], dtype_names: list[str], shapes: list[list[int]],
+                     tensors: list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """The receiving side: (name, tensor) pairs for ``model.load_weights`` once every tensor
+    matches its metadata entry; ValueError naming the first parameter that does not."""
+    if not len(names) == len(dtype_names) == len(shapes) == len(tensors):
+        raise ValueError(f"weight transfer: {len(names)} names, {len(dtype_names)} dtype_names, "
+                         f"{len(shapes)} shapes, {len(tensors)} tensors")
+    for name, dt, shape, t in zip(names, dtype_names, shapes, tensors):
+        if dtype_name(t.dtype) != dt or list(t.shape) != list(shape):
+            raise ValueError(f"weight transfer: {name!r} is {dtype_name(t.dtype)} {list(t.shape)}, "
+                             f"its metadata says {dt} {list(shape)}")
+    return list(zip(names, tensors))
+
+
+class WeightVersions:
+    """The weight version the engine serves: sync n (0 = the first weights loaded) is version
+    ``str(n)``, the string vLLM's ``finish_weight_update(weight_version=...)`` takes and
+    ``get_weight_version`` reports back. A sync that raised leaves no trusted version until the
+    next one finishes."""
+
+    def __init__(self) -> None:
+        self.current: str | None = None  # the version vLLM serves; None before the first sync
+        self.pending: str | None = None  # the sync under way
+        self.num_synced = 0
+
+    def begin(self) -> str:
+        if self.pending is not None:
+            raise RuntimeError(f"weight sync {self.pending} did not finish; cannot start another")
+        self.pending, self.current = str(self.num_synced), None
+        return self.pending
+
+    def finish(self, reported: str) -> None:
+        """Close the pending sync; ``reported`` is what vLLM now says it serves."""
+        if self.pending is None:
+            raise RuntimeError("weight sync: finish without begin")
+        if reported != self.pending:
+            raise RuntimeError(f"weight sync: vLLM reports weight version {reported!r}, expected {self.pending!r}")
+        self.current, self.pending = self.pending, None
+        self.num_synced += 1
+
+    def abort(self) -> None:
+        self.pending = None
+
+
 def engine_kwargs(cfg: RunConfig, model_dir: str, external: bool) -> dict[str, Any]:
     """Keyword arguments of ``vllm.LLM`` for this run (gpu_stack.md 1.2-1.4)."""
     r, v = cfg.rollout, cfg.rollout.vllm
@@ -218,7 +327,56 @@ def engine_kwargs(cfg: RunConfig, model_dir: str, external: bool) -> dict[str, A
     }
     if external:  # SPMD under torchrun: this process is the group's vLLM worker
         kw["distributed_executor_backend"] = "external_launcher"
+    if v.weight_sync == "transfer":  # EngineArgs turns the dict into a WeightTransferConfig
+        kw["weight_transfer_config"] = {"backend": TRANSFER_BACKEND}
     return kw
+
+
+def transfer_weights(llm: Any, items: list[tuple[str, torch.Tensor]], versions: WeightVersions) -> None:
+    """One versioned update through vLLM's weight-transfer API (``LLM`` methods of
+    ``vllm/entrypoints/rl/offline.py``), a layer group per ``update_weights`` call. ``items`` keeps
+    the tensors referenced until ``finish_weight_update``, where vLLM's layerwise reload ends."""
+    by_name = dict(items)
+    version = versions.begin()
+    try:
+        llm.start_weight_update()
+        for group in layer_groups([k for k, _ in items]):
+            llm.update_weights({"update_info": update_info([(k, by_name[k]) for k in group])})
+        llm.finish_weight_update(weight_version=version)
+        versions.finish(llm.get_weight_version())
+    except BaseException:
+        versions.abort()
+        raise
+
+
+def _register_transfer_backend() -> None:
+    """Register ``moe_rl_inproc`` with vLLM's ``WeightTransferEngineFactory`` (idempotent): vLLM's
+    ``IPCWeightTransferEngine`` (layerwise reload in start/finish) with a receive step that takes
+    the tensors by reference. The worker creates it at start-up, so call this before ``vllm.LLM``."""
+    from dataclasses import dataclass
+
+    from vllm.distributed.weight_transfer import WeightTransferEngineFactory
+    from vllm.distributed.weight_transfer.base import WeightTransferUpdateInfo
+    from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine
+
+    @dataclass(kw_only=True)
+    class InprocUpdateInfo(WeightTransferUpdateInfo):
+        names: list[str]
+        dtype_names: list[str]
+        shapes: list[list[int]]
+        tensors: list[torch.Tensor]
+
+    class InprocWeightTransferEngine(IPCWeightTransferEngine):
+        update_info_cls = InprocUpdateInfo
+
+        def receive_weights(self, info: InprocUpdateInfo) -> None:  # type: ignore[override]
+            self.model.load_weights(received_weights(info.names, info.dtype_names, info.shapes, info.tensors))
+
+    try:
+        WeightTransferEngineFactory.register_engine(TRANSFER_BACKEND, InprocWeightTransferEngine)
+    except ValueError as e:  # a second engine in this process: the first registration stands
+        if "already registered" not in str(e):
+            raise
 
 
 # --------------------------------------------------------------------------------------------
@@ -241,6 +399,7 @@ class VllmEngine:
         self.header = RouteHeader.for_model(model_cfg)
         self.llm = None
         self.asleep = False
+        self.versions = WeightVersions()
         self.group, self.group_rank, self.group_size = self._engine_group(cfg.rollout.vllm.tensor_parallel)
         from moe_rl.rollout.builtin_model import canonical_param_shapes
 
@@ -275,19 +434,30 @@ class VllmEngine:
         import torch.distributed as dist
         import vllm
 
+        transfer = self.cfg.rollout.vllm.weight_sync == "transfer"
+        if transfer:
+            if not hasattr(vllm.LLM, "start_weight_update"):
+                raise ConfigError(f"config key 'rollout.vllm.weight_sync': vllm {vllm.__version__} has no "
+                                  f"weight-transfer API; use rollout.vllm.weight_sync=load_weights")
+            _register_transfer_backend()
         kw = engine_kwargs(self.cfg, self._model_dir(named), external=dist.is_initialized())
         log.info("starting vLLM %s: %s", vllm.__version__, kw)
         self.llm = vllm.LLM(**kw)
+        if transfer:
+            self.llm.init_weight_transfer_engine({"init_info": {}})  # in-process: no rendezvous
 
     def load_weights(self, named: dict[str, torch.Tensor]) -> None:
-        """Weight sync: wake the weights, load the canonical tensors in-process, reset the prefix
-        cache (its KV blocks and cached routes belong to the old weights)."""
+        """Weight sync: wake the weights, send the canonical tensors (``rollout.vllm.weight_sync``),
+        reset the prefix cache (its KV blocks and cached routes belong to the old weights)."""
         items = sync_items(named, self.expected)
         if self.llm is None:
             self._start(named)
         if self.asleep:
             self.llm.wake_up(tags=["weights"])
-        self.llm.apply_model(lambda model: model.load_weights(weights=iter(items)))
+        if self.cfg.rollout.vllm.weight_sync == "transfer":
+            transfer_weights(self.llm, items, self.versions)
+        else:
+            self.llm.apply_model(lambda model: model.load_weights(weights=iter(items)))
         self.llm.reset_prefix_cache()
 
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams, seed: int) -> RolloutBatch:

@@ -76,6 +76,19 @@ def test_resume_reproduces_uninterrupted_run(tmp_path):
     assert "expert_parallel: 2" in (full / "config.yaml").read_text()
     assert sorted(p.name for p in (full / "checkpoints").iterdir()) == ["latest", "step_000002", "step_000004"]
     assert list((full / "wandb").glob("offline-run-*/run-*.wandb"))
+    # the monitor's update-induced flips (replay off): step 0's first minibatch ran with the old
+    # pass's weights, later minibatches after 1..3 optimizer steps; all in [0, 1]
+    for step in range(4):
+        assert 0 <= a[step]["router_grad/update_flip_frac"] <= a[step]["router_grad/update_flip_token_frac"] <= 1
+        assert a[step]["router_grad/rollout_flip_frac/layer0"] == a[step]["routing/flip_router_frac/layer0"]
+    # the stability report of the real runs, side by side, through the CLI
+    out = moe_rl("report", str(full), str(part), "--out", str(tmp_path / "cmp")).stdout
+    assert "report.html" in out
+    md = (tmp_path / "cmp" / "report.md").read_text()
+    assert md.count("finished: 4 of 4 steps logged") == 4  # per run: the header and the summary table
+    assert md.count("- layer 0 ") == md.count("- layer 3 ") == 2  # a verdict per MoE layer and run
+    assert "(figures/heatmap_update_flip_frac.png)" in md and "(figures/heatmap_zero_frac.png)" in md
+    assert "| resume | False | True |" in md  # the config keys that differ
 
 
 @pytest.mark.e2e

@@ -85,3 +85,41 @@ def test_vllm_generate_routes_pass_ingest(tmp_path):
     rollout_routes(batch, RouteHeader.for_model(model))  # strict ingest: shapes, ids, no all-zero layer
     again = engine.generate([[5, 6, 7], [8, 9]], 4, SamplingParams(max_new_tokens=8, stop_token_ids=(3,)), seed=1)
     assert torch.equal(again.tokens_BS, batch.tokens_BS)  # seeded per sample, after sleep/wake
+
+
+@pytest.mark.gpu
+def test_vllm_weight_transfer_versions_and_changes_the_policy(tmp_path):
+    """rollout.vllm.weight_sync=transfer (the default): every sync is one versioned session of
+    vLLM's weight-transfer API; new weights change the rollouts, the old ones bring them back."""
+    pytest.importorskip("vllm")
+    from moe_rl.hf_checkpoint import write_hf_checkpoint
+    from moe_rl.rollout.builtin_model import random_canonical_weights
+    from moe_rl.rollout.vllm_engine import VllmEngine
+    from moe_rl.types import SamplingParams
+
+    cfg = load_config(None, ["rollout.engine=vllm", "routing.replay=r3", "parallel.nproc=1",
+                             "parallel.expert_parallel=1", "rollout.vllm.enforce_eager=true",
+                             "rollout.vllm.gpu_memory_utilization=0.3", f"rollout.vllm.model_dir={tmp_path}/m"])
+    assert cfg.rollout.vllm.weight_sync == "transfer"
+    model = dataclasses.replace(cfg.model, vocab_size=TINY.vocab_size)
+    w1, w2 = random_canonical_weights(model, seed=1), random_canonical_weights(model, seed=2)
+    write_hf_checkpoint(tmp_path / "m", w2, model, dtype=torch.bfloat16)  # vLLM starts from w2
+    w1, w2 = ({k: t.to("cuda", torch.bfloat16) for k, t in w.items()} for w in (w1, w2))  # as the learner holds them
+    engine = VllmEngine(dataclasses.replace(cfg, model=model), model, pad_id=0)
+    sp = SamplingParams(max_new_tokens=8, stop_token_ids=(3,))
+
+    def roll():
+        return engine.generate([[5, 6, 7], [8, 9]], 4, sp, seed=1)
+
+    engine.load_weights(w1)
+    assert engine.versions.current == engine.llm.get_weight_version() == "0"
+    a = roll()
+    engine.load_weights(w2)
+    assert engine.llm.get_weight_version() == "1"
+    b = roll()
+    engine.load_weights(w1)
+    assert engine.llm.get_weight_version() == "2"
+    c = roll()
+    assert torch.equal(a.tokens_BS, c.tokens_BS) and torch.allclose(a.logprobs_BS, c.logprobs_BS, atol=1e-3)
+    same = a.logprobs_BS.shape == b.logprobs_BS.shape and torch.allclose(a.logprobs_BS, b.logprobs_BS, atol=1e-2)
+    assert not same  # the sync reached the model

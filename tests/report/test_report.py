@@ -66,12 +66,12 @@ def test_verdicts_state_the_measured_numbers(tmp_path):
     assert list(verdicts) == list(LAYERS)
     v1 = verdicts[1]
     assert v1.level == "warn"
-    assert "40% of experts got no router gradient per step (mean over the last 30 steps)" in v1.findings
-    assert "12.0% of routes differ between rollout and learner" in v1.findings  # > 5%, replay off
-    assert any(f.startswith("zero-gradient fraction 0.750 vs structural 0.750") for f in v1.findings)
-    assert "0.4% of routes flip within a step's update" in v1.findings
-    assert "load entropy 0.85 (busiest expert 20% of routes)" in v1.findings
-    assert verdicts[2].findings[-2] == "load entropy 0.75 (busiest expert 20% of routes)"
+    assert "40% of experts got no router gradient per step (mean over the last 30 steps)" in v1.texts
+    assert "12.0% of routes differ between rollout and learner" in v1.texts  # > 5%, replay off
+    assert any(f.startswith("zero-gradient fraction 0.750 vs structural 0.750") for f in v1.texts)
+    assert "0.4% of routes flip within a step's update" in v1.texts
+    assert "load entropy 0.85 (busiest expert 20% of routes)" in v1.texts
+    assert verdicts[2].findings[-2] == ("load entropy 0.75 (busiest expert 20% of routes)", True)
     assert verdicts[2].level == "warn"  # load entropy under 0.8 (and rollout flips)
     heads = dict(data.headline(run))
     assert heads["reward, first 10% of steps"] == pytest.approx(np.mean([0.5 + s / 100 for s in range(3)]))
@@ -83,7 +83,7 @@ def test_verdicts_state_the_measured_numbers(tmp_path):
 def test_r3_flips_are_explained_not_alarmed(tmp_path):
     run = load_run(_run_dir(tmp_path / "b", 10, replay="r3"))
     v0 = data.layer_verdicts(run)[0]
-    assert "12.0% of routes differ between rollout and learner (R3 trains on the rollout's routes)" in v0.findings
+    assert "12.0% of routes differ between rollout and learner (R3 trains on the rollout's routes)" in v0.texts
     assert v0.level == "ok"
 
 
@@ -107,7 +107,8 @@ def test_report_of_a_run_killed_mid_write(tmp_path):
     assert "line 26: truncated last line dropped" in text
     md = (html.parent / "report.md").read_text()
     assert "in progress or stopped: 25 of 40 steps logged" in md
-    assert "- layer 1 **warn**: 40% of experts got no router gradient per step (mean over the last 25 steps)" in md
+    # the finding that crosses its threshold is in bold
+    assert "- layer 1 **warn**: **40% of experts got no router gradient per step (mean over the last 25 steps)**" in md
     figures = sorted(p.name for p in (html.parent / "figures").iterdir())
     assert len(figures) == 12 and all(f"figures/{f}" in md for f in figures)
 

@@ -173,3 +173,201 @@ def test_sync_items_are_the_hf_names_in_model_order(cfg, weights):
     assert all(t is weights[k] or torch.equal(t, weights[k]) for k, t in items)
     with pytest.raises(KeyError, match="missing"):
         ve.sync_items({k: v for k, v in weights.items() if "lm_head" not in k}, expected)
+
+
+# --------------------------------------------------------------------------------------------
+# Weight sync through vLLM's weight-transfer API (vllm 0.33.0: vllm/entrypoints/rl/offline.py,
+# vllm/distributed/weight_transfer/{base,ipc_engine}.py, vllm/v1/worker/gpu_worker.py)
+# --------------------------------------------------------------------------------------------
+
+class FakeTransferLLM:
+    """``vllm.LLM``'s weight-transfer surface as 0.33 defines it: ``init_weight_transfer_engine(
+    {"init_info": ...})``, ``start_weight_update()``, ``update_weights({"update_info": ...})``,
+    ``finish_weight_update(weight_version: str | None = None)``, ``get_weight_version() -> str``
+    ("default" until one is set), plus ``reset_prefix_cache`` / ``apply_model``. The worker side
+    follows gpu_worker.py: update/finish outside a session raise, a failed update ends it."""
+
+    def __init__(self, fail_on_update: int = -1, ignore_version: bool = False) -> None:
+        self.calls: list[str] = []
+        self.updates: list[dict] = []
+        self.loaded: dict[str, torch.Tensor] = {}
+        self.active = False
+        self.version = "default"
+        self.fail_on_update, self.ignore_version = fail_on_update, ignore_version
+
+    def init_weight_transfer_engine(self, request: dict) -> None:
+        self.calls.append("init")
+        assert set(request) == {"init_info"}
+
+    def start_weight_update(self) -> None:
+        if self.active:
+            raise RuntimeError("start_weight_update called while a weight update is already active")
+        self.calls.append("start")
+        self.active = True
+
+    def update_weights(self, request: dict) -> None:
+        if not self.active:
+            raise RuntimeError("start_weight_update must be called before update_weights.")
+        self.calls.append("update")
+        info = request["update_info"]
+        if len(self.updates) == self.fail_on_update:
+            self.active = False
+            raise RuntimeError("worker failed")
+        self.updates.append(info)
+        self.loaded.update(ve.received_weights(info["names"], info["dtype_names"], info["shapes"], info["tensors"]))
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        if not self.active:
+            raise RuntimeError("finish_weight_update called without a matching start_weight_update.")
+        self.calls.append("finish")
+        self.active = False
+        if weight_version is not None and not self.ignore_version:
+            self.version = weight_version
+
+    def get_weight_version(self) -> str:
+        return self.version
+
+    def reset_prefix_cache(self) -> bool:
+        self.calls.append("reset_prefix_cache")
+        return True
+
+    def apply_model(self, func):
+        self.calls.append("apply_model")
+        outer = self
+
+        class Model:
+            def load_weights(self, weights):
+                outer.loaded.update(weights)
+
+        return [func(Model())]
+
+
+def _many_layer_names(num_layers: int, num_experts: int) -> list[str]:
+    names = ["model.embed_tokens.weight"]
+    for i in range(num_layers):
+        names += [f"model.layers.{i}.input_layernorm.weight", f"model.layers.{i}.mlp.gate.weight"]
+        names += [f"model.layers.{i}.mlp.experts.{e}.{p}.weight" for e in range(num_experts)
+                  for p in ("gate_proj", "up_proj", "down_proj")]
+    return names + ["model.norm.weight", "lm_head.weight"]
+
+
+@pytest.mark.unit
+def test_layer_groups_every_tensor_once_experts_of_a_layer_together(cfg):
+    names = list(canonical_param_shapes(cfg))
+    groups = ve.layer_groups(names)
+    assert sorted(n for g in groups for n in g) == sorted(names) and sum(map(len, groups)) == len(names)
+    assert groups[0] == ["model.embed_tokens.weight"] and groups[-1] == ["model.norm.weight", "lm_head.weight"]
+    assert len(groups) == cfg.num_layers + 2
+    for i, g in enumerate(groups[1:-1]):
+        assert all(n.startswith(f"model.layers.{i}.") for n in g)
+        assert g == [n for n in names if n.startswith(f"model.layers.{i}.")]  # model order kept
+    for layer in cfg.moe_layers:
+        experts = [n for n in names if n.startswith(f"model.layers.{layer}.mlp.experts.")]
+        assert len(experts) == 3 * cfg.num_experts
+        assert sum(all(e in g for e in experts) and f"model.layers.{layer}.mlp.gate.weight" in g for g in groups) == 1
+    assert ve.layer_groups(names) == groups  # deterministic
+
+
+@pytest.mark.unit
+def test_layer_groups_sort_layers_numerically_whatever_the_input_order():
+    names = _many_layer_names(12, 3)
+    expected = ve.layer_groups(names)
+    assert [g[0] for g in expected[1:-1]] == [f"model.layers.{i}.input_layernorm.weight" for i in range(12)]
+    shuffled = names[:1] + [n for i in (11, 2, 10, 0, 1, 3, 4, 5, 6, 7, 8, 9)
+                            for n in names if n.startswith(f"model.layers.{i}.")] + names[-2:]
+    assert ve.layer_groups(shuffled) == expected
+    with pytest.raises(ValueError, match="duplicate"):
+        ve.layer_groups(names + ["model.layers.3.mlp.gate.weight"])
+
+
+@pytest.mark.unit
+def test_update_info_metadata_as_vllm_spells_it(cfg, weights):
+    items = ve.sync_items(weights, list(canonical_param_shapes(cfg)))
+    items = [(k, t.to(torch.bfloat16) if i % 2 else t) for i, (k, t) in enumerate(items)]
+    info = ve.update_info(items)
+    assert set(info) == {"names", "dtype_names", "shapes", "tensors"}  # IPC's metadata fields + the tensors
+    assert info["names"] == [k for k, _ in items]
+    assert info["dtype_names"][:2] == ["float32", "bfloat16"]
+    assert all(getattr(torch, d) is t.dtype for d, (_, t) in zip(info["dtype_names"], items))  # the receiver's mapping
+    assert all(s == list(t.shape) and all(type(x) is int for x in s) for s, (_, t) in zip(info["shapes"], items))
+    assert all(a is b for a, (_, b) in zip(info["tensors"], items))  # by reference, no copy
+    got = ve.received_weights(info["names"], info["dtype_names"], info["shapes"], info["tensors"])
+    assert [(k, id(t)) for k, t in got] == [(k, id(t)) for k, t in items]
+    bad = dict(info, shapes=[[1]] + info["shapes"][1:])
+    with pytest.raises(ValueError, match="'model.embed_tokens.weight' is float32"):
+        ve.received_weights(bad["names"], bad["dtype_names"], bad["shapes"], bad["tensors"])
+    with pytest.raises(ValueError, match="dtype_names"):
+        ve.received_weights(info["names"], info["dtype_names"][:-1], info["shapes"], info["tensors"])
+
+
+@pytest.mark.unit
+def test_transfer_weights_one_session_per_sync_a_layer_per_update(cfg, weights):
+    expected = list(canonical_param_shapes(cfg))
+    items = ve.sync_items(weights, expected)
+    llm, versions = FakeTransferLLM(), ve.WeightVersions()
+    assert versions.current is None
+    ve.transfer_weights(llm, items, versions)
+    groups = ve.layer_groups(expected)
+    assert llm.calls == ["start"] + ["update"] * len(groups) + ["finish"]
+    assert [u["names"] for u in llm.updates] == groups
+    assert llm.loaded.keys() == weights.keys()
+    assert all(llm.loaded[k].data_ptr() == weights[k].data_ptr() for k in weights)  # no copy on the way
+    assert (versions.current, llm.get_weight_version()) == ("0", "0")
+    ve.transfer_weights(llm, items, versions)
+    assert (versions.current, llm.get_weight_version(), versions.num_synced) == ("1", "1", 2)
+
+
+@pytest.mark.unit
+def test_a_failed_sync_leaves_no_trusted_version_and_the_next_one_retries_it(cfg, weights):
+    items = ve.sync_items(weights, list(canonical_param_shapes(cfg)))
+    versions = ve.WeightVersions()
+    ve.transfer_weights(FakeTransferLLM(), items, versions)
+    with pytest.raises(RuntimeError, match="worker failed"):
+        ve.transfer_weights(FakeTransferLLM(fail_on_update=1), items, versions)
+    assert (versions.current, versions.pending, versions.num_synced) == (None, None, 1)
+    llm = FakeTransferLLM()
+    ve.transfer_weights(llm, items, versions)
+    assert versions.current == llm.get_weight_version() == "1"
+    with pytest.raises(RuntimeError, match="reports weight version 'default', expected '0'"):
+        ve.transfer_weights(FakeTransferLLM(ignore_version=True), items, ve.WeightVersions())
+
+
+@pytest.mark.unit
+def test_weight_versions_bookkeeping():
+    v = ve.WeightVersions()
+    with pytest.raises(RuntimeError, match="finish without begin"):
+        v.finish("0")
+    assert v.begin() == "0"
+    with pytest.raises(RuntimeError, match="did not finish"):
+        v.begin()
+    v.finish("0")
+    assert (v.current, v.begin()) == ("0", "1")
+    assert v.current is None  # mid-sync: the engine serves a mix of old and new layers
+    v.abort()
+    assert v.begin() == "1"
+
+
+@pytest.mark.unit
+def test_weight_sync_config_key():
+    assert load_config(None, VLLM).rollout.vllm.weight_sync == "transfer"
+    with pytest.raises(ConfigError, match="'rollout.vllm.weight_sync'"):
+        load_config(None, VLLM + ["rollout.vllm.weight_sync=nccl"])
+    kw = ve.engine_kwargs(load_config(None, VLLM), "/m", external=False)
+    assert kw["weight_transfer_config"] == {"backend": ve.TRANSFER_BACKEND}
+    run = load_config(None, VLLM + ["rollout.vllm.weight_sync=load_weights"])
+    assert "weight_transfer_config" not in ve.engine_kwargs(run, "/m", external=False)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("mode", ["transfer", "load_weights"])
+def test_engine_load_weights_follows_the_switch(cfg, weights, mode):
+    engine = object.__new__(ve.VllmEngine)  # no CUDA: skip __init__'s environment check
+    engine.cfg = load_config(None, VLLM + [f"rollout.vllm.weight_sync={mode}"])
+    engine.expected, engine.llm, engine.asleep = list(canonical_param_shapes(cfg)), FakeTransferLLM(), False
+    engine.versions = ve.WeightVersions()
+    engine.load_weights(weights)
+    n = len(ve.layer_groups(engine.expected))
+    want = ["start"] + ["update"] * n + ["finish"] if mode == "transfer" else ["apply_model"]
+    assert engine.llm.calls == want + ["reset_prefix_cache"]
+    assert engine.llm.loaded.keys() == weights.keys()
+    assert engine.versions.current == ("0" if mode == "transfer" else None)
