@@ -26,6 +26,8 @@ class DistContext:
     ep_rank: int
     ep_size: int
     device: torch.device
+    tp_rank: int = 0
+    tp_size: int = 1
 
     @property
     def is_main(self) -> bool:
@@ -74,6 +76,7 @@ def init_distributed(par: ParallelConfig, seed: int) -> DistContext:
         dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
         ep_rank=ps.get_expert_model_parallel_rank(), ep_size=ps.get_expert_model_parallel_world_size(),
         device=torch.device("cuda", local_rank) if cuda else torch.device("cpu"),
+        tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=ps.get_tensor_model_parallel_world_size(),
     )
 
 
@@ -91,6 +94,20 @@ def all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:
     if dist.is_initialized():
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     return t
+
+
+def comm_device(group) -> torch.device:
+    """Where a collective's tensors must live: CUDA for an NCCL group, else the CPU."""
+    if dist.is_initialized() and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_gather_rows(t: torch.Tensor, group) -> torch.Tensor:
+    """Concatenate every rank's equally shaped ``t`` along dim 0, in rank order."""
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t, group=group)
+    return torch.cat(parts)
 
 
 def barrier() -> None:

@@ -85,8 +85,9 @@ def train(cfg: RunConfig, ctx: DistContext) -> None:
         t_end = time.perf_counter()
         times = {"time/rollout_s": t_roll - t0, "time/old_logprob_s": t_old - t_roll,
                  "time/update_s": t_upd - t_old, "time/sync_s": t_end - t_upd, "time/step_s": t_end - t0}
+        # over data-parallel ranks: tensor-parallel peers hold the same batch and the same metrics
         metrics = rl.finalize(reduce_metrics({**m_reward, **m_old, **m_update, **m_lr, **rl.rollout_metrics(batch),
-                                              **times}))
+                                              **times}, group=learner.dp_group))
         writer.log(step, metrics)
         writer.log_events(events)
         bar.update(1)

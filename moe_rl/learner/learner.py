@@ -5,7 +5,14 @@ Forward and backward run through megatron-core's own pipeline schedule
 applied by its (distributed) optimizer. The loss is a callable passed in (``LossFn``); its
 normaliser (the global token count) is computed here, once per minibatch, and passed down.
 
-Shape suffixes: B sequences, S positions.
+Tensor parallelism (TP > 1, with sequence parallelism): the output layer is vocab-parallel, so
+each TP rank gets a [B, S, V / TP] slice of the logits and the per-token statistics are all-reduced
+over the TP group (``logprobs.token_logprobs_energy_vocab_parallel``); micro-batch lengths are
+padded to a multiple of TP (megatron splits the sequence over TP ranks); weights and gradients
+are exported in canonical names by gathering the TP pieces. TP ranks of one data-parallel rank
+hold the same data, so every output here is identical on them.
+
+Shape suffixes: B sequences, S positions, V vocabulary.
 """
 
 from __future__ import annotations
@@ -22,14 +29,19 @@ import torch.distributed as dist
 from moe_rl.config import ModelConfig, OptimConfig, ParallelConfig
 from moe_rl.corrections.dvp import restricted_logprobs
 from moe_rl.corrections.trm import exact_kl_tokens
-from moe_rl.dist import DistContext
+from moe_rl.dist import DistContext, comm_device
 from moe_rl.learner import setup
-from moe_rl.learner.logprobs import token_logprobs_energy
+from moe_rl.learner.logprobs import (
+    token_logprobs_energy,
+    token_logprobs_energy_vocab_parallel,
+)
 from moe_rl.learner.te_spec import FP8_TOKEN_MULTIPLE, rename_to_local, te_name_map
 from moe_rl.learner.weights import (
+    Shard,
     canonical_to_megatron,
     gather_experts,
     megatron_to_canonical,
+    tp_split_dim,
 )
 from moe_rl.monitor.router_grad import RouterGradMonitor
 from moe_rl.routing.record import RouteBatch, RouteHeader
@@ -55,16 +67,17 @@ def _pad_positions(v, extra: int):
 
 
 def split_micro_batches(batch: dict, seq_lens_B: torch.Tensor, micro_batch_size: int,
-                        token_multiple: int = 1) -> list[dict]:
+                        token_multiple: int = 1, seq_multiple: int = 1) -> list[dict]:
     """Split [B, S] tensors (and route records) into micro-batches along B, each trimmed to its
     longest sequence, then padded so that B * S is a multiple of ``token_multiple`` (TE's FP8
-    GEMMs need 16); every micro-batch carries its "seq_lens"."""
+    GEMMs need 16) and S a multiple of ``seq_multiple`` (sequence parallelism splits S over the
+    TP ranks); every micro-batch carries its "seq_lens"."""
     out = []
     for start in range(0, int(seq_lens_B.shape[0]), micro_batch_size):
         sl = slice(start, start + micro_batch_size)
         s_max = int(seq_lens_B[sl].max())
         b = int(seq_lens_B[sl].shape[0])
-        step = token_multiple // math.gcd(b, token_multiple)  # S must be a multiple of this
+        step = math.lcm(token_multiple // math.gcd(b, token_multiple), seq_multiple)  # S is a multiple of this
         extra = -(-s_max // step) * step - s_max
         mb = {k: _pad_positions(_slice(v, sl, s_max), extra) for k, v in batch.items()}
         mb["seq_lens"] = seq_lens_B[sl]
@@ -81,16 +94,33 @@ class TokenStats(NamedTuple):
     extra: dict  # "full_logp", "log_safe_mass" (DVP); "exact_kl" (with the rollout's distributions)
 
 
-def token_stats(mb: dict, logits_BSV: torch.Tensor, temperature: float) -> TokenStats:
+class VocabShard(NamedTuple):
+    """This rank's slice [start, start + V / TP) of the vocab-parallel logits, and its TP group."""
+
+    start: int
+    group: Any
+
+
+def token_stats(mb: dict, logits_BSV: torch.Tensor, temperature: float,
+                vocab_shard: VocabShard | None = None) -> TokenStats:
     """What the loss and the old-log-prob pass need from a micro-batch's logits.
 
     mb["safe"] (bool [B, S, V], the engine's DVP safe sets) restricts log-probs to the same
     support the engine reported; mb["rollout_dist"] (float [B, S, V] rollout log-probs) adds the
-    exact per-token KL(pi_rollout || pi_learner) that TRM's exact form uses."""
-    logp_BS, ent_BS, spi_BS = token_logprobs_energy(logits_BSV, mb["tokens"], temperature)
+    exact per-token KL(pi_rollout || pi_learner) that TRM's exact form uses. With ``vocab_shard``
+    (TP > 1) ``logits_BSV`` is the rank's vocabulary slice; DVP and the exact KL are refused
+    there (config validation refuses them first)."""
+    if vocab_shard is None:
+        logp_BS, ent_BS, spi_BS = token_logprobs_energy(logits_BSV, mb["tokens"], temperature)
+    else:
+        logp_BS, ent_BS, spi_BS = token_logprobs_energy_vocab_parallel(
+            logits_BSV, mb["tokens"], temperature, vocab_shard.start, vocab_shard.group)
     extra: dict = {}
     if "safe" not in mb and "rollout_dist" not in mb:
         return TokenStats(logp_BS, ent_BS, spi_BS, extra)
+    if vocab_shard is not None:
+        raise ValueError("DVP safe sets and the exact KL need full-vocabulary logits; "
+                         "they are not supported with parallel.tensor_parallel > 1")
     z_BSV = logits_BSV[:, :-1].float() / temperature
     pad = logp_BS.new_zeros((logp_BS.shape[0], 1))
     if "safe" in mb:
@@ -116,14 +146,23 @@ class Learner:
         from megatron.core import parallel_state as ps
 
         self.model_cfg, self.par, self.ctx = model_cfg, par, ctx
-        self.gpt, self.tcfg = setup.build_model(model_cfg, par)
+        self.tp_size = ps.get_tensor_model_parallel_world_size()
+        self.tp_group = ps.get_tensor_model_parallel_group()
+        self.etp_group = ps.get_expert_tensor_parallel_group()
+        self.shard = Shard(ps.get_tensor_model_parallel_rank(), self.tp_size,
+                           ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size())
+        self.vocab_shard = (VocabShard(self.shard.tp_rank * model_cfg.vocab_size // self.tp_size, self.tp_group)
+                            if self.tp_size > 1 else None)
+        sp = self.tp_size > 1  # megatron refuses MoE + TP training without sequence parallelism
+        self.gpt, self.tcfg = setup.build_model(model_cfg, par, sequence_parallel=sp)
         self.token_multiple = FP8_TOKEN_MULTIPLE if model_cfg.precision == "fp8" else 1
         if init_weights is not None:
             self.load_canonical(init_weights)
         # Every model gets its own replay controller (megatron's RouterReplay instances are
         # per router; the controller keeps the policy's and the reference's state apart).
         self.route_header = RouteHeader.for_model(model_cfg)
-        self.replay = RouteReplay(self.gpt, self.route_header, ctx.ep_size, model_cfg.recompute)
+        seq_shard = (self.shard.tp_rank, self.tp_size, self.tp_group)  # SP: each TP rank routes S / TP positions
+        self.replay = RouteReplay(self.gpt, self.route_header, ctx.ep_size, model_cfg.recompute, seq_shard)
         # per-layer router-gradient monitor of the update passes (moe_rl/monitor/router_grad.py)
         # (its structural blackout expectation follows the gating megatron actually built)
         self.monitor = RouterGradMonitor(
@@ -134,14 +173,16 @@ class Learner:
         # The reference policy is a frozen copy of the initial weights (for the KL term).
         self.ref, self.ref_replay = None, None
         if with_reference:
-            self.ref, _ = setup.build_model(model_cfg, par)
+            self.ref, _ = setup.build_model(model_cfg, par, sequence_parallel=sp)
             self.ref.load_state_dict(self.gpt.state_dict())
             self.ref.requires_grad_(False).eval()
-            self.ref_replay = RouteReplay(self.ref, self.route_header, ctx.ep_size, model_cfg.recompute)
+            self.ref_replay = RouteReplay(self.ref, self.route_header, ctx.ep_size, model_cfg.recompute, seq_shard)
         self.ddp = setup.wrap_ddp(self.gpt, self.tcfg, par)
         self.optimizer = setup.build_optimizer(self.ddp, optim, par)
         self.dp_group = ps.get_data_parallel_group()
         self.ep_group = ps.get_expert_model_parallel_group()
+        # TP ranks see different sequence blocks (SP): the router monitor sums over TP x DP
+        self.tp_dp_group = ps.get_tensor_and_data_parallel_group()
 
     # ---- weights -------------------------------------------------------------------------
     def load_canonical(self, full: dict[str, torch.Tensor]) -> None:
@@ -149,7 +190,7 @@ class Learner:
         params = dict(self.gpt.named_parameters())
         local = te_name_map(list(params))  # TE fuses norms into linears: its names -> the local spec's
         tensors = canonical_to_megatron(full, [local[n] for n in params], self.model_cfg, self.ctx.ep_rank,
-                                        self.ctx.ep_size)
+                                        self.ctx.ep_size, self.shard)
         with torch.no_grad():
             for name, p in params.items():
                 t = tensors[local[name]]
@@ -160,11 +201,46 @@ class Learner:
 
     def export_canonical(self) -> dict[str, torch.Tensor]:
         """Full canonical weights (every expert), identical on every rank: the weight sync source."""
-        local = rename_to_local({n: p.detach() for n, p in self.gpt.named_parameters()})
-        canon = megatron_to_canonical(local, self.model_cfg, self.ctx.ep_rank, self.ctx.ep_size)
+        return self._gather_canonical({n: p.detach() for n, p in self.gpt.named_parameters()})
+
+    def _gather_canonical(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's megatron tensors (by parameter name) -> full canonical dict: TP pieces
+        joined (one all_gather per split tensor), then every expert gathered over EP."""
+        local = rename_to_local(tensors)
+        canon = megatron_to_canonical(local, self.model_cfg, self.ctx.ep_rank, self.ctx.ep_size, self.shard)
+        if self.tp_size > 1 or self.shard.etp_size > 1:
+            canon = self._merge_tensor_parallel(canon)
         return gather_experts(canon, self.model_cfg, self.ctx.ep_size, self.ep_group)
 
+    def _merge_tensor_parallel(self, canon: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``weights.merge_tensor_parallel`` over the process groups: experts over expert-TP."""
+        out = {}
+        for name in sorted(canon):  # the same order on every rank
+            t, dim = canon[name], tp_split_dim(name)
+            expert = ".mlp.experts." in name
+            size, group = (self.shard.etp_size, self.etp_group) if expert else (self.tp_size, self.tp_group)
+            if dim is None or size == 1:
+                out[name] = t
+                continue
+            parts = [torch.empty_like(t) for _ in range(size)]
+            dist.all_gather(parts, t.contiguous(), group=group)
+            out[name] = torch.cat(parts, dim=dim)
+        return out
+
     # ---- passes --------------------------------------------------------------------------
+    def _check_tp_replicated(self, tokens_BS: torch.Tensor) -> None:
+        """TP ranks must be given the same sequences (megatron computes one model over them);
+        a different batch would give silently wrong log-probs. One tiny MAX all-reduce."""
+        if self.tp_size == 1:
+            return
+        weights_S = torch.arange(1, tokens_BS.shape[1] + 1, dtype=torch.float64)
+        sig = torch.stack([torch.tensor(float(tokens_BS.numel())), (tokens_BS.double().cpu() * weights_S).sum()])
+        both = torch.cat([sig, -sig]).to(comm_device(self.tp_group))
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.tp_group)
+        if not torch.equal(both[:2], -both[2:]):
+            raise RuntimeError("tensor-parallel ranks were given different token batches; TP ranks of one "
+                               "data-parallel rank must see the same data (shard prompts by DP rank)")
+
     def _schedule(self, model, replay: RouteReplay, micro_batches: list[dict], loss_fn, forward_only: bool,
                   replay_mode: str | None, prefix: str = "routing/", keep_native: bool = False):
         """megatron's schedule over micro-batches; with ``replay_mode``, one replay pass around it."""
@@ -215,19 +291,21 @@ class Learner:
         model.eval()
 
         def collect(mb, logits_BSV):
-            st = token_stats(mb, logits_BSV, temperature)
+            st = token_stats(mb, logits_BSV, temperature, self.vocab_shard)
             return logits_BSV.new_zeros(()), torch.tensor(0), {"logp": st.logp, "entropy": st.entropy,
                                                                 "spi": st.sum_pi_sq, **st.extra}
 
+        self._check_tp_replicated(tokens_BS)
         batch = {"tokens": tokens_BS, **(token_inputs or {})}
         if routes is not None:
             batch["routes"] = routes
-        mbs = split_micro_batches(batch, seq_lens_B, micro_batch_size, self.token_multiple)
+        mbs = split_micro_batches(batch, seq_lens_B, micro_batch_size, self.token_multiple, self.tp_size)
         outs = self._schedule(model, replay, mbs, collect, True, replay_mode, keep_native=keep_native)
         S = tokens_BS.shape[1]
 
-        def gather(key: str) -> torch.Tensor:  # micro-batches were trimmed: pad back to S
-            return torch.cat([torch.nn.functional.pad(o[key], (0, S - o[key].shape[1])) for o in outs])
+        def gather(key: str) -> torch.Tensor:  # micro-batches were trimmed (and padded for TP/FP8): back to S
+            cols = [int(mb["seq_lens"].max()) for mb in mbs]
+            return torch.cat([torch.nn.functional.pad(o[key][:, :c], (0, S - c)) for o, c in zip(outs, cols)])
 
         extra = {k: gather(k) for k in outs[0] if k not in ("logp", "entropy", "spi")}
         return TokenStats(gather("logp"), gather("entropy"), gather("spi"), extra)
@@ -241,13 +319,14 @@ class Learner:
         from megatron.core.distributed import finalize_model_grads
 
         self.ddp.train()
+        self._check_tp_replicated(minibatch["tokens"])
         normalizer = minibatch["loss_mask"].sum().to(torch.float64)
         if dist.is_initialized():
             dist.all_reduce(normalizer, group=self.dp_group)
         normalizer = normalizer.clamp(min=1.0).float()
 
         def compute(mb, logits_BSV):
-            st = token_stats(mb, logits_BSV, temperature)
+            st = token_stats(mb, logits_BSV, temperature, self.vocab_shard)
             loss, metrics = loss_fn({**mb, **st.extra}, st.logp, st.entropy, normalizer)
             if not torch.isfinite(loss):  # never backpropagate NaN/Inf into the weights
                 raise FloatingPointError(f"non-finite loss {float(loss)} in a micro-batch of "
@@ -256,7 +335,7 @@ class Learner:
 
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
-        mbs = split_micro_batches(minibatch, seq_lens_B, micro_batch_size, self.token_multiple)
+        mbs = split_micro_batches(minibatch, seq_lens_B, micro_batch_size, self.token_multiple, self.tp_size)
         if self.monitor is not None:
             self.monitor.active = True
         try:
@@ -276,15 +355,17 @@ class Learner:
     def router_monitor_metrics(self) -> dict[str, float]:
         """The step's router-monitor metrics: the accumulated statistics and router-weight
         gradients summed over data-parallel ranks in one all-reduce (and the per-layer maxima in
-        one tiny max-reduce), then per-layer values; resets."""
+        one tiny max-reduce), then per-layer values; resets. With TP the sum also runs over the
+        TP ranks: under sequence parallelism each routes (and backpropagates) only its own block
+        of positions, so their statistics and router-weight gradients are disjoint parts."""
         if self.monitor is None or self.monitor.router_grad_LEH is None:
             return {}
         stats, max_L, grads_LEH = self.monitor.stats_LXW, self.monitor.max_L, self.monitor.router_grad_LEH
         packed = torch.cat([stats.flatten().to(grads_LEH.device), grads_LEH.flatten()])
         max_L = max_L.clone()
         if dist.is_initialized():
-            dist.all_reduce(packed, group=self.dp_group)
-            dist.all_reduce(max_L, op=dist.ReduceOp.MAX, group=self.dp_group)
+            dist.all_reduce(packed, group=self.tp_dp_group)
+            dist.all_reduce(max_L, op=dist.ReduceOp.MAX, group=self.tp_dp_group)
         n = stats.numel()
         out = self.monitor.finalize(packed[:n].view_as(stats).cpu(), max_L.cpu(),
                                     packed[n:].view_as(grads_LEH).cpu())
@@ -308,6 +389,4 @@ class Learner:
         optimizer: the distributed optimizer keeps only a shard of each reduced gradient)."""
         if self.par.distributed_optimizer:
             raise RuntimeError("canonical_grads needs parallel.distributed_optimizer=false")
-        local = rename_to_local({n: p.main_grad.detach().clone() for n, p in self.gpt.named_parameters()})
-        canon = megatron_to_canonical(local, self.model_cfg, self.ctx.ep_rank, self.ctx.ep_size)
-        return gather_experts(canon, self.model_cfg, self.ctx.ep_size, self.ep_group)
+        return self._gather_canonical({n: p.main_grad.detach().clone() for n, p in self.gpt.named_parameters()})

@@ -3,6 +3,9 @@ and optimizer. Megatron's argument names appear nowhere else."""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
@@ -18,7 +21,10 @@ OPTIM_CKPT_METADATA = {
 }
 
 
-def transformer_config(model: ModelConfig, par: ParallelConfig, *, bf16: bool = False):
+def transformer_config(model: ModelConfig, par: ParallelConfig, *, bf16: bool = False,
+                       sequence_parallel: bool = False):
+    """``sequence_parallel``: the learner trains with it whenever TP > 1 (megatron refuses MoE + TP
+    training without it); eval-only builders may leave it off."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     n_dense = model.first_k_dense
@@ -52,6 +58,9 @@ def transformer_config(model: ModelConfig, par: ParallelConfig, *, bf16: bool = 
         # every router owns a RouterReplay; moe_rl.routing.replay drives it per pass
         moe_enable_routing_replay=True,
         tensor_model_parallel_size=par.tensor_parallel,
+        # each TP rank then routes its own S / TP block of positions (moe_rl.routing.replay
+        # slices the route targets to match)
+        sequence_parallel=sequence_parallel and par.tensor_parallel > 1,
         pipeline_model_parallel_size=par.pipeline_parallel,
         expert_model_parallel_size=par.expert_parallel,
         # Our loss is already divided by the global token count (passed in), so megatron must
@@ -87,14 +96,17 @@ def _recompute(model: ModelConfig) -> dict:
     return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
 
 
-def build_model(model: ModelConfig, par: ParallelConfig, *, bf16: bool = False):
+def build_model(model: ModelConfig, par: ParallelConfig, *, bf16: bool = False, sequence_parallel: bool = False):
     """A megatron GPTModel with MoE layers: the local layer spec (CPU), or TE's (model.transformer_impl=te)."""
     from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     from moe_rl.learner.te_spec import layer_spec
 
-    cfg = transformer_config(model, par, bf16=bf16)
+    cfg = transformer_config(model, par, bf16=bf16, sequence_parallel=sequence_parallel)
     spec = layer_spec(cfg, use_te=model.transformer_impl == "te")
+    if cfg.sequence_parallel:
+        _swap_module(spec, WrappedTorchNorm, SequenceParallelTorchNorm)
     gpt = GPTModel(
         config=cfg,
         transformer_layer_spec=spec,
@@ -105,6 +117,41 @@ def build_model(model: ModelConfig, par: ParallelConfig, *, bf16: bool = False):
         share_embeddings_and_output_weights=False,
     )
     return gpt, cfg
+
+
+class SequenceParallelTorchNorm:
+    """megatron's WrappedTorchNorm (torch RMSNorm) under sequence parallelism.
+
+    WrappedTorchNorm asserts sequence_parallel off only because a plain torch norm does not mark
+    its weight ``sequence_parallel``: the mark is what makes finalize_model_grads sum the weight's
+    gradient over the TP ranks (each saw only its block of positions). TE's and apex's norms set
+    it; this sets it on the torch norm, so the local (CPU) spec can train with TP."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **kwargs):
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+        plain = copy.copy(config)
+        plain.sequence_parallel = False  # only WrappedTorchNorm's assertion reads this copy
+        norm = WrappedTorchNorm(plain, hidden_size, eps, **kwargs)
+        for p in norm.parameters():
+            p.sequence_parallel = True
+        return norm
+
+
+def _swap_module(spec, old: type, new: type) -> None:
+    """Replace ``old`` by ``new`` wherever a (nested) megatron spec names it, in place."""
+    if isinstance(spec, (list, tuple)):
+        for item in spec:
+            _swap_module(item, old, new)
+        return
+    if not dataclasses.is_dataclass(spec) or isinstance(spec, type):
+        return
+    for f in dataclasses.fields(spec):
+        value = getattr(spec, f.name)
+        if value is old:
+            setattr(spec, f.name, new)
+        else:
+            _swap_module(value, old, new)
 
 
 def wrap_ddp(gpt, cfg, par: ParallelConfig):

@@ -24,6 +24,14 @@ can also be given ``old_routes`` (the old-log-prob pass's native routes, kept wi
 ``keep_native``): the same comparison against them is the update-induced flip rate of the
 router-gradient monitor (``router_grad/update_flip_*``), with or without replay.
 
+Sequence parallelism (TP > 1): megatron scatters the [S, B, H] hidden states over the TP ranks
+along S (``scatter_to_sequence_parallel_region``), so TP rank r routes positions
+[r S / TP, (r + 1) S / TP) of every sequence: with sequence-major rows that is the contiguous
+block of rows [r N / TP, (r + 1) N / TP). Targets are laid out for the whole micro-batch and
+sliced to that block; recorded routes are all-gathered back over the TP group; the agreement
+metrics, counted on the rank's block, are summed over the TP group when the pass ends (so every
+TP rank returns the same, complete values).
+
 Shape suffixes: N rows (S * B tokens of a micro-batch), L MoE layers, K top-k.
 """
 
@@ -35,6 +43,7 @@ from contextlib import contextmanager
 
 import torch
 
+from moe_rl.dist import all_gather_rows, all_reduce_sum, comm_device
 from moe_rl.metrics import Mean
 from moe_rl.routing.layout import layout, unlayout
 from moe_rl.routing.record import RouteBatch, RouteHeader
@@ -65,12 +74,15 @@ class _LayerHook:
 class RouteReplay:
     """Drives the routers of one megatron model (policy or reference: each has its own)."""
 
-    def __init__(self, gpt, header: RouteHeader, ep_size: int, recompute: bool) -> None:
+    def __init__(self, gpt, header: RouteHeader, ep_size: int, recompute: bool,
+                 seq_shard: tuple[int, int, object] = (0, 1, None)) -> None:
+        """``seq_shard``: (TP rank, TP size, TP group) of sequence parallelism; (0, 1, None) without."""
         from megatron_patches import router_replay_hook
 
         if not router_replay_hook.is_applied():
             raise ReplayError("megatron_patches.router_replay_hook is not applied (megatron_patches.apply_all)")
         self.header, self.ep_size, self.recompute = header, ep_size, recompute
+        self.sp_rank, self.sp_size, self.sp_group = seq_shard
         self.hooks: list[_LayerHook] = []
         for layer in gpt.decoder.layers:
             router = getattr(layer.mlp, "router", None)
@@ -100,6 +112,7 @@ class RouteReplay:
         self._differs: list[torch.Tensor | None] = [None] * len(self.hooks)
         self._old_differs: list[torch.Tensor | None] = [None] * len(self.hooks)
         self._metrics: dict = {}
+        self._sharded_keys: set[str] = set()  # counted on this rank's sequence block only
         self._mb: tuple | None = None
         self._has_targets = False
         for h in self.hooks:
@@ -121,6 +134,7 @@ class RouteReplay:
         try:
             yield self
             self._check_consumed()
+            self._reduce_sequence_shards()
         finally:
             self.mode = None
 
@@ -135,7 +149,8 @@ class RouteReplay:
         if old_routes is not None:
             if old_routes.num_samples != B:
                 raise ReplayError(f"micro-batch of {B} sequences has {old_routes.num_samples} old-pass routes")
-            old_NLK, self._old_recorded_N, _ = layout(old_routes, seq_lens_B, seq_len, self.ep_size)
+            old_NLK, old_recorded_N, _ = layout(old_routes, seq_lens_B, seq_len, self.ep_size)
+            old_NLK, self._old_recorded_N = self._local_rows(old_NLK), self._local_rows(old_recorded_N)
             for h in self.hooks:
                 h.old_NK = old_NLK[:, h.pos].contiguous()
         if routes is None and self.mode in ("record", "observe"):
@@ -144,7 +159,7 @@ class RouteReplay:
             raise ReplayError(f"{self.mode}: micro-batch of {B} sequences has "
                               f"{None if routes is None else routes.num_samples} route records")
         targets_NLK, recorded_N, counts = layout(routes, seq_lens_B, seq_len, self.ep_size)
-        self._recorded_N = recorded_N
+        targets_NLK, self._recorded_N = self._local_rows(targets_NLK), self._local_rows(recorded_N)
         for h in self.hooks:
             h.target_NK = targets_NLK[:, h.pos].contiguous()
         self._add(f"{self.prefix}missing_frac", Mean(counts["rows_missing"], counts["rows_expected"]))
@@ -154,22 +169,25 @@ class RouteReplay:
         self.phase = "backward"
         if self.keep_native:
             seq_lens_B, _ = self._mb
-            native_NLK = torch.stack(self._native_LNK, dim=1).cpu()
+            native_NLK = torch.stack(self._native_LNK, dim=1)
+            if self.sp_size > 1:  # every TP rank routed its own block of rows: join them
+                native_NLK = all_gather_rows(native_NLK.contiguous(), self.sp_group)
+            native_NLK = native_NLK.cpu()
             self._recorded.append(unlayout(native_NLK, seq_lens_B, torch.zeros_like(seq_lens_B), self.header))
         if self._has_targets and all(d is not None for d in self._differs):
             differs_LN = torch.stack(self._differs)[:, self._recorded_N]
             n = torch.tensor(float(differs_LN.shape[1]))
             any_N = differs_LN.any(0)
-            self._add(f"{self.prefix}flip_token_frac", Mean(any_N.float().sum(), n))
-            self._add(f"{self.prefix}flip_layers_per_token", Mean(differs_LN.float().sum(), n))
+            self._add(f"{self.prefix}flip_token_frac", Mean(any_N.float().sum(), n), sharded=True)
+            self._add(f"{self.prefix}flip_layers_per_token", Mean(differs_LN.float().sum(), n), sharded=True)
         if any(d is not None for d in self._old_differs):
             unused = [h.layer_id for h, d in zip(self.hooks, self._old_differs) if d is None]
             if unused:
                 raise ReplayError(f"layers {unused}: old-pass routes of this micro-batch were never compared")
             differs_LN = torch.stack(self._old_differs)[:, self._old_recorded_N]
             n = torch.tensor(float(differs_LN.shape[1]))
-            self._add(f"{self.old_prefix}flip_token_frac", Mean(differs_LN.any(0).float().sum(), n))
-            self._add(f"{self.old_prefix}flip_layers_per_token", Mean(differs_LN.float().sum(), n))
+            self._add(f"{self.old_prefix}flip_token_frac", Mean(differs_LN.any(0).float().sum(), n), sharded=True)
+            self._add(f"{self.old_prefix}flip_layers_per_token", Mean(differs_LN.float().sum(), n), sharded=True)
         self._native_LNK = [None] * len(self.hooks)
         self._differs = [None] * len(self.hooks)
         self._old_differs = [None] * len(self.hooks)
@@ -243,14 +261,38 @@ class RouteReplay:
         differs_N, overlap_N = topk_agreement(native_NK.detach()[rec_N], target_NK.to(native_NK.device)[rec_N])
         n = torch.tensor(float(differs_N.shape[0]))
         for suffix in ("", f"/layer{layer_id}"):
-            self._add(f"{name}{suffix}", Mean(differs_N.float().sum(), n))
+            self._add(f"{name}{suffix}", Mean(differs_N.float().sum(), n), sharded=True)
             if overlap:
-                self._add(f"{self.prefix}overlap_at_k{suffix}", Mean(overlap_N.sum(), n))
+                self._add(f"{self.prefix}overlap_at_k{suffix}", Mean(overlap_N.sum(), n), sharded=True)
         return torch.zeros_like(rec_N).masked_scatter(rec_N, differs_N)
 
-    def _add(self, key: str, value: Mean) -> None:
+    def _add(self, key: str, value: Mean, sharded: bool = False) -> None:
         old = self._metrics.get(key)
         self._metrics[key] = value if old is None else Mean(old.sum + value.sum, old.count + value.count)
+        if sharded:
+            self._sharded_keys.add(key)
+
+    def _local_rows(self, t_N: torch.Tensor) -> torch.Tensor:
+        """The rows of this rank's sequence block (sequence-major rows: one contiguous block)."""
+        if self.sp_size == 1:
+            return t_N
+        if t_N.shape[0] % self.sp_size:
+            raise ReplayError(f"{t_N.shape[0]} rows do not split over {self.sp_size} sequence-parallel ranks")
+        return t_N.chunk(self.sp_size)[self.sp_rank].contiguous()
+
+    def _reduce_sequence_shards(self) -> None:
+        """Sum the block-local agreement counts over the TP group: one all-reduce per pass."""
+        if self.sp_size == 1:
+            return
+        keys = sorted(self._sharded_keys)  # the same keys on every TP rank (same layers, same micro-batches)
+        if not keys:
+            return
+        device = comm_device(self.sp_group)
+        vals = [torch.as_tensor(x).to(device=device, dtype=torch.float64).reshape(())
+                for k in keys for x in (self._metrics[k].sum, self._metrics[k].count)]
+        packed = all_reduce_sum(torch.stack(vals), self.sp_group)
+        for i, k in enumerate(keys):
+            self._metrics[k] = Mean(packed[2 * i], packed[2 * i + 1])
 
     def _check_consumed(self) -> None:
         if not self._has_targets:

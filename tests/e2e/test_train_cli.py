@@ -92,6 +92,17 @@ def test_resume_reproduces_uninterrupted_run(tmp_path):
 
 
 @pytest.mark.e2e
+def test_tensor_parallel_run_counts_each_sample_once(tmp_path):
+    run = tmp_path / "tp"
+    moe_rl("train", f"run_dir={run}", "steps=2", "checkpoint_every=0", "parallel.tensor_parallel=2",
+           "parallel.expert_parallel=1", *TINY)
+    m = metrics(run)
+    # TP peers share one batch: metrics reduce over data-parallel ranks only (DP=1 here)
+    assert [m[s]["rollout/num_seqs"] for s in (0, 1)] == [32.0, 32.0]  # 8 prompts x 4 samples
+    assert m[1]["train/grad_norm"] > 0 and m[1]["router_grad/zero_frac"] == pytest.approx(6 / 8)
+
+
+@pytest.mark.e2e
 def test_jsonl_dataset_run(tmp_path):
     data = tmp_path / "prompts.jsonl"
     rows = [{"prompt": f"C{a}{b}:", "answer": f"{a}{b}", "task": "copy2"} for a in range(10) for b in range(3)]
