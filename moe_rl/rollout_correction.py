@@ -7,6 +7,7 @@ Shape suffixes: B sequences, S positions.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -62,10 +63,22 @@ def dvp_batch_metrics(cc: CorrectionConfig, batch: RolloutBatch, old) -> dict:
         return {}
     outside_BS1 = ~batch.response_mask_BS[..., None]  # prompt/pad positions: no distribution, no NaN
     safe_BSV = batch.safe_BSV | outside_BS1
-    rollout = restricted_logprobs(batch.dist_logp_BSV, safe_BSV, batch.tokens_BS)
     train = RestrictedLogprobs(old.logp, old.extra["full_logp"], old.extra["log_safe_mass"],
                                batch.response_mask_BS.clone())
-    return dvp_metrics(train, rollout, safe_BSV, batch.response_mask_BS)
+    if batch.dist_logp_BSV is not None:
+        rollout = restricted_logprobs(batch.dist_logp_BSV, safe_BSV, batch.tokens_BS)
+        return dvp_metrics(train, rollout, safe_BSV, batch.response_mask_BS)
+    # vLLM reports the sampled token's safe-set log-prob only (no full distribution): the
+    # rollout side's full log-prob and safe mass are unknown, so the metrics built on them are left out
+    inside_BS = safe_BSV.gather(-1, batch.tokens_BS.long()[..., None]).squeeze(-1)
+    unknown_BS = torch.full_like(batch.logprobs_BS, math.nan)
+    rollout = RestrictedLogprobs(batch.logprobs_BS, unknown_BS, unknown_BS, inside_BS)
+    metrics = dvp_metrics(train, rollout, safe_BSV, batch.response_mask_BS)
+    return {k: v for k, v in metrics.items() if k not in ROLLOUT_DIST_METRICS}
+
+
+# DVP metrics that need the rollout's full distribution (not available from vLLM)
+ROLLOUT_DIST_METRICS = ("corr/dvp_pruned_mass", "corr/dvp_pruned_mass_max", "corr/dvp_k3_before")
 
 
 def prepare(cc: CorrectionConfig, old_logp_BS: torch.Tensor, rollout_logp_BS: torch.Tensor,

@@ -10,11 +10,26 @@ format (gpu_stack.md 1.2-1.4):
   ``processed_logprobs`` (after temperature AND top-k/top-p, renormalised over the truncated
   support). The learner uses log softmax(logits / T) over the full vocabulary, so
   ``logprobs_mode`` picks processed when nothing truncates, raw when T = 1, and refuses the rest
-  (the log(S) bias of vllm#42259). DVP is refused: vLLM neither samples from nor returns a DVP
-  safe set; exact-KL TRM is refused: vLLM returns top-k log-probs, not full distributions.
+  (the log(S) bias of vllm#42259). Exact-KL TRM is refused: vLLM returns top-k log-probs, not
+  full distributions.
+- DVP (``correction.dvp_threshold``, math.md 4): sampling restricted to the safe set by a custom
+  logits processor of vLLM's Model Runner V2 (``DvpLogitsProcessor``; interface read in the
+  vllm 0.33.0 wheel, ``vllm/v1/worker/gpu/sample/logits_processor/{interface,loader}.py``, run by
+  ``vllm/v1/worker/gpu/sample/sampler.py: Sampler.apply_sampling_params``). The processor sees the
+  unscaled logits before temperature, min_p and top-k/top-p, so it computes the safe set from
+  logits / T with the built-in engine's own function (``dvp_safe_mask``) and sets the rest to
+  -inf; the per-request rule and threshold travel in ``SamplingParams.extra_args``. The
+  ``processed_logprobs`` that ``Sampler.__call__`` returns are computed from those processed
+  logits, so the sampled token's log-prob is log softmax((z masked) / T), renormalised over the
+  safe set as the built-in engine reports it. Each request asks for the top ``dvp_max_safe + 1``
+  log-probs: the safe tokens are exactly the finite ones (``dvp_safe_sets``), and a position with
+  more finite entries than ``dvp_max_safe`` is an error naming sample, position and
+  ``rollout.vllm.dvp_max_safe``. vLLM cannot return the rollout's full-vocabulary distribution
+  next to the restricted one, so a DVP batch has ``safe_BSV`` but no ``dist_logp_BSV``.
 - ``build_requests``: one request per sample (n=1) with its own seed, token-id prompts.
 - ``to_rollout_batch``: ``RequestOutput`` list -> ``RolloutBatch`` (types.py layout) with every
-  sample's ``CompletionOutput.routed_experts`` adapted by ``routing.record.from_vllm``.
+  sample's ``CompletionOutput.routed_experts`` adapted by ``routing.record.from_vllm`` (and, with
+  DVP, the safe sets as ``safe_BSV``).
 - ``sync_items``: the learner's canonical (HF Qwen3-MoE) tensors in model order; vLLM's
   ``Qwen3MoeForCausalLM.load_weights`` takes exactly these names (it stacks q/k/v, gate/up and
   experts itself).
@@ -48,12 +63,14 @@ vLLM worker is THIS process (``external_launcher`` / in-process engine core, whe
 handle cannot be opened by the process that exported it. ``load_weights``: the older
 ``LLM.apply_model(model.load_weights)`` path, for vLLM builds without the transfer engine.
 
-Shape suffixes: B samples, S padded sequence length, L MoE layers, K top-k.
+Shape suffixes: B samples, S padded sequence length, L MoE layers, K top-k, G generated tokens of
+one sample, R logits rows of one vLLM sampler step, V vocabulary.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import tempfile
 from pathlib import Path
@@ -62,6 +79,7 @@ from typing import Any
 import torch
 
 from moe_rl.config import ConfigError, ModelConfig, RunConfig
+from moe_rl.corrections.dvp import SAFE_SET_RULES, safe_set
 from moe_rl.routing.record import RouteError, RouteHeader, from_vllm
 from moe_rl.types import RolloutBatch, SamplingParams
 
@@ -74,17 +92,24 @@ DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 TRANSFER_BACKEND = "moe_rl_inproc"  # our WeightTransferEngineFactory key (see _register_transfer_backend)
 _LAYER_PREFIX = "model.layers."
 _SEED_MUL = 1_000_003
+DVP_ARG = "moe_rl_dvp"  # SamplingParams.extra_args key: {"rule": str, "threshold": float}
+DVP_PROCESSOR = f"{__name__}:DvpLogitsProcessor"  # the FQCN vLLM's loader resolves (module __getattr__)
 
 
 # --------------------------------------------------------------------------------------------
 # Config checks (pure)
 # --------------------------------------------------------------------------------------------
 
-def logprobs_mode(temperature: float, top_k: int, top_p: float) -> str:
+def logprobs_mode(temperature: float, top_k: int, top_p: float, dvp: bool = False) -> str:
     """vLLM's ``logprobs_mode`` whose sampled-token log-prob equals the learner's
-    log softmax(logits / temperature) over the full vocabulary; ValueError when none does."""
+    log softmax(logits / temperature) over the full vocabulary (with ``dvp``: over the DVP safe
+    set); ValueError when none does."""
     if top_k == 0 and top_p >= 1.0:
-        return "processed_logprobs"  # temperature is the only processor: log softmax(z / T)
+        return "processed_logprobs"  # temperature (and the DVP mask) are the only processors
+    if dvp:
+        raise ValueError(f"with DVP the log-probs must come after the DVP mask and temperature "
+                         f"(processed_logprobs), and those would also be renormalised over top_k={top_k}, "
+                         f"top_p={top_p}, unlike the learner's safe-set log-probs: use top_k=0 top_p=1")
     if temperature == 1.0:
         return "raw_logprobs"  # before top-k/top-p, so not renormalised; T = 1 needs no scaling
     raise ValueError(f"vLLM reports log-probs either before temperature (raw) or after top-k/top-p "
@@ -101,14 +126,11 @@ def check_vllm_config(cfg: RunConfig) -> None:
         raise ConfigError(f"config key '{key}': {why} (rollout.engine=vllm)")
 
     try:
-        logprobs_mode(r.temperature, r.top_k, r.top_p)
+        logprobs_mode(r.temperature, r.top_k, r.top_p, dvp=c.dvp_threshold > 0)
     except ValueError as e:
         refuse("rollout.top_p", str(e))
     if r.router_noise > 0:
         refuse("rollout.router_noise", "router-logit noise exists only in the built-in engine")
-    if c.dvp_threshold > 0:
-        refuse("correction.dvp_threshold", "vLLM neither samples from a DVP safe set nor returns it, so "
-               "the learner cannot restrict its log-probs to the engine's support; use rollout.engine=builtin")
     if c.trm_on and c.trm_kl == "exact":
         refuse("correction.trm_kl", "exact TRM needs the rollout's full distributions; vLLM returns top-k "
                "log-probs only: use correction.trm_kl=sample")
@@ -133,6 +155,90 @@ def check_vllm_environment() -> None:
 
 
 # --------------------------------------------------------------------------------------------
+# DVP: the safe-set mask of the logits processor, and the safe sets back from the log-probs (pure)
+# --------------------------------------------------------------------------------------------
+
+def dvp_request_args(rule: str, threshold: float) -> dict[str, Any]:
+    """``SamplingParams.extra_args`` asking ``DvpLogitsProcessor`` for DVP on one request."""
+    return {DVP_ARG: {"rule": rule, "threshold": float(threshold)}}
+
+
+def dvp_params(extra_args: dict[str, Any] | None, temperature: float) -> tuple[str, float, float] | None:
+    """(rule, threshold, temperature) of a request's DVP, or None when it asks for none;
+    ValueError on malformed arguments (vLLM fails the request at admission)."""
+    args = (extra_args or {}).get(DVP_ARG)
+    if args is None:
+        return None
+    if not isinstance(args, dict) or set(args) != {"rule", "threshold"}:
+        raise ValueError(f"extra_args[{DVP_ARG!r}] must be {{'rule': str, 'threshold': float}}, got {args!r}")
+    rule, threshold = args["rule"], float(args["threshold"])
+    if rule not in SAFE_SET_RULES:
+        raise ValueError(f"DVP rule {rule!r} is not one of {sorted(SAFE_SET_RULES)}")
+    if not 0 < threshold <= 1:
+        raise ValueError(f"DVP threshold must be in (0, 1], got {threshold}")
+    if not temperature > 0:
+        raise ValueError(f"DVP needs temperature > 0 (the safe set is defined on logits / T), got {temperature}")
+    return rule, threshold, float(temperature)
+
+
+def dvp_safe_mask(logits_RV: torch.Tensor, temperature: float, rule: str, threshold: float) -> torch.Tensor:
+    """bool [R, V]: the safe set of each row, computed exactly as the built-in engine's
+    ``sample_next`` does (``safe_set`` on logits.float() / temperature)."""
+    scaled_RV = logits_RV.float() / temperature
+    return safe_set(scaled_RV[:, None, :], rule=rule, threshold=threshold)[:, 0]
+
+
+def apply_dvp(logits_RV: torch.Tensor, params_R: list[tuple[str, float, float] | None]) -> torch.Tensor:
+    """Set every logit outside its row's safe set to -inf, in place; ``params_R`` holds the
+    row's ``dvp_params`` (None: row untouched). Rows sharing parameters are masked together."""
+    if len(params_R) != logits_RV.shape[0]:
+        raise ValueError(f"{len(params_R)} DVP parameter rows for {logits_RV.shape[0]} logits rows")
+    groups: dict[tuple[str, float, float], list[int]] = {}
+    for r, p in enumerate(params_R):
+        if p is not None:
+            groups.setdefault(p, []).append(r)
+    for (rule, threshold, temperature), rows in groups.items():
+        idx_R = torch.tensor(rows, dtype=torch.long, device=logits_RV.device)
+        sub_RV = logits_RV.index_select(0, idx_R)
+        safe_RV = dvp_safe_mask(sub_RV, temperature, rule, threshold)
+        logits_RV.index_copy_(0, idx_R, sub_RV.masked_fill(~safe_RV, -math.inf))
+    return logits_RV
+
+
+def dvp_num_logprobs(max_safe: int, vocab_size: int) -> int:
+    """``SamplingParams.logprobs`` of a DVP request: one more than the largest safe set the run
+    accepts, so a set of ``max_safe`` tokens is told apart from a larger one (at most V)."""
+    return min(max_safe + 1, vocab_size)
+
+
+def dvp_safe_sets(logprobs: list[dict], token_ids: list[int], num_logprobs: int, vocab_size: int,
+                  sample: int, prompt_len: int = 0) -> torch.Tensor:
+    """bool [G, V]: the safe set of every generated position, from vLLM's processed top-k
+    log-probs (one ``{token_id: Logprob}`` dict per position, top ``num_logprobs`` + the sampled
+    token). Outside the safe set the processed logits are -inf, so with fewer safe tokens than
+    ``num_logprobs`` the top-k holds all of them and then -inf entries: the safe set is exactly
+    the finite entries. ``num_logprobs`` finite entries (below the full vocabulary) mean the set
+    may be larger than what came back: ValueError naming sample, position and the config key."""
+    if logprobs is None or len(logprobs) != len(token_ids):
+        raise ValueError(f"sample {sample}: vLLM returned {None if logprobs is None else len(logprobs)} log-prob "
+                         f"entries for {len(token_ids)} generated tokens (is SamplingParams.logprobs set?)")
+    safe_GV = torch.zeros((len(token_ids), vocab_size), dtype=torch.bool)
+    for g, (entry, tok) in enumerate(zip(logprobs, token_ids)):
+        where = f"sample {sample}, generated token {g} (sequence position {prompt_len + g})"
+        finite = [t for t, lp in entry.items() if lp.logprob > -math.inf]
+        if len(finite) >= num_logprobs and num_logprobs < vocab_size:
+            raise ValueError(f"{where}: the DVP safe set has more than {num_logprobs - 1} tokens (all "
+                             f"{num_logprobs} top log-probs vLLM returned are finite); raise "
+                             f"rollout.vllm.dvp_max_safe (now {num_logprobs - 1}) or lower correction.dvp_threshold")
+        if any(not 0 <= t < vocab_size for t in finite):
+            raise ValueError(f"{where}: token id outside the vocabulary [0, {vocab_size}) in the log-probs")
+        if tok not in finite:
+            raise ValueError(f"{where}: the sampled token {tok} is outside its DVP safe set {sorted(finite)}")
+        safe_GV[g, finite] = True
+    return safe_GV
+
+
+# --------------------------------------------------------------------------------------------
 # Requests and outputs (pure)
 # --------------------------------------------------------------------------------------------
 
@@ -142,19 +248,27 @@ def request_seeds(seed: int, num_requests: int) -> list[int]:
 
 
 def build_requests(prompts: list[list[int]], n: int, sampling: SamplingParams,
-                   seed: int) -> list[tuple[dict, dict[str, Any]]]:
+                   seed: int, dvp_logprobs: int = 0) -> list[tuple[dict, dict[str, Any]]]:
     """(prompt, SamplingParams kwargs) per sample b = u * n + i, answering prompt u.
 
     One request per sample (n=1) with its own seed, so the batch is reproducible without relying
-    on how vLLM derives the seeds of parallel samples. Prefix caching shares the prompt prefill."""
-    if sampling.dvp_threshold > 0 or sampling.return_dist:
-        raise ValueError("the vLLM engine returns neither DVP safe sets nor full distributions")
+    on how vLLM derives the seeds of parallel samples. Prefix caching shares the prompt prefill.
+    With DVP each request carries its rule and threshold for ``DvpLogitsProcessor`` and asks for
+    ``dvp_logprobs`` (``dvp_num_logprobs``) top log-probs, from which the safe sets are rebuilt."""
+    dvp = sampling.dvp_threshold > 0
+    if sampling.return_dist and not dvp:
+        raise ValueError("the vLLM engine returns no full distributions (exact-KL TRM)")
+    if dvp and dvp_logprobs < 1:
+        raise ValueError("DVP with vLLM needs dvp_logprobs >= 1 top log-probs to rebuild the safe sets")
     seeds = request_seeds(seed, len(prompts) * n)
     out = []
     for b, s in enumerate(seeds):
         kw: dict[str, Any] = {"n": 1, "temperature": sampling.temperature, "max_tokens": sampling.max_new_tokens,
                               "stop_token_ids": list(sampling.stop_token_ids), "logprobs": 0, "seed": s,
                               "detokenize": False}
+        if dvp:
+            kw["logprobs"] = dvp_logprobs
+            kw["extra_args"] = dvp_request_args(sampling.dvp_rule, sampling.dvp_threshold)
         if sampling.top_k > 0:  # vLLM's own defaults mean "off"; do not pass sentinels
             kw["top_k"] = sampling.top_k
         if sampling.top_p < 1.0:
@@ -177,14 +291,20 @@ def _sampled_logprobs(logprobs: list[dict], token_ids: list[int], sample: int) -
 
 
 def to_rollout_batch(outputs: list, n: int, pad_id: int, header: RouteHeader,
-                     logprob_support: str = "full") -> RolloutBatch:
+                     logprob_support: str = "full", vocab_size: int = 0, dvp_logprobs: int = 0) -> RolloutBatch:
     """vLLM ``RequestOutput``s (one per sample, in request order) -> RolloutBatch + route records.
 
     Per output: ``prompt_token_ids``; ``outputs[0]`` (``CompletionOutput``) with ``token_ids``
     (the stop token included), ``logprobs``, ``finish_reason`` ("stop" | "length") and
-    ``routed_experts`` ([P + G - 1, all decoder layers, K], uint8/uint16). Errors name the sample."""
+    ``routed_experts`` ([P + G - 1, all decoder layers, K], uint8/uint16). Errors name the sample.
+    A DVP support (``logprob_support`` "dvp:...") also rebuilds ``safe_BSV`` [B, S, vocab_size]
+    from the ``dvp_logprobs`` top log-probs per position (``dvp_safe_sets``), as the built-in
+    engine lays it out: the set each generated token was sampled from, False elsewhere."""
+    dvp = logprob_support != "full"
+    if dvp and (vocab_size < 1 or dvp_logprobs < 1):
+        raise ValueError(f"support {logprob_support!r} needs vocab_size and dvp_logprobs to rebuild the safe sets")
     B = len(outputs)
-    prompts, gens, lps, routes, finished = [], [], [], [], []
+    prompts, gens, lps, routes, finished, safes = [], [], [], [], [], []
     for b, out in enumerate(outputs):
         c = out.outputs[0]
         prompt, gen = [int(t) for t in out.prompt_token_ids], [int(t) for t in c.token_ids]
@@ -194,6 +314,8 @@ def to_rollout_batch(outputs: list, n: int, pad_id: int, header: RouteHeader,
             raise RouteError(f"sample {b}: vLLM returned no routed_experts (enable_return_routed_experts off, "
                              f"or the request was aborted)")
         lps.append(_sampled_logprobs(c.logprobs, gen, b))
+        if dvp:
+            safes.append(dvp_safe_sets(c.logprobs, gen, dvp_logprobs, vocab_size, b, prompt_len=len(prompt)))
         routes.append(from_vllm(c.routed_experts, num_tokens=len(prompt) + len(gen), prompt_len=len(prompt),
                                 header=header, sample=b).ids_TLK)
         prompts.append(prompt)
@@ -204,16 +326,19 @@ def to_rollout_batch(outputs: list, n: int, pad_id: int, header: RouteHeader,
     S = int((prompt_lens_B + response_lens_B).max())
     tokens_BS = torch.full((B, S), pad_id, dtype=torch.int64)
     logprobs_BS = torch.zeros((B, S), dtype=torch.float32)
+    safe_BSV = torch.zeros((B, S, vocab_size), dtype=torch.bool) if dvp else None
     for b in range(B):
         P, G = len(prompts[b]), len(gens[b])
         tokens_BS[b, :P + G] = torch.tensor(prompts[b] + gens[b], dtype=torch.int64)
         logprobs_BS[b, P:P + G] = torch.tensor(lps[b], dtype=torch.float32)
+        if safe_BSV is not None:
+            safe_BSV[b, P:P + G] = safes[b]
     s_S = torch.arange(S)
     response_mask_BS = (s_S[None, :] >= prompt_lens_B[:, None]) & (s_S[None, :] < (prompt_lens_B + response_lens_B)[:, None])
     return RolloutBatch(tokens_BS=tokens_BS, prompt_lens_B=prompt_lens_B, response_lens_B=response_lens_B,
                         response_mask_BS=response_mask_BS, logprobs_BS=logprobs_BS, routes=routes,
                         group_B=torch.arange(B) // n, finished_B=torch.tensor(finished, dtype=torch.bool),
-                        logprob_support=logprob_support)
+                        logprob_support=logprob_support, safe_BSV=safe_BSV)
 
 
 def sync_items(named: dict[str, torch.Tensor], expected: list[str]) -> list[tuple[str, torch.Tensor]]:
@@ -315,7 +440,7 @@ class WeightVersions:
 
 def engine_kwargs(cfg: RunConfig, model_dir: str, external: bool) -> dict[str, Any]:
     """Keyword arguments of ``vllm.LLM`` for this run (gpu_stack.md 1.2-1.4)."""
-    r, v = cfg.rollout, cfg.rollout.vllm
+    r, v, dvp = cfg.rollout, cfg.rollout.vllm, cfg.correction.dvp_threshold > 0
     kw: dict[str, Any] = {
         "model": model_dir, "skip_tokenizer_init": True,  # token-id prompts; the tasks own tokenization
         "dtype": DTYPES[r.dtype], "seed": cfg.seed, "tensor_parallel_size": v.tensor_parallel,
@@ -323,8 +448,11 @@ def engine_kwargs(cfg: RunConfig, model_dir: str, external: bool) -> dict[str, A
         "max_model_len": v.max_model_len or cfg.model.max_seq_len,
         "enable_return_routed_experts": True, "enable_prefix_caching": True,  # R3 requires both
         "enable_sleep_mode": v.sleep_level > 0,
-        "logprobs_mode": logprobs_mode(r.temperature, r.top_k, r.top_p),
+        "logprobs_mode": logprobs_mode(r.temperature, r.top_k, r.top_p, dvp=dvp),
     }
+    if dvp:  # the safe-set mask (Model Runner V2 interface), and room for the top-k that rebuilds the sets
+        kw["logits_processors"] = [DVP_PROCESSOR]
+        kw["max_logprobs"] = v.dvp_max_safe + 1
     if external:  # SPMD under torchrun: this process is the group's vLLM worker
         kw["distributed_executor_backend"] = "external_launcher"
     if v.weight_sync == "transfer":  # EngineArgs turns the dict into a WeightTransferConfig
@@ -379,6 +507,46 @@ def _register_transfer_backend() -> None:
             raise
 
 
+def _dvp_processor_class() -> type:
+    """``DvpLogitsProcessor``: vLLM Model Runner V2's custom logits processor
+    (``vllm/v1/worker/gpu/sample/logits_processor/interface.py``) masking every DVP request's
+    logits to its safe set (``apply_dvp``). Per-slot state is (re)set in ``add_request`` (vLLM
+    recycles slots); ``apply`` gets one logits row per request in batch order (no speculative
+    decoding), the request slots on the host in ``ctx.idx_mapping_np``."""
+    from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor
+
+    class DvpLogitsProcessor(LogitsProcessor):
+        def __init__(self, vllm_config: Any, req_states: Any) -> None:
+            self.params: list[tuple[str, float, float] | None] = [None] * req_states.max_num_reqs
+
+        @classmethod
+        def validate_params(cls, sampling_params: Any) -> None:
+            dvp_params(sampling_params.extra_args, sampling_params.temperature)
+
+        def add_request(self, req_idx: int, sampling_params: Any) -> bool:
+            self.params[req_idx] = dvp_params(sampling_params.extra_args, sampling_params.temperature)
+            return self.params[req_idx] is not None
+
+        def apply(self, logits: torch.Tensor, ctx: Any) -> torch.Tensor:
+            slots = ctx.idx_mapping_np.tolist()
+            if logits.shape[0] != len(slots):
+                raise RuntimeError(f"DVP: {logits.shape[0]} logits rows for {len(slots)} requests; "
+                                   f"speculative decoding is not supported with DVP")
+            return apply_dvp(logits, [self.params[i] for i in slots])
+
+    DvpLogitsProcessor.__module__, DvpLogitsProcessor.__qualname__ = __name__, "DvpLogitsProcessor"
+    return DvpLogitsProcessor
+
+
+def __getattr__(name: str) -> Any:
+    """``DvpLogitsProcessor`` is built on first access (PEP 562), so this module imports without
+    vllm; vLLM's loader resolves ``DVP_PROCESSOR`` through this (and so does unpickling)."""
+    if name == "DvpLogitsProcessor":
+        cls = globals()[name] = _dvp_processor_class()
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 # --------------------------------------------------------------------------------------------
 # The engine (needs CUDA and vllm)
 # --------------------------------------------------------------------------------------------
@@ -399,6 +567,7 @@ class VllmEngine:
         self.header = RouteHeader.for_model(model_cfg)
         self.llm = None
         self.asleep = False
+        self._warned_dist = False
         self.versions = WeightVersions()
         self.group, self.group_rank, self.group_size = self._engine_group(cfg.rollout.vllm.tensor_parallel)
         from moe_rl.rollout.builtin_model import canonical_param_shapes
@@ -469,8 +638,15 @@ class VllmEngine:
         if self.asleep:
             self.llm.wake_up()  # the KV cache (weights were woken by load_weights)
             self.asleep = False
+        dvp_logprobs = 0
+        if sampling.dvp_threshold > 0:
+            dvp_logprobs = dvp_num_logprobs(self.cfg.rollout.vllm.dvp_max_safe, self.model_cfg.vocab_size)
+            if sampling.return_dist and not self._warned_dist:
+                log.warning("vLLM returns no full rollout distributions: DVP batches carry safe sets and "
+                            "safe-set log-probs only (dist_logp_BSV is None)")
+                self._warned_dist = True
         calls = self._gather((prompts, seed))
-        reqs = [req for p, s in calls for req in build_requests(p, n, sampling, s)]
+        reqs = [req for p, s in calls for req in build_requests(p, n, sampling, s, dvp_logprobs)]
         params = [vllm.SamplingParams(**kw) for _, kw in reqs]
         outputs = self.llm.generate([prompt for prompt, _ in reqs], params, use_tqdm=False)
         mine = sum(len(p) * n for p, _ in calls[:self.group_rank])
@@ -478,7 +654,8 @@ class VllmEngine:
         if self.cfg.rollout.vllm.sleep_level > 0:
             self.llm.sleep(level=self.cfg.rollout.vllm.sleep_level)
             self.asleep = True
-        return to_rollout_batch(outputs, n, self.pad_id, self.header, self.logprob_support)
+        return to_rollout_batch(outputs, n, self.pad_id, self.header, sampling.logprob_support,
+                                vocab_size=self.model_cfg.vocab_size, dvp_logprobs=dvp_logprobs)
 
     def _gather(self, call: tuple) -> list[tuple]:
         if self.group is None:

@@ -123,3 +123,54 @@ def test_vllm_weight_transfer_versions_and_changes_the_policy(tmp_path):
     assert torch.equal(a.tokens_BS, c.tokens_BS) and torch.allclose(a.logprobs_BS, c.logprobs_BS, atol=1e-3)
     same = a.logprobs_BS.shape == b.logprobs_BS.shape and torch.allclose(a.logprobs_BS, b.logprobs_BS, atol=1e-2)
     assert not same  # the sync reached the model
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rule, threshold", [("relative", 0.05), ("top_p", 0.9)])
+def test_vllm_dvp_safe_sets_match_the_learner_recomputation(tmp_path, rule, threshold):
+    """DVP through vLLM's logits processor: every sampled token lies in its reported safe set,
+    the reported log-prob is the safe-set log-prob the learner computes over that set
+    (``restricted_logprobs``, fp32 recomputation of the same weights), and the learner's own safe
+    set (``dvp_safe_mask`` on its logits) agrees with vLLM's at nearly every position (bf16 engine
+    vs fp32 recomputation differ only at the cut)."""
+    pytest.importorskip("vllm")
+    from moe_rl.corrections.dvp import restricted_logprobs
+    from moe_rl.hf_checkpoint import write_hf_checkpoint
+    from moe_rl.rollout.builtin_model import BuiltinMoEModel, random_canonical_weights
+    from moe_rl.rollout.vllm_engine import VllmEngine, dvp_safe_mask
+    from moe_rl.types import SamplingParams
+
+    T = 0.8
+    cfg = load_config(None, ["rollout.engine=vllm", "routing.replay=r3", "parallel.nproc=1",
+                             "parallel.expert_parallel=1", "rollout.vllm.enforce_eager=true",
+                             "rollout.vllm.gpu_memory_utilization=0.3", f"rollout.vllm.model_dir={tmp_path}/m",
+                             f"rollout.temperature={T}", f"correction.dvp_threshold={threshold}",
+                             f"correction.dvp_rule={rule}"])
+    model = dataclasses.replace(cfg.model, vocab_size=TINY.vocab_size)
+    weights = random_canonical_weights(model, seed=1)
+    write_hf_checkpoint(tmp_path / "m", weights, model, dtype=torch.bfloat16)
+    engine = VllmEngine(dataclasses.replace(cfg, model=model), model, pad_id=0)
+    engine.load_weights(weights)
+    sp = SamplingParams(max_new_tokens=8, temperature=T, stop_token_ids=(3,), dvp_threshold=threshold,
+                        dvp_rule=rule, return_dist=True)
+    batch = engine.generate([[5, 6, 7], [8, 9]], 4, sp, seed=1)
+    mask_BS, safe_BSV = batch.response_mask_BS, batch.safe_BSV
+    assert batch.logprob_support == sp.logprob_support and safe_BSV is not None
+    assert safe_BSV.shape == (*batch.tokens_BS.shape, model.vocab_size) and not safe_BSV[~mask_BS].any()
+    assert safe_BSV.gather(-1, batch.tokens_BS[..., None])[..., 0][mask_BS].all()  # sampled inside its set
+
+    ref = BuiltinMoEModel(model, torch.float32, torch.device("cuda"))
+    ref.load_canonical(weights)
+    S = batch.tokens_BS.shape[1]
+    tokens_BS = batch.tokens_BS.cuda()
+    valid_BS = torch.arange(S, device="cuda")[None] < (batch.prompt_lens_B + batch.response_lens_B).cuda()[:, None]
+    with torch.no_grad():
+        logits_BSV = ref.forward(tokens_BS, torch.arange(S, device="cuda").expand_as(tokens_BS), valid_BS).logits
+    # position s predicts token s: the logits of s - 1
+    pred_BSV = torch.cat([torch.zeros_like(logits_BSV[:, :1]), logits_BSV[:, :-1]], 1).float().cpu()
+    learner = restricted_logprobs(pred_BSV / T, safe_BSV, batch.tokens_BS)
+    torch.testing.assert_close(learner.logp_BS[mask_BS], batch.logprobs_BS[mask_BS], rtol=0, atol=0.1)
+    mine_NV = dvp_safe_mask(pred_BSV[mask_BS], T, rule, threshold)
+    same = (mine_NV == safe_BSV[mask_BS]).all(-1).float().mean().item()
+    assert same >= 0.9, f"only {same:.2%} of positions have the same safe set in vLLM and the learner"
+    assert (learner.log_safe_mass_BS[mask_BS] <= 1e-6).all()

@@ -303,3 +303,32 @@ def test_dvp_top_p_rule_keeps_the_smallest_set_reaching_the_mass(fp32_engine: Bu
     # smallest: dropping the least likely kept token would fall below the mass
     least_N = probs_NV.masked_fill(~safe_NV, float("inf")).min(-1).values
     assert (mass_N - least_N < 0.5 + 1e-6).all()
+
+
+@pytest.mark.unit
+def test_dvp_metrics_without_the_rollout_distribution(fp32_engine: BuiltinEngine) -> None:
+    # vLLM reports the safe sets and the sampled token's restricted log-prob, not the full
+    # distribution: the metrics that need it are left out, the others are unchanged
+    import dataclasses
+    from types import SimpleNamespace
+
+    from moe_rl import rollout_correction
+    from moe_rl.config import load_config
+    from moe_rl.corrections.dvp import restricted_logprobs
+
+    sp = SamplingParams(max_new_tokens=6, temperature=1.0, dvp_threshold=0.2, return_dist=True)
+    out = fp32_engine.generate([[1, 5, 6, 7], [1, 9]], 8, sp, seed=3)
+    m = out.response_mask_BS
+    r = restricted_logprobs(out.dist_logp_BSV, out.safe_BSV | ~m[..., None], out.tokens_BS)
+    old = SimpleNamespace(logp=torch.where(m, r.logp_BS + 0.01, 0.0),  # a slightly drifted learner
+                          extra={"full_logp": r.full_logp_BS, "log_safe_mass": r.log_safe_mass_BS})
+    cc = load_config(None, ["correction.dvp_threshold=0.2"]).correction
+    full = {k: float(v.sum / v.count) if hasattr(v, "count") else float(v.value)
+            for k, v in rollout_correction.dvp_batch_metrics(cc, out, old).items()}
+    partial = {k: float(v.sum / v.count) if hasattr(v, "count") else float(v.value)
+               for k, v in rollout_correction.dvp_batch_metrics(cc, dataclasses.replace(out, dist_logp_BSV=None),
+                                                                old).items()}
+    assert set(full) - set(partial) == set(rollout_correction.ROLLOUT_DIST_METRICS)
+    # (the engine reports its fp32 log-prob; the recomputation differs by ~1e-7, k3 is second order)
+    assert partial == pytest.approx({k: full[k] for k in partial}, rel=1e-4)
+    assert partial["corr/dvp_k3_after"] > 0 and partial["corr/dvp_outside_frac"] == 0.0
