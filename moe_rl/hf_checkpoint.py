@@ -1,12 +1,16 @@
-"""Hugging Face checkpoints in and out: ``config.json`` + (sharded) safetensors of the Qwen3-MoE family.
+"""Hugging Face checkpoints in and out: ``config.json`` + (sharded) safetensors of the Qwen3-MoE
+and Mixtral families.
 
 Canonical weight names ARE the HF Qwen3-MoE hub names (``moe_rl/learner/weights.py`` maps them to
-megatron and back for every EP/TP/PP layout), so import and export need no renaming: this module
-owns the file formats and the strict checks (design.md, "Model formats"; issue 7).
+megatron and back for every EP/TP/PP layout). Other families are renamed here, at the file
+boundary only, by one small table per family (``FAMILIES``, keyed by ``model_type`` ==
+``ModelConfig.hf_family``): Mixtral's ``block_sparse_moe.gate`` is ``mlp.gate`` and its experts'
+``w1``/``w3``/``w2`` are ``gate_proj``/``up_proj``/``down_proj``. This module owns the file formats
+and the strict checks (design.md, "Model formats"; issue 7).
 
 - ``load_hf_config``: config.json -> ModelConfig fields; anything the learner cannot represent
   exactly (unrenormalised Top-K, sliding window, tied embeddings, dense layers that are not the
-  first k, shared experts, RoPE scaling, ...) is refused, naming the key and the file.
+  first k, shared experts, RoPE scaling, router jitter, ...) is refused, naming the key and the file.
 - ``read_hf_weights``: one tensor at a time per shard (``safe_open``); every expected tensor must be
   present with its shape and nothing else may be there; errors name the tensor and the file.
 - ``write_hf_checkpoint``: shards + ``model.safetensors.index.json`` + ``config.json`` written into
@@ -20,7 +24,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +43,6 @@ log = logging.getLogger(__name__)
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
-SUPPORTED_MODEL_TYPES = ("qwen3_moe",)
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -72,41 +78,104 @@ def _first_k_dense(hf: dict, path: Path, num_layers: int, num_experts: int) -> i
     return k
 
 
-def _rope_theta(hf: dict, path: Path) -> float:
+def _rope_theta(hf: dict, path: Path, default: float) -> float:
     rope = hf.get("rope_parameters") or {}
     if rope.get("rope_type") not in (None, "default"):
         raise _refuse(path, "rope_parameters.rope_type", rope.get("rope_type"), "only plain RoPE is supported")
     _require(hf, path, "rope_scaling", lambda v: not v or v.get("rope_type", v.get("type")) == "default",
              "RoPE scaling is not supported")
-    theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    theta = float(rope.get("rope_theta", hf.get("rope_theta", default)))
     if theta != int(theta):  # megatron's rotary_base is an int
         raise _refuse(path, "rope_theta", theta, "the learner needs an integer RoPE base")
     return theta
 
 
-def model_fields_from_hf(hf: dict, path: Path) -> dict[str, Any]:
-    """ModelConfig fields of a parsed config.json (``path`` only names the file in errors)."""
-    _require(hf, path, "model_type", lambda v: v in SUPPORTED_MODEL_TYPES, f"supported: {SUPPORTED_MODEL_TYPES}")
+def _qwen3_moe_fields(hf: dict, path: Path) -> dict[str, Any]:
     _require(hf, path, "norm_topk_prob", lambda v: v is True,
              "the learner renormalises the Top-K gate weights (softmax over the top-k logits)", False)
     _require(hf, path, "use_sliding_window", lambda v: not v, "sliding-window attention is not supported", False)
+    _require(hf, path, "shared_expert_intermediate_size", lambda v: not v,
+             "Qwen3-MoE has no shared experts; this checkpoint does", 0)
+    num_experts = int(hf.get("num_experts", hf.get("num_local_experts", 0)))
+    return {"ffn_hidden_size": int(hf["intermediate_size"]), "moe_ffn_hidden_size": int(hf["moe_intermediate_size"]),
+            "num_experts": num_experts, "qk_layernorm": True,
+            "first_k_dense": _first_k_dense(hf, path, int(hf["num_hidden_layers"]), num_experts)}
+
+
+def _mixtral_fields(hf: dict, path: Path) -> dict[str, Any]:
+    """Every Mixtral layer is MoE (``intermediate_size`` is the expert's), so the dense FFN size
+    is not described; routing is softmax over all experts, Top-K, renormalised: the same gates as
+    the learner's softmax over the top-k logits."""
+    _require(hf, path, "sliding_window", lambda v: v is None, "sliding-window attention is not supported")
+    _require(hf, path, "router_jitter_noise", lambda v: not v, "router jitter noise is not implemented", 0.0)
+    return {"moe_ffn_hidden_size": int(hf["intermediate_size"]), "num_experts": int(hf["num_local_experts"]),
+            "qk_layernorm": False, "first_k_dense": 0}
+
+
+def _qwen3_moe_config(cfg: ModelConfig) -> dict[str, Any]:
+    return {"intermediate_size": cfg.ffn_hidden_size, "moe_intermediate_size": cfg.moe_ffn_hidden_size,
+            "num_experts": cfg.num_experts, "norm_topk_prob": True, "decoder_sparse_step": 1,
+            "mlp_only_layers": list(range(cfg.first_k_dense)), "attention_bias": False,
+            "use_sliding_window": False, "sliding_window": None}
+
+
+def _mixtral_config(cfg: ModelConfig) -> dict[str, Any]:
+    return {"intermediate_size": cfg.moe_ffn_hidden_size, "num_local_experts": cfg.num_experts,
+            "sliding_window": None, "router_jitter_noise": 0.0, "output_router_logits": False}
+
+
+@dataclass(frozen=True)
+class Family:
+    """One HF model family: its config.json keys and its tensor names.
+
+    ``renames``: (canonical-name regex, family name) pairs for ``re.sub``; canonical names are
+    the Qwen3-MoE names, so that family has none. ``qk_layernorm``: the family always (True) or
+    never (False) has q_norm/k_norm. ``dense_layers``: it can have dense first layers."""
+
+    architecture: str
+    qk_layernorm: bool
+    dense_layers: bool
+    default_rope_theta: float
+    fields: Callable[[dict, Path], dict[str, Any]]  # family-specific config.json -> ModelConfig fields
+    config: Callable[[ModelConfig], dict[str, Any]]  # family-specific ModelConfig -> config.json keys
+    renames: tuple[tuple[str, str], ...] = ()
+
+
+# Keyed by config.json's model_type == ModelConfig.hf_family.
+FAMILIES: dict[str, Family] = {
+    "qwen3_moe": Family("Qwen3MoeForCausalLM", qk_layernorm=True, dense_layers=True, default_rope_theta=10000.0,
+                        fields=_qwen3_moe_fields, config=_qwen3_moe_config),
+    "mixtral": Family("MixtralForCausalLM", qk_layernorm=False, dense_layers=False, default_rope_theta=1e6,
+                      fields=_mixtral_fields, config=_mixtral_config, renames=(
+                          (r"\.mlp\.gate\.weight$", ".block_sparse_moe.gate.weight"),
+                          (r"\.mlp\.experts\.(\d+)\.gate_proj\.weight$", r".block_sparse_moe.experts.\1.w1.weight"),
+                          (r"\.mlp\.experts\.(\d+)\.down_proj\.weight$", r".block_sparse_moe.experts.\1.w2.weight"),
+                          (r"\.mlp\.experts\.(\d+)\.up_proj\.weight$", r".block_sparse_moe.experts.\1.w3.weight"))),
+}
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
+
+
+def model_fields_from_hf(hf: dict, path: Path) -> dict[str, Any]:
+    """ModelConfig fields of a parsed config.json (``path`` only names the file in errors).
+
+    ``router_aux_loss_coef`` is not read: it weighs transformers' own training loss (normalised
+    ``num_experts_per_tok`` times megatron's, and used only with ``output_router_logits``); the
+    run's ``model.router_aux_loss_coeff`` is an RL training choice."""
+    _require(hf, path, "model_type", lambda v: v in FAMILIES, f"supported: {SUPPORTED_MODEL_TYPES}")
+    family = FAMILIES[hf["model_type"]]
     _require(hf, path, "tie_word_embeddings", lambda v: not v, "tied input/output embeddings are not supported",
              False)
     _require(hf, path, "hidden_act", lambda v: v == "silu", "experts must be SwiGLU (silu)", "silu")
     _require(hf, path, "attention_bias", lambda v: not v, "attention biases are not supported", False)
-    _require(hf, path, "shared_expert_intermediate_size", lambda v: not v,
-             "Qwen3-MoE has no shared experts; this checkpoint does", 0)
     heads = int(hf["num_attention_heads"])
-    num_experts = int(hf.get("num_experts", hf.get("num_local_experts", 0)))
-    num_layers = int(hf["num_hidden_layers"])
     return {
-        "vocab_size": int(hf["vocab_size"]), "hidden_size": int(hf["hidden_size"]), "num_layers": num_layers,
-        "num_attention_heads": heads, "num_query_groups": int(hf.get("num_key_value_heads") or heads),
+        "hf_family": hf["model_type"], "vocab_size": int(hf["vocab_size"]), "hidden_size": int(hf["hidden_size"]),
+        "num_layers": int(hf["num_hidden_layers"]), "num_attention_heads": heads,
+        "num_query_groups": int(hf.get("num_key_value_heads") or heads),
         "head_dim": int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
-        "ffn_hidden_size": int(hf["intermediate_size"]), "moe_ffn_hidden_size": int(hf["moe_intermediate_size"]),
-        "num_experts": num_experts, "moe_router_topk": int(hf["num_experts_per_tok"]),
-        "first_k_dense": _first_k_dense(hf, path, num_layers, num_experts), "qk_layernorm": True,
-        "rope_theta": _rope_theta(hf, path), "norm_eps": float(hf["rms_norm_eps"]),
+        "moe_router_topk": int(hf["num_experts_per_tok"]),
+        "rope_theta": _rope_theta(hf, path, family.default_rope_theta), "norm_eps": float(hf["rms_norm_eps"]),
+        **family.fields(hf, path),
     }
 
 
@@ -122,21 +191,42 @@ def load_hf_config(ckpt_dir: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"{path}: required key {e.args[0]!r} is missing") from None
 
 
+def family_of(cfg: ModelConfig) -> Family:
+    """``cfg``'s HF family; ValueError names the model key the family cannot represent."""
+    family = FAMILIES[cfg.hf_family]
+    if cfg.qk_layernorm != family.qk_layernorm:
+        raise ValueError(f"model.qk_layernorm={cfg.qk_layernorm}, but model.hf_family={cfg.hf_family!r} "
+                         f"{'always' if family.qk_layernorm else 'never'} has q/k norms")
+    if cfg.first_k_dense and not family.dense_layers:
+        raise ValueError(f"model.first_k_dense={cfg.first_k_dense}, but model.hf_family={cfg.hf_family!r} "
+                         "has no dense layers")
+    return family
+
+
+def hf_names(cfg: ModelConfig) -> dict[str, str]:
+    """Canonical name -> the name in ``cfg.hf_family``'s checkpoints, for every tensor of ``cfg``."""
+    renames = [(re.compile(pattern), name) for pattern, name in family_of(cfg).renames]
+    out = {}
+    for canonical in canonical_param_shapes(cfg):
+        name = canonical
+        for pattern, repl in renames:
+            name = pattern.sub(repl, name)
+        out[canonical] = name
+    return out
+
+
 def hf_config_dict(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-    """The config.json transformers' Qwen3MoeForCausalLM loads for ``cfg`` (inverse of load_hf_config)."""
+    """The config.json transformers loads for ``cfg`` (``cfg.hf_family``; inverse of load_hf_config)."""
+    family = family_of(cfg)
     return {
-        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+        "architectures": [family.architecture], "model_type": cfg.hf_family,
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_layers,
         "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_query_groups,
-        "head_dim": cfg.head_dim, "intermediate_size": cfg.ffn_hidden_size,
-        "moe_intermediate_size": cfg.moe_ffn_hidden_size, "num_experts": cfg.num_experts,
-        "num_experts_per_tok": cfg.moe_router_topk, "norm_topk_prob": True, "decoder_sparse_step": 1,
-        "mlp_only_layers": list(range(cfg.first_k_dense)), "rms_norm_eps": cfg.norm_eps,
+        "head_dim": cfg.head_dim, "num_experts_per_tok": cfg.moe_router_topk, "rms_norm_eps": cfg.norm_eps,
         "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-        "max_position_embeddings": cfg.max_seq_len, "hidden_act": "silu", "attention_bias": False,
-        "attention_dropout": 0.0, "use_sliding_window": False, "sliding_window": None,
+        "max_position_embeddings": cfg.max_seq_len, "hidden_act": "silu", "attention_dropout": 0.0,
         "tie_word_embeddings": False, "router_aux_loss_coef": cfg.router_aux_loss_coeff,
-        "dtype": _DTYPE_NAMES.get(dtype, "float32"),
+        "dtype": _DTYPE_NAMES.get(dtype, "float32"), **family.config(cfg),
     }
 
 
@@ -157,12 +247,14 @@ def _weight_map(ckpt_dir: Path) -> tuple[dict[str, str], Path]:
 
 
 def read_hf_weights(ckpt_dir: str | Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Every canonical tensor of ``cfg`` from an HF checkpoint, as stored (dtype unchanged).
+    """Every canonical tensor of ``cfg`` from an HF checkpoint of ``cfg.hf_family``, as stored
+    (dtype unchanged).
 
     Reads one shard at a time and checks each tensor's shape before loading it. CheckpointError
     names the tensor and the file for a missing, unexpected or mis-shaped tensor."""
     ckpt_dir = Path(ckpt_dir)
-    expected = canonical_param_shapes(cfg)
+    file_names = hf_names(cfg)
+    expected = {file_names[k]: shape for k, shape in canonical_param_shapes(cfg).items()}
     weight_map, listed_in = _weight_map(ckpt_dir)
     missing = [k for k in expected if k not in weight_map]
     if missing:
@@ -190,7 +282,7 @@ def read_hf_weights(ckpt_dir: str | Path, cfg: ModelConfig) -> dict[str, torch.T
                     raise CheckpointError(f"{path}: tensor {name!r} has shape {shape}, expected "
                                           f"{expected[name]}")
                 out[name] = f.get_tensor(name)
-    return out
+    return {canonical: out[name] for canonical, name in file_names.items()}
 
 
 def load_hf_checkpoint(ckpt_dir: str | Path, model: ModelConfig) -> dict[str, torch.Tensor]:
@@ -199,7 +291,7 @@ def load_hf_checkpoint(ckpt_dir: str | Path, model: ModelConfig) -> dict[str, to
     from moe_rl.warmstart import ARCH_FIELDS
 
     fields = load_hf_config(ckpt_dir)
-    for key in ARCH_FIELDS:
+    for key in ("hf_family", *ARCH_FIELDS):
         if key in fields and fields[key] != getattr(model, key):
             raise CheckpointError(f"{Path(ckpt_dir) / CONFIG} describes model.{key}={fields[key]}, "
                                   f"but the config has model.{key}={getattr(model, key)}")
@@ -233,8 +325,9 @@ def _fsync(path: Path) -> None:
 
 def write_hf_checkpoint(out_dir: str | Path, canonical: dict[str, torch.Tensor], cfg: ModelConfig,
                         max_shard_bytes: int = 5 * 2**30, dtype: torch.dtype | None = None) -> Path:
-    """Write ``canonical`` (every tensor of ``cfg``) as an HF checkpoint that
-    ``AutoModelForCausalLM.from_pretrained`` loads. ``out_dir`` must not exist yet.
+    """Write ``canonical`` (every tensor of ``cfg``) as an HF checkpoint of ``cfg.hf_family`` (its
+    own tensor names and config.json) that ``AutoModelForCausalLM.from_pretrained`` loads.
+    ``out_dir`` must not exist yet.
 
     Files go to ``out_dir.tmp``, are fsynced, then the directory is renamed into place."""
     from moe_rl.rollout.builtin_model import check_canonical_weights
@@ -242,9 +335,9 @@ def write_hf_checkpoint(out_dir: str | Path, canonical: dict[str, torch.Tensor],
     out_dir = Path(out_dir)
     if out_dir.exists():
         raise FileExistsError(f"{out_dir} already exists; an HF export never overwrites")
+    names = hf_names(cfg)  # a stable, model-ordered layout; refuses what the family cannot hold
     check_canonical_weights(canonical, cfg)
-    names = list(canonical_param_shapes(cfg))  # a stable, model-ordered layout
-    tensors = {k: canonical[k].detach().to(dtype or canonical[k].dtype).contiguous() for k in names}
+    tensors = {name: canonical[k].detach().to(dtype or canonical[k].dtype).contiguous() for k, name in names.items()}
     shards = plan_shards({k: t.numel() * t.element_size() for k, t in tensors.items()}, max_shard_bytes)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed export

@@ -80,6 +80,7 @@ import torch
 
 from moe_rl.config import ConfigError, ModelConfig, RunConfig
 from moe_rl.corrections.dvp import SAFE_SET_RULES, safe_set
+from moe_rl.hf_checkpoint import hf_names
 from moe_rl.routing.record import RouteError, RouteHeader, from_vllm
 from moe_rl.types import RolloutBatch, SamplingParams
 
@@ -341,14 +342,18 @@ def to_rollout_batch(outputs: list, n: int, pad_id: int, header: RouteHeader,
                         logprob_support=logprob_support, safe_BSV=safe_BSV)
 
 
-def sync_items(named: dict[str, torch.Tensor], expected: list[str]) -> list[tuple[str, torch.Tensor]]:
+def sync_items(named: dict[str, torch.Tensor], expected: list[str],
+               file_names: dict[str, str] | None = None) -> list[tuple[str, torch.Tensor]]:
     """(HF name, tensor) pairs for vLLM's ``load_weights``, in model order; strict on names, since
-    a tensor the sync misses would keep stale (after sleep level 2: garbage) weights."""
+    a tensor the sync misses would keep stale (after sleep level 2: garbage) weights.
+    ``file_names`` (``hf_checkpoint.hf_names``) renames canonical names to the model family's own
+    (Mixtral's ``block_sparse_moe.experts.J.w1``), which is what vLLM's model class loads."""
     missing = [k for k in expected if k not in named]
     extra = sorted(set(named) - set(expected))
     if missing or extra:
         raise KeyError(f"weight sync: canonical tensors missing {missing[:3]} / unexpected {extra[:3]}")
-    return [(k, named[k].detach()) for k in expected]
+    rename = file_names or {}
+    return [(rename.get(k, k), named[k].detach()) for k in expected]
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -618,7 +623,7 @@ class VllmEngine:
     def load_weights(self, named: dict[str, torch.Tensor]) -> None:
         """Weight sync: wake the weights, send the canonical tensors (``rollout.vllm.weight_sync``),
         reset the prefix cache (its KV blocks and cached routes belong to the old weights)."""
-        items = sync_items(named, self.expected)
+        items = sync_items(named, self.expected, hf_names(self.model_cfg))
         if self.llm is None:
             self._start(named)
         if self.asleep:

@@ -147,7 +147,7 @@ def test_partial_or_wrong_checkpoints_name_tensor_and_file(tmp_path: Path, hf_di
     ("tie_word_embeddings", True, "tied"),
     ("decoder_sparse_step", 2, "first k"),
     ("mlp_only_layers", [1], "first k"),
-    ("model_type", "mixtral", "supported"),
+    ("model_type", "llama", "supported"),
     ("rope_parameters", {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}, "plain RoPE"),
     ("shared_expert_intermediate_size", 64, "shared experts"),
 ])

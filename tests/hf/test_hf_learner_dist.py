@@ -1,7 +1,7 @@
 """dist tier: an HF checkpoint made by transformers, imported into the megatron learner on 2 gloo
-ranks (EP=2, TP=2, PP=2 layouts), gives transformers' logits and Top-K routes; the learner's
-export (directly, and from a megatron dist checkpoint as `moe-rl export-hf` does) reloads in
-transformers bitwise. One spawn runs every layout (the import costs ~10 s).
+ranks (EP=2, TP=2, PP=2 layouts; a Mixtral checkpoint on EP=2), gives transformers' logits and
+Top-K routes; the learner's export (directly, and from a megatron dist checkpoint as `moe-rl
+export-hf` does) reloads in transformers bitwise. One spawn runs every layout (the import costs ~10 s).
 
 Tolerance: fp32 logits max |diff| < 1e-4 against transformers (eager attention, eager experts);
 routes, exports and TP merges are exact."""
@@ -16,7 +16,7 @@ import torch
 
 from moe_rl.config import OptimConfig, ParallelConfig
 from tests.dist_harness import run_ranks
-from tests.hf.conftest import CFG
+from tests.hf.conftest import CFG, MIXTRAL_CFG
 from tests.hf.layouts import megatron_names
 from tests.rollout.test_hf_parity import hf_forward
 
@@ -72,7 +72,7 @@ def _reinit(**sizes):
     RouterReplay.clear_global_router_replay_instances()
 
 
-def _ep2(rank, canon, out_root: Path):
+def _ep2(rank, canon, out_root: Path, mixtral_canon):
     from moe_rl import dist
     from moe_rl.hf_checkpoint import export_from_checkpoint, write_hf_checkpoint
     from moe_rl.learner import checkpoint
@@ -89,6 +89,16 @@ def _ep2(rank, canon, out_root: Path):
     fresh = Learner(CFG, par, OptimConfig(), ctx, None, monitor=False)  # random init, then the checkpoint
     export_from_checkpoint(fresh, checkpoint.latest(out_root / "run" / "checkpoints"), out_root / "from_ckpt",
                            100_000)
+    # Mixtral (no q/k norm, every layer MoE) on the same EP=2 ranks
+    mixtral = Learner(MIXTRAL_CFG, par, OptimConfig(), ctx, mixtral_canon, monitor=False)
+    m_logits, m_maps = _forward(mixtral.gpt)
+    m_exported = mixtral.export_canonical()
+    if rank == 0:
+        write_hf_checkpoint(out_root / "mixtral_from_learner", m_exported, MIXTRAL_CFG, max_shard_bytes=100_000)
+    # through a file: both ranks' results share one 64 KB pipe that is read only after they exit
+    torch.save({"logits": m_logits, "maps": m_maps, "names": sorted(n for n, _ in mixtral.gpt.named_parameters()),
+                "export_exact": all(torch.equal(m_exported[k], mixtral_canon[k]) for k in mixtral_canon)},
+               out_root / f"mixtral_rank{rank}.pt")
     return {"logits": logits, "maps": maps, "export_exact": all(torch.equal(exported[k], canon[k]) for k in canon),
             "names": {n: tuple(p.shape) for n, p in learner.gpt.named_parameters()}}
 
@@ -150,12 +160,14 @@ def _pp2(rank, canon):
     return {"names": names, "maps": maps, "logits": logits}
 
 
-def _worker(rank: int, hf_dir: str, out_root: str):
+def _worker(rank: int, hf_dir: str, out_root: str, mixtral_dir: str):
     from moe_rl import dist
     from moe_rl.hf_checkpoint import load_hf_checkpoint
 
     canon = load_hf_checkpoint(hf_dir, CFG)
-    result = {"ep2": _ep2(rank, canon, Path(out_root)), "tp2": _tp2(rank, canon), "pp2": _pp2(rank, canon)}
+    mixtral_canon = load_hf_checkpoint(mixtral_dir, MIXTRAL_CFG)
+    result = {"ep2": _ep2(rank, canon, Path(out_root), mixtral_canon), "tp2": _tp2(rank, canon),
+              "pp2": _pp2(rank, canon)}
     dist.shutdown()
     return _plain(result)
 
@@ -170,17 +182,17 @@ def _plain(obj):
     return obj
 
 
-def _routes_map(hf_ids_BSLK: torch.Tensor) -> dict[int, torch.Tensor]:
-    one_hot = torch.zeros(*hf_ids_BSLK.shape[:3], CFG.num_experts, dtype=torch.bool)
-    one_hot.scatter_(-1, hf_ids_BSLK.permute(0, 1, 2, 3), True)
-    return {layer: one_hot[:, :, i] for i, layer in enumerate(CFG.moe_layers)}
+def _routes_map(hf_ids_BSLK: torch.Tensor, cfg=CFG) -> dict[int, torch.Tensor]:
+    one_hot = torch.zeros(*hf_ids_BSLK.shape[:3], cfg.num_experts, dtype=torch.bool)
+    one_hot.scatter_(-1, hf_ids_BSLK, True)
+    return {layer: one_hot[:, :, i] for i, layer in enumerate(cfg.moe_layers)}
 
 
 @pytest.fixture(scope="module")
-def spawned(hf_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], Path]:
+def spawned(hf_dir: Path, mixtral_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], Path]:
     """Every rank's results, and the directory with the exports and the run's dist checkpoint."""
     out_root = tmp_path_factory.mktemp("hf_dist")
-    return run_ranks(_worker, 2, str(hf_dir), str(out_root)), out_root
+    return run_ranks(_worker, 2, str(hf_dir), str(out_root), str(mixtral_dir)), out_root
 
 
 @pytest.mark.dist
@@ -214,6 +226,33 @@ def test_learner_matches_transformers_on_every_layout(spawned: tuple[list[dict],
         assert sorted(sd) == sorted(ref_sd) and all(torch.equal(sd[k], ref_sd[k]) for k in ref_sd), name
         logits, ids = hf_forward(reloaded, CFG, _tokens(), torch.ones(B, S, dtype=torch.bool))
         assert torch.equal(logits, hf_logits) and torch.equal(ids, hf_ids), name
+
+
+@pytest.mark.dist
+def test_learner_matches_transformers_on_mixtral(spawned: tuple[list[dict], Path], mixtral_model: object) -> None:
+    """A Mixtral checkpoint in the learner (EP=2): transformers' logits and routes; its export reloads."""
+    ranks, tmp_path = spawned
+    hf_logits, hf_ids = hf_forward(mixtral_model, MIXTRAL_CFG, _tokens(), torch.ones(B, S, dtype=torch.bool))
+    hf_maps = _routes_map(hf_ids, MIXTRAL_CFG)
+    diffs = []
+    for rank in range(len(ranks)):
+        out = torch.load(tmp_path / f"mixtral_rank{rank}.pt")
+        diffs.append(float((out["logits"] - hf_logits).abs().max()))
+        assert sorted(out["maps"]) == MIXTRAL_CFG.moe_layers
+        for layer, m in out["maps"].items():
+            assert torch.equal(m, hf_maps[layer]), (rank, layer)
+        assert out["export_exact"], rank
+        assert out["names"] == megatron_names(MIXTRAL_CFG, 2)  # no q/k layernorm, no dense MLP
+    print("mixtral max |logits - transformers|:", [f"{d:.2e}" for d in diffs])
+    assert max(diffs) < LOGITS_ATOL, diffs
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "mixtral_from_learner",
+                                                                 attn_implementation="eager")
+    reloaded.config._experts_implementation = "eager"
+    sd, ref_sd = reloaded.eval().state_dict(), mixtral_model.state_dict()
+    assert type(reloaded).__name__ == "MixtralForCausalLM"
+    assert sorted(sd) == sorted(ref_sd) and all(torch.equal(sd[k], ref_sd[k]) for k in ref_sd)
+    logits, ids = hf_forward(reloaded, MIXTRAL_CFG, _tokens(), torch.ones(B, S, dtype=torch.bool))
+    assert torch.equal(logits, hf_logits) and torch.equal(ids, hf_ids)
 
 
 @pytest.mark.e2e

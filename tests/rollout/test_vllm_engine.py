@@ -367,7 +367,7 @@ def test_engine_load_weights_follows_the_switch(cfg, weights, mode):
     engine = object.__new__(ve.VllmEngine)  # no CUDA: skip __init__'s environment check
     engine.cfg = load_config(None, VLLM + [f"rollout.vllm.weight_sync={mode}"])
     engine.expected, engine.llm, engine.asleep = list(canonical_param_shapes(cfg)), FakeTransferLLM(), False
-    engine.versions = ve.WeightVersions()
+    engine.versions, engine.model_cfg = ve.WeightVersions(), cfg
     engine.load_weights(weights)
     n = len(ve.layer_groups(engine.expected))
     want = ["start"] + ["update"] * n + ["finish"] if mode == "transfer" else ["apply_model"]
@@ -621,3 +621,24 @@ def test_dvp_processor_class_through_the_v2_interface(monkeypatch):
             proc.apply(z_RV.clone(), sp(idx_mapping_np=np.array([0, 2])))
     finally:
         ve.__dict__.pop("DvpLogitsProcessor", None)
+
+
+@pytest.mark.unit
+def test_weight_sync_uses_the_model_familys_own_names():
+    from moe_rl.config import ModelConfig
+    from moe_rl.hf_checkpoint import hf_names
+    from moe_rl.rollout.builtin_model import (
+        canonical_param_shapes,
+        random_canonical_weights,
+    )
+
+    cfg = dataclasses.replace(ModelConfig(vocab_size=50), hf_family="mixtral", qk_layernorm=False)
+    weights = random_canonical_weights(cfg, seed=0)
+    items = ve.sync_items(weights, list(canonical_param_shapes(cfg)), hf_names(cfg))
+    names = [k for k, _ in items]
+    assert "model.layers.1.block_sparse_moe.experts.5.w3.weight" in names  # up_proj, Mixtral-style
+    assert "model.layers.1.block_sparse_moe.gate.weight" in names
+    assert not any(".mlp." in n for n in names) and len(names) == len(weights)
+    got = dict(items)
+    assert torch.equal(got["model.layers.1.block_sparse_moe.experts.5.w1.weight"],
+                       weights["model.layers.1.mlp.experts.5.gate_proj.weight"])
