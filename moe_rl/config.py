@@ -53,6 +53,8 @@ class ModelConfig:
     max_seq_len: int = 64
     router_aux_loss_coeff: float = 0.0  # switch load-balancing loss; 0 = off
     recompute: bool = False  # full activation recomputation in the learner (routes are replayed again)
+    # HF model family of import/export (moe_rl/hf_checkpoint.py FAMILIES): qwen3_moe | mixtral (no q/k norm)
+    hf_family: str = "qwen3_moe"
     # Learner kernels and precision (moe_rl/learner/te_spec.py). te and fp8 need CUDA and Transformer
     # Engine; that is checked when a run starts (check_launch), so GPU recipes still load anywhere.
     transformer_impl: str = "local"  # local: megatron's own modules (CPU) | te: Transformer Engine spec
@@ -79,6 +81,7 @@ class ModelConfig:
         # mxfp8 / nvfp4 are Blackwell-only (gpu_stack.md 3); custom needs a quantizer factory
         _one_of(self.fp8_recipe, "model.fp8_recipe", ("delayed", "tensorwise", "blockwise"))
         _one_of(self.fp8_format, "model.fp8_format", ("hybrid", "e4m3"))
+        _one_of(self.hf_family, "model.hf_family", ("qwen3_moe", "mixtral"))
         _check(self.precision != "fp8" or self.transformer_impl == "te", "model.precision",
                "fp8 GEMMs come from Transformer Engine: set model.transformer_impl=te")
 
@@ -187,12 +190,20 @@ class VllmConfig:
     enforce_eager: bool = False  # no CUDA graphs (faster start, slower decode)
     max_model_len: int = 0  # 0: model.max_seq_len
     model_dir: str = ""  # HF dir vLLM starts from; "": init_weights' hf:DIR, else written from the learner
+    # learner -> vLLM weight sync: transfer (vLLM's weight-transfer API, per-layer groups, versioned)
+    # | load_weights (LLM.apply_model -> model.load_weights; for vLLM builds without the transfer engine)
+    weight_sync: str = "transfer"
+    # DVP (correction.dvp_threshold > 0): the largest safe set per position the engine can report;
+    # vLLM returns the top dvp_max_safe + 1 log-probs per token, and a larger safe set is an error
+    dvp_max_safe: int = 64
 
     def __post_init__(self) -> None:
         _check(self.tensor_parallel >= 1, "rollout.vllm.tensor_parallel", "must be >= 1")
         _check(0 < self.gpu_memory_utilization < 1, "rollout.vllm.gpu_memory_utilization", "must be in (0, 1)")
         _one_of(str(self.sleep_level), "rollout.vllm.sleep_level", ("0", "1", "2"))
         _check(self.max_model_len >= 0, "rollout.vllm.max_model_len", "must be >= 0")
+        _one_of(self.weight_sync, "rollout.vllm.weight_sync", ("transfer", "load_weights"))
+        _check(self.dvp_max_safe >= 1, "rollout.vllm.dvp_max_safe", "must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -379,10 +390,13 @@ class RunConfig:
                f"{p.tensor_parallel} does not divide model.num_query_groups {m.num_query_groups}")
         _check(m.num_layers % p.pipeline_parallel == 0, "parallel.pipeline_parallel",
                f"{p.pipeline_parallel} does not divide model.num_layers {m.num_layers}")
-        # Weight export/sync and the log-prob pass handle EP (+DP) layouts so far; TP/PP sharded
-        # export lands with the HF checkpoint work. Refuse rather than train on a wrong layout.
-        _check(p.tensor_parallel == 1, "parallel.tensor_parallel", "only 1 is supported so far")
-        _check(p.pipeline_parallel == 1, "parallel.pipeline_parallel", "only 1 is supported so far")
+        # The learner runs TP (with sequence parallelism, tests/learner/test_learner_tp.py) on
+        # the layouts tested against TP=1; refuse the rest rather than train on an untested one.
+        if p.tensor_parallel > 1:
+            _check_tensor_parallel(self)
+        # PP likewise (tests/learner/test_learner_pp.py: PP=2 against PP=1)
+        if p.pipeline_parallel > 1:
+            _check_pipeline_parallel(self)
         mp = p.tensor_parallel * p.pipeline_parallel
         _check(p.nproc % mp == 0, "parallel.nproc",
                f"{p.nproc} ranks are not a multiple of TP*PP = {mp}")
@@ -404,6 +418,41 @@ class RunConfig:
     @property
     def data_parallel(self) -> int:
         return self.parallel.nproc // (self.parallel.tensor_parallel * self.parallel.pipeline_parallel)
+
+
+def _check_tensor_parallel(cfg: RunConfig) -> None:
+    """TP > 1: what megatron's split needs, and what the learner has been tested with."""
+    m, p, c, tp = cfg.model, cfg.parallel, cfg.correction, cfg.parallel.tensor_parallel
+    for key in ("vocab_size", "num_attention_heads", "ffn_hidden_size", "moe_ffn_hidden_size"):
+        _check(getattr(m, key) % tp == 0, "parallel.tensor_parallel",
+               f"{tp} does not divide model.{key} {getattr(m, key)}")
+    _check(p.expert_parallel == 1, "parallel.expert_parallel",
+           f"{p.expert_parallel} with tensor_parallel {tp}: TP is tested with expert_parallel=1 only")
+    _check(m.transformer_impl == "local", "parallel.tensor_parallel",
+           f"{tp} with model.transformer_impl={m.transformer_impl!r}: TP is tested on the local spec only")
+    # both need the full [B, S, V] distribution; TP's output layer holds a V / TP slice per rank
+    _check(c.dvp_threshold == 0, "correction.dvp_threshold",
+           f"DVP is not supported with parallel.tensor_parallel={tp} (vocab-parallel logits)")
+    _check(not (c.trm_on and c.trm_kl == "exact"), "correction.trm_kl",
+           f"'exact' is not supported with parallel.tensor_parallel={tp} (vocab-parallel logits); use 'sample'")
+
+
+def _check_pipeline_parallel(cfg: RunConfig) -> None:
+    """PP > 1: the layouts the learner has been tested with (2 stages, TP=1, EP <= 2, local spec).
+    DVP and the exact KL work: the last stage holds the full-vocabulary logits and its per-token
+    statistics are broadcast to the other stage."""
+    m, p, pp = cfg.model, cfg.parallel, cfg.parallel.pipeline_parallel
+    _check(pp == 2, "parallel.pipeline_parallel", f"{pp}: pipeline parallelism is tested with 2 stages only")
+    _check(p.tensor_parallel == 1, "parallel.tensor_parallel",
+           f"{p.tensor_parallel} with pipeline_parallel {pp}: PP is tested with tensor_parallel=1 only")
+    _check(p.expert_parallel <= 2, "parallel.expert_parallel",
+           f"{p.expert_parallel} with pipeline_parallel {pp}: PP is tested with expert_parallel 1 and 2 only")
+    _check(m.transformer_impl == "local", "parallel.pipeline_parallel",
+           f"{pp} with model.transformer_impl={m.transformer_impl!r}: PP is tested on the local spec only")
+    # routing replay and the router monitor run per stage: every stage needs a router
+    _check(m.first_k_dense < m.num_layers // pp, "model.first_k_dense",
+           f"{m.first_k_dense} dense layers leave pipeline stage 0 (layers 0..{m.num_layers // pp - 1}) "
+           f"without a MoE layer")
 
 
 def check_launch(cfg: RunConfig) -> None:

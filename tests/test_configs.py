@@ -34,7 +34,8 @@ def test_configs_exist():
     (["algo.kl_estimator=k9"], "'algo.kl_estimator'"),
     (["algo.advantage=ppo"], "'algo.advantage'"),
     (["algo.num_minibatches=3"], "'algo.num_minibatches'"),
-    (["parallel.tensor_parallel=2"], "'parallel.tensor_parallel'"),
+    (["parallel.tensor_parallel=2"], "'parallel.expert_parallel'"),  # TP is tested with EP=1 only
+    (["parallel.pipeline_parallel=2"], "'parallel.expert_parallel'"),  # EP=2 needs DP*TP >= 2
     (["nosuch=1"], "'nosuch'"),
     (["model.hidden_size=1.5"], "'model.hidden_size'"),
     (["steps"], "key=value"),
@@ -107,3 +108,52 @@ def test_yaml_boolean_spellings_stay_strings_for_string_keys(tmp_path):
     path.write_text("routing:\n  replay: off\n")
     with pytest.raises(ConfigError, match=r"c.yaml: config key 'routing.replay': 'False' .*quote the value"):
         load_config(path)
+
+
+TP2 = ["parallel.tensor_parallel=2", "parallel.expert_parallel=1"]
+
+
+@pytest.mark.unit
+def test_tensor_parallel_is_accepted_on_the_tested_layout():
+    cfg = load_config(None, TP2)
+    assert (cfg.parallel.tensor_parallel, cfg.data_parallel) == (2, 1)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("extra, needle", [
+    (["correction.dvp_threshold=0.2"], "'correction.dvp_threshold': DVP is not supported"),
+    (["correction.trm_max=0.05", "correction.trm_kl=exact"], "'correction.trm_kl': 'exact' is not supported"),
+    (["model.vocab_size=51"], "does not divide model.vocab_size 51"),
+    (["model.transformer_impl=te"], "tested on the local spec only"),
+])
+def test_tensor_parallel_refuses_untested_or_full_vocab_options(extra, needle):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, TP2 + extra)
+    assert needle in str(e.value)
+
+
+PP2 = ["parallel.pipeline_parallel=2", "parallel.expert_parallel=1"]
+
+
+@pytest.mark.unit
+def test_pipeline_parallel_is_accepted_on_the_tested_layout():
+    cfg = load_config(None, PP2)
+    assert (cfg.parallel.pipeline_parallel, cfg.data_parallel) == (2, 1)
+    # the last stage holds full-vocabulary logits: DVP and the exact KL are accepted
+    assert load_config(None, PP2 + ["correction.dvp_threshold=0.2"]).correction.dvp_threshold == 0.2
+    assert load_config(None, PP2 + ["parallel.nproc=4", "model.recompute=true"]).data_parallel == 2
+    assert load_config(None, ["parallel.pipeline_parallel=2", "parallel.nproc=4"]).parallel.expert_parallel == 2
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("extra, needle", [
+    (["parallel.pipeline_parallel=4", "parallel.nproc=4"], "tested with 2 stages only"),
+    (["parallel.tensor_parallel=2", "parallel.nproc=4"], "PP is tested with tensor_parallel=1 only"),
+    (["parallel.expert_parallel=4", "parallel.nproc=8"], "PP is tested with expert_parallel 1 and 2 only"),
+    (["model.transformer_impl=te"], "PP is tested on the local spec only"),
+    (["model.first_k_dense=2"], "'model.first_k_dense': 2 dense layers leave pipeline stage 0"),
+])
+def test_pipeline_parallel_refuses_untested_layouts(extra, needle):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, PP2 + extra)
+    assert needle in str(e.value)

@@ -12,11 +12,20 @@ padded to a multiple of TP (megatron splits the sequence over TP ranks); weights
 are exported in canonical names by gathering the TP pieces. TP ranks of one data-parallel rank
 hold the same data, so every output here is identical on them.
 
+Pipeline parallelism (PP > 1): this rank builds one stage (the embedding on the first, the output
+layer and the loss on the last); megatron's 1F1B schedule sends hidden states between stages
+(shapes exchanged per micro-batch: lengths vary). The stages of one data-parallel rank hold the
+same data, and everything returned here is identical on them: the last stage's per-token
+statistics and per-micro-batch loss metrics are broadcast over the pipeline group, routing-replay
+records and metrics are joined over it (moe_rl/routing/replay.py), the router monitor's
+statistics summed over it, and canonical weights/gradients gathered from the owning stages.
+
 Shape suffixes: B sequences, S positions, V vocabulary.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Callable
@@ -149,8 +158,13 @@ class Learner:
         self.tp_size = ps.get_tensor_model_parallel_world_size()
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.etp_group = ps.get_expert_tensor_parallel_group()
-        self.shard = Shard(ps.get_tensor_model_parallel_rank(), self.tp_size,
-                           ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size())
+        self.pp_size = ps.get_pipeline_model_parallel_world_size()
+        self.pp_rank = ps.get_pipeline_model_parallel_rank()
+        self.pp_group = ps.get_pipeline_model_parallel_group() if self.pp_size > 1 else None
+        self.is_last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
+        self.shard = Shard.for_stage(model_cfg, self.pp_rank, self.pp_size, ps.get_tensor_model_parallel_rank(),
+                                     self.tp_size, ps.get_expert_tensor_parallel_rank(),
+                                     ps.get_expert_tensor_parallel_world_size())
         self.vocab_shard = (VocabShard(self.shard.tp_rank * model_cfg.vocab_size // self.tp_size, self.tp_group)
                             if self.tp_size > 1 else None)
         sp = self.tp_size > 1  # megatron refuses MoE + TP training without sequence parallelism
@@ -162,7 +176,8 @@ class Learner:
         # per router; the controller keeps the policy's and the reference's state apart).
         self.route_header = RouteHeader.for_model(model_cfg)
         seq_shard = (self.shard.tp_rank, self.tp_size, self.tp_group)  # SP: each TP rank routes S / TP positions
-        self.replay = RouteReplay(self.gpt, self.route_header, ctx.ep_size, model_cfg.recompute, seq_shard)
+        self.replay = RouteReplay(self.gpt, self.route_header, ctx.ep_size, model_cfg.recompute, seq_shard,
+                                  self.pp_group)
         # per-layer router-gradient monitor of the update passes (moe_rl/monitor/router_grad.py)
         # (its structural blackout expectation follows the gating megatron actually built)
         self.monitor = RouterGradMonitor(
@@ -176,13 +191,16 @@ class Learner:
             self.ref, _ = setup.build_model(model_cfg, par, sequence_parallel=sp)
             self.ref.load_state_dict(self.gpt.state_dict())
             self.ref.requires_grad_(False).eval()
-            self.ref_replay = RouteReplay(self.ref, self.route_header, ctx.ep_size, model_cfg.recompute, seq_shard)
+            self.ref_replay = RouteReplay(self.ref, self.route_header, ctx.ep_size, model_cfg.recompute, seq_shard,
+                                          self.pp_group)
         self.ddp = setup.wrap_ddp(self.gpt, self.tcfg, par)
         self.optimizer = setup.build_optimizer(self.ddp, optim, par)
         self.dp_group = ps.get_data_parallel_group()
         self.ep_group = ps.get_expert_model_parallel_group()
         # TP ranks see different sequence blocks (SP): the router monitor sums over TP x DP
         self.tp_dp_group = ps.get_tensor_and_data_parallel_group()
+        # the ranks that must be given the same batch (one model split over TP and/or PP)
+        self.mp_group = ps.get_model_parallel_group() if self.tp_size * self.pp_size > 1 else None
 
     # ---- weights -------------------------------------------------------------------------
     def load_canonical(self, full: dict[str, torch.Tensor]) -> None:
@@ -210,7 +228,24 @@ class Learner:
         canon = megatron_to_canonical(local, self.model_cfg, self.ctx.ep_rank, self.ctx.ep_size, self.shard)
         if self.tp_size > 1 or self.shard.etp_size > 1:
             canon = self._merge_tensor_parallel(canon)
-        return gather_experts(canon, self.model_cfg, self.ctx.ep_size, self.ep_group)
+        canon = gather_experts(canon, self.model_cfg, self.ctx.ep_size, self.ep_group)
+        return self._gather_stages(canon) if self.pp_size > 1 else canon
+
+    def _gather_stages(self, canon: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """PP: every stage's canonical tensors on every stage (names and shapes exchanged once,
+        then one broadcast per tensor from its owning stage)."""
+        metas: list = [None] * self.pp_size
+        dist.all_gather_object(metas, [(k, tuple(v.shape), v.dtype) for k, v in sorted(canon.items())],
+                               group=self.pp_group)
+        ranks, device = dist.get_process_group_ranks(self.pp_group), comm_device(self.pp_group)
+        out = {}
+        for stage, meta in enumerate(metas):
+            for name, shape, dtype in meta:
+                mine = stage == self.pp_rank
+                t = canon[name].to(device).contiguous() if mine else torch.empty(shape, dtype=dtype, device=device)
+                dist.broadcast(t, src=ranks[stage], group=self.pp_group)
+                out[name] = canon[name] if mine else t
+        return out
 
     def _merge_tensor_parallel(self, canon: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``weights.merge_tensor_parallel`` over the process groups: experts over expert-TP."""
@@ -228,18 +263,19 @@ class Learner:
         return out
 
     # ---- passes --------------------------------------------------------------------------
-    def _check_tp_replicated(self, tokens_BS: torch.Tensor) -> None:
-        """TP ranks must be given the same sequences (megatron computes one model over them);
+    def _check_replicated(self, tokens_BS: torch.Tensor) -> None:
+        """TP and PP ranks must be given the same sequences (megatron computes one model over them);
         a different batch would give silently wrong log-probs. One tiny MAX all-reduce."""
-        if self.tp_size == 1:
+        if self.mp_group is None:
             return
         weights_S = torch.arange(1, tokens_BS.shape[1] + 1, dtype=torch.float64)
         sig = torch.stack([torch.tensor(float(tokens_BS.numel())), (tokens_BS.double().cpu() * weights_S).sum()])
-        both = torch.cat([sig, -sig]).to(comm_device(self.tp_group))
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.tp_group)
+        both = torch.cat([sig, -sig]).to(comm_device(self.mp_group))
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.mp_group)
         if not torch.equal(both[:2], -both[2:]):
-            raise RuntimeError("tensor-parallel ranks were given different token batches; TP ranks of one "
-                               "data-parallel rank must see the same data (shard prompts by DP rank)")
+            raise RuntimeError("model-parallel (tensor/pipeline) ranks were given different token batches; "
+                               "TP/PP ranks of one data-parallel rank must see the same data "
+                               "(shard prompts by DP rank)")
 
     def _schedule(self, model, replay: RouteReplay, micro_batches: list[dict], loss_fn, forward_only: bool,
                   replay_mode: str | None, prefix: str = "routing/", keep_native: bool = False):
@@ -253,14 +289,11 @@ class Learner:
             if replay_mode is not None:
                 replay.begin_micro_batch(mb.get("routes"), mb["seq_lens"], tokens_BS.shape[1], mb.get("old_routes"))
             pos_BS = torch.arange(tokens_BS.shape[1], device=tokens_BS.device).expand_as(tokens_BS)
-            logits_BSV = model(tokens_BS, pos_BS, None)
-            return logits_BSV, partial(loss_after_forward, mb)
-
-        def loss_after_forward(mb, logits_BSV):
+            out = model(tokens_BS, pos_BS, None)  # logits on the last stage, hidden states before it
             replay.phase = "backward"  # the forward is done: a recompute, if any, comes next
             if replay_mode is not None:
-                replay.end_forward()  # the forward is done: a recompute, if any, comes next
-            return loss_fn(mb, logits_BSV)
+                replay.end_forward()
+            return out, partial(loss_fn, mb)  # megatron calls the loss on the last stage only
 
         def run():
             return get_forward_backward_func()(
@@ -295,7 +328,7 @@ class Learner:
             return logits_BSV.new_zeros(()), torch.tensor(0), {"logp": st.logp, "entropy": st.entropy,
                                                                 "spi": st.sum_pi_sq, **st.extra}
 
-        self._check_tp_replicated(tokens_BS)
+        self._check_replicated(tokens_BS)
         batch = {"tokens": tokens_BS, **(token_inputs or {})}
         if routes is not None:
             batch["routes"] = routes
@@ -307,8 +340,41 @@ class Learner:
             cols = [int(mb["seq_lens"].max()) for mb in mbs]
             return torch.cat([torch.nn.functional.pad(o[key][:, :c], (0, S - c)) for o, c in zip(outs, cols)])
 
-        extra = {k: gather(k) for k in outs[0] if k not in ("logp", "entropy", "spi")}
-        return TokenStats(gather("logp"), gather("entropy"), gather("spi"), extra)
+        stats = {k: gather(k) for k in outs[0]} if self.is_last_stage else None
+        if self.pp_size > 1:
+            stats = self._broadcast_stats(stats)
+        extra = {k: v for k, v in stats.items() if k not in ("logp", "entropy", "spi")}
+        return TokenStats(stats["logp"], stats["entropy"], stats["spi"], extra)
+
+    def _last_stage_rank(self) -> int:
+        return dist.get_process_group_ranks(self.pp_group)[-1]
+
+    def _broadcast_stats(self, stats: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+        """PP: the last stage's [B, S] statistics on every stage (keys and dtypes, then one tensor)."""
+        meta = [sorted((k, v.dtype, tuple(v.shape)) for k, v in stats.items()) if stats is not None else None]
+        dist.broadcast_object_list(meta, src=self._last_stage_rank(), group=self.pp_group)
+        keys = [k for k, _, _ in meta[0]]
+        dtype, shape = meta[0][0][1], meta[0][0][2]
+        device = comm_device(self.pp_group)
+        if stats is not None:
+            packed = torch.stack([stats[k].to(device, dtype) for k in keys])
+        else:
+            packed = torch.empty((len(keys), *shape), dtype=dtype, device=device)
+        dist.broadcast(packed, src=self._last_stage_rank(), group=self.pp_group)
+        return {k: (stats[k] if stats is not None else packed[i].to(meta[0][i][1])) for i, k in enumerate(keys)}
+
+    def _broadcast_metrics(self, metrics: list) -> list:
+        """PP: the last stage's per-micro-batch loss metrics on every stage (values moved to the CPU)."""
+        def cpu(v):
+            if isinstance(v, torch.Tensor):
+                return v.detach().cpu()
+            if dataclasses.is_dataclass(v) and not isinstance(v, type):
+                return dataclasses.replace(v, **{f.name: cpu(getattr(v, f.name)) for f in dataclasses.fields(v)})
+            return v
+
+        box = [[{k: cpu(v) for k, v in m.items()} for m in metrics] if self.is_last_stage else None]
+        dist.broadcast_object_list(box, src=self._last_stage_rank(), group=self.pp_group)
+        return metrics if self.is_last_stage else box[0]
 
     def forward_backward(self, minibatch: dict, seq_lens_B: torch.Tensor, loss_fn: LossFn,
                          temperature: float, micro_batch_size: int, replay_mode: str | None = None) -> list:
@@ -319,7 +385,7 @@ class Learner:
         from megatron.core.distributed import finalize_model_grads
 
         self.ddp.train()
-        self._check_tp_replicated(minibatch["tokens"])
+        self._check_replicated(minibatch["tokens"])
         normalizer = minibatch["loss_mask"].sum().to(torch.float64)
         if dist.is_initialized():
             dist.all_reduce(normalizer, group=self.dp_group)
@@ -345,9 +411,18 @@ class Learner:
             if self.monitor is not None:
                 self.monitor.active = False
         if self.monitor is not None:  # local sums: with the distributed optimizer only a shard survives finalize
-            self.monitor.add_router_grads(torch.stack([lay.mlp.router.weight.main_grad for lay in self._router_layers()]))
+            self.monitor.add_router_grads(self._router_grads_LEH())
         finalize_model_grads([self.ddp])  # sum over DP (scaling 1.0: the loss is already global)
-        return loss_metrics
+        return self._broadcast_metrics(loss_metrics) if self.pp_size > 1 else loss_metrics
+
+    def _router_grads_LEH(self) -> torch.Tensor:
+        """Router-weight gradients of every MoE layer; zero for layers of other pipeline stages."""
+        layers = self._router_layers()
+        first = layers[0].mlp.router.weight.main_grad
+        grads_LEH = first.new_zeros((len(self.monitor.layer_ids), *first.shape))
+        for lay in layers:
+            grads_LEH[self.monitor.layer_ids.index(lay.layer_number - 1)] = lay.mlp.router.weight.main_grad
+        return grads_LEH
 
     def _router_layers(self) -> list:
         return [layer for layer in self.gpt.decoder.layers if getattr(layer.mlp, "router", None) is not None]
@@ -364,8 +439,10 @@ class Learner:
         packed = torch.cat([stats.flatten().to(grads_LEH.device), grads_LEH.flatten()])
         max_L = max_L.clone()
         if dist.is_initialized():
-            dist.all_reduce(packed, group=self.tp_dp_group)
-            dist.all_reduce(max_L, op=dist.ReduceOp.MAX, group=self.tp_dp_group)
+            for group in (self.tp_dp_group, self.pp_group):  # PP: each stage holds its own layers' rows
+                if group is not None:
+                    dist.all_reduce(packed, group=group)
+                    dist.all_reduce(max_L, op=dist.ReduceOp.MAX, group=group)
         n = stats.numel()
         out = self.monitor.finalize(packed[:n].view_as(stats).cpu(), max_L.cpu(),
                                     packed[n:].view_as(grads_LEH).cpu())

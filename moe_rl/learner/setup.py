@@ -62,6 +62,7 @@ def transformer_config(model: ModelConfig, par: ParallelConfig, *, bf16: bool = 
         # slices the route targets to match)
         sequence_parallel=sequence_parallel and par.tensor_parallel > 1,
         pipeline_model_parallel_size=par.pipeline_parallel,
+        **_pipeline(model, par, bf16),
         expert_model_parallel_size=par.expert_parallel,
         # Our loss is already divided by the global token count (passed in), so megatron must
         # neither divide it again nor average grads over DP: it sums them (scaling factor 1).
@@ -89,6 +90,15 @@ def _precision(model: ModelConfig, bf16: bool) -> dict:
     return kw
 
 
+def _pipeline(model: ModelConfig, par: ParallelConfig, bf16: bool) -> dict:
+    """PP > 1: the dtype of the hidden states sent between stages, and per-micro-batch shapes
+    (micro-batches are trimmed to their own longest sequence: the stages exchange shapes first)."""
+    if par.pipeline_parallel == 1:
+        return {}
+    return {"pipeline_dtype": torch.bfloat16 if bf16 or model.precision != "fp32" else torch.float32,
+            "variable_seq_lengths": True}
+
+
 def _recompute(model: ModelConfig) -> dict:
     """Full activation recomputation, one layer per checkpoint (routes are served again on it)."""
     if not model.recompute:
@@ -97,7 +107,11 @@ def _recompute(model: ModelConfig) -> dict:
 
 
 def build_model(model: ModelConfig, par: ParallelConfig, *, bf16: bool = False, sequence_parallel: bool = False):
-    """A megatron GPTModel with MoE layers: the local layer spec (CPU), or TE's (model.transformer_impl=te)."""
+    """A megatron GPTModel with MoE layers: the local layer spec (CPU), or TE's (model.transformer_impl=te).
+
+    With PP > 1 this rank's pipeline stage only: the embedding on the first, the final norm and
+    output layer on the last (megatron numbers the stage's layers from its offset)."""
+    from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
@@ -115,6 +129,8 @@ def build_model(model: ModelConfig, par: ParallelConfig, *, bf16: bool = False, 
         position_embedding_type="rope",
         rotary_base=int(model.rope_theta),
         share_embeddings_and_output_weights=False,
+        pre_process=ps.is_pipeline_first_stage(ignore_virtual=True),
+        post_process=ps.is_pipeline_last_stage(ignore_virtual=True),
     )
     return gpt, cfg
 

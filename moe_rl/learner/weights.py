@@ -205,6 +205,8 @@ def gather_experts(canon_local: dict[str, torch.Tensor], cfg: ModelConfig, ep_si
     n_local = cfg.num_experts // ep_size
     ep_rank = dist.get_rank(ep_group)
     for i in cfg.moe_layers:
+        if f"model.layers.{i}.mlp.experts.{ep_rank * n_local}.down_proj.weight" not in canon_local:
+            continue  # another pipeline stage's layer
         for proj in ("gate_proj", "up_proj", "down_proj"):
             keys = [f"model.layers.{i}.mlp.experts.{ep_rank * n_local + j}.{proj}.weight" for j in range(n_local)]
             local_NXY = torch.stack([canon_local[k] for k in keys]).contiguous()

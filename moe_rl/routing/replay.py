@@ -32,6 +32,16 @@ sliced to that block; recorded routes are all-gathered back over the TP group; t
 metrics, counted on the rank's block, are summed over the TP group when the pass ends (so every
 TP rank returns the same, complete values).
 
+Pipeline parallelism (``stage_group``, PP > 1): each stage's controller hooks only its own MoE
+layers (``_LayerHook.pos`` is the layer's position in the full route record, so targets are laid
+out for every layer and each stage takes its own). What needs every layer waits for the end of
+the pass (collectives inside the pipeline schedule would interleave with its send/recv): the
+recorded routes and the per-token flip indicators ([L, N], other stages' layers zero) are summed
+over the stages in one all-reduce, then the per-token metrics and the route records are built
+on every stage; the per-layer agreement metrics (and their sums over layers) are summed over the
+stages, each key taken as zero where a stage does not own the layer, so every stage returns the
+same keys and values.
+
 Shape suffixes: N rows (S * B tokens of a micro-batch), L MoE layers, K top-k.
 """
 
@@ -42,6 +52,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+import torch.distributed as dist
 
 from moe_rl.dist import all_gather_rows, all_reduce_sum, comm_device
 from moe_rl.metrics import Mean
@@ -59,8 +70,9 @@ class ReplayError(RuntimeError):
 class _LayerHook:
     """What a RouterReplay instance calls instead of its own top-k (see router_replay_hook)."""
 
-    def __init__(self, owner: RouteReplay, pos: int, layer_id: int) -> None:
-        self.owner, self.pos, self.layer_id = owner, pos, layer_id
+    def __init__(self, owner: RouteReplay, pos: int, layer_id: int, idx: int) -> None:
+        """``pos``: the layer's index in the route record; ``idx``: among this model's (stage's) hooks."""
+        self.owner, self.pos, self.layer_id, self.idx = owner, pos, layer_id, idx
         self.target_NK: torch.Tensor | None = None
         self.old_NK: torch.Tensor | None = None  # the old-log-prob pass's native routes (compare only)
         self.fifo: deque[torch.Tensor] = deque()
@@ -75,14 +87,16 @@ class RouteReplay:
     """Drives the routers of one megatron model (policy or reference: each has its own)."""
 
     def __init__(self, gpt, header: RouteHeader, ep_size: int, recompute: bool,
-                 seq_shard: tuple[int, int, object] = (0, 1, None)) -> None:
-        """``seq_shard``: (TP rank, TP size, TP group) of sequence parallelism; (0, 1, None) without."""
+                 seq_shard: tuple[int, int, object] = (0, 1, None), stage_group=None) -> None:
+        """``seq_shard``: (TP rank, TP size, TP group) of sequence parallelism; (0, 1, None) without.
+        ``stage_group``: the pipeline-parallel group when PP > 1 (this model is one stage)."""
         from megatron_patches import router_replay_hook
 
         if not router_replay_hook.is_applied():
             raise ReplayError("megatron_patches.router_replay_hook is not applied (megatron_patches.apply_all)")
         self.header, self.ep_size, self.recompute = header, ep_size, recompute
         self.sp_rank, self.sp_size, self.sp_group = seq_shard
+        self.stage_group = stage_group
         self.hooks: list[_LayerHook] = []
         for layer in gpt.decoder.layers:
             router = getattr(layer.mlp, "router", None)
@@ -93,7 +107,7 @@ class RouteReplay:
                 raise ReplayError(f"layer {layer_id}: the fused router bypasses routing replay")
             if router.router_replay is None:
                 raise ReplayError(f"layer {layer_id}: built without moe_enable_routing_replay")
-            hook = _LayerHook(self, header.layer_ids.index(layer_id), layer_id)
+            hook = _LayerHook(self, header.layer_ids.index(layer_id), layer_id, len(self.hooks))
             router.router_replay.moe_rl_controller = hook
             self.hooks.append(hook)
         if not self.hooks:
@@ -108,6 +122,9 @@ class RouteReplay:
         self.phase = "forward"
         self.num_micro_batches = 0
         self._recorded: list[RouteBatch] = []
+        self._native_parts: list[tuple[torch.Tensor, torch.Tensor]] = []  # ([N, L, K] all layers, seq_lens_B)
+        self._token_differs: list[tuple[str, torch.Tensor]] = []  # (prefix, bool [L, N_recorded] all layers)
+        self._stage_keys: set[str] = set()  # per-layer sums: each stage holds its own layers' part
         self._native_LNK: list[torch.Tensor | None] = [None] * len(self.hooks)
         self._differs: list[torch.Tensor | None] = [None] * len(self.hooks)
         self._old_differs: list[torch.Tensor | None] = [None] * len(self.hooks)
@@ -134,6 +151,7 @@ class RouteReplay:
         try:
             yield self
             self._check_consumed()
+            self._finish_pass()
             self._reduce_sequence_shards()
         finally:
             self.mode = None
@@ -169,28 +187,71 @@ class RouteReplay:
         self.phase = "backward"
         if self.keep_native:
             seq_lens_B, _ = self._mb
-            native_NLK = torch.stack(self._native_LNK, dim=1)
+            native_NLK = self._all_layers(self._native_LNK, dim=1)
             if self.sp_size > 1:  # every TP rank routed its own block of rows: join them
                 native_NLK = all_gather_rows(native_NLK.contiguous(), self.sp_group)
-            native_NLK = native_NLK.cpu()
-            self._recorded.append(unlayout(native_NLK, seq_lens_B, torch.zeros_like(seq_lens_B), self.header))
+            self._native_parts.append((native_NLK, seq_lens_B))
         if self._has_targets and all(d is not None for d in self._differs):
-            differs_LN = torch.stack(self._differs)[:, self._recorded_N]
-            n = torch.tensor(float(differs_LN.shape[1]))
-            any_N = differs_LN.any(0)
-            self._add(f"{self.prefix}flip_token_frac", Mean(any_N.float().sum(), n), sharded=True)
-            self._add(f"{self.prefix}flip_layers_per_token", Mean(differs_LN.float().sum(), n), sharded=True)
+            self._token_differs.append((self.prefix, self._all_layers(self._differs, dim=0)[:, self._recorded_N]))
         if any(d is not None for d in self._old_differs):
             unused = [h.layer_id for h, d in zip(self.hooks, self._old_differs) if d is None]
             if unused:
                 raise ReplayError(f"layers {unused}: old-pass routes of this micro-batch were never compared")
-            differs_LN = torch.stack(self._old_differs)[:, self._old_recorded_N]
-            n = torch.tensor(float(differs_LN.shape[1]))
-            self._add(f"{self.old_prefix}flip_token_frac", Mean(differs_LN.any(0).float().sum(), n), sharded=True)
-            self._add(f"{self.old_prefix}flip_layers_per_token", Mean(differs_LN.float().sum(), n), sharded=True)
+            old_LN = self._all_layers(self._old_differs, dim=0)[:, self._old_recorded_N]
+            self._token_differs.append((self.old_prefix, old_LN))
         self._native_LNK = [None] * len(self.hooks)
         self._differs = [None] * len(self.hooks)
         self._old_differs = [None] * len(self.hooks)
+
+    def _all_layers(self, parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+        """Stack this stage's per-layer tensors at their positions in the full record along
+        ``dim``; other stages' layers are zero."""
+        local = torch.stack(parts, dim=dim)
+        if len(self.hooks) == len(self.header.layer_ids):
+            return local
+        shape = list(local.shape)
+        shape[dim] = len(self.header.layer_ids)
+        pos = torch.tensor([h.pos for h in self.hooks], device=local.device)
+        return local.new_zeros(shape).index_copy_(dim, pos, local)
+
+    def _finish_pass(self) -> None:
+        """After the last micro-batch: join the stages (PP), then per-token metrics and records."""
+        if self.stage_group is not None:
+            self._join_stages()
+        for prefix, differs_LN in self._token_differs:
+            n = torch.tensor(float(differs_LN.shape[1]))
+            self._add(f"{prefix}flip_token_frac", Mean(differs_LN.any(0).float().sum(), n), sharded=True)
+            self._add(f"{prefix}flip_layers_per_token", Mean(differs_LN.float().sum(), n), sharded=True)
+        for native_NLK, seq_lens_B in self._native_parts:
+            self._recorded.append(unlayout(native_NLK.cpu(), seq_lens_B, torch.zeros_like(seq_lens_B), self.header))
+
+    def _join_stages(self) -> None:
+        """PP: every layer's routes and flip indicators on every stage (one all-reduce; each layer
+        is non-zero on its own stage only), and the per-layer metric sums over the stages."""
+        group = self.stage_group
+        device = comm_device(group)
+        parts = [t for t, _ in self._native_parts] + [d for _, d in self._token_differs]
+        if parts:
+            flat = all_reduce_sum(torch.cat([p.reshape(-1).to(device, torch.int64) for p in parts]), group)
+            joined, off = [], 0
+            for p in parts:
+                joined.append(flat[off:off + p.numel()].view(p.shape))
+                off += p.numel()
+            n = len(self._native_parts)
+            self._native_parts = [(j.to(t.dtype), s) for j, (t, s) in zip(joined[:n], self._native_parts)]
+            self._token_differs = [(k, j > 0) for j, (k, _) in zip(joined[n:], self._token_differs)]
+        key_sets: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(key_sets, sorted(self._stage_keys), group=group)
+        keys = sorted(set().union(*key_sets))
+        if not keys:
+            return
+        zero = Mean(0.0, 0.0)
+        vals = [torch.as_tensor(x).to(device=device, dtype=torch.float64).reshape(())
+                for k in keys for x in (self._metrics.get(k, zero).sum, self._metrics.get(k, zero).count)]
+        packed = all_reduce_sum(torch.stack(vals), group)
+        for i, k in enumerate(keys):
+            self._metrics[k] = Mean(packed[2 * i], packed[2 * i + 1])
+        self._sharded_keys.update(keys)
 
     def recorded(self) -> RouteBatch:
         """R2: the routes recorded over the pass's micro-batches, in batch order."""
@@ -216,10 +277,10 @@ class RouteReplay:
             return native_probs, native_NK
         if self.phase == "forward":
             if self.keep_native:
-                self._native_LNK[hook.pos] = native_NK.detach()
+                self._native_LNK[hook.idx] = native_NK.detach()
             if hook.old_NK is not None:  # update-induced flips: native now vs the old-log-prob pass
                 old_NK, hook.old_NK = hook.old_NK, None
-                self._old_differs[hook.pos] = self._agreement(
+                self._old_differs[hook.idx] = self._agreement(
                     native_NK, old_NK, self._old_recorded_N, f"{self.old_prefix}flip_frac", hook.layer_id,
                     overlap=False)
         if not self._has_targets:  # recording or comparing without routes to replay
@@ -251,7 +312,7 @@ class RouteReplay:
         return target_NK
 
     def _observe(self, hook: _LayerHook, native_NK: torch.Tensor, target_NK: torch.Tensor) -> None:
-        self._differs[hook.pos] = self._agreement(native_NK, target_NK, self._recorded_N,
+        self._differs[hook.idx] = self._agreement(native_NK, target_NK, self._recorded_N,
                                                   f"{self.prefix}flip_router_frac", hook.layer_id)
 
     def _agreement(self, native_NK: torch.Tensor, target_NK: torch.Tensor, rec_N: torch.Tensor, name: str,
@@ -261,16 +322,19 @@ class RouteReplay:
         differs_N, overlap_N = topk_agreement(native_NK.detach()[rec_N], target_NK.to(native_NK.device)[rec_N])
         n = torch.tensor(float(differs_N.shape[0]))
         for suffix in ("", f"/layer{layer_id}"):
-            self._add(f"{name}{suffix}", Mean(differs_N.float().sum(), n), sharded=True)
+            self._add(f"{name}{suffix}", Mean(differs_N.float().sum(), n), sharded=True, stage=True)
             if overlap:
-                self._add(f"{self.prefix}overlap_at_k{suffix}", Mean(overlap_N.sum(), n), sharded=True)
+                self._add(f"{self.prefix}overlap_at_k{suffix}", Mean(overlap_N.sum(), n), sharded=True, stage=True)
         return torch.zeros_like(rec_N).masked_scatter(rec_N, differs_N)
 
-    def _add(self, key: str, value: Mean, sharded: bool = False) -> None:
+    def _add(self, key: str, value: Mean, sharded: bool = False, stage: bool = False) -> None:
+        """``sharded``: counted on this TP rank's sequence block; ``stage``: on this PP stage's layers."""
         old = self._metrics.get(key)
         self._metrics[key] = value if old is None else Mean(old.sum + value.sum, old.count + value.count)
         if sharded:
             self._sharded_keys.add(key)
+        if stage:
+            self._stage_keys.add(key)
 
     def _local_rows(self, t_N: torch.Tensor) -> torch.Tensor:
         """The rows of this rank's sequence block (sequence-major rows: one contiguous block)."""

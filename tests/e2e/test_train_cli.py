@@ -216,3 +216,26 @@ def test_correction_preset_trains(tmp_path, preset):
     if "trm_" in text:
         assert 0.0 <= rec["corr/trm_accept_rate"] <= 1.0
         assert rec["corr/trm_alarm"] == float(rec["corr/trm_accept_rate"] < 0.7)
+
+
+@pytest.mark.e2e
+def test_pipeline_parallel_run_has_every_stage_metric(tmp_path):
+    import math
+
+    # R2 replay, a reference model (KL) and a noisy engine router: every per-stage path is used
+    args = ["steps=2", "checkpoint_every=0", "routing.replay=r2", "rollout.router_noise=1.0", "algo.kl_coef=0.01",
+            "parallel.expert_parallel=1", *TINY]
+    moe_rl("train", f"run_dir={tmp_path / 'pp'}", "parallel.pipeline_parallel=2", *args)
+    moe_rl("train", f"run_dir={tmp_path / 'one'}", "parallel.nproc=1", *args)  # the same data (DP=1)
+    m, ref = metrics(tmp_path / "pp"), metrics(tmp_path / "one")
+    # both stages share one batch (DP=1); rank 0 (stage 0) writes the last stage's loss metrics
+    # and the router metrics of stage 1's layers
+    assert [m[s]["rollout/num_seqs"] for s in (0, 1)] == [32.0, 32.0]  # 8 prompts x 4 samples
+    assert all(math.isfinite(m[s]["train/grad_norm"]) and m[s]["train/grad_norm"] > 0 for s in (0, 1))
+    assert m[1]["router_grad/zero_frac"] == pytest.approx(6 / 8)
+    for layer in range(4):  # stage 0 owns layers 0-1, stage 1 layers 2-3
+        assert f"router_grad/zero_frac/layer{layer}" in m[1] and f"routing/flip_router_frac/layer{layer}" in m[1]
+    for s in (0, 1):  # and they are the single-process run's metrics (summation order aside)
+        got, want = _deterministic(m[s]), _deterministic(ref[s])
+        assert sorted(got) == sorted(want)
+        assert got == pytest.approx(want, rel=1e-3, abs=1e-6, nan_ok=True)
