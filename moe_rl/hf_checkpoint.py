@@ -36,6 +36,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from moe_rl.config import ModelConfig
+from moe_rl.learner.checkpoint import fsync_path
 from moe_rl.rollout.builtin_model import canonical_param_shapes
 
 log = logging.getLogger(__name__)
@@ -315,14 +316,6 @@ def plan_shards(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
     return shards
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_hf_checkpoint(out_dir: str | Path, canonical: dict[str, torch.Tensor], cfg: ModelConfig,
                         max_shard_bytes: int = 5 * 2**30, dtype: torch.dtype | None = None) -> Path:
     """Write ``canonical`` (every tensor of ``cfg``) as an HF checkpoint of ``cfg.hf_family`` (its
@@ -353,10 +346,10 @@ def write_hf_checkpoint(out_dir: str | Path, canonical: dict[str, torch.Tensor],
     first_dtype = next(iter(tensors.values())).dtype
     (tmp / CONFIG).write_text(json.dumps(hf_config_dict(cfg, first_dtype), indent=2) + "\n")
     for p in tmp.iterdir():
-        _fsync(p)
-    _fsync(tmp)
+        fsync_path(p)
+    fsync_path(tmp)
     os.replace(tmp, out_dir)
-    _fsync(out_dir.parent)
+    fsync_path(out_dir.parent)
     return out_dir
 
 
@@ -415,10 +408,8 @@ def _export_worker(cfg, ckpt: Path, out_dir: Path, max_shard_bytes: int) -> None
 def export_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None,
                max_shard_bytes: int = 5 * 2**30) -> None:
     """`moe-rl export-hf`: the run's ranks (its parallel layout) load a checkpoint and write HF."""
-    import uuid
-
     from moe_rl.config import load_config
-    from moe_rl.launch import under_torchrun
+    from moe_rl.launch import spawn_local, under_torchrun
 
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     cfg = load_config(run_dir / "config.yaml")
@@ -430,9 +421,4 @@ def export_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None
     if under_torchrun():
         _export_worker(cfg, ckpt, out_dir, max_shard_bytes)
         return
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    lc = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=cfg.parallel.nproc, run_id=str(uuid.uuid4()),
-                      rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, start_method="spawn",
-                      monitor_interval=0.5)
-    elastic_launch(lc, _export_worker)(cfg, ckpt, out_dir, max_shard_bytes)
+    spawn_local(_export_worker, cfg.parallel.nproc, cfg, ckpt, out_dir, max_shard_bytes)

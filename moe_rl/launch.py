@@ -37,15 +37,21 @@ def run_worker(cfg: RunConfig) -> None:
         dist.shutdown()
 
 
+def spawn_local(fn, nproc: int, *args):
+    """Run ``fn(*args)`` on ``nproc`` local ranks (torch's elastic launcher, as `torchrun
+    --standalone`); returns {rank: return value}. Also used by the benchmarks in scripts/."""
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    lc = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=nproc,
+        run_id=str(uuid.uuid4()), rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0",
+        max_restarts=0, start_method="spawn", monitor_interval=0.5,
+    )
+    return elastic_launch(lc, fn)(*args)
+
+
 def launch(cfg: RunConfig) -> None:
     if under_torchrun():
         run_worker(cfg)
         return
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    lc = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=cfg.parallel.nproc,
-        run_id=str(uuid.uuid4()), rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0",
-        max_restarts=0, start_method="spawn", monitor_interval=0.5,
-    )
-    elastic_launch(lc, run_worker)(cfg)
+    spawn_local(run_worker, cfg.parallel.nproc, cfg)

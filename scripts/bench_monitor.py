@@ -18,7 +18,6 @@ import os
 import statistics
 import tempfile
 import time
-import uuid
 
 
 def _measure(args, out_path: str) -> None:
@@ -116,12 +115,10 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=16, help="prompts per rank (8 samples each)")
     ap.add_argument("--reps", type=int, default=10)
     args = ap.parse_args()
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from moe_rl.launch import spawn_local
 
     out = os.path.join(tempfile.mkdtemp(), "bench.json")
-    lc = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2, run_id=str(uuid.uuid4()), rdzv_backend="c10d",
-                      rdzv_endpoint="127.0.0.1:0", max_restarts=0, start_method="spawn")
-    elastic_launch(lc, _measure)(args, out)
+    spawn_local(_measure, 2, args, out)
     with open(out) as f:
         _report(json.load(f))
 

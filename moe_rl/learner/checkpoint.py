@@ -35,7 +35,8 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """fsync a file or a directory (a rename is durable once its directory is synced)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -73,7 +74,7 @@ def save(learner, ckpt_root: Path, step: int, trainer_state: dict[str, Any]) -> 
                     os.fsync(f.fileno())
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-        _fsync_dir(ckpt_root)
+        fsync_path(ckpt_root)
         _write_atomic(ckpt_root / "latest", final.name + "\n")
         _prune(ckpt_root, keep=final.name)
         log.info("checkpoint written: %s", final)

@@ -21,16 +21,26 @@ import pytest
 import torch
 
 from moe_rl.config import ModelConfig, OptimConfig, ParallelConfig
-from moe_rl.metrics import Mean
 from tests.dist_harness import run_ranks
+from tests.learner.parallel_cases import (
+    GRAD_RTOL,
+    LOGP_TOL,
+    LR,
+    STEP_TOL,
+)
+from tests.learner.parallel_cases import (
+    means as _means,
+)
+from tests.learner.parallel_cases import (
+    nll_entropy_loss as _loss,
+)
+from tests.learner.parallel_cases import (
+    random_routes as _random_routes,
+)
 
 MODEL = ModelConfig(vocab_size=50, hidden_size=64, num_layers=4, num_attention_heads=4, num_query_groups=2,
                     head_dim=16, ffn_hidden_size=96, moe_ffn_hidden_size=48, num_experts=4,
                     moe_router_topk=2, first_k_dense=1, max_seq_len=32)
-LOGP_TOL = 1e-5
-GRAD_RTOL = 1e-5
-STEP_TOL = 1e-6
-LR = 1e-3
 
 
 def _data():
@@ -43,14 +53,6 @@ def _data():
     return tokens_BS, lens_B, mask_BS
 
 
-def _random_routes(lens_B: torch.Tensor, header):
-    from moe_rl.routing.record import RouteBatch
-
-    g = torch.Generator().manual_seed(300)
-    rows_B = lens_B - 1
-    ids_NLK = torch.rand(int(rows_B.sum()), len(header.layer_ids), MODEL.num_experts, generator=g).argsort(-1)[..., :2]
-    B = lens_B.shape[0]
-    return RouteBatch(ids_NLK.to(torch.uint8), rows_B, torch.zeros(B, dtype=torch.int64), torch.full((B,), 2), header)
 
 
 def _full_vocab_inputs(tokens_BS: torch.Tensor) -> dict:
@@ -62,14 +64,8 @@ def _full_vocab_inputs(tokens_BS: torch.Tensor) -> dict:
     return {"safe": safe_BSV, "rollout_dist": dist_BSV}
 
 
-def _loss(mb, logp_BS, entropy_BS, normalizer):
-    m = mb["loss_mask"]
-    loss = (-(logp_BS * m).sum() - 0.1 * (entropy_BS * m).sum()) / normalizer
-    return loss, {"train/nll": Mean(-(logp_BS * m).sum().detach(), m.sum())}
 
 
-def _means(metrics: dict, prefix: str) -> dict[str, float]:
-    return {k: float(v.sum / v.count) for k, v in metrics.items() if k.startswith(prefix)}
 
 
 def _run(learner, par_opt: ParallelConfig, ctx, weights, ckpt_dir: str | None) -> dict:
