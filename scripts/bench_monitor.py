@@ -13,14 +13,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import os
 import statistics
-import tempfile
 import time
 
 
-def _measure(args, out_path: str) -> None:
+def _measure(args) -> list[dict]:
     import torch
 
     import megatron_patches
@@ -87,10 +84,8 @@ def _measure(args, out_path: str) -> None:
     res = {"times": times, "own": own, "rollout_s": rollout_s, "tokens": int(batch.response_mask_BS.sum())}
     gathered = [None] * ctx.world_size
     torch.distributed.all_gather_object(gathered, res)
-    if ctx.is_main:
-        with open(out_path, "w") as f:
-            json.dump(gathered, f)
     dist.shutdown()
+    return gathered  # spawn_local hands every rank's return value back
 
 
 def _report(ranks: list[dict]) -> None:
@@ -117,10 +112,7 @@ def main() -> None:
     args = ap.parse_args()
     from moe_rl.launch import spawn_local
 
-    out = os.path.join(tempfile.mkdtemp(), "bench.json")
-    spawn_local(_measure, 2, args, out)
-    with open(out) as f:
-        _report(json.load(f))
+    _report(spawn_local(_measure, 2, args)[0])
 
 
 if __name__ == "__main__":

@@ -14,15 +14,12 @@ logits), the learner's old-log-prob pass with replay off vs R3:
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
 import statistics
-import tempfile
 import time
 
 
-def _measure(args, out_path: str) -> None:
+def _measure(args) -> list[dict]:
     import torch
 
     import megatron_patches
@@ -77,10 +74,8 @@ def _measure(args, out_path: str) -> None:
     res["step_s"] = times
     gathered = [None] * ctx.world_size
     torch.distributed.all_gather_object(gathered, res)
-    if ctx.is_main:
-        with open(out_path, "w") as f:
-            json.dump(gathered, f)
     dist.shutdown()
+    return gathered  # spawn_local hands every rank's return value back
 
 
 def _report(ranks: list[dict], noise: float) -> None:
@@ -126,10 +121,7 @@ def main() -> None:
     args = ap.parse_args()
     from moe_rl.launch import spawn_local
 
-    out = os.path.join(tempfile.mkdtemp(), "bench.json")
-    spawn_local(_measure, 2, args, out)
-    with open(out) as f:
-        _report(json.load(f), args.router_noise)
+    _report(spawn_local(_measure, 2, args)[0], args.router_noise)
 
 
 if __name__ == "__main__":

@@ -178,13 +178,19 @@ class Verdict:
         return [text for text, _ in self.findings]
 
 
+def _layer_means(m_LT: np.ndarray) -> np.ndarray:
+    """float [L]: each layer's mean over the logged steps; NaN for a layer never logged."""
+    finite_LT = np.isfinite(m_LT)
+    count_L = finite_LT.sum(1)
+    return np.where(count_L > 0, np.where(finite_LT, m_LT, 0.0).sum(1) / np.maximum(count_L, 1), math.nan)
+
+
 def layer_verdicts(run: Run, window: int = WINDOW) -> list[Verdict]:
     """One short verdict per MoE layer over the last ``window`` logged steps."""
     n = min(window, len(run.records))
     span = f"the last {n} steps"
     expected = nanmean(_window(run.series("router_grad/zero_frac_expected"), window))
-    mean = {name: (np.nanmean(_window(run.matrix(name), window), axis=1) if run.layers and
-                   np.isfinite(_window(run.matrix(name), window)).any() else np.full(len(run.layers), math.nan))
+    mean = {name: _layer_means(_window(run.matrix(name), window))
             for name in ("zero_frac", "no_grad_expert_frac", "rollout_flip_frac", "update_flip_frac",
                          "load_entropy", "load_max_frac", "margin_p50", "near_boundary_bf16_frac")}
     r3 = run.cfg("routing.replay") == "r3"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -26,13 +27,6 @@ LOGITS_ATOL = 1e-4
 def _tokens(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
     tokens_BS = torch.randint(1, cfg.vocab_size, (3, 12), generator=torch.Generator().manual_seed(5))
     return tokens_BS, torch.ones_like(tokens_BS, dtype=torch.bool)
-
-
-def _copy(src: Path, dst: Path) -> Path:
-    dst.mkdir()
-    for p in src.iterdir():
-        (dst / p.name).write_bytes(p.read_bytes())
-    return dst
 
 
 @pytest.mark.unit
@@ -107,7 +101,7 @@ def _shard_of(ckpt: Path, name: str) -> Path:
 def test_partial_or_wrong_checkpoints_name_tensor_and_file(tmp_path: Path, hf_dir: Path, cfg: ModelConfig) -> None:
     name = "model.layers.2.mlp.experts.5.up_proj.weight"
     # 1. the shard lacks a tensor the index lists
-    ckpt = _copy(hf_dir, tmp_path / "a")
+    ckpt = shutil.copytree(hf_dir, tmp_path / "a")
     shard = _shard_of(ckpt, name)
     tensors = load_file(str(shard))
     save_file({k: v for k, v in tensors.items() if k != name}, str(shard))
@@ -120,7 +114,7 @@ def test_partial_or_wrong_checkpoints_name_tensor_and_file(tmp_path: Path, hf_di
     with pytest.raises(hfc.CheckpointError, match=rf"{hfc.INDEX}: missing tensor '{name}'"):
         hfc.read_hf_weights(ckpt, cfg)
     # 3. wrong shape
-    ckpt = _copy(hf_dir, tmp_path / "b")
+    ckpt = shutil.copytree(hf_dir, tmp_path / "b")
     shard = _shard_of(ckpt, name)
     tensors = load_file(str(shard))
     tensors[name] = tensors[name][:, :-1].contiguous()
@@ -128,7 +122,7 @@ def test_partial_or_wrong_checkpoints_name_tensor_and_file(tmp_path: Path, hf_di
     with pytest.raises(hfc.CheckpointError, match=rf"{shard.name}: tensor '{name}' has shape \(32, 63\)"):
         hfc.read_hf_weights(ckpt, cfg)
     # 4. an unexpected tensor (a shared expert, say)
-    ckpt = _copy(hf_dir, tmp_path / "c")
+    ckpt = shutil.copytree(hf_dir, tmp_path / "c")
     shard = _shard_of(ckpt, name)
     tensors = load_file(str(shard))
     tensors["model.layers.1.mlp.shared_expert.up_proj.weight"] = torch.zeros(2, 2)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -30,13 +31,6 @@ B, S = 3, 12
 def _tokens() -> tuple[torch.Tensor, torch.Tensor]:
     tokens_BS = torch.randint(1, MIXTRAL_CFG.vocab_size, (B, S), generator=torch.Generator().manual_seed(5))
     return tokens_BS, torch.ones_like(tokens_BS, dtype=torch.bool)
-
-
-def _copy(src: Path, dst: Path) -> Path:
-    dst.mkdir()
-    for p in src.iterdir():
-        (dst / p.name).write_bytes(p.read_bytes())
-    return dst
 
 
 @pytest.mark.unit
@@ -118,7 +112,7 @@ def test_mixtral_export_round_trip_reloads_in_transformers_bitwise(tmp_path: Pat
 @pytest.mark.unit
 def test_missing_mixtral_expert_names_tensor_and_file(tmp_path: Path, mixtral_dir: Path) -> None:
     name = "model.layers.2.block_sparse_moe.experts.5.w3.weight"
-    ckpt = _copy(mixtral_dir, tmp_path / "a")
+    ckpt = shutil.copytree(mixtral_dir, tmp_path / "a")
     shard = ckpt / json.loads((ckpt / hfc.INDEX).read_text())["weight_map"][name]
     save_file({k: v for k, v in load_file(str(shard)).items() if k != name}, str(shard))
     with pytest.raises(hfc.CheckpointError, match=rf"{shard.name}: missing tensor '{name}'"):

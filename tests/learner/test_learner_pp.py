@@ -27,15 +27,9 @@ from tests.learner.parallel_cases import (
     LOGP_TOL,
     LR,
     STEP_TOL,
-)
-from tests.learner.parallel_cases import (
-    means as _means,
-)
-from tests.learner.parallel_cases import (
-    nll_entropy_loss as _loss,
-)
-from tests.learner.parallel_cases import (
-    random_routes as _random_routes,
+    means,
+    nll_entropy_loss,
+    random_routes,
 )
 
 MODEL = ModelConfig(vocab_size=50, hidden_size=64, num_layers=4, num_attention_heads=4, num_query_groups=2,
@@ -76,14 +70,14 @@ def _run(learner, par_opt: ParallelConfig, ctx, weights, ckpt_dir: str | None) -
     native = learner.forward_logprobs(tokens_BS, lens_B, 0.8, micro_batch_size=4, replay_mode="record")
     recorded = learner.replay.recorded()
     r2 = learner.forward_logprobs(tokens_BS, lens_B, 0.8, 4, routes=recorded, replay_mode="replay")
-    r2_metrics = _means(learner.replay.metrics(), "routing/")
-    forced_routes = _random_routes(lens_B, learner.route_header)
+    r2_metrics = means(learner.replay.metrics(), "routing/")
+    forced_routes = random_routes(lens_B, learner.route_header)
     forced = learner.forward_logprobs(tokens_BS, lens_B, 0.8, 4, routes=forced_routes, replay_mode="replay")
-    forced_metrics = _means(learner.replay.metrics(), "routing/")
+    forced_metrics = means(learner.replay.metrics(), "routing/")
     full_vocab = learner.forward_logprobs(tokens_BS, lens_B, 0.8, 4, token_inputs=_full_vocab_inputs(tokens_BS))
     loss_metrics = learner.forward_backward({"tokens": tokens_BS, "loss_mask": mask_BS, "routes": forced_routes},
-                                            lens_B, _loss, 0.8, 4, replay_mode="replay")
-    update_metrics = _means(learner.replay.metrics(), "routing/")
+                                            lens_B, nll_entropy_loss, 0.8, 4, replay_mode="replay")
+    update_metrics = means(learner.replay.metrics(), "routing/")
     grads = learner.canonical_grads()
     monitor = learner.router_monitor_metrics()
 
@@ -91,7 +85,7 @@ def _run(learner, par_opt: ParallelConfig, ctx, weights, ckpt_dir: str | None) -
     optim = OptimConfig(lr=LR, adam_eps=1e-4)
     stepper = Learner(MODEL, par_opt, optim, ctx, weights, monitor=False)
     batch = {"tokens": tokens_BS, "loss_mask": mask_BS}
-    opt_metrics, _ = stepper.update(batch, lens_B, _loss, 0.8, 4, lr=LR)
+    opt_metrics, _ = stepper.update(batch, lens_B, nll_entropy_loss, 0.8, 4, lr=LR)
     after = {k: v.clone() for k, v in stepper.export_canonical().items()}  # (views of the live weights)
     ckpt = {}
     if ckpt_dir is not None:  # save, load into a fresh learner, then one more step on both
@@ -101,13 +95,13 @@ def _run(learner, par_opt: ParallelConfig, ctx, weights, ckpt_dir: str | None) -
         back = loaded.export_canonical()
         ckpt["load_diff"] = max(float((back[k] - after[k]).abs().max()) for k in after)
         for lrn in (stepper, loaded):
-            lrn.update(batch, lens_B, _loss, 0.8, 4, lr=LR)
+            lrn.update(batch, lens_B, nll_entropy_loss, 0.8, 4, lr=LR)
         a, b = stepper.export_canonical(), loaded.export_canonical()
         ckpt["resume_diff"] = max(float((a[k] - b[k]).abs().max()) for k in a)
     return {"logp": native.logp, "entropy": native.entropy, "spi": native.sum_pi_sq, "recorded": recorded.ids_NLK,
             "recorded_rows": recorded.rows_B, "r2_logp": r2.logp, "r2_metrics": r2_metrics,
             "forced_logp": forced.logp, "dvp_logp": full_vocab.logp, "extra": full_vocab.extra, "forced_metrics": forced_metrics, "update_metrics": update_metrics,
-            "loss_metrics": [_means(m, "train/") for m in loss_metrics], "grads": grads, "monitor": monitor,
+            "loss_metrics": [means(m, "train/") for m in loss_metrics], "grads": grads, "monitor": monitor,
             "after": after, "grad_norm": opt_metrics["train/grad_norm"], "ckpt": ckpt}
 
 
@@ -161,8 +155,8 @@ def _recompute_grads(par: ParallelConfig, ctx, weights) -> dict:
 
     learner = Learner(dataclasses.replace(MODEL, recompute=True), par, OptimConfig(lr=LR), ctx, weights, monitor=False)
     tokens_BS, lens_B, mask_BS = _data()
-    routes = _random_routes(lens_B, learner.route_header)
-    learner.forward_backward({"tokens": tokens_BS, "loss_mask": mask_BS, "routes": routes}, lens_B, _loss, 0.8, 2,
+    routes = random_routes(lens_B, learner.route_header)
+    learner.forward_backward({"tokens": tokens_BS, "loss_mask": mask_BS, "routes": routes}, lens_B, nll_entropy_loss, 0.8, 2,
                              replay_mode="replay")
     return learner.canonical_grads()
 

@@ -24,15 +24,9 @@ from tests.learner.parallel_cases import (
     LOGP_TOL,
     LR,
     STEP_TOL,
-)
-from tests.learner.parallel_cases import (
-    means as _means,
-)
-from tests.learner.parallel_cases import (
-    nll_entropy_loss as _loss,
-)
-from tests.learner.parallel_cases import (
-    random_routes as _random_routes,
+    means,
+    nll_entropy_loss,
+    random_routes,
 )
 
 MODEL = ModelConfig(vocab_size=50, hidden_size=64, num_layers=3, num_attention_heads=4, num_query_groups=2,
@@ -66,22 +60,22 @@ def _run(learner, par_opt: ParallelConfig, ctx, weights) -> dict:
     native = learner.forward_logprobs(tokens_BS, lens_B, 0.8, micro_batch_size=4, replay_mode="record")
     recorded = learner.replay.recorded()
     r2 = learner.forward_logprobs(tokens_BS, lens_B, 0.8, 4, routes=recorded, replay_mode="replay")
-    r2_metrics = _means(learner.replay.metrics(), "routing/")
-    forced_routes = _random_routes(lens_B, learner.route_header)
+    r2_metrics = means(learner.replay.metrics(), "routing/")
+    forced_routes = random_routes(lens_B, learner.route_header)
     forced = learner.forward_logprobs(tokens_BS, lens_B, 0.8, 4, routes=forced_routes, replay_mode="replay")
-    forced_metrics = _means(learner.replay.metrics(), "routing/")
+    forced_metrics = means(learner.replay.metrics(), "routing/")
     tokens_BS, lens_B, mask_BS = _data(odd=False)
-    forced_routes = _random_routes(lens_B, learner.route_header)
-    learner.forward_backward({"tokens": tokens_BS, "loss_mask": mask_BS, "routes": forced_routes}, lens_B, _loss,
+    forced_routes = random_routes(lens_B, learner.route_header)
+    learner.forward_backward({"tokens": tokens_BS, "loss_mask": mask_BS, "routes": forced_routes}, lens_B, nll_entropy_loss,
                              0.8, 4, replay_mode="replay")
-    update_metrics = _means(learner.replay.metrics(), "routing/")
+    update_metrics = means(learner.replay.metrics(), "routing/")
     grads = learner.canonical_grads()
     monitor = learner.router_monitor_metrics()
 
     # adam_eps well above the gradients' rounding: Adam's first step is ~lr * sign(g) and would
     # turn a 1e-9 difference of a near-zero gradient into a difference of lr
     stepper = Learner(MODEL, par_opt, OptimConfig(lr=LR, adam_eps=1e-4), ctx, weights, monitor=False)
-    stepper.update({"tokens": tokens_BS, "loss_mask": mask_BS}, lens_B, _loss, 0.8, 4, lr=LR)
+    stepper.update({"tokens": tokens_BS, "loss_mask": mask_BS}, lens_B, nll_entropy_loss, 0.8, 4, lr=LR)
     after = stepper.export_canonical()
     return {"logp": native.logp, "entropy": native.entropy, "spi": native.sum_pi_sq, "recorded": recorded.ids_NLK,
             "recorded_rows": recorded.rows_B, "r2_logp": r2.logp, "r2_metrics": r2_metrics,
