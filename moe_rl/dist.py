@@ -7,6 +7,7 @@ import datetime
 import logging
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -17,21 +18,72 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class DistContext:
+class ParallelDims:
+    """Ranks, sizes and process groups of every parallel dimension, read once from megatron's
+    parallel state and passed to the learner, replay, monitor and metrics (nothing else asks
+    ``parallel_state``). Groups are None where a dimension has one rank and nothing needs the
+    group.
+
+    dp: data parallel (ranks that hold different data); tp: tensor; pp: pipeline; ep: expert;
+    etp: expert-tensor; edp: expert-data parallel (the ranks that hold the same experts);
+    tp_dp: tensor x data (under sequence parallelism TP ranks route disjoint positions, so
+    routing statistics sum over both); mp: model parallel (tensor x pipeline: the ranks that must
+    be given the same batch)."""
+
     rank: int
     world_size: int
     local_rank: int
-    dp_rank: int
-    dp_size: int
-    ep_rank: int
-    ep_size: int
     device: torch.device
+    dp_rank: int = 0
+    dp_size: int = 1
     tp_rank: int = 0
     tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    ep_rank: int = 0
+    ep_size: int = 1
+    etp_rank: int = 0
+    etp_size: int = 1
+    dp_group: Any = None
+    tp_group: Any = None
+    pp_group: Any = None
+    ep_group: Any = None
+    etp_group: Any = None
+    edp_group: Any = None
+    tp_dp_group: Any = None
+    mp_group: Any = None
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @classmethod
+    def from_parallel_state(cls) -> ParallelDims:
+        """The dimensions megatron's ``initialize_model_parallel`` set up on this rank."""
+        from megatron.core import parallel_state as ps
+
+        cuda = torch.cuda.is_available() and dist.get_backend() == "nccl"
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
+        return cls(
+            rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
+            device=torch.device("cuda", local_rank) if cuda else torch.device("cpu"),
+            dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
+            tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp,
+            pp_rank=ps.get_pipeline_model_parallel_rank(), pp_size=pp,
+            ep_rank=ps.get_expert_model_parallel_rank(), ep_size=ps.get_expert_model_parallel_world_size(),
+            etp_rank=ps.get_expert_tensor_parallel_rank(), etp_size=ps.get_expert_tensor_parallel_world_size(),
+            dp_group=ps.get_data_parallel_group(), tp_group=ps.get_tensor_model_parallel_group(),
+            pp_group=ps.get_pipeline_model_parallel_group() if pp > 1 else None,
+            ep_group=ps.get_expert_model_parallel_group(), etp_group=ps.get_expert_tensor_parallel_group(),
+            edp_group=ps.get_expert_data_parallel_group(),
+            tp_dp_group=ps.get_tensor_and_data_parallel_group(),
+            mp_group=ps.get_model_parallel_group() if tp * pp > 1 else None,
+        )
 
 
 def setup_logging(rank: int) -> None:
@@ -42,7 +94,7 @@ def setup_logging(rank: int) -> None:
     logging.getLogger("megatron").setLevel(logging.WARNING)
 
 
-def init_distributed(par: ParallelConfig, seed: int) -> DistContext:
+def init_distributed(par: ParallelConfig, seed: int) -> ParallelDims:
     """Start the default group from torchrun/elastic env vars and megatron's model-parallel groups.
 
     Must run after megatron_patches.apply_all() on CPU."""
@@ -71,13 +123,7 @@ def init_distributed(par: ParallelConfig, seed: int) -> DistContext:
     # forks per-rank expert and tensor-parallel streams from the same seed.
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
-    return DistContext(
-        rank=dist.get_rank(), world_size=world, local_rank=local_rank,
-        dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
-        ep_rank=ps.get_expert_model_parallel_rank(), ep_size=ps.get_expert_model_parallel_world_size(),
-        device=torch.device("cuda", local_rank) if cuda else torch.device("cpu"),
-        tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=ps.get_tensor_model_parallel_world_size(),
-    )
+    return ParallelDims.from_parallel_state()
 
 
 def shutdown() -> None:

@@ -30,9 +30,9 @@ def run_worker(cfg: RunConfig) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     dist.setup_logging(int(os.environ.get("RANK", "0")))
     megatron_patches.apply_all()
-    ctx = dist.init_distributed(cfg.parallel, cfg.seed)
+    dims = dist.init_distributed(cfg.parallel, cfg.seed)
     try:
-        trainer.train(cfg, ctx)
+        trainer.train(cfg, dims)
     finally:
         dist.shutdown()
 

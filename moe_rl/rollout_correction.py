@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -18,7 +19,7 @@ from moe_rl.corrections.importance import is_batch_mean_parts, is_weights, rejec
 from moe_rl.corrections.dvp import RestrictedLogprobs, dvp_metrics, restricted_logprobs
 from moe_rl.corrections.trm import sample_kl_tokens, trm_mask
 from moe_rl.losses import bypass_loss, decoupled_ppo_loss, log_ratio
-from moe_rl.types import RolloutBatch
+from moe_rl.types import RolloutBatch, TokenStats, TrainBatch
 
 
 def _trm(cc: CorrectionConfig, train_logp_BS: torch.Tensor, rollout_logp_BS: torch.Tensor,
@@ -37,33 +38,46 @@ def _trm(cc: CorrectionConfig, train_logp_BS: torch.Tensor, rollout_logp_BS: tor
                     avg_delta=cc.trm_avg or None, avg_kl_tok_BS=sample_kl_tokens(lr_BS, "k3"), **ln)
 
 
-def token_inputs(cc: CorrectionConfig, batch: RolloutBatch, expected_support: str) -> dict[str, torch.Tensor]:
-    """Per-token tensors the learner needs from the engine: the DVP safe sets (its log-probs are
-    then computed over the same support) and the full rollout distributions (exact-KL TRM).
+class TokenInputs(NamedTuple):
+    """Per-token tensors the learner needs from the engine (None where not configured)."""
+
+    safe_BSV: torch.Tensor | None  # DVP safe sets: the learner's log-probs use the same support
+    rollout_dist_BSV: torch.Tensor | None  # full rollout distributions (exact-KL TRM)
+
+
+class CorrectionTensors(NamedTuple):
+    """Decoupled mode's per-batch tensors (rollout -> old drift)."""
+
+    is_weights_BS: torch.Tensor | None
+    keep_BS: torch.Tensor | None
+
+
+def token_inputs(cc: CorrectionConfig, batch: RolloutBatch, expected_support: str) -> TokenInputs:
+    """The DVP safe sets and full rollout distributions the configured corrections need.
 
     Refuses a batch whose log-probs are normalised over another support than the learner's."""
     if batch.logprob_support != expected_support:
         raise ValueError(f"the rollout engine reported log-probs over support {batch.logprob_support!r} "
                          f"but the learner computes them over {expected_support!r}")
-    out = {}
+    safe_BSV = dist_BSV = None
     if cc.dvp_threshold > 0:
         if batch.safe_BSV is None:
             raise ValueError("correction.dvp_threshold is set but the engine returned no safe sets")
-        out["safe"] = batch.safe_BSV
+        safe_BSV = batch.safe_BSV
     if cc.trm_on and cc.trm_kl == "exact":
         if batch.dist_logp_BSV is None:
             raise ValueError("correction.trm_kl=exact needs the engine's full distributions (return_dist)")
-        out["rollout_dist"] = batch.dist_logp_BSV
-    return out
+        dist_BSV = batch.dist_logp_BSV
+    return TokenInputs(safe_BSV, dist_BSV)
 
 
-def dvp_batch_metrics(cc: CorrectionConfig, batch: RolloutBatch, old) -> dict:
+def dvp_batch_metrics(cc: CorrectionConfig, batch: RolloutBatch, old: TokenStats) -> dict:
     """Pruned tail mass, sampled-outside fraction, safe-set size, k3 before and after pruning."""
     if cc.dvp_threshold <= 0:
         return {}
     outside_BS1 = ~batch.response_mask_BS[..., None]  # prompt/pad positions: no distribution, no NaN
     safe_BSV = batch.safe_BSV | outside_BS1
-    train = RestrictedLogprobs(old.logp, old.extra["full_logp"], old.extra["log_safe_mass"],
+    train = RestrictedLogprobs(old.logp_BS, old.full_logp_BS, old.log_safe_mass_BS,
                                batch.response_mask_BS.clone())
     if batch.dist_logp_BSV is not None:
         rollout = restricted_logprobs(batch.dist_logp_BSV, safe_BSV, batch.tokens_BS)
@@ -83,12 +97,12 @@ ROLLOUT_DIST_METRICS = ("corr/dvp_pruned_mass", "corr/dvp_pruned_mass_max", "cor
 
 def prepare(cc: CorrectionConfig, old_logp_BS: torch.Tensor, rollout_logp_BS: torch.Tensor,
             mask_BS: torch.Tensor, dp_group, exact_kl_BS: torch.Tensor | None = None
-            ) -> tuple[dict[str, torch.Tensor], dict]:
-    """Decoupled mode's per-batch tensors (rollout -> old drift): "is_weights" and "keep"."""
-    out: dict[str, torch.Tensor] = {}
+            ) -> tuple[CorrectionTensors, dict]:
+    """Decoupled mode's per-batch tensors (rollout -> old drift): IS weights and the keep mask."""
     metrics: dict = {}
+    is_weights_BS = None
     if cc.mode != "decoupled":
-        return out, metrics
+        return CorrectionTensors(None, None), metrics
     lr_BS = log_ratio(old_logp_BS, rollout_logp_BS)
     if cc.is_level != "none":
         norm_mean = None
@@ -98,7 +112,7 @@ def prepare(cc: CorrectionConfig, old_logp_BS: torch.Tensor, rollout_logp_BS: to
             if dist.is_initialized():
                 dist.all_reduce(parts, group=dp_group)
             norm_mean = float(parts[0] / parts[1].clamp(min=1))
-        out["is_weights"], m = is_weights(lr_BS, mask_BS, cc.is_level, cc.is_clip,
+        is_weights_BS, m = is_weights(lr_BS, mask_BS, cc.is_level, cc.is_clip,
                                           batch_normalize=cc.is_batch_normalize, norm_mean=norm_mean)
         metrics.update(m)
     keep_BS = mask_BS.bool()
@@ -110,8 +124,7 @@ def prepare(cc: CorrectionConfig, old_logp_BS: torch.Tensor, rollout_logp_BS: to
         keep_B, m = _trm(cc, old_logp_BS, rollout_logp_BS, mask_BS, exact_kl_BS)
         keep_BS = keep_BS & keep_B[:, None]
         metrics.update(m)
-    out["keep"] = keep_BS
-    return out, metrics
+    return CorrectionTensors(is_weights_BS, keep_BS), metrics
 
 
 def loss_fn(cc: CorrectionConfig, a: AlgoConfig) -> Callable:
@@ -119,24 +132,25 @@ def loss_fn(cc: CorrectionConfig, a: AlgoConfig) -> Callable:
     rejection, as TRM requires) comes from the learner."""
     clip_c = cc.dual_clip_c or None
 
-    def loss(mb, logp_BS, entropy_BS, normalizer):
+    def loss(mb: TrainBatch, st: TokenStats, normalizer):
         keep = None
         metrics: dict = {}
+        logp_BS = st.logp_BS
         if cc.trm_on and cc.trm_reference == "theta":  # the paper's guarantee: against pi_theta
-            keep, metrics = _trm(cc, logp_BS, mb["rollout_logp"], mb["loss_mask"], mb.get("exact_kl"))
+            keep, metrics = _trm(cc, logp_BS, mb.rollout_logp_BS, mb.loss_mask_BS, st.exact_kl_BS)
         if cc.mode == "bypass":
-            value, m = bypass_loss(logp_BS, mb["rollout_logp"], mb["advantages"], mb["loss_mask"],
+            value, m = bypass_loss(logp_BS, mb.rollout_logp_BS, mb.advantages_BS, mb.loss_mask_BS,
                                    mode=cc.bypass_loss, normalizer=normalizer, clip_low=a.clip_low,
                                    clip_high=a.clip_high, clip_ratio_c=clip_c,
                                    is_level=None if cc.is_level == "none" else cc.is_level, is_clip_max=cc.is_clip,
                                    rs_options=list(cc.rs), rs_bounds=cc.bounds, keep=keep,
-                                   ref_logp_BS=mb.get("ref_logp"), kl_coef=a.kl_coef, kl_kind=a.kl_estimator)
+                                   ref_logp_BS=mb.ref_logp_BS, kl_coef=a.kl_coef, kl_kind=a.kl_estimator)
             return value, {**metrics, **m}
-        keep_BS = mb["keep"] if keep is None else mb["keep"] & keep[:, None]
-        value, m = decoupled_ppo_loss(logp_BS, mb["old_logp"], mb["advantages"], mb["loss_mask"],
+        keep_BS = mb.keep_BS if keep is None else mb.keep_BS & keep[:, None]
+        value, m = decoupled_ppo_loss(logp_BS, mb.old_logp_BS, mb.advantages_BS, mb.loss_mask_BS,
                                       clip_low=a.clip_low, clip_high=a.clip_high, normalizer=normalizer,
-                                      is_weights_BS=mb.get("is_weights"), keep=keep_BS, clip_ratio_c=clip_c,
-                                      ref_logp_BS=mb.get("ref_logp"), kl_coef=a.kl_coef, kl_kind=a.kl_estimator)
+                                      is_weights_BS=mb.is_weights_BS, keep=keep_BS, clip_ratio_c=clip_c,
+                                      ref_logp_BS=mb.ref_logp_BS, kl_coef=a.kl_coef, kl_kind=a.kl_estimator)
         return value, {**metrics, **m}
 
     return loss

@@ -5,16 +5,23 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from pathlib import Path
 
-from moe_rl import rl
+from tqdm import tqdm
+
+from moe_rl.checkpointing import CheckpointManager
 from moe_rl.config import RunConfig, check_launch, to_dict, to_yaml
-from moe_rl.dist import DistContext
+from moe_rl.dist import ParallelDims
 from moe_rl.learner import checkpoint
 from moe_rl.learner.learner import Learner
 from moe_rl.lr import LengthLRScheduler
 from moe_rl.metrics import MetricsWriter, reduce_metrics
+from moe_rl.policy_update import finalize, learning_rate, update
+from moe_rl.prepare import prepare, response_ids, rollout_metrics
+from moe_rl.rollout.factory import build_engine, sampling_params
+from moe_rl.routing.plan import ReplayPlan
+from moe_rl.seeding import GENERATE, PROMPTS, step_seed
+from moe_rl.timing import StepTimer
 from moe_rl.tasks import CharTokenizer, build_prompt_source, score
 from moe_rl.warmstart import load_init_weights
 
@@ -51,49 +58,54 @@ def preflight(cfg: RunConfig, check_run_dir: bool = True) -> RunConfig:
     return cfg
 
 
-def train(cfg: RunConfig, ctx: DistContext) -> None:
+def progress(cfg: RunConfig, start: int, dims: ParallelDims) -> tqdm:
+    return tqdm(total=cfg.steps, initial=start, desc="rl", unit="step", dynamic_ncols=True,
+                disable=not (dims.is_main and cfg.log.progress_bar))
+
+
+def train(cfg: RunConfig, dims: ParallelDims) -> None:
     tok = CharTokenizer()
     cfg = resolve(cfg, tok)
-    run_dir, t, r = Path(cfg.run_dir), cfg.task, cfg.rollout
+    run_dir, t, r, a = Path(cfg.run_dir), cfg.task, cfg.rollout, cfg.algo
+    plan = ReplayPlan.from_config(cfg.routing.replay, cfg.routing.replay_reference, cfg.log.router_monitor)
     source = build_prompt_source(t.tasks, t.min_len, t.max_len, t.dataset, t.reward, tok)
     init = load_init_weights(cfg.init_weights, cfg.model, tok)
-    learner = Learner(cfg.model, cfg.parallel, cfg.optim, ctx, init, with_reference=cfg.algo.kl_coef > 0,
+    learner = Learner(cfg.model, cfg.parallel, cfg.optim, dims, init, with_reference=a.kl_coef > 0,
                       monitor=cfg.log.router_monitor, monitor_margin_eps=cfg.log.router_margin_eps)
-    engine, lr_sched = rl.build_engine(cfg, tok), LengthLRScheduler(cfg.optim.length_lr)
-    start = rl.maybe_resume(cfg, learner, run_dir, lr_sched)
+    engine, lr_sched = build_engine(cfg, tok.pad_id), LengthLRScheduler(cfg.optim.length_lr)
+    ckpt = CheckpointManager(cfg, learner, lr_sched)
+    start = ckpt.resume()
     engine.load_weights(learner.export_canonical())
-    if ctx.is_main:
+    if dims.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(to_yaml(cfg))
     writer = MetricsWriter(run_dir, to_dict(cfg), cfg.log.wandb_mode, cfg.log.wandb_project,
-                           ctx.rank, resume_step=start if cfg.resume else None)
-    bar = rl.progress(cfg, start, ctx)
+                           dims.rank, resume_step=start if cfg.resume else None)
+    bar, sampling = progress(cfg, start, dims), sampling_params(cfg, (tok.eos_id,))
     for step in range(start, cfg.steps):
-        t0 = time.perf_counter()
-        prompts = source.sample(r.prompts_per_step // ctx.dp_size, seed=rl.step_seed(cfg.seed, step, ctx.dp_rank, 0))
-        batch = engine.generate([p.prompt_ids for p in prompts], r.samples_per_prompt, rl.sampling(cfg, tok),
-                                seed=rl.step_seed(cfg.seed, step, ctx.dp_rank, 1))
-        t_roll = time.perf_counter()
-        rewards_B, m_reward = score(prompts, rl.response_ids(batch, tok.pad_id), tok, r.samples_per_prompt,
-                                    task_names=source.task_names)
-        train_batch, m_old = rl.prepare(cfg, learner, batch, rewards_B)
-        lr, m_lr, events = rl.learning_rate(cfg, lr_sched, step, batch, learner.dp_group)
-        t_old = time.perf_counter()
-        m_update = rl.update(cfg, learner, train_batch, lr)
-        t_upd = time.perf_counter()
-        engine.load_weights(learner.export_canonical())  # weight sync learner -> engine
-        t_end = time.perf_counter()
-        times = {"time/rollout_s": t_roll - t0, "time/old_logprob_s": t_old - t_roll,
-                 "time/update_s": t_upd - t_old, "time/sync_s": t_end - t_upd, "time/step_s": t_end - t0}
+        timer = StepTimer()
+        with timer.phase("rollout"):
+            prompts = source.sample(r.prompts_per_step // dims.dp_size,
+                                    seed=step_seed(cfg.seed, step, dims.dp_rank, PROMPTS))
+            batch = engine.generate([p.prompt_ids for p in prompts], r.samples_per_prompt, sampling,
+                                    seed=step_seed(cfg.seed, step, dims.dp_rank, GENERATE))
+        with timer.phase("old_logprob"):
+            rewards_B, m_reward = score(prompts, response_ids(batch, tok.pad_id), tok, r.samples_per_prompt,
+                                        task_names=source.task_names)
+            train_batch, m_old = prepare(cfg, plan, learner, batch, rewards_B)
+            lr, m_lr, events = learning_rate(cfg, lr_sched, step, batch, dims.dp_group)
+        with timer.phase("update"):
+            m_update = update(cfg, plan, learner, train_batch, lr)
+        with timer.phase("sync"):
+            engine.load_weights(learner.export_canonical())  # weight sync learner -> engine
         # over data-parallel ranks: tensor-parallel peers hold the same batch and the same metrics
-        metrics = rl.finalize(reduce_metrics({**m_reward, **m_old, **m_update, **m_lr, **rl.rollout_metrics(batch),
-                                              **times}, group=learner.dp_group))
+        metrics = finalize(reduce_metrics({**m_reward, **m_old, **m_update, **m_lr, **rollout_metrics(batch),
+                                           **timer.metrics()}, group=dims.dp_group))
         writer.log(step, metrics)
         writer.log_events(events)
         bar.update(1)
         bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", step_s=f"{metrics['time/step_s']:.2f}")
-        if (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0) or step + 1 == cfg.steps:
-            checkpoint.save(learner, run_dir / "checkpoints", step + 1,
-                            {"seed": cfg.seed, "length_lr": lr_sched.state_dict()})
+        if ckpt.due(step):
+            ckpt.save(step)
     bar.close()
     writer.close()

@@ -11,9 +11,13 @@ under softmax(logits / temperature) over the full vocabulary; it is only meaning
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
+
+from moe_rl.routing.record import RouteBatch
 
 
 @dataclass(frozen=True)
@@ -65,3 +69,99 @@ class RolloutBatch:
     @property
     def num_seqs(self) -> int:
         return int(self.tokens_BS.shape[0])
+
+
+@dataclass(frozen=True)
+class TrainBatch:
+    """What the learner's passes consume, built once per step by ``moe_rl.prepare`` and never
+    mutated: minibatches (``select``) and micro-batches (``micro_batches``) are new batches.
+
+    Every per-token tensor is [B, S] (``*_BSV``: [B, S, V]) in the token layout above; fields a
+    pass does not need stay None. A log-prob pass needs ``tokens_BS`` and ``seq_lens_B`` (and
+    the DVP / exact-KL inputs when set); an update also the loss inputs.
+
+    routes: the routes the pass replays (R3: the rollout's, R2: the old pass's), or None.
+    old_routes: the old-log-prob pass's native routes, only compared with (the monitor's
+        update-induced flips). Route records stay on the CPU: they are laid out per micro-batch
+        and the layout is moved to the router's device (``routing/replay.py``).
+    """
+
+    tokens_BS: torch.Tensor
+    seq_lens_B: torch.Tensor  # int64 [B], prompt + response tokens
+    loss_mask_BS: torch.Tensor | None = None  # bool, the tokens the loss counts
+    old_logp_BS: torch.Tensor | None = None
+    advantages_BS: torch.Tensor | None = None
+    rollout_logp_BS: torch.Tensor | None = None
+    is_weights_BS: torch.Tensor | None = None  # decoupled rollout IS weights
+    keep_BS: torch.Tensor | None = None  # rejection / TRM keep mask (decoupled)
+    ref_logp_BS: torch.Tensor | None = None  # reference policy (KL term)
+    safe_BSV: torch.Tensor | None = None  # bool, the engine's DVP safe sets
+    rollout_dist_BSV: torch.Tensor | None = None  # rollout log-probs over the vocabulary (exact-KL TRM)
+    routes: RouteBatch | None = None
+    old_routes: RouteBatch | None = None
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.tokens_BS.shape[0])
+
+    def replace(self, **changes) -> TrainBatch:
+        return dataclasses.replace(self, **changes)
+
+    def _map(self, per_token, per_seq, per_routes) -> TrainBatch:
+        out = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if v is None:
+                out[f.name] = None
+            elif isinstance(v, RouteBatch):
+                out[f.name] = per_routes(v)
+            else:
+                out[f.name] = per_token(v) if v.dim() >= 2 else per_seq(v)
+        return TrainBatch(**out)
+
+    def select(self, idx_B: torch.Tensor) -> TrainBatch:
+        """The sequences ``idx_B`` (in that order)."""
+        cpu_B = idx_B.cpu()
+        return self._map(lambda v: v[idx_B.to(v.device)], lambda v: v[idx_B.to(v.device)],
+                         lambda r: r.select(cpu_B))
+
+    def to(self, device: torch.device | str) -> TrainBatch:
+        """Every tensor on ``device`` (no copy where it is already there); routes stay on the CPU."""
+        return self._map(lambda v: v.to(device), lambda v: v.to(device), lambda r: r)
+
+    def micro_batches(self, size: int, token_multiple: int = 1, seq_multiple: int = 1) -> list[TrainBatch]:
+        """Consecutive groups of ``size`` sequences, each trimmed to its longest sequence, then
+        padded so that B * S is a multiple of ``token_multiple`` (TE's FP8 GEMMs need 16) and S a
+        multiple of ``seq_multiple`` (sequence parallelism splits S over the TP ranks). Padding
+        is zeros: out of every mask, and pad routes in the replay layout."""
+        out = []
+        lens = self.seq_lens_B.tolist()  # one host sync per pass: slicing needs Python ints
+        for start in range(0, len(lens), size):
+            chunk = lens[start:start + size]
+            s_max, b = max(chunk), len(chunk)
+            step = math.lcm(token_multiple // math.gcd(b, token_multiple), seq_multiple)  # S is a multiple of it
+            extra = -(-s_max // step) * step - s_max
+            idx_B = torch.arange(start, start + b)
+
+            def positions(v: torch.Tensor) -> torch.Tensor:
+                v = v[start:start + b, :s_max]
+                return torch.nn.functional.pad(v, [0, 0] * (v.dim() - 2) + [0, extra]) if extra else v
+
+            out.append(self._map(positions, lambda v: v[start:start + b], lambda r: r.select(idx_B)))
+        return out
+
+
+@dataclass(frozen=True)
+class TokenStats:
+    """Per-token outputs of a log-prob pass, each [B, S] (column t: the distribution of token t)."""
+
+    logp_BS: torch.Tensor  # over the full vocabulary, or over the DVP safe set when one is given
+    entropy_BS: torch.Tensor
+    sum_pi_sq_BS: torch.Tensor
+    full_logp_BS: torch.Tensor | None = None  # DVP: over the full vocabulary
+    log_safe_mass_BS: torch.Tensor | None = None  # DVP: log of the safe set's probability mass
+    exact_kl_BS: torch.Tensor | None = None  # KL(pi_rollout || pi_learner), from the rollout's distributions
+
+    def fields(self) -> dict[str, torch.Tensor]:
+        """The statistics that were computed, by field name."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}

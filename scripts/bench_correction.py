@@ -51,6 +51,7 @@ def correction_cost_s(preset: list[str], reps: int = 20) -> float:
 
     from moe_rl import rollout_correction
     from moe_rl.config import load_config
+    from moe_rl.types import TokenStats, TrainBatch
 
     cfg = load_config(preset[0] if preset else None)
     g = torch.Generator().manual_seed(0)
@@ -58,14 +59,17 @@ def correction_cost_s(preset: list[str], reps: int = 20) -> float:
     mask = torch.rand(B, S, generator=g) > 0.5
     rollout = -torch.rand(B, S, generator=g)
     old = rollout + 0.05 * torch.randn(B, S, generator=g)
-    mb = {"loss_mask": mask, "old_logp": old, "rollout_logp": rollout, "advantages": torch.randn(B, S, generator=g)}
+    mb = TrainBatch(torch.zeros(B, S, dtype=torch.int64), torch.full((B,), S), loss_mask_BS=mask, old_logp_BS=old,
+                    rollout_logp_BS=rollout, advantages_BS=torch.randn(B, S, generator=g))
 
     def one(c) -> float:
         t0 = time.perf_counter()
         for _ in range(reps):
-            extra, _ = rollout_correction.prepare(c.correction, old, rollout, mask, None)
+            corr, _ = rollout_correction.prepare(c.correction, old, rollout, mask, None)
             logp = old.clone().requires_grad_(True)
-            loss, _ = rollout_correction.loss_fn(c.correction, c.algo)({**mb, **extra}, logp, None, mask.sum())
+            st = TokenStats(logp, torch.zeros_like(logp), torch.zeros_like(logp))
+            loss, _ = rollout_correction.loss_fn(c.correction, c.algo)(
+                mb.replace(is_weights_BS=corr.is_weights_BS, keep_BS=corr.keep_BS), st, mask.sum())
             loss.backward()
         return (time.perf_counter() - t0) / reps
 

@@ -21,9 +21,13 @@ def _measure(args) -> list[dict]:
     import torch
 
     import megatron_patches
-    from moe_rl import dist, rl
+    from moe_rl import dist
     from moe_rl.config import LogConfig, RunConfig
     from moe_rl.learner.learner import Learner
+    from moe_rl.policy_update import update
+    from moe_rl.prepare import prepare, response_ids
+    from moe_rl.rollout.factory import build_engine, sampling_params
+    from moe_rl.routing.plan import ReplayPlan
     from moe_rl.tasks import CharTokenizer, build_prompt_source, score
     from moe_rl.trainer import resolve
     from moe_rl.warmstart import load_init_weights
@@ -34,19 +38,21 @@ def _measure(args) -> list[dict]:
     cfg_on = resolve(RunConfig(), tok)
     cfg_off = dataclasses.replace(cfg_on, log=LogConfig(router_monitor=False))
     ctx = dist.init_distributed(cfg_on.parallel, seed=0)
-    learner = Learner(cfg_on.model, cfg_on.parallel, cfg_on.optim, ctx,
-                      load_init_weights(cfg_on.init_weights, cfg_on.model, tok))
-    monitor = learner.monitor
-    engine = rl.build_engine(cfg_on, tok)
+    init = load_init_weights(cfg_on.init_weights, cfg_on.model, tok)
+    learners = {name: Learner(cfg_on.model, cfg_on.parallel, cfg_on.optim, ctx, init, monitor=name == "on")
+                for name in ("on", "off")}  # the same weights; lr 0 keeps them the same
+    plans = {name: ReplayPlan.from_config("off", True, name == "on") for name in ("on", "off")}
+    learner, monitor = learners["on"], learners["on"].monitor
+    engine = build_engine(cfg_on, tok.pad_id)
     engine.load_weights(learner.export_canonical())
     t, r = cfg_on.task, cfg_on.rollout
     source = build_prompt_source(t.tasks, t.min_len, t.max_len, "", t.reward, tok)
     prompts = source.sample(args.prompts, seed=ctx.dp_rank)
     t0 = time.perf_counter()
-    batch = engine.generate([p.prompt_ids for p in prompts], r.samples_per_prompt, rl.sampling(cfg_on, tok),
+    batch = engine.generate([p.prompt_ids for p in prompts], r.samples_per_prompt, sampling_params(cfg_on, (tok.eos_id,)),
                             seed=ctx.dp_rank)
     rollout_s = time.perf_counter() - t0
-    rewards_B, _ = score(prompts, rl.response_ids(batch, tok.pad_id), tok, r.samples_per_prompt,
+    rewards_B, _ = score(prompts, response_ids(batch, tok.pad_id), tok, r.samples_per_prompt,
                          task_names=source.task_names)
     # the monitor's own code, timed directly (robust to other load on the machine): its hooks,
     # the update passes' comparison with the old pass's routes, and the once-per-step reduction
@@ -63,18 +69,17 @@ def _measure(args) -> list[dict]:
 
     monitor.observe_forward, monitor.observe_grad = timed(monitor.observe_forward), timed(monitor.observe_grad)
     learner.router_monitor_metrics = timed(learner.router_monitor_metrics)
-    learner.replay._agreement = timed(learner.replay._agreement)
+    learner.replay.collector.finish = timed(learner.replay.collector.finish)
     times: dict[str, list[float]] = {"on": [], "off": []}
     own: list[float] = []
     for rep in range(args.reps + 1):
         for name in ("on", "off") if rep % 2 == 0 else ("off", "on"):
             cfg = cfg_on if name == "on" else cfg_off
-            learner.monitor = learner.replay.monitor = monitor if name == "on" else None
             torch.distributed.barrier()
             inside[0] = 0.0
             t0 = time.perf_counter()
-            tb, _ = rl.prepare(cfg, learner, batch, rewards_B)
-            m = rl.update(cfg, learner, tb, lr=0.0)
+            tb, _ = prepare(cfg, plans[name], learners[name], batch, rewards_B)
+            m = update(cfg, plans[name], learners[name], tb, lr=0.0)
             torch.distributed.barrier()
             if rep:  # the first round warms up
                 times[name].append(time.perf_counter() - t0)

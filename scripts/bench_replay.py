@@ -27,8 +27,11 @@ def _measure(args) -> list[dict]:
     from moe_rl.config import ParallelConfig, RunConfig
     from moe_rl.learner.learner import Learner
     from moe_rl.losses import kl_estimate
-    from moe_rl.rl import rollout_routes, sampling
+    from moe_rl.prepare import rollout_routes
     from moe_rl.rollout.builtin import BuiltinEngine
+    from moe_rl.rollout.factory import sampling_params
+    from moe_rl.routing.plan import PassMode, PassPlan
+    from moe_rl.types import TrainBatch
     from moe_rl.tasks import CharTokenizer, build_prompt_source
     from moe_rl.trainer import resolve
     from moe_rl.warmstart import load_init_weights
@@ -43,35 +46,51 @@ def _measure(args) -> list[dict]:
     engine.load_weights(learner.export_canonical())
     t = cfg.task
     prompts = build_prompt_source(t.tasks, t.min_len, t.max_len, "", t.reward, tok).sample(args.prompts, seed=ctx.dp_rank)
-    batch = engine.generate([p.prompt_ids for p in prompts], 4, sampling(cfg, tok), seed=ctx.dp_rank)
+    batch = engine.generate([p.prompt_ids for p in prompts], 4, sampling_params(cfg, (tok.eos_id,)), seed=ctx.dp_rank)
     routes = rollout_routes(batch, learner.route_header)
     seq_lens_B = batch.prompt_lens_B + batch.response_lens_B
     m = batch.response_mask_BS
     res = {"bytes_per_token": routes.ids_NLK.element_size() * routes.ids_NLK.shape[1] * routes.ids_NLK.shape[2],
            "L_moe": routes.ids_NLK.shape[1], "K": routes.ids_NLK.shape[2], "E": cfg.model.num_experts}
-    for name, mode in (("off", "observe"), ("r3", "replay")):
-        logp_BS = learner.forward_logprobs(batch.tokens_BS, seq_lens_B, 1.0, 64, routes=routes, replay_mode=mode).logp
-        native = {k: v for k, v in learner.replay.metrics().items() if "/layer" not in k}
+    tb = TrainBatch(batch.tokens_BS, seq_lens_B, loss_mask_BS=m, routes=routes)
+    for name, mode in (("off", PassMode.OBSERVE), ("r3", PassMode.REPLAY)):
+        out = learner.forward_logprobs(tb, 1.0, 64, PassPlan(mode))
+        logp_BS = out.stats.logp_BS
+        native = {k: v for k, v in out.routing.metrics.items() if "/layer" not in k}
         lr = (logp_BS - batch.logprobs_BS)[m]
         k3 = kl_estimate(batch.logprobs_BS, logp_BS, "k3")[m]
         res[name] = {"k3_sum": float(k3.sum()), "f2_sum": float((lr.abs() > math.log(2)).sum()), "n": int(m.sum()),
                      "native": {k: [float(v.sum), float(v.count)] for k, v in native.items()}}
 
-    def nll(mb, logp_BS, entropy_BS, normalizer):
-        return -(logp_BS * mb["loss_mask"]).sum() / normalizer, {}
+    def nll(mb, st, normalizer):
+        return -(st.logp_BS * mb.loss_mask_BS).sum() / normalizer, {}
 
-    tb = {"tokens": batch.tokens_BS, "loss_mask": m, "routes": routes}
-    times = {"off": [], "r3": []}
+    # the agreement metrics' own cost (once per pass, after the schedule), timed directly
+    collector, inside = learner.replay.collector, [0.0]
+    finish = collector.finish
+
+    def timed_finish():
+        t0 = time.perf_counter()
+        try:
+            return finish()
+        finally:
+            inside[0] += time.perf_counter() - t0
+
+    collector.finish = timed_finish
+    times, metrics_s = {"off": [], "r3": []}, []
     for rep in range(args.reps + 1):
         for name in ("off", "r3") if rep % 2 == 0 else ("r3", "off"):
-            mb = tb if name == "r3" else {k: v for k, v in tb.items() if k != "routes"}
+            mb = tb if name == "r3" else tb.replace(routes=None)
             torch.distributed.barrier()
+            inside[0] = 0.0
             t0 = time.perf_counter()
-            learner.update(mb, seq_lens_B, nll, 1.0, 64, 0.0, "replay" if name == "r3" else None)
+            learner.update(mb, nll, 1.0, 64, 0.0, PassPlan(PassMode.REPLAY) if name == "r3" else None)
             torch.distributed.barrier()
             if rep:  # the first round warms up
                 times[name].append(time.perf_counter() - t0)
-    res["step_s"] = times
+                if name == "r3":
+                    metrics_s.append(inside[0])
+    res["step_s"], res["metrics_s"] = times, metrics_s
     gathered = [None] * ctx.world_size
     torch.distributed.all_gather_object(gathered, res)
     dist.shutdown()
@@ -110,6 +129,9 @@ def _report(ranks: list[dict], noise: float) -> None:
     off = statistics.median(t for r in ranks for t in r["step_s"]["off"])
     r3 = statistics.median(t for r in ranks for t in r["step_s"]["r3"])
     print(f"\n(b) learner update step: off {off * 1e3:.1f} ms, r3 {r3 * 1e3:.1f} ms, ratio r3/off {r3 / off:.3f}")
+    metrics = statistics.median(t for r in ranks for t in r["metrics_s"])
+    print(f"    of which the agreement metrics (once per pass, timed directly): {metrics * 1e3:.1f} ms; "
+          f"forcing the routes: {(r3 - off - metrics) * 1e3:.1f} ms")
     print(f"\n(c) route bytes per token: {r0['bytes_per_token']} (L_moe x K x 1 byte = {r0['L_moe'] * r0['K']})")
 
 

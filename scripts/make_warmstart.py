@@ -27,7 +27,9 @@ def sft_batch(prompts, tok, device="cpu"):
     prompt_lens_B = torch.tensor([len(p.prompt_ids) for p in prompts])
     pos_S = torch.arange(tokens_BS.shape[1])
     mask_BS = (pos_S[None] >= prompt_lens_B[:, None]) & (pos_S[None] < lens_B[:, None])
-    return {"tokens": tokens_BS, "loss_mask": mask_BS}, lens_B
+    from moe_rl.types import TrainBatch
+
+    return TrainBatch(tokens_BS, lens_B, loss_mask_BS=mask_BS)
 
 
 def main() -> None:
@@ -49,7 +51,8 @@ def main() -> None:
     from moe_rl import dist
     from moe_rl.config import ParallelConfig, RunConfig
     from moe_rl.learner.learner import Learner
-    from moe_rl.rl import response_ids, sampling
+    from moe_rl.prepare import response_ids
+    from moe_rl.rollout.factory import sampling_params
     from moe_rl.rollout.builtin import BuiltinEngine
     from moe_rl.tasks import CharTokenizer, build_prompt_source, score
     from moe_rl.trainer import resolve
@@ -69,14 +72,13 @@ def main() -> None:
     learner = Learner(cfg.model, par, cfg.optim, ctx)
     engine = BuiltinEngine(cfg.model, dtype="fp32", pad_id=tok.pad_id)
 
-    def loss(mb, logp_BS, entropy_BS, normalizer):
-        m = mb["loss_mask"]
-        return -((logp_BS + args.entropy_bonus * entropy_BS) * m).sum() / normalizer, {}
+    def loss(mb, st, normalizer):
+        return -((st.logp_BS + args.entropy_bonus * st.entropy_BS) * mb.loss_mask_BS).sum() / normalizer, {}
 
     def evaluate(step: int, greedy: bool) -> float:
         engine.load_weights(learner.export_canonical())
         prompts = source.sample(256, seed=10_000_000 + step)
-        sp = sampling(cfg, tok)
+        sp = sampling_params(cfg, (tok.eos_id,))
         sp = dataclasses.replace(sp, top_k=1) if greedy else sp
         batch = engine.generate([p.prompt_ids for p in prompts], 1, sp, seed=step)
         rewards_B, _ = score(prompts, response_ids(batch, tok.pad_id), tok, 1)
@@ -85,8 +87,8 @@ def main() -> None:
     t0 = time.perf_counter()
     sampled, greedy, step = evaluate(0, False), evaluate(0, True), 0
     while (sampled < args.target or greedy < args.target_greedy) and step < args.max_steps:
-        mb, lens_B = sft_batch(source.sample(args.batch, seed=args.seed * 1_000_000 + step), tok)
-        learner.update(mb, lens_B, loss, 1.0, args.batch, args.lr)
+        mb = sft_batch(source.sample(args.batch, seed=args.seed * 1_000_000 + step), tok)
+        learner.update(mb, loss, 1.0, args.batch, args.lr)
         step += 1
         if step % args.eval_every == 0:
             sampled, greedy = evaluate(step, False), evaluate(step, True)

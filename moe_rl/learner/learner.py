@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -38,7 +38,7 @@ import torch.distributed as dist
 from moe_rl.config import ModelConfig, OptimConfig, ParallelConfig
 from moe_rl.corrections.dvp import restricted_logprobs
 from moe_rl.corrections.trm import exact_kl_tokens
-from moe_rl.dist import DistContext, comm_device
+from moe_rl.dist import ParallelDims, comm_device
 from moe_rl.learner import setup
 from moe_rl.learner.logprobs import (
     token_logprobs_energy,
@@ -53,54 +53,32 @@ from moe_rl.learner.weights import (
     tp_split_dim,
 )
 from moe_rl.monitor.router_grad import RouterGradMonitor
-from moe_rl.routing.record import RouteBatch, RouteHeader
-from moe_rl.routing.replay import RouteReplay
+from moe_rl.routing.plan import PassPlan
+from moe_rl.routing.record import RouteHeader
+from moe_rl.routing.replay import RouteReplay, RoutingOutcome, SeqShard
+from moe_rl.types import TokenStats, TrainBatch
 
 log = logging.getLogger(__name__)
 
-# loss_fn(micro_batch, logp_BS, entropy_BS, normalizer) -> (loss, metrics)
-LossFn = Callable[[dict[str, torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor],
-                  tuple[torch.Tensor, dict[str, Any]]]
+@dataclass(frozen=True)
+class LogprobOutput:
+    """A log-prob pass: per-token statistics, and what its routing produced."""
+
+    stats: TokenStats
+    routing: RoutingOutcome
 
 
-def _slice(v, sl: slice, s_max: int):
-    if isinstance(v, RouteBatch):
-        return v.select(torch.arange(sl.start, min(sl.stop, v.num_samples)))
-    return v[sl, :s_max] if v.dim() >= 2 else v[sl]
+@dataclass(frozen=True)
+class UpdateOutput:
+    """One optimizer step: the global gradient norm, per-micro-batch loss metrics, routing."""
+
+    grad_norm: float
+    loss_metrics: list
+    routing: RoutingOutcome
 
 
-def _pad_positions(v, extra: int):
-    if isinstance(v, RouteBatch) or v.dim() < 2 or extra == 0:
-        return v
-    return torch.nn.functional.pad(v, [0, 0] * (v.dim() - 2) + [0, extra])  # zeros: masked out, pad routes
-
-
-def split_micro_batches(batch: dict, seq_lens_B: torch.Tensor, micro_batch_size: int,
-                        token_multiple: int = 1, seq_multiple: int = 1) -> list[dict]:
-    """Split [B, S] tensors (and route records) into micro-batches along B, each trimmed to its
-    longest sequence, then padded so that B * S is a multiple of ``token_multiple`` (TE's FP8
-    GEMMs need 16) and S a multiple of ``seq_multiple`` (sequence parallelism splits S over the
-    TP ranks); every micro-batch carries its "seq_lens"."""
-    out = []
-    for start in range(0, int(seq_lens_B.shape[0]), micro_batch_size):
-        sl = slice(start, start + micro_batch_size)
-        s_max = int(seq_lens_B[sl].max())
-        b = int(seq_lens_B[sl].shape[0])
-        step = math.lcm(token_multiple // math.gcd(b, token_multiple), seq_multiple)  # S is a multiple of this
-        extra = -(-s_max // step) * step - s_max
-        mb = {k: _pad_positions(_slice(v, sl, s_max), extra) for k, v in batch.items()}
-        mb["seq_lens"] = seq_lens_B[sl]
-        out.append(mb)
-    return out
-
-
-class TokenStats(NamedTuple):
-    """Per-token outputs of a log-prob pass, each [B, S] (column t: the distribution of token t)."""
-
-    logp: torch.Tensor  # over the full vocabulary, or over the DVP safe set when one is given
-    entropy: torch.Tensor
-    sum_pi_sq: torch.Tensor
-    extra: dict  # "full_logp", "log_safe_mass" (DVP); "exact_kl" (with the rollout's distributions)
+# loss_fn(micro_batch, token_stats, normalizer) -> (loss, metrics)
+LossFn = Callable[[TrainBatch, TokenStats, torch.Tensor], tuple[torch.Tensor, dict[str, Any]]]
 
 
 class VocabShard(NamedTuple):
@@ -110,105 +88,89 @@ class VocabShard(NamedTuple):
     group: Any
 
 
-def token_stats(mb: dict, logits_BSV: torch.Tensor, temperature: float,
+def token_stats(mb: TrainBatch, logits_BSV: torch.Tensor, temperature: float,
                 vocab_shard: VocabShard | None = None) -> TokenStats:
     """What the loss and the old-log-prob pass need from a micro-batch's logits.
 
-    mb["safe"] (bool [B, S, V], the engine's DVP safe sets) restricts log-probs to the same
-    support the engine reported; mb["rollout_dist"] (float [B, S, V] rollout log-probs) adds the
-    exact per-token KL(pi_rollout || pi_learner) that TRM's exact form uses. With ``vocab_shard``
-    (TP > 1) ``logits_BSV`` is the rank's vocabulary slice; DVP and the exact KL are refused
-    there (config validation refuses them first)."""
+    ``mb.safe_BSV`` (the engine's DVP safe sets) restricts log-probs to the same support the
+    engine reported; ``mb.rollout_dist_BSV`` (rollout log-probs) adds the exact per-token
+    KL(pi_rollout || pi_learner) that TRM's exact form uses. With ``vocab_shard`` (TP > 1)
+    ``logits_BSV`` is the rank's vocabulary slice; DVP and the exact KL are refused there
+    (config validation refuses them first)."""
     if vocab_shard is None:
-        logp_BS, ent_BS, spi_BS = token_logprobs_energy(logits_BSV, mb["tokens"], temperature)
+        logp_BS, ent_BS, spi_BS = token_logprobs_energy(logits_BSV, mb.tokens_BS, temperature)
     else:
         logp_BS, ent_BS, spi_BS = token_logprobs_energy_vocab_parallel(
-            logits_BSV, mb["tokens"], temperature, vocab_shard.start, vocab_shard.group)
-    extra: dict = {}
-    if "safe" not in mb and "rollout_dist" not in mb:
-        return TokenStats(logp_BS, ent_BS, spi_BS, extra)
+            logits_BSV, mb.tokens_BS, temperature, vocab_shard.start, vocab_shard.group)
+    if mb.safe_BSV is None and mb.rollout_dist_BSV is None:
+        return TokenStats(logp_BS, ent_BS, spi_BS)
     if vocab_shard is not None:
         raise ValueError("DVP safe sets and the exact KL need full-vocabulary logits; "
                          "they are not supported with parallel.tensor_parallel > 1")
     z_BSV = logits_BSV[:, :-1].float() / temperature
     pad = logp_BS.new_zeros((logp_BS.shape[0], 1))
-    if "safe" in mb:
-        r = restricted_logprobs(z_BSV, mb["safe"][:, 1:], mb["tokens"][:, 1:])
-        extra["full_logp"], extra["log_safe_mass"] = logp_BS, torch.cat([pad, r.log_safe_mass_BS], 1)
+    full_logp_BS = log_safe_mass_BS = exact_kl_BS = None
+    if mb.safe_BSV is not None:
+        r = restricted_logprobs(z_BSV, mb.safe_BSV[:, 1:], mb.tokens_BS[:, 1:])
+        full_logp_BS, log_safe_mass_BS = logp_BS, torch.cat([pad, r.log_safe_mass_BS], 1)
         logp_BS = torch.cat([pad, torch.where(r.inside_BS, r.logp_BS, torch.zeros_like(r.logp_BS))], 1)
-    if "rollout_dist" in mb:
-        mask_BS = mb["rollout_dist"][:, 1:].ne(0).any(-1)  # generated positions carry a distribution
-        extra["exact_kl"] = torch.cat([pad, exact_kl_tokens(mb["rollout_dist"][:, 1:], z_BSV, mask_BS)], 1)
-    return TokenStats(logp_BS, ent_BS, spi_BS, extra)
-
-
-def tokens_in(mb: dict[str, torch.Tensor]) -> int:
-    return int(mb["loss_mask"].sum())
+    if mb.rollout_dist_BSV is not None:
+        mask_BS = mb.rollout_dist_BSV[:, 1:].ne(0).any(-1)  # generated positions carry a distribution
+        exact_kl_BS = torch.cat([pad, exact_kl_tokens(mb.rollout_dist_BSV[:, 1:], z_BSV, mask_BS)], 1)
+    return TokenStats(logp_BS, ent_BS, spi_BS, full_logp_BS, log_safe_mass_BS, exact_kl_BS)
 
 
 class Learner:
     """A megatron GPTModel (MoE, EP over the default group) with DDP and its optimizer."""
 
     def __init__(self, model_cfg: ModelConfig, par: ParallelConfig, optim: OptimConfig,
-                 ctx: DistContext, init_weights: dict[str, torch.Tensor] | None = None,
+                 dims: ParallelDims, init_weights: dict[str, torch.Tensor] | None = None,
                  with_reference: bool = False, monitor: bool = True, monitor_margin_eps: float = 0.1):
-        from megatron.core import parallel_state as ps
-
-        self.model_cfg, self.par, self.ctx = model_cfg, par, ctx
-        self.tp_size = ps.get_tensor_model_parallel_world_size()
-        self.tp_group = ps.get_tensor_model_parallel_group()
-        self.etp_group = ps.get_expert_tensor_parallel_group()
-        self.pp_size = ps.get_pipeline_model_parallel_world_size()
-        self.pp_rank = ps.get_pipeline_model_parallel_rank()
-        self.pp_group = ps.get_pipeline_model_parallel_group() if self.pp_size > 1 else None
-        self.is_last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
-        self.shard = Shard.for_stage(model_cfg, self.pp_rank, self.pp_size, ps.get_tensor_model_parallel_rank(),
-                                     self.tp_size, ps.get_expert_tensor_parallel_rank(),
-                                     ps.get_expert_tensor_parallel_world_size())
-        self.vocab_shard = (VocabShard(self.shard.tp_rank * model_cfg.vocab_size // self.tp_size, self.tp_group)
-                            if self.tp_size > 1 else None)
-        sp = self.tp_size > 1  # megatron refuses MoE + TP training without sequence parallelism
+        self.model_cfg, self.par, self.dims = model_cfg, par, dims
+        self.shard = Shard.for_stage(model_cfg, dims.pp_rank, dims.pp_size, dims.tp_rank, dims.tp_size,
+                                     dims.etp_rank, dims.etp_size)
+        self.vocab_shard = (VocabShard(dims.tp_rank * model_cfg.vocab_size // dims.tp_size, dims.tp_group)
+                            if dims.tp_size > 1 else None)
+        sp = dims.tp_size > 1  # megatron refuses MoE + TP training without sequence parallelism
         self.gpt, self.tcfg = setup.build_model(model_cfg, par, sequence_parallel=sp)
         self.token_multiple = FP8_TOKEN_MULTIPLE if model_cfg.precision == "fp8" else 1
         if init_weights is not None:
             self.load_canonical(init_weights)
-        # Every model gets its own replay controller (megatron's RouterReplay instances are
-        # per router; the controller keeps the policy's and the reference's state apart).
-        self.route_header = RouteHeader.for_model(model_cfg)
-        seq_shard = (self.shard.tp_rank, self.tp_size, self.tp_group)  # SP: each TP rank routes S / TP positions
-        self.replay = RouteReplay(self.gpt, self.route_header, ctx.ep_size, model_cfg.recompute, seq_shard,
-                                  self.pp_group)
         # per-layer router-gradient monitor of the update passes (moe_rl/monitor/router_grad.py)
         # (its structural blackout expectation follows the gating megatron actually built)
         self.monitor = RouterGradMonitor(
             model_cfg.moe_layers, model_cfg.num_experts, model_cfg.moe_router_topk, monitor_margin_eps,
             pre_softmax=self.tcfg.moe_router_pre_softmax,
             aux_loss=self.tcfg.moe_router_load_balancing_type != "none") if monitor else None
-        self.replay.monitor = self.monitor
+        # Every model gets its own replay controller (megatron's RouterReplay instances are
+        # per router; the controller keeps the policy's and the reference's state apart).
+        self.route_header = RouteHeader.for_model(model_cfg)
+        seq_shard = SeqShard(dims.tp_rank, dims.tp_size, dims.tp_group)  # SP: each TP rank routes S / TP positions
+        self.replay = RouteReplay(self.gpt, self.route_header, dims.ep_size, model_cfg.recompute, seq_shard,
+                                  dims.pp_group, monitor=self.monitor)
         # The reference policy is a frozen copy of the initial weights (for the KL term).
         self.ref, self.ref_replay = None, None
         if with_reference:
             self.ref, _ = setup.build_model(model_cfg, par, sequence_parallel=sp)
             self.ref.load_state_dict(self.gpt.state_dict())
             self.ref.requires_grad_(False).eval()
-            self.ref_replay = RouteReplay(self.ref, self.route_header, ctx.ep_size, model_cfg.recompute, seq_shard,
-                                          self.pp_group)
+            self.ref_replay = RouteReplay(self.ref, self.route_header, dims.ep_size, model_cfg.recompute, seq_shard,
+                                          dims.pp_group)
         self.ddp = setup.wrap_ddp(self.gpt, self.tcfg, par)
         self.optimizer = setup.build_optimizer(self.ddp, optim, par)
-        self.dp_group = ps.get_data_parallel_group()
-        self.ep_group = ps.get_expert_model_parallel_group()
-        # TP ranks see different sequence blocks (SP): the router monitor sums over TP x DP
-        self.tp_dp_group = ps.get_tensor_and_data_parallel_group()
-        # the ranks that must be given the same batch (one model split over TP and/or PP)
-        self.mp_group = ps.get_model_parallel_group() if self.tp_size * self.pp_size > 1 else None
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model's parameters live: batches move here once per pass."""
+        return next(self.gpt.parameters()).device
 
     # ---- weights -------------------------------------------------------------------------
     def load_canonical(self, full: dict[str, torch.Tensor]) -> None:
         """Copy full canonical weights into this rank's shard; errors name the tensor."""
         params = dict(self.gpt.named_parameters())
         local = te_name_map(list(params))  # TE fuses norms into linears: its names -> the local spec's
-        tensors = canonical_to_megatron(full, [local[n] for n in params], self.model_cfg, self.ctx.ep_rank,
-                                        self.ctx.ep_size, self.shard)
+        tensors = canonical_to_megatron(full, [local[n] for n in params], self.model_cfg, self.dims.ep_rank,
+                                        self.dims.ep_size, self.shard)
         with torch.no_grad():
             for name, p in params.items():
                 t = tensors[local[name]]
@@ -225,25 +187,25 @@ class Learner:
         """This rank's megatron tensors (by parameter name) -> full canonical dict: TP pieces
         joined (one all_gather per split tensor), then every expert gathered over EP."""
         local = rename_to_local(tensors)
-        canon = megatron_to_canonical(local, self.model_cfg, self.ctx.ep_rank, self.ctx.ep_size, self.shard)
-        if self.tp_size > 1 or self.shard.etp_size > 1:
+        canon = megatron_to_canonical(local, self.model_cfg, self.dims.ep_rank, self.dims.ep_size, self.shard)
+        if self.dims.tp_size > 1 or self.shard.etp_size > 1:
             canon = self._merge_tensor_parallel(canon)
-        canon = gather_experts(canon, self.model_cfg, self.ctx.ep_size, self.ep_group)
-        return self._gather_stages(canon) if self.pp_size > 1 else canon
+        canon = gather_experts(canon, self.model_cfg, self.dims.ep_size, self.dims.ep_group)
+        return self._gather_stages(canon) if self.dims.pp_size > 1 else canon
 
     def _gather_stages(self, canon: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """PP: every stage's canonical tensors on every stage (names and shapes exchanged once,
         then one broadcast per tensor from its owning stage)."""
-        metas: list = [None] * self.pp_size
+        metas: list = [None] * self.dims.pp_size
         dist.all_gather_object(metas, [(k, tuple(v.shape), v.dtype) for k, v in sorted(canon.items())],
-                               group=self.pp_group)
-        ranks, device = dist.get_process_group_ranks(self.pp_group), comm_device(self.pp_group)
+                               group=self.dims.pp_group)
+        ranks, device = dist.get_process_group_ranks(self.dims.pp_group), comm_device(self.dims.pp_group)
         out = {}
         for stage, meta in enumerate(metas):
             for name, shape, dtype in meta:
-                mine = stage == self.pp_rank
+                mine = stage == self.dims.pp_rank
                 t = canon[name].to(device).contiguous() if mine else torch.empty(shape, dtype=dtype, device=device)
-                dist.broadcast(t, src=ranks[stage], group=self.pp_group)
+                dist.broadcast(t, src=ranks[stage], group=self.dims.pp_group)
                 out[name] = canon[name] if mine else t
         return out
 
@@ -253,7 +215,7 @@ class Learner:
         for name in sorted(canon):  # the same order on every rank
             t, dim = canon[name], tp_split_dim(name)
             expert = ".mlp.experts." in name
-            size, group = (self.shard.etp_size, self.etp_group) if expert else (self.tp_size, self.tp_group)
+            size, group = (self.shard.etp_size, self.dims.etp_group) if expert else (self.dims.tp_size, self.dims.tp_group)
             if dim is None or size == 1:
                 out[name] = t
                 continue
@@ -266,58 +228,44 @@ class Learner:
     def _check_replicated(self, tokens_BS: torch.Tensor) -> None:
         """TP and PP ranks must be given the same sequences (megatron computes one model over them);
         a different batch would give silently wrong log-probs. One tiny MAX all-reduce."""
-        if self.mp_group is None:
+        if self.dims.mp_group is None:
             return
         weights_S = torch.arange(1, tokens_BS.shape[1] + 1, dtype=torch.float64)
         sig = torch.stack([torch.tensor(float(tokens_BS.numel())), (tokens_BS.double().cpu() * weights_S).sum()])
-        both = torch.cat([sig, -sig]).to(comm_device(self.mp_group))
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.mp_group)
+        both = torch.cat([sig, -sig]).to(comm_device(self.dims.mp_group))
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.dims.mp_group)
         if not torch.equal(both[:2], -both[2:]):
             raise RuntimeError("model-parallel (tensor/pipeline) ranks were given different token batches; "
                                "TP/PP ranks of one data-parallel rank must see the same data "
                                "(shard prompts by DP rank)")
 
-    def _schedule(self, model, replay: RouteReplay, micro_batches: list[dict], loss_fn, forward_only: bool,
-                  replay_mode: str | None, prefix: str = "routing/", keep_native: bool = False):
-        """megatron's schedule over micro-batches; with ``replay_mode``, one replay pass around it."""
+    def _schedule(self, model, replay: RouteReplay, micro_batches: list[TrainBatch], loss_fn, forward_only: bool,
+                  plan: PassPlan | None, monitor: bool = False) -> tuple[list, RoutingOutcome]:
+        """megatron's schedule over micro-batches, inside one replay pass: (its outputs, routing)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
-            tokens_BS = mb["tokens"]
-            replay.phase = "forward"
-            if replay_mode is not None:
-                replay.begin_micro_batch(mb.get("routes"), mb["seq_lens"], tokens_BS.shape[1], mb.get("old_routes"))
+            tokens_BS = mb.tokens_BS
             pos_BS = torch.arange(tokens_BS.shape[1], device=tokens_BS.device).expand_as(tokens_BS)
-            out = model(tokens_BS, pos_BS, None)  # logits on the last stage, hidden states before it
-            replay.phase = "backward"  # the forward is done: a recompute, if any, comes next
-            if replay_mode is not None:
-                replay.end_forward()
+            with replay.micro_batch(mb, tokens_BS.shape[1]):
+                out = model(tokens_BS, pos_BS, None)  # logits on the last stage, hidden states before it
             return out, partial(loss_fn, mb)  # megatron calls the loss on the last stage only
 
-        def run():
-            return get_forward_backward_func()(
+        with replay.run(plan, with_backward=not forward_only, monitor=monitor) as p:
+            outs = get_forward_backward_func()(
                 forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[model],
-                num_microbatches=len(micro_batches), seq_length=int(micro_batches[0]["tokens"].shape[1]),
-                micro_batch_size=int(micro_batches[0]["tokens"].shape[0]), forward_only=forward_only)
-
-        if replay_mode is None:
-            return run()
-        with replay.run(replay_mode, with_backward=not forward_only, prefix=prefix, keep_native=keep_native):
-            return run()
+                num_microbatches=len(micro_batches), seq_length=int(micro_batches[0].tokens_BS.shape[1]),
+                micro_batch_size=int(micro_batches[0].tokens_BS.shape[0]), forward_only=forward_only)
+        return outs, p.outcome or RoutingOutcome()
 
     @torch.no_grad()
-    def forward_logprobs(self, tokens_BS: torch.Tensor, seq_lens_B: torch.Tensor, temperature: float,
-                         micro_batch_size: int, reference: bool = False, routes: RouteBatch | None = None,
-                         replay_mode: str | None = None, token_inputs: dict | None = None,
-                         keep_native: bool = False) -> TokenStats:
+    def forward_logprobs(self, batch: TrainBatch, temperature: float, micro_batch_size: int,
+                         plan: PassPlan | None = None, reference: bool = False) -> LogprobOutput:
         """Log-probs, entropies and sum_v pi(v)^2 (OTB's energy term, from the same softmax) of
-        given sequences (policy, or the frozen reference), each [B, S].
-
-        ``replay_mode`` ("observe" | "record" | "replay", with ``routes`` unless recording) runs
-        the pass under routing replay; its metrics and recorded routes are then on
-        ``self.replay`` (or ``self.ref_replay``). ``keep_native`` records the native routes in
-        any mode (the monitor's update-induced flip rate compares the update passes with them)."""
+        the batch's sequences (policy, or the frozen reference), each [B, S], and the pass's
+        routing outcome. ``plan`` runs the pass under routing replay (its routes are
+        ``batch.routes``); the batch moves to the model's device once, here."""
         model, replay = (self.ref, self.ref_replay) if reference else (self.ddp, self.replay)
         if model is None:
             raise RuntimeError("reference log-probs requested but the learner has no reference model")
@@ -325,42 +273,38 @@ class Learner:
 
         def collect(mb, logits_BSV):
             st = token_stats(mb, logits_BSV, temperature, self.vocab_shard)
-            return logits_BSV.new_zeros(()), torch.tensor(0), {"logp": st.logp, "entropy": st.entropy,
-                                                                "spi": st.sum_pi_sq, **st.extra}
+            return logits_BSV.new_zeros(()), torch.tensor(0), st.fields()
 
-        self._check_replicated(tokens_BS)
-        batch = {"tokens": tokens_BS, **(token_inputs or {})}
-        if routes is not None:
-            batch["routes"] = routes
-        mbs = split_micro_batches(batch, seq_lens_B, micro_batch_size, self.token_multiple, self.tp_size)
-        outs = self._schedule(model, replay, mbs, collect, True, replay_mode, keep_native=keep_native)
-        S = tokens_BS.shape[1]
+        batch = batch.to(self.device)
+        self._check_replicated(batch.tokens_BS)
+        mbs = batch.micro_batches(micro_batch_size, self.token_multiple, self.dims.tp_size)
+        outs, routing = self._schedule(model, replay, mbs, collect, True, plan)
+        S = batch.tokens_BS.shape[1]
 
         def gather(key: str) -> torch.Tensor:  # micro-batches were trimmed (and padded for TP/FP8): back to S
-            cols = [int(mb["seq_lens"].max()) for mb in mbs]
-            return torch.cat([torch.nn.functional.pad(o[key][:, :c], (0, S - c)) for o, c in zip(outs, cols)])
+            return torch.cat([torch.nn.functional.pad(o[key][:, :mb.tokens_BS.shape[1]],
+                                                      (0, S - mb.tokens_BS.shape[1])) for o, mb in zip(outs, mbs)])
 
-        stats = {k: gather(k) for k in outs[0]} if self.is_last_stage else None
-        if self.pp_size > 1:
+        stats = {k: gather(k) for k in outs[0]} if self.dims.is_last_stage else None
+        if self.dims.pp_size > 1:
             stats = self._broadcast_stats(stats)
-        extra = {k: v for k, v in stats.items() if k not in ("logp", "entropy", "spi")}
-        return TokenStats(stats["logp"], stats["entropy"], stats["spi"], extra)
+        return LogprobOutput(TokenStats(**stats), routing)
 
     def _last_stage_rank(self) -> int:
-        return dist.get_process_group_ranks(self.pp_group)[-1]
+        return dist.get_process_group_ranks(self.dims.pp_group)[-1]
 
     def _broadcast_stats(self, stats: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
         """PP: the last stage's [B, S] statistics on every stage (keys and dtypes, then one tensor)."""
         meta = [sorted((k, v.dtype, tuple(v.shape)) for k, v in stats.items()) if stats is not None else None]
-        dist.broadcast_object_list(meta, src=self._last_stage_rank(), group=self.pp_group)
+        dist.broadcast_object_list(meta, src=self._last_stage_rank(), group=self.dims.pp_group)
         keys = [k for k, _, _ in meta[0]]
         dtype, shape = meta[0][0][1], meta[0][0][2]
-        device = comm_device(self.pp_group)
+        device = comm_device(self.dims.pp_group)
         if stats is not None:
             packed = torch.stack([stats[k].to(device, dtype) for k in keys])
         else:
             packed = torch.empty((len(keys), *shape), dtype=dtype, device=device)
-        dist.broadcast(packed, src=self._last_stage_rank(), group=self.pp_group)
+        dist.broadcast(packed, src=self._last_stage_rank(), group=self.dims.pp_group)
         return {k: (stats[k] if stats is not None else packed[i].to(meta[0][i][1])) for i, k in enumerate(keys)}
 
     def _broadcast_metrics(self, metrics: list) -> list:
@@ -372,48 +316,46 @@ class Learner:
                 return dataclasses.replace(v, **{f.name: cpu(getattr(v, f.name)) for f in dataclasses.fields(v)})
             return v
 
-        box = [[{k: cpu(v) for k, v in m.items()} for m in metrics] if self.is_last_stage else None]
-        dist.broadcast_object_list(box, src=self._last_stage_rank(), group=self.pp_group)
-        return metrics if self.is_last_stage else box[0]
+        box = [[{k: cpu(v) for k, v in m.items()} for m in metrics] if self.dims.is_last_stage else None]
+        dist.broadcast_object_list(box, src=self._last_stage_rank(), group=self.dims.pp_group)
+        return metrics if self.dims.is_last_stage else box[0]
 
-    def forward_backward(self, minibatch: dict, seq_lens_B: torch.Tensor, loss_fn: LossFn,
-                         temperature: float, micro_batch_size: int, replay_mode: str | None = None) -> list:
-        """Gradients of the minibatch loss, reduced over data-parallel ranks; per-micro-batch metrics.
+    def forward_backward(self, batch: TrainBatch, loss_fn: LossFn, temperature: float, micro_batch_size: int,
+                         plan: PassPlan | None = None) -> tuple[list, RoutingOutcome]:
+        """Gradients of the minibatch loss, reduced over data-parallel ranks; per-micro-batch loss
+        metrics and the pass's routing outcome (metrics under ``routing/update_``). The router
+        monitor, if any, observes this pass.
 
-        ``minibatch`` must hold "tokens" and "loss_mask" [B, S]; the normaliser passed to the loss
-        is the number of loss tokens summed over all data-parallel ranks."""
+        ``batch`` must hold ``loss_mask_BS``; the normaliser passed to the loss is the number of
+        loss tokens summed over all data-parallel ranks."""
         from megatron.core.distributed import finalize_model_grads
 
         self.ddp.train()
-        self._check_replicated(minibatch["tokens"])
-        normalizer = minibatch["loss_mask"].sum().to(torch.float64)
+        batch = batch.to(self.device)
+        self._check_replicated(batch.tokens_BS)
+        normalizer = batch.loss_mask_BS.sum().to(torch.float64)
         if dist.is_initialized():
-            dist.all_reduce(normalizer, group=self.dp_group)
+            dist.all_reduce(normalizer, group=self.dims.dp_group)
         normalizer = normalizer.clamp(min=1.0).float()
 
         def compute(mb, logits_BSV):
             st = token_stats(mb, logits_BSV, temperature, self.vocab_shard)
-            loss, metrics = loss_fn({**mb, **st.extra}, st.logp, st.entropy, normalizer)
+            loss, metrics = loss_fn(mb, st, normalizer)
             if not torch.isfinite(loss):  # never backpropagate NaN/Inf into the weights
                 raise FloatingPointError(f"non-finite loss {float(loss)} in a micro-batch of "
-                                         f"{tokens_in(mb)} loss tokens; no update was applied")
-            return loss, mb["loss_mask"].sum().int(), metrics
+                                         f"{int(mb.loss_mask_BS.sum())} loss tokens; no update was applied")
+            return loss, mb.loss_mask_BS.sum().int(), metrics
 
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
-        mbs = split_micro_batches(minibatch, seq_lens_B, micro_batch_size, self.token_multiple, self.tp_size)
-        if self.monitor is not None:
-            self.monitor.active = True
-        try:
-            loss_metrics = self._schedule(self.ddp, self.replay, mbs, compute, False, replay_mode,
-                                          prefix="routing/update_")
-        finally:
-            if self.monitor is not None:
-                self.monitor.active = False
+        mbs = batch.micro_batches(micro_batch_size, self.token_multiple, self.dims.tp_size)
+        if plan is not None:
+            plan = dataclasses.replace(plan, prefix="routing/update_")
+        loss_metrics, routing = self._schedule(self.ddp, self.replay, mbs, compute, False, plan, monitor=True)
         if self.monitor is not None:  # local sums: with the distributed optimizer only a shard survives finalize
             self.monitor.add_router_grads(self._router_grads_LEH())
         finalize_model_grads([self.ddp])  # sum over DP (scaling 1.0: the loss is already global)
-        return self._broadcast_metrics(loss_metrics) if self.pp_size > 1 else loss_metrics
+        return (self._broadcast_metrics(loss_metrics) if self.dims.pp_size > 1 else loss_metrics), routing
 
     def _router_grads_LEH(self) -> torch.Tensor:
         """Router-weight gradients of every MoE layer; zero for layers of other pipeline stages."""
@@ -439,7 +381,7 @@ class Learner:
         packed = torch.cat([stats.flatten().to(grads_LEH.device), grads_LEH.flatten()])
         max_L = max_L.clone()
         if dist.is_initialized():
-            for group in (self.tp_dp_group, self.pp_group):  # PP: each stage holds its own layers' rows
+            for group in (self.dims.tp_dp_group, self.dims.pp_group):  # PP: each stage holds its own layers' rows
                 if group is not None:
                     dist.all_reduce(packed, group=group)
                     dist.all_reduce(max_L, op=dist.ReduceOp.MAX, group=group)
@@ -449,17 +391,16 @@ class Learner:
         self.monitor.reset()
         return out
 
-    def update(self, minibatch: dict, seq_lens_B: torch.Tensor, loss_fn: LossFn, temperature: float,
-               micro_batch_size: int, lr: float, replay_mode: str | None = None) -> tuple[dict[str, Any], list]:
-        """One optimizer step over a minibatch; returns (optimizer metrics, per-micro-batch loss metrics)."""
-        loss_metrics = self.forward_backward(minibatch, seq_lens_B, loss_fn, temperature, micro_batch_size,
-                                             replay_mode)
+    def update(self, batch: TrainBatch, loss_fn: LossFn, temperature: float, micro_batch_size: int, lr: float,
+               plan: PassPlan | None = None) -> UpdateOutput:
+        """One optimizer step over a minibatch."""
+        loss_metrics, routing = self.forward_backward(batch, loss_fn, temperature, micro_batch_size, plan)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         ok, grad_norm, _ = self.optimizer.step()
         if not ok or grad_norm is None or not torch.isfinite(torch.as_tensor(grad_norm)):
             raise FloatingPointError(f"optimizer step refused: gradient norm {grad_norm} (NaN/Inf)")
-        return {"train/grad_norm": float(grad_norm), "train/lr": lr}, loss_metrics
+        return UpdateOutput(float(grad_norm), loss_metrics, routing)
 
     def canonical_grads(self) -> dict[str, torch.Tensor]:
         """Reduced gradients in canonical names, every expert gathered (needs the plain DDP

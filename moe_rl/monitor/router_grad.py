@@ -82,7 +82,6 @@ class RouterGradMonitor:
         self.stats_LXW = torch.zeros(len(layer_ids), NUM_STATS, width, dtype=torch.float64)
         self.max_L = torch.zeros(len(layer_ids), dtype=torch.float64)  # per-token logit-grad norm max
         self._edges: dict = {}  # MARGIN_EDGES per device, in the logits' dtype
-        self.active = False  # observing only during update passes (set by the learner)
         self.router_grad_LEH: torch.Tensor | None = None
 
     def reset(self) -> None:

@@ -9,6 +9,7 @@ import torch
 
 from moe_rl import rollout_correction
 from moe_rl.config import load_config
+from moe_rl.types import TokenStats, TrainBatch
 
 
 def _batch():
@@ -20,22 +21,32 @@ def _batch():
     return mask, rollout, old
 
 
+def _train_batch(mask, rollout, adv, **fields):
+    B, S = mask.shape
+    return TrainBatch(torch.zeros(B, S, dtype=torch.int64), torch.full((B,), S), loss_mask_BS=mask,
+                      rollout_logp_BS=rollout, advantages_BS=adv, **fields)
+
+
+def _stats(logp):
+    return TokenStats(logp, torch.zeros_like(logp), torch.zeros_like(logp))
+
+
 @pytest.mark.unit
 def test_default_config_keeps_everything_and_has_no_weights():
     cfg = load_config(None)
     mask, rollout, old = _batch()
-    extra, metrics = rollout_correction.prepare(cfg.correction, old, rollout, mask, None)
-    assert torch.equal(extra["keep"], mask) and "is_weights" not in extra and metrics == {}
+    corr, metrics = rollout_correction.prepare(cfg.correction, old, rollout, mask, None)
+    assert torch.equal(corr.keep_BS, mask) and corr.is_weights_BS is None and metrics == {}
 
 
 @pytest.mark.unit
 def test_seq_mis_weights_and_rejects_the_drifted_sequence():
     cfg = load_config("configs/corrections/seq_mis.yaml")
     mask, rollout, old = _batch()
-    extra, metrics = rollout_correction.prepare(cfg.correction, old, rollout, mask, None)
+    corr, metrics = rollout_correction.prepare(cfg.correction, old, rollout, mask, None)
     # sum_t log rho of sequence 1 = 1.0 > log 2: rejected; the others (log rho = 0) kept
-    assert extra["keep"].any(-1).tolist() == [True, False, True]
-    w = extra["is_weights"]
+    assert corr.keep_BS.any(-1).tolist() == [True, False, True]
+    w = corr.is_weights_BS
     assert w[1, 1].item() == pytest.approx(2.0)  # e^1.0 truncated at is_clip = 2
     assert w[0, 1].item() == pytest.approx(1.0) and not w.requires_grad
     assert float(metrics["corr/rs_seq_masked_fraction"].sum / metrics["corr/rs_seq_masked_fraction"].count) \
@@ -46,13 +57,13 @@ def test_seq_mis_weights_and_rejects_the_drifted_sequence():
 def test_trm_against_old_masks_whole_sequences_and_keeps_the_normaliser():
     cfg = load_config(None, ["correction.trm_max=0.05"])
     mask, rollout, old = _batch()
-    extra, _ = rollout_correction.prepare(cfg.correction, old, rollout, mask, None)
-    assert extra["keep"].any(-1).tolist() == [True, False, True]  # k2 = 0.125 > 0.05 in sequence 1
+    corr, _ = rollout_correction.prepare(cfg.correction, old, rollout, mask, None)
+    assert corr.keep_BS.any(-1).tolist() == [True, False, True]  # k2 = 0.125 > 0.05 in sequence 1
     loss = rollout_correction.loss_fn(cfg.correction, cfg.algo)
     adv = torch.ones(3, 4)
     logp = old.clone().requires_grad_(True)
-    mb = {"loss_mask": mask, "old_logp": old, "rollout_logp": rollout, "advantages": adv, **extra}
-    value, _ = loss(mb, logp, None, mask.sum().float())
+    mb = _train_batch(mask, rollout, adv, old_logp_BS=old, keep_BS=corr.keep_BS, is_weights_BS=corr.is_weights_BS)
+    value, _ = loss(mb, _stats(logp), mask.sum().float())
     # ratio 1 everywhere: loss = -sum over KEPT tokens of A / (ALL loss tokens): 6 / 8
     assert value.item() == pytest.approx(-6 / 8)
     value.backward()
@@ -66,7 +77,7 @@ def test_bypass_reinforce_gradient_is_weighted_score_function():
     loss = rollout_correction.loss_fn(cfg.correction, cfg.algo)
     logp = old.clone().requires_grad_(True)
     adv = torch.ones(3, 4)
-    value, _ = loss({"loss_mask": mask, "rollout_logp": rollout, "advantages": adv}, logp, None, 8.0)
+    value, _ = loss(_train_batch(mask, rollout, adv), _stats(logp), 8.0)
     value.backward()
     # w = min(exp(sum_t log rho), 2): 1 for sequences 0 and 2, min(e^1, 2) = 2 for sequence 1
     assert logp.grad[0, 1].item() == pytest.approx(-1 / 8)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from moe_rl.metrics import Mean
+from moe_rl.routing.plan import PassMode, PassPlan
 
 LOGP_TOL = 1e-5
 GRAD_RTOL = 1e-5
@@ -27,11 +28,21 @@ def random_routes(lens_B: torch.Tensor, header):
     return RouteBatch(ids_NLK.to(torch.uint8), rows_B, torch.zeros(B, dtype=torch.int64), torch.full((B,), 2), header)
 
 
-def nll_entropy_loss(mb, logp_BS, entropy_BS, normalizer):
+def nll_entropy_loss(mb, st, normalizer):
     """NLL with an entropy bonus, so the entropy's (vocab-parallel) gradient is checked too."""
-    m = mb["loss_mask"]
+    m, logp_BS, entropy_BS = mb.loss_mask_BS, st.logp_BS, st.entropy_BS
     loss = (-(logp_BS * m).sum() - 0.1 * (entropy_BS * m).sum()) / normalizer
     return loss, {"train/nll": Mean(-(logp_BS * m).sum().detach(), m.sum())}
+
+
+REPLAY, RECORD = PassPlan(PassMode.REPLAY), PassPlan(PassMode.RECORD)
+
+
+def reference_dims():
+    """The dimensions of a single-rank-model reference after megatron's parallel state was rebuilt."""
+    from moe_rl.dist import ParallelDims
+
+    return ParallelDims.from_parallel_state()
 
 
 def means(metrics: dict, prefix: str) -> dict[str, float]:

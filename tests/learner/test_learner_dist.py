@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from moe_rl.config import ModelConfig, OptimConfig, ParallelConfig
+from moe_rl.types import TrainBatch
 from tests.dist_harness import run_ranks
 
 MODEL = ModelConfig(vocab_size=50, hidden_size=64, num_layers=3, num_attention_heads=4, num_query_groups=2,
@@ -27,15 +28,15 @@ def _data(rank: int):
     return tokens_BS, lens_B, mask_BS
 
 
-def _nll(mb, logp_BS, entropy_BS, normalizer):
-    return -(logp_BS * mb["loss_mask"]).sum() / normalizer, {}
+def _nll(mb, st, normalizer):
+    return -(st.logp_BS * mb.loss_mask_BS).sum() / normalizer, {}
 
 
 def _run(learner, rank):
     tokens_BS, lens_B, mask_BS = _data(rank)
-    logp_BS, ent_BS, _, _ = learner.forward_logprobs(tokens_BS, lens_B, 1.0, micro_batch_size=4)
-    learner.forward_backward({"tokens": tokens_BS, "loss_mask": mask_BS}, lens_B, _nll, 1.0, 4)
-    return logp_BS, ent_BS, learner.canonical_grads()
+    st = learner.forward_logprobs(TrainBatch(tokens_BS, lens_B), 1.0, micro_batch_size=4).stats
+    learner.forward_backward(TrainBatch(tokens_BS, lens_B, loss_mask_BS=mask_BS), _nll, 1.0, 4)
+    return st.logp_BS, st.entropy_BS, learner.canonical_grads()
 
 
 def _worker(rank: int):
@@ -59,14 +60,14 @@ def _worker(rank: int):
     par2d = ParallelConfig(nproc=2, expert_parallel=2, distributed_optimizer=True)
     ep2 = Learner(MODEL, par2d, OptimConfig(lr=1e-2), ctx2, weights)
     tokens_BS, lens_B, mask_BS = _data(rank)
-    ep2.update({"tokens": tokens_BS, "loss_mask": mask_BS}, lens_B, _nll, 1.0, 4, lr=1e-2)
+    ep2.update(TrainBatch(tokens_BS, lens_B, loss_mask_BS=mask_BS), _nll, 1.0, 4, lr=1e-2)
     exported = ep2.export_canonical()
     moved = max(float((exported[k] - weights[k]).abs().max()) for k in weights)
     engine = BuiltinEngine(MODEL, dtype="fp32", pad_id=0)
     engine.load_weights(exported)
     out = engine.generate([[1, 5, 6, 7], [1, 9, 8]], 2, SamplingParams(max_new_tokens=6, top_k=1), seed=3)
     seq_lens_B = out.prompt_lens_B + out.response_lens_B
-    learner_logp_BS = ep2.forward_logprobs(out.tokens_BS, seq_lens_B, 1.0, micro_batch_size=4).logp
+    learner_logp_BS = ep2.forward_logprobs(TrainBatch(out.tokens_BS, seq_lens_B), 1.0, micro_batch_size=4).stats.logp_BS
     with torch.no_grad():
         pos = torch.arange(out.tokens_BS.shape[1]).expand_as(out.tokens_BS)
         logits_BSV = ep2.gpt(out.tokens_BS, pos, None)
@@ -76,12 +77,12 @@ def _worker(rank: int):
     dvp = engine.generate([[1, 5, 6, 7], [1, 9, 8]], 4, SamplingParams(max_new_tokens=5, temperature=1.5,
                                                                     dvp_threshold=0.2, return_dist=True), seed=4)
     dvp_lens_B = dvp.prompt_lens_B + dvp.response_lens_B
-    st = ep2.forward_logprobs(dvp.tokens_BS, dvp_lens_B, 1.5, 4,
-                              token_inputs={"safe": dvp.safe_BSV, "rollout_dist": dvp.dist_logp_BSV})
+    st = ep2.forward_logprobs(TrainBatch(dvp.tokens_BS, dvp_lens_B, safe_BSV=dvp.safe_BSV,
+                                         rollout_dist_BSV=dvp.dist_logp_BSV), 1.5, 4).stats
     dm = dvp.response_mask_BS
-    dvp_result = {"logp_diff": float((st.logp - dvp.logprobs_BS)[dm].abs().max()),
-                  "restricted_gt_full": bool((st.logp[dm] >= st.extra["full_logp"][dm] - 1e-6).all()),
-                  "exact_kl_max": float(st.extra["exact_kl"][dm].abs().max())}
+    dvp_result = {"logp_diff": float((st.logp_BS - dvp.logprobs_BS)[dm].abs().max()),
+                  "restricted_gt_full": bool((st.logp_BS[dm] >= st.full_logp_BS[dm] - 1e-6).all()),
+                  "exact_kl_max": float(st.exact_kl_BS[dm].abs().max())}
     sync = {"greedy_agree": bool((greedy_BS[m] == out.tokens_BS[m]).all()), "dvp": dvp_result,
             "logp_diff": float((learner_logp_BS - out.logprobs_BS)[m].abs().max()),
             "num_response_tokens": int(m.sum()), "weights_moved": moved}
@@ -89,8 +90,7 @@ def _worker(rank: int):
     ps.destroy_model_parallel()
     par1 = ParallelConfig(nproc=2, expert_parallel=1, distributed_optimizer=False)
     ps.initialize_model_parallel(1, 1, expert_model_parallel_size=1)
-    ctx1 = dist.DistContext(rank=rank, world_size=2, local_rank=rank, dp_rank=rank, dp_size=2,
-                            ep_rank=0, ep_size=1, device=torch.device("cpu"))
+    ctx1 = dist.ParallelDims.from_parallel_state()
     ep1 = Learner(MODEL, par1, OptimConfig(lr=1e-2), ctx1, weights)
     logp1, ent1, grads1 = _run(ep1, rank)
     grad_rel = max(float((grads2[k] - grads1[k]).abs().max() / grads1[k].abs().max().clamp(min=1e-12))
@@ -104,8 +104,8 @@ def _worker(rank: int):
     before = {k: v.clone() for k, v in ep1.gpt.state_dict().items() if torch.is_tensor(v)}
     tokens_BS, lens_B, mask_BS = _data(rank)
     try:
-        ep1.update({"tokens": tokens_BS, "loss_mask": mask_BS}, lens_B,
-                   lambda mb, lp, ent, n: (_nll(mb, lp, ent, n)[0] * float("nan"), {}), 1.0, 4, lr=1e-2)
+        ep1.update(TrainBatch(tokens_BS, lens_B, loss_mask_BS=mask_BS),
+                   lambda mb, st, n: (_nll(mb, st, n)[0] * float("nan"), {}), 1.0, 4, lr=1e-2)
         result["nan_error"] = None
     except FloatingPointError as e:
         result["nan_error"] = str(e)

@@ -21,15 +21,19 @@ import pytest
 import torch
 
 from moe_rl.config import ModelConfig, OptimConfig, ParallelConfig
+from moe_rl.types import TrainBatch
 from tests.dist_harness import run_ranks
 from tests.learner.parallel_cases import (
     GRAD_RTOL,
     LOGP_TOL,
     LR,
+    RECORD,
+    REPLAY,
     STEP_TOL,
     means,
     nll_entropy_loss,
     random_routes,
+    reference_dims,
 )
 
 MODEL = ModelConfig(vocab_size=50, hidden_size=64, num_layers=4, num_attention_heads=4, num_query_groups=2,
@@ -49,13 +53,13 @@ def _data():
 
 
 
-def _full_vocab_inputs(tokens_BS: torch.Tensor) -> dict:
+def _full_vocab_inputs(batch):
     """DVP safe sets and rollout distributions (generated positions >= 3), as the engine reports them."""
     g = torch.Generator().manual_seed(400)
-    B, S, V = *tokens_BS.shape, MODEL.vocab_size
+    B, S, V = *batch.tokens_BS.shape, MODEL.vocab_size
     safe_BSV = torch.rand(B, S, V, generator=g) < 0.7
     dist_BSV = torch.log_softmax(torch.randn(B, S, V, generator=g), -1) * (torch.arange(S) >= 3)[None, :, None]
-    return {"safe": safe_BSV, "rollout_dist": dist_BSV}
+    return batch.replace(safe_BSV=safe_BSV, rollout_dist_BSV=dist_BSV)
 
 
 
@@ -67,25 +71,26 @@ def _run(learner, par_opt: ParallelConfig, ctx, weights, ckpt_dir: str | None) -
     from moe_rl.learner.learner import Learner
 
     tokens_BS, lens_B, mask_BS = _data()
-    native = learner.forward_logprobs(tokens_BS, lens_B, 0.8, micro_batch_size=4, replay_mode="record")
-    recorded = learner.replay.recorded()
-    r2 = learner.forward_logprobs(tokens_BS, lens_B, 0.8, 4, routes=recorded, replay_mode="replay")
-    r2_metrics = means(learner.replay.metrics(), "routing/")
+    plain = TrainBatch(tokens_BS, lens_B)
+    out = learner.forward_logprobs(plain, 0.8, micro_batch_size=4, plan=RECORD)
+    native, recorded = out.stats, out.routing.recorded
+    out = learner.forward_logprobs(plain.replace(routes=recorded), 0.8, 4, REPLAY)
+    r2, r2_metrics = out.stats, means(out.routing.metrics, "routing/")
     forced_routes = random_routes(lens_B, learner.route_header)
-    forced = learner.forward_logprobs(tokens_BS, lens_B, 0.8, 4, routes=forced_routes, replay_mode="replay")
-    forced_metrics = means(learner.replay.metrics(), "routing/")
-    full_vocab = learner.forward_logprobs(tokens_BS, lens_B, 0.8, 4, token_inputs=_full_vocab_inputs(tokens_BS))
-    loss_metrics = learner.forward_backward({"tokens": tokens_BS, "loss_mask": mask_BS, "routes": forced_routes},
-                                            lens_B, nll_entropy_loss, 0.8, 4, replay_mode="replay")
-    update_metrics = means(learner.replay.metrics(), "routing/")
+    out = learner.forward_logprobs(plain.replace(routes=forced_routes), 0.8, 4, REPLAY)
+    forced, forced_metrics = out.stats, means(out.routing.metrics, "routing/")
+    full_vocab = learner.forward_logprobs(_full_vocab_inputs(plain), 0.8, 4).stats
+    loss_metrics, routing = learner.forward_backward(plain.replace(loss_mask_BS=mask_BS, routes=forced_routes),
+                                                     nll_entropy_loss, 0.8, 4, REPLAY)
+    update_metrics = means(routing.metrics, "routing/")
     grads = learner.canonical_grads()
     monitor = learner.router_monitor_metrics()
 
     # adam_eps well above the gradients' rounding (see test_learner_tp.py)
     optim = OptimConfig(lr=LR, adam_eps=1e-4)
     stepper = Learner(MODEL, par_opt, optim, ctx, weights, monitor=False)
-    batch = {"tokens": tokens_BS, "loss_mask": mask_BS}
-    opt_metrics, _ = stepper.update(batch, lens_B, nll_entropy_loss, 0.8, 4, lr=LR)
+    batch = plain.replace(loss_mask_BS=mask_BS)
+    grad_norm = stepper.update(batch, nll_entropy_loss, 0.8, 4, lr=LR).grad_norm
     after = {k: v.clone() for k, v in stepper.export_canonical().items()}  # (views of the live weights)
     ckpt = {}
     if ckpt_dir is not None:  # save, load into a fresh learner, then one more step on both
@@ -95,14 +100,16 @@ def _run(learner, par_opt: ParallelConfig, ctx, weights, ckpt_dir: str | None) -
         back = loaded.export_canonical()
         ckpt["load_diff"] = max(float((back[k] - after[k]).abs().max()) for k in after)
         for lrn in (stepper, loaded):
-            lrn.update(batch, lens_B, nll_entropy_loss, 0.8, 4, lr=LR)
+            lrn.update(batch, nll_entropy_loss, 0.8, 4, lr=LR)
         a, b = stepper.export_canonical(), loaded.export_canonical()
         ckpt["resume_diff"] = max(float((a[k] - b[k]).abs().max()) for k in a)
-    return {"logp": native.logp, "entropy": native.entropy, "spi": native.sum_pi_sq, "recorded": recorded.ids_NLK,
-            "recorded_rows": recorded.rows_B, "r2_logp": r2.logp, "r2_metrics": r2_metrics,
-            "forced_logp": forced.logp, "dvp_logp": full_vocab.logp, "extra": full_vocab.extra, "forced_metrics": forced_metrics, "update_metrics": update_metrics,
+    extra = {k: v for k, v in full_vocab.fields().items() if k in ("exact_kl_BS", "full_logp_BS", "log_safe_mass_BS")}
+    return {"logp": native.logp_BS, "entropy": native.entropy_BS, "spi": native.sum_pi_sq_BS,
+            "recorded": recorded.ids_NLK, "recorded_rows": recorded.rows_B, "r2_logp": r2.logp_BS,
+            "r2_metrics": r2_metrics, "forced_logp": forced.logp_BS, "dvp_logp": full_vocab.logp_BS, "extra": extra,
+            "forced_metrics": forced_metrics, "update_metrics": update_metrics,
             "loss_metrics": [means(m, "train/") for m in loss_metrics], "grads": grads, "monitor": monitor,
-            "after": after, "grad_norm": opt_metrics["train/grad_norm"], "ckpt": ckpt}
+            "after": after, "grad_norm": grad_norm, "ckpt": ckpt}
 
 
 def _compare(pp: dict, ref: dict) -> dict:
@@ -123,7 +130,7 @@ def _compare(pp: dict, ref: dict) -> dict:
         "logp_diff": max_diff("logp"), "ent_diff": max_diff("entropy"), "spi_diff": max_diff("spi"),
         "r2_logp_diff": max_diff("r2_logp"), "dvp_logp_diff": max_diff("dvp_logp"),
         "extra_diff": max(float((pp["extra"][k] - v).abs().max()) for k, v in ref["extra"].items()),
-        "extra_keys": sorted(pp["extra"]) == sorted(ref["extra"]) == ["exact_kl", "full_logp", "log_safe_mass"], "forced_logp_diff": max_diff("forced_logp"),
+        "extra_keys": sorted(pp["extra"]) == sorted(ref["extra"]) == ["exact_kl_BS", "full_logp_BS", "log_safe_mass_BS"], "forced_logp_diff": max_diff("forced_logp"),
         "forced_vs_native": float((ref["forced_logp"] - ref["logp"]).abs().max()),
         "recorded_equal": torch.equal(pp["recorded"], ref["recorded"]) and torch.equal(pp["recorded_rows"],
                                                                                         ref["recorded_rows"]),
@@ -156,8 +163,8 @@ def _recompute_grads(par: ParallelConfig, ctx, weights) -> dict:
     learner = Learner(dataclasses.replace(MODEL, recompute=True), par, OptimConfig(lr=LR), ctx, weights, monitor=False)
     tokens_BS, lens_B, mask_BS = _data()
     routes = random_routes(lens_B, learner.route_header)
-    learner.forward_backward({"tokens": tokens_BS, "loss_mask": mask_BS, "routes": routes}, lens_B, nll_entropy_loss, 0.8, 2,
-                             replay_mode="replay")
+    learner.forward_backward(TrainBatch(tokens_BS, lens_B, loss_mask_BS=mask_BS, routes=routes), nll_entropy_loss,
+                             0.8, 2, REPLAY)
     return learner.canonical_grads()
 
 
@@ -176,7 +183,7 @@ def _worker(rank: int, ckpt_dir: str, world: int, ep: int):
     pp = Learner(MODEL, par, OptimConfig(lr=LR), ctx, weights)
     stage = {"stage": ps.get_pipeline_model_parallel_rank(), "layers": len(pp.gpt.decoder.layers),
              "embedding": hasattr(pp.gpt, "embedding"), "output": hasattr(pp.gpt, "output_layer"),
-             "moe_hooks": [h.layer_id for h in pp.replay.hooks]}
+             "moe_hooks": pp.replay.layer_ids}
     pp_out = _run(pp, ParallelConfig(nproc=world, pipeline_parallel=2, expert_parallel=ep), ctx, weights, ckpt_dir)
     exported = pp.export_canonical()
     recompute = _recompute_grads(par, ctx, weights)
@@ -185,7 +192,7 @@ def _worker(rank: int, ckpt_dir: str, world: int, ep: int):
     export_exact = sorted(exported) == sorted(weights) and all(torch.equal(exported[k], weights[k]) for k in weights)
     tokens_BS, lens_B, _ = _data()
     try:  # pipeline stages given different batches fail closed
-        pp.forward_logprobs(tokens_BS + rank, lens_B, 1.0, 4)
+        pp.forward_logprobs(TrainBatch(tokens_BS + rank, lens_B), 1.0, 4)
         mismatch_error = None
     except RuntimeError as e:
         mismatch_error = str(e)
@@ -193,8 +200,7 @@ def _worker(rank: int, ckpt_dir: str, world: int, ep: int):
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(1, 1, expert_model_parallel_size=ep)
     RouterReplay.clear_global_router_replay_instances()
-    ctx1 = dist.DistContext(rank=rank, world_size=world, local_rank=rank, dp_rank=rank, dp_size=world,
-                            ep_rank=ps.get_expert_model_parallel_rank(), ep_size=ep, device=torch.device("cpu"))
+    ctx1 = reference_dims()
     ref = Learner(MODEL, ParallelConfig(nproc=world, expert_parallel=ep, distributed_optimizer=False),
                   OptimConfig(lr=LR), ctx1, weights)
     ref_out = _run(ref, ParallelConfig(nproc=world, expert_parallel=ep), ctx1, weights, None)

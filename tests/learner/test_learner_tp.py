@@ -18,15 +18,19 @@ import pytest
 import torch
 
 from moe_rl.config import ModelConfig, OptimConfig, ParallelConfig
+from moe_rl.types import TrainBatch
 from tests.dist_harness import run_ranks
 from tests.learner.parallel_cases import (
     GRAD_RTOL,
     LOGP_TOL,
     LR,
+    RECORD,
+    REPLAY,
     STEP_TOL,
     means,
     nll_entropy_loss,
     random_routes,
+    reference_dims,
 )
 
 MODEL = ModelConfig(vocab_size=50, hidden_size=64, num_layers=3, num_attention_heads=4, num_query_groups=2,
@@ -57,29 +61,30 @@ def _run(learner, par_opt: ParallelConfig, ctx, weights) -> dict:
     from moe_rl.learner.learner import Learner
 
     tokens_BS, lens_B, mask_BS = _data()
-    native = learner.forward_logprobs(tokens_BS, lens_B, 0.8, micro_batch_size=4, replay_mode="record")
-    recorded = learner.replay.recorded()
-    r2 = learner.forward_logprobs(tokens_BS, lens_B, 0.8, 4, routes=recorded, replay_mode="replay")
-    r2_metrics = means(learner.replay.metrics(), "routing/")
+    plain = TrainBatch(tokens_BS, lens_B)
+    out = learner.forward_logprobs(plain, 0.8, micro_batch_size=4, plan=RECORD)
+    native, recorded = out.stats, out.routing.recorded
+    out = learner.forward_logprobs(plain.replace(routes=recorded), 0.8, 4, REPLAY)
+    r2, r2_metrics = out.stats, means(out.routing.metrics, "routing/")
     forced_routes = random_routes(lens_B, learner.route_header)
-    forced = learner.forward_logprobs(tokens_BS, lens_B, 0.8, 4, routes=forced_routes, replay_mode="replay")
-    forced_metrics = means(learner.replay.metrics(), "routing/")
+    out = learner.forward_logprobs(plain.replace(routes=forced_routes), 0.8, 4, REPLAY)
+    forced, forced_metrics = out.stats, means(out.routing.metrics, "routing/")
     tokens_BS, lens_B, mask_BS = _data(odd=False)
     forced_routes = random_routes(lens_B, learner.route_header)
-    learner.forward_backward({"tokens": tokens_BS, "loss_mask": mask_BS, "routes": forced_routes}, lens_B, nll_entropy_loss,
-                             0.8, 4, replay_mode="replay")
-    update_metrics = means(learner.replay.metrics(), "routing/")
+    update = TrainBatch(tokens_BS, lens_B, loss_mask_BS=mask_BS)
+    _, routing = learner.forward_backward(update.replace(routes=forced_routes), nll_entropy_loss, 0.8, 4, REPLAY)
+    update_metrics = means(routing.metrics, "routing/")
     grads = learner.canonical_grads()
     monitor = learner.router_monitor_metrics()
 
     # adam_eps well above the gradients' rounding: Adam's first step is ~lr * sign(g) and would
     # turn a 1e-9 difference of a near-zero gradient into a difference of lr
     stepper = Learner(MODEL, par_opt, OptimConfig(lr=LR, adam_eps=1e-4), ctx, weights, monitor=False)
-    stepper.update({"tokens": tokens_BS, "loss_mask": mask_BS}, lens_B, nll_entropy_loss, 0.8, 4, lr=LR)
+    stepper.update(update, nll_entropy_loss, 0.8, 4, lr=LR)
     after = stepper.export_canonical()
-    return {"logp": native.logp, "entropy": native.entropy, "spi": native.sum_pi_sq, "recorded": recorded.ids_NLK,
-            "recorded_rows": recorded.rows_B, "r2_logp": r2.logp, "r2_metrics": r2_metrics,
-            "forced_logp": forced.logp, "forced_metrics": forced_metrics, "update_metrics": update_metrics,
+    return {"logp": native.logp_BS, "entropy": native.entropy_BS, "spi": native.sum_pi_sq_BS,
+            "recorded": recorded.ids_NLK, "recorded_rows": recorded.rows_B, "r2_logp": r2.logp_BS,
+            "r2_metrics": r2_metrics, "forced_logp": forced.logp_BS, "forced_metrics": forced_metrics, "update_metrics": update_metrics,
             "grads": grads, "monitor": monitor, "after": after}
 
 
@@ -156,7 +161,7 @@ def _worker(rank: int):
     exported = tp.export_canonical()
     tokens_BS, lens_B, _ = _data()
     try:  # TP ranks given different batches fail closed instead of mixing them
-        tp.forward_logprobs(tokens_BS + rank, lens_B, 1.0, 4)
+        tp.forward_logprobs(TrainBatch(tokens_BS + rank, lens_B), 1.0, 4)
         mismatch_error = None
     except RuntimeError as e:
         mismatch_error = str(e)
@@ -165,8 +170,7 @@ def _worker(rank: int):
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(1, 1, expert_model_parallel_size=1)
     RouterReplay.clear_global_router_replay_instances()
-    ctx1 = dist.DistContext(rank=rank, world_size=2, local_rank=rank, dp_rank=rank, dp_size=2, ep_rank=0,
-                            ep_size=1, device=torch.device("cpu"))
+    ctx1 = reference_dims()
     ref = Learner(MODEL, ParallelConfig(nproc=2, expert_parallel=1, distributed_optimizer=False),
                   OptimConfig(lr=LR), ctx1, weights)
     ref_out = _run(ref, ParallelConfig(nproc=2, expert_parallel=1), ctx1, weights)

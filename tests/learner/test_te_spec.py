@@ -177,19 +177,20 @@ def test_fp8_padded_len():
 
 @pytest.mark.unit
 def test_micro_batches_are_padded_to_the_fp8_token_multiple():
-    from moe_rl.learner.learner import split_micro_batches
     from moe_rl.learner.te_spec import FP8_TOKEN_MULTIPLE
+    from moe_rl.types import TrainBatch
 
     seq_lens_B = torch.tensor([5, 7, 3, 9, 2])
     tokens_BS = torch.arange(5 * 9).view(5, 9) + 1
-    batch = {"tokens": tokens_BS, "loss_mask": torch.ones(5, 9), "safe": torch.ones(5, 9, 4, dtype=torch.bool)}
-    plain = split_micro_batches(batch, seq_lens_B, 2)
-    padded = split_micro_batches(batch, seq_lens_B, 2, FP8_TOKEN_MULTIPLE)
-    assert [mb["tokens"].shape for mb in plain] == [(2, 7), (2, 9), (1, 2)]
+    batch = TrainBatch(tokens_BS, seq_lens_B, loss_mask_BS=torch.ones(5, 9),
+                       safe_BSV=torch.ones(5, 9, 4, dtype=torch.bool))
+    plain = batch.micro_batches(2)
+    padded = batch.micro_batches(2, FP8_TOKEN_MULTIPLE)
+    assert [mb.tokens_BS.shape for mb in plain] == [(2, 7), (2, 9), (1, 2)]
     # B * S rounded up to a multiple of 16: 2 x 8, 2 x 16, 1 x 16
-    assert [tuple(mb["tokens"].shape) for mb in padded] == [(2, 8), (2, 16), (1, 16)]
+    assert [tuple(mb.tokens_BS.shape) for mb in padded] == [(2, 8), (2, 16), (1, 16)]
     for p, q in zip(plain, padded):
-        s = p["tokens"].shape[1]
-        assert torch.equal(q["tokens"][:, :s], p["tokens"]) and q["tokens"][:, s:].eq(0).all()
-        assert q["loss_mask"][:, s:].eq(0).all() and q["safe"].shape[1] == q["tokens"].shape[1]
-        assert torch.equal(q["seq_lens"], p["seq_lens"])
+        s = p.tokens_BS.shape[1]
+        assert torch.equal(q.tokens_BS[:, :s], p.tokens_BS) and q.tokens_BS[:, s:].eq(0).all()
+        assert q.loss_mask_BS[:, s:].eq(0).all() and q.safe_BSV.shape[1] == q.tokens_BS.shape[1]
+        assert torch.equal(q.seq_lens_B, p.seq_lens_B)

@@ -310,18 +310,19 @@ def test_dvp_metrics_without_the_rollout_distribution(fp32_engine: BuiltinEngine
     # vLLM reports the safe sets and the sampled token's restricted log-prob, not the full
     # distribution: the metrics that need it are left out, the others are unchanged
     import dataclasses
-    from types import SimpleNamespace
 
     from moe_rl import rollout_correction
     from moe_rl.config import load_config
     from moe_rl.corrections.dvp import restricted_logprobs
+    from moe_rl.types import TokenStats
 
     sp = SamplingParams(max_new_tokens=6, temperature=1.0, dvp_threshold=0.2, return_dist=True)
     out = fp32_engine.generate([[1, 5, 6, 7], [1, 9]], 8, sp, seed=3)
     m = out.response_mask_BS
     r = restricted_logprobs(out.dist_logp_BSV, out.safe_BSV | ~m[..., None], out.tokens_BS)
-    old = SimpleNamespace(logp=torch.where(m, r.logp_BS + 0.01, 0.0),  # a slightly drifted learner
-                          extra={"full_logp": r.full_logp_BS, "log_safe_mass": r.log_safe_mass_BS})
+    logp_BS = torch.where(m, r.logp_BS + 0.01, 0.0)  # a slightly drifted learner
+    old = TokenStats(logp_BS, torch.zeros_like(logp_BS), torch.zeros_like(logp_BS), full_logp_BS=r.full_logp_BS,
+                     log_safe_mass_BS=r.log_safe_mass_BS)
     cc = load_config(None, ["correction.dvp_threshold=0.2"]).correction
     full = {k: float(v.sum / v.count) if hasattr(v, "count") else float(v.value)
             for k, v in rollout_correction.dvp_batch_metrics(cc, out, old).items()}

@@ -40,8 +40,8 @@ def _routes(rank: int, lens_B: torch.Tensor, header):
     return RouteBatch(ids_NLK.to(torch.uint8), rows_B, torch.zeros(4, dtype=torch.int64), torch.full((4,), 2), header)
 
 
-def _nll(mb, logp_BS, entropy_BS, normalizer):
-    return -(logp_BS * mb["loss_mask"]).sum() / normalizer, {}
+def _nll(mb, st, normalizer):
+    return -(st.logp_BS * mb.loss_mask_BS).sum() / normalizer, {}
 
 
 def _capture(learner):
@@ -99,7 +99,11 @@ def _worker(rank: int):
     from moe_rl.learner.learner import Learner
     from moe_rl.rollout.builtin_model import random_canonical_weights
     from moe_rl.routing.layout import pad_routes
+    from moe_rl.routing.plan import PassMode, PassPlan
     from moe_rl.routing.replay import ReplayError
+    from moe_rl.types import TrainBatch
+
+    replay, observe, record = PassPlan(PassMode.REPLAY), PassPlan(PassMode.OBSERVE), PassPlan(PassMode.RECORD)
 
     weights = random_canonical_weights(MODEL, seed=1)
     par = ParallelConfig(nproc=2, expert_parallel=2, distributed_optimizer=False)
@@ -112,7 +116,10 @@ def _worker(rank: int):
 
     # (1) forced indices honoured, last row native, pads spread
     seen, handles = _capture(learner)
-    logp_replay = learner.forward_logprobs(tokens_BS, lens_B, 1.0, 4, routes=routes, replay_mode="replay").logp
+    plain = TrainBatch(tokens_BS, lens_B)
+    with_routes = plain.replace(routes=routes)
+    out_replay = learner.forward_logprobs(with_routes, 1.0, 4, replay)
+    logp_replay = out_replay.stats.logp_BS
     for h in handles:
         h.remove()
     B = 4
@@ -130,34 +137,33 @@ def _worker(rank: int):
         pad_ok &= bool((chosen_NK[pad_N].sort(-1).values
                         == pad_routes(int(pad_N.sum()), 2, 4, 2).sort(-1).values).all())
     out.update(forced_ok=forced_ok, last_native_ok=last_native_ok, pad_ok=pad_ok)
-    out["flip_metrics"] = {k: float(v.sum / v.count) for k, v in learner.replay.metrics().items()
+    out["flip_metrics"] = {k: float(v.sum / v.count) for k, v in out_replay.routing.metrics.items()
                            if k in ("routing/flip_router_frac", "routing/missing_frac")}
 
     # (1b) router-gradient monitor: with softmax over the top-k logits and no aux loss only the
     # K selected logits of a token get gradient: exactly (E - K) / E of the entries get none
-    learner.forward_backward({"tokens": tokens_BS, "loss_mask": mask_BS}, lens_B, _nll, 1.0, 2)
+    learner.forward_backward(plain.replace(loss_mask_BS=mask_BS), _nll, 1.0, 2)
     router = learner.router_monitor_metrics()
     out["monitor"] = {k: v for k, v in router.items() if "/layer" not in k}
     out["monitor_layer"] = {k: v for k, v in router.items() if k.endswith("/layer1")}
 
     # (1c) update-induced flips, replay off: an update forward with the old pass's weights is the
     # same forward (determinism check, math.md 7.2 item 5): exactly 0 on CPU
-    learner.forward_logprobs(tokens_BS, lens_B, 1.0, 2, replay_mode="observe", keep_native=True)
-    old_routes = learner.replay.recorded()
-    mb_old = {"tokens": tokens_BS, "loss_mask": mask_BS, "old_routes": old_routes}
-    learner.forward_backward(mb_old, lens_B, _nll, 1.0, 2, replay_mode="observe")
-    out["update_flip_same"] = {k: float(v.sum / v.count) for k, v in learner.replay.metrics().items()
+    old_routes = learner.forward_logprobs(plain, 1.0, 2, PassPlan(PassMode.OBSERVE, keep_native=True)).routing.recorded
+    mb_old = plain.replace(loss_mask_BS=mask_BS, old_routes=old_routes)
+    _, routing = learner.forward_backward(mb_old, _nll, 1.0, 2, observe)
+    out["update_flip_same"] = {k: float(v.sum / v.count) for k, v in routing.metrics.items()
                                if k.startswith("router_grad/update_flip")}
     learner.router_monitor_metrics()
 
     # (2) micro-batching: 2 micro-batches of 2 give the same log-probs as 1 of 4
-    logp_mb2 = learner.forward_logprobs(tokens_BS, lens_B, 1.0, 2, routes=routes, replay_mode="replay").logp
+    logp_mb2 = learner.forward_logprobs(with_routes, 1.0, 2, replay).stats.logp_BS
     real_BS = (torch.arange(S)[None] >= 1) & (torch.arange(S)[None] < lens_B[:, None])  # pads are garbage
     out["mb_diff"] = float((logp_mb2 - logp_replay)[real_BS].abs().max())
 
     # (3) router grads under replay == HF reference with the same routes forced
-    batch = {"tokens": tokens_BS, "loss_mask": mask_BS, "routes": routes}
-    learner.forward_backward(batch, lens_B, _nll, 1.0, 2, replay_mode="replay")
+    batch = with_routes.replace(loss_mask_BS=mask_BS)
+    learner.forward_backward(batch, _nll, 1.0, 2, replay)
     grads = learner.canonical_grads()
     data_by_rank = [_data(r) for r in range(2)]
     hf = _hf_router_grads(weights, [_routes(r, data_by_rank[r][1], header) for r in range(2)], data_by_rank, header)
@@ -166,41 +172,40 @@ def _worker(rank: int):
                                  for lid, g in hf.items())
 
     # (4) R2: record natively, replay the record -> the native pass, bitwise
-    logp_native = learner.forward_logprobs(tokens_BS, lens_B, 1.0, 4, replay_mode="record").logp
-    recorded = learner.replay.recorded()
+    native = learner.forward_logprobs(plain, 1.0, 4, record)
+    logp_native, recorded = native.stats.logp_BS, native.routing.recorded
     out["recorded_rows"] = recorded.rows_B.tolist()
-    logp_r2 = learner.forward_logprobs(tokens_BS, lens_B, 1.0, 2, routes=recorded, replay_mode="replay").logp
-    out["r2_equal"] = bool(torch.equal(logp_r2[real_BS], logp_native[real_BS]))
-    out["r2_flip"] = float(sum(v.sum for k, v in learner.replay.metrics().items() if k == "routing/flip_router_frac"))
+    r2 = learner.forward_logprobs(plain.replace(routes=recorded), 1.0, 2, replay)
+    out["r2_equal"] = bool(torch.equal(r2.stats.logp_BS[real_BS], logp_native[real_BS]))
+    out["r2_flip"] = float(sum(v.sum for k, v in r2.routing.metrics.items() if k == "routing/flip_router_frac"))
 
     # (5) fail closed: a stale batch, and routes that were never consumed
     with pytest.raises(ReplayError, match="forward without routes"):
-        with learner.replay.run("replay", with_backward=False):
-            learner.replay.begin_micro_batch(routes, lens_B, S)
+        with learner.replay.run(replay, with_backward=False), learner.replay.micro_batch(with_routes, S):
             learner.gpt.eval()
             pos = torch.arange(S).expand(4, S)
             with torch.no_grad():
                 learner.gpt(tokens_BS, pos, None)
                 learner.gpt(tokens_BS, pos, None)  # same routes again: stale
     with pytest.raises(ReplayError, match=r"layer 1: consumed 0 of 1 micro-batches' routes"):
-        with learner.replay.run("replay", with_backward=False):
-            learner.replay.begin_micro_batch(routes, lens_B, S)
+        with learner.replay.run(replay, with_backward=False), learner.replay.micro_batch(with_routes, S):
+            pass  # no forward: the routes stay unconsumed
     out["fail_closed"] = True
 
     # (6) activation recomputation: same grads, every queued route served again
     import dataclasses
 
     rec = Learner(dataclasses.replace(MODEL, recompute=True), par, OptimConfig(lr=1e-2), ctx, weights)
-    rec.forward_backward(batch, lens_B, _nll, 1.0, 2, replay_mode="replay")
+    rec.forward_backward(batch, _nll, 1.0, 2, replay)
     g_rec = rec.canonical_grads()
     out["recompute_grad_diff"] = max(float((g_rec[k] - grads[k]).abs().max()) for k in grads)
-    out["recompute_served"] = [(h.served_forward, h.served_backward) for h in rec.replay.hooks]
+    out["recompute_served"] = list(zip(rec.replay.server.served_forward, rec.replay.server.served_backward))
 
     # (1d) after an optimizer step (Adam, lr 1e-2 on 0.02-scale weights) the update forward's
     # expert sets move away from the old pass's: the same metric is then positive
-    learner.update(mb_old, lens_B, _nll, 1.0, 2, lr=1e-2, replay_mode="observe")
-    learner.forward_backward(mb_old, lens_B, _nll, 1.0, 2, replay_mode="observe")
-    out["update_flip_after_step"] = {k: float(v.sum / v.count) for k, v in learner.replay.metrics().items()
+    learner.update(mb_old, _nll, 1.0, 2, lr=1e-2, plan=observe)
+    _, routing = learner.forward_backward(mb_old, _nll, 1.0, 2, observe)
+    out["update_flip_after_step"] = {k: float(v.sum / v.count) for k, v in routing.metrics.items()
                                      if k.startswith("router_grad/update_flip")}
     dist.shutdown()
     return out

@@ -1,0 +1,102 @@
+"""unit tier: agreement metrics computed once per pass (routing/agreement.py), against counts
+worked out by hand, and the route server's fail-closed checks (routing/server.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_rl.config import ModelConfig
+from moe_rl.routing.agreement import AgreementCollector, SeqShard
+from moe_rl.routing.record import RouteHeader
+from moe_rl.routing.server import ReplayError, RouteServer
+
+MODEL = ModelConfig(vocab_size=16, hidden_size=8, num_layers=2, num_attention_heads=2, num_query_groups=1,
+                    head_dim=4, ffn_hidden_size=8, moe_ffn_hidden_size=4, num_experts=4, moe_router_topk=2,
+                    max_seq_len=16)
+HEADER = RouteHeader.for_model(MODEL)
+
+
+def _nlk(layer0, layer1):
+    return torch.stack([torch.tensor(layer0), torch.tensor(layer1)], 1)
+
+
+def _mean(m):
+    return float(m.sum) / float(m.count)
+
+
+@pytest.mark.unit
+def test_agreement_over_micro_batches_and_layers_matches_hand_counts():
+    c = AgreementCollector(HEADER, [0, 1], SeqShard())
+    c.begin_pass("routing/", keep_native=True)
+    # micro-batch 1: one sequence of 3 tokens (rows 0, 1 recorded; the last token is not)
+    native1 = _nlk([[0, 1], [2, 3], [0, 1]], [[0, 1], [0, 1], [2, 3]])
+    target1 = _nlk([[1, 0], [2, 1], [3, 2]], [[0, 1], [2, 3], [0, 1]])
+    c.add(native1, torch.tensor([3]), target=(target1, torch.tensor([True, True, False])))
+    # micro-batch 2: one sequence of 2 tokens
+    native2 = _nlk([[1, 2], [0, 3]], [[3, 2], [0, 1]])
+    target2 = _nlk([[1, 3], [0, 1]], [[2, 3], [0, 2]])
+    c.add(native2, torch.tensor([2]), target=(target2, torch.tensor([True, False])))
+    c.add_missing({"rows_expected": torch.tensor(3.0, dtype=torch.float64),
+                   "rows_missing": torch.tensor(0.0, dtype=torch.float64)})
+    out = c.finish()
+    m = {k: _mean(v) for k, v in out.metrics.items()}
+    # layer 0 flips on rows (mb1, 1) and (mb2, 0); layer 1 on (mb1, 1); 3 recorded rows
+    assert m["routing/flip_router_frac/layer0"] == pytest.approx(2 / 3)
+    assert m["routing/flip_router_frac/layer1"] == pytest.approx(1 / 3)
+    assert m["routing/flip_router_frac"] == pytest.approx(3 / 6)
+    assert m["routing/overlap_at_k/layer0"] == pytest.approx((1 + 0.5 + 0.5) / 3)
+    assert m["routing/overlap_at_k/layer1"] == pytest.approx((1 + 0 + 1) / 3)
+    assert m["routing/flip_token_frac"] == pytest.approx(2 / 3)
+    assert m["routing/flip_layers_per_token"] == pytest.approx(1.0)
+    assert m["routing/missing_frac"] == 0.0
+    assert sorted(m) == sorted(["routing/flip_router_frac/layer0", "routing/flip_router_frac/layer1",
+                                "routing/flip_router_frac", "routing/overlap_at_k/layer0",
+                                "routing/overlap_at_k/layer1", "routing/overlap_at_k", "routing/flip_token_frac",
+                                "routing/flip_layers_per_token", "routing/missing_frac"])
+    # the kept native routes, as records: T - 1 rows per sequence, in batch order
+    rec = out.recorded
+    assert rec.rows_B.tolist() == [2, 1]
+    assert rec.ids_NLK.long().tolist() == [native1[0].tolist(), native1[1].tolist(), native2[0].tolist()]
+
+
+@pytest.mark.unit
+def test_old_route_comparison_is_filed_under_the_monitor_prefix():
+    c = AgreementCollector(HEADER, [0, 1], SeqShard())
+    c.begin_pass("routing/update_", keep_native=False)
+    native = _nlk([[0, 1], [2, 3]], [[0, 1], [2, 3]])
+    old = _nlk([[0, 1], [2, 0]], [[1, 0], [3, 2]])
+    c.add(native, torch.tensor([2]), old=(old, torch.tensor([True, True])))
+    out = c.finish()
+    m = {k: _mean(v) for k, v in out.metrics.items()}
+    assert out.recorded is None and not any(k.startswith("routing/") for k in m)
+    assert m == pytest.approx({"router_grad/update_flip_frac/layer0": 0.5, "router_grad/update_flip_frac/layer1": 0.0,
+                               "router_grad/update_flip_frac": 0.25, "router_grad/update_flip_token_frac": 0.5,
+                               "router_grad/update_flip_layers_per_token": 0.5})
+
+
+@pytest.mark.unit
+def test_route_server_fails_closed():
+    server = RouteServer([1, 3])
+    server.begin_pass(queue_for_recompute=True)
+    server.load(torch.zeros(4, 2, 2, dtype=torch.int64))
+    assert server.serve(0, 4, recompute=False).shape == (4, 2)
+    with pytest.raises(ReplayError, match="layer 1: forward without routes"):
+        server.serve(0, 4, recompute=False)  # stale: the same routes twice
+    with pytest.raises(ReplayError, match="layer 3: 4 routes for 5 tokens"):
+        server.serve(1, 5, recompute=False)
+    server.begin_pass(queue_for_recompute=True)
+    server.load(torch.zeros(4, 2, 2, dtype=torch.int64))
+    server.serve(0, 4, recompute=False)
+    with pytest.raises(ReplayError, match="layer 3: consumed 0 of 1 micro-batches' routes"):
+        server.check_forward()
+    server.serve(1, 4, recompute=False)
+    server.check_forward()
+    with pytest.raises(ReplayError, match="layer 1: 1 queued routes were not consumed by recompute"):
+        server.check_consumed()
+    server.serve(0, 4, recompute=True)
+    server.serve(1, 4, recompute=True)
+    server.check_consumed()
+    assert (server.served_forward, server.served_backward) == ([1, 1], [1, 1])
+    with pytest.raises(ReplayError, match="recompute asked for routes but none are queued"):
+        server.serve(0, 4, recompute=True)

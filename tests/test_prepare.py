@@ -1,0 +1,151 @@
+"""unit tier: the typed batch, the replay plan, batch preparation and the update loop's split, on
+closed-form inputs. The learner here is a stand-in with known log-probs (the real megatron learner
+is tested in tests/learner and end to end); what is checked is the glue: which routes each pass
+gets, what the TrainBatch carries, and the numbers computed from known inputs."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from moe_rl.config import ModelConfig, load_config
+from moe_rl.learner.learner import LogprobOutput, UpdateOutput
+from moe_rl.policy_update import update
+from moe_rl.prepare import prepare, response_ids
+from moe_rl.routing.agreement import RoutingOutcome
+from moe_rl.routing.plan import PassMode, PassPlan, ReplayMode, ReplayPlan
+from moe_rl.routing.record import RouteBatch, RouteHeader
+from moe_rl.types import RolloutBatch, TokenStats, TrainBatch
+
+MODEL = ModelConfig(vocab_size=16, hidden_size=8, num_layers=2, num_attention_heads=2, num_query_groups=1,
+                    head_dim=4, ffn_hidden_size=8, moe_ffn_hidden_size=4, num_experts=4, moe_router_topk=2,
+                    max_seq_len=16)
+HEADER = RouteHeader.for_model(MODEL)
+OLD_LOGP = -0.5  # the stand-in learner's log-prob of every token
+ROLLOUT_LOGP = -0.75
+
+
+def _rollout() -> RolloutBatch:
+    """2 prompts x 2 samples; prompt 2 tokens, responses of 3, 1, 2, 2 tokens; S = 5."""
+    prompt_B, resp_B = torch.full((4,), 2), torch.tensor([3, 1, 2, 2])
+    pos_S = torch.arange(5)
+    mask_BS = (pos_S >= 2) & (pos_S < (prompt_B + resp_B)[:, None])
+    tokens_BS = torch.where(pos_S < (prompt_B + resp_B)[:, None], pos_S + 3, 0)
+    routes = []
+    for b in range(4):  # valid records: distinct ids, T - 1 rows
+        rows = int(prompt_B[b] + resp_B[b]) - 1
+        ids_TLK = torch.stack([torch.tensor([(r + b) % 4, (r + b + 1) % 4]) for r in range(rows)])
+        routes.append(ids_TLK[:, None, :].expand(rows, len(HEADER.layer_ids), 2).to(HEADER.dtype).contiguous())
+    return RolloutBatch(tokens_BS, prompt_B, resp_B, mask_BS, torch.where(mask_BS, ROLLOUT_LOGP, 0.0), routes,
+                        torch.tensor([0, 0, 1, 1]), torch.tensor([True, False, True, True]))
+
+
+class _Learner:
+    """Records every pass; log-probs OLD_LOGP everywhere; an R2-style record of its own."""
+
+    route_header = HEADER
+
+    def __init__(self) -> None:
+        self.dims = dataclasses.make_dataclass("Dims", [("dp_group", object, None)])()
+        self.passes: list[tuple[str, TrainBatch, PassPlan | None]] = []
+        self.recorded = RouteBatch(torch.zeros(0, len(HEADER.layer_ids), 2, dtype=HEADER.dtype),
+                                   torch.zeros(4, dtype=torch.int64), torch.zeros(4, dtype=torch.int64),
+                                   torch.full((4,), 2), HEADER)
+
+    def forward_logprobs(self, batch, temperature, micro_batch_size, plan=None, reference=False):
+        self.passes.append(("ref" if reference else "old", batch, plan))
+        full = torch.full(batch.tokens_BS.shape, OLD_LOGP)
+        stats = TokenStats(full, torch.full_like(full, 0.25), torch.full_like(full, 0.5))
+        recorded = self.recorded if plan is not None and plan.records else None
+        return LogprobOutput(stats, RoutingOutcome({}, recorded))
+
+    def update(self, batch, loss_fn, temperature, micro_batch_size, lr, plan=None):
+        self.passes.append(("update", batch, plan))
+        return UpdateOutput(2.0 if len(self.passes) % 2 else 4.0, [], RoutingOutcome())
+
+    def router_monitor_metrics(self):
+        return {}
+
+
+@pytest.mark.unit
+def test_replay_plan_table():
+    off, r2, r3 = (ReplayPlan(m, True, False) for m in (ReplayMode.OFF, ReplayMode.R2, ReplayMode.R3))
+    assert [p.old_pass.mode for p in (off, r2, r3)] == [PassMode.OBSERVE, PassMode.RECORD, PassMode.REPLAY]
+    assert off.update_pass is None and r2.update_pass.mode is r3.update_pass.mode is PassMode.REPLAY
+    assert ReplayPlan(ReplayMode.OFF, True, True).update_pass.mode is PassMode.OBSERVE  # the monitor compares
+    assert (off.needs_old_routes, r2.needs_old_routes, r3.needs_old_routes) == (False, True, False)
+    assert ReplayPlan(ReplayMode.R3, True, True).needs_old_routes  # the monitor keeps the old routes
+    assert off.update_routes("rollout", "recorded") is None
+    assert (r2.update_routes("rollout", "recorded"), r3.update_routes("rollout", "recorded")) == ("recorded", "rollout")
+    assert ReplayPlan(ReplayMode.R3, False, False).reference_pass is None and r3.reference_pass.mode is PassMode.REPLAY
+    with pytest.raises(ValueError):
+        ReplayPlan.from_config("r4", True, False)
+
+
+@pytest.mark.unit
+def test_train_batch_select_micro_batches_and_to_make_new_batches():
+    rollout = _rollout()
+    tb = TrainBatch(rollout.tokens_BS, rollout.prompt_lens_B + rollout.response_lens_B,
+                    loss_mask_BS=rollout.response_mask_BS, advantages_BS=torch.arange(20.).view(4, 5))
+    sel = tb.select(torch.tensor([2, 0]))
+    assert torch.equal(sel.seq_lens_B, torch.tensor([4, 5])) and torch.equal(sel.advantages_BS[1], torch.arange(5.))
+    assert sel.old_logp_BS is None and tb.num_seqs == 4 and sel.num_seqs == 2
+    mbs = tb.micro_batches(3, token_multiple=1, seq_multiple=2)
+    # lengths 5, 3, 4 -> S = 5 rounded up to 6; then 4 -> 4
+    assert [tuple(m.tokens_BS.shape) for m in mbs] == [(3, 6), (1, 4)]
+    assert torch.equal(mbs[0].tokens_BS[:, :5], tb.tokens_BS[:3]) and mbs[0].tokens_BS[:, 5].eq(0).all()
+    assert torch.equal(mbs[1].seq_lens_B, torch.tensor([4]))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        tb.tokens_BS = tb.tokens_BS  # nothing mutates a batch it was handed
+    meta = tb.to("meta")
+    assert meta.tokens_BS.device.type == "meta" and tb.tokens_BS.device.type == "cpu"
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("mode", ["off", "r2", "r3"])
+def test_prepare_routes_each_pass_as_the_plan_says(mode):
+    cfg = load_config(None, [f"routing.replay={mode}", "algo.kl_coef=0.1", "correction.is_level=token"])
+    plan = ReplayPlan.from_config(mode, True, monitor=True)
+    learner, rollout = _Learner(), _rollout()
+    rewards_B = torch.tensor([1.0, 0.0, 0.5, 0.5])
+    tb, metrics = prepare(cfg, plan, learner, rollout, rewards_B)
+    (kind0, old_batch, old_plan), (kind1, ref_batch, ref_plan) = learner.passes
+    assert (kind0, kind1) == ("old", "ref")
+    assert old_plan == plan.old_pass and old_plan.keep_native  # the monitor keeps the old routes
+    assert torch.equal(old_batch.routes.rows_B, torch.tensor([4, 2, 3, 3]))  # the rollout's, T - 1 rows each
+    expected = {"off": None, "r2": learner.recorded, "r3": old_batch.routes}[mode]
+    assert tb.routes is expected and tb.old_routes is learner.recorded
+    assert (ref_batch.routes is expected) and (ref_plan == plan.reference_pass)
+    # closed form: GRPO (Bessel std) of [1, 0] -> +-0.7071, of [0.5, 0.5] -> 0
+    adv_B = tb.advantages_BS.sum(1) / rollout.response_mask_BS.sum(1)
+    assert adv_B.tolist() == pytest.approx([1 / math.sqrt(2), -1 / math.sqrt(2), 0.0, 0.0], abs=1e-5)
+    assert tb.advantages_BS[~rollout.response_mask_BS].eq(0).all()
+    # token IS weights exp(old - rollout) = e^0.25 (under is_clip 2) on response tokens
+    assert tb.is_weights_BS[rollout.response_mask_BS].tolist() == pytest.approx([math.exp(0.25)] * 8)
+    assert torch.equal(tb.keep_BS, rollout.response_mask_BS) and tb.ref_logp_BS.eq(OLD_LOGP).all()
+    assert tb.old_logp_BS.eq(OLD_LOGP).all() and torch.equal(tb.rollout_logp_BS, rollout.logprobs_BS)
+    m = metrics["corr/logprob_abs_diff"]
+    assert (float(m.sum), float(m.count)) == (pytest.approx(0.25 * 8), 8.0)
+    assert float(metrics["train/entropy"].sum / metrics["train/entropy"].count) == pytest.approx(0.25)
+
+
+@pytest.mark.unit
+def test_update_splits_by_minibatch_and_averages_grad_norms():
+    cfg = load_config(None, ["algo.num_minibatches=2", "routing.replay=r3"])
+    plan = ReplayPlan.from_config("r3", True, monitor=False)
+    learner, rollout = _Learner(), _rollout()
+    tb = TrainBatch(rollout.tokens_BS, rollout.prompt_lens_B + rollout.response_lens_B,
+                    loss_mask_BS=rollout.response_mask_BS)
+    m = update(cfg, plan, learner, tb, lr=0.5)
+    sizes = [b.seq_lens_B.tolist() for _, b, _ in learner.passes]
+    assert sizes == [[5, 3], [4, 4]] and all(p == plan.update_pass for _, _, p in learner.passes)
+    assert (m["train/grad_norm"], m["train/grad_norm_max"], m["train/lr"]) == (3.0, 4.0, 0.5)
+
+
+@pytest.mark.unit
+def test_response_ids_left_aligns_the_responses():
+    rollout = _rollout()
+    assert response_ids(rollout, pad_id=0).tolist() == [[5, 6, 7], [5, 0, 0], [5, 6, 0], [5, 6, 0]]
