@@ -1,8 +1,8 @@
 """The vLLM rollout engine (GPU): colocated vLLM with routed-experts capture (R3) and weight sync.
 
 The ONLY module that imports vllm (tests/test_style.py), and only inside ``VllmEngine``. Everything
-else here is pure and unit-tested on CPU with fakes that follow vLLM 0.33's documented output
-format (gpu_stack.md 1.2-1.4):
+else here is pure and unit-tested on CPU with fakes built from vllm 0.33.0's output classes as
+pinned from its wheel (tests/rollout/vllm_format.json, scripts/pin_vllm_format.py):
 
 - ``check_vllm_config``: what vLLM cannot do for the learner, refused when the config loads.
   Log-probs: vLLM reports the sampled token's log-prob (``SamplingParams.logprobs=0``) either
@@ -278,6 +278,16 @@ def build_requests(prompts: list[list[int]], n: int, sampling: SamplingParams,
     return out
 
 
+def _field(obj: Any, name: str, sample: int) -> Any:
+    """``obj.<name>`` of a vLLM output object; RouteError naming the sample and the field when the
+    object has no such field (a vLLM whose format is not the pinned 0.33.0 one)."""
+    try:
+        return getattr(obj, name)
+    except AttributeError:
+        raise RouteError(f"sample {sample}: vLLM {type(obj).__name__} has no field {name!r} (the decoder reads "
+                         f"vllm 0.33.0's format, tests/rollout/vllm_format.json)") from None
+
+
 def _sampled_logprobs(logprobs: list[dict], token_ids: list[int], sample: int) -> list[float]:
     """The sampled token's entry of each ``{token_id: Logprob}`` dict (logprobs=0 returns just it)."""
     if logprobs is None or len(logprobs) != len(token_ids):
@@ -287,41 +297,67 @@ def _sampled_logprobs(logprobs: list[dict], token_ids: list[int], sample: int) -
     for g, (entry, tok) in enumerate(zip(logprobs, token_ids)):
         if tok not in entry:
             raise RouteError(f"sample {sample}, generated token {g}: no log-prob for the sampled token {tok}")
-        out.append(float(entry[tok].logprob))
+        out.append(float(_field(entry[tok], "logprob", sample)))
     return out
 
 
+# vLLM's finish reasons (FINISH_REASON_STRINGS) that end a complete sample -> finished_B; the
+# others ("abort", "error", "repetition") and None (unfinished) are refused
+FINISHED = {"stop": True, "length": False}
+
+
+def _completion(out: Any, sample: int) -> tuple[list[int], list[int], Any]:
+    """(prompt ids, generated ids, the ``CompletionOutput``) of one ``RequestOutput``."""
+    completions = _field(out, "outputs", sample)
+    if len(completions) != 1:
+        raise RouteError(f"sample {sample}: vLLM returned {len(completions)} completions, expected 1 (n=1 requests)")
+    c = completions[0]
+    prompt_ids = _field(out, "prompt_token_ids", sample)
+    if prompt_ids is None:
+        raise RouteError(f"sample {sample}: vLLM returned no prompt_token_ids")
+    gen = [int(t) for t in _field(c, "token_ids", sample)]
+    reason = _field(c, "finish_reason", sample)
+    if reason not in FINISHED:
+        raise RouteError(f"sample {sample}: vLLM finish_reason {reason!r}; a complete sample ends with one of "
+                         f"{sorted(FINISHED)} (aborted, failed or unfinished request?)")
+    if not gen:
+        raise RouteError(f"sample {sample}: vLLM generated no token (finish_reason={reason!r})")
+    return [int(t) for t in prompt_ids], gen, c
+
+
 def to_rollout_batch(outputs: list, n: int, pad_id: int, header: RouteHeader,
-                     logprob_support: str = "full", vocab_size: int = 0, dvp_logprobs: int = 0) -> RolloutBatch:
+                     logprob_support: str = "full", vocab_size: int = 0, dvp_logprobs: int = 0,
+                     num_layers: int | None = None) -> RolloutBatch:
     """vLLM ``RequestOutput``s (one per sample, in request order) -> RolloutBatch + route records.
 
-    Per output: ``prompt_token_ids``; ``outputs[0]`` (``CompletionOutput``) with ``token_ids``
-    (the stop token included), ``logprobs``, ``finish_reason`` ("stop" | "length") and
-    ``routed_experts`` ([P + G - 1, all decoder layers, K], uint8/uint16). Errors name the sample.
-    A DVP support (``logprob_support`` "dvp:...") also rebuilds ``safe_BSV`` [B, S, vocab_size]
-    from the ``dvp_logprobs`` top log-probs per position (``dvp_safe_sets``), as the built-in
-    engine lays it out: the set each generated token was sampled from, False elsewhere."""
+    Reads vllm 0.33.0's format (pinned in tests/rollout/vllm_format.json), strictly, every error
+    naming the sample: ``prompt_token_ids``; ``outputs`` holding one ``CompletionOutput`` with
+    ``token_ids`` (the stop token included), ``logprobs`` (one ``{token_id: Logprob}`` per token),
+    ``finish_reason`` ("stop" | "length") and ``routed_experts`` ([P + G - 1, num_layers, K] in
+    ``routing.record.vllm_route_dtype``; ``num_layers`` = the model's decoder layers, checked
+    when given). A DVP support (``logprob_support`` "dvp:...") also rebuilds ``safe_BSV``
+    [B, S, vocab_size] from the ``dvp_logprobs`` top log-probs per position (``dvp_safe_sets``),
+    as the built-in engine lays it out: the set each generated token was sampled from, False elsewhere."""
     dvp = logprob_support != "full"
     if dvp and (vocab_size < 1 or dvp_logprobs < 1):
         raise ValueError(f"support {logprob_support!r} needs vocab_size and dvp_logprobs to rebuild the safe sets")
     B = len(outputs)
     prompts, gens, lps, routes, finished, safes = [], [], [], [], [], []
     for b, out in enumerate(outputs):
-        c = out.outputs[0]
-        prompt, gen = [int(t) for t in out.prompt_token_ids], [int(t) for t in c.token_ids]
-        if not gen:
-            raise RouteError(f"sample {b}: vLLM generated no token (finish_reason={c.finish_reason!r})")
-        if c.routed_experts is None:
+        prompt, gen, c = _completion(out, b)
+        routed = _field(c, "routed_experts", b)
+        if routed is None:
             raise RouteError(f"sample {b}: vLLM returned no routed_experts (enable_return_routed_experts off, "
                              f"or the request was aborted)")
-        lps.append(_sampled_logprobs(c.logprobs, gen, b))
+        logprobs = _field(c, "logprobs", b)
+        lps.append(_sampled_logprobs(logprobs, gen, b))
         if dvp:
-            safes.append(dvp_safe_sets(c.logprobs, gen, dvp_logprobs, vocab_size, b, prompt_len=len(prompt)))
-        routes.append(from_vllm(c.routed_experts, num_tokens=len(prompt) + len(gen), prompt_len=len(prompt),
-                                header=header, sample=b).ids_TLK)
+            safes.append(dvp_safe_sets(logprobs, gen, dvp_logprobs, vocab_size, b, prompt_len=len(prompt)))
+        routes.append(from_vllm(routed, num_tokens=len(prompt) + len(gen), prompt_len=len(prompt),
+                                header=header, sample=b, num_layers=num_layers).ids_TLK)
         prompts.append(prompt)
         gens.append(gen)
-        finished.append(c.finish_reason == "stop")
+        finished.append(FINISHED[c.finish_reason])
     prompt_lens_B = torch.tensor([len(p) for p in prompts], dtype=torch.int64)
     response_lens_B = torch.tensor([len(g) for g in gens], dtype=torch.int64)
     S = int((prompt_lens_B + response_lens_B).max())
@@ -660,7 +696,8 @@ class VllmEngine:
             self.llm.sleep(level=self.cfg.rollout.vllm.sleep_level)
             self.asleep = True
         return to_rollout_batch(outputs, n, self.pad_id, self.header, sampling.logprob_support,
-                                vocab_size=self.model_cfg.vocab_size, dvp_logprobs=dvp_logprobs)
+                                vocab_size=self.model_cfg.vocab_size, dvp_logprobs=dvp_logprobs,
+                                num_layers=self.model_cfg.num_layers)
 
     def _gather(self, call: tuple) -> list[tuple]:
         if self.group is None:

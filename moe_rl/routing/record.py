@@ -164,29 +164,49 @@ def load_records(blob: bytes) -> list[RouteRecord]:
     return [RouteRecord(ids, int(m[0]), int(m[1]), header) for ids, m in zip(chunks, tensors["meta"])]
 
 
-def from_vllm(routed_experts: np.ndarray, *, num_tokens: int, prompt_len: int, header: RouteHeader,
-              prompt_start: int = 0, sample: int = 0) -> RouteRecord:
-    """Adapt vLLM's ``CompletionOutput.routed_experts`` ([T - 1 - prompt_start, A, K], uint8 for
-    E <= 256 else uint16, every decoder layer, dense-layer rows zero) to a record: keep the MoE
-    layers by global number and move to our dtype (uint8 can hold 256 ids but then no MISSING).
+def vllm_route_dtype(num_experts: int) -> np.dtype:
+    """The dtype of vLLM 0.33's ``routed_experts``: uint8 up to 256 experts, else uint16
+    (``RoutedExpertsCapturer``; pinned in tests/rollout/vllm_format.json)."""
+    return np.dtype(np.uint8 if num_experts <= 256 else np.uint16)
 
-    Raises RouteError naming the sample on a shape that cannot be this sample's routes."""
-    arr = np.asarray(routed_experts)
+
+def from_vllm(routed_experts: np.ndarray, *, num_tokens: int, prompt_len: int, header: RouteHeader,
+              prompt_start: int = 0, sample: int = 0, num_layers: int | None = None) -> RouteRecord:
+    """Adapt vLLM's ``CompletionOutput.routed_experts`` ([T - 1 - prompt_start, A, K] numpy array in
+    ``vllm_route_dtype``, every decoder layer, dense-layer rows zero) to a record: keep the MoE
+    layers by global number and move to our dtype (uint8 can hold 256 ids but then no MISSING).
+    ``num_layers`` (A, the model's decoder layers) is checked when given.
+
+    Raises RouteError naming the sample on anything that is not this sample's routes in vLLM's
+    format: another type or dtype (nothing is cast before the check), another shape, or an id
+    outside [0, num_experts) in a MoE layer (named with layer and row)."""
+    where = f"sample {sample}: vLLM routed_experts"
+    if not isinstance(routed_experts, np.ndarray):
+        raise RouteError(f"{where} is a {type(routed_experts).__name__}, expected a numpy.ndarray")
+    arr, want = routed_experts, vllm_route_dtype(header.num_experts)
+    if arr.dtype != want:
+        raise RouteError(f"{where} dtype is {arr.dtype}, expected {want} for {header.num_experts} experts "
+                         f"(vLLM 0.33: uint8 up to 256 experts, else uint16)")
     if arr.ndim != 3:
-        raise RouteError(f"sample {sample}: vLLM routed_experts has shape {arr.shape}, expected [T-1, layers, K]")
+        raise RouteError(f"{where} has shape {arr.shape}, expected [T-1, layers, K]")
     expect_rows = num_tokens - 1 - prompt_start
     if arr.shape[0] != expect_rows:
         raise RouteError(f"sample {sample}: vLLM returned {arr.shape[0]} route rows for {num_tokens} tokens "
                          f"from position {prompt_start}; expected {expect_rows}")
+    if num_layers is not None and arr.shape[1] != num_layers:
+        raise RouteError(f"{where} has {arr.shape[1]} layers, the model has {num_layers} decoder layers")
     if max(header.layer_ids) >= arr.shape[1]:
-        raise RouteError(f"sample {sample}: vLLM routed_experts has {arr.shape[1]} layers but MoE layer "
-                         f"{max(header.layer_ids)} is expected")
+        raise RouteError(f"{where} has {arr.shape[1]} layers but MoE layer {max(header.layer_ids)} is expected")
     if arr.shape[2] != header.top_k:
-        raise RouteError(f"sample {sample}: vLLM routed_experts has K={arr.shape[2]}, model top-k is {header.top_k}")
-    if arr.dtype not in (np.uint8, np.uint16, np.int16, np.int32):
-        raise RouteError(f"sample {sample}: vLLM routed_experts dtype {arr.dtype} is not an integer id type")
-    moe_NLK = torch.from_numpy(arr[:, list(header.layer_ids), :].astype(np.int64))
-    return RouteRecord(moe_NLK.to(header.dtype), prompt_len, prompt_start, header)
+        raise RouteError(f"{where} has K={arr.shape[2]}, model top-k is {header.top_k}")
+    moe_NLK = arr[:, list(header.layer_ids), :]
+    bad_NLK = moe_NLK >= header.num_experts
+    if bad_NLK.any():
+        n, l, k = (int(x) for x in np.argwhere(bad_NLK)[0])
+        raise RouteError(f"sample {sample}, layer {header.layer_ids[l]}, row {prompt_start + n}: vLLM expert id "
+                         f"{int(moe_NLK[n, l, k])} outside [0, {header.num_experts})")
+    ids_NLK = torch.from_numpy(moe_NLK.astype(np.int64)).to(header.dtype)  # ids < E fit the record dtype
+    return RouteRecord(ids_NLK, prompt_len, prompt_start, header)
 
 
 def validate(batch: RouteBatch, num_tokens_B: torch.Tensor, header: RouteHeader) -> None:

@@ -120,6 +120,31 @@ def test_vllm_adapter_selects_moe_layers_by_global_number():
 
 
 @pytest.mark.unit
+def test_vllm_adapter_widens_256_experts_and_refuses_ids_outside_the_experts():
+    """vLLM's dtype (uint8 up to 256 experts, else uint16) is required as is; every MoE-layer id
+    must be < E before the move to our dtype (nothing wraps, nothing becomes MISSING)."""
+    arr = np.zeros((4, 2, 2), dtype=np.uint8)
+    arr[:, 1] = [[255, 0], [254, 1], [3, 2], [7, 128]]
+    rec = from_vllm(arr, num_tokens=5, prompt_len=3, header=RouteHeader((1,), 256, 2, "x"), num_layers=2)
+    assert rec.ids_TLK.dtype == torch.uint16 and rec.ids_TLK[:, 0].tolist() == [[255, 0], [254, 1], [3, 2], [7, 128]]
+    with pytest.raises(RouteError) as e:
+        from_vllm(arr, num_tokens=5, prompt_len=3, header=RouteHeader((1,), 200, 2, "x"), sample=3)
+    assert str(e.value) == "sample 3, layer 1, row 0: vLLM expert id 255 outside [0, 200)"
+    wide = arr.astype(np.uint16)
+    wide[2, 1, 0] = 300
+    with pytest.raises(RouteError) as e:
+        from_vllm(wide, num_tokens=7, prompt_len=3, header=RouteHeader((1,), 300, 2, "x"), prompt_start=2)
+    assert str(e.value) == "sample 0, layer 1, row 4: vLLM expert id 300 outside [0, 300)"
+    wide[2, 1, 0] = 299
+    rec = from_vllm(wide, num_tokens=7, prompt_len=3, header=RouteHeader((1,), 300, 2, "x"), prompt_start=2)
+    assert rec.ids_TLK.dtype == torch.uint16 and rec.ids_TLK[:, 0, 0].tolist() == [255, 254, 299, 7]
+    with pytest.raises(RouteError) as e:
+        from_vllm(arr, num_tokens=5, prompt_len=3, header=RouteHeader((1,), 300, 2, "x"))
+    assert str(e.value) == ("sample 0: vLLM routed_experts dtype is uint8, expected uint16 for 300 experts "
+                            "(vLLM 0.33: uint8 up to 256 experts, else uint16)")
+
+
+@pytest.mark.unit
 def test_pad_routes_distinct_and_balanced_over_ep_ranks():
     pads = pad_routes(64, 2, 8, 2)
     assert (pads[:, 0] != pads[:, 1]).all()
