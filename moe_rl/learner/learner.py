@@ -281,9 +281,10 @@ class Learner:
         outs, routing = self._schedule(model, replay, mbs, collect, True, plan)
         S = batch.tokens_BS.shape[1]
 
-        def gather(key: str) -> torch.Tensor:  # micro-batches were trimmed (and padded for TP/FP8): back to S
-            return torch.cat([torch.nn.functional.pad(o[key][:, :mb.tokens_BS.shape[1]],
-                                                      (0, S - mb.tokens_BS.shape[1])) for o, mb in zip(outs, mbs)])
+        cols = [int(mb.seq_lens_B.max()) for mb in mbs]  # real columns: padding for TP/FP8 is cut off
+
+        def gather(key: str) -> torch.Tensor:  # micro-batches were trimmed (and padded): back to S
+            return torch.cat([torch.nn.functional.pad(o[key][:, :c], (0, S - c)) for o, c in zip(outs, cols)])
 
         stats = {k: gather(k) for k in outs[0]} if self.dims.is_last_stage else None
         if self.dims.pp_size > 1:
