@@ -21,7 +21,7 @@ keeps rho in [0.625, 1.667]; ours keeps rho in [0.6, 1.6]). k2 / k3 options take
 
 Per-token statistics, from lr = clamp(log rho, +-20) (``SAFETY_BOUND``), all estimating
 KL(pi_rollout || pi_train) for tokens sampled from pi_rollout: k1 = -lr, k2 = lr^2 / 2,
-k3 = e^lr - 1 - lr (``moe_rl.losses.kl_from_log_ratio``).
+k3 = e^lr - 1 - lr (``moe_rl.ratios.kl_from_log_ratio``).
 
 Sequences with no response token count in no sequence-level statistic.
 """
@@ -34,8 +34,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from moe_rl.corrections._masked import inf_like, masked_max, masked_mean, masked_min, seq_valid, stats
-from moe_rl.losses import SAFETY_BOUND, kl_from_log_ratio, log_ratio
 from moe_rl.metrics import MetricValue
+from moe_rl.ratios import SAFETY_BOUND, kl_from_log_ratio, log_ratio
 from moe_rl.registry import Registry
 
 __all__ = [
