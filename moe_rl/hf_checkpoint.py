@@ -36,7 +36,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from moe_rl.config import ModelConfig
-from moe_rl.learner.checkpoint import fsync_path
+from moe_rl.fsutil import fsync_path
 from moe_rl.rollout.builtin_model import canonical_param_shapes
 
 log = logging.getLogger(__name__)
