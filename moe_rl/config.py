@@ -91,6 +91,14 @@ class ModelConfig:
         return list(range(self.first_k_dense, self.num_layers))
 
 
+# ModelConfig fields that change tensor shapes or the function computed; max_seq_len and the aux-loss
+# coefficient do not (RoPE has no parameters). Init weights, HF checkpoints and route records made
+# for another architecture are refused by these (warmstart.py, hf_checkpoint.py, routing/record.py).
+ARCH_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_query_groups",
+               "head_dim", "ffn_hidden_size", "moe_ffn_hidden_size", "num_experts", "moe_router_topk",
+               "first_k_dense", "qk_layernorm", "rope_theta", "norm_eps")
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     nproc: int = 2  # local ranks `moe-rl train` starts (ignored under an external torchrun)

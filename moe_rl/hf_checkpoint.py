@@ -35,7 +35,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from moe_rl.config import ModelConfig
+from moe_rl.config import ARCH_FIELDS, ModelConfig
 from moe_rl.fsutil import fsync_path
 from moe_rl.rollout.builtin_model import canonical_param_shapes
 
@@ -289,8 +289,6 @@ def read_hf_weights(ckpt_dir: str | Path, cfg: ModelConfig) -> dict[str, torch.T
 def load_hf_checkpoint(ckpt_dir: str | Path, model: ModelConfig) -> dict[str, torch.Tensor]:
     """Canonical fp32 weights of an HF checkpoint made for ``model``; a differing architecture
     field is refused, naming it."""
-    from moe_rl.warmstart import ARCH_FIELDS
-
     fields = load_hf_config(ckpt_dir)
     for key in ("hf_family", *ARCH_FIELDS):
         if key in fields and fields[key] != getattr(model, key):
