@@ -9,12 +9,13 @@ import time
 from pathlib import Path
 
 from moe_rl import rl
-from moe_rl.config import RunConfig, check_launch, to_dict, to_yaml
+from moe_rl.config import RunConfig, to_dict, to_yaml
 from moe_rl.dist import DistContext
 from moe_rl.learner import checkpoint
 from moe_rl.learner.learner import Learner
 from moe_rl.lr import LengthLRScheduler
 from moe_rl.metrics import MetricsWriter, reduce_metrics
+from moe_rl.preflight import check_launch
 from moe_rl.tasks import CharTokenizer, build_prompt_source, score
 from moe_rl.warmstart import load_init_weights
 

@@ -7,9 +7,10 @@ rule 2). One direction convention: every ratio bound is on rho = pi_train / pi_r
 ``moe_rl.losses`` (``decoupled_ppo_loss``, ``bypass_loss``, ``BYPASS_MODES``), above this package;
 the log-ratio and KL-estimator helpers both use live in ``moe_rl.ratios``, below both.
 
-Names a config may use are checked against these registries / tuples when it loads:
-``IS_LEVELS``, ``parse_rs_spec`` (rejection options and bounds), ``RS_AGGREGATIONS``,
-``LENGTH_NEUTRAL``, ``TRM_REFERENCES``, ``TRM_KL_SOURCES``, ``SAFE_SET_RULES``.
+Names a config may use are checked when it loads by ``moe_rl.config``, which imports nothing from
+the package: it holds them as plain tuples that tests keep equal to these registries / tuples
+(``IS_LEVELS``, ``RS_AGGREGATIONS``, ``LENGTH_NEUTRAL``, ``TRM_REFERENCES``, ``TRM_KL_SOURCES``,
+``SAFE_SET_RULES``), and owns the rejection-option grammar ``parse_rs_spec`` (re-exported here).
 """
 
 from moe_rl.corrections.derived import derive_metrics
