@@ -66,7 +66,7 @@ def show_config(args: tuple[str, ...]) -> None:
 @click.option("--max-shard-gb", type=float, default=5.0, show_default=True, help="safetensors shard size")
 def export_hf(run_dir: str, out_dir: str, step: int | None, max_shard_gb: float) -> None:
     """Write a run's checkpoint as a Hugging Face checkpoint: moe-rl export-hf RUN_DIR OUT_DIR [--step N]."""
-    from moe_rl.hf_checkpoint import export_run
+    from moe_rl.export import export_run
 
     try:
         export_run(run_dir, out_dir, step, int(max_shard_gb * 2**30))

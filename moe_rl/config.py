@@ -5,11 +5,20 @@ command-line overrides (``rollout.temperature=0.8``) only override them. Loading
 OmegaConf's structured configs, so an unknown key or a wrong type fails before any work starts,
 naming the full dotted key; cross-field checks in ``__post_init__`` name the keys too.
 Megatron's own argument names appear only in ``moe_rl/learner/setup.py``.
+
+The bottom of the package: imports nothing from it (tests/test_style.py). So the names a config may
+use live here as plain tuples (``ADVANTAGE_NAMES``, ``RS_AGGREGATION_NAMES``; tests keep them equal
+to the registries of ``moe_rl.advantages`` and ``moe_rl.corrections``), with the rejection-option
+grammar (``parse_rs_spec``) and what the vLLM engine cannot do (``logprobs_mode``, ``_check_vllm``;
+pure, no vllm import). What depends on the machine (CUDA, Transformer Engine, vllm installed) is
+checked when a run starts, in ``moe_rl/preflight.py``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +39,60 @@ def _check(cond: bool, key: str, msg: str) -> None:
 def _one_of(value: str, key: str, choices: tuple[str, ...] | list[str]) -> None:
     hint = " (YAML reads unquoted on/off/yes/no as booleans: quote the value)" if value in ("True", "False") else ""
     _check(value in choices, key, f"{value!r} is not one of {sorted(choices)}{hint}")
+
+
+# The names of moe_rl.advantages.ADVANTAGES (tests/test_advantages.py keeps them equal).
+ADVANTAGE_NAMES = ("grpo", "rloo", "otb", "otb_multiturn")
+# The names of moe_rl.corrections.importance.RS_AGGREGATIONS (tests/corrections/test_derived.py).
+RS_AGGREGATION_NAMES = ("token", "seq_sum", "seq_mean", "seq_max")
+Bound = float | tuple[float, float]  # see parse_rs_spec
+
+
+def parse_rs_spec(options: Sequence[str], bounds: Sequence[Bound] | Bound) -> list[tuple[str, str, float, float]]:
+    """Validate rejection options and bounds (``correction.rs`` when the config loads, and
+    ``moe_rl.corrections.importance.rejection_mask``).
+
+    Args:
+        options: e.g. ["token_k1", "seq_max_k2", "seq_mean_k3"]; "<agg>_<k>" with agg in
+            ``RS_AGGREGATION_NAMES`` and k in k1/k2/k3 (no seq_max_k1: k1 is sign-indefinite).
+        bounds: a list with one entry per option, or with one entry (or a bare float) broadcast
+            to all. k1 entry: (lo, hi) bounds on rho (0 < lo <= hi) or a float U >= 1 meaning
+            (1/U, U); k2/k3 entry: a float upper bound > 0. E.g. options ["token_k1", "seq_max_k2"]
+            with bounds [(0.6, 1.6), 2.5]; a single k1 option with bounds [(0.5, 2.0)].
+    Returns:
+        [(agg, kind, lo, hi)]: keep iff lo <= s <= hi, where s is the aggregated log rho for k1
+        (lo = log lo_rho, hi = log hi_rho) and the aggregated k2/k3 otherwise (lo = -inf).
+    """
+    if isinstance(options, str):
+        raise TypeError("options must be a list of option names, not a string")
+    bounds = list(bounds) if isinstance(bounds, (list, tuple)) else [bounds]
+    if len(bounds) == 1:
+        bounds = bounds * len(options)
+    if len(bounds) != len(options):
+        raise ValueError(f"{len(options)} rejection options but {len(bounds)} bounds")
+    return [_parse_one(opt, b) for opt, b in zip(options, bounds)]
+
+
+def _parse_one(option: str, bound: Bound) -> tuple[str, str, float, float]:
+    agg, _, kind = option.rpartition("_")
+    if kind not in ("k1", "k2", "k3") or agg not in RS_AGGREGATION_NAMES:
+        raise ValueError(f"unknown rejection option {option!r}; use <agg>_<k1|k2|k3>, agg in "
+                         f"{sorted(RS_AGGREGATION_NAMES)}")
+    if agg == "seq_max" and kind == "k1":
+        raise ValueError("seq_max_k1 is not supported (k1 is sign-indefinite); use seq_max_k2")
+    if kind != "k1":
+        if isinstance(bound, (tuple, list)) or not bound > 0:
+            raise ValueError(f"{option}: bound must be one float > 0, got {bound!r}")
+        return agg, kind, -math.inf, float(bound)
+    if isinstance(bound, (tuple, list)):
+        lo, hi = (float(b) for b in bound)
+    else:
+        if not bound >= 1:
+            raise ValueError(f"{option}: a single k1 bound U means (1/U, U) and needs U >= 1, got {bound}")
+        lo, hi = 1.0 / bound, float(bound)
+    if not 0 < lo <= hi:
+        raise ValueError(f"{option}: k1 bounds on rho need 0 < lo <= hi, got ({lo}, {hi})")
+    return agg, kind, math.log(lo), math.log(hi)
 
 
 @dataclass(frozen=True)
@@ -56,7 +119,7 @@ class ModelConfig:
     # HF model family of import/export (moe_rl/hf_checkpoint.py FAMILIES): qwen3_moe | mixtral (no q/k norm)
     hf_family: str = "qwen3_moe"
     # Learner kernels and precision (moe_rl/learner/te_spec.py). te and fp8 need CUDA and Transformer
-    # Engine; that is checked when a run starts (check_launch), so GPU recipes still load anywhere.
+    # Engine; that is checked when a run starts (preflight.check_launch), so GPU recipes still load anywhere.
     transformer_impl: str = "local"  # local: megatron's own modules (CPU) | te: Transformer Engine spec
     precision: str = "fp32"  # fp32 | bf16 | fp8 (TE linears in FP8, bf16 params, fp32 main params)
     fp8_recipe: str = "delayed"  # delayed | tensorwise | blockwise (megatron-core Fp8Recipe names)
@@ -89,6 +152,14 @@ class ModelConfig:
     def moe_layers(self) -> list[int]:
         """Global (0-based) numbers of the MoE layers."""
         return list(range(self.first_k_dense, self.num_layers))
+
+
+# ModelConfig fields that change tensor shapes or the function computed; max_seq_len and the aux-loss
+# coefficient do not (RoPE has no parameters). Init weights, HF checkpoints and route records made
+# for another architecture are refused by these (warmstart.py, hf_checkpoint.py, routing/record.py).
+ARCH_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_query_groups",
+               "head_dim", "ffn_hidden_size", "moe_ffn_hidden_size", "num_experts", "moe_router_topk",
+               "first_k_dense", "qk_layernorm", "rope_theta", "norm_eps")
 
 
 @dataclass(frozen=True)
@@ -273,8 +344,6 @@ class CorrectionConfig:
     dvp_rule: str = "relative"  # relative: p >= threshold * max p | top_p: smallest set with mass >= threshold
 
     def __post_init__(self) -> None:
-        from moe_rl.corrections.importance import parse_rs_spec
-
         _one_of(self.mode, "correction.mode", ("decoupled", "bypass"))
         _one_of(self.bypass_loss, "correction.bypass_loss", ("ppo_clip", "reinforce"))
         _one_of(self.is_level, "correction.is_level", ("none", "token", "sequence", "geometric"))
@@ -338,11 +407,7 @@ class AlgoConfig:
     micro_batch_size: int = 64  # sequences per forward/backward on one rank
 
     def __post_init__(self) -> None:
-        from moe_rl.advantages import (
-            ADVANTAGES,  # the registry is the list of valid names
-        )
-
-        _one_of(self.advantage, "algo.advantage", list(ADVANTAGES))
+        _one_of(self.advantage, "algo.advantage", ADVANTAGE_NAMES)
         _check(self.clip_low >= 0 and self.clip_high >= 0, "algo.clip_low", "clips must be >= 0")
         _one_of(self.kl_estimator, "algo.kl_estimator", ("k1", "k2", "k3"))
         _check(self.kl_coef >= 0, "algo.kl_coef", "must be >= 0")
@@ -411,9 +476,7 @@ class RunConfig:
         _check(per_rank % self.algo.num_minibatches == 0, "algo.num_minibatches",
                f"{self.algo.num_minibatches} minibatches do not split the {per_rank} prompts per rank")
         if r.engine == "vllm":
-            from moe_rl.rollout.vllm_engine import check_vllm_config
-
-            check_vllm_config(self)
+            _check_vllm(self)
 
     @property
     def data_parallel(self) -> int:
@@ -455,17 +518,46 @@ def _check_pipeline_parallel(cfg: RunConfig) -> None:
            f"without a MoE layer")
 
 
-def check_launch(cfg: RunConfig) -> None:
-    """What depends on the machine, checked when a run starts rather than when a config loads (so a
-    recipe for a GPU cluster still loads and prints on a laptop): Transformer Engine and FP8 need
-    CUDA and TE, the vLLM engine needs CUDA and vllm. Raises ConfigError naming the key and why."""
-    from moe_rl.learner.te_spec import check_te_environment
+def logprobs_mode(temperature: float, top_k: int, top_p: float, dvp: bool = False) -> str:
+    """vLLM's ``logprobs_mode`` whose sampled-token log-prob equals the learner's
+    log softmax(logits / temperature) over the full vocabulary (with ``dvp``: over the DVP safe
+    set); ValueError when none does. (Used by ``moe_rl/rollout/vllm_engine.py``; see its docstring.)"""
+    if top_k == 0 and top_p >= 1.0:
+        return "processed_logprobs"  # temperature (and the DVP mask) are the only processors
+    if dvp:
+        raise ValueError(f"with DVP the log-probs must come after the DVP mask and temperature "
+                         f"(processed_logprobs), and those would also be renormalised over top_k={top_k}, "
+                         f"top_p={top_p}, unlike the learner's safe-set log-probs: use top_k=0 top_p=1")
+    if temperature == 1.0:
+        return "raw_logprobs"  # before top-k/top-p, so not renormalised; T = 1 needs no scaling
+    raise ValueError(f"vLLM reports log-probs either before temperature (raw) or after top-k/top-p "
+                     f"renormalisation (processed); with temperature {temperature} and top_k={top_k}, "
+                     f"top_p={top_p} neither is the learner's full-vocabulary log softmax(z / T) "
+                     f"(vllm#42259). Use top_k=0 top_p=1, or temperature=1")
 
-    check_te_environment(cfg.model)
-    if cfg.rollout.engine == "vllm":
-        from moe_rl.rollout.vllm_engine import check_vllm_environment
 
-        check_vllm_environment()
+def _check_vllm(cfg: RunConfig) -> None:
+    """rollout.engine=vllm: refuse, naming the key, what the vLLM engine cannot give the learner."""
+    r, c, v = cfg.rollout, cfg.correction, cfg.rollout.vllm
+
+    def refuse(key: str, why: str) -> None:
+        raise ConfigError(f"config key '{key}': {why} (rollout.engine=vllm)")
+
+    try:
+        logprobs_mode(r.temperature, r.top_k, r.top_p, dvp=c.dvp_threshold > 0)
+    except ValueError as e:
+        refuse("rollout.top_p", str(e))
+    if r.router_noise > 0:
+        refuse("rollout.router_noise", "router-logit noise exists only in the built-in engine")
+    if c.trm_on and c.trm_kl == "exact":
+        refuse("correction.trm_kl", "exact TRM needs the rollout's full distributions; vLLM returns top-k "
+               "log-probs only: use correction.trm_kl=sample")
+    if cfg.parallel.nproc % v.tensor_parallel:
+        refuse("rollout.vllm.tensor_parallel", f"{v.tensor_parallel} does not divide parallel.nproc "
+               f"{cfg.parallel.nproc} (each engine spans consecutive ranks)")
+    if cfg.model.num_attention_heads % v.tensor_parallel:
+        refuse("rollout.vllm.tensor_parallel", f"{v.tensor_parallel} does not divide "
+               f"model.num_attention_heads {cfg.model.num_attention_heads}")
 
 
 def _override(base, item: str):

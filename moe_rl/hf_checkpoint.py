@@ -15,14 +15,14 @@ and the strict checks (design.md, "Model formats"; issue 7).
   present with its shape and nothing else may be there; errors name the tensor and the file.
 - ``write_hf_checkpoint``: shards + ``model.safetensors.index.json`` + ``config.json`` written into
   a temporary sibling directory, fsynced and renamed, so a crash never leaves a half checkpoint.
-- ``export_run``: ``moe-rl export-hf``: a run's megatron dist checkpoint -> HF checkpoint, on the
-  run's own parallel layout.
+
+File formats only: no learner, no launcher, so the vLLM engine imports it freely. Exporting a run
+(``moe-rl export-hf``: a run's dist checkpoint loaded by the learner -> HF) is ``moe_rl/export.py``.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 import shutil
@@ -35,11 +35,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from moe_rl.config import ModelConfig
-from moe_rl.learner.checkpoint import fsync_path
+from moe_rl.config import ARCH_FIELDS, ModelConfig
+from moe_rl.fsutil import fsync_path
 from moe_rl.rollout.builtin_model import canonical_param_shapes
-
-log = logging.getLogger(__name__)
 
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
@@ -289,8 +287,6 @@ def read_hf_weights(ckpt_dir: str | Path, cfg: ModelConfig) -> dict[str, torch.T
 def load_hf_checkpoint(ckpt_dir: str | Path, model: ModelConfig) -> dict[str, torch.Tensor]:
     """Canonical fp32 weights of an HF checkpoint made for ``model``; a differing architecture
     field is refused, naming it."""
-    from moe_rl.warmstart import ARCH_FIELDS
-
     fields = load_hf_config(ckpt_dir)
     for key in ("hf_family", *ARCH_FIELDS):
         if key in fields and fields[key] != getattr(model, key):
@@ -351,74 +347,3 @@ def write_hf_checkpoint(out_dir: str | Path, canonical: dict[str, torch.Tensor],
     os.replace(tmp, out_dir)
     fsync_path(out_dir.parent)
     return out_dir
-
-
-# --------------------------------------------------------------------------------------------
-# moe-rl export-hf: a run's dist checkpoint -> HF checkpoint
-# --------------------------------------------------------------------------------------------
-
-def checkpoint_dir(run_dir: Path, step: int | None) -> Path:
-    from moe_rl.learner import checkpoint
-
-    root = Path(run_dir) / "checkpoints"
-    if step is None:
-        path = checkpoint.latest(root)
-        if path is None:
-            raise FileNotFoundError(f"{root} has no complete checkpoint")
-        return path
-    path = root / f"step_{step:06d}"
-    if not (path / "trainer_state.json").is_file():
-        raise FileNotFoundError(f"{path} is not a complete checkpoint")
-    return path
-
-
-def export_from_checkpoint(learner, ckpt: Path, out_dir: Path, max_shard_bytes: int) -> None:
-    """Collective: load the model part of a dist checkpoint into ``learner`` and write it as an HF
-    checkpoint from rank 0 (every rank gathers the experts)."""
-    import torch.distributed as dist
-    from megatron.core import dist_checkpointing
-
-    state = dist_checkpointing.load({"model": learner.gpt.sharded_state_dict(prefix="")}, str(ckpt))
-    learner.gpt.load_state_dict(state["model"], strict=True)
-    canonical = learner.export_canonical()
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        write_hf_checkpoint(out_dir, canonical, learner.model_cfg, max_shard_bytes)
-        log.info("HF checkpoint written: %s (from %s)", out_dir, ckpt)
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def _export_worker(cfg, ckpt: Path, out_dir: Path, max_shard_bytes: int) -> None:
-    import megatron_patches
-    from moe_rl import dist
-    from moe_rl.learner.learner import Learner
-
-    if not torch.cuda.is_available():
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-    dist.setup_logging(int(os.environ.get("RANK", "0")))
-    megatron_patches.apply_all()
-    ctx = dist.init_distributed(cfg.parallel, cfg.seed)
-    try:
-        learner = Learner(cfg.model, cfg.parallel, cfg.optim, ctx, monitor=False)
-        export_from_checkpoint(learner, ckpt, out_dir, max_shard_bytes)
-    finally:
-        dist.shutdown()
-
-
-def export_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None,
-               max_shard_bytes: int = 5 * 2**30) -> None:
-    """`moe-rl export-hf`: the run's ranks (its parallel layout) load a checkpoint and write HF."""
-    from moe_rl.config import load_config
-    from moe_rl.launch import spawn_local, under_torchrun
-
-    run_dir, out_dir = Path(run_dir), Path(out_dir)
-    cfg = load_config(run_dir / "config.yaml")
-    if cfg.model.vocab_size <= 0:
-        raise ValueError(f"{run_dir / 'config.yaml'}: model.vocab_size is not resolved")
-    ckpt = checkpoint_dir(run_dir, step)
-    if out_dir.exists():
-        raise FileExistsError(f"{out_dir} already exists; an HF export never overwrites")
-    if under_torchrun():
-        _export_worker(cfg, ckpt, out_dir, max_shard_bytes)
-        return
-    spawn_local(_export_worker, cfg.parallel.nproc, cfg, ckpt, out_dir, max_shard_bytes)

@@ -23,40 +23,19 @@ all data-parallel ranks (TitanRL ``global_valid_tokens``). Summing these losses 
 the global token-mean, however the minibatch was split.
 
 Metrics follow ``moe_rl.metrics``: local ``Mean(sum, count)`` over loss tokens, ``Max``/``Min``.
+
+Layering: the log-ratio and KL-estimator helpers (``log_ratio``, ``kl_from_log_ratio``,
+``SAFETY_BOUND``) live in ``moe_rl.ratios``, below this module and ``moe_rl.corrections``; this
+module uses the corrections' IS weights and rejection masks (bypass mode), so it sits above them.
 """
 
 from __future__ import annotations
 
 import torch
 
+from moe_rl.corrections.importance import is_weights, rejection_mask
 from moe_rl.metrics import Max, Mean, MetricValue, Min
-
-SAFETY_BOUND = 20.0  # |log ratio| clamp before exp or any KL estimator (verl SAFETY_BOUND)
-KL_KINDS = ("k1", "k2", "k3")
-
-
-def log_ratio(num_logp_BS: torch.Tensor, den_logp_BS: torch.Tensor) -> torch.Tensor:
-    """log(p_num / p_den) = num - den per token, clamped to [-20, 20] so exp() stays finite."""
-    return (num_logp_BS - den_logp_BS).clamp(-SAFETY_BOUND, SAFETY_BOUND)
-
-
-def kl_from_log_ratio(log_ratio_BS: torch.Tensor, kind: str = "k3") -> torch.Tensor:
-    """Per-sample estimators of KL(p || q) from log r = log(q / p), for samples drawn from p.
-
-        k1 = -log r                 unbiased, high variance, either sign per sample
-        k2 = (log r)^2 / 2          biased (KL to second order), >= 0, k2(r) = k2(1/r)
-        k3 = r - 1 - log r          unbiased, >= 0, asymmetric
-    Rollout correction (math.md "Common notation"): log r = log rho = log pi_train - log pi_rollout,
-    samples from pi_rollout, so these estimate KL(pi_rollout || pi_train). The caller clamps
-    log r (``log_ratio`` does) so exp stays finite.
-    """
-    if kind == "k1":
-        return -log_ratio_BS
-    if kind == "k2":
-        return 0.5 * log_ratio_BS * log_ratio_BS
-    if kind == "k3":
-        return torch.expm1(log_ratio_BS) - log_ratio_BS
-    raise ValueError(f"unknown KL estimator {kind!r}; known: {list(KL_KINDS)}")
+from moe_rl.ratios import kl_from_log_ratio, log_ratio
 
 
 def kl_estimate(logp_BS: torch.Tensor, ref_logp_BS: torch.Tensor, kind: str = "k3") -> torch.Tensor:
@@ -304,8 +283,6 @@ def bypass_loss(
         (loss, metrics): the ``ppo_clip_loss`` train/ metrics (ratio = pi_theta / pi_rollout) plus the
         corr/ metrics of the IS weights and rejection computed here.
     """
-    from moe_rl.corrections.importance import is_weights, rejection_mask  # lazy: corrections imports losses
-
     if mode not in BYPASS_MODES:
         raise ValueError(f"unknown bypass mode {mode!r}; known: {list(BYPASS_MODES)}")
     if mode == "ppo_clip" and is_level is not None:

@@ -18,7 +18,8 @@ from moe_rl.config import AlgoConfig, CorrectionConfig
 from moe_rl.corrections.importance import is_batch_mean_parts, is_weights, rejection_mask
 from moe_rl.corrections.dvp import RestrictedLogprobs, dvp_metrics, restricted_logprobs
 from moe_rl.corrections.trm import sample_kl_tokens, trm_mask
-from moe_rl.losses import bypass_loss, decoupled_ppo_loss, log_ratio
+from moe_rl.losses import bypass_loss, decoupled_ppo_loss
+from moe_rl.ratios import log_ratio
 from moe_rl.types import RolloutBatch, TokenStats, TrainBatch
 
 

@@ -10,13 +10,14 @@ from pathlib import Path
 from tqdm import tqdm
 
 from moe_rl.checkpointing import CheckpointManager
-from moe_rl.config import RunConfig, check_launch, to_dict, to_yaml
+from moe_rl.config import RunConfig, to_dict, to_yaml
 from moe_rl.dist import ParallelDims
 from moe_rl.learner import checkpoint
 from moe_rl.learner.learner import Learner
 from moe_rl.lr import LengthLRScheduler
 from moe_rl.metrics import MetricsWriter, reduce_metrics
 from moe_rl.policy_update import finalize, learning_rate, update
+from moe_rl.preflight import check_launch
 from moe_rl.prepare import prepare, response_ids, rollout_metrics
 from moe_rl.rollout.factory import build_engine, sampling_params
 from moe_rl.routing.plan import ReplayPlan

@@ -18,17 +18,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from moe_rl.config import ModelConfig
+from moe_rl.config import ARCH_FIELDS, ModelConfig
 from moe_rl.rollout.builtin_model import check_canonical_weights
 from moe_rl.tasks import CharTokenizer
 
 BUILTIN = "builtin:warmstart"
 HF_PREFIX = "hf:"
-# Fields that change tensor shapes or the function computed; max_seq_len and the aux-loss
-# coefficient do not (RoPE has no parameters).
-ARCH_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_query_groups",
-               "head_dim", "ffn_hidden_size", "moe_ffn_hidden_size", "num_experts", "moe_router_topk",
-               "first_k_dense", "qk_layernorm", "rope_theta", "norm_eps")
 
 
 def builtin_path() -> Path:

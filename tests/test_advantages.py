@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from moe_rl import advantages
+from moe_rl.config import ADVANTAGE_NAMES
 from moe_rl.advantages import (
     ADVANTAGES,
     extra_inputs,
@@ -131,6 +132,7 @@ def test_metrics_pool_exactly_over_a_split_batch():
 @pytest.mark.unit
 def test_registry():
     assert {"grpo", "rloo"} <= set(ADVANTAGES)
+    assert set(ADVANTAGES) == set(ADVANTAGE_NAMES)  # the names config.py checks when a config loads
     assert get_advantage("grpo") is grpo
     with pytest.raises(ValueError, match="known: .*grpo.*rloo"):
         get_advantage("nope")

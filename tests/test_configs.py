@@ -90,7 +90,7 @@ def test_qwen3_recipe_parses_and_its_memory_comment_matches_the_estimate():
 def test_gpu_recipes_load_here_but_only_launch_on_gpu():
     import torch
 
-    from moe_rl.config import check_launch
+    from moe_rl.preflight import check_launch
 
     if torch.cuda.is_available():
         pytest.skip("checks the CPU refusal")

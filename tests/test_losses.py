@@ -10,16 +10,14 @@ import torch
 
 from moe_rl.corrections.importance import is_weights, rejection_mask
 from moe_rl.losses import (
-    SAFETY_BOUND,
     bypass_loss,
     clipped_surrogate,
     decoupled_ppo_loss,
     kl_estimate,
-    kl_from_log_ratio,
-    log_ratio,
     ppo_clip_loss,
 )
 from moe_rl.metrics import merge_metrics, reduce_metrics
+from moe_rl.ratios import SAFETY_BOUND, kl_from_log_ratio, log_ratio
 
 # (ratio, advantage, expected per-token loss, clipped branch active)
 CASES = [

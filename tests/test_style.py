@@ -1,4 +1,4 @@
-"""Rule-enforcing tests (style.md 7.2 rule 8): import boundaries and size budgets."""
+"""Rule-enforcing tests (style.md 7.2 rule 8): import boundaries, one-way imports and size budgets."""
 
 from __future__ import annotations
 
@@ -30,6 +30,171 @@ def test_gpu_engines_imported_in_one_module_each():
         rel = path.relative_to(ROOT).as_posix()
         for pkg, owner in owners.items():
             assert pkg not in _imports(path) or rel == owner, f"{rel} imports {pkg}; only {owner} may"
+
+
+# --------------------------------------------------------------------------------------------
+# One-way imports (issue 11): the module graph of moe_rl and megatron_patches has no cycle
+# --------------------------------------------------------------------------------------------
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(p): p for p in SOURCES}
+PACKAGES = {name for name, p in MODULES.items() if p.name == "__init__.py"}
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
+        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _import_nodes(node: ast.AST):
+    """Every import statement at any depth (function bodies included: a lazy import is still an
+    edge), except under ``if TYPE_CHECKING:``, which never executes."""
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, (ast.Import, ast.ImportFrom)):
+            yield child
+        elif isinstance(child, ast.If) and _is_type_checking(child.test):
+            for other in child.orelse:
+                yield from _import_nodes(ast.Module(body=[other], type_ignores=[]))
+        else:
+            yield from _import_nodes(child)
+
+
+def _imported_modules(module: str, node: ast.Import | ast.ImportFrom) -> set[str]:
+    """The package modules an import statement runs: ``from a.b import c`` is a.b.c when c is a
+    submodule, else a.b (a package __init__, whose own imports carry its re-exports on)."""
+    if isinstance(node, ast.Import):
+        return {a.name for a in node.names}
+    base = node.module or ""
+    if node.level:
+        package = module if module in PACKAGES else module.rpartition(".")[0]
+        for _ in range(node.level - 1):
+            package = package.rpartition(".")[0]
+        base = f"{package}.{base}".rstrip(".")
+    return {f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names}
+
+
+def _edges(module: str, target: str) -> set[str]:
+    """``target`` and the packages above it, whose __init__ runs first; a package the importer
+    itself lives in is already being imported, so it is no edge."""
+    parts = target.split(".")
+    chain = {".".join(parts[:i]) for i in range(1, len(parts) + 1)}
+    return {m for m in chain if m in MODULES and m != module and not module.startswith(m + ".")}
+
+
+def import_graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for name, path in MODULES.items():
+        graph[name] = set()
+        for node in _import_nodes(ast.parse(path.read_text())):
+            for target in _imported_modules(name, node):
+                graph[name] |= _edges(name, target)
+    return graph
+
+
+def strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's strongly connected components with more than one member (or a self-import)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            scc = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                scc.append(w)
+                if w == v:
+                    break
+            if len(scc) > 1 or v in graph[v]:
+                out.append(sorted(scc))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def _inside(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def _path(graph: dict[str, set[str]], start: str, goal) -> list[str] | None:
+    """A shortest import chain from ``start`` to a module satisfying ``goal`` (breadth first)."""
+    parent: dict[str, str | None] = {start: None}
+    queue = [start]
+    for v in queue:
+        if goal(v) and v != start:
+            chain = [v]
+            while parent[chain[-1]] is not None:
+                chain.append(parent[chain[-1]])
+            return chain[::-1]
+        for w in sorted(graph[v]):
+            if w not in parent:
+                parent[w] = v
+                queue.append(w)
+    return None
+
+
+@pytest.mark.unit
+def test_import_graph_has_no_cycles():
+    graph = import_graph()
+    assert "moe_rl.config" in graph and graph["moe_rl.trainer"], "the graph builder found no modules/edges"
+    cycles = strongly_connected(graph)
+    report = []
+    for scc in cycles:
+        members = set(scc)
+        edges = [f"{a} -> {b}" for a in scc for b in sorted(graph[a] & members)]
+        report.append(f"cycle of {len(scc)} modules: {', '.join(scc)}\n      " + "\n      ".join(edges))
+    assert not cycles, f"{len(cycles)} import cycle(s):\n  " + "\n  ".join(report)
+
+
+@pytest.mark.unit
+def test_config_imports_nothing_from_the_package():
+    assert import_graph()["moe_rl.config"] == set()
+
+
+@pytest.mark.unit
+def test_rollout_and_routing_do_not_reach_the_learner():
+    # the learner replays routes and feeds engines; they must not depend on it, not even through
+    # another module (e.g. rollout -> an HF exporter -> learner checkpoints)
+    graph = import_graph()
+    bad = []
+    for name in sorted(graph):
+        if _inside(name, "moe_rl.rollout") or _inside(name, "moe_rl.routing"):
+            chain = _path(graph, name, lambda m: _inside(m, "moe_rl.learner"))
+            if chain:
+                bad.append(" -> ".join(chain))
+    assert bad == [], "rollout/ or routing/ imports learner/:\n  " + "\n  ".join(bad)
+
+
+@pytest.mark.unit
+def test_import_graph_builder_resolves_submodules_packages_and_lazy_imports():
+    graph = import_graph()
+    assert "moe_rl.learner.checkpoint" in graph["moe_rl.trainer"]  # from moe_rl.learner import checkpoint
+    assert "moe_rl.rl" in graph["moe_rl.trainer"]  # from moe_rl import rl
+    assert "moe_rl.tasks" in graph["moe_rl.trainer"]  # from moe_rl.tasks import ... (a package __init__)
+    assert "moe_rl.tasks.dataset" in graph["moe_rl.tasks"]  # ... whose re-exports carry on
+    assert "moe_rl.trainer" in graph["moe_rl.launch"]  # an import inside a function
+    assert "megatron_patches" in graph["moe_rl.routing.replay"]  # a package's __init__ runs first
+    assert "megatron_patches" not in graph["megatron_patches.a2a_splits"]  # but not for its own modules
+    assert "moe_rl.tasks.dataset" not in graph["moe_rl.tasks.rewards"]  # under `if TYPE_CHECKING:`
+    assert strongly_connected({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
 @pytest.mark.unit

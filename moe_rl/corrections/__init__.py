@@ -4,11 +4,13 @@
 Pure tensor functions, tensors in and ``(tensor, metrics)`` out, no collectives (style.md 7.2
 rule 2). One direction convention: every ratio bound is on rho = pi_train / pi_rollout
 (``importance`` module docstring). The losses that consume the weights and masks live in
-``moe_rl.losses`` (``decoupled_ppo_loss``, ``bypass_loss``).
+``moe_rl.losses`` (``decoupled_ppo_loss``, ``bypass_loss``, ``BYPASS_MODES``), above this package;
+the log-ratio and KL-estimator helpers both use live in ``moe_rl.ratios``, below both.
 
-Names a config may use are checked against these registries / tuples when it loads:
-``IS_LEVELS``, ``parse_rs_spec`` (rejection options and bounds), ``RS_AGGREGATIONS``,
-``LENGTH_NEUTRAL``, ``TRM_REFERENCES``, ``TRM_KL_SOURCES``, ``SAFE_SET_RULES``, ``BYPASS_MODES``.
+Names a config may use are checked when it loads by ``moe_rl.config``, which imports nothing from
+the package: it holds them as plain tuples that tests keep equal to these registries / tuples
+(``IS_LEVELS``, ``RS_AGGREGATIONS``, ``LENGTH_NEUTRAL``, ``TRM_REFERENCES``, ``TRM_KL_SOURCES``,
+``SAFE_SET_RULES``), and owns the rejection-option grammar ``parse_rs_spec`` (re-exported here).
 """
 
 from moe_rl.corrections.derived import derive_metrics
@@ -39,12 +41,11 @@ from moe_rl.corrections.trm import (
     trm_bounds,
     trm_mask,
 )
-from moe_rl.losses import BYPASS_MODES
 
 TRM_KL_SOURCES = ("exact", "sample")  # exact: full rollout distributions (built-in engine); sample: k2/k3
 
 __all__ = [
-    "ACCEPT_ALARM_BELOW", "BYPASS_MODES", "DEFAULT_RHO_MIN", "IS_LEVELS", "LENGTH_NEUTRAL", "RS_AGGREGATIONS",
+    "ACCEPT_ALARM_BELOW", "DEFAULT_RHO_MIN", "IS_LEVELS", "LENGTH_NEUTRAL", "RS_AGGREGATIONS",
     "SAFE_SET_RULES", "TRM_KL_SOURCES", "TRM_REFERENCES", "RestrictedLogprobs", "derive_metrics",
     "dvp_metrics", "exact_kl_tokens", "is_batch_mean_parts", "is_weights", "log_ratio", "offpolicy_metrics",
     "parse_rs_spec", "rejection_mask", "restricted_logprobs", "safe_set", "sample_kl_tokens", "trm_bounds",

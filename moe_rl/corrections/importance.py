@@ -21,7 +21,7 @@ keeps rho in [0.625, 1.667]; ours keeps rho in [0.6, 1.6]). k2 / k3 options take
 
 Per-token statistics, from lr = clamp(log rho, +-20) (``SAFETY_BOUND``), all estimating
 KL(pi_rollout || pi_train) for tokens sampled from pi_rollout: k1 = -lr, k2 = lr^2 / 2,
-k3 = e^lr - 1 - lr (``moe_rl.losses.kl_from_log_ratio``).
+k3 = e^lr - 1 - lr (``moe_rl.ratios.kl_from_log_ratio``).
 
 Sequences with no response token count in no sequence-level statistic.
 """
@@ -33,9 +33,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from moe_rl.config import Bound, parse_rs_spec
 from moe_rl.corrections._masked import inf_like, masked_max, masked_mean, masked_min, seq_valid, stats
-from moe_rl.losses import SAFETY_BOUND, kl_from_log_ratio, log_ratio
 from moe_rl.metrics import MetricValue
+from moe_rl.ratios import SAFETY_BOUND, kl_from_log_ratio, log_ratio
 from moe_rl.registry import Registry
 
 __all__ = [
@@ -50,7 +51,6 @@ __all__ = [
     "rejection_mask",
 ]
 
-Bound = float | tuple[float, float]  # see parse_rs_spec
 
 # --------------------------------------------------------------------------- IS weights
 
@@ -170,7 +170,7 @@ def _is_metrics(w_BS: torch.Tensor, log_w_BS: torch.Tensor, mask_BS: torch.Tenso
 # --------------------------------------------------------------------------- rejection
 
 AggregateFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-RS_AGGREGATIONS: Registry[AggregateFn] = Registry("rejection aggregation")
+RS_AGGREGATIONS: Registry[AggregateFn] = Registry("rejection aggregation")  # keys: config.RS_AGGREGATION_NAMES
 
 
 @RS_AGGREGATIONS.register("token")
@@ -191,52 +191,6 @@ def _agg_seq_mean(stat_BS: torch.Tensor, mask_BS: torch.Tensor) -> torch.Tensor:
 @RS_AGGREGATIONS.register("seq_max")
 def _agg_seq_max(stat_BS: torch.Tensor, mask_BS: torch.Tensor) -> torch.Tensor:
     return torch.where(mask_BS, stat_BS, -inf_like(stat_BS)).amax(-1)
-
-
-def parse_rs_spec(options: Sequence[str], bounds: Sequence[Bound] | Bound) -> list[tuple[str, str, float, float]]:
-    """Validate rejection options and bounds (call it when the config loads).
-
-    Args:
-        options: e.g. ["token_k1", "seq_max_k2", "seq_mean_k3"]; "<agg>_<k>" with agg in
-            ``RS_AGGREGATIONS`` and k in k1/k2/k3 (no seq_max_k1: k1 is sign-indefinite).
-        bounds: a list with one entry per option, or with one entry (or a bare float) broadcast
-            to all. k1 entry: (lo, hi) bounds on rho (0 < lo <= hi) or a float U >= 1 meaning
-            (1/U, U); k2/k3 entry: a float upper bound > 0. E.g. options ["token_k1", "seq_max_k2"]
-            with bounds [(0.6, 1.6), 2.5]; a single k1 option with bounds [(0.5, 2.0)].
-    Returns:
-        [(agg, kind, lo, hi)]: keep iff lo <= s <= hi, where s is the aggregated log rho for k1
-        (lo = log lo_rho, hi = log hi_rho) and the aggregated k2/k3 otherwise (lo = -inf).
-    """
-    if isinstance(options, str):
-        raise TypeError("options must be a list of option names, not a string")
-    bounds = list(bounds) if isinstance(bounds, (list, tuple)) else [bounds]
-    if len(bounds) == 1:
-        bounds = bounds * len(options)
-    if len(bounds) != len(options):
-        raise ValueError(f"{len(options)} rejection options but {len(bounds)} bounds")
-    return [_parse_one(opt, b) for opt, b in zip(options, bounds)]
-
-
-def _parse_one(option: str, bound: Bound) -> tuple[str, str, float, float]:
-    agg, _, kind = option.rpartition("_")
-    if kind not in ("k1", "k2", "k3") or agg not in RS_AGGREGATIONS:
-        raise ValueError(f"unknown rejection option {option!r}; use <agg>_<k1|k2|k3>, agg in "
-                         f"{sorted(RS_AGGREGATIONS)}")
-    if agg == "seq_max" and kind == "k1":
-        raise ValueError("seq_max_k1 is not supported (k1 is sign-indefinite); use seq_max_k2")
-    if kind != "k1":
-        if isinstance(bound, (tuple, list)) or not bound > 0:
-            raise ValueError(f"{option}: bound must be one float > 0, got {bound!r}")
-        return agg, kind, -math.inf, float(bound)
-    if isinstance(bound, (tuple, list)):
-        lo, hi = (float(b) for b in bound)
-    else:
-        if not bound >= 1:
-            raise ValueError(f"{option}: a single k1 bound U means (1/U, U) and needs U >= 1, got {bound}")
-        lo, hi = 1.0 / bound, float(bound)
-    if not 0 < lo <= hi:
-        raise ValueError(f"{option}: k1 bounds on rho need 0 < lo <= hi, got ({lo}, {hi})")
-    return agg, kind, math.log(lo), math.log(hi)
 
 
 def rejection_mask(

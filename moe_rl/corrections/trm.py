@@ -31,8 +31,8 @@ import math
 import torch
 
 from moe_rl.corrections._masked import masked_max, masked_mean, seq_valid
-from moe_rl.losses import SAFETY_BOUND, kl_from_log_ratio
 from moe_rl.metrics import MetricValue
+from moe_rl.ratios import SAFETY_BOUND, kl_from_log_ratio
 
 __all__ = [
     "ACCEPT_ALARM_BELOW",

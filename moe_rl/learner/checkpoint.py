@@ -20,6 +20,7 @@ from typing import Any
 import torch.distributed as dist
 
 from moe_rl.dist import barrier
+from moe_rl.fsutil import fsync_path
 from moe_rl.learner.setup import OPTIM_CKPT_METADATA
 
 log = logging.getLogger(__name__)
@@ -33,15 +34,6 @@ def _write_atomic(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-
-
-def fsync_path(path: Path) -> None:
-    """fsync a file or a directory (a rename is durable once its directory is synced)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _sharded_state(learner, is_loading: bool) -> dict[str, Any]:

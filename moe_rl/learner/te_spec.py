@@ -62,7 +62,7 @@ def uses_te(model: ModelConfig) -> bool:
 
 
 # --------------------------------------------------------------------------------------------
-# Environment checks (run when a run starts: moe_rl.config.check_launch)
+# Environment checks (run when a run starts: moe_rl.preflight.check_launch)
 # --------------------------------------------------------------------------------------------
 
 def te_version() -> Version | None:

@@ -4,8 +4,8 @@ The ONLY module that imports vllm (tests/test_style.py), and only inside ``VllmE
 else here is pure and unit-tested on CPU with fakes built from vllm 0.33.0's output classes as
 pinned from its wheel (tests/rollout/vllm_format.json, scripts/pin_vllm_format.py):
 
-- ``check_vllm_config``: what vLLM cannot do for the learner, refused when the config loads.
-  Log-probs: vLLM reports the sampled token's log-prob (``SamplingParams.logprobs=0``) either
+- What vLLM cannot do for the learner is refused when the config loads (``moe_rl.config``: its
+  ``_check_vllm`` and ``logprobs_mode``, pure, so config imports nothing from here). Log-probs: vLLM reports the sampled token's log-prob (``SamplingParams.logprobs=0``) either
   ``raw_logprobs`` (before any processor: no temperature, no top-k/top-p) or
   ``processed_logprobs`` (after temperature AND top-k/top-p, renormalised over the truncated
   support). The learner uses log softmax(logits / T) over the full vocabulary, so
@@ -78,7 +78,7 @@ from typing import Any
 
 import torch
 
-from moe_rl.config import ConfigError, ModelConfig, RunConfig
+from moe_rl.config import ConfigError, ModelConfig, RunConfig, logprobs_mode
 from moe_rl.corrections.dvp import SAFE_SET_RULES, safe_set
 from moe_rl.hf_checkpoint import hf_names
 from moe_rl.routing.record import RouteError, RouteHeader, from_vllm
@@ -98,50 +98,8 @@ DVP_PROCESSOR = f"{__name__}:DvpLogitsProcessor"  # the FQCN vLLM's loader resol
 
 
 # --------------------------------------------------------------------------------------------
-# Config checks (pure)
+# Environment check (when a run starts: moe_rl/preflight.py); the pure config checks are in config.py
 # --------------------------------------------------------------------------------------------
-
-def logprobs_mode(temperature: float, top_k: int, top_p: float, dvp: bool = False) -> str:
-    """vLLM's ``logprobs_mode`` whose sampled-token log-prob equals the learner's
-    log softmax(logits / temperature) over the full vocabulary (with ``dvp``: over the DVP safe
-    set); ValueError when none does."""
-    if top_k == 0 and top_p >= 1.0:
-        return "processed_logprobs"  # temperature (and the DVP mask) are the only processors
-    if dvp:
-        raise ValueError(f"with DVP the log-probs must come after the DVP mask and temperature "
-                         f"(processed_logprobs), and those would also be renormalised over top_k={top_k}, "
-                         f"top_p={top_p}, unlike the learner's safe-set log-probs: use top_k=0 top_p=1")
-    if temperature == 1.0:
-        return "raw_logprobs"  # before top-k/top-p, so not renormalised; T = 1 needs no scaling
-    raise ValueError(f"vLLM reports log-probs either before temperature (raw) or after top-k/top-p "
-                     f"renormalisation (processed); with temperature {temperature} and top_k={top_k}, "
-                     f"top_p={top_p} neither is the learner's full-vocabulary log softmax(z / T) "
-                     f"(vllm#42259). Use top_k=0 top_p=1, or temperature=1")
-
-
-def check_vllm_config(cfg: RunConfig) -> None:
-    """Refuse, naming the key, what the vLLM engine cannot give the learner."""
-    r, c, v = cfg.rollout, cfg.correction, cfg.rollout.vllm
-
-    def refuse(key: str, why: str) -> None:
-        raise ConfigError(f"config key '{key}': {why} (rollout.engine=vllm)")
-
-    try:
-        logprobs_mode(r.temperature, r.top_k, r.top_p, dvp=c.dvp_threshold > 0)
-    except ValueError as e:
-        refuse("rollout.top_p", str(e))
-    if r.router_noise > 0:
-        refuse("rollout.router_noise", "router-logit noise exists only in the built-in engine")
-    if c.trm_on and c.trm_kl == "exact":
-        refuse("correction.trm_kl", "exact TRM needs the rollout's full distributions; vLLM returns top-k "
-               "log-probs only: use correction.trm_kl=sample")
-    if cfg.parallel.nproc % v.tensor_parallel:
-        refuse("rollout.vllm.tensor_parallel", f"{v.tensor_parallel} does not divide parallel.nproc "
-               f"{cfg.parallel.nproc} (each engine spans consecutive ranks)")
-    if cfg.model.num_attention_heads % v.tensor_parallel:
-        refuse("rollout.vllm.tensor_parallel", f"{v.tensor_parallel} does not divide "
-               f"model.num_attention_heads {cfg.model.num_attention_heads}")
-
 
 def check_vllm_environment() -> None:
     """vLLM needs CUDA and the vllm package (it cannot even be installed on CPU: gpu_stack.md 1.5)."""

@@ -28,7 +28,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from moe_rl.config import ModelConfig
+from moe_rl.config import ARCH_FIELDS, ModelConfig
 
 
 class RouteError(ValueError):
@@ -50,8 +50,6 @@ def missing_id(dtype: torch.dtype) -> int:
 
 def model_fingerprint(cfg: ModelConfig) -> str:
     """Identity of the routing function's shape: records from another model are refused."""
-    from moe_rl.warmstart import ARCH_FIELDS
-
     arch = {k: getattr(cfg, k) for k in ARCH_FIELDS}
     return hashlib.sha256(json.dumps(arch, sort_keys=True).encode()).hexdigest()[:16]
 

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from moe_rl import corrections
+from moe_rl import corrections, losses
+from moe_rl.config import RS_AGGREGATION_NAMES
 from moe_rl.corrections import derive_metrics, is_weights
 from moe_rl.metrics import merge_metrics, reduce_metrics
 
@@ -41,6 +42,7 @@ def test_package_surface():
         assert hasattr(corrections, name), name
     assert set(corrections.IS_LEVELS) == {"token", "sequence", "geometric"}
     assert set(corrections.RS_AGGREGATIONS) == {"token", "seq_sum", "seq_mean", "seq_max"}
+    assert set(corrections.RS_AGGREGATIONS) == set(RS_AGGREGATION_NAMES)  # the names config.py checks
     assert corrections.LENGTH_NEUTRAL == ("none", "ln", "ser")
     assert corrections.TRM_REFERENCES == ("theta", "old")
-    assert corrections.BYPASS_MODES == ("ppo_clip", "reinforce")
+    assert losses.BYPASS_MODES == ("ppo_clip", "reinforce")

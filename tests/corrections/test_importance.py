@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from moe_rl import losses
+from moe_rl import losses, ratios
 from moe_rl.corrections import derive_metrics, importance
 from moe_rl.corrections.importance import (
     is_batch_mean_parts,
@@ -45,8 +45,8 @@ def _random_batch(seed, B=6, S=9, scale=0.5):
 
 @pytest.mark.unit
 def test_log_ratio_is_reused_not_duplicated():
-    assert importance.log_ratio is losses.log_ratio
-    assert importance.SAFETY_BOUND == losses.SAFETY_BOUND == 20.0
+    assert importance.log_ratio is losses.log_ratio is ratios.log_ratio
+    assert importance.SAFETY_BOUND == ratios.SAFETY_BOUND == 20.0
 
 
 @pytest.mark.unit
@@ -200,7 +200,7 @@ def _loop_rejection(lr, mask, option, bound):
     keep = torch.zeros_like(mask)
     for b in range(lr.shape[0]):
         idx = [s for s in range(lr.shape[1]) if mask[b, s]]
-        vals = [losses.kl_from_log_ratio(lr[b, s], kind).item() for s in idx]
+        vals = [ratios.kl_from_log_ratio(lr[b, s], kind).item() for s in idx]
         tests = [-v if kind == "k1" else v for v in vals]
         for j, s in enumerate(idx):
             if agg == "token":

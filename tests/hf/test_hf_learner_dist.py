@@ -74,7 +74,8 @@ def _reinit(**sizes):
 
 def _ep2(rank, canon, out_root: Path, mixtral_canon):
     from moe_rl import dist
-    from moe_rl.hf_checkpoint import export_from_checkpoint, write_hf_checkpoint
+    from moe_rl.export import export_from_checkpoint
+    from moe_rl.hf_checkpoint import write_hf_checkpoint
     from moe_rl.learner import checkpoint
     from moe_rl.learner.learner import Learner
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 from packaging.version import Version
 
-from moe_rl.config import ConfigError, ModelConfig, check_launch, load_config
+from moe_rl.config import ConfigError, ModelConfig, load_config
+from moe_rl.preflight import check_launch
 from moe_rl.learner import te_spec
 from moe_rl.learner.weights import megatron_to_canonical
 from moe_rl.rollout.builtin_model import canonical_param_shapes

@@ -324,7 +324,7 @@ def test_vllm_config_refusals_name_the_key(overrides, needle):
 @pytest.mark.unit
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
 def test_vllm_refused_at_launch_without_cuda():
-    from moe_rl.config import check_launch
+    from moe_rl.preflight import check_launch
 
     cfg = load_config(None, VLLM + ["routing.replay=r3"])  # loads anywhere
     with pytest.raises(ConfigError, match="vllm needs a CUDA GPU"):

@@ -1,0 +1,87 @@
+"""``moe-rl export-hf``: a run's megatron dist checkpoint -> a Hugging Face checkpoint, on the run's
+own parallel layout.
+
+The run's ranks (started as for training, ``moe_rl/launch.py``) build the learner, load the model
+part of the checkpoint, gather the canonical weights and write them from rank 0 with
+``moe_rl.hf_checkpoint.write_hf_checkpoint`` (the file format lives there; this module is the glue
+next to the CLI).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from moe_rl.hf_checkpoint import write_hf_checkpoint
+
+log = logging.getLogger(__name__)
+
+
+def checkpoint_dir(run_dir: Path, step: int | None) -> Path:
+    from moe_rl.learner import checkpoint
+
+    root = Path(run_dir) / "checkpoints"
+    if step is None:
+        path = checkpoint.latest(root)
+        if path is None:
+            raise FileNotFoundError(f"{root} has no complete checkpoint")
+        return path
+    path = root / f"step_{step:06d}"
+    if not (path / "trainer_state.json").is_file():
+        raise FileNotFoundError(f"{path} is not a complete checkpoint")
+    return path
+
+
+def export_from_checkpoint(learner, ckpt: Path, out_dir: Path, max_shard_bytes: int) -> None:
+    """Collective: load the model part of a dist checkpoint into ``learner`` and write it as an HF
+    checkpoint from rank 0 (every rank gathers the experts)."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    state = dist_checkpointing.load({"model": learner.gpt.sharded_state_dict(prefix="")}, str(ckpt))
+    learner.gpt.load_state_dict(state["model"], strict=True)
+    canonical = learner.export_canonical()
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        write_hf_checkpoint(out_dir, canonical, learner.model_cfg, max_shard_bytes)
+        log.info("HF checkpoint written: %s (from %s)", out_dir, ckpt)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _export_worker(cfg, ckpt: Path, out_dir: Path, max_shard_bytes: int) -> None:
+    import megatron_patches
+    from moe_rl import dist
+    from moe_rl.learner.learner import Learner
+
+    if not torch.cuda.is_available():
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    dist.setup_logging(int(os.environ.get("RANK", "0")))
+    megatron_patches.apply_all()
+    ctx = dist.init_distributed(cfg.parallel, cfg.seed)
+    try:
+        learner = Learner(cfg.model, cfg.parallel, cfg.optim, ctx, monitor=False)
+        export_from_checkpoint(learner, ckpt, out_dir, max_shard_bytes)
+    finally:
+        dist.shutdown()
+
+
+def export_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None,
+               max_shard_bytes: int = 5 * 2**30) -> None:
+    """`moe-rl export-hf`: the run's ranks (its parallel layout) load a checkpoint and write HF."""
+    from moe_rl.config import load_config
+    from moe_rl.launch import spawn_local, under_torchrun
+
+    run_dir, out_dir = Path(run_dir), Path(out_dir)
+    cfg = load_config(run_dir / "config.yaml")
+    if cfg.model.vocab_size <= 0:
+        raise ValueError(f"{run_dir / 'config.yaml'}: model.vocab_size is not resolved")
+    ckpt = checkpoint_dir(run_dir, step)
+    if out_dir.exists():
+        raise FileExistsError(f"{out_dir} already exists; an HF export never overwrites")
+    if under_torchrun():
+        _export_worker(cfg, ckpt, out_dir, max_shard_bytes)
+        return
+    spawn_local(_export_worker, cfg.parallel.nproc, cfg, ckpt, out_dir, max_shard_bytes)
