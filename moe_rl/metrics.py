@@ -141,7 +141,7 @@ def _comm_device(metrics: dict[str, MetricValue], group: Any) -> torch.device:
 def _pack(items: list[Number], device: torch.device) -> torch.Tensor:
     if not items:
         return torch.zeros(0, dtype=torch.float64, device=device)
-    return torch.stack([torch.as_tensor(x).detach().reshape(()).to(device=device, dtype=torch.float64)
+    return torch.stack([torch.as_tensor(x, dtype=torch.float64, device=device).detach().reshape(())
                         for x in items])
 
 

@@ -8,7 +8,7 @@ import torch
 from moe_rl import rollout_correction
 from moe_rl.config import RunConfig
 from moe_rl.corrections import derive_metrics
-from moe_rl.dist import all_reduce_sum
+from moe_rl.dist import all_reduce_sum, comm_device
 from moe_rl.learner.learner import Learner
 from moe_rl.lr import LengthLRScheduler, scheduled_lr
 from moe_rl.metrics import merge_metrics
@@ -21,10 +21,9 @@ def learning_rate(cfg: RunConfig, scheduler: LengthLRScheduler, step: int, batch
                   dp_group) -> tuple[float, dict, list[dict]]:
     """This step's LR: the base schedule times the response-length decay multiplier, which sees
     the global mean response length of this step's rollouts (one tiny all-reduce)."""
-    lens_B = batch.response_lens_B
-    stats = all_reduce_sum(torch.stack([lens_B.double().sum(), torch.tensor(float(batch.num_seqs),
-                                                                            dtype=torch.float64, device=lens_B.device)]),
-                           dp_group)
+    lens_B = batch.response_lens_B.to(comm_device(dp_group))  # NCCL reduces CUDA tensors only
+    stats = all_reduce_sum(torch.stack([lens_B.double().sum(), lens_B.new_tensor(float(batch.num_seqs),
+                                                                                 dtype=torch.float64)]), dp_group)
     multiplier, events = scheduler.update(step, float(stats[0] / stats[1]))
     lr = scheduled_lr(step, cfg.steps, cfg.optim, multiplier, cfg.optim.length_lr.min_lr)
     return lr, scheduler.metrics() if cfg.optim.length_lr.enabled else {}, events
@@ -36,7 +35,7 @@ def update(cfg: RunConfig, plan: ReplayPlan, learner: Learner, tb: TrainBatch, l
     loss_fn = rollout_correction.loss_fn(cfg.correction, a)
     merged: dict = {}
     grad_norms = []
-    for idx_B in torch.arange(tb.num_seqs).chunk(a.num_minibatches):
+    for idx_B in torch.arange(tb.num_seqs, device=tb.tokens_BS.device).chunk(a.num_minibatches):
         out = learner.update(tb.select(idx_B), loss_fn, cfg.rollout.temperature, a.micro_batch_size, lr,
                              plan.update_pass)
         grad_norms.append(out.grad_norm)

@@ -26,10 +26,14 @@ from moe_rl.variance import variance_proxies
 
 
 def rollout_routes(batch: RolloutBatch, header: RouteHeader) -> RouteBatch:
-    """The engine's per-sample route tensors as one jagged batch, checked at ingest."""
-    routes = RouteBatch(torch.cat(batch.routes), torch.tensor([r.shape[0] for r in batch.routes]),
-                        torch.zeros_like(batch.prompt_lens_B), batch.prompt_lens_B.clone(), header)
-    validate(routes, batch.prompt_lens_B + batch.response_lens_B, header)
+    """The engine's per-sample route tensors as one jagged batch, checked at ingest. Route records
+    live on the host (a few bytes per token; the replay layout is index arithmetic done there and
+    moved to the router's device once per micro-batch): one copy per step from an engine on a GPU."""
+    prompt_lens_B = batch.prompt_lens_B.cpu()
+    routes = RouteBatch(torch.cat(batch.routes).cpu(),
+                        torch.tensor([r.shape[0] for r in batch.routes], dtype=torch.int64, device="cpu"),
+                        torch.zeros_like(prompt_lens_B), prompt_lens_B.clone(), header)
+    validate(routes, prompt_lens_B + batch.response_lens_B.cpu(), header)
     return routes
 
 
@@ -45,8 +49,11 @@ def response_ids(batch: RolloutBatch, pad_id: int) -> torch.Tensor:
 
 def prepare(cfg: RunConfig, plan: ReplayPlan, learner: Learner, batch: RolloutBatch,
             rewards_B: torch.Tensor) -> tuple[TrainBatch, dict]:
-    """Old (and reference) log-probs, correction tensors and advantages: the batch the update consumes."""
+    """Old (and reference) log-probs, correction tensors and advantages: the batch the update
+    consumes, on the learner's device (an engine may hand its batch over on another: vLLM's is
+    on the host)."""
     a, temp = cfg.algo, cfg.rollout.temperature
+    batch, rewards_B = batch.to(learner.device), rewards_B.to(learner.device)
     mask_BS = batch.response_mask_BS
     inputs = rollout_correction.token_inputs(cfg.correction, batch, sampling_params(cfg).logprob_support)
     rollout = rollout_routes(batch, learner.route_header)

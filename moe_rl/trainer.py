@@ -73,7 +73,7 @@ def train(cfg: RunConfig, dims: ParallelDims) -> None:
     init = load_init_weights(cfg.init_weights, cfg.model, tok)
     learner = Learner(cfg.model, cfg.parallel, cfg.optim, dims, init, with_reference=a.kl_coef > 0,
                       monitor=cfg.log.router_monitor, monitor_margin_eps=cfg.log.router_margin_eps)
-    engine, lr_sched = build_engine(cfg, tok.pad_id), LengthLRScheduler(cfg.optim.length_lr)
+    engine, lr_sched = build_engine(cfg, tok.pad_id, learner.device), LengthLRScheduler(cfg.optim.length_lr)
     ckpt = CheckpointManager(cfg, learner, lr_sched)
     start = ckpt.resume()
     engine.load_weights(learner.export_canonical())

@@ -70,6 +70,12 @@ class RolloutBatch:
     def num_seqs(self) -> int:
         return int(self.tokens_BS.shape[0])
 
+    def to(self, device: torch.device | str) -> RolloutBatch:
+        """A copy with every [B]/[B, S] tensor on ``device`` (route records stay where they are)."""
+        moved = {f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
+                 if isinstance(getattr(self, f.name), torch.Tensor)}
+        return dataclasses.replace(self, **moved)
+
 
 @dataclass(frozen=True)
 class TrainBatch:
@@ -141,7 +147,7 @@ class TrainBatch:
             s_max, b = max(chunk), len(chunk)
             step = math.lcm(token_multiple // math.gcd(b, token_multiple), seq_multiple)  # S is a multiple of it
             extra = -(-s_max // step) * step - s_max
-            idx_B = torch.arange(start, start + b)
+            idx_B = torch.arange(start, start + b, device="cpu")  # route records live on the host
 
             def positions(v: torch.Tensor) -> torch.Tensor:
                 v = v[start:start + b, :s_max]

@@ -17,7 +17,7 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 
 
-TIERS = ("unit", "dist", "e2e", "gpu")
+TIERS = ("unit", "dist", "e2e", "device", "gpu")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -25,32 +25,38 @@ FACTORIES = {torch.arange, torch.zeros, torch.ones, torch.full, torch.empty, tor
              torch.as_tensor, torch.scalar_tensor}
 
 
-def _caller_in_package() -> bool:
-    """Whether the innermost frame outside torch and this module is moe-rl's."""
+def _package_caller() -> str | None:
+    """``file:line`` of the innermost frame outside torch and this module, if it is moe-rl's."""
     frame = sys._getframe(2)
     while frame is not None and (frame.f_code.co_filename == __file__
                                  or frame.f_code.co_filename.startswith(TORCH)):
         frame = frame.f_back
-    return frame is not None and frame.f_code.co_filename.startswith(PACKAGE)
+    if frame is None or not frame.f_code.co_filename.startswith(PACKAGE):
+        return None
+    return f"{frame.f_code.co_filename[len(PACKAGE) - len('moe_rl'):]}:{frame.f_lineno}"
 
 
 class _StrictDevice(TorchFunctionMode):
-    def __init__(self) -> None:
+    def __init__(self, redirect: bool) -> None:
         super().__init__()
-        self.caught = 0
+        self.redirect = redirect
+        self.sites: set[str] = set()  # where a factory was called without a device
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
-        if func in FACTORIES and kwargs.get("device") is None and _caller_in_package():
+        if func in FACTORIES and kwargs.get("device") is None:
             data = args[0] if args else kwargs.get("data")
-            if not (func is torch.as_tensor and isinstance(data, torch.Tensor)):  # keeps its device
-                kwargs["device"] = "meta"
-                self.caught += 1
+            site = None if func is torch.as_tensor and isinstance(data, torch.Tensor) else _package_caller()
+            if site is not None:  # (as_tensor of a tensor keeps its device)
+                self.sites.add(site)
+                if self.redirect:
+                    kwargs["device"] = "meta"
         return func(*args, **kwargs)
 
 
 @contextmanager
-def strict_device():
-    mode = _StrictDevice()
+def strict_device(redirect: bool = True):
+    """``redirect=False`` only lists the sites (``mode.sites``), leaving their tensors where they were."""
+    mode = _StrictDevice(redirect)
     with mode:
         yield mode

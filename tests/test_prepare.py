@@ -47,6 +47,7 @@ class _Learner:
     """Records every pass; log-probs OLD_LOGP everywhere; an R2-style record of its own."""
 
     route_header = HEADER
+    device = torch.device("cpu")
 
     def __init__(self) -> None:
         self.dims = dataclasses.make_dataclass("Dims", [("dp_group", object, None)])()

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -141,7 +142,7 @@ class Learner:
         self.monitor = RouterGradMonitor(
             model_cfg.moe_layers, model_cfg.num_experts, model_cfg.moe_router_topk, monitor_margin_eps,
             pre_softmax=self.tcfg.moe_router_pre_softmax,
-            aux_loss=self.tcfg.moe_router_load_balancing_type != "none") if monitor else None
+            aux_loss=self.tcfg.moe_router_load_balancing_type != "none", device=self.device) if monitor else None
         # Every model gets its own replay controller (megatron's RouterReplay instances are
         # per router; the controller keeps the policy's and the reference's state apart).
         self.route_header = RouteHeader.for_model(model_cfg)
@@ -230,8 +231,9 @@ class Learner:
         a different batch would give silently wrong log-probs. One tiny MAX all-reduce."""
         if self.dims.mp_group is None:
             return
-        weights_S = torch.arange(1, tokens_BS.shape[1] + 1, dtype=torch.float64)
-        sig = torch.stack([torch.tensor(float(tokens_BS.numel())), (tokens_BS.double().cpu() * weights_S).sum()])
+        weights_S = torch.arange(1, tokens_BS.shape[1] + 1, dtype=torch.float64, device=tokens_BS.device)
+        sig = torch.stack([tokens_BS.new_tensor(float(tokens_BS.numel()), dtype=torch.float64),
+                           (tokens_BS.double() * weights_S).sum()])
         both = torch.cat([sig, -sig]).to(comm_device(self.dims.mp_group))
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.dims.mp_group)
         if not torch.equal(both[:2], -both[2:]):
@@ -273,7 +275,7 @@ class Learner:
 
         def collect(mb, logits_BSV):
             st = token_stats(mb, logits_BSV, temperature, self.vocab_shard)
-            return logits_BSV.new_zeros(()), torch.tensor(0), st.fields()
+            return logits_BSV.new_zeros(()), logits_BSV.new_zeros((), dtype=torch.int64), st.fields()
 
         batch = batch.to(self.device)
         self._check_replicated(batch.tokens_BS)
@@ -399,7 +401,7 @@ class Learner:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         ok, grad_norm, _ = self.optimizer.step()
-        if not ok or grad_norm is None or not torch.isfinite(torch.as_tensor(grad_norm)):
+        if not ok or grad_norm is None or not math.isfinite(float(grad_norm)):
             raise FloatingPointError(f"optimizer step refused: gradient norm {grad_norm} (NaN/Inf)")
         return UpdateOutput(float(grad_norm), loss_metrics, routing)
 

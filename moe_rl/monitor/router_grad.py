@@ -65,7 +65,7 @@ def histogram_quantiles(hist_B: torch.Tensor, edges: torch.Tensor, qs: tuple[flo
     hi_B = torch.cat([edges, edges[-1:]])  # the overflow bin reports its lower edge
     out = []
     for q in qs:
-        b = int(torch.searchsorted(cdf_B, torch.tensor([q * total], dtype=cdf_B.dtype)).clamp(max=len(hist_B) - 1))
+        b = int(torch.searchsorted(cdf_B, cdf_B.new_tensor([q * total])).clamp(max=len(hist_B) - 1))
         below = float(cdf_B[b - 1]) if b > 0 else 0.0
         frac = (q * total - below) / max(float(hist_B[b]), 1.0)
         lo, hi = float(lo_B[b]), float(hi_B[b])
@@ -75,12 +75,13 @@ def histogram_quantiles(hist_B: torch.Tensor, edges: torch.Tensor, qs: tuple[flo
 
 class RouterGradMonitor:
     def __init__(self, layer_ids: list[int], num_experts: int, top_k: int, near_eps: float = 0.1,
-                 pre_softmax: bool = False, aux_loss: bool = False) -> None:
+                 pre_softmax: bool = False, aux_loss: bool = False, device: torch.device | str = "cpu") -> None:
+        """``device``: where the routers run (the statistics accumulate there: no host sync per layer)."""
         self.layer_ids, self.E, self.K, self.near_eps = list(layer_ids), num_experts, top_k, near_eps
         self.expected_zero_frac = structural_zero_frac(num_experts, top_k, pre_softmax, aux_loss)
         width = max(num_experts, NUM_SCALARS, NUM_BINS)
-        self.stats_LXW = torch.zeros(len(layer_ids), NUM_STATS, width, dtype=torch.float64)
-        self.max_L = torch.zeros(len(layer_ids), dtype=torch.float64)  # per-token logit-grad norm max
+        self.stats_LXW = torch.zeros(len(layer_ids), NUM_STATS, width, dtype=torch.float64, device=device)
+        self.max_L = torch.zeros(len(layer_ids), dtype=torch.float64, device=device)  # per-token logit-grad norm max
         self._edges: dict = {}  # MARGIN_EDGES per device, in the logits' dtype
         self.router_grad_LEH: torch.Tensor | None = None
 

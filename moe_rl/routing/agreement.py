@@ -72,7 +72,8 @@ class AgreementCollector:
         self._native: list[tuple[torch.Tensor, torch.Tensor]] = []  # (native [N, L, K], seq_lens_B)
         self._vs_target: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # native, target, rec_N
         self._vs_old: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        self._missing = [torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)]
+        # the layout's counts (host tensors, like the layout itself)
+        self._missing = [torch.zeros((), dtype=torch.float64, device="cpu")] * 2
         self._counted_missing = False
 
     def add(self, native_NLK: torch.Tensor, seq_lens_B: torch.Tensor, target=None, old=None) -> None:
@@ -111,7 +112,7 @@ class AgreementCollector:
             tokens = [(p, self._full_layers(d, dim=1)) for p, d in tokens]
         sharded = dict(per_layer)
         for prefix, differs_NL in tokens:
-            n = torch.tensor(float(differs_NL.shape[0]))
+            n = torch.tensor(float(differs_NL.shape[0]), device=differs_NL.device)
             sharded[f"{prefix}flip_token_frac"] = Mean(differs_NL.any(1).float().sum(), n)
             sharded[f"{prefix}flip_layers_per_token"] = Mean(differs_NL.float().sum(), n)
         metrics.update(self._sum_sequence_shards(sharded))
@@ -125,7 +126,7 @@ class AgreementCollector:
         native_NLK = torch.cat([n for n, _, _ in parts])[rec_N]
         target_NLK = torch.cat([t for _, t, _ in parts]).to(device)[rec_N]
         differs_NL, overlap_NL = topk_agreement(native_NLK, target_NLK)
-        n = torch.tensor(float(differs_NL.shape[0]))
+        n = torch.tensor(float(differs_NL.shape[0]), device=device)
         flips_L, overlaps_L = differs_NL.float().sum(0), overlap_NL.sum(0)
         for i, lid in enumerate(self.layer_ids):
             out[f"{name}/layer{lid}"] = Mean(flips_L[i], n)

@@ -18,20 +18,22 @@ import torch
 from moe_rl.routing.record import RouteBatch, RouteHeader, missing_id
 
 
-def pad_routes(num_rows: int, top_k: int, num_experts: int, ep_size: int) -> torch.Tensor:
+def pad_routes(num_rows: int, top_k: int, num_experts: int, ep_size: int,
+               device: torch.device | str = "cpu") -> torch.Tensor:
     """int64 [num_rows, K]: K distinct experts per row, consecutive rows cycling over EP ranks.
 
     Ordinal m = row * K + k maps to expert (m % ep) * (E / ep) + (m // ep) % (E / ep): K
     consecutive ordinals are distinct modulo E, so a row never repeats an expert, and every rank
     gets the same share of pad tokens."""
     per_rank = num_experts // ep_size
-    m_NK = (torch.arange(num_rows)[:, None] * top_k + torch.arange(top_k)[None, :]) % num_experts
+    m_NK = (torch.arange(num_rows, device=device)[:, None] * top_k
+            + torch.arange(top_k, device=device)[None, :]) % num_experts
     return (m_NK % ep_size) * per_rank + (m_NK // ep_size) % per_rank
 
 
 def layout(routes: RouteBatch, seq_lens_B: torch.Tensor, seq_len: int,
            ep_size: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """Replay targets for one micro-batch.
+    """Replay targets for one micro-batch, on the records' device (the host, for the learner).
 
     Args:
         routes: the B sequences' records, in micro-batch order.
@@ -45,16 +47,19 @@ def layout(routes: RouteBatch, seq_lens_B: torch.Tensor, seq_len: int,
     """
     header = routes.header
     B, L, K = routes.num_samples, len(header.layer_ids), header.top_k
-    targets_NLK = torch.full((seq_len * B, L, K), -1, dtype=torch.int64)
+    device = routes.ids_NLK.device
+    seq_lens_B = seq_lens_B.to(device)
+    targets_NLK = torch.full((seq_len * B, L, K), -1, dtype=torch.int64, device=device)
     ids_NLK = routes.ids_NLK.to(torch.int64)
     ids_NLK[ids_NLK == missing_id(header.dtype)] = -1
     flat_N = routes.position_N * B + routes.sample_N
     targets_NLK[flat_N] = ids_NLK
-    recorded_N = torch.zeros(seq_len * B, dtype=torch.bool)
+    recorded_N = torch.zeros(seq_len * B, dtype=torch.bool, device=device)
     recorded_N[flat_N] = (ids_NLK >= 0).all(-1).all(-1)
-    pad_N = (torch.arange(seq_len)[:, None] >= seq_lens_B[None, :]).reshape(-1)
+    pad_N = (torch.arange(seq_len, device=device)[:, None] >= seq_lens_B[None, :]).reshape(-1)
     num_pad = int(pad_N.sum())
-    targets_NLK[pad_N] = pad_routes(num_pad, K, header.num_experts, ep_size)[:, None, :].expand(num_pad, L, K)
+    pad_NK = pad_routes(num_pad, K, header.num_experts, ep_size, device)
+    targets_NLK[pad_N] = pad_NK[:, None, :].expand(num_pad, L, K)
     expected = (seq_lens_B - 1).clamp(min=0).sum().double()
     counts = {"rows_expected": expected, "rows_missing": expected - recorded_N.sum().double()}
     return targets_NLK, recorded_N, counts
@@ -64,10 +69,10 @@ def unlayout(native_NLK: torch.Tensor, seq_lens_B: torch.Tensor, prompt_len_B: t
              header: RouteHeader) -> RouteBatch:
     """The inverse for recording (R2): a micro-batch's [S * B, L, K] routes -> records of its B
     sequences, rows 0 .. T_b - 2 (the last token's routing is not part of a record)."""
-    B = int(seq_lens_B.shape[0])
-    rows_B = (seq_lens_B - 1).clamp(min=0)
+    B, device = int(seq_lens_B.shape[0]), native_NLK.device
+    rows_B = (seq_lens_B.to(device) - 1).clamp(min=0)
     first_B = torch.cumsum(rows_B, 0) - rows_B
-    sample_N = torch.repeat_interleave(torch.arange(B), rows_B)
-    pos_N = torch.arange(int(rows_B.sum())) - first_B[sample_N]
+    sample_N = torch.repeat_interleave(torch.arange(B, device=device), rows_B)
+    pos_N = torch.arange(int(rows_B.sum()), device=device) - first_B[sample_N]
     ids_NLK = native_NLK[pos_N * B + sample_N].to(header.dtype)
-    return RouteBatch(ids_NLK, rows_B, torch.zeros(B, dtype=torch.int64), prompt_len_B.clone(), header)
+    return RouteBatch(ids_NLK, rows_B, torch.zeros_like(rows_B), prompt_len_B.to(device), header)

@@ -104,13 +104,14 @@ class RouteBatch:
 
     @property
     def sample_N(self) -> torch.Tensor:
-        return torch.repeat_interleave(torch.arange(self.num_samples), self.rows_B)
+        return torch.repeat_interleave(torch.arange(self.num_samples, device=self.rows_B.device), self.rows_B)
 
     @property
     def position_N(self) -> torch.Tensor:
         """Token position of every row."""
         sample_N = self.sample_N
-        return torch.arange(self.ids_NLK.shape[0]) - self.first_B[sample_N] + self.start_B[sample_N]
+        return (torch.arange(self.ids_NLK.shape[0], device=self.rows_B.device) - self.first_B[sample_N]
+                + self.start_B[sample_N])
 
     @classmethod
     def from_records(cls, records: list[RouteRecord]) -> RouteBatch:
@@ -129,7 +130,8 @@ class RouteBatch:
         """The samples ``idx_B`` (in that order), one vectorized gather."""
         rows_B = self.rows_B[idx_B]
         row_N = torch.repeat_interleave(self.first_B[idx_B], rows_B) + (
-            torch.arange(int(rows_B.sum())) - torch.repeat_interleave(torch.cumsum(rows_B, 0) - rows_B, rows_B))
+            torch.arange(int(rows_B.sum()), device=rows_B.device)
+            - torch.repeat_interleave(torch.cumsum(rows_B, 0) - rows_B, rows_B))
         return RouteBatch(self.ids_NLK[row_N], rows_B, self.start_B[idx_B], self.prompt_len_B[idx_B], self.header)
 
     def records(self) -> list[RouteRecord]:
@@ -246,7 +248,7 @@ def validate(batch: RouteBatch, num_tokens_B: torch.Tensor, header: RouteHeader)
     _raise_first(partial_NL, sample_N, row_N, header, lambda n, l: f"row mixes MISSING and ids {ids_NLK[n, l].tolist()}")
     # an engine that never captured a layer leaves it all zero: per sample and layer
     zero_NL = (ids_NLK == 0).all(-1).to(torch.int64)
-    zero_BL = torch.zeros(B, L, dtype=torch.int64).index_add_(0, sample_N, zero_NL)
+    zero_BL = zero_NL.new_zeros((B, L)).index_add_(0, sample_N, zero_NL)
     all_zero_BL = (zero_BL == batch.rows_B[:, None]) & (batch.rows_B[:, None] > 0)
     if bool(all_zero_BL.any()):
         b, l = (int(x) for x in all_zero_BL.nonzero()[0])

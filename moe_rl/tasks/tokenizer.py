@@ -115,9 +115,9 @@ class CharTokenizer:
         length = longest if length is None else length
         if longest > length:
             raise ValueError(f"a sequence of {longest} tokens does not fit in length {length}")
-        out_BS = torch.full((len(seqs), length), self.pad_id, dtype=torch.long)
+        out_BS = torch.full((len(seqs), length), self.pad_id, dtype=torch.long, device="cpu")  # host-side ids
         for b, s in enumerate(seqs):
-            out_BS[b, : len(s)] = torch.as_tensor(list(s), dtype=torch.long)
+            out_BS[b, : len(s)] = torch.as_tensor(list(s), dtype=torch.long, device="cpu")
         return out_BS
 
     def decode_batch(self, ids_BS: torch.Tensor) -> list[str]:

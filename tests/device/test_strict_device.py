@@ -1,0 +1,66 @@
+"""device tier (MOE_RL_DEVICE_LIST=1 lists every site instead of failing at the first): real training steps on 2 CPU ranks in which any tensor that moe-rl creates without
+an explicit device lands on ``meta`` (tests/device_check.py), so it cannot meet the model's
+tensors: what a forgotten device does on a GPU, caught without one.
+
+Covers the rollout, old-log-prob, reference and update passes (replay off, r2, r3), the router
+monitor, the rollout corrections (IS, rejection, TRM sample and exact, DVP), metrics, checkpoint
+save and resume; and one tensor-parallel run (TP=2: sequence parallelism, vocabulary-parallel
+log-probs, TP-sliced replay)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.dist_harness import run_ranks
+
+RUNS = {
+    "off": ["routing.replay=off", "checkpoint_every=1"],
+    "r2": ["routing.replay=r2", "algo.kl_coef=0.01", "correction.is_level=token", "correction.rs=[seq_mean_k3]",
+           "correction.rs_bounds=[0.01]", "correction.trm_max=0.05"],
+    "r3": ["routing.replay=r3", "correction.dvp_threshold=0.05", "correction.trm_avg=0.05",
+           "correction.trm_kl=exact", "optim.length_lr.enabled=true"],
+}
+TP2 = ["parallel.tensor_parallel=2", "parallel.expert_parallel=1", "routing.replay=r3", "algo.kl_coef=0.01"]
+COMMON = ["steps=2", "rollout.prompts_per_step=8", "rollout.samples_per_prompt=4", "log.progress_bar=false",
+          "log.wandb_mode=disabled"]
+
+
+def _worker(rank: int, root: str, redirect: bool = True) -> dict:
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    from moe_rl import dist, trainer
+    from moe_rl.config import load_config
+    from tests.device_check import strict_device
+
+    caught = {}
+    dims = None
+    for name, overrides in [*RUNS.items(), ("off_resumed", [*RUNS["off"], "resume=true", "steps=3"]), ("tp2", TP2)]:
+        run_dir = f"{root}/{name.removesuffix('_resumed')}"
+        cfg = trainer.preflight(load_config(None, [*COMMON, *overrides, f"run_dir={run_dir}"]), check_run_dir=False)
+        if dims is None:
+            dims = dist.init_distributed(cfg.parallel, cfg.seed)
+        if name == "tp2":  # the same 2 ranks as one tensor-parallel model (sequence parallel, vocab-parallel)
+            ps.destroy_model_parallel()
+            ps.initialize_model_parallel(tensor_model_parallel_size=2)
+            dims = dist.ParallelDims.from_parallel_state()
+        RouterReplay.clear_global_router_replay_instances()
+        with strict_device(redirect) as mode:
+            trainer.train(cfg, dims)
+        caught[name] = sorted(mode.sites)
+    dist.shutdown()
+    return caught
+
+
+@pytest.mark.device
+def test_training_steps_create_every_tensor_where_it_is_used(tmp_path):
+    results = run_ranks(_worker, 2, str(tmp_path), os.environ.get("MOE_RL_DEVICE_LIST") is None)
+    for rank, caught in enumerate(results):
+        # nothing slipped through (a meta tensor would have raised); the mode really intercepted
+        # moe-rl's factories only where a device was left out, which must now be nowhere
+        sites = sorted(set().union(*caught.values()))
+        assert sites == [], f"rank {rank}: tensors made without a device at\n" + "\n".join(sites)
+        assert sorted(caught) == sorted([*RUNS, "off_resumed", "tp2"])
+    assert (tmp_path / "off" / "checkpoints" / "step_000003").is_dir()  # the resumed run saved its step
