@@ -261,8 +261,8 @@ class VllmConfig:
     enforce_eager: bool = False  # no CUDA graphs (faster start, slower decode)
     max_model_len: int = 0  # 0: model.max_seq_len
     model_dir: str = ""  # HF dir vLLM starts from; "": init_weights' hf:DIR, else written from the learner
-    # learner -> vLLM weight sync: transfer (vLLM's weight-transfer API, per-layer groups, versioned)
-    # | load_weights (LLM.apply_model -> model.load_weights; for vLLM builds without the transfer engine)
+    # learner -> vLLM weight sync: transfer (vLLM's weight-transfer API, per-layer groups, versioned;
+    # the only one: model.load_weights through apply_model skips vLLM's post-load processing)
     weight_sync: str = "transfer"
     # DVP (correction.dvp_threshold > 0): the largest safe set per position the engine can report;
     # vLLM returns the top dvp_max_safe + 1 log-probs per token, and a larger safe set is an error
@@ -273,7 +273,11 @@ class VllmConfig:
         _check(0 < self.gpu_memory_utilization < 1, "rollout.vllm.gpu_memory_utilization", "must be in (0, 1)")
         _one_of(str(self.sleep_level), "rollout.vllm.sleep_level", ("0", "1", "2"))
         _check(self.max_model_len >= 0, "rollout.vllm.max_model_len", "must be >= 0")
-        _one_of(self.weight_sync, "rollout.vllm.weight_sync", ("transfer", "load_weights"))
+        _check(self.weight_sync != "load_weights", "rollout.vllm.weight_sync",
+               "load_weights (LLM.apply_model -> model.load_weights) skips vLLM's post-load processing, "
+               "including the fused-MoE kernels' reordering of expert weights: a backend that reorders "
+               "them would roll out with the wrong experts; use transfer")
+        _one_of(self.weight_sync, "rollout.vllm.weight_sync", ("transfer",))
         _check(self.dvp_max_safe >= 1, "rollout.vllm.dvp_max_safe", "must be >= 1")
 
 

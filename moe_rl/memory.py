@@ -111,7 +111,12 @@ def summarize_run(rows: list[dict], cfg: RunConfig, *, prompt_tokens: float, num
     The first ``skip`` steps (compilation, allocator warm-up) are left out. Tokens per step: every
     sequence's prompt (``prompt_tokens``, mean per sequence: metrics.jsonl logs response lengths
     only) plus its response. Each token is trained once (6N) and goes through forward-only passes
-    2N each: the rollout, the old-log-prob pass, and the reference pass when algo.kl_coef > 0."""
+    2N each: the rollout, the old-log-prob pass, and the reference pass when algo.kl_coef > 0.
+    ``learner_mfu`` counts the learner's passes only (old log-probs, reference, update) over their
+    own time (``time/old_logprob_s`` + ``time/update_s``); ``peak_gib`` is the largest
+    ``mem/peak_gib`` (CUDA runs) and ``reward_first``/``reward_last`` the mean reward of the first
+    and last quarter of the steps (warm-up included)."""
+    all_rows = rows
     rows = rows[skip:] if len(rows) > skip else rows
     if not rows:
         raise ValueError("no metrics rows to summarize")
@@ -129,4 +134,16 @@ def summarize_run(rows: list[dict], cfg: RunConfig, *, prompt_tokens: float, num
             out[key] = sum(vals) / len(vals)
     if "routing/flip_router_frac" in out:
         out["routing_agreement"] = 1.0 - out["routing/flip_router_frac"]
+    if all("time/update_s" in r for r in rows):
+        learner_s = sum(r["time/old_logprob_s"] + r["time/update_s"] for r in rows) / n
+        out["learner_s"] = learner_s
+        out["learner_mfu"] = mfu(cfg.model, trained_tokens=tokens, forward_tokens=(forward_passes - 1) * tokens,
+                                 seconds=learner_s, num_gpus=num_gpus, peak_tflops=peak_tflops)
+    peaks = [r["mem/peak_gib"] for r in all_rows if "mem/peak_gib" in r]
+    if peaks:
+        out["peak_gib"] = max(peaks)
+    rewards = [r["reward/mean"] for r in all_rows if "reward/mean" in r]
+    if rewards:
+        q = max(1, len(rewards) // 4)
+        out["reward_first"], out["reward_last"] = sum(rewards[:q]) / q, sum(rewards[-q:]) / q
     return out

@@ -1,10 +1,15 @@
-"""Per-step wall-clock phases, as ``time/<phase>_s`` metrics (plain numbers: rank-local timings)."""
+"""Per-step wall-clock phases, as ``time/<phase>_s`` metrics (plain numbers: rank-local timings),
+and the step's peak device memory (``mem/peak_gib``, the maximum over ranks)."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+import torch
+
+from moe_rl.metrics import Max
 
 
 class StepTimer:
@@ -23,3 +28,12 @@ class StepTimer:
     def metrics(self) -> dict[str, float]:
         """Every phase, and the whole step so far."""
         return {**{f"time/{k}_s": v for k, v in self.seconds.items()}, "time/step_s": time.perf_counter() - self.start}
+
+
+def memory_metrics(device: torch.device) -> dict:
+    """The step's peak allocated device memory (CUDA only; the peak counter restarts per step)."""
+    if device.type != "cuda":
+        return {}
+    peak = torch.cuda.max_memory_allocated(device) / 2**30
+    torch.cuda.reset_peak_memory_stats(device)
+    return {"mem/peak_gib": Max(peak)}

@@ -22,7 +22,7 @@ from moe_rl.prepare import prepare, response_ids, rollout_metrics
 from moe_rl.rollout.factory import build_engine, sampling_params
 from moe_rl.routing.plan import ReplayPlan
 from moe_rl.seeding import GENERATE, PROMPTS, step_seed
-from moe_rl.timing import StepTimer
+from moe_rl.timing import StepTimer, memory_metrics
 from moe_rl.tasks import CharTokenizer, build_prompt_source, score
 from moe_rl.warmstart import load_init_weights
 
@@ -101,7 +101,7 @@ def train(cfg: RunConfig, dims: ParallelDims) -> None:
             engine.load_weights(learner.export_canonical())  # weight sync learner -> engine
         # over data-parallel ranks: tensor-parallel peers hold the same batch and the same metrics
         metrics = finalize(reduce_metrics({**m_reward, **m_old, **m_update, **m_lr, **rollout_metrics(batch),
-                                           **timer.metrics()}, group=dims.dp_group))
+                                           **timer.metrics(), **memory_metrics(learner.device)}, group=dims.dp_group))
         writer.log(step, metrics)
         writer.log_events(events)
         bar.update(1)

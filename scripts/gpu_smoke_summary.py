@@ -1,33 +1,57 @@
-"""Print step time, tokens/s, MFU and routing agreement of a run: python scripts/gpu_smoke_summary.py RUN_DIR.
+"""One table for the GPU smoke's runs: python scripts/gpu_smoke_summary.py RUN_DIR [RUN_DIR ...].
 
-Thin wrapper: the arithmetic is moe_rl.memory.summarize_run (unit-tested on CPU)."""
+Per run: steps, step time, tokens/s, MFU of the whole step and of the learner alone, peak device
+memory, routing agreement (1 - routing/flip_router_frac), rollout-vs-learner k3 KL, and the mean
+reward of the first and last quarter of the steps. Pairs named X_off / X_r3 also get the r3/off
+step-time ratio. Exit 1 if a ``tiny_*`` run's reward did not rise. The arithmetic is
+moe_rl.memory.summarize_run (unit-tested on CPU)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from moe_rl.config import load_config
 from moe_rl.memory import H100_BF16_DENSE_TFLOPS, summarize_run
 
+COLUMNS = ("run", "steps", "step_s", "tokens/s", "MFU%", "learner_MFU%", "peak_GiB", "agree", "k3_kl",
+           "reward first->last")
+
+
+def row(run: Path, prompt_tokens: float, peak_tflops: float) -> tuple[dict, list[str]]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    s = summarize_run(rows, load_config(run / "config.yaml"), prompt_tokens=prompt_tokens, peak_tflops=peak_tflops)
+
+    def fmt(key, spec, scale=1.0):
+        return format(s[key] * scale, spec) if key in s else "n/a"
+    return s, [run.name, fmt("steps", ".0f"), fmt("step_s", ".3f"), fmt("tokens_per_s", ",.0f"), fmt("mfu", ".2f", 100),
+               fmt("learner_mfu", ".2f", 100), fmt("peak_gib", ".1f"), fmt("routing_agreement", ".4f"),
+               fmt("corr/k3_kl", ".2e"), f"{fmt('reward_first', '.3f')}->{fmt('reward_last', '.3f')}"]
+
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("run_dir")
-    ap.add_argument("--label", default="")
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("run_dirs", nargs="+", type=Path)
     ap.add_argument("--prompt-tokens", type=float, default=6.0, help="mean prompt length (char tasks: ~6)")
-    ap.add_argument("--num-gpus", type=int, default=1)
     ap.add_argument("--peak-tflops", type=float, default=H100_BF16_DENSE_TFLOPS)
     a = ap.parse_args()
-    run = Path(a.run_dir)
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    s = summarize_run(rows, load_config(run / "config.yaml"), prompt_tokens=a.prompt_tokens,
-                      num_gpus=a.num_gpus, peak_tflops=a.peak_tflops)
-    agree = f"{s['routing_agreement']:.4f}" if "routing_agreement" in s else "n/a"
-    print(f"[{a.label or run.name}] steps={s['steps']:.0f} step_s={s['step_s']:.3f} "
-          f"tokens/s={s['tokens_per_s']:,.0f} MFU={100 * s['mfu']:.3f}% routing_agreement={agree} "
-          f"k3_kl={s.get('corr/k3_kl', float('nan')):.2e} reward={s.get('reward/mean', float('nan')):.3f}")
+    summaries, table = {}, [list(COLUMNS)]
+    for run in a.run_dirs:
+        summaries[run.name], cells = row(run, a.prompt_tokens, a.peak_tflops)
+        table.append(cells)
+    widths = [max(len(r[i]) for r in table) for i in range(len(COLUMNS))]
+    for r in table:
+        print("  ".join(c.rjust(w) for c, w in zip(r, widths)))
+    for name, s in summaries.items():
+        if name.endswith("_r3") and name[:-3] + "_off" in summaries:
+            off = summaries[name[:-3] + "_off"]
+            print(f"{name[:-3]}: step time r3/off {s['step_s'] / off['step_s']:.3f}")
+    flat = [n for n, s in summaries.items() if n.startswith("tiny_") and not s["reward_last"] > s["reward_first"]]
+    if flat:
+        print(f"reward did not rise in: {', '.join(flat)}")
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -157,3 +157,41 @@ def test_pipeline_parallel_refuses_untested_layouts(extra, needle):
     with pytest.raises(ConfigError) as e:
         load_config(None, PP2 + extra)
     assert needle in str(e.value)
+
+
+@pytest.mark.unit
+def test_launch_refuses_more_ranks_or_experts_than_gpus_and_nccl_without_cuda(monkeypatch):
+    from moe_rl.preflight import check_devices
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    with pytest.raises(ConfigError, match=r"'parallel.backend': nccl needs CUDA, and this machine has no GPU"):
+        check_devices(load_config(None, ["parallel.backend=nccl"]), num_gpus=0)
+    check_devices(load_config(None), num_gpus=0)  # the CPU default: gloo
+    with pytest.raises(ConfigError, match=r"'parallel.nproc': 2 local ranks but this machine has 1 GPU\(s\)"):
+        check_devices(load_config(None, ["parallel.expert_parallel=1"]), num_gpus=1)
+    with pytest.raises(ConfigError, match=r"'parallel.expert_parallel': 2 is larger than the 1 GPU\(s\)"):
+        check_devices(load_config(None), num_gpus=1)
+    check_devices(load_config(None), num_gpus=2)
+    check_devices(load_config(None, ["parallel.backend=gloo"]), num_gpus=1)  # CPU ranks on a GPU machine
+    # under torchrun the node's rank count comes from the launcher; EP may span nodes
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    wide = load_config(None, ["parallel.nproc=16", "parallel.expert_parallel=16", "model.num_experts=16",
+                              "rollout.prompts_per_step=64"])
+    check_devices(wide, num_gpus=8)
+    with pytest.raises(ConfigError, match=r"'parallel.nproc': the launcher starts 8 ranks on this node but "
+                                          r"this machine has 4 GPU\(s\)"):
+        check_devices(wide, num_gpus=4)
+
+
+@pytest.mark.unit
+def test_vllm_tensor_parallel_is_refused_at_launch(monkeypatch):
+    from moe_rl import preflight
+    from moe_rl.rollout import vllm_engine
+
+    monkeypatch.setattr(vllm_engine, "check_vllm_environment", lambda: None)  # as on a GPU machine with vllm
+    monkeypatch.setattr(preflight, "check_devices", lambda cfg, n: None)
+    cfg = load_config("configs/qwen3_30b_a3b_2x8h100.yaml")  # one vLLM engine per node: TP 8
+    monkeypatch.setattr("moe_rl.learner.te_spec.check_te_environment", lambda m: None)
+    with pytest.raises(ConfigError, match=r"'rollout.vllm.tensor_parallel': 8 > 1 is not supported: vLLM returns "
+                                          r"routed experts only on the first rank"):
+        preflight.check_launch(cfg)

@@ -52,3 +52,19 @@ def test_summarize_run_skips_warmup_and_reports_agreement():
     assert s["routing_agreement"] == pytest.approx(0.8)
     n = param_counts(cfg.model)["matmul_active"]
     assert s["mfu"] == pytest.approx((6 * n * 80 + 2 * 2 * n * 80) / (3.0 * 989e12))
+    assert "learner_mfu" not in s and "peak_gib" not in s
+
+
+@pytest.mark.unit
+def test_summarize_run_learner_mfu_peak_memory_and_reward_trend():
+    cfg = load_config(None, ["model.vocab_size=50", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=2"])
+    rows = [{"time/step_s": 9.0, "time/old_logprob_s": 1.0, "time/update_s": 2.0, "rollout/response_len_mean": 5.0,
+             "reward/mean": 0.1 * i, "mem/peak_gib": 3.0 + i % 3} for i in range(8)]
+    s = summarize_run(rows, cfg, prompt_tokens=5.0)
+    n = param_counts(cfg.model)["matmul_active"]
+    tokens = 8 * 10.0
+    assert s["learner_s"] == 3.0
+    # the learner trains every token once (6N) and runs one forward-only pass (old log-probs, 2N)
+    assert s["learner_mfu"] == pytest.approx((6 * n * tokens + 2 * n * tokens) / (3.0 * 989e12))
+    assert s["peak_gib"] == 5.0
+    assert (s["reward_first"], s["reward_last"]) == (pytest.approx(0.05), pytest.approx(0.65))

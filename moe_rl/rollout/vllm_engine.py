@@ -602,30 +602,24 @@ class VllmEngine:
         import torch.distributed as dist
         import vllm
 
-        transfer = self.cfg.rollout.vllm.weight_sync == "transfer"
-        if transfer:
-            if not hasattr(vllm.LLM, "start_weight_update"):
-                raise ConfigError(f"config key 'rollout.vllm.weight_sync': vllm {vllm.__version__} has no "
-                                  f"weight-transfer API; use rollout.vllm.weight_sync=load_weights")
-            _register_transfer_backend()
+        if not hasattr(vllm.LLM, "start_weight_update"):
+            raise ConfigError(f"config key 'rollout.vllm.weight_sync': vllm {vllm.__version__} has no "
+                              f"weight-transfer API; install vllm 0.33 (the gpu extra)")
+        _register_transfer_backend()
         kw = engine_kwargs(self.cfg, self._model_dir(named), external=dist.is_initialized())
         log.info("starting vLLM %s: %s", vllm.__version__, kw)
         self.llm = vllm.LLM(**kw)
-        if transfer:
-            self.llm.init_weight_transfer_engine({"init_info": {}})  # in-process: no rendezvous
+        self.llm.init_weight_transfer_engine({"init_info": {}})  # in-process: no rendezvous
 
     def load_weights(self, named: dict[str, torch.Tensor]) -> None:
-        """Weight sync: wake the weights, send the canonical tensors (``rollout.vllm.weight_sync``),
-        reset the prefix cache (its KV blocks and cached routes belong to the old weights)."""
+        """Weight sync: wake the weights, send the canonical tensors through vLLM's weight-transfer
+        API, reset the prefix cache (its KV blocks and cached routes belong to the old weights)."""
         items = sync_items(named, self.expected, hf_names(self.model_cfg))
         if self.llm is None:
             self._start(named)
         if self.asleep:
             self.llm.wake_up(tags=["weights"])
-        if self.cfg.rollout.vllm.weight_sync == "transfer":
-            transfer_weights(self.llm, items, self.versions)
-        else:
-            self.llm.apply_model(lambda model: model.load_weights(weights=iter(items)))
+        transfer_weights(self.llm, items, self.versions)
         self.llm.reset_prefix_cache()
 
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams, seed: int) -> RolloutBatch:

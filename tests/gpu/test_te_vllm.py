@@ -18,14 +18,29 @@ TINY = ModelConfig(vocab_size=64, hidden_size=128, num_layers=3, first_k_dense=1
                    moe_router_topk=2, max_seq_len=64)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def torchrun_env():
+    """Every test here runs as rank 0 of 1, as torchrun would start it: once a test has started
+    torch.distributed, VllmEngine picks vLLM's external_launcher, whose executor reads RANK and
+    LOCAL_RANK from the environment (vllm/v1/executor/uniproc_executor.py)."""
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29533", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+           "LOCAL_WORLD_SIZE": "1"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    yield
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
 @pytest.fixture(scope="module")
 def single_rank():
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29533")
     if not dist.is_initialized():
         dist.init_process_group("nccl", rank=0, world_size=1)
     torch.cuda.set_device(0)

@@ -530,23 +530,22 @@ def test_weight_sync_config_key():
         load_config(None, VLLM + ["rollout.vllm.weight_sync=nccl"])
     kw = ve.engine_kwargs(load_config(None, VLLM), "/m", external=False)
     assert kw["weight_transfer_config"] == {"backend": ve.TRANSFER_BACKEND}
-    run = load_config(None, VLLM + ["rollout.vllm.weight_sync=load_weights"])
-    assert "weight_transfer_config" not in ve.engine_kwargs(run, "/m", external=False)
+    # model.load_weights through apply_model skips vLLM's post-load step (the MoE weight shuffle)
+    with pytest.raises(ConfigError, match="'rollout.vllm.weight_sync': load_weights .* skips vLLM's post-load"):
+        load_config(None, VLLM + ["rollout.vllm.weight_sync=load_weights"])
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("mode", ["transfer", "load_weights"])
-def test_engine_load_weights_follows_the_switch(cfg, weights, mode):
+def test_engine_load_weights_goes_through_the_transfer_api(cfg, weights):
     engine = object.__new__(ve.VllmEngine)  # no CUDA: skip __init__'s environment check
-    engine.cfg = load_config(None, VLLM + [f"rollout.vllm.weight_sync={mode}"])
+    engine.cfg = load_config(None, VLLM)
     engine.expected, engine.llm, engine.asleep = list(canonical_param_shapes(cfg)), FakeTransferLLM(), False
     engine.versions, engine.model_cfg = ve.WeightVersions(), cfg
     engine.load_weights(weights)
     n = len(ve.layer_groups(engine.expected))
-    want = ["start"] + ["update"] * n + ["finish"] if mode == "transfer" else ["apply_model"]
-    assert engine.llm.calls == want + ["reset_prefix_cache"]
+    assert engine.llm.calls == ["start"] + ["update"] * n + ["finish", "reset_prefix_cache"]
     assert engine.llm.loaded.keys() == weights.keys()
-    assert engine.versions.current == ("0" if mode == "transfer" else None)
+    assert engine.versions.current == "0"
 
 
 # --------------------------------------------------------------------------------------------
