@@ -1,5 +1,10 @@
 """The megatron-core learner: log-prob passes and policy updates over micro-batches.
 
+Inputs are ``TrainBatch``es (moe_rl/types.py), moved to the model's device once per pass and
+split with ``TrainBatch.micro_batches``; a ``PassPlan`` (moe_rl/routing/plan.py) says how the
+pass routes. Outputs are ``LogprobOutput`` / ``UpdateOutput`` with the pass's ``RoutingOutcome``.
+Ranks, sizes and groups come from the ``ParallelDims`` given at construction.
+
 Forward and backward run through megatron-core's own pipeline schedule
 (``get_forward_backward_func``), gradients are reduced by megatron's ``finalize_model_grads`` and
 applied by its (distributed) optimizer. The loss is a callable passed in (``LossFn``); its
