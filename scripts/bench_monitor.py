@@ -49,7 +49,8 @@ def _measure(args) -> list[dict]:
     source = build_prompt_source(t.tasks, t.min_len, t.max_len, "", t.reward, tok)
     prompts = source.sample(args.prompts, seed=ctx.dp_rank)
     t0 = time.perf_counter()
-    batch = engine.generate([p.prompt_ids for p in prompts], r.samples_per_prompt, sampling_params(cfg_on, (tok.eos_id,)),
+    sampling = sampling_params(cfg_on, (tok.eos_id,))
+    batch = engine.generate([p.prompt_ids for p in prompts], r.samples_per_prompt, sampling,
                             seed=ctx.dp_rank)
     rollout_s = time.perf_counter() - t0
     rewards_B, _ = score(prompts, response_ids(batch, tok.pad_id), tok, r.samples_per_prompt,

@@ -66,6 +66,7 @@ from moe_rl.types import TokenStats, TrainBatch
 
 log = logging.getLogger(__name__)
 
+
 @dataclass(frozen=True)
 class LogprobOutput:
     """A log-prob pass: per-token statistics, and what its routing produced."""
@@ -221,7 +222,8 @@ class Learner:
         for name in sorted(canon):  # the same order on every rank
             t, dim = canon[name], tp_split_dim(name)
             expert = ".mlp.experts." in name
-            size, group = (self.shard.etp_size, self.dims.etp_group) if expert else (self.dims.tp_size, self.dims.tp_group)
+            d = self.dims
+            size, group = (self.shard.etp_size, d.etp_group) if expert else (d.tp_size, d.tp_group)
             if dim is None or size == 1:
                 out[name] = t
                 continue

@@ -1,11 +1,11 @@
-"""device tier (MOE_RL_DEVICE_LIST=1 lists every site instead of failing at the first): real training steps on 2 CPU ranks in which any tensor that moe-rl creates without
+"""device tier: real training steps on 2 CPU ranks in which any tensor that moe-rl creates without
 an explicit device lands on ``meta`` (tests/device_check.py), so it cannot meet the model's
 tensors: what a forgotten device does on a GPU, caught without one.
 
 Covers the rollout, old-log-prob, reference and update passes (replay off, r2, r3), the router
 monitor, the rollout corrections (IS, rejection, TRM sample and exact, DVP), metrics, checkpoint
 save and resume; and one tensor-parallel run (TP=2: sequence parallelism, vocabulary-parallel
-log-probs, TP-sliced replay)."""
+log-probs, TP-sliced replay). MOE_RL_DEVICE_LIST=1 lists every site instead of failing at the first."""
 
 from __future__ import annotations
 

@@ -84,7 +84,8 @@ def _run(learner, par_opt: ParallelConfig, ctx, weights) -> dict:
     after = stepper.export_canonical()
     return {"logp": native.logp_BS, "entropy": native.entropy_BS, "spi": native.sum_pi_sq_BS,
             "recorded": recorded.ids_NLK, "recorded_rows": recorded.rows_B, "r2_logp": r2.logp_BS,
-            "r2_metrics": r2_metrics, "forced_logp": forced.logp_BS, "forced_metrics": forced_metrics, "update_metrics": update_metrics,
+            "r2_metrics": r2_metrics, "forced_logp": forced.logp_BS, "forced_metrics": forced_metrics,
+            "update_metrics": update_metrics,
             "grads": grads, "monitor": monitor, "after": after}
 
 
