@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from moe_rl.errors import UserError
 from moe_rl.metrics import METRICS_FILE, read_metrics
 
 _LAYER_KEY = re.compile(r"^router_grad/zero_frac/layer(\d+)$")
@@ -58,7 +59,7 @@ THRESHOLDS = {
 WINDOW = 100  # verdicts look at the last WINDOW logged steps
 
 
-class ReportError(ValueError):
+class ReportError(UserError):
     """A run directory that cannot be reported on; the message names the path."""
 
 

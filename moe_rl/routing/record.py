@@ -29,10 +29,9 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from moe_rl.config import ARCH_FIELDS, ModelConfig
+from moe_rl.errors import RouteError
 
 
-class RouteError(ValueError):
-    """A route record is malformed; the message names sample, layer and row."""
 
 
 def route_dtype(num_experts: int) -> torch.dtype:
