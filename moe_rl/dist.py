@@ -126,10 +126,13 @@ def init_distributed(par: ParallelConfig, seed: int) -> ParallelDims:
     return ParallelDims.from_parallel_state()
 
 
-def shutdown() -> None:
+def shutdown(clean: bool = True) -> None:
+    """Tear the process groups down. ``clean=False`` (this rank raised): nothing collective, not
+    even a barrier, since a peer may be inside another collective or gone; the process is about
+    to exit and takes its groups with it."""
     from megatron.core import parallel_state as ps
 
-    if dist.is_initialized():
+    if dist.is_initialized() and clean:
         dist.barrier()
         ps.destroy_model_parallel()
         dist.destroy_process_group()

@@ -62,11 +62,13 @@ def _export_worker(cfg, ckpt: Path, out_dir: Path, max_shard_bytes: int) -> None
     dist.setup_logging(int(os.environ.get("RANK", "0")))
     megatron_patches.apply_all()
     ctx = dist.init_distributed(cfg.parallel, cfg.seed)
+    finished = False
     try:
         learner = Learner(cfg.model, cfg.parallel, cfg.optim, ctx, monitor=False)
         export_from_checkpoint(learner, ckpt, out_dir, max_shard_bytes)
+        finished = True
     finally:
-        dist.shutdown()
+        dist.shutdown(clean=finished)
 
 
 def export_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None,

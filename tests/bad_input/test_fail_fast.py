@@ -1,0 +1,63 @@
+"""bad_input tier, fail fast across ranks (issue 14 point 2): a fault injected on one of two ranks
+(tests/bad_input/faults.py) at start-up, mid-step inside a collective, and during a checkpoint save
+ends the whole job within seconds, the launcher shows the failing rank's own error once, and no
+rank waits for a peer (before: rank 0 sat in a barrier until gloo's 10-minute timeout)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ["rollout.prompts_per_step=8", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=8",
+        "log.progress_bar=false", "log.wandb_mode=disabled"]
+FAIL_FAST_S = 30.0  # from the fault to the end of the job (the elastic agent polls every 0.1 s)
+
+
+def run_with_fault(tmp_path: Path, where: str, rank: int, kind: str, *args: str):
+    stamp = tmp_path / "fault_time"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "MOE_RL_FAULT_STAMP": str(stamp),
+           "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "tests.bad_input.faults", where, str(rank), kind, "train",
+           f"run_dir={tmp_path / 'run'}", *TINY, *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    end = time.time()
+    assert stamp.is_file(), f"the fault never fired:\n{proc.stderr[-3000:]}"
+    return proc, end - float(stamp.read_text())
+
+
+@pytest.mark.bad_input
+def test_fault_at_startup_is_one_line_user_error(tmp_path):
+    proc, after_s = run_with_fault(tmp_path, "startup", 1, "user", "steps=2")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert after_s < FAIL_FAST_S
+    lines = [x for x in proc.stderr.splitlines() if "injected fault" in x]
+    assert lines == ["error: rank 1: sample 3, layer 1, row 7: injected fault at startup"]
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.bad_input
+def test_fault_mid_step_in_a_collective_shows_the_rank_traceback_once(tmp_path):
+    proc, after_s = run_with_fault(tmp_path, "step", 1, "bug", "steps=2")
+    assert proc.returncode == 1
+    assert after_s < FAIL_FAST_S
+    err = proc.stderr
+    assert err.count("RankFailedError: rank 1 failed with RuntimeError: injected fault at step") == 1
+    assert err.count("--- rank 1 traceback ---") == 1
+    assert err.count("RuntimeError: injected fault at step") == 2  # the summary line and the rank's own
+    assert "m_update = update(cfg, plan, learner, train_batch, lr)" in err  # where it happened
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.bad_input
+def test_fault_during_checkpoint_save_on_rank_0(tmp_path):
+    proc, after_s = run_with_fault(tmp_path, "save", 0, "bug", "steps=1", "checkpoint_every=1")
+    assert proc.returncode == 1
+    assert after_s < FAIL_FAST_S
+    assert proc.stderr.count("RankFailedError: rank 0 failed with RuntimeError: injected fault at save") == 1
+    assert not list((tmp_path / "run" / "checkpoints").glob("step_*"))  # nothing half-written is kept
