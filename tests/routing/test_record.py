@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -66,7 +68,7 @@ def test_valid_batch_passes_and_select_matches_records():
 def test_ingest_names_sample_layer_row(mutate, needle):
     routes = _random_routes([5, 3, 7])
     mutate(routes.ids_NLK)
-    with pytest.raises(RouteError, match=needle.replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(RouteError, match=re.escape(needle)):
         validate(routes, torch.tensor([5, 3, 7]), HEADER)
 
 
