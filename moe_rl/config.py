@@ -440,12 +440,32 @@ class AlgoConfig:
 
 
 @dataclass(frozen=True)
+class HealthConfig:
+    """Health alarms (moe_rl/health.py): a warning event in events.jsonl, the log and the report
+    when a condition holds for ``patience`` consecutive steps; never stops the run."""
+
+    enabled: bool = True
+    patience: int = 3  # consecutive steps a condition must hold
+    # policy entropy (train/entropy, nats per token) >= this fraction of ln(vocab_size): uniform
+    entropy_uniform_frac: float = 0.95
+    entropy_zero: float = 1e-3  # policy entropy <= this: collapsed onto one token per position
+    # and, always: every minibatch's gradient norm exactly 0 (train/grad_norm_max == 0)
+
+    def __post_init__(self) -> None:
+        _check_finite(self, "log.health")
+        _check(self.patience >= 1, "log.health.patience", "must be >= 1")
+        _check(0 < self.entropy_uniform_frac <= 1, "log.health.entropy_uniform_frac", "must be in (0, 1]")
+        _check(self.entropy_zero >= 0, "log.health.entropy_zero", "must be >= 0")
+
+
+@dataclass(frozen=True)
 class LogConfig:
     wandb_mode: str = "offline"  # offline | online | disabled
     wandb_project: str = "moe-rl"
     progress_bar: bool = True
     router_monitor: bool = True  # per-layer router-gradient monitor of the update passes
     router_margin_eps: float = 0.1  # Top-K margin under which a token counts as near the boundary
+    health: HealthConfig = field(default_factory=HealthConfig)  # entropy / gradient alarms
 
     def __post_init__(self) -> None:
         _check_finite(self, "log")

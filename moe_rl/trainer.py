@@ -12,6 +12,7 @@ from tqdm import tqdm
 from moe_rl.checkpointing import CheckpointManager
 from moe_rl.config import RunConfig, to_dict, to_yaml
 from moe_rl.dist import ParallelDims
+from moe_rl.health import HealthMonitor
 from moe_rl.learner.learner import Learner
 from moe_rl.lr import LengthLRScheduler
 from moe_rl.metrics import MetricsWriter, reduce_metrics
@@ -84,6 +85,7 @@ def train(cfg: RunConfig, dims: ParallelDims) -> None:
     writer = MetricsWriter(run_dir, to_dict(cfg), cfg.log.wandb_mode, cfg.log.wandb_project,
                            dims.rank, resume_step=start if cfg.resume else None)
     bar, sampling = progress(cfg, start, dims), sampling_params(cfg, (tok.eos_id,))
+    health = HealthMonitor(cfg.log.health, cfg.model.vocab_size, active=dims.is_main)
     for step in range(start, cfg.steps):
         timer = StepTimer()
         with timer.phase("rollout"):
@@ -104,7 +106,7 @@ def train(cfg: RunConfig, dims: ParallelDims) -> None:
         metrics = finalize(reduce_metrics({**m_reward, **m_old, **m_update, **m_lr, **rollout_metrics(batch),
                                            **timer.metrics()}, group=dims.dp_group))
         writer.log(step, metrics)
-        writer.log_events(events)
+        writer.log_events(events + health.observe(step, metrics))  # LR decays, health alarms
         bar.update(1)
         bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", step_s=f"{metrics['time/step_s']:.2f}")
         if ckpt.due(step):
