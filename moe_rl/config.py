@@ -376,8 +376,9 @@ class CorrectionConfig:
                "correction.is_level", "bypass ppo_clip applies no IS weight (the ratio already is one)")
         _check(bool(self.rs) == bool(self.rs_bounds), "correction.rs_bounds", "give bounds exactly when rs is set")
         if self.rs:
+            bounds = self.bounds  # a ConfigError naming correction.rs_bounds
             try:
-                parse_rs_spec(list(self.rs), self.bounds)
+                parse_rs_spec(list(self.rs), bounds)
             except (ValueError, TypeError) as e:
                 raise ConfigError(f"config key 'correction.rs': {e}") from None
 

@@ -185,12 +185,12 @@ def _check_num(num: int) -> None:
 def _load_jsonl(path: Path, tokenizer: CharTokenizer, default_reward: str) -> tuple[list[Prompt], list[int]]:
     """Parse and check every line; the first problem raises DatasetError naming path:line.
     Returns the prompts and their 1-based line numbers."""
+    if path.is_dir():
+        raise DatasetError(f"{path}: is a directory; task.dataset names a JSONL file")
     try:
         raw = path.read_bytes()
     except OSError as e:
         raise DatasetError(f"{path}: cannot read prompt file ({e.strerror or e})") from e
-    if path.is_dir():
-        raise DatasetError(f"{path}: is a directory; task.dataset names a JSONL file")
     prompts, lines = [], []
     for lineno, line_bytes in enumerate(raw.split(b"\n"), start=1):
         try:
