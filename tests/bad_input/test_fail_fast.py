@@ -1,10 +1,12 @@
 """bad_input tier, fail fast across ranks (issue 14 point 2): a fault injected on one of two ranks
 (tests/bad_input/faults.py) at start-up, mid-step inside a collective, and during a checkpoint save
 ends the whole job within seconds, the launcher shows the failing rank's own error once, and no
-rank waits for a peer (before: rank 0 sat in a barrier until gloo's 10-minute timeout)."""
+rank waits for a peer (before: rank 0 sat in a barrier until gloo's 10-minute timeout). And a run
+that goes on but stopped learning is not silent: its health alarms (point 5)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -28,7 +30,9 @@ def run_with_fault(tmp_path: Path, where: str, rank: int, kind: str, *args: str)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     end = time.time()
     assert stamp.is_file(), f"the fault never fired:\n{proc.stderr[-3000:]}"
-    return proc, end - float(stamp.read_text())
+    after_s = end - float(stamp.read_text())
+    print(f"{where} fault on rank {rank} -> job ended {after_s:.2f} s later (pytest -s shows this)")
+    return proc, after_s
 
 
 @pytest.mark.bad_input
@@ -61,3 +65,26 @@ def test_fault_during_checkpoint_save_on_rank_0(tmp_path):
     assert after_s < FAIL_FAST_S
     assert proc.stderr.count("RankFailedError: rank 0 failed with RuntimeError: injected fault at save") == 1
     assert not list((tmp_path / "run" / "checkpoints").glob("step_*"))  # nothing half-written is kept
+
+
+@pytest.mark.bad_input
+def test_learning_rate_that_flattens_the_policy_raises_health_alarms(tmp_path):
+    """optim.lr=1e3 trains on (the run is not stopped) but no longer silently: the policy goes
+    uniform (entropy ln 50) with a zero gradient, and both alarms reach events.jsonl and the report."""
+    run = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "moe_rl.cli", "train", f"run_dir={run}", "steps=3", "checkpoint_every=0",
+           "optim.lr=1e3", "log.health.patience=2", *TINY]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    events = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
+    assert [(e["step"], e["event"], e["alarm"]) for e in events] == [
+        (2, "health", "entropy_uniform"), (2, "health", "grad_norm_zero")]
+    assert events[0]["cause"] == ("policy entropy 3.912 nats >= 0.95 ln(V=50) = 3.716: the policy is uniform "
+                                  "for 2 consecutive steps (steps 1-2; log.health)")
+    assert "[rank0] WARNING moe_rl.health: health alarm at step 2: gradient norm exactly 0" in proc.stderr
+    rep = subprocess.run([sys.executable, "-m", "moe_rl.cli", "report", str(run)], capture_output=True, text=True,
+                         timeout=300, env=env, cwd=ROOT)
+    assert rep.returncode == 0, rep.stderr[-3000:]
+    md = (run / "report" / "report.md").read_text()
+    assert "- run: health alarm grad_norm_zero at step 2: gradient norm exactly 0 in every minibatch" in md
