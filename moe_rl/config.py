@@ -6,9 +6,10 @@ OmegaConf's structured configs, so an unknown key or a wrong type fails before a
 naming the full dotted key; cross-field checks in ``__post_init__`` name the keys too.
 Megatron's own argument names appear only in ``moe_rl/learner/setup.py``.
 
-Near the bottom of the package: imports only ``moe_rl.errors`` from it (tests/test_style.py). So the names a config may
-use live here as plain tuples (``ADVANTAGE_NAMES``, ``RS_AGGREGATION_NAMES``; tests keep them equal
-to the registries of ``moe_rl.advantages`` and ``moe_rl.corrections``), with the rejection-option
+Near the bottom of the package: imports only ``moe_rl.errors`` from it (tests/test_style.py). So
+the names a config may use live here as plain tuples (``ADVANTAGE_NAMES``, ``RS_AGGREGATION_NAMES``;
+tests keep them equal to the registries of ``moe_rl.advantages`` and ``moe_rl.corrections``), with
+the rejection-option
 grammar (``parse_rs_spec``) and what the vLLM engine cannot do (``logprobs_mode``, ``_check_vllm``;
 pure, no vllm import). What depends on the machine (CUDA, Transformer Engine, vllm installed) is
 checked when a run starts, in ``moe_rl/preflight.py``.

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from moe_rl.config import ParallelConfig
+from moe_rl.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +113,7 @@ def init_distributed(par: ParallelConfig, seed: int) -> ParallelDims:
     if world != par.nproc:
         # Under an external torchrun the launcher decides the world size; the config must agree,
         # since batch splits and EP layout were validated against parallel.nproc.
-        raise ValueError(f"config key 'parallel.nproc' is {par.nproc} but the launcher started "
+        raise ConfigError(f"config key 'parallel.nproc' is {par.nproc} but the launcher started "
                          f"{world} ranks; set parallel.nproc={world}")
     ps.initialize_model_parallel(
         tensor_model_parallel_size=par.tensor_parallel,

@@ -337,3 +337,27 @@ def test_real_process_exit_code_and_one_line(tmp_path):
     assert proc.returncode == 1 and "Traceback (most recent call last)" in proc.stderr
     assert proc.stderr.rstrip().splitlines()[-1] == ("moe_rl.errors.ConfigError: override 'optim.lr=inf': config key "
                                                      "'optim.lr': inf is not a finite number")
+
+
+@pytest.mark.bad_input
+def test_resume_with_a_corrupt_saved_config_or_trainer_state(tmp_path):
+    run = tmp_path / "run"
+    _fake_run(run, 30)
+    state = run / "checkpoints" / "step_000030" / "trainer_state.json"
+    state.write_text('{"step": 30')
+    fails_with(tmp_path, f"{state}:1:12: not valid JSON (Expecting ',' delimiter)", "train", f"run_dir={run}",
+               "resume=true", "steps=40")
+    (run / "config.yaml").write_text("model:\n  num_experts: [8\n")
+    fails_with(tmp_path, f"{run}/config.yaml:3:1: YAML syntax error: did not find expected ',' or ']'", "train",
+               f"run_dir={run}", "resume=true", "steps=40")
+
+
+@pytest.mark.bad_input
+def test_export_never_overwrites_and_unknown_reward(tmp_path):
+    run = tmp_path / "run"
+    _fake_run(run, 30)
+    (tmp_path / "out").mkdir()
+    fails_with(tmp_path, f"{tmp_path / 'out'} already exists; an HF export never overwrites", "export-hf", str(run),
+               str(tmp_path / "out"))
+    code, _, err = run_cli(tmp_path, "train", f"run_dir={tmp_path / 'r2'}", "task.reward=exact")
+    assert code == 2 and err.startswith("error: config key 'task': unknown reward 'exact'") and err.count("\n") == 1
