@@ -7,6 +7,7 @@ import logging
 from pathlib import Path
 
 from moe_rl.config import RunConfig
+from moe_rl.errors import RunDirError
 from moe_rl.learner import checkpoint
 from moe_rl.learner.learner import Learner
 from moe_rl.lr import LengthLRScheduler
@@ -25,7 +26,7 @@ class CheckpointManager:
             return 0
         path = checkpoint.latest(self.root)
         if path is None:
-            raise FileNotFoundError(f"resume=true but {self.root} has no checkpoint")
+            raise RunDirError(f"resume=true but {self.root} has no checkpoint")
         state = checkpoint.load(self.learner, path)
         self.lr_sched.load_state_dict(state["length_lr"])
         log.info("resumed from %s (step %d)", path, state["step"])

@@ -1,13 +1,21 @@
-"""`moe-rl` command line: parse, load the config, call one function."""
+"""`moe-rl` command line: parse, load the config, call one function.
+
+The error contract (issue 14): a ``moe_rl.errors.UserError`` raised anywhere below (config, files,
+command line, a rank of the job) becomes one line ``error: <message>`` on stderr and exit code 2,
+without a traceback; ``--debug`` (or ``MOE_RL_DEBUG=1``) shows the traceback. Any other exception
+is a bug and keeps its traceback.
+"""
 
 from __future__ import annotations
 
+import os
 import sys
 from importlib import metadata
 
 import click
 
-from moe_rl.config import ConfigError, RunConfig, load_config
+from moe_rl.config import RunConfig, load_config
+from moe_rl.errors import UserError, one_line
 
 _OPTIONAL = ("transformer-engine", "transformer-engine-torch", "vllm", "sglang", "apex", "transformers", "wandb")
 
@@ -21,32 +29,44 @@ def _split_args(args: tuple[str, ...]) -> tuple[str | None, list[str]]:
 
 def _load(args: tuple[str, ...]) -> RunConfig:
     path, overrides = _split_args(args)
-    try:
-        return load_config(path, overrides)
-    except ConfigError as e:
-        raise click.ClickException(str(e)) from None
+    return load_config(path, overrides)
 
 
-@click.group()
-def main() -> None:
+def debug_enabled() -> bool:
+    return os.environ.get("MOE_RL_DEBUG", "") not in ("", "0")
+
+
+class _Group(click.Group):
+    """Maps the project's user errors to one line and exit code 2, and nothing else."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except UserError as e:
+            if debug_enabled():
+                raise
+            click.echo(f"error: {one_line(e)}", err=True)
+            ctx.exit(e.exit_code)
+
+
+@click.group(cls=_Group)
+@click.option("--debug", is_flag=True, help="show the traceback of a user error (or MOE_RL_DEBUG=1)")
+def main(debug: bool) -> None:
     """RL training for Mixture-of-Experts LLMs on megatron-core."""
+    if debug:
+        os.environ["MOE_RL_DEBUG"] = "1"  # the ranks of `train` inherit it
 
 
 @main.command(context_settings={"ignore_unknown_options": True})
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 def train(args: tuple[str, ...]) -> None:
     """Train: moe-rl train [CONFIG.yaml] [key=value ...]  (no config: the embedded tiny CPU default)."""
-    import os
-
     from moe_rl.launch import launch, under_torchrun
     from moe_rl.trainer import preflight
 
     cfg = _load(args)
-    try:
-        # data, weights and run dir are checked here, before any rank starts
-        preflight(cfg, check_run_dir=not under_torchrun() or os.environ.get("RANK") == "0")
-    except (ValueError, FileNotFoundError) as e:
-        raise click.ClickException(str(e)) from None
+    # data, weights and run dir are checked here, before any rank starts
+    preflight(cfg, check_run_dir=not under_torchrun() or os.environ.get("RANK") == "0")
     launch(cfg)
 
 
@@ -68,10 +88,7 @@ def export_hf(run_dir: str, out_dir: str, step: int | None, max_shard_gb: float)
     """Write a run's checkpoint as a Hugging Face checkpoint: moe-rl export-hf RUN_DIR OUT_DIR [--step N]."""
     from moe_rl.export import export_run
 
-    try:
-        export_run(run_dir, out_dir, step, int(max_shard_gb * 2**30))
-    except (ValueError, FileNotFoundError, FileExistsError) as e:
-        raise click.ClickException(str(e)) from None
+    export_run(run_dir, out_dir, step, int(max_shard_gb * 2**30))
 
 
 @main.command()
@@ -80,15 +97,11 @@ def export_hf(run_dir: str, out_dir: str, step: int | None, max_shard_gb: float)
               help="output directory (default: RUN_DIR/report, or RUN_A/compare_<B> for two runs)")
 def report(run_dirs: tuple[str, ...], out: str | None) -> None:
     """Router stability report: moe-rl report RUN_DIR [RUN_DIR_B]  (HTML + markdown)."""
-    from moe_rl.report.data import ReportError
     from moe_rl.report.render import write_report
 
     if len(run_dirs) > 2:
         raise click.UsageError("give one run directory, or two to compare")
-    try:
-        html = write_report(list(run_dirs), out)
-    except ReportError as e:
-        raise click.ClickException(str(e)) from None
+    html = write_report(list(run_dirs), out)
     click.echo(f"wrote {html} and {html.with_name('report.md')}")
 
 

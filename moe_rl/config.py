@@ -6,9 +6,10 @@ OmegaConf's structured configs, so an unknown key or a wrong type fails before a
 naming the full dotted key; cross-field checks in ``__post_init__`` name the keys too.
 Megatron's own argument names appear only in ``moe_rl/learner/setup.py``.
 
-The bottom of the package: imports nothing from it (tests/test_style.py). So the names a config may
-use live here as plain tuples (``ADVANTAGE_NAMES``, ``RS_AGGREGATION_NAMES``; tests keep them equal
-to the registries of ``moe_rl.advantages`` and ``moe_rl.corrections``), with the rejection-option
+Near the bottom of the package: imports only ``moe_rl.errors`` from it (tests/test_style.py). So
+the names a config may use live here as plain tuples (``ADVANTAGE_NAMES``, ``RS_AGGREGATION_NAMES``;
+tests keep them equal to the registries of ``moe_rl.advantages`` and ``moe_rl.corrections``), with
+the rejection-option
 grammar (``parse_rs_spec``) and what the vLLM engine cannot do (``logprobs_mode``, ``_check_vllm``;
 pure, no vllm import). What depends on the machine (CUDA, Transformer Engine, vllm installed) is
 checked when a run starts, in ``moe_rl/preflight.py``.
@@ -26,14 +27,21 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-
-class ConfigError(ValueError):
-    """A config file, key or value is wrong; the message names it."""
+from moe_rl.errors import ConfigError  # re-exported: moe_rl.errors is the one module below this one
 
 
 def _check(cond: bool, key: str, msg: str) -> None:
     if not cond:
         raise ConfigError(f"config key '{key}': {msg}")
+
+
+def _check_finite(cfg: Any, prefix: str) -> None:
+    """Every float field of one config dataclass is finite (``optim.lr=inf`` is refused here, not
+    trained on)."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"config key '{prefix}.{f.name}': {value} is not a finite number")
 
 
 def _one_of(value: str, key: str, choices: tuple[str, ...] | list[str]) -> None:
@@ -126,6 +134,7 @@ class ModelConfig:
     fp8_format: str = "hybrid"  # hybrid: e4m3 forward, e5m2 gradients | e4m3 everywhere
 
     def __post_init__(self) -> None:
+        _check_finite(self, "model")
         for name in ("hidden_size", "num_layers", "num_attention_heads", "num_query_groups",
                      "head_dim", "ffn_hidden_size", "moe_ffn_hidden_size", "num_experts",
                      "moe_router_topk", "max_seq_len"):
@@ -173,6 +182,7 @@ class ParallelConfig:
     backend: str = "auto"  # auto: nccl on CUDA, gloo on CPU
 
     def __post_init__(self) -> None:
+        _check_finite(self, "parallel")
         for name in ("nproc", "tensor_parallel", "pipeline_parallel", "expert_parallel"):
             _check(getattr(self, name) >= 1, f"parallel.{name}", "must be >= 1")
         _one_of(self.token_dispatcher, "parallel.token_dispatcher", ("alltoall", "allgather"))
@@ -216,6 +226,7 @@ class LengthLRConfig:
     rebase_after_trigger: bool = True
 
     def __post_init__(self) -> None:
+        _check_finite(self, "optim.length_lr")
         _one_of(self.smoothing, "optim.length_lr.smoothing", ("ema", "window"))
         _one_of(self.reference, "optim.length_lr.reference", ("running_min", "lookback"))
         _check(0 < self.ema_alpha <= 1, "optim.length_lr.ema_alpha", "must be in (0, 1]")
@@ -244,6 +255,7 @@ class OptimConfig:
     length_lr: LengthLRConfig = field(default_factory=LengthLRConfig)  # decay on response-length surges
 
     def __post_init__(self) -> None:
+        _check_finite(self, "optim")
         _check(self.lr > 0, "optim.lr", "must be > 0")
         _check(0 <= self.min_lr <= self.lr, "optim.min_lr", "must be in [0, optim.lr]")
         _one_of(self.lr_schedule, "optim.lr_schedule", ("constant", "cosine"))
@@ -269,6 +281,7 @@ class VllmConfig:
     dvp_max_safe: int = 64
 
     def __post_init__(self) -> None:
+        _check_finite(self, "rollout.vllm")
         _check(self.tensor_parallel >= 1, "rollout.vllm.tensor_parallel", "must be >= 1")
         _check(0 < self.gpu_memory_utilization < 1, "rollout.vllm.gpu_memory_utilization", "must be in (0, 1)")
         _one_of(str(self.sleep_level), "rollout.vllm.sleep_level", ("0", "1", "2"))
@@ -295,6 +308,7 @@ class RolloutConfig:
     vllm: VllmConfig = field(default_factory=VllmConfig)
 
     def __post_init__(self) -> None:
+        _check_finite(self, "rollout")
         _one_of(self.engine, "rollout.engine", ("builtin", "vllm"))
         _one_of(self.dtype, "rollout.dtype", ("bf16", "fp32"))
         for name in ("prompts_per_step", "samples_per_prompt", "max_new_tokens"):
@@ -316,6 +330,7 @@ class RoutingConfig:
     replay_reference: bool = True
 
     def __post_init__(self) -> None:
+        _check_finite(self, "routing")
         _one_of(self.replay, "routing.replay", ("off", "r2", "r3"))
 
 
@@ -348,6 +363,7 @@ class CorrectionConfig:
     dvp_rule: str = "relative"  # relative: p >= threshold * max p | top_p: smallest set with mass >= threshold
 
     def __post_init__(self) -> None:
+        _check_finite(self, "correction")
         _one_of(self.mode, "correction.mode", ("decoupled", "bypass"))
         _one_of(self.bypass_loss, "correction.bypass_loss", ("ppo_clip", "reinforce"))
         _one_of(self.is_level, "correction.is_level", ("none", "token", "sequence", "geometric"))
@@ -365,8 +381,9 @@ class CorrectionConfig:
                "correction.is_level", "bypass ppo_clip applies no IS weight (the ratio already is one)")
         _check(bool(self.rs) == bool(self.rs_bounds), "correction.rs_bounds", "give bounds exactly when rs is set")
         if self.rs:
+            bounds = self.bounds  # a ConfigError naming correction.rs_bounds
             try:
-                parse_rs_spec(list(self.rs), self.bounds)
+                parse_rs_spec(list(self.rs), bounds)
             except (ValueError, TypeError) as e:
                 raise ConfigError(f"config key 'correction.rs': {e}") from None
 
@@ -374,10 +391,13 @@ class CorrectionConfig:
     def bounds(self) -> list:
         """rs_bounds as parse_rs_spec takes them: "lo_hi" -> (lo, hi), "x" -> x."""
         try:
-            return [tuple(float(v) for v in b.split("_")) if "_" in b else float(b) for b in self.rs_bounds]
+            parsed = [tuple(float(v) for v in b.split("_")) if "_" in b else float(b) for b in self.rs_bounds]
+            if not all(math.isfinite(v) for b in parsed for v in (b if isinstance(b, tuple) else (b,))):
+                raise ValueError
+            return parsed
         except ValueError:
-            raise ConfigError(f"config key 'correction.rs_bounds': {self.rs_bounds} are not numbers "
-                              f"('0.5_2.0' or '0.01')") from None
+            raise ConfigError(f"config key 'correction.rs_bounds': {self.rs_bounds} are not finite "
+                              f"numbers ('0.5_2.0' or '0.01')") from None
 
     @property
     def trm_on(self) -> bool:
@@ -392,8 +412,13 @@ class TaskConfig:
     max_len: int = 4
     dataset: str = ""  # JSONL prompt file; see moe_rl/tasks/dataset.py for the line format
     reward: str = "exact_match"
+    # a dataset prompt that leaves no room for rollout.max_new_tokens within model.max_seq_len:
+    # error (names file:line) | drop (skipped, with a warning giving the count)
+    overlong: str = "error"
 
     def __post_init__(self) -> None:
+        _check_finite(self, "task")
+        _one_of(self.overlong, "task.overlong", ("error", "drop"))
         _check(len(self.tasks) > 0 or bool(self.dataset), "task.tasks", "empty and no task.dataset")
         _check(1 <= self.min_len <= self.max_len, "task.min_len",
                f"need 1 <= task.min_len ({self.min_len}) <= task.max_len ({self.max_len})")
@@ -411,6 +436,7 @@ class AlgoConfig:
     micro_batch_size: int = 64  # sequences per forward/backward on one rank
 
     def __post_init__(self) -> None:
+        _check_finite(self, "algo")
         _one_of(self.advantage, "algo.advantage", ADVANTAGE_NAMES)
         _check(self.clip_low >= 0 and self.clip_high >= 0, "algo.clip_low", "clips must be >= 0")
         _one_of(self.kl_estimator, "algo.kl_estimator", ("k1", "k2", "k3"))
@@ -420,14 +446,35 @@ class AlgoConfig:
 
 
 @dataclass(frozen=True)
+class HealthConfig:
+    """Health alarms (moe_rl/health.py): a warning event in events.jsonl, the log and the report
+    when a condition holds for ``patience`` consecutive steps; never stops the run."""
+
+    enabled: bool = True
+    patience: int = 3  # consecutive steps a condition must hold
+    # policy entropy (train/entropy, nats per token) >= this fraction of ln(vocab_size): uniform
+    entropy_uniform_frac: float = 0.95
+    entropy_zero: float = 1e-3  # policy entropy <= this: collapsed onto one token per position
+    # and, always: every minibatch's gradient norm exactly 0 (train/grad_norm_max == 0)
+
+    def __post_init__(self) -> None:
+        _check_finite(self, "log.health")
+        _check(self.patience >= 1, "log.health.patience", "must be >= 1")
+        _check(0 < self.entropy_uniform_frac <= 1, "log.health.entropy_uniform_frac", "must be in (0, 1]")
+        _check(self.entropy_zero >= 0, "log.health.entropy_zero", "must be >= 0")
+
+
+@dataclass(frozen=True)
 class LogConfig:
     wandb_mode: str = "offline"  # offline | online | disabled
     wandb_project: str = "moe-rl"
     progress_bar: bool = True
     router_monitor: bool = True  # per-layer router-gradient monitor of the update passes
     router_margin_eps: float = 0.1  # Top-K margin under which a token counts as near the boundary
+    health: HealthConfig = field(default_factory=HealthConfig)  # entropy / gradient alarms
 
     def __post_init__(self) -> None:
+        _check_finite(self, "log")
         _one_of(self.wandb_mode, "log.wandb_mode", ("offline", "online", "disabled"))
 
 
@@ -453,6 +500,8 @@ class RunConfig:
         _check(self.steps >= 1, "steps", "must be >= 1")
         _check(self.checkpoint_every >= 0, "checkpoint_every", "must be >= 0")
         m, p, r = self.model, self.parallel, self.rollout
+        _check(r.max_new_tokens < m.max_seq_len, "rollout.max_new_tokens",
+               f"{r.max_new_tokens} leaves no room for a prompt within model.max_seq_len={m.max_seq_len}")
         _check(m.num_experts % p.expert_parallel == 0, "parallel.expert_parallel",
                f"{p.expert_parallel} does not divide model.num_experts {m.num_experts}")
         _check(m.num_query_groups % p.tensor_parallel == 0, "parallel.tensor_parallel",
@@ -566,42 +615,85 @@ def _check_vllm(cfg: RunConfig) -> None:
 
 def _override(base, item: str):
     """One ``key=value`` override. YAML 1.1 reads off/on/yes/no as booleans; a string-typed key
-    (``routing.replay=off``) keeps the text as typed instead of becoming 'False'."""
+    (``routing.replay=off``) keeps the text as typed instead of becoming 'False', and an empty value
+    (``init_weights=``, ``task.dataset=``) is the empty string, not None."""
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} is not of the form key=value")
     layer = OmegaConf.from_dotlist([item])
     key, raw = item.split("=", 1)
-    if isinstance(OmegaConf.select(base, key, default=None), str) and isinstance(OmegaConf.select(layer, key), bool):
-        OmegaConf.update(layer, key, raw)
+    if isinstance(OmegaConf.select(base, key, default=None), str):
+        if isinstance(OmegaConf.select(layer, key), bool) or raw.strip() == "":
+            OmegaConf.update(layer, key, raw.strip() if raw.strip() == "" else raw)
     return layer
 
 
+def _read_yaml(path: str | Path):
+    """A config file's top-level mapping; ConfigError naming the file (and line) otherwise."""
+    import yaml
+
+    p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"config file {path} is a directory; give a YAML file")
+    if not p.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        loaded = OmegaConf.load(p)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        lines = p.read_text(errors="replace").splitlines()
+        line = lines[mark.line] if mark is not None and mark.line < len(lines) else ""
+        tabs = " (a tab: indent YAML with spaces)" if "\t" in line[:mark.column + 1] else ""
+        raise ConfigError(f"{where}: YAML syntax error: {e.problem}{tabs}") from None
+    except (yaml.YAMLError, UnicodeDecodeError, OSError) as e:
+        raise ConfigError(f"{path}: cannot read the YAML config ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''})") from None
+    if loaded is None:
+        return {}
+    if not OmegaConf.is_dict(loaded):
+        raise ConfigError(f"{path}: the top level is a {type(OmegaConf.to_container(loaded)).__name__}, "
+                          f"expected a mapping of config keys (e.g. 'steps: 100')")
+    return loaded
+
+
+def _source_of(key: str | None, path: str | Path | None, overrides) -> str:
+    """Which input set ``key``: the last override of it, else the file, else the defaults."""
+    for item in reversed(list(overrides)):
+        if key is not None and item.split("=", 1)[0].strip() == key:
+            return f"override {item!r}"
+    return str(path) if path is not None else "defaults"
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    """Embedded defaults <- YAML file <- dotted overrides; validated, or ConfigError naming the key."""
-    base = OmegaConf.structured(RunConfig)
-    layers: list[Any] = [base]
+    """Embedded defaults <- YAML file <- dotted overrides; validated, or ConfigError naming the
+    file (and line) or the override that is wrong, and the key."""
+    merged = OmegaConf.structured(RunConfig)
     where = "defaults"
     try:
         if path is not None:
             where = str(path)
-            if not Path(path).is_file():
-                raise ConfigError(f"config file {path} does not exist")
-            loaded = OmegaConf.load(path)
-            layers.append(loaded if loaded is not None else {})
-        for item in overrides:
+            merged = OmegaConf.merge(merged, _read_yaml(path))
+        base = merged
+        for item in overrides:  # merged one at a time, so an error names its own override
             where = f"override {item!r}"
-            if "=" not in item:
-                raise ConfigError(f"override {item!r} is not of the form key=value")
-            layers.append(_override(base, item))
-        merged = OmegaConf.merge(*layers)
-        where = str(path) if path is not None else "defaults"
+            merged = OmegaConf.merge(merged, _override(base, item))
+        where = "validation"
         return OmegaConf.to_object(merged)  # type: ignore[return-value]
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None)
         first = str(e).splitlines()[0]
+        if where == "validation":
+            where = _source_of(key, path, overrides)
         raise ConfigError(f"{where}: config key '{key}': {first}") from None
     except ConfigError as e:
-        if str(e).startswith("config key") and where != "defaults":
-            raise ConfigError(f"{where}: {e}") from None
-        raise
+        if not str(e).startswith("config key"):
+            raise
+        if where == "validation":
+            key = str(e).split("'")[1]
+            where = _source_of(key, path, overrides)
+        if where == "defaults":
+            raise
+        raise ConfigError(f"{where}: {e}") from None
 
 
 def to_dict(cfg: RunConfig) -> dict[str, Any]:

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from moe_rl.config import ParallelConfig
+from moe_rl.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +113,7 @@ def init_distributed(par: ParallelConfig, seed: int) -> ParallelDims:
     if world != par.nproc:
         # Under an external torchrun the launcher decides the world size; the config must agree,
         # since batch splits and EP layout were validated against parallel.nproc.
-        raise ValueError(f"config key 'parallel.nproc' is {par.nproc} but the launcher started "
+        raise ConfigError(f"config key 'parallel.nproc' is {par.nproc} but the launcher started "
                          f"{world} ranks; set parallel.nproc={world}")
     ps.initialize_model_parallel(
         tensor_model_parallel_size=par.tensor_parallel,
@@ -126,10 +127,13 @@ def init_distributed(par: ParallelConfig, seed: int) -> ParallelDims:
     return ParallelDims.from_parallel_state()
 
 
-def shutdown() -> None:
+def shutdown(clean: bool = True) -> None:
+    """Tear the process groups down. ``clean=False`` (this rank raised): nothing collective, not
+    even a barrier, since a peer may be inside another collective or gone; the process is about
+    to exit and takes its groups with it."""
     from megatron.core import parallel_state as ps
 
-    if dist.is_initialized():
+    if dist.is_initialized() and clean:
         dist.barrier()
         ps.destroy_model_parallel()
         dist.destroy_process_group()

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from moe_rl.errors import CheckpointError, ConfigError
 from moe_rl.hf_checkpoint import write_hf_checkpoint
 
 log = logging.getLogger(__name__)
@@ -27,11 +28,11 @@ def checkpoint_dir(run_dir: Path, step: int | None) -> Path:
     if step is None:
         path = checkpoint.latest(root)
         if path is None:
-            raise FileNotFoundError(f"{root} has no complete checkpoint")
+            raise CheckpointError(f"{root} has no complete checkpoint")
         return path
     path = root / f"step_{step:06d}"
     if not (path / "trainer_state.json").is_file():
-        raise FileNotFoundError(f"{path} is not a complete checkpoint")
+        raise CheckpointError(f"{path} is not a complete checkpoint")
     return path
 
 
@@ -61,11 +62,13 @@ def _export_worker(cfg, ckpt: Path, out_dir: Path, max_shard_bytes: int) -> None
     dist.setup_logging(int(os.environ.get("RANK", "0")))
     megatron_patches.apply_all()
     ctx = dist.init_distributed(cfg.parallel, cfg.seed)
+    finished = False
     try:
         learner = Learner(cfg.model, cfg.parallel, cfg.optim, ctx, monitor=False)
         export_from_checkpoint(learner, ckpt, out_dir, max_shard_bytes)
+        finished = True
     finally:
-        dist.shutdown()
+        dist.shutdown(clean=finished)
 
 
 def export_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None,
@@ -77,10 +80,10 @@ def export_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     cfg = load_config(run_dir / "config.yaml")
     if cfg.model.vocab_size <= 0:
-        raise ValueError(f"{run_dir / 'config.yaml'}: model.vocab_size is not resolved")
+        raise ConfigError(f"{run_dir / 'config.yaml'}: model.vocab_size is not resolved")
     ckpt = checkpoint_dir(run_dir, step)
     if out_dir.exists():
-        raise FileExistsError(f"{out_dir} already exists; an HF export never overwrites")
+        raise CheckpointError(f"{out_dir} already exists; an HF export never overwrites")
     if under_torchrun():
         _export_worker(cfg, ckpt, out_dir, max_shard_bytes)
         return

@@ -32,11 +32,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from moe_rl.config import ARCH_FIELDS, ModelConfig
-from moe_rl.fsutil import fsync_path
+from moe_rl.fsutil import fsync_path, open_safetensors, read_json
+from moe_rl.errors import CheckpointError
 from moe_rl.rollout.builtin_model import canonical_param_shapes
 
 CONFIG = "config.json"
@@ -45,8 +45,6 @@ INDEX = "model.safetensors.index.json"
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-class CheckpointError(ValueError):
-    """A checkpoint is malformed, partial or not representable; the message names file and key."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -182,8 +180,10 @@ def load_hf_config(ckpt_dir: str | Path) -> dict[str, Any]:
     """ModelConfig fields from ``ckpt_dir/config.json``; CheckpointError names a refused key."""
     path = Path(ckpt_dir) / CONFIG
     if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist (an HF checkpoint directory has a config.json)")
-    hf = json.loads(path.read_text())
+        raise CheckpointError(f"{path} does not exist (an HF checkpoint directory has a config.json)")
+    hf = read_json(path)
+    if not isinstance(hf, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got a {type(hf).__name__}")
     try:
         return model_fields_from_hf(hf, path)
     except KeyError as e:
@@ -237,12 +237,15 @@ def _weight_map(ckpt_dir: Path) -> tuple[dict[str, str], Path]:
     """tensor name -> shard file name, and the file that says so (index or single file)."""
     index = ckpt_dir / INDEX
     if index.is_file():
-        return dict(json.loads(index.read_text())["weight_map"]), index
+        content = read_json(index)
+        if not isinstance(content, dict) or not isinstance(content.get("weight_map"), dict):
+            raise CheckpointError(f"{index}: no 'weight_map' object (tensor name -> shard file)")
+        return dict(content["weight_map"]), index
     single = ckpt_dir / SINGLE
     if single.is_file():
-        with safe_open(str(single), framework="pt") as f:
+        with open_safetensors(single) as f:
             return dict.fromkeys(f.keys(), SINGLE), single
-    raise FileNotFoundError(f"{ckpt_dir} has neither {INDEX} nor {SINGLE}")
+    raise CheckpointError(f"{ckpt_dir} has neither {INDEX} nor {SINGLE}")
 
 
 def read_hf_weights(ckpt_dir: str | Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -271,7 +274,7 @@ def read_hf_weights(ckpt_dir: str | Path, cfg: ModelConfig) -> dict[str, torch.T
         if not path.is_file():
             raise CheckpointError(f"{listed_in} lists shard {file} for tensor {names[0]!r}, but {path} "
                                   "does not exist")
-        with safe_open(str(path), framework="pt") as f:
+        with open_safetensors(path) as f:
             present = set(f.keys())
             for name in names:
                 if name not in present:
@@ -323,7 +326,7 @@ def write_hf_checkpoint(out_dir: str | Path, canonical: dict[str, torch.Tensor],
 
     out_dir = Path(out_dir)
     if out_dir.exists():
-        raise FileExistsError(f"{out_dir} already exists; an HF export never overwrites")
+        raise CheckpointError(f"{out_dir} already exists; an HF export never overwrites")
     names = hf_names(cfg)  # a stable, model-ordered layout; refuses what the family cannot hold
     check_canonical_weights(canonical, cfg)
     tensors = {name: canonical[k].detach().to(dtype or canonical[k].dtype).contiguous() for k, name in names.items()}

@@ -35,7 +35,7 @@ import torch
 
 from moe_rl.corrections.importance import is_weights, rejection_mask
 from moe_rl.metrics import Max, Mean, MetricValue, Min
-from moe_rl.ratios import kl_from_log_ratio, log_ratio
+from moe_rl.ratios import exact_log_ratio, kl_from_log_ratio, log_ratio
 
 
 def kl_estimate(logp_BS: torch.Tensor, ref_logp_BS: torch.Tensor, kind: str = "k3") -> torch.Tensor:
@@ -290,11 +290,12 @@ def bypass_loss(
                          "would double-count; set is_level=None")
     _check_normalizer(normalizer)
     lr_det_BS = log_ratio(logp_BS.detach(), rollout_logp_BS.detach())
+    exact_BS = exact_log_ratio(logp_BS.detach(), rollout_logp_BS.detach())  # clamped after any sum
     base_mask_BS = loss_mask_BS.bool()  # IS weights and RS statistics see every response token
     mask_BS = _apply_keep(base_mask_BS, keep)
     corr_metrics: dict[str, MetricValue] = {}
     if rs_options:
-        rs_keep_BS, corr_metrics = rejection_mask(lr_det_BS, base_mask_BS, rs_options, rs_bounds)
+        rs_keep_BS, corr_metrics = rejection_mask(exact_BS, base_mask_BS, rs_options, rs_bounds)
         mask_BS = mask_BS & rs_keep_BS
     if mode == "ppo_clip":
         loss, metrics = ppo_clip_loss(logp_BS, rollout_logp_BS, advantages_BS, mask_BS,
@@ -304,7 +305,7 @@ def bypass_loss(
         return loss, {**corr_metrics, **metrics}
     w_BS = torch.ones_like(lr_det_BS)
     if is_level is not None:
-        w_BS, is_metrics = is_weights(lr_det_BS, base_mask_BS, is_level, is_clip_max)
+        w_BS, is_metrics = is_weights(exact_BS, base_mask_BS, is_level, is_clip_max)
         corr_metrics.update(is_metrics)
     maskf_BS = mask_BS.to(logp_BS.dtype)
     adv_BS = advantages_BS.detach().to(logp_BS.dtype)

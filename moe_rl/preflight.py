@@ -4,15 +4,23 @@ Checked when a run starts (``moe_rl.trainer.preflight``, before any rank starts)
 config loads, so a recipe for a GPU cluster still loads and prints on a laptop. The checks live
 with what they check (``learner/te_spec.py``, ``rollout/vllm_engine.py``); this module sits above
 them and ``moe_rl.config``, which imports nothing from the package.
+
+Also the run directory (``check_run_dir``: a directory or absent, not taken by another run; on
+resume the saved config agrees on the checkpoint's shape and layout, ``check_resume``) and the
+prompt budget (``prompt_limit``), all before any rank starts (issue 14).
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 
-from moe_rl.config import ConfigError, RunConfig
+from moe_rl.config import ARCH_FIELDS, RunConfig, load_config, to_dict
+from moe_rl.errors import CheckpointError, ConfigError, RunDirError
+from moe_rl.fsutil import read_json
+from moe_rl.learner import checkpoint
 
 
 def check_launch(cfg: RunConfig) -> None:
@@ -55,3 +63,65 @@ def check_devices(cfg: RunConfig, num_gpus: int) -> None:
         what = f"the launcher starts {local} ranks on this node" if external else f"{local} local ranks"
         raise ConfigError(f"config key 'parallel.nproc': {what} but this machine has {num_gpus} GPU(s): "
                           "one rank per GPU")
+
+
+# Fields a resumed run must share with the run it continues: the checkpoint's tensor shapes and
+# sharding depend on them (the tokenizer enters through model.vocab_size).
+RESUME_FIELDS = tuple(f"model.{k}" for k in ARCH_FIELDS) + (
+    "model.precision", "parallel.nproc", "parallel.tensor_parallel", "parallel.pipeline_parallel",
+    "parallel.expert_parallel", "parallel.distributed_optimizer")
+
+
+def check_run_dir(cfg: RunConfig) -> None:
+    """``run_dir`` is a directory or absent (and can be created); without ``resume`` it holds no
+    run; with it, ``check_resume``. RunDirError / CheckpointError name the key and what to do."""
+    run_dir = Path(cfg.run_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise RunDirError(f"config key 'run_dir': {run_dir} is a file, not a directory; "
+                          f"give a new or existing run directory")
+    ancestor = run_dir.absolute()
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise RunDirError(f"config key 'run_dir': {ancestor} is a file, so {run_dir} cannot be created")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise RunDirError(f"config key 'run_dir': {ancestor} is not writable")
+    if cfg.resume:
+        check_resume(cfg)
+    elif any((run_dir / name).exists() for name in ("metrics.jsonl", "config.yaml", "checkpoints")):
+        raise RunDirError(f"config key 'run_dir': {run_dir} already holds a run; pass resume=true to "
+                          f"continue it, or another run_dir=")
+
+
+def check_resume(cfg: RunConfig) -> None:
+    """``resume=true``: a complete checkpoint exists, the run's saved config.yaml agrees on every
+    ``RESUME_FIELDS`` field, and ``steps`` goes past the checkpoint."""
+    run_dir = Path(cfg.run_dir)
+    latest = checkpoint.latest(run_dir / "checkpoints")
+    if latest is None:
+        raise RunDirError(f"resume=true but {run_dir}/checkpoints has no checkpoint; drop resume=true "
+                          f"to start a new run")
+    saved_path = run_dir / "config.yaml"
+    if not saved_path.is_file():
+        raise RunDirError(f"resume=true but {saved_path} is missing, so the checkpoint's model and "
+                          f"layout are unknown")
+    saved = to_dict(load_config(saved_path))
+    new = to_dict(cfg)
+    for key in RESUME_FIELDS:
+        section, name = key.split(".")
+        was, now = saved[section][name], new[section][name]
+        if was != now:
+            raise CheckpointError(f"resume=true: {key}={now} but the run in {run_dir} was made with "
+                                  f"{key}={was} ({saved_path}); a checkpoint cannot change it: use "
+                                  f"{key}={was} or a new run_dir=")
+    step = int(read_json(latest / "trainer_state.json")["step"])
+    if cfg.steps <= step:
+        raise ConfigError(f"config key 'steps': {cfg.steps}, but the run in {run_dir} is at step {step} "
+                          f"({latest.name}); pass steps > {step} to train on")
+
+
+def prompt_limit(cfg: RunConfig) -> tuple[int, str]:
+    """The longest prompt (bos included) that leaves room for ``rollout.max_new_tokens`` within
+    ``model.max_seq_len``, and the keys that say so."""
+    m, r = cfg.model.max_seq_len, cfg.rollout.max_new_tokens
+    return m - r, f"model.max_seq_len={m} minus rollout.max_new_tokens={r}"

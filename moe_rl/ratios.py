@@ -20,6 +20,13 @@ def log_ratio(num_logp_BS: torch.Tensor, den_logp_BS: torch.Tensor) -> torch.Ten
     return (num_logp_BS - den_logp_BS).clamp(-SAFETY_BOUND, SAFETY_BOUND)
 
 
+def exact_log_ratio(num_logp_BS: torch.Tensor, den_logp_BS: torch.Tensor) -> torch.Tensor:
+    """log(p_num / p_den) = num - den per token, NOT clamped: for statistics that sum or average
+    over a sequence (sequence / geometric IS weights, seq k1 rejection, chi^2_seq), which clamp the
+    aggregate instead. Clamping +30 and -29.5 first would give a sum of -9.5 instead of 0.5."""
+    return num_logp_BS - den_logp_BS
+
+
 def kl_from_log_ratio(log_ratio_BS: torch.Tensor, kind: str = "k3") -> torch.Tensor:
     """Per-sample estimators of KL(p || q) from log r = log(q / p), for samples drawn from p.
 

@@ -19,7 +19,7 @@ from moe_rl.corrections.importance import is_batch_mean_parts, is_weights, rejec
 from moe_rl.corrections.dvp import RestrictedLogprobs, dvp_metrics, restricted_logprobs
 from moe_rl.corrections.trm import sample_kl_tokens, trm_mask
 from moe_rl.losses import bypass_loss, decoupled_ppo_loss
-from moe_rl.ratios import log_ratio
+from moe_rl.ratios import exact_log_ratio, log_ratio
 from moe_rl.types import RolloutBatch, TokenStats, TrainBatch
 
 
@@ -104,7 +104,7 @@ def prepare(cc: CorrectionConfig, old_logp_BS: torch.Tensor, rollout_logp_BS: to
     is_weights_BS = None
     if cc.mode != "decoupled":
         return CorrectionTensors(None, None), metrics
-    lr_BS = log_ratio(old_logp_BS, rollout_logp_BS)
+    lr_BS = exact_log_ratio(old_logp_BS, rollout_logp_BS)  # is_weights / rejection_mask clamp after summing
     if cc.is_level != "none":
         norm_mean = None
         if cc.is_batch_normalize:  # the global mean, so every rank divides by the same number

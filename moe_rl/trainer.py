@@ -12,12 +12,14 @@ from tqdm import tqdm
 from moe_rl.checkpointing import CheckpointManager
 from moe_rl.config import RunConfig, to_dict, to_yaml
 from moe_rl.dist import ParallelDims
-from moe_rl.learner import checkpoint
+from moe_rl.health import HealthMonitor
 from moe_rl.learner.learner import Learner
 from moe_rl.lr import LengthLRScheduler
 from moe_rl.metrics import MetricsWriter, reduce_metrics
 from moe_rl.policy_update import finalize, learning_rate, update
-from moe_rl.preflight import check_launch
+from moe_rl.errors import ConfigError
+from moe_rl.preflight import check_launch, prompt_limit
+from moe_rl.preflight import check_run_dir as check_run_directory
 from moe_rl.prepare import prepare, response_ids, rollout_metrics
 from moe_rl.rollout.factory import build_engine, sampling_params
 from moe_rl.routing.plan import ReplayPlan
@@ -32,7 +34,7 @@ log = logging.getLogger(__name__)
 def resolve(cfg: RunConfig, tok: CharTokenizer) -> RunConfig:
     """Fill values derived from other parts (the vocabulary size from the tokenizer)."""
     if cfg.model.vocab_size not in (0, tok.vocab_size):
-        raise ValueError(f"config key 'model.vocab_size' is {cfg.model.vocab_size} but the "
+        raise ConfigError(f"config key 'model.vocab_size' is {cfg.model.vocab_size} but the "
                          f"tokenizer has {tok.vocab_size} tokens")
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=tok.vocab_size))
 
@@ -45,18 +47,18 @@ def preflight(cfg: RunConfig, check_run_dir: bool = True) -> RunConfig:
     tok = CharTokenizer()
     cfg = resolve(cfg, tok)
     check_launch(cfg)  # CUDA / Transformer Engine / vLLM where the config asks for them
-    t = cfg.task
-    build_prompt_source(t.tasks, t.min_len, t.max_len, t.dataset, t.reward, tok)  # reads the dataset
+    if check_run_dir:
+        check_run_directory(cfg)  # a directory or absent; not taken; on resume: same model, layout, steps
+    prompt_source(cfg, tok)  # reads the dataset; every prompt fits model.max_seq_len
     load_init_weights(cfg.init_weights, cfg.model, tok)  # checks names, shapes, architecture
-    run_dir = Path(cfg.run_dir)
-    if not check_run_dir:
-        return cfg
-    if cfg.resume:
-        if checkpoint.latest(run_dir / "checkpoints") is None:
-            raise FileNotFoundError(f"resume=true but {run_dir}/checkpoints has no checkpoint")
-    elif (run_dir / "metrics.jsonl").exists():
-        raise FileExistsError(f"{run_dir} already holds a run; pass resume=true or another run_dir=")
     return cfg
+
+
+def prompt_source(cfg: RunConfig, tok: CharTokenizer):
+    t = cfg.task
+    limit, why = prompt_limit(cfg)
+    return build_prompt_source(t.tasks, t.min_len, t.max_len, t.dataset, t.reward, tok,
+                               max_prompt_tokens=limit, overlong=t.overlong, why=why)
 
 
 def progress(cfg: RunConfig, start: int, dims: ParallelDims) -> tqdm:
@@ -67,9 +69,9 @@ def progress(cfg: RunConfig, start: int, dims: ParallelDims) -> tqdm:
 def train(cfg: RunConfig, dims: ParallelDims) -> None:
     tok = CharTokenizer()
     cfg = resolve(cfg, tok)
-    run_dir, t, r, a = Path(cfg.run_dir), cfg.task, cfg.rollout, cfg.algo
+    run_dir, r, a = Path(cfg.run_dir), cfg.rollout, cfg.algo
     plan = ReplayPlan.from_config(cfg.routing.replay, cfg.routing.replay_reference, cfg.log.router_monitor)
-    source = build_prompt_source(t.tasks, t.min_len, t.max_len, t.dataset, t.reward, tok)
+    source = prompt_source(cfg, tok)
     init = load_init_weights(cfg.init_weights, cfg.model, tok)
     learner = Learner(cfg.model, cfg.parallel, cfg.optim, dims, init, with_reference=a.kl_coef > 0,
                       monitor=cfg.log.router_monitor, monitor_margin_eps=cfg.log.router_margin_eps)
@@ -83,6 +85,7 @@ def train(cfg: RunConfig, dims: ParallelDims) -> None:
     writer = MetricsWriter(run_dir, to_dict(cfg), cfg.log.wandb_mode, cfg.log.wandb_project,
                            dims.rank, resume_step=start if cfg.resume else None)
     bar, sampling = progress(cfg, start, dims), sampling_params(cfg, (tok.eos_id,))
+    health = HealthMonitor(cfg.log.health, cfg.model.vocab_size, active=dims.is_main)
     for step in range(start, cfg.steps):
         timer = StepTimer()
         with timer.phase("rollout"):
@@ -103,7 +106,7 @@ def train(cfg: RunConfig, dims: ParallelDims) -> None:
         metrics = finalize(reduce_metrics({**m_reward, **m_old, **m_update, **m_lr, **rollout_metrics(batch),
                                            **timer.metrics(), **memory_metrics(learner.device)}, group=dims.dp_group))
         writer.log(step, metrics)
-        writer.log_events(events)
+        writer.log_events(events + health.observe(step, metrics))  # LR decays, health alarms
         bar.update(1)
         bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", step_s=f"{metrics['time/step_s']:.2f}")
         if ckpt.due(step):

@@ -16,9 +16,11 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from moe_rl.config import ARCH_FIELDS, ModelConfig
+from moe_rl.errors import CheckpointError, ConfigError
+from moe_rl.fsutil import open_safetensors
 from moe_rl.rollout.builtin_model import check_canonical_weights
 from moe_rl.tasks import CharTokenizer
 
@@ -45,27 +47,31 @@ def load_init_weights(spec: str, model: ModelConfig, tok: CharTokenizer) -> dict
 
         ckpt = Path(spec[len(HF_PREFIX):])
         if not ckpt.is_dir():
-            raise FileNotFoundError(f"config key 'init_weights': {ckpt} is not a directory")
+            raise ConfigError(f"config key 'init_weights': {ckpt} is not a directory")
         return load_hf_checkpoint(ckpt, model)
     path = builtin_path() if spec == BUILTIN else Path(spec)
     if not path.is_file():
-        raise FileNotFoundError(f"config key 'init_weights': {path} does not exist")
-    with safe_open(str(path), framework="pt") as f:
+        what = "is a directory (a HF checkpoint directory is given as hf:DIR)" if path.is_dir() else "does not exist"
+        raise ConfigError(f"config key 'init_weights': {path} {what}")
+    with open_safetensors(path, "config key 'init_weights': ") as f:
         meta = f.metadata() or {}
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
     if "model" in meta:
-        made_for = json.loads(meta["model"])
+        try:
+            made_for = json.loads(meta["model"])
+        except json.JSONDecodeError:
+            raise CheckpointError(f"init_weights {path}: its 'model' metadata is not JSON") from None
         for key in ARCH_FIELDS:
             if made_for.get(key) != getattr(model, key):
-                raise ValueError(f"init_weights {path} was made for model.{key}={made_for.get(key)}, "
-                                 f"but the config has model.{key}={getattr(model, key)}")
+                raise CheckpointError(f"init_weights {path} was made for model.{key}={made_for.get(key)}, "
+                                      f"but the config has model.{key}={getattr(model, key)}")
     if "tokenizer" in meta and meta["tokenizer"] != tok.fingerprint():
-        raise ValueError(f"init_weights {path} was made for another tokenizer "
-                         f"(fingerprint {meta['tokenizer']}, ours {tok.fingerprint()})")
-    tensors = load_file(str(path))
+        raise CheckpointError(f"init_weights {path} was made for another tokenizer "
+                              f"(fingerprint {meta['tokenizer']}, ours {tok.fingerprint()})")
     try:
         check_canonical_weights(tensors, model)
     except ValueError as e:
-        raise ValueError(f"init_weights {path}: {e}") from None
+        raise CheckpointError(f"init_weights {path}: {e}") from None
     return {k: v.float() for k, v in tensors.items()}
 
 

@@ -1,4 +1,4 @@
-"""Test tiers by marker (unit / dist / e2e / gpu); gpu tests skip without CUDA.
+"""Test tiers by marker (unit / dist / e2e / gpu / bad_input); gpu tests skip without CUDA.
 
 wandb writes offline under a temporary directory so tests never touch HOME or the network."""
 
@@ -17,7 +17,7 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 
 
-TIERS = ("unit", "dist", "e2e", "device", "gpu")
+TIERS = ("unit", "dist", "e2e", "device", "gpu", "bad_input")
 
 
 def pytest_collection_modifyitems(config, items):

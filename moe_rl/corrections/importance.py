@@ -16,12 +16,18 @@ where pi_train is pi_old in decoupled mode and pi_theta in bypass mode. A k1 opt
 where stat is the token value, the sum (rho_stat = rho(y)) or the mean (rho_stat = rho_geo). A bare
 float U means (1/U, U). NOTE verl: its k1 statistic is -log rho and it keeps log L <= k1 <= log U,
 which constrains pi_rollout / pi_train to [L, U], i.e. rho to [1/U, 1/L]. The two agree for
-reciprocal pairs (0.5_2.0, 0.999_1.001) and are mirrored for asymmetric ones (verl's "0.6_1.6"
-keeps rho in [0.625, 1.667]; ours keeps rho in [0.6, 1.6]). k2 / k3 options take one upper bound.
+reciprocal pairs such as 0.5_2.0 (1/0.5 = 2) and are mirrored for asymmetric ones (verl's
+"0.6_1.6" keeps rho in [0.625, 1.667]; ours keeps rho in [0.6, 1.6]). 0.999_1.001 is not a
+reciprocal pair (1/1.001 = 0.999000999...): verl keeps rho in [0.999000999..., 1.001001...], ours
+in [0.999, 1.001], a difference below 1e-6 at either end. k2 / k3 options take one upper bound.
 
-Per-token statistics, from lr = clamp(log rho, +-20) (``SAFETY_BOUND``), all estimating
-KL(pi_rollout || pi_train) for tokens sampled from pi_rollout: k1 = -lr, k2 = lr^2 / 2,
-k3 = e^lr - 1 - lr (``moe_rl.ratios.kl_from_log_ratio``).
+Clamping (``SAFETY_BOUND`` = 20) happens where the math allows, after any aggregation, so the
+statistics are exact for any finite input whose result is within the bound: a token weight clamps
+its own log rho; a sequence weight clamps sum_t log rho_t and a geometric weight mean_t log rho_t
+(not each term: +30 and -29.5 sum to 0.5); k1 rejection aggregates the exact log rho; chi^2_seq
+clamps the sum. The per-token k2 = lr^2 / 2 and k3 = e^lr - 1 - lr (``moe_rl.ratios.
+kl_from_log_ratio``; estimators of KL(pi_rollout || pi_train) for tokens sampled from pi_rollout)
+use lr = clamp(log rho, +-20) so e^lr stays finite.
 
 Sequences with no response token count in no sequence-level statistic.
 """
@@ -36,7 +42,7 @@ import torch
 from moe_rl.config import Bound, parse_rs_spec
 from moe_rl.corrections._masked import inf_like, masked_max, masked_mean, masked_min, seq_valid, stats
 from moe_rl.metrics import MetricValue
-from moe_rl.ratios import SAFETY_BOUND, kl_from_log_ratio, log_ratio
+from moe_rl.ratios import SAFETY_BOUND, exact_log_ratio, kl_from_log_ratio, log_ratio
 from moe_rl.registry import Registry
 
 __all__ = [
@@ -58,24 +64,29 @@ LogWeightFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 IS_LEVELS: Registry[LogWeightFn] = Registry("IS weight level")
 
 
+def _masked_sum(lr_BS: torch.Tensor, maskf_BS: torch.Tensor) -> torch.Tensor:
+    """sum_t log rho_t over response tokens, [B, 1] (padding may hold anything, even inf)."""
+    return torch.where(maskf_BS > 0, lr_BS, torch.zeros_like(lr_BS)).sum(-1, keepdim=True)
+
+
 @IS_LEVELS.register("token")
 def _token_log_weight(lr_BS: torch.Tensor, maskf_BS: torch.Tensor) -> torch.Tensor:
-    """log w_t = log rho_t."""
-    return lr_BS
+    """log w_t = clamp(log rho_t, +-20)."""
+    return lr_BS.clamp(-SAFETY_BOUND, SAFETY_BOUND)
 
 
 @IS_LEVELS.register("sequence")
 def _sequence_log_weight(lr_BS: torch.Tensor, maskf_BS: torch.Tensor) -> torch.Tensor:
-    """log w = clamp(sum_t log rho_t, +-20), broadcast to the sequence's tokens."""
-    total_B1 = (lr_BS * maskf_BS).sum(-1, keepdim=True).clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    """log w = clamp(sum_t log rho_t, +-20) of the exact token terms, broadcast to the tokens."""
+    total_B1 = _masked_sum(lr_BS, maskf_BS).clamp(-SAFETY_BOUND, SAFETY_BOUND)
     return total_B1.expand_as(lr_BS)
 
 
 @IS_LEVELS.register("geometric")
 def _geometric_log_weight(lr_BS: torch.Tensor, maskf_BS: torch.Tensor) -> torch.Tensor:
-    """log w = mean_t log rho_t (log of rho_geo = rho(y)^(1/T)), broadcast."""
-    mean_B1 = (lr_BS * maskf_BS).sum(-1, keepdim=True) / maskf_BS.sum(-1, keepdim=True).clamp(min=1)
-    return mean_B1.expand_as(lr_BS)
+    """log w = clamp(mean_t log rho_t, +-20) (log of rho_geo = rho(y)^(1/T)), broadcast."""
+    mean_B1 = _masked_sum(lr_BS, maskf_BS) / maskf_BS.sum(-1, keepdim=True).clamp(min=1)
+    return mean_B1.clamp(-SAFETY_BOUND, SAFETY_BOUND).expand_as(lr_BS)
 
 
 def is_batch_mean_parts(weights_BS: torch.Tensor, mask_BS: torch.Tensor,
@@ -107,16 +118,18 @@ def is_weights(
 ) -> tuple[torch.Tensor, dict[str, MetricValue]]:
     """Truncated importance weights w = min(rho_level, clip_max) (math.md 2.2), detached.
 
-    Levels (``IS_LEVELS``): "token" rho_t; "sequence" rho(y) = exp(clamp(sum_t log rho_t, +-20));
-    "geometric" rho_geo = exp(mean_t log rho_t); sequence levels broadcast to every token.
+    Levels (``IS_LEVELS``): "token" rho_t = exp(clamp(log rho_t, +-20)); "sequence"
+    rho(y) = exp(clamp(sum_t log rho_t, +-20)); "geometric" rho_geo = exp(clamp(mean_t log rho_t,
+    +-20)); the sum and mean are of the exact token terms (module docstring); sequence levels
+    broadcast to every token.
     Truncation is one-sided (no lower clamp); 1/clip_max is used only in the metrics. Weights are
     0 on padding. With ``batch_normalize`` the truncated weights are divided by their batch mean
     (tokens for "token", sequences otherwise): the local mean, or ``norm_mean`` when the caller
     passes the global one (see ``is_batch_mean_parts``).
 
     Args:
-        log_ratio_BS: float [B, S] log rho = log pi_train - log pi_rollout (``log_ratio``);
-            detached and clamped to +-20 here.
+        log_ratio_BS: float [B, S] log rho = log pi_train - log pi_rollout, unclamped
+            (``exact_log_ratio``; a per-token clamped input gives clamped-term sums); detached here.
         mask_BS: bool or 0/1 [B, S] response tokens.
         level: "token" | "sequence" | "geometric".
         clip_max: truncation C > 0; None = no truncation (plain IS).
@@ -131,10 +144,10 @@ def is_weights(
     """
     if clip_max is not None and not clip_max > 0:
         raise ValueError(f"clip_max must be > 0 or None, got {clip_max}")
-    lr_BS = log_ratio_BS.detach().clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    lr_BS = log_ratio_BS.detach()
     mask_BS = mask_BS.bool()
     maskf_BS = mask_BS.to(lr_BS.dtype)
-    log_w_BS = IS_LEVELS.lookup(level)(lr_BS, maskf_BS)
+    log_w_BS = torch.where(mask_BS, IS_LEVELS.lookup(level)(lr_BS, maskf_BS), torch.zeros_like(lr_BS))
     w_BS = torch.exp(log_w_BS)
     if clip_max is not None:
         w_BS = w_BS.clamp(max=clip_max)
@@ -208,7 +221,9 @@ def rejection_mask(
     agg(k) <= upper.
 
     Args:
-        log_ratio_BS: float [B, S] log rho = log pi_train - log pi_rollout; detached, clamped +-20.
+        log_ratio_BS: float [B, S] log rho = log pi_train - log pi_rollout, unclamped
+            (``exact_log_ratio``); detached here. k1 aggregates it exactly; k2 / k3 are computed
+            per token from its +-20 clamp.
         mask_BS: bool or 0/1 [B, S] response tokens.
         options, bounds: see ``parse_rs_spec``.
     Returns:
@@ -219,13 +234,14 @@ def rejection_mask(
         ``corr/rs_masked_fraction`` and ``corr/rs_seq_masked_fraction``.
     """
     specs = parse_rs_spec(options, bounds)
-    lr_BS = log_ratio_BS.detach().clamp(-SAFETY_BOUND, SAFETY_BOUND).to(torch.float64)
     mask_BS = mask_BS.bool()
+    exact_BS = torch.where(mask_BS, log_ratio_BS.detach().to(torch.float64), 0.0)
+    lr_BS = exact_BS.clamp(-SAFETY_BOUND, SAFETY_BOUND)
     valid_B = seq_valid(mask_BS)
     keep_BS = mask_BS.clone()
     metrics: dict[str, MetricValue] = {}
     for option, (agg, kind, lo, hi) in zip(options, specs):
-        k_BS = kl_from_log_ratio(lr_BS, kind)
+        k_BS = kl_from_log_ratio(exact_BS if kind == "k1" else lr_BS, kind)
         stat = RS_AGGREGATIONS[agg](k_BS, mask_BS)  # [B, S] for "token", else [B]
         test = -stat if kind == "k1" else stat       # k1 bounds act on agg(log rho) = -agg(k1)
         opt_keep = (test >= lo) & (test <= hi)
@@ -263,7 +279,7 @@ def offpolicy_metrics(train_logp_BS: torch.Tensor, rollout_logp_BS: torch.Tensor
         (all exactly reducible across ranks):
         ``corr/k1_kl`` mean(log pi_rollout - log pi_train) (verl ``kl``; may be negative),
         ``corr/k3_kl`` mean(rho - 1 - log rho), ``corr/chi2_token`` mean(rho^2) - 1,
-        ``corr/chi2_seq`` mean_seq exp(2 clamp(sum_t log rho_t, +-20)) - 1,
+        ``corr/chi2_seq`` mean_seq exp(2 clamp(sum_t log rho_t, +-20)) - 1 (the exact sum),
         ``corr/{training,rollout}_log_ppl`` mean_seq(-mean_t log pi),
         ``corr/{training,rollout}_ppl`` mean_seq exp(-mean_t log pi),
         ``corr/log_ppl_diff`` mean_seq(mean_t log pi_rollout - mean_t log pi_train) and its
@@ -274,13 +290,14 @@ def offpolicy_metrics(train_logp_BS: torch.Tensor, rollout_logp_BS: torch.Tensor
     mask_BS = mask_BS.bool()
     maskf_BS = mask_BS.to(f64)
     train_BS, roll_BS = train_logp_BS.detach().to(f64), rollout_logp_BS.detach().to(f64)
-    lr_BS = log_ratio(train_BS, roll_BS)
+    exact_BS = torch.where(mask_BS, exact_log_ratio(train_BS, roll_BS), 0.0)
+    lr_BS = exact_BS.clamp(-SAFETY_BOUND, SAFETY_BOUND)
     valid_B = seq_valid(mask_BS)
     len_B = maskf_BS.sum(-1).clamp(min=1)
     train_mean_B = (train_BS * maskf_BS).sum(-1) / len_B
     roll_mean_B = (roll_BS * maskf_BS).sum(-1) / len_B
     diff_B = roll_mean_B - train_mean_B
-    seq_lr_B = (lr_BS * maskf_BS).sum(-1).clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    seq_lr_B = exact_BS.sum(-1).clamp(-SAFETY_BOUND, SAFETY_BOUND)  # the exact sum, then the clamp
     return {
         "corr/k1_kl": masked_mean(kl_from_log_ratio(lr_BS, "k1"), mask_BS),
         "corr/k3_kl": masked_mean(kl_from_log_ratio(lr_BS, "k3"), mask_BS),

@@ -20,6 +20,7 @@ from typing import Any
 import torch.distributed as dist
 
 from moe_rl.dist import barrier
+from moe_rl.errors import CheckpointError
 from moe_rl.fsutil import fsync_path
 from moe_rl.learner.setup import OPTIM_CKPT_METADATA
 
@@ -88,7 +89,8 @@ def latest(ckpt_root: Path) -> Path | None:
         return None
     path = Path(ckpt_root) / ptr.read_text().strip()
     if not (path / "trainer_state.json").is_file():
-        raise FileNotFoundError(f"{ptr} names {path.name}, which is not a complete checkpoint")
+        raise CheckpointError(f"{ptr} names {path.name}, which is not a complete checkpoint; point it at "
+                              f"a complete step_N directory")
     return path
 
 

@@ -9,6 +9,7 @@ Shape suffixes: T logged steps, L MoE layers.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -17,7 +18,8 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from moe_rl.metrics import METRICS_FILE, read_metrics
+from moe_rl.errors import UserError
+from moe_rl.metrics import EVENTS_FILE, METRICS_FILE, read_metrics
 
 _LAYER_KEY = re.compile(r"^router_grad/zero_frac/layer(\d+)$")
 
@@ -58,7 +60,7 @@ THRESHOLDS = {
 WINDOW = 100  # verdicts look at the last WINDOW logged steps
 
 
-class ReportError(ValueError):
+class ReportError(UserError):
     """A run directory that cannot be reported on; the message names the path."""
 
 
@@ -132,7 +134,24 @@ def load_run(path: str | Path) -> Run:
     if not config_text:
         warnings.append(f"{cfg_path} is missing: the report cannot show the run's config")
     config = yaml.safe_load(config_text) or {}
+    warnings += health_warnings(run_dir / EVENTS_FILE)
     return Run(run_dir, records, warnings, config, config_text)
+
+
+def health_warnings(events_path: Path) -> list[str]:
+    """The run's health alarms (moe_rl/health.py) from events.jsonl, one warning line each."""
+    if not events_path.is_file():
+        return []
+    out = []
+    for line in events_path.read_text().splitlines():
+        try:
+            ev = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut by a kill mid-write
+        if isinstance(ev, dict) and ev.get("event") == "health":
+            out.append(f"{events_path.parent.name}: health alarm {ev.get('alarm')} at step {ev.get('step')}: "
+                       f"{ev.get('cause')}")
+    return out
 
 
 def _window(x_T: np.ndarray, window: int = WINDOW) -> np.ndarray:

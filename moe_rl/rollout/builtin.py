@@ -32,6 +32,7 @@ import torch
 
 from moe_rl.config import ModelConfig
 from moe_rl.corrections.dvp import safe_set
+from moe_rl.errors import RouteError
 from moe_rl.routing.record import route_dtype
 from moe_rl.rollout.builtin_model import DTYPES, BuiltinMoEModel, KVCache, RouterNoise
 from moe_rl.types import RolloutBatch, SamplingParams
@@ -94,6 +95,18 @@ def sample_next(logits_BV: torch.Tensor, temperature: float, top_k: int, top_p: 
 # --------------------------------------------------------------------------------------------
 # The engine
 # --------------------------------------------------------------------------------------------
+
+def _to_route_dtype(routes_BSLK: torch.Tensor, shift_B: torch.Tensor, cfg: ModelConfig,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """The engine's int32 expert ids in the record dtype; an id outside [0, E) is a RouteError
+    naming sample, layer and row (token position) and the value, never wrapped by the cast."""
+    bad_BSLK = (routes_BSLK < 0) | (routes_BSLK >= cfg.num_experts)
+    if bool(bad_BSLK.any()):
+        b, s, l, k = (int(x) for x in bad_BSLK.nonzero()[0])
+        raise RouteError(f"sample {b}, layer {cfg.moe_layers[l]}, row {s - int(shift_B[b])}: built-in engine "
+                         f"expert id {int(routes_BSLK[b, s, l, k])} outside [0, {cfg.num_experts})")
+    return routes_BSLK.to(dtype)
+
 
 @dataclass
 class _Rollout:
@@ -284,7 +297,7 @@ class BuiltinEngine:
         response_mask_BS = in_seq_BS & (s_S[None, :] >= st.prompt_lens_B[:, None])
         tokens_BS = torch.where(in_seq_BS, tokens_int.gather(1, src_BS), self.pad_id)
         logprobs_BS = torch.where(response_mask_BS, logprobs_int.gather(1, src_BS), 0.0)
-        routes_all = st.routes_BSLK.to(self.route_dtype)
+        routes_all = _to_route_dtype(st.routes_BSLK, shift_B, self.cfg, self.route_dtype)
         starts, totals = shift_B.tolist(), total_B.tolist()
         routes = [routes_all[b, starts[b]:starts[b] + totals[b] - 1].clone() for b in range(B)]
         return RolloutBatch(

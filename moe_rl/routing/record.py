@@ -29,10 +29,9 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from moe_rl.config import ARCH_FIELDS, ModelConfig
+from moe_rl.errors import RouteError
 
 
-class RouteError(ValueError):
-    """A route record is malformed; the message names sample, layer and row."""
 
 
 def route_dtype(num_experts: int) -> torch.dtype:
@@ -118,9 +117,19 @@ class RouteBatch:
         if not records:
             raise ValueError("no route records")
         header = records[0].header
+        L, K = len(header.layer_ids), header.top_k
         for b, r in enumerate(records):
             if r.header != header:
                 raise RouteError(f"sample {b}: route header {r.header} differs from sample 0's {header}")
+            ids = r.ids_TLK
+            if not isinstance(ids, torch.Tensor):
+                raise RouteError(f"sample {b}: route ids are a {type(ids).__name__}, expected a torch.Tensor")
+            if ids.dtype != header.dtype:
+                raise RouteError(f"sample {b}: route dtype {ids.dtype}, expected {header.dtype} for "
+                                 f"{header.num_experts} experts (nothing is cast)")
+            if ids.dim() != 3 or tuple(ids.shape[1:]) != (L, K):
+                raise RouteError(f"sample {b}: route shape {tuple(ids.shape)}, expected [rows, {L} MoE layers, "
+                                 f"{K}] (MoE layers {list(header.layer_ids)})")
         return cls(torch.cat([r.ids_TLK for r in records]),
                    torch.tensor([r.num_rows for r in records], dtype=torch.int64),
                    torch.tensor([r.start for r in records], dtype=torch.int64),
@@ -153,15 +162,27 @@ def save_records(records: list[RouteRecord]) -> bytes:
     return st_save(tensors, metadata={"header": json.dumps(dataclasses.asdict(header))})
 
 
-def load_records(blob: bytes) -> list[RouteRecord]:
-    tensors = st_load(blob)
-    # safetensors layout: u64 little-endian header size, then the JSON header with __metadata__
-    n_header = int.from_bytes(blob[:8], "little")
-    meta = json.loads(blob[8:8 + n_header])["__metadata__"]
-    h = json.loads(meta["header"])
-    header = RouteHeader(tuple(h["layer_ids"]), h["num_experts"], h["top_k"], h["fingerprint"])
-    chunks = torch.split(tensors["ids"], tensors["rows"].tolist())
-    return [RouteRecord(ids, int(m[0]), int(m[1]), header) for ids, m in zip(chunks, tensors["meta"])]
+def load_records(blob: bytes, name: str = "route records") -> list[RouteRecord]:
+    """Records saved by ``save_records``. A blob that is not one (truncated, another format,
+    inconsistent row counts) is a RouteError naming ``name`` (e.g. the file) and the problem; the
+    records are then checked by ``RouteBatch.from_records`` (dtype, shape per sample)."""
+    try:
+        tensors = st_load(blob)
+        # safetensors layout: u64 little-endian header size, then the JSON header with __metadata__
+        n_header = int.from_bytes(blob[:8], "little")
+        h = json.loads(json.loads(blob[8:8 + n_header])["__metadata__"]["header"])
+        header = RouteHeader(tuple(h["layer_ids"]), h["num_experts"], h["top_k"], h["fingerprint"])
+        ids, rows, meta = tensors["ids"], tensors["rows"], tensors["meta"]
+    except Exception as e:  # noqa: BLE001 - safetensors/JSON/key errors of a foreign or cut blob
+        raise RouteError(f"{name}: not a complete route-record blob ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0] if str(e) else ''})") from None
+    if rows.dim() != 1 or meta.shape != (rows.shape[0], 2) or int(rows.sum()) != ids.shape[0] or bool((rows < 0).any()):
+        raise RouteError(f"{name}: row counts {rows.tolist()} (sum {int(rows.sum())}) do not match "
+                         f"{ids.shape[0]} id rows and meta {tuple(meta.shape)}")
+    chunks = torch.split(ids, rows.tolist())
+    records = [RouteRecord(c, int(m[0]), int(m[1]), header) for c, m in zip(chunks, meta)]
+    RouteBatch.from_records(records)  # dtype and shape, per sample
+    return records
 
 
 def vllm_route_dtype(num_experts: int) -> np.dtype:
@@ -175,7 +196,8 @@ def from_vllm(routed_experts: np.ndarray, *, num_tokens: int, prompt_len: int, h
     """Adapt vLLM's ``CompletionOutput.routed_experts`` ([T - 1 - prompt_start, A, K] numpy array in
     ``vllm_route_dtype``, every decoder layer, dense-layer rows zero) to a record: keep the MoE
     layers by global number and move to our dtype (uint8 can hold 256 ids but then no MISSING).
-    ``num_layers`` (A, the model's decoder layers) is checked when given.
+    A must equal ``num_layers`` (the model's decoder layers; default: the last MoE layer + 1, which
+    it is for ``RouteHeader.for_model``), exactly: more layers are refused, not cut.
 
     Raises RouteError naming the sample on anything that is not this sample's routes in vLLM's
     format: another type or dtype (nothing is cast before the check), another shape, or an id
@@ -193,7 +215,8 @@ def from_vllm(routed_experts: np.ndarray, *, num_tokens: int, prompt_len: int, h
     if arr.shape[0] != expect_rows:
         raise RouteError(f"sample {sample}: vLLM returned {arr.shape[0]} route rows for {num_tokens} tokens "
                          f"from position {prompt_start}; expected {expect_rows}")
-    if num_layers is not None and arr.shape[1] != num_layers:
+    num_layers = max(header.layer_ids) + 1 if num_layers is None else num_layers
+    if arr.shape[1] != num_layers:
         raise RouteError(f"{where} has {arr.shape[1]} layers, the model has {num_layers} decoder layers")
     if max(header.layer_ids) >= arr.shape[1]:
         raise RouteError(f"{where} has {arr.shape[1]} layers but MoE layer {max(header.layer_ids)} is expected")
@@ -222,10 +245,11 @@ def validate(batch: RouteBatch, num_tokens_B: torch.Tensor, header: RouteHeader)
     if batch.header != header:
         raise RouteError(f"route header {batch.header} differs from the learner's {header}")
     L, K = len(header.layer_ids), header.top_k
-    if batch.ids_NLK.dtype != header.dtype:
-        raise RouteError(f"route dtype {batch.ids_NLK.dtype}, expected {header.dtype}")
+    if batch.ids_NLK.dtype != header.dtype:  # one tensor for the batch: every sample has it
+        raise RouteError(f"sample 0 (and every other): route dtype {batch.ids_NLK.dtype}, expected {header.dtype}")
     if batch.ids_NLK.dim() != 3 or tuple(batch.ids_NLK.shape[1:]) != (L, K):
-        raise RouteError(f"route shape {tuple(batch.ids_NLK.shape)}, expected [rows, {L}, {K}]")
+        raise RouteError(f"sample 0 (and every other): route shape {tuple(batch.ids_NLK.shape)}, "
+                         f"expected [rows, {L}, {K}]")
     expect_B = num_tokens_B - 1 - batch.start_B
     wrong_B = batch.rows_B != expect_B
     if bool(wrong_B.any()):
@@ -240,7 +264,7 @@ def validate(batch: RouteBatch, num_tokens_B: torch.Tensor, header: RouteHeader)
     present_NLK = ids_NLK != missing
     bad = present_NLK & (ids_NLK >= header.num_experts)
     _raise_first(bad.any(-1), sample_N, row_N, header, lambda n, l: f"expert id {int(ids_NLK[n, l].max())} "
-                 f">= num_experts {header.num_experts}")
+                 f"outside [0, {header.num_experts})")
     srt_NLK = ids_NLK.sort(-1).values
     dup_NL = ((srt_NLK[..., 1:] == srt_NLK[..., :-1]) & (srt_NLK[..., 1:] != missing)).any(-1)
     _raise_first(dup_NL, sample_N, row_N, header, lambda n, l: f"repeated expert ids {ids_NLK[n, l].tolist()}")

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+from moe_rl.errors import DataError
 from moe_rl.tasks.generators import TASKS, check_lengths
 from moe_rl.tasks.rewards import REWARDS, check_reward_name
 from moe_rl.tasks.tokenizer import CharTokenizer
@@ -34,9 +35,7 @@ _REQUIRED_KEYS = ("prompt", "answer")
 _OPTIONAL_KEYS = ("reward", "task")
 
 
-class DatasetError(ValueError):
-    """A prompt file is unreadable or malformed; the message names the file and 1-based line."""
-
+DatasetError = DataError  # the old name
 
 @dataclass(frozen=True)
 class Prompt:
@@ -94,6 +93,12 @@ class GeneratedTasks:
         self.tokenizer = tokenizer
         self.reward = reward
 
+    def longest_prompt_tokens(self) -> int:
+        """Tokens of the longest prompt any task can draw (bos included): every length at max_len."""
+        longest = _Longest()
+        return max(len(self.tokenizer.encode(TASKS[t](longest, self.max_len, self.max_len)[0], bos=True))
+                   for t in self.task_names)
+
     def sample(self, num: int, seed: int) -> list[Prompt]:
         """``num`` prompts from ``random.Random(seed)``: task, then its digits, per prompt."""
         _check_num(num)
@@ -123,8 +128,29 @@ class JsonlDataset:
         self.path = Path(path)
         self.tokenizer = tokenizer
         self.default_reward = default_reward
-        self.prompts = _load_jsonl(self.path, tokenizer, default_reward)
+        self.prompts, self.lines = _load_jsonl(self.path, tokenizer, default_reward)
         self.task_names = tuple(dict.fromkeys(p.task for p in self.prompts))
+
+    def fit(self, max_prompt_tokens: int, why: str, drop: bool) -> int:
+        """Keep prompts of at most ``max_prompt_tokens`` tokens (bos included). ``drop``: remove the
+        longer ones and return how many; else DataError naming the first one's line (``why`` says
+        which config keys set the limit)."""
+        keep = [i for i, p in enumerate(self.prompts) if len(p.prompt_ids) <= max_prompt_tokens]
+        if len(keep) == len(self.prompts):
+            return 0
+        first = next(i for i, p in enumerate(self.prompts) if len(p.prompt_ids) > max_prompt_tokens)
+        n_first = len(self.prompts[first].prompt_ids)
+        if not drop:
+            raise DataError(f"{self.path}:{self.lines[first]}: prompt has {n_first} tokens (bos included), "
+                            f"more than {max_prompt_tokens} ({why}); shorten it, raise model.max_seq_len, "
+                            f"or set task.overlong=drop")
+        if not keep:
+            raise DataError(f"{self.path}: every prompt is longer than {max_prompt_tokens} tokens ({why})")
+        dropped = len(self.prompts) - len(keep)
+        self.prompts = [self.prompts[i] for i in keep]
+        self.lines = [self.lines[i] for i in keep]
+        self.task_names = tuple(dict.fromkeys(p.task for p in self.prompts))
+        return dropped
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -144,18 +170,28 @@ class JsonlDataset:
         return f"JsonlDataset(path={str(self.path)!r}, num_prompts={len(self)})"
 
 
+class _Longest(random.Random):
+    """An rng whose every ``randint`` draw is the upper end (the longest prompt of a task)."""
+
+    def randint(self, a: int, b: int) -> int:
+        return b
+
+
 def _check_num(num: int) -> None:
     if num < 0:
         raise ValueError(f"num must be >= 0, got {num}")
 
 
-def _load_jsonl(path: Path, tokenizer: CharTokenizer, default_reward: str) -> list[Prompt]:
-    """Parse and check every line; the first problem raises DatasetError naming path:line."""
+def _load_jsonl(path: Path, tokenizer: CharTokenizer, default_reward: str) -> tuple[list[Prompt], list[int]]:
+    """Parse and check every line; the first problem raises DatasetError naming path:line.
+    Returns the prompts and their 1-based line numbers."""
+    if path.is_dir():
+        raise DatasetError(f"{path}: is a directory; task.dataset names a JSONL file")
     try:
         raw = path.read_bytes()
     except OSError as e:
         raise DatasetError(f"{path}: cannot read prompt file ({e.strerror or e})") from e
-    prompts = []
+    prompts, lines = [], []
     for lineno, line_bytes in enumerate(raw.split(b"\n"), start=1):
         try:
             line = line_bytes.decode("utf-8")
@@ -167,9 +203,10 @@ def _load_jsonl(path: Path, tokenizer: CharTokenizer, default_reward: str) -> li
             prompts.append(_parse_line(line, tokenizer, default_reward))
         except ValueError as e:
             raise DatasetError(f"{path}:{lineno}: {e}") from e
+        lines.append(lineno)
     if not prompts:
         raise DatasetError(f"{path}: no prompts (the file is empty or blank)")
-    return prompts
+    return prompts, lines
 
 
 def _parse_line(line: str, tokenizer: CharTokenizer, default_reward: str) -> Prompt:

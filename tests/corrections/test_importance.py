@@ -286,3 +286,70 @@ def test_is_weights_match_loop_reference():
                 log_w = {"token": lr[b, s].item(), "sequence": sum(lr[b, j].item() for j in idx),
                          "geometric": sum(lr[b, j].item() for j in idx) / len(idx)}[level]
                 assert w[b, s].item() == pytest.approx(min(math.exp(log_w), 1.7))
+
+
+# ------------------------------------------------ exact sequence ratios (issue 14 point 7)
+
+def _extreme():
+    # sequence 0: token log-ratios +30 and -29.5 (sum 0.5, mean 0.25); sequence 1: +15, +15
+    # (sum 30 -> clamped to 20, mean 15); sequence 2: -25 alone; padding holds inf (never read)
+    train = torch.tensor([[30.0, -29.5, 0.0], [15.0, 15.0, 0.0], [-25.0, 0.0, 0.0]], dtype=F64)
+    roll = torch.zeros(3, 3, dtype=F64)
+    mask = torch.tensor([[True, True, False], [True, True, False], [True, False, False]])
+    train[~mask] = math.inf
+    return train, roll, mask
+
+
+@pytest.mark.unit
+def test_sequence_and_geometric_weights_are_exact_on_extreme_token_ratios():
+    train, roll, mask = _extreme()
+    lr = ratios.exact_log_ratio(train, roll)
+    seq, _ = is_weights(lr, mask, "sequence", None)
+    geo, _ = is_weights(lr, mask, "geometric", None)
+    tok, _ = is_weights(lr, mask, "token", None)
+    assert seq[0, :2].tolist() == [math.exp(0.5)] * 2  # e^(30 - 29.5), not e^(20 - 29.5) = e^-9.5
+    assert seq[1, :2].tolist() == [math.exp(20.0)] * 2  # the sum 30 is clamped, after summing
+    assert seq[2, 0].item() == math.exp(-20.0)
+    assert geo[0, :2].tolist() == [math.exp(0.25)] * 2
+    assert geo[1, :2].tolist() == [math.exp(15.0)] * 2
+    assert tok[0, :2].tolist() == [math.exp(20.0), math.exp(-20.0)]  # a token weight clamps its own
+    for w in (seq, geo, tok):
+        assert w[~mask].tolist() == [0.0] * int((~mask).sum())
+
+
+@pytest.mark.unit
+def test_chi2_seq_and_seq_k1_rejection_use_the_exact_sum():
+    train, roll, mask = _extreme()
+    m = offpolicy_metrics(train, roll, mask)
+    got = float(m["corr/chi2_seq"].sum / m["corr/chi2_seq"].count)
+    want = (math.expm1(2 * 0.5) + math.expm1(2 * 20.0) + math.expm1(2 * -20.0)) / 3
+    assert got == pytest.approx(want, rel=1e-12)
+    lr = ratios.exact_log_ratio(train, roll)
+    # keep sequences with rho(y) in [e^-1, e^1]: only sequence 0 (sum 0.5)
+    keep, _ = rejection_mask(lr, mask, ["seq_sum_k1"], [(math.exp(-1), math.exp(1))])
+    assert keep.any(-1).tolist() == [True, False, False]
+    keep, _ = rejection_mask(lr, mask, ["seq_mean_k1"], [(math.exp(0.2), math.exp(0.3))])
+    assert keep.any(-1).tolist() == [True, False, False]  # mean 0.25
+
+
+@pytest.mark.unit
+def test_glue_and_bypass_paths_weight_sequences_exactly():
+    from moe_rl import rollout_correction
+    from moe_rl.config import load_config
+
+    train, roll, mask = _extreme()
+    train, roll, mask = train[:1].float(), roll[:1].float(), mask[:1]
+    cc = load_config(None, ["correction.is_level=sequence", "correction.is_clip=1e6"]).correction
+    corr, _ = rollout_correction.prepare(cc, train, roll, mask, None)
+    assert corr.is_weights_BS[0, :2].tolist() == pytest.approx([math.exp(0.5)] * 2, rel=1e-6)
+    logp = train.clone().requires_grad_(True)
+    _, metrics = losses.bypass_loss(logp, roll, torch.ones(1, 3), mask, mode="reinforce", normalizer=2.0,
+                                    is_level="sequence", is_clip_max=None)
+    assert float(metrics["corr/is_max"].value) == pytest.approx(math.exp(0.5), rel=1e-6)
+
+
+@pytest.mark.unit
+def test_reciprocal_pair_docstring_is_exact():
+    doc = importance.__doc__
+    assert "0.999_1.001 is not a\nreciprocal pair (1/1.001 = 0.999000999...)" in doc
+    assert 1 / 1.001 == pytest.approx(0.999000999000999, abs=1e-15)

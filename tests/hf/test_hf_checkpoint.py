@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from moe_rl import hf_checkpoint as hfc
 from moe_rl.config import ModelConfig
+from moe_rl.errors import CheckpointError, ConfigError
 from moe_rl.rollout.builtin import BuiltinEngine
 from moe_rl.tasks import CharTokenizer
 from moe_rl.warmstart import load_init_weights
@@ -89,7 +90,7 @@ def test_export_is_atomic_and_never_overwrites(tmp_path: Path, cfg: ModelConfig,
     hfc.write_hf_checkpoint(tmp_path / "out", weights, cfg)  # one shard: model.safetensors
     assert (tmp_path / "out" / hfc.SINGLE).is_file() and not (tmp_path / "out" / hfc.INDEX).exists()
     assert all(torch.equal(v, weights[k]) for k, v in hfc.read_hf_weights(tmp_path / "out", cfg).items())
-    with pytest.raises(FileExistsError, match="never overwrites"):
+    with pytest.raises(CheckpointError, match="never overwrites"):
         hfc.write_hf_checkpoint(tmp_path / "out", weights, cfg)
 
 
@@ -180,5 +181,5 @@ def test_init_weights_hf_prefix(hf_dir: Path, cfg: ModelConfig, weights: dict) -
     other = dataclasses.replace(cfg, num_experts=4)
     with pytest.raises(hfc.CheckpointError, match="model.num_experts=8, but the config has model.num_experts=4"):
         load_init_weights(f"hf:{hf_dir}", other, tok)
-    with pytest.raises(FileNotFoundError, match="init_weights"):
+    with pytest.raises(ConfigError, match="init_weights"):
         load_init_weights("hf:/nonexistent", cfg, tok)

@@ -182,10 +182,10 @@ def test_routed_experts_in_another_shape_are_refused(rollout, cfg):
         with pytest.raises(RouteError) as e:
             _decode(outs, cfg)
         assert str(e.value) == message
-    c.routed_experts = good_TAK[:, cfg.moe_layers]  # without num_layers: the largest MoE layer is missing
+    c.routed_experts = good_TAK[:, cfg.moe_layers]  # without num_layers: the last MoE layer + 1 = 3 layers
     with pytest.raises(RouteError) as e:
         ve.to_rollout_batch(outs, 3, PAD_ID, RouteHeader.for_model(cfg))
-    assert str(e.value) == "sample 0: vLLM routed_experts has 2 layers but MoE layer 2 is expected"
+    assert str(e.value) == "sample 0: vLLM routed_experts has 2 layers, the model has 3 decoder layers"
 
 
 @pytest.mark.unit

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -58,7 +60,7 @@ def test_valid_batch_passes_and_select_matches_records():
 
 @pytest.mark.unit
 @pytest.mark.parametrize("mutate, needle", [
-    (lambda ids: ids.__setitem__((5, 1, 0), 9), "sample 1, layer 2, row 1: expert id 9 >= num_experts 8"),
+    (lambda ids: ids.__setitem__((5, 1, 0), 9), "sample 1, layer 2, row 1: expert id 9 outside [0, 8)"),
     (lambda ids: ids.__setitem__((6, 0), torch.tensor([3, 3], dtype=torch.uint8)),
      "sample 2, layer 1, row 0: repeated expert ids [3, 3]"),
     (lambda ids: ids.__setitem__((2, 2, 1), 255), "sample 0, layer 3, row 2: row mixes MISSING"),
@@ -66,7 +68,7 @@ def test_valid_batch_passes_and_select_matches_records():
 def test_ingest_names_sample_layer_row(mutate, needle):
     routes = _random_routes([5, 3, 7])
     mutate(routes.ids_NLK)
-    with pytest.raises(RouteError, match=needle.replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(RouteError, match=re.escape(needle)):
         validate(routes, torch.tensor([5, 3, 7]), HEADER)
 
 
@@ -189,3 +191,64 @@ def test_topk_agreement_ignores_order():
     differs, overlap = topk_agreement(a, b)
     assert differs.tolist() == [False, True, True]
     assert overlap.tolist() == [1.0, 0.5, 0.0]
+
+
+# ---------------------------------------------- ingest never repairs (issue 14 point 4)
+
+@pytest.mark.unit
+def test_from_records_refuses_other_dtypes_and_layer_counts_naming_the_sample():
+    good = _random_routes([5, 4]).records()
+    wide = RouteRecord(good[1].ids_TLK.to(torch.int64), 2, 0, HEADER)
+    with pytest.raises(RouteError) as e:
+        RouteBatch.from_records([good[0], wide])
+    assert str(e.value) == "sample 1: route dtype torch.int64, expected torch.uint8 for 8 experts (nothing is cast)"
+    more = RouteRecord(torch.zeros(3, 4, 2, dtype=torch.uint8), 2, 0, HEADER)  # 4 layers, the model has 3 MoE
+    with pytest.raises(RouteError) as e:
+        RouteBatch.from_records([good[0], good[1], more])
+    assert str(e.value) == "sample 2: route shape (3, 4, 2), expected [rows, 3 MoE layers, 2] (MoE layers [1, 2, 3])"
+
+
+@pytest.mark.unit
+def test_vllm_array_with_more_layers_than_the_model_is_refused():
+    arr = np.zeros((4, 5, 2), dtype=np.uint8)  # 5 decoder layers; the model has 4
+    arr[:, :, 1] = 1
+    with pytest.raises(RouteError) as e:
+        from_vllm(arr, num_tokens=5, prompt_len=3, header=HEADER, sample=6)
+    assert str(e.value) == "sample 6: vLLM routed_experts has 5 layers, the model has 4 decoder layers"
+
+
+@pytest.mark.unit
+def test_load_records_refuses_cut_or_foreign_blobs():
+    blob = save_records(_random_routes([5, 4]).records())
+    assert [r.num_rows for r in load_records(blob)] == [4, 3]
+    with pytest.raises(RouteError) as e:
+        load_records(blob[:-7], name="routes.st")
+    assert str(e.value).startswith("routes.st: not a complete route-record blob (SafetensorError: ")
+    with pytest.raises(RouteError) as e:
+        load_records(b"not a blob at all")
+    assert str(e.value).startswith("route records: not a complete route-record blob (")
+    from safetensors.torch import save as st_save
+    import json
+    import dataclasses
+    ids = torch.zeros(5, 3, 2, dtype=torch.uint8)
+    lying = st_save({"ids": ids, "rows": torch.tensor([4, 3]), "meta": torch.zeros(2, 2, dtype=torch.int64)},
+                    metadata={"header": json.dumps(dataclasses.asdict(HEADER))})
+    with pytest.raises(RouteError) as e:
+        load_records(lying, name="r.st")
+    assert str(e.value) == "r.st: row counts [4, 3] (sum 7) do not match 5 id rows and meta (2, 2)"
+
+
+@pytest.mark.unit
+def test_builtin_engine_ids_outside_the_experts_are_refused_not_cast():
+    from moe_rl.rollout.builtin import _to_route_dtype
+
+    routes = torch.zeros(2, 6, 3, 2, dtype=torch.int32)
+    routes[..., 1] = 1
+    assert _to_route_dtype(routes, torch.tensor([0, 1]), CFG, torch.uint8).dtype == torch.uint8
+    routes[1, 4, 2, 0] = 264  # 264 % 256 = 8, 264 would wrap to 8 in uint8
+    with pytest.raises(RouteError) as e:
+        _to_route_dtype(routes, torch.tensor([0, 1]), CFG, torch.uint8)
+    assert str(e.value) == "sample 1, layer 3, row 3: built-in engine expert id 264 outside [0, 8)"
+    routes[1, 4, 2, 0] = -1
+    with pytest.raises(RouteError, match="expert id -1 outside"):
+        _to_route_dtype(routes, torch.tensor([0, 1]), CFG, torch.uint8)

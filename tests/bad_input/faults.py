@@ -1,0 +1,71 @@
+"""Fault injection for the fail-fast tests (test-only: production code has no hook for it).
+
+``python -m tests.bad_input.faults WHERE RANK KIND train [args]`` runs the real CLI, except that
+each rank runs ``faulty_worker``: on rank RANK the named place raises before doing its work while
+the other rank goes on into its collectives.
+
+    startup  the learner's construction (the other rank builds its model and waits in a collective)
+    step     the policy update (the other rank is inside the update's collectives)
+    save     the checkpoint save (the other rank is inside the save's collectives)
+
+KIND: ``bug`` raises RuntimeError (a bug: the CLI shows the rank's traceback), ``user`` raises
+RouteError (a user error: one line, exit code 2). The time of the fault (time.time()) is written
+to the file named by ``MOE_RL_FAULT_STAMP`` when set, so a test can time the job's end from it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+MESSAGE = "injected fault"
+
+
+def _fault(where: str, kind: str):
+    from moe_rl.errors import RouteError
+
+    def fail(*args, **kwargs):
+        stamp = os.environ.get("MOE_RL_FAULT_STAMP")
+        if stamp:
+            with open(stamp, "w") as f:
+                f.write(repr(time.time()))
+        if kind == "user":
+            raise RouteError(f"sample 3, layer 1, row 7: {MESSAGE} at {where}")
+        raise RuntimeError(f"{MESSAGE} at {where}")
+
+    return fail
+
+
+def _inject(where: str, kind: str) -> None:
+    from moe_rl import checkpointing, trainer
+
+    if where == "startup":
+        trainer.Learner = _fault(where, kind)
+    elif where == "step":
+        trainer.update = _fault(where, kind)
+    elif where == "save":
+        checkpointing.checkpoint.save = _fault(where, kind)
+    else:
+        raise ValueError(f"unknown fault place {where!r}")
+
+
+def faulty_worker(cfg, where: str, rank: int, kind: str) -> None:
+    from moe_rl import launch
+
+    if int(os.environ["RANK"]) == rank:
+        _inject(where, kind)
+    launch.run_worker(cfg)
+
+
+def main() -> None:
+    from moe_rl import cli, launch
+
+    where, rank, kind = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    launch.launch = lambda cfg: launch.spawn_local(faulty_worker, cfg.parallel.nproc, cfg, where, rank, kind)
+    sys.argv = ["moe-rl", *sys.argv[4:]]
+    cli.main()
+
+
+if __name__ == "__main__":
+    main()
