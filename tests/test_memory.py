@@ -57,7 +57,8 @@ def test_summarize_run_skips_warmup_and_reports_agreement():
 
 @pytest.mark.unit
 def test_summarize_run_learner_mfu_peak_memory_and_reward_trend():
-    cfg = load_config(None, ["model.vocab_size=50", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=2"])
+    cfg = load_config(None, ["model.vocab_size=50", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=2",
+                             "algo.num_minibatches=1"])
     rows = [{"time/step_s": 9.0, "time/old_logprob_s": 1.0, "time/update_s": 2.0, "rollout/response_len_mean": 5.0,
              "reward/mean": 0.1 * i, "mem/peak_gib": 3.0 + i % 3} for i in range(8)]
     s = summarize_run(rows, cfg, prompt_tokens=5.0)
