@@ -18,23 +18,15 @@ from moe_rl.lr import LengthLRScheduler
 from moe_rl.metrics import MetricsWriter, reduce_metrics
 from moe_rl.policy_update import finalize, learning_rate, update
 from moe_rl.preflight import check_launch
-from moe_rl.prepare import prepare, response_ids, rollout_metrics
+from moe_rl.prepare import prepare, rollout_metrics
 from moe_rl.rollout.factory import build_engine, sampling_params
 from moe_rl.routing.plan import ReplayPlan
-from moe_rl.seeding import GENERATE, PROMPTS, step_seed
+from moe_rl.seeding import GENERATE, step_seed
+from moe_rl.tasks.setup import build_task, score_step, validate
 from moe_rl.timing import StepTimer
-from moe_rl.tasks import CharTokenizer, build_prompt_source, score
 from moe_rl.warmstart import load_init_weights
 
 log = logging.getLogger(__name__)
-
-
-def resolve(cfg: RunConfig, tok: CharTokenizer) -> RunConfig:
-    """Fill values derived from other parts (the vocabulary size from the tokenizer)."""
-    if cfg.model.vocab_size not in (0, tok.vocab_size):
-        raise ValueError(f"config key 'model.vocab_size' is {cfg.model.vocab_size} but the "
-                         f"tokenizer has {tok.vocab_size} tokens")
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=tok.vocab_size))
 
 
 def preflight(cfg: RunConfig, check_run_dir: bool = True) -> RunConfig:
@@ -42,12 +34,9 @@ def preflight(cfg: RunConfig, check_run_dir: bool = True) -> RunConfig:
 
     Under an external torchrun every rank runs this; only rank 0 checks the run directory, which
     another rank could otherwise see half-written by rank 0."""
-    tok = CharTokenizer()
-    cfg = resolve(cfg, tok)
+    cfg, task = build_task(cfg, start_pool=False)  # tokenizer, datasets (read in full), reward names
     check_launch(cfg)  # CUDA / Transformer Engine / vLLM where the config asks for them
-    t = cfg.task
-    build_prompt_source(t.tasks, t.min_len, t.max_len, t.dataset, t.reward, tok)  # reads the dataset
-    load_init_weights(cfg.init_weights, cfg.model, tok)  # checks names, shapes, architecture
+    load_init_weights(cfg.init_weights, cfg.model, task.tokenizer)  # checks names, shapes, architecture
     run_dir = Path(cfg.run_dir)
     if not check_run_dir:
         return cfg
@@ -65,11 +54,9 @@ def progress(cfg: RunConfig, start: int, dims: ParallelDims) -> tqdm:
 
 
 def train(cfg: RunConfig, dims: ParallelDims) -> None:
-    tok = CharTokenizer()
-    cfg = resolve(cfg, tok)
-    run_dir, t, r, a = Path(cfg.run_dir), cfg.task, cfg.rollout, cfg.algo
+    cfg, task = build_task(cfg)
+    run_dir, r, a, tok = Path(cfg.run_dir), cfg.rollout, cfg.algo, task.tokenizer
     plan = ReplayPlan.from_config(cfg.routing.replay, cfg.routing.replay_reference, cfg.log.router_monitor)
-    source = build_prompt_source(t.tasks, t.min_len, t.max_len, t.dataset, t.reward, tok)
     init = load_init_weights(cfg.init_weights, cfg.model, tok)
     learner = Learner(cfg.model, cfg.parallel, cfg.optim, dims, init, with_reference=a.kl_coef > 0,
                       monitor=cfg.log.router_monitor, monitor_margin_eps=cfg.log.router_margin_eps)
@@ -82,17 +69,17 @@ def train(cfg: RunConfig, dims: ParallelDims) -> None:
         (run_dir / "config.yaml").write_text(to_yaml(cfg))
     writer = MetricsWriter(run_dir, to_dict(cfg), cfg.log.wandb_mode, cfg.log.wandb_project,
                            dims.rank, resume_step=start if cfg.resume else None)
-    bar, sampling = progress(cfg, start, dims), sampling_params(cfg, (tok.eos_id,))
+    bar, sampling = progress(cfg, start, dims), sampling_params(cfg, tok.eos_ids)
     for step in range(start, cfg.steps):
+        m_val = validate(cfg, task, engine, step, dims.dp_rank, dims.dp_size)  # every log.val_every steps
         timer = StepTimer()
         with timer.phase("rollout"):
-            prompts = source.sample(r.prompts_per_step // dims.dp_size,
-                                    seed=step_seed(cfg.seed, step, dims.dp_rank, PROMPTS))
+            prompts = task.source.sample_step(step, r.prompts_per_step // dims.dp_size, dims.dp_rank, dims.dp_size,
+                                              cfg.seed)
             batch = engine.generate([p.prompt_ids for p in prompts], r.samples_per_prompt, sampling,
                                     seed=step_seed(cfg.seed, step, dims.dp_rank, GENERATE))
         with timer.phase("old_logprob"):
-            rewards_B, m_reward = score(prompts, response_ids(batch, tok.pad_id), tok, r.samples_per_prompt,
-                                        task_names=source.task_names)
+            rewards_B, m_reward = score_step(cfg, task, prompts, batch)
             train_batch, m_old = prepare(cfg, plan, learner, batch, rewards_B)
             lr, m_lr, events = learning_rate(cfg, lr_sched, step, batch, dims.dp_group)
         with timer.phase("update"):
@@ -100,7 +87,7 @@ def train(cfg: RunConfig, dims: ParallelDims) -> None:
         with timer.phase("sync"):
             engine.load_weights(learner.export_canonical())  # weight sync learner -> engine
         # over data-parallel ranks: tensor-parallel peers hold the same batch and the same metrics
-        metrics = finalize(reduce_metrics({**m_reward, **m_old, **m_update, **m_lr, **rollout_metrics(batch),
+        metrics = finalize(reduce_metrics({**m_val, **m_reward, **m_old, **m_update, **m_lr, **rollout_metrics(batch),
                                            **timer.metrics()}, group=dims.dp_group))
         writer.log(step, metrics)
         writer.log_events(events)
@@ -110,3 +97,4 @@ def train(cfg: RunConfig, dims: ParallelDims) -> None:
             ckpt.save(step)
     bar.close()
     writer.close()
+    task.pool.close()

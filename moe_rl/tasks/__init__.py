@@ -7,26 +7,29 @@ task and reward registries.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
 from moe_rl.tasks.dataset import (
     DatasetError,
     GeneratedTasks,
-    JsonlDataset,
     Prompt,
     PromptSource,
     check_task_names,
 )
+from moe_rl.tasks.hf_tokenizer import HFTokenizer, TokenizerError, check_vocab_fits, load_tokenizer
 from moe_rl.tasks.generators import TASKS, register_task
 from moe_rl.tasks.rewards import (
     REWARDS,
     char_accuracy,
     check_reward_name,
     exact_match,
+    overlong_penalty,
     register_reward,
     score,
 )
+from moe_rl.tasks.rows import RowDataset, RowSpec
 from moe_rl.tasks.tokenizer import CharTokenizer
 
 logger = logging.getLogger(__name__)
@@ -37,13 +40,19 @@ __all__ = [
     "CharTokenizer",
     "DatasetError",
     "GeneratedTasks",
-    "JsonlDataset",
+    "HFTokenizer",
+    "RowDataset",
+    "RowSpec",
+    "TokenizerError",
     "Prompt",
     "PromptSource",
     "build_prompt_source",
     "char_accuracy",
     "check_reward_name",
     "check_task_names",
+    "check_vocab_fits",
+    "load_tokenizer",
+    "overlong_penalty",
     "exact_match",
     "register_reward",
     "register_task",
@@ -52,19 +61,22 @@ __all__ = [
 
 
 def build_prompt_source(tasks: list[str], min_len: int, max_len: int, dataset_path: str | Path,
-                        reward: str, tokenizer: CharTokenizer) -> PromptSource:
-    """The prompt source for a run: the JSONL file if ``dataset_path`` is set, else the tasks.
+                        reward: str, tokenizer: CharTokenizer | HFTokenizer,
+                        spec: RowSpec | None = None) -> PromptSource:
+    """The prompt source for a run: the rows of ``dataset_path`` if set, else the tasks.
 
     Args:
         tasks: generated task names (mixed uniformly); ignored when a dataset is given.
         min_len, max_len: digit counts of generated prompts; ignored when a dataset is given.
-        dataset_path: JSONL prompt file, or "" for generated tasks.
-        reward: reward name (the default for dataset lines that name none).
+        dataset_path: JSONL / Parquet prompt rows, or "" for generated tasks.
+        reward: reward name (the default for rows that name none).
         tokenizer: encodes the prompts.
+        spec: how rows become prompts (keys, chat template, length limit); default keys otherwise.
     Raises:
         ValueError: unknown task or reward name, bad lengths; DatasetError for a bad file.
     """
     if dataset_path:
         logger.info("prompts from %s; task.tasks/min_len/max_len are not used", dataset_path)
-        return JsonlDataset(dataset_path, tokenizer, default_reward=reward)
+        spec = dataclasses.replace(spec or RowSpec(), default_reward=reward)
+        return RowDataset(dataset_path, spec, tokenizer)
     return GeneratedTasks(list(tasks), min_len, max_len, tokenizer, reward=reward)
