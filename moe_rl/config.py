@@ -516,6 +516,8 @@ class RunConfig:
                f"{self.algo.num_minibatches} minibatches do not split the {per_rank} prompts per rank")
         if r.engine == "vllm":
             _check_vllm(self)
+        _check(self.algo.max_tokens_per_micro_batch == 0 or p.pipeline_parallel == 1, "algo.max_tokens_per_micro_batch",
+               "token-budget micro-batches are tested with parallel.pipeline_parallel=1 only")
         t = self.task
         _check(self.log.val_every == 0 or bool(t.val_dataset), "log.val_every", "needs task.val_dataset")
         _check(t.overlong_buffer < r.max_new_tokens, "task.overlong_buffer",

@@ -59,7 +59,8 @@ def train(cfg: RunConfig, dims: ParallelDims) -> None:
     plan = ReplayPlan.from_config(cfg.routing.replay, cfg.routing.replay_reference, cfg.log.router_monitor)
     init = load_init_weights(cfg.init_weights, cfg.model, tok)
     learner = Learner(cfg.model, cfg.parallel, cfg.optim, dims, init, with_reference=a.kl_coef > 0,
-                      monitor=cfg.log.router_monitor, monitor_margin_eps=cfg.log.router_margin_eps)
+                      monitor=cfg.log.router_monitor, monitor_margin_eps=cfg.log.router_margin_eps,
+                      max_tokens_per_micro_batch=a.max_tokens_per_micro_batch)
     engine, lr_sched = build_engine(cfg, tok.pad_id), LengthLRScheduler(cfg.optim.length_lr)
     ckpt = CheckpointManager(cfg, learner, lr_sched)
     start = ckpt.resume()

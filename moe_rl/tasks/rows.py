@@ -11,7 +11,8 @@ One typed spec (``RowSpec``, from the ``task`` config) meets the peers' conventi
 
 A prompt is a string (fed as is after bos, or as one user message through the chat template) or a
 list of chat messages (needs ``apply_chat_template``). The ground truth is a string or a number. A
-row's ``reward`` field, when it is a string, names its reward (default ``task.reward``); every field
+row's ``reward`` field, when it is a string, names its reward (default ``task.reward``); its data
+source (per-source metrics) is ``source_key``, else a string ``task`` field, else "dataset"; every field
 other than the prompt and the answer is handed to ``python:`` rewards as ``extra``. Prompts longer
 than ``max_prompt_tokens`` are dropped at load and counted (``num_dropped``); a dataset left empty is
 an error. Errors name the file, the row (counted from 1) and the key.
@@ -141,7 +142,8 @@ def row_to_prompt(row: dict[str, Any], spec: RowSpec, tok) -> Prompt:
     reward = row.get("reward") if isinstance(row.get("reward"), str) else spec.default_reward
     check_reward_name(reward)
     source = lookup(row, spec.source_key)
-    source = str(source) if source is not _MISSING and source != "" else "dataset"
+    source = row.get("task") if source is _MISSING and isinstance(row.get("task"), str) else source  # built-in format
+    source = str(source) if source not in (_MISSING, None, "") else "dataset"
     if spec.apply_chat_template:
         if not tok.has_chat_template:
             raise ValueError("task.apply_chat_template=true but the tokenizer has no chat template")
@@ -155,7 +157,7 @@ def row_to_prompt(row: dict[str, Any], spec: RowSpec, tok) -> Prompt:
     if not hasattr(tok, "hf"):  # the character tokenizer's token rewards encode the answer
         _encode(tok, str(answer), spec.answer_key)
     top = spec.prompt_key.split(".")[0], spec.answer_key.split(".")[0]
-    extra = {k: v for k, v in row.items() if k not in top}
+    extra = {k: v for k, v in row.items() if k not in top and v is not None}  # pyarrow fills absent keys with None
     return Prompt(ids, str(answer), reward, source, text=text, extra=extra)
 
 
