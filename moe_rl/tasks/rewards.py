@@ -1,5 +1,10 @@
 """Verifiable rewards: a registry of vectorized scoring functions, and ``score`` to dispatch them.
 
+One name space for ``task.reward``: the token rewards below (``REWARDS``, vectorised over ids; they
+serve the built-in character tokenizer), the text rewards of ``moe_rl/text_rewards.py`` (``math``,
+text forms of ``exact_match`` / ``char_accuracy``; scored per sample in a worker pool) and
+``python:FILE.py:FUNCTION``. ``check_reward_name`` checks a name against all of them.
+
 Every reward function has one signature::
 
     fn(response_ids_BS, answer_ids_BA, eos_id, pad_id) -> (rewards_B, metrics)
