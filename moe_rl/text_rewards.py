@@ -35,6 +35,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -289,7 +290,7 @@ class RewardPool:
         for fut, chunk in zip(futures, chunks):
             try:
                 out.extend(fut.result(timeout=max(0.0, deadline - time.monotonic())))
-            except (cf.TimeoutError, cf.process.BrokenProcessPool):
+            except (cf.TimeoutError, BrokenProcessPool):
                 broken = True
                 out.extend(TextScore(0.0, error=True, timed_out=True) for _ in chunk)
         if broken:

@@ -145,3 +145,21 @@ def test_pool_matches_inline_and_survives_errors(tmp_path: Path) -> None:
     assert got == score_chunk(samples, 5.0)
     assert [s.score for s in got] == [1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0]
     assert [s.error for s in got] == [False] * 6 + [True, False]
+
+
+@pytest.mark.unit
+def test_pool_ends_a_worker_that_stops_answering(tmp_path: Path) -> None:
+    hang = tmp_path / "hang.py"
+    hang.write_text("import signal, time\n"
+                    "def score(prompt, response, ground_truth, extra):\n"
+                    "    signal.signal(signal.SIGALRM, signal.SIG_IGN)  # as a hang in C code would: no alarm\n"
+                    "    time.sleep(60)\n")
+    pool = RewardPool(1, 0.2)
+    pool.STARTUP_GRACE_S = 0.0
+    try:
+        got = pool.score([TextSample(f"python:{hang}:score", "", "", ""), TextSample("math", "", "\\boxed{1}", "1")])
+        assert got == [TextScore(0.0, error=True, timed_out=True)] * 2  # the second waited behind the hung one
+        pool.STARTUP_GRACE_S = RewardPool.STARTUP_GRACE_S
+        assert pool.score([TextSample("math", "", "\\boxed{1}", "1")]) == [TextScore(1.0)]  # a fresh pool
+    finally:
+        pool.close()
