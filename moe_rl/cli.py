@@ -84,11 +84,34 @@ def show_config(args: tuple[str, ...]) -> None:
 @click.argument("out_dir", type=click.Path())
 @click.option("--step", type=int, default=None, help="checkpoint step (default: the latest)")
 @click.option("--max-shard-gb", type=float, default=5.0, show_default=True, help="safetensors shard size")
-def export_hf(run_dir: str, out_dir: str, step: int | None, max_shard_gb: float) -> None:
+@click.option("--dtype", type=click.Choice(["auto", "bf16", "fp16", "fp32"]), default="auto", show_default=True,
+              help="auto: the init_weights=hf:DIR checkpoint's dtype, else fp32")
+def export_hf(run_dir: str, out_dir: str, step: int | None, max_shard_gb: float, dtype: str) -> None:
     """Write a run's checkpoint as a Hugging Face checkpoint: moe-rl export-hf RUN_DIR OUT_DIR [--step N]."""
     from moe_rl.export import export_run
 
-    export_run(run_dir, out_dir, step, int(max_shard_gb * 2**30))
+    export_run(run_dir, out_dir, step, int(max_shard_gb * 2**30), dtype)
+
+
+@main.group()
+def data() -> None:
+    """Prompt data sets: moe-rl data make-math OUT."""
+
+
+@data.command("make-math")
+@click.argument("out", type=click.Path(dir_okay=False))
+@click.option("--num", type=int, default=1000, show_default=True, help="problems")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--style", type=click.Choice(["verl", "slime"]), default="verl", show_default=True,
+              help="row layout (verl: chat prompt + reward_model.ground_truth; slime: input/label)")
+def make_math(out: str, num: int, seed: int, style: str) -> None:
+    """Arithmetic word problems with answers, as .parquet or JSONL (moe_rl/tasks/make_data.py)."""
+    from moe_rl.tasks.make_data import write_math_dataset
+
+    try:
+        click.echo(f"wrote {write_math_dataset(out, num, seed, style)} ({num} problems)")
+    except (ValueError, FileExistsError) as e:
+        raise click.ClickException(str(e)) from None
 
 
 @main.command()

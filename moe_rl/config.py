@@ -406,15 +406,40 @@ class CorrectionConfig:
 
 @dataclass(frozen=True)
 class TaskConfig:
-    # Built-in generated tasks (mixed uniformly) unless `dataset` names a JSONL file.
+    """Where prompts, answers and rewards come from (moe_rl/tasks/; README "Train your own checkpoint").
+
+    Built-in generated tasks (mixed uniformly) unless ``dataset`` names a JSONL or Parquet file of
+    rows; ``prompt_key`` / ``answer_key`` / ``source_key`` are dotted paths into a row (verl:
+    ``prompt`` as chat messages, ``reward_model.ground_truth``, ``data_source``)."""
+
     tasks: list[str] = field(default_factory=lambda: ["reverse", "sort", "copy"])
     min_len: int = 2
     max_len: int = 4
-    dataset: str = ""  # JSONL prompt file; see moe_rl/tasks/dataset.py for the line format
+    dataset: str = ""  # JSONL or Parquet prompt rows; see moe_rl/tasks/rows.py
+    # exact_match | char_accuracy | math | python:FILE.py:FUNCTION (called per sample; see moe_rl/text_rewards.py)
     reward: str = "exact_match"
     # a dataset prompt that leaves no room for rollout.max_new_tokens within model.max_seq_len:
-    # error (names file:line) | drop (skipped, with a warning giving the count)
+    # error (names file and row) | drop (skipped, counted in the log and rollout/prompts_dropped_too_long)
     overlong: str = "error"
+    # builtin:char | hf:DIR (transformers AutoTokenizer) | auto: the init_weights=hf:DIR directory, else builtin:char
+    tokenizer: str = "auto"
+    prompt_key: str = "prompt"  # a string, or a list of chat messages ({"role", "content"})
+    answer_key: str = "answer"  # the ground truth (a string or a number)
+    source_key: str = "data_source"  # label for per-source metrics; rows without it are "dataset"
+    apply_chat_template: bool = False  # render prompts with the tokenizer's chat template
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. {enable_thinking: false}
+    # a configured prompt limit: longer prompts are dropped at load (counted); 0: model.max_seq_len -
+    # rollout.max_new_tokens, with task.overlong deciding
+    max_prompt_tokens: int = 0
+    val_dataset: str = ""  # validation rows (same keys); scored every log.val_every steps
+    val_max_prompts: int = 0  # 0: every validation row
+    reward_workers: int = 2  # processes scoring text rewards (math, python:...); 0: in the trainer's process
+    reward_timeout_s: float = 10.0  # per sample; a reward that raises or times out scores 0 (reward/error_frac)
+    # DAPO soft overlong penalty: over the last `overlong_buffer` tokens before rollout.max_new_tokens the
+    # reward drops linearly by up to `overlong_penalty` (0 = off)
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         _check_finite(self, "task")
@@ -422,6 +447,16 @@ class TaskConfig:
         _check(len(self.tasks) > 0 or bool(self.dataset), "task.tasks", "empty and no task.dataset")
         _check(1 <= self.min_len <= self.max_len, "task.min_len",
                f"need 1 <= task.min_len ({self.min_len}) <= task.max_len ({self.max_len})")
+        _check(self.tokenizer in ("auto", "builtin:char", "hf") or self.tokenizer.startswith("hf:"),
+               "task.tokenizer", f"{self.tokenizer!r} is not auto, builtin:char or hf:DIR")
+        for key in ("prompt_key", "answer_key", "source_key"):
+            _check(bool(getattr(self, key)) and "" not in getattr(self, key).split("."), f"task.{key}",
+                   f"{getattr(self, key)!r} is not a dotted key path")
+        _check(self.reward != "", "task.reward", "must name a reward")
+        for key in ("max_prompt_tokens", "val_max_prompts", "reward_workers", "overlong_buffer"):
+            _check(getattr(self, key) >= 0, f"task.{key}", "must be >= 0")
+        _check(self.reward_timeout_s > 0, "task.reward_timeout_s", "must be > 0")
+        _check(self.overlong_penalty >= 0, "task.overlong_penalty", "must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -434,6 +469,9 @@ class AlgoConfig:
     kl_estimator: str = "k3"  # k1 | k2 | k3
     num_minibatches: int = 4  # optimizer steps per RL step: the batch is split into this many
     micro_batch_size: int = 64  # sequences per forward/backward on one rank
+    # > 0: micro-batches formed by token count instead (sequences sorted by length, bucketed so each
+    # micro-batch holds at most this many padded tokens; a longer sequence gets one of its own)
+    max_tokens_per_micro_batch: int = 0
 
     def __post_init__(self) -> None:
         _check_finite(self, "algo")
@@ -443,6 +481,7 @@ class AlgoConfig:
         _check(self.kl_coef >= 0, "algo.kl_coef", "must be >= 0")
         _check(self.num_minibatches >= 1, "algo.num_minibatches", "must be >= 1")
         _check(self.micro_batch_size >= 1, "algo.micro_batch_size", "must be >= 1")
+        _check(self.max_tokens_per_micro_batch >= 0, "algo.max_tokens_per_micro_batch", "must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -472,10 +511,12 @@ class LogConfig:
     router_monitor: bool = True  # per-layer router-gradient monitor of the update passes
     router_margin_eps: float = 0.1  # Top-K margin under which a token counts as near the boundary
     health: HealthConfig = field(default_factory=HealthConfig)  # entropy / gradient alarms
+    val_every: int = 0  # validation reward (greedy and sampled) on task.val_dataset every N steps; 0 = off
 
     def __post_init__(self) -> None:
         _check_finite(self, "log")
         _one_of(self.wandb_mode, "log.wandb_mode", ("offline", "online", "disabled"))
+        _check(self.val_every >= 0, "log.val_every", "must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -530,6 +571,19 @@ class RunConfig:
                f"{self.algo.num_minibatches} minibatches do not split the {per_rank} prompts per rank")
         if r.engine == "vllm":
             _check_vllm(self)
+        _check(self.algo.max_tokens_per_micro_batch == 0 or p.pipeline_parallel == 1, "algo.max_tokens_per_micro_batch",
+               "token-budget micro-batches are tested with parallel.pipeline_parallel=1 only")
+        t = self.task
+        _check(self.log.val_every == 0 or bool(t.val_dataset), "log.val_every", "needs task.val_dataset")
+        room = self.model.max_seq_len - r.max_new_tokens
+        _check(t.max_prompt_tokens <= room, "task.max_prompt_tokens",
+               f"{t.max_prompt_tokens} leaves no room for rollout.max_new_tokens={r.max_new_tokens} within "
+               f"model.max_seq_len={self.model.max_seq_len} (at most {room})")
+        _check(t.overlong_buffer < r.max_new_tokens, "task.overlong_buffer",
+               f"{t.overlong_buffer} must be < rollout.max_new_tokens {r.max_new_tokens}")
+        _check(t.tokenizer in ("auto", "builtin:char") or t.tokenizer.startswith("hf:") and len(t.tokenizer) > 3
+               or self.init_weights.startswith("hf:"), "task.tokenizer",
+               f"{t.tokenizer!r} names the init_weights=hf:DIR directory, but init_weights is {self.init_weights!r}")
 
     @property
     def data_parallel(self) -> int:

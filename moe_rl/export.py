@@ -36,9 +36,11 @@ def checkpoint_dir(run_dir: Path, step: int | None) -> Path:
     return path
 
 
-def export_from_checkpoint(learner, ckpt: Path, out_dir: Path, max_shard_bytes: int) -> None:
+def export_from_checkpoint(learner, ckpt: Path, out_dir: Path, max_shard_bytes: int,
+                           dtype: torch.dtype | None = None, extra_files: dict[str, bytes] | None = None) -> None:
     """Collective: load the model part of a dist checkpoint into ``learner`` and write it as an HF
-    checkpoint from rank 0 (every rank gathers the experts)."""
+    checkpoint from rank 0 (every rank gathers the experts), in ``dtype`` (default: as trained),
+    with ``extra_files`` (the tokenizer's) beside it."""
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
@@ -46,13 +48,14 @@ def export_from_checkpoint(learner, ckpt: Path, out_dir: Path, max_shard_bytes: 
     learner.gpt.load_state_dict(state["model"], strict=True)
     canonical = learner.export_canonical()
     if not dist.is_initialized() or dist.get_rank() == 0:
-        write_hf_checkpoint(out_dir, canonical, learner.model_cfg, max_shard_bytes)
+        write_hf_checkpoint(out_dir, canonical, learner.model_cfg, max_shard_bytes, dtype, extra_files)
         log.info("HF checkpoint written: %s (from %s)", out_dir, ckpt)
     if dist.is_initialized():
         dist.barrier()
 
 
-def _export_worker(cfg, ckpt: Path, out_dir: Path, max_shard_bytes: int) -> None:
+def _export_worker(cfg, ckpt: Path, out_dir: Path, max_shard_bytes: int, dtype: torch.dtype | None = None,
+                   extra_files: dict[str, bytes] | None = None) -> None:
     import megatron_patches
     from moe_rl import dist
     from moe_rl.learner.learner import Learner
@@ -65,15 +68,41 @@ def _export_worker(cfg, ckpt: Path, out_dir: Path, max_shard_bytes: int) -> None
     finished = False
     try:
         learner = Learner(cfg.model, cfg.parallel, cfg.optim, ctx, monitor=False)
-        export_from_checkpoint(learner, ckpt, out_dir, max_shard_bytes)
+        export_from_checkpoint(learner, ckpt, out_dir, max_shard_bytes, dtype, extra_files)
         finished = True
     finally:
         dist.shutdown(clean=finished)
 
 
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def export_dtype(name: str, init_weights: str) -> torch.dtype:
+    """``--dtype``: bf16 | fp16 | fp32, or auto: the dtype of the run's ``init_weights=hf:DIR``
+    checkpoint (a bf16 checkpoint comes back bf16, not twice the size), else fp32."""
+    if name != "auto":
+        return DTYPES[name]
+    if init_weights.startswith("hf:") and Path(init_weights[3:]).is_dir():
+        from moe_rl.hf_checkpoint import checkpoint_dtype
+
+        return checkpoint_dtype(init_weights[3:])
+    return torch.float32
+
+
+def tokenizer_files(cfg) -> dict[str, bytes]:
+    """The run's HF tokenizer files (and generation_config.json), {} for the built-in tokenizer."""
+    from moe_rl.tasks.hf_tokenizer import _TOKENIZER_FILES, tokenizer_dir
+
+    directory = tokenizer_dir(cfg.task.tokenizer, cfg.init_weights)
+    if not directory:
+        return {}
+    return {n: (Path(directory) / n).read_bytes() for n in _TOKENIZER_FILES if (Path(directory) / n).is_file()}
+
+
 def export_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None,
-               max_shard_bytes: int = 5 * 2**30) -> None:
-    """`moe-rl export-hf`: the run's ranks (its parallel layout) load a checkpoint and write HF."""
+               max_shard_bytes: int = 5 * 2**30, dtype: str = "auto") -> None:
+    """`moe-rl export-hf`: the run's ranks (its parallel layout) load a checkpoint and write HF, with
+    the run's tokenizer files, in ``dtype`` (``export_dtype``)."""
     from moe_rl.config import load_config
     from moe_rl.launch import spawn_local, under_torchrun
 
@@ -84,7 +113,8 @@ def export_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None
     ckpt = checkpoint_dir(run_dir, step)
     if out_dir.exists():
         raise CheckpointError(f"{out_dir} already exists; an HF export never overwrites")
+    args = (cfg, ckpt, out_dir, max_shard_bytes, export_dtype(dtype, cfg.init_weights), tokenizer_files(cfg))
     if under_torchrun():
-        _export_worker(cfg, ckpt, out_dir, max_shard_bytes)
+        _export_worker(*args)
         return
-    spawn_local(_export_worker, cfg.parallel.nproc, cfg, ckpt, out_dir, max_shard_bytes)
+    spawn_local(_export_worker, cfg.parallel.nproc, *args)

@@ -298,6 +298,18 @@ def load_hf_checkpoint(ckpt_dir: str | Path, model: ModelConfig) -> dict[str, to
     return {k: v.float() for k, v in read_hf_weights(ckpt_dir, model).items()}
 
 
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+def checkpoint_dtype(ckpt_dir: str | Path) -> torch.dtype:
+    """The dtype an HF checkpoint's tensors are stored in (its first tensor's)."""
+    weight_map, _ = _weight_map(Path(ckpt_dir))
+    name = next(iter(weight_map))
+    with open_safetensors(Path(ckpt_dir) / weight_map[name]) as f:
+        stored = f.get_slice(name).get_dtype()
+    return _SAFETENSORS_DTYPES.get(stored, torch.float32)
+
+
 # --------------------------------------------------------------------------------------------
 # weights out
 # --------------------------------------------------------------------------------------------
@@ -316,10 +328,12 @@ def plan_shards(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
 
 
 def write_hf_checkpoint(out_dir: str | Path, canonical: dict[str, torch.Tensor], cfg: ModelConfig,
-                        max_shard_bytes: int = 5 * 2**30, dtype: torch.dtype | None = None) -> Path:
+                        max_shard_bytes: int = 5 * 2**30, dtype: torch.dtype | None = None,
+                        extra_files: dict[str, bytes] | None = None) -> Path:
     """Write ``canonical`` (every tensor of ``cfg``) as an HF checkpoint of ``cfg.hf_family`` (its
     own tensor names and config.json) that ``AutoModelForCausalLM.from_pretrained`` loads.
-    ``out_dir`` must not exist yet.
+    ``out_dir`` must not exist yet. ``extra_files`` (name -> bytes: the tokenizer's files) are
+    written next to the weights, so the directory is a complete HF model.
 
     Files go to ``out_dir.tmp``, are fsynced, then the directory is renamed into place."""
     from moe_rl.rollout.builtin_model import check_canonical_weights
@@ -344,6 +358,8 @@ def write_hf_checkpoint(out_dir: str | Path, canonical: dict[str, torch.Tensor],
         (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
     first_dtype = next(iter(tensors.values())).dtype
     (tmp / CONFIG).write_text(json.dumps(hf_config_dict(cfg, first_dtype), indent=2) + "\n")
+    for name, blob in (extra_files or {}).items():
+        (tmp / name).write_bytes(blob)
     for p in tmp.iterdir():
         fsync_path(p)
     fsync_path(tmp)

@@ -107,6 +107,7 @@ def rollout_metrics(batch: RolloutBatch) -> dict:
         "rollout/response_len_mean": Mean(lens_B.sum(), n),
         "rollout/response_len_max": Max(lens_B.max()),
         "rollout/finished_frac": Mean(batch.finished_B.float().sum(), n),
+        "rollout/truncated_frac": Mean((~batch.finished_B).float().sum(), n),  # hit rollout.max_new_tokens
         "rollout/num_seqs": Sum(n),
         "rollout/num_response_tokens": Sum(lens_B.sum()),
     }

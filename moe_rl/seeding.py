@@ -4,7 +4,7 @@ storing any RNG state."""
 from __future__ import annotations
 
 # the independent random streams of one step
-PROMPTS, GENERATE = 0, 1
+PROMPTS, GENERATE, VALIDATE = 0, 1, 2
 
 
 def step_seed(seed: int, step: int, dp_rank: int, stream: int) -> int:

@@ -3,7 +3,6 @@ metrics -> checkpoint. Features live inside the called components, not as branch
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from pathlib import Path
 
@@ -17,26 +16,17 @@ from moe_rl.learner.learner import Learner
 from moe_rl.lr import LengthLRScheduler
 from moe_rl.metrics import MetricsWriter, reduce_metrics
 from moe_rl.policy_update import finalize, learning_rate, update
-from moe_rl.errors import ConfigError
-from moe_rl.preflight import check_launch, prompt_limit
+from moe_rl.preflight import check_launch
 from moe_rl.preflight import check_run_dir as check_run_directory
-from moe_rl.prepare import prepare, response_ids, rollout_metrics
+from moe_rl.prepare import prepare, rollout_metrics
 from moe_rl.rollout.factory import build_engine, sampling_params
 from moe_rl.routing.plan import ReplayPlan
-from moe_rl.seeding import GENERATE, PROMPTS, step_seed
+from moe_rl.seeding import GENERATE, step_seed
+from moe_rl.tasks.setup import build_task, score_step, validate
 from moe_rl.timing import StepTimer, memory_metrics
-from moe_rl.tasks import CharTokenizer, build_prompt_source, score
 from moe_rl.warmstart import load_init_weights
 
 log = logging.getLogger(__name__)
-
-
-def resolve(cfg: RunConfig, tok: CharTokenizer) -> RunConfig:
-    """Fill values derived from other parts (the vocabulary size from the tokenizer)."""
-    if cfg.model.vocab_size not in (0, tok.vocab_size):
-        raise ConfigError(f"config key 'model.vocab_size' is {cfg.model.vocab_size} but the "
-                         f"tokenizer has {tok.vocab_size} tokens")
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=tok.vocab_size))
 
 
 def preflight(cfg: RunConfig, check_run_dir: bool = True) -> RunConfig:
@@ -44,21 +34,12 @@ def preflight(cfg: RunConfig, check_run_dir: bool = True) -> RunConfig:
 
     Under an external torchrun every rank runs this; only rank 0 checks the run directory, which
     another rank could otherwise see half-written by rank 0."""
-    tok = CharTokenizer()
-    cfg = resolve(cfg, tok)
+    cfg, task = build_task(cfg, start_pool=False)  # tokenizer, datasets (read in full), reward names
     check_launch(cfg)  # CUDA / Transformer Engine / vLLM where the config asks for them
     if check_run_dir:
         check_run_directory(cfg)  # a directory or absent; not taken; on resume: same model, layout, steps
-    prompt_source(cfg, tok)  # reads the dataset; every prompt fits model.max_seq_len
-    load_init_weights(cfg.init_weights, cfg.model, tok)  # checks names, shapes, architecture
+    load_init_weights(cfg.init_weights, cfg.model, task.tokenizer)  # checks names, shapes, architecture
     return cfg
-
-
-def prompt_source(cfg: RunConfig, tok: CharTokenizer):
-    t = cfg.task
-    limit, why = prompt_limit(cfg)
-    return build_prompt_source(t.tasks, t.min_len, t.max_len, t.dataset, t.reward, tok,
-                               max_prompt_tokens=limit, overlong=t.overlong, why=why)
 
 
 def progress(cfg: RunConfig, start: int, dims: ParallelDims) -> tqdm:
@@ -67,14 +48,13 @@ def progress(cfg: RunConfig, start: int, dims: ParallelDims) -> tqdm:
 
 
 def train(cfg: RunConfig, dims: ParallelDims) -> None:
-    tok = CharTokenizer()
-    cfg = resolve(cfg, tok)
-    run_dir, r, a = Path(cfg.run_dir), cfg.rollout, cfg.algo
+    cfg, task = build_task(cfg)
+    run_dir, r, a, tok = Path(cfg.run_dir), cfg.rollout, cfg.algo, task.tokenizer
     plan = ReplayPlan.from_config(cfg.routing.replay, cfg.routing.replay_reference, cfg.log.router_monitor)
-    source = prompt_source(cfg, tok)
     init = load_init_weights(cfg.init_weights, cfg.model, tok)
     learner = Learner(cfg.model, cfg.parallel, cfg.optim, dims, init, with_reference=a.kl_coef > 0,
-                      monitor=cfg.log.router_monitor, monitor_margin_eps=cfg.log.router_margin_eps)
+                      monitor=cfg.log.router_monitor, monitor_margin_eps=cfg.log.router_margin_eps,
+                      max_tokens_per_micro_batch=a.max_tokens_per_micro_batch)
     engine, lr_sched = build_engine(cfg, tok.pad_id, learner.device), LengthLRScheduler(cfg.optim.length_lr)
     ckpt = CheckpointManager(cfg, learner, lr_sched)
     start = ckpt.resume()
@@ -84,18 +64,18 @@ def train(cfg: RunConfig, dims: ParallelDims) -> None:
         (run_dir / "config.yaml").write_text(to_yaml(cfg))
     writer = MetricsWriter(run_dir, to_dict(cfg), cfg.log.wandb_mode, cfg.log.wandb_project,
                            dims.rank, resume_step=start if cfg.resume else None)
-    bar, sampling = progress(cfg, start, dims), sampling_params(cfg, (tok.eos_id,))
+    bar, sampling = progress(cfg, start, dims), sampling_params(cfg, tok.eos_ids)
     health = HealthMonitor(cfg.log.health, cfg.model.vocab_size, active=dims.is_main)
     for step in range(start, cfg.steps):
+        m_val = validate(cfg, task, engine, step, dims.dp_rank, dims.dp_size)  # every log.val_every steps
         timer = StepTimer()
         with timer.phase("rollout"):
-            prompts = source.sample(r.prompts_per_step // dims.dp_size,
-                                    seed=step_seed(cfg.seed, step, dims.dp_rank, PROMPTS))
+            prompts = task.source.sample_step(step, r.prompts_per_step // dims.dp_size, dims.dp_rank, dims.dp_size,
+                                              cfg.seed)
             batch = engine.generate([p.prompt_ids for p in prompts], r.samples_per_prompt, sampling,
                                     seed=step_seed(cfg.seed, step, dims.dp_rank, GENERATE))
         with timer.phase("old_logprob"):
-            rewards_B, m_reward = score(prompts, response_ids(batch, tok.pad_id), tok, r.samples_per_prompt,
-                                        task_names=source.task_names)
+            rewards_B, m_reward = score_step(cfg, task, prompts, batch)
             train_batch, m_old = prepare(cfg, plan, learner, batch, rewards_B)
             lr, m_lr, events = learning_rate(cfg, lr_sched, step, batch, dims.dp_group)
         with timer.phase("update"):
@@ -103,7 +83,7 @@ def train(cfg: RunConfig, dims: ParallelDims) -> None:
         with timer.phase("sync"):
             engine.load_weights(learner.export_canonical())  # weight sync learner -> engine
         # over data-parallel ranks: tensor-parallel peers hold the same batch and the same metrics
-        metrics = finalize(reduce_metrics({**m_reward, **m_old, **m_update, **m_lr, **rollout_metrics(batch),
+        metrics = finalize(reduce_metrics({**m_val, **m_reward, **m_old, **m_update, **m_lr, **rollout_metrics(batch),
                                            **timer.metrics(), **memory_metrics(learner.device)}, group=dims.dp_group))
         writer.log(step, metrics)
         writer.log_events(events + health.observe(step, metrics))  # LR decays, health alarms
@@ -113,3 +93,4 @@ def train(cfg: RunConfig, dims: ParallelDims) -> None:
             ckpt.save(step)
     bar.close()
     writer.close()
+    task.pool.close()

@@ -140,21 +140,51 @@ class TrainBatch:
         padded so that B * S is a multiple of ``token_multiple`` (TE's FP8 GEMMs need 16) and S a
         multiple of ``seq_multiple`` (sequence parallelism splits S over the TP ranks). Padding
         is zeros: out of every mask, and pad routes in the replay layout."""
-        out = []
         lens = self.seq_lens_B.tolist()  # one host sync per pass: slicing needs Python ints
-        for start in range(0, len(lens), size):
-            chunk = lens[start:start + size]
-            s_max, b = max(chunk), len(chunk)
-            step = math.lcm(token_multiple // math.gcd(b, token_multiple), seq_multiple)  # S is a multiple of it
-            extra = -(-s_max // step) * step - s_max
-            idx_B = torch.arange(start, start + b, device="cpu")  # route records live on the host
+        return [self._chunk(list(range(start, min(start + size, len(lens)))), lens, token_multiple, seq_multiple)
+                for start in range(0, len(lens), size)]
 
-            def positions(v: torch.Tensor) -> torch.Tensor:
-                v = v[start:start + b, :s_max]
-                return torch.nn.functional.pad(v, [0, 0] * (v.dim() - 2) + [0, extra]) if extra else v
+    def micro_batches_by_tokens(self, max_tokens: int, token_multiple: int = 1,
+                                seq_multiple: int = 1) -> tuple[list[TrainBatch], torch.Tensor]:
+        """Micro-batches by token budget (verl's dynamic batch size): sequences sorted by length,
+        longest first, and packed greedily while (sequences x longest length) <= ``max_tokens``; a
+        sequence longer than the budget gets a micro-batch of its own. Each is trimmed and padded
+        as in ``micro_batches``.
 
-            out.append(self._map(positions, lambda v: v[start:start + b], lambda r: r.select(idx_B)))
-        return out
+        Returns:
+            micro_batches: the batches, in packing order.
+            order_B: int64 [B], micro-batch position -> original sequence index (concatenating the
+                micro-batches' rows gives ``self.select(order_B)``; ``argsort(order_B)`` undoes it).
+        """
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        lens = self.seq_lens_B.tolist()
+        order = sorted(range(len(lens)), key=lambda b: -lens[b])  # stable: ties keep their order
+        groups: list[list[int]] = []
+        for b in order:  # lengths only fall, so the group's first sequence is its longest
+            if groups and (len(groups[-1]) + 1) * lens[groups[-1][0]] <= max_tokens:
+                groups[-1].append(b)
+            else:
+                groups.append([b])
+        return ([self._chunk(g, lens, token_multiple, seq_multiple) for g in groups],
+                torch.tensor(order, dtype=torch.long, device="cpu"))
+
+    def _chunk(self, idx: list[int], lens: list[int], token_multiple: int, seq_multiple: int) -> TrainBatch:
+        """The sequences ``idx`` (in that order), trimmed to their longest and padded (see micro_batches)."""
+        s_max, b = max(lens[i] for i in idx), len(idx)
+        step = math.lcm(token_multiple // math.gcd(b, token_multiple), seq_multiple)  # S is a multiple of it
+        extra = -(-s_max // step) * step - s_max
+        consecutive = idx == list(range(idx[0], idx[0] + b))
+        idx_B = torch.tensor(idx, dtype=torch.long, device="cpu")  # made on the host, like route records
+
+        def rows(v: torch.Tensor) -> torch.Tensor:  # slicing (a view) where the rows are consecutive
+            return v[idx[0]:idx[0] + b] if consecutive else v[idx_B.to(v.device)]
+
+        def positions(v: torch.Tensor) -> torch.Tensor:
+            v = rows(v)[:, :s_max]
+            return torch.nn.functional.pad(v, [0, 0] * (v.dim() - 2) + [0, extra]) if extra else v
+
+        return self._map(positions, rows, lambda r: r.select(idx_B))
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ def _measure(args) -> list[dict]:
     from moe_rl.routing.plan import PassMode, PassPlan
     from moe_rl.types import TrainBatch
     from moe_rl.tasks import CharTokenizer, build_prompt_source
-    from moe_rl.trainer import resolve
+    from moe_rl.tasks.setup import resolve_vocab as resolve
     from moe_rl.warmstart import load_init_weights
 
     torch.set_num_threads(1)

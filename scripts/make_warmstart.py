@@ -55,7 +55,7 @@ def main() -> None:
     from moe_rl.rollout.factory import sampling_params
     from moe_rl.rollout.builtin import BuiltinEngine
     from moe_rl.tasks import CharTokenizer, build_prompt_source, score
-    from moe_rl.trainer import resolve
+    from moe_rl.tasks.setup import resolve_vocab as resolve
     from moe_rl.warmstart import save_init_weights
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")

@@ -132,8 +132,10 @@ class Learner:
 
     def __init__(self, model_cfg: ModelConfig, par: ParallelConfig, optim: OptimConfig,
                  dims: ParallelDims, init_weights: dict[str, torch.Tensor] | None = None,
-                 with_reference: bool = False, monitor: bool = True, monitor_margin_eps: float = 0.1):
+                 with_reference: bool = False, monitor: bool = True, monitor_margin_eps: float = 0.1,
+                 max_tokens_per_micro_batch: int = 0):
         self.model_cfg, self.par, self.dims = model_cfg, par, dims
+        self.max_tokens_per_micro_batch = max_tokens_per_micro_batch  # > 0: token-budget micro-batches
         self.shard = Shard.for_stage(model_cfg, dims.pp_rank, dims.pp_size, dims.tp_rank, dims.tp_size,
                                      dims.etp_rank, dims.etp_size)
         self.vocab_shard = (VocabShard(dims.tp_rank * model_cfg.vocab_size // dims.tp_size, dims.tp_group)
@@ -268,6 +270,14 @@ class Learner:
                 micro_batch_size=int(micro_batches[0].tokens_BS.shape[0]), forward_only=forward_only)
         return outs, p.outcome or RoutingOutcome()
 
+    def _micro_batches(self, batch: TrainBatch, micro_batch_size: int) -> tuple[list[TrainBatch], torch.Tensor | None]:
+        """The pass's micro-batches: ``micro_batch_size`` sequences each, or by token budget
+        (``max_tokens_per_micro_batch``, sorted by length), then with the order to undo it."""
+        if self.max_tokens_per_micro_batch > 0:
+            return batch.micro_batches_by_tokens(self.max_tokens_per_micro_batch, self.token_multiple,
+                                                 self.dims.tp_size)
+        return batch.micro_batches(micro_batch_size, self.token_multiple, self.dims.tp_size), None
+
     @torch.no_grad()
     def forward_logprobs(self, batch: TrainBatch, temperature: float, micro_batch_size: int,
                          plan: PassPlan | None = None, reference: bool = False) -> LogprobOutput:
@@ -286,7 +296,7 @@ class Learner:
 
         batch = batch.to(self.device)
         self._check_replicated(batch.tokens_BS)
-        mbs = batch.micro_batches(micro_batch_size, self.token_multiple, self.dims.tp_size)
+        mbs, order_B = self._micro_batches(batch, micro_batch_size)
         outs, routing = self._schedule(model, replay, mbs, collect, True, plan)
         S = batch.tokens_BS.shape[1]
 
@@ -296,6 +306,11 @@ class Learner:
             return torch.cat([torch.nn.functional.pad(o[key][:, :c], (0, S - c)) for o, c in zip(outs, cols)])
 
         stats = {k: gather(k) for k in outs[0]} if self.dims.is_last_stage else None
+        if order_B is not None:  # token-budget micro-batches: statistics and recorded routes back in batch order
+            undo_B = torch.argsort(order_B)
+            stats = {k: v[undo_B.to(v.device)] for k, v in stats.items()} if stats is not None else None
+            if routing.recorded is not None:
+                routing = dataclasses.replace(routing, recorded=routing.recorded.select(undo_B))
         if self.dims.pp_size > 1:
             stats = self._broadcast_stats(stats)
         return LogprobOutput(TokenStats(**stats), routing)
@@ -358,7 +373,7 @@ class Learner:
 
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
-        mbs = batch.micro_batches(micro_batch_size, self.token_multiple, self.dims.tp_size)
+        mbs, _ = self._micro_batches(batch, micro_batch_size)  # the loss is a sum: any order
         if plan is not None:
             plan = dataclasses.replace(plan, prefix="routing/update_")
         loss_metrics, routing = self._schedule(self.ddp, self.replay, mbs, compute, False, plan, monitor=True)

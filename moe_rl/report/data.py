@@ -36,6 +36,10 @@ PANELS = (
 # step curves next to the heatmaps: reward, correction and mismatch metrics (when logged)
 CURVES = (
     ("reward/mean", "Reward"),
+    ("val/reward/mean", "Validation reward, greedy (log.val_every)"),
+    ("val/reward_sampled/mean", "Validation reward, sampled"),
+    ("rollout/truncated_frac", "Responses that hit rollout.max_new_tokens"),
+    ("reward/overlong_penalty_mean", "DAPO overlong penalty (mean)"),
     ("routing/flip_token_frac", "Tokens with a rollout-vs-learner flip in any layer"),
     ("router_grad/update_flip_token_frac", "Tokens with an update-induced flip in any layer"),
     ("corr/k3_kl", "k3 KL, rollout to learner"),
@@ -173,6 +177,13 @@ def headline(run: Run) -> list[tuple[str, float | str]]:
         ("reward, first 10% of steps", nanmean(reward_T[:tenth])),
         ("reward, last 10% of steps", nanmean(reward_T[-tenth:])),
     ]
+    for label, key in (("validation reward, greedy", "val/reward/mean"),
+                       ("validation reward, sampled", "val/reward_sampled/mean")):
+        val_T = run.series(key)
+        logged = val_T[np.isfinite(val_T)]
+        if logged.size:
+            rows += [(f"{label}, first", float(logged[0])), (f"{label}, last", float(logged[-1]))]
+    rows.append(("truncated responses (mean)", nanmean(run.series("rollout/truncated_frac"))))
     for label, key in (("rollout-vs-learner router flips", "routing/flip_router_frac"),
                        ("tokens with any rollout-vs-learner flip", "routing/flip_token_frac"),
                        ("update-induced router flips", "router_grad/update_flip_frac"),

@@ -7,6 +7,7 @@ task and reward registries.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -14,20 +15,22 @@ from moe_rl.errors import ConfigError
 from moe_rl.tasks.dataset import (
     DatasetError,
     GeneratedTasks,
-    JsonlDataset,
     Prompt,
     PromptSource,
     check_task_names,
 )
+from moe_rl.tasks.hf_tokenizer import HFTokenizer, TokenizerError, check_vocab_fits, load_tokenizer
 from moe_rl.tasks.generators import TASKS, register_task
 from moe_rl.tasks.rewards import (
     REWARDS,
     char_accuracy,
     check_reward_name,
     exact_match,
+    overlong_penalty,
     register_reward,
     score,
 )
+from moe_rl.tasks.rows import RowDataset, RowSpec
 from moe_rl.tasks.tokenizer import CharTokenizer
 
 logger = logging.getLogger(__name__)
@@ -38,13 +41,19 @@ __all__ = [
     "CharTokenizer",
     "DatasetError",
     "GeneratedTasks",
-    "JsonlDataset",
+    "HFTokenizer",
+    "RowDataset",
+    "RowSpec",
+    "TokenizerError",
     "Prompt",
     "PromptSource",
     "build_prompt_source",
     "char_accuracy",
     "check_reward_name",
     "check_task_names",
+    "check_vocab_fits",
+    "load_tokenizer",
+    "overlong_penalty",
     "exact_match",
     "register_reward",
     "register_task",
@@ -53,44 +62,31 @@ __all__ = [
 
 
 def build_prompt_source(tasks: list[str], min_len: int, max_len: int, dataset_path: str | Path,
-                        reward: str, tokenizer: CharTokenizer, max_prompt_tokens: int | None = None,
-                        overlong: str = "error", why: str = "") -> PromptSource:
-    """The prompt source for a run: the JSONL file if ``dataset_path`` is set, else the tasks.
+                        reward: str, tokenizer: CharTokenizer | HFTokenizer,
+                        spec: RowSpec | None = None) -> PromptSource:
+    """The prompt source for a run: the rows of ``dataset_path`` if set, else the tasks.
 
     Args:
         tasks: generated task names (mixed uniformly); ignored when a dataset is given.
         min_len, max_len: digit counts of generated prompts; ignored when a dataset is given.
-        dataset_path: JSONL prompt file, or "" for generated tasks.
-        reward: reward name (the default for dataset lines that name none).
+        dataset_path: JSONL / Parquet prompt rows, or "" for generated tasks.
+        reward: reward name (the default for rows that name none).
         tokenizer: encodes the prompts.
-        max_prompt_tokens: the longest prompt (bos included) the run can take (None: no limit);
-            ``why`` names the config keys that set it.
-        overlong: a longer dataset prompt is an "error" (DataError naming file:line) or dropped
-            ("drop", with a warning giving the count); generated tasks that can draw a longer
-            prompt are a ConfigError.
+        spec: how rows become prompts (keys, chat template, length limit); default keys otherwise.
     Raises:
         ConfigError: unknown task or reward name, bad lengths, too long; DataError for a bad file.
     """
     if dataset_path:
         logger.info("prompts from %s; task.tasks/min_len/max_len are not used", dataset_path)
-        try:
-            data = JsonlDataset(dataset_path, tokenizer, default_reward=reward)
-        except DatasetError:
-            raise
-        except ValueError as e:
-            raise ConfigError(f"config key 'task.reward': {e}") from None
-        if max_prompt_tokens is not None:
-            dropped = data.fit(max_prompt_tokens, why, drop=overlong == "drop")
-            if dropped:
-                logger.warning("%s: dropped %d of %d prompts longer than %d tokens (%s; task.overlong=drop)",
-                               dataset_path, dropped, dropped + len(data), max_prompt_tokens, why)
-        return data
+        spec = dataclasses.replace(spec or RowSpec(), default_reward=reward)
+        return RowDataset(dataset_path, spec, tokenizer)
     try:
         gen = GeneratedTasks(list(tasks), min_len, max_len, tokenizer, reward=reward)
     except ValueError as e:
         raise ConfigError(f"config key 'task': {e}") from None
-    if max_prompt_tokens is not None and gen.longest_prompt_tokens() > max_prompt_tokens:
+    limit = spec.max_prompt_tokens if spec is not None else 0
+    if limit and gen.longest_prompt_tokens() > limit:
         raise ConfigError(f"config key 'task.max_len': {max_len} digits give prompts of up to "
-                          f"{gen.longest_prompt_tokens()} tokens, more than {max_prompt_tokens} ({why}); "
+                          f"{gen.longest_prompt_tokens()} tokens, more than {limit} ({spec.limit_why}); "
                           f"lower task.max_len or raise model.max_seq_len")
     return gen

@@ -1,5 +1,10 @@
 """Verifiable rewards: a registry of vectorized scoring functions, and ``score`` to dispatch them.
 
+One name space for ``task.reward``: the token rewards below (``REWARDS``, vectorised over ids; they
+serve the built-in character tokenizer), the text rewards of ``moe_rl/text_rewards.py`` (``math``,
+text forms of ``exact_match`` / ``char_accuracy``; scored per sample in a worker pool) and
+``python:FILE.py:FUNCTION``. ``check_reward_name`` checks a name against all of them.
+
 Every reward function has one signature::
 
     fn(response_ids_BS, answer_ids_BA, eos_id, pad_id) -> (rewards_B, metrics)
@@ -35,6 +40,7 @@ import torch
 from moe_rl.metrics import Mean, MetricValue, Std
 from moe_rl.registry import Registry
 from moe_rl.tasks.tokenizer import CharTokenizer
+from moe_rl.text_rewards import TEXT_REWARDS, USER_PREFIX, RewardPool, TextSample, TextScore, load_user_reward
 
 if TYPE_CHECKING:
     from moe_rl.tasks.dataset import Prompt
@@ -44,7 +50,6 @@ RewardFn = Callable[[torch.Tensor, torch.Tensor, int, int], tuple[torch.Tensor, 
 
 REWARDS: Registry[RewardFn] = Registry("reward")
 register_reward = REWARDS.register
-check_reward_name = REWARDS.check
 
 
 def _align(response_ids_BS: torch.Tensor, answer_ids_BA: torch.Tensor, eos_id: int,
@@ -135,25 +140,44 @@ def char_accuracy(response_ids_BS: torch.Tensor, answer_ids_BA: torch.Tensor, eo
     return rewards_B.float(), metrics
 
 
+def check_reward_name(name: str) -> None:
+    """A token reward, a text reward or an importable ``python:FILE.py:FUNCTION``; ValueError otherwise."""
+    if name.startswith(USER_PREFIX):
+        load_user_reward(name)
+    elif name not in REWARDS and name not in TEXT_REWARDS:
+        raise ValueError(f"unknown reward {name!r}; known: {sorted(set(REWARDS) | set(TEXT_REWARDS))} "
+                         f"or python:FILE.py:FUNCTION")
+
+
+def uses_token_reward(name: str, tokenizer) -> bool:
+    """Token rewards (vectorised over ids) serve the character tokenizer; text rewards the rest."""
+    return isinstance(tokenizer, CharTokenizer) and name in REWARDS
+
+
 def score(prompts: list[Prompt], response_ids_BS: torch.Tensor, tokenizer: CharTokenizer,
-          group_size: int, task_names: Sequence[str] = ()) -> tuple[torch.Tensor, Metrics]:
+          group_size: int, task_names: Sequence[str] = (), pool: RewardPool | None = None,
+          text_metrics: bool = False) -> tuple[torch.Tensor, Metrics]:
     """Score B = len(prompts) * group_size responses; sequence b answers prompt b // group_size.
 
-    Each reward kind present runs once, vectorized over the sequences (selected by mask) whose
-    prompt names it.
+    Each reward kind present runs once: a token reward vectorized over the sequences (selected by
+    mask) whose prompt names it (character tokenizer), a text reward per sample on the decoded
+    responses in ``pool`` (``moe_rl/text_rewards.py``).
 
     Args:
         prompts: P prompts, each naming its answer, reward and task.
         response_ids_BS: int64 [B, S] generated tokens, right-padded with the pad id.
-        tokenizer: encodes the answers.
+        tokenizer: encodes the answers / decodes the responses.
         group_size: samples per prompt.
         task_names: tasks that get a ``reward/mean/<task>`` metric (pass the source's
             ``task_names`` so every rank has the same keys); a task missing locally gives a
             zero-count Mean.
+        pool: scores text rewards (default: in this process, 10 s per sample).
+        text_metrics: add ``reward/error_frac`` and ``reward/timeout_frac`` (the run's config
+            decides, so every rank has the same keys).
     Returns:
         rewards_B: float32 [B] in [0, 1].
-        metrics: local ``reward/mean``, ``reward/std``, ``reward/exact_match_frac``,
-            ``reward/eos_frac`` (responses containing eos) and ``reward/mean/<task>``.
+        metrics: local ``reward/mean``, ``reward/std``, ``reward/exact_match_frac`` (character
+            tokenizer), ``reward/eos_frac`` (responses containing eos) and ``reward/mean/<task>``.
     Raises:
         ValueError: B != len(prompts) * group_size, or a prompt names an unknown reward.
     """
@@ -163,26 +187,66 @@ def score(prompts: list[Prompt], response_ids_BS: torch.Tensor, tokenizer: CharT
     if num_seqs != len(prompts) * group_size:
         raise ValueError(f"{num_seqs} responses for {len(prompts)} prompts x {group_size} samples")
     device = response_ids_BS.device
-    answer_ids_BA = tokenizer.pad([tokenizer.encode(p.answer) for p in prompts]).to(device)
-    answer_ids_BA = answer_ids_BA.repeat_interleave(group_size, dim=0)
     rewards_B = torch.zeros(num_seqs, dtype=torch.float32, device=device)
+    error_B, timeout_B = torch.zeros_like(rewards_B, dtype=torch.bool), torch.zeros_like(rewards_B, dtype=torch.bool)
+    char = isinstance(tokenizer, CharTokenizer)
+    answer_ids_BA = None
+    if char:
+        answer_ids_BA = tokenizer.pad([tokenizer.encode(p.answer) for p in prompts]).to(device)
+        answer_ids_BA = answer_ids_BA.repeat_interleave(group_size, dim=0)
     for name, mask_B in _group_masks([p.reward for p in prompts], group_size, device).items():
         check_reward_name(name)
-        rewards_B[mask_B], _ = REWARDS[name](response_ids_BS[mask_B], answer_ids_BA[mask_B],
-                                             tokenizer.eos_id, tokenizer.pad_id)
-    exact_B, _ = exact_match(response_ids_BS, answer_ids_BA, tokenizer.eos_id, tokenizer.pad_id)
+        if uses_token_reward(name, tokenizer):
+            rewards_B[mask_B], _ = REWARDS[name](response_ids_BS[mask_B], answer_ids_BA[mask_B],
+                                                 tokenizer.eos_id, tokenizer.pad_id)
+        else:
+            idx = mask_B.nonzero().flatten().tolist()
+            scored = _score_text(prompts, response_ids_BS, idx, group_size, tokenizer, pool)
+            rewards_B[mask_B] = torch.tensor([x.score for x in scored], dtype=torch.float32, device=device)
+            error_B[mask_B] = torch.tensor([x.error for x in scored], dtype=torch.bool, device=device)
+            timeout_B[mask_B] = torch.tensor([x.timed_out for x in scored], dtype=torch.bool, device=device)
     r64_B = rewards_B.to(torch.float64)
-    metrics: Metrics = {
-        "reward/mean": _mean(rewards_B),
-        "reward/std": Std(r64_B.sum(), (r64_B * r64_B).sum(), _mean(r64_B).count),
-        "reward/exact_match_frac": _mean(exact_B),
-        "reward/eos_frac": _mean((response_ids_BS == tokenizer.eos_id).any(dim=1)),
-    }
+    metrics: Metrics = {"reward/mean": _mean(rewards_B),
+                        "reward/std": Std(r64_B.sum(), (r64_B * r64_B).sum(), _mean(r64_B).count)}
+    if char:
+        exact_B, _ = exact_match(response_ids_BS, answer_ids_BA, tokenizer.eos_id, tokenizer.pad_id)
+        metrics["reward/exact_match_frac"] = _mean(exact_B)
+    eos_ids = torch.tensor(tokenizer.eos_ids, dtype=response_ids_BS.dtype, device=device)
+    metrics["reward/eos_frac"] = _mean(torch.isin(response_ids_BS, eos_ids).any(dim=1))
+    if text_metrics:
+        metrics["reward/error_frac"], metrics["reward/timeout_frac"] = _mean(error_B), _mean(timeout_B)
     task_masks = _group_masks([p.task for p in prompts], group_size, device)
     for task in task_names:
         mask_B = task_masks.get(task, torch.zeros(num_seqs, dtype=torch.bool, device=device))
         metrics[f"reward/mean/{task}"] = _mean(rewards_B[mask_B])
     return rewards_B, metrics
+
+
+def _score_text(prompts: list[Prompt], response_ids_BS: torch.Tensor, idx: list[int], group_size: int,
+                tokenizer, pool: RewardPool | None) -> list[TextScore]:
+    """Decode the responses ``idx`` and score them (per sample: text rewards are Python)."""
+    rows = response_ids_BS[idx].tolist()
+    samples = []
+    for b, row in zip(idx, rows):
+        p = prompts[b // group_size]
+        samples.append(TextSample(p.reward, p.text, tokenizer.decode(row), p.answer, p.extra))
+    return (pool or RewardPool(0, 10.0)).score(samples)
+
+
+def overlong_penalty(response_lens_B: torch.Tensor, max_new_tokens: int, buffer: int,
+                     factor: float) -> tuple[torch.Tensor, Metrics]:
+    """DAPO's soft overlong penalty: 0 up to L - buffer tokens, then falling linearly to -factor at
+    L = max_new_tokens (DAPO eq. 13, L_cache = buffer).
+
+    Args:
+        response_lens_B: int64 [B] generated tokens (stop token included).
+    Returns:
+        penalty_B: float32 [B] in [-factor, 0]; metrics ``reward/overlong_penalty_mean``,
+        ``reward/overlong_frac`` (responses inside the penalised window).
+    """
+    over_B = (response_lens_B.float() - (max_new_tokens - buffer)).clamp(min=0.0)
+    penalty_B = -(over_B / buffer).clamp(max=1.0) * factor
+    return penalty_B, {"reward/overlong_penalty_mean": _mean(penalty_B), "reward/overlong_frac": _mean(over_B > 0)}
 
 
 def _group_masks(labels: list[str], group_size: int,

@@ -56,6 +56,15 @@ class CharTokenizer:
         return 2
 
     @property
+    def eos_ids(self) -> tuple[int, ...]:
+        """Every id generation stops on (one here)."""
+        return (self.eos_id,)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return False
+
+    @property
     def tokens(self) -> tuple[str, ...]:
         """Every token, indexed by id (specials first)."""
         return self._tokens

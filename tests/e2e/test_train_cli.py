@@ -137,7 +137,7 @@ def test_bad_dataset_line_names_file_and_line(tmp_path):
     data.write_text('{"prompt": "C12:", "answer": "12"}\n\n{"prompt": "C1Z:", "answer": "1"}\n')
     proc = moe_rl("train", f"run_dir={tmp_path / 'r'}", f"task.dataset={data}", check=False, timeout=120)
     assert proc.returncode != 0
-    assert f"{data}:3" in proc.stderr, proc.stderr[-2000:]
+    assert f"{data}: row 2: key 'prompt': character 'Z'" in proc.stderr, proc.stderr[-2000:]
 
 
 @pytest.mark.e2e

@@ -253,3 +253,33 @@ def test_score_keys_do_not_depend_on_the_local_mix() -> None:
     key_sets.add(tuple(sorted(metrics)))
     assert key_sets == {tuple(sorted(["reward/mean", "reward/std", "reward/exact_match_frac",
                                       "reward/eos_frac"] + [f"reward/mean/{t}" for t in names]))}
+
+
+# ---------------------------------------------------------------- text rewards through score()
+
+@pytest.mark.unit
+def test_score_text_rewards_with_hf_tokenizer(hf_tok_dir, tmp_path) -> None:
+    from moe_rl.tasks import HFTokenizer
+
+    tok = HFTokenizer(hf_tok_dir)
+    user = tmp_path / "r.py"
+    user.write_text("def f(prompt, response, ground_truth, extra):\n"
+                    "    if response == 'x':\n        raise ValueError('no')\n"
+                    "    return {'score': 0.25 * extra['k']}\n")
+    prompts = [Prompt([1], "12", "math", "a", text="q"), Prompt([1], "3", f"python:{user}:f", "b", extra={"k": 2})]
+    texts = ["so \\boxed{12}", "\\boxed{13}", "y", "x"]
+    rows = [tok.encode(t) + [tok.eos_id, 5, 6] for t in texts]  # anything after the first eos is ignored
+    rewards_B, m = score(prompts, tok.pad(rows), tok, 2, task_names=("a", "b"), text_metrics=True)
+    assert rewards_B.tolist() == [1.0, 0.0, 0.5, 0.0]
+    assert {k: float(v.sum / v.count) for k, v in m.items() if isinstance(v, Mean)} == {
+        "reward/mean": 0.375, "reward/eos_frac": 1.0, "reward/error_frac": 0.25, "reward/timeout_frac": 0.0,
+        "reward/mean/a": 0.5, "reward/mean/b": 0.25}
+
+
+@pytest.mark.unit
+def test_overlong_penalty_is_dapo_soft_linear() -> None:
+    from moe_rl.tasks import overlong_penalty
+
+    penalty_B, m = overlong_penalty(torch.tensor([10, 16, 17, 18, 20]), max_new_tokens=20, buffer=4, factor=0.5)
+    assert penalty_B.tolist() == [0.0, 0.0, -0.125, -0.25, -0.5]
+    assert float(m["reward/overlong_frac"].sum) == 3.0 and float(m["reward/overlong_penalty_mean"].sum) == -0.875

@@ -1,0 +1,137 @@
+"""A run's task side, built from the config: tokenizer, prompt sources, reward pool; and the
+step's scoring (rewards, the overlong penalty, the dataset's dropped-prompt count) and validation.
+
+``build_task`` is what ``trainer.preflight`` runs before any rank starts (every bad input of the
+task side fails there, naming file, row and key) and what every rank runs to train.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from moe_rl.config import RunConfig
+from moe_rl.tasks import (
+    CharTokenizer,
+    DatasetError,
+    HFTokenizer,
+    PromptSource,
+    RowDataset,
+    RowSpec,
+    build_prompt_source,
+    check_vocab_fits,
+    load_tokenizer,
+    overlong_penalty,
+    score,
+)
+from moe_rl.tasks.hf_tokenizer import TokenizerError
+from moe_rl.tasks.rewards import uses_token_reward
+from moe_rl.text_rewards import RewardPool
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Task:
+    """What the loop needs from the task side."""
+
+    tokenizer: CharTokenizer | HFTokenizer
+    source: PromptSource
+    val_source: RowDataset | None
+    pool: RewardPool
+    text_metrics: bool  # the run scores text rewards: log reward/error_frac and reward/timeout_frac
+
+
+def row_spec(cfg: RunConfig) -> RowSpec:
+    """A configured ``task.max_prompt_tokens`` drops longer prompts; without one, the room
+    ``model.max_seq_len`` leaves for ``rollout.max_new_tokens`` is the limit and ``task.overlong``
+    says whether a longer prompt is an error or dropped."""
+    t, m, r = cfg.task, cfg.model.max_seq_len, cfg.rollout.max_new_tokens
+    if t.max_prompt_tokens:
+        limit, overlong, why = t.max_prompt_tokens, "drop", f"task.max_prompt_tokens={t.max_prompt_tokens}"
+    else:
+        limit, overlong, why = m - r, t.overlong, f"model.max_seq_len={m} minus rollout.max_new_tokens={r}"
+    return RowSpec(t.prompt_key, t.answer_key, t.source_key, t.reward, t.apply_chat_template,
+                   t.add_generation_prompt, dict(t.chat_template_kwargs), max(limit, 1), overlong, why)
+
+
+def resolve_vocab(cfg: RunConfig, tok: CharTokenizer | HFTokenizer) -> RunConfig:
+    """model.vocab_size: as configured, else the HF checkpoint's (padded embeddings), else the
+    tokenizer's; it must hold every token id."""
+    vocab = cfg.model.vocab_size
+    if vocab == 0 and cfg.init_weights.startswith("hf:"):
+        path = Path(cfg.init_weights[3:]) / "config.json"
+        if path.is_file():
+            vocab = int(json.loads(path.read_text()).get("vocab_size", 0))
+    vocab = vocab or tok.vocab_size
+    check_vocab_fits(tok, vocab)
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab))
+
+
+def build_task(cfg: RunConfig, start_pool: bool = True) -> tuple[RunConfig, Task]:
+    """The tokenizer, the prompt sources (files read and checked in full) and the reward pool."""
+    t = cfg.task
+    tok = load_tokenizer(t.tokenizer, cfg.init_weights)
+    cfg = resolve_vocab(cfg, tok)
+    spec = row_spec(cfg)
+    source = build_prompt_source(t.tasks, t.min_len, t.max_len, t.dataset, t.reward, tok, spec)
+    val = RowDataset(t.val_dataset, dataclasses.replace(spec, default_reward=t.reward), tok) if t.val_dataset else None
+    if val is not None and len(val.prompts[:t.val_max_prompts or None]) < cfg.data_parallel:
+        raise DatasetError(f"{t.val_dataset}: {len(val)} validation prompts for {cfg.data_parallel} "
+                           "data-parallel ranks; each rank needs at least one")
+    text = not uses_token_reward(t.reward, tok) or isinstance(tok, HFTokenizer)
+    pool = RewardPool(t.reward_workers if text else 0, t.reward_timeout_s)
+    return cfg, Task(tok, source, val, pool.start() if start_pool else pool, text)
+
+
+def score_step(cfg: RunConfig, task: Task, prompts: list, batch) -> tuple[torch.Tensor, dict]:
+    """Rewards of a rollout (plus the overlong penalty when on) and the reward metrics."""
+    from moe_rl.prepare import response_ids
+
+    t = cfg.task
+    rewards_B, metrics = score(prompts, response_ids(batch, task.tokenizer.pad_id), task.tokenizer,
+                               cfg.rollout.samples_per_prompt, task_names=task.source.task_names,
+                               pool=task.pool, text_metrics=task.text_metrics)
+    if t.overlong_buffer > 0:
+        penalty_B, m_pen = overlong_penalty(batch.response_lens_B, cfg.rollout.max_new_tokens, t.overlong_buffer,
+                                            t.overlong_penalty)
+        rewards_B = rewards_B + penalty_B.to(rewards_B.device)
+        metrics.update(m_pen)
+    if isinstance(task.source, RowDataset):
+        metrics["rollout/prompts_dropped_too_long"] = task.source.num_dropped
+    return rewards_B, metrics
+
+
+__all__ = ["Task", "TokenizerError", "build_task", "resolve_vocab", "row_spec", "score_step"]
+
+
+def validate(cfg: RunConfig, task: Task, engine, step: int, dp_rank: int, dp_size: int) -> dict:
+    """Validation reward on the fixed validation prompts (this rank's share: every dp_size-th),
+    one greedy (top-k 1) and one sampled response each: ``val/reward/mean[/<source>]`` and
+    ``val/reward_sampled/mean[/<source>]``. Empty unless ``log.val_every`` divides ``step``."""
+    from moe_rl.prepare import response_ids
+    from moe_rl.rollout.factory import sampling_params
+    from moe_rl.seeding import VALIDATE, step_seed
+
+    every = cfg.log.val_every
+    if task.val_source is None or not every or step % every:
+        return {}
+    t0 = time.perf_counter()
+    rows = task.val_source.prompts[:cfg.task.val_max_prompts or None]
+    prompts = rows[dp_rank::dp_size]
+    sampled = sampling_params(cfg, task.tokenizer.eos_ids)
+    greedy = dataclasses.replace(sampled, top_k=1, return_dist=False, dvp_threshold=0.0)
+    out = {}
+    for prefix, params in (("val/reward", greedy), ("val/reward_sampled", sampled)):
+        batch = engine.generate([p.prompt_ids for p in prompts], 1, params,
+                                seed=step_seed(cfg.seed, step, dp_rank, VALIDATE))
+        _, m = score(prompts, response_ids(batch, task.tokenizer.pad_id), task.tokenizer, 1,
+                     task_names=task.val_source.task_names, pool=task.pool)
+        out.update({prefix + k[len("reward"):]: v for k, v in m.items() if k.startswith("reward/mean")})
+    return {**out, "time/validate_s": time.perf_counter() - t0}

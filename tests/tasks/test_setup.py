@@ -1,0 +1,56 @@
+"""The task side built from the config: vocabulary resolution, the reward pool, the export dtype."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from moe_rl.config import RunConfig, load_config
+from moe_rl.export import export_dtype, tokenizer_files
+from moe_rl.tasks import CharTokenizer, GeneratedTasks, HFTokenizer, TokenizerError
+from moe_rl.tasks.setup import build_task, resolve_vocab, row_spec
+
+
+@pytest.mark.unit
+def test_vocab_from_checkpoint_tokenizer_or_config(hf_tok_dir: Path, tmp_path: Path) -> None:
+    model_dir = tmp_path / "m"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps({"vocab_size": 512}))
+    cfg = load_config(None, [f"init_weights=hf:{model_dir}"])
+    assert resolve_vocab(cfg, HFTokenizer(hf_tok_dir)).model.vocab_size == 512  # padded, from config.json
+    assert resolve_vocab(RunConfig(), CharTokenizer()).model.vocab_size == 50
+    with pytest.raises(TokenizerError, match=r"has 460 tokens but the model's vocabulary \(model.vocab_size\) has only 64"):
+        resolve_vocab(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=64)),
+                      HFTokenizer(hf_tok_dir))
+
+
+@pytest.mark.unit
+def test_default_task_is_the_builtin_one() -> None:
+    cfg, task = build_task(RunConfig(), start_pool=False)
+    assert isinstance(task.tokenizer, CharTokenizer) and isinstance(task.source, GeneratedTasks)
+    assert task.val_source is None and not task.text_metrics and task.pool.workers == 0
+    assert cfg.model.vocab_size == 50
+    assert row_spec(cfg).max_prompt_tokens == 64 - 12  # model.max_seq_len - rollout.max_new_tokens
+    math_cfg = load_config(None, ["task.reward=math"])
+    _, task = build_task(math_cfg, start_pool=False)
+    assert task.text_metrics and task.pool.workers == 2
+
+
+@pytest.mark.unit
+def test_export_dtype_and_tokenizer_files(hf_tok_dir: Path, tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    save_file({"a": torch.zeros(2, dtype=torch.bfloat16)}, str(ckpt / "model.safetensors"))
+    assert export_dtype("auto", f"hf:{ckpt}") == torch.bfloat16
+    assert export_dtype("auto", "builtin:warmstart") == torch.float32
+    assert export_dtype("fp16", f"hf:{ckpt}") == torch.float16
+    cfg = load_config(None, [f"task.tokenizer=hf:{hf_tok_dir}"])
+    assert sorted(tokenizer_files(cfg)) == ["chat_template.jinja", "generation_config.json", "tokenizer.json",
+                                           "tokenizer_config.json"]
+    assert tokenizer_files(RunConfig()) == {}
