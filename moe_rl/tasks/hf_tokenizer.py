@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 import torch
 
+from moe_rl.errors import ConfigError
 from moe_rl.tasks.tokenizer import CharTokenizer
 
 BUILTIN_CHAR = "builtin:char"
@@ -29,7 +30,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_m
                     "chat_template.json", "generation_config.json")
 
 
-class TokenizerError(ValueError):
+class TokenizerError(ConfigError):
     """A tokenizer directory is missing, unreadable or does not fit the model; names the directory."""
 
 
@@ -160,6 +161,9 @@ def tokenizer_dir(spec: str, init_weights: str) -> str:
 def load_tokenizer(spec: str, init_weights: str) -> CharTokenizer | HFTokenizer:
     """The run's tokenizer from ``task.tokenizer`` (and ``init_weights`` for the default directory)."""
     directory = tokenizer_dir(spec, init_weights)
+    if directory and init_weights == HF_PREFIX + directory and not Path(directory).is_dir():
+        # the checkpoint's own directory: name the key the user set
+        raise ConfigError(f"config key 'init_weights': {directory} is not a directory")
     return HFTokenizer(directory) if directory else CharTokenizer()
 
 

@@ -60,6 +60,8 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
     is read again line by line, so the error names the line, or a row of the wrong type reaches the
     key checks (which name row and key)."""
     path = Path(path)
+    if path.is_dir():
+        raise DatasetError(f"{path}: is a directory; task.dataset names a JSONL or Parquet file")
     if not path.is_file():
         raise DatasetError(f"{path}: prompt file does not exist")
     import pyarrow as pa
@@ -181,8 +183,8 @@ def load_prompts(path: str | Path, spec: RowSpec, tok) -> tuple[list[Prompt], in
             continue
         prompts.append(p)
     if dropped:
-        logger.warning("%s: dropped %d of %d prompts longer than %d tokens", path, dropped, dropped + len(prompts),
-                       spec.max_prompt_tokens)
+        logger.warning("%s: dropped %d of %d prompts longer than %d tokens (%s)", path, dropped,
+                       dropped + len(prompts), spec.max_prompt_tokens, spec.limit_why)
     if not prompts:
         limit = f" (all {dropped} are longer than {spec.max_prompt_tokens} tokens)" if dropped else ""
         raise DatasetError(f"{path}: no prompts left after filtering{limit}")

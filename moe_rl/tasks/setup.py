@@ -8,7 +8,6 @@ task side fails there, naming file, row and key) and what every rank runs to tra
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ from pathlib import Path
 import torch
 
 from moe_rl.config import RunConfig
+from moe_rl.hf_checkpoint import load_hf_config
 from moe_rl.tasks import (
     CharTokenizer,
     DatasetError,
@@ -57,6 +57,8 @@ def row_spec(cfg: RunConfig) -> RowSpec:
         limit, overlong, why = t.max_prompt_tokens, "drop", f"task.max_prompt_tokens={t.max_prompt_tokens}"
     else:
         limit, overlong, why = m - r, t.overlong, f"model.max_seq_len={m} minus rollout.max_new_tokens={r}"
+        if overlong == "drop":
+            why += "; task.overlong=drop"
     return RowSpec(t.prompt_key, t.answer_key, t.source_key, t.reward, t.apply_chat_template,
                    t.add_generation_prompt, dict(t.chat_template_kwargs), max(limit, 1), overlong, why)
 
@@ -68,7 +70,7 @@ def resolve_vocab(cfg: RunConfig, tok: CharTokenizer | HFTokenizer) -> RunConfig
     if vocab == 0 and cfg.init_weights.startswith("hf:"):
         path = Path(cfg.init_weights[3:]) / "config.json"
         if path.is_file():
-            vocab = int(json.loads(path.read_text()).get("vocab_size", 0))
+            vocab = int(load_hf_config(path.parent).get("vocab_size", 0))  # errors name the file
     vocab = vocab or tok.vocab_size
     check_vocab_fits(tok, vocab)
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab))

@@ -229,14 +229,14 @@ def test_hf_checkpoint_json_errors_name_the_file(tmp_path, hf_dir):
     config.write_text(good + "{}\n")
     n = good.count("\n") + 1
     fails_with(tmp_path, f"{config}:{n}:1: not valid JSON (Extra data)", "train", f"run_dir={tmp_path / 'run'}",
-               f"init_weights=hf:{hf_dir}")
+               f"init_weights=hf:{hf_dir}", "task.tokenizer=builtin:char")
     config.write_text("[1, 2]")
     fails_with(tmp_path, f"{config}: expected a JSON object, got a list", "train", f"run_dir={tmp_path / 'run'}",
-               f"init_weights=hf:{hf_dir}")
+               f"init_weights=hf:{hf_dir}", "task.tokenizer=builtin:char")
     config.write_text(good)
     index = hf_dir / "model.safetensors.index.json"
     index.write_text(index.read_text()[:-40])
-    code, _, err = run_cli(tmp_path, "train", f"run_dir={tmp_path / 'run'}", f"init_weights=hf:{hf_dir}")
+    code, _, err = run_cli(tmp_path, "train", f"run_dir={tmp_path / 'run'}", f"init_weights=hf:{hf_dir}", "task.tokenizer=builtin:char")
     assert code == 2 and err.startswith(f"error: {index}:") and "not valid JSON" in err and err.count("\n") == 1
 
 
@@ -244,7 +244,7 @@ def test_hf_checkpoint_json_errors_name_the_file(tmp_path, hf_dir):
 def test_truncated_hf_shard_names_the_shard(tmp_path, hf_dir):
     shard = sorted(hf_dir.glob("model-*.safetensors"))[-1]
     shard.write_bytes(shard.read_bytes()[:-1000])
-    code, _, err = run_cli(tmp_path, "train", f"run_dir={tmp_path / 'run'}", f"init_weights=hf:{hf_dir}")
+    code, _, err = run_cli(tmp_path, "train", f"run_dir={tmp_path / 'run'}", f"init_weights=hf:{hf_dir}", "task.tokenizer=builtin:char")
     assert code == 2 and err.startswith(f"error: {shard}: not a readable safetensors file, or a truncated one (")
     assert err.count("\n") == 1
 
@@ -255,7 +255,7 @@ def test_truncated_hf_shard_names_the_shard(tmp_path, hf_dir):
 def test_prompt_longer_than_max_seq_len_names_file_and_line(tmp_path, caplog):
     data = write(tmp_path / "p.jsonl", '{"prompt": "C12:", "answer": "12"}\n\n'
                                        '{"prompt": "C' + "1" * 50 + ':", "answer": "1"}\n')
-    fails_with(tmp_path, f"{data}:3: prompt has 53 tokens (bos included), more than 52 (model.max_seq_len=64 minus "
+    fails_with(tmp_path, f"{data}: row 2: prompt has 53 tokens (bos included), more than 52 (model.max_seq_len=64 minus "
                          f"rollout.max_new_tokens=12); shorten it, raise model.max_seq_len, or set task.overlong=drop",
                "train", f"run_dir={tmp_path / 'run'}", f"task.dataset={data}")
     fails_with(tmp_path, "config key 'task.max_len': 30 digits give prompts of up to 33 tokens, more than 32 "
@@ -275,16 +275,20 @@ def test_prompt_longer_than_max_seq_len_names_file_and_line(tmp_path, caplog):
 
 @pytest.mark.bad_input
 @pytest.mark.parametrize("setup, args, line", [
-    (None, ["task.dataset={d}/nope.jsonl"], "{d}/nope.jsonl: cannot read prompt file (No such file or directory)"),
-    ("dir", ["task.dataset={d}/data"], "{d}/data: is a directory; task.dataset names a JSONL file"),
+    (None, ["task.dataset={d}/nope.jsonl"], "{d}/nope.jsonl: prompt file does not exist"),
+    ("dir", ["task.dataset={d}/data"], "{d}/data: is a directory; task.dataset names a JSONL or Parquet file"),
     (None, ["task.tasks=[reverse,frobnicate]"],
      "config key 'task': unknown task(s) ['frobnicate']; known tasks: ['add', 'copy', 'reverse', 'sort']"),
-    (None, ["model.vocab_size=64"], "config key 'model.vocab_size' is 64 but the tokenizer has 50 tokens"),
+    # a larger model vocabulary is allowed (padded embeddings): the warm start then does not fit
+    (None, ["model.vocab_size=64"], "init_weights {root}/moe_rl/assets/warmstart.safetensors was made for "
+                                    "model.vocab_size=50, but the config has model.vocab_size=64"),
+    (None, ["model.vocab_size=40"], "the tokenizer (builtin:char) has 50 tokens but the model's vocabulary "
+                                    "(model.vocab_size) has only 40: every token id needs an embedding row"),
 ])
 def test_bad_task_inputs(tmp_path, setup, args, line):
     if setup == "dir":
         (tmp_path / "data").mkdir()
-    fails_with(tmp_path, line.format(d=tmp_path), "train", f"run_dir={tmp_path / 'run'}",
+    fails_with(tmp_path, line.format(d=tmp_path, root=ROOT), "train", f"run_dir={tmp_path / 'run'}",
                *[a.format(d=tmp_path) for a in args])
 
 
@@ -305,7 +309,7 @@ def test_report_and_export_of_a_directory_that_is_no_run(tmp_path):
 
 @pytest.mark.bad_input
 def test_debug_shows_the_traceback_and_a_bug_keeps_its_own(tmp_path, monkeypatch):
-    monkeypatch.delenv("MOE_RL_DEBUG", raising=False)
+    monkeypatch.setenv("MOE_RL_DEBUG", "0")  # --debug sets it to 1; the monkeypatch undoes that afterwards
     result = CliRunner().invoke(cli.main, ["--debug", "train", "optim.lr=inf"])
     assert result.exit_code == 1 and type(result.exception).__name__ == "ConfigError"
     assert str(result.exception) == "override 'optim.lr=inf': config key 'optim.lr': inf is not a finite number"
