@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 
@@ -570,9 +570,24 @@ def _override(base, item: str):
     return layer
 
 
+def _writable(node: Any) -> Any:
+    """Clear the read-only flag on every node of ``node``; returns it.
+
+    Frozen dataclasses make read-only nodes at every level. omegaconf 2.4's merge writes into
+    them; 2.3's lifts the flag on the root only and fails on the first nested key ('Cannot set
+    value of read-only config node'). The merged tree is thrown away after ``to_object``, which
+    builds the frozen dataclasses again, so the result is the same on both versions."""
+    if isinstance(node, DictConfig | ListConfig):
+        OmegaConf.set_readonly(node, False)
+        for key in node.keys() if isinstance(node, DictConfig) else range(len(node)):
+            if not OmegaConf.is_missing(node, key):
+                _writable(node[key])
+    return node
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
     """Embedded defaults <- YAML file <- dotted overrides; validated, or ConfigError naming the key."""
-    base = OmegaConf.structured(RunConfig)
+    base = _writable(OmegaConf.structured(RunConfig))
     layers: list[Any] = [base]
     where = "defaults"
     try:
