@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from moe_rl.errors import ConfigError  # re-exported: moe_rl.errors is the one module below this one
@@ -681,6 +681,21 @@ def _override(base, item: str):
     return layer
 
 
+def _writable(node: Any) -> Any:
+    """Clear the read-only flag on every node of ``node``; returns it.
+
+    Frozen dataclasses make read-only nodes at every level. omegaconf 2.4's merge writes into
+    them; 2.3's lifts the flag on the root only and fails on the first nested key ('Cannot set
+    value of read-only config node'). The merged tree is thrown away after ``to_object``, which
+    builds the frozen dataclasses again, so the result is the same on both versions."""
+    if isinstance(node, DictConfig | ListConfig):
+        OmegaConf.set_readonly(node, False)
+        for key in node.keys() if isinstance(node, DictConfig) else range(len(node)):
+            if not OmegaConf.is_missing(node, key):
+                _writable(node[key])
+    return node
+
+
 def _read_yaml(path: str | Path):
     """A config file's top-level mapping; ConfigError naming the file (and line) otherwise."""
     import yaml
@@ -721,16 +736,16 @@ def _source_of(key: str | None, path: str | Path | None, overrides) -> str:
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
     """Embedded defaults <- YAML file <- dotted overrides; validated, or ConfigError naming the
     file (and line) or the override that is wrong, and the key."""
-    merged = OmegaConf.structured(RunConfig)
+    merged = _writable(OmegaConf.structured(RunConfig))
     where = "defaults"
     try:
         if path is not None:
             where = str(path)
-            merged = OmegaConf.merge(merged, _read_yaml(path))
+            merged = _writable(OmegaConf.merge(merged, _read_yaml(path)))
         base = merged
         for item in overrides:  # merged one at a time, so an error names its own override
             where = f"override {item!r}"
-            merged = OmegaConf.merge(merged, _override(base, item))
+            merged = _writable(OmegaConf.merge(merged, _override(base, item)))
         where = "validation"
         return OmegaConf.to_object(merged)  # type: ignore[return-value]
     except OmegaConfBaseException as e:

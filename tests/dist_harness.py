@@ -1,14 +1,21 @@
-"""Run a function on N local ranks (torch.multiprocessing spawn, gloo on 127.0.0.1).
+"""Run a function on N local ranks (torch.multiprocessing spawn, gloo on 127.0.0.1, CPU).
 
 Each rank applies the megatron CPU patches, sets the torchrun-style environment and calls
 ``fn(rank, *args)``; the return values come back ordered by rank. A failure in any rank raises
 in the caller with that rank's traceback.
+
+The ranks always run on the CPU over gloo, also on a machine with GPUs: they start with CUDA
+hidden (``CUDA_VISIBLE_DEVICES=""``), so ``init_distributed`` picks gloo, the CPU patches apply,
+and no rank asks for ``cuda:<local rank>`` (on a 1-GPU machine rank 1 failed with
+``invalid device ordinal``). Tests of the CUDA path are in tests/gpu.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+from collections.abc import Iterator
 
 import torch
 import torch.multiprocessing as mp
@@ -20,9 +27,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@contextlib.contextmanager
+def _cuda_hidden() -> Iterator[None]:
+    """Spawned children inherit os.environ as it is when they start: hide CUDA for them only."""
+    old = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = old
+
+
 def _entry(rank: int, fn, world: int, port: int, queue, args: tuple) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    if torch.cuda.is_available():  # CUDA was initialised before the environment hid it
+        raise RuntimeError("dist_harness ranks must run on the CPU, but CUDA is visible in the rank")
     torch.set_num_threads(1)
     import megatron_patches
 
@@ -33,7 +56,8 @@ def _entry(rank: int, fn, world: int, port: int, queue, args: tuple) -> None:
 def run_ranks(fn, world: int, *args):
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    mp.start_processes(_entry, args=(fn, world, free_port(), queue, args), nprocs=world, join=True,
-                       start_method="spawn")
+    with _cuda_hidden():
+        mp.start_processes(_entry, args=(fn, world, free_port(), queue, args), nprocs=world,
+                           join=True, start_method="spawn")
     results = dict(queue.get() for _ in range(world))
     return [results[r] for r in range(world)]

@@ -73,9 +73,16 @@ def test_step_alias_fix_is_not_cpu_only() -> None:
 def test_unsupported_megatron_version_fails_loudly(
     name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    patch = megatron_patches.get_patch(name)
+    if not getattr(patch, "needed", lambda: (True, ""))()[0]:
+        # te_names on megatron-core >= 0.17 (fixed upstream) or with TE: nothing to patch, so
+        # no version to check; on 0.16.x without TE (CI) it is checked like the others
+        monkeypatch.setattr(_compat, "MCORE_VERSION", "0.20.0")
+        patch.check_preconditions()
+        return
     monkeypatch.setattr(_compat, "MCORE_VERSION", "0.20.0")
     with pytest.raises(PatchError, match=r"megatron-core 0\.20\.0 is installed"):
-        megatron_patches.get_patch(name).check_preconditions()
+        patch.check_preconditions()
 
 
 def test_changed_upstream_signature_fails_loudly(monkeypatch: pytest.MonkeyPatch) -> None:
