@@ -677,7 +677,7 @@ def _override(base, item: str):
     key, raw = item.split("=", 1)
     if isinstance(OmegaConf.select(base, key, default=None), str):
         if isinstance(OmegaConf.select(layer, key), bool) or raw.strip() == "":
-            OmegaConf.update(layer, key, raw.strip() if raw.strip() == "" else raw)
+            OmegaConf.update(layer, key, "" if raw.strip() == "" else raw)
     return layer
 
 

@@ -31,7 +31,6 @@ import torch
 from moe_rl.config import RunConfig
 from moe_rl.errors import UserError
 
-log = logging.getLogger(__name__)
 
 
 class RankFailedError(RuntimeError):
@@ -83,20 +82,29 @@ def _guarded(fn, report_dir: str, *args):
     (no teardown that could wait for a peer)."""
     try:
         return fn(*args)
+    except SystemExit as e:
+        if e.code in (0, None):
+            raise  # a clean exit is not a failure
+        _record_and_exit(report_dir, e)
     except BaseException as e:  # noqa: BLE001 - recorded and re-raised by the launcher
-        when = time.time()
-        rank = int(os.environ.get("RANK", "0"))
-        try:
-            exc = pickle.loads(pickle.dumps(e))
-        except Exception:  # noqa: BLE001
-            exc = None
-        failure = _RankFailure(rank, when, exc, type(e).__name__, str(e), traceback.format_exc())
-        tmp = Path(report_dir) / f".rank{rank}.tmp"
-        tmp.write_bytes(pickle.dumps(failure))
-        tmp.rename(Path(report_dir) / f"rank{rank}.pkl")
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
+        _record_and_exit(report_dir, e)
+
+
+def _record_and_exit(report_dir: str, e: BaseException) -> None:
+    """Must run inside the ``except`` block (``traceback.format_exc``)."""
+    when = time.time()
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        exc = pickle.loads(pickle.dumps(e))
+    except Exception:  # noqa: BLE001
+        exc = None
+    failure = _RankFailure(rank, when, exc, type(e).__name__, str(e), traceback.format_exc())
+    tmp = Path(report_dir) / f".rank{rank}.tmp"
+    tmp.write_bytes(pickle.dumps(failure))
+    tmp.rename(Path(report_dir) / f"rank{rank}.pkl")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
 
 
 def _first_failure(report_dir: Path) -> _RankFailure | None:

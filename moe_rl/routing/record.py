@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
@@ -173,7 +174,7 @@ def load_records(blob: bytes, name: str = "route records") -> list[RouteRecord]:
         h = json.loads(json.loads(blob[8:8 + n_header])["__metadata__"]["header"])
         header = RouteHeader(tuple(h["layer_ids"]), h["num_experts"], h["top_k"], h["fingerprint"])
         ids, rows, meta = tensors["ids"], tensors["rows"], tensors["meta"]
-    except Exception as e:  # noqa: BLE001 - safetensors/JSON/key errors of a foreign or cut blob
+    except (SafetensorError, ValueError, KeyError, TypeError, IndexError) as e:  # a foreign or cut blob
         raise RouteError(f"{name}: not a complete route-record blob ({type(e).__name__}: "
                          f"{str(e).splitlines()[0] if str(e) else ''})") from None
     if rows.dim() != 1 or meta.shape != (rows.shape[0], 2) or int(rows.sum()) != ids.shape[0] or bool((rows < 0).any()):
