@@ -105,7 +105,7 @@ def init_distributed(par: ParallelConfig, seed: int) -> ParallelDims:
     cuda = torch.cuda.is_available()
     backend = par.backend if par.backend != "auto" else ("nccl" if cuda else "gloo")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if cuda:
+    if backend == "nccl":  # one GPU per rank; a gloo run on a GPU machine asks for no device
         torch.cuda.set_device(local_rank)
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))

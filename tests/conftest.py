@@ -1,4 +1,4 @@
-"""Test tiers by marker (unit / dist / e2e / gpu / bad_input); gpu tests skip without CUDA.
+"""Test tiers by marker (unit / dist / e2e / device / bad_input / gpu); gpu tests skip without CUDA.
 
 wandb writes offline under a temporary directory so tests never touch HOME or the network."""
 
@@ -18,6 +18,13 @@ os.environ.setdefault("WANDB_SILENT", "true")
 
 
 TIERS = ("unit", "dist", "e2e", "device", "gpu", "bad_input")
+
+
+def pytest_configure(config):
+    """The CPU tiers stay on the CPU on a GPU machine too: CUDA is hidden from every process they
+    start (CLI runs, spawned ranks) unless the run selects the gpu tier (-m gpu)."""
+    if "gpu" not in (config.option.markexpr or ""):
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 
 def pytest_collection_modifyitems(config, items):
