@@ -309,11 +309,12 @@ def test_report_and_export_of_a_directory_that_is_no_run(tmp_path):
 
 @pytest.mark.bad_input
 def test_debug_shows_the_traceback_and_a_bug_keeps_its_own(tmp_path, monkeypatch):
-    monkeypatch.setenv("MOE_RL_DEBUG", "0")  # --debug sets it to 1; the monkeypatch undoes that afterwards
+    monkeypatch.setenv("MOE_RL_DEBUG", "0")  # restored (unset) after the test, though --debug sets it
     result = CliRunner().invoke(cli.main, ["--debug", "train", "optim.lr=inf"])
     assert result.exit_code == 1 and type(result.exception).__name__ == "ConfigError"
     assert str(result.exception) == "override 'optim.lr=inf': config key 'optim.lr': inf is not a finite number"
-    monkeypatch.delenv("MOE_RL_DEBUG", raising=False)
+    assert os.environ["MOE_RL_DEBUG"] == "1"  # the ranks of `train` inherit it
+    monkeypatch.setenv("MOE_RL_DEBUG", "0")
 
     def bug(*a, **k):
         raise KeyError("a bug, not a user error")
