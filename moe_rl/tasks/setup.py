@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 
 from moe_rl.config import RunConfig
-from moe_rl.hf_checkpoint import load_hf_config
+from moe_rl.errors import CheckpointError
+from moe_rl.fsutil import read_json
 from moe_rl.tasks import (
     CharTokenizer,
     DatasetError,
@@ -70,7 +71,10 @@ def resolve_vocab(cfg: RunConfig, tok: CharTokenizer | HFTokenizer) -> RunConfig
     if vocab == 0 and cfg.init_weights.startswith("hf:"):
         path = Path(cfg.init_weights[3:]) / "config.json"
         if path.is_file():
-            vocab = int(load_hf_config(path.parent).get("vocab_size", 0))  # errors name the file
+            hf = read_json(path)  # errors name the file (and line)
+            if not isinstance(hf, dict):
+                raise CheckpointError(f"{path}: expected a JSON object, got a {type(hf).__name__}")
+            vocab = int(hf.get("vocab_size", 0))
     vocab = vocab or tok.vocab_size
     check_vocab_fits(tok, vocab)
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab))
