@@ -45,6 +45,7 @@ CPU_PATCHES: tuple[str, ...] = (
     "rng_tracker",
     "te_names",
     "a2a_splits",
+    "gloo_uneven_gather",
     "cuda_factories",
     "tensor_type_strings",
     "distopt_ckpt",

@@ -177,16 +177,56 @@ class ParallelConfig:
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
     expert_parallel: int = 2
+    # experts' own tensor parallelism (megatron's expert_tensor_parallel_size): 0 = tensor_parallel
+    # (megatron's default); large MoE runs use 1 (whole experts per rank, EP across them)
+    expert_tensor_parallel: int = 0
+    # uneven pipeline stages: layers of the first / last stage (0 = an even split); the embedding
+    # and the output layer make those stages heavier, so they get fewer layers
+    layers_in_first_stage: int = 0
+    layers_in_last_stage: int = 0
+    virtual_pipeline: int = 1  # interleaved 1F1B model chunks per stage: only 1 is supported
     distributed_optimizer: bool = True
     token_dispatcher: str = "alltoall"  # alltoall (production-like) | allgather
     backend: str = "auto"  # auto: nccl on CUDA, gloo on CPU
 
     def __post_init__(self) -> None:
         _check_finite(self, "parallel")
-        for name in ("nproc", "tensor_parallel", "pipeline_parallel", "expert_parallel"):
+        for name in ("nproc", "tensor_parallel", "pipeline_parallel", "expert_parallel", "virtual_pipeline"):
             _check(getattr(self, name) >= 1, f"parallel.{name}", "must be >= 1")
+        for name in ("expert_tensor_parallel", "layers_in_first_stage", "layers_in_last_stage"):
+            _check(getattr(self, name) >= 0, f"parallel.{name}", "must be >= 0 (0: the default)")
+        # megatron's interleaved schedule needs one model chunk per virtual stage; the learner,
+        # replay hooks and weight mapping hold one chunk per rank
+        _check(self.virtual_pipeline == 1, "parallel.virtual_pipeline",
+               f"{self.virtual_pipeline}: virtual pipeline stages (interleaved 1F1B) are not supported; "
+               f"use 1 and, for balance, parallel.layers_in_first_stage / layers_in_last_stage")
+        _check(self.pipeline_parallel > 1 or self.layers_in_first_stage == self.layers_in_last_stage == 0,
+               "parallel.layers_in_first_stage", "uneven stages need parallel.pipeline_parallel > 1")
         _one_of(self.token_dispatcher, "parallel.token_dispatcher", ("alltoall", "allgather"))
         _one_of(self.backend, "parallel.backend", ("auto", "gloo", "nccl"))
+
+    @property
+    def expert_tp(self) -> int:
+        """The experts' tensor-parallel size in effect."""
+        return self.expert_tensor_parallel or self.tensor_parallel
+
+
+def pipeline_stage_layers(num_layers: int, par: ParallelConfig) -> tuple[int, ...]:
+    """Decoder layers of each pipeline stage, as megatron splits them: the first / last stage
+    take ``layers_in_first_stage`` / ``layers_in_last_stage`` when set, the middle stages the rest
+    evenly. ValueError (naming the numbers) when they do not split."""
+    pp, first, last = par.pipeline_parallel, par.layers_in_first_stage, par.layers_in_last_stage
+    if pp == 1:
+        return (num_layers,)
+    middle_stages = pp - (first > 0) - (last > 0)
+    middle_layers = num_layers - first - last
+    if middle_layers < 0 or (middle_stages == 0) != (middle_layers == 0) \
+            or (middle_stages and middle_layers % middle_stages):
+        ends = f" after {first} on the first and {last} on the last stage" if first or last else ""
+        raise ValueError(f"{num_layers} layers{ends} do not split evenly over {middle_stages} "
+                         f"{'middle ' if first or last else ''}pipeline stages")
+    each = middle_layers // middle_stages if middle_stages else 0
+    return tuple(first if (s == 0 and first) else last if (s == pp - 1 and last) else each for s in range(pp))
 
 
 @dataclass(frozen=True)
@@ -543,25 +583,8 @@ class RunConfig:
         m, p, r = self.model, self.parallel, self.rollout
         _check(r.max_new_tokens < m.max_seq_len, "rollout.max_new_tokens",
                f"{r.max_new_tokens} leaves no room for a prompt within model.max_seq_len={m.max_seq_len}")
-        _check(m.num_experts % p.expert_parallel == 0, "parallel.expert_parallel",
-               f"{p.expert_parallel} does not divide model.num_experts {m.num_experts}")
-        _check(m.num_query_groups % p.tensor_parallel == 0, "parallel.tensor_parallel",
-               f"{p.tensor_parallel} does not divide model.num_query_groups {m.num_query_groups}")
-        _check(m.num_layers % p.pipeline_parallel == 0, "parallel.pipeline_parallel",
-               f"{p.pipeline_parallel} does not divide model.num_layers {m.num_layers}")
-        # The learner runs TP (with sequence parallelism, tests/learner/test_learner_tp.py) on
-        # the layouts tested against TP=1; refuse the rest rather than train on an untested one.
-        if p.tensor_parallel > 1:
-            _check_tensor_parallel(self)
-        # PP likewise (tests/learner/test_learner_pp.py: PP=2 against PP=1)
-        if p.pipeline_parallel > 1:
-            _check_pipeline_parallel(self)
-        mp = p.tensor_parallel * p.pipeline_parallel
-        _check(p.nproc % mp == 0, "parallel.nproc",
-               f"{p.nproc} ranks are not a multiple of TP*PP = {mp}")
-        dp = p.nproc // mp
-        _check((dp * p.tensor_parallel) % p.expert_parallel == 0, "parallel.expert_parallel",
-               f"EP {p.expert_parallel} must divide DP*TP = {dp * p.tensor_parallel}")
+        _check_layout(self)
+        dp = self.data_parallel
         _check(r.prompts_per_step % dp == 0, "rollout.prompts_per_step",
                f"{r.prompts_per_step} prompts do not split over {dp} data-parallel ranks")
         _check(r.samples_per_prompt >= 2 or self.algo.advantage not in ("grpo", "rloo", "otb", "otb_multiturn"),
@@ -590,39 +613,35 @@ class RunConfig:
         return self.parallel.nproc // (self.parallel.tensor_parallel * self.parallel.pipeline_parallel)
 
 
-def _check_tensor_parallel(cfg: RunConfig) -> None:
-    """TP > 1: what megatron's split needs, and what the learner has been tested with."""
-    m, p, c, tp = cfg.model, cfg.parallel, cfg.correction, cfg.parallel.tensor_parallel
-    for key in ("vocab_size", "num_attention_heads", "ffn_hidden_size", "moe_ffn_hidden_size"):
+def _check_layout(cfg: RunConfig) -> None:
+    """Sizes that must divide for megatron to build the layout, each refused naming its keys and
+    numbers. World = TP x PP x DP; experts live on EP x expert-TP ranks of every stage
+    (expert-DP = world / (EP x ETP x PP)); under TP the vocab-parallel output, the attention heads
+    and the MLPs split over TP, the experts' MLPs over expert-TP."""
+    m, p = cfg.model, cfg.parallel
+    tp, pp, ep, etp = p.tensor_parallel, p.pipeline_parallel, p.expert_parallel, p.expert_tp
+    _check(m.num_experts % ep == 0, "parallel.expert_parallel",
+           f"{ep} does not divide model.num_experts {m.num_experts}")
+    for key in ("num_query_groups", "num_attention_heads", "vocab_size", "ffn_hidden_size"):
         _check(getattr(m, key) % tp == 0, "parallel.tensor_parallel",
                f"{tp} does not divide model.{key} {getattr(m, key)}")
-    _check(p.expert_parallel == 1, "parallel.expert_parallel",
-           f"{p.expert_parallel} with tensor_parallel {tp}: TP is tested with expert_parallel=1 only")
-    _check(m.transformer_impl == "local", "parallel.tensor_parallel",
-           f"{tp} with model.transformer_impl={m.transformer_impl!r}: TP is tested on the local spec only")
-    # both need the full [B, S, V] distribution; TP's output layer holds a V / TP slice per rank
-    _check(c.dvp_threshold == 0, "correction.dvp_threshold",
-           f"DVP is not supported with parallel.tensor_parallel={tp} (vocab-parallel logits)")
-    _check(not (c.trm_on and c.trm_kl == "exact"), "correction.trm_kl",
-           f"'exact' is not supported with parallel.tensor_parallel={tp} (vocab-parallel logits); use 'sample'")
-
-
-def _check_pipeline_parallel(cfg: RunConfig) -> None:
-    """PP > 1: the layouts the learner has been tested with (2 stages, TP=1, EP <= 2, local spec).
-    DVP and the exact KL work: the last stage holds the full-vocabulary logits and its per-token
-    statistics are broadcast to the other stage."""
-    m, p, pp = cfg.model, cfg.parallel, cfg.parallel.pipeline_parallel
-    _check(pp == 2, "parallel.pipeline_parallel", f"{pp}: pipeline parallelism is tested with 2 stages only")
-    _check(p.tensor_parallel == 1, "parallel.tensor_parallel",
-           f"{p.tensor_parallel} with pipeline_parallel {pp}: PP is tested with tensor_parallel=1 only")
-    _check(p.expert_parallel <= 2, "parallel.expert_parallel",
-           f"{p.expert_parallel} with pipeline_parallel {pp}: PP is tested with expert_parallel 1 and 2 only")
-    _check(m.transformer_impl == "local", "parallel.pipeline_parallel",
-           f"{pp} with model.transformer_impl={m.transformer_impl!r}: PP is tested on the local spec only")
-    # routing replay and the router monitor run per stage: every stage needs a router
-    _check(m.first_k_dense < m.num_layers // pp, "model.first_k_dense",
-           f"{m.first_k_dense} dense layers leave pipeline stage 0 (layers 0..{m.num_layers // pp - 1}) "
-           f"without a MoE layer")
+    _check(m.moe_ffn_hidden_size % etp == 0, "parallel.expert_tensor_parallel",
+           f"{etp} does not divide model.moe_ffn_hidden_size {m.moe_ffn_hidden_size}")
+    _check(p.nproc % (tp * pp) == 0, "parallel.nproc",
+           f"{p.nproc} ranks are not a multiple of tensor_parallel x pipeline_parallel = {tp} x {pp}")
+    _check(p.nproc % (ep * etp * pp) == 0, "parallel.expert_parallel",
+           f"expert_parallel x expert_tensor_parallel x pipeline_parallel = {ep} x {etp} x {pp} "
+           f"does not divide parallel.nproc {p.nproc}")
+    if pp > 1:
+        try:
+            stages = pipeline_stage_layers(m.num_layers, p)
+        except ValueError as e:
+            raise ConfigError(f"config key 'parallel.pipeline_parallel': {e} (model.num_layers, "
+                              f"parallel.layers_in_first_stage / layers_in_last_stage)") from None
+        # routing replay and the router monitor run per stage: every stage needs a router
+        _check(m.first_k_dense < stages[0], "model.first_k_dense",
+               f"{m.first_k_dense} dense layers leave pipeline stage 0 (layers 0..{stages[0] - 1}) "
+               f"without a MoE layer")
 
 
 def logprobs_mode(temperature: float, top_k: int, top_p: float, dvp: bool = False) -> str:

@@ -119,6 +119,7 @@ def init_distributed(par: ParallelConfig, seed: int) -> ParallelDims:
         tensor_model_parallel_size=par.tensor_parallel,
         pipeline_model_parallel_size=par.pipeline_parallel,
         expert_model_parallel_size=par.expert_parallel,
+        expert_tensor_parallel_size=par.expert_tp,
     )
     # Router weights and CPU-initialised params use the default generator; megatron's tracker
     # forks per-rank expert and tensor-parallel streams from the same seed.

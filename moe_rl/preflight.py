@@ -69,7 +69,8 @@ def check_devices(cfg: RunConfig, num_gpus: int) -> None:
 # sharding depend on them (the tokenizer enters through model.vocab_size).
 RESUME_FIELDS = tuple(f"model.{k}" for k in ARCH_FIELDS) + (
     "model.precision", "parallel.nproc", "parallel.tensor_parallel", "parallel.pipeline_parallel",
-    "parallel.expert_parallel", "parallel.distributed_optimizer")
+    "parallel.expert_parallel", "parallel.expert_tensor_parallel", "parallel.layers_in_first_stage",
+    "parallel.layers_in_last_stage", "parallel.distributed_optimizer")
 
 
 def check_run_dir(cfg: RunConfig) -> None:

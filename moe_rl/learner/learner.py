@@ -41,7 +41,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from moe_rl.config import ModelConfig, OptimConfig, ParallelConfig
+from moe_rl.config import ModelConfig, OptimConfig, ParallelConfig, pipeline_stage_layers
 from moe_rl.corrections.dvp import restricted_logprobs
 from moe_rl.corrections.trm import exact_kl_tokens
 from moe_rl.dist import ParallelDims, comm_device
@@ -136,7 +136,8 @@ class Learner:
                  max_tokens_per_micro_batch: int = 0):
         self.model_cfg, self.par, self.dims = model_cfg, par, dims
         self.max_tokens_per_micro_batch = max_tokens_per_micro_batch  # > 0: token-budget micro-batches
-        self.shard = Shard.for_stage(model_cfg, dims.pp_rank, dims.pp_size, dims.tp_rank, dims.tp_size,
+        self.shard = Shard.for_stage(pipeline_stage_layers(model_cfg.num_layers, par), dims.pp_rank,
+                                     dims.tp_rank, dims.tp_size,
                                      dims.etp_rank, dims.etp_size)
         self.vocab_shard = (VocabShard(dims.tp_rank * model_cfg.vocab_size // dims.tp_size, dims.tp_group)
                             if dims.tp_size > 1 else None)

@@ -64,6 +64,7 @@ def transformer_config(model: ModelConfig, par: ParallelConfig, *, bf16: bool = 
         pipeline_model_parallel_size=par.pipeline_parallel,
         **_pipeline(model, par, bf16),
         expert_model_parallel_size=par.expert_parallel,
+        expert_tensor_parallel_size=par.expert_tp,
         # Our loss is already divided by the global token count (passed in), so megatron must
         # neither divide it again nor average grads over DP: it sums them (scaling factor 1).
         calculate_per_token_loss=True,
@@ -91,12 +92,18 @@ def _precision(model: ModelConfig, bf16: bool) -> dict:
 
 
 def _pipeline(model: ModelConfig, par: ParallelConfig, bf16: bool) -> dict:
-    """PP > 1: the dtype of the hidden states sent between stages, and per-micro-batch shapes
-    (micro-batches are trimmed to their own longest sequence: the stages exchange shapes first)."""
+    """PP > 1: the dtype of the hidden states sent between stages, per-micro-batch shapes
+    (micro-batches are trimmed to their own longest sequence: the stages exchange shapes first)
+    and uneven first/last stages."""
     if par.pipeline_parallel == 1:
         return {}
+    uneven = {}  # megatron takes None for "an even split"
+    if par.layers_in_first_stage:
+        uneven["num_layers_in_first_pipeline_stage"] = par.layers_in_first_stage
+    if par.layers_in_last_stage:
+        uneven["num_layers_in_last_pipeline_stage"] = par.layers_in_last_stage
     return {"pipeline_dtype": torch.bfloat16 if bf16 or model.precision != "fp32" else torch.float32,
-            "variable_seq_lengths": True}
+            "variable_seq_lengths": True, **uneven}
 
 
 def _recompute(model: ModelConfig) -> dict:

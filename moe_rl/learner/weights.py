@@ -62,12 +62,11 @@ class Shard:
     layer_offset: int = 0
 
     @staticmethod
-    def for_stage(cfg: ModelConfig, pp_rank: int, pp_size: int, tp_rank: int = 0, tp_size: int = 1,
+    def for_stage(stage_layers: tuple[int, ...], pp_rank: int, tp_rank: int = 0, tp_size: int = 1,
                   etp_rank: int = 0, etp_size: int = 1) -> Shard:
-        """Megatron's uniform split: stage p owns layers [p * L / PP, (p + 1) * L / PP)."""
-        if cfg.num_layers % pp_size:
-            raise ValueError(f"pipeline size {pp_size} does not divide {cfg.num_layers} layers")
-        return Shard(tp_rank, tp_size, etp_rank, etp_size, pp_rank * cfg.num_layers // pp_size)
+        """Stage ``pp_rank`` of a split with ``stage_layers[p]`` layers on stage p
+        (``config.pipeline_stage_layers``) starts at the sum of the stages before it."""
+        return Shard(tp_rank, tp_size, etp_rank, etp_size, sum(stage_layers[:pp_rank]))
 
 
 NO_SHARD = Shard()

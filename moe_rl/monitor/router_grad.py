@@ -5,7 +5,8 @@ the gate renormalised over the selected set and no auxiliary loss, a fraction (E
 router-logit entries gets none, structurally. The monitor measures that and what follows from it,
 from the update passes' own forwards and backwards (no extra pass):
 
-- ``observe_forward`` (each update micro-batch, forward only, not on recompute): native Top-K of
+- ``observe_forward`` (each update micro-batch, forward only, not on recompute; real tokens only,
+  padding rows excluded): native Top-K of
   the router logits -> tokens routed per expert, a histogram of the Top-K margin (K-th minus
   (K+1)-th logit: percentiles survive the reduction over micro-batches and ranks), and the
   near-boundary counts (margin under ``near_eps``, and under the bf16 resolution |h_(K)| 2^-8);

@@ -93,6 +93,7 @@ class RouteReplay:
         self._in_forward = False
         self._targets = self._old = None  # this micro-batch's (targets_NLK, recorded_N) for comparison
         self._native: list[torch.Tensor | None] = []
+        self._real_N: torch.Tensor | None = None  # this micro-batch's rows that are real tokens (monitor)
 
     # ---- one pass over micro-batches --------------------------------------------------------
     @contextmanager
@@ -119,6 +120,9 @@ class RouteReplay:
         tokens; router calls after it (activation recomputation) are served from the queue."""
         p = self._pass
         self._in_forward = True
+        if p is not None and p.monitor:  # the monitor's statistics cover real tokens, not padding
+            real_N = (torch.arange(seq_len)[:, None] < mb.seq_lens_B.cpu()[None, :]).reshape(-1)
+            self._real_N = self.sp.local_rows(real_N).to(self.device, non_blocking=True)
         if p is not None and p.plan is not None:
             self._begin_micro_batch(p.plan, mb.routes, mb.old_routes, mb.seq_lens_B, seq_len)
         try:
@@ -181,7 +185,7 @@ class RouteReplay:
             return native_probs, native_NK
         if p.monitor:
             if forward:  # not again on recompute
-                self.monitor.observe_forward(hook.pos, scores, native_NK)
+                self.monitor.observe_forward(hook.pos, scores[self._real_N], native_NK[self._real_N])
             if scores.requires_grad:  # the no-grad first forward under recompute registers nothing
                 scores.register_hook(lambda g, pos=hook.pos: self.monitor.observe_grad(pos, g))
         if p.plan is None:

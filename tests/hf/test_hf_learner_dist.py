@@ -150,7 +150,7 @@ def _pp2(rank, canon):
                    max_sequence_length=CFG.max_seq_len, pre_process=stage == 0, post_process=stage == 1,
                    position_embedding_type="rope", rotary_base=int(CFG.rope_theta),
                    share_embeddings_and_output_weights=False)
-    names = _load(gpt, canon, 0, 1, Shard.for_stage(CFG, stage, 2))
+    names = _load(gpt, canon, 0, 1, Shard.for_stage((CFG.num_layers // 2,) * 2, stage))
     hidden_SBH = torch.empty(S, B, CFG.hidden_size)
     if stage == 0:
         hidden_SBH, maps = _forward(gpt)

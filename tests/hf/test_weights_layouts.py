@@ -27,11 +27,15 @@ CFG = ModelConfig(vocab_size=40, hidden_size=32, num_layers=4, num_attention_hea
 LAYOUTS = [(ep, tp, pp, etp) for ep, tp, pp in itertools.product((1, 2, 4), (1, 2), (1, 2)) for etp in {1, tp}]
 
 
+def _even(pp: int) -> tuple[int, ...]:
+    return (CFG.num_layers // pp,) * pp
+
+
 def _shard_all(full, ep: int, tp: int, pp: int, etp: int):
     """{(pp_rank, ep_rank, tp_rank): megatron tensors of that rank}."""
     out = {}
     for pp_rank, ep_rank, tp_rank in itertools.product(range(pp), range(ep), range(tp)):
-        shard = Shard.for_stage(CFG, pp_rank, pp, tp_rank, tp, tp_rank % etp, etp)
+        shard = Shard.for_stage(_even(pp), pp_rank, tp_rank, tp, tp_rank % etp, etp)
         out[pp_rank, ep_rank, tp_rank] = canonical_to_megatron(full, megatron_names(CFG, ep, pp_rank, pp), CFG,
                                                                ep_rank, ep, shard)
     return out
@@ -45,7 +49,7 @@ def test_shard_then_merge_is_exact(ep: int, tp: int, pp: int, etp: int) -> None:
     merged: dict[str, torch.Tensor] = {}
     for pp_rank, ep_rank in itertools.product(range(pp), range(ep)):
         pieces = [megatron_to_canonical(ranks[pp_rank, ep_rank, t], CFG, ep_rank, ep,
-                                        Shard.for_stage(CFG, pp_rank, pp, t, tp, t % etp, etp)) for t in range(tp)]
+                                        Shard.for_stage(_even(pp), pp_rank, t, tp, t % etp, etp)) for t in range(tp)]
         for name, t in merge_tensor_parallel(pieces, etp).items():
             assert name not in merged or torch.equal(merged[name], t), name  # replicas agree
             merged[name] = t
@@ -78,7 +82,7 @@ def test_tp_shards_are_megatron_row_and_column_chunks(tp: int) -> None:
 @pytest.mark.unit
 def test_pipeline_stage_numbers_layers_globally() -> None:
     full = random_canonical_weights(CFG, seed=5)
-    last = canonical_to_megatron(full, megatron_names(CFG, 1, 1, 2), CFG, 0, 1, Shard.for_stage(CFG, 1, 2))
+    last = canonical_to_megatron(full, megatron_names(CFG, 1, 1, 2), CFG, 0, 1, Shard.for_stage(_even(2), 1))
     assert "embedding.word_embeddings.weight" not in last and "output_layer.weight" in last
     assert torch.equal(last["decoder.layers.0.input_layernorm.weight"], full["model.layers.2.input_layernorm.weight"])
 
