@@ -592,7 +592,7 @@ class RunConfig:
 
 def _check_tensor_parallel(cfg: RunConfig) -> None:
     """TP > 1: what megatron's split needs, and what the learner has been tested with."""
-    m, p, c, tp = cfg.model, cfg.parallel, cfg.correction, cfg.parallel.tensor_parallel
+    m, p, tp = cfg.model, cfg.parallel, cfg.parallel.tensor_parallel
     for key in ("vocab_size", "num_attention_heads", "ffn_hidden_size", "moe_ffn_hidden_size"):
         _check(getattr(m, key) % tp == 0, "parallel.tensor_parallel",
                f"{tp} does not divide model.{key} {getattr(m, key)}")
@@ -600,11 +600,7 @@ def _check_tensor_parallel(cfg: RunConfig) -> None:
            f"{p.expert_parallel} with tensor_parallel {tp}: TP is tested with expert_parallel=1 only")
     _check(m.transformer_impl == "local", "parallel.tensor_parallel",
            f"{tp} with model.transformer_impl={m.transformer_impl!r}: TP is tested on the local spec only")
-    # both need the full [B, S, V] distribution; TP's output layer holds a V / TP slice per rank
-    _check(c.dvp_threshold == 0, "correction.dvp_threshold",
-           f"DVP is not supported with parallel.tensor_parallel={tp} (vocab-parallel logits)")
-    _check(not (c.trm_on and c.trm_kl == "exact"), "correction.trm_kl",
-           f"'exact' is not supported with parallel.tensor_parallel={tp} (vocab-parallel logits); use 'sample'")
+    # DVP and the exact-KL TRM run on the vocabulary shards (learner/logprobs.py)
 
 
 def _check_pipeline_parallel(cfg: RunConfig) -> None:

@@ -125,16 +125,18 @@ TP2 = ["parallel.tensor_parallel=2", "parallel.expert_parallel=1"]
 def test_tensor_parallel_is_accepted_on_the_tested_layout():
     cfg = load_config(None, TP2)
     assert (cfg.parallel.tensor_parallel, cfg.data_parallel) == (2, 1)
+    # DVP and the exact-KL TRM run on the vocabulary shards (tests/learner/test_learner_tp.py)
+    assert load_config(None, TP2 + ["correction.dvp_threshold=0.2"]).correction.dvp_threshold == 0.2
+    exact = load_config(None, TP2 + ["correction.trm_max=0.05", "correction.trm_kl=exact"]).correction
+    assert (exact.trm_on, exact.trm_kl, exact.trm_max) == (True, "exact", 0.05)
 
 
 @pytest.mark.unit
 @pytest.mark.parametrize("extra, needle", [
-    (["correction.dvp_threshold=0.2"], "'correction.dvp_threshold': DVP is not supported"),
-    (["correction.trm_max=0.05", "correction.trm_kl=exact"], "'correction.trm_kl': 'exact' is not supported"),
     (["model.vocab_size=51"], "does not divide model.vocab_size 51"),
     (["model.transformer_impl=te"], "tested on the local spec only"),
 ])
-def test_tensor_parallel_refuses_untested_or_full_vocab_options(extra, needle):
+def test_tensor_parallel_refuses_untested_options(extra, needle):
     with pytest.raises(ConfigError) as e:
         load_config(None, TP2 + extra)
     assert needle in str(e.value)
