@@ -11,8 +11,8 @@ applied by its (distributed) optimizer. The loss is a callable passed in (``Loss
 normaliser (the global token count) is computed here, once per minibatch, and passed down.
 
 Tensor parallelism (TP > 1, with sequence parallelism): the output layer is vocab-parallel, so
-each TP rank gets a [B, S, V / TP] slice of the logits and the per-token statistics are all-reduced
-over the TP group (``logprobs.token_logprobs_energy_vocab_parallel``); micro-batch lengths are
+each TP rank gets a [B, S, V / TP] slice of the logits and the per-token statistics (DVP and the
+exact KL included) are all-reduced over the TP group (``logprobs``' vocab-parallel functions); micro-batch lengths are
 padded to a multiple of TP (megatron splits the sequence over TP ranks); weights and gradients
 are exported in canonical names by gathering the TP pieces. TP ranks of one data-parallel rank
 hold the same data, so every output here is identical on them.
@@ -47,6 +47,8 @@ from moe_rl.corrections.trm import exact_kl_tokens
 from moe_rl.dist import ParallelDims, comm_device
 from moe_rl.learner import setup
 from moe_rl.learner.logprobs import (
+    exact_kl_tokens_vocab_parallel,
+    restricted_logprobs_vocab_parallel,
     token_logprobs_energy,
     token_logprobs_energy_vocab_parallel,
 )
@@ -102,8 +104,9 @@ def token_stats(mb: TrainBatch, logits_BSV: torch.Tensor, temperature: float,
     ``mb.safe_BSV`` (the engine's DVP safe sets) restricts log-probs to the same support the
     engine reported; ``mb.rollout_dist_BSV`` (rollout log-probs) adds the exact per-token
     KL(pi_rollout || pi_learner) that TRM's exact form uses. With ``vocab_shard`` (TP > 1)
-    ``logits_BSV`` is the rank's vocabulary slice; DVP and the exact KL are refused there
-    (config validation refuses them first)."""
+    ``logits_BSV`` is the rank's vocabulary slice: each rank takes the same columns of the
+    batch's full-vocabulary ``safe_BSV`` / ``rollout_dist_BSV`` and the vocab-parallel functions
+    (``learner/logprobs.py``) all-reduce [B, S]-sized terms over the TP group."""
     if vocab_shard is None:
         logp_BS, ent_BS, spi_BS = token_logprobs_energy(logits_BSV, mb.tokens_BS, temperature)
     else:
@@ -111,19 +114,23 @@ def token_stats(mb: TrainBatch, logits_BSV: torch.Tensor, temperature: float,
             logits_BSV, mb.tokens_BS, temperature, vocab_shard.start, vocab_shard.group)
     if mb.safe_BSV is None and mb.rollout_dist_BSV is None:
         return TokenStats(logp_BS, ent_BS, spi_BS)
-    if vocab_shard is not None:
-        raise ValueError("DVP safe sets and the exact KL need full-vocabulary logits; "
-                         "they are not supported with parallel.tensor_parallel > 1")
     z_BSV = logits_BSV[:, :-1].float() / temperature
+    cols = slice(None) if vocab_shard is None else slice(vocab_shard.start, vocab_shard.start + z_BSV.shape[-1])
     pad = logp_BS.new_zeros((logp_BS.shape[0], 1))
     full_logp_BS = log_safe_mass_BS = exact_kl_BS = None
     if mb.safe_BSV is not None:
-        r = restricted_logprobs(z_BSV, mb.safe_BSV[:, 1:], mb.tokens_BS[:, 1:])
+        safe_BSV = mb.safe_BSV[:, 1:, cols]
+        r = (restricted_logprobs(z_BSV, safe_BSV, mb.tokens_BS[:, 1:]) if vocab_shard is None else
+             restricted_logprobs_vocab_parallel(z_BSV, safe_BSV, mb.tokens_BS[:, 1:], *vocab_shard))
         full_logp_BS, log_safe_mass_BS = logp_BS, torch.cat([pad, r.log_safe_mass_BS], 1)
         logp_BS = torch.cat([pad, torch.where(r.inside_BS, r.logp_BS, torch.zeros_like(r.logp_BS))], 1)
     if mb.rollout_dist_BSV is not None:
-        mask_BS = mb.rollout_dist_BSV[:, 1:].ne(0).any(-1)  # generated positions carry a distribution
-        exact_kl_BS = torch.cat([pad, exact_kl_tokens(mb.rollout_dist_BSV[:, 1:], z_BSV, mask_BS)], 1)
+        # generated positions carry a distribution (from the full vocabulary: the same on every TP rank)
+        mask_BS = mb.rollout_dist_BSV[:, 1:].ne(0).any(-1)
+        dist_BSV = mb.rollout_dist_BSV[:, 1:, cols]
+        kl_BS = (exact_kl_tokens(dist_BSV, z_BSV, mask_BS) if vocab_shard is None else
+                 exact_kl_tokens_vocab_parallel(dist_BSV, z_BSV, vocab_shard.group, mask_BS))
+        exact_kl_BS = torch.cat([pad, kl_BS], 1)
     return TokenStats(logp_BS, ent_BS, spi_BS, full_logp_BS, log_safe_mass_BS, exact_kl_BS)
 
 

@@ -1,13 +1,20 @@
-"""Per-token log-probs and entropy from logits: pure tensor math, and its vocab-parallel form
-(``token_logprobs_energy_vocab_parallel``: each tensor-parallel rank holds a V / TP slice of the
-logits; its only collectives are all-reduces over the group it is given).
+"""Per-token log-probs and entropy from logits: pure tensor math, and its vocab-parallel forms
+(each tensor-parallel rank holds a V / TP slice of the logits; the only collectives are [B, S]-sized
+all-reduces over the group given): ``token_logprobs_energy_vocab_parallel`` (log-prob, entropy,
+sum pi^2), ``restricted_logprobs_vocab_parallel`` (DVP, ``corrections.dvp.restricted_logprobs``)
+and ``exact_kl_tokens_vocab_parallel`` (exact-KL TRM, ``corrections.trm.exact_kl_tokens``).
 
 Shape suffixes: B sequences, S positions, V vocabulary (or the rank's vocabulary slice).
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+
 import torch
+
+from moe_rl.corrections.dvp import RestrictedLogprobs
 
 
 def token_logprobs(logits_BSV: torch.Tensor, tokens_BS: torch.Tensor,
@@ -132,3 +139,98 @@ def token_logprobs_energy_vocab_parallel(logits_BSV: torch.Tensor, tokens_BS: to
     pad = logp_BS.new_zeros((logp_BS.shape[0], 1))
     return (torch.cat([pad, logp_BS], 1), torch.cat([pad, entropy_BS], 1),
             torch.cat([pad, sum_pi_sq_BS], 1))
+
+
+def _logsumexp_vocab_parallel(xs: Sequence[torch.Tensor], group) -> list[torch.Tensor]:
+    """logsumexp over the last dimension, split over ``group``, of each [..., V] tensor in ``xs``
+    (one stacked all-reduce of the maxima, no gradient: a logsumexp does not depend on its shift;
+    one of the partition sums, with ``_AllReduceSum``). -inf where every rank's entries are -inf.
+
+    The gradient is right when the results feed each rank's LOCAL terms, summed over the group
+    afterwards (as ``token_logprobs_energy_vocab_parallel`` does): a result used as is, identical
+    on every rank, would have its gradient counted once per rank.
+    """
+    import torch.distributed as dist
+
+    max_X = torch.stack([x.detach().amax(-1) for x in xs])
+    dist.all_reduce(max_X, op=dist.ReduceOp.MAX, group=group)
+    some_X = torch.isfinite(max_X)  # else no finite entry anywhere (an empty DVP safe set)
+    shift_X = torch.where(some_X, max_X, torch.zeros_like(max_X))
+    sum_X = _AllReduceSum.apply(torch.stack([(x - s.unsqueeze(-1)).exp().sum(-1) for x, s in zip(xs, shift_X)]),
+                                group)
+    # (sum >= 1 where some_X: the max contributes exp(0); the 1 elsewhere keeps log's gradient finite)
+    lse_X = torch.where(some_X, torch.where(some_X, sum_X, torch.ones_like(sum_X)).log() + shift_X,
+                        torch.full_like(sum_X, -math.inf))
+    return list(lse_X.unbind(0))
+
+
+def restricted_logprobs_vocab_parallel(logits_BSV: torch.Tensor, safe_BSV: torch.Tensor, tokens_BS: torch.Tensor,
+                                       vocab_start: int, group) -> RestrictedLogprobs:
+    """``corrections.dvp.restricted_logprobs`` when ``logits_BSV`` and ``safe_BSV`` are this
+    rank's vocabulary slice [vocab_start, vocab_start + V); the same outputs on every rank.
+
+    Three [B, S]-sized collectives over ``group``: the maxima of the logits and of the safe
+    logits (no gradient), their partition sums (logZ and logZ_safe), then one all-reduce of the
+    stacked per-token terms: z_y - logZ_safe and z_y - logZ from the rank owning y (0 elsewhere),
+    the safe flag of y from its owner, and logZ_safe - logZ from the group's first rank only (a
+    value every rank has; summed once, so its gradient is counted once). Gradients: as
+    ``token_logprobs_energy_vocab_parallel`` (the last all-reduce passes its gradient through;
+    the partition sums all-reduce theirs). A position whose safe set is empty on every rank gets
+    log safe mass -inf; a sampled token outside the safe set log-prob -inf with zero gradient.
+    """
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel.mappings import (
+        reduce_from_tensor_model_parallel_region,
+    )
+
+    z_BSV = logits_BSV if logits_BSV.dtype in (torch.float32, torch.float64) else logits_BSV.float()
+    lse_full_BS, lse_safe_BS = _logsumexp_vocab_parallel([z_BSV, z_BSV.masked_fill(~safe_BSV, -math.inf)], group)
+    target_BS = tokens_BS.long() - vocab_start
+    owned_BS = (target_BS >= 0) & (target_BS < z_BSV.shape[-1])
+    idx_BS1 = target_BS.clamp(0, z_BSV.shape[-1] - 1).unsqueeze(-1)
+    z_y_BS = z_BSV.gather(-1, idx_BS1).squeeze(-1)
+    inside_BS = owned_BS & safe_BSV.gather(-1, idx_BS1).squeeze(-1)
+    zero_BS = torch.zeros_like(z_y_BS)
+    first = dist.get_rank(group) == 0
+    local_XBS = torch.stack([torch.where(inside_BS, z_y_BS - lse_safe_BS, zero_BS),
+                             torch.where(owned_BS, z_y_BS - lse_full_BS, zero_BS),
+                             lse_safe_BS - lse_full_BS if first else zero_BS,
+                             inside_BS.to(z_y_BS.dtype)])
+    logp_BS, full_logp_BS, log_safe_mass_BS, inside_f_BS = reduce_from_tensor_model_parallel_region(
+        local_XBS, group).unbind(0)
+    inside_BS = inside_f_BS > 0.5
+    return RestrictedLogprobs(torch.where(inside_BS, logp_BS, torch.full_like(logp_BS, -math.inf)), full_logp_BS,
+                              log_safe_mass_BS, inside_BS)
+
+
+@torch.no_grad()
+def exact_kl_tokens_vocab_parallel(rollout_logits_BSV: torch.Tensor, train_logits_BSV: torch.Tensor, group,
+                                   mask_BS: torch.Tensor | None = None, *, chunk_tokens: int = 1024) -> torch.Tensor:
+    """``corrections.trm.exact_kl_tokens`` when both inputs are this rank's vocabulary slice of the
+    same columns: KL(pi_roll || pi_train) = sum over ranks of sum_local p_roll (log p_roll - log
+    p_train), both log-probs normalised over the whole vocabulary. Three [tokens]-sized
+    collectives per chunk of ``chunk_tokens`` masked positions (the two maxima, the two partition
+    sums, the KL terms). No gradient: TRM only masks with it (``rollout_correction._trm``
+    detaches it). ``mask_BS`` must be the same on every rank of ``group`` (the chunks' collectives
+    pair up); the result is the same on every rank.
+    """
+    import torch.distributed as dist
+
+    if rollout_logits_BSV.shape != train_logits_BSV.shape:
+        raise ValueError(f"shape mismatch: {tuple(rollout_logits_BSV.shape)} vs {tuple(train_logits_BSV.shape)}")
+    *lead, num_v = train_logits_BSV.shape
+    roll_NV = rollout_logits_BSV.reshape(-1, num_v)
+    train_NV = train_logits_BSV.reshape(-1, num_v)
+    kl_N = torch.zeros(roll_NV.shape[0], dtype=torch.float32, device=roll_NV.device)
+    rows_N = (torch.arange(roll_NV.shape[0], device=roll_NV.device) if mask_BS is None
+              else mask_BS.reshape(-1).nonzero().squeeze(-1))
+    for start in range(0, rows_N.numel(), chunk_tokens):  # chunks of positions, not tokens one by one
+        idx = rows_N[start:start + chunk_tokens]
+        roll, train = roll_NV[idx].float(), train_NV[idx].float()
+        lse_roll, lse_train = _logsumexp_vocab_parallel([roll, train], group)
+        log_p = roll - lse_roll.unsqueeze(-1)
+        log_q = train - lse_train.unsqueeze(-1)
+        kl = (log_p.exp() * (log_p - log_q)).sum(-1)
+        dist.all_reduce(kl, group=group)
+        kl_N[idx] = kl
+    return kl_N.reshape(lead)
