@@ -57,7 +57,7 @@ def mfu(m: ModelConfig, *, trained_tokens: float, forward_tokens: float, seconds
 
 @dataclass(frozen=True)
 class Layout:
-    """A learner layout over ``world`` GPUs. ``etp`` 0 means ETP = TP (megatron's default);
+    """A learner layout over ``world`` GPUs. ``etp`` 0 becomes TP (megatron's default);
     ``first`` / ``last`` 0 mean an even split (megatron's num_layers_in_first/last_pipeline_stage
     unset). With both set the PP - 2 middle stages split the remaining layers evenly."""
 
@@ -69,6 +69,9 @@ class Layout:
     first: int = 0
     last: int = 0
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "etp", self.etp or self.tp)
+
     @classmethod
     def of(cls, p: ParallelConfig) -> Layout:
         return cls(p.nproc, p.tensor_parallel, p.pipeline_parallel, p.expert_parallel,
@@ -77,7 +80,7 @@ class Layout:
 
     @property
     def expert_tp(self) -> int:
-        return self.etp or self.tp
+        return self.etp
 
     @property
     def dp(self) -> int:

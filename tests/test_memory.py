@@ -258,3 +258,18 @@ def test_choose_layout_ranks_the_fitting_ones_by_the_stated_rule():
     vllm = _tiny("model.num_layers=8", "rollout.engine=vllm", "rollout.top_k=0")
     assert estimate(vllm, 2.5)["vllm_kv_tokens"] == 0 and choose_layout(vllm, 2, 4, gpu_gib=2.5, margin_gib=0) == []
     assert choose_layout(vllm, 2, 4, gpu_gib=8.0, margin_gib=0)
+
+
+@pytest.mark.unit
+def test_estimate_command_prints_the_layouts_row():
+    from pathlib import Path
+
+    from click.testing import CliRunner
+
+    from moe_rl.cli import main
+
+    recipe = str(Path(__file__).resolve().parents[1] / "configs" / "qwen3_30b_a3b_2x8h100.yaml")
+    out = CliRunner().invoke(main, ["estimate", recipe, "parallel.expert_parallel=8"])
+    assert out.exit_code == 0, out.output
+    assert out.output.splitlines()[0] == "TP 1 x EP 8 x ETP 1 x PP 1 on 16 GPUs of 80 GiB"
+    assert out.output.splitlines()[-1] == "| TP 1 x EP 8 x ETP 1 x PP 1 | 50.2 | 59.5 | 78.2 | 825,369 | no |"
