@@ -79,6 +79,43 @@ def show_config(args: tuple[str, ...]) -> None:
     click.echo(to_yaml(_load(args)), nl=False)
 
 
+@main.command("estimate", context_settings={"ignore_unknown_options": True})
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+@click.option("--gpu-gib", type=float, default=80.0, show_default=True, help="memory of one GPU")
+@click.option("--gpus-per-node", type=int, default=8, show_default=True, help="for --rank: TP stays within a node")
+@click.option("--rank", "top", type=int, default=0, help="also rank the N best layouts for the config's GPUs")
+def show_estimate(args: tuple[str, ...], gpu_gib: float, gpus_per_node: int, top: int) -> None:
+    """Per-GPU memory of a config's layout (moe_rl/memory.py), per pipeline stage, and its table row;
+    --rank N: the N best layouts for parallel.nproc GPUs instead: moe-rl estimate [CONFIG.yaml] [key=value ...]."""
+    from moe_rl.memory import (
+        GiB,
+        Layout,
+        Ranked,
+        estimate,
+        fits,
+        format_estimate,
+        layout_table,
+        rank_layouts,
+        stage_memory,
+    )
+
+    cfg = _load(args)
+    lay = Layout.of(cfg.parallel)
+    click.echo(f"{lay.describe(cfg.model.num_layers)} on {lay.world} GPUs of {gpu_gib:g} GiB")
+    est = estimate(cfg, gpu_gib)
+    click.echo(format_estimate(est))
+    if lay.pp > 1:
+        for s in range(lay.pp):
+            st = stage_memory(cfg, lay, s)
+            click.echo(f"stage {s}: {st['layers']:.0f} layers, static {st['static'] / GiB:.1f} GiB, "
+                       f"train peak {st['train_peak'] / GiB:.1f} GiB")
+    rows = [Ranked(lay, est, fits(cfg, est))]
+    if top > 0:
+        nodes, per_node = max(1, lay.world // gpus_per_node), min(gpus_per_node, lay.world)
+        rows = rank_layouts(cfg, nodes, per_node, gpu_gib)[:top]
+    click.echo(layout_table(cfg, rows))
+
+
 @main.command("export-hf")
 @click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
 @click.argument("out_dir", type=click.Path())

@@ -1,16 +1,27 @@
 """Back-of-envelope arithmetic for sizing runs: parameter counts, per-GPU memory, FLOPs and MFU.
 
-Used by the recipes' memory comments (tests/test_configs.py recomputes them), by
-``scripts/gpu_smoke_summary.py`` (MFU) and by ``moe-rl``-style inspection. Estimates, not
-measurements: every assumption is written next to the number it produces.
+Used by the recipes' memory comments (tests/test_configs.py recomputes them), by ``moe-rl
+estimate`` (a config's numbers, per pipeline stage, and the ranked layouts of ``choose_layout``),
+and by ``scripts/gpu_smoke_summary.py`` (MFU). Estimates, not measurements: every assumption is
+written next to the number it produces.
+
+The learner layout (``Layout``) follows megatron-core: world = TP x PP x DP for the dense
+parameters; within each pipeline stage the experts are split over EP x ETP ranks (expert tensor
+parallelism splits each expert's matrices, megatron's ``expert_tensor_parallel_size``) and
+replicated over expert-DP = world / (EP x ETP x PP). Uneven pipeline stages follow megatron's
+``num_layers_in_first/last_pipeline_stage``: the middle stages split the remaining layers evenly.
 """
 
 from __future__ import annotations
 
-from moe_rl.config import ModelConfig, RunConfig
+import math
+from dataclasses import dataclass
+
+from moe_rl.config import ModelConfig, ParallelConfig, RunConfig
 
 GiB = 2**30
 H100_BF16_DENSE_TFLOPS = 989.0  # H100/H200 SXM dense bf16 peak (no sparsity)
+MARGIN_GIB = 4.0  # left free on every GPU: CUDA context, NCCL buffers, allocator fragmentation
 
 
 def param_counts(m: ModelConfig) -> dict[str, int]:
@@ -44,64 +55,295 @@ def mfu(m: ModelConfig, *, trained_tokens: float, forward_tokens: float, seconds
     return flops / (seconds * num_gpus * peak_tflops * 1e12)
 
 
-def _activations(cfg: RunConfig, tokens: int) -> float:
-    """Bytes of saved activations of one micro-batch on one GPU (bf16; flash attention, so no
-    S^2 term). Per token and layer: norms/residual 4H, qkv (Q+2G)D, context QD, router logits (fp32)
-    2E, and per selected expert its input H, fc1 output 2F and activation F. Full recomputation
-    keeps only each layer's input (H) plus one layer's full set."""
-    m, p = cfg.model, cfg.parallel
-    H, D = m.hidden_size, m.head_dim
-    per_layer = 4 * H + (m.num_attention_heads + 2 * m.num_query_groups) * D + m.num_attention_heads * D \
-        + 2 * m.num_experts + m.moe_router_topk * (H + 3 * m.moe_ffn_hidden_size)
-    layers = m.num_layers // p.pipeline_parallel
-    elems = (H * layers + per_layer) if m.recompute else per_layer * layers
-    return 2.0 * elems * tokens
+@dataclass(frozen=True)
+class Layout:
+    """A learner layout over ``world`` GPUs. ``etp`` 0 becomes TP (megatron's default);
+    ``first`` / ``last`` 0 mean an even split (megatron's num_layers_in_first/last_pipeline_stage
+    unset). With both set the PP - 2 middle stages split the remaining layers evenly."""
+
+    world: int
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    etp: int = 0
+    first: int = 0
+    last: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "etp", self.etp or self.tp)
+
+    @classmethod
+    def of(cls, p: ParallelConfig) -> Layout:
+        return cls(p.nproc, p.tensor_parallel, p.pipeline_parallel, p.expert_parallel,
+                   getattr(p, "expert_tensor_parallel", 0), getattr(p, "layers_in_first_stage", 0),
+                   getattr(p, "layers_in_last_stage", 0))
+
+    @property
+    def expert_tp(self) -> int:
+        return self.etp
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel size of the dense parameters: world / (TP x PP)."""
+        return self.world // (self.tp * self.pp)
+
+    @property
+    def expert_dp(self) -> int:
+        """Replicas of each expert shard: world / (EP x ETP x PP)."""
+        return self.world // (self.ep * self.expert_tp * self.pp)
+
+    def stage_layers(self, num_layers: int) -> list[int]:
+        """Layers of each pipeline stage (megatron's rule); ValueError when they do not split."""
+        pp, first, last = self.pp, self.first, self.last
+        if pp == 1:
+            if first or last:
+                raise ValueError("layers in the first/last stage need pipeline_parallel > 1")
+            return [num_layers]
+        rest, left = num_layers - first - last, pp - (first > 0) - (last > 0)
+        if rest < 0 or (rest % left if left else rest) or (left and rest == 0):
+            what = "even split" if left == pp else f"first {first} + last {last}, {left} middle stages"
+            raise ValueError(f"{num_layers} layers do not split over PP {pp} ({what})")
+        mid = rest // left if left else 0
+        return [first or mid] + [mid] * (pp - 2) + [last or mid]
+
+    def problems(self, m: ModelConfig) -> list[str]:
+        """What megatron would refuse, one line each; empty when the layout is valid for ``m``."""
+        tp, etp, out = self.tp, self.expert_tp, []
+        if self.world % (tp * self.pp):
+            return [f"TP*PP = {tp * self.pp} does not divide {self.world} GPUs"]
+        for key in ("num_attention_heads", "num_query_groups", "ffn_hidden_size", "vocab_size"):
+            if getattr(m, key) % tp:
+                out.append(f"TP {tp} does not divide model.{key} {getattr(m, key)}")
+        if m.moe_ffn_hidden_size % etp:
+            out.append(f"ETP {etp} does not divide model.moe_ffn_hidden_size {m.moe_ffn_hidden_size}")
+        if m.num_experts % self.ep:
+            out.append(f"EP {self.ep} does not divide model.num_experts {m.num_experts}")
+        if (self.world // self.pp) % (self.ep * etp):
+            out.append(f"EP*ETP = {self.ep * etp} does not divide DP*TP = {self.world // self.pp}")
+        try:
+            self.stage_layers(m.num_layers)
+        except ValueError as e:
+            out.append(str(e))
+        return out
+
+    def describe(self, num_layers: int) -> str:
+        text = f"TP {self.tp} x EP {self.ep} x ETP {self.expert_tp} x PP {self.pp}"
+        return text + (f" ({'/'.join(map(str, self.stage_layers(num_layers)))} layers)" if self.pp > 1 else "")
 
 
-def estimate(cfg: RunConfig, gpu_gib: float = 80.0) -> dict[str, float]:
+def _stage_params(m: ModelConfig, lay: Layout, stage: int, layers: list[int]) -> tuple[float, float]:
+    """(dense, expert) parameters on one GPU of pipeline stage ``stage``.
+
+    Dense: q/k/v/o and dense-MLP matrices split over TP (column / row parallel), the input
+    embedding (first stage) and the output layer (last stage, with the final norm) split over TP by
+    vocabulary rows; norms and routers replicated on every TP rank (megatron's TopKRouter weight is
+    not split). Experts: the stage's MoE layers, whole experts over EP, each expert's matrices
+    over ETP."""
+    H, D, V, E = m.hidden_size, m.head_dim, m.vocab_size, m.num_experts
+    start, n = sum(layers[:stage]), layers[stage]
+    n_dense = max(0, min(start + n, m.first_k_dense) - start)
+    n_moe = n - n_dense
+    split = 2 * H * (m.num_attention_heads + m.num_query_groups) * D  # q, o: H x QD; k, v: H x GD
+    replicated = 2 * H + (2 * D if m.qk_layernorm else 0)  # input + pre-MLP norms, q/k norms
+    dense = n * (split / lay.tp + replicated) + n_moe * E * H + n_dense * 3 * H * m.ffn_hidden_size / lay.tp
+    if stage == 0:
+        dense += V * H / lay.tp
+    if stage == lay.pp - 1:
+        dense += V * H / lay.tp + H
+    return dense, n_moe * E * 3 * H * m.moe_ffn_hidden_size / (lay.ep * lay.expert_tp)
+
+
+def layer_activations(m: ModelConfig, lay: Layout, dense_layer: bool = False) -> float:
+    """Elements one layer's forward saves per micro-batch token on one GPU (flash attention: no
+    S^2 term). Per token: norms/residuals 4H (both norms' inputs and outputs), q/k/v (Q+2G)D,
+    attention context QD; an MoE MLP: router logits 2E (fp32: 2 bf16 elements per expert) and per
+    selected expert its input H, fc1 output 2F and activation F; a dense MLP 3F.
+    Under sequence parallelism (on whenever TP > 1) every term is divided by TP: norms, residuals
+    and the router see S / TP positions, attention Q / TP heads, a dense MLP F / TP columns, and an
+    expert-TP group all-gathers its routed tokens, so each ETP rank keeps ETP x the tokens' inputs
+    and F / ETP of their fc1 columns: k (ETP H + 3F) / TP."""
+    H, D, Q, G = m.hidden_size, m.head_dim, m.num_attention_heads, m.num_query_groups
+    attn = 4 * H + (Q + 2 * G) * D + Q * D
+    mlp = 3 * m.ffn_hidden_size if dense_layer else \
+        2 * m.num_experts + m.moe_router_topk * (lay.expert_tp * H + 3 * m.moe_ffn_hidden_size)
+    return (attn + mlp) / lay.tp
+
+
+def micro_batches(cfg: RunConfig, lay: Layout) -> int:
+    """Micro-batches per optimizer step on one rank: a minibatch's sequences / micro_batch_size."""
+    r, a = cfg.rollout, cfg.algo
+    seqs = max(1, r.prompts_per_step // lay.dp) * r.samples_per_prompt // a.num_minibatches
+    return max(1, math.ceil(seqs / a.micro_batch_size))
+
+
+def stage_memory(cfg: RunConfig, lay: Layout, stage: int) -> dict[str, float]:
+    """Bytes on one GPU of pipeline stage ``stage`` while it trains.
+
+    State: bf16 (fp32) weights 2 (4) B per param, fp32 grads 4 B (grad_reduce_in_fp32, not
+    sharded), Adam m, v (+ fp32 main params with bf16 weights) 12 (8) B, sharded by the
+    distributed optimizer over DP (dense) and expert-DP (experts); a frozen reference copy of the
+    weights when algo.kl_coef > 0. Activations: micro_batch_size x max_seq_len tokens per
+    micro-batch (``layer_activations``, bf16: 2 B, fp32: 4 B); 1F1B keeps up to PP - stage
+    micro-batches in flight (stage 0: PP). Full recomputation keeps only each in-flight
+    micro-batch's layer inputs (H / TP per token and layer) plus one layer's full set.
+    Logits (last stage): vocab-parallel [tokens, V / TP]: the output layer's (bf16) logits plus
+    fp32 tensors the log-prob / entropy pass saves for its backward (log-softmax and softmax;
+    with TP > 1 also exp(z - max)) and one fp32 gradient of the same shape."""
+    m = cfg.model
+    layers = lay.stage_layers(m.num_layers)
+    dense, expert = _stage_params(m, lay, stage, layers)
+    w_bytes, opt_bytes, act_bytes = (2, 12, 2) if m.precision in ("bf16", "fp8") else (4, 8, 4)
+    shard_d, shard_e = (lay.dp, lay.expert_dp) if cfg.parallel.distributed_optimizer else (1, 1)
+    weights, grads = (dense + expert) * w_bytes, (dense + expert) * 4
+    optim = opt_bytes * (dense / shard_d + expert / shard_e)
+    reference = weights if cfg.algo.kl_coef > 0 else 0.0
+    start, n = sum(layers[:stage]), layers[stage]
+    n_dense = max(0, min(start + n, m.first_k_dense) - start)
+    per_dense, per_moe = layer_activations(m, lay, True), layer_activations(m, lay, False)
+    in_flight = min(lay.pp - stage, micro_batches(cfg, lay))
+    if m.recompute:
+        elems = in_flight * n * m.hidden_size / lay.tp + max(per_moe if n > n_dense else 0, per_dense if n_dense else 0)
+    else:
+        elems = in_flight * (n_dense * per_dense + (n - n_dense) * per_moe)
+    tokens = cfg.algo.micro_batch_size * m.max_seq_len
+    acts = act_bytes * elems * tokens
+    saved = 3 if lay.tp > 1 else 2
+    logits = tokens * m.vocab_size / lay.tp * (act_bytes + 4 * (saved + 1)) if stage == lay.pp - 1 else 0.0
+    static = weights + grads + optim + reference
+    return {"layers": n, "in_flight": in_flight, "dense": dense, "expert": expert, "weights": weights,
+            "grads": grads, "optimizer": optim, "reference": reference, "static": static,
+            "activations": acts, "logits": logits, "train_peak": static + acts + logits}
+
+
+def estimate(cfg: RunConfig, gpu_gib: float = 80.0, layout: Layout | None = None) -> dict[str, float]:
     """Per-GPU memory (GiB) of a run: learner state, training peak, rollout peak, vLLM KV tokens.
 
-    Learner: dense (non-expert) params split over TP*PP, experts over EP*TP*PP (expert TP = TP);
-    bf16 (or fp32) params, fp32 grads (grad_reduce_in_fp32), Adam m, v (+ fp32 main params when
-    bf16), sharded over the dense / expert data-parallel size by the distributed optimizer.
-    Training adds one micro-batch's activations (micro_batch_size x max_seq_len tokens) and its
-    fp32 logits three times over (logits, log-softmax, gradient). Rollout adds vLLM's whole budget
-    (gpu_memory_utilization x GPU: bf16 weights over the vLLM TP group, the rest KV cache) while
-    the learner's state stays resident; vLLM sleeps during training."""
-    m, p, v = cfg.model, cfg.parallel, cfg.rollout.vllm
+    ``layout`` (default: the config's) places the learner (``stage_memory`` per pipeline stage);
+    the learner keys below are those of the stage with the highest training peak (``peak_stage``),
+    so they add up to ``train_peak_gib``. Rollout adds vLLM's whole budget (gpu_memory_utilization
+    x GPU: bf16 weights over the vLLM TP group, ~2 GiB activations / CUDA graphs, the rest KV
+    cache) while the learner's state stays resident (the largest stage's, ``learner_static_max_gib``);
+    vLLM sleeps during training."""
+    m, v = cfg.model, cfg.rollout.vllm
+    lay = layout or Layout.of(cfg.parallel)
     c = param_counts(m)
-    tp, pp, ep, world = p.tensor_parallel, p.pipeline_parallel, p.expert_parallel, p.nproc
-    dense_pg, expert_pg = c["dense"] / (tp * pp), c["expert"] / (ep * tp * pp)
-    dense_dp, expert_dp = world // (tp * pp), world // (ep * tp * pp)
-    low = m.precision in ("bf16", "fp8")
-    w_bytes, opt_bytes = (2, 12) if low else (4, 8)
-    shard_d, shard_e = (dense_dp, expert_dp) if p.distributed_optimizer else (1, 1)
-    weights = (dense_pg + expert_pg) * w_bytes
-    grads = (dense_pg + expert_pg) * 4
-    optim = dense_pg * opt_bytes / shard_d + expert_pg * opt_bytes / shard_e
-    tokens = cfg.algo.micro_batch_size * m.max_seq_len
-    acts = _activations(cfg, tokens)
-    logits = 3 * 4.0 * tokens * m.vocab_size / tp
-    static = weights + grads + optim
-    vllm_budget = v.gpu_memory_utilization * gpu_gib * GiB if cfg.rollout.engine == "vllm" else 0.0
+    stages = [stage_memory(cfg, lay, s) for s in range(lay.pp)]
+    peak_stage = max(range(lay.pp), key=lambda s: stages[s]["train_peak"])
+    top = stages[peak_stage]
+    static_max = max(s["static"] for s in stages)
+    vllm = cfg.rollout.engine == "vllm"
+    vllm_budget = v.gpu_memory_utilization * gpu_gib * GiB if vllm else 0.0
     vllm_weights = c["total"] * (2 if cfg.rollout.dtype == "bf16" else 4) / v.tensor_parallel
     kv_heads = max(1, m.num_query_groups // v.tensor_parallel)  # fewer KV heads than TP: replicated
     kv_per_token = 2 * m.num_layers * kv_heads * m.head_dim * 2  # K and V, bf16
-    kv_bytes = max(0.0, vllm_budget - vllm_weights - 2 * GiB)  # ~2 GiB vLLM activations / graphs
+    kv_bytes = max(0.0, vllm_budget - vllm_weights - 2 * GiB)
     return {
         "params_total_b": c["total"] / 1e9, "params_active_b": c["active"] / 1e9,
-        "learner_params_per_gpu_b": (dense_pg + expert_pg) / 1e9,
-        "weights_gib": weights / GiB, "grads_gib": grads / GiB, "optimizer_gib": optim / GiB,
-        "learner_static_gib": static / GiB, "activations_gib": acts / GiB, "logits_gib": logits / GiB,
-        "train_peak_gib": (static + acts + logits) / GiB,
+        "learner_params_per_gpu_b": (top["dense"] + top["expert"]) / 1e9,
+        "dense_params_per_gpu_b": top["dense"] / 1e9, "expert_params_per_gpu_b": top["expert"] / 1e9,
+        "weights_gib": top["weights"] / GiB, "grads_gib": top["grads"] / GiB,
+        "optimizer_gib": top["optimizer"] / GiB, "reference_gib": top["reference"] / GiB,
+        "learner_static_gib": top["static"] / GiB, "activations_gib": top["activations"] / GiB,
+        "logits_gib": top["logits"] / GiB, "train_peak_gib": top["train_peak"] / GiB,
+        "peak_stage": float(peak_stage), "learner_static_max_gib": static_max / GiB,
         "vllm_budget_gib": vllm_budget / GiB, "vllm_weights_gib": vllm_weights / GiB,
-        "vllm_kv_tokens": kv_bytes / kv_per_token if cfg.rollout.engine == "vllm" else 0.0,
-        "rollout_peak_gib": (static + vllm_budget) / GiB, "gpu_gib": gpu_gib,
+        "vllm_kv_tokens": kv_bytes / kv_per_token if vllm else 0.0,
+        "rollout_peak_gib": (static_max + vllm_budget) / GiB, "gpu_gib": gpu_gib,
     }
+
+
+def fits(cfg: RunConfig, est: dict[str, float], margin_gib: float = MARGIN_GIB) -> bool:
+    """Both peaks within the GPU less ``margin_gib``, and (vLLM) KV cache for one full sequence."""
+    room = est["gpu_gib"] - margin_gib
+    kv_ok = cfg.rollout.engine != "vllm" or est["vllm_kv_tokens"] >= cfg.model.max_seq_len
+    return est["train_peak_gib"] <= room and est["rollout_peak_gib"] <= room and kv_ok
+
+
+def _splits(num_layers: int, pp: int):
+    """(first, last) stage sizes to try: the even split (0, 0) when PP divides the layers, and
+    every uneven one whose first and last stages are no larger than a middle stage (they also
+    carry the embedding / the output layer and the logits)."""
+    if pp == 1 or num_layers % pp == 0:
+        yield 0, 0
+    if pp == 1:
+        return
+    if pp == 2:
+        yield from ((f, num_layers - f) for f in range(1, num_layers) if 2 * f != num_layers)
+        return
+    for mid in range(math.ceil(num_layers / pp), (num_layers - 2) // (pp - 2) + 1):
+        rest = num_layers - mid * (pp - 2)
+        yield from ((f, rest - f) for f in range(max(1, rest - mid), min(mid, rest - 1) + 1)
+                    if not f == rest - f == mid)
+
+
+def candidate_layouts(m: ModelConfig, nodes: int, gpus_per_node: int) -> list[Layout]:
+    """Every layout ``problems`` accepts on nodes x gpus_per_node GPUs: TP in {1, 2, 4, 8} within
+    a node, PP any divisor of world / TP up to the layers (with every ``_splits`` split), EP any
+    divisor of the experts, ETP 1 or TP."""
+    world, out = nodes * gpus_per_node, []
+    for tp in (t for t in (1, 2, 4, 8) if t <= gpus_per_node and world % t == 0):
+        for pp in (p for p in range(1, min(world // tp, m.num_layers) + 1) if (world // tp) % p == 0):
+            for ep in (e for e in range(1, m.num_experts + 1) if m.num_experts % e == 0):
+                for etp in sorted({1, tp}):
+                    for first, last in _splits(m.num_layers, pp):
+                        lay = Layout(world, tp, pp, ep, etp, first, last)
+                        if not lay.problems(m):
+                            out.append(lay)
+    return out
+
+
+@dataclass(frozen=True)
+class Ranked:
+    layout: Layout
+    est: dict[str, float]
+    fits: bool
+
+
+def rank_layouts(cfg: RunConfig, nodes: int, gpus_per_node: int, gpu_gib: float = 80.0,
+                 margin_gib: float = MARGIN_GIB) -> list[Ranked]:
+    """``candidate_layouts`` estimated, one per (TP, EP, ETP, PP): the first/last split whose
+    larger peak (training or rollout, the heaviest stage decides) is smallest. Ordered: the ones
+    that fit (``fits``) first, by the rule: fewest pipeline stages (less bubble, fewer in-flight
+    micro-batches), then smallest TP (its all-gathers / reduce-scatters run on every layer), ETP 1
+    before ETP = TP (expert TP all-gathers the routed tokens), smallest EP (fewest ranks in each
+    all-to-all), then the most headroom; the rest after them, smallest peak first."""
+    best: dict[tuple[int, int, int, int], Ranked] = {}
+    for lay in candidate_layouts(cfg.model, nodes, gpus_per_node):
+        est = estimate(cfg, gpu_gib, lay)
+        key = (lay.tp, lay.ep, lay.expert_tp, lay.pp)
+        if key not in best or _peak(est) < _peak(best[key].est):
+            best[key] = Ranked(lay, est, fits(cfg, est, margin_gib))
+
+    def order(r: Ranked):
+        rule = (r.layout.pp, r.layout.tp, r.layout.expert_tp, r.layout.ep) if r.fits else ()
+        return (not r.fits, *rule, _peak(r.est))
+    return sorted(best.values(), key=order)
+
+
+def choose_layout(cfg: RunConfig, nodes: int, gpus_per_node: int, gpu_gib: float = 80.0,
+                  margin_gib: float = MARGIN_GIB) -> list[Ranked]:
+    """The layouts that fit, best first (``rank_layouts``' rule); empty when none does."""
+    return [r for r in rank_layouts(cfg, nodes, gpus_per_node, gpu_gib, margin_gib) if r.fits]
+
+
+def _peak(est: dict[str, float]) -> float:
+    return max(est["train_peak_gib"], est["rollout_peak_gib"])
 
 
 def format_estimate(est: dict[str, float]) -> str:
     return "\n".join(f"{k:<26} {v:,.1f}" for k, v in est.items())
+
+
+def layout_table(cfg: RunConfig, ranked: list[Ranked]) -> str:
+    """A markdown table of ranked layouts (the README's)."""
+    rows = ["| layout (TP x EP x ETP x PP) | learner static | train peak | rollout peak | vLLM KV tokens | fits? |",
+            "|---|---|---|---|---|---|"]
+    for r in ranked:
+        e = r.est
+        rows.append(f"| {r.layout.describe(cfg.model.num_layers)} | {e['learner_static_max_gib']:.1f} | "
+                    f"{e['train_peak_gib']:.1f} | {e['rollout_peak_gib']:.1f} | {e['vllm_kv_tokens']:,.0f} | "
+                    f"{'yes' if r.fits else 'no'} |")
+    return "\n".join(rows)
 
 
 def summarize_run(rows: list[dict], cfg: RunConfig, *, prompt_tokens: float, num_gpus: int = 1,

@@ -69,7 +69,6 @@ QWEN3_RECIPE = Path(__file__).resolve().parents[1] / "configs" / "qwen3_30b_a3b_
 
 @pytest.mark.unit
 def test_qwen3_recipe_parses_and_its_memory_comment_matches_the_estimate():
-    import re
 
     from moe_rl.memory import estimate
 
@@ -79,11 +78,75 @@ def test_qwen3_recipe_parses_and_its_memory_comment_matches_the_estimate():
     assert (cfg.model.transformer_impl, cfg.model.precision) == ("te", "fp8")
     est = estimate(cfg)
     assert round(est["params_total_b"], 1) == 30.5 and round(est["params_active_b"], 2) == 3.35
-    stated = dict(re.findall(r"^#\s+(\w+) = ([\d.]+)$", QWEN3_RECIPE.read_text(), flags=re.MULTILINE))
+    stated = _stated_estimate(QWEN3_RECIPE)
     assert len(stated) >= 10
     for key, value in stated.items():
         assert abs(est[key] - float(value)) <= (1.0 if key == "vllm_kv_tokens" else 0.05), key
     assert est["train_peak_gib"] < 80 and est["rollout_peak_gib"] < 80 - 4  # CUDA context, NCCL, slack
+
+
+def _stated_estimate(path: Path) -> dict[str, str]:
+    import re
+
+    return dict(re.findall(r"^#\s+(\w+) = ([\d.]+)$", path.read_text(), flags=re.MULTILINE))
+
+
+@pytest.mark.unit
+def test_qwen3_30b_layout_is_the_one_choose_layout_ranks_first():
+    from moe_rl.memory import Layout, choose_layout
+
+    cfg = load_config(QWEN3_RECIPE)
+    assert choose_layout(cfg, nodes=2, gpus_per_node=8)[0].layout == Layout.of(cfg.parallel)
+
+
+QWEN3_235B = QWEN3_RECIPE.with_name("qwen3_235b_a22b_16x8h100.yaml")
+
+
+@pytest.mark.unit
+def test_qwen3_235b_recipe_layout_and_every_number_of_its_comment():
+    from moe_rl.memory import (
+        GiB,
+        Layout,
+        choose_layout,
+        estimate,
+        micro_batches,
+        param_counts,
+        stage_memory,
+    )
+
+    cfg = load_config(QWEN3_235B)
+    m, p, text = cfg.model, cfg.parallel, QWEN3_235B.read_text()
+    # the architecture in the header (Qwen/Qwen3-235B-A22B config.json)
+    assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.num_query_groups, m.head_dim) == (94, 4096, 64, 4, 128)
+    assert (m.num_experts, m.moe_router_topk, m.moe_ffn_hidden_size, m.vocab_size, m.first_k_dense) == \
+        (128, 8, 1536, 151936, 0)
+    assert (m.qk_layernorm, m.rope_theta, m.recompute, m.precision, cfg.rollout.engine, cfg.routing.replay) == \
+        (True, 1e6, True, "bf16", "vllm", "r3")
+    c = param_counts(m)
+    assert [round(c[k] / 1e9, 1) for k in ("total", "active", "expert", "dense")] == [235.1, 22.2, 227.1, 8.0]
+    assert "235.1B parameters, 22.2B active" in text and "(227.1B in routed experts, 8.0B in attention" in text
+    # why 16 nodes: 18 B per expert parameter with expert-DP = 1, and vLLM's weights beside it
+    per_gpu = [round(18 * c["expert"] / gpus / GiB, 1) for gpus in (32, 64, 128)]
+    assert per_gpu == [119.0, 59.5, 29.7]
+    assert "119.0 GiB per GPU on 4 nodes,\n# 59.5 GiB on 8" in text and "29.7 GiB on 16" in text
+    est = estimate(cfg)
+    assert round(est["vllm_weights_gib"], 1) == 27.4 and 59.5 + 27.4 + 2 > 80 - 4
+    assert round(2 * c["total"] / 1e9) == 470 and "470 GB bf16 weights / TP 16" in text
+    # the layout: what choose_layout ranks first on 16 x 8 GPUs
+    lay, chosen = Layout.of(p), choose_layout(cfg, nodes=16, gpus_per_node=8)
+    assert chosen[0].layout == lay
+    assert (lay.world, lay.tp, lay.pp, lay.ep, lay.expert_tp, lay.dp, lay.expert_dp) == (128, 4, 4, 32, 1, 8, 1)
+    assert lay.stage_layers(94) == [23, 24, 24, 23] and 94 % 4 and m.num_experts // lay.ep == 4
+    assert "PP=4 with 23/24/24/23 layers" in text and "EP=32 x expert-TP=1" in text and "DP=8" in text
+    assert [stage_memory(cfg, lay, s)["in_flight"] for s in range(4)] == [4, 3, 2, 1] and micro_batches(cfg, lay) == 32
+    # PP=1 and PP=2 do not fit beside vLLM
+    assert min(r.layout.pp for r in chosen) == 4
+    stated = _stated_estimate(QWEN3_235B)
+    assert len(stated) == 16
+    for key, value in stated.items():
+        assert abs(est[key] - float(value)) <= (1.0 if key == "vllm_kv_tokens" else 0.05), key
+    assert est["peak_stage"] == 3 and est["learner_static_max_gib"] == stage_memory(cfg, lay, 1)["static"] / GiB
+    assert est["vllm_budget_gib"] == 40.0 and est["train_peak_gib"] <= 80 - 4 and est["rollout_peak_gib"] <= 80 - 4
 
 
 @pytest.mark.unit

@@ -4,14 +4,26 @@ hand, and the smoke-test summary on a synthetic metrics.jsonl."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
+import torch
 
 from moe_rl.config import ModelConfig, load_config
 from moe_rl.memory import (
+    GiB,
+    Layout,
+    _stage_params,
+    candidate_layouts,
+    choose_layout,
+    estimate,
     forward_flops_per_token,
+    layer_activations,
     mfu,
+    micro_batches,
     param_counts,
+    rank_layouts,
+    stage_memory,
     summarize_run,
     train_flops_per_token,
 )
@@ -69,3 +81,195 @@ def test_summarize_run_learner_mfu_peak_memory_and_reward_trend():
     assert s["learner_mfu"] == pytest.approx((6 * n * tokens + 2 * n * tokens) / (3.0 * 989e12))
     assert s["peak_gib"] == 5.0
     assert (s["reward_first"], s["reward_last"]) == (pytest.approx(0.05), pytest.approx(0.65))
+
+
+# ---- per-GPU memory by layout (estimate / stage_memory / choose_layout) --------------------------
+
+TINY = ["model.vocab_size=64", "model.hidden_size=32", "model.num_layers=6", "model.num_attention_heads=4",
+        "model.num_query_groups=2", "model.head_dim=8", "model.ffn_hidden_size=64", "model.moe_ffn_hidden_size=16",
+        "model.num_experts=8", "model.moe_router_topk=2", "model.max_seq_len=16", "model.precision=bf16",
+        "algo.micro_batch_size=2", "parallel.nproc=8", "parallel.expert_parallel=8"]
+
+
+def _tiny(*extra: str):
+    return load_config(None, TINY + list(extra))
+
+
+@pytest.mark.unit
+def test_stage_params_by_hand():
+    m = _tiny().model
+    # H=32, D=8, Q=4, G=2, V=64, E=8, expert F=16; per layer: q,o,k,v 2*32*(4+2)*8 = 3072 (split
+    # over TP), norms 2*32 + q/k norms 2*8 = 80 and router 8*32 = 256 (replicated)
+    lay = Layout(world=8, tp=2, pp=2, ep=2, etp=1)
+    assert lay.stage_layers(6) == [3, 3] and (lay.dp, lay.expert_dp) == (2, 2)
+    # stage 0: 3 * (3072/2 + 80 + 256) + embedding 64*32/2; stage 1: the output layer and final norm
+    assert _stage_params(m, lay, 0, [3, 3]) == (3 * 1872 + 1024, 3 * 8 * 3 * 32 * 16 / 2)
+    assert _stage_params(m, lay, 1, [3, 3]) == (3 * 1872 + 1024 + 32, 3 * 8 * 3 * 32 * 16 / 2)
+    # one GPU of a 1-rank layout holds the whole model; two stages hold it between them
+    whole = _stage_params(m, Layout(world=1), 0, [6])
+    assert sum(whole) == param_counts(m)["total"]
+    halves = [_stage_params(m, Layout(world=2, pp=2), s, [2, 4]) for s in (0, 1)]
+    assert sum(map(sum, halves)) == param_counts(m)["total"]
+
+
+@pytest.mark.unit
+def test_doubling_tp_halves_the_split_dense_params():
+    m = _tiny("model.num_query_groups=4").model
+    replicated = 6 * (80 + 256) + 32  # norms, routers and the final norm stay whole on every TP rank
+    assert not Layout(world=8, tp=4, ep=2).problems(m)
+    d1, _ = _stage_params(m, Layout(world=8, tp=1, ep=8), 0, [6])
+    d2, _ = _stage_params(m, Layout(world=8, tp=2, ep=4), 0, [6])
+    d4, _ = _stage_params(m, Layout(world=8, tp=4, ep=2), 0, [6])
+    assert d1 - replicated == 2 * (d2 - replicated) == 4 * (d4 - replicated)
+
+
+@pytest.mark.unit
+def test_expert_tp_divides_expert_weights_and_grads_but_not_their_sharded_optimizer():
+    cfg = _tiny()
+    tp, ep = 2, 2
+    one = stage_memory(cfg, Layout(world=8, tp=tp, ep=ep, etp=1), 0)
+    full = stage_memory(cfg, Layout(world=8, tp=tp, ep=ep, etp=tp), 0)
+    assert one["expert"] == tp * full["expert"] and one["dense"] == full["dense"]
+    # bf16 weight 2 B + fp32 grad 4 B per parameter; the distributed optimizer's 12 B per expert
+    # parameter are sharded over expert-DP = world / (EP x ETP): 12 x all experts / world either way
+    assert one["weights"] + one["grads"] - full["weights"] - full["grads"] == 6 * (one["expert"] - full["expert"])
+    assert one["optimizer"] == full["optimizer"]
+    experts_all = 6 * 8 * 3 * 32 * 16
+    assert one["optimizer"] == 12 * one["dense"] / 4 + 12 * experts_all / 8  # dense DP = 8 / TP = 4
+    unsharded = stage_memory(_tiny("parallel.distributed_optimizer=false"), Layout(world=8, tp=tp, ep=ep, etp=1), 0)
+    assert unsharded["optimizer"] == 12 * (one["dense"] + one["expert"])
+
+
+@pytest.mark.unit
+def test_activations_per_layer_and_in_flight_micro_batches():
+    m = _tiny().model
+    # 4H + (Q+2G)D + QD + 2E = 128 + 64 + 32 + 16 = 240; per selected expert (ETP H + 3F)
+    assert layer_activations(m, Layout(world=1)) == 240 + 2 * (32 + 48)
+    assert layer_activations(m, Layout(world=2, tp=2, etp=1)) == (240 + 2 * (32 + 48)) / 2
+    assert layer_activations(m, Layout(world=2, tp=2, etp=2)) == (240 + 2 * (2 * 32 + 48)) / 2
+    assert layer_activations(m, Layout(world=1), dense_layer=True) == 240 - 16 + 3 * 64  # no router
+    # 16 prompts over DP 4, x 2 samples / 2 minibatches = 4 sequences per rank; micro_batch_size 2
+    batch = ["rollout.prompts_per_step=16", "rollout.samples_per_prompt=2", "algo.num_minibatches=2"]
+    cfg = _tiny(*batch)
+    lay = Layout(world=8, pp=2, ep=4)
+    assert micro_batches(cfg, lay) == 2
+    tokens, per_layer = 2 * 16, 400
+    s0, s1 = stage_memory(cfg, lay, 0), stage_memory(cfg, lay, 1)
+    assert (s0["in_flight"], s1["in_flight"]) == (2, 1)  # 1F1B: stage 0 holds PP micro-batches
+    assert s0["activations"] == 2 * tokens * 2 * 3 * per_layer and s1["activations"] == 2 * tokens * 3 * per_layer
+    rc = _tiny(*batch, "model.recompute=true")
+    # full recomputation: each in-flight micro-batch keeps its 3 layer inputs (H), plus one full layer
+    assert stage_memory(rc, lay, 0)["activations"] == 2 * tokens * (2 * 3 * 32 + per_layer)
+    assert stage_memory(rc, lay, 1)["activations"] == 2 * tokens * (1 * 3 * 32 + per_layer)
+
+
+@pytest.mark.unit
+def test_logits_per_tp_shard_on_the_last_stage_only():
+    cfg = _tiny()
+    tokens = 2 * 16
+    # bf16 logits 2 B + fp32 log-softmax and softmax saved + one fp32 gradient
+    assert stage_memory(cfg, Layout(world=8, ep=8), 0)["logits"] == tokens * 64 * (2 + 3 * 4)
+    # vocab-parallel: a V / TP slice, and exp(z - max) saved too
+    assert stage_memory(cfg, Layout(world=8, tp=2, ep=4), 0)["logits"] == tokens * 32 * (2 + 4 * 4)
+    lay = Layout(world=8, pp=2, ep=4)
+    assert stage_memory(cfg, lay, 0)["logits"] == 0 and stage_memory(cfg, lay, 1)["logits"] == tokens * 64 * 14
+
+
+@pytest.mark.unit
+def test_uneven_stages_move_the_peak_to_the_heaviest_stage():
+    cfg = _tiny("model.recompute=true")
+    for first, last, heavy in ((5, 1, 0), (1, 5, 1)):
+        lay = Layout(world=8, pp=2, ep=4, first=first, last=last)
+        assert lay.stage_layers(6) == [first, last]
+        stages = [stage_memory(cfg, lay, s) for s in (0, 1)]
+        est = estimate(cfg, layout=lay)
+        assert est["peak_stage"] == heavy and stages[heavy]["train_peak"] > stages[1 - heavy]["train_peak"]
+        assert est["train_peak_gib"] == stages[heavy]["train_peak"] / GiB
+        assert est["learner_static_max_gib"] == max(s["static"] for s in stages) / GiB
+        parts = ("weights_gib", "grads_gib", "optimizer_gib", "reference_gib", "activations_gib", "logits_gib")
+        assert sum(est[k] for k in parts) == pytest.approx(est["train_peak_gib"])
+    # a frozen reference copy of the weights with a KL term
+    kl = estimate(_tiny("model.recompute=true", "algo.kl_coef=0.1"), layout=lay)
+    assert kl["reference_gib"] == kl["weights_gib"] > 0
+
+
+@pytest.mark.unit
+def test_stage_layers_follow_megatrons_uneven_split():
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    for pp, first, last in ((4, 23, 23), (4, 22, 24), (8, 11, 11), (2, 40, 54), (4, 0, 0), (3, 30, 0)):
+        lay = Layout(world=pp, pp=pp, first=first, last=last)
+        num_layers = 94 if (first or last) else 96
+        tc = TransformerConfig(num_layers=num_layers, hidden_size=8, num_attention_heads=1,
+                               pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32,
+                               num_layers_in_first_pipeline_stage=first or None,
+                               num_layers_in_last_pipeline_stage=last or None)
+        assert lay.stage_layers(num_layers) == [get_num_layers_to_build(tc, pp_rank=r) for r in range(pp)]
+    for lay, needle in ((Layout(world=4, pp=4), "94 layers do not split over PP 4 (even split)"),
+                        (Layout(world=4, pp=4, first=21, last=20), "first 21 + last 20, 2 middle stages"),
+                        (Layout(world=2, pp=2, first=20, last=20), "first 20 + last 20, 0 middle stages")):
+        with pytest.raises(ValueError, match=re.escape(needle)):
+            lay.stage_layers(94)
+
+
+@pytest.mark.unit
+def test_choose_layout_offers_only_layouts_whose_sizes_divide():
+    cfg = _tiny()
+    m = cfg.model
+    layouts = candidate_layouts(m, nodes=2, gpus_per_node=4)
+    assert layouts and all(not lay.problems(m) for lay in layouts)
+    for lay in layouts:
+        assert lay.tp in (1, 2) and lay.expert_tp in (1, lay.tp)  # TP 4 does not divide 2 query groups
+        assert 8 % lay.ep == 0 and (8 // lay.pp) % (lay.ep * lay.expert_tp) == 0
+        assert sum(lay.stage_layers(6)) == 6 and lay.pp <= 6
+    assert Layout(8, tp=2, pp=4, ep=1, etp=2, first=1, last=1) in layouts  # 1/2/2/1 layers
+    assert not any(lay.pp == 4 and (lay.first, lay.last) == (0, 0) for lay in layouts)  # 6 layers, PP 4
+    assert Layout(8, tp=4, ep=2).problems(m) == ["TP 4 does not divide model.num_query_groups 2"]
+    assert Layout(8, tp=2, ep=3, etp=1).problems(m) == ["EP 3 does not divide model.num_experts 8",
+                                                        "EP*ETP = 3 does not divide DP*TP = 8"]
+    assert Layout(8, tp=2, ep=4, etp=2).problems(m) == ["EP*ETP = 8 does not divide DP*TP = 8"][:0]
+    assert Layout(8, pp=2, ep=8).problems(m) == ["EP*ETP = 8 does not divide DP*TP = 4"]
+    assert Layout(6, tp=4).problems(m)[0] == "TP*PP = 4 does not divide 6 GPUs"
+
+
+@pytest.mark.unit
+def test_choose_layout_ranks_the_fitting_ones_by_the_stated_rule():
+    cfg = _tiny("model.num_layers=8")
+    ranked = rank_layouts(cfg, 2, 4)
+    assert len({(r.layout.tp, r.layout.ep, r.layout.expert_tp, r.layout.pp) for r in ranked}) == len(ranked)
+    peaks = sorted(max(r.est["train_peak_gib"], r.est["rollout_peak_gib"]) for r in ranked)
+    gpu_gib = peaks[len(peaks) // 2] + 0.1  # a GPU that holds about half of them, less 0.1 GiB margin
+    chosen = choose_layout(cfg, 2, 4, gpu_gib=gpu_gib, margin_gib=0.1)
+    assert 0 < len(chosen) < len(ranked)
+    assert {r.layout for r in chosen} == {r.layout for r in rank_layouts(cfg, 2, 4, gpu_gib)
+                                          if max(r.est["train_peak_gib"], r.est["rollout_peak_gib"]) <= gpu_gib - 0.1}
+    keys = [(r.layout.pp, r.layout.tp, r.layout.expert_tp, r.layout.ep) for r in chosen]
+    assert keys == sorted(keys) and keys[0][0] == 1  # fewest pipeline stages first
+    for r in chosen:
+        assert r.est == estimate(cfg, gpu_gib, r.layout)
+        # per (TP, EP, ETP, PP) the first/last split with the smallest peak
+        splits = [lay for lay in candidate_layouts(cfg.model, 2, 4)
+                  if (lay.tp, lay.ep, lay.expert_tp, lay.pp) == (r.layout.tp, r.layout.ep, r.layout.expert_tp,
+                                                                 r.layout.pp)]
+        assert min(max(estimate(cfg, gpu_gib, lay)["train_peak_gib"], estimate(cfg, gpu_gib, lay)["rollout_peak_gib"])
+                   for lay in splits) == max(r.est["train_peak_gib"], r.est["rollout_peak_gib"])
+    # vLLM: its ~2 GiB of activations / CUDA graphs leave no KV cache in a 1.25 GiB budget
+    vllm = _tiny("model.num_layers=8", "rollout.engine=vllm", "rollout.top_k=0")
+    assert estimate(vllm, 2.5)["vllm_kv_tokens"] == 0 and choose_layout(vllm, 2, 4, gpu_gib=2.5, margin_gib=0) == []
+    assert choose_layout(vllm, 2, 4, gpu_gib=8.0, margin_gib=0)
+
+
+@pytest.mark.unit
+def test_estimate_command_prints_the_layouts_row():
+    from pathlib import Path
+
+    from click.testing import CliRunner
+
+    from moe_rl.cli import main
+
+    recipe = str(Path(__file__).resolve().parents[1] / "configs" / "qwen3_30b_a3b_2x8h100.yaml")
+    out = CliRunner().invoke(main, ["estimate", recipe, "parallel.expert_parallel=8"])
+    assert out.exit_code == 0, out.output
+    assert out.output.splitlines()[0] == "TP 1 x EP 8 x ETP 1 x PP 1 on 16 GPUs of 80 GiB"
+    assert out.output.splitlines()[-1] == "| TP 1 x EP 8 x ETP 1 x PP 1 | 50.2 | 59.5 | 78.2 | 825,369 | no |"
