@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from moe_rl.config import ModelConfig, ParallelConfig, RunConfig
+from moe_rl.config import ModelConfig, ParallelConfig, RunConfig, pipeline_stage_layers
 
 GiB = 2**30
 H100_BF16_DENSE_TFLOPS = 989.0  # H100/H200 SXM dense bf16 peak (no sparsity)
@@ -75,8 +75,7 @@ class Layout:
     @classmethod
     def of(cls, p: ParallelConfig) -> Layout:
         return cls(p.nproc, p.tensor_parallel, p.pipeline_parallel, p.expert_parallel,
-                   getattr(p, "expert_tensor_parallel", 0), getattr(p, "layers_in_first_stage", 0),
-                   getattr(p, "layers_in_last_stage", 0))
+                   p.expert_tensor_parallel, p.layers_in_first_stage, p.layers_in_last_stage)
 
     @property
     def expert_tp(self) -> int:
@@ -94,17 +93,12 @@ class Layout:
 
     def stage_layers(self, num_layers: int) -> list[int]:
         """Layers of each pipeline stage (megatron's rule); ValueError when they do not split."""
-        pp, first, last = self.pp, self.first, self.last
-        if pp == 1:
-            if first or last:
-                raise ValueError("layers in the first/last stage need pipeline_parallel > 1")
-            return [num_layers]
-        rest, left = num_layers - first - last, pp - (first > 0) - (last > 0)
-        if rest < 0 or (rest % left if left else rest) or (left and rest == 0):
-            what = "even split" if left == pp else f"first {first} + last {last}, {left} middle stages"
-            raise ValueError(f"{num_layers} layers do not split over PP {pp} ({what})")
-        mid = rest // left if left else 0
-        return [first or mid] + [mid] * (pp - 2) + [last or mid]
+        if self.pp == 1 and (self.first or self.last):
+            raise ValueError("layers in the first/last stage need pipeline_parallel > 1")
+        par = ParallelConfig(nproc=self.world, pipeline_parallel=self.pp, expert_parallel=1,
+                             layers_in_first_stage=self.first if self.pp > 1 else 0,
+                             layers_in_last_stage=self.last if self.pp > 1 else 0)
+        return list(pipeline_stage_layers(num_layers, par))
 
     def problems(self, m: ModelConfig) -> list[str]:
         """What megatron would refuse, one line each; empty when the layout is valid for ``m``."""

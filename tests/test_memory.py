@@ -206,9 +206,9 @@ def test_stage_layers_follow_megatrons_uneven_split():
                                num_layers_in_first_pipeline_stage=first or None,
                                num_layers_in_last_pipeline_stage=last or None)
         assert lay.stage_layers(num_layers) == [get_num_layers_to_build(tc, pp_rank=r) for r in range(pp)]
-    for lay, needle in ((Layout(world=4, pp=4), "94 layers do not split over PP 4 (even split)"),
-                        (Layout(world=4, pp=4, first=21, last=20), "first 21 + last 20, 2 middle stages"),
-                        (Layout(world=2, pp=2, first=20, last=20), "first 20 + last 20, 0 middle stages")):
+    for lay, needle in ((Layout(world=4, pp=4), "94 layers do not split evenly over 4 pipeline stages"),
+                        (Layout(world=4, pp=4, first=21, last=20), "94 layers after 21 on the first and 20 on the last stage do not split evenly over 2 middle"),
+                        (Layout(world=2, pp=2, first=20, last=20), "94 layers after 20 on the first and 20 on the last stage do not split evenly over 0 middle")):
         with pytest.raises(ValueError, match=re.escape(needle)):
             lay.stage_layers(94)
 
