@@ -1,27 +1,41 @@
 """When the trainer saves, and how it resumes: the run's checkpoints under ``run_dir/checkpoints``
-(written atomically by ``learner/checkpoint.py``) with the trainer's own state beside them."""
+(written atomically by ``learner/checkpoint.py``) with the trainer's own state beside them.
+
+With ``rollout.staleness=k > 0`` the engine's k stale weight sets are resume state too: rank 0
+writes them to ``checkpoints/stale_weights_step_N.pt`` (atomically, before the step's checkpoint,
+so a complete checkpoint always has its file) and every rank reads them back on resume."""
 
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
+
+import torch
+import torch.distributed as dist
 
 from moe_rl.config import RunConfig
 from moe_rl.errors import RunDirError
 from moe_rl.learner import checkpoint
 from moe_rl.learner.learner import Learner
 from moe_rl.lr import LengthLRScheduler
+from moe_rl.rollout.staleness import StaleWeights
 
 log = logging.getLogger(__name__)
 
 
 class CheckpointManager:
-    def __init__(self, cfg: RunConfig, learner: Learner, lr_sched: LengthLRScheduler) -> None:
-        self.cfg, self.learner, self.lr_sched = cfg, learner, lr_sched
+    def __init__(self, cfg: RunConfig, learner: Learner, lr_sched: LengthLRScheduler,
+                 stale: StaleWeights | None = None) -> None:
+        self.cfg, self.learner, self.lr_sched, self.stale = cfg, learner, lr_sched, stale
         self.root = Path(cfg.run_dir) / "checkpoints"
 
+    def stale_path(self, step_dir_name: str) -> Path:
+        return self.root / f"stale_weights_{step_dir_name}.pt"
+
     def resume(self) -> int:
-        """The first step to run: 0, or the step after the last checkpoint when resuming."""
+        """The first step to run: 0, or the step after the last checkpoint when resuming (with the
+        stale weight sets restored into ``self.stale``)."""
         if not self.cfg.resume:
             return 0
         path = checkpoint.latest(self.root)
@@ -29,6 +43,12 @@ class CheckpointManager:
             raise RunDirError(f"resume=true but {self.root} has no checkpoint")
         state = checkpoint.load(self.learner, path)
         self.lr_sched.load_state_dict(state["length_lr"])
+        if self.stale is not None and self.stale.k:
+            stale = self.stale_path(path.name)
+            if not stale.is_file():
+                raise RunDirError(f"resume=true with rollout.staleness={self.stale.k} but {stale} (the engine's "
+                                  f"stale weight sets) is missing")
+            self.stale.load_state_dict(torch.load(stale, map_location="cpu", weights_only=True), self.learner.device)
         log.info("resumed from %s (step %d)", path, state["step"])
         return int(state["step"])
 
@@ -39,5 +59,21 @@ class CheckpointManager:
 
     def save(self, step: int) -> None:
         """The state after step ``step`` (0-based): a resumed run starts at ``step + 1``."""
+        if self.stale is not None and self.stale.k and (not dist.is_initialized() or dist.get_rank() == 0):
+            self._save_stale(f"step_{step + 1:06d}")
         checkpoint.save(self.learner, self.root, step + 1,
                         {"seed": self.cfg.seed, "length_lr": self.lr_sched.state_dict()})
+
+    def _save_stale(self, step_dir_name: str) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        path = self.stale_path(step_dir_name)
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "wb") as f:
+            torch.save(self.stale.state_dict(), f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        kept = {p.name for p in self.root.glob("step_*") if p.is_dir()} | {step_dir_name}
+        for old in self.root.glob("stale_weights_step_*.pt"):  # the checkpoints pruned since
+            if old.name.removeprefix("stale_weights_").removesuffix(".pt") not in kept:
+                old.unlink(missing_ok=True)

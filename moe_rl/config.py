@@ -345,6 +345,7 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     router_noise: float = 0.0  # std of Gaussian noise on the engine's router logits: dialled-in routing mismatch
+    staleness: int = 0  # generate with the policy of k updates ago (asynchronous pipelines); 0 = synced
     vllm: VllmConfig = field(default_factory=VllmConfig)
 
     def __post_init__(self) -> None:
@@ -357,6 +358,7 @@ class RolloutConfig:
         _check(0 < self.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
         _check(self.top_k >= 0, "rollout.top_k", "must be >= 0")
         _check(self.router_noise >= 0, "rollout.router_noise", "must be >= 0")
+        _check(self.staleness >= 0, "rollout.staleness", f"must be >= 0 (got {self.staleness})")
 
 
 @dataclass(frozen=True)

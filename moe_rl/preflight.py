@@ -66,11 +66,12 @@ def check_devices(cfg: RunConfig, num_gpus: int) -> None:
 
 
 # Fields a resumed run must share with the run it continues: the checkpoint's tensor shapes and
-# sharding depend on them (the tokenizer enters through model.vocab_size).
+# sharding depend on them (the tokenizer enters through model.vocab_size); rollout.staleness fixes
+# how many stale weight sets the checkpoint holds.
 RESUME_FIELDS = tuple(f"model.{k}" for k in ARCH_FIELDS) + (
     "model.precision", "parallel.nproc", "parallel.tensor_parallel", "parallel.pipeline_parallel",
     "parallel.expert_parallel", "parallel.expert_tensor_parallel", "parallel.layers_in_first_stage",
-    "parallel.layers_in_last_stage", "parallel.distributed_optimizer")
+    "parallel.layers_in_last_stage", "parallel.distributed_optimizer", "rollout.staleness")
 
 
 def check_run_dir(cfg: RunConfig) -> None:

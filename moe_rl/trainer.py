@@ -20,6 +20,7 @@ from moe_rl.preflight import check_launch
 from moe_rl.preflight import check_run_dir as check_run_directory
 from moe_rl.prepare import prepare, rollout_metrics
 from moe_rl.rollout.factory import build_engine, sampling_params
+from moe_rl.rollout.staleness import StaleWeights
 from moe_rl.routing.plan import ReplayPlan
 from moe_rl.seeding import GENERATE, step_seed
 from moe_rl.tasks.setup import build_task, score_step, validate
@@ -56,9 +57,11 @@ def train(cfg: RunConfig, dims: ParallelDims) -> None:
                       monitor=cfg.log.router_monitor, monitor_margin_eps=cfg.log.router_margin_eps,
                       max_tokens_per_micro_batch=a.max_tokens_per_micro_batch)
     engine, lr_sched = build_engine(cfg, tok.pad_id, learner.device), LengthLRScheduler(cfg.optim.length_lr)
-    ckpt = CheckpointManager(cfg, learner, lr_sched)
+    stale = StaleWeights(r.staleness)  # rollout.staleness: the engine runs k updates behind
+    ckpt = CheckpointManager(cfg, learner, lr_sched, stale)
     start = ckpt.resume()
-    engine.load_weights(learner.export_canonical())
+    exported = learner.export_canonical()
+    engine.load_weights(stale.resume_push(exported) if start else stale.push(exported))
     if dims.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(to_yaml(cfg))
@@ -74,6 +77,7 @@ def train(cfg: RunConfig, dims: ParallelDims) -> None:
                                               cfg.seed)
             batch = engine.generate([p.prompt_ids for p in prompts], r.samples_per_prompt, sampling,
                                     seed=step_seed(cfg.seed, step, dims.dp_rank, GENERATE))
+            m_stale = stale.metrics()
         with timer.phase("old_logprob"):
             rewards_B, m_reward = score_step(cfg, task, prompts, batch)
             train_batch, m_old = prepare(cfg, plan, learner, batch, rewards_B)
@@ -81,10 +85,10 @@ def train(cfg: RunConfig, dims: ParallelDims) -> None:
         with timer.phase("update"):
             m_update = update(cfg, plan, learner, train_batch, lr)
         with timer.phase("sync"):
-            engine.load_weights(learner.export_canonical())  # weight sync learner -> engine
+            engine.load_weights(stale.push(learner.export_canonical()))  # weight sync learner -> engine
         # over data-parallel ranks: tensor-parallel peers hold the same batch and the same metrics
-        metrics = finalize(reduce_metrics({**m_val, **m_reward, **m_old, **m_update, **m_lr, **rollout_metrics(batch),
-                                           **timer.metrics(), **memory_metrics(learner.device)}, group=dims.dp_group))
+        metrics = finalize(reduce_metrics({**m_val, **m_reward, **m_old, **m_update, **m_lr, **m_stale,
+                                           **rollout_metrics(batch), **timer.metrics(), **memory_metrics(learner.device)}, group=dims.dp_group))
         writer.log(step, metrics)
         writer.log_events(events + health.observe(step, metrics))  # LR decays, health alarms
         bar.update(1)
