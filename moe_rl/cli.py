@@ -154,13 +154,13 @@ def make_math(out: str, num: int, seed: int, style: str) -> None:
 @main.command()
 @click.argument("run_dirs", nargs=-1, required=True, type=click.Path(file_okay=False))
 @click.option("--out", type=click.Path(file_okay=False), default=None,
-              help="output directory (default: RUN_DIR/report, or RUN_A/compare_<B> for two runs)")
+              help="output directory (default: RUN_DIR/report, RUN_A/compare_<B> for two runs, "
+                   "RUN_A/compare_<N>_runs for more)")
 def report(run_dirs: tuple[str, ...], out: str | None) -> None:
-    """Router stability report: moe-rl report RUN_DIR [RUN_DIR_B]  (HTML + markdown)."""
+    """Router stability report: moe-rl report RUN_DIR [RUN_DIR ...]  (HTML + markdown; several
+    runs share every axis and colour scale)."""
     from moe_rl.report.render import write_report
 
-    if len(run_dirs) > 2:
-        raise click.UsageError("give one run directory, or two to compare")
     html = write_report(list(run_dirs), out)
     click.echo(f"wrote {html} and {html.with_name('report.md')}")
 

@@ -50,7 +50,10 @@ CURVES = (
     ("corr/dvp_pruned_mass", "DVP pruned mass"),
     ("train/pg_clipfrac", "PPO clip fraction"),
     ("train/entropy", "Policy entropy"),
+    ("routing/flip_router_frac", "Rollout-vs-learner router flips (learner-native vs rollout)"),
+    ("train/grad_norm", "Gradient norm"),
     ("router_grad/norm", "Router-weight gradient norm"),
+    ("rollout/policy_lag", "Policy lag of the rollout (rollout.staleness)"),
 )
 # verdict thresholds (math.md 7.2 defines the metrics, not alarms: these are ours, stated in the report)
 THRESHOLDS = {
@@ -117,6 +120,18 @@ class Run:
         if total is not None and done >= int(total):
             return f"finished: {done} of {total} steps logged"
         return f"in progress or stopped: {done} of {total if total is not None else '?'} steps logged"
+
+
+def unique_names(runs: list[Run]) -> list[Run]:
+    """Runs label figures and columns by directory name; where two share one, they are labelled
+    parent/name instead."""
+    counts: dict[str, int] = {}
+    for r in runs:
+        counts[r.name] = counts.get(r.name, 0) + 1
+    for r in runs:
+        if counts[r.name] > 1:
+            r.name = f"{r.path.resolve().parent.name}/{r.name}"
+    return runs
 
 
 def _num(v) -> float:

@@ -1,7 +1,8 @@
 """The report's figures as PNG bytes (matplotlib, Agg backend: no display, no network).
 
 Heatmaps put MoE layers on the y axis and logged steps on the x axis; with two runs they sit
-side by side on one shared colour scale, so "replay off vs r3" reads at a glance.
+side by side on one shared colour scale, so "replay off vs r3" reads at a glance (more than four
+runs wrap into rows). Curves put every run on the same axes.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import numpy as np
 from moe_rl.report.data import Run
 
 DPI = 90
+HEATMAP_COLUMNS = 4
 
 
 def _png(fig) -> bytes:
@@ -35,8 +37,12 @@ def heatmap(runs: list[Run], name: str, title: str, vrange: tuple[float, float] 
     vmin, vmax = vrange if vrange is not None else (float(finite.min()), float(finite.max()))
     if vmax <= vmin:
         vmax = vmin + 1e-12
-    fig, axes = plt.subplots(1, len(runs), figsize=(5.2 * len(runs) + 1.2, 2.4), squeeze=False, sharey=True)
-    for ax, run, m_LT in zip(axes[0], runs, mats):
+    ncols = min(len(runs), HEATMAP_COLUMNS)  # many runs wrap into rows on the one colour scale
+    nrows = -(-len(runs) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5.2 * ncols + 1.2, 2.4 * nrows), squeeze=False, sharey=True)
+    for ax in axes.flat[len(runs):]:
+        ax.set_visible(False)
+    for ax, run, m_LT in zip(axes.flat, runs, mats):
         steps_T = run.steps_T
         if m_LT.size == 0 or len(steps_T) == 0:
             ax.set_title(f"{run.name}: not logged", fontsize=9)
@@ -48,8 +54,8 @@ def heatmap(runs: list[Run], name: str, title: str, vrange: tuple[float, float] 
         ax.set_xlabel("step", fontsize=8)
         ax.tick_params(labelsize=8)
         ax.set_title(run.name, fontsize=9)
-    fig.colorbar(im, ax=axes[0].tolist(), fraction=0.025, pad=0.01)
-    fig.suptitle(title, fontsize=10, x=0.02, y=1.08, ha="left")  # above the run-name titles
+    fig.colorbar(im, ax=axes.ravel().tolist(), fraction=0.025, pad=0.01)
+    fig.suptitle(title, fontsize=10, x=0.02, y=1 + 0.08 / nrows, ha="left")  # above the run-name titles
     return _png(fig)
 
 
@@ -57,7 +63,8 @@ def curve(runs: list[Run], key: str, title: str) -> bytes | None:
     """One metric over steps, every run on the same axes; None if no run logged it."""
     if not any(r.has(key) for r in runs):
         return None
-    fig, ax = plt.subplots(figsize=(4.6, 2.2))
+    many = len(runs) > 4
+    fig, ax = plt.subplots(figsize=(6.4, 2.6) if many else (4.6, 2.2))
     for run in runs:
         y_T = run.series(key)
         if np.isfinite(y_T).any():
@@ -66,6 +73,8 @@ def curve(runs: list[Run], key: str, title: str) -> bytes | None:
     ax.set_xlabel("step", fontsize=8)
     ax.tick_params(labelsize=8)
     ax.grid(alpha=0.3)
-    if len(runs) > 1:
+    if many:  # beside the axes, where it hides no curve
+        ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0), ncol=1 + len(runs) // 16)
+    elif len(runs) > 1:
         ax.legend(fontsize=7)
     return _png(fig)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import jinja2
 
-from moe_rl.report import data, figures
+from moe_rl.report import data, figures, outcome
 from moe_rl.report.data import Run
 
 _ENV = jinja2.Environment(loader=jinja2.PackageLoader("moe_rl.report", "templates"),
@@ -50,6 +50,8 @@ def build(runs: list[Run]) -> dict:
                      "metric": key})
     heads = [dict(data.headline(r)) for r in runs]
     return {
+        "outcomes": [outcome.outcome(r.steps_T, r.series) for r in runs],
+        "outcome_definitions": outcome.DEFINITIONS,
         "runs": runs,
         "headline": [(label, [h[label] for h in heads]) for label in heads[0]],
         "verdicts": [data.layer_verdicts(r) for r in runs],
@@ -62,13 +64,20 @@ def build(runs: list[Run]) -> dict:
     }
 
 
+def default_out(run_dirs: list[str | Path], runs: list[Run]) -> Path:
+    """RUN_DIR/report for one run, RUN_A/compare_<B> for two, RUN_A/compare_<N>_runs for more."""
+    first = Path(run_dirs[0])
+    if len(runs) == 1:
+        return first / "report"
+    return first / (f"compare_{runs[1].name}" if len(runs) == 2 else f"compare_{len(runs)}_runs")
+
+
 def write_report(run_dirs: list[str | Path], out_dir: str | Path | None = None) -> Path:
-    """Render the report of one run (or an A/B comparison) into ``out_dir`` (default:
-    RUN_DIR/report, or RUN_A/compare_<B> for two runs); returns the HTML path."""
-    runs = [data.load_run(p) for p in run_dirs]
+    """Render the report of one run, or a comparison of any number, into ``out_dir`` (default:
+    ``default_out``); returns the HTML path."""
+    runs = data.unique_names([data.load_run(p) for p in run_dirs])
     if out_dir is None:
-        first = Path(run_dirs[0])
-        out_dir = first / "report" if len(runs) == 1 else first / f"compare_{runs[1].name}"
+        out_dir = default_out(run_dirs, runs)
     out = Path(out_dir)
     (out / "figures").mkdir(parents=True, exist_ok=True)
     ctx = build(runs)
@@ -76,7 +85,8 @@ def write_report(run_dirs: list[str | Path], out_dir: str | Path | None = None) 
         f["file"] = f"figures/{f['stem']}.png"
         f["data_uri"] = "data:image/png;base64," + base64.b64encode(f["png"]).decode("ascii")
         _atomic_write(out / f["file"], f["png"])
-    title = "Router stability report: " + " vs ".join(r.name for r in runs)
+    names = [r.name for r in runs]
+    title = "Router stability report: " + (" vs ".join(names) if len(runs) <= 4 else f"{len(runs)} runs")
     html = _ENV.get_template("report.html.j2").render(title=title, **ctx)
     md = _ENV.get_template("report.md.j2").render(title=title, **ctx)
     _atomic_write(out / "report.md", md.encode())

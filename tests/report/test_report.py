@@ -160,3 +160,63 @@ def test_html_renders_in_headless_chromium(tmp_path):
     pixels = np.asarray(Image.open(shot).convert("L"), dtype=np.float64)
     assert pixels.shape == (1600, 1200)
     assert pixels.std() > 10  # not a blank page: text, tables and heatmaps
+
+
+@pytest.mark.unit
+def test_collapse_step_and_gradient_spikes_by_their_definitions():
+    from moe_rl.report.outcome import collapse_step, grad_spikes
+
+    steps_T = np.arange(60)
+    reward_T = np.where(steps_T < 30, 0.5, 0.0)
+    # the window ending at step t holds 49 - t steps at 0.5: below 25% of 0.5 once fewer than 5
+    assert collapse_step(steps_T, reward_T) == 45
+    assert collapse_step(steps_T, np.full(60, 0.5)) is None  # flat: never
+    assert collapse_step(steps_T[:39], reward_T[:39]) is None  # under 2 windows: not judged
+    assert collapse_step(steps_T + 100, reward_T) == 145  # logged step numbers, not indices
+    grad_T = np.ones(40)
+    grad_T[[3, 10, 20, 30]] = [99.0, 6.0, 4.0, 50.0]  # step 3: too little history; 20: only 4x
+    assert grad_spikes(grad_T) == 2
+
+
+def _collapsing_run(path: Path, steps: int, trm: bool) -> Path:
+    """A run whose reward holds at 0.5 for 30 steps, then drops to 0; one grad-norm spike."""
+    _run_dir(path, 0, steps=steps)
+    recs = []
+    for s in range(steps):
+        rec = _record(s, "off")
+        rec.update({"reward/mean": 0.5 if s < 30 else 0.0, "corr/k3_kl": 0.01 * (s + 1),
+                    "train/grad_norm": 100.0 if s == 35 else 1.0, "routing/flip_router_frac": 0.2})
+        if trm:
+            rec["corr/trm_accept_rate"] = 0.8
+        recs.append(json.dumps(rec))
+    (path / "metrics.jsonl").write_text("\n".join(recs) + "\n")
+    return path
+
+
+@pytest.mark.unit
+def test_report_compares_n_runs_with_an_outcome_table(tmp_path):
+    a = _run_dir(tmp_path / "x" / "off", 60, steps=60)
+    b = _run_dir(tmp_path / "y" / "off", 60, steps=60, replay="r3")  # the same name: told apart by parent
+    c = _collapsing_run(tmp_path / "collapse", 60, trm=True)
+    d = _run_dir(tmp_path / "short", 10, steps=10)
+    e = _run_dir(tmp_path / "e", 60, steps=60)
+    result = CliRunner().invoke(main, ["report", str(a), str(b), str(c), str(d), str(e)])
+    assert result.exit_code == 0, result.output
+    out = a / "compare_5_runs"
+    # 7 heatmaps (5 runs wrapped into 2 rows on one scale) + the curves: reward, flips (3), k3,
+    # grad norm, TRM acceptance, router norm
+    text = _check_html(out / "report.html", 7 + 8)
+    assert "Router stability report: 5 runs" in text
+    assert text.count('<table class="verdicts">') == 5
+    md = (out / "report.md").read_text()
+    cells = [[c.strip() for c in line.strip().strip("|").split("|")] for line in md.splitlines()]
+    rows = {c[0]: c[1:] for c in cells if len(c) == 9 and c[0] in ("x/off", "y/off", "collapse", "short", "e")}
+    assert sorted(rows) == ["collapse", "e", "short", "x/off", "y/off"]
+    # collapse: 0.5 then 0 from step 30; final reward 0; peak k3 0.01 x 60; one spike at step 35
+    assert rows["collapse"][:8] == ["0.5", "0", "45", "0.6", "0.305", "1", "0.2", "0.8"]
+    # a steadily learning run (0.5 + step/100) never collapses; 10 steps are too few to tell
+    assert rows["x/off"][1:3] == [f"{np.mean([0.5 + s / 100 for s in range(50, 60)]):.4g}", "none"]
+    assert rows["short"][2] == "n/a" and rows["e"][7].startswith("not logged")  # no TRM in e
+    assert "20-step rolling mean of reward/mean first falls below 25%" in md
+    # the config keys that differ, over all five runs
+    assert re.search(r"\| routing.replay \| off \| r3 \| off \| off \| off \|", md)

@@ -1,0 +1,96 @@
+"""A run's outcome in numbers: final reward, when (if) it collapsed, peak mismatch, gradient-norm
+spikes, TRM acceptance. Pure numpy over the logged series; the definitions are stated once here
+and printed with every table that uses them.
+
+Shape suffixes: T logged steps.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+COLLAPSE_WINDOW = 20  # steps in the rolling reward mean
+COLLAPSE_FRAC = 0.25  # collapsed: the rolling mean below this fraction of its first window's
+FINAL_WINDOW = 10  # final reward: mean over the last this many logged steps
+SPIKE_FACTOR = 5.0  # a spike: grad norm above this multiple of the median of all earlier steps
+SPIKE_MIN_HISTORY = 5  # ... once at least this many earlier steps exist
+
+DEFINITIONS = (
+    f"final reward: mean reward/mean over the last {FINAL_WINDOW} logged steps. "
+    f"Collapse: the {COLLAPSE_WINDOW}-step rolling mean of reward/mean first falls below "
+    f"{COLLAPSE_FRAC:.0%} of its value over the first {COLLAPSE_WINDOW} steps; the step reported is the "
+    f"last step of that window (none: never; n/a: fewer than {2 * COLLAPSE_WINDOW} steps logged). "
+    f"Gradient-norm spikes: steps whose train/grad_norm exceeds {SPIKE_FACTOR:g}x the median of all "
+    f"earlier steps (from step {SPIKE_MIN_HISTORY} on). Peak k3: max corr/k3_kl (rollout vs learner). "
+    f"TRM acceptance: mean corr/trm_accept_rate (only runs with TRM on).")
+
+
+@dataclass(frozen=True)
+class Outcome:
+    final_reward: float
+    start_reward: float  # mean over the first COLLAPSE_WINDOW steps
+    collapse_step: int | None  # None: never collapsed (or too short to tell: see ``judged``)
+    judged: bool  # at least 2 * COLLAPSE_WINDOW steps logged
+    peak_k3: float
+    mean_k3: float
+    grad_spikes: int
+    mean_flip: float  # routing/flip_router_frac, mean over steps
+    trm_accept: float  # NaN when TRM is off
+
+    @property
+    def collapsed(self) -> bool:
+        return self.collapse_step is not None
+
+    def collapse_text(self) -> str:
+        if not self.judged:
+            return "n/a"
+        return "none" if self.collapse_step is None else str(self.collapse_step)
+
+
+def collapse_step(steps_T: np.ndarray, reward_T: np.ndarray, window: int = COLLAPSE_WINDOW,
+                  frac: float = COLLAPSE_FRAC) -> int | None:
+    """The logged step that ends the first ``window``-step rolling reward mean below ``frac`` of the
+    first window's mean; None if never (or fewer than ``2 * window`` steps)."""
+    r_T = np.nan_to_num(np.asarray(reward_T, dtype=np.float64), nan=0.0)
+    if len(r_T) < 2 * window:
+        return None
+    csum = np.concatenate([[0.0], np.cumsum(r_T)])
+    sums = csum[window:] - csum[:-window]  # [T - window + 1]: the window ending at step index window-1+i
+    below = np.nonzero(sums < frac * sums[0])[0]  # sums, not means: no rounding at the boundary
+    return int(steps_T[below[0] + window - 1]) if below.size else None
+
+
+def grad_spikes(grad_T: np.ndarray, factor: float = SPIKE_FACTOR, min_history: int = SPIKE_MIN_HISTORY) -> int:
+    """Steps whose gradient norm exceeds ``factor`` x the median of every earlier finite one."""
+    g_T = np.asarray(grad_T, dtype=np.float64)
+    count = 0
+    for t in range(min_history, len(g_T)):  # T is a run's step count: a few hundred medians
+        earlier = g_T[:t][np.isfinite(g_T[:t])]
+        if earlier.size >= min_history and np.isfinite(g_T[t]) and g_T[t] > factor * np.median(earlier):
+            count += 1
+    return count
+
+
+def _stat(x_T: np.ndarray, fn) -> float:
+    x = np.asarray(x_T, dtype=np.float64)
+    x = x[np.isfinite(x)]
+    return float(fn(x)) if x.size else math.nan
+
+
+def outcome(steps_T: np.ndarray, series) -> Outcome:
+    """``series(key)`` gives a metric as float [T] (NaN where absent), e.g. ``Run.series``."""
+    reward_T = series("reward/mean")
+    return Outcome(
+        final_reward=_stat(reward_T[-FINAL_WINDOW:], np.mean),
+        start_reward=_stat(reward_T[:COLLAPSE_WINDOW], np.mean),
+        collapse_step=collapse_step(steps_T, reward_T),
+        judged=len(reward_T) >= 2 * COLLAPSE_WINDOW,
+        peak_k3=_stat(series("corr/k3_kl"), np.max),
+        mean_k3=_stat(series("corr/k3_kl"), np.mean),
+        grad_spikes=grad_spikes(series("train/grad_norm")),
+        mean_flip=_stat(series("routing/flip_router_frac"), np.mean),
+        trm_accept=_stat(series("corr/trm_accept_rate"), np.mean),
+    )
