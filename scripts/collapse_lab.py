@@ -1,0 +1,165 @@
+"""Collapse lab: the same tiny GRPO run under a large training-inference mismatch, once per arm
+(no correction, routing replay, IS, rejection, TRM, DVP, an on-policy control) and seed, then one
+N-run report and a table of outcomes per arm.
+
+    python scripts/collapse_lab.py [--steps 100] [--seeds 0,1,2] [--arms none,r3,...] [--out runs/lab]
+                                   [--router-noise 0.3] [--lr 2e-4] [--minibatches 8] [--staleness 2]
+                                   [--set key=value ...] [--ci]
+
+Each run is a real `moe-rl train` subprocess on the embedded default (same warm start; `seed=`
+per seed). The mismatch settings apply to every arm except `onpolicy`, the control: the built-in
+engine in the learner's own numerics (fp32), no router noise, no staleness (the same lr and
+minibatches), i.e. the best case any correction can reach. Outcome definitions (collapse step,
+gradient-norm spikes, ...) are those of `moe_rl/report/outcome.py`. Finished runs are reused when
+the script is run again with the same --out (delete a run's directory to redo it).
+
+--ci: one collapsing arm (none) and one rescued arm (r3), one seed, 3 steps of a small batch;
+checks only that the machinery runs (runs, report, table), nothing about learning.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+
+from moe_rl.report import data, outcome
+from moe_rl.report.render import write_report
+
+PRESETS = ROOT / "configs" / "corrections"
+CONTROL = "onpolicy"
+ARMS = {
+    "none": [],
+    "r2": ["routing.replay=r2"],
+    "r3": ["routing.replay=r3"],
+    "token_tis": [str(PRESETS / "token_tis.yaml")],
+    "seq_mis": [str(PRESETS / "seq_mis.yaml")],
+    "trm_max": [str(PRESETS / "trm_max.yaml")],
+    "trm_avg": [str(PRESETS / "trm_avg.yaml")],
+    "r3_trm": [str(PRESETS / "trm_max.yaml"), "routing.replay=r3"],
+    "dvp": [str(PRESETS / "dvp.yaml")],
+    CONTROL: [],
+}
+CI_ARMS = ["none", "r3"]
+CI_BATCH = ["rollout.prompts_per_step=8", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=8",
+            "algo.num_minibatches=2"]
+
+
+def arm_overrides(arm: str, args) -> list[str]:
+    """Preset files first (positional configs), then key=value overrides; the control drops the
+    engine-side mismatch."""
+    mismatch = [f"rollout.router_noise={args.router_noise}", f"rollout.dtype={args.dtype}",
+                f"rollout.staleness={args.staleness}"]
+    if arm == CONTROL:
+        mismatch = ["rollout.router_noise=0.0", "rollout.dtype=fp32", "rollout.staleness=0"]
+    return [*ARMS[arm], *mismatch, f"optim.lr={args.lr}", f"algo.num_minibatches={args.minibatches}", *args.set]
+
+
+def finished(run_dir: Path, steps: int) -> bool:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return False
+    lines = path.read_text().splitlines()
+    return bool(lines) and json.loads(lines[-1]).get("step") == steps - 1
+
+
+def run_one(arm: str, seed: int, args) -> Path:
+    run_dir = Path(args.out).resolve() / f"{arm}_s{seed}"  # the subprocess runs in ROOT
+    if finished(run_dir, args.steps):
+        print(f"[{run_dir.name}] reused", flush=True)
+        return run_dir
+    if run_dir.exists():
+        raise SystemExit(f"{run_dir} holds an unfinished run: delete it (or pass another --out) and rerun")
+    cmd = [sys.executable, "-m", "moe_rl.cli", "train", *arm_overrides(arm, args), f"run_dir={run_dir}",
+           f"steps={args.steps}", f"seed={seed}", "checkpoint_every=0", "log.progress_bar=false",
+           "log.wandb_mode=disabled"]
+    print(f"[{run_dir.name}] {' '.join(cmd[3:])}", flush=True)
+    proc = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"[{run_dir.name}] moe-rl train exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+    return run_dir
+
+
+def _mean_spread(xs: list[float]) -> str:
+    xs = [x for x in xs if math.isfinite(x)]
+    if not xs:
+        return "-"
+    if len(xs) == 1:
+        return f"{xs[0]:.3g}"
+    return f"{statistics.mean(xs):.3g} ± {statistics.stdev(xs):.2g}"
+
+
+def arm_table(results: dict[str, list[outcome.Outcome]]) -> str:
+    """Markdown: one row per arm, mean ± sample std over seeds (collapses counted)."""
+    head = ("| arm | seeds | reward, first 20 steps | final reward | collapsed | collapse step | peak k3 KL "
+            "| grad-norm spikes | router flips | TRM acceptance |")
+    rows = [head, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for arm, outs in results.items():
+        steps = [float(o.collapse_step) for o in outs if o.collapse_step is not None]
+        judged = all(o.judged for o in outs)
+        collapsed = f"{sum(o.collapsed for o in outs)}/{len(outs)}" if judged else "n/a"
+        rows.append(" | ".join([
+            f"| {arm}", str(len(outs)), _mean_spread([o.start_reward for o in outs]),
+            _mean_spread([o.final_reward for o in outs]), collapsed, _mean_spread(steps) if steps else "-",
+            _mean_spread([o.peak_k3 for o in outs]), _mean_spread([float(o.grad_spikes) for o in outs]),
+            _mean_spread([o.mean_flip for o in outs]), _mean_spread([o.trm_accept for o in outs])]) + " |")
+    return "\n".join(rows) + "\n"
+
+
+def parse(argv: list[str] | None = None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="runs/lab", help="one directory for every run, the report and the table")
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (config key seed=)")
+    ap.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, from {','.join(ARMS)}")
+    ap.add_argument("--router-noise", type=float, default=0.3, help="rollout.router_noise (std of router-logit noise)")
+    ap.add_argument("--dtype", default="bf16", help="rollout.dtype of the engine (bf16 | fp32)")
+    ap.add_argument("--lr", type=float, default=2e-4, help="optim.lr")
+    ap.add_argument("--minibatches", type=int, default=8, help="algo.num_minibatches (optimizer steps per RL step)")
+    ap.add_argument("--staleness", type=int, default=2, help="rollout.staleness (rollouts from k updates ago)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra config override for every arm (repeatable)")
+    ap.add_argument("--ci", action="store_true", help="none + r3, one seed, 3 steps of a small batch")
+    args = ap.parse_args(argv)
+    if args.ci:
+        args.arms, args.seeds, args.steps = ",".join(CI_ARMS), "0", 3
+        args.set = [*CI_BATCH, *args.set]
+    args.arm_list = [a for a in args.arms.split(",") if a]
+    unknown = sorted(set(args.arm_list) - set(ARMS))
+    if unknown:
+        ap.error(f"--arms: unknown {unknown}; known: {','.join(ARMS)}")
+    args.seed_list = [int(s) for s in args.seeds.split(",") if s]
+    if args.steps < 1 or not args.seed_list:
+        ap.error("--steps must be >= 1 and --seeds must name at least one seed")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    dirs: dict[str, list[Path]] = {arm: [run_one(arm, s, args) for s in args.seed_list] for arm in args.arm_list}
+    every = [d for ds in dirs.values() for d in ds]
+    html = write_report(every, out / "report")
+    results = {}
+    for arm, ds in dirs.items():
+        runs = [data.load_run(d) for d in ds]
+        results[arm] = [outcome.outcome(r.steps_T, r.series) for r in runs]
+    settings = " ".join(arm_overrides("none", args))
+    text = (f"# Collapse lab: {len(args.arm_list)} arms x {len(args.seed_list)} seeds, {args.steps} steps\n\n"
+            f"Mismatch settings (every arm but `{CONTROL}`): `{settings}`\n\n{arm_table(results)}\n"
+            f"{outcome.DEFINITIONS} Spread: sample standard deviation over seeds.\n")
+    (out / "table.md").write_text(text)
+    print(text)
+    print(f"report: {html}\ntable: {out / 'table.md'}")
+
+
+if __name__ == "__main__":
+    main()
