@@ -5,6 +5,7 @@ N-run report and a table of outcomes per arm.
     python scripts/collapse_lab.py [--steps 100] [--seeds 0,1,2] [--arms none,r3,...] [--out runs/lab]
                                    [--router-noise 0.3] [--lr 2e-4] [--minibatches 8] [--staleness 2]
                                    [--set key=value ...] [--ci]
+    python scripts/collapse_lab.py --arms none,r3 --map-noise 0,0.1,0.3 --map-lr 5e-5,2e-4   # map.md
 
 Each run is a real `moe-rl train` subprocess on the embedded default (same warm start; `seed=`
 per seed). The mismatch settings apply to every arm except `onpolicy`, the control: the built-in
@@ -126,6 +127,8 @@ def parse(argv: list[str] | None = None):
     ap.add_argument("--staleness", type=int, default=2, help="rollout.staleness (rollouts from k updates ago)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="extra config override for every arm (repeatable)")
+    ap.add_argument("--map-noise", default="", help="comma-separated router noises: run the grid per (noise, lr)")
+    ap.add_argument("--map-lr", default="", help="comma-separated learning rates for the map")
     ap.add_argument("--ci", action="store_true", help="none + r3, one seed, 3 steps of a small batch")
     args = ap.parse_args(argv)
     if args.ci:
@@ -141,17 +144,45 @@ def parse(argv: list[str] | None = None):
     return args
 
 
+def run_grid(args) -> dict[str, list[outcome.Outcome]]:
+    """Every arm x seed under ``args``' settings (into ``args.out``); their outcomes per arm."""
+    dirs = {arm: [run_one(arm, s, args) for s in args.seed_list] for arm in args.arm_list}
+    return {arm: [outcome.outcome(r.steps_T, r.series) for r in map(data.load_run, ds)] for arm, ds in dirs.items()}
+
+
+def collapse_map(args) -> None:
+    """--map-noise x --map-lr: the grid once per (router noise, lr) cell, one table of where the
+    arms collapse."""
+    noises = [float(x) for x in args.map_noise.split(",")] if args.map_noise else [args.router_noise]
+    lrs = [float(x) for x in args.map_lr.split(",")] if args.map_lr else [args.lr]
+    rows = ["| router noise, lr |" + "".join(f" {lr:g} |" for lr in lrs), "|---|" + "---|" * len(lrs)]
+    for noise in noises:
+        cells = []
+        for lr in lrs:
+            cell = argparse.Namespace(**{**vars(args), "router_noise": noise, "lr": lr,
+                                         "out": str(Path(args.out) / f"map_n{noise:g}_lr{lr:g}")})
+            res = run_grid(cell)
+            cells.append("; ".join(f"{arm} {sum(o.collapsed for o in outs)}/{len(outs)} collapsed, final "
+                                   f"{_mean_spread([o.final_reward for o in outs])}" for arm, outs in res.items()))
+        rows.append(f"| {noise:g} | " + " | ".join(cells) + " |")
+    text = (f"# Collapse map: router noise x lr, {args.steps} steps, seeds {args.seeds}\n\n"
+            f"Other settings: rollout.dtype={args.dtype} rollout.staleness={args.staleness} "
+            f"algo.num_minibatches={args.minibatches} {' '.join(args.set)}\n\n" + "\n".join(rows) + "\n\n"
+            f"{outcome.DEFINITIONS}\n")
+    (Path(args.out) / "map.md").write_text(text)
+    print(text)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    dirs: dict[str, list[Path]] = {arm: [run_one(arm, s, args) for s in args.seed_list] for arm in args.arm_list}
-    every = [d for ds in dirs.values() for d in ds]
-    html = write_report(every, out / "report")
-    results = {}
-    for arm, ds in dirs.items():
-        runs = [data.load_run(d) for d in ds]
-        results[arm] = [outcome.outcome(r.steps_T, r.series) for r in runs]
+    if args.map_noise or args.map_lr:
+        collapse_map(args)
+        return
+    results = run_grid(args)
+    html = write_report([Path(args.out).resolve() / f"{arm}_s{s}" for arm in args.arm_list for s in args.seed_list],
+                        out / "report")
     settings = " ".join(arm_overrides("none", args))
     text = (f"# Collapse lab: {len(args.arm_list)} arms x {len(args.seed_list)} seeds, {args.steps} steps\n\n"
             f"Mismatch settings (every arm but `{CONTROL}`): `{settings}`\n\n{arm_table(results)}\n"
