@@ -41,13 +41,13 @@ class CheckpointManager:
         path = checkpoint.latest(self.root)
         if path is None:
             raise RunDirError(f"resume=true but {self.root} has no checkpoint")
+        stale = self.stale_path(path.name)
+        if self.stale is not None and self.stale.k and not stale.is_file():
+            raise RunDirError(f"resume=true with rollout.staleness={self.stale.k} but {stale} (the engine's "
+                              f"stale weight sets) is missing")
         state = checkpoint.load(self.learner, path)
         self.lr_sched.load_state_dict(state["length_lr"])
         if self.stale is not None and self.stale.k:
-            stale = self.stale_path(path.name)
-            if not stale.is_file():
-                raise RunDirError(f"resume=true with rollout.staleness={self.stale.k} but {stale} (the engine's "
-                                  f"stale weight sets) is missing")
             self.stale.load_state_dict(torch.load(stale, map_location="cpu", weights_only=True), self.learner.device)
         log.info("resumed from %s (step %d)", path, state["step"])
         return int(state["step"])

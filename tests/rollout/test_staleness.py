@@ -53,6 +53,20 @@ def test_staleness_zero_is_the_synced_path_without_copies():
         load_config(None, ["rollout.staleness=-1"])
 
 
+@pytest.mark.unit
+def test_resume_without_the_stale_weight_sets_names_the_file(tmp_path):
+    from moe_rl.checkpointing import CheckpointManager
+    from moe_rl.errors import RunDirError
+
+    ckpt_dir = tmp_path / "checkpoints" / "step_000002"
+    ckpt_dir.mkdir(parents=True)
+    (ckpt_dir / "trainer_state.json").write_text('{"step": 2}')
+    (tmp_path / "checkpoints" / "latest").write_text("step_000002\n")
+    cfg = load_config(None, [f"run_dir={tmp_path}", "resume=true", "rollout.staleness=2"])
+    with pytest.raises(RunDirError, match=r"rollout.staleness=2 but .*stale_weights_step_000002.pt \(the engine's"):
+        CheckpointManager(cfg, None, None, StaleWeights(2)).resume()
+
+
 COMMON = ["rollout.prompts_per_step=8", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=8",
           # the engine in the learner's numerics, no router noise: the only mismatch left is staleness
           "rollout.dtype=fp32", "log.progress_bar=false", "log.wandb_mode=disabled", "log.val_every=0"]
