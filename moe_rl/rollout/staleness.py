@@ -18,6 +18,8 @@ from collections import deque
 
 import torch
 
+from moe_rl.errors import CheckpointError
+
 Named = dict[str, torch.Tensor]
 
 
@@ -29,8 +31,8 @@ class StaleWeights:
         self.sets: deque[Named] = deque(maxlen=staleness + 1)  # oldest first; the newest is the learner's
 
     def push(self, named: Named) -> Named:
-        """Record the learner's newest export; return the weight set the engine must hold now.
-        The first call records W_0 (or, after ``load_state_dict``, the resumed learner's weights)."""
+        """Record the learner's newest export (W_0 on the first call); return the weight set the
+        engine must hold now. The learner updates its weights in place: the kept sets are copies."""
         if self.k == 0:
             return named
         self.sets.append({n: t.detach().clone() for n, t in named.items()})
@@ -44,7 +46,8 @@ class StaleWeights:
         newest = self.sets[-1]
         if sorted(newest) != sorted(named) or any(not torch.equal(newest[n], named[n].to(newest[n].device))
                                                   for n in named):
-            raise ValueError("the saved stale weight sets do not end with the checkpoint's weights")
+            raise CheckpointError("the saved stale weight sets (checkpoints/stale_weights_step_N.pt) do not end "
+                                  "with the checkpoint's weights: they belong to another checkpoint")
         return self.sets[0]
 
     def metrics(self) -> dict:
@@ -58,7 +61,7 @@ class StaleWeights:
 
     def load_state_dict(self, state: dict, device: torch.device) -> None:
         if int(state["staleness"]) != self.k:
-            raise ValueError(f"the checkpoint's stale weight sets are for rollout.staleness={state['staleness']}, "
+            raise CheckpointError(f"the checkpoint's stale weight sets are for rollout.staleness={state['staleness']}, "
                              f"this run has rollout.staleness={self.k}")
         self.sets.clear()
         for s in state["sets"]:
