@@ -3,7 +3,7 @@
 N-run report and a table of outcomes per arm.
 
     python scripts/collapse_lab.py [--steps 100] [--seeds 0,1,2] [--arms none,r3,...] [--out runs/lab]
-                                   [--router-noise 0.3] [--lr 2e-4] [--minibatches 8] [--staleness 2]
+                                   [--router-noise 0.3] [--lr 3e-4] [--minibatches 8] [--staleness 0]
                                    [--set key=value ...] [--ci]
     python scripts/collapse_lab.py --arms none,r3 --map-noise 0,0.1,0.3 --map-lr 5e-5,2e-4   # map.md
 
@@ -14,8 +14,9 @@ minibatches), i.e. the best case any correction can reach. Outcome definitions (
 gradient-norm spikes, ...) are those of `moe_rl/report/outcome.py`. Finished runs are reused when
 the script is run again with the same --out (delete a run's directory to redo it).
 
---ci: one collapsing arm (none) and one rescued arm (r3), one seed, 3 steps of a small batch;
-checks only that the machinery runs (runs, report, table), nothing about learning.
+--ci: one collapsing arm (none) and one rescued arm (r3), one seed, 3 steps of a small batch
+with rollout.staleness=2 unless given; checks only that the machinery runs (runs, report, table),
+nothing about learning.
 """
 
 from __future__ import annotations
@@ -122,18 +123,21 @@ def parse(argv: list[str] | None = None):
     ap.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, from {','.join(ARMS)}")
     ap.add_argument("--router-noise", type=float, default=0.3, help="rollout.router_noise (std of router-logit noise)")
     ap.add_argument("--dtype", default="bf16", help="rollout.dtype of the engine (bf16 | fp32)")
-    ap.add_argument("--lr", type=float, default=2e-4, help="optim.lr")
+    ap.add_argument("--lr", type=float, default=3e-4, help="optim.lr")
     ap.add_argument("--minibatches", type=int, default=8, help="algo.num_minibatches (optimizer steps per RL step)")
-    ap.add_argument("--staleness", type=int, default=2, help="rollout.staleness (rollouts from k updates ago)")
+    ap.add_argument("--staleness", type=int, default=None,
+                    help="rollout.staleness (rollouts from k updates ago); default 0, 2 with --ci")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="extra config override for every arm (repeatable)")
     ap.add_argument("--map-noise", default="", help="comma-separated router noises: run the grid per (noise, lr)")
     ap.add_argument("--map-lr", default="", help="comma-separated learning rates for the map")
     ap.add_argument("--ci", action="store_true", help="none + r3, one seed, 3 steps of a small batch")
     args = ap.parse_args(argv)
-    if args.ci:
+    if args.ci:  # staleness on, so the CI run exercises every mismatch source
         args.arms, args.seeds, args.steps = ",".join(CI_ARMS), "0", 3
         args.set = [*CI_BATCH, *args.set]
+    if args.staleness is None:
+        args.staleness = 2 if args.ci else 0
     args.arm_list = [a for a in args.arms.split(",") if a]
     unknown = sorted(set(args.arm_list) - set(ARMS))
     if unknown:
