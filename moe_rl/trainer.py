@@ -88,7 +88,8 @@ def train(cfg: RunConfig, dims: ParallelDims) -> None:
             engine.load_weights(stale.push(learner.export_canonical()))  # weight sync learner -> engine
         # over data-parallel ranks: tensor-parallel peers hold the same batch and the same metrics
         metrics = finalize(reduce_metrics({**m_val, **m_reward, **m_old, **m_update, **m_lr, **m_stale,
-                                           **rollout_metrics(batch), **timer.metrics(), **memory_metrics(learner.device)}, group=dims.dp_group))
+                                           **rollout_metrics(batch), **timer.metrics(),
+                                           **memory_metrics(learner.device)}, group=dims.dp_group))
         writer.log(step, metrics)
         writer.log_events(events + health.observe(step, metrics))  # LR decays, health alarms
         bar.update(1)
