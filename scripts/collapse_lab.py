@@ -98,6 +98,11 @@ def _mean_spread(xs: list[float]) -> str:
     return f"{statistics.mean(xs):.3g} ± {statistics.stdev(xs):.2g}"
 
 
+def collapsed_count(outs: list[outcome.Outcome]) -> str:
+    """"k/n" seeds collapsed, or "n/a" when a run is too short to tell."""
+    return f"{sum(o.collapsed for o in outs)}/{len(outs)}" if all(o.judged for o in outs) else "n/a"
+
+
 def arm_table(results: dict[str, list[outcome.Outcome]]) -> str:
     """Markdown: one row per arm, mean ± sample std over seeds (collapses counted)."""
     head = ("| arm | seeds | reward, first 20 steps | final reward | collapsed | collapse step | peak k3 KL "
@@ -105,8 +110,7 @@ def arm_table(results: dict[str, list[outcome.Outcome]]) -> str:
     rows = [head, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for arm, outs in results.items():
         steps = [float(o.collapse_step) for o in outs if o.collapse_step is not None]
-        judged = all(o.judged for o in outs)
-        collapsed = f"{sum(o.collapsed for o in outs)}/{len(outs)}" if judged else "n/a"
+        collapsed = collapsed_count(outs)
         rows.append(" | ".join([
             f"| {arm}", str(len(outs)), _mean_spread([o.start_reward for o in outs]),
             _mean_spread([o.final_reward for o in outs]), collapsed, _mean_spread(steps) if steps else "-",
@@ -166,7 +170,7 @@ def collapse_map(args) -> None:
             cell = argparse.Namespace(**{**vars(args), "router_noise": noise, "lr": lr,
                                          "out": str(Path(args.out) / f"map_n{noise:g}_lr{lr:g}")})
             res = run_grid(cell)
-            cells.append("; ".join(f"{arm} {sum(o.collapsed for o in outs)}/{len(outs)} collapsed, final "
+            cells.append("; ".join(f"{arm} {collapsed_count(outs)} collapsed, final "
                                    f"{_mean_spread([o.final_reward for o in outs])}" for arm, outs in res.items()))
         rows.append(f"| {noise:g} | " + " | ".join(cells) + " |")
     text = (f"# Collapse map: router noise x lr, {args.steps} steps, seeds {args.seeds}\n\n"
