@@ -59,9 +59,10 @@ def arm_overrides(arm: str, args) -> list[str]:
     engine-side mismatch."""
     mismatch = [f"rollout.router_noise={args.router_noise}", f"rollout.dtype={args.dtype}",
                 f"rollout.staleness={args.staleness}"]
-    if arm == CONTROL:
-        mismatch = ["rollout.router_noise=0.0", "rollout.dtype=fp32", "rollout.staleness=0"]
-    return [*ARMS[arm], *mismatch, f"optim.lr={args.lr}", f"algo.num_minibatches={args.minibatches}", *args.set]
+    control = ["rollout.router_noise=0.0", "rollout.dtype=fp32", "rollout.staleness=0"] if arm == CONTROL else []
+    # the control's resets come last: no --set brings a mismatch back into it
+    return [*ARMS[arm], *mismatch, f"optim.lr={args.lr}", f"algo.num_minibatches={args.minibatches}", *args.set,
+            *control]
 
 
 def finished(run_dir: Path, steps: int) -> bool:
