@@ -41,7 +41,12 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from moe_rl.config import ModelConfig, OptimConfig, ParallelConfig, pipeline_stage_layers
+from moe_rl.config import (
+    ModelConfig,
+    OptimConfig,
+    ParallelConfig,
+    pipeline_stage_layers,
+)
 from moe_rl.corrections.dvp import restricted_logprobs
 from moe_rl.corrections.trm import exact_kl_tokens
 from moe_rl.dist import ParallelDims, comm_device
