@@ -58,7 +58,7 @@ def train(cfg: RunConfig, dims: ParallelDims) -> None:
     engine, lr_sched = build_engine(cfg, tok.pad_id, learner.device), LengthLRScheduler(cfg.optim.length_lr)
     ckpt = CheckpointManager(cfg, learner, lr_sched)
     start = ckpt.resume()
-    engine.load_weights(learner.export_canonical())
+    engine.load_weights(learner.iter_canonical_layers())  # streamed: one layer gathered at a time
     if dims.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(to_yaml(cfg))
@@ -81,7 +81,7 @@ def train(cfg: RunConfig, dims: ParallelDims) -> None:
         with timer.phase("update"):
             m_update = update(cfg, plan, learner, train_batch, lr)
         with timer.phase("sync"):
-            engine.load_weights(learner.export_canonical())  # weight sync learner -> engine
+            engine.load_weights(learner.iter_canonical_layers())  # weight sync learner -> engine, layer by layer
         # over data-parallel ranks: tensor-parallel peers hold the same batch and the same metrics
         metrics = finalize(reduce_metrics({**m_val, **m_reward, **m_old, **m_update, **m_lr, **rollout_metrics(batch),
                                            **timer.metrics(), **memory_metrics(learner.device)}, group=dims.dp_group))
