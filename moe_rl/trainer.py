@@ -48,6 +48,17 @@ def progress(cfg: RunConfig, start: int, dims: ParallelDims) -> tqdm:
                 disable=not (dims.is_main and cfg.log.progress_bar))
 
 
+def sync_weights(engine, learner: Learner, stale: StaleWeights, resumed: bool = False) -> None:
+    """Learner -> engine. On policy (staleness 0) streamed, one layer gathered at a time; with
+    rollout.staleness=k the engine gets the kept weight set of k updates ago, which needs the
+    full export (the sets are copies)."""
+    if not stale.k:
+        engine.load_weights(learner.iter_canonical_layers())
+        return
+    exported = learner.export_canonical()
+    engine.load_weights(stale.resume_push(exported) if resumed else stale.push(exported))
+
+
 def train(cfg: RunConfig, dims: ParallelDims) -> None:
     cfg, task = build_task(cfg)
     run_dir, r, a, tok = Path(cfg.run_dir), cfg.rollout, cfg.algo, task.tokenizer
@@ -60,8 +71,7 @@ def train(cfg: RunConfig, dims: ParallelDims) -> None:
     stale = StaleWeights(r.staleness)  # rollout.staleness: the engine runs k updates behind
     ckpt = CheckpointManager(cfg, learner, lr_sched, stale)
     start = ckpt.resume()
-    exported = learner.export_canonical()
-    engine.load_weights(stale.resume_push(exported) if start else stale.push(exported))
+    sync_weights(engine, learner, stale, resumed=start > 0)
     if dims.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(to_yaml(cfg))
@@ -85,7 +95,7 @@ def train(cfg: RunConfig, dims: ParallelDims) -> None:
         with timer.phase("update"):
             m_update = update(cfg, plan, learner, train_batch, lr)
         with timer.phase("sync"):
-            engine.load_weights(stale.push(learner.export_canonical()))  # weight sync learner -> engine
+            sync_weights(engine, learner, stale)  # weight sync learner -> engine
         # over data-parallel ranks: tensor-parallel peers hold the same batch and the same metrics
         metrics = finalize(reduce_metrics({**m_val, **m_reward, **m_old, **m_update, **m_lr, **m_stale,
                                            **rollout_metrics(batch), **timer.metrics(),

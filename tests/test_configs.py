@@ -234,14 +234,14 @@ def test_pipeline_stage_layers_split_like_megatron(num_layers, pp, first, last, 
     (["parallel.nproc=3", "parallel.tensor_parallel=2", "parallel.expert_parallel=1"],
      "'parallel.nproc': 3 ranks are not a multiple of tensor_parallel x pipeline_parallel = 2 x 1"),
     (["parallel.nproc=4", "parallel.tensor_parallel=2", "parallel.pipeline_parallel=2"],
-     "'parallel.expert_parallel': expert_parallel x expert_tensor_parallel x pipeline_parallel = 2 x 2 x 2 "
-     "does not divide parallel.nproc 4"),
+     ("'parallel.expert_parallel': expert_parallel x expert_tensor_parallel x pipeline_parallel = 2 x 2 x 2 "
+      "does not divide parallel.nproc 4")),
     (["parallel.pipeline_parallel=3", "parallel.nproc=3", "parallel.expert_parallel=1"],
      "'parallel.pipeline_parallel': 4 layers do not split evenly over 3 pipeline stages"),
     (["parallel.pipeline_parallel=3", "parallel.nproc=3", "parallel.expert_parallel=1",
       "parallel.layers_in_first_stage=1"],
-     "'parallel.pipeline_parallel': 4 layers after 1 on the first and 0 on the last stage do not split evenly "
-     "over 2 middle pipeline stages"),
+     ("'parallel.pipeline_parallel': 4 layers after 1 on the first and 0 on the last stage do not split evenly "
+      "over 2 middle pipeline stages")),
     (["parallel.pipeline_parallel=2", "parallel.expert_parallel=1", "parallel.layers_in_first_stage=4"],
      "4 layers after 4 on the first and 0 on the last stage do not split evenly over 1 middle"),
     (["parallel.layers_in_first_stage=2"], "'parallel.layers_in_first_stage': uneven stages need "),

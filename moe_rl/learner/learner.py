@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, NamedTuple
@@ -41,7 +41,12 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from moe_rl.config import ModelConfig, OptimConfig, ParallelConfig, pipeline_stage_layers
+from moe_rl.config import (
+    ModelConfig,
+    OptimConfig,
+    ParallelConfig,
+    pipeline_stage_layers,
+)
 from moe_rl.corrections.dvp import restricted_logprobs
 from moe_rl.corrections.trm import exact_kl_tokens
 from moe_rl.dist import ParallelDims, comm_device
@@ -52,14 +57,9 @@ from moe_rl.learner.logprobs import (
     token_logprobs_energy,
     token_logprobs_energy_vocab_parallel,
 )
-from moe_rl.learner.te_spec import FP8_TOKEN_MULTIPLE, rename_to_local, te_name_map
-from moe_rl.learner.weights import (
-    Shard,
-    canonical_to_megatron,
-    gather_experts,
-    megatron_to_canonical,
-    tp_split_dim,
-)
+from moe_rl.learner.te_spec import FP8_TOKEN_MULTIPLE, te_name_map
+from moe_rl.learner.weight_sync import stream_canonical
+from moe_rl.learner.weights import Shard, canonical_to_megatron
 from moe_rl.monitor.router_grad import RouterGradMonitor
 from moe_rl.routing.plan import PassPlan
 from moe_rl.routing.record import RouteHeader
@@ -196,51 +196,23 @@ class Learner:
                                      f"the model expects {tuple(p.shape)}")
                 p.copy_(t)
 
+    def iter_canonical_layers(self) -> Iterator[dict[str, torch.Tensor]]:
+        """The canonical weights (every expert) one chunk at a time, identical on every rank: the
+        embedding, each decoder layer, then the final norm and lm_head (``weight_sync.py``). The
+        weight sync source; a rank never holds more than one gathered chunk. Collective: every
+        rank must consume the whole iterator, in step."""
+        return stream_canonical({n: p.detach() for n, p in self.gpt.named_parameters()}, self.model_cfg,
+                                self.dims, self.shard)
+
     def export_canonical(self) -> dict[str, torch.Tensor]:
-        """Full canonical weights (every expert), identical on every rank: the weight sync source."""
-        return self._gather_canonical({n: p.detach() for n, p in self.gpt.named_parameters()})
+        """Full canonical weights on every rank (checkpoint exports); tensors nothing had to
+        gather are views of the live weights."""
+        return {k: v for chunk in self.iter_canonical_layers() for k, v in chunk.items()}
 
     def _gather_canonical(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """This rank's megatron tensors (by parameter name) -> full canonical dict: TP pieces
-        joined (one all_gather per split tensor), then every expert gathered over EP."""
-        local = rename_to_local(tensors)
-        canon = megatron_to_canonical(local, self.model_cfg, self.dims.ep_rank, self.dims.ep_size, self.shard)
-        if self.dims.tp_size > 1 or self.shard.etp_size > 1:
-            canon = self._merge_tensor_parallel(canon)
-        canon = gather_experts(canon, self.model_cfg, self.dims.ep_size, self.dims.ep_group)
-        return self._gather_stages(canon) if self.dims.pp_size > 1 else canon
-
-    def _gather_stages(self, canon: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """PP: every stage's canonical tensors on every stage (names and shapes exchanged once,
-        then one broadcast per tensor from its owning stage)."""
-        metas: list = [None] * self.dims.pp_size
-        dist.all_gather_object(metas, [(k, tuple(v.shape), v.dtype) for k, v in sorted(canon.items())],
-                               group=self.dims.pp_group)
-        ranks, device = dist.get_process_group_ranks(self.dims.pp_group), comm_device(self.dims.pp_group)
-        out = {}
-        for stage, meta in enumerate(metas):
-            for name, shape, dtype in meta:
-                mine = stage == self.dims.pp_rank
-                t = canon[name].to(device).contiguous() if mine else torch.empty(shape, dtype=dtype, device=device)
-                dist.broadcast(t, src=ranks[stage], group=self.dims.pp_group)
-                out[name] = canon[name] if mine else t
-        return out
-
-    def _merge_tensor_parallel(self, canon: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """``weights.merge_tensor_parallel`` over the process groups: experts over expert-TP."""
-        out = {}
-        for name in sorted(canon):  # the same order on every rank
-            t, dim = canon[name], tp_split_dim(name)
-            expert = ".mlp.experts." in name
-            d = self.dims
-            size, group = (self.shard.etp_size, d.etp_group) if expert else (d.tp_size, d.tp_group)
-            if dim is None or size == 1:
-                out[name] = t
-                continue
-            parts = [torch.empty_like(t) for _ in range(size)]
-            dist.all_gather(parts, t.contiguous(), group=group)
-            out[name] = torch.cat(parts, dim=dim)
-        return out
+        """This rank's megatron tensors (by parameter name) -> full canonical dict on every rank."""
+        return {k: v for chunk in stream_canonical(tensors, self.model_cfg, self.dims, self.shard)
+                for k, v in chunk.items()}
 
     # ---- passes --------------------------------------------------------------------------
     def _check_replicated(self, tokens_BS: torch.Tensor) -> None:

@@ -2,7 +2,8 @@
 
 Canonical names are Hugging Face Qwen3-MoE names (``model.layers.3.mlp.experts.5.up_proj.weight``)
 with every expert present. The same mapping serves warm-start loading, the learner -> rollout
-engine weight sync (EP shards gathered) and HF checkpoint import/export (``moe_rl/hf_checkpoint.py``).
+engine weight sync (``weight_sync.py`` gathers the shards layer by layer) and HF checkpoint
+import/export (``moe_rl/hf_checkpoint.py``).
 
 Layouts that differ between the two sides:
 - megatron ``linear_qkv`` [G * (Q/G + 2) * D, H] interleaves per query group g: the Q/G query
@@ -28,7 +29,6 @@ import re
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from moe_rl.config import ModelConfig
 
@@ -192,25 +192,3 @@ def canonical_to_megatron(full: dict[str, torch.Tensor], megatron_names: list[st
             out[name] = torch.cat([get(target + "gate_proj.weight"), get(target + "up_proj.weight")])
     return out
 
-
-def gather_experts(canon_local: dict[str, torch.Tensor], cfg: ModelConfig, ep_size: int,
-                   ep_group) -> dict[str, torch.Tensor]:
-    """Complete a rank's canonical dict with every expert, gathered over the EP group.
-
-    One all_gather per MoE layer and projection (experts stacked), not one per expert."""
-    if ep_size == 1:
-        return dict(canon_local)
-    out = {k: v for k, v in canon_local.items() if ".mlp.experts." not in k}
-    n_local = cfg.num_experts // ep_size
-    ep_rank = dist.get_rank(ep_group)
-    for i in cfg.moe_layers:
-        if f"model.layers.{i}.mlp.experts.{ep_rank * n_local}.down_proj.weight" not in canon_local:
-            continue  # another pipeline stage's layer
-        for proj in ("gate_proj", "up_proj", "down_proj"):
-            keys = [f"model.layers.{i}.mlp.experts.{ep_rank * n_local + j}.{proj}.weight" for j in range(n_local)]
-            local_NXY = torch.stack([canon_local[k] for k in keys]).contiguous()
-            full_EXY = local_NXY.new_empty((cfg.num_experts, *local_NXY.shape[1:]))
-            dist.all_gather_into_tensor(full_EXY, local_NXY, group=ep_group)
-            for e in range(cfg.num_experts):
-                out[f"model.layers.{i}.mlp.experts.{e}.{proj}.weight"] = full_EXY[e]
-    return out

@@ -2,16 +2,30 @@
 
 design.md, "The rollout engine interface": ``generate`` returns a :class:`RolloutBatch` in the
 token layout of ``moe_rl/types.py`` plus the route record of every sample; ``load_weights`` takes
-the learner's canonical (HF Qwen3-MoE) named tensors, all experts gathered.
+the learner's canonical (HF Qwen3-MoE) named tensors, all experts gathered: one dict, or a stream
+of chunks (``Learner.iter_canonical_layers``: a layer at a time, so no rank ever holds the full
+model).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Protocol, runtime_checkable
 
 import torch
 
 from moe_rl.types import RolloutBatch, SamplingParams
+
+# One dict of canonical tensors, or an iterable of dicts (chunks) that together hold each once.
+Weights = Mapping[str, torch.Tensor] | Iterable[Mapping[str, torch.Tensor]]
+
+
+def weight_chunks(weights: Weights) -> Iterator[Mapping[str, torch.Tensor]]:
+    """The chunks of ``weights``: a single dict is one chunk."""
+    if isinstance(weights, Mapping):
+        yield weights
+    else:
+        yield from weights
 
 
 @runtime_checkable
@@ -34,6 +48,7 @@ class RolloutEngine(Protocol):
         """Sample n responses per prompt; B = len(prompts) * n, sequence b answers prompt b // n."""
         ...
 
-    def load_weights(self, named: dict[str, torch.Tensor]) -> None:
-        """Replace all weights with the canonical named tensors (strict: names and shapes)."""
+    def load_weights(self, weights: Weights) -> None:
+        """Replace all weights with the canonical named tensors, a dict or a stream of chunks
+        consumed chunk by chunk (strict over all chunks: names, shapes, each tensor once)."""
         ...

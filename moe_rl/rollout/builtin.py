@@ -33,8 +33,9 @@ import torch
 from moe_rl.config import ModelConfig
 from moe_rl.corrections.dvp import safe_set
 from moe_rl.errors import RouteError
-from moe_rl.routing.record import route_dtype
+from moe_rl.rollout.base import Weights
 from moe_rl.rollout.builtin_model import DTYPES, BuiltinMoEModel, KVCache, RouterNoise
+from moe_rl.routing.record import route_dtype
 from moe_rl.types import RolloutBatch, SamplingParams
 
 _NOISE_SEED_MUL = 6364136223846793005  # decorrelates the router-noise stream from sampling
@@ -160,9 +161,10 @@ class BuiltinEngine:
         self.model = BuiltinMoEModel(model_cfg, DTYPES[dtype], self.device)
         self.route_dtype = route_dtype(model_cfg.num_experts)
 
-    def load_weights(self, named: dict[str, torch.Tensor]) -> None:
-        """Replace all weights; names/shapes must be exactly ``canonical_param_shapes(cfg)``."""
-        self.model.load_canonical(named)
+    def load_weights(self, weights: Weights) -> None:
+        """Replace all weights in place from a dict or a stream of chunks (one chunk held at a
+        time); names/shapes over all chunks must be exactly ``canonical_param_shapes(cfg)``."""
+        self.model.load_canonical(weights)
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams,

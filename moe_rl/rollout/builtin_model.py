@@ -22,6 +22,7 @@ Shape suffix legend:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -29,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_rl.config import ModelConfig
+from moe_rl.rollout.base import Weights, weight_chunks
 
 DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -76,24 +78,50 @@ def canonical_param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_canonical_weights(named: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
+def check_canonical_weights(named: Mapping[str, torch.Tensor], cfg: ModelConfig) -> None:
     """Raise ValueError naming the first missing, unexpected or mis-shaped tensor (strict ingest)."""
     expected = canonical_param_shapes(cfg)
     missing = [k for k in expected if k not in named]
     if missing:
         raise ValueError(f"load_weights: missing tensor {missing[0]!r} "
                          f"({len(missing)} missing in all: {missing[:5]})")
-    unexpected = [k for k in named if k not in expected]
-    if unexpected:
-        raise ValueError(f"load_weights: unexpected tensor {unexpected[0]!r} "
-                         f"({len(unexpected)} unexpected in all: {unexpected[:5]})")
-    for name, shape in expected.items():
-        got = tuple(named[name].shape)
-        if got != shape:
-            raise ValueError(f"load_weights: tensor {name!r} has shape {got}, expected {shape}")
-        if not named[name].is_floating_point():
-            raise ValueError(f"load_weights: tensor {name!r} has dtype {named[name].dtype}, "
-                             "expected a floating point dtype")
+    check = CanonicalCheck(cfg, expected)
+    check.chunk(named)
+    check.finish()
+
+
+class CanonicalCheck:
+    """Strict ingest of canonical weights that arrive in chunks: every expected tensor exactly
+    once over all chunks, with its shape and a floating point dtype; errors name the tensor."""
+
+    def __init__(self, cfg: ModelConfig, expected: dict[str, tuple[int, ...]] | None = None) -> None:
+        self.expected = canonical_param_shapes(cfg) if expected is None else expected
+        self.seen: set[str] = set()
+
+    def chunk(self, named: Mapping[str, torch.Tensor]) -> None:
+        """Check one chunk before anything of it is used."""
+        unexpected = [k for k in named if k not in self.expected]
+        if unexpected:
+            raise ValueError(f"load_weights: unexpected tensor {unexpected[0]!r} "
+                             f"({len(unexpected)} unexpected in all: {unexpected[:5]})")
+        again = [k for k in named if k in self.seen]
+        if again:
+            raise ValueError(f"load_weights: tensor {again[0]!r} given twice ({len(again)} in all)")
+        for name, t in named.items():
+            got, shape = tuple(t.shape), self.expected[name]
+            if got != shape:
+                raise ValueError(f"load_weights: tensor {name!r} has shape {got}, expected {shape}")
+            if not t.is_floating_point():
+                raise ValueError(f"load_weights: tensor {name!r} has dtype {t.dtype}, "
+                                 "expected a floating point dtype")
+        self.seen.update(named)
+
+    def finish(self) -> None:
+        """After the last chunk: nothing expected is missing."""
+        missing = [k for k in self.expected if k not in self.seen]
+        if missing:
+            raise ValueError(f"load_weights: missing tensor {missing[0]!r} "
+                             f"({len(missing)} missing in all: {missing[:5]})")
 
 
 def random_canonical_weights(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
@@ -248,7 +276,7 @@ class BuiltinMoEModel:
     """Qwen3-MoE decoder over canonical weights, with an optional KV cache and route capture.
 
     Not an nn.Module on purpose: it is inference-only, holds no gradients, and its weights are
-    replaced wholesale by :meth:`load_canonical` on every weight sync.
+    overwritten in place by :meth:`load_canonical` on every weight sync.
     """
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16,
@@ -258,31 +286,53 @@ class BuiltinMoEModel:
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
         self.moe_layers: list[int] = cfg.moe_layers
         self.w: dict[str, torch.Tensor] = {}  # canonical name -> tensor (experts stacked, below)
+        self._slots: dict[str, torch.Tensor] = {}  # every canonical name -> its place in self.w
         self.loaded = False
 
     # -- weights ------------------------------------------------------------------------------
-    def load_canonical(self, named: dict[str, torch.Tensor]) -> None:
-        """Check names/shapes strictly, then copy into the engine dtype (router stays fp32).
+    def load_canonical(self, weights: Weights) -> None:
+        """Copy canonical weights (a dict, or a stream of chunks consumed one at a time) into
+        the engine's own tensors in place, in the engine dtype (the router stays fp32).
 
-        Per MoE layer the experts are stacked into ``mlp.experts.{gate,up,down}_proj`` tensors
-        [E, F, H] / [E, F, H] / [E, H, F] so the MoE indexes one tensor per projection.
+        Per MoE layer the experts live stacked in ``mlp.experts.{gate,up,down}_proj`` tensors
+        [E, F, H] / [E, F, H] / [E, H, F] so the MoE indexes one tensor per projection. Each
+        chunk is checked before it is copied (``CanonicalCheck``); a dict is checked whole
+        first, so a bad dict changes nothing. A stream that fails after its first copy leaves
+        the engine without usable weights (``loaded`` false) until a complete load.
         """
-        check_canonical_weights(named, self.cfg)
+        if isinstance(weights, Mapping):
+            check_canonical_weights(weights, self.cfg)
+        check = CanonicalCheck(self.cfg)
+        for chunk in weight_chunks(weights):
+            check.chunk(chunk)
+            if not self.w:
+                self._allocate(check.expected)
+            self.loaded = False
+            names = list(chunk)
+            # one vectorized copy per chunk (dtype cast included); no new engine tensors
+            torch._foreach_copy_([self._slots[n] for n in names], [chunk[n].detach() for n in names])
+            del chunk  # before the stream builds the next one: one chunk alive at a time
+        check.finish()
+        self.loaded = True
+
+    def _allocate(self, shapes: dict[str, tuple[int, ...]]) -> None:
+        """The engine's weight tensors (experts stacked) and, per canonical name, its slot in them."""
+        E = self.cfg.num_experts
         w: dict[str, torch.Tensor] = {}
-        for name, t in named.items():
-            if ".mlp.experts." in name:
-                continue
-            # The router is tiny and routing is precision-sensitive: keep it fp32 (like
-            # megatron's moe_router_dtype=fp32); everything else lives in the engine dtype.
-            dtype = torch.float32 if name.endswith("mlp.gate.weight") else self.dtype
-            w[name] = t.detach().to(device=self.device, dtype=dtype).clone()
+        for name, shape in shapes.items():
+            if ".mlp.experts." not in name:
+                # The router is tiny and routing is precision-sensitive: keep it fp32 (like
+                # megatron's moe_router_dtype=fp32); everything else lives in the engine dtype.
+                dtype = torch.float32 if name.endswith("mlp.gate.weight") else self.dtype
+                w[name] = torch.empty(shape, dtype=dtype, device=self.device)
+        slots = dict(w)
         for i in self.moe_layers:
             p = f"model.layers.{i}.mlp.experts."
             for proj in ("gate_proj", "up_proj", "down_proj"):
-                w[p + proj] = torch.stack(
-                    [named[f"{p}{e}.{proj}.weight"].detach() for e in range(self.cfg.num_experts)]
-                ).to(device=self.device, dtype=self.dtype)
-        self.w, self.loaded = w, True
+                stacked = w[p + proj] = torch.empty((E, *shapes[f"{p}0.{proj}.weight"]), dtype=self.dtype,
+                                                    device=self.device)
+                slots.update({f"{p}{e}.{proj}.weight": stacked[e] for e in range(E)})
+        self.w, self._slots = w, slots
 
     # -- forward ------------------------------------------------------------------------------
     @torch.no_grad()

@@ -32,7 +32,8 @@ pinned from its wheel (tests/rollout/vllm_format.json, scripts/pin_vllm_format.p
   DVP, the safe sets as ``safe_BSV``).
 - ``sync_items``: the learner's canonical (HF Qwen3-MoE) tensors in model order; vLLM's
   ``Qwen3MoeForCausalLM.load_weights`` takes exactly these names (it stacks q/k/v, gate/up and
-  experts itself).
+  experts itself). ``sync_chunks``: the same for a stream of chunks (the learner's
+  ``iter_canonical_layers``: a decoder layer at a time), strict over the whole stream.
 - Weight sync through vLLM's weight-transfer API (read in the vllm 0.33.0 wheel:
   ``vllm/entrypoints/rl/offline.py``, ``vllm/distributed/weight_transfer/{base,ipc_engine,factory}.py``,
   ``vllm/v1/worker/gpu_worker.py``): ``layer_groups`` splits the canonical names into the
@@ -55,6 +56,10 @@ Weight sync (``rollout.vllm.weight_sync``). ``transfer`` (default): ``start_weig
 ``update_weights`` per layer group, ``finish_weight_update(weight_version=n)`` for the n-th sync
 (0 = the first weights), then ``reset_prefix_cache``. vLLM's worker runs its layerwise reload
 between start and finish, so sending a layer at a time keeps its staging to one layer. The
+learner's stream is consumed one chunk at a time, each chunk sent before the next is gathered,
+so neither side holds the full model (streaming untested on GPU: no GPU was lent). A stream that
+fails part-way (a missing or repeated tensor) closes vLLM's update without a version and leaves
+no trusted version: ``generate`` refuses until a sync completes. The
 backend is ``moe_rl_inproc``, registered with vLLM's ``WeightTransferEngineFactory``: vLLM's IPC
 engine (its start/finish, i.e. the layerwise reload) receiving the tensors by reference instead
 of through CUDA IPC handles. vLLM's own ``ipc`` backend cannot serve this process model: here the
@@ -73,6 +78,7 @@ import logging
 import math
 import os
 import tempfile
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +87,7 @@ import torch
 from moe_rl.config import ConfigError, ModelConfig, RunConfig, logprobs_mode
 from moe_rl.corrections.dvp import SAFE_SET_RULES, safe_set
 from moe_rl.hf_checkpoint import hf_names
+from moe_rl.rollout.base import Weights, weight_chunks
 from moe_rl.routing.record import RouteError, RouteHeader, from_vllm
 from moe_rl.types import RolloutBatch, SamplingParams
 
@@ -350,6 +357,27 @@ def sync_items(named: dict[str, torch.Tensor], expected: list[str],
     return [(rename.get(k, k), named[k].detach()) for k in expected]
 
 
+def sync_chunks(chunks: Iterable[Mapping[str, torch.Tensor]], expected: list[str],
+                file_names: dict[str, str] | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """``sync_items`` for a stream of chunks: per chunk its (HF name, tensor) pairs in model
+    order, strict over the whole stream. An unexpected or repeated name raises before its chunk
+    is yielded, a missing one after the last chunk (all named)."""
+    order = {k: i for i, k in enumerate(expected)}
+    rename = file_names or {}
+    seen: set[str] = set()
+    for chunk in chunks:
+        extra = sorted(k for k in chunk if k not in order)
+        again = sorted(k for k in chunk if k in seen)
+        if extra or again:
+            raise KeyError(f"weight sync: canonical tensors unexpected {extra[:3]} / given twice {again[:3]}")
+        seen.update(chunk)
+        yield [(rename.get(k, k), chunk[k].detach()) for k in sorted(chunk, key=order.__getitem__)]
+        del chunk
+    missing = [k for k in expected if k not in seen]
+    if missing:
+        raise KeyError(f"weight sync: canonical tensors missing {missing[:3]} ({len(missing)} in all)")
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """A dtype as vLLM's weight-transfer metadata spells it ("bfloat16", "float32"): torch's name
     without the ``torch.`` prefix; vLLM's receivers map it back with ``getattr(torch, name)``."""
@@ -460,15 +488,31 @@ def engine_kwargs(cfg: RunConfig, model_dir: str, external: bool) -> dict[str, A
 
 
 def transfer_weights(llm: Any, items: list[tuple[str, torch.Tensor]], versions: WeightVersions) -> None:
+    """One versioned update of a flat list of (name, tensor) pairs: ``transfer_chunks`` of one chunk."""
+    transfer_chunks(llm, [items], versions)
+
+
+def transfer_chunks(llm: Any, chunks: Iterable[list[tuple[str, torch.Tensor]]], versions: WeightVersions) -> None:
     """One versioned update through vLLM's weight-transfer API (``LLM`` methods of
-    ``vllm/entrypoints/rl/offline.py``), a layer group per ``update_weights`` call. ``items`` keeps
-    the tensors referenced until ``finish_weight_update``, where vLLM's layerwise reload ends."""
-    by_name = dict(items)
+    ``vllm/entrypoints/rl/offline.py``): each chunk, as it arrives, in one ``update_weights`` call
+    per layer group, then dropped (vLLM holds by reference what its layerwise reload still
+    needs). If the chunk source raises, vLLM's update is closed without a version first."""
     version = versions.begin()
     try:
         llm.start_weight_update()
-        for group in layer_groups([k for k, _ in items]):
-            llm.update_weights({"update_info": update_info([(k, by_name[k]) for k in group])})
+        source = iter(chunks)
+        while True:
+            try:
+                items = next(source, None)
+            except BaseException:
+                llm.finish_weight_update()  # leave no open session behind; versions stay untrusted
+                raise
+            if items is None:
+                break
+            by_name = dict(items)
+            for group in layer_groups([k for k, _ in items]):
+                llm.update_weights({"update_info": update_info([(k, by_name[k]) for k in group])})
+            del items, by_name
         llm.finish_weight_update(weight_version=version)
         versions.finish(llm.get_weight_version())
     except BaseException:
@@ -583,12 +627,16 @@ class VllmEngine:
         group, _ = dist.new_subgroups(group_size=size)
         return group, dist.get_rank(group), size
 
-    def _model_dir(self, named: dict[str, torch.Tensor]) -> str:
+    def _source_dir(self) -> str | None:
+        """The HF dir vLLM starts from when the config names one (else it is written once)."""
         v, init = self.cfg.rollout.vllm, self.cfg.init_weights
         if v.model_dir:
             return v.model_dir
-        if init.startswith("hf:"):
-            return init[3:]
+        return init[3:] if init.startswith("hf:") else None
+
+    def _model_dir(self, named: Mapping[str, torch.Tensor] | None) -> str:
+        if (source := self._source_dir()) is not None:
+            return source
         from moe_rl.hf_checkpoint import write_hf_checkpoint
 
         out = Path(tempfile.mkdtemp(prefix="moe_rl_vllm_")) / "model"
@@ -596,7 +644,7 @@ class VllmEngine:
                             dtype=torch.bfloat16 if self.cfg.rollout.dtype == "bf16" else torch.float32)
         return str(out)
 
-    def _start(self, named: dict[str, torch.Tensor]) -> None:
+    def _start(self, named: Mapping[str, torch.Tensor] | None) -> None:
         for k, val in VLLM_ENV.items():
             os.environ.setdefault(k, val)
         import torch.distributed as dist
@@ -611,23 +659,31 @@ class VllmEngine:
         self.llm = vllm.LLM(**kw)
         self.llm.init_weight_transfer_engine({"init_info": {}})  # in-process: no rendezvous
 
-    def load_weights(self, named: dict[str, torch.Tensor]) -> None:
-        """Weight sync: wake the weights, send the canonical tensors through vLLM's weight-transfer
-        API, reset the prefix cache (its KV blocks and cached routes belong to the old weights)."""
-        items = sync_items(named, self.expected, hf_names(self.model_cfg))
+    def load_weights(self, weights: Weights) -> None:
+        """Weight sync: wake the weights, send the canonical tensors (a dict, or the learner's
+        stream, chunk by chunk) through vLLM's weight-transfer API, reset the prefix cache (its KV
+        blocks and cached routes belong to the old weights). Only a first sync without
+        ``rollout.vllm.model_dir`` or an ``hf:`` init joins a stream into one dict, to write the
+        HF dir vLLM starts from (small models: the smoke test)."""
+        if isinstance(weights, Mapping):  # a dict is checked whole before vLLM sees any of it
+            sync_items(weights, self.expected)
         if self.llm is None:
-            self._start(named)
+            if self._source_dir() is None and not isinstance(weights, Mapping):
+                weights = {k: t for chunk in weight_chunks(weights) for k, t in chunk.items()}
+            self._start(weights if isinstance(weights, Mapping) else None)
         if self.asleep:
             self.llm.wake_up(tags=["weights"])
-        transfer_weights(self.llm, items, self.versions)
+        chunks = sync_chunks(weight_chunks(weights), self.expected, hf_names(self.model_cfg))
+        transfer_chunks(self.llm, chunks, self.versions)
         self.llm.reset_prefix_cache()
 
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams, seed: int) -> RolloutBatch:
         """Sample n responses per prompt; the engine group's prompts go through together."""
+        if self.llm is None or self.versions.current is None:
+            raise RuntimeError("VllmEngine: no weights loaded (call load_weights first; a failed sync "
+                               "leaves none until the next one completes)")
         import vllm
 
-        if self.llm is None:
-            raise RuntimeError("VllmEngine: no weights loaded (call load_weights first)")
         if self.asleep:
             self.llm.wake_up()  # the KV cache (weights were woken by load_weights)
             self.asleep = False

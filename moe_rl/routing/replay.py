@@ -121,7 +121,8 @@ class RouteReplay:
         p = self._pass
         self._in_forward = True
         if p is not None and p.monitor:  # the monitor's statistics cover real tokens, not padding
-            real_N = (torch.arange(seq_len)[:, None] < mb.seq_lens_B.cpu()[None, :]).reshape(-1)
+            lens_B = mb.seq_lens_B
+            real_N = (torch.arange(seq_len, device=lens_B.device)[:, None] < lens_B[None, :]).reshape(-1)
             self._real_N = self.sp.local_rows(real_N).to(self.device, non_blocking=True)
         if p is not None and p.plan is not None:
             self._begin_micro_batch(p.plan, mb.routes, mb.old_routes, mb.seq_lens_B, seq_len)

@@ -92,14 +92,21 @@ def test_resume_reproduces_uninterrupted_run(tmp_path):
 
 
 @pytest.mark.e2e
-def test_tensor_parallel_run_counts_each_sample_once(tmp_path):
+@pytest.mark.parametrize("layout", [
+    ["parallel.expert_parallel=1"],  # TP 2, DP 1
+    # TP 2 x EP 2 with whole experts per rank, DP 2, routes replayed from the engine
+    ["parallel.nproc=4", "parallel.expert_tensor_parallel=1", "routing.replay=r3"],
+])
+def test_tensor_parallel_run_counts_each_sample_once(tmp_path, layout):
     run = tmp_path / "tp"
     moe_rl("train", f"run_dir={run}", "steps=2", "checkpoint_every=0", "parallel.tensor_parallel=2",
-           "parallel.expert_parallel=1", *TINY)
+           *layout, *TINY)
     m = metrics(run)
-    # TP peers share one batch: metrics reduce over data-parallel ranks only (DP=1 here)
+    # TP peers share one batch: metrics reduce over data-parallel ranks only
     assert [m[s]["rollout/num_seqs"] for s in (0, 1)] == [32.0, 32.0]  # 8 prompts x 4 samples
     assert m[1]["train/grad_norm"] > 0 and m[1]["router_grad/zero_frac"] == pytest.approx(6 / 8)
+    if "routing.replay=r3" in layout:  # the engine's routes, recorded per sample, replayed on 2 SP blocks
+        assert 0 < m[1]["routing/flip_router_frac"] < 0.2 and 0 <= m[1]["routing/update_flip_router_frac"] < 0.2
 
 
 @pytest.mark.e2e

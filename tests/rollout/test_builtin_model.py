@@ -166,3 +166,63 @@ def test_load_weights_rejects_missing_unexpected_and_misshaped(
     assert not engine.model.loaded
     with pytest.raises(RuntimeError, match="no weights loaded"):
         engine.generate([[1, 2]], 1, SamplingParams(max_new_tokens=2), seed=0)
+
+
+def _layer_chunks(weights: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    """The learner's stream layout: the embedding, one chunk per decoder layer, then the rest."""
+    def chunk_of(name: str) -> int:
+        return int(name.split(".")[2]) + 1 if name.startswith("model.layers.") else (0 if "embed" in name else 10**6)
+
+    chunks: dict[int, dict[str, torch.Tensor]] = {}
+    for name, t in weights.items():
+        chunks.setdefault(chunk_of(name), {})[name] = t
+    return [chunks[k] for k in sorted(chunks)]
+
+
+@pytest.mark.unit
+def test_load_weights_streams_chunks_into_the_engine_tensors_in_place(
+        cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
+    engine = BuiltinEngine(cfg, dtype="fp32", pad_id=PAD_ID)
+    engine.load_weights(random_canonical_weights(cfg, seed=5))
+    ptrs = {k: t.data_ptr() for k, t in engine.model.w.items()}
+    pulled: list[int] = []
+
+    def stream():  # a generator, as the learner's: each chunk is built only when asked for
+        for i, chunk in enumerate(_layer_chunks(weights)):
+            pulled.append(i)
+            yield chunk
+
+    engine.load_weights(stream())
+    assert pulled == list(range(cfg.num_layers + 2)) and engine.model.loaded
+    assert {k: t.data_ptr() for k, t in engine.model.w.items()} == ptrs  # copied in place
+    assert all(torch.equal(engine.model._slots[k], weights[k]) for k in weights)
+    p = "model.layers.2.mlp.experts."
+    assert torch.equal(engine.model.w[p + "down_proj"][5], weights[p + "5.down_proj.weight"])
+    # the same engine fed one dict and fed the stream generates the same tokens
+    ref = BuiltinEngine(cfg, dtype="fp32", pad_id=PAD_ID)
+    ref.load_weights(weights)
+    sampling = SamplingParams(max_new_tokens=5)
+    a, b = (e.generate([[1, 2, 3]], 2, sampling, seed=3) for e in (engine, ref))
+    assert torch.equal(a.tokens_BS, b.tokens_BS) and torch.equal(a.logprobs_BS, b.logprobs_BS)
+
+
+@pytest.mark.unit
+def test_a_streamed_load_is_strict_across_chunks(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
+    engine = BuiltinEngine(cfg, dtype="fp32", pad_id=PAD_ID)
+    chunks = _layer_chunks(weights)
+    name = "model.layers.2.mlp.experts.5.up_proj.weight"
+    missing = [{k: v for k, v in c.items() if k != name} for c in chunks]
+    with pytest.raises(ValueError, match=f"missing tensor '{name}'"):
+        engine.load_weights(iter(missing))
+    assert not engine.model.loaded  # copying had begun: no half-synced weights are served
+    with pytest.raises(RuntimeError, match="no weights loaded"):
+        engine.generate([[1, 2]], 1, SamplingParams(max_new_tokens=2), seed=0)
+    twice = [*chunks[:3], {name: weights[name]}, *chunks[3:]]
+    with pytest.raises(ValueError, match=f"tensor '{name}' given twice"):
+        engine.load_weights(iter(twice))
+    bad = "model.layers.1.self_attn.k_proj.weight"
+    misshaped = [dict(c, **{bad: torch.zeros(64, 64)}) if bad in c else c for c in chunks]
+    with pytest.raises(ValueError, match=rf"'{bad}' has shape \(64, 64\), expected \(32, 64\)"):
+        engine.load_weights(iter(misshaped))
+    engine.load_weights(iter(chunks))  # a complete stream afterwards makes it usable again
+    assert engine.model.loaded and all(torch.equal(engine.model._slots[k], weights[k]) for k in weights)

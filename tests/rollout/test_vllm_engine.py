@@ -535,17 +535,69 @@ def test_weight_sync_config_key():
         load_config(None, VLLM + ["rollout.vllm.weight_sync=load_weights"])
 
 
-@pytest.mark.unit
-def test_engine_load_weights_goes_through_the_transfer_api(cfg, weights):
+def _fake_engine(cfg) -> ve.VllmEngine:
     engine = object.__new__(ve.VllmEngine)  # no CUDA: skip __init__'s environment check
     engine.cfg = load_config(None, VLLM)
     engine.expected, engine.llm, engine.asleep = list(canonical_param_shapes(cfg)), FakeTransferLLM(), False
     engine.versions, engine.model_cfg = ve.WeightVersions(), cfg
+    return engine
+
+
+@pytest.mark.unit
+def test_engine_load_weights_goes_through_the_transfer_api(cfg, weights):
+    engine = _fake_engine(cfg)
     engine.load_weights(weights)
     n = len(ve.layer_groups(engine.expected))
     assert engine.llm.calls == ["start"] + ["update"] * n + ["finish", "reset_prefix_cache"]
     assert engine.llm.loaded.keys() == weights.keys()
     assert engine.versions.current == "0"
+
+
+def _streamed(weights, calls: list[str], drop: str | None = None):
+    """The learner's stream (embedding, a chunk per layer, final norm + lm_head) as a generator
+    that logs when each chunk is built; ``drop`` leaves a tensor out."""
+    for group in ve.layer_groups(list(weights)):
+        calls.append("gather")
+        yield {k: weights[k] for k in group if k != drop}
+
+
+@pytest.mark.unit
+def test_engine_load_weights_sends_a_stream_chunk_by_chunk(cfg, weights):
+    engine = _fake_engine(cfg)
+    engine.load_weights(_streamed(weights, engine.llm.calls))
+    n = len(ve.layer_groups(engine.expected))
+    assert n == cfg.num_layers + 2
+    # each chunk is sent before the next one is gathered: one chunk alive at a time
+    assert engine.llm.calls == ["start"] + ["gather", "update"] * n + ["finish", "reset_prefix_cache"]
+    assert [u["names"] for u in engine.llm.updates] == ve.layer_groups(engine.expected)
+    assert engine.llm.loaded.keys() == weights.keys()
+    assert all(engine.llm.loaded[k].data_ptr() == weights[k].data_ptr() for k in weights)  # by reference
+    assert engine.versions.current == "0"
+
+
+@pytest.mark.unit
+def test_a_broken_stream_closes_the_update_untrusted_and_names_the_tensor(cfg, weights):
+    engine = _fake_engine(cfg)
+    name = "model.layers.2.mlp.experts.5.up_proj.weight"
+    with pytest.raises(KeyError, match=f"missing \\['{name}'\\]"):
+        engine.load_weights(_streamed(weights, engine.llm.calls, drop=name))
+    assert engine.llm.calls[-1] == "finish" and not engine.llm.active  # closed, no version set
+    assert (engine.versions.current, engine.llm.get_weight_version()) == (None, "default")
+    with pytest.raises(RuntimeError, match="no weights loaded"):
+        engine.generate([[1, 2]], 1, SamplingParams(max_new_tokens=2), seed=0)
+
+    groups = ve.layer_groups(engine.expected)
+    first = groups[1][0]  # a tensor of layer 0, sent again with layer 1
+    chunks = [{k: weights[k] for k in g} for g in groups]
+    chunks[2][first] = weights[first]
+    engine.llm.updates.clear()
+    with pytest.raises(KeyError, match=f"given twice \\['{first}'\\]"):
+        engine.load_weights(iter(chunks))
+    assert [u["names"] for u in engine.llm.updates] == groups[:2]  # refused before the chunk went out
+    assert not engine.llm.active and engine.versions.current is None
+
+    engine.load_weights(iter([{k: weights[k] for k in g} for g in groups]))  # the next complete sync
+    assert engine.versions.current == engine.llm.get_weight_version() == "0"
 
 
 # --------------------------------------------------------------------------------------------
