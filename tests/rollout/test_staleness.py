@@ -91,19 +91,30 @@ def _worker(rank: int, root: str) -> list[dict]:
     from moe_rl.learner.learner import Learner
 
     dims, out = None, []
-    real_export, real_build = Learner.export_canonical, trainer.build_engine
+    real_export, real_stream, real_build = Learner.export_canonical, Learner.iter_canonical_layers, trainer.build_engine
     for name, overrides in RUNS:
         exports, loads = [], []
 
-        def export(self, _exports=exports):
-            named = real_export(self)
+        def export(self, _exports=exports):  # = export_canonical, without passing through stream() below
+            named = {n: t for c in real_stream(self) for n, t in c.items()}
             _exports.append(_fingerprint(named))
             return named
+
+        def stream(self, _exports=exports):  # the on-policy (k = 0) sync streams the layers
+            chunks = list(real_stream(self))
+            _exports.append(_fingerprint({n: t for c in chunks for n, t in c.items()}))
+            yield from chunks
 
         def build(*args, _loads=loads, **kwargs):
             engine = real_build(*args, **kwargs)
             real_load = engine.load_weights
-            engine.load_weights = lambda named: (_loads.append(_fingerprint(named)), real_load(named))[1]
+
+            def load(named):
+                if not isinstance(named, dict):  # a stream of per-layer chunks: join it
+                    named = {n: t for chunk in named for n, t in chunk.items()}
+                _loads.append(_fingerprint(named))
+                return real_load(named)
+            engine.load_weights = load
             return engine
 
         cfg = trainer.preflight(load_config(None, [*COMMON, *overrides, f"run_dir={root}/{name}"]),
@@ -111,11 +122,12 @@ def _worker(rank: int, root: str) -> list[dict]:
         if dims is None:
             dims = dist.init_distributed(cfg.parallel, cfg.seed)
         RouterReplay.clear_global_router_replay_instances()
-        Learner.export_canonical, trainer.build_engine = export, build
+        Learner.export_canonical, Learner.iter_canonical_layers, trainer.build_engine = export, stream, build
         try:
             trainer.train(cfg, dims)
         finally:
-            Learner.export_canonical, trainer.build_engine = real_export, real_build
+            Learner.export_canonical, Learner.iter_canonical_layers, trainer.build_engine = (
+                real_export, real_stream, real_build)
         out.append({"exports": exports, "loads": loads})
     dist.shutdown()
     return out
