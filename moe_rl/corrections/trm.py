@@ -69,6 +69,18 @@ def exact_kl_tokens(rollout_logits_BSV: torch.Tensor, train_logits_BSV: torch.Te
     Returns:
         kl_BS: float32 [B, S], >= 0 (up to rounding), 0 outside the mask.
     """
+    def rows_kl(roll_NV: torch.Tensor, train_NV: torch.Tensor) -> torch.Tensor:
+        log_p, log_q = torch.log_softmax(roll_NV, dim=-1), torch.log_softmax(train_NV, dim=-1)
+        return (log_p.exp() * (log_p - log_q)).sum(-1)
+
+    return chunked_kl(rollout_logits_BSV, train_logits_BSV, mask_BS, chunk_tokens, rows_kl)
+
+
+def chunked_kl(rollout_logits_BSV: torch.Tensor, train_logits_BSV: torch.Tensor, mask_BS: torch.Tensor | None,
+               chunk_tokens: int, rows_kl) -> torch.Tensor:
+    """``rows_kl(rollout_NV, train_NV) -> kl_N`` (float32 inputs) over the masked positions,
+    ``chunk_tokens`` at a time; float32 [B, S], 0 outside the mask. Shared by ``exact_kl_tokens``
+    and its vocabulary-parallel form (learner/logprobs.py)."""
     if rollout_logits_BSV.shape != train_logits_BSV.shape:
         raise ValueError(f"shape mismatch: {tuple(rollout_logits_BSV.shape)} vs {tuple(train_logits_BSV.shape)}")
     *lead, num_v = train_logits_BSV.shape
@@ -79,9 +91,7 @@ def exact_kl_tokens(rollout_logits_BSV: torch.Tensor, train_logits_BSV: torch.Te
               else mask_BS.reshape(-1).nonzero().squeeze(-1))
     for start in range(0, rows_N.numel(), chunk_tokens):  # chunks of positions, not tokens one by one
         idx = rows_N[start:start + chunk_tokens]
-        log_p = torch.log_softmax(roll_NV[idx].float(), dim=-1)
-        log_q = torch.log_softmax(train_NV[idx].float(), dim=-1)
-        kl_N[idx] = (log_p.exp() * (log_p - log_q)).sum(-1)
+        kl_N[idx] = rows_kl(roll_NV[idx].float(), train_NV[idx].float())
     return kl_N.reshape(lead)
 
 

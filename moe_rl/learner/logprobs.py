@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from moe_rl.corrections.dvp import RestrictedLogprobs
+from moe_rl.corrections.trm import chunked_kl
 
 
 def token_logprobs(logits_BSV: torch.Tensor, tokens_BS: torch.Tensor,
@@ -216,21 +217,11 @@ def exact_kl_tokens_vocab_parallel(rollout_logits_BSV: torch.Tensor, train_logit
     """
     import torch.distributed as dist
 
-    if rollout_logits_BSV.shape != train_logits_BSV.shape:
-        raise ValueError(f"shape mismatch: {tuple(rollout_logits_BSV.shape)} vs {tuple(train_logits_BSV.shape)}")
-    *lead, num_v = train_logits_BSV.shape
-    roll_NV = rollout_logits_BSV.reshape(-1, num_v)
-    train_NV = train_logits_BSV.reshape(-1, num_v)
-    kl_N = torch.zeros(roll_NV.shape[0], dtype=torch.float32, device=roll_NV.device)
-    rows_N = (torch.arange(roll_NV.shape[0], device=roll_NV.device) if mask_BS is None
-              else mask_BS.reshape(-1).nonzero().squeeze(-1))
-    for start in range(0, rows_N.numel(), chunk_tokens):  # chunks of positions, not tokens one by one
-        idx = rows_N[start:start + chunk_tokens]
-        roll, train = roll_NV[idx].float(), train_NV[idx].float()
-        lse_roll, lse_train = _logsumexp_vocab_parallel([roll, train], group)
-        log_p = roll - lse_roll.unsqueeze(-1)
-        log_q = train - lse_train.unsqueeze(-1)
-        kl = (log_p.exp() * (log_p - log_q)).sum(-1)
-        dist.all_reduce(kl, group=group)
-        kl_N[idx] = kl
-    return kl_N.reshape(lead)
+    def rows_kl(roll_NV: torch.Tensor, train_NV: torch.Tensor) -> torch.Tensor:
+        lse_roll, lse_train = _logsumexp_vocab_parallel([roll_NV, train_NV], group)
+        log_p, log_q = roll_NV - lse_roll.unsqueeze(-1), train_NV - lse_train.unsqueeze(-1)
+        kl_N = (log_p.exp() * (log_p - log_q)).sum(-1)
+        dist.all_reduce(kl_N, group=group)
+        return kl_N
+
+    return chunked_kl(rollout_logits_BSV, train_logits_BSV, mask_BS, chunk_tokens, rows_kl)
