@@ -106,7 +106,7 @@ def collapsed_count(outs: list[outcome.Outcome]) -> str:
 
 def arm_table(results: dict[str, list[outcome.Outcome]]) -> str:
     """Markdown: one row per arm, mean ± sample std over seeds (collapses counted)."""
-    head = ("| arm | seeds | reward, first 20 steps | final reward | collapsed | collapse step | peak k3 KL "
+    head = ("| arm | seeds | start reward | final reward | collapsed | collapse step | peak k3 KL "
             "| grad-norm spikes | router flips | TRM acceptance |")
     rows = [head, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for arm, outs in results.items():

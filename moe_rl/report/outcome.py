@@ -12,17 +12,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
-COLLAPSE_WINDOW = 20  # steps in the rolling reward mean
-COLLAPSE_FRAC = 0.25  # collapsed: the rolling mean below this fraction of its first window's
+START_WINDOW = 5  # start reward: mean over the first this many steps (the warm start, before a fast collapse)
+COLLAPSE_WINDOW = 10  # collapsed once the mean over this many consecutive steps ...
+COLLAPSE_FRAC = 0.25  # ... is below this fraction of the start reward
 FINAL_WINDOW = 10  # final reward: mean over the last this many logged steps
 SPIKE_FACTOR = 5.0  # a spike: grad norm above this multiple of the median of all earlier steps
 SPIKE_MIN_HISTORY = 5  # ... once at least this many earlier steps exist
 
 DEFINITIONS = (
     f"final reward: mean reward/mean over the last {FINAL_WINDOW} logged steps. "
-    f"Collapse: the {COLLAPSE_WINDOW}-step rolling mean of reward/mean first falls below "
-    f"{COLLAPSE_FRAC:.0%} of its value over the first {COLLAPSE_WINDOW} steps; the step reported is the "
-    f"last step of that window (none: never; n/a: fewer than {2 * COLLAPSE_WINDOW} steps logged). "
+    f"Start reward: mean reward/mean over the first {START_WINDOW} steps. Collapse step: the first step "
+    f"from which the mean reward/mean of {COLLAPSE_WINDOW} consecutive steps is below {COLLAPSE_FRAC:.0%} "
+    f"of the start reward (none: never; n/a: fewer than {START_WINDOW + COLLAPSE_WINDOW} steps logged). "
     f"Gradient-norm spikes: steps whose train/grad_norm exceeds {SPIKE_FACTOR:g}x the median of all "
     f"earlier steps (from step {SPIKE_MIN_HISTORY} on). Peak k3: max corr/k3_kl (rollout vs learner). "
     f"TRM acceptance: mean corr/trm_accept_rate (only runs with TRM on).")
@@ -31,9 +32,9 @@ DEFINITIONS = (
 @dataclass(frozen=True)
 class Outcome:
     final_reward: float
-    start_reward: float  # mean over the first COLLAPSE_WINDOW steps
+    start_reward: float  # mean over the first START_WINDOW steps
     collapse_step: int | None  # None: never collapsed (or too short to tell: see ``judged``)
-    judged: bool  # at least 2 * COLLAPSE_WINDOW steps logged
+    judged: bool  # at least START_WINDOW + COLLAPSE_WINDOW steps logged
     peak_k3: float
     mean_k3: float
     grad_spikes: int
@@ -51,16 +52,18 @@ class Outcome:
 
 
 def collapse_step(steps_T: np.ndarray, reward_T: np.ndarray, window: int = COLLAPSE_WINDOW,
-                  frac: float = COLLAPSE_FRAC) -> int | None:
-    """The logged step that ends the first ``window``-step rolling reward mean below ``frac`` of the
-    first window's mean; None if never (or fewer than ``2 * window`` steps)."""
+                  frac: float = COLLAPSE_FRAC, start: int = START_WINDOW) -> int | None:
+    """The logged step that opens the first ``window`` consecutive steps whose mean reward is below
+    ``frac`` x the mean of the first ``start`` steps; None if never (or fewer than ``start +
+    window`` steps). The reference is the warm start, so a collapse within a few steps is dated
+    when it happens (a reference window that already holds the collapse would date it late)."""
     r_T = np.nan_to_num(np.asarray(reward_T, dtype=np.float64), nan=0.0)
-    if len(r_T) < 2 * window:
+    if len(r_T) < start + window:
         return None
     csum = np.concatenate([[0.0], np.cumsum(r_T)])
-    sums = csum[window:] - csum[:-window]  # [T - window + 1]: the window ending at step index window-1+i
-    below = np.nonzero(sums < frac * sums[0])[0]  # sums, not means: no rounding at the boundary
-    return int(steps_T[below[0] + window - 1]) if below.size else None
+    sums = csum[window:] - csum[:-window]  # [T - window + 1]: the window starting at step index i
+    below = np.nonzero(sums * start < frac * window * csum[start])[0]  # sums, not means: no rounding
+    return int(steps_T[below[0]]) if below.size else None
 
 
 def grad_spikes(grad_T: np.ndarray, factor: float = SPIKE_FACTOR, min_history: int = SPIKE_MIN_HISTORY) -> int:
@@ -85,9 +88,9 @@ def outcome(steps_T: np.ndarray, series) -> Outcome:
     reward_T = series("reward/mean")
     return Outcome(
         final_reward=_stat(reward_T[-FINAL_WINDOW:], np.mean),
-        start_reward=_stat(reward_T[:COLLAPSE_WINDOW], np.mean),
+        start_reward=_stat(reward_T[:START_WINDOW], np.mean),
         collapse_step=collapse_step(steps_T, reward_T),
-        judged=len(reward_T) >= 2 * COLLAPSE_WINDOW,
+        judged=len(reward_T) >= START_WINDOW + COLLAPSE_WINDOW,
         peak_k3=_stat(series("corr/k3_kl"), np.max),
         mean_k3=_stat(series("corr/k3_kl"), np.mean),
         grad_spikes=grad_spikes(series("train/grad_norm")),

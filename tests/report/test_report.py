@@ -168,11 +168,18 @@ def test_collapse_step_and_gradient_spikes_by_their_definitions():
 
     steps_T = np.arange(60)
     reward_T = np.where(steps_T < 30, 0.5, 0.0)
-    # the window ending at step t holds 49 - t steps at 0.5: below 25% of 0.5 once fewer than 5
-    assert collapse_step(steps_T, reward_T) == 45
+    # the 10 steps from t hold 30 - t steps at 0.5: mean below 25% of 0.5 once fewer than 2.5
+    assert collapse_step(steps_T, reward_T) == 28
     assert collapse_step(steps_T, np.full(60, 0.5)) is None  # flat: never
-    assert collapse_step(steps_T[:39], reward_T[:39]) is None  # under 2 windows: not judged
-    assert collapse_step(steps_T + 100, reward_T) == 145  # logged step numbers, not indices
+    assert collapse_step(steps_T[:14], reward_T[:14]) is None  # under start + window steps: not judged
+    assert collapse_step(steps_T + 100, reward_T) == 128  # logged step numbers, not indices
+    # a collapse at step 4 is dated when it happens: the reference is the warm start (first 5
+    # steps: 0.404), not a window that already holds the collapse. The 10 steps from step 3 hold
+    # one 0.5 and nine 0.02: mean 0.068 < 0.101, so the window opening at 3 is the first below
+    fast_T = np.where(steps_T < 4, 0.5, 0.02)
+    assert collapse_step(steps_T, fast_T) == 3
+    # exactly 25% of the start is not below it (binary-exact values: sums compared, not rounded means)
+    assert collapse_step(steps_T, np.where(steps_T < 5, 0.5, 0.125)) is None
     grad_T = np.ones(40)
     grad_T[[3, 10, 20, 30]] = [99.0, 6.0, 4.0, 50.0]  # step 3: too little history; 20: only 4x
     assert grad_spikes(grad_T) == 2
@@ -213,10 +220,10 @@ def test_report_compares_n_runs_with_an_outcome_table(tmp_path):
     rows = {c[0]: c[1:] for c in cells if len(c) == 9 and c[0] in ("x/off", "y/off", "collapse", "short", "e")}
     assert sorted(rows) == ["collapse", "e", "short", "x/off", "y/off"]
     # collapse: 0.5 then 0 from step 30; final reward 0; peak k3 0.01 x 60; one spike at step 35
-    assert rows["collapse"][:8] == ["0.5", "0", "45", "0.6", "0.305", "1", "0.2", "0.8"]
+    assert rows["collapse"][:8] == ["0.5", "0", "28", "0.6", "0.305", "1", "0.2", "0.8"]
     # a steadily learning run (0.5 + step/100) never collapses; 10 steps are too few to tell
     assert rows["x/off"][1:3] == [f"{np.mean([0.5 + s / 100 for s in range(50, 60)]):.4g}", "none"]
     assert rows["short"][2] == "n/a" and rows["e"][7].startswith("not logged")  # no TRM in e
-    assert "20-step rolling mean of reward/mean first falls below 25%" in md
+    assert "mean reward/mean of 10 consecutive steps is below 25% of the start reward" in md
     # the config keys that differ, over all five runs
     assert re.search(r"\| routing.replay \| off \| r3 \| off \| off \| off \|", md)
