@@ -4,6 +4,7 @@ only that the mismatch settings reach the runs and the outputs hold every arm's 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -14,6 +15,28 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def _lab():
+    spec = importlib.util.spec_from_file_location("collapse_lab", ROOT / "scripts" / "collapse_lab.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.unit
+def test_lab_defaults_are_the_documented_setting_and_all_means_every_arm():
+    lab = _lab()
+    args = lab.parse([])
+    assert (args.arm_list, args.seed_list, args.steps) == (["none", "r3", "onpolicy"], [0, 1, 2], 100)
+    assert lab.arm_overrides("none", args) == ["rollout.router_noise=1.5", "rollout.dtype=bf16", "rollout.staleness=0",
+                                               "optim.lr=0.0003", "algo.num_minibatches=8"]
+    # the control drops every engine-side mismatch, after any --set
+    ctl = lab.arm_overrides("onpolicy", lab.parse(["--set", "rollout.router_noise=0.7"]))
+    assert ctl[-3:] == ["rollout.router_noise=0.0", "rollout.dtype=fp32", "rollout.staleness=0"]
+    assert lab.parse(["--arms", "all"]).arm_list == list(lab.ARMS) and len(lab.ARMS) == 10
+    with pytest.raises(SystemExit):
+        lab.parse(["--arms", "none,bogus"])
 
 
 @pytest.mark.e2e
@@ -28,7 +51,7 @@ def test_collapse_lab_ci_grid_runs_and_reports(tmp_path):
         assert [r["step"] for r in rs] == [0, 1, 2]
         assert [r["rollout/policy_lag"] for r in rs] == [0.0, 1.0, 2.0]  # rollout.staleness=2 reached the run
         cfg = yaml.safe_load((out / f"{arm}_s0" / "config.yaml").read_text())
-        assert (cfg["rollout"]["router_noise"], cfg["rollout"]["staleness"], cfg["seed"]) == (0.3, 2, 0)
+        assert (cfg["rollout"]["router_noise"], cfg["rollout"]["staleness"], cfg["seed"]) == (1.5, 2, 0)
         assert cfg["routing"]["replay"] == ("r3" if arm == "r3" else "off")
     # step 0: the same weights and rollouts in both arms; R3 replays the noisy engine's routes, so
     # the rollout-vs-learner mismatch it trains on is smaller

@@ -124,6 +124,9 @@ def test_compare_two_runs_side_by_side(tmp_path):
     assert row and row.groups() == ("off", "r3")
     assert text.count('<table class="verdicts">') == 2
     assert "finished: 40 of 40 steps logged" in text
+    # two runs: verdicts first, the curves once, after the heatmaps
+    assert text.count("<h2>Reward, correction and mismatch</h2>") == 1
+    assert text.index("<h2>Verdicts per layer") < text.index("<h2>Reward, correction and mismatch</h2>")
 
 
 @pytest.mark.unit
@@ -215,6 +218,10 @@ def test_report_compares_n_runs_with_an_outcome_table(tmp_path):
     text = _check_html(out / "report.html", 7 + 8)
     assert "Router stability report: 5 runs" in text
     assert text.count('<table class="verdicts">') == 5
+    # a grid of runs: the shared-axes curves right after the outcome table, before the verdicts
+    assert text.count("<h2>Reward, correction and mismatch</h2>") == 1
+    assert text.index('<table id="outcome">') < text.index("<h2>Reward, correction and mismatch</h2>") \
+        < text.index("<h2>Verdicts per layer")
     md = (out / "report.md").read_text()
     cells = [[c.strip() for c in line.strip().strip("|").split("|")] for line in md.splitlines()]
     rows = {c[0]: c[1:] for c in cells if len(c) == 9 and c[0] in ("x/off", "y/off", "collapse", "short", "e")}
