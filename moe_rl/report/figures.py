@@ -2,12 +2,14 @@
 
 Heatmaps put MoE layers on the y axis and logged steps on the x axis; with two runs they sit
 side by side on one shared colour scale, so "replay off vs r3" reads at a glance (more than four
-runs wrap into rows). Curves put every run on the same axes.
+runs wrap into rows). Curves put every run on the same axes; a grid of runs gets a colour per
+arm and trailing means.
 """
 
 from __future__ import annotations
 
 import io
+import re
 
 import matplotlib
 
@@ -59,17 +61,47 @@ def heatmap(runs: list[Run], name: str, title: str, vrange: tuple[float, float] 
     return _png(fig)
 
 
+SMOOTH_WINDOW = 10  # with many runs, each curve's trailing mean over this many logged steps
+LINESTYLES = ("-", "--", ":", "-.")
+
+
+def _style(runs: list[Run]) -> list[dict]:
+    """One colour per arm, one line style per seed: runs named ``<arm>_s<seed>`` (the collapse
+    lab's grid) share their arm's colour; any other name is its own arm."""
+    arms = [re.sub(r"_s\d+$", "", run.name) for run in runs]
+    colours = {arm: plt.get_cmap("tab10")(i % 10) for i, arm in enumerate(dict.fromkeys(arms))}
+    nth = [arms[:i].count(arm) for i, arm in enumerate(arms)]
+    return [{"color": colours[arm], "linestyle": LINESTYLES[k % len(LINESTYLES)]} for arm, k in zip(arms, nth)]
+
+
+def trailing_mean(y_T: np.ndarray, window: int) -> np.ndarray:
+    """Mean of the finite values among the last ``window`` entries up to each step (NaN where none)."""
+    finite_T = np.isfinite(y_T)
+    csum = np.concatenate([[0.0], np.cumsum(np.where(finite_T, y_T, 0.0))])
+    ccount = np.concatenate([[0], np.cumsum(finite_T)])
+    lo_T = np.maximum(np.arange(1, len(y_T) + 1) - window, 0)
+    count_T = ccount[1:] - ccount[lo_T]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(count_T > 0, (csum[1:] - csum[lo_T]) / count_T, np.nan)
+
+
 def curve(runs: list[Run], key: str, title: str) -> bytes | None:
-    """One metric over steps, every run on the same axes; None if no run logged it."""
+    """One metric over steps, every run on the same axes; None if no run logged it. Many runs: a
+    colour per arm, and each run's raw values faint under its trailing mean, so a grid reads."""
     if not any(r.has(key) for r in runs):
         return None
     many = len(runs) > 4
     fig, ax = plt.subplots(figsize=(6.4, 2.6) if many else (4.6, 2.2))
-    for run in runs:
+    for run, style in zip(runs, _style(runs)):
         y_T = run.series(key)
-        if np.isfinite(y_T).any():
+        if not np.isfinite(y_T).any():
+            continue
+        if many:
+            ax.plot(run.steps_T, y_T, lw=0.5, alpha=0.25, color=style["color"])
+            ax.plot(run.steps_T, trailing_mean(y_T, SMOOTH_WINDOW), lw=1.3, label=run.name, **style)
+        else:
             ax.plot(run.steps_T, y_T, lw=1.0, label=run.name)
-    ax.set_title(title, fontsize=9)
+    ax.set_title(f"{title} (lines: {SMOOTH_WINDOW}-step mean)" if many else title, fontsize=9)
     ax.set_xlabel("step", fontsize=8)
     ax.tick_params(labelsize=8)
     ax.grid(alpha=0.3)

@@ -234,3 +234,21 @@ def test_report_compares_n_runs_with_an_outcome_table(tmp_path):
     assert "mean reward/mean of 10 consecutive steps is below 25% of the start reward" in md
     # the config keys that differ, over all five runs
     assert re.search(r"\| routing.replay \| off \| r3 \| off \| off \| off \|", md)
+
+
+@pytest.mark.unit
+def test_grid_curves_colour_by_arm_and_smooth_over_finite_steps():
+    from types import SimpleNamespace
+
+    from moe_rl.report.figures import _style, trailing_mean
+
+    y_T = np.array([1.0, 2.0, np.nan, 4.0, 5.0, np.nan, np.nan])
+    # window 2: the finite values among the last two entries; none finite -> NaN
+    np.testing.assert_array_equal(trailing_mean(y_T, 2), [1.0, 1.5, 2.0, 4.0, 4.5, 5.0, np.nan])
+    np.testing.assert_allclose(trailing_mean(np.arange(5.0), 10), [0.0, 0.5, 1.0, 1.5, 2.0])
+    names = ["none_s0", "none_s1", "r3_s0", "r3_s1", "onpolicy_s0", "other"]
+    styles = _style([SimpleNamespace(name=n) for n in names])
+    colours = [s["color"] for s in styles]
+    assert colours[0] == colours[1] and colours[2] == colours[3]  # seeds of an arm share a colour
+    assert len({colours[i] for i in (0, 2, 4, 5)}) == 4  # arms differ
+    assert [s["linestyle"] for s in styles] == ["-", "--", "-", "--", "-", "-"]  # seeds differ by style
