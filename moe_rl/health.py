@@ -39,7 +39,7 @@ class HealthMonitor:
             f"policy entropy {h:.4g} nats <= {c.entropy_zero:g}: the policy collapsed onto one token")
         g = metrics.get("train/grad_norm_max")
         out["grad_norm_zero"] = None if g is None or g != 0 else (
-            "gradient norm exactly 0 in every minibatch: nothing is learned")
+            "gradient norm exactly 0 in every minibatch (optimizer steps skipped): nothing is learned")
         return out
 
     def observe(self, step: int, metrics: dict[str, float]) -> list[dict]:

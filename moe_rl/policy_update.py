@@ -34,16 +34,18 @@ def update(cfg: RunConfig, plan: ReplayPlan, learner: Learner, tb: TrainBatch, l
     a = cfg.algo
     loss_fn = rollout_correction.loss_fn(cfg.correction, a)
     merged: dict = {}
-    grad_norms = []
+    grad_norms, skipped = [], 0
     for idx_B in torch.arange(tb.num_seqs, device=tb.tokens_BS.device).chunk(a.num_minibatches):
         out = learner.update(tb.select(idx_B), loss_fn, cfg.rollout.temperature, a.micro_batch_size, lr,
                              plan.update_pass)
         grad_norms.append(out.grad_norm)
+        skipped += out.skipped
         for m in [*out.loss_metrics, out.routing.metrics]:
             merged = merge_metrics(merged, m)
     # grad norms are global already (identical on every rank): plain numbers
     merged["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
     merged["train/grad_norm_max"] = max(grad_norms)
+    merged["train/skipped_minibatches"] = skipped  # zero gradient on every rank: no optimizer step
     merged["train/lr"] = lr
     merged.update(learner.router_monitor_metrics())  # one all-reduce for the whole step
     return merged

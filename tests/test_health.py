@@ -25,8 +25,8 @@ def test_uniform_entropy_and_zero_gradient_alarm_once_after_patience_and_rearm()
         "step": 1, "event": "health", "alarm": "entropy_uniform", "severity": "warning",
         "cause": "policy entropy 3.912 nats >= 0.95 ln(V=50) = 3.716: the policy is uniform for 2 "
                  "consecutive steps (steps 0-1; log.health)"}
-    assert events[1]["cause"] == ("gradient norm exactly 0 in every minibatch: nothing is learned for 2 "
-                                  "consecutive steps (steps 0-1; log.health)")
+    assert events[1]["cause"] == ("gradient norm exactly 0 in every minibatch (optimizer steps skipped): "
+                                  "nothing is learned for 2 consecutive steps (steps 0-1; log.health)")
     assert mon.observe(2, sick) == []  # once per episode
     assert mon.observe(3, {"train/entropy": 1.0, "train/grad_norm_max": 0.5}) == []  # clears: re-armed
     assert mon.observe(4, sick) == []

@@ -65,7 +65,8 @@ class _Learner:
 
     def update(self, batch, loss_fn, temperature, micro_batch_size, lr, plan=None):
         self.passes.append(("update", batch, plan))
-        return UpdateOutput(2.0 if len(self.passes) % 2 else 4.0, [], RoutingOutcome())
+        odd = len(self.passes) % 2
+        return UpdateOutput(0.0 if odd else 4.0, [], RoutingOutcome(), skipped=bool(odd))
 
     def router_monitor_metrics(self):
         return {}
@@ -143,7 +144,8 @@ def test_update_splits_by_minibatch_and_averages_grad_norms():
     m = update(cfg, plan, learner, tb, lr=0.5)
     sizes = [b.seq_lens_B.tolist() for _, b, _ in learner.passes]
     assert sizes == [[5, 3], [4, 4]] and all(p == plan.update_pass for _, _, p in learner.passes)
-    assert (m["train/grad_norm"], m["train/grad_norm_max"], m["train/lr"]) == (3.0, 4.0, 0.5)
+    assert (m["train/grad_norm"], m["train/grad_norm_max"], m["train/lr"]) == (2.0, 4.0, 0.5)
+    assert m["train/skipped_minibatches"] == 1  # the first minibatch had no gradient on any rank
 
 
 @pytest.mark.unit

@@ -79,11 +79,13 @@ class LogprobOutput:
 
 @dataclass(frozen=True)
 class UpdateOutput:
-    """One optimizer step: the global gradient norm, per-micro-batch loss metrics, routing."""
+    """One optimizer step: the global gradient norm, per-micro-batch loss metrics, routing;
+    ``skipped`` when no rank had a nonzero gradient and the optimizer was not stepped."""
 
     grad_norm: float
     loss_metrics: list
     routing: RoutingOutcome
+    skipped: bool = False
 
 
 # loss_fn(micro_batch, token_stats, normalizer) -> (loss, metrics)
@@ -398,14 +400,30 @@ class Learner:
 
     def update(self, batch: TrainBatch, loss_fn: LossFn, temperature: float, micro_batch_size: int, lr: float,
                plan: PassPlan | None = None) -> UpdateOutput:
-        """One optimizer step over a minibatch."""
+        """One optimizer step over a minibatch, skipped when its gradient is exactly zero on every
+        rank (every token rejected or of zero advantage): Adam would still move the weights by its
+        momentum (and decay them) on a zero gradient, so a minibatch without signal must not step."""
         loss_metrics, routing = self.forward_backward(batch, loss_fn, temperature, micro_batch_size, plan)
+        if not self._any_gradient():
+            return UpdateOutput(0.0, loss_metrics, routing, skipped=True)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         ok, grad_norm, _ = self.optimizer.step()
         if not ok or grad_norm is None or not math.isfinite(float(grad_norm)):
             raise FloatingPointError(f"optimizer step refused: gradient norm {grad_norm} (NaN/Inf)")
         return UpdateOutput(float(grad_norm), loss_metrics, routing)
+
+    def _any_gradient(self) -> bool:
+        """Whether any rank holds a nonzero gradient entry: per-tensor max |g| locally (the local,
+        pre-reduction gradients where the distributed optimizer keeps only a shard of the reduced
+        ones: a zero reduced gradient with nonzero local ones would need exact cancellation), then
+        one MAX all-reduce of a flag over every rank (DP, TP, PP and EP hold different parts)."""
+        grads = [p.main_grad for p in self.gpt.parameters() if getattr(p, "main_grad", None) is not None]
+        local = torch.stack([g.detach().abs().amax() for g in grads]).amax() > 0 if grads else torch.tensor(False)
+        flag = local.to(torch.float32).reshape(1).to(comm_device(None))
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item() > 0)
 
     def canonical_grads(self) -> dict[str, torch.Tensor]:
         """Reduced gradients in canonical names, every expert gathered (needs the plain DDP

@@ -39,6 +39,32 @@ def _run(learner, rank):
     return st.logp_BS, st.entropy_BS, learner.canonical_grads()
 
 
+def _zero_signal(mb, st, normalizer):
+    """Every token rejected: a loss that depends on the weights with an exactly zero gradient."""
+    return (st.logp_BS * (mb.loss_mask_BS & False)).sum() / normalizer, {}
+
+
+def _skip_checks(learner, rank: int) -> dict:
+    """After a real step (Adam has momentum): a minibatch with no signal on any rank is skipped
+    and leaves the weights bitwise unchanged; signal on one rank only steps on both; and the
+    optimizer stepped on the zero gradient would have moved them (why the skip exists)."""
+    tokens_BS, lens_B, mask_BS = _data(rank)
+    batch = TrainBatch(tokens_BS, lens_B, loss_mask_BS=mask_BS)
+    before = learner.export_canonical()
+    out = learner.update(batch, _zero_signal, 1.0, 4, lr=1e-2)
+    after = learner.export_canonical()
+    unchanged = all(torch.equal(before[k], after[k]) for k in before)
+    one_rank = learner.update(batch, _nll if rank == 1 else _zero_signal, 1.0, 4, lr=1e-2)
+    stepped = learner.export_canonical()
+    moved_one_rank = max(float((stepped[k] - after[k]).abs().max()) for k in after)
+    learner.forward_backward(batch, _zero_signal, 1.0, 4)
+    learner.optimizer.step()  # what update() did before the skip: momentum alone moves the weights
+    momentum_moved = max(float((learner.export_canonical()[k] - stepped[k]).abs().max()) for k in stepped)
+    return {"skipped": out.skipped, "grad_norm": out.grad_norm, "unchanged": unchanged,
+            "one_rank_skipped": one_rank.skipped, "one_rank_grad_norm": one_rank.grad_norm,
+            "moved_one_rank": moved_one_rank, "momentum_moved": momentum_moved}
+
+
 def _worker(rank: int):
     from megatron.core import parallel_state as ps
 
@@ -86,6 +112,8 @@ def _worker(rank: int):
     sync = {"greedy_agree": bool((greedy_BS[m] == out.tokens_BS[m]).all()), "dvp": dvp_result,
             "logp_diff": float((learner_logp_BS - out.logprobs_BS)[m].abs().max()),
             "num_response_tokens": int(m.sum()), "weights_moved": moved}
+
+    sync["skip"] = _skip_checks(ep2, rank)
 
     ps.destroy_model_parallel()
     par1 = ParallelConfig(nproc=2, expert_parallel=1, distributed_optimizer=False)
@@ -136,3 +164,7 @@ def test_ep2_matches_ep1_and_engine_sync():
         assert r["sync"]["dvp"]["exact_kl_max"] < 1e-5, r  # same weights, both fp32
         assert r["nan_error"] and "non-finite loss nan" in r["nan_error"], (rank, r)
         assert r["unchanged_after_nan"], (rank, r)
+        skip = r["sync"]["skip"]
+        assert skip["skipped"] and skip["grad_norm"] == 0.0 and skip["unchanged"], (rank, skip)
+        assert not skip["one_rank_skipped"] and skip["one_rank_grad_norm"] > 0, (rank, skip)
+        assert skip["moved_one_rank"] > 1e-4 and skip["momentum_moved"] > 1e-4, (rank, skip)
