@@ -112,8 +112,8 @@ def collapsed_count(outs: list[outcome.Outcome]) -> str:
 def arm_table(results: dict[str, list[outcome.Outcome]]) -> str:
     """Markdown: one row per arm, mean ± sample std over seeds (collapses counted)."""
     head = ("| arm | seeds | start reward | final reward | collapsed | collapse step | peak k3 KL "
-            "| grad-norm spikes | router flips | TRM acceptance |")
-    rows = [head, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            "| grad-norm spikes | router flips | TRM acceptance | skipped updates |")
+    rows = [head, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for arm, outs in results.items():
         steps = [float(o.collapse_step) for o in outs if o.collapse_step is not None]
         collapsed = collapsed_count(outs)
@@ -121,7 +121,8 @@ def arm_table(results: dict[str, list[outcome.Outcome]]) -> str:
             f"| {arm}", str(len(outs)), _mean_spread([o.start_reward for o in outs]),
             _mean_spread([o.final_reward for o in outs]), collapsed, _mean_spread(steps) if steps else "-",
             _mean_spread([o.peak_k3 for o in outs]), _mean_spread([float(o.grad_spikes) for o in outs]),
-            _mean_spread([o.mean_flip for o in outs]), _mean_spread([o.trm_accept for o in outs])]) + " |")
+            _mean_spread([o.mean_flip for o in outs]), _mean_spread([o.trm_accept for o in outs]),
+            _mean_spread([o.skipped_updates for o in outs])]) + " |")
     return "\n".join(rows) + "\n"
 
 

@@ -1,5 +1,5 @@
 """A run's outcome in numbers: final reward, when (if) it collapsed, peak mismatch, gradient-norm
-spikes, TRM acceptance. Pure numpy over the logged series; the definitions are stated once here
+spikes, TRM acceptance, skipped optimizer steps. Pure numpy over the logged series; the definitions are stated once here
 and printed with every table that uses them.
 
 Shape suffixes: T logged steps.
@@ -26,7 +26,9 @@ DEFINITIONS = (
     f"of the start reward (none: never; n/a: fewer than {START_WINDOW + COLLAPSE_WINDOW} steps logged). "
     f"Gradient-norm spikes: steps whose train/grad_norm exceeds {SPIKE_FACTOR:g}x the median of all "
     f"earlier steps (from step {SPIKE_MIN_HISTORY} on). Peak k3: max corr/k3_kl (rollout vs learner). "
-    f"TRM acceptance: mean corr/trm_accept_rate (only runs with TRM on).")
+    f"TRM acceptance: mean corr/trm_accept_rate (only runs with TRM on). Skipped updates: minibatches "
+    f"whose gradient was exactly 0 on every rank, so the optimizer did not step (sum of "
+    f"train/skipped_minibatches).")
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,7 @@ class Outcome:
     grad_spikes: int
     mean_flip: float  # routing/flip_router_frac, mean over steps
     trm_accept: float  # NaN when TRM is off
+    skipped_updates: float  # minibatches without an optimizer step; NaN when not logged
 
     @property
     def collapsed(self) -> bool:
@@ -96,4 +99,5 @@ def outcome(steps_T: np.ndarray, series) -> Outcome:
         grad_spikes=grad_spikes(series("train/grad_norm")),
         mean_flip=_stat(series("routing/flip_router_frac"), np.mean),
         trm_accept=_stat(series("corr/trm_accept_rate"), np.mean),
+        skipped_updates=_stat(series("train/skipped_minibatches"), np.sum),
     )

@@ -189,13 +189,15 @@ def test_collapse_step_and_gradient_spikes_by_their_definitions():
 
 
 def _collapsing_run(path: Path, steps: int, trm: bool) -> Path:
-    """A run whose reward holds at 0.5 for 30 steps, then drops to 0; one grad-norm spike."""
+    """A run whose reward holds at 0.5 for 30 steps, then drops to 0; one grad-norm spike; from
+    step 50 every one of its 2 minibatches has no gradient (skipped)."""
     _run_dir(path, 0, steps=steps)
     recs = []
     for s in range(steps):
         rec = _record(s, "off")
         rec.update({"reward/mean": 0.5 if s < 30 else 0.0, "corr/k3_kl": 0.01 * (s + 1),
-                    "train/grad_norm": 100.0 if s == 35 else 1.0, "routing/flip_router_frac": 0.2})
+                    "train/grad_norm": 100.0 if s == 35 else 1.0, "routing/flip_router_frac": 0.2,
+                    "train/skipped_minibatches": 2 if s >= 50 else 0})
         if trm:
             rec["corr/trm_accept_rate"] = 0.8
         recs.append(json.dumps(rec))
@@ -224,13 +226,15 @@ def test_report_compares_n_runs_with_an_outcome_table(tmp_path):
         < text.index("<h2>Verdicts per layer")
     md = (out / "report.md").read_text()
     cells = [[c.strip() for c in line.strip().strip("|").split("|")] for line in md.splitlines()]
-    rows = {c[0]: c[1:] for c in cells if len(c) == 9 and c[0] in ("x/off", "y/off", "collapse", "short", "e")}
+    rows = {c[0]: c[1:] for c in cells if len(c) == 10 and c[0] in ("x/off", "y/off", "collapse", "short", "e")}
     assert sorted(rows) == ["collapse", "e", "short", "x/off", "y/off"]
     # collapse: 0.5 then 0 from step 30; final reward 0; peak k3 0.01 x 60; one spike at step 35
-    assert rows["collapse"][:8] == ["0.5", "0", "28", "0.6", "0.305", "1", "0.2", "0.8"]
+    # 2 skipped minibatches in each of steps 50-59
+    assert rows["collapse"] == ["0.5", "0", "28", "0.6", "0.305", "1", "0.2", "0.8", "20"]
     # a steadily learning run (0.5 + step/100) never collapses; 10 steps are too few to tell
     assert rows["x/off"][1:3] == [f"{np.mean([0.5 + s / 100 for s in range(50, 60)]):.4g}", "none"]
     assert rows["short"][2] == "n/a" and rows["e"][7].startswith("not logged")  # no TRM in e
+    assert rows["e"][8] == "not logged"  # a run from before train/skipped_minibatches
     assert "mean reward/mean of 10 consecutive steps is below 25% of the start reward" in md
     # the config keys that differ, over all five runs
     assert re.search(r"\| routing.replay \| off \| r3 \| off \| off \| off \|", md)
