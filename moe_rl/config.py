@@ -292,6 +292,11 @@ class OptimConfig:
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
+    # a minibatch whose gradient is exactly 0 on every rank (all advantages 0, or every token
+    # rejected) skips the optimizer step: Adam would otherwise take a near-full-size step on its
+    # momentum alone (counted in train/skipped_minibatches); false: step anyway, as verl and
+    # Megatron-LM do
+    skip_zero_grad: bool = True
     length_lr: LengthLRConfig = field(default_factory=LengthLRConfig)  # decay on response-length surges
 
     def __post_init__(self) -> None:

@@ -144,6 +144,7 @@ class Learner:
                  with_reference: bool = False, monitor: bool = True, monitor_margin_eps: float = 0.1,
                  max_tokens_per_micro_batch: int = 0):
         self.model_cfg, self.par, self.dims = model_cfg, par, dims
+        self.skip_zero_grad = optim.skip_zero_grad
         self.max_tokens_per_micro_batch = max_tokens_per_micro_batch  # > 0: token-budget micro-batches
         self.shard = Shard.for_stage(pipeline_stage_layers(model_cfg.num_layers, par), dims.pp_rank,
                                      dims.tp_rank, dims.tp_size,
@@ -400,11 +401,11 @@ class Learner:
 
     def update(self, batch: TrainBatch, loss_fn: LossFn, temperature: float, micro_batch_size: int, lr: float,
                plan: PassPlan | None = None) -> UpdateOutput:
-        """One optimizer step over a minibatch, skipped when its gradient is exactly zero on every
-        rank (every token rejected or of zero advantage): Adam would still move the weights by its
-        momentum (and decay them) on a zero gradient, so a minibatch without signal must not step."""
+        """One optimizer step over a minibatch; with ``optim.skip_zero_grad`` skipped when its
+        gradient is exactly zero on every rank (every token rejected or of zero advantage): Adam
+        would still move the weights by its momentum (and decay them) on a zero gradient."""
         loss_metrics, routing = self.forward_backward(batch, loss_fn, temperature, micro_batch_size, plan)
-        if not self._any_gradient():
+        if self.skip_zero_grad and not self._any_gradient():
             return UpdateOutput(0.0, loss_metrics, routing, skipped=True)
         for group in self.optimizer.param_groups:
             group["lr"] = lr

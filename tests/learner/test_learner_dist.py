@@ -46,8 +46,8 @@ def _zero_signal(mb, st, normalizer):
 
 def _skip_checks(learner, rank: int) -> dict:
     """After a real step (Adam has momentum): a minibatch with no signal on any rank is skipped
-    and leaves the weights bitwise unchanged; signal on one rank only steps on both; and the
-    optimizer stepped on the zero gradient would have moved them (why the skip exists)."""
+    and leaves the weights bitwise unchanged; signal on one rank only steps on both; with the skip
+    off, the zero gradient's step moves them on Adam's momentum alone (why the skip exists)."""
     tokens_BS, lens_B, mask_BS = _data(rank)
     batch = TrainBatch(tokens_BS, lens_B, loss_mask_BS=mask_BS)
     before = learner.export_canonical()
@@ -57,12 +57,13 @@ def _skip_checks(learner, rank: int) -> dict:
     one_rank = learner.update(batch, _nll if rank == 1 else _zero_signal, 1.0, 4, lr=1e-2)
     stepped = learner.export_canonical()
     moved_one_rank = max(float((stepped[k] - after[k]).abs().max()) for k in after)
-    learner.forward_backward(batch, _zero_signal, 1.0, 4)
-    learner.optimizer.step()  # what update() did before the skip: momentum alone moves the weights
+    learner.skip_zero_grad = False  # optim.skip_zero_grad=false: the step is taken on momentum alone
+    off = learner.update(batch, _zero_signal, 1.0, 4, lr=1e-2)
     momentum_moved = max(float((learner.export_canonical()[k] - stepped[k]).abs().max()) for k in stepped)
     return {"skipped": out.skipped, "grad_norm": out.grad_norm, "unchanged": unchanged,
             "one_rank_skipped": one_rank.skipped, "one_rank_grad_norm": one_rank.grad_norm,
-            "moved_one_rank": moved_one_rank, "momentum_moved": momentum_moved}
+            "moved_one_rank": moved_one_rank, "off_skipped": off.skipped, "off_grad_norm": off.grad_norm,
+            "momentum_moved": momentum_moved}
 
 
 def _worker(rank: int):
@@ -167,4 +168,5 @@ def test_ep2_matches_ep1_and_engine_sync():
         skip = r["sync"]["skip"]
         assert skip["skipped"] and skip["grad_norm"] == 0.0 and skip["unchanged"], (rank, skip)
         assert not skip["one_rank_skipped"] and skip["one_rank_grad_norm"] > 0, (rank, skip)
-        assert skip["moved_one_rank"] > 1e-4 and skip["momentum_moved"] > 1e-4, (rank, skip)
+        assert skip["moved_one_rank"] > 1e-4, (rank, skip)
+        assert not skip["off_skipped"] and skip["off_grad_norm"] == 0.0 and skip["momentum_moved"] > 1e-4, skip
