@@ -30,7 +30,7 @@ def test_lab_defaults_are_the_documented_setting_and_all_means_every_arm():
     args = lab.parse([])
     assert (args.arm_list, args.seed_list, args.steps) == (["none", "r3", "onpolicy"], [0, 1, 2], 100)
     assert lab.arm_overrides("none", args) == ["rollout.router_noise=1.5", "rollout.dtype=bf16", "rollout.staleness=0",
-                                               "optim.lr=0.0003", "algo.num_minibatches=8"]
+                                               "optim.lr=0.00035", "algo.num_minibatches=8"]
     # the control drops every engine-side mismatch, after any --set
     ctl = lab.arm_overrides("onpolicy", lab.parse(["--set", "rollout.router_noise=0.7"]))
     assert ctl[-3:] == ["rollout.router_noise=0.0", "rollout.dtype=fp32", "rollout.staleness=0"]
