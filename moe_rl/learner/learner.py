@@ -415,13 +415,15 @@ class Learner:
         return UpdateOutput(float(grad_norm), loss_metrics, routing)
 
     def _any_gradient(self) -> bool:
-        """Whether any rank holds a nonzero gradient entry: per-tensor max |g| locally (the local,
-        pre-reduction gradients where the distributed optimizer keeps only a shard of the reduced
-        ones: a zero reduced gradient with nonzero local ones would need exact cancellation), then
-        one MAX all-reduce of a flag over every rank (DP, TP, PP and EP hold different parts)."""
+        """Whether any rank holds a nonzero gradient entry: the local max |g| (foreach kernels, not
+        one per tensor; the local, pre-reduction gradients where the distributed optimizer keeps
+        only a shard of the reduced ones: a zero reduced gradient with nonzero local ones would
+        need exact cancellation), then one MAX all-reduce of a flag over every rank (DP, TP, PP and
+        EP hold different parts)."""
         grads = [p.main_grad for p in self.gpt.parameters() if getattr(p, "main_grad", None) is not None]
-        local = torch.stack([g.detach().abs().amax() for g in grads]).amax() > 0 if grads else torch.tensor(False)
-        flag = local.to(torch.float32).reshape(1).to(comm_device(None))
+        local_max = torch.nn.utils.get_total_norm(grads, norm_type=math.inf) if grads else torch.zeros(())
+        # NaN != 0: a NaN gradient goes on to the optimizer, which refuses it (never skipped silently)
+        flag = (local_max != 0).to(torch.float32).reshape(1).to(comm_device(None))
         if dist.is_initialized():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item() > 0)
