@@ -1,6 +1,6 @@
 """A run's outcome in numbers: final reward, when (if) it collapsed, peak mismatch, gradient-norm
-spikes, TRM acceptance, skipped optimizer steps. Pure numpy over the logged series; the definitions are stated once here
-and printed with every table that uses them.
+spikes, TRM acceptance, skipped optimizer steps. Pure numpy over the logged series; the
+definitions are stated once here and printed with every table that uses them.
 
 Shape suffixes: T logged steps.
 """
