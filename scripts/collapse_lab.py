@@ -3,7 +3,7 @@
 N-run report and a table of outcomes per arm.
 
     python scripts/collapse_lab.py [--steps 100] [--seeds 0,1,2] [--arms none,r3,onpolicy | all] [--out runs/lab]
-                                   [--router-noise 1.5] [--lr 3.5e-4] [--minibatches 8] [--staleness 0]
+                                   [--router-noise 1.5] [--lr 4e-4] [--minibatches 8] [--staleness 0]
                                    [--set key=value ...] [--ci]
     python scripts/collapse_lab.py --arms none,r3 --map-noise 0.3,1.0,1.5 --map-lr 2e-4,3e-4   # map.md
 
@@ -135,7 +135,7 @@ def parse(argv: list[str] | None = None):
                     help=f"comma-separated, from {','.join(ARMS)}; all: every one")
     ap.add_argument("--router-noise", type=float, default=1.5, help="rollout.router_noise (std of router-logit noise)")
     ap.add_argument("--dtype", default="bf16", help="rollout.dtype of the engine (bf16 | fp32)")
-    ap.add_argument("--lr", type=float, default=3.5e-4, help="optim.lr")
+    ap.add_argument("--lr", type=float, default=4e-4, help="optim.lr")
     ap.add_argument("--minibatches", type=int, default=8, help="algo.num_minibatches (optimizer steps per RL step)")
     ap.add_argument("--staleness", type=int, default=None,
                     help="rollout.staleness (rollouts from k updates ago); default 0, 2 with --ci")

@@ -12,7 +12,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-START_WINDOW = 5  # start reward: mean over the first this many steps (the warm start, before a fast collapse)
+# start reward: the first logged step's (the warm start, before any update). Every arm of a seed
+# samples that step from the same weights and engine, so all are judged against one bar; a mean over
+# later steps would hold each arm's own first updates, and any fast fall inside them.
+START_WINDOW = 1
 COLLAPSE_WINDOW = 10  # collapsed once the mean over this many consecutive steps ...
 COLLAPSE_FRAC = 0.25  # ... is below this fraction of the start reward
 FINAL_WINDOW = 10  # final reward: mean over the last this many logged steps
@@ -21,9 +24,10 @@ SPIKE_MIN_HISTORY = 5  # ... once at least this many earlier steps exist
 
 DEFINITIONS = (
     f"final reward: mean reward/mean over the last {FINAL_WINDOW} logged steps. "
-    f"Start reward: mean reward/mean over the first {START_WINDOW} steps. Collapse step: the first step "
-    f"from which the mean reward/mean of {COLLAPSE_WINDOW} consecutive steps is below {COLLAPSE_FRAC:.0%} "
-    f"of the start reward (none: never; n/a: fewer than {START_WINDOW + COLLAPSE_WINDOW} steps logged). "
+    f"Start reward: reward/mean of the first logged step (the warm start, before any update). "
+    f"Collapse step: the first later step from which the mean reward/mean of {COLLAPSE_WINDOW} "
+    f"consecutive steps is below {COLLAPSE_FRAC:.0%} of the start reward "
+    f"(none: never; n/a: fewer than {START_WINDOW + COLLAPSE_WINDOW} steps logged). "
     f"Gradient-norm spikes: steps whose train/grad_norm exceeds {SPIKE_FACTOR:g}x the median of all "
     f"earlier steps (from step {SPIKE_MIN_HISTORY} on). Peak k3: max corr/k3_kl (rollout vs learner). "
     f"TRM acceptance: mean corr/trm_accept_rate (only runs with TRM on). Skipped updates: minibatches "
@@ -34,7 +38,7 @@ DEFINITIONS = (
 @dataclass(frozen=True)
 class Outcome:
     final_reward: float
-    start_reward: float  # mean over the first START_WINDOW steps
+    start_reward: float  # mean over the first START_WINDOW steps (1: the warm start's own step)
     collapse_step: int | None  # None: never collapsed (or too short to tell: see ``judged``)
     judged: bool  # at least START_WINDOW + COLLAPSE_WINDOW steps logged
     peak_k3: float
@@ -56,17 +60,17 @@ class Outcome:
 
 def collapse_step(steps_T: np.ndarray, reward_T: np.ndarray, window: int = COLLAPSE_WINDOW,
                   frac: float = COLLAPSE_FRAC, start: int = START_WINDOW) -> int | None:
-    """The logged step that opens the first ``window`` consecutive steps whose mean reward is below
-    ``frac`` x the mean of the first ``start`` steps; None if never (or fewer than ``start +
-    window`` steps). The reference is the warm start, so a collapse within a few steps is dated
-    when it happens (a reference window that already holds the collapse would date it late)."""
+    """The logged step after the first ``start`` (the reference) that opens the first ``window``
+    consecutive steps whose mean reward is below ``frac`` x the reference's mean; None if never (or
+    fewer than ``start + window`` steps). The reference is the warm start, so a collapse within a
+    few steps is dated when it happens and not hidden in the bar it is measured against."""
     r_T = np.nan_to_num(np.asarray(reward_T, dtype=np.float64), nan=0.0)
     if len(r_T) < start + window:
         return None
     csum = np.concatenate([[0.0], np.cumsum(r_T)])
-    sums = csum[window:] - csum[:-window]  # [T - window + 1]: the window starting at step index i
+    sums = csum[start + window:] - csum[start:-window]  # the window opening at step index start + i
     below = np.nonzero(sums * start < frac * window * csum[start])[0]  # sums, not means: no rounding
-    return int(steps_T[below[0]]) if below.size else None
+    return int(steps_T[start + below[0]]) if below.size else None
 
 
 def grad_spikes(grad_T: np.ndarray, factor: float = SPIKE_FACTOR, min_history: int = SPIKE_MIN_HISTORY) -> int:

@@ -174,14 +174,17 @@ def test_collapse_step_and_gradient_spikes_by_their_definitions():
     # the 10 steps from t hold 30 - t steps at 0.5: mean below 25% of 0.5 once fewer than 2.5
     assert collapse_step(steps_T, reward_T) == 28
     assert collapse_step(steps_T, np.full(60, 0.5)) is None  # flat: never
-    assert collapse_step(steps_T[:14], reward_T[:14]) is None  # under start + window steps: not judged
+    assert collapse_step(steps_T[:10], np.zeros(10)) is None  # under start + window steps: not judged
+    assert collapse_step(steps_T[:11], np.r_[0.5, np.zeros(10)]) == 1  # 11: judged
     assert collapse_step(steps_T + 100, reward_T) == 128  # logged step numbers, not indices
-    # a collapse at step 4 is dated when it happens: the reference is the warm start (first 5
-    # steps: 0.404), not a window that already holds the collapse. The 10 steps from step 3 hold
-    # one 0.5 and nine 0.02: mean 0.068 < 0.101, so the window opening at 3 is the first below
-    fast_T = np.where(steps_T < 4, 0.5, 0.02)
-    assert collapse_step(steps_T, fast_T) == 3
-    # exactly 25% of the start is not below it (binary-exact values: sums compared, not rounded means)
+    # the reference is the warm start's own step (0.5), not a mean that holds the run's first updates:
+    # a fall at step 1 to 0.1 would be hidden by a 5-step reference (0.18: 25% is 0.045) and is not here.
+    # The 10 steps from step 1 are all 0.1 < 0.125
+    fast_T = np.where(steps_T < 1, 0.5, 0.1)
+    assert collapse_step(steps_T, fast_T) == 1
+    assert collapse_step(steps_T, fast_T, start=5) is None
+    # 30% of the start for good is a fall, not a collapse
+    assert collapse_step(steps_T, np.where(steps_T < 1, 0.2, 0.06)) is None
     assert collapse_step(steps_T, np.where(steps_T < 5, 0.5, 0.125)) is None
     grad_T = np.ones(40)
     grad_T[[3, 10, 20, 30]] = [99.0, 6.0, 4.0, 50.0]  # step 3: too little history; 20: only 4x
