@@ -9,7 +9,7 @@ N-run report and a table of outcomes per arm.
 
 The defaults are the documented collapsing setting (README, "Collapse lab"): the default grid
 (no correction, R3, the on-policy control; 3 seeds; 100 steps) fits in 45 minutes on 2 cores;
-`--arms all` runs every arm (about 1 h 55 min there).
+`--arms all` runs every arm (about 2 h there).
 
 Each run is a real `moe-rl train` subprocess on the embedded default (same warm start; `seed=`
 per seed). The mismatch settings apply to every arm except `onpolicy`, the control: the built-in

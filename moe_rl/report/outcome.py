@@ -23,7 +23,7 @@ SPIKE_FACTOR = 5.0  # a spike: grad norm above this multiple of the median of al
 SPIKE_MIN_HISTORY = 5  # ... once at least this many earlier steps exist
 
 DEFINITIONS = (
-    f"final reward: mean reward/mean over the last {FINAL_WINDOW} logged steps. "
+    f"Final reward: mean reward/mean over the last {FINAL_WINDOW} logged steps. "
     f"Start reward: reward/mean of the first logged step (the warm start, before any update). "
     f"Collapse step: the first later step from which the mean reward/mean of {COLLAPSE_WINDOW} "
     f"consecutive steps is below {COLLAPSE_FRAC:.0%} of the start reward "
