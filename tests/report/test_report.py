@@ -185,6 +185,7 @@ def test_collapse_step_and_gradient_spikes_by_their_definitions():
     assert collapse_step(steps_T, fast_T, start=5) is None
     # 30% of the start for good is a fall, not a collapse
     assert collapse_step(steps_T, np.where(steps_T < 1, 0.2, 0.06)) is None
+    # exactly 25% of the start is not below it (binary-exact values: sums compared, not rounded means)
     assert collapse_step(steps_T, np.where(steps_T < 5, 0.5, 0.125)) is None
     grad_T = np.ones(40)
     grad_T[[3, 10, 20, 30]] = [99.0, 6.0, 4.0, 50.0]  # step 3: too little history; 20: only 4x
