@@ -17,6 +17,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from moe_rl.dist import barrier
@@ -37,10 +38,61 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def init_unstepped_state(optimizer) -> int:
+    """Give every parameter of an optimizer that has never stepped the state its first step would
+    create (Adam: ``step`` 0, zero moments), without stepping; returns how many parameters got one.
+
+    Why: with ``optim.skip_zero_grad`` a run whose minibatches all had zero gradient reaches its
+    first checkpoint with an empty Adam state, and megatron's ``DistributedOptimizer.state_dict``
+    asserts exactly one ``step`` over it (distrib_optimizer.py:642, 0.16.1 to 0.19.2). Stepping
+    on a zero gradient (megatron's ``_init_optimizer_states_with_dummy_values``) would apply weight
+    decay; these values are the ones torch's Adam sets itself, so the next real step is the same
+    bit for bit, and a resumed run starts from the same state.
+    """
+    made = 0
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if inner is None or getattr(opt, "init_state_fn", None) is None:
+            continue
+        params = [p for g in inner.param_groups for p in g["params"] if len(inner.state[p]) == 0]
+        if not params:
+            continue
+        opt.init_state_fn(inner, opt.config)  # megatron's own: zero exp_avg / exp_avg_sq
+        for p in params:
+            if isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
+                inner.state[p].setdefault("step", torch.tensor(0.0, dtype=torch.float32))
+        made += len(params)
+    return made
+
+
+def _keep_zero_step(opt_sd: Any, optimizer) -> None:
+    """Write Adam's shared ``step`` into a non-distributed optimizer's state dict when it is 0.
+
+    megatron's FP32 / Float16 optimizers save the shared step only ``if step:`` (optimizer.py,
+    0.16.1 to 0.19.2), so a step of 0 is dropped and the load fails on torch Adam's missing
+    ``step`` (KeyError). The DistributedOptimizer keeps it in its param groups and needs nothing.
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    opts = getattr(optimizer, "chained_optimizers", [optimizer])
+    sds = [opt_sd] if len(opts) == 1 else [opt_sd[i] for i in range(len(opts))]
+    for opt, sd in zip(opts, sds):
+        if isinstance(opt, DistributedOptimizer) or getattr(opt, "optimizer", None) is None:
+            continue
+        inner = sd["optimizer"] if "fp32_from_fp16_params" in sd else sd
+        steps = {float(s["step"]) for s in opt.optimizer.state.values() if "step" in s}
+        if steps == {0.0} and "common_step" not in inner["state"]:
+            inner["state"]["common_step"] = torch.tensor(0.0, dtype=torch.float32)
+
+
 def _sharded_state(learner, is_loading: bool) -> dict[str, Any]:
+    if not is_loading:
+        init_unstepped_state(learner.optimizer)
     model_sd = learner.gpt.sharded_state_dict(prefix="")
     opt_sd = learner.optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
                                                   metadata=OPTIM_CKPT_METADATA)
+    if not is_loading:
+        _keep_zero_step(opt_sd, learner.optimizer)
     return {"model": model_sd, "optimizer": opt_sd}
 
 

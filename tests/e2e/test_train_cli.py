@@ -122,6 +122,29 @@ def test_jsonl_dataset_run(tmp_path):
 
 
 @pytest.mark.e2e
+def test_zero_signal_run_checkpoints_and_resumes(tmp_path):
+    """No sample can ever solve these prompts (the answer is longer than any response), so every
+    minibatch has zero advantage and is skipped: the optimizer never steps before (or after) the
+    checkpoints, which must still be written and resume exactly (issue 26, point 1)."""
+    data = tmp_path / "never.jsonl"
+    rows = [{"prompt": f"R{a}{b}:", "answer": "9" * 40, "task": "never"} for a in range(10) for b in range(2)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    full, part = tmp_path / "full", tmp_path / "part"
+    args = [f"task.dataset={data}", "checkpoint_every=2", *TINY]
+    moe_rl("train", f"run_dir={full}", "steps=3", *args)
+    moe_rl("train", f"run_dir={part}", "steps=2", *args)
+    assert (part / "checkpoints" / "latest").read_text().strip() == "step_000002"
+    moe_rl("train", f"run_dir={part}", "steps=3", "resume=true", *args)
+    a, b = metrics(full), metrics(part)
+    assert sorted(a) == sorted(b) == [0, 1, 2]
+    for step in range(3):
+        assert a[step]["reward/mean"] == 0.0 and a[step]["train/grad_norm"] == 0.0
+        assert a[step]["train/skipped_minibatches"] == 4  # algo.num_minibatches, every one skipped
+        assert _deterministic(a[step]) == _deterministic(b[step]), f"step {step} differs after resume"
+    assert sorted(p.name for p in (full / "checkpoints").iterdir()) == ["latest", "step_000002", "step_000003"]
+
+
+@pytest.mark.e2e
 @pytest.mark.parametrize("args, needle", [
     (["parallel.expert_parallel=3"], "parallel.expert_parallel"),
     (["model.moe_router_topk=9"], "model.moe_router_topk"),
