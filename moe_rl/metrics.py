@@ -3,7 +3,7 @@
 Convention (every producer follows it; pure math returns such dicts, nothing reduces early):
 
     metrics: dict[str, MetricValue], keys ``area/name[/stat]`` (units in the name, e.g.
-    ``time/step(s)``). A value is one of
+    ``time/step_s``, ``mem/peak_gib``). A value is one of
 
     - ``Mean(sum, count)``: a global mean. Producers return *local* sums and counts; the
       reduction adds both over ranks (and the caller adds them over micro-batches with
