@@ -37,7 +37,7 @@ from safetensors.torch import save_file
 from moe_rl.config import ARCH_FIELDS, ModelConfig
 from moe_rl.fsutil import fsync_path, open_safetensors, read_json
 from moe_rl.errors import CheckpointError
-from moe_rl.rollout.builtin_model import canonical_param_shapes
+from moe_rl.weights.canonical import canonical_param_shapes
 
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
@@ -336,7 +336,7 @@ def write_hf_checkpoint(out_dir: str | Path, canonical: dict[str, torch.Tensor],
     written next to the weights, so the directory is a complete HF model.
 
     Files go to ``out_dir.tmp``, are fsynced, then the directory is renamed into place."""
-    from moe_rl.rollout.builtin_model import check_canonical_weights
+    from moe_rl.weights.canonical import check_canonical_weights
 
     out_dir = Path(out_dir)
     if out_dir.exists():

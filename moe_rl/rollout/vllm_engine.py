@@ -90,6 +90,7 @@ from moe_rl.hf_checkpoint import hf_names
 from moe_rl.rollout.base import Weights, weight_chunks
 from moe_rl.routing.record import RouteError, RouteHeader, from_vllm
 from moe_rl.types import RolloutBatch, SamplingParams
+from moe_rl.weights.canonical import canonical_param_shapes
 
 log = logging.getLogger(__name__)
 
@@ -613,8 +614,6 @@ class VllmEngine:
         self._warned_dist = False
         self.versions = WeightVersions()
         self.group, self.group_rank, self.group_size = self._engine_group(cfg.rollout.vllm.tensor_parallel)
-        from moe_rl.rollout.builtin_model import canonical_param_shapes
-
         self.expected = list(canonical_param_shapes(model_cfg))
 
     @staticmethod

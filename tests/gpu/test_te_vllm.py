@@ -79,7 +79,7 @@ def test_te_bf16_forward_matches_local_spec(single_rank):
 def test_vllm_generate_routes_pass_ingest(tmp_path):
     pytest.importorskip("vllm")
     from moe_rl.prepare import rollout_routes
-    from moe_rl.rollout.builtin_model import random_canonical_weights
+    from moe_rl.weights.canonical import random_canonical_weights
     from moe_rl.rollout.vllm_engine import VllmEngine
     from moe_rl.routing.record import RouteHeader
     from moe_rl.types import SamplingParams
@@ -108,7 +108,7 @@ def test_vllm_weight_transfer_versions_and_changes_the_policy(tmp_path):
     vLLM's weight-transfer API; new weights change the rollouts, the old ones bring them back."""
     pytest.importorskip("vllm")
     from moe_rl.hf_checkpoint import write_hf_checkpoint
-    from moe_rl.rollout.builtin_model import random_canonical_weights
+    from moe_rl.weights.canonical import random_canonical_weights
     from moe_rl.rollout.vllm_engine import VllmEngine
     from moe_rl.types import SamplingParams
 
@@ -151,7 +151,8 @@ def test_vllm_dvp_safe_sets_match_the_learner_recomputation(tmp_path, rule, thre
     pytest.importorskip("vllm")
     from moe_rl.corrections.dvp import restricted_logprobs
     from moe_rl.hf_checkpoint import write_hf_checkpoint
-    from moe_rl.rollout.builtin_model import BuiltinMoEModel, random_canonical_weights
+    from moe_rl.rollout.builtin_model import BuiltinMoEModel
+    from moe_rl.weights.canonical import random_canonical_weights
     from moe_rl.rollout.vllm_engine import VllmEngine, dvp_safe_mask
     from moe_rl.types import SamplingParams
 

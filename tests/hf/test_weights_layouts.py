@@ -18,7 +18,7 @@ from moe_rl.learner.weights import (
     megatron_to_canonical,
     merge_tensor_parallel,
 )
-from moe_rl.rollout.builtin_model import random_canonical_weights
+from moe_rl.weights.canonical import random_canonical_weights
 from tests.hf.layouts import megatron_names
 
 CFG = ModelConfig(vocab_size=40, hidden_size=32, num_layers=4, num_attention_heads=4, num_query_groups=2,

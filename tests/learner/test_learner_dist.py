@@ -72,7 +72,7 @@ def _worker(rank: int):
     from moe_rl import dist
     from moe_rl.learner.learner import Learner
     from moe_rl.rollout.builtin import BuiltinEngine
-    from moe_rl.rollout.builtin_model import random_canonical_weights
+    from moe_rl.weights.canonical import random_canonical_weights
     from moe_rl.types import SamplingParams
 
     weights = random_canonical_weights(MODEL, seed=0)

@@ -21,7 +21,7 @@ import torch
 
 from moe_rl.config import ConfigError, load_config
 from moe_rl.rollout import vllm_engine as ve
-from moe_rl.rollout.builtin_model import canonical_param_shapes
+from moe_rl.weights.canonical import canonical_param_shapes
 from moe_rl.routing.record import RouteError, RouteHeader
 from moe_rl.types import SamplingParams
 from tests.rollout.vllm_format import (
@@ -851,10 +851,7 @@ def test_dvp_processor_class_through_the_v2_interface(monkeypatch):
 def test_weight_sync_uses_the_model_familys_own_names():
     from moe_rl.config import ModelConfig
     from moe_rl.hf_checkpoint import hf_names
-    from moe_rl.rollout.builtin_model import (
-        canonical_param_shapes,
-        random_canonical_weights,
-    )
+    from moe_rl.weights.canonical import canonical_param_shapes, random_canonical_weights
 
     cfg = dataclasses.replace(ModelConfig(vocab_size=50), hf_family="mixtral", qk_layernorm=False)
     weights = random_canonical_weights(cfg, seed=0)
