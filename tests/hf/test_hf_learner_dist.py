@@ -50,7 +50,7 @@ def _forward(gpt, input_tensor=None):
 
 
 def _load(gpt, canon, ep_rank, ep_size, shard):
-    from moe_rl.learner.weights import canonical_to_megatron
+    from moe_rl.weights.megatron_shards import canonical_to_megatron
 
     params = dict(gpt.named_parameters())
     tensors = canonical_to_megatron(canon, list(params), CFG, ep_rank, ep_size, shard)
@@ -109,7 +109,7 @@ def _tp2(rank, canon):
     from megatron.core import parallel_state as ps
 
     from moe_rl.learner import setup
-    from moe_rl.learner.weights import (
+    from moe_rl.weights.megatron_shards import (
         Shard,
         megatron_to_canonical,
         merge_tensor_parallel,
@@ -138,7 +138,7 @@ def _pp2(rank, canon):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     from moe_rl.learner import setup
-    from moe_rl.learner.weights import Shard
+    from moe_rl.weights.megatron_shards import Shard
 
     _reinit(pipeline_model_parallel_size=2)
     # setup.py does not build PP models yet (the learner refuses PP): add what megatron needs here

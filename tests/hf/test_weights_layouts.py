@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from moe_rl.config import ModelConfig
-from moe_rl.learner.weights import (
+from moe_rl.weights.megatron_shards import (
     Shard,
     canonical_to_megatron,
     megatron_to_canonical,
