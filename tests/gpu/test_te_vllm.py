@@ -89,7 +89,7 @@ def test_vllm_generate_routes_pass_ingest(tmp_path):
                              "rollout.vllm.gpu_memory_utilization=0.3", f"rollout.vllm.model_dir={tmp_path}/m"])
     model = dataclasses.replace(cfg.model, vocab_size=TINY.vocab_size)
     weights = random_canonical_weights(model, seed=1)
-    from moe_rl.hf_checkpoint import write_hf_checkpoint
+    from moe_rl.weights.hf import write_hf_checkpoint
 
     write_hf_checkpoint(tmp_path / "m", weights, model, dtype=torch.bfloat16)
     engine = VllmEngine(dataclasses.replace(cfg, model=model), model, pad_id=0)
@@ -107,7 +107,7 @@ def test_vllm_weight_transfer_versions_and_changes_the_policy(tmp_path):
     """rollout.vllm.weight_sync=transfer (the default): every sync is one versioned session of
     vLLM's weight-transfer API; new weights change the rollouts, the old ones bring them back."""
     pytest.importorskip("vllm")
-    from moe_rl.hf_checkpoint import write_hf_checkpoint
+    from moe_rl.weights.hf import write_hf_checkpoint
     from moe_rl.weights.canonical import random_canonical_weights
     from moe_rl.rollout.vllm_engine import VllmEngine
     from moe_rl.types import SamplingParams
@@ -150,7 +150,7 @@ def test_vllm_dvp_safe_sets_match_the_learner_recomputation(tmp_path, rule, thre
     vs fp32 recomputation differ only at the cut)."""
     pytest.importorskip("vllm")
     from moe_rl.corrections.dvp import restricted_logprobs
-    from moe_rl.hf_checkpoint import write_hf_checkpoint
+    from moe_rl.weights.hf import write_hf_checkpoint
     from moe_rl.rollout.builtin_model import BuiltinMoEModel
     from moe_rl.weights.canonical import random_canonical_weights
     from moe_rl.rollout.vllm_engine import VllmEngine, dvp_safe_mask

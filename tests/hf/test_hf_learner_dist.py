@@ -74,8 +74,8 @@ def _reinit(**sizes):
 
 def _ep2(rank, canon, out_root: Path, mixtral_canon):
     from moe_rl import dist
-    from moe_rl.export import export_from_checkpoint
-    from moe_rl.hf_checkpoint import write_hf_checkpoint
+    from moe_rl.weights.export import export_from_checkpoint
+    from moe_rl.weights.hf import write_hf_checkpoint
     from moe_rl.learner import checkpoint
     from moe_rl.learner.learner import Learner
 
@@ -163,7 +163,7 @@ def _pp2(rank, canon):
 
 def _worker(rank: int, hf_dir: str, out_root: str, mixtral_dir: str):
     from moe_rl import dist
-    from moe_rl.hf_checkpoint import load_hf_checkpoint
+    from moe_rl.weights.hf import load_hf_checkpoint
 
     canon = load_hf_checkpoint(hf_dir, CFG)
     mixtral_canon = load_hf_checkpoint(mixtral_dir, MIXTRAL_CFG)

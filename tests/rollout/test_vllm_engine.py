@@ -850,7 +850,7 @@ def test_dvp_processor_class_through_the_v2_interface(monkeypatch):
 @pytest.mark.unit
 def test_weight_sync_uses_the_model_familys_own_names():
     from moe_rl.config import ModelConfig
-    from moe_rl.hf_checkpoint import hf_names
+    from moe_rl.weights.hf import hf_names
     from moe_rl.weights.canonical import canonical_param_shapes, random_canonical_weights
 
     cfg = dataclasses.replace(ModelConfig(vocab_size=50), hf_family="mixtral", qk_layernorm=False)
