@@ -204,8 +204,3 @@ def rename_to_local(named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A TE model's named tensors under local-spec names (same tensors, no copy)."""
     m = te_name_map(list(named))
     return {m[n]: t for n, t in named.items()}
-
-
-def fp8_padded_len(num_tokens: int, multiple: int = FP8_TOKEN_MULTIPLE) -> int:
-    """The smallest count >= num_tokens that TE's FP8 GEMMs accept (pad micro-batches to it)."""
-    return -(-num_tokens // multiple) * multiple

@@ -488,11 +488,6 @@ def engine_kwargs(cfg: RunConfig, model_dir: str, external: bool) -> dict[str, A
     return kw
 
 
-def transfer_weights(llm: Any, items: list[tuple[str, torch.Tensor]], versions: WeightVersions) -> None:
-    """One versioned update of a flat list of (name, tensor) pairs: ``transfer_chunks`` of one chunk."""
-    transfer_chunks(llm, [items], versions)
-
-
 def transfer_chunks(llm: Any, chunks: Iterable[list[tuple[str, torch.Tensor]]], versions: WeightVersions) -> None:
     """One versioned update through vLLM's weight-transfer API (``LLM`` methods of
     ``vllm/entrypoints/rl/offline.py``): each chunk, as it arrives, in one ``update_weights`` call

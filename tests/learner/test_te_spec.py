@@ -172,11 +172,6 @@ def test_te_problems_on_a_gpu_machine():
 
 
 @pytest.mark.unit
-def test_fp8_padded_len():
-    assert [te_spec.fp8_padded_len(n) for n in (1, 16, 17, 100)] == [16, 16, 32, 112]
-
-
-@pytest.mark.unit
 def test_micro_batches_are_padded_to_the_fp8_token_multiple():
     from moe_rl.learner.te_spec import FP8_TOKEN_MULTIPLE
     from moe_rl.types import TrainBatch
