@@ -86,11 +86,11 @@ import torch
 
 from moe_rl.config import ConfigError, ModelConfig, RunConfig, logprobs_mode
 from moe_rl.corrections.dvp import SAFE_SET_RULES, safe_set
-from moe_rl.weights.hf import hf_names
 from moe_rl.rollout.base import Weights, weight_chunks
 from moe_rl.routing.record import RouteError, RouteHeader, from_vllm
 from moe_rl.types import RolloutBatch, SamplingParams
 from moe_rl.weights.canonical import canonical_param_shapes
+from moe_rl.weights.hf import hf_names
 
 log = logging.getLogger(__name__)
 

@@ -16,9 +16,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from moe_rl.weights import hf as hfc
 from moe_rl.config import ConfigError, ModelConfig
 from moe_rl.rollout.builtin import BuiltinEngine
+from moe_rl.weights import hf as hfc
 from moe_rl.weights.canonical import random_canonical_weights
 from tests.hf.conftest import CFG, MIXTRAL_CFG
 from tests.rollout.test_hf_parity import hf_forward

@@ -12,8 +12,8 @@ from packaging.version import Version
 from moe_rl.config import ConfigError, ModelConfig, load_config
 from moe_rl.preflight import check_launch
 from moe_rl.learner import te_spec
-from moe_rl.weights.megatron_shards import megatron_to_canonical
 from moe_rl.weights.canonical import canonical_param_shapes
+from moe_rl.weights.megatron_shards import megatron_to_canonical
 
 CFG = ModelConfig(vocab_size=50, num_layers=3, first_k_dense=1, num_experts=4, moe_router_topk=2)
 

@@ -79,9 +79,9 @@ def _kinds(chunk: list[str]) -> set[str]:
 def _worker(rank: int, tmp: str) -> dict:
     from moe_rl import dist
     from moe_rl.learner.learner import Learner
-    from moe_rl.weights.megatron_shards import tp_split_dim
     from moe_rl.rollout.builtin import BuiltinEngine
     from moe_rl.weights.canonical import random_canonical_weights
+    from moe_rl.weights.megatron_shards import tp_split_dim
 
     weights = random_canonical_weights(MODEL, seed=0)
     par = ParallelConfig(nproc=WORLD, tensor_parallel=TP, pipeline_parallel=PP, expert_parallel=EP,

@@ -21,9 +21,9 @@ import torch
 
 from moe_rl.config import ConfigError, load_config
 from moe_rl.rollout import vllm_engine as ve
-from moe_rl.weights.canonical import canonical_param_shapes
 from moe_rl.routing.record import RouteError, RouteHeader
 from moe_rl.types import SamplingParams
+from moe_rl.weights.canonical import canonical_param_shapes
 from tests.rollout.vllm_format import (
     FINISH_REASONS,
     SPEC,
@@ -850,8 +850,8 @@ def test_dvp_processor_class_through_the_v2_interface(monkeypatch):
 @pytest.mark.unit
 def test_weight_sync_uses_the_model_familys_own_names():
     from moe_rl.config import ModelConfig
-    from moe_rl.weights.hf import hf_names
     from moe_rl.weights.canonical import canonical_param_shapes, random_canonical_weights
+    from moe_rl.weights.hf import hf_names
 
     cfg = dataclasses.replace(ModelConfig(vocab_size=50), hf_family="mixtral", qk_layernorm=False)
     weights = random_canonical_weights(cfg, seed=0)
