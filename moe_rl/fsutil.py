@@ -1,6 +1,6 @@
 """Small file-system helpers shared by the run checkpoints (``moe_rl/learner/checkpoint.py``) and the
-HF checkpoint reader and writer (``moe_rl/hf_checkpoint.py``), and the init-weights reader
-(``moe_rl/warmstart.py``): files read with a CheckpointError naming the file. Imports only
+HF checkpoint reader and writer (``moe_rl/weights/hf.py``), and the init-weights reader
+(``moe_rl/weights/warmstart.py``): files read with a CheckpointError naming the file. Imports only
 ``moe_rl.errors`` from the package."""
 
 from __future__ import annotations

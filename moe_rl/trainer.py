@@ -25,7 +25,7 @@ from moe_rl.routing.plan import ReplayPlan
 from moe_rl.seeding import GENERATE, step_seed
 from moe_rl.tasks.setup import build_task, score_step, validate
 from moe_rl.timing import StepTimer, memory_metrics
-from moe_rl.warmstart import load_init_weights
+from moe_rl.weights.warmstart import load_init_weights
 
 log = logging.getLogger(__name__)
 

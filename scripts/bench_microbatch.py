@@ -23,8 +23,8 @@ def _measure(args) -> dict:
     from moe_rl import dist
     from moe_rl.config import ModelConfig, OptimConfig, ParallelConfig
     from moe_rl.learner.learner import Learner
-    from moe_rl.rollout.builtin_model import random_canonical_weights
     from moe_rl.types import TrainBatch
+    from moe_rl.weights.canonical import random_canonical_weights
 
     torch.set_num_threads(1)
     megatron_patches.apply_all()

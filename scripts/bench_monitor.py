@@ -30,7 +30,7 @@ def _measure(args) -> list[dict]:
     from moe_rl.routing.plan import ReplayPlan
     from moe_rl.tasks import CharTokenizer, build_prompt_source, score
     from moe_rl.tasks.setup import resolve_vocab as resolve
-    from moe_rl.warmstart import load_init_weights
+    from moe_rl.weights.warmstart import load_init_weights
 
     torch.set_num_threads(1)
     megatron_patches.apply_all()

@@ -56,7 +56,7 @@ def main() -> None:
     from moe_rl.rollout.builtin import BuiltinEngine
     from moe_rl.tasks import CharTokenizer, build_prompt_source, score
     from moe_rl.tasks.setup import resolve_vocab as resolve
-    from moe_rl.warmstart import save_init_weights
+    from moe_rl.weights.warmstart import save_init_weights
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("megatron").setLevel(logging.WARNING)

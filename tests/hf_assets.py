@@ -69,7 +69,7 @@ def make_checkpoint(out_dir: Path, cfg: ModelConfig, dtype: torch.dtype = torch.
     """A random Qwen3MoeForCausalLM of ``cfg`` saved by transformers (save_pretrained) in ``dtype``."""
     import transformers
 
-    from moe_rl.rollout.builtin_model import random_canonical_weights
+    from moe_rl.weights.canonical import random_canonical_weights
     from tests.hf_reference import canonical_to_hf_memory, hf_config
 
     model = transformers.Qwen3MoeForCausalLM(hf_config(cfg)).eval()

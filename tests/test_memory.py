@@ -27,7 +27,7 @@ from moe_rl.memory import (
     summarize_run,
     train_flops_per_token,
 )
-from moe_rl.rollout.builtin_model import canonical_param_shapes
+from moe_rl.weights.canonical import canonical_param_shapes
 
 CFG = ModelConfig(vocab_size=50, num_layers=3, first_k_dense=1, num_experts=4, moe_router_topk=2)
 

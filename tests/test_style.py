@@ -187,6 +187,24 @@ def test_rollout_and_routing_do_not_reach_the_learner():
 
 
 @pytest.mark.unit
+def test_only_rollout_imports_the_builtin_engines_model():
+    # canonical names/shapes/checks live in moe_rl/weights/ (issue 23): the HF format, the warm
+    # start and the engines share them there, not through the CPU engine's model file
+    scripts = sorted((ROOT / "scripts").glob("*.py"))
+    owner = "moe_rl.rollout.builtin_model"
+    bad = []
+    for path in SOURCES + scripts:
+        name = _module_name(path)
+        if _inside(name, "moe_rl.rollout"):
+            continue
+        for node in _import_nodes(ast.parse(path.read_text())):
+            if any(_inside(t, owner) for t in _imported_modules(name, node)):
+                bad.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert "moe_rl.rollout.builtin" in MODULES and owner in MODULES
+    assert bad == [], f"modules outside moe_rl/rollout/ import {owner}:\n  " + "\n  ".join(bad)
+
+
+@pytest.mark.unit
 def test_import_graph_builder_resolves_submodules_packages_and_lazy_imports():
     graph = import_graph()
     assert "moe_rl.learner.checkpoint" in graph["moe_rl.preflight"]  # from moe_rl.learner import checkpoint

@@ -57,14 +57,14 @@ from moe_rl.learner.logprobs import (
     token_logprobs_energy,
     token_logprobs_energy_vocab_parallel,
 )
-from moe_rl.learner.te_spec import FP8_TOKEN_MULTIPLE, te_name_map
-from moe_rl.learner.weight_sync import stream_canonical
-from moe_rl.learner.weights import Shard, canonical_to_megatron
+from moe_rl.learner.te_spec import FP8_TOKEN_MULTIPLE, rename_to_local, te_name_map
 from moe_rl.monitor.router_grad import RouterGradMonitor
 from moe_rl.routing.plan import PassPlan
 from moe_rl.routing.record import RouteHeader
 from moe_rl.routing.replay import RouteReplay, RoutingOutcome, SeqShard
 from moe_rl.types import TokenStats, TrainBatch
+from moe_rl.weights.megatron_shards import Shard, canonical_to_megatron
+from moe_rl.weights.stream import stream_canonical
 
 log = logging.getLogger(__name__)
 
@@ -201,11 +201,10 @@ class Learner:
 
     def iter_canonical_layers(self) -> Iterator[dict[str, torch.Tensor]]:
         """The canonical weights (every expert) one chunk at a time, identical on every rank: the
-        embedding, each decoder layer, then the final norm and lm_head (``weight_sync.py``). The
-        weight sync source; a rank never holds more than one gathered chunk. Collective: every
+        embedding, each decoder layer, then the final norm and lm_head (``weights/stream.py``).
+        The weight sync source; a rank never holds more than one gathered chunk. Collective: every
         rank must consume the whole iterator, in step."""
-        return stream_canonical({n: p.detach() for n, p in self.gpt.named_parameters()}, self.model_cfg,
-                                self.dims, self.shard)
+        return self._stream({n: p.detach() for n, p in self.gpt.named_parameters()})
 
     def export_canonical(self) -> dict[str, torch.Tensor]:
         """Full canonical weights on every rank (checkpoint exports); tensors nothing had to
@@ -214,8 +213,12 @@ class Learner:
 
     def _gather_canonical(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's megatron tensors (by parameter name) -> full canonical dict on every rank."""
-        return {k: v for chunk in stream_canonical(tensors, self.model_cfg, self.dims, self.shard)
-                for k, v in chunk.items()}
+        return {k: v for chunk in self._stream(tensors) for k, v in chunk.items()}
+
+    def _stream(self, tensors: dict[str, torch.Tensor]) -> Iterator[dict[str, torch.Tensor]]:
+        """The canonical stream of this rank's tensors (by parameter name); TE names are renamed
+        to the local spec's first (same tensors), the names the stream's mapping knows."""
+        return stream_canonical(rename_to_local(tensors), self.model_cfg, self.dims, self.shard)
 
     # ---- passes --------------------------------------------------------------------------
     def _check_replicated(self, tokens_BS: torch.Tensor) -> None:

@@ -9,8 +9,8 @@ The ONLY module that imports ``transformer_engine`` (tests/test_style.py). Every
   (``fp8_utils.get_fp8_context``), so no FP8 context is opened here. ``moe_router_fusion`` is always
   False: TE's fused top-k returns before ``RouterReplay`` and would silently bypass routing replay.
 - ``check_te_environment``: TE or FP8 without CUDA / TE / a new enough TE -> ConfigError saying why.
-- ``te_name_map``: TE-spec parameter names -> local-spec names, so ``learner/weights.py`` (written
-  for the local spec) serves the TE model too. TE fuses the pre-attention RMSNorm into
+- ``te_name_map``: TE-spec parameter names -> local-spec names, so ``weights/megatron_shards.py``
+  (written for the local spec) serves the TE model too. TE fuses the pre-attention RMSNorm into
   ``linear_qkv`` (``linear_qkv.layer_norm_weight``), the pre-MLP RMSNorm of dense layers into
   ``linear_fc1`` (``linear_fc1.layer_norm_weight``; MoE layers keep a separate
   ``pre_mlp_layernorm``), and ``TEGroupedMLP`` stores expert j as ``experts.linear_fc1.weight{j}``.
@@ -188,7 +188,7 @@ def te_to_local_name(name: str) -> str:
 def te_name_map(te_names: list[str]) -> dict[str, str]:
     """TE name -> local name for every parameter of a TE model; one-to-one or KeyError.
 
-    Usage with the local-spec mapping (``learner/weights.py``):
+    Usage with the local-spec mapping (``weights/megatron_shards.py``):
         m = te_name_map(list(params));  canonical_to_megatron(full, [m[n] for n in params], ...)
         megatron_to_canonical({m[n]: p for n, p in params.items()}, ...)"""
     out = {n: te_to_local_name(n) for n in te_names}
@@ -204,8 +204,3 @@ def rename_to_local(named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A TE model's named tensors under local-spec names (same tensors, no copy)."""
     m = te_name_map(list(named))
     return {m[n]: t for n, t in named.items()}
-
-
-def fp8_padded_len(num_tokens: int, multiple: int = FP8_TOKEN_MULTIPLE) -> int:
-    """The smallest count >= num_tokens that TE's FP8 GEMMs accept (pad micro-batches to it)."""
-    return -(-num_tokens // multiple) * multiple

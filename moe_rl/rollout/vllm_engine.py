@@ -86,10 +86,11 @@ import torch
 
 from moe_rl.config import ConfigError, ModelConfig, RunConfig, logprobs_mode
 from moe_rl.corrections.dvp import SAFE_SET_RULES, safe_set
-from moe_rl.hf_checkpoint import hf_names
 from moe_rl.rollout.base import Weights, weight_chunks
 from moe_rl.routing.record import RouteError, RouteHeader, from_vllm
 from moe_rl.types import RolloutBatch, SamplingParams
+from moe_rl.weights.canonical import canonical_param_shapes
+from moe_rl.weights.hf import hf_names
 
 log = logging.getLogger(__name__)
 
@@ -347,7 +348,7 @@ def sync_items(named: dict[str, torch.Tensor], expected: list[str],
                file_names: dict[str, str] | None = None) -> list[tuple[str, torch.Tensor]]:
     """(HF name, tensor) pairs for vLLM's ``load_weights``, in model order; strict on names, since
     a tensor the sync misses would keep stale (after sleep level 2: garbage) weights.
-    ``file_names`` (``hf_checkpoint.hf_names``) renames canonical names to the model family's own
+    ``file_names`` (``weights.hf.hf_names``) renames canonical names to the model family's own
     (Mixtral's ``block_sparse_moe.experts.J.w1``), which is what vLLM's model class loads."""
     missing = [k for k in expected if k not in named]
     extra = sorted(set(named) - set(expected))
@@ -487,11 +488,6 @@ def engine_kwargs(cfg: RunConfig, model_dir: str, external: bool) -> dict[str, A
     return kw
 
 
-def transfer_weights(llm: Any, items: list[tuple[str, torch.Tensor]], versions: WeightVersions) -> None:
-    """One versioned update of a flat list of (name, tensor) pairs: ``transfer_chunks`` of one chunk."""
-    transfer_chunks(llm, [items], versions)
-
-
 def transfer_chunks(llm: Any, chunks: Iterable[list[tuple[str, torch.Tensor]]], versions: WeightVersions) -> None:
     """One versioned update through vLLM's weight-transfer API (``LLM`` methods of
     ``vllm/entrypoints/rl/offline.py``): each chunk, as it arrives, in one ``update_weights`` call
@@ -613,8 +609,6 @@ class VllmEngine:
         self._warned_dist = False
         self.versions = WeightVersions()
         self.group, self.group_rank, self.group_size = self._engine_group(cfg.rollout.vllm.tensor_parallel)
-        from moe_rl.rollout.builtin_model import canonical_param_shapes
-
         self.expected = list(canonical_param_shapes(model_cfg))
 
     @staticmethod
@@ -637,7 +631,7 @@ class VllmEngine:
     def _model_dir(self, named: Mapping[str, torch.Tensor] | None) -> str:
         if (source := self._source_dir()) is not None:
             return source
-        from moe_rl.hf_checkpoint import write_hf_checkpoint
+        from moe_rl.weights.hf import write_hf_checkpoint
 
         out = Path(tempfile.mkdtemp(prefix="moe_rl_vllm_")) / "model"
         write_hf_checkpoint(out, {k: t.detach().cpu() for k, t in named.items()}, self.model_cfg,

@@ -24,7 +24,7 @@ from moe_rl import cli
 from moe_rl.config import load_config, to_yaml
 from moe_rl.tasks import CharTokenizer
 from moe_rl.tasks.setup import resolve_vocab as resolve
-from moe_rl.warmstart import builtin_path
+from moe_rl.weights.warmstart import builtin_path
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -196,8 +196,8 @@ def test_resume_without_a_checkpoint_or_with_a_dangling_pointer(tmp_path):
 @pytest.fixture()
 def hf_dir(tmp_path):
     """A real sharded HF checkpoint of the default model (index + 3 shards)."""
-    from moe_rl.hf_checkpoint import write_hf_checkpoint
-    from moe_rl.warmstart import load_init_weights
+    from moe_rl.weights.hf import write_hf_checkpoint
+    from moe_rl.weights.warmstart import load_init_weights
 
     cfg = resolve(load_config(None), CharTokenizer())
     weights = load_init_weights("builtin:warmstart", cfg.model, CharTokenizer())

@@ -79,17 +79,17 @@ def test_te_bf16_forward_matches_local_spec(single_rank):
 def test_vllm_generate_routes_pass_ingest(tmp_path):
     pytest.importorskip("vllm")
     from moe_rl.prepare import rollout_routes
-    from moe_rl.rollout.builtin_model import random_canonical_weights
     from moe_rl.rollout.vllm_engine import VllmEngine
     from moe_rl.routing.record import RouteHeader
     from moe_rl.types import SamplingParams
+    from moe_rl.weights.canonical import random_canonical_weights
 
     cfg = load_config(None, ["rollout.engine=vllm", "routing.replay=r3", "parallel.nproc=1",
                              "parallel.expert_parallel=1", "rollout.vllm.enforce_eager=true",
                              "rollout.vllm.gpu_memory_utilization=0.3", f"rollout.vllm.model_dir={tmp_path}/m"])
     model = dataclasses.replace(cfg.model, vocab_size=TINY.vocab_size)
     weights = random_canonical_weights(model, seed=1)
-    from moe_rl.hf_checkpoint import write_hf_checkpoint
+    from moe_rl.weights.hf import write_hf_checkpoint
 
     write_hf_checkpoint(tmp_path / "m", weights, model, dtype=torch.bfloat16)
     engine = VllmEngine(dataclasses.replace(cfg, model=model), model, pad_id=0)
@@ -107,10 +107,10 @@ def test_vllm_weight_transfer_versions_and_changes_the_policy(tmp_path):
     """rollout.vllm.weight_sync=transfer (the default): every sync is one versioned session of
     vLLM's weight-transfer API; new weights change the rollouts, the old ones bring them back."""
     pytest.importorskip("vllm")
-    from moe_rl.hf_checkpoint import write_hf_checkpoint
-    from moe_rl.rollout.builtin_model import random_canonical_weights
     from moe_rl.rollout.vllm_engine import VllmEngine
     from moe_rl.types import SamplingParams
+    from moe_rl.weights.canonical import random_canonical_weights
+    from moe_rl.weights.hf import write_hf_checkpoint
 
     cfg = load_config(None, ["rollout.engine=vllm", "routing.replay=r3", "parallel.nproc=1",
                              "parallel.expert_parallel=1", "rollout.vllm.enforce_eager=true",
@@ -150,10 +150,11 @@ def test_vllm_dvp_safe_sets_match_the_learner_recomputation(tmp_path, rule, thre
     vs fp32 recomputation differ only at the cut)."""
     pytest.importorskip("vllm")
     from moe_rl.corrections.dvp import restricted_logprobs
-    from moe_rl.hf_checkpoint import write_hf_checkpoint
-    from moe_rl.rollout.builtin_model import BuiltinMoEModel, random_canonical_weights
+    from moe_rl.rollout.builtin_model import BuiltinMoEModel
     from moe_rl.rollout.vllm_engine import VllmEngine, dvp_safe_mask
     from moe_rl.types import SamplingParams
+    from moe_rl.weights.canonical import random_canonical_weights
+    from moe_rl.weights.hf import write_hf_checkpoint
 
     T = 0.8
     cfg = load_config(None, ["rollout.engine=vllm", "routing.replay=r3", "parallel.nproc=1",

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from moe_rl.config import ModelConfig
-from moe_rl.rollout.builtin_model import random_canonical_weights
+from moe_rl.weights.canonical import random_canonical_weights
 from tests.hf_reference import canonical_to_hf_memory, hf_config
 
 transformers = pytest.importorskip("transformers")

@@ -1,4 +1,4 @@
-"""unit tier: HF checkpoint import/export (moe_rl/hf_checkpoint.py) against transformers, and the
+"""unit tier: HF checkpoint import/export (moe_rl/weights/hf.py) against transformers, and the
 built-in engine's parity on an imported checkpoint. Tolerance: fp32 logits max |diff| < 1e-4
 (measured 1e-6 scale); routes, round trips and reloads are exact."""
 
@@ -13,12 +13,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from moe_rl import hf_checkpoint as hfc
 from moe_rl.config import ModelConfig
 from moe_rl.errors import CheckpointError, ConfigError
 from moe_rl.rollout.builtin import BuiltinEngine
 from moe_rl.tasks import CharTokenizer
-from moe_rl.warmstart import load_init_weights
+from moe_rl.weights import hf as hfc
+from moe_rl.weights.warmstart import load_init_weights
 from tests.rollout.test_hf_parity import hf_forward
 
 transformers = pytest.importorskip("transformers")

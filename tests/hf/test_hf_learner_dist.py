@@ -50,7 +50,7 @@ def _forward(gpt, input_tensor=None):
 
 
 def _load(gpt, canon, ep_rank, ep_size, shard):
-    from moe_rl.learner.weights import canonical_to_megatron
+    from moe_rl.weights.megatron_shards import canonical_to_megatron
 
     params = dict(gpt.named_parameters())
     tensors = canonical_to_megatron(canon, list(params), CFG, ep_rank, ep_size, shard)
@@ -74,10 +74,10 @@ def _reinit(**sizes):
 
 def _ep2(rank, canon, out_root: Path, mixtral_canon):
     from moe_rl import dist
-    from moe_rl.export import export_from_checkpoint
-    from moe_rl.hf_checkpoint import write_hf_checkpoint
     from moe_rl.learner import checkpoint
     from moe_rl.learner.learner import Learner
+    from moe_rl.weights.export import export_from_checkpoint
+    from moe_rl.weights.hf import write_hf_checkpoint
 
     par = ParallelConfig(nproc=2, expert_parallel=2, distributed_optimizer=False)
     ctx = dist.init_distributed(par, seed=7)
@@ -109,7 +109,7 @@ def _tp2(rank, canon):
     from megatron.core import parallel_state as ps
 
     from moe_rl.learner import setup
-    from moe_rl.learner.weights import (
+    from moe_rl.weights.megatron_shards import (
         Shard,
         megatron_to_canonical,
         merge_tensor_parallel,
@@ -138,7 +138,7 @@ def _pp2(rank, canon):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     from moe_rl.learner import setup
-    from moe_rl.learner.weights import Shard
+    from moe_rl.weights.megatron_shards import Shard
 
     _reinit(pipeline_model_parallel_size=2)
     # setup.py does not build PP models yet (the learner refuses PP): add what megatron needs here
@@ -163,7 +163,7 @@ def _pp2(rank, canon):
 
 def _worker(rank: int, hf_dir: str, out_root: str, mixtral_dir: str):
     from moe_rl import dist
-    from moe_rl.hf_checkpoint import load_hf_checkpoint
+    from moe_rl.weights.hf import load_hf_checkpoint
 
     canon = load_hf_checkpoint(hf_dir, CFG)
     mixtral_canon = load_hf_checkpoint(mixtral_dir, MIXTRAL_CFG)

@@ -1,7 +1,7 @@
 """unit tier: the Mixtral family (transformers' MixtralForCausalLM) through HF checkpoint import/export.
 
 Mixtral checkpoints name the router ``block_sparse_moe.gate`` and the experts ``w1``/``w3``/``w2``
-(= gate_proj/up_proj/down_proj); moe_rl/hf_checkpoint.py renames them at the file boundary only.
+(= gate_proj/up_proj/down_proj); moe_rl/weights/hf.py renames them at the file boundary only.
 Tolerance: fp32 logits max |diff| < 1e-4 (measured 1e-6 scale); routes, round trips and reloads
 are exact."""
 
@@ -16,10 +16,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from moe_rl import hf_checkpoint as hfc
 from moe_rl.config import ConfigError, ModelConfig
 from moe_rl.rollout.builtin import BuiltinEngine
-from moe_rl.rollout.builtin_model import random_canonical_weights
+from moe_rl.weights import hf as hfc
+from moe_rl.weights.canonical import random_canonical_weights
 from tests.hf.conftest import CFG, MIXTRAL_CFG
 from tests.rollout.test_hf_parity import hf_forward
 

@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from moe_rl.config import ModelConfig
-from moe_rl.learner.weights import (
+from moe_rl.weights.canonical import random_canonical_weights
+from moe_rl.weights.megatron_shards import (
     Shard,
     canonical_to_megatron,
     megatron_to_canonical,
     merge_tensor_parallel,
 )
-from moe_rl.rollout.builtin_model import random_canonical_weights
 from tests.hf.layouts import megatron_names
 
 CFG = ModelConfig(vocab_size=40, hidden_size=32, num_layers=4, num_attention_heads=4, num_query_groups=2,

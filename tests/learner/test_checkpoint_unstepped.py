@@ -41,7 +41,7 @@ def _worker(rank: int, root: str):
     from moe_rl import dist
     from moe_rl.learner import checkpoint
     from moe_rl.learner.learner import Learner
-    from moe_rl.rollout.builtin_model import random_canonical_weights
+    from moe_rl.weights.canonical import random_canonical_weights
 
     weights, other = random_canonical_weights(MODEL, seed=0), random_canonical_weights(MODEL, seed=1)
     optim = OptimConfig(lr=1e-2, weight_decay=0.1)  # decay: a zero-gradient Adam step would move weights

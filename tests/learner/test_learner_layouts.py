@@ -177,7 +177,7 @@ def _worker(rank: int, ckpt_dir: str, lay: Layout):
 
     from moe_rl import dist
     from moe_rl.learner.learner import Learner
-    from moe_rl.rollout.builtin_model import random_canonical_weights
+    from moe_rl.weights.canonical import random_canonical_weights
 
     model = lay.model
     weights = random_canonical_weights(model, seed=0)

@@ -174,7 +174,7 @@ def _worker(rank: int, ckpt_dir: str, world: int, ep: int):
 
     from moe_rl import dist
     from moe_rl.learner.learner import Learner
-    from moe_rl.rollout.builtin_model import random_canonical_weights
+    from moe_rl.weights.canonical import random_canonical_weights
 
     weights = random_canonical_weights(MODEL, seed=0)
     par = ParallelConfig(nproc=world, pipeline_parallel=2, expert_parallel=ep, distributed_optimizer=False)

@@ -243,7 +243,7 @@ def _worker(rank: int):
 
     from moe_rl import dist
     from moe_rl.learner.learner import Learner
-    from moe_rl.rollout.builtin_model import random_canonical_weights
+    from moe_rl.weights.canonical import random_canonical_weights
 
     weights = random_canonical_weights(MODEL, seed=0)
     par = ParallelConfig(nproc=2, tensor_parallel=2, expert_parallel=1, distributed_optimizer=False)

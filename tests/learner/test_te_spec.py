@@ -12,14 +12,14 @@ from packaging.version import Version
 from moe_rl.config import ConfigError, ModelConfig, load_config
 from moe_rl.preflight import check_launch
 from moe_rl.learner import te_spec
-from moe_rl.learner.weights import megatron_to_canonical
-from moe_rl.rollout.builtin_model import canonical_param_shapes
+from moe_rl.weights.canonical import canonical_param_shapes
+from moe_rl.weights.megatron_shards import megatron_to_canonical
 
 CFG = ModelConfig(vocab_size=50, num_layers=3, first_k_dense=1, num_experts=4, moe_router_topk=2)
 
 
 def _local_names(cfg: ModelConfig) -> list[str]:
-    """Parameter names of megatron's local-spec GPTModel (what learner/weights.py maps)."""
+    """Parameter names of megatron's local-spec GPTModel (what weights/megatron_shards.py maps)."""
     names = ["embedding.word_embeddings.weight", "decoder.final_layernorm.weight", "output_layer.weight"]
     for i in range(cfg.num_layers):
         p = f"decoder.layers.{i}."
@@ -169,11 +169,6 @@ def test_te_problems_on_a_gpu_machine():
     assert ampere and "compute capability" in ampere[0]
     broken = te_spec.te_problems(fp8, **{**ok, "te_error": "RuntimeError: empty meta package"})
     assert "does not import" in broken[0]
-
-
-@pytest.mark.unit
-def test_fp8_padded_len():
-    assert [te_spec.fp8_padded_len(n) for n in (1, 16, 17, 100)] == [16, 16, 32, 112]
 
 
 @pytest.mark.unit

@@ -1,4 +1,4 @@
-"""dist tier: the streaming weight sync (moe_rl/learner/weight_sync.py) on PP=2 x TP=2 x DP=2 with
+"""dist tier: the streaming weight sync (moe_rl/weights/stream.py) on PP=2 x TP=2 x DP=2 with
 EP=2 (expert-TP = TP = 2, megatron's default): 8 ranks, each stage 2 TP x 2 EP ranks.
 
 Checked on every rank:
@@ -79,9 +79,9 @@ def _kinds(chunk: list[str]) -> set[str]:
 def _worker(rank: int, tmp: str) -> dict:
     from moe_rl import dist
     from moe_rl.learner.learner import Learner
-    from moe_rl.learner.weights import tp_split_dim
     from moe_rl.rollout.builtin import BuiltinEngine
-    from moe_rl.rollout.builtin_model import random_canonical_weights
+    from moe_rl.weights.canonical import random_canonical_weights
+    from moe_rl.weights.megatron_shards import tp_split_dim
 
     weights = random_canonical_weights(MODEL, seed=0)
     par = ParallelConfig(nproc=WORLD, tensor_parallel=TP, pipeline_parallel=PP, expert_parallel=EP,

@@ -10,7 +10,8 @@ import torch
 
 from moe_rl.config import ModelConfig
 from moe_rl.rollout.builtin import BuiltinEngine
-from moe_rl.rollout.builtin_model import BuiltinMoEModel, ForwardOut, random_canonical_weights
+from moe_rl.rollout.builtin_model import BuiltinMoEModel, ForwardOut
+from moe_rl.weights.canonical import random_canonical_weights
 
 PAD_ID = 0
 

@@ -13,8 +13,9 @@ import torch
 from moe_rl.config import ModelConfig
 from moe_rl.rollout.base import RolloutEngine
 from moe_rl.rollout.builtin import BuiltinEngine, filter_logits, sample_next
-from moe_rl.rollout.builtin_model import ForwardOut, random_canonical_weights
+from moe_rl.rollout.builtin_model import ForwardOut
 from moe_rl.types import RolloutBatch, SamplingParams
+from moe_rl.weights.canonical import random_canonical_weights
 
 PROMPTS = [[3, 1, 4, 1, 5], [9, 2], [6, 5, 3, 5, 8, 9, 7], [2]]
 Score = Callable[[torch.Tensor], ForwardOut]

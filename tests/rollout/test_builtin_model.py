@@ -11,14 +11,9 @@ import torch.nn.functional as F
 
 from moe_rl.config import ModelConfig
 from moe_rl.rollout.builtin import BuiltinEngine
-from moe_rl.rollout.builtin_model import (
-    BuiltinMoEModel,
-    KVCache,
-    canonical_param_shapes,
-    moe_forward,
-    random_canonical_weights,
-)
+from moe_rl.rollout.builtin_model import BuiltinMoEModel, KVCache, moe_forward
 from moe_rl.types import SamplingParams
+from moe_rl.weights.canonical import canonical_param_shapes, random_canonical_weights
 
 PAD_ID = 0
 

@@ -21,9 +21,9 @@ import torch
 
 from moe_rl.config import ConfigError, load_config
 from moe_rl.rollout import vllm_engine as ve
-from moe_rl.rollout.builtin_model import canonical_param_shapes
 from moe_rl.routing.record import RouteError, RouteHeader
 from moe_rl.types import SamplingParams
+from moe_rl.weights.canonical import canonical_param_shapes
 from tests.rollout.vllm_format import (
     FINISH_REASONS,
     SPEC,
@@ -477,19 +477,19 @@ def test_update_info_metadata_as_vllm_spells_it(cfg, weights):
 
 
 @pytest.mark.unit
-def test_transfer_weights_one_session_per_sync_a_layer_per_update(cfg, weights):
+def test_transfer_chunks_one_session_per_sync_a_layer_per_update(cfg, weights):
     expected = list(canonical_param_shapes(cfg))
     items = ve.sync_items(weights, expected)
     llm, versions = FakeTransferLLM(), ve.WeightVersions()
     assert versions.current is None
-    ve.transfer_weights(llm, items, versions)
+    ve.transfer_chunks(llm, [items], versions)
     groups = ve.layer_groups(expected)
     assert llm.calls == ["start"] + ["update"] * len(groups) + ["finish"]
     assert [u["names"] for u in llm.updates] == groups
     assert llm.loaded.keys() == weights.keys()
     assert all(llm.loaded[k].data_ptr() == weights[k].data_ptr() for k in weights)  # no copy on the way
     assert (versions.current, llm.get_weight_version()) == ("0", "0")
-    ve.transfer_weights(llm, items, versions)
+    ve.transfer_chunks(llm, [items], versions)
     assert (versions.current, llm.get_weight_version(), versions.num_synced) == ("1", "1", 2)
 
 
@@ -497,15 +497,15 @@ def test_transfer_weights_one_session_per_sync_a_layer_per_update(cfg, weights):
 def test_a_failed_sync_leaves_no_trusted_version_and_the_next_one_retries_it(cfg, weights):
     items = ve.sync_items(weights, list(canonical_param_shapes(cfg)))
     versions = ve.WeightVersions()
-    ve.transfer_weights(FakeTransferLLM(), items, versions)
+    ve.transfer_chunks(FakeTransferLLM(), [items], versions)
     with pytest.raises(RuntimeError, match="worker failed"):
-        ve.transfer_weights(FakeTransferLLM(fail_on_update=1), items, versions)
+        ve.transfer_chunks(FakeTransferLLM(fail_on_update=1), [items], versions)
     assert (versions.current, versions.pending, versions.num_synced) == (None, None, 1)
     llm = FakeTransferLLM()
-    ve.transfer_weights(llm, items, versions)
+    ve.transfer_chunks(llm, [items], versions)
     assert versions.current == llm.get_weight_version() == "1"
     with pytest.raises(RuntimeError, match="reports weight version 'default', expected '0'"):
-        ve.transfer_weights(FakeTransferLLM(ignore_version=True), items, ve.WeightVersions())
+        ve.transfer_chunks(FakeTransferLLM(ignore_version=True), [items], ve.WeightVersions())
 
 
 @pytest.mark.unit
@@ -850,11 +850,8 @@ def test_dvp_processor_class_through_the_v2_interface(monkeypatch):
 @pytest.mark.unit
 def test_weight_sync_uses_the_model_familys_own_names():
     from moe_rl.config import ModelConfig
-    from moe_rl.hf_checkpoint import hf_names
-    from moe_rl.rollout.builtin_model import (
-        canonical_param_shapes,
-        random_canonical_weights,
-    )
+    from moe_rl.weights.canonical import canonical_param_shapes, random_canonical_weights
+    from moe_rl.weights.hf import hf_names
 
     cfg = dataclasses.replace(ModelConfig(vocab_size=50), hf_family="mixtral", qk_layernorm=False)
     weights = random_canonical_weights(cfg, seed=0)

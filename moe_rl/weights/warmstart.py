@@ -2,7 +2,7 @@
 
 ``init_weights`` is a path, ``builtin:warmstart`` (the shipped tiny SFT checkpoint made by
 ``scripts/make_warmstart.py``), ``hf:DIR`` (a Hugging Face checkpoint directory, see
-``moe_rl/hf_checkpoint.py``) or empty (megatron's random init). A file made for another
+``moe_rl/weights/hf.py``) or empty (megatron's random init). A file made for another
 architecture or tokenizer is refused, naming the key that differs (an HF checkpoint carries no
 tokenizer fingerprint: its vocabulary size is checked).
 """
@@ -21,8 +21,8 @@ from safetensors.torch import save_file
 from moe_rl.config import ARCH_FIELDS, ModelConfig
 from moe_rl.errors import CheckpointError, ConfigError
 from moe_rl.fsutil import open_safetensors
-from moe_rl.rollout.builtin_model import check_canonical_weights
 from moe_rl.tasks import CharTokenizer
+from moe_rl.weights.canonical import check_canonical_weights
 
 BUILTIN = "builtin:warmstart"
 HF_PREFIX = "hf:"
@@ -43,7 +43,7 @@ def load_init_weights(spec: str, model: ModelConfig, tok: CharTokenizer) -> dict
     if not spec:
         return None
     if spec.startswith(HF_PREFIX):
-        from moe_rl.hf_checkpoint import load_hf_checkpoint
+        from moe_rl.weights.hf import load_hf_checkpoint
 
         ckpt = Path(spec[len(HF_PREFIX):])
         if not ckpt.is_dir():

@@ -3,7 +3,7 @@ own parallel layout.
 
 The run's ranks (started as for training, ``moe_rl/launch.py``) build the learner, load the model
 part of the checkpoint, gather the canonical weights and write them from rank 0 with
-``moe_rl.hf_checkpoint.write_hf_checkpoint`` (the file format lives there; this module is the glue
+``moe_rl.weights.hf.write_hf_checkpoint`` (the file format lives there; this module is the glue
 next to the CLI).
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from moe_rl.errors import CheckpointError, ConfigError
-from moe_rl.hf_checkpoint import write_hf_checkpoint
+from moe_rl.weights.hf import write_hf_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ def export_dtype(name: str, init_weights: str) -> torch.dtype:
     if name != "auto":
         return DTYPES[name]
     if init_weights.startswith("hf:") and Path(init_weights[3:]).is_dir():
-        from moe_rl.hf_checkpoint import checkpoint_dtype
+        from moe_rl.weights.hf import checkpoint_dtype
 
         return checkpoint_dtype(init_weights[3:])
     return torch.float32

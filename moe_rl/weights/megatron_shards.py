@@ -2,8 +2,8 @@
 
 Canonical names are Hugging Face Qwen3-MoE names (``model.layers.3.mlp.experts.5.up_proj.weight``)
 with every expert present. The same mapping serves warm-start loading, the learner -> rollout
-engine weight sync (``weight_sync.py`` gathers the shards layer by layer) and HF checkpoint
-import/export (``moe_rl/hf_checkpoint.py``).
+engine weight sync (``stream.py`` gathers the shards layer by layer) and HF checkpoint
+import/export (``hf.py``).
 
 Layouts that differ between the two sides:
 - megatron ``linear_qkv`` [G * (Q/G + 2) * D, H] interleaves per query group g: the Q/G query

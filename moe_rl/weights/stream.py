@@ -5,7 +5,9 @@ the final norm with the output layer, in that order. For each chunk the ranks of
 pipeline stage join the chunk's tensor-parallel pieces (experts over expert-TP) and gather its
 experts over EP, then the owner broadcasts it over the pipeline group; a rank therefore holds at
 most one gathered chunk beyond its own shard, never the full model (Qwen3-235B is ~470 GB in
-bf16). ``export_canonical`` is a dict over the same stream.
+bf16). ``Learner.export_canonical`` is a dict over the same stream. The stream knows megatron
+names of the local spec only (``megatron_shards.py``); the learner renames a TE model's names
+first (``learner/te_spec.py``).
 
 Collectives: one per tensor kind and chunk, never one per expert. A MoE layer's experts travel
 stacked per projection ([E, F, H] gate/up, [E, H, F] down): one all_gather over expert-TP, one
@@ -35,8 +37,7 @@ import torch.distributed as dist
 
 from moe_rl.config import ModelConfig
 from moe_rl.dist import ParallelDims, comm_device
-from moe_rl.learner.te_spec import rename_to_local
-from moe_rl.learner.weights import Shard, megatron_to_canonical, tp_split_dim
+from moe_rl.weights.megatron_shards import Shard, megatron_to_canonical, tp_split_dim
 
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts\.)(\d+)(\.\w+\.weight)$")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
@@ -90,9 +91,9 @@ def _chunk_order(local_name: str, layer_offset: int) -> tuple[int, ...]:
 
 
 def split_by_chunk(tensors: dict[str, torch.Tensor], layer_offset: int) -> dict[tuple[int, ...], dict]:
-    """This stage's megatron tensors (TE names translated) grouped by chunk, no copy."""
+    """This stage's megatron tensors (local-spec names) grouped by chunk, no copy."""
     out: dict[tuple[int, ...], dict[str, torch.Tensor]] = {}
-    for name, t in rename_to_local(tensors).items():
+    for name, t in tensors.items():
         out.setdefault(_chunk_order(name, layer_offset), {})[name] = t
     return out
 
@@ -188,9 +189,10 @@ def _expand(kind: Kind, t: torch.Tensor) -> dict[str, torch.Tensor]:
 
 def stream_canonical(tensors: dict[str, torch.Tensor], cfg: ModelConfig, dims: ParallelDims, shard: Shard
                      ) -> Iterator[dict[str, torch.Tensor]]:
-    """Canonical weights chunk by chunk from this rank's megatron tensors (by parameter name),
-    identical on every rank; see the module docstring. A yielded chunk may alias ``tensors``
-    (a tensor nothing had to gather); its stacked experts are views of one tensor per projection."""
+    """Canonical weights chunk by chunk from this rank's megatron tensors (by local-spec parameter
+    name: the learner renames TE names first), identical on every rank; see the module docstring.
+    A yielded chunk may alias ``tensors`` (a tensor nothing had to gather); its stacked experts are
+    views of one tensor per projection."""
     chunks = plan(tensors, cfg, dims, shard)
     local = split_by_chunk(tensors, shard.layer_offset)
     if dims.pp_size > 1:

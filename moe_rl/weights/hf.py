@@ -1,8 +1,8 @@
 """Hugging Face checkpoints in and out: ``config.json`` + (sharded) safetensors of the Qwen3-MoE
 and Mixtral families.
 
-Canonical weight names ARE the HF Qwen3-MoE hub names (``moe_rl/learner/weights.py`` maps them to
-megatron and back for every EP/TP/PP layout). Other families are renamed here, at the file
+Canonical weight names ARE the HF Qwen3-MoE hub names (``weights/megatron_shards.py`` maps them
+to megatron and back for every EP/TP/PP layout). Other families are renamed here, at the file
 boundary only, by one small table per family (``FAMILIES``, keyed by ``model_type`` ==
 ``ModelConfig.hf_family``): Mixtral's ``block_sparse_moe.gate`` is ``mlp.gate`` and its experts'
 ``w1``/``w3``/``w2`` are ``gate_proj``/``up_proj``/``down_proj``. This module owns the file formats
@@ -17,7 +17,7 @@ and the strict checks (design.md, "Model formats"; issue 7).
   a temporary sibling directory, fsynced and renamed, so a crash never leaves a half checkpoint.
 
 File formats only: no learner, no launcher, so the vLLM engine imports it freely. Exporting a run
-(``moe-rl export-hf``: a run's dist checkpoint loaded by the learner -> HF) is ``moe_rl/export.py``.
+(``moe-rl export-hf``: a run's dist checkpoint loaded by the learner -> HF) is ``weights/export.py``.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from safetensors.torch import save_file
 from moe_rl.config import ARCH_FIELDS, ModelConfig
 from moe_rl.fsutil import fsync_path, open_safetensors, read_json
 from moe_rl.errors import CheckpointError
-from moe_rl.rollout.builtin_model import canonical_param_shapes
+from moe_rl.weights.canonical import canonical_param_shapes
 
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
@@ -336,7 +336,7 @@ def write_hf_checkpoint(out_dir: str | Path, canonical: dict[str, torch.Tensor],
     written next to the weights, so the directory is a complete HF model.
 
     Files go to ``out_dir.tmp``, are fsynced, then the directory is renamed into place."""
-    from moe_rl.rollout.builtin_model import check_canonical_weights
+    from moe_rl.weights.canonical import check_canonical_weights
 
     out_dir = Path(out_dir)
     if out_dir.exists():
