@@ -349,7 +349,7 @@ def summarize_run(rows: list[dict], cfg: RunConfig, *, prompt_tokens: float, num
     only) plus its response. Each token is trained once (6N) and goes through forward-only passes
     2N each: the rollout, the old-log-prob pass, and the reference pass when algo.kl_coef > 0.
     ``learner_mfu`` counts the learner's passes only (old log-probs, reference, update) over their
-    own time (``time/old_logprob_s`` + ``time/update_s``); ``peak_gib`` is the largest
+    own time (``time/old_logprob_s`` + ``time/reference_s`` + ``time/update_s``); ``peak_gib`` is the largest
     ``mem/peak_gib`` (CUDA runs) and ``reward_first``/``reward_last`` the mean reward of the first
     and last quarter of the steps (warm-up included)."""
     all_rows = rows
@@ -371,7 +371,9 @@ def summarize_run(rows: list[dict], cfg: RunConfig, *, prompt_tokens: float, num
     if "routing/flip_router_frac" in out:
         out["routing_agreement"] = 1.0 - out["routing/flip_router_frac"]
     if all("time/update_s" in r for r in rows):
-        learner_s = sum(r["time/old_logprob_s"] + r["time/update_s"] for r in rows) / n
+        # time/reference_s: the reference pass, timed apart from the old one since the step package
+        learner_s = sum(r["time/old_logprob_s"] + r.get("time/reference_s", 0.0) + r["time/update_s"]
+                        for r in rows) / n
         out["learner_s"] = learner_s
         out["learner_mfu"] = mfu(cfg.model, trained_tokens=tokens, forward_tokens=(forward_passes - 1) * tokens,
                                  seconds=learner_s, num_gpus=num_gpus, peak_tflops=peak_tflops)

@@ -1,5 +1,6 @@
-"""THE training loop: rollout -> reward -> old log-probs -> advantages -> update -> weight sync ->
-metrics -> checkpoint. Features live inside the called components, not as branches here."""
+"""THE training loop: rollout -> reward -> old log-probs -> corrections and advantages -> reference
+log-probs -> update -> weight sync -> metrics -> checkpoint. Features live inside the called
+components (the step's in ``moe_rl/step``, resolved once into a ``StepPlan``), not as branches here."""
 
 from __future__ import annotations
 
@@ -14,15 +15,16 @@ from moe_rl.dist import ParallelDims
 from moe_rl.health import HealthMonitor
 from moe_rl.learner.learner import Learner
 from moe_rl.lr import LengthLRScheduler
-from moe_rl.metrics import MetricsWriter, reduce_metrics
-from moe_rl.policy_update import finalize, learning_rate, update
+from moe_rl.metrics import MetricsWriter
 from moe_rl.preflight import check_launch
 from moe_rl.preflight import check_run_dir as check_run_directory
-from moe_rl.prepare import prepare, rollout_metrics
-from moe_rl.rollout.factory import build_engine, sampling_params
+from moe_rl.rollout.factory import build_engine
 from moe_rl.rollout.staleness import StaleWeights
-from moe_rl.routing.plan import ReplayPlan
 from moe_rl.seeding import GENERATE, step_seed
+from moe_rl.step.finalize import finalize
+from moe_rl.step.plan import StepPlan
+from moe_rl.step.prepare import old_logprobs, prepare_batch, reference_logprobs, rollout_metrics
+from moe_rl.step.update import learning_rate, update_policy
 from moe_rl.tasks.setup import build_task, score_step, validate
 from moe_rl.timing import StepTimer, memory_metrics
 from moe_rl.weights.warmstart import load_init_weights
@@ -62,9 +64,9 @@ def sync_weights(engine, learner: Learner, stale: StaleWeights, resumed: bool = 
 def train(cfg: RunConfig, dims: ParallelDims) -> None:
     cfg, task = build_task(cfg)
     run_dir, r, a, tok = Path(cfg.run_dir), cfg.rollout, cfg.algo, task.tokenizer
-    plan = ReplayPlan.from_config(cfg.routing.replay, cfg.routing.replay_reference, cfg.log.router_monitor)
+    plan = StepPlan.from_config(cfg, tok.eos_ids)  # the step's every choice, made once
     init = load_init_weights(cfg.init_weights, cfg.model, tok)
-    learner = Learner(cfg.model, cfg.parallel, cfg.optim, dims, init, with_reference=a.kl_coef > 0,
+    learner = Learner(cfg.model, cfg.parallel, cfg.optim, dims, init, with_reference=plan.reference,
                       monitor=cfg.log.router_monitor, monitor_margin_eps=cfg.log.router_margin_eps,
                       max_tokens_per_micro_batch=a.max_tokens_per_micro_batch)
     engine, lr_sched = build_engine(cfg, tok.pad_id, learner.device), LengthLRScheduler(cfg.optim.length_lr)
@@ -77,7 +79,7 @@ def train(cfg: RunConfig, dims: ParallelDims) -> None:
         (run_dir / "config.yaml").write_text(to_yaml(cfg))
     writer = MetricsWriter(run_dir, to_dict(cfg), cfg.log.wandb_mode, cfg.log.wandb_project,
                            dims.rank, resume_step=start if cfg.resume else None)
-    bar, sampling = progress(cfg, start, dims), sampling_params(cfg, tok.eos_ids)
+    bar = progress(cfg, start, dims)
     health = HealthMonitor(cfg.log.health, cfg.model.vocab_size, active=dims.is_main)
     for step in range(start, cfg.steps):
         m_val = validate(cfg, task, engine, step, dims.dp_rank, dims.dp_size)  # every log.val_every steps
@@ -85,21 +87,24 @@ def train(cfg: RunConfig, dims: ParallelDims) -> None:
         with timer.phase("rollout"):
             prompts = task.source.sample_step(step, r.prompts_per_step // dims.dp_size, dims.dp_rank, dims.dp_size,
                                               cfg.seed)
-            batch = engine.generate([p.prompt_ids for p in prompts], r.samples_per_prompt, sampling,
+            batch = engine.generate([p.prompt_ids for p in prompts], r.samples_per_prompt, plan.sampling,
                                     seed=step_seed(cfg.seed, step, dims.dp_rank, GENERATE))
             m_stale = stale.metrics()
-        with timer.phase("old_logprob"):
+        with timer.phase("score"):
             rewards_B, m_reward = score_step(cfg, task, prompts, batch)
-            train_batch, m_old = prepare(cfg, plan, learner, batch, rewards_B)
-            lr, m_lr, events = learning_rate(cfg, lr_sched, step, batch, dims.dp_group)
+        with timer.phase("old_logprob"):
+            old = old_logprobs(plan, learner, batch)
+        with timer.phase("prepare"):  # corrections, advantages, this step's LR
+            train_batch, m_prep = prepare_batch(plan, learner, old, rewards_B)
+            lr, m_lr, events = learning_rate(plan, lr_sched, step, batch, dims.dp_group)
+        with timer.phase("reference"):  # a no-op unless algo.kl_coef > 0
+            train_batch = reference_logprobs(plan, learner, train_batch)
         with timer.phase("update"):
-            m_update = update(cfg, plan, learner, train_batch, lr)
+            m_update = update_policy(plan, learner, train_batch, lr)
         with timer.phase("sync"):
             sync_weights(engine, learner, stale)  # weight sync learner -> engine
-        # over data-parallel ranks: tensor-parallel peers hold the same batch and the same metrics
-        metrics = finalize(reduce_metrics({**m_val, **m_reward, **m_old, **m_update, **m_lr, **m_stale,
-                                           **rollout_metrics(batch), **timer.metrics(),
-                                           **memory_metrics(learner.device)}, group=dims.dp_group))
+        metrics = finalize({**m_val, **m_reward, **m_prep, **m_update, **m_lr, **m_stale, **rollout_metrics(batch),
+                            **timer.metrics(), **memory_metrics(learner.device)}, dims.dp_group)
         writer.log(step, metrics)
         writer.log_events(events + health.observe(step, metrics))  # LR decays, health alarms
         bar.update(1)

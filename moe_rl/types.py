@@ -70,6 +70,16 @@ class RolloutBatch:
     def num_seqs(self) -> int:
         return int(self.tokens_BS.shape[0])
 
+    def response_ids(self, pad_id: int) -> torch.Tensor:
+        """The generated tokens of each sequence, left-aligned and right-padded: int64 [B, R]
+        (R the longest response)."""
+        lens_B = self.response_lens_B
+        r_max = int(lens_B.max())
+        pos_R = torch.arange(r_max, device=lens_B.device)
+        idx_BR = (self.prompt_lens_B[:, None] + pos_R[None, :]).clamp(max=self.tokens_BS.shape[1] - 1)
+        valid_BR = pos_R[None, :] < lens_B[:, None]
+        return torch.where(valid_BR, self.tokens_BS.gather(1, idx_BR), torch.full_like(idx_BR, pad_id))
+
     def to(self, device: torch.device | str) -> RolloutBatch:
         """A copy with every [B]/[B, S] tensor on ``device`` (route records stay where they are)."""
         moved = {f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
@@ -79,7 +89,7 @@ class RolloutBatch:
 
 @dataclass(frozen=True)
 class TrainBatch:
-    """What the learner's passes consume, built once per step by ``moe_rl.prepare`` and never
+    """What the learner's passes consume, built once per step by ``moe_rl.step.prepare`` and never
     mutated: minibatches (``select``) and micro-batches (``micro_batches``) are new batches.
 
     Every per-token tensor is [B, S] (``*_BSV``: [B, S, V]) in the token layout above; fields a

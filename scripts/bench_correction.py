@@ -49,8 +49,9 @@ def correction_cost_s(preset: list[str], reps: int = 20) -> float:
     """Seconds per step the correction adds over the plain PPO loss, on one rank's batch shape."""
     import torch
 
-    from moe_rl import rollout_correction
     from moe_rl.config import load_config
+    from moe_rl.step import correction
+    from moe_rl.step.plan import StepPlan
     from moe_rl.types import TokenStats, TrainBatch
 
     cfg = load_config(preset[0] if preset else None)
@@ -63,12 +64,13 @@ def correction_cost_s(preset: list[str], reps: int = 20) -> float:
                     rollout_logp_BS=rollout, advantages_BS=torch.randn(B, S, generator=g))
 
     def one(c) -> float:
+        plan = StepPlan.from_config(c)  # the loss is built once per run, not per step
         t0 = time.perf_counter()
         for _ in range(reps):
-            corr, _ = rollout_correction.prepare(c.correction, old, rollout, mask, None)
+            corr, _ = correction.drift_tensors(plan.correction, old, rollout, mask, None)
             logp = old.clone().requires_grad_(True)
             st = TokenStats(logp, torch.zeros_like(logp), torch.zeros_like(logp))
-            loss, _ = rollout_correction.loss_fn(c.correction, c.algo)(
+            loss, _ = plan.loss(
                 mb.replace(is_weights_BS=corr.is_weights_BS, keep_BS=corr.keep_BS), st, mask.sum())
             loss.backward()
         return (time.perf_counter() - t0) / reps

@@ -24,10 +24,10 @@ def _measure(args) -> list[dict]:
     from moe_rl import dist
     from moe_rl.config import LogConfig, RunConfig
     from moe_rl.learner.learner import Learner
-    from moe_rl.policy_update import update
-    from moe_rl.prepare import prepare, response_ids
     from moe_rl.rollout.factory import build_engine, sampling_params
-    from moe_rl.routing.plan import ReplayPlan
+    from moe_rl.step.plan import StepPlan
+    from moe_rl.step.prepare import old_logprobs, prepare_batch
+    from moe_rl.step.update import update_policy
     from moe_rl.tasks import CharTokenizer, build_prompt_source, score
     from moe_rl.tasks.setup import resolve_vocab as resolve
     from moe_rl.weights.warmstart import load_init_weights
@@ -41,7 +41,7 @@ def _measure(args) -> list[dict]:
     init = load_init_weights(cfg_on.init_weights, cfg_on.model, tok)
     learners = {name: Learner(cfg_on.model, cfg_on.parallel, cfg_on.optim, ctx, init, monitor=name == "on")
                 for name in ("on", "off")}  # the same weights; lr 0 keeps them the same
-    plans = {name: ReplayPlan.from_config("off", True, name == "on") for name in ("on", "off")}
+    plans = {"on": StepPlan.from_config(cfg_on), "off": StepPlan.from_config(cfg_off)}  # routing.replay=off
     learner, monitor = learners["on"], learners["on"].monitor
     engine = build_engine(cfg_on, tok.pad_id)
     engine.load_weights(learner.export_canonical())
@@ -53,7 +53,7 @@ def _measure(args) -> list[dict]:
     batch = engine.generate([p.prompt_ids for p in prompts], r.samples_per_prompt, sampling,
                             seed=ctx.dp_rank)
     rollout_s = time.perf_counter() - t0
-    rewards_B, _ = score(prompts, response_ids(batch, tok.pad_id), tok, r.samples_per_prompt,
+    rewards_B, _ = score(prompts, batch.response_ids(tok.pad_id), tok, r.samples_per_prompt,
                          task_names=source.task_names)
     # the monitor's own code, timed directly (robust to other load on the machine): its hooks,
     # the update passes' comparison with the old pass's routes, and the once-per-step reduction
@@ -75,12 +75,12 @@ def _measure(args) -> list[dict]:
     own: list[float] = []
     for rep in range(args.reps + 1):
         for name in ("on", "off") if rep % 2 == 0 else ("off", "on"):
-            cfg = cfg_on if name == "on" else cfg_off
             torch.distributed.barrier()
             inside[0] = 0.0
             t0 = time.perf_counter()
-            tb, _ = prepare(cfg, plans[name], learners[name], batch, rewards_B)
-            m = update(cfg, plans[name], learners[name], tb, lr=0.0)
+            old = old_logprobs(plans[name], learners[name], batch)
+            tb, _ = prepare_batch(plans[name], learners[name], old, rewards_B)
+            m = update_policy(plans[name], learners[name], tb, lr=0.0)
             torch.distributed.barrier()
             if rep:  # the first round warms up
                 times[name].append(time.perf_counter() - t0)

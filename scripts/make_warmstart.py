@@ -51,7 +51,6 @@ def main() -> None:
     from moe_rl import dist
     from moe_rl.config import ParallelConfig, RunConfig
     from moe_rl.learner.learner import Learner
-    from moe_rl.prepare import response_ids
     from moe_rl.rollout.factory import sampling_params
     from moe_rl.rollout.builtin import BuiltinEngine
     from moe_rl.tasks import CharTokenizer, build_prompt_source, score
@@ -81,7 +80,7 @@ def main() -> None:
         sp = sampling_params(cfg, (tok.eos_id,))
         sp = dataclasses.replace(sp, top_k=1) if greedy else sp
         batch = engine.generate([p.prompt_ids for p in prompts], 1, sp, seed=step)
-        rewards_B, _ = score(prompts, response_ids(batch, tok.pad_id), tok, 1)
+        rewards_B, _ = score(prompts, batch.response_ids(tok.pad_id), tok, 1)
         return float(rewards_B.mean())
 
     t0 = time.perf_counter()

@@ -1,14 +1,17 @@
-"""unit tier: the training loop's helpers (checkpoint schedule, step timer, seeds)."""
+"""unit tier: the training loop's helpers (checkpoint schedule, step timer and its phases, seeds)."""
 
 from __future__ import annotations
 
+import ast
 import time
+from pathlib import Path
 
 import pytest
 
 from moe_rl.checkpointing import CheckpointManager
 from moe_rl.config import load_config
 from moe_rl.lr import LengthLRScheduler
+from moe_rl.memory import summarize_run
 from moe_rl.seeding import GENERATE, PROMPTS, step_seed
 from moe_rl.timing import StepTimer
 
@@ -32,6 +35,22 @@ def test_step_timer_adds_phases_and_the_whole_step():
     m = timer.metrics()
     assert set(m) == {"time/update_s", "time/step_s"}
     assert 0.02 <= m["time/update_s"] <= m["time/step_s"]
+
+
+@pytest.mark.unit
+def test_the_loop_times_each_stage_apart_and_the_learner_time_counts_its_passes():
+    tree = ast.parse((Path(__file__).resolve().parents[1] / "moe_rl" / "trainer.py").read_text())
+    train = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "train")
+    calls = sorted((n for n in ast.walk(train) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+                    and n.func.attr == "phase"), key=lambda n: n.lineno)
+    # old_logprob is the old pass alone (scripts and memory.summarize_run read time/<phase>_s)
+    assert [c.args[0].value for c in calls] == ["rollout", "score", "old_logprob", "prepare", "reference",
+                                                "update", "sync"]
+    cfg = load_config(None, ["model.vocab_size=50", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=2",
+                             "algo.num_minibatches=1"])
+    rows = [{"time/step_s": 9.0, "time/old_logprob_s": 1.0, "time/reference_s": 0.5, "time/update_s": 2.0,
+             "rollout/response_len_mean": 5.0}] * 2
+    assert summarize_run(rows, cfg, prompt_tokens=5.0)["learner_s"] == 3.5  # old + reference + update
 
 
 @pytest.mark.unit

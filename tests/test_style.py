@@ -208,7 +208,7 @@ def test_only_rollout_imports_the_builtin_engines_model():
 def test_import_graph_builder_resolves_submodules_packages_and_lazy_imports():
     graph = import_graph()
     assert "moe_rl.learner.checkpoint" in graph["moe_rl.preflight"]  # from moe_rl.learner import checkpoint
-    assert "moe_rl.rollout_correction" in graph["moe_rl.prepare"]  # from moe_rl import rollout_correction
+    assert "moe_rl.step.correction" in graph["moe_rl.step.prepare"]  # from moe_rl.step import correction
     assert "moe_rl.tasks" in graph["moe_rl.trainer"]  # from moe_rl.tasks import ... (a package __init__)
     assert "moe_rl.tasks.dataset" in graph["moe_rl.tasks"]  # ... whose re-exports carry on
     assert "moe_rl.trainer" in graph["moe_rl.launch"]  # an import inside a function

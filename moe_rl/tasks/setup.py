@@ -98,10 +98,8 @@ def build_task(cfg: RunConfig, start_pool: bool = True) -> tuple[RunConfig, Task
 
 def score_step(cfg: RunConfig, task: Task, prompts: list, batch) -> tuple[torch.Tensor, dict]:
     """Rewards of a rollout (plus the overlong penalty when on) and the reward metrics."""
-    from moe_rl.prepare import response_ids
-
     t = cfg.task
-    rewards_B, metrics = score(prompts, response_ids(batch, task.tokenizer.pad_id), task.tokenizer,
+    rewards_B, metrics = score(prompts, batch.response_ids(task.tokenizer.pad_id), task.tokenizer,
                                cfg.rollout.samples_per_prompt, task_names=task.source.task_names,
                                pool=task.pool, text_metrics=task.text_metrics)
     if t.overlong_buffer > 0:
@@ -121,7 +119,6 @@ def validate(cfg: RunConfig, task: Task, engine, step: int, dp_rank: int, dp_siz
     """Validation reward on the fixed validation prompts (this rank's share: every dp_size-th),
     one greedy (top-k 1) and one sampled response each: ``val/reward/mean[/<source>]`` and
     ``val/reward_sampled/mean[/<source>]``. Empty unless ``log.val_every`` divides ``step``."""
-    from moe_rl.prepare import response_ids
     from moe_rl.rollout.factory import sampling_params
     from moe_rl.seeding import VALIDATE, step_seed
 
@@ -137,7 +134,7 @@ def validate(cfg: RunConfig, task: Task, engine, step: int, dp_rank: int, dp_siz
     for prefix, params in (("val/reward", greedy), ("val/reward_sampled", sampled)):
         batch = engine.generate([p.prompt_ids for p in prompts], 1, params,
                                 seed=step_seed(cfg.seed, step, dp_rank, VALIDATE))
-        _, m = score(prompts, response_ids(batch, task.tokenizer.pad_id), task.tokenizer, 1,
+        _, m = score(prompts, batch.response_ids(task.tokenizer.pad_id), task.tokenizer, 1,
                      task_names=task.val_source.task_names, pool=task.pool)
         out.update({prefix + k[len("reward"):]: v for k, v in m.items() if k.startswith("reward/mean")})
     return {**out, "time/validate_s": time.perf_counter() - t0}

@@ -334,13 +334,14 @@ def test_chi2_seq_and_seq_k1_rejection_use_the_exact_sum():
 
 @pytest.mark.unit
 def test_glue_and_bypass_paths_weight_sequences_exactly():
-    from moe_rl import rollout_correction
     from moe_rl.config import load_config
+    from moe_rl.step import correction
+    from moe_rl.step.plan import StepPlan
 
     train, roll, mask = _extreme()
     train, roll, mask = train[:1].float(), roll[:1].float(), mask[:1]
-    cc = load_config(None, ["correction.is_level=sequence", "correction.is_clip=1e6"]).correction
-    corr, _ = rollout_correction.prepare(cc, train, roll, mask, None)
+    plan = StepPlan.from_config(load_config(None, ["correction.is_level=sequence", "correction.is_clip=1e6"]))
+    corr, _ = correction.drift_tensors(plan.correction, train, roll, mask, None)
     assert corr.is_weights_BS[0, :2].tolist() == pytest.approx([math.exp(0.5)] * 2, rel=1e-6)
     logp = train.clone().requires_grad_(True)
     _, metrics = losses.bypass_loss(logp, roll, torch.ones(1, 3), mask, mode="reinforce", normalizer=2.0,

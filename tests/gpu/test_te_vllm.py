@@ -78,7 +78,7 @@ def test_te_bf16_forward_matches_local_spec(single_rank):
 @pytest.mark.gpu
 def test_vllm_generate_routes_pass_ingest(tmp_path):
     pytest.importorskip("vllm")
-    from moe_rl.prepare import rollout_routes
+    from moe_rl.step.prepare import rollout_routes
     from moe_rl.rollout.vllm_engine import VllmEngine
     from moe_rl.routing.record import RouteHeader
     from moe_rl.types import SamplingParams

@@ -312,9 +312,10 @@ def test_dvp_metrics_without_the_rollout_distribution(fp32_engine: BuiltinEngine
     # distribution: the metrics that need it are left out, the others are unchanged
     import dataclasses
 
-    from moe_rl import rollout_correction
     from moe_rl.config import load_config
     from moe_rl.corrections.dvp import restricted_logprobs
+    from moe_rl.step import correction
+    from moe_rl.step.plan import StepPlan
     from moe_rl.types import TokenStats
 
     sp = SamplingParams(max_new_tokens=6, temperature=1.0, dvp_threshold=0.2, return_dist=True)
@@ -324,13 +325,12 @@ def test_dvp_metrics_without_the_rollout_distribution(fp32_engine: BuiltinEngine
     logp_BS = torch.where(m, r.logp_BS + 0.01, 0.0)  # a slightly drifted learner
     old = TokenStats(logp_BS, torch.zeros_like(logp_BS), torch.zeros_like(logp_BS), full_logp_BS=r.full_logp_BS,
                      log_safe_mass_BS=r.log_safe_mass_BS)
-    cc = load_config(None, ["correction.dvp_threshold=0.2"]).correction
+    cp = StepPlan.from_config(load_config(None, ["correction.dvp_threshold=0.2"])).correction
     full = {k: float(v.sum / v.count) if hasattr(v, "count") else float(v.value)
-            for k, v in rollout_correction.dvp_batch_metrics(cc, out, old).items()}
+            for k, v in correction.dvp_batch_metrics(cp, out, old).items()}
     partial = {k: float(v.sum / v.count) if hasattr(v, "count") else float(v.value)
-               for k, v in rollout_correction.dvp_batch_metrics(cc, dataclasses.replace(out, dist_logp_BSV=None),
-                                                                old).items()}
-    assert set(full) - set(partial) == set(rollout_correction.ROLLOUT_DIST_METRICS)
+               for k, v in correction.dvp_batch_metrics(cp, dataclasses.replace(out, dist_logp_BSV=None), old).items()}
+    assert set(full) - set(partial) == set(correction.ROLLOUT_DIST_METRICS)
     # (the engine reports its fp32 log-prob; the recomputation differs by ~1e-7, k3 is second order)
     assert partial == pytest.approx({k: full[k] for k in partial}, rel=1e-4)
     assert partial["corr/dvp_k3_after"] > 0 and partial["corr/dvp_outside_frac"] == 0.0

@@ -1,4 +1,5 @@
-"""unit tier: moe_rl/rollout_correction.py turns correction.* config into masks, weights and the loss."""
+"""unit tier: moe_rl/step/correction.py, run from the plan moe_rl/step/plan.py resolves from
+correction.*: masks, weights and the loss."""
 
 from __future__ import annotations
 
@@ -7,9 +8,14 @@ import math
 import pytest
 import torch
 
-from moe_rl import rollout_correction
 from moe_rl.config import load_config
+from moe_rl.step import correction
+from moe_rl.step.plan import StepPlan
 from moe_rl.types import TokenStats, TrainBatch
+
+
+def _plan(preset: str | None = None, *overrides: str) -> StepPlan:
+    return StepPlan.from_config(load_config(preset, list(overrides)))
 
 
 def _batch():
@@ -33,17 +39,17 @@ def _stats(logp):
 
 @pytest.mark.unit
 def test_default_config_keeps_everything_and_has_no_weights():
-    cfg = load_config(None)
+    plan = _plan()
     mask, rollout, old = _batch()
-    corr, metrics = rollout_correction.prepare(cfg.correction, old, rollout, mask, None)
+    corr, metrics = correction.drift_tensors(plan.correction, old, rollout, mask, None)
     assert torch.equal(corr.keep_BS, mask) and corr.is_weights_BS is None and metrics == {}
 
 
 @pytest.mark.unit
 def test_seq_mis_weights_and_rejects_the_drifted_sequence():
-    cfg = load_config("configs/corrections/seq_mis.yaml")
+    plan = _plan("configs/corrections/seq_mis.yaml")
     mask, rollout, old = _batch()
-    corr, metrics = rollout_correction.prepare(cfg.correction, old, rollout, mask, None)
+    corr, metrics = correction.drift_tensors(plan.correction, old, rollout, mask, None)
     # sum_t log rho of sequence 1 = 1.0 > log 2: rejected; the others (log rho = 0) kept
     assert corr.keep_BS.any(-1).tolist() == [True, False, True]
     w = corr.is_weights_BS
@@ -55,11 +61,11 @@ def test_seq_mis_weights_and_rejects_the_drifted_sequence():
 
 @pytest.mark.unit
 def test_trm_against_old_masks_whole_sequences_and_keeps_the_normaliser():
-    cfg = load_config(None, ["correction.trm_max=0.05"])
+    plan = _plan(None, "correction.trm_max=0.05")
     mask, rollout, old = _batch()
-    corr, _ = rollout_correction.prepare(cfg.correction, old, rollout, mask, None)
+    corr, _ = correction.drift_tensors(plan.correction, old, rollout, mask, None)
     assert corr.keep_BS.any(-1).tolist() == [True, False, True]  # k2 = 0.125 > 0.05 in sequence 1
-    loss = rollout_correction.loss_fn(cfg.correction, cfg.algo)
+    loss = plan.loss
     adv = torch.ones(3, 4)
     logp = old.clone().requires_grad_(True)
     mb = _train_batch(mask, rollout, adv, old_logp_BS=old, keep_BS=corr.keep_BS, is_weights_BS=corr.is_weights_BS)
@@ -72,9 +78,8 @@ def test_trm_against_old_masks_whole_sequences_and_keeps_the_normaliser():
 
 @pytest.mark.unit
 def test_bypass_reinforce_gradient_is_weighted_score_function():
-    cfg = load_config("configs/corrections/bypass_reinforce.yaml")
     mask, rollout, old = _batch()
-    loss = rollout_correction.loss_fn(cfg.correction, cfg.algo)
+    loss = _plan("configs/corrections/bypass_reinforce.yaml").loss
     logp = old.clone().requires_grad_(True)
     adv = torch.ones(3, 4)
     value, _ = loss(_train_batch(mask, rollout, adv), _stats(logp), 8.0)
@@ -88,12 +93,13 @@ def test_bypass_reinforce_gradient_is_weighted_score_function():
 def test_learner_refuses_a_log_prob_support_mismatch():
     from moe_rl.types import RolloutBatch
 
-    cfg = load_config(None, ["correction.dvp_threshold=0.05"])
+    plan = _plan(None, "correction.dvp_threshold=0.05")
+    assert plan.correction.support == "dvp:relative:0.05"  # the engine's sampling params say so
     z = torch.zeros(1, 3)
     batch = RolloutBatch(z.long(), torch.ones(1).long(), torch.ones(1).long(), z.bool(), z, [],
                          torch.zeros(1).long(), torch.ones(1).bool(), logprob_support="full")
     with pytest.raises(ValueError, match="support 'full' but the learner computes them over 'dvp:relative:0.05'"):
-        rollout_correction.token_inputs(cfg.correction, batch, "dvp:relative:0.05")
+        correction.token_inputs(plan.correction, batch)
     batch.logprob_support = "dvp:relative:0.05"
     with pytest.raises(ValueError, match="returned no safe sets"):
-        rollout_correction.token_inputs(cfg.correction, batch, "dvp:relative:0.05")
+        correction.token_inputs(plan.correction, batch)

@@ -1,7 +1,8 @@
-"""unit tier: the typed batch, the replay plan, batch preparation and the update loop's split, on
-closed-form inputs. The learner here is a stand-in with known log-probs (the real megatron learner
-is tested in tests/learner and end to end); what is checked is the glue: which routes each pass
-gets, what the TrainBatch carries, and the numbers computed from known inputs."""
+"""unit tier: the typed batch, the replay plan, the step's stages (moe_rl/step/prepare.py,
+update.py) and the update loop's split, on closed-form inputs. The learner here is a stand-in with
+known log-probs (the real megatron learner is tested in tests/learner and end to end); what is
+checked is the glue: which routes each pass gets, what the TrainBatch carries, and the numbers
+computed from known inputs. The stages get a StepPlan only, never the config."""
 
 from __future__ import annotations
 
@@ -13,11 +14,12 @@ import torch
 
 from moe_rl.config import ModelConfig, load_config
 from moe_rl.learner.learner import LogprobOutput, UpdateOutput
-from moe_rl.policy_update import update
-from moe_rl.prepare import prepare, response_ids
 from moe_rl.routing.agreement import RoutingOutcome
 from moe_rl.routing.plan import PassMode, PassPlan, ReplayMode, ReplayPlan
 from moe_rl.routing.record import RouteBatch, RouteHeader
+from moe_rl.step.plan import StepPlan
+from moe_rl.step.prepare import old_logprobs, prepare_batch, reference_logprobs
+from moe_rl.step.update import update_policy
 from moe_rl.types import RolloutBatch, TokenStats, TrainBatch
 
 MODEL = ModelConfig(vocab_size=16, hidden_size=8, num_layers=2, num_attention_heads=2, num_query_groups=1,
@@ -52,6 +54,7 @@ class _Learner:
     def __init__(self) -> None:
         self.dims = dataclasses.make_dataclass("Dims", [("dp_group", object, None)])()
         self.passes: list[tuple[str, TrainBatch, PassPlan | None]] = []
+        self.losses: list = []
         self.recorded = RouteBatch(torch.zeros(0, len(HEADER.layer_ids), 2, dtype=HEADER.dtype),
                                    torch.zeros(4, dtype=torch.int64), torch.zeros(4, dtype=torch.int64),
                                    torch.full((4,), 2), HEADER)
@@ -65,6 +68,7 @@ class _Learner:
 
     def update(self, batch, loss_fn, temperature, micro_batch_size, lr, plan=None):
         self.passes.append(("update", batch, plan))
+        self.losses.append(loss_fn)
         odd = len(self.passes) % 2
         return UpdateOutput(0.0 if odd else 4.0, [], RoutingOutcome(), skipped=bool(odd))
 
@@ -109,18 +113,21 @@ def test_train_batch_select_micro_batches_and_to_make_new_batches():
 @pytest.mark.unit
 @pytest.mark.parametrize("mode", ["off", "r2", "r3"])
 def test_prepare_routes_each_pass_as_the_plan_says(mode):
-    cfg = load_config(None, [f"routing.replay={mode}", "algo.kl_coef=0.1", "correction.is_level=token"])
-    plan = ReplayPlan.from_config(mode, True, monitor=True)
+    plan = StepPlan.from_config(load_config(None, [f"routing.replay={mode}", "algo.kl_coef=0.1",
+                                                   "correction.is_level=token", "log.router_monitor=true"]))
     learner, rollout = _Learner(), _rollout()
     rewards_B = torch.tensor([1.0, 0.0, 0.5, 0.5])
-    tb, metrics = prepare(cfg, plan, learner, rollout, rewards_B)
+    old = old_logprobs(plan, learner, rollout)
+    tb, metrics = prepare_batch(plan, learner, old, rewards_B)
+    assert len(learner.passes) == 1 and tb.ref_logp_BS is None  # the reference pass is a stage of its own
+    tb, replay = reference_logprobs(plan, learner, tb), plan.replay
     (kind0, old_batch, old_plan), (kind1, ref_batch, ref_plan) = learner.passes
     assert (kind0, kind1) == ("old", "ref")
-    assert old_plan == plan.old_pass and old_plan.keep_native  # the monitor keeps the old routes
+    assert old_plan == replay.old_pass and old_plan.keep_native  # the monitor keeps the old routes
     assert torch.equal(old_batch.routes.rows_B, torch.tensor([4, 2, 3, 3]))  # the rollout's, T - 1 rows each
     expected = {"off": None, "r2": learner.recorded, "r3": old_batch.routes}[mode]
     assert tb.routes is expected and tb.old_routes is learner.recorded
-    assert (ref_batch.routes is expected) and (ref_plan == plan.reference_pass)
+    assert (ref_batch.routes is expected) and (ref_plan == replay.reference_pass)
     # closed form: GRPO (Bessel std) of [1, 0] -> +-0.7071, of [0.5, 0.5] -> 0
     adv_B = tb.advantages_BS.sum(1) / rollout.response_mask_BS.sum(1)
     assert adv_B.tolist() == pytest.approx([1 / math.sqrt(2), -1 / math.sqrt(2), 0.0, 0.0], abs=1e-5)
@@ -136,14 +143,15 @@ def test_prepare_routes_each_pass_as_the_plan_says(mode):
 
 @pytest.mark.unit
 def test_update_splits_by_minibatch_and_averages_grad_norms():
-    cfg = load_config(None, ["algo.num_minibatches=2", "routing.replay=r3"])
-    plan = ReplayPlan.from_config("r3", True, monitor=False)
+    plan = StepPlan.from_config(load_config(None, ["algo.num_minibatches=2", "routing.replay=r3",
+                                                   "log.router_monitor=false"]))
     learner, rollout = _Learner(), _rollout()
     tb = TrainBatch(rollout.tokens_BS, rollout.prompt_lens_B + rollout.response_lens_B,
                     loss_mask_BS=rollout.response_mask_BS)
-    m = update(cfg, plan, learner, tb, lr=0.5)
+    m = update_policy(plan, learner, tb, lr=0.5)
     sizes = [b.seq_lens_B.tolist() for _, b, _ in learner.passes]
-    assert sizes == [[5, 3], [4, 4]] and all(p == plan.update_pass for _, _, p in learner.passes)
+    assert sizes == [[5, 3], [4, 4]] and all(p == plan.replay.update_pass for _, _, p in learner.passes)
+    assert all(loss is plan.loss for loss in learner.losses)  # the loss built once, at plan build
     assert (m["train/grad_norm"], m["train/grad_norm_max"], m["train/lr"]) == (2.0, 4.0, 0.5)
     assert m["train/skipped_minibatches"] == 1  # the first minibatch had no gradient on any rank
 
@@ -151,4 +159,4 @@ def test_update_splits_by_minibatch_and_averages_grad_norms():
 @pytest.mark.unit
 def test_response_ids_left_aligns_the_responses():
     rollout = _rollout()
-    assert response_ids(rollout, pad_id=0).tolist() == [[5, 6, 7], [5, 0, 0], [5, 6, 0], [5, 6, 0]]
+    assert rollout.response_ids(pad_id=0).tolist() == [[5, 6, 7], [5, 0, 0], [5, 6, 0], [5, 6, 0]]
