@@ -3,7 +3,8 @@ answers, in the peers' row formats, so a new user can try the HF path without do
 
 - ``--style verl`` (default): ``{"data_source": "arith_words", "prompt": [{"role": "user", "content":
   ...}], "reward_model": {"style": "rule", "ground_truth": "16"}, "extra_info": {"index": i}}``;
-  train with ``task.answer_key=reward_model.ground_truth task.apply_chat_template=true``.
+  train with ``task.answer_key=reward_model.ground_truth`` (the chat prompts go through the template:
+  ``task.apply_chat_template=auto``, the default).
 - ``--style slime``: ``{"input": ..., "label": "16", "data_source": "arith_words"}``; train with
   ``task.prompt_key=input task.answer_key=label``.
 

@@ -177,3 +177,19 @@ def test_staleness_cost_is_said(tmp_path, caplog):
         stale.push({"w": torch.ones(2**27)})
     assert [r.getMessage() for r in caplog.records] == [
         "rollout.staleness=3 keeps 4 weight sets of 0.50 GiB on this rank (2.00 GiB)"]
+
+
+@pytest.mark.bad_input
+def test_apply_chat_template_value(tmp_path):
+    fails_with(tmp_path, "override 'task.apply_chat_template=maybe': config key 'task.apply_chat_template': 'maybe' "
+                         "is not one of ['auto', 'false', 'true']", "train", f"run_dir={tmp_path / 'run'}",
+               "task.apply_chat_template=maybe")
+
+
+@pytest.mark.bad_input
+def test_chat_messages_without_a_template_name_tokenizer_and_row(tmp_path):
+    data = write(tmp_path / "p.jsonl", '{"prompt": "C12:", "answer": "12"}\n'
+                                       '{"prompt": [{"role": "user", "content": "C1:"}], "answer": "1"}\n')
+    fails_with(tmp_path, f"{data}: row 2: key 'prompt' holds chat messages but the tokenizer builtin:char has no "
+                         f"chat template; use an HF tokenizer with one (task.tokenizer=hf:DIR) or plain string "
+                         f"prompts", "train", f"run_dir={tmp_path / 'run'}", f"task.dataset={data}")
