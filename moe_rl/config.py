@@ -506,7 +506,7 @@ class TaskConfig:
                    f"{getattr(self, key)!r} is not a dotted key path")
         _check(self.reward != "", "task.reward", "must name a reward")
         # YAML reads an unquoted true/false as a boolean, stored here as 'True'/'False'
-        object.__setattr__(self, "apply_chat_template", self.apply_chat_template.lower())
+        object.__setattr__(self, "apply_chat_template", str(self.apply_chat_template).lower())
         _one_of(self.apply_chat_template, "task.apply_chat_template", ("auto", "true", "false"))
         for key in ("max_prompt_tokens", "val_max_prompts", "reward_workers", "overlong_buffer"):
             _check(getattr(self, key) >= 0, f"task.{key}", "must be >= 0")

@@ -43,6 +43,7 @@ def export_from_checkpoint(learner, ckpt: Path, out_dir: Path, max_shard_bytes: 
     checkpoint from rank 0 (every rank gathers the experts), in ``dtype`` (default: as trained),
     with ``extra_files`` (the tokenizer's) beside it."""
     import torch.distributed as dist
+
     from moe_rl.learner import checkpoint
 
     state = checkpoint.load_sharded({"model": learner.gpt.sharded_state_dict(prefix="")}, ckpt)  # names bad files

@@ -101,9 +101,8 @@ def _sharded_state(learner, is_loading: bool) -> dict[str, Any]:
 
 
 def save(learner, ckpt_root: Path, step: int, trainer_state: dict[str, Any]) -> Path:
-    """Collective: every rank calls it. Returns the final checkpoint directory."""
-    from megatron.core import dist_checkpointing
-
+    """Collective: every rank calls it. Returns the final checkpoint directory. A full disk is a
+    DiskFullError naming the path; the previous checkpoint stays ``latest``."""
     ckpt_root = Path(ckpt_root)
     final = ckpt_root / f"step_{step:06d}"
     tmp = ckpt_root / f"step_{step:06d}.tmp"
@@ -146,10 +145,17 @@ def _save_state(learner, tmp: Path) -> None:
         with disk_full_named(tmp):
             dist_checkpointing.save(_sharded_state(learner, is_loading=False), str(tmp))
     except (Exception, CheckpointException) as e:  # torch's CheckpointException is a BaseException
-        if isinstance(e, DiskFullError) or shutil.disk_usage(tmp.parent).free < FULL_DISK_FREE_BYTES:
+        if isinstance(e, DiskFullError) or _free_bytes(tmp.parent) < FULL_DISK_FREE_BYTES:
             shutil.rmtree(tmp, ignore_errors=True)  # frees the space; `latest` is untouched
             raise DiskFullError(f"no space left on device: {tmp}") from None
         raise
+
+
+def _free_bytes(path: Path) -> float:
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:  # not visible from this rank: say nothing about the disk
+        return float("inf")
 
 
 def _prune(ckpt_root: Path, keep: str) -> None:
@@ -179,7 +185,7 @@ def check_files(path: Path) -> None:
     meta = Path(path) / ".metadata"
     try:
         storage = FileSystemReader(str(path)).read_metadata().storage_data
-    except Exception as e:
+    except (OSError, EOFError, pickle.UnpicklingError, ValueError, AttributeError) as e:
         raise CheckpointError(f"{meta}: unreadable checkpoint metadata ({type(e).__name__}); the checkpoint in "
                               f"{path} is truncated or corrupt: resume from another step") from None
     need: dict[str, int] = {}

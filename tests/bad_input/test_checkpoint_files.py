@@ -75,7 +75,7 @@ def _worker(rank: int, root: str) -> dict:
     path = checkpoint.save(learner, root_p, 1, {})
     out = _full_disk_save(learner, root_p, checkpoint)
     out["good"] = checkpoint.load(learner, path)
-    shard = sorted(path.glob("*.distcp"))[0]
+    shard = min(path.glob("*.distcp"))
     blob = shard.read_bytes()
     out["size"] = len(blob)
     shard.write_bytes(blob[:1000])

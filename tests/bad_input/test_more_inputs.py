@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import logging
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -19,7 +20,13 @@ import torch
 from click.testing import CliRunner
 
 from moe_rl import cli
-from tests.bad_input.test_cli_errors import _fake_run, fails_with, run_cli, snapshot, write
+from tests.bad_input.test_cli_errors import (
+    _fake_run,
+    fails_with,
+    run_cli,
+    snapshot,
+    write,
+)
 
 
 @pytest.mark.bad_input
@@ -39,8 +46,8 @@ def test_invalid_utf8_in_a_dataset_names_file_and_line_or_row(tmp_path):
     ("optim.adam_beta1=-0.5", "config key 'optim.adam_beta1': -0.5 is not in [0, 1)"),
     ("optim.adam_beta2=1", "config key 'optim.adam_beta2': 1.0 is not in [0, 1)"),
     ("optim.weight_decay=-0.01", "config key 'optim.weight_decay': must be >= 0 (got -0.01)"),
-    ("task.val_max_prompts=3", "config key 'task.val_max_prompts': 3 prompts do not split over 2 data-parallel "
-                               "ranks"),
+    ("task.val_max_prompts=3", ("config key 'task.val_max_prompts': 3 prompts do not split over 2 "
+                                "data-parallel ranks")),
 ])
 def test_optimizer_and_validation_keys(tmp_path, override, line):
     fails_with(tmp_path, f"override '{override}': {line}", "train", f"run_dir={tmp_path / 'run'}", override)
@@ -149,7 +156,7 @@ def test_hf_export_on_a_full_disk_leaves_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr("moe_rl.learner.checkpoint.load_sharded", lambda sd, path: {"model": {}})
 
     def full(tensors, path, metadata=None):
-        open(path, "wb").write(b"partial")
+        Path(path).write_bytes(b"partial")
         raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
 
     monkeypatch.setattr("moe_rl.hf_checkpoint.save_file", full)
