@@ -120,6 +120,9 @@ def export_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None
     ckpt = checkpoint_dir(run_dir, step)
     if out_dir.exists():
         raise CheckpointError(f"{out_dir} already exists; an HF export never overwrites")
+    from moe_rl.learner import checkpoint
+
+    checkpoint.check_files(ckpt)  # a truncated file is named here, before any rank starts
     args = (cfg, ckpt, out_dir, max_shard_bytes, export_dtype(dtype, cfg.init_weights), tokenizer_files(cfg))
     if under_torchrun():
         _export_worker(*args)

@@ -3,7 +3,8 @@
 One rank (gloo, CPU) saves a real megatron dist checkpoint, then: a save on a full disk is one
 ``no space left on device: PATH`` error that leaves the last good checkpoint ``latest`` and no
 partial ``step_N.tmp``; a truncated ``.distcp`` file, a missing one and a truncated ``.metadata``
-are named on load (resume and ``export-hf`` both load through ``checkpoint.load_sharded``).
+are named on load (resume and ``export-hf`` both load through ``checkpoint.load_sharded``), and
+``moe-rl export-hf`` names a truncated file in-process, before any rank starts.
 
 On a real full disk (a 64 KiB tmpfs, checked by hand) megatron's writer fails with torch's
 ``CheckpointException`` around ``RuntimeError('Worker failure: [enforce fail at
@@ -14,11 +15,13 @@ the free space; here the writer raises that same exception and the free-space bo
 from __future__ import annotations
 
 import errno
+import shutil
 from pathlib import Path
 
 import pytest
 
-from moe_rl.config import ModelConfig
+from moe_rl.config import ModelConfig, load_config, to_yaml
+from tests.bad_input.test_cli_errors import fails_with
 from tests.dist_harness import run_ranks
 
 MODEL = ModelConfig(vocab_size=50, hidden_size=64, num_layers=2, num_attention_heads=4, num_query_groups=2,
@@ -75,6 +78,8 @@ def _worker(rank: int, root: str) -> dict:
     path = checkpoint.save(learner, root_p, 1, {})
     out = _full_disk_save(learner, root_p, checkpoint)
     out["good"] = checkpoint.load(learner, path)
+    shutil.copytree(path, root_p / "run" / "checkpoints" / path.name)  # for export-hf in the parent
+    (root_p / "run" / "checkpoints" / "latest").write_text(path.name + "\n")
     shard = min(path.glob("*.distcp"))
     blob = shard.read_bytes()
     out["size"] = len(blob)
@@ -111,3 +116,16 @@ def test_checkpoint_disk_full_and_damaged_files_are_named(tmp_path):
     assert out["metadata"] == (f"CheckpointError: {step1 / '.metadata'}: unreadable checkpoint metadata "
                                f"(UnpicklingError); the checkpoint in {step1} is truncated or corrupt: resume "
                                f"from another step")
+
+    # export-hf names a truncated file before any rank starts (the run's own checkpoint, in-process)
+    run = tmp_path / "run"
+    fields = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_query_groups", "head_dim",
+              "ffn_hidden_size", "moe_ffn_hidden_size", "num_experts", "moe_router_topk", "max_seq_len")
+    cfg = load_config(None, [f"run_dir={run}", "parallel.nproc=1", "parallel.expert_parallel=1",
+                             *[f"model.{k}={getattr(MODEL, k)}" for k in fields]])
+    (run / "config.yaml").write_text(to_yaml(cfg))
+    shard = run / "checkpoints" / "step_000001" / "__0_1.distcp"
+    shard.write_bytes(shard.read_bytes()[:-1])
+    fails_with(tmp_path, f"{shard} has {out['size'] - 1} bytes, its metadata needs {out['size']}: the checkpoint in "
+                         f"{shard.parent} is truncated or corrupt; resume from another step (point "
+                         f"{run / 'checkpoints' / 'latest'} at it)", "export-hf", str(run), str(tmp_path / "hf"))
