@@ -145,17 +145,18 @@ def _save_state(learner, tmp: Path) -> None:
         with disk_full_named(tmp):
             dist_checkpointing.save(_sharded_state(learner, is_loading=False), str(tmp))
     except (Exception, CheckpointException) as e:  # torch's CheckpointException is a BaseException
-        if isinstance(e, DiskFullError) or _free_bytes(tmp.parent) < FULL_DISK_FREE_BYTES:
+        if isinstance(e, DiskFullError) or disk_is_full(tmp.parent):
             shutil.rmtree(tmp, ignore_errors=True)  # frees the space; `latest` is untouched
             raise DiskFullError(f"no space left on device: {tmp}") from None
         raise
 
 
-def _free_bytes(path: Path) -> float:
+def disk_is_full(path: Path) -> bool:
+    """Less than ``FULL_DISK_FREE_BYTES`` free at ``path`` (torch's writers lose ENOSPC's errno)."""
     try:
-        return shutil.disk_usage(path).free
+        return shutil.disk_usage(path).free < FULL_DISK_FREE_BYTES
     except OSError:  # not visible from this rank: say nothing about the disk
-        return float("inf")
+        return False
 
 
 def _prune(ckpt_root: Path, keep: str) -> None:

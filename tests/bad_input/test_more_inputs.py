@@ -200,3 +200,31 @@ def test_chat_messages_without_a_template_name_tokenizer_and_row(tmp_path):
     fails_with(tmp_path, f"{data}: row 2: key 'prompt' holds chat messages but the tokenizer builtin:char has no "
                          f"chat template; use an HF tokenizer with one (task.tokenizer=hf:DIR) or plain string "
                          f"prompts", "train", f"run_dir={tmp_path / 'run'}", f"task.dataset={data}")
+
+
+@pytest.mark.bad_input
+def test_stale_weight_sets_on_a_full_disk(tmp_path, monkeypatch):
+    """rank 0's stale_weights_step_N.pt, written before the step's checkpoint: torch.save reports a
+    full disk as RuntimeError('[enforce fail at inline_container.cc:672] . unexpected pos ...')
+    (seen on a 64 KiB tmpfs), so the free space decides; the temp file is removed."""
+    from moe_rl.checkpointing import CheckpointManager
+    from moe_rl.config import load_config
+    from moe_rl.errors import DiskFullError
+    from moe_rl.rollout.staleness import StaleWeights
+
+    stale = StaleWeights(1)
+    stale.push({"w": torch.zeros(4)})
+    manager = CheckpointManager(load_config(None, [f"run_dir={tmp_path}", "rollout.staleness=1"]), None, None, stale)
+
+    def full(obj, f):
+        f.write(b"partial")
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+
+    monkeypatch.setattr("torch.save", full)
+    with pytest.raises(RuntimeError, match="unexpected pos"):  # a disk with room: not a full disk
+        manager._save_stale("step_000002")
+    monkeypatch.setattr("moe_rl.learner.checkpoint.FULL_DISK_FREE_BYTES", 2**62)
+    with pytest.raises(DiskFullError) as err:
+        manager._save_stale("step_000002")
+    assert str(err.value) == f"no space left on device: {tmp_path / 'checkpoints' / 'stale_weights_step_000002.pt'}"
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == []
