@@ -177,9 +177,9 @@ def stage_memory(cfg: RunConfig, lay: Layout, stage: int) -> dict[str, float]:
     sharded), Adam m, v (+ fp32 main params with bf16 weights) 12 (8) B, sharded by the
     distributed optimizer over DP (dense) and expert-DP (experts); a frozen reference copy of the
     weights when algo.kl_coef > 0; with rollout.staleness=k > 0, the k + 1 full canonical weight
-    sets the rollout keeps on every rank (every expert, in the weights' dtype). Activations: micro_batch_size x max_seq_len tokens per
-    micro-batch (``layer_activations``, bf16: 2 B, fp32: 4 B); 1F1B keeps up to PP - stage
-    micro-batches in flight (stage 0: PP). Full recomputation keeps only each in-flight
+    sets the rollout keeps on every rank (every expert, in the weights' dtype). Activations:
+    micro_batch_size x max_seq_len tokens per micro-batch (``layer_activations``, bf16: 2 B, fp32:
+    4 B); 1F1B keeps up to PP - stage micro-batches in flight (stage 0: PP). Full recomputation keeps only each in-flight
     micro-batch's layer inputs (H / TP per token and layer) plus one layer's full set.
     Logits (last stage): vocab-parallel [tokens, V / TP]: the output layer's (bf16) logits plus
     fp32 tensors the log-prob / entropy pass saves for its backward (log-softmax and softmax;

@@ -10,14 +10,15 @@ One typed spec (``RowSpec``, from the ``task`` config) meets the peers' conventi
 - the built-in format: ``{"prompt": "R123:", "answer": "321", "reward": "exact_match", "task": ...}``.
 
 A prompt is a string (fed as is after bos, or as one user message through the chat template) or a
-list of chat messages. ``apply_chat_template``: ``auto`` (the default) renders a message list with the
-tokenizer's chat template and feeds a string as is; ``true`` renders both; ``false`` refuses
-messages. Messages without a template are refused naming the tokenizer. The ground truth is a string or a number. A
-row's ``reward`` field, when it is a string, names its reward (default ``task.reward``); its data
-source (per-source metrics) is ``source_key``, else a string ``task`` field, else "dataset"; every field
-other than the prompt and the answer is handed to ``python:`` rewards as ``extra``. Prompts longer
-than ``max_prompt_tokens`` are dropped at load and counted (``num_dropped``); a dataset left empty is
-an error. Errors name the file, the row (counted from 1) and the key.
+list of chat messages. ``apply_chat_template``: ``auto`` (the default) renders a message list with
+the tokenizer's chat template and feeds a string as is; ``true`` renders both; ``false`` refuses
+messages. Messages without a template are refused naming the tokenizer. The ground truth is a
+string or a number. A row's ``reward`` field, when it is a string, names its reward (default
+``task.reward``); its data source (per-source metrics) is ``source_key``, else a string ``task``
+field, else "dataset"; every field other than the prompt and the answer is handed to ``python:``
+rewards as ``extra``. Prompts longer than ``max_prompt_tokens`` are dropped at load and counted
+(``num_dropped``); a dataset left empty is an error. Errors name the file, the row (counted from 1)
+and the key.
 
 Sampling (``RowDataset.sample_step``) is epoch-based without replacement: epoch e visits the rows
 in a permutation drawn from (run seed, e); RL step k, data-parallel rank r takes the global
@@ -154,7 +155,7 @@ def _encode(tok, text: str, key: str, bos: bool = False) -> list[int]:
         raise ValueError(f"key {key!r}: {e}") from None
 
 
-def tokenizer_name(tok) -> str:
+def _tokenizer_name(tok) -> str:
     """How the config names a tokenizer: hf:DIR or builtin:char."""
     directory = getattr(tok, "directory", None)
     return f"hf:{directory}" if directory is not None else "builtin:char"
@@ -174,7 +175,7 @@ def _use_template(spec: RowSpec, messages: list | None, tok) -> bool:
     if not tok.has_chat_template:
         why = "task.apply_chat_template=true but" if mode == "true" else \
             f"key {spec.prompt_key!r} holds chat messages but"
-        raise ValueError(f"{why} the tokenizer {tokenizer_name(tok)} has no chat template; use an HF tokenizer "
+        raise ValueError(f"{why} the tokenizer {_tokenizer_name(tok)} has no chat template; use an HF tokenizer "
                          f"with one (task.tokenizer=hf:DIR) or plain string prompts")
     return True
 

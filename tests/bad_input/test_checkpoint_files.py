@@ -47,8 +47,8 @@ def _full_disk_save(learner, root: Path, checkpoint) -> dict:
 
     def full(state, path):
         (Path(path) / "__0_0.distcp").write_bytes(b"partial")
-        raise CheckpointException("write", {0: (RuntimeError("Worker failure: [enforce fail at "
-                                                             "inline_container.cc:672] . unexpected pos 704 vs 598"), [])})
+        cause = RuntimeError("Worker failure: [enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+        raise CheckpointException("write", {0: (cause, [])})
 
     def enospc(path, text):
         raise OSError(errno.ENOSPC, "No space left on device")
