@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from moe_rl.config import RunConfig
-from moe_rl.errors import RunDirError
+from moe_rl.errors import DiskFullError, RunDirError, disk_full_named
 from moe_rl.learner import checkpoint
 from moe_rl.learner.learner import Learner
 from moe_rl.lr import LengthLRScheduler
@@ -68,10 +68,16 @@ class CheckpointManager:
         self.root.mkdir(parents=True, exist_ok=True)
         path = self.stale_path(step_dir_name)
         tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "wb") as f:
-            torch.save(self.stale.state_dict(), f)
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with disk_full_named(path), open(tmp, "wb") as f:
+                torch.save(self.stale.state_dict(), f)
+                f.flush()
+                os.fsync(f.fileno())
+        except (DiskFullError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
+            tmp.unlink(missing_ok=True)
+            if isinstance(e, DiskFullError) or checkpoint.disk_is_full(self.root):
+                raise DiskFullError(f"no space left on device: {path}") from None
+            raise
         os.replace(tmp, path)
         kept = {p.name for p in self.root.glob("step_*") if p.is_dir()} | {step_dir_name}
         for old in self.root.glob("stale_weights_step_*.pt"):  # the checkpoints pruned since

@@ -8,6 +8,7 @@ is a bug and keeps its traceback.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from importlib import metadata
@@ -15,7 +16,7 @@ from importlib import metadata
 import click
 
 from moe_rl.config import RunConfig, load_config
-from moe_rl.errors import UserError, one_line
+from moe_rl.errors import ConfigError, UserError, disk_full_named, one_line
 
 _OPTIONAL = ("transformer-engine", "transformer-engine-torch", "vllm", "sglang", "apex", "transformers", "wandb")
 
@@ -30,6 +31,12 @@ def _split_args(args: tuple[str, ...]) -> tuple[str | None, list[str]]:
 def _load(args: tuple[str, ...]) -> RunConfig:
     path, overrides = _split_args(args)
     return load_config(path, overrides)
+
+
+def _positive(flag: str, value: float) -> None:
+    """A size flag: a finite number > 0 (click's FloatRange lets nan through)."""
+    if not (math.isfinite(value) and value > 0):
+        raise ConfigError(f"{flag} must be a finite number > 0, got {value:g}")
 
 
 def debug_enabled() -> bool:
@@ -99,6 +106,9 @@ def show_estimate(args: tuple[str, ...], gpu_gib: float, gpus_per_node: int, top
         stage_memory,
     )
 
+    _positive("--gpu-gib", gpu_gib)
+    if gpus_per_node < 1:
+        raise ConfigError(f"--gpus-per-node must be >= 1, got {gpus_per_node}")
     cfg = _load(args)
     lay = Layout.of(cfg.parallel)
     click.echo(f"{lay.describe(cfg.model.num_layers)} on {lay.world} GPUs of {gpu_gib:g} GiB")
@@ -127,6 +137,7 @@ def export_hf(run_dir: str, out_dir: str, step: int | None, max_shard_gb: float,
     """Write a run's checkpoint as a Hugging Face checkpoint: moe-rl export-hf RUN_DIR OUT_DIR [--step N]."""
     from moe_rl.weights.export import export_run
 
+    _positive("--max-shard-gb", max_shard_gb)
     export_run(run_dir, out_dir, step, int(max_shard_gb * 2**30), dtype)
 
 
@@ -145,10 +156,7 @@ def make_math(out: str, num: int, seed: int, style: str) -> None:
     """Arithmetic word problems with answers, as .parquet or JSONL (moe_rl/tasks/make_data.py)."""
     from moe_rl.tasks.make_data import write_math_dataset
 
-    try:
-        click.echo(f"wrote {write_math_dataset(out, num, seed, style)} ({num} problems)")
-    except (ValueError, FileExistsError) as e:
-        raise click.ClickException(str(e)) from None
+    click.echo(f"wrote {write_math_dataset(out, num, seed, style)} ({num} problems)")  # DataError: exit 2
 
 
 @main.command()
@@ -161,7 +169,8 @@ def report(run_dirs: tuple[str, ...], out: str | None) -> None:
     runs share every axis and colour scale)."""
     from moe_rl.report.render import write_report
 
-    html = write_report(list(run_dirs), out)
+    with disk_full_named(out or f"{run_dirs[0]}/report"):
+        html = write_report(list(run_dirs), out)
     click.echo(f"wrote {html} and {html.with_name('report.md')}")
 
 

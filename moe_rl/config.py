@@ -306,6 +306,9 @@ class OptimConfig:
         _one_of(self.lr_schedule, "optim.lr_schedule", ("constant", "cosine"))
         _check(self.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
         _check(self.clip_grad > 0, "optim.clip_grad", "must be > 0")
+        for name in ("adam_beta1", "adam_beta2"):
+            _check(0 <= getattr(self, name) < 1, f"optim.{name}", f"{getattr(self, name)} is not in [0, 1)")
+        _check(self.weight_decay >= 0, "optim.weight_decay", f"must be >= 0 (got {self.weight_decay})")
 
 
 @dataclass(frozen=True)
@@ -473,7 +476,9 @@ class TaskConfig:
     prompt_key: str = "prompt"  # a string, or a list of chat messages ({"role", "content"})
     answer_key: str = "answer"  # the ground truth (a string or a number)
     source_key: str = "data_source"  # label for per-source metrics; rows without it are "dataset"
-    apply_chat_template: bool = False  # render prompts with the tokenizer's chat template
+    # the tokenizer's chat template: auto (a prompt of chat messages goes through it, a string prompt
+    # is tokenized as is) | true (every prompt, a string as one user message) | false (refuse messages)
+    apply_chat_template: str = "auto"
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. {enable_thinking: false}
     # a configured prompt limit: longer prompts are dropped at load (counted); 0: model.max_seq_len -
@@ -500,6 +505,9 @@ class TaskConfig:
             _check(bool(getattr(self, key)) and "" not in getattr(self, key).split("."), f"task.{key}",
                    f"{getattr(self, key)!r} is not a dotted key path")
         _check(self.reward != "", "task.reward", "must name a reward")
+        # YAML reads an unquoted true/false as a boolean, stored here as 'True'/'False'
+        object.__setattr__(self, "apply_chat_template", str(self.apply_chat_template).lower())
+        _one_of(self.apply_chat_template, "task.apply_chat_template", ("auto", "true", "false"))
         for key in ("max_prompt_tokens", "val_max_prompts", "reward_workers", "overlong_buffer"):
             _check(getattr(self, key) >= 0, f"task.{key}", "must be >= 0")
         _check(self.reward_timeout_s > 0, "task.reward_timeout_s", "must be > 0")
@@ -594,6 +602,8 @@ class RunConfig:
         dp = self.data_parallel
         _check(r.prompts_per_step % dp == 0, "rollout.prompts_per_step",
                f"{r.prompts_per_step} prompts do not split over {dp} data-parallel ranks")
+        _check(self.task.val_max_prompts % dp == 0, "task.val_max_prompts",
+               f"{self.task.val_max_prompts} prompts do not split over {dp} data-parallel ranks")
         _check(r.samples_per_prompt >= 2 or self.algo.advantage not in ("grpo", "rloo", "otb", "otb_multiturn"),
                "rollout.samples_per_prompt", f"{self.algo.advantage} needs >= 2 samples per prompt")
         per_rank = r.prompts_per_step // dp

@@ -6,11 +6,15 @@ CLI (``moe_rl.cli``) maps exactly ``UserError`` to that line on stderr and exit 
 traceback (``--debug`` or ``MOE_RL_DEBUG=1`` shows it). Anything else is a bug and keeps its
 traceback.
 
-The bottom of the package: imports nothing (``moe_rl.config`` sits right above it). Each class is
+The bottom of the package: imports nothing of it (``moe_rl.config`` sits right above it). Each class is
 also a ``ValueError`` so callers that catch ``ValueError`` keep working.
 """
 
 from __future__ import annotations
+
+import errno
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 
 class UserError(ValueError):
@@ -38,6 +42,27 @@ class RouteError(UserError):
 
 class RunDirError(UserError):
     """The run directory cannot be used as asked (a file, taken, nothing to resume)."""
+
+
+class DiskFullError(UserError):
+    """A write ran out of space (ENOSPC); the message names the path."""
+
+
+@contextmanager
+def disk_full_named(path) -> Iterator[None]:
+    """Turn an ENOSPC ``OSError`` inside the block (or a Rust I/O error reporting it, as
+    safetensors raises) into ``DiskFullError('no space left on device: PATH')``, PATH the file the
+    error names, else ``path``; any other error passes unchanged."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        raise DiskFullError(f"no space left on device: {e.filename or path}") from None
+    except Exception as e:
+        if f"(os error {errno.ENOSPC})" not in str(e):
+            raise
+        raise DiskFullError(f"no space left on device: {path}") from None
 
 
 def one_line(e: BaseException) -> str:

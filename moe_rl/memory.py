@@ -176,9 +176,10 @@ def stage_memory(cfg: RunConfig, lay: Layout, stage: int) -> dict[str, float]:
     State: bf16 (fp32) weights 2 (4) B per param, fp32 grads 4 B (grad_reduce_in_fp32, not
     sharded), Adam m, v (+ fp32 main params with bf16 weights) 12 (8) B, sharded by the
     distributed optimizer over DP (dense) and expert-DP (experts); a frozen reference copy of the
-    weights when algo.kl_coef > 0. Activations: micro_batch_size x max_seq_len tokens per
-    micro-batch (``layer_activations``, bf16: 2 B, fp32: 4 B); 1F1B keeps up to PP - stage
-    micro-batches in flight (stage 0: PP). Full recomputation keeps only each in-flight
+    weights when algo.kl_coef > 0; with rollout.staleness=k > 0, the k + 1 full canonical weight
+    sets the rollout keeps on every rank (every expert, in the weights' dtype). Activations:
+    micro_batch_size x max_seq_len tokens per micro-batch (``layer_activations``, bf16: 2 B, fp32:
+    4 B); 1F1B keeps up to PP - stage micro-batches in flight (stage 0: PP). Full recomputation keeps only each in-flight
     micro-batch's layer inputs (H / TP per token and layer) plus one layer's full set.
     Logits (last stage): vocab-parallel [tokens, V / TP]: the output layer's (bf16) logits plus
     fp32 tensors the log-prob / entropy pass saves for its backward (log-softmax and softmax;
@@ -191,6 +192,8 @@ def stage_memory(cfg: RunConfig, lay: Layout, stage: int) -> dict[str, float]:
     weights, grads = (dense + expert) * w_bytes, (dense + expert) * 4
     optim = opt_bytes * (dense / shard_d + expert / shard_e)
     reference = weights if cfg.algo.kl_coef > 0 else 0.0
+    k = cfg.rollout.staleness
+    stale = (k + 1) * param_counts(m)["total"] * w_bytes if k > 0 else 0.0  # moe_rl/rollout/staleness.py
     start, n = sum(layers[:stage]), layers[stage]
     n_dense = max(0, min(start + n, m.first_k_dense) - start)
     per_dense, per_moe = layer_activations(m, lay, True), layer_activations(m, lay, False)
@@ -203,9 +206,9 @@ def stage_memory(cfg: RunConfig, lay: Layout, stage: int) -> dict[str, float]:
     acts = act_bytes * elems * tokens
     saved = 3 if lay.tp > 1 else 2
     logits = tokens * m.vocab_size / lay.tp * (act_bytes + 4 * (saved + 1)) if stage == lay.pp - 1 else 0.0
-    static = weights + grads + optim + reference
+    static = weights + grads + optim + reference + stale
     return {"layers": n, "in_flight": in_flight, "dense": dense, "expert": expert, "weights": weights,
-            "grads": grads, "optimizer": optim, "reference": reference, "static": static,
+            "grads": grads, "optimizer": optim, "reference": reference, "stale": stale, "static": static,
             "activations": acts, "logits": logits, "train_peak": static + acts + logits}
 
 
@@ -231,12 +234,13 @@ def estimate(cfg: RunConfig, gpu_gib: float = 80.0, layout: Layout | None = None
     kv_heads = max(1, m.num_query_groups // v.tensor_parallel)  # fewer KV heads than TP: replicated
     kv_per_token = 2 * m.num_layers * kv_heads * m.head_dim * 2  # K and V, bf16
     kv_bytes = max(0.0, vllm_budget - vllm_weights - 2 * GiB)
+    stale = {"stale_weights_gib": top["stale"] / GiB} if cfg.rollout.staleness else {}  # k + 1 weight sets
     return {
         "params_total_b": c["total"] / 1e9, "params_active_b": c["active"] / 1e9,
         "learner_params_per_gpu_b": (top["dense"] + top["expert"]) / 1e9,
         "dense_params_per_gpu_b": top["dense"] / 1e9, "expert_params_per_gpu_b": top["expert"] / 1e9,
         "weights_gib": top["weights"] / GiB, "grads_gib": top["grads"] / GiB,
-        "optimizer_gib": top["optimizer"] / GiB, "reference_gib": top["reference"] / GiB,
+        "optimizer_gib": top["optimizer"] / GiB, "reference_gib": top["reference"] / GiB, **stale,
         "learner_static_gib": top["static"] / GiB, "activations_gib": top["activations"] / GiB,
         "logits_gib": top["logits"] / GiB, "train_peak_gib": top["train_peak"] / GiB,
         "peak_stage": float(peak_stage), "learner_static_max_gib": static_max / GiB,

@@ -168,6 +168,8 @@ def load_user_reward(spec: str) -> TextRewardFn:
         module_spec = importlib.util.spec_from_file_location(mod_name, path)
         module = importlib.util.module_from_spec(module_spec)
         module_spec.loader.exec_module(module)
+    except SystemExit as e:  # a BaseException: it would end the trainer
+        raise ValueError(f"task.reward={spec!r}: {path} calls sys.exit({e.code!r}) on import") from None
     except Exception as e:
         raise ValueError(f"task.reward={spec!r}: {path} does not import: {type(e).__name__}: {e}") from None
     fn = getattr(module, name, None)
@@ -227,13 +229,16 @@ def score_sample(sample: TextSample, timeout_s: float) -> TextScore:
         if on_main:
             signal.setitimer(signal.ITIMER_REAL, timeout_s)
         out = resolve_text_reward(sample.reward)(sample.prompt, sample.response, sample.ground_truth, sample.extra)
-        value = float(out["score"] if isinstance(out, Mapping) else out)
+        out = out["score"] if isinstance(out, Mapping) else out
+        if isinstance(out, str | bytes):  # float("0.75") would parse it: text is not a number
+            raise TypeError(f"reward returned text {out!r}, not a number")
+        value = float(out)
         if not math.isfinite(value):
             raise ValueError(f"reward {value}")
         return TextScore(value)
     except _Timeout:
         return TextScore(0.0, error=True, timed_out=True)
-    except Exception as e:  # a reward never kills the step: scored 0 and counted
+    except (Exception, SystemExit) as e:  # a reward never kills the step (sys.exit neither): scored 0, counted
         logger.debug("reward %s raised %s: %s", sample.reward, type(e).__name__, e)
         return TextScore(0.0, error=True)
     finally:

@@ -126,6 +126,11 @@ def test_reward_names_are_checked(tmp_path: Path) -> None:
     broken.write_text("import not_a_module_anywhere\n")
     with pytest.raises(ValueError, match=r"broken\.py does not import: ModuleNotFoundError"):
         check_reward_name(f"python:{broken}:score")
+    exits = tmp_path / "exits.py"
+    exits.write_text("import sys\nsys.exit(3)\n")
+    with pytest.raises(ValueError) as err:  # SystemExit is a BaseException: it must not end the trainer
+        check_reward_name(f"python:{exits}:score")
+    assert str(err.value) == f"task.reward='python:{exits}:score': {exits} calls sys.exit(3) on import"
     with pytest.raises(ValueError, match=r"has no function 'missing'"):
         check_reward_name(f"python:{mod}:missing")
     with pytest.raises(ValueError, match=r"use python:FILE\.py:FUNCTION"):

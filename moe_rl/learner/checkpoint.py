@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import shutil
 from pathlib import Path
 from typing import Any
@@ -21,12 +22,15 @@ import torch
 import torch.distributed as dist
 
 from moe_rl.dist import barrier
-from moe_rl.errors import CheckpointError
+from moe_rl.errors import CheckpointError, DiskFullError, disk_full_named
 from moe_rl.fsutil import fsync_path
 from moe_rl.learner.setup import OPTIM_CKPT_METADATA
 
 log = logging.getLogger(__name__)
 KEEP_LAST = 2
+# a save that fails with less than this free under the checkpoint root ran out of space: megatron's
+# writer loses the errno (a full disk surfaces as torch's "unexpected pos" RuntimeError)
+FULL_DISK_FREE_BYTES = 16 * 2**20
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -97,9 +101,8 @@ def _sharded_state(learner, is_loading: bool) -> dict[str, Any]:
 
 
 def save(learner, ckpt_root: Path, step: int, trainer_state: dict[str, Any]) -> Path:
-    """Collective: every rank calls it. Returns the final checkpoint directory."""
-    from megatron.core import dist_checkpointing
-
+    """Collective: every rank calls it. Returns the final checkpoint directory. A full disk is a
+    DiskFullError naming the path; the previous checkpoint stays ``latest``."""
     ckpt_root = Path(ckpt_root)
     final = ckpt_root / f"step_{step:06d}"
     tmp = ckpt_root / f"step_{step:06d}.tmp"
@@ -109,22 +112,51 @@ def save(learner, ckpt_root: Path, step: int, trainer_state: dict[str, Any]) -> 
         shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save
         tmp.mkdir()
     barrier()
-    dist_checkpointing.save(_sharded_state(learner, is_loading=False), str(tmp))
+    _save_state(learner, tmp)
     barrier()
     if rank0:
-        _write_atomic(tmp / "trainer_state.json", json.dumps({"step": step, **trainer_state}, indent=1))
-        for p in tmp.rglob("*"):
-            if p.is_file():
-                with open(p, "rb") as f:
-                    os.fsync(f.fileno())
+        try:
+            with disk_full_named(tmp):
+                _write_atomic(tmp / "trainer_state.json", json.dumps({"step": step, **trainer_state}, indent=1))
+                for p in tmp.rglob("*"):
+                    if p.is_file():
+                        with open(p, "rb") as f:
+                            os.fsync(f.fileno())
+        except DiskFullError:
+            shutil.rmtree(tmp, ignore_errors=True)  # `latest` still names the last good checkpoint
+            raise
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         fsync_path(ckpt_root)
-        _write_atomic(ckpt_root / "latest", final.name + "\n")
+        with disk_full_named(ckpt_root / "latest"):  # the old pointer stays if its replacement fails
+            _write_atomic(ckpt_root / "latest", final.name + "\n")
         _prune(ckpt_root, keep=final.name)
         log.info("checkpoint written: %s", final)
     barrier()
     return final
+
+
+def _save_state(learner, tmp: Path) -> None:
+    """megatron's save into ``tmp``; DiskFullError naming ``tmp`` when it fails on a full disk."""
+    from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        with disk_full_named(tmp):
+            dist_checkpointing.save(_sharded_state(learner, is_loading=False), str(tmp))
+    except (Exception, CheckpointException) as e:  # torch's CheckpointException is a BaseException
+        if isinstance(e, DiskFullError) or disk_is_full(tmp.parent):
+            shutil.rmtree(tmp, ignore_errors=True)  # frees the space; `latest` is untouched
+            raise DiskFullError(f"no space left on device: {tmp}") from None
+        raise
+
+
+def disk_is_full(path: Path) -> bool:
+    """Less than ``FULL_DISK_FREE_BYTES`` free at ``path`` (torch's writers lose ENOSPC's errno)."""
+    try:
+        return shutil.disk_usage(path).free < FULL_DISK_FREE_BYTES
+    except OSError:  # not visible from this rank: say nothing about the disk
+        return False
 
 
 def _prune(ckpt_root: Path, keep: str) -> None:
@@ -146,11 +178,50 @@ def latest(ckpt_root: Path) -> Path | None:
     return path
 
 
+def check_files(path: Path) -> None:
+    """Every ``.distcp`` file the checkpoint's metadata names exists and is long enough for its
+    items; CheckpointError naming the file otherwise (megatron's own error is deep and unnamed)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    meta = Path(path) / ".metadata"
+    try:
+        storage = FileSystemReader(str(path)).read_metadata().storage_data
+    except (OSError, EOFError, pickle.UnpicklingError, ValueError, AttributeError) as e:
+        raise CheckpointError(f"{meta}: unreadable checkpoint metadata ({type(e).__name__}); the checkpoint in "
+                              f"{path} is truncated or corrupt: resume from another step") from None
+    need: dict[str, int] = {}
+    for item in storage.values():
+        need[item.relative_path] = max(need.get(item.relative_path, 0), item.offset + item.length)
+    for name, size in sorted(need.items()):
+        f = Path(path) / name
+        have = f.stat().st_size if f.is_file() else -1
+        if have < size:
+            what = "is missing" if have < 0 else f"has {have} bytes, its metadata needs {size}"
+            raise CheckpointError(f"{f} {what}: the checkpoint in {path} is truncated or corrupt; resume from "
+                                  f"another step (point {Path(path).parent / 'latest'} at it)")
+
+
+def load_sharded(sharded_state: dict[str, Any], path: Path) -> dict[str, Any]:
+    """Collective: megatron's load after ``check_files``; a load that still fails on a damaged file
+    (EOF, unpickling) is a CheckpointError naming the checkpoint directory."""
+    from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    check_files(path)
+    try:
+        return dist_checkpointing.load(sharded_state, str(path))
+    except CheckpointException as e:
+        causes = [f[0] if isinstance(f, tuple) else f for f in getattr(e, "failures", {}).values()]
+        if not any(isinstance(c, EOFError | OSError | pickle.UnpicklingError) for c in causes):
+            raise
+        kinds = sorted({type(c).__name__ for c in causes})  # their text is torch's advice on weights_only
+        raise CheckpointError(f"{path}: a file of the checkpoint is truncated or corrupt ({', '.join(kinds)}); "
+                              f"resume from another step") from None
+
+
 def load(learner, path: Path) -> dict[str, Any]:
     """Collective: load model + optimizer state in place; returns trainer_state.json."""
-    from megatron.core import dist_checkpointing
-
-    state = dist_checkpointing.load(_sharded_state(learner, is_loading=True), str(path))
+    state = load_sharded(_sharded_state(learner, is_loading=True), path)
     learner.gpt.load_state_dict(state["model"], strict=True)
     learner.optimizer.load_state_dict(state["optimizer"])
     return json.loads((Path(path) / "trainer_state.json").read_text())

@@ -149,12 +149,33 @@ def load_run(path: str | Path) -> Run:
     if not records:
         warnings.append(f"{metrics}: no complete step logged yet")
     cfg_path = run_dir / "config.yaml"
-    config_text = cfg_path.read_text() if cfg_path.is_file() else ""
+    config_text, config = read_run_config(cfg_path)
     if not config_text:
         warnings.append(f"{cfg_path} is missing: the report cannot show the run's config")
-    config = yaml.safe_load(config_text) or {}
     warnings += health_warnings(run_dir / EVENTS_FILE)
     return Run(run_dir, records, warnings, config, config_text)
+
+
+def read_run_config(cfg_path: Path) -> tuple[str, dict]:
+    """A run's config.yaml as (text, mapping); ("", {}) when absent; ReportError naming the file
+    (and line) when it is not UTF-8, not YAML or not a mapping."""
+    if not cfg_path.is_file():
+        return "", {}
+    try:
+        text = cfg_path.read_text(encoding="utf-8")
+        config = yaml.safe_load(text) or {}
+    except UnicodeDecodeError as e:
+        raise ReportError(f"{cfg_path}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark
+        where = f"{cfg_path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(cfg_path)
+        raise ReportError(f"{where}: YAML syntax error: {e.problem}") from None
+    except yaml.YAMLError as e:
+        raise ReportError(f"{cfg_path}: not a readable YAML config ({type(e).__name__})") from None
+    if not isinstance(config, dict):
+        raise ReportError(f"{cfg_path}: the top level is a {type(config).__name__}, expected the run's config "
+                          f"mapping")
+    return text, config
 
 
 def health_warnings(events_path: Path) -> list[str]:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import jinja2
 
+from moe_rl.errors import disk_full_named
 from moe_rl.report import data, figures, outcome
 from moe_rl.report.data import Run
 
@@ -30,11 +31,16 @@ _ENV.filters["fmt"] = _fmt
 
 
 def _atomic_write(path: Path, payload: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "wb") as f:
-        f.write(payload)
-    os.chmod(tmp, 0o644)  # mkstemp creates 0600; a report is for reading
-    os.replace(tmp, path)
+    with disk_full_named(path):
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(payload)
+        except OSError:
+            os.unlink(tmp)  # a full disk leaves no temp file behind
+            raise
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600; a report is for reading
+        os.replace(tmp, path)
 
 
 def build(runs: list[Run]) -> dict:

@@ -14,6 +14,7 @@ per rank: sized for small models). The sets are part of the resume state (``stat
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 
 import torch
@@ -21,6 +22,7 @@ import torch
 from moe_rl.errors import CheckpointError
 
 Named = dict[str, torch.Tensor]
+logger = logging.getLogger(__name__)
 
 
 class StaleWeights:
@@ -35,6 +37,10 @@ class StaleWeights:
         engine must hold now. The learner updates its weights in place: the kept sets are copies."""
         if self.k == 0:
             return named
+        if not self.sets:  # the cost, said once: k + 1 full copies of the weights on this rank
+            size = sum(t.numel() * t.element_size() for t in named.values()) / 2**30
+            logger.info("rollout.staleness=%d keeps %d weight sets of %.2f GiB on this rank (%.2f GiB)", self.k,
+                        self.k + 1, size, (self.k + 1) * size)
         self.sets.append({n: t.detach().clone() for n, t in named.items()})
         return self.sets[0]
 

@@ -3,7 +3,8 @@ answers, in the peers' row formats, so a new user can try the HF path without do
 
 - ``--style verl`` (default): ``{"data_source": "arith_words", "prompt": [{"role": "user", "content":
   ...}], "reward_model": {"style": "rule", "ground_truth": "16"}, "extra_info": {"index": i}}``;
-  train with ``task.answer_key=reward_model.ground_truth task.apply_chat_template=true``.
+  train with ``task.answer_key=reward_model.ground_truth`` (the chat prompts go through the template:
+  ``task.apply_chat_template=auto``, the default).
 - ``--style slime``: ``{"input": ..., "label": "16", "data_source": "arith_words"}``; train with
   ``task.prompt_key=input task.answer_key=label``.
 
@@ -18,6 +19,8 @@ import json
 import random
 from pathlib import Path
 from typing import Any
+
+from moe_rl.errors import DataError, DiskFullError, disk_full_named
 
 SOURCE = "arith_words"
 NAMES = ("Ava", "Ben", "Chen", "Dana", "Eli", "Fay", "Gus", "Hana")
@@ -60,16 +63,21 @@ def write_math_dataset(out: str | Path, num: int, seed: int = 0, style: str = "v
     """Write ``num`` problems to ``out`` (.parquet, else JSONL); refuses to overwrite."""
     out = Path(out)
     if out.exists():
-        raise FileExistsError(f"{out} already exists")
+        raise DataError(f"{out} already exists; make-math never overwrites")
     if num < 1:
-        raise ValueError(f"--num must be >= 1, got {num}")
+        raise DataError(f"--num must be >= 1, got {num}")
     rows = make_rows(num, seed, style)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    if out.suffix == ".parquet":
-        import pyarrow as pa
-        import pyarrow.parquet as pq
+    try:
+        with disk_full_named(out):
+            out.parent.mkdir(parents=True, exist_ok=True)
+            if out.suffix == ".parquet":
+                import pyarrow as pa
+                import pyarrow.parquet as pq
 
-        pq.write_table(pa.Table.from_pylist(rows), str(out))
-    else:
-        out.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+                pq.write_table(pa.Table.from_pylist(rows), str(out))
+            else:
+                out.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    except DiskFullError:
+        out.unlink(missing_ok=True)  # no half-written data set left behind
+        raise
     return out

@@ -10,12 +10,15 @@ One typed spec (``RowSpec``, from the ``task`` config) meets the peers' conventi
 - the built-in format: ``{"prompt": "R123:", "answer": "321", "reward": "exact_match", "task": ...}``.
 
 A prompt is a string (fed as is after bos, or as one user message through the chat template) or a
-list of chat messages (needs ``apply_chat_template``). The ground truth is a string or a number. A
-row's ``reward`` field, when it is a string, names its reward (default ``task.reward``); its data
-source (per-source metrics) is ``source_key``, else a string ``task`` field, else "dataset"; every field
-other than the prompt and the answer is handed to ``python:`` rewards as ``extra``. Prompts longer
-than ``max_prompt_tokens`` are dropped at load and counted (``num_dropped``); a dataset left empty is
-an error. Errors name the file, the row (counted from 1) and the key.
+list of chat messages. ``apply_chat_template``: ``auto`` (the default) renders a message list with
+the tokenizer's chat template and feeds a string as is; ``true`` renders both; ``false`` refuses
+messages. Messages without a template are refused naming the tokenizer. The ground truth is a
+string or a number. A row's ``reward`` field, when it is a string, names its reward (default
+``task.reward``); its data source (per-source metrics) is ``source_key``, else a string ``task``
+field, else "dataset"; every field other than the prompt and the answer is handed to ``python:``
+rewards as ``extra``. Prompts longer than ``max_prompt_tokens`` are dropped at load and counted
+(``num_dropped``); a dataset left empty is an error. Errors name the file, the row (counted from 1)
+and the key.
 
 Sampling (``RowDataset.sample_step``) is epoch-based without replacement: epoch e visits the rows
 in a permutation drawn from (run seed, e); RL step k, data-parallel rank r takes the global
@@ -45,7 +48,7 @@ class RowSpec:
     answer_key: str = "answer"
     source_key: str = "data_source"
     default_reward: str = "exact_match"
-    apply_chat_template: bool = False
+    apply_chat_template: bool | str = "auto"  # auto | true | false (bools too)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     max_prompt_tokens: int = 0  # 0 = no limit
@@ -56,9 +59,10 @@ class RowSpec:
 def read_rows(path: str | Path) -> list[dict[str, Any]]:
     """Every row of a ``.jsonl`` / ``.json`` (one object per line) or ``.parquet`` file, as dicts.
 
-    JSONL is read as one table; when pyarrow cannot (rows whose types differ, a malformed line), it
-    is read again line by line, so the error names the line, or a row of the wrong type reaches the
-    key checks (which name row and key)."""
+    JSONL is read as one table; when pyarrow cannot (rows whose types differ, a malformed line, bytes
+    that are not UTF-8), it is read again line by line, so the error names the line, or a row of the
+    wrong type reaches the key checks (which name row and key). pyarrow reads invalid UTF-8 into a
+    string column and only fails when the rows are made, so that failure is caught too."""
     path = Path(path)
     if path.is_dir():
         raise DatasetError(f"{path}: is a directory; task.dataset names a JSONL or Parquet file")
@@ -70,14 +74,14 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
         if path.suffix == ".parquet":
             import pyarrow.parquet as pq
 
-            return pq.read_table(str(path)).to_pylist()
+            return _table_rows(pq.read_table(str(path)), path)
         if path.suffix not in (".jsonl", ".json"):
             raise DatasetError(f"{path}: unknown prompt file type {path.suffix!r}; use .jsonl or .parquet")
         import pyarrow.json as pj
 
         try:
             return pj.read_json(str(path)).to_pylist()
-        except pa.ArrowInvalid:
+        except (pa.ArrowInvalid, UnicodeDecodeError):
             return _read_jsonl_lines(path)
     except (pa.ArrowException, OSError) as e:
         raise DatasetError(f"{path}: cannot read prompt rows ({e})") from None
@@ -95,10 +99,29 @@ def _read_jsonl_lines(path: Path) -> list[dict[str, Any]]:
         if not line.strip():
             continue
         try:
+            line.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise DatasetError(f"{path}: line {lineno}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
+        try:
             table = pj.read_json(io.BytesIO(line))
         except pa.ArrowInvalid as e:
             raise DatasetError(f"{path}: line {lineno}: not a JSON object ({str(e).split(' in row')[0]})") from None
         rows.extend(table.to_pylist())
+    return rows
+
+
+def _table_rows(table, path: Path) -> list[dict[str, Any]]:
+    """A Parquet table's rows; a string that is not UTF-8 is named by its row (counted from 1)."""
+    try:
+        return table.to_pylist()
+    except UnicodeDecodeError:
+        pass
+    rows = []
+    for i in range(table.num_rows):  # again row by row, only to find the bad one
+        try:
+            rows.extend(table.slice(i, 1).to_pylist())
+        except UnicodeDecodeError as e:
+            raise DatasetError(f"{path}: row {i + 1}: not valid UTF-8 ({e.reason})") from None
     return rows
 
 
@@ -132,6 +155,31 @@ def _encode(tok, text: str, key: str, bos: bool = False) -> list[int]:
         raise ValueError(f"key {key!r}: {e}") from None
 
 
+def _tokenizer_name(tok) -> str:
+    """How the config names a tokenizer: hf:DIR or builtin:char."""
+    directory = getattr(tok, "directory", None)
+    return f"hf:{directory}" if directory is not None else "builtin:char"
+
+
+def _use_template(spec: RowSpec, messages: list | None, tok) -> bool:
+    """Whether this row goes through the chat template (``spec.apply_chat_template``: auto, true or
+    false; YAML and Python booleans too); ValueError when it must and the tokenizer has none."""
+    mode = str(spec.apply_chat_template).lower()
+    if mode == "false":
+        if messages is not None:
+            raise ValueError(f"key {spec.prompt_key!r} holds chat messages but task.apply_chat_template=false: "
+                             f"set it to auto or true")
+        return False
+    if mode == "auto" and messages is None:
+        return False  # a plain string prompt is tokenized as is
+    if not tok.has_chat_template:
+        why = "task.apply_chat_template=true but" if mode == "true" else \
+            f"key {spec.prompt_key!r} holds chat messages but"
+        raise ValueError(f"{why} the tokenizer {_tokenizer_name(tok)} has no chat template; use an HF tokenizer "
+                         f"with one (task.tokenizer=hf:DIR) or plain string prompts")
+    return True
+
+
 def row_to_prompt(row: dict[str, Any], spec: RowSpec, tok) -> Prompt:
     """One row -> Prompt; ValueError naming the key for a missing or mistyped field."""
     from moe_rl.tasks.rewards import check_reward_name
@@ -148,14 +196,10 @@ def row_to_prompt(row: dict[str, Any], spec: RowSpec, tok) -> Prompt:
     source = lookup(row, spec.source_key)
     source = row.get("task") if source is _MISSING and isinstance(row.get("task"), str) else source  # built-in format
     source = str(source) if source not in (_MISSING, None, "") else "dataset"
-    if spec.apply_chat_template:
-        if not tok.has_chat_template:
-            raise ValueError("task.apply_chat_template=true but the tokenizer has no chat template")
+    if _use_template(spec, messages, tok):
         messages = messages or [{"role": "user", "content": prompt}]
         text = tok.chat_text(messages, spec.add_generation_prompt, dict(spec.chat_template_kwargs))
         ids = tok.encode(text)
-    elif messages is not None:
-        raise ValueError(f"key {spec.prompt_key!r} holds chat messages: set task.apply_chat_template=true")
     else:
         ids, text = _encode(tok, prompt, spec.prompt_key, bos=True), prompt
     if not hasattr(tok, "hf"):  # the character tokenizer's token rewards encode the answer

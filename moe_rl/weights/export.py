@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from pathlib import Path
 
 import torch
 
-from moe_rl.errors import CheckpointError, ConfigError
+from moe_rl.errors import CheckpointError, ConfigError, DiskFullError, disk_full_named
 from moe_rl.weights.hf import write_hf_checkpoint
 
 log = logging.getLogger(__name__)
@@ -42,13 +43,19 @@ def export_from_checkpoint(learner, ckpt: Path, out_dir: Path, max_shard_bytes: 
     checkpoint from rank 0 (every rank gathers the experts), in ``dtype`` (default: as trained),
     with ``extra_files`` (the tokenizer's) beside it."""
     import torch.distributed as dist
-    from megatron.core import dist_checkpointing
 
-    state = dist_checkpointing.load({"model": learner.gpt.sharded_state_dict(prefix="")}, str(ckpt))
+    from moe_rl.learner import checkpoint
+
+    state = checkpoint.load_sharded({"model": learner.gpt.sharded_state_dict(prefix="")}, ckpt)  # names bad files
     learner.gpt.load_state_dict(state["model"], strict=True)
     canonical = learner.export_canonical()
     if not dist.is_initialized() or dist.get_rank() == 0:
-        write_hf_checkpoint(out_dir, canonical, learner.model_cfg, max_shard_bytes, dtype, extra_files)
+        try:
+            with disk_full_named(out_dir):
+                write_hf_checkpoint(out_dir, canonical, learner.model_cfg, max_shard_bytes, dtype, extra_files)
+        except DiskFullError:
+            shutil.rmtree(Path(out_dir).with_name(Path(out_dir).name + ".tmp"), ignore_errors=True)  # frees it
+            raise
         log.info("HF checkpoint written: %s (from %s)", out_dir, ckpt)
     if dist.is_initialized():
         dist.barrier()
@@ -113,6 +120,9 @@ def export_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None
     ckpt = checkpoint_dir(run_dir, step)
     if out_dir.exists():
         raise CheckpointError(f"{out_dir} already exists; an HF export never overwrites")
+    from moe_rl.learner import checkpoint
+
+    checkpoint.check_files(ckpt)  # a truncated file is named here, before any rank starts
     args = (cfg, ckpt, out_dir, max_shard_bytes, export_dtype(dtype, cfg.init_weights), tokenizer_files(cfg))
     if under_torchrun():
         _export_worker(*args)

@@ -283,3 +283,30 @@ def test_overlong_penalty_is_dapo_soft_linear() -> None:
     penalty_B, m = overlong_penalty(torch.tensor([10, 16, 17, 18, 20]), max_new_tokens=20, buffer=4, factor=0.5)
     assert penalty_B.tolist() == [0.0, 0.0, -0.125, -0.25, -0.5]
     assert float(m["reward/overlong_frac"].sum) == 3.0 and float(m["reward/overlong_penalty_mean"].sum) == -0.875
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("workers", [0, 1])
+def test_reward_that_exits_or_returns_text_scores_an_error(hf_tok_dir, tmp_path, workers) -> None:
+    """sys.exit in the call (a BaseException) and a returned "0.75" (text, not a number) score 0 and
+    are counted in reward/error_frac, in the trainer's process and in a worker; the step goes on."""
+    from moe_rl.tasks import HFTokenizer
+    from moe_rl.text_rewards import RewardPool
+
+    tok = HFTokenizer(hf_tok_dir)
+    user = tmp_path / "r.py"
+    user.write_text("import sys\n"
+                    "def f(prompt, response, ground_truth, extra):\n"
+                    "    if response == 'x':\n        sys.exit(3)\n"
+                    "    if response == 'y':\n        return '0.75'\n"
+                    "    return {'score': 0.75}\n")
+    prompts = [Prompt([1], "3", f"python:{user}:f", "b")]
+    rows = [tok.encode(t) + [tok.eos_id] for t in ("x", "y", "z", "x")]
+    pool = RewardPool(workers, 5.0)
+    try:
+        rewards_B, m = score(prompts, tok.pad(rows), tok, 4, task_names=("b",), pool=pool, text_metrics=True)
+    finally:
+        pool.close()
+    assert rewards_B.tolist() == [0.0, 0.0, 0.75, 0.0]
+    assert float(m["reward/error_frac"].sum / m["reward/error_frac"].count) == 0.75
+    assert float(m["reward/timeout_frac"].sum) == 0.0

@@ -84,13 +84,18 @@ def test_bad_rows_name_file_row_and_key(tmp_path: Path, hf_tok_dir: Path) -> Non
     assert _error(tmp_path, {"prompt": "R1:", "answer": ["1"]}) == (
         "row 2: key 'answer' must be a string or a number, got list")
     assert _error(tmp_path, {"prompt": [{"role": "user", "content": "x"}], "answer": "1"}) == (
-        "row 2: key 'prompt' holds chat messages: set task.apply_chat_template=true")
+        "row 2: key 'prompt' holds chat messages but the tokenizer builtin:char has no chat template; use an HF "
+        "tokenizer with one (task.tokenizer=hf:DIR) or plain string prompts")
+    assert _error(tmp_path, {"prompt": [{"role": "user", "content": "x"}], "answer": "1"},
+                  RowSpec(apply_chat_template=False)) == (
+        "row 2: key 'prompt' holds chat messages but task.apply_chat_template=false: set it to auto or true")
     assert _error(tmp_path, {"prompt": "R1X:", "answer": "1"}).startswith(
         "row 2: key 'prompt': character 'X' at position 2 of 'R1X:' is not in the vocabulary")
     assert _error(tmp_path, {"prompt": "R1:", "answer": "1", "reward": "bleu"}).startswith(
         "row 2: unknown reward 'bleu'; known: ['char_accuracy', 'exact_match', 'math']")
     assert _error(tmp_path, {"prompt": "R1:", "answer": "1"}, RowSpec(apply_chat_template=True)) == (
-        "row 1: task.apply_chat_template=true but the tokenizer has no chat template")
+        "row 1: task.apply_chat_template=true but the tokenizer builtin:char has no chat template; use an HF "
+        "tokenizer with one (task.tokenizer=hf:DIR) or plain string prompts")
     assert _error(tmp_path, '{"prompt": "R1:", "answer": "1"') == (
         "line 2: not a JSON object (JSON parse error: Missing a comma or '}' after an object member.)")
     verl = RowSpec(answer_key="reward_model.ground_truth")
@@ -134,3 +139,56 @@ def test_epoch_sampling_without_replacement(tmp_path: Path) -> None:
     assert Counter(p.answer for p in ds.sample_step(0, 25, 0, 1, 7)).most_common(1)[0][1] == 3
     assert [p.answer for p in ds.sample_step(0, 10, 0, 1, 7)] == epochs[0]
     assert re.fullmatch(r"RowDataset\(path='.*p\.jsonl', num_prompts=10, dropped=0\)", repr(ds))
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("mode", ["auto", "true", True])
+def test_chat_messages_go_through_the_template_by_default(tmp_path: Path, hf_tok_dir: Path, mode) -> None:
+    """auto (the default) and true render a message list with the template; auto feeds a string
+    prompt as is, true wraps it as one user message; messages and strings may share a file."""
+    tok = HFTokenizer(hf_tok_dir)
+    path = _jsonl(tmp_path / "p.jsonl", [{"prompt": [{"role": "user", "content": "What is 2+3?"}], "answer": "5"},
+                                         {"prompt": "What is 1+1?", "answer": "2"}])
+    spec = RowSpec() if mode == "auto" else RowSpec(apply_chat_template=mode)
+    assert RowSpec().apply_chat_template == "auto"
+    chat, plain = RowDataset(path, spec, tok).prompts
+    text = "<|im_start|>user\nWhat is 2+3?<|im_end|>\n<|im_start|>assistant\n"
+    assert (chat.text, chat.prompt_ids) == (text, tok.encode(text))
+    if mode == "auto":
+        assert (plain.text, plain.prompt_ids) == ("What is 1+1?", tok.encode("What is 1+1?", bos=True))
+    else:
+        wrapped = "<|im_start|>user\nWhat is 1+1?<|im_end|>\n<|im_start|>assistant\n"
+        assert (plain.text, plain.prompt_ids) == (wrapped, tok.encode(wrapped))
+
+
+@pytest.mark.unit
+def test_messages_without_a_template_name_the_tokenizer_and_row(tmp_path: Path, hf_tok_dir: Path) -> None:
+    import shutil
+
+    no_template = tmp_path / "tok"
+    shutil.copytree(hf_tok_dir, no_template)
+    cfg = json.loads((no_template / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (no_template / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (no_template / "chat_template.jinja").unlink(missing_ok=True)
+    tok = HFTokenizer(no_template)
+    assert not tok.has_chat_template
+    assert _error(tmp_path, {"prompt": [{"role": "user", "content": "x"}], "answer": "1"}, tok=tok) == (
+        f"row 2: key 'prompt' holds chat messages but the tokenizer hf:{no_template} has no chat template; use an "
+        f"HF tokenizer with one (task.tokenizer=hf:DIR) or plain string prompts")
+    plain = RowDataset(_jsonl(tmp_path / "s.jsonl", [{"prompt": "x y", "answer": "1"}]), RowSpec(), tok)
+    assert plain.prompts[0].prompt_ids == tok.encode("x y", bos=True)  # auto: a string needs no template
+
+
+@pytest.mark.unit
+def test_invalid_utf8_names_file_and_line_or_row(tmp_path: Path) -> None:
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(b'{"prompt": "R1:", "answer": "1"}\n\n{"prompt": "R\xff:", "answer": "1"}\n')
+    with pytest.raises(DatasetError) as err:
+        RowDataset(path, RowSpec(), CHAR)
+    assert str(err.value) == f"{path}: line 3: not valid UTF-8 (invalid start byte at byte 13)"
+    strings = pa.array([b"R1:", b"R2:", b"R\xfe:"], pa.binary()).view(pa.string())  # pyarrow does not check
+    pq.write_table(pa.table({"prompt": strings, "answer": ["1", "2", "3"]}), str(tmp_path / "p.parquet"))
+    with pytest.raises(DatasetError) as err:
+        RowDataset(tmp_path / "p.parquet", RowSpec(), CHAR)
+    assert str(err.value) == f"{tmp_path / 'p.parquet'}: row 3: not valid UTF-8 (invalid start byte)"

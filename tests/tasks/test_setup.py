@@ -54,3 +54,25 @@ def test_export_dtype_and_tokenizer_files(hf_tok_dir: Path, tmp_path: Path) -> N
     assert sorted(tokenizer_files(cfg)) == ["chat_template.jinja", "generation_config.json", "tokenizer.json",
                                            "tokenizer_config.json"]
     assert tokenizer_files(RunConfig()) == {}
+
+
+@pytest.mark.unit
+def test_chat_template_auto_is_the_default_from_the_config(hf_tok_dir: Path, tmp_path: Path) -> None:
+    """task.apply_chat_template: auto by default; true/false as overrides or YAML booleans still work;
+    a verl file of chat prompts goes through the template with no flag set."""
+    from moe_rl.tasks.make_data import make_rows, write_math_dataset
+
+    assert load_config(None).task.apply_chat_template == "auto"
+    (tmp_path / "c.yaml").write_text("task:\n  apply_chat_template: true\n")
+    assert load_config(tmp_path / "c.yaml").task.apply_chat_template == "true"
+    assert [load_config(None, [f"task.apply_chat_template={v}"]).task.apply_chat_template
+            for v in ("false", "True", "auto")] == ["false", "true", "auto"]
+    data = write_math_dataset(tmp_path / "train.parquet", 4, seed=5)
+    cfg = load_config(None, [f"task.tokenizer=hf:{hf_tok_dir}", f"task.dataset={data}", "task.reward=math",
+                             "task.answer_key=reward_model.ground_truth", "model.max_seq_len=512",
+                             "task.chat_template_kwargs.enable_thinking=false"])
+    _, task = build_task(cfg, start_pool=False)
+    question = make_rows(4, 5, "verl")[0]["prompt"][0]["content"]
+    text = f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    assert task.source.prompts[0].text == text
+    assert task.source.prompts[0].prompt_ids == task.tokenizer.encode(text)
