@@ -124,7 +124,7 @@ class ModelConfig:
     max_seq_len: int = 64
     router_aux_loss_coeff: float = 0.0  # switch load-balancing loss; 0 = off
     recompute: bool = False  # full activation recomputation in the learner (routes are replayed again)
-    # HF model family of import/export (moe_rl/hf_checkpoint.py FAMILIES): qwen3_moe | mixtral (no q/k norm)
+    # HF model family of import/export (moe_rl/weights/hf.py FAMILIES): qwen3_moe | mixtral (no q/k norm)
     hf_family: str = "qwen3_moe"
     # Learner kernels and precision (moe_rl/learner/te_spec.py). te and fp8 need CUDA and Transformer
     # Engine; that is checked when a run starts (preflight.check_launch), so GPU recipes still load anywhere.
@@ -165,7 +165,7 @@ class ModelConfig:
 
 # ModelConfig fields that change tensor shapes or the function computed; max_seq_len and the aux-loss
 # coefficient do not (RoPE has no parameters). Init weights, HF checkpoints and route records made
-# for another architecture are refused by these (warmstart.py, hf_checkpoint.py, routing/record.py).
+# for another architecture are refused by these (weights/warmstart.py, weights/hf.py, routing/record.py).
 ARCH_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_query_groups",
                "head_dim", "ffn_hidden_size", "moe_ffn_hidden_size", "num_experts", "moe_router_topk",
                "first_k_dense", "qk_layernorm", "rope_theta", "norm_eps")
