@@ -48,10 +48,10 @@ def run_arm(name: str, args) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def correction_cost_s(preset: list[str], reps: int = 20) -> list[float]:
+def correction_cost_s(preset: list[str], reps: int = 20, pairs: int = 10) -> list[float]:
     """Seconds per step the correction adds over the plain PPO loss, on one rank's batch shape: one
-    paired difference per rep, the two timed alternately (corr/plain, plain/corr, ...) after a
-    warm-up of each."""
+    difference per pair of timings (each the mean of ``reps`` steps), interleaved corr/plain,
+    plain/corr, ... after a warm-up pair."""
     import torch
 
     from moe_rl import rollout_correction
@@ -69,21 +69,20 @@ def correction_cost_s(preset: list[str], reps: int = 20) -> list[float]:
 
     def one(c) -> float:
         t0 = time.perf_counter()
-        corr, _ = rollout_correction.prepare(c.correction, old, rollout, mask, None)
-        logp = old.clone().requires_grad_(True)
-        st = TokenStats(logp, torch.zeros_like(logp), torch.zeros_like(logp))
-        loss, _ = rollout_correction.loss_fn(c.correction, c.algo)(
-            mb.replace(is_weights_BS=corr.is_weights_BS, keep_BS=corr.keep_BS), st, mask.sum())
-        loss.backward()
-        return time.perf_counter() - t0
+        for _ in range(reps):
+            corr, _ = rollout_correction.prepare(c.correction, old, rollout, mask, None)
+            logp = old.clone().requires_grad_(True)
+            st = TokenStats(logp, torch.zeros_like(logp), torch.zeros_like(logp))
+            loss, _ = rollout_correction.loss_fn(c.correction, c.algo)(
+                mb.replace(is_weights_BS=corr.is_weights_BS, keep_BS=corr.keep_BS), st, mask.sum())
+            loss.backward()
+        return (time.perf_counter() - t0) / reps
 
-    cfgs = {"corr": cfg, "plain": load_config(None)}
-    for c in cfgs.values():
-        one(c)  # warm-up
-    diffs = []
-    for rep in range(reps):
-        t = {name: one(cfgs[name]) for name in (("corr", "plain") if rep % 2 == 0 else ("plain", "corr"))}
-        diffs.append(t["corr"] - t["plain"])
+    cfgs, diffs = {"corr": cfg, "plain": load_config(None)}, []
+    for i in range(pairs + 1):
+        t = {name: one(cfgs[name]) for name in (("corr", "plain") if i % 2 == 0 else ("plain", "corr"))}
+        if i:  # the first pair warms up
+            diffs.append(t["corr"] - t["plain"])
     return diffs
 
 
@@ -93,12 +92,12 @@ def main() -> None:
     ap.add_argument("--router-noise", type=float, default=0.1)
     ap.add_argument("--out", default="runs/bench_corr")
     ap.add_argument("--reuse", action="store_true", help="summarise the runs already in --out, train nothing")
-    ap.add_argument("--reps", type=int, default=20, help="interleaved reps of the correction-cost timing")
+    ap.add_argument("--reps", type=int, default=10, help="interleaved pairs of the correction-cost timing")
     args = ap.parse_args()
     load = MachineLoad()
     print(f"{args.steps} steps, default batch, bf16 engine + router-logit noise std {args.router_noise}")
-    print(f"corr cost: median of {args.reps} paired per-rep differences (correction - plain loss) / median step "
-          f"time, with its interval (scripts/bench_stats.py)")
+    print(f"corr cost: median of {args.reps} paired differences (correction - plain loss, each the mean of 20 "
+          f"steps) / median step time, with its interval (scripts/bench_stats.py)")
     print(f"{'arm':10}{'final':>8}{'peak k3':>10}{'spikes':>8}{'TRM acc':>9}{'step s':>8}{'corr cost':>11}"
           f"  interval")
     for name in ARMS:
@@ -110,7 +109,7 @@ def main() -> None:
         spikes = sum(n > 3 * med for n in norms)
         acc = [r["corr/trm_accept_rate"] for r in recs if "corr/trm_accept_rate" in r]
         step_s = statistics.median(r["time/step_s"] for r in recs)
-        med_s, lo_s, hi_s, cov = median_interval(correction_cost_s(ARMS[name], args.reps))
+        med_s, lo_s, hi_s, cov = median_interval(correction_cost_s(ARMS[name], pairs=args.reps))
         cost, lo, hi = med_s / step_s, lo_s / step_s, hi_s / step_s
         acc_s = f"{sum(acc) / len(acc):.3f}" if acc else "-"
         print(f"{name:10}{final:8.3f}{max(r['corr/k3_kl'] for r in recs):10.2e}{spikes:8d}{acc_s:>9}"
