@@ -34,8 +34,9 @@ def kl_from_log_ratio(log_ratio_BS: torch.Tensor, kind: str = "k3") -> torch.Ten
         k2 = (log r)^2 / 2          biased (KL to second order), >= 0, k2(r) = k2(1/r)
         k3 = r - 1 - log r          unbiased, >= 0, asymmetric
     Rollout correction (math.md "Common notation"): log r = log rho = log pi_train - log pi_rollout,
-    samples from pi_rollout, so these estimate KL(pi_rollout || pi_train). The caller clamps
-    log r (``log_ratio`` does) so exp stays finite.
+    samples from pi_rollout, so these estimate KL(pi_rollout || pi_train). For k2 / k3 the
+    caller clamps log r (``log_ratio`` does) so exp stays finite; k1 takes no exp, so the
+    corrections pass it the exact log r (``exact_log_ratio``) where they average or sum it.
     """
     if kind == "k1":
         return -log_ratio_BS

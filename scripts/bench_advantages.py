@@ -6,7 +6,8 @@ Each arm is a real `moe-rl train` run (same seed, same prompts per step, same wa
 the estimator and the samples per prompt differ. Prints per arm: final reward (mean of the last
 10% of steps), area under the reward curve (mean over steps), response tokens consumed in total
 and until the 10-step moving average of reward first reaches --target, and the variance proxies
-(math.md 6.4) averaged over steps.
+(math.md 6.4) averaged over steps, and the machine load during the runs (scripts/bench_stats.py;
+one run per arm, no repeated timing, so no interval).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+from bench_stats import MachineLoad
 
 ARMS = {
     "grpo_n4": ["algo.advantage=grpo", "rollout.samples_per_prompt=4"],
@@ -65,6 +68,7 @@ def main() -> None:
     ap.add_argument("--reuse", action="store_true", help="summarise the runs already in --out, train nothing")
     ap.add_argument("--out", default="runs/bench_adv")
     args = ap.parse_args()
+    load = MachineLoad()
     rows = {name: summarize(run_arm(name, o, args), args.target) for name, o in ARMS.items()}
     print(f"\n{args.steps} steps x {args.prompts} prompts per step; target = 10-step mean reward >= {args.target}")
     head = f"{'arm':10}{'final':>8}{'AUC':>8}{'tokens':>10}{'tok->target':>13}{'signal':>10}{'power':>10}{'noise':>10}"
@@ -73,6 +77,7 @@ def main() -> None:
         reach = f"{s['tokens_to_target']:.0f}" if s["tokens_to_target"] is not None else "not reached"
         print(f"{name:10}{s['final']:8.3f}{s['auc']:8.3f}{s['tokens']:10.0f}{reach:>13}"
               f"{s['signal']:10.3g}{s['power']:10.3g}{s['noise']:10.3g}")
+    print(load.line(2))
 
 
 if __name__ == "__main__":

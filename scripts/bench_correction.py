@@ -8,8 +8,9 @@ from the learner's. Arms: no correction, token TIS, Seq-MIS, TRM (max + avg agai
 Prints per arm: final reward (mean of the last 10% of steps), peak k3 KL (rollout vs learner),
 grad-norm spikes (steps whose pre-clip gradient norm exceeds 3x the run's median), mean TRM
 acceptance, and the cost of the correction math (its per-batch preparation plus the loss over a
-batch of the run's shape, timed in this process against the plain PPO loss) as a fraction of the
-median step time.
+batch of the run's shape, timed in this process against the plain PPO loss, interleaved: the
+median of the paired per-rep differences and its 95% interval, scripts/bench_stats.py) as a
+fraction of the median step time; then the machine load during the whole benchmark.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from bench_stats import MachineLoad, median_interval
 
 ROOT = Path(__file__).resolve().parents[1]
 ARMS = {
@@ -45,8 +48,10 @@ def run_arm(name: str, args) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def correction_cost_s(preset: list[str], reps: int = 20) -> float:
-    """Seconds per step the correction adds over the plain PPO loss, on one rank's batch shape."""
+def correction_cost_s(preset: list[str], reps: int = 20, pairs: int = 10) -> list[float]:
+    """Seconds per step the correction adds over the plain PPO loss, on one rank's batch shape: one
+    difference per pair of timings (each the mean of ``reps`` steps), interleaved corr/plain,
+    plain/corr, ... after a warm-up pair."""
     import torch
 
     from moe_rl.config import load_config
@@ -75,7 +80,12 @@ def correction_cost_s(preset: list[str], reps: int = 20) -> float:
             loss.backward()
         return (time.perf_counter() - t0) / reps
 
-    return max(0.0, one(cfg) - one(load_config(None)))
+    cfgs, diffs = {"corr": cfg, "plain": load_config(None)}, []
+    for i in range(pairs + 1):
+        t = {name: one(cfgs[name]) for name in (("corr", "plain") if i % 2 == 0 else ("plain", "corr"))}
+        if i:  # the first pair warms up
+            diffs.append(t["corr"] - t["plain"])
+    return diffs
 
 
 def main() -> None:
@@ -84,9 +94,14 @@ def main() -> None:
     ap.add_argument("--router-noise", type=float, default=0.1)
     ap.add_argument("--out", default="runs/bench_corr")
     ap.add_argument("--reuse", action="store_true", help="summarise the runs already in --out, train nothing")
+    ap.add_argument("--reps", type=int, default=10, help="interleaved pairs of the correction-cost timing")
     args = ap.parse_args()
+    load = MachineLoad()
     print(f"{args.steps} steps, default batch, bf16 engine + router-logit noise std {args.router_noise}")
-    print(f"{'arm':10}{'final':>8}{'peak k3':>10}{'spikes':>8}{'TRM acc':>9}{'step s':>8}{'corr cost':>11}")
+    print(f"corr cost: median of {args.reps} paired differences (correction - plain loss, each the mean of 20 "
+          f"steps) / median step time, with its interval (scripts/bench_stats.py)")
+    print(f"{'arm':10}{'final':>8}{'peak k3':>10}{'spikes':>8}{'TRM acc':>9}{'step s':>8}{'corr cost':>11}"
+          f"  interval")
     for name in ARMS:
         recs = run_arm(name, args)
         k = max(1, len(recs) // 10)
@@ -96,10 +111,12 @@ def main() -> None:
         spikes = sum(n > 3 * med for n in norms)
         acc = [r["corr/trm_accept_rate"] for r in recs if "corr/trm_accept_rate" in r]
         step_s = statistics.median(r["time/step_s"] for r in recs)
-        cost = correction_cost_s(ARMS[name]) / step_s
+        med_s, lo_s, hi_s, cov = median_interval(correction_cost_s(ARMS[name], pairs=args.reps))
+        cost, lo, hi = med_s / step_s, lo_s / step_s, hi_s / step_s
         acc_s = f"{sum(acc) / len(acc):.3f}" if acc else "-"
         print(f"{name:10}{final:8.3f}{max(r['corr/k3_kl'] for r in recs):10.2e}{spikes:8d}{acc_s:>9}"
-              f"{step_s:8.2f}{cost:10.2%}")
+              f"{step_s:8.2f}{cost:11.2%}  {lo:.2%}..{hi:.2%} (coverage {cov:.0%})")
+    print(load.line(2))
 
 
 if __name__ == "__main__":

@@ -6,7 +6,9 @@ One learner rank (a tiny MoE, max_seq_len 2048) takes a mixed-length batch (leng
 [20, 2000] tokens, seeded) and runs a full update pass (forward + backward over every micro-batch)
 with ``algo.micro_batch_size`` sequences per micro-batch, then with ``algo.max_tokens_per_micro_batch``
 (sorted by length, bucketed). Prints, for each: micro-batches, padded tokens / real tokens, and the
-median pass time over interleaved repetitions (the first round warms up).
+median pass time over interleaved repetitions (the first round warms up); then the pass-time ratio
+token-budget/fixed (median of the paired per-rep ratios, with its 95% interval:
+scripts/bench_stats.py) and the machine load during the run.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+
+from bench_stats import MachineLoad, paired_ratios, ratio_line
 
 
 def _measure(args) -> dict:
@@ -70,6 +74,7 @@ def main() -> None:
     args = ap.parse_args()
     from moe_rl.launch import spawn_local
 
+    load = MachineLoad()
     res = spawn_local(_measure, 1, args)[0]
     print(f"{args.seqs} sequences, lengths {res['lens'][0]}..{res['lens'][1]} tokens, {res['real']} real tokens; "
           f"one rank, update pass (forward + backward), median of {args.reps}")
@@ -78,6 +83,9 @@ def main() -> None:
                         ("token-budget", f"token budget, <= {args.max_tokens} tokens")):
         r = res[name]
         print(f"{label:36}{r['num']:>14}{r['padded'] / res['real']:>13.3f}{statistics.median(r['times']):>15.2f}")
+    print(ratio_line("pass time ratio token-budget/fixed",
+                     paired_ratios(res["token-budget"]["times"], res["fixed"]["times"])))
+    print(load.line(1))
 
 
 if __name__ == "__main__":

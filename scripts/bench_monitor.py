@@ -5,8 +5,10 @@
 One rollout batch (the default config's shape: 16 prompts x 8 samples per rank), then the
 learner's part of an RL step (old-log-prob pass + 4 minibatch updates, lr 0 so every rep sees the
 same weights) with the monitor on and off, interleaved (on/off, off/on, ...) so drift and other
-load hit both alike. Prints the median learner time of each, their ratio, and the overhead as a
-share of a whole step (rollout + learner), against the issue's 3% budget.
+load hit both alike. Prints the median learner time of each, their ratio (the median of the
+paired per-rep ratios, with its 95% interval: scripts/bench_stats.py), the overhead as a share of
+a whole step (rollout + learner), against the issue's 3% budget, and the machine load during the
+run.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import argparse
 import dataclasses
 import statistics
 import time
+
+from bench_stats import MachineLoad, paired_ratios, ratio_line
 
 
 def _measure(args) -> list[dict]:
@@ -102,7 +106,11 @@ def _report(ranks: list[dict]) -> None:
     print(f"tiny model, default batch; {sum(r['tokens'] for r in ranks)} response tokens over {len(ranks)} ranks; "
           f"{n} interleaved reps each")
     print(f"learner part of a step (old log-probs + 4 minibatch updates): monitor off {off * 1e3:.1f} ms, "
-          f"on {on * 1e3:.1f} ms, ratio on/off {on / off:.3f}")
+          f"on {on * 1e3:.1f} ms (medians)")
+
+    def per_rep(name):  # the ranks' mean per rep (barrier-synchronised, so nearly equal)
+        return [statistics.fmean(ts) for ts in zip(*(r["times"][name] for r in ranks))]
+    print(ratio_line("ratio on/off", paired_ratios(per_rep("on"), per_rep("off"))))
     print(f"rollout of the same batch: {rollout * 1e3:.1f} ms")
     share = (on - off) / (off + rollout)
     print(f"monitor overhead as a share of a whole step (rollout + learner): {share:+.2%} (budget 3%)")
@@ -118,7 +126,9 @@ def main() -> None:
     args = ap.parse_args()
     from moe_rl.launch import spawn_local
 
+    load = MachineLoad()
     _report(spawn_local(_measure, 2, args)[0])
+    print(load.line(2))
 
 
 if __name__ == "__main__":

@@ -7,7 +7,9 @@ logits), the learner's old-log-prob pass with replay off vs R3:
   (a) flip rates of the routes the learner used vs the rollout's, at the three levels (router
       decision = (token, layer) pair, token = any layer, layers per token), rollout-vs-learner
       k3 KL and F(2) (fraction of tokens whose probability ratio exceeds 2 either way);
-  (b) learner update step time with R3 / without, as a ratio (median over interleaved reps);
+  (b) learner update step time with R3 / without: the median of the paired per-rep ratios over
+      interleaved reps (off/r3, r3/off, ...) with its 95% interval (scripts/bench_stats.py), and
+      the machine load during the run, so cost can be told from noise;
   (c) route bytes per token.
 """
 
@@ -17,6 +19,8 @@ import argparse
 import math
 import statistics
 import time
+
+from bench_stats import MachineLoad, paired_ratios, ratio_line
 
 
 def _measure(args) -> list[dict]:
@@ -97,6 +101,13 @@ def _measure(args) -> list[dict]:
     return gathered  # spawn_local hands every rank's return value back
 
 
+def _per_rep_ratios(ranks: list[dict], num: str, den: str) -> list[float]:
+    """One ratio per rep: the ranks' mean step times (barrier-synchronised, so nearly equal)."""
+    def per_rep(name):
+        return [statistics.fmean(ts) for ts in zip(*(r["step_s"][name] for r in ranks))]
+    return paired_ratios(per_rep(num), per_rep(den))
+
+
 def _report(ranks: list[dict], noise: float) -> None:
     def pooled(mode: str, key: str) -> float:
         s = sum(r[mode]["native"][key][0] for r in ranks if key in r[mode]["native"])
@@ -128,7 +139,8 @@ def _report(ranks: list[dict], noise: float) -> None:
           f"construction; its native router still disagrees on {native['flip_router_frac']:.1%} of decisions)")
     off = statistics.median(t for r in ranks for t in r["step_s"]["off"])
     r3 = statistics.median(t for r in ranks for t in r["step_s"]["r3"])
-    print(f"\n(b) learner update step: off {off * 1e3:.1f} ms, r3 {r3 * 1e3:.1f} ms, ratio r3/off {r3 / off:.3f}")
+    print(f"\n(b) learner update step: off {off * 1e3:.1f} ms, r3 {r3 * 1e3:.1f} ms (medians)")
+    print(f"    {ratio_line('ratio r3/off', _per_rep_ratios(ranks, 'r3', 'off'))}")
     metrics = statistics.median(t for r in ranks for t in r["metrics_s"])
     print(f"    of which the agreement metrics (once per pass, timed directly): {metrics * 1e3:.1f} ms; "
           f"forcing the routes: {(r3 - off - metrics) * 1e3:.1f} ms")
@@ -143,7 +155,9 @@ def main() -> None:
     args = ap.parse_args()
     from moe_rl.launch import spawn_local
 
+    load = MachineLoad()
     _report(spawn_local(_measure, 2, args)[0], args.router_noise)
+    print(load.line(2))
 
 
 if __name__ == "__main__":

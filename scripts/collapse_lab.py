@@ -4,7 +4,7 @@ N-run report and a table of outcomes per arm.
 
     python scripts/collapse_lab.py [--steps 100] [--seeds 0,1,2] [--arms none,r3,onpolicy | all] [--out runs/lab]
                                    [--router-noise 1.5] [--lr 4e-4] [--minibatches 8] [--staleness 0]
-                                   [--set key=value ...] [--ci]
+                                   [--set key=value ...] [--rerun] [--ci]
     python scripts/collapse_lab.py --arms none,r3 --map-noise 0.3,1.0,1.5 --map-lr 2e-4,3e-4   # map.md
 
 The defaults are the documented collapsing setting (README, "Collapse lab"): the default grid
@@ -15,8 +15,13 @@ Each run is a real `moe-rl train` subprocess on the embedded default (same warm 
 per seed). The mismatch settings apply to every arm except `onpolicy`, the control: the built-in
 engine in the learner's own numerics (fp32), no router noise, no staleness (the same lr and
 minibatches), i.e. the best case any correction can reach. Outcome definitions (collapse step,
-gradient-norm spikes, ...) are those of `moe_rl/report/outcome.py`. Finished runs are reused when
-the script is run again with the same --out (delete a run's directory to redo it).
+gradient-norm spikes, ...) are those of `moe_rl/report/outcome.py`.
+
+Reuse: a finished run in --out is reused only when the config.yaml it wrote (the resolved config)
+equals the config this grid would start, key by key, except the keys in ``IGNORED`` (where a run
+writes and how it logs: they change no number). Before anything trains, a run dir made with other
+settings, or an unfinished one, stops the lab with one `error:` line naming the first differing
+key (exit 2); --rerun deletes such a run dir and trains it again.
 
 --ci: one collapsing arm (none) and one rescued arm (r3), one seed, 3 steps of a small batch
 with rollout.staleness=2 unless given; checks only that the machinery runs (runs, report, table),
@@ -28,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import statistics
 import subprocess
 import sys
@@ -36,8 +42,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
+from moe_rl.config import RunConfig, load_config, to_dict
+from moe_rl.errors import ConfigError, RunDirError, UserError, one_line
 from moe_rl.report import data, outcome
 from moe_rl.report.render import write_report
+from moe_rl.tasks.hf_tokenizer import load_tokenizer
+from moe_rl.tasks.setup import resolve_vocab
 
 PRESETS = ROOT / "configs" / "corrections"
 CONTROL = "onpolicy"
@@ -57,6 +67,9 @@ DEFAULT_ARMS = ["none", "r3", CONTROL]  # the headline: collapse, rescue, best c
 CI_ARMS = ["none", "r3"]
 CI_BATCH = ["rollout.prompts_per_step=8", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=8",
             "algo.num_minibatches=2"]
+# config keys that say where a run writes and how it logs, not what it computes: a finished run
+# that differs from the grid only in these is reused
+IGNORED = ("run_dir", "resume", "checkpoint_every", "log.progress_bar", "log.wandb_mode", "log.wandb_project")
 
 
 def arm_overrides(arm: str, args) -> list[str]:
@@ -78,16 +91,81 @@ def finished(run_dir: Path, steps: int) -> bool:
     return bool(lines) and json.loads(lines[-1]).get("step") == steps - 1
 
 
-def run_one(arm: str, seed: int, args) -> Path:
-    run_dir = Path(args.out).resolve() / f"{arm}_s{seed}"  # the subprocess runs in ROOT
-    if finished(run_dir, args.steps):
-        print(f"[{run_dir.name}] reused", flush=True)
+def train_args(arm: str, seed: int, run_dir: Path, args) -> list[str]:
+    """The `moe-rl train` arguments of one run: [preset.yaml] key=value ..."""
+    return [*arm_overrides(arm, args), f"run_dir={run_dir}", f"steps={args.steps}", f"seed={seed}",
+            "checkpoint_every=0", "log.progress_bar=false", "log.wandb_mode=disabled"]
+
+
+def resolved_config(argv: list[str]) -> RunConfig:
+    """The config a run of ``argv`` writes to its config.yaml: the CLI's loader (first argument a
+    file unless it has '='), then the trainer's resolution (model.vocab_size from the tokenizer)."""
+    path, overrides = (argv[0], argv[1:]) if argv and "=" not in argv[0] else (None, argv)
+    cfg = load_config(path, overrides)
+    return resolve_vocab(cfg, load_tokenizer(cfg.task.tokenizer, cfg.init_weights))
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def config_diff(saved: dict, wanted: dict) -> list[tuple[str, object, object]]:
+    """(key, saved value, wanted value) of every result-relevant key that differs, in key order."""
+    was, now = _flat(saved), _flat(wanted)
+    return [(k, was.get(k), now.get(k)) for k in sorted(was.keys() | now.keys())
+            if k not in IGNORED and was.get(k) != now.get(k)]
+
+
+def check_reuse(run_dir: Path, wanted: dict, steps: int, rerun: bool) -> str:
+    """"new" (nothing there), "reuse" (finished, same settings) or "redo" (--rerun and the run dir
+    is unfinished or was made with other settings); RunDirError naming the first differing key
+    otherwise."""
+    if not run_dir.exists():
+        return "new"
+    saved_path = run_dir / "config.yaml"
+    problem = f"{run_dir} holds an unfinished run"
+    if saved_path.is_file():
+        try:
+            diff = config_diff(to_dict(load_config(saved_path)), wanted)
+        except ConfigError as e:  # a config.yaml this code cannot read: it was made otherwise
+            diff, problem = None, f"{saved_path} cannot be compared ({one_line(e)})"
+        if diff:
+            key, was, now = diff[0]
+            more = f" (and {len(diff) - 1} more: {', '.join(k for k, _, _ in diff[1:])})" if len(diff) > 1 else ""
+            problem = f"{run_dir} was made with {key}={was}, this grid asks for {key}={now}{more}"
+        elif diff is not None and finished(run_dir, steps):
+            return "reuse"
+    if rerun:
+        return "redo"
+    raise RunDirError(f"{problem}: use another --out or pass --rerun")
+
+
+def plan_grid(args) -> list[tuple[str, int, Path, list[str], str]]:
+    """(arm, seed, run dir, train arguments, check_reuse's verdict) of every run of the grid."""
+    jobs = []
+    for arm in args.arm_list:
+        for seed in args.seed_list:
+            run_dir = Path(args.out).resolve() / f"{arm}_s{seed}"  # the subprocess runs in ROOT
+            argv = train_args(arm, seed, run_dir, args)
+            wanted = to_dict(resolved_config(argv))  # a bad --set stops the lab here, before anything trains
+            jobs.append((arm, seed, run_dir, argv, check_reuse(run_dir, wanted, args.steps, args.rerun)))
+    return jobs
+
+
+def run_one(run_dir: Path, argv: list[str], verdict: str) -> Path:
+    if verdict == "reuse":
+        print(f"[{run_dir.name}] reused (same resolved config)", flush=True)
         return run_dir
-    if run_dir.exists():
-        raise SystemExit(f"{run_dir} holds an unfinished run: delete it (or pass another --out) and rerun")
-    cmd = [sys.executable, "-m", "moe_rl.cli", "train", *arm_overrides(arm, args), f"run_dir={run_dir}",
-           f"steps={args.steps}", f"seed={seed}", "checkpoint_every=0", "log.progress_bar=false",
-           "log.wandb_mode=disabled"]
+    if verdict == "redo":
+        print(f"[{run_dir.name}] --rerun: deleting the run made with other settings or unfinished", flush=True)
+        shutil.rmtree(run_dir)
+    cmd = [sys.executable, "-m", "moe_rl.cli", "train", *argv]
     print(f"[{run_dir.name}] {' '.join(cmd[3:])}", flush=True)
     proc = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -126,8 +204,43 @@ def arm_table(results: dict[str, list[outcome.Outcome]]) -> str:
     return "\n".join(rows) + "\n"
 
 
+class _Parser(argparse.ArgumentParser):
+    """A bad flag is one `error:` line and exit 2 (the CLI's contract), not usage + message."""
+
+    def error(self, message: str):
+        sys.stderr.write(f"error: {message}\n")
+        raise SystemExit(2)
+
+
+_EXAMPLES = {"--seeds": "0,1,2", "--map-noise": "0.3,1.0,1.5", "--map-lr": "2e-4,3e-4"}
+
+
+def _numbers(ap: _Parser, flag: str, text: str, kind: type) -> list:
+    """Comma-separated ``kind`` values of ``flag`` (empty items skipped), or one error line."""
+    values = []
+    for item in (x.strip() for x in text.split(",")):
+        try:
+            values.extend([kind(item)] if item else [])
+        except ValueError:
+            what = "an integer" if kind is int else "a number"
+            ap.error(f"{flag}: {item!r} is not {what}; give comma-separated values, e.g. {_EXAMPLES[flag]}")
+    return values
+
+
+def _check_out(ap: _Parser, out: str) -> None:
+    """--out must be (or be creatable as) a directory."""
+    path = Path(out).absolute()
+    if path.exists() and not path.is_dir():
+        ap.error(f"--out: {out} is a file, not a directory; give a new or existing directory")
+    ancestor = path
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        ap.error(f"--out: {ancestor} is a file, so {out} cannot be created")
+
+
 def parse(argv: list[str] | None = None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = _Parser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="runs/lab", help="one directory for every run, the report and the table")
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (config key seed=)")
@@ -143,6 +256,8 @@ def parse(argv: list[str] | None = None):
                     help="extra config override for every arm (repeatable)")
     ap.add_argument("--map-noise", default="", help="comma-separated router noises: run the grid per (noise, lr)")
     ap.add_argument("--map-lr", default="", help="comma-separated learning rates for the map")
+    ap.add_argument("--rerun", action="store_true",
+                    help="delete and redo any run in --out made with other settings (or unfinished)")
     ap.add_argument("--ci", action="store_true", help="none + r3, one seed, 3 steps of a small batch")
     args = ap.parse_args(argv)
     if args.ci:  # staleness on, so the CI run exercises every mismatch source
@@ -154,30 +269,35 @@ def parse(argv: list[str] | None = None):
     unknown = sorted(set(args.arm_list) - set(ARMS))
     if unknown:
         ap.error(f"--arms: unknown {unknown}; known: {','.join(ARMS)}")
-    args.seed_list = [int(s) for s in args.seeds.split(",") if s]
+    args.seed_list = _numbers(ap, "--seeds", args.seeds, int)
     if args.steps < 1 or not args.seed_list:
         ap.error("--steps must be >= 1 and --seeds must name at least one seed")
+    args.noise_list = _numbers(ap, "--map-noise", args.map_noise, float) or [args.router_noise]
+    args.lr_list = _numbers(ap, "--map-lr", args.map_lr, float) or [args.lr]
+    _check_out(ap, args.out)
     return args
 
 
-def run_grid(args) -> dict[str, list[outcome.Outcome]]:
-    """Every arm x seed under ``args``' settings (into ``args.out``); their outcomes per arm."""
-    dirs = {arm: [run_one(arm, s, args) for s in args.seed_list] for arm in args.arm_list}
+def run_grid(jobs: list[tuple[str, int, Path, list[str], str]]) -> dict[str, list[outcome.Outcome]]:
+    """Every run of ``plan_grid``'s list, trained or reused; their outcomes per arm."""
+    dirs: dict[str, list[Path]] = {}
+    for arm, _, run_dir, argv, verdict in jobs:
+        dirs.setdefault(arm, []).append(run_one(run_dir, argv, verdict))
     return {arm: [outcome.outcome(r.steps_T, r.series) for r in map(data.load_run, ds)] for arm, ds in dirs.items()}
 
 
 def collapse_map(args) -> None:
     """--map-noise x --map-lr: the grid once per (router noise, lr) cell, one table of where the
     arms collapse."""
-    noises = [float(x) for x in args.map_noise.split(",")] if args.map_noise else [args.router_noise]
-    lrs = [float(x) for x in args.map_lr.split(",")] if args.map_lr else [args.lr]
+    noises, lrs = args.noise_list, args.lr_list
     rows = ["| router noise, lr |" + "".join(f" {lr:g} |" for lr in lrs), "|---|" + "---|" * len(lrs)]
+    plans = {(noise, lr): plan_grid(argparse.Namespace(**{**vars(args), "router_noise": noise, "lr": lr,
+                                                           "out": str(Path(args.out) / f"map_n{noise:g}_lr{lr:g}")}))
+             for noise in noises for lr in lrs}  # every cell checked before any trains
     for noise in noises:
         cells = []
         for lr in lrs:
-            cell = argparse.Namespace(**{**vars(args), "router_noise": noise, "lr": lr,
-                                         "out": str(Path(args.out) / f"map_n{noise:g}_lr{lr:g}")})
-            res = run_grid(cell)
+            res = run_grid(plans[noise, lr])
             cells.append("; ".join(f"{arm} {collapsed_count(outs)} collapsed, final "
                                    f"{_mean_spread([o.final_reward for o in outs])}" for arm, outs in res.items()))
         rows.append(f"| {noise:g} | " + " | ".join(cells) + " |")
@@ -190,13 +310,22 @@ def collapse_map(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse(argv)
+    try:
+        lab(parse(argv))
+    except UserError as e:  # a run dir made otherwise, a bad --set: one line, exit 2
+        sys.stderr.write(f"error: {one_line(e)}\n")
+        raise SystemExit(2) from None
+
+
+def lab(args) -> None:
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     if args.map_noise or args.map_lr:
+        out.mkdir(parents=True, exist_ok=True)
         collapse_map(args)
         return
-    results = run_grid(args)
+    jobs = plan_grid(args)
+    out.mkdir(parents=True, exist_ok=True)
+    results = run_grid(jobs)
     html = write_report([Path(args.out).resolve() / f"{arm}_s{s}" for arm in args.arm_list for s in args.seed_list],
                         out / "report")
     settings = " ".join(arm_overrides("none", args))

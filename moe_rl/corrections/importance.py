@@ -1,8 +1,9 @@
 """Rollout correction: importance weights, rejection masks, and off-policy diagnostics.
 
 math.md sections 2.2 (IS weights), 2.3 (rejection / masking), 2.6 (metrics); semantics of verl
-``rollout_corr_helper.py`` except the direction of k1 bounds (below). Pure tensor functions: no
-torch.distributed, no ``.item()``; metrics follow ``moe_rl.metrics`` (local Mean/Std/Max/Min).
+``rollout_corr_helper.py`` except as listed under "Where this differs from verl" (below). Pure
+tensor functions: no torch.distributed, no ``.item()``; metrics follow ``moe_rl.metrics`` (local
+Mean/Std/Max/Min).
 
 Shape suffixes: B sequences, S padded sequence length.
 
@@ -27,7 +28,17 @@ its own log rho; a sequence weight clamps sum_t log rho_t and a geometric weight
 (not each term: +30 and -29.5 sum to 0.5); k1 rejection aggregates the exact log rho; chi^2_seq
 clamps the sum. The per-token k2 = lr^2 / 2 and k3 = e^lr - 1 - lr (``moe_rl.ratios.
 kl_from_log_ratio``; estimators of KL(pi_rollout || pi_train) for tokens sampled from pi_rollout)
-use lr = clamp(log rho, +-20) so e^lr stays finite.
+use lr = clamp(log rho, +-20) so e^lr stays finite; ``corr/k1_kl`` averages the exact log rho.
+
+Where this differs from verl (math.md 2.3 and 2.6, peers.md 3.1):
+  1. Direction of asymmetric k1 bounds: ours bound rho, verl's bound 1/rho (above).
+  2. k1 rejection statistics: verl computes every per-token statistic from clamp(log rho_t, +-20)
+     and aggregates those; token_k1, seq_sum_k1 and seq_mean_k1 here aggregate the exact log rho_t
+     and clamp nothing (no exp is taken). Tokens +30, -29.5: verl's seq_sum_k1 is -(20 - 20) = 0,
+     ours -(30 - 29.5) = -0.5. A decision differs from verl's only in a sequence with some
+     |log rho_t| > 20; the options' metrics (``corr/rs_<k1 option>_*``) are exact as well.
+     k2 / k3 options match verl (per-token clamp, then aggregation).
+Sequence IS weights, chi^2_seq and ``corr/k1_kl`` (verl ``kl``, an unclamped mean) follow verl.
 
 Sequences with no response token count in no sequence-level statistic.
 """
@@ -277,7 +288,8 @@ def offpolicy_metrics(train_logp_BS: torch.Tensor, rollout_logp_BS: torch.Tensor
     Returns:
         metrics, token means over response tokens and sequence means over sequences with a token
         (all exactly reducible across ranks):
-        ``corr/k1_kl`` mean(log pi_rollout - log pi_train) (verl ``kl``; may be negative),
+        ``corr/k1_kl`` mean(log pi_rollout - log pi_train) of the exact, unclamped token terms
+        (verl ``kl``; may be negative),
         ``corr/k3_kl`` mean(rho - 1 - log rho), ``corr/chi2_token`` mean(rho^2) - 1,
         ``corr/chi2_seq`` mean_seq exp(2 clamp(sum_t log rho_t, +-20)) - 1 (the exact sum),
         ``corr/{training,rollout}_log_ppl`` mean_seq(-mean_t log pi),
@@ -299,7 +311,8 @@ def offpolicy_metrics(train_logp_BS: torch.Tensor, rollout_logp_BS: torch.Tensor
     diff_B = roll_mean_B - train_mean_B
     seq_lr_B = exact_BS.sum(-1).clamp(-SAFETY_BOUND, SAFETY_BOUND)  # the exact sum, then the clamp
     return {
-        "corr/k1_kl": masked_mean(kl_from_log_ratio(lr_BS, "k1"), mask_BS),
+        # exact: a mean of log-ratios needs no exp, so no clamp (like the sequence sums above)
+        "corr/k1_kl": masked_mean(kl_from_log_ratio(exact_BS, "k1"), mask_BS),
         "corr/k3_kl": masked_mean(kl_from_log_ratio(lr_BS, "k3"), mask_BS),
         "corr/chi2_token": masked_mean(torch.expm1(2 * lr_BS), mask_BS),
         "corr/chi2_seq": masked_mean(torch.expm1(2 * seq_lr_B), valid_B),

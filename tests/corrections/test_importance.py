@@ -333,6 +333,21 @@ def test_chi2_seq_and_seq_k1_rejection_use_the_exact_sum():
 
 
 @pytest.mark.unit
+def test_k1_kl_averages_the_exact_token_log_ratios():
+    """corr/k1_kl = mean(log pi_rollout - log pi_train) over response tokens, no per-token clamp:
+    the clamp at 20 would change every value below."""
+    train, roll, mask = _extreme()
+    m = reduce_metrics(offpolicy_metrics(train, roll, mask))
+    # tokens +30, -29.5, +15, +15, -25: mean log rho 5.5 / 5 (clamped terms would give 10 / 5)
+    assert m["corr/k1_kl"] == -1.1
+    one = reduce_metrics(offpolicy_metrics(torch.tensor([[25.0]], dtype=F64), torch.zeros(1, 1, dtype=F64),
+                                           torch.tensor([[True]])))
+    assert one["corr/k1_kl"] == -25.0
+    # k3 still takes e^lr of the clamped token term (finite): e^20 - 1 - 20
+    assert one["corr/k3_kl"] == pytest.approx(math.expm1(20.0) - 20.0, rel=1e-12)
+
+
+@pytest.mark.unit
 def test_glue_and_bypass_paths_weight_sequences_exactly():
     from moe_rl.config import load_config
     from moe_rl.step import correction

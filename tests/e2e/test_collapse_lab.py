@@ -39,6 +39,94 @@ def test_lab_defaults_are_the_documented_setting_and_all_means_every_arm():
         lab.parse(["--arms", "none,bogus"])
 
 
+def _fake_finished_run(lab, out: Path, lab_flags: list[str], extra: tuple[str, ...] = (), last_step: int = 1) -> Path:
+    """A run dir as `moe-rl train` leaves it for the arm none, seed 0 of ``lab_flags`` (plus
+    ``extra`` overrides): its resolved config.yaml, and metrics.jsonl up to ``last_step``."""
+    from moe_rl.config import to_yaml
+
+    args = lab.parse(["--out", str(out), "--arms", "none", "--seeds", "0", *lab_flags])
+    run_dir = out.resolve() / "none_s0"
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(to_yaml(lab.resolved_config([*lab.train_args("none", 0, run_dir, args),
+                                                                      *extra])))
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(last_step + 1)))
+    return run_dir
+
+
+@pytest.mark.unit
+def test_lab_refuses_a_finished_run_made_with_other_settings(tmp_path, capsys):
+    lab = _lab()
+    out = tmp_path / "lab"
+    grid = ["--out", str(out), "--arms", "none", "--seeds", "0", "--steps", "2"]
+    run_dir = _fake_finished_run(lab, out, ["--steps", "2"])  # lr 4e-4, the default
+    before = sorted(p.name for p in run_dir.iterdir())
+    with pytest.raises(SystemExit) as e:
+        lab.main([*grid, "--lr", "1e-3"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err == (f"error: {run_dir} was made with optim.lr=0.0004, this grid asks for "
+                                       f"optim.lr=0.001: use another --out or pass --rerun\n")
+    with pytest.raises(SystemExit):
+        lab.main([*grid, "--lr", "1e-3", "--minibatches", "4"])
+    assert capsys.readouterr().err == (f"error: {run_dir} was made with algo.num_minibatches=8, this grid asks for "
+                                       f"algo.num_minibatches=4 (and 1 more: optim.lr): use another --out or "
+                                       f"pass --rerun\n")
+    assert sorted(p.name for p in run_dir.iterdir()) == before  # nothing trained, nothing deleted
+    # the same settings: reused; --rerun: redone
+    assert [j[-1] for j in lab.plan_grid(lab.parse(grid))] == ["reuse"]
+    assert [j[-1] for j in lab.plan_grid(lab.parse([*grid, "--lr", "1e-3", "--rerun"]))] == ["redo"]
+
+
+@pytest.mark.unit
+def test_lab_reuse_ignores_only_keys_that_change_no_number(tmp_path, capsys):
+    lab = _lab()
+    out = tmp_path / "lab"
+    grid = ["--out", str(out), "--arms", "none", "--seeds", "0", "--steps", "2"]
+    # written elsewhere, with a progress bar, wandb offline under another project, checkpoints
+    logging = ("run_dir=/elsewhere", "log.progress_bar=true", "log.wandb_mode=offline", "log.wandb_project=x",
+               "checkpoint_every=1")
+    _fake_finished_run(lab, out, ["--steps", "2"], logging)
+    assert [j[-1] for j in lab.plan_grid(lab.parse(grid))] == ["reuse"]
+    assert set(lab.IGNORED) == {"run_dir", "resume", "checkpoint_every", "log.progress_bar", "log.wandb_mode",
+                                "log.wandb_project"}
+    # a key that changes results is not ignored, even one the lab never sets
+    with pytest.raises(SystemExit):
+        lab.main([*grid, "--set", "log.router_monitor=false"])
+    assert "was made with log.router_monitor=True, this grid asks for log.router_monitor=False" in capsys.readouterr().err
+
+
+@pytest.mark.unit
+def test_lab_refuses_an_unfinished_run(tmp_path, capsys):
+    lab = _lab()
+    out = tmp_path / "lab"
+    run_dir = _fake_finished_run(lab, out, ["--steps", "2"], last_step=0)  # stopped after step 0 of 2
+    with pytest.raises(SystemExit) as e:
+        lab.main(["--out", str(out), "--arms", "none", "--seeds", "0", "--steps", "2"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err == f"error: {run_dir} holds an unfinished run: use another --out or pass --rerun\n"
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("flags, message", [
+    (["--seeds", "abc"], "--seeds: 'abc' is not an integer; give comma-separated values, e.g. 0,1,2"),
+    (["--seeds", "0,1.5"], "--seeds: '1.5' is not an integer; give comma-separated values, e.g. 0,1,2"),
+    (["--map-lr", "x"], "--map-lr: 'x' is not a number; give comma-separated values, e.g. 2e-4,3e-4"),
+    (["--map-noise", "0.3,y"], "--map-noise: 'y' is not a number; give comma-separated values, e.g. 0.3,1.0,1.5"),
+    (["--out", "FILE"], "--out: FILE is a file, not a directory; give a new or existing directory"),
+    (["--arms", "none,bogus"], "--arms: unknown ['bogus']; known: none,r2,r3,token_tis,seq_mis,trm_max,trm_avg,"
+                               "r3_trm,dvp,onpolicy"),
+    (["--steps", "x"], "argument --steps: invalid int value: 'x'"),
+])
+def test_lab_bad_flags_are_one_error_line(tmp_path, capsys, flags, message):
+    lab = _lab()
+    file = tmp_path / "results.txt"
+    file.write_text("")
+    flags = [str(file) if f == "FILE" else f for f in flags]
+    with pytest.raises(SystemExit) as e:
+        lab.main(flags)
+    assert e.value.code == 2
+    assert capsys.readouterr().err == "error: " + message.replace("FILE", str(file)) + "\n"
+
+
 @pytest.mark.e2e
 def test_collapse_lab_ci_grid_runs_and_reports(tmp_path):
     out = tmp_path / "lab"
