@@ -252,6 +252,12 @@ def _warm_up() -> bool:
     return True
 
 
+def _ignore_sigint() -> None:
+    """A worker leaves Ctrl-C to its trainer rank (which closes the pool) instead of printing a
+    KeyboardInterrupt traceback of its own."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 class RewardPool:
     """Score text samples in ``workers`` processes (0: in this process), each within ``timeout_s``."""
 
@@ -264,7 +270,8 @@ class RewardPool:
 
     def _executor(self) -> cf.ProcessPoolExecutor:
         if self._ex is None:
-            self._ex = cf.ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"))
+            self._ex = cf.ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"),
+                                              initializer=_ignore_sigint)
             self._started = time.monotonic()
             for _ in range(self.workers):
                 self._ex.submit(_warm_up)
