@@ -118,6 +118,13 @@ def _guarded(fn, report_dir: str, *args):
     """A rank's ``fn(*args)``; on any exception: record it for the launcher, then exit at once
     (no teardown that could wait for a peer)."""
     try:
+        # its own process group: a terminal's Ctrl-C reaches the launcher alone, which stops the
+        # ranks itself; the rank's children (reward workers, megatron's forked checkpoint writers)
+        # would each print a KeyboardInterrupt traceback
+        os.setpgid(0, 0)
+    except OSError:
+        pass
+    try:
         return fn(*args)
     except SystemExit as e:
         if e.code in (0, None):
