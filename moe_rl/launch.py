@@ -124,6 +124,7 @@ def _guarded(fn, report_dir: str, *args):
         os.setpgid(0, 0)
     except OSError:
         pass
+    die_with_parent()  # kill -9 of the launcher takes the ranks along
     try:
         return fn(*args)
     except SystemExit as e:
@@ -163,6 +164,15 @@ def _died_without_record(failures: dict, report_dir: Path) -> RankDiedError | No
         if not (report_dir / f"rank{rank}.pkl").exists():
             return RankDiedError(rank, failures[rank].exitcode)
     return None
+
+
+def die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this process when its parent ends (Linux PR_SET_PDEATHSIG; a
+    no-op elsewhere): a launcher killed with kill -9 cannot stop its ranks itself."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
 
 
 def _become_subreaper() -> None:
