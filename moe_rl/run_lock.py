@@ -103,8 +103,8 @@ def _undo_start(run_dir: Path, existed: bool, before: set[str]) -> None:
     if not existed:
         shutil.rmtree(run_dir, ignore_errors=True)
         return
-    for p in run_dir.iterdir():
-        if p.name not in before and p.name != LOCK_NAME:
+    for p in run_dir.iterdir():  # the lock file too (when it is new): the lock is still held
+        if p.name not in before:
             shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
 
 

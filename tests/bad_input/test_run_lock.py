@@ -72,7 +72,7 @@ def test_failed_start_is_undone_and_a_logged_step_is_kept(tmp_path):
         write(run / "config.yaml", "steps: 3\n")
         write(run / "checkpoints" / "tmp" / "x", "")
         raise KeyboardInterrupt
-    assert sorted(p.name for p in run.iterdir()) == [".lock", "notes.txt"]
+    assert sorted(p.name for p in run.iterdir()) == ["notes.txt"]
     with pytest.raises(RuntimeError), run_lock.hold(run, fresh=True):
         write(run / "metrics.jsonl", '{"step": 0}\n')
         raise RuntimeError("after the first step")
