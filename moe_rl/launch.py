@@ -14,11 +14,13 @@ one line), anything else as ``RankFailedError`` carrying the rank's traceback.
 Ends that are not a Python exception (issue 26): a rank killed by a signal (kill -9, the OOM
 killer) leaves no record; it is named as the one that died (``RankDiedError``), not as the peer
 that lost its connection to it. SIGINT/SIGTERM/SIGHUP/SIGQUIT of the launcher stop the ranks
-(torch's agent: SIGTERM, then SIGKILL after its timeout) and become ``JobInterrupted``. And no
-process of the job survives any end: the launcher is a child subreaper (Linux), so what a dead
-rank leaves behind (reward workers, multiprocessing's resource tracker, megatron's async
-checkpoint workers) is re-parented to it, and every process the job started is ended and reaped
-before ``spawn_local`` returns or raises.
+(torch's agent passes the signal on, then SIGKILL after its timeout) and become
+``JobInterrupted``. And no process of the job survives any end: each rank is its own process
+group (a terminal's Ctrl-C reaches the launcher alone) and dies with the launcher
+(PR_SET_PDEATHSIG); the launcher is a child subreaper (Linux), so what a dead rank leaves behind
+(reward workers, megatron's checkpoint writers) is re-parented to it, and every process the job
+started, except the launcher's own multiprocessing resource tracker (which ends with it), is
+ended and reaped before ``spawn_local`` returns or raises.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import uuid
@@ -250,8 +253,9 @@ def spawn_local(fn, nproc: int, *args):
     finally:
         for log, level in zip(elastic_logs, levels):
             log.setLevel(level)
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
+        if threading.current_thread() is threading.main_thread():
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
         _end_strays(before)
         shutil.rmtree(report_dir, ignore_errors=True)
 
