@@ -44,8 +44,6 @@ import torch
 from moe_rl.config import RunConfig
 from moe_rl.errors import UserError
 
-
-
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 
 
@@ -191,8 +189,9 @@ def _end_strays(before: set[int]) -> None:
     """End and reap every descendant of this process that was not there before the job, except
     this process's own multiprocessing resource tracker (the ranks share it; it ends when this
     process does, and one killed now would be restarted by this process's exit handlers)."""
-    import psutil
     from multiprocessing import resource_tracker
+
+    import psutil
 
     keep = before | {getattr(resource_tracker._resource_tracker, "_pid", None)}
     try:

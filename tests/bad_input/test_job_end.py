@@ -63,14 +63,15 @@ class Job:
         deadline = time.time() + 10
         while True:
             ps = subprocess.run(["ps", "-o", "pid=,stat=,args=", "-s", str(self.proc.pid)], capture_output=True,
-                                text=True).stdout.splitlines()
+                                text=True, check=False).stdout.splitlines()
             alive = [x for x in ps if x.split()[1][0] != "Z"]
             if not alive or time.time() > deadline:
                 return alive
             time.sleep(0.2)
 
     def session(self) -> list[str]:
-        ps = subprocess.run(["ps", "-o", "pid=,args=", "-s", str(self.proc.pid)], capture_output=True, text=True)
+        ps = subprocess.run(["ps", "-o", "pid=,args=", "-s", str(self.proc.pid)], capture_output=True, text=True,
+                            check=False)  # ps exits 1 on an empty session
         return ps.stdout.splitlines()
 
     def hint(self) -> str:
@@ -129,8 +130,8 @@ def test_a_killed_rank_is_named_and_leaves_no_process(tmp_path):
         job.proc.kill()
     err = job.stderr()
     assert code == 1
-    assert last_lines(err, "error:") == [f"error: rank 1 died (signal 9, SIGKILL: kill -9 or the out-of-memory "
-                                         f"killer); the job stopped {job.hint()}"]
+    assert last_lines(err, "error:") == [(f"error: rank 1 died (signal 9, SIGKILL: kill -9 or the out-of-memory "
+                                          f"killer); the job stopped {job.hint()}")]
     assert "Traceback" not in err and "Connection closed by peer" not in err
     assert job.left() == []
 
@@ -144,5 +145,5 @@ def test_a_normal_end_leaves_no_process_and_frees_the_run_dir(tmp_path):
     assert len((job.run / "metrics.jsonl").read_text().splitlines()) == 2
     # the lock went with the job: the next start gets the run's own refusal, not "in use"
     result = CliRunner().invoke(cli.main, ["train", f"run_dir={job.run}", *TINY])
-    assert (result.exit_code, result.stderr) == (2, f"error: config key 'run_dir': {job.run} already holds a run; "
-                                                    f"pass resume=true to continue it, or another run_dir=\n")
+    assert (result.exit_code, result.stderr) == (2, (f"error: config key 'run_dir': {job.run} already holds a run; "
+                                                     f"pass resume=true to continue it, or another run_dir=\n"))

@@ -81,8 +81,8 @@ def test_failed_start_is_undone_and_a_logged_step_is_kept(tmp_path):
 
 @pytest.mark.bad_input
 def test_hf_dir_without_tokenizer_files_fails_in_preflight(tmp_path):
-    from safetensors.torch import save_file
     import torch
+    from safetensors.torch import save_file
 
     hf = tmp_path / "hf"
     write(hf / "config.json", json.dumps({"model_type": "qwen3_moe", "vocab_size": 50}))
