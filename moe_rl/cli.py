@@ -64,10 +64,12 @@ def main(debug: bool) -> None:
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 def train(args: tuple[str, ...]) -> None:
     """Train: moe-rl train [CONFIG.yaml] [key=value ...]  (no config: the embedded tiny CPU default)."""
-    from moe_rl.launch import JobInterrupted, RankDiedError
+    from moe_rl.launch import JobInterrupted, RankDiedError, under_torchrun
 
     cfg = _load(args)
-    previous = _stop_signals_raise()
+    # under an external torchrun its agent stops the ranks: SIGTERM keeps its default there (a
+    # rank inside a collective would run no Python handler until the agent's SIGKILL)
+    previous = {} if under_torchrun() else _stop_signals_raise()
     try:
         _train(cfg)
     except (JobInterrupted, KeyboardInterrupt) as e:
