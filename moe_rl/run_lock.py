@@ -56,7 +56,7 @@ def check_free(run_dir: str | Path) -> None:
     path = Path(run_dir) / LOCK_NAME
     try:
         fd = os.open(path, os.O_RDONLY)
-    except (FileNotFoundError, NotADirectoryError):
+    except OSError:  # absent (no lock), or unreadable: then ``acquire`` says so
         return
     try:
         try:
@@ -73,7 +73,11 @@ def acquire(run_dir: str | Path) -> int:
     it). RunDirInUseError when a live job holds it. A stale file of a dead job is re-locked."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(run_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by the ranks
+    try:
+        fd = os.open(run_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by the ranks
+    except OSError as e:
+        raise RunDirError(f"config key 'run_dir': cannot open its lock file {run_dir / LOCK_NAME} "
+                          f"({type(e).__name__}: {e.strerror})") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
