@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import math
 import os
+import shlex
+import signal
 import sys
 from importlib import metadata
+from pathlib import Path
 
 import click
 
@@ -68,13 +71,91 @@ def main(debug: bool) -> None:
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 def train(args: tuple[str, ...]) -> None:
     """Train: moe-rl train [CONFIG.yaml] [key=value ...]  (no config: the embedded tiny CPU default)."""
-    from moe_rl.launch import launch, under_torchrun
-    from moe_rl.trainer import preflight
+    from moe_rl.launch import JobInterrupted, RankDiedError, under_torchrun
 
     cfg = _load(args)
+    # under an external torchrun its agent stops the ranks: SIGTERM keeps its default there (a
+    # rank inside a collective would run no Python handler until the agent's SIGKILL)
+    previous = {} if under_torchrun() else _stop_signals_raise()
+    try:
+        _train(cfg)
+    except (JobInterrupted, KeyboardInterrupt) as e:
+        signum = getattr(e, "signum", signal.SIGINT)
+        click.echo(f"interrupted ({signal.Signals(signum).name}){_resume_hint(cfg, args)}", err=True)
+        sys.exit(128 + signum)  # the shell's code for the signal: 130 (SIGINT), 143 (SIGTERM)
+    except RankDiedError as e:
+        click.echo(f"error: {e}{_resume_hint(cfg, args)}", err=True)
+        sys.exit(1)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _train(cfg: RunConfig) -> None:
+    """Preflight, then the job under the run directory's lock (taken by the leader, or by rank 0
+    under an external torchrun, before anything is written there)."""
+    from moe_rl import run_lock
+    from moe_rl.launch import launch, under_torchrun
+    from moe_rl.preflight import check_run_dir, check_tokenizer_files
+    from moe_rl.trainer import preflight
+
+    lead = not under_torchrun() or os.environ.get("RANK") == "0"
+    if lead:
+        run_lock.check_free(cfg.run_dir)  # a live job's lock first: its files say "already holds a run"
+    check_tokenizer_files(cfg)
     # data, weights and run dir are checked here, before any rank starts
-    preflight(cfg, check_run_dir=not under_torchrun() or os.environ.get("RANK") == "0")
-    launch(cfg)
+    preflight(cfg, check_run_dir=lead)
+    if not lead:
+        launch(cfg)
+        return
+    with run_lock.hold(cfg.run_dir, fresh=not cfg.resume):
+        check_run_dir(cfg)  # again, now that no other start can race this one
+        launch(cfg)
+
+
+def _stop_signals_raise() -> dict:
+    """SIGTERM (and SIGHUP) raise like Ctrl-C does, so that every stop unwinds: the lock is
+    released, a failed start is undone, and the one-line message is printed. torch's elastic agent
+    puts its own handler in place while the ranks run (``moe_rl.launch.spawn_local``)."""
+    from moe_rl.launch import JobInterrupted
+
+    def stop(signum, frame):
+        raise JobInterrupted(signum)
+
+    return {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+
+
+def _resume_hint(cfg: RunConfig, args: tuple[str, ...]) -> str:
+    """Where the run stopped and the command that continues it (or what to do instead)."""
+    from moe_rl.learner import checkpoint
+
+    run_dir = Path(cfg.run_dir)
+    done = _steps_logged(run_dir / "metrics.jsonl")
+    try:
+        latest = checkpoint.latest(run_dir / "checkpoints")
+    except UserError:
+        latest = None
+    if latest is not None:
+        ck = int(latest.name.removeprefix("step_"))
+        again = shlex.join(["moe-rl", "train", *[a for a in args if not a.startswith("resume=")], "resume=true"])
+        return f" at step {done}; resume with: {again}  (from the checkpoint of step {ck})"
+    if done == 0 and not run_dir.exists():
+        return " before the first step; nothing was kept: run the same command again"
+    if done == 0:
+        return f" before the first step of this start; {run_dir} is as it was: run the same command again"
+    return (f" at step {done}; no checkpoint was saved, so it cannot be resumed: delete {run_dir} or "
+            f"pass another run_dir= to start over")
+
+
+def _steps_logged(metrics: Path) -> int:
+    """1 + the last step in metrics.jsonl (0 when none): the steps the run has done."""
+    import json
+
+    try:
+        lines = [x for x in metrics.read_text(encoding="utf-8").splitlines() if x.strip()]
+        return int(json.loads(lines[-1])["step"]) + 1 if lines else 0
+    except (OSError, ValueError, KeyError):
+        return 0
 
 
 @main.command("config")

@@ -10,6 +10,17 @@ time, the exception, its traceback) in the job's report directory and leaves at 
 (``os._exit``); the elastic agent sees the exit within ``monitor_interval`` and stops the other
 ranks, and the launcher re-raises the first failure once: a ``UserError`` as itself (the CLI prints
 one line), anything else as ``RankFailedError`` carrying the rank's traceback.
+
+Ends that are not a Python exception (issue 26): a rank killed by a signal (kill -9, the OOM
+killer) leaves no record; it is named as the one that died (``RankDiedError``), not as the peer
+that lost its connection to it. SIGINT/SIGTERM/SIGHUP/SIGQUIT of the launcher stop the ranks
+(torch's agent passes the signal on, then SIGKILL after its timeout) and become
+``JobInterrupted``. And no process of the job survives any end: each rank is its own process
+group (a terminal's Ctrl-C reaches the launcher alone) and dies with the launcher
+(PR_SET_PDEATHSIG); the launcher is a child subreaper (Linux), so what a dead rank leaves behind
+(reward workers, megatron's checkpoint writers) is re-parented to it, and every process the job
+started, except the launcher's own multiprocessing resource tracker (which ends with it), is
+ended and reaped before ``spawn_local`` returns or raises.
 """
 
 from __future__ import annotations
@@ -18,8 +29,10 @@ import logging
 import os
 import pickle
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import uuid
@@ -31,10 +44,35 @@ import torch
 from moe_rl.config import RunConfig
 from moe_rl.errors import UserError
 
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 
 
 class RankFailedError(RuntimeError):
     """A rank of a local job raised something that is not a user error (a bug): its traceback."""
+
+
+class RankDiedError(RuntimeError):
+    """A rank of a local job ended without a Python exception: killed by a signal, or exited."""
+
+    def __init__(self, rank: int, exitcode: int) -> None:
+        if exitcode < 0:
+            name = signal.Signals(-exitcode).name if -exitcode in signal.valid_signals() else "?"
+            how = f"signal {-exitcode}, {name}"
+            if -exitcode == signal.SIGKILL:
+                how += ": kill -9 or the out-of-memory killer"
+        else:
+            how = f"exit code {exitcode}, without a Python exception"
+        super().__init__(f"rank {rank} died ({how}); the job stopped")
+        self.rank, self.exitcode = rank, exitcode
+
+
+class JobInterrupted(BaseException):
+    """The launcher got a stop signal (a BaseException, like KeyboardInterrupt, so that no
+    ``except Exception`` swallows it); ``exit_code`` is the shell's 128 + signal number."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum, self.exit_code = int(signum), 128 + int(signum)
 
 
 def under_torchrun() -> bool:
@@ -81,6 +119,14 @@ def _guarded(fn, report_dir: str, *args):
     """A rank's ``fn(*args)``; on any exception: record it for the launcher, then exit at once
     (no teardown that could wait for a peer)."""
     try:
+        # its own process group: a terminal's Ctrl-C reaches the launcher alone, which stops the
+        # ranks itself; the rank's children (reward workers, megatron's forked checkpoint writers)
+        # would each print a KeyboardInterrupt traceback
+        os.setpgid(0, 0)
+    except OSError:
+        pass
+    die_with_parent()  # kill -9 of the launcher takes the ranks along
+    try:
         return fn(*args)
     except SystemExit as e:
         if e.code in (0, None):
@@ -112,6 +158,60 @@ def _first_failure(report_dir: Path) -> _RankFailure | None:
     return min(failures, key=lambda f: f.time) if failures else None
 
 
+def _died_without_record(failures: dict, report_dir: Path) -> RankDiedError | None:
+    """The first rank (by rank) that failed without recording an exception: the cause, since its
+    peers' errors (a closed connection) follow from it."""
+    for rank in sorted(failures):
+        if not (report_dir / f"rank{rank}.pkl").exists():
+            return RankDiedError(rank, failures[rank].exitcode)
+    return None
+
+
+def die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this process when its parent ends (Linux PR_SET_PDEATHSIG; a
+    no-op elsewhere): a launcher killed with kill -9 cannot stop its ranks itself."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+
+
+def _become_subreaper() -> None:
+    """Orphans of this process's descendants are re-parented to it (not to init), so that
+    ``_end_strays`` finds what a killed rank leaves behind. Linux only; a no-op elsewhere."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+
+
+def _end_strays(before: set[int]) -> None:
+    """End and reap every descendant of this process that was not there before the job, except
+    this process's own multiprocessing resource tracker (the ranks share it; it ends when this
+    process does, and one killed now would be restarted by this process's exit handlers)."""
+    from multiprocessing import resource_tracker
+
+    import psutil
+
+    keep = before | {getattr(resource_tracker._resource_tracker, "_pid", None)}
+    try:
+        strays = [p for p in psutil.Process().children(recursive=True) if p.pid not in keep]
+    except psutil.Error:
+        return
+    for p in strays:
+        try:
+            p.terminate()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(strays, timeout=1.0)  # a resource tracker ignores SIGTERM
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(alive, timeout=3.0)
+
+
 def spawn_local(fn, nproc: int, *args):
     """Run ``fn(*args)`` on ``nproc`` local ranks (torch's elastic launcher, as `torchrun
     --standalone`); returns {rank: return value}. Also used by the benchmarks in scripts/.
@@ -126,20 +226,43 @@ def spawn_local(fn, nproc: int, *args):
         run_id=str(uuid.uuid4()), rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0",
         max_restarts=0, start_method="spawn", monitor_interval=0.1,
     )
+    from torch.distributed.elastic.multiprocessing import SignalException
+
     report_dir = Path(tempfile.mkdtemp(prefix="moe_rl_ranks_"))
-    elastic_log = logging.getLogger("torch.distributed.elastic")
-    level = elastic_log.level
+    elastic_logs = [logging.getLogger(name) for name in list(logging.Logger.manager.loggerDict)
+                    if name.startswith(("torch.distributed.elastic", "torch.multiprocessing"))]
+    levels = [log.level for log in elastic_logs]
+    _become_subreaper()
+    before = _descendants()
+    handlers = {sig: signal.getsignal(sig) for sig in _STOP_SIGNALS}  # the agent replaces them
     try:
-        elastic_log.setLevel(logging.CRITICAL)  # its failure report would repeat ours, worse
+        for log in elastic_logs:  # its failure and signal reports would repeat ours, worse
+            log.setLevel(logging.CRITICAL)
         return elastic_launch(lc, _guarded)(fn, str(report_dir), *args)
-    except ChildFailedError:
+    except SignalException as e:  # the agent has stopped the ranks
+        raise JobInterrupted(e.sigval) from None
+    except ChildFailedError as e:
+        died = _died_without_record(e.failures, report_dir)
+        if died is not None:
+            raise died from None
         failure = _first_failure(report_dir)
         if failure is None:
-            raise  # a rank died without a Python exception (a signal, the OOM killer): torch's report
+            raise
         failure.reraise()
     finally:
-        elastic_log.setLevel(level)
+        for log, level in zip(elastic_logs, levels):
+            log.setLevel(level)
+        if threading.current_thread() is threading.main_thread():
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
+        _end_strays(before)
         shutil.rmtree(report_dir, ignore_errors=True)
+
+
+def _descendants() -> set[int]:
+    import psutil
+
+    return {p.pid for p in psutil.Process().children(recursive=True)}
 
 
 def launch(cfg: RunConfig) -> None:

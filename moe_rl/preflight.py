@@ -7,7 +7,8 @@ them and ``moe_rl.config``, which imports nothing from the package.
 
 Also the run directory (``check_run_dir``: a directory or absent, not taken by another run; on
 resume the saved config agrees on the checkpoint's shape and layout, ``check_resume``) and the
-prompt budget (``prompt_limit``), all before any rank starts (issue 14).
+prompt budget (``prompt_limit``), all before any rank starts (issue 14), and that the tokenizer
+directory ``task.tokenizer`` resolves to holds tokenizer files (``check_tokenizer_files``, issue 26).
 """
 
 from __future__ import annotations
@@ -21,6 +22,10 @@ from moe_rl.config import ARCH_FIELDS, RunConfig, load_config, to_dict
 from moe_rl.errors import CheckpointError, ConfigError, RunDirError
 from moe_rl.fsutil import read_json
 from moe_rl.learner import checkpoint
+
+# The files that define a tokenizer's vocabulary, in the forms transformers reads; without any of
+# them AutoTokenizer builds a vocabulary of the special tokens alone (one token for a Qwen config).
+VOCAB_FILES = (("tokenizer.json",), ("tokenizer.model",), ("vocab.json", "merges.txt"), ("vocab.txt",))
 
 
 def check_launch(cfg: RunConfig) -> None:
@@ -91,8 +96,18 @@ def check_run_dir(cfg: RunConfig) -> None:
     if cfg.resume:
         check_resume(cfg)
     elif any((run_dir / name).exists() for name in ("metrics.jsonl", "config.yaml", "checkpoints")):
+        if checkpoint.latest(run_dir / "checkpoints") is None:
+            raise RunDirError(f"config key 'run_dir': {run_dir} holds a run that saved no checkpoint, so it "
+                              f"cannot be resumed; delete {_run_files(run_dir)} to start over, or pass "
+                              f"another run_dir=")
         raise RunDirError(f"config key 'run_dir': {run_dir} already holds a run; pass resume=true to "
                           f"continue it, or another run_dir=")
+
+
+def _run_files(run_dir: Path) -> str:
+    from moe_rl.run_lock import RUN_FILES
+
+    return " ".join(str(run_dir / n) for n in RUN_FILES if (run_dir / n).exists())
 
 
 def check_resume(cfg: RunConfig) -> None:
@@ -100,6 +115,10 @@ def check_resume(cfg: RunConfig) -> None:
     ``RESUME_FIELDS`` field, and ``steps`` goes past the checkpoint."""
     run_dir = Path(cfg.run_dir)
     latest = checkpoint.latest(run_dir / "checkpoints")
+    if latest is None and (run_dir / "config.yaml").exists():
+        raise RunDirError(f"resume=true but {run_dir}/checkpoints has no checkpoint (the run saved none); "
+                          f"delete {_run_files(run_dir)} and drop resume=true to start over, or pass "
+                          f"another run_dir=")
     if latest is None:
         raise RunDirError(f"resume=true but {run_dir}/checkpoints has no checkpoint; drop resume=true "
                           f"to start a new run")
@@ -120,6 +139,23 @@ def check_resume(cfg: RunConfig) -> None:
     if cfg.steps <= step:
         raise ConfigError(f"config key 'steps': {cfg.steps}, but the run in {run_dir} is at step {step} "
                           f"({latest.name}); pass steps > {step} to train on")
+
+
+def check_tokenizer_files(cfg: RunConfig) -> None:
+    """An HF tokenizer directory (``task.tokenizer=auto`` with ``init_weights=hf:DIR``, or
+    ``hf:DIR``) holds a vocabulary file; TokenizerError naming the directory and the files."""
+    from moe_rl.tasks.hf_tokenizer import TokenizerError, tokenizer_dir
+
+    directory = tokenizer_dir(cfg.task.tokenizer, cfg.init_weights)
+    if not directory or not Path(directory).is_dir():
+        return  # the built-in tokenizer; a missing directory has its own error
+    if any(all((Path(directory) / f).is_file() for f in files) for files in VOCAB_FILES):
+        return
+    key = "init_weights" if cfg.task.tokenizer in ("auto", "hf", "hf:") else "task.tokenizer"
+    wanted = ", ".join(" + ".join(files) for files in VOCAB_FILES)
+    raise TokenizerError(f"config key '{key}': {directory} has no tokenizer files (none of {wanted}), and "
+                         f"task.tokenizer={cfg.task.tokenizer} reads the tokenizer from it; copy the "
+                         f"checkpoint's tokenizer files there, or pass task.tokenizer=hf:DIR")
 
 
 def prompt_limit(cfg: RunConfig) -> tuple[int, str]:

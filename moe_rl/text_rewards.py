@@ -32,6 +32,7 @@ import math
 import multiprocessing
 import re
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -257,6 +258,16 @@ def _warm_up() -> bool:
     return True
 
 
+def _worker_init() -> None:
+    """A worker leaves Ctrl-C to its trainer rank (which closes the pool) instead of printing a
+    KeyboardInterrupt traceback of its own, and dies with its rank (Linux PR_SET_PDEATHSIG)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)
+
+
 class RewardPool:
     """Score text samples in ``workers`` processes (0: in this process), each within ``timeout_s``."""
 
@@ -269,7 +280,8 @@ class RewardPool:
 
     def _executor(self) -> cf.ProcessPoolExecutor:
         if self._ex is None:
-            self._ex = cf.ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"))
+            self._ex = cf.ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"),
+                                              initializer=_worker_init)
             self._started = time.monotonic()
             for _ in range(self.workers):
                 self._ex.submit(_warm_up)

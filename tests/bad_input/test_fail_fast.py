@@ -43,6 +43,7 @@ def test_fault_at_startup_is_one_line_user_error(tmp_path):
     lines = [x for x in proc.stderr.splitlines() if "injected fault" in x]
     assert lines == ["error: rank 1: sample 3, layer 1, row 7: injected fault at startup"]
     assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "run").exists()  # the failed start is undone: the same command can run again
 
 
 @pytest.mark.bad_input

@@ -1,0 +1,149 @@
+"""bad_input tier, issue 26: how a real `moe-rl train` job ends. Each job runs in its own session
+(``start_new_session=True``) so that every process it starts (ranks, reward workers, the resource
+tracker, megatron's async checkpoint workers) can be listed afterwards: after Ctrl-C, SIGTERM, kill
+-9 of rank 1 and a normal end, none is left (zombies, which a container's init may never reap,
+are not processes that run). A second start on the live run dir is refused naming the job; a
+signal ends the job with one line that says how to resume; a killed rank is named.
+
+The time from the signal to the job's end is printed (``pytest -s``), not asserted."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from click.testing import CliRunner
+
+from moe_rl import cli
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ["rollout.prompts_per_step=8", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=8",
+        "log.progress_bar=false", "log.wandb_mode=disabled"]
+LONG = ["steps=50", "checkpoint_every=1", *TINY]  # long enough to be stopped mid-run
+MATH = ["task.reward=math", "task.reward_workers=1"]  # text rewards: a reward worker per rank
+
+
+class Job:
+    def __init__(self, tmp_path: Path, *args: str) -> None:
+        self.run, self.err_path = tmp_path / "run", tmp_path / "stderr"
+        self.args = [f"run_dir={self.run}", *args]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}
+        env.pop("MOE_RL_DEBUG", None)
+        with open(self.err_path, "w") as err, open(tmp_path / "stdout", "w") as out:
+            self.proc = subprocess.Popen([sys.executable, "-m", "moe_rl.cli", "train", *self.args], stdout=out,
+                                         stderr=err, env=env, cwd=ROOT, start_new_session=True)
+
+    def wait_for_first_checkpoint(self) -> None:
+        latest, deadline = self.run / "checkpoints" / "latest", time.time() + 300
+        while not latest.is_file():
+            assert self.proc.poll() is None, self.stderr()[-3000:]
+            assert time.time() < deadline
+            time.sleep(0.2)
+
+    def end(self, what: str) -> int:
+        t0 = time.time()
+        code = self.proc.wait(timeout=120)
+        print(f"{what}: the job ended {time.time() - t0:.2f} s later (exit code {code})")
+        return code
+
+    def stderr(self) -> str:
+        return self.err_path.read_text()
+
+    def left(self) -> list[str]:
+        """The session's processes that still run (a few seconds for them to go)."""
+        deadline = time.time() + 10
+        while True:
+            ps = subprocess.run(["ps", "-o", "pid=,stat=,args=", "-s", str(self.proc.pid)], capture_output=True,
+                                text=True, check=False).stdout.splitlines()
+            alive = [x for x in ps if x.split()[1][0] != "Z"]
+            if not alive or time.time() > deadline:
+                return alive
+            time.sleep(0.2)
+
+    def session(self) -> list[str]:
+        ps = subprocess.run(["ps", "-o", "pid=,args=", "-s", str(self.proc.pid)], capture_output=True, text=True,
+                            check=False)  # ps exits 1 on an empty session
+        return ps.stdout.splitlines()
+
+    def hint(self) -> str:
+        """What the job's last line says after ``at step``: from the run dir it left."""
+        lines = (self.run / "metrics.jsonl").read_text().splitlines()
+        done = json.loads(lines[-1])["step"] + 1
+        ck = int((self.run / "checkpoints" / "latest").read_text().strip().removeprefix("step_"))
+        assert ck in (done - 1, done)  # checkpoint_every=1
+        again = shlex.join(["moe-rl", "train", *self.args, "resume=true"])
+        return f"at step {done}; resume with: {again}  (from the checkpoint of step {ck})"
+
+
+def last_lines(err: str, prefix: str) -> list[str]:
+    return [x for x in err.splitlines() if x.startswith(prefix)]
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_second_start_is_refused_and_a_signal_ends_the_job_cleanly(tmp_path, sig):
+    """SIGINT as Ctrl-C sends it (to the whole process group), SIGTERM to the leader alone."""
+    job = Job(tmp_path, *LONG, *(MATH if sig == signal.SIGINT else []))
+    try:
+        job.wait_for_first_checkpoint()
+        owner = json.loads((job.run / ".lock").read_text())
+        assert (owner["pid"], owner["host"]) == (job.proc.pid, socket.gethostname())
+        line = (f"error: run_dir {job.run} is in use by pid {job.proc.pid} on host {owner['host']} since "
+                f"{owner['since']}; wait for that job to end or stop it (kill {job.proc.pid} on {owner['host']}), "
+                f"or pass another run_dir=\n")
+        for extra in ([], ["resume=true", "steps=60"]):
+            result = CliRunner().invoke(cli.main, ["train", f"run_dir={job.run}", *TINY, *extra])
+            assert (result.exit_code, result.stderr) == (2, line)
+        running = job.session()
+        assert len(running) >= (6 if sig == signal.SIGINT else 4), running  # + a reward worker per rank
+        os.killpg(job.proc.pid, sig) if sig == signal.SIGINT else os.kill(job.proc.pid, sig)
+        code = job.end(sig.name)
+    finally:
+        job.proc.kill()
+    err = job.stderr()
+    assert code == 128 + sig  # 130, 143
+    assert last_lines(err, "interrupted") == [f"interrupted ({sig.name}) {job.hint()}"]
+    assert "Traceback" not in err and "error:" not in err
+    assert job.left() == []
+
+
+@pytest.mark.bad_input
+def test_a_killed_rank_is_named_and_leaves_no_process(tmp_path):
+    job = Job(tmp_path, *LONG, *MATH)
+    try:
+        job.wait_for_first_checkpoint()
+        ranks = sorted((c for c in psutil.Process(job.proc.pid).children() if "spawn_main" in " ".join(c.cmdline())),
+                       key=lambda c: c.pid)  # started in rank order
+        assert len(ranks) == 2
+        os.kill(ranks[1].pid, signal.SIGKILL)
+        code = job.end("kill -9 of rank 1")
+    finally:
+        job.proc.kill()
+    err = job.stderr()
+    assert code == 1
+    assert last_lines(err, "error:") == [(f"error: rank 1 died (signal 9, SIGKILL: kill -9 or the out-of-memory "
+                                          f"killer); the job stopped {job.hint()}")]
+    assert "Traceback" not in err and "Connection closed by peer" not in err
+    assert job.left() == []
+
+
+@pytest.mark.bad_input
+def test_a_normal_end_leaves_no_process_and_frees_the_run_dir(tmp_path):
+    job = Job(tmp_path, "steps=2", *MATH, *TINY)
+    code = job.end("normal end")
+    assert code == 0, job.stderr()[-3000:]
+    assert job.left() == []
+    assert len((job.run / "metrics.jsonl").read_text().splitlines()) == 2
+    # the lock went with the job: the next start gets the run's own refusal, not "in use"
+    result = CliRunner().invoke(cli.main, ["train", f"run_dir={job.run}", *TINY])
+    assert (result.exit_code, result.stderr) == (2, (f"error: config key 'run_dir': {job.run} already holds a run; "
+                                                     f"pass resume=true to continue it, or another run_dir=\n"))
