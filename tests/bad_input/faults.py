@@ -40,14 +40,14 @@ def _fault(where: str, kind: str):
 def _inject(where: str, kind: str) -> None:
     from moe_rl import checkpointing, trainer
 
-    if where == "startup":
-        trainer.Learner = _fault(where, kind)
-    elif where == "step":
-        trainer.update = _fault(where, kind)
-    elif where == "save":
-        checkpointing.checkpoint.save = _fault(where, kind)
-    else:
+    places = {"startup": (trainer, "Learner"), "step": (trainer, "update_policy"),
+              "save": (checkpointing.checkpoint, "save")}
+    if where not in places:
         raise ValueError(f"unknown fault place {where!r}")
+    module, name = places[where]
+    if not hasattr(module, name):  # a rename must fail here, not as a fault that never fires
+        raise AttributeError(f"{module.__name__} has no {name!r} to inject a fault into")
+    setattr(module, name, _fault(where, kind))
 
 
 def faulty_worker(cfg, where: str, rank: int, kind: str) -> None:

@@ -69,7 +69,7 @@ def _worker(rank: int, root: str) -> dict:
     from moe_rl.config import OptimConfig, ParallelConfig
     from moe_rl.learner import checkpoint
     from moe_rl.learner.learner import Learner
-    from moe_rl.rollout.builtin_model import random_canonical_weights
+    from moe_rl.weights.canonical import random_canonical_weights
 
     par = ParallelConfig(nproc=1, expert_parallel=1)
     ctx = dist.init_distributed(par, seed=7)

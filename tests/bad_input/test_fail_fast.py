@@ -55,7 +55,7 @@ def test_fault_mid_step_in_a_collective_shows_the_rank_traceback_once(tmp_path):
     assert err.count("RankFailedError: rank 1 failed with RuntimeError: injected fault at step") == 1
     assert err.count("--- rank 1 traceback ---") == 1
     assert err.count("RuntimeError: injected fault at step") == 2  # the summary line and the rank's own
-    assert "m_update = update(cfg, plan, learner, train_batch, lr)" in err  # where it happened
+    assert "m_update = update_policy(plan, learner, train_batch, lr)" in err  # where it happened
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
