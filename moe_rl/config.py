@@ -649,6 +649,17 @@ def _legacy_rejection(legacy_rs: dict) -> list[dict]:
             for o, b in zip(options, bounds)]
 
 
+def _check_rules(layer: DictConfig) -> DictConfig:
+    """An unknown field of a ``correction.rejection`` rule, named with its index (OmegaConf's own
+    error names the bare field only)."""
+    rules = OmegaConf.select(layer, "correction.rejection", default=None)
+    fields = [f.name for f in dataclasses.fields(RejectionSpec)]
+    for i, rule in enumerate(rules if isinstance(rules, ListConfig) else []):
+        for key in rule.keys() if isinstance(rule, DictConfig) else ():
+            _check(key in fields, f"correction.rejection[{i}].{key}", f"not a field of a rejection rule {fields}")
+    return layer
+
+
 def _override(base, item: str, legacy_rs: dict):
     """One ``key=value`` override as a layer to merge (None: a deprecated key held back or
     ignored). YAML 1.1 reads off/on/yes/no as booleans; a string-typed key
@@ -667,7 +678,7 @@ def _override(base, item: str, legacy_rs: dict):
             return None
         key = DEPRECATED_KEYS[old]
         item = f"{key}={raw}"
-    layer = OmegaConf.from_dotlist([item])
+    layer = _check_rules(OmegaConf.from_dotlist([item]))
     if isinstance(OmegaConf.select(base, key, default=None), str):
         if isinstance(OmegaConf.select(layer, key), bool) or raw.strip() == "":
             OmegaConf.update(layer, key, "" if raw.strip() == "" else raw)
@@ -738,7 +749,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if path is not None:
             where = str(path)
             tree = _rename_tree(OmegaConf.to_container(_read_yaml(path)), legacy_rs, where)
-            merged = _writable(OmegaConf.merge(merged, OmegaConf.create(tree)))
+            merged = _writable(OmegaConf.merge(merged, _check_rules(OmegaConf.create(tree))))
         base = merged
         for item in overrides:  # merged one at a time, so an error names its own override
             where = f"override {item!r}"

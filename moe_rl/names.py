@@ -1,6 +1,6 @@
 """The names a config is validated against, one tuple per registry family (no torch import, so
 ``moe_rl.config`` can load without the math). Each registry's keys equal its tuple here
-(tests/test_configs.py ``test_registries_hold_the_names_configs_accept``); nothing else spells
+(tests/test_config_keys.py ``test_registries_hold_the_names_configs_accept``); nothing else spells
 these lists."""
 
 from __future__ import annotations
