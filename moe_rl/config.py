@@ -28,9 +28,17 @@ from omegaconf.errors import OmegaConfBaseException
 
 from moe_rl.errors import ConfigError  # re-exported
 from moe_rl.layout import check_layout, data_parallel_size
-from moe_rl.names import (ADVANTAGE_NAMES, GROUP_ADVANTAGE_NAMES, HF_FAMILY_NAMES, IS_LEVEL_NAMES,
-                          KL_ESTIMATOR_NAMES, LENGTH_NEUTRAL_NAMES, SAFE_SET_RULE_NAMES, TRM_KL_SOURCE_NAMES,
-                          TRM_REFERENCE_NAMES)
+from moe_rl.names import (
+    ADVANTAGE_NAMES,
+    GROUP_ADVANTAGE_NAMES,
+    HF_FAMILY_NAMES,
+    IS_LEVEL_NAMES,
+    KL_ESTIMATOR_NAMES,
+    LENGTH_NEUTRAL_NAMES,
+    SAFE_SET_RULE_NAMES,
+    TRM_KL_SOURCE_NAMES,
+    TRM_REFERENCE_NAMES,
+)
 from moe_rl.rejection import parse_rs_spec
 from moe_rl.rollout.vllm_rules import check_vllm
 
@@ -583,7 +591,7 @@ class RunConfig:
 
 # Renamed keys, kept for one release: old dotted key -> new key (None: removed, the value is
 # ignored). correction.rs + correction.rs_bounds (strings such as '0.5_2.0') together become
-# correction.rejection, a list of typed RejectionSpec.
+# correction.rejection, a list of typed RejectionSpec, merged after every input (file, overrides).
 DEPRECATED_KEYS: dict[str, str | None] = {
     **{f"correction.trm_{k}": f"correction.trm.{k}" for k in (
         "max", "avg", "reference", "kl", "length_neutral", "ln_threshold", "ln_eps", "ln_delta")},
@@ -605,8 +613,9 @@ def _renamed_key(key: str) -> str:
 
 
 def _rename_tree(tree: dict, legacy_rs: dict, where: str) -> dict:
-    """Move the deprecated keys of one YAML mapping to their new keys (warning once each); the
-    rs / rs_bounds values go to ``legacy_rs`` (converted after every input is read)."""
+    """Move the deprecated keys of one YAML mapping to their new keys (one warning each); the
+    rs / rs_bounds values go to ``legacy_rs`` with ``where`` they were set (merged as
+    correction.rejection after every input is read)."""
     for old, new in DEPRECATED_KEYS.items():
         head, _, leaf = old.rpartition(".")
         parent = tree
@@ -617,7 +626,7 @@ def _rename_tree(tree: dict, legacy_rs: dict, where: str) -> dict:
         value = parent.pop(leaf)
         _warn_deprecated(old, new)
         if old in _RS_KEYS:
-            legacy_rs[old] = (value, where)
+            legacy_rs.update({old: value, "where": where})
         elif new is not None:
             *heads, last = new.split(".")
             node = tree
@@ -629,9 +638,8 @@ def _rename_tree(tree: dict, legacy_rs: dict, where: str) -> dict:
 
 def _legacy_rejection(legacy_rs: dict) -> list[dict]:
     """correction.rs + correction.rs_bounds as correction.rejection, validated as they were."""
-    options, _ = legacy_rs.get("correction.rs", ([], None))
-    raw, _ = legacy_rs.get("correction.rs_bounds", ([], None))
-    options, raw = list(options or []), [str(b) for b in raw or []]
+    options = list(legacy_rs.get("correction.rs") or [])
+    raw = [str(b) for b in legacy_rs.get("correction.rs_bounds") or []]
     _check(bool(options) == bool(raw), "correction.rs_bounds", "give bounds exactly when rs is set")
     try:
         bounds = [tuple(float(v) for v in b.split("_")) if "_" in b else float(b) for b in raw]
@@ -672,8 +680,9 @@ def _override(base, item: str, legacy_rs: dict):
         old = key.strip()
         _warn_deprecated(old, DEPRECATED_KEYS[old])
         if old in _RS_KEYS:
-            legacy_rs[old] = (OmegaConf.to_container(OmegaConf.from_dotlist([item]))["correction"][old[11:]],
-                              f"override {item!r}")
+            value = OmegaConf.select(OmegaConf.from_dotlist([item]), old)
+            legacy_rs.update({old: OmegaConf.to_container(value) if OmegaConf.is_config(value) else value,
+                              "where": f"override {item!r}"})
         if old in _RS_KEYS or DEPRECATED_KEYS[old] is None:
             return None
         key = DEPRECATED_KEYS[old]
@@ -755,11 +764,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             where = f"override {item!r}"
             layer = _override(base, item, legacy_rs)
             merged = merged if layer is None else _writable(OmegaConf.merge(merged, layer))
-        if legacy_rs:
-            where = max((w for _, w in legacy_rs.values()), key=lambda w: w.startswith("override"))
-            if where.startswith("override"):  # the last override of either key
-                where = next(f"override {i!r}" for i in reversed(list(overrides))
-                             if i.split("=", 1)[0].strip() in _RS_KEYS)
+        if legacy_rs:  # the input that set rs or rs_bounds last is named in an error
+            where = legacy_rs["where"]
             layer = OmegaConf.create({"correction": {"rejection": _legacy_rejection(legacy_rs)}})
             merged = _writable(OmegaConf.merge(merged, layer))
         where = "validation"

@@ -66,7 +66,8 @@ def test_old_flat_yaml_resolves_like_the_nested_one(tmp_path, capsys):
 
 @pytest.mark.parametrize("rs, bounds, specs", [
     ("[seq_sum_k1]", "[0.5_2.0]", [RejectionSpec("seq_sum_k1", upper=2.0, lower=0.5)]),
-    ("[token_k1, seq_mean_k3]", "['3']", [RejectionSpec("token_k1", upper=3.0), RejectionSpec("seq_mean_k3", upper=3.0)]),
+    ("[token_k1, seq_mean_k3]", "['3']",
+     [RejectionSpec("token_k1", upper=3.0), RejectionSpec("seq_mean_k3", upper=3.0)]),
     ("[seq_mean_k3]", "[0.01]", [RejectionSpec("seq_mean_k3", upper=0.01)]),
 ])
 def test_old_rs_and_rs_bounds_become_typed_specs(rs, bounds, specs, capsys):
@@ -129,7 +130,8 @@ def test_rejection_spec_parses_into_options_and_bounds():
      "config key 'correction.rejection[0]': seq_max_k1 is not supported (k1 is sign-indefinite); use seq_max_k2"),
     ("[{option: token_k1, upper: 2.0}, {option: seq_mean_k3, lower: 0.5, upper: 2.0}]",
      "config key 'correction.rejection[1]': seq_mean_k3: bound must be one float > 0, got (0.5, 2.0)"),
-    ("[{option: seq_mean_k3}]", "config key 'correction.rejection[0]': seq_mean_k3: bound must be one float > 0, got 0.0"),
+    ("[{option: seq_mean_k3}]",
+     "config key 'correction.rejection[0]': seq_mean_k3: bound must be one float > 0, got 0.0"),
     ("[{option: token_k1, upper: 0.5}]",
      "config key 'correction.rejection[0]': token_k1: a single k1 bound U means (1/U, U) and needs U >= 1, got 0.5"),
     ("[{option: token_k1, lower: 3.0, upper: 2.0}]",

@@ -104,7 +104,7 @@ def test_vllm_generate_routes_pass_ingest(tmp_path):
 
 @pytest.mark.gpu
 def test_vllm_weight_transfer_versions_and_changes_the_policy(tmp_path):
-    """rollout.vllm.weight_sync=transfer (the default): every sync is one versioned session of
+    """The weight-transfer API (the one sync): every sync is one versioned session of
     vLLM's weight-transfer API; new weights change the rollouts, the old ones bring them back."""
     pytest.importorskip("vllm")
     from moe_rl.rollout.vllm_engine import VllmEngine
