@@ -602,9 +602,11 @@ DEPRECATED_KEYS: dict[str, str | None] = {
 _RS_KEYS = ("correction.rs", "correction.rs_bounds")
 
 
-def _warn_deprecated(old: str, new: str | None) -> None:
+def _warn_deprecated(where: str, old: str, new: str | None) -> None:
+    """One line on stderr; ``where`` (the file or override) tells a run's own saved config.yaml
+    from what the user typed."""
     what = f"use '{new}'" if new else "removed; its value is ignored"
-    print(f"warning: config key '{old}' is deprecated: {what} (the old key goes in the next release)",
+    print(f"warning: {where}: config key '{old}' is deprecated: {what} (the old key goes in the next release)",
           file=sys.stderr)
 
 
@@ -624,7 +626,7 @@ def _rename_tree(tree: dict, legacy_rs: dict, where: str) -> dict:
         if not isinstance(parent, dict) or leaf not in parent:
             continue
         value = parent.pop(leaf)
-        _warn_deprecated(old, new)
+        _warn_deprecated(where, old, new)
         if old in _RS_KEYS:
             legacy_rs.update({old: value, "where": where})
         elif new is not None:
@@ -678,7 +680,7 @@ def _override(base, item: str, legacy_rs: dict):
     key, raw = item.split("=", 1)
     if key.strip() in DEPRECATED_KEYS:
         old = key.strip()
-        _warn_deprecated(old, DEPRECATED_KEYS[old])
+        _warn_deprecated(f"override {item!r}", old, DEPRECATED_KEYS[old])
         if old in _RS_KEYS:
             value = OmegaConf.select(OmegaConf.from_dotlist([item]), old)
             legacy_rs.update({old: OmegaConf.to_container(value) if OmegaConf.is_config(value) else value,

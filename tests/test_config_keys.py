@@ -23,9 +23,9 @@ from moe_rl.layout import check_layout, data_parallel_size, pipeline_stage_layer
 pytestmark = pytest.mark.unit
 
 
-def _warning(old: str, new: str | None) -> str:
+def _warning(where: str, old: str, new: str | None) -> str:
     what = f"use '{new}'" if new else "removed; its value is ignored"
-    return f"warning: config key '{old}' is deprecated: {what} (the old key goes in the next release)\n"
+    return f"warning: {where}: config key '{old}' is deprecated: {what} (the old key goes in the next release)\n"
 
 
 # ------------------------------------------------------------------ deprecated keys
@@ -39,7 +39,8 @@ def test_old_trm_override_resolves_like_the_new_key_with_one_warning(leaf, value
     new = load_config(None, [f"correction.trm.{leaf}={value}"])
     assert capsys.readouterr().err == ""
     old = load_config(None, [f"correction.trm_{leaf}={value}"])
-    assert capsys.readouterr().err == _warning(f"correction.trm_{leaf}", f"correction.trm.{leaf}")
+    assert capsys.readouterr().err == _warning(f"override 'correction.trm_{leaf}={value}'", f"correction.trm_{leaf}",
+                                               f"correction.trm.{leaf}")
     assert to_dict(old) == to_dict(new) and str(getattr(new.correction.trm, leaf)) == value
 
 
@@ -57,11 +58,11 @@ def test_old_flat_yaml_resolves_like_the_nested_one(tmp_path, capsys):
                    "    - {option: seq_sum_k1, lower: 0.5, upper: 2.0}\n    - {option: seq_max_k2, upper: 0.05}\n")
     assert to_dict(load_config(old)) == to_dict(load_config(new))
     assert capsys.readouterr().err == "".join([
-        _warning("correction.trm_max", "correction.trm.max"),
-        _warning("correction.trm_reference", "correction.trm.reference"),
-        _warning("correction.rs", "correction.rejection"),
-        _warning("correction.rs_bounds", "correction.rejection"),
-        _warning("rollout.vllm.weight_sync", None)])
+        _warning(str(old), "correction.trm_max", "correction.trm.max"),
+        _warning(str(old), "correction.trm_reference", "correction.trm.reference"),
+        _warning(str(old), "correction.rs", "correction.rejection"),
+        _warning(str(old), "correction.rs_bounds", "correction.rejection"),
+        _warning(str(old), "rollout.vllm.weight_sync", None)])
 
 
 @pytest.mark.parametrize("rs, bounds, specs", [
@@ -73,8 +74,10 @@ def test_old_flat_yaml_resolves_like_the_nested_one(tmp_path, capsys):
 def test_old_rs_and_rs_bounds_become_typed_specs(rs, bounds, specs, capsys):
     cfg = load_config(None, [f"correction.rs={rs}", f"correction.rs_bounds={bounds}"])
     assert cfg.correction.rejection == specs
-    assert capsys.readouterr().err == (_warning("correction.rs", "correction.rejection")
-                                       + _warning("correction.rs_bounds", "correction.rejection"))
+    rs_item, bounds_item = f"correction.rs={rs}", f"correction.rs_bounds={bounds}"
+    assert capsys.readouterr().err == (_warning(f"override {rs_item!r}", "correction.rs", "correction.rejection")
+                                       + _warning(f"override {bounds_item!r}", "correction.rs_bounds",
+                                                  "correction.rejection"))
 
 
 def test_old_rs_errors_are_the_old_lines():
@@ -92,8 +95,9 @@ def test_deprecated_key_through_the_cli_warns_then_errors(tmp_path):
     result = CliRunner().invoke(cli.main, ["train", f"run_dir={tmp_path / 'r'}", "correction.rs=[seq_sum_k2]",
                                            "correction.rs_bounds=[inf]"])
     assert result.exit_code == 2
-    assert result.stderr == (_warning("correction.rs", "correction.rejection")
-                             + _warning("correction.rs_bounds", "correction.rejection")
+    assert result.stderr == (_warning("override 'correction.rs=[seq_sum_k2]'", "correction.rs", "correction.rejection")
+                             + _warning("override 'correction.rs_bounds=[inf]'", "correction.rs_bounds",
+                                        "correction.rejection")
                              + "error: override 'correction.rs_bounds=[inf]': config key 'correction.rs_bounds': "
                                "['inf'] are not finite numbers ('0.5_2.0' or '0.01')\n")
 
@@ -111,7 +115,8 @@ def test_renamed_override_errors_name_the_override_and_the_new_key():
 
 def test_removed_weight_sync_is_ignored(capsys):
     assert to_dict(load_config(None, ["rollout.vllm.weight_sync=load_weights"])) == to_dict(load_config(None))
-    assert capsys.readouterr().err == _warning("rollout.vllm.weight_sync", None)
+    assert capsys.readouterr().err == _warning("override 'rollout.vllm.weight_sync=load_weights'",
+                                               "rollout.vllm.weight_sync", None)
 
 
 # ------------------------------------------------------------------ the typed rejection spec
