@@ -30,8 +30,8 @@ Known extra inputs (all [B, S], aligned with ``response_mask_BS``; column t desc
 - ``sum_pi_sq_BS``: sum_v pi_old(v | y_<t)^2, from the same pass.
 - ``is_weights_BS``: rollout importance weights (truncated rho-bar), optional.
 
-Names are checked when the config loads, against ``moe_rl.config.ADVANTAGE_NAMES`` (config imports
-nothing from the package; a test keeps those names equal to ``ADVANTAGES``), and by ``get_advantage``.
+Names are checked when the config loads, against ``moe_rl.names.ADVANTAGE_NAMES`` (a test keeps
+those names equal to ``ADVANTAGES``), and by ``get_advantage``.
 """
 
 from __future__ import annotations

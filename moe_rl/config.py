@@ -1,25 +1,24 @@
-"""The typed config tree: the single source of truth for every run.
+"""The typed config tree and its loader: the single source of truth for every run.
 
 Dataclasses define fields, defaults and validation. YAML files (``configs/*.yaml``) and dotted
 command-line overrides (``rollout.temperature=0.8``) only override them. Loading goes through
 OmegaConf's structured configs, so an unknown key or a wrong type fails before any work starts,
-naming the full dotted key; cross-field checks in ``__post_init__`` name the keys too.
+naming the full dotted key; cross-field checks in ``__post_init__`` name the keys too. Renamed keys
+keep working for one release through one table (``DEPRECATED_KEYS``), with a one-line warning.
 Megatron's own argument names appear only in ``moe_rl/learner/setup.py``.
 
-Near the bottom of the package: imports only ``moe_rl.errors`` from it (tests/test_style.py). So
-the names a config may use live here as plain tuples (``ADVANTAGE_NAMES``, ``RS_AGGREGATION_NAMES``;
-tests keep them equal to the registries of ``moe_rl.advantages`` and ``moe_rl.corrections``), with
-the rejection-option
-grammar (``parse_rs_spec``) and what the vLLM engine cannot do (``logprobs_mode``, ``_check_vllm``;
-pure, no vllm import). What depends on the machine (CUDA, Transformer Engine, vllm installed) is
-checked when a run starts, in ``moe_rl/preflight.py``.
+Near the bottom of the package: imports only pure modules (no torch, no megatron;
+tests/test_style.py): the names configs validate against (``moe_rl.names``), the rejection-option
+grammar (``moe_rl.rejection``), the layout arithmetic (``moe_rl.layout``) and what the vLLM engine
+cannot do (``moe_rl.rollout.vllm_rules``). What depends on the machine (CUDA, Transformer Engine,
+vllm installed) is checked when a run starts, in ``moe_rl/preflight.py``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,21 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from moe_rl.errors import ConfigError  # re-exported: moe_rl.errors is the one module below this one
+from moe_rl.errors import ConfigError  # re-exported
+from moe_rl.layout import check_layout, data_parallel_size
+from moe_rl.names import (
+    ADVANTAGE_NAMES,
+    GROUP_ADVANTAGE_NAMES,
+    HF_FAMILY_NAMES,
+    IS_LEVEL_NAMES,
+    KL_ESTIMATOR_NAMES,
+    LENGTH_NEUTRAL_NAMES,
+    SAFE_SET_RULE_NAMES,
+    TRM_KL_SOURCE_NAMES,
+    TRM_REFERENCE_NAMES,
+)
+from moe_rl.rejection import parse_rs_spec
+from moe_rl.rollout.vllm_rules import check_vllm
 
 
 def _check(cond: bool, key: str, msg: str) -> None:
@@ -47,60 +60,6 @@ def _check_finite(cfg: Any, prefix: str) -> None:
 def _one_of(value: str, key: str, choices: tuple[str, ...] | list[str]) -> None:
     hint = " (YAML reads unquoted on/off/yes/no as booleans: quote the value)" if value in ("True", "False") else ""
     _check(value in choices, key, f"{value!r} is not one of {sorted(choices)}{hint}")
-
-
-# The names of moe_rl.advantages.ADVANTAGES (tests/test_advantages.py keeps them equal).
-ADVANTAGE_NAMES = ("grpo", "rloo", "otb", "otb_multiturn")
-# The names of moe_rl.corrections.importance.RS_AGGREGATIONS (tests/corrections/test_derived.py).
-RS_AGGREGATION_NAMES = ("token", "seq_sum", "seq_mean", "seq_max")
-Bound = float | tuple[float, float]  # see parse_rs_spec
-
-
-def parse_rs_spec(options: Sequence[str], bounds: Sequence[Bound] | Bound) -> list[tuple[str, str, float, float]]:
-    """Validate rejection options and bounds (``correction.rs`` when the config loads, and
-    ``moe_rl.corrections.importance.rejection_mask``).
-
-    Args:
-        options: e.g. ["token_k1", "seq_max_k2", "seq_mean_k3"]; "<agg>_<k>" with agg in
-            ``RS_AGGREGATION_NAMES`` and k in k1/k2/k3 (no seq_max_k1: k1 is sign-indefinite).
-        bounds: a list with one entry per option, or with one entry (or a bare float) broadcast
-            to all. k1 entry: (lo, hi) bounds on rho (0 < lo <= hi) or a float U >= 1 meaning
-            (1/U, U); k2/k3 entry: a float upper bound > 0. E.g. options ["token_k1", "seq_max_k2"]
-            with bounds [(0.6, 1.6), 2.5]; a single k1 option with bounds [(0.5, 2.0)].
-    Returns:
-        [(agg, kind, lo, hi)]: keep iff lo <= s <= hi, where s is the aggregated log rho for k1
-        (lo = log lo_rho, hi = log hi_rho) and the aggregated k2/k3 otherwise (lo = -inf).
-    """
-    if isinstance(options, str):
-        raise TypeError("options must be a list of option names, not a string")
-    bounds = list(bounds) if isinstance(bounds, (list, tuple)) else [bounds]
-    if len(bounds) == 1:
-        bounds = bounds * len(options)
-    if len(bounds) != len(options):
-        raise ValueError(f"{len(options)} rejection options but {len(bounds)} bounds")
-    return [_parse_one(opt, b) for opt, b in zip(options, bounds)]
-
-
-def _parse_one(option: str, bound: Bound) -> tuple[str, str, float, float]:
-    agg, _, kind = option.rpartition("_")
-    if kind not in ("k1", "k2", "k3") or agg not in RS_AGGREGATION_NAMES:
-        raise ValueError(f"unknown rejection option {option!r}; use <agg>_<k1|k2|k3>, agg in "
-                         f"{sorted(RS_AGGREGATION_NAMES)}")
-    if agg == "seq_max" and kind == "k1":
-        raise ValueError("seq_max_k1 is not supported (k1 is sign-indefinite); use seq_max_k2")
-    if kind != "k1":
-        if isinstance(bound, (tuple, list)) or not bound > 0:
-            raise ValueError(f"{option}: bound must be one float > 0, got {bound!r}")
-        return agg, kind, -math.inf, float(bound)
-    if isinstance(bound, (tuple, list)):
-        lo, hi = (float(b) for b in bound)
-    else:
-        if not bound >= 1:
-            raise ValueError(f"{option}: a single k1 bound U means (1/U, U) and needs U >= 1, got {bound}")
-        lo, hi = 1.0 / bound, float(bound)
-    if not 0 < lo <= hi:
-        raise ValueError(f"{option}: k1 bounds on rho need 0 < lo <= hi, got ({lo}, {hi})")
-    return agg, kind, math.log(lo), math.log(hi)
 
 
 @dataclass(frozen=True)
@@ -153,7 +112,7 @@ class ModelConfig:
         # mxfp8 / nvfp4 are Blackwell-only (gpu_stack.md 3); custom needs a quantizer factory
         _one_of(self.fp8_recipe, "model.fp8_recipe", ("delayed", "tensorwise", "blockwise"))
         _one_of(self.fp8_format, "model.fp8_format", ("hybrid", "e4m3"))
-        _one_of(self.hf_family, "model.hf_family", ("qwen3_moe", "mixtral"))
+        _one_of(self.hf_family, "model.hf_family", HF_FAMILY_NAMES)
         _check(self.precision != "fp8" or self.transformer_impl == "te", "model.precision",
                "fp8 GEMMs come from Transformer Engine: set model.transformer_impl=te")
 
@@ -209,24 +168,6 @@ class ParallelConfig:
     def expert_tp(self) -> int:
         """The experts' tensor-parallel size in effect."""
         return self.expert_tensor_parallel or self.tensor_parallel
-
-
-def pipeline_stage_layers(num_layers: int, par: ParallelConfig) -> tuple[int, ...]:
-    """Decoder layers of each pipeline stage, as megatron splits them: the first / last stage
-    take ``layers_in_first_stage`` / ``layers_in_last_stage`` when set, the middle stages the rest
-    evenly. ValueError (naming the numbers) when they do not split."""
-    pp, first, last = par.pipeline_parallel, par.layers_in_first_stage, par.layers_in_last_stage
-    if pp == 1:
-        return (num_layers,)
-    middle_stages = pp - (first > 0) - (last > 0)
-    middle_layers = num_layers - first - last
-    if middle_layers < 0 or (middle_stages == 0) != (middle_layers == 0) \
-            or (middle_stages and middle_layers % middle_stages):
-        ends = f" after {first} on the first and {last} on the last stage" if first or last else ""
-        raise ValueError(f"{num_layers} layers{ends} do not split evenly over {middle_stages} "
-                         f"{'middle ' if first or last else ''}pipeline stages")
-    each = middle_layers // middle_stages if middle_stages else 0
-    return tuple(first if (s == 0 and first) else last if (s == pp - 1 and last) else each for s in range(pp))
 
 
 @dataclass(frozen=True)
@@ -321,9 +262,6 @@ class VllmConfig:
     enforce_eager: bool = False  # no CUDA graphs (faster start, slower decode)
     max_model_len: int = 0  # 0: model.max_seq_len
     model_dir: str = ""  # HF dir vLLM starts from; "": init_weights' hf:DIR, else written from the learner
-    # learner -> vLLM weight sync: transfer (vLLM's weight-transfer API, per-layer groups, versioned;
-    # the only one: model.load_weights through apply_model skips vLLM's post-load processing)
-    weight_sync: str = "transfer"
     # DVP (correction.dvp_threshold > 0): the largest safe set per position the engine can report;
     # vLLM returns the top dvp_max_safe + 1 log-probs per token, and a larger safe set is an error
     dvp_max_safe: int = 64
@@ -334,11 +272,6 @@ class VllmConfig:
         _check(0 < self.gpu_memory_utilization < 1, "rollout.vllm.gpu_memory_utilization", "must be in (0, 1)")
         _one_of(str(self.sleep_level), "rollout.vllm.sleep_level", ("0", "1", "2"))
         _check(self.max_model_len >= 0, "rollout.vllm.max_model_len", "must be >= 0")
-        _check(self.weight_sync != "load_weights", "rollout.vllm.weight_sync",
-               "load_weights (LLM.apply_model -> model.load_weights) skips vLLM's post-load processing, "
-               "including the fused-MoE kernels' reordering of expert weights: a backend that reorders "
-               "them would roll out with the wrong experts; use transfer")
-        _one_of(self.weight_sync, "rollout.vllm.weight_sync", ("transfer",))
         _check(self.dvp_max_safe >= 1, "rollout.vllm.dvp_max_safe", "must be >= 1")
 
 
@@ -385,6 +318,56 @@ class RoutingConfig:
 
 
 @dataclass(frozen=True)
+class RejectionSpec:
+    """One rejection rule of ``correction.rejection`` (AND-combined; grammar: ``moe_rl.rejection``).
+
+    ``option`` is ``<agg>_<k1|k2|k3>`` (token_k1, seq_mean_k3, ...). k1 bounds rho: kept iff
+    lower <= rho <= upper, and ``lower: 0`` means 1/upper (then upper >= 1); k2/k3 bound the
+    aggregated estimate from above (upper > 0, no lower). YAML: ``{option: seq_sum_k1, lower: 0.5,
+    upper: 2.0}``."""
+
+    option: str = ""
+    upper: float = 0.0
+    lower: float = 0.0
+
+    @property
+    def bound(self) -> float | tuple[float, float]:
+        """The bound as ``parse_rs_spec`` takes it: (lower, upper), or upper alone."""
+        return (self.lower, self.upper) if self.lower else self.upper
+
+
+@dataclass(frozen=True)
+class TrmConfig:
+    """Trust Region Masking (math.md 3): whole sequences whose per-token divergence from the
+    rollout policy exceeds a criterion are masked. Off unless a delta > 0 or ``length_neutral``."""
+
+    max: float = 0.0  # max criterion delta on per-token k2 (0 = off); paper: 0.05 alone
+    avg: float = 0.0  # average criterion delta on per-token k3 (0 = off); paper: 0.001 alone
+    reference: str = "old"  # evaluate TRM against pi_old (cheaper) | theta (the paper's guarantee)
+    # exact: per-token KL(pi_rollout || pi) from the engine's full distributions (the built-in
+    # engine returns them; vLLM gives top-k only); sample: k2 (max) and k3 (avg) estimators
+    kl: str = "sample"
+    # length-neutral TRM (paper appendix): ln = LN-TRM, ser = SER (mean |rho - 1| <= threshold)
+    length_neutral: str = "none"
+    ln_threshold: float = 0.05  # delta_W (ln) or delta_SER (ser; the paper suggests 0.03-0.10)
+    ln_eps: float = 0.05  # LN-TRM token weights min(1, (T-t) eps, sqrt((T-t) delta / 2))
+    ln_delta: float = 0.001
+
+    def __post_init__(self) -> None:
+        _check_finite(self, "correction.trm")
+        _check(self.max >= 0 and self.avg >= 0, "correction.trm.max", "TRM deltas must be >= 0")
+        _one_of(self.reference, "correction.trm.reference", TRM_REFERENCE_NAMES)
+        _one_of(self.kl, "correction.trm.kl", TRM_KL_SOURCE_NAMES)
+        _one_of(self.length_neutral, "correction.trm.length_neutral", LENGTH_NEUTRAL_NAMES)
+        _check(self.ln_threshold > 0 and self.ln_eps > 0 and self.ln_delta > 0,
+               "correction.trm.ln_threshold", "length-neutral TRM parameters must be > 0")
+
+    @property
+    def on(self) -> bool:
+        return self.max > 0 or self.avg > 0 or self.length_neutral != "none"
+
+
+@dataclass(frozen=True)
 class CorrectionConfig:
     """Rollout correction (math.md 2-3). Ratio bounds are on rho = pi_train / pi_rollout."""
 
@@ -393,20 +376,9 @@ class CorrectionConfig:
     is_level: str = "none"  # none | token | sequence | geometric
     is_clip: float = 2.0  # one-sided truncation of the IS weights
     is_batch_normalize: bool = False  # divide the weights by their global batch mean
-    rs: list[str] = field(default_factory=list)  # rejection options, AND-combined: token_k1, seq_mean_k3, ...
-    rs_bounds: list[str] = field(default_factory=list)  # per option (or one for all): "0.5_2.0" (k1) or "0.01"
+    rejection: list[RejectionSpec] = field(default_factory=list)  # rejection rules, AND-combined
     dual_clip_c: float = 0.0  # dual clip for A < 0 (verl clip_ratio_c); 0 = off
-    trm_max: float = 0.0  # TRM max criterion delta on per-token k2 (0 = off); paper: 0.05 alone
-    trm_avg: float = 0.0  # TRM average criterion delta on per-token k3 (0 = off); paper: 0.001 alone
-    trm_reference: str = "old"  # evaluate TRM against pi_old (cheaper) | theta (the paper's guarantee)
-    # exact: per-token KL(pi_rollout || pi) from the engine's full distributions (the built-in
-    # engine returns them; vLLM gives top-k only); sample: k2 (max) and k3 (avg) estimators
-    trm_kl: str = "sample"
-    # length-neutral TRM (paper appendix): ln = LN-TRM, ser = SER (mean |rho - 1| <= threshold)
-    trm_length_neutral: str = "none"
-    trm_ln_threshold: float = 0.05  # delta_W (ln) or delta_SER (ser; the paper suggests 0.03-0.10)
-    trm_ln_eps: float = 0.05  # LN-TRM token weights min(1, (T-t) eps, sqrt((T-t) delta / 2))
-    trm_ln_delta: float = 0.001
+    trm: TrmConfig = field(default_factory=TrmConfig)
     # Dynamic Vocabulary Pruning: the engine samples only from a safe set per position and both
     # sides compute log-probs over it (math.md 4; the paper's rule is a GAP, so it is a knob). 0 = off
     dvp_threshold: float = 0.0
@@ -416,42 +388,28 @@ class CorrectionConfig:
         _check_finite(self, "correction")
         _one_of(self.mode, "correction.mode", ("decoupled", "bypass"))
         _one_of(self.bypass_loss, "correction.bypass_loss", ("ppo_clip", "reinforce"))
-        _one_of(self.is_level, "correction.is_level", ("none", "token", "sequence", "geometric"))
+        _one_of(self.is_level, "correction.is_level", ("none", *IS_LEVEL_NAMES))
         _check(self.is_clip >= 1, "correction.is_clip", "must be >= 1")
         _check(self.dual_clip_c == 0 or self.dual_clip_c > 1, "correction.dual_clip_c", "must be 0 (off) or > 1")
-        _check(self.trm_max >= 0 and self.trm_avg >= 0, "correction.trm_max", "TRM deltas must be >= 0")
-        _one_of(self.trm_reference, "correction.trm_reference", ("old", "theta"))
-        _one_of(self.trm_kl, "correction.trm_kl", ("sample", "exact"))
-        _one_of(self.trm_length_neutral, "correction.trm_length_neutral", ("none", "ln", "ser"))
-        _check(self.trm_ln_threshold > 0 and self.trm_ln_eps > 0 and self.trm_ln_delta > 0,
-               "correction.trm_ln_threshold", "length-neutral TRM parameters must be > 0")
         _check(0 <= self.dvp_threshold < 1, "correction.dvp_threshold", "must be in [0, 1)")
-        _one_of(self.dvp_rule, "correction.dvp_rule", ("relative", "top_p"))
+        _one_of(self.dvp_rule, "correction.dvp_rule", SAFE_SET_RULE_NAMES)
         _check(not (self.mode == "bypass" and self.bypass_loss == "ppo_clip" and self.is_level != "none"),
                "correction.is_level", "bypass ppo_clip applies no IS weight (the ratio already is one)")
-        _check(bool(self.rs) == bool(self.rs_bounds), "correction.rs_bounds", "give bounds exactly when rs is set")
-        if self.rs:
-            bounds = self.bounds  # a ConfigError naming correction.rs_bounds
+        for i, spec in enumerate(self.rejection):
+            _check_finite(spec, f"correction.rejection[{i}]")
             try:
-                parse_rs_spec(list(self.rs), bounds)
-            except (ValueError, TypeError) as e:
-                raise ConfigError(f"config key 'correction.rs': {e}") from None
+                parse_rs_spec([spec.option], [spec.bound])
+            except ValueError as e:
+                raise ConfigError(f"config key 'correction.rejection[{i}]': {e}") from None
 
     @property
-    def bounds(self) -> list:
-        """rs_bounds as parse_rs_spec takes them: "lo_hi" -> (lo, hi), "x" -> x."""
-        try:
-            parsed = [tuple(float(v) for v in b.split("_")) if "_" in b else float(b) for b in self.rs_bounds]
-            if not all(math.isfinite(v) for b in parsed for v in (b if isinstance(b, tuple) else (b,))):
-                raise ValueError
-            return parsed
-        except ValueError:
-            raise ConfigError(f"config key 'correction.rs_bounds': {self.rs_bounds} are not finite "
-                              f"numbers ('0.5_2.0' or '0.01')") from None
+    def rs_options(self) -> tuple[str, ...]:
+        return tuple(s.option for s in self.rejection)
 
     @property
-    def trm_on(self) -> bool:
-        return self.trm_max > 0 or self.trm_avg > 0 or self.trm_length_neutral != "none"
+    def rs_bounds(self) -> tuple:
+        """One bound per option, as ``parse_rs_spec`` / ``rejection_mask`` take them."""
+        return tuple(s.bound for s in self.rejection)
 
 
 @dataclass(frozen=True)
@@ -532,7 +490,7 @@ class AlgoConfig:
         _check_finite(self, "algo")
         _one_of(self.advantage, "algo.advantage", ADVANTAGE_NAMES)
         _check(self.clip_low >= 0 and self.clip_high >= 0, "algo.clip_low", "clips must be >= 0")
-        _one_of(self.kl_estimator, "algo.kl_estimator", ("k1", "k2", "k3"))
+        _one_of(self.kl_estimator, "algo.kl_estimator", KL_ESTIMATOR_NAMES)
         _check(self.kl_coef >= 0, "algo.kl_coef", "must be >= 0")
         _check(self.num_minibatches >= 1, "algo.num_minibatches", "must be >= 1")
         _check(self.micro_batch_size >= 1, "algo.micro_batch_size", "must be >= 1")
@@ -598,19 +556,19 @@ class RunConfig:
         m, p, r = self.model, self.parallel, self.rollout
         _check(r.max_new_tokens < m.max_seq_len, "rollout.max_new_tokens",
                f"{r.max_new_tokens} leaves no room for a prompt within model.max_seq_len={m.max_seq_len}")
-        _check_layout(self)
+        check_layout(m, p)
         dp = self.data_parallel
         _check(r.prompts_per_step % dp == 0, "rollout.prompts_per_step",
                f"{r.prompts_per_step} prompts do not split over {dp} data-parallel ranks")
         _check(self.task.val_max_prompts % dp == 0, "task.val_max_prompts",
                f"{self.task.val_max_prompts} prompts do not split over {dp} data-parallel ranks")
-        _check(r.samples_per_prompt >= 2 or self.algo.advantage not in ("grpo", "rloo", "otb", "otb_multiturn"),
+        _check(r.samples_per_prompt >= 2 or self.algo.advantage not in GROUP_ADVANTAGE_NAMES,
                "rollout.samples_per_prompt", f"{self.algo.advantage} needs >= 2 samples per prompt")
         per_rank = r.prompts_per_step // dp
         _check(per_rank % self.algo.num_minibatches == 0, "algo.num_minibatches",
                f"{self.algo.num_minibatches} minibatches do not split the {per_rank} prompts per rank")
         if r.engine == "vllm":
-            _check_vllm(self)
+            check_vllm(self)
         _check(self.algo.max_tokens_per_micro_batch == 0 or p.pipeline_parallel == 1, "algo.max_tokens_per_micro_batch",
                "token-budget micro-batches are tested with parallel.pipeline_parallel=1 only")
         t = self.task
@@ -627,90 +585,111 @@ class RunConfig:
 
     @property
     def data_parallel(self) -> int:
-        return self.parallel.nproc // (self.parallel.tensor_parallel * self.parallel.pipeline_parallel)
+        return data_parallel_size(self.parallel)
 
 
-def _check_layout(cfg: RunConfig) -> None:
-    """Sizes that must divide for megatron to build the layout, each refused naming its keys and
-    numbers. World = TP x PP x DP; experts live on EP x expert-TP ranks of every stage
-    (expert-DP = world / (EP x ETP x PP)); under TP the vocab-parallel output, the attention heads
-    and the MLPs split over TP, the experts' MLPs over expert-TP."""
-    m, p = cfg.model, cfg.parallel
-    tp, pp, ep, etp = p.tensor_parallel, p.pipeline_parallel, p.expert_parallel, p.expert_tp
-    _check(m.num_experts % ep == 0, "parallel.expert_parallel",
-           f"{ep} does not divide model.num_experts {m.num_experts}")
-    for key in ("num_query_groups", "num_attention_heads", "vocab_size", "ffn_hidden_size"):
-        _check(getattr(m, key) % tp == 0, "parallel.tensor_parallel",
-               f"{tp} does not divide model.{key} {getattr(m, key)}")
-    _check(m.moe_ffn_hidden_size % etp == 0, "parallel.expert_tensor_parallel",
-           f"{etp} does not divide model.moe_ffn_hidden_size {m.moe_ffn_hidden_size}")
-    _check(p.nproc % (tp * pp) == 0, "parallel.nproc",
-           f"{p.nproc} ranks are not a multiple of tensor_parallel x pipeline_parallel = {tp} x {pp}")
-    _check(p.nproc % (ep * etp * pp) == 0, "parallel.expert_parallel",
-           f"expert_parallel x expert_tensor_parallel x pipeline_parallel = {ep} x {etp} x {pp} "
-           f"does not divide parallel.nproc {p.nproc}")
-    if pp > 1:
-        try:
-            stages = pipeline_stage_layers(m.num_layers, p)
-        except ValueError as e:
-            raise ConfigError(f"config key 'parallel.pipeline_parallel': {e} (model.num_layers, "
-                              f"parallel.layers_in_first_stage / layers_in_last_stage)") from None
-        # routing replay and the router monitor run per stage: every stage needs a router
-        _check(m.first_k_dense < stages[0], "model.first_k_dense",
-               f"{m.first_k_dense} dense layers leave pipeline stage 0 (layers 0..{stages[0] - 1}) "
-               f"without a MoE layer")
+
+# Renamed keys, kept for one release: old dotted key -> new key (None: removed, the value is
+# ignored). correction.rs + correction.rs_bounds (strings such as '0.5_2.0') together become
+# correction.rejection, a list of typed RejectionSpec, merged after every input (file, overrides).
+DEPRECATED_KEYS: dict[str, str | None] = {
+    **{f"correction.trm_{k}": f"correction.trm.{k}" for k in (
+        "max", "avg", "reference", "kl", "length_neutral", "ln_threshold", "ln_eps", "ln_delta")},
+    "correction.rs": "correction.rejection",
+    "correction.rs_bounds": "correction.rejection",
+    "rollout.vllm.weight_sync": None,  # transfer was its one value
+}
+_RS_KEYS = ("correction.rs", "correction.rs_bounds")
 
 
-def logprobs_mode(temperature: float, top_k: int, top_p: float, dvp: bool = False) -> str:
-    """vLLM's ``logprobs_mode`` whose sampled-token log-prob equals the learner's
-    log softmax(logits / temperature) over the full vocabulary (with ``dvp``: over the DVP safe
-    set); ValueError when none does. (Used by ``moe_rl/rollout/vllm_engine.py``; see its docstring.)"""
-    if top_k == 0 and top_p >= 1.0:
-        return "processed_logprobs"  # temperature (and the DVP mask) are the only processors
-    if dvp:
-        raise ValueError(f"with DVP the log-probs must come after the DVP mask and temperature "
-                         f"(processed_logprobs), and those would also be renormalised over top_k={top_k}, "
-                         f"top_p={top_p}, unlike the learner's safe-set log-probs: use top_k=0 top_p=1")
-    if temperature == 1.0:
-        return "raw_logprobs"  # before top-k/top-p, so not renormalised; T = 1 needs no scaling
-    raise ValueError(f"vLLM reports log-probs either before temperature (raw) or after top-k/top-p "
-                     f"renormalisation (processed); with temperature {temperature} and top_k={top_k}, "
-                     f"top_p={top_p} neither is the learner's full-vocabulary log softmax(z / T) "
-                     f"(vllm#42259). Use top_k=0 top_p=1, or temperature=1")
+def _warn_deprecated(where: str, old: str, new: str | None) -> None:
+    """One line on stderr; ``where`` (the file or override) tells a run's own saved config.yaml
+    from what the user typed."""
+    what = f"use '{new}'" if new else "removed; its value is ignored"
+    print(f"warning: {where}: config key '{old}' is deprecated: {what} (the old key goes in the next release)",
+          file=sys.stderr)
 
 
-def _check_vllm(cfg: RunConfig) -> None:
-    """rollout.engine=vllm: refuse, naming the key, what the vLLM engine cannot give the learner."""
-    r, c, v = cfg.rollout, cfg.correction, cfg.rollout.vllm
+def _renamed_key(key: str) -> str:
+    return DEPRECATED_KEYS.get(key) or key
 
-    def refuse(key: str, why: str) -> None:
-        raise ConfigError(f"config key '{key}': {why} (rollout.engine=vllm)")
 
+def _rename_tree(tree: dict, legacy_rs: dict, where: str) -> dict:
+    """Move the deprecated keys of one YAML mapping to their new keys (one warning each); the
+    rs / rs_bounds values go to ``legacy_rs`` with ``where`` they were set (merged as
+    correction.rejection after every input is read)."""
+    for old, new in DEPRECATED_KEYS.items():
+        head, _, leaf = old.rpartition(".")
+        parent = tree
+        for part in head.split("."):
+            parent = parent.get(part) if isinstance(parent, dict) else None
+        if not isinstance(parent, dict) or leaf not in parent:
+            continue
+        value = parent.pop(leaf)
+        _warn_deprecated(where, old, new)
+        if old in _RS_KEYS:
+            legacy_rs.update({old: value, "where": where})
+        elif new is not None:
+            *heads, last = new.split(".")
+            node = tree
+            for part in heads:
+                node = node.setdefault(part, {})
+            node[last] = value
+    return tree
+
+
+def _legacy_rejection(legacy_rs: dict) -> list[dict]:
+    """correction.rs + correction.rs_bounds as correction.rejection, validated as they were."""
+    options = list(legacy_rs.get("correction.rs") or [])
+    raw = [str(b) for b in legacy_rs.get("correction.rs_bounds") or []]
+    _check(bool(options) == bool(raw), "correction.rs_bounds", "give bounds exactly when rs is set")
     try:
-        logprobs_mode(r.temperature, r.top_k, r.top_p, dvp=c.dvp_threshold > 0)
-    except ValueError as e:
-        refuse("rollout.top_p", str(e))
-    if r.router_noise > 0:
-        refuse("rollout.router_noise", "router-logit noise exists only in the built-in engine")
-    if c.trm_on and c.trm_kl == "exact":
-        refuse("correction.trm_kl", "exact TRM needs the rollout's full distributions; vLLM returns top-k "
-               "log-probs only: use correction.trm_kl=sample")
-    if cfg.parallel.nproc % v.tensor_parallel:
-        refuse("rollout.vllm.tensor_parallel", f"{v.tensor_parallel} does not divide parallel.nproc "
-               f"{cfg.parallel.nproc} (each engine spans consecutive ranks)")
-    if cfg.model.num_attention_heads % v.tensor_parallel:
-        refuse("rollout.vllm.tensor_parallel", f"{v.tensor_parallel} does not divide "
-               f"model.num_attention_heads {cfg.model.num_attention_heads}")
+        bounds = [tuple(float(v) for v in b.split("_")) if "_" in b else float(b) for b in raw]
+        if not all(math.isfinite(v) for b in bounds for v in (b if isinstance(b, tuple) else (b,))):
+            raise ValueError
+    except ValueError:
+        raise ConfigError(f"config key 'correction.rs_bounds': {raw} are not finite "
+                          f"numbers ('0.5_2.0' or '0.01')") from None
+    try:
+        parse_rs_spec(options, bounds)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"config key 'correction.rs': {e}") from None
+    bounds = bounds * len(options) if len(bounds) == 1 else bounds
+    return [{"option": o, "lower": b[0], "upper": b[1]} if isinstance(b, tuple) else {"option": o, "upper": b}
+            for o, b in zip(options, bounds)]
 
 
-def _override(base, item: str):
-    """One ``key=value`` override. YAML 1.1 reads off/on/yes/no as booleans; a string-typed key
+def _check_rules(layer: DictConfig) -> DictConfig:
+    """An unknown field of a ``correction.rejection`` rule, named with its index (OmegaConf's own
+    error names the bare field only)."""
+    rules = OmegaConf.select(layer, "correction.rejection", default=None)
+    fields = [f.name for f in dataclasses.fields(RejectionSpec)]
+    for i, rule in enumerate(rules if isinstance(rules, ListConfig) else []):
+        for key in rule.keys() if isinstance(rule, DictConfig) else ():
+            _check(key in fields, f"correction.rejection[{i}].{key}", f"not a field of a rejection rule {fields}")
+    return layer
+
+
+def _override(base, item: str, legacy_rs: dict):
+    """One ``key=value`` override as a layer to merge (None: a deprecated key held back or
+    ignored). YAML 1.1 reads off/on/yes/no as booleans; a string-typed key
     (``routing.replay=off``) keeps the text as typed instead of becoming 'False', and an empty value
     (``init_weights=``, ``task.dataset=``) is the empty string, not None."""
     if "=" not in item:
         raise ConfigError(f"override {item!r} is not of the form key=value")
-    layer = OmegaConf.from_dotlist([item])
     key, raw = item.split("=", 1)
+    if key.strip() in DEPRECATED_KEYS:
+        old = key.strip()
+        _warn_deprecated(f"override {item!r}", old, DEPRECATED_KEYS[old])
+        if old in _RS_KEYS:
+            value = OmegaConf.select(OmegaConf.from_dotlist([item]), old)
+            legacy_rs.update({old: OmegaConf.to_container(value) if OmegaConf.is_config(value) else value,
+                              "where": f"override {item!r}"})
+        if old in _RS_KEYS or DEPRECATED_KEYS[old] is None:
+            return None
+        key = DEPRECATED_KEYS[old]
+        item = f"{key}={raw}"
+    layer = _check_rules(OmegaConf.from_dotlist([item]))
     if isinstance(OmegaConf.select(base, key, default=None), str):
         if isinstance(OmegaConf.select(layer, key), bool) or raw.strip() == "":
             OmegaConf.update(layer, key, "" if raw.strip() == "" else raw)
@@ -764,24 +743,33 @@ def _read_yaml(path: str | Path):
 def _source_of(key: str | None, path: str | Path | None, overrides) -> str:
     """Which input set ``key``: the last override of it, else the file, else the defaults."""
     for item in reversed(list(overrides)):
-        if key is not None and item.split("=", 1)[0].strip() == key:
+        given = _renamed_key(item.split("=", 1)[0].strip())
+        if key is not None and (given == key or key.startswith(given + "[")):
             return f"override {item!r}"
     return str(path) if path is not None else "defaults"
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
     """Embedded defaults <- YAML file <- dotted overrides; validated, or ConfigError naming the
-    file (and line) or the override that is wrong, and the key."""
+    file (and line) or the override that is wrong, and the key. Deprecated keys are renamed
+    (``DEPRECATED_KEYS``), one warning line each."""
     merged = _writable(OmegaConf.structured(RunConfig))
     where = "defaults"
+    legacy_rs: dict = {}  # correction.rs / rs_bounds -> (value, where it was set)
     try:
         if path is not None:
             where = str(path)
-            merged = _writable(OmegaConf.merge(merged, _read_yaml(path)))
+            tree = _rename_tree(OmegaConf.to_container(_read_yaml(path)), legacy_rs, where)
+            merged = _writable(OmegaConf.merge(merged, _check_rules(OmegaConf.create(tree))))
         base = merged
         for item in overrides:  # merged one at a time, so an error names its own override
             where = f"override {item!r}"
-            merged = _writable(OmegaConf.merge(merged, _override(base, item)))
+            layer = _override(base, item, legacy_rs)
+            merged = merged if layer is None else _writable(OmegaConf.merge(merged, layer))
+        if legacy_rs:  # the input that set rs or rs_bounds last is named in an error
+            where = legacy_rs["where"]
+            layer = OmegaConf.create({"correction": {"rejection": _legacy_rejection(legacy_rs)}})
+            merged = _writable(OmegaConf.merge(merged, layer))
         where = "validation"
         return OmegaConf.to_object(merged)  # type: ignore[return-value]
     except OmegaConfBaseException as e:

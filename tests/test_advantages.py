@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from moe_rl import advantages
-from moe_rl.config import ADVANTAGE_NAMES
+from moe_rl.names import ADVANTAGE_NAMES
 from moe_rl.advantages import (
     ADVANTAGES,
     extra_inputs,

@@ -208,8 +208,8 @@ def test_parallel_layouts_are_accepted(overrides, dims):
 def test_full_vocab_corrections_run_under_tensor_parallel():
     # DVP and exact-KL TRM run on the vocabulary shards (tests/learner/test_learner_tp.py)
     assert load_config(None, TP2 + ["correction.dvp_threshold=0.2"]).correction.dvp_threshold == 0.2
-    cfg = load_config(None, TP2 + ["correction.trm_max=0.05", "correction.trm_kl=exact"])
-    assert cfg.correction.trm_kl == "exact"
+    cfg = load_config(None, TP2 + ["correction.trm.max=0.05", "correction.trm.kl=exact"])
+    assert cfg.correction.trm.kl == "exact"
 
 
 @pytest.mark.unit
@@ -218,7 +218,8 @@ def test_full_vocab_corrections_run_under_tensor_parallel():
     (94, 4, 23, 23, (23, 24, 24, 23)), (94, 8, 11, 11, (11,) + (12,) * 6 + (11,)), (6, 3, 1, 1, (1, 4, 1)),
 ])
 def test_pipeline_stage_layers_split_like_megatron(num_layers, pp, first, last, stages):
-    from moe_rl.config import ParallelConfig, pipeline_stage_layers
+    from moe_rl.config import ParallelConfig
+    from moe_rl.layout import pipeline_stage_layers
 
     par = ParallelConfig(nproc=pp, pipeline_parallel=pp, expert_parallel=1, layers_in_first_stage=first,
                          layers_in_last_stage=last)

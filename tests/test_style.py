@@ -165,10 +165,21 @@ def test_import_graph_has_no_cycles():
 
 
 @pytest.mark.unit
-def test_config_imports_nothing_from_the_package():
-    # but the error types (issue 14), a leaf that imports nothing at all
+def test_config_imports_only_pure_modules():
+    # config loading stays light (no torch, megatron, vllm): it reaches the error types (issue 14),
+    # the names, the rejection grammar, the layout arithmetic and the vLLM rules, and nothing else
     graph = import_graph()
-    assert graph["moe_rl.config"] == {"moe_rl.errors"}
+    assert graph["moe_rl.config"] == {"moe_rl.errors", "moe_rl.names", "moe_rl.rejection", "moe_rl.layout",
+                                      "moe_rl.rollout", "moe_rl.rollout.vllm_rules"}
+    reached, todo = set(), ["moe_rl.config"]
+    while todo:
+        for w in graph[todo.pop()] - reached:
+            reached.add(w)
+            todo.append(w)
+    assert reached == graph["moe_rl.config"]  # and those import nothing further from the package
+    heavy = {"torch", "megatron", "vllm", "transformer_engine", "sglang"}
+    for module in reached | {"moe_rl.config"}:
+        assert not _imports(MODULES[module]) & heavy, f"{module} imports {_imports(MODULES[module]) & heavy}"
     assert graph["moe_rl.errors"] == set()
 
 

@@ -7,10 +7,11 @@ rule 2). One direction convention: every ratio bound is on rho = pi_train / pi_r
 ``moe_rl.losses`` (``decoupled_ppo_loss``, ``bypass_loss``, ``BYPASS_MODES``), above this package;
 the log-ratio and KL-estimator helpers both use live in ``moe_rl.ratios``, below both.
 
-Names a config may use are checked when it loads by ``moe_rl.config``, which imports nothing from
-the package: it holds them as plain tuples that tests keep equal to these registries / tuples
-(``IS_LEVELS``, ``RS_AGGREGATIONS``, ``LENGTH_NEUTRAL``, ``TRM_REFERENCES``, ``TRM_KL_SOURCES``,
-``SAFE_SET_RULES``), and owns the rejection-option grammar ``parse_rs_spec`` (re-exported here).
+Names a config may use are checked when it loads against the tuples of ``moe_rl.names`` (pure:
+config does not import torch); tests keep the registries here (``IS_LEVELS``, ``RS_AGGREGATIONS``,
+``SAFE_SET_RULES``) equal to them, and ``LENGTH_NEUTRAL``, ``TRM_REFERENCES``, ``TRM_KL_SOURCES`` are
+those tuples. The rejection-option grammar ``parse_rs_spec`` lives in ``moe_rl.rejection``
+(re-exported here).
 """
 
 from moe_rl.corrections.derived import derive_metrics
@@ -41,8 +42,9 @@ from moe_rl.corrections.trm import (
     trm_bounds,
     trm_mask,
 )
+from moe_rl.names import TRM_KL_SOURCE_NAMES
 
-TRM_KL_SOURCES = ("exact", "sample")  # exact: full rollout distributions (built-in engine); sample: k2/k3
+TRM_KL_SOURCES = TRM_KL_SOURCE_NAMES  # exact: full rollout distributions (built-in engine); sample: k2/k3
 
 __all__ = [
     "ACCEPT_ALARM_BELOW", "DEFAULT_RHO_MIN", "IS_LEVELS", "LENGTH_NEUTRAL", "RS_AGGREGATIONS",

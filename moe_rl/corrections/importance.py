@@ -50,7 +50,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from moe_rl.config import Bound, parse_rs_spec
+from moe_rl.rejection import Bound, parse_rs_spec
 from moe_rl.corrections._masked import inf_like, masked_max, masked_mean, masked_min, seq_valid, stats
 from moe_rl.metrics import MetricValue
 from moe_rl.ratios import SAFETY_BOUND, exact_log_ratio, kl_from_log_ratio, log_ratio
@@ -194,7 +194,7 @@ def _is_metrics(w_BS: torch.Tensor, log_w_BS: torch.Tensor, mask_BS: torch.Tenso
 # --------------------------------------------------------------------------- rejection
 
 AggregateFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-RS_AGGREGATIONS: Registry[AggregateFn] = Registry("rejection aggregation")  # keys: config.RS_AGGREGATION_NAMES
+RS_AGGREGATIONS: Registry[AggregateFn] = Registry("rejection aggregation")  # keys: names.RS_AGGREGATION_NAMES
 
 
 @RS_AGGREGATIONS.register("token")

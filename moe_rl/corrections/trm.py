@@ -32,6 +32,7 @@ import torch
 
 from moe_rl.corrections._masked import masked_max, masked_mean, seq_valid
 from moe_rl.metrics import MetricValue
+from moe_rl.names import LENGTH_NEUTRAL_NAMES, TRM_REFERENCE_NAMES
 from moe_rl.ratios import SAFETY_BOUND, kl_from_log_ratio
 
 __all__ = [
@@ -44,8 +45,8 @@ __all__ = [
     "trm_mask",
 ]
 
-TRM_REFERENCES = ("theta", "old")
-LENGTH_NEUTRAL = ("none", "ln", "ser")
+TRM_REFERENCES = TRM_REFERENCE_NAMES  # the names the config accepts (moe_rl.names)
+LENGTH_NEUTRAL = LENGTH_NEUTRAL_NAMES
 ACCEPT_ALARM_BELOW = 0.7  # math.md 3.3: monitor the acceptance rate; above 70% is recommended
 
 

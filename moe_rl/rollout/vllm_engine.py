@@ -4,8 +4,8 @@ The ONLY module that imports vllm (tests/test_style.py), and only inside ``VllmE
 else here is pure and unit-tested on CPU with fakes built from vllm 0.33.0's output classes as
 pinned from its wheel (tests/rollout/vllm_format.json, scripts/pin_vllm_format.py):
 
-- What vLLM cannot do for the learner is refused when the config loads (``moe_rl.config``: its
-  ``_check_vllm`` and ``logprobs_mode``, pure, so config imports nothing from here). Log-probs: vLLM reports the sampled token's log-prob (``SamplingParams.logprobs=0``) either
+- What vLLM cannot do for the learner is refused when the config loads (``vllm_rules.py``:
+  ``check_vllm`` and ``logprobs_mode``, pure, so the config imports them without vllm). Log-probs: vLLM reports the sampled token's log-prob (``SamplingParams.logprobs=0``) either
   ``raw_logprobs`` (before any processor: no temperature, no top-k/top-p) or
   ``processed_logprobs`` (after temperature AND top-k/top-p, renormalised over the truncated
   support). The learner uses log softmax(logits / T) over the full vocabulary, so
@@ -52,7 +52,7 @@ the learner gets the GPU memory back; ``load_weights`` wakes the weights, hands 
 learner's tensors in-process (no copy through a socket; gpu_stack.md 1.3), and resets the
 prefix cache, whose KV blocks and cached routes came from the old weights.
 
-Weight sync (``rollout.vllm.weight_sync``). ``transfer`` (default): ``start_weight_update``, one
+Weight sync: vLLM's weight-transfer API, ``start_weight_update``, one
 ``update_weights`` per layer group, ``finish_weight_update(weight_version=n)`` for the n-th sync
 (0 = the first weights), then ``reset_prefix_cache``. vLLM's worker runs its layerwise reload
 between start and finish, so sending a layer at a time keeps its staging to one layer. The
@@ -84,9 +84,10 @@ from typing import Any
 
 import torch
 
-from moe_rl.config import ConfigError, ModelConfig, RunConfig, logprobs_mode
+from moe_rl.config import ConfigError, ModelConfig, RunConfig
 from moe_rl.corrections.dvp import SAFE_SET_RULES, safe_set
 from moe_rl.rollout.base import Weights, weight_chunks
+from moe_rl.rollout.vllm_rules import logprobs_mode
 from moe_rl.routing.record import RouteError, RouteHeader, from_vllm
 from moe_rl.types import RolloutBatch, SamplingParams
 from moe_rl.weights.canonical import canonical_param_shapes
@@ -483,8 +484,7 @@ def engine_kwargs(cfg: RunConfig, model_dir: str, external: bool) -> dict[str, A
         kw["max_logprobs"] = v.dvp_max_safe + 1
     if external:  # SPMD under torchrun: this process is the group's vLLM worker
         kw["distributed_executor_backend"] = "external_launcher"
-    if v.weight_sync == "transfer":  # EngineArgs turns the dict into a WeightTransferConfig
-        kw["weight_transfer_config"] = {"backend": TRANSFER_BACKEND}
+    kw["weight_transfer_config"] = {"backend": TRANSFER_BACKEND}  # EngineArgs makes a WeightTransferConfig
     return kw
 
 
@@ -645,7 +645,7 @@ class VllmEngine:
         import vllm
 
         if not hasattr(vllm.LLM, "start_weight_update"):
-            raise ConfigError(f"config key 'rollout.vllm.weight_sync': vllm {vllm.__version__} has no "
+            raise ConfigError(f"rollout.engine=vllm: vllm {vllm.__version__} has no "
                               f"weight-transfer API; install vllm 0.33 (the gpu extra)")
         _register_transfer_backend()
         kw = engine_kwargs(self.cfg, self._model_dir(named), external=dist.is_initialized())

@@ -45,7 +45,7 @@ class TrmPlan:
               "ln_eps": self.ln_eps, "ln_delta": self.ln_delta}
         if self.exact:
             if exact_kl_BS is None:
-                raise ValueError("correction.trm_kl=exact needs the rollout engine's full distributions")
+                raise ValueError("correction.trm.kl=exact needs the rollout engine's full distributions")
             return trm_mask(exact_kl_BS.detach(), mask_BS, max_delta=self.max_delta, avg_delta=self.avg_delta, **ln)
         return trm_mask(sample_kl_tokens(lr_BS, "k2"), mask_BS, max_delta=self.max_delta,
                         avg_delta=self.avg_delta, avg_kl_tok_BS=sample_kl_tokens(lr_BS, "k3"), **ln)
@@ -102,7 +102,7 @@ def token_inputs(plan: CorrectionPlan, batch: RolloutBatch) -> TokenInputs:
         safe_BSV = batch.safe_BSV
     if plan.full_dists:
         if batch.dist_logp_BSV is None:
-            raise ValueError("correction.trm_kl=exact needs the engine's full distributions (return_dist)")
+            raise ValueError("correction.trm.kl=exact needs the engine's full distributions (return_dist)")
         dist_BSV = batch.dist_logp_BSV
     return TokenInputs(safe_BSV, dist_BSV)
 

@@ -42,10 +42,11 @@ class StepPlan:
 
 
 def trm_plan(cc: CorrectionConfig) -> TrmPlan | None:
-    if not cc.trm_on:
+    t = cc.trm
+    if not t.on:
         return None
-    return TrmPlan(cc.trm_kl == "exact", cc.trm_max or None, cc.trm_avg or None, cc.trm_length_neutral,
-                   cc.trm_ln_threshold, cc.trm_ln_eps, cc.trm_ln_delta)
+    return TrmPlan(t.kl == "exact", t.max or None, t.avg or None, t.length_neutral, t.ln_threshold, t.ln_eps,
+                   t.ln_delta)
 
 
 def correction_plan(cc: CorrectionConfig, support: str) -> CorrectionPlan:
@@ -53,18 +54,17 @@ def correction_plan(cc: CorrectionConfig, support: str) -> CorrectionPlan:
     trm = trm_plan(cc)
     return CorrectionPlan(support, safe_sets=cc.dvp_threshold > 0, full_dists=trm is not None and trm.exact,
                           decoupled=cc.mode == "decoupled", is_level=None if cc.is_level == "none" else cc.is_level,
-                          is_clip=cc.is_clip, is_batch_normalize=cc.is_batch_normalize, rs=tuple(cc.rs),
-                          rs_bounds=tuple(cc.bounds),
-                          trm_old=trm if cc.trm_reference == "old" else None)
+                          is_clip=cc.is_clip, is_batch_normalize=cc.is_batch_normalize, rs=cc.rs_options,
+                          rs_bounds=cc.rs_bounds, trm_old=trm if cc.trm.reference == "old" else None)
 
 
 def policy_loss(cc: CorrectionConfig, a: AlgoConfig) -> LossFn:
     """The micro-batch loss: bypass or decoupled PPO, chosen here once with all its keywords."""
-    trm_theta = trm_plan(cc) if cc.trm_reference == "theta" else None
+    trm_theta = trm_plan(cc) if cc.trm.reference == "theta" else None
     common = {"trm_theta": trm_theta, "clip_low": a.clip_low, "clip_high": a.clip_high,
               "clip_ratio_c": cc.dual_clip_c or None, "kl_coef": a.kl_coef, "kl_kind": a.kl_estimator}
     if cc.mode == "bypass":
         return functools.partial(bypass_loss, mode=cc.bypass_loss, is_clip_max=cc.is_clip,
                                  is_level=None if cc.is_level == "none" else cc.is_level,
-                                 rs_options=tuple(cc.rs), rs_bounds=tuple(cc.bounds), **common)
+                                 rs_options=cc.rs_options, rs_bounds=cc.rs_bounds, **common)
     return functools.partial(decoupled_loss, **common)

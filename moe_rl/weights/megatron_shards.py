@@ -65,7 +65,7 @@ class Shard:
     def for_stage(stage_layers: tuple[int, ...], pp_rank: int, tp_rank: int = 0, tp_size: int = 1,
                   etp_rank: int = 0, etp_size: int = 1) -> Shard:
         """Stage ``pp_rank`` of a split with ``stage_layers[p]`` layers on stage p
-        (``config.pipeline_stage_layers``) starts at the sum of the stages before it."""
+        (``layout.pipeline_stage_layers``) starts at the sum of the stages before it."""
         return Shard(tp_rank, tp_size, etp_rank, etp_size, sum(stage_layers[:pp_rank]))
 
 

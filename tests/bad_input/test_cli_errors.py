@@ -98,9 +98,9 @@ def test_config_path_that_is_a_directory_or_missing(tmp_path):
     (["optim.lr=nan", "steps=3"], "override 'optim.lr=nan': config key 'optim.lr': nan is not a finite number"),
     (["rollout.temperature=-inf"], "override 'rollout.temperature=-inf': config key 'rollout.temperature': -inf "
                                    "is not a finite number"),
-    (["correction.rs=[seq_sum_k2]", "correction.rs_bounds=[inf]"],
-     "override 'correction.rs_bounds=[inf]': config key 'correction.rs_bounds': ['inf'] are not finite numbers "
-     "('0.5_2.0' or '0.01')"),
+    (["correction.rejection=[{option: seq_sum_k2, upper: inf}]"],
+     "override 'correction.rejection=[{option: seq_sum_k2, upper: inf}]': config key 'correction.rejection[0].upper': "
+     "inf is not a finite number"),
     (["steps"], "override 'steps' is not of the form key=value"),
     (["stepz=3"], "override 'stepz=3': config key 'stepz': Key 'stepz' not in 'RunConfig'. Did you mean: 'steps'?"),
     (["steps=0"], "override 'steps=0': config key 'steps': must be >= 1"),

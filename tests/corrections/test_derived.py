@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from moe_rl import corrections, losses
-from moe_rl.config import RS_AGGREGATION_NAMES
 from moe_rl.corrections import derive_metrics, is_weights
 from moe_rl.metrics import merge_metrics, reduce_metrics
+from moe_rl.names import RS_AGGREGATION_NAMES
 
 
 @pytest.mark.unit

@@ -17,10 +17,10 @@ from tests.dist_harness import run_ranks
 
 RUNS = {
     "off": ["routing.replay=off", "checkpoint_every=1"],
-    "r2": ["routing.replay=r2", "algo.kl_coef=0.01", "correction.is_level=token", "correction.rs=[seq_mean_k3]",
-           "correction.rs_bounds=[0.01]", "correction.trm_max=0.05"],
-    "r3": ["routing.replay=r3", "correction.dvp_threshold=0.05", "correction.trm_avg=0.05",
-           "correction.trm_kl=exact", "optim.length_lr.enabled=true"],
+    "r2": ["routing.replay=r2", "algo.kl_coef=0.01", "correction.is_level=token", "correction.rejection=[{option: seq_mean_k3, upper: 0.01}]",
+           "correction.trm.max=0.05"],
+    "r3": ["routing.replay=r3", "correction.dvp_threshold=0.05", "correction.trm.avg=0.05",
+           "correction.trm.kl=exact", "optim.length_lr.enabled=true"],
 }
 TP2 = ["parallel.tensor_parallel=2", "parallel.expert_parallel=1", "routing.replay=r3", "algo.kl_coef=0.01"]
 COMMON = ["steps=2", "rollout.prompts_per_step=8", "rollout.samples_per_prompt=4", "log.progress_bar=false",

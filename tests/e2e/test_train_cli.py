@@ -238,12 +238,12 @@ def test_correction_preset_trains(tmp_path, preset):
     text = preset.read_text()
     if "is_level" in text:
         assert rec["corr/is_mean"] > 0 and 0 < rec["corr/is_ess"] <= 1
-    if "rs:" in text:
+    if "rejection:" in text:
         assert 0.0 <= rec["corr/rs_masked_fraction"] <= 1.0
     if "dvp_threshold" in text:
         assert rec["corr/dvp_outside_frac"] == 0.0  # the engine sampled inside the safe set
         assert 0.0 <= rec["corr/dvp_pruned_mass"] < 1.0 and rec["corr/dvp_safe_size"] >= 1.0
-    if "trm_" in text:
+    if "trm:" in text:
         assert 0.0 <= rec["corr/trm_accept_rate"] <= 1.0
         assert rec["corr/trm_alarm"] == float(rec["corr/trm_accept_rate"] < 0.7)
 

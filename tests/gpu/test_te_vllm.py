@@ -104,7 +104,7 @@ def test_vllm_generate_routes_pass_ingest(tmp_path):
 
 @pytest.mark.gpu
 def test_vllm_weight_transfer_versions_and_changes_the_policy(tmp_path):
-    """rollout.vllm.weight_sync=transfer (the default): every sync is one versioned session of
+    """The weight-transfer API (the one sync): every sync is one versioned session of
     vLLM's weight-transfer API; new weights change the rollouts, the old ones bring them back."""
     pytest.importorskip("vllm")
     from moe_rl.rollout.vllm_engine import VllmEngine
@@ -115,7 +115,6 @@ def test_vllm_weight_transfer_versions_and_changes_the_policy(tmp_path):
     cfg = load_config(None, ["rollout.engine=vllm", "routing.replay=r3", "parallel.nproc=1",
                              "parallel.expert_parallel=1", "rollout.vllm.enforce_eager=true",
                              "rollout.vllm.gpu_memory_utilization=0.3", f"rollout.vllm.model_dir={tmp_path}/m"])
-    assert cfg.rollout.vllm.weight_sync == "transfer"
     model = dataclasses.replace(cfg.model, vocab_size=TINY.vocab_size)
     w1, w2 = random_canonical_weights(model, seed=1), random_canonical_weights(model, seed=2)
     write_hf_checkpoint(tmp_path / "m", w2, model, dtype=torch.bfloat16)  # vLLM starts from w2

@@ -310,7 +310,7 @@ VLLM = ["rollout.engine=vllm"]
     (VLLM + ["rollout.router_noise=0.1"], "'rollout.router_noise'"),
     (VLLM + ["correction.dvp_threshold=0.01", "rollout.top_k=5"], "'rollout.top_p'"),
     (VLLM + ["correction.dvp_threshold=0.01", "rollout.vllm.dvp_max_safe=0"], "'rollout.vllm.dvp_max_safe'"),
-    (VLLM + ["correction.trm_max=0.05", "correction.trm_kl=exact"], "'correction.trm_kl'"),
+    (VLLM + ["correction.trm.max=0.05", "correction.trm.kl=exact"], "'correction.trm.kl'"),
     (VLLM + ["rollout.vllm.tensor_parallel=4"], "'rollout.vllm.tensor_parallel'"),
     (VLLM + ["rollout.vllm.gpu_memory_utilization=1.5"], "'rollout.vllm.gpu_memory_utilization'"),
     (["rollout.engine=sglang"], "'rollout.engine'"),
@@ -524,15 +524,12 @@ def test_weight_versions_bookkeeping():
 
 
 @pytest.mark.unit
-def test_weight_sync_config_key():
-    assert load_config(None, VLLM).rollout.vllm.weight_sync == "transfer"
-    with pytest.raises(ConfigError, match="'rollout.vllm.weight_sync'"):
-        load_config(None, VLLM + ["rollout.vllm.weight_sync=nccl"])
+def test_weight_sync_is_the_transfer_api():
+    # the weight-transfer API is the one sync (model.load_weights through apply_model skips vLLM's
+    # post-load step, the MoE weight shuffle); the removed rollout.vllm.weight_sync is ignored
     kw = ve.engine_kwargs(load_config(None, VLLM), "/m", external=False)
     assert kw["weight_transfer_config"] == {"backend": ve.TRANSFER_BACKEND}
-    # model.load_weights through apply_model skips vLLM's post-load step (the MoE weight shuffle)
-    with pytest.raises(ConfigError, match="'rollout.vllm.weight_sync': load_weights .* skips vLLM's post-load"):
-        load_config(None, VLLM + ["rollout.vllm.weight_sync=load_weights"])
+    assert load_config(None, VLLM + ["rollout.vllm.weight_sync=transfer"]) == load_config(None, VLLM)
 
 
 def _fake_engine(cfg) -> ve.VllmEngine:

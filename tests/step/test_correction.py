@@ -61,7 +61,7 @@ def test_seq_mis_weights_and_rejects_the_drifted_sequence():
 
 @pytest.mark.unit
 def test_trm_against_old_masks_whole_sequences_and_keeps_the_normaliser():
-    plan = _plan(None, "correction.trm_max=0.05")
+    plan = _plan(None, "correction.trm.max=0.05")
     mask, rollout, old = _batch()
     corr, _ = correction.drift_tensors(plan.correction, old, rollout, mask, None)
     assert corr.keep_BS.any(-1).tolist() == [True, False, True]  # k2 = 0.125 > 0.05 in sequence 1

@@ -30,7 +30,7 @@ TRM_MAX = TrmPlan(exact=False, max_delta=0.05, avg_delta=None, length_neutral="n
 
 @pytest.mark.unit
 def test_trm_and_token_is_resolve_into_the_plan_and_the_decoupled_loss():
-    cfg = load_config(None, ["correction.trm_max=0.05", "correction.is_level=token", "correction.is_clip=3",
+    cfg = load_config(None, ["correction.trm.max=0.05", "correction.is_level=token", "correction.is_clip=3",
                              "correction.dual_clip_c=3", "algo.kl_coef=0.1", "routing.replay=r3",
                              "log.router_monitor=false"])
     plan = StepPlan.from_config(cfg, (7,))
@@ -52,8 +52,9 @@ def test_trm_and_token_is_resolve_into_the_plan_and_the_decoupled_loss():
 @pytest.mark.unit
 def test_bypass_theta_trm_exact_kl_and_dvp_pick_the_bypass_loss():
     cfg = load_config("configs/corrections/bypass_reinforce.yaml",
-                      ["correction.trm_max=0.05", "correction.trm_reference=theta", "correction.trm_kl=exact",
-                       "correction.dvp_threshold=0.1", "correction.rs=[seq_sum_k1]", "correction.rs_bounds=[0.5_2.0]",
+                      ["correction.trm.max=0.05", "correction.trm.reference=theta", "correction.trm.kl=exact",
+                       "correction.dvp_threshold=0.1",
+                       "correction.rejection=[{option: seq_sum_k1, lower: 0.5, upper: 2.0}]",
                        "algo.advantage=rloo"])
     plan = StepPlan.from_config(cfg)
     exact = dataclasses.replace(TRM_MAX, exact=True)
@@ -94,7 +95,7 @@ def _no_config_reads(monkeypatch) -> None:
 
 @pytest.mark.unit
 def test_a_step_runs_from_the_plan_alone(monkeypatch):
-    cfg = load_config(None, ["correction.trm_max=0.05", "correction.trm_reference=theta", "correction.is_level=token",
+    cfg = load_config(None, ["correction.trm.max=0.05", "correction.trm.reference=theta", "correction.is_level=token",
                              "algo.kl_coef=0.1", "algo.num_minibatches=1", "log.router_monitor=false"])
     plan = StepPlan.from_config(cfg)
     learner, rollout = _LossLearner(), _rollout()
