@@ -19,9 +19,6 @@ from moe_rl.tasks.rewards import check_reward_name
 from moe_rl.tasks.tokenizer import CharTokenizer
 from moe_rl.types import Prompt
 
-_REQUIRED_KEYS = ("prompt", "answer")
-_OPTIONAL_KEYS = ("reward", "task")
-
 
 @runtime_checkable
 class PromptSource(Protocol):

@@ -180,10 +180,6 @@ def load_user_reward(spec: str) -> TextRewardFn:
     return fn
 
 
-def is_text_reward(name: str) -> bool:
-    return name in TEXT_REWARDS or name.startswith(USER_PREFIX)
-
-
 def resolve_text_reward(name: str) -> TextRewardFn:
     if name.startswith(USER_PREFIX):
         return load_user_reward(name)
