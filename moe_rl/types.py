@@ -13,11 +13,32 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from moe_rl.routing.record import RouteBatch
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt to roll out.
+
+    prompt_ids: token ids, bos first, then the prompt text.
+    answer: the reference answer text (no eos).
+    reward: name of the reward function in ``moe_rl.tasks.rewards.REWARDS``.
+    task: label for per-task metrics (the generator name, or a dataset row's data source).
+    text: the prompt as text (what a text reward is handed; "" for generated tasks).
+    extra: the dataset row's other fields (handed to a ``python:`` reward).
+    """
+
+    prompt_ids: list[int]
+    answer: str
+    reward: str
+    task: str
+    text: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -31,13 +31,14 @@ def _measure(args) -> list[dict]:
     from moe_rl.config import ParallelConfig, RunConfig
     from moe_rl.learner.learner import Learner
     from moe_rl.losses import kl_estimate
-    from moe_rl.step.prepare import rollout_routes
     from moe_rl.rollout.builtin import BuiltinEngine
     from moe_rl.rollout.factory import sampling_params
     from moe_rl.routing.plan import PassMode, PassPlan
-    from moe_rl.types import TrainBatch
-    from moe_rl.tasks import CharTokenizer, build_prompt_source
+    from moe_rl.step.prepare import rollout_routes
+    from moe_rl.tasks.setup import build_prompt_source
     from moe_rl.tasks.setup import resolve_vocab as resolve
+    from moe_rl.tasks.tokenizer import CharTokenizer
+    from moe_rl.types import TrainBatch
     from moe_rl.weights.warmstart import load_init_weights
 
     torch.set_num_threads(1)

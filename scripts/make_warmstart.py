@@ -51,10 +51,12 @@ def main() -> None:
     from moe_rl import dist
     from moe_rl.config import ParallelConfig, RunConfig
     from moe_rl.learner.learner import Learner
-    from moe_rl.rollout.factory import sampling_params
     from moe_rl.rollout.builtin import BuiltinEngine
-    from moe_rl.tasks import CharTokenizer, build_prompt_source, score
+    from moe_rl.rollout.factory import sampling_params
+    from moe_rl.tasks.rewards import score
+    from moe_rl.tasks.setup import build_prompt_source
     from moe_rl.tasks.setup import resolve_vocab as resolve
+    from moe_rl.tasks.tokenizer import CharTokenizer
     from moe_rl.weights.warmstart import save_init_weights
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")

@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from moe_rl.config import ModelConfig, load_config
+from moe_rl.config import load_config
 from moe_rl.memory import (
     GiB,
     Layout,
@@ -28,8 +28,7 @@ from moe_rl.memory import (
     train_flops_per_token,
 )
 from moe_rl.weights.canonical import canonical_param_shapes
-
-CFG = ModelConfig(vocab_size=50, num_layers=3, first_k_dense=1, num_experts=4, moe_router_topk=2)
+from tests.models import DEFAULT_WIDTH_L3 as CFG
 
 
 @pytest.mark.unit

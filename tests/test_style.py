@@ -220,13 +220,28 @@ def test_import_graph_builder_resolves_submodules_packages_and_lazy_imports():
     graph = import_graph()
     assert "moe_rl.learner.checkpoint" in graph["moe_rl.preflight"]  # from moe_rl.learner import checkpoint
     assert "moe_rl.step.correction" in graph["moe_rl.step.prepare"]  # from moe_rl.step import correction
-    assert "moe_rl.tasks" in graph["moe_rl.trainer"]  # from moe_rl.tasks import ... (a package __init__)
-    assert "moe_rl.tasks.dataset" in graph["moe_rl.tasks"]  # ... whose re-exports carry on
+    assert "moe_rl.corrections" in graph["moe_rl.step.finalize"]  # from moe_rl.corrections import ... (an __init__)
+    assert "moe_rl.corrections.derived" in graph["moe_rl.corrections"]  # ... whose re-exports carry on
     assert "moe_rl.trainer" in graph["moe_rl.launch"]  # an import inside a function
     assert "megatron_patches" in graph["moe_rl.routing.replay"]  # a package's __init__ runs first
     assert "megatron_patches" not in graph["megatron_patches.a2a_splits"]  # but not for its own modules
-    assert "moe_rl.tasks.dataset" not in graph["moe_rl.tasks.rewards"]  # under `if TYPE_CHECKING:`
+    assert "moe_rl.types" not in graph["moe_rl.tasks.rewards"]  # under `if TYPE_CHECKING:`
     assert strongly_connected({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+@pytest.mark.unit
+def test_reward_workers_import_no_torch():
+    # the spawned reward workers import moe_rl.tasks.text_rewards: that module, the packages above
+    # it and all they import must not pull torch in (it would cost each worker seconds to start)
+    graph = import_graph()
+    seen, todo = set(), ["moe_rl", "moe_rl.tasks", "moe_rl.tasks.text_rewards"]
+    while todo:
+        m = todo.pop()
+        if m not in seen:
+            seen.add(m)
+            todo.extend(graph[m])
+    assert seen == {"moe_rl", "moe_rl.tasks", "moe_rl.tasks.text_rewards"}
+    assert [m for m in sorted(seen) if "torch" in _imports(MODULES[m])] == []
 
 
 @pytest.mark.unit

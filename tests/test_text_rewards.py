@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from moe_rl.tasks.rewards import check_reward_name
-from moe_rl.text_rewards import (
+from moe_rl.tasks.text_rewards import (
     RewardPool,
     TextSample,
     TextScore,

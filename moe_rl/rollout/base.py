@@ -30,18 +30,9 @@ def weight_chunks(weights: Weights) -> Iterator[Mapping[str, torch.Tensor]]:
 
 @runtime_checkable
 class RolloutEngine(Protocol):
-    """What the trainer needs from a rollout engine.
-
-    Attributes:
-        logprob_support: the support the reported log-probs are normalised over; "full" means
-            log softmax(logits / temperature) over the whole vocabulary, whatever top-k/top-p
-            did to the sampling distribution. (A DVP safe-set support may come later.)
-        returns_routes: whether ``RolloutBatch.routes`` holds the Top-K ids of every MoE layer
-            (needed by routing replay R3).
-    """
-
-    logprob_support: str
-    returns_routes: bool
+    """What the trainer needs from a rollout engine. The support of the reported log-probs is
+    per call (``RolloutBatch.logprob_support``, from ``SamplingParams``); every engine returns
+    the route record of every MoE layer."""
 
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams,
                  seed: int) -> RolloutBatch:

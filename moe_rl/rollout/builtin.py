@@ -141,9 +141,6 @@ class BuiltinEngine:
             the call's seed: a dialled-in routing mismatch for experiments; 0 = off.
     """
 
-    logprob_support: str = "full"
-    returns_routes: bool = True
-
     def __init__(self, model_cfg: ModelConfig, *, dtype: str = "bf16", pad_id: int,
                  device: torch.device | str = "cpu", router_logit_noise: float = 0.0) -> None:
         if dtype not in DTYPES:

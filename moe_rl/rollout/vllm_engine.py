@@ -597,9 +597,6 @@ class VllmEngine:
     ``hf:DIR`` of ``init_weights`` when given, else from an HF dir written with the learner's first
     weights (small models: the smoke test)."""
 
-    logprob_support: str = "full"
-    returns_routes: bool = True
-
     def __init__(self, cfg: RunConfig, model_cfg: ModelConfig, pad_id: int) -> None:
         check_vllm_environment()
         self.cfg, self.model_cfg, self.pad_id = cfg, model_cfg, pad_id

@@ -31,7 +31,7 @@ from moe_rl.metrics import Mean
 from moe_rl.routing.layout import unlayout
 from moe_rl.routing.record import RouteBatch, RouteHeader
 from moe_rl.routing.server import ReplayError
-from moe_rl.routing.stats import topk_agreement
+from moe_rl.routing.topk_overlap import topk_agreement
 
 
 @dataclass(frozen=True)

@@ -12,39 +12,12 @@ Two sources:
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
-from moe_rl.errors import DataError
 from moe_rl.tasks.generators import TASKS, check_lengths
 from moe_rl.tasks.rewards import check_reward_name
 from moe_rl.tasks.tokenizer import CharTokenizer
-
-_REQUIRED_KEYS = ("prompt", "answer")
-_OPTIONAL_KEYS = ("reward", "task")
-
-
-DatasetError = DataError  # the old name
-
-
-@dataclass(frozen=True)
-class Prompt:
-    """One prompt to roll out.
-
-    prompt_ids: token ids, bos first, then the prompt text.
-    answer: the reference answer text (no eos).
-    reward: name of the reward function in ``rewards.REWARDS``.
-    task: label for per-task metrics (the generator name, or a dataset row's data source).
-    text: the prompt as text (what a text reward is handed; "" for generated tasks).
-    extra: the dataset row's other fields (handed to a ``python:`` reward).
-    """
-
-    prompt_ids: list[int]
-    answer: str
-    reward: str
-    task: str
-    text: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
+from moe_rl.types import Prompt
 
 
 @runtime_checkable

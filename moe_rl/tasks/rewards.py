@@ -1,7 +1,7 @@
 """Verifiable rewards: a registry of vectorized scoring functions, and ``score`` to dispatch them.
 
 One name space for ``task.reward``: the token rewards below (``REWARDS``, vectorised over ids; they
-serve the built-in character tokenizer), the text rewards of ``moe_rl/text_rewards.py`` (``math``,
+serve the built-in character tokenizer), the text rewards of ``moe_rl/tasks/text_rewards.py`` (``math``,
 text forms of ``exact_match`` / ``char_accuracy``; scored per sample in a worker pool) and
 ``python:FILE.py:FUNCTION``. ``check_reward_name`` checks a name against all of them.
 
@@ -39,11 +39,11 @@ import torch
 
 from moe_rl.metrics import Mean, MetricValue, Std
 from moe_rl.registry import Registry
+from moe_rl.tasks.text_rewards import TEXT_REWARDS, USER_PREFIX, RewardPool, TextSample, TextScore, load_user_reward
 from moe_rl.tasks.tokenizer import CharTokenizer
-from moe_rl.text_rewards import TEXT_REWARDS, USER_PREFIX, RewardPool, TextSample, TextScore, load_user_reward
 
 if TYPE_CHECKING:
-    from moe_rl.tasks.dataset import Prompt
+    from moe_rl.types import Prompt
 
 Metrics = dict[str, MetricValue]
 RewardFn = Callable[[torch.Tensor, torch.Tensor, int, int], tuple[torch.Tensor, Metrics]]
@@ -161,7 +161,7 @@ def score(prompts: list[Prompt], response_ids_BS: torch.Tensor, tokenizer: CharT
 
     Each reward kind present runs once: a token reward vectorized over the sequences (selected by
     mask) whose prompt names it (character tokenizer), a text reward per sample on the decoded
-    responses in ``pool`` (``moe_rl/text_rewards.py``).
+    responses in ``pool`` (``moe_rl/tasks/text_rewards.py``).
 
     Args:
         prompts: P prompts, each naming its answer, reward and task.

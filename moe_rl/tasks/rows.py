@@ -34,7 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from moe_rl.tasks.dataset import DatasetError, Prompt
+from moe_rl.errors import DataError
+from moe_rl.types import Prompt
 
 logger = logging.getLogger(__name__)
 _MISSING = object()
@@ -65,9 +66,9 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
     string column and only fails when the rows are made, so that failure is caught too."""
     path = Path(path)
     if path.is_dir():
-        raise DatasetError(f"{path}: is a directory; task.dataset names a JSONL or Parquet file")
+        raise DataError(f"{path}: is a directory; task.dataset names a JSONL or Parquet file")
     if not path.is_file():
-        raise DatasetError(f"{path}: prompt file does not exist")
+        raise DataError(f"{path}: prompt file does not exist")
     import pyarrow as pa
 
     try:
@@ -76,7 +77,7 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
 
             return _table_rows(pq.read_table(str(path)), path)
         if path.suffix not in (".jsonl", ".json"):
-            raise DatasetError(f"{path}: unknown prompt file type {path.suffix!r}; use .jsonl or .parquet")
+            raise DataError(f"{path}: unknown prompt file type {path.suffix!r}; use .jsonl or .parquet")
         import pyarrow.json as pj
 
         try:
@@ -84,11 +85,11 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
         except (pa.ArrowInvalid, UnicodeDecodeError):
             return _read_jsonl_lines(path)
     except (pa.ArrowException, OSError) as e:
-        raise DatasetError(f"{path}: cannot read prompt rows ({e})") from None
+        raise DataError(f"{path}: cannot read prompt rows ({e})") from None
 
 
 def _read_jsonl_lines(path: Path) -> list[dict[str, Any]]:
-    """One pyarrow read per non-blank line (rows may differ in type); DatasetError names the line."""
+    """One pyarrow read per non-blank line (rows may differ in type); DataError names the line."""
     import io
 
     import pyarrow as pa
@@ -101,11 +102,11 @@ def _read_jsonl_lines(path: Path) -> list[dict[str, Any]]:
         try:
             line.decode("utf-8")
         except UnicodeDecodeError as e:
-            raise DatasetError(f"{path}: line {lineno}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
+            raise DataError(f"{path}: line {lineno}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
         try:
             table = pj.read_json(io.BytesIO(line))
         except pa.ArrowInvalid as e:
-            raise DatasetError(f"{path}: line {lineno}: not a JSON object ({str(e).split(' in row')[0]})") from None
+            raise DataError(f"{path}: line {lineno}: not a JSON object ({str(e).split(' in row')[0]})") from None
         rows.extend(table.to_pylist())
     return rows
 
@@ -121,7 +122,7 @@ def _table_rows(table, path: Path) -> list[dict[str, Any]]:
         try:
             rows.extend(table.slice(i, 1).to_pylist())
         except UnicodeDecodeError as e:
-            raise DatasetError(f"{path}: row {i + 1}: not valid UTF-8 ({e.reason})") from None
+            raise DataError(f"{path}: row {i + 1}: not valid UTF-8 ({e.reason})") from None
     return rows
 
 
@@ -210,17 +211,17 @@ def row_to_prompt(row: dict[str, Any], spec: RowSpec, tok) -> Prompt:
 
 
 def load_prompts(path: str | Path, spec: RowSpec, tok) -> tuple[list[Prompt], int]:
-    """Every row of ``path`` as a prompt, and the number dropped for length; DatasetError names
+    """Every row of ``path`` as a prompt, and the number dropped for length; DataError names
     file, row and key."""
     prompts, dropped = [], 0
     for i, row in enumerate(read_rows(path), start=1):
         try:
             p = row_to_prompt(row, spec, tok)
         except ValueError as e:
-            raise DatasetError(f"{path}: row {i}: {e}") from None
+            raise DataError(f"{path}: row {i}: {e}") from None
         if spec.max_prompt_tokens and len(p.prompt_ids) > spec.max_prompt_tokens:
             if spec.overlong == "error":
-                raise DatasetError(f"{path}: row {i}: prompt has {len(p.prompt_ids)} tokens (bos included), more "
+                raise DataError(f"{path}: row {i}: prompt has {len(p.prompt_ids)} tokens (bos included), more "
                                    f"than {spec.max_prompt_tokens} ({spec.limit_why}); shorten it, raise "
                                    f"model.max_seq_len, or set task.overlong=drop")
             dropped += 1
@@ -231,7 +232,7 @@ def load_prompts(path: str | Path, spec: RowSpec, tok) -> tuple[list[Prompt], in
                        dropped + len(prompts), spec.max_prompt_tokens, spec.limit_why)
     if not prompts:
         limit = f" (all {dropped} are longer than {spec.max_prompt_tokens} tokens)" if dropped else ""
-        raise DatasetError(f"{path}: no prompts left after filtering{limit}")
+        raise DataError(f"{path}: no prompts left after filtering{limit}")
     return prompts, dropped
 
 

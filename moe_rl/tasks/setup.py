@@ -16,24 +16,14 @@ from pathlib import Path
 import torch
 
 from moe_rl.config import RunConfig
-from moe_rl.errors import CheckpointError
+from moe_rl.errors import CheckpointError, ConfigError, DataError
 from moe_rl.fsutil import read_json
-from moe_rl.tasks import (
-    CharTokenizer,
-    DatasetError,
-    HFTokenizer,
-    PromptSource,
-    RowDataset,
-    RowSpec,
-    build_prompt_source,
-    check_vocab_fits,
-    load_tokenizer,
-    overlong_penalty,
-    score,
-)
-from moe_rl.tasks.hf_tokenizer import TokenizerError
-from moe_rl.tasks.rewards import uses_token_reward
-from moe_rl.text_rewards import RewardPool
+from moe_rl.tasks.dataset import GeneratedTasks, PromptSource
+from moe_rl.tasks.hf_tokenizer import HFTokenizer, TokenizerError, check_vocab_fits, load_tokenizer
+from moe_rl.tasks.rewards import overlong_penalty, score, uses_token_reward
+from moe_rl.tasks.rows import RowDataset, RowSpec
+from moe_rl.tasks.text_rewards import RewardPool
+from moe_rl.tasks.tokenizer import CharTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +54,37 @@ def row_spec(cfg: RunConfig) -> RowSpec:
                    t.add_generation_prompt, dict(t.chat_template_kwargs), max(limit, 1), overlong, why)
 
 
+def build_prompt_source(tasks: list[str], min_len: int, max_len: int, dataset_path: str | Path,
+                        reward: str, tokenizer: CharTokenizer | HFTokenizer,
+                        spec: RowSpec | None = None) -> PromptSource:
+    """The prompt source for a run: the rows of ``dataset_path`` if set, else the tasks.
+
+    Args:
+        tasks: generated task names (mixed uniformly); ignored when a dataset is given.
+        min_len, max_len: digit counts of generated prompts; ignored when a dataset is given.
+        dataset_path: JSONL / Parquet prompt rows, or "" for generated tasks.
+        reward: reward name (the default for rows that name none).
+        tokenizer: encodes the prompts.
+        spec: how rows become prompts (keys, chat template, length limit); default keys otherwise.
+    Raises:
+        ConfigError: unknown task or reward name, bad lengths, too long; DataError for a bad file.
+    """
+    if dataset_path:
+        log.info("prompts from %s; task.tasks/min_len/max_len are not used", dataset_path)
+        spec = dataclasses.replace(spec or RowSpec(), default_reward=reward)
+        return RowDataset(dataset_path, spec, tokenizer)
+    try:
+        gen = GeneratedTasks(list(tasks), min_len, max_len, tokenizer, reward=reward)
+    except ValueError as e:
+        raise ConfigError(f"config key 'task': {e}") from None
+    limit = spec.max_prompt_tokens if spec is not None else 0
+    if limit and gen.longest_prompt_tokens() > limit:
+        raise ConfigError(f"config key 'task.max_len': {max_len} digits give prompts of up to "
+                          f"{gen.longest_prompt_tokens()} tokens, more than {limit} ({spec.limit_why}); "
+                          f"lower task.max_len or raise model.max_seq_len")
+    return gen
+
+
 def resolve_vocab(cfg: RunConfig, tok: CharTokenizer | HFTokenizer) -> RunConfig:
     """model.vocab_size: as configured, else the HF checkpoint's (padded embeddings), else the
     tokenizer's; it must hold every token id."""
@@ -89,7 +110,7 @@ def build_task(cfg: RunConfig, start_pool: bool = True) -> tuple[RunConfig, Task
     source = build_prompt_source(t.tasks, t.min_len, t.max_len, t.dataset, t.reward, tok, spec)
     val = RowDataset(t.val_dataset, dataclasses.replace(spec, default_reward=t.reward), tok) if t.val_dataset else None
     if val is not None and len(val.prompts[:t.val_max_prompts or None]) < cfg.data_parallel:
-        raise DatasetError(f"{t.val_dataset}: {len(val)} validation prompts for {cfg.data_parallel} "
+        raise DataError(f"{t.val_dataset}: {len(val)} validation prompts for {cfg.data_parallel} "
                            "data-parallel ranks; each rank needs at least one")
     text = not uses_token_reward(t.reward, tok) or isinstance(tok, HFTokenizer)
     pool = RewardPool(t.reward_workers if text else 0, t.reward_timeout_s)

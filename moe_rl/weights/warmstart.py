@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from moe_rl.config import ARCH_FIELDS, ModelConfig
 from moe_rl.errors import CheckpointError, ConfigError
 from moe_rl.fsutil import open_safetensors
-from moe_rl.tasks import CharTokenizer
+from moe_rl.tasks.tokenizer import CharTokenizer
 from moe_rl.weights.canonical import check_canonical_weights
 
 BUILTIN = "builtin:warmstart"

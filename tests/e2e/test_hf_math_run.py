@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from moe_rl.tasks import HFTokenizer, RowDataset, RowSpec
+from moe_rl.tasks.hf_tokenizer import HFTokenizer
+from moe_rl.tasks.rows import RowDataset, RowSpec
 from tests.e2e.test_train_cli import _deterministic, metrics, moe_rl
 from tests.hf_assets import make_checkpoint, make_tokenizer, model_overrides, tiny_model
 

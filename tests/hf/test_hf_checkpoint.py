@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from moe_rl.config import ModelConfig
 from moe_rl.errors import CheckpointError, ConfigError
 from moe_rl.rollout.builtin import BuiltinEngine
-from moe_rl.tasks import CharTokenizer
+from moe_rl.tasks.tokenizer import CharTokenizer
 from moe_rl.weights import hf as hfc
 from moe_rl.weights.warmstart import load_init_weights
 from tests.rollout.test_hf_parity import hf_forward

@@ -10,13 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_rl.config import ModelConfig, OptimConfig, ParallelConfig
+from moe_rl.config import OptimConfig, ParallelConfig
 from moe_rl.types import TrainBatch
 from tests.dist_harness import run_ranks
-
-MODEL = ModelConfig(vocab_size=50, hidden_size=64, num_layers=2, num_attention_heads=4, num_query_groups=2,
-                    head_dim=16, ffn_hidden_size=96, moe_ffn_hidden_size=48, num_experts=4,
-                    moe_router_topk=2, max_seq_len=32)
+from tests.models import TINY_MOE_L2_ALL_MOE as MODEL
 
 
 def _batch(rank: int) -> TrainBatch:

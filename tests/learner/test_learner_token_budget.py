@@ -7,14 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_rl.config import ModelConfig, OptimConfig, ParallelConfig
+from moe_rl.config import OptimConfig, ParallelConfig
 from moe_rl.types import TrainBatch
 from tests.dist_harness import run_ranks
 from tests.learner.parallel_cases import GRAD_RTOL, LOGP_TOL, RECORD, REPLAY, nll_entropy_loss, random_routes
-
-MODEL = ModelConfig(vocab_size=50, hidden_size=64, num_layers=3, num_attention_heads=4, num_query_groups=2,
-                    head_dim=16, ffn_hidden_size=96, moe_ffn_hidden_size=48, num_experts=4,
-                    moe_router_topk=2, first_k_dense=1, max_seq_len=32)
+from tests.models import TINY_MOE_L3 as MODEL
 
 
 def _data(rank: int):

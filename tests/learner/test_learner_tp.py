@@ -25,25 +25,29 @@ import math
 import pytest
 import torch
 
-from moe_rl.config import ModelConfig, OptimConfig, ParallelConfig
+from moe_rl.config import OptimConfig, ParallelConfig
 from moe_rl.types import TrainBatch
 from tests.dist_harness import run_ranks
 from tests.learner.parallel_cases import (
+    EVEN_LENS,
     GRAD_RTOL,
     LOGP_TOL,
     LR,
-    RECORD,
+    ODD_LENS,
     REPLAY,
     STEP_TOL,
-    means,
+    batch_data,
+    compare_common,
+    exported_exactly,
     nll_entropy_loss,
     random_routes,
-    reference_dims,
+    rel_diff,
+    routing_passes,
+    single_rank_reference,
+    step_and_resume,
+    update_pass,
 )
-
-MODEL = ModelConfig(vocab_size=50, hidden_size=64, num_layers=3, num_attention_heads=4, num_query_groups=2,
-                    head_dim=16, ffn_hidden_size=96, moe_ffn_hidden_size=48, num_experts=4,
-                    moe_router_topk=2, first_k_dense=1, max_seq_len=32)
+from tests.models import TINY_MOE_L3 as MODEL
 
 
 def _data(odd: bool = True):
@@ -51,12 +55,7 @@ def _data(odd: bool = True):
 
     ``odd``: micro-batches of 4 have odd longest lengths (13, 11), padded under TP. The update
     batch has even ones: the router monitor counts padding rows too, which TP would add."""
-    g = torch.Generator().manual_seed(100)
-    lens_B = torch.tensor([13, 9, 12, 5, 11, 7] if odd else [14, 9, 12, 5, 12, 7])
-    pos_S = torch.arange(14)
-    tokens_BS = torch.where(pos_S[None] < lens_B[:, None], torch.randint(3, MODEL.vocab_size, (6, 14), generator=g), 0)
-    mask_BS = (pos_S[None] >= 3) & (pos_S[None] < lens_B[:, None])
-    return tokens_BS, lens_B, mask_BS
+    return batch_data(MODEL.vocab_size, ODD_LENS if odd else EVEN_LENS)
 
 
 def _full_vocab_inputs(batch):
@@ -74,85 +73,36 @@ def _full_vocab_inputs(batch):
     return batch.replace(safe_BSV=safe_BSV, rollout_dist_BSV=dist_BSV)
 
 
-
-
-
-
-
-
 def _run(learner, par_opt: ParallelConfig, ctx, weights) -> dict:
-    from moe_rl.learner.learner import Learner
-
     tokens_BS, lens_B, mask_BS = _data()
     plain = TrainBatch(tokens_BS, lens_B)
-    out = learner.forward_logprobs(plain, 0.8, micro_batch_size=4, plan=RECORD)
-    native, recorded = out.stats, out.routing.recorded
-    out = learner.forward_logprobs(plain.replace(routes=recorded), 0.8, 4, REPLAY)
-    r2, r2_metrics = out.stats, means(out.routing.metrics, "routing/")
-    forced_routes = random_routes(lens_B, learner.route_header)
-    out = learner.forward_logprobs(plain.replace(routes=forced_routes), 0.8, 4, REPLAY)
-    forced, forced_metrics = out.stats, means(out.routing.metrics, "routing/")
+    got, recorded, _ = routing_passes(learner, plain)
     tokens_BS, lens_B, mask_BS = _data(odd=False)
     forced_routes = random_routes(lens_B, learner.route_header)
     update = TrainBatch(tokens_BS, lens_B, loss_mask_BS=mask_BS)
-    _, routing = learner.forward_backward(update.replace(routes=forced_routes), nll_entropy_loss, 0.8, 4, REPLAY)
-    update_metrics = means(routing.metrics, "routing/")
-    grads = learner.canonical_grads()
-    monitor = learner.router_monitor_metrics()
+    got.update(update_pass(learner, update.replace(routes=forced_routes)))
     # DVP and exact KL on vocabulary shards; then a loss on the DVP log-prob (st.logp_BS)
     full_vocab = learner.forward_logprobs(_full_vocab_inputs(plain).replace(routes=recorded), 0.8, 4, REPLAY).stats
     learner.forward_backward(_full_vocab_inputs(update).replace(routes=forced_routes), nll_entropy_loss, 0.8, 4,
                              REPLAY)
     dvp_grads = learner.canonical_grads()
-
-    # adam_eps well above the gradients' rounding: Adam's first step is ~lr * sign(g) and would
-    # turn a 1e-9 difference of a near-zero gradient into a difference of lr
-    stepper = Learner(MODEL, par_opt, OptimConfig(lr=LR, adam_eps=1e-4), ctx, weights, monitor=False)
-    stepper.update(update, nll_entropy_loss, 0.8, 4, lr=LR)
-    after = stepper.export_canonical()
-    return {"logp": native.logp_BS, "entropy": native.entropy_BS, "spi": native.sum_pi_sq_BS,
-            "recorded": recorded.ids_NLK, "recorded_rows": recorded.rows_B, "r2_logp": r2.logp_BS,
-            "r2_metrics": r2_metrics, "forced_logp": forced.logp_BS, "forced_metrics": forced_metrics,
-            "update_metrics": update_metrics, "full_vocab": full_vocab.fields(), "dvp_grads": dvp_grads,
-            "grads": grads, "monitor": monitor, "after": after}
+    after = step_and_resume(MODEL, par_opt, ctx, weights, update, None)["after"]
+    return {**got, "full_vocab": full_vocab.fields(), "dvp_grads": dvp_grads, "after": after}
 
 
 def _compare(tp: dict, ref: dict) -> dict:
-    def max_diff(key):
-        return float((tp[key] - ref[key]).abs().max())
-
-    def rel(a, b):
-        return float((a - b).abs().max() / b.abs().max().clamp(min=1e-12))
-
     def inf_aware_diff(a, b):  # -inf (an empty safe set, a token outside it) must match exactly
         fin = torch.isfinite(b)
         return float((a[fin] - b[fin]).abs().max()) if torch.equal(a[~fin], b[~fin]) else math.inf
 
-    mon_keys = [k for k in ref["monitor"] if ref["monitor"][k] == ref["monitor"][k]]  # not NaN
-
-    def mon_ref(k):  # the reference's DP ranks each divide by twice the tokens (the batch runs twice)
-        return ref["monitor"][k] * (2 if "logit_grad_norm" in k or "grad_mass" in k else 1)
+    # the reference's DP ranks each run the batch twice (DP = world, TP = 1)
     return {
-        "logp_diff": max_diff("logp"), "ent_diff": max_diff("entropy"), "spi_diff": max_diff("spi"),
-        "r2_logp_diff": max_diff("r2_logp"), "forced_logp_diff": max_diff("forced_logp"),
-        "forced_vs_native": float((ref["forced_logp"] - ref["logp"]).abs().max()),
-        "recorded_equal": torch.equal(tp["recorded"], ref["recorded"]) and torch.equal(tp["recorded_rows"],
-                                                                                        ref["recorded_rows"]),
-        "r2_flip": tp["r2_metrics"]["routing/flip_router_frac"],
-        "forced_metrics_diff": max(abs(tp["forced_metrics"][k] - v) for k, v in ref["forced_metrics"].items()),
-        "same_metric_keys": sorted(tp["forced_metrics"]) == sorted(ref["forced_metrics"]),
-        "forced_flip": tp["forced_metrics"]["routing/flip_router_frac"],
-        "update_metrics_diff": max(abs(tp["update_metrics"][k] - v) for k, v in ref["update_metrics"].items()),
-        "same_grad_keys": sorted(tp["grads"]) == sorted(ref["grads"]), "num_grad_keys": len(ref["grads"]),
-        "grad_rel": max(rel(tp["grads"][k], ref["grads"][k]) for k in ref["grads"]),
+        **compare_common(tp, ref, 2),
         "full_vocab_keys": sorted(tp["full_vocab"]) == sorted(ref["full_vocab"]) == sorted(FULL_VOCAB_STATS),
         "full_vocab_diff": {k: inf_aware_diff(tp["full_vocab"][k], v) for k, v in ref["full_vocab"].items()},
         "dvp_counts": _dvp_counts(ref["full_vocab"]),
-        "dvp_vs_plain_grad": max(rel(ref["dvp_grads"][k], ref["grads"][k]) for k in ref["grads"]),
-        "dvp_grad_rel": max(rel(tp["dvp_grads"][k], ref["dvp_grads"][k]) for k in ref["dvp_grads"]),
-        "monitor_rel": max(abs(tp["monitor"][k] - mon_ref(k)) / max(abs(mon_ref(k)), 1e-12) for k in mon_keys),
-        "monitor_keys": sorted(tp["monitor"]) == sorted(ref["monitor"]) and len(mon_keys) > 10,
-        "step_diff": max(float((tp["after"][k] - ref["after"][k]).abs().max()) for k in ref["after"]),
+        "dvp_vs_plain_grad": max(rel_diff(ref["dvp_grads"][k], ref["grads"][k]) for k in ref["grads"]),
+        "dvp_grad_rel": max(rel_diff(tp["dvp_grads"][k], ref["dvp_grads"][k]) for k in ref["dvp_grads"]),
     }
 
 
@@ -239,7 +189,6 @@ def _vocab_parallel_corrections(rank: int, group) -> dict:
 
 def _worker(rank: int):
     from megatron.core import parallel_state as ps
-    from megatron.core.transformer.moe.router_replay import RouterReplay
 
     from moe_rl import dist
     from moe_rl.learner.learner import Learner
@@ -264,12 +213,9 @@ def _worker(rank: int):
         mismatch_error = None
     except RuntimeError as e:
         mismatch_error = str(e)
-    export_exact = sorted(exported) == sorted(weights) and all(torch.equal(exported[k], weights[k]) for k in weights)
+    export_exact = exported_exactly(exported, weights)
 
-    ps.destroy_model_parallel()
-    ps.initialize_model_parallel(1, 1, expert_model_parallel_size=1)
-    RouterReplay.clear_global_router_replay_instances()
-    ctx1 = reference_dims()
+    ctx1 = single_rank_reference()
     ref = Learner(MODEL, ParallelConfig(nproc=2, expert_parallel=1, distributed_optimizer=False),
                   OptimConfig(lr=LR), ctx1, weights)
     ref_out = _run(ref, ParallelConfig(nproc=2, expert_parallel=1), ctx1, weights)

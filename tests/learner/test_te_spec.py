@@ -14,8 +14,7 @@ from moe_rl.preflight import check_launch
 from moe_rl.learner import te_spec
 from moe_rl.weights.canonical import canonical_param_shapes
 from moe_rl.weights.megatron_shards import megatron_to_canonical
-
-CFG = ModelConfig(vocab_size=50, num_layers=3, first_k_dense=1, num_experts=4, moe_router_topk=2)
+from tests.models import DEFAULT_WIDTH_L3 as CFG
 
 
 def _local_names(cfg: ModelConfig) -> list[str]:

@@ -6,14 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_rl.config import ModelConfig
 from moe_rl.routing.agreement import AgreementCollector, SeqShard
 from moe_rl.routing.record import RouteHeader
 from moe_rl.routing.server import ReplayError, RouteServer
+from tests.models import MICRO_MOE as MODEL
 
-MODEL = ModelConfig(vocab_size=16, hidden_size=8, num_layers=2, num_attention_heads=2, num_query_groups=1,
-                    head_dim=4, ffn_hidden_size=8, moe_ffn_hidden_size=4, num_experts=4, moe_router_topk=2,
-                    max_seq_len=16)
 HEADER = RouteHeader.for_model(MODEL)
 
 

@@ -23,7 +23,7 @@ from moe_rl.routing.record import (
     save_records,
     validate,
 )
-from moe_rl.routing.stats import topk_agreement
+from moe_rl.routing.topk_overlap import topk_agreement
 
 CFG = ModelConfig(vocab_size=50, num_layers=4, first_k_dense=1, num_experts=8, moe_router_topk=2)
 HEADER = RouteHeader.for_model(CFG)

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from moe_rl.config import ModelConfig, load_config
+from moe_rl.config import load_config
 from moe_rl.learner.learner import LogprobOutput, UpdateOutput
 from moe_rl.routing.agreement import RoutingOutcome
 from moe_rl.routing.plan import PassMode, PassPlan, ReplayMode, ReplayPlan
@@ -21,10 +21,8 @@ from moe_rl.step.plan import StepPlan
 from moe_rl.step.prepare import old_logprobs, prepare_batch, reference_logprobs
 from moe_rl.step.update import update_policy
 from moe_rl.types import RolloutBatch, TokenStats, TrainBatch
+from tests.models import MICRO_MOE as MODEL
 
-MODEL = ModelConfig(vocab_size=16, hidden_size=8, num_layers=2, num_attention_heads=2, num_query_groups=1,
-                    head_dim=4, ffn_hidden_size=8, moe_ffn_hidden_size=4, num_experts=4, moe_router_topk=2,
-                    max_seq_len=16)
 HEADER = RouteHeader.for_model(MODEL)
 OLD_LOGP = -0.5  # the stand-in learner's log-prob of every token
 ROLLOUT_LOGP = -0.75

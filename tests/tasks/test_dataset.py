@@ -10,14 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_rl.tasks import (
-    GeneratedTasks,
-    RowDataset,
-    Prompt,
-    PromptSource,
-    build_prompt_source,
-)
+from moe_rl.tasks.dataset import GeneratedTasks, PromptSource
+from moe_rl.tasks.rows import RowDataset
+from moe_rl.tasks.setup import build_prompt_source
 from moe_rl.tasks.tokenizer import CharTokenizer
+from moe_rl.types import Prompt
 
 TOK = CharTokenizer()
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from moe_rl.tasks import CharTokenizer, HFTokenizer, TokenizerError, check_vocab_fits, load_tokenizer
-from moe_rl.tasks.hf_tokenizer import tokenizer_dir
+from moe_rl.tasks.hf_tokenizer import HFTokenizer, TokenizerError, check_vocab_fits, load_tokenizer, tokenizer_dir
+from moe_rl.tasks.tokenizer import CharTokenizer
 
 
 @pytest.mark.unit

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from moe_rl.metrics import Mean, Std, reduce_metrics
-from moe_rl.tasks import REWARDS, Prompt, char_accuracy, exact_match, register_reward, score
+from moe_rl.tasks.rewards import REWARDS, char_accuracy, exact_match, register_reward, score
 from moe_rl.tasks.tokenizer import CharTokenizer
+from moe_rl.types import Prompt
 
 TOK = CharTokenizer()
 EOS, PAD = TOK.eos_id, TOK.pad_id
@@ -259,7 +260,7 @@ def test_score_keys_do_not_depend_on_the_local_mix() -> None:
 
 @pytest.mark.unit
 def test_score_text_rewards_with_hf_tokenizer(hf_tok_dir, tmp_path) -> None:
-    from moe_rl.tasks import HFTokenizer
+    from moe_rl.tasks.hf_tokenizer import HFTokenizer
 
     tok = HFTokenizer(hf_tok_dir)
     user = tmp_path / "r.py"
@@ -278,7 +279,7 @@ def test_score_text_rewards_with_hf_tokenizer(hf_tok_dir, tmp_path) -> None:
 
 @pytest.mark.unit
 def test_overlong_penalty_is_dapo_soft_linear() -> None:
-    from moe_rl.tasks import overlong_penalty
+    from moe_rl.tasks.rewards import overlong_penalty
 
     penalty_B, m = overlong_penalty(torch.tensor([10, 16, 17, 18, 20]), max_new_tokens=20, buffer=4, factor=0.5)
     assert penalty_B.tolist() == [0.0, 0.0, -0.125, -0.25, -0.5]
@@ -290,8 +291,8 @@ def test_overlong_penalty_is_dapo_soft_linear() -> None:
 def test_reward_that_exits_or_returns_text_scores_an_error(hf_tok_dir, tmp_path, workers) -> None:
     """sys.exit in the call (a BaseException) and a returned "0.75" (text, not a number) score 0 and
     are counted in reward/error_frac, in the trainer's process and in a worker; the step goes on."""
-    from moe_rl.tasks import HFTokenizer
-    from moe_rl.text_rewards import RewardPool
+    from moe_rl.tasks.hf_tokenizer import HFTokenizer
+    from moe_rl.tasks.text_rewards import RewardPool
 
     tok = HFTokenizer(hf_tok_dir)
     user = tmp_path / "r.py"

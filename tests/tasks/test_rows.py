@@ -12,8 +12,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from moe_rl.tasks import CharTokenizer, DatasetError, HFTokenizer, Prompt, RowDataset, RowSpec
+from moe_rl.errors import DataError
+from moe_rl.tasks.hf_tokenizer import HFTokenizer
 from moe_rl.tasks.make_data import make_rows, write_math_dataset
+from moe_rl.tasks.rows import RowDataset, RowSpec
+from moe_rl.tasks.tokenizer import CharTokenizer
+from moe_rl.types import Prompt
 
 CHAR = CharTokenizer()
 VERL = RowSpec(answer_key="reward_model.ground_truth", default_reward="math", apply_chat_template=True,
@@ -66,7 +70,7 @@ def test_builtin_format_numbers_and_per_row_reward(tmp_path: Path) -> None:
 
 def _error(tmp_path: Path, bad, spec: RowSpec = RowSpec(), tok=CHAR, name: str = "p.jsonl") -> str:
     path = _jsonl(tmp_path / name, [{"prompt": "R1:", "answer": "1"}, bad])
-    with pytest.raises(DatasetError) as err:
+    with pytest.raises(DataError) as err:
         RowDataset(path, spec, tok)
     assert str(err.value).startswith(f"{path}: ")
     return str(err.value)[len(str(path)) + 2:]
@@ -105,13 +109,13 @@ def test_bad_rows_name_file_row_and_key(tmp_path: Path, hf_tok_dir: Path) -> Non
 
 @pytest.mark.unit
 def test_files_missing_unknown_and_empty(tmp_path: Path) -> None:
-    with pytest.raises(DatasetError, match=r"nope\.jsonl: prompt file does not exist$"):
+    with pytest.raises(DataError, match=r"nope\.jsonl: prompt file does not exist$"):
         RowDataset(tmp_path / "nope.jsonl", RowSpec(), CHAR)
     (tmp_path / "p.csv").write_text("prompt,answer\n")
-    with pytest.raises(DatasetError, match=r"p\.csv: unknown prompt file type '\.csv'; use \.jsonl or \.parquet$"):
+    with pytest.raises(DataError, match=r"p\.csv: unknown prompt file type '\.csv'; use \.jsonl or \.parquet$"):
         RowDataset(tmp_path / "p.csv", RowSpec(), CHAR)
     pq.write_table(pa.Table.from_pylist([{"prompt": "R1234:", "answer": "4321"}] * 3), str(tmp_path / "long.parquet"))
-    with pytest.raises(DatasetError, match=r"long\.parquet: no prompts left after filtering "
+    with pytest.raises(DataError, match=r"long\.parquet: no prompts left after filtering "
                                            r"\(all 3 are longer than 5 tokens\)$"):
         RowDataset(tmp_path / "long.parquet", RowSpec(max_prompt_tokens=5), CHAR)
 
@@ -184,11 +188,11 @@ def test_messages_without_a_template_name_the_tokenizer_and_row(tmp_path: Path, 
 def test_invalid_utf8_names_file_and_line_or_row(tmp_path: Path) -> None:
     path = tmp_path / "p.jsonl"
     path.write_bytes(b'{"prompt": "R1:", "answer": "1"}\n\n{"prompt": "R\xff:", "answer": "1"}\n')
-    with pytest.raises(DatasetError) as err:
+    with pytest.raises(DataError) as err:
         RowDataset(path, RowSpec(), CHAR)
     assert str(err.value) == f"{path}: line 3: not valid UTF-8 (invalid start byte at byte 13)"
     strings = pa.array([b"R1:", b"R2:", b"R\xfe:"], pa.binary()).view(pa.string())  # pyarrow does not check
     pq.write_table(pa.table({"prompt": strings, "answer": ["1", "2", "3"]}), str(tmp_path / "p.parquet"))
-    with pytest.raises(DatasetError) as err:
+    with pytest.raises(DataError) as err:
         RowDataset(tmp_path / "p.parquet", RowSpec(), CHAR)
     assert str(err.value) == f"{tmp_path / 'p.parquet'}: row 3: not valid UTF-8 (invalid start byte)"

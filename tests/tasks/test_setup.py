@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from moe_rl.config import RunConfig, load_config
-from moe_rl.tasks import CharTokenizer, GeneratedTasks, HFTokenizer, TokenizerError
+from moe_rl.tasks.dataset import GeneratedTasks
+from moe_rl.tasks.hf_tokenizer import HFTokenizer, TokenizerError
 from moe_rl.tasks.setup import build_task, resolve_vocab, row_spec
+from moe_rl.tasks.tokenizer import CharTokenizer
 from moe_rl.weights.export import export_dtype, tokenizer_files
 
 

@@ -1,4 +1,4 @@
-"""Routing agreement between two Top-K choices of the same tokens: pure tensor math.
+"""Overlap of two Top-K expert choices of the same tokens (set difference and overlap@K): pure tensor math.
 
 Shape suffixes: N rows (tokens), K top-k.
 """

@@ -16,10 +16,11 @@ numbers when both are, else with math-verify (``parse`` + ``verify``: fractions,
 sets, percentages, equations ``x=5``).
 
 Pool (``RewardPool``): ``workers`` processes (spawned; this module imports neither torch nor the
-rest of the package, so they start in about two seconds, once, while the model builds). Each
-sample gets its own time limit inside the worker (``setitimer``); a worker that stops answering
-(a hang in C code) is killed after a deadline, its samples score 0 as timed out, and the pool
-restarts. ``workers=0`` scores in the calling process (time limit only on the main thread).
+rest of the package, and ``moe_rl/tasks/__init__.py`` imports nothing, so they start in about two
+seconds, once, while the model builds). Each sample gets its own time limit inside the worker
+(``setitimer``); a worker that stops answering (a hang in C code) is killed after a deadline, its
+samples score 0 as timed out, and the pool restarts. ``workers=0`` scores in the calling process
+(time limit only on the main thread).
 """
 
 from __future__ import annotations
@@ -178,10 +179,6 @@ def load_user_reward(spec: str) -> TextRewardFn:
         raise ValueError(f"task.reward={spec!r}: {path} has no function {name!r}")
     _USER_FNS[spec] = fn
     return fn
-
-
-def is_text_reward(name: str) -> bool:
-    return name in TEXT_REWARDS or name.startswith(USER_PREFIX)
 
 
 def resolve_text_reward(name: str) -> TextRewardFn:
