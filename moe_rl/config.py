@@ -424,7 +424,7 @@ class TaskConfig:
     min_len: int = 2
     max_len: int = 4
     dataset: str = ""  # JSONL or Parquet prompt rows; see moe_rl/tasks/rows.py
-    # exact_match | char_accuracy | math | python:FILE.py:FUNCTION (called per sample; see moe_rl/text_rewards.py)
+    # exact_match | char_accuracy | math | python:FILE.py:FUNCTION (called per sample; see moe_rl/tasks/text_rewards.py)
     reward: str = "exact_match"
     # a dataset prompt that leaves no room for rollout.max_new_tokens within model.max_seq_len:
     # error (names file and row) | drop (skipped, counted in the log and rollout/prompts_dropped_too_long)
