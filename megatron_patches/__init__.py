@@ -3,7 +3,7 @@
 Two groups, each an ordered tuple of module names in this package:
 
 - ``CPU_PATCHES``: shims that let megatron-core run on a CPU-only torch build over gloo
-  (docs: shared/docs/megatron_cpu.md). ``apply_all`` applies them only when CUDA is absent.
+  (see docs/megatron_cpu.md). ``apply_all`` applies them only when CUDA is absent.
 - ``ALWAYS_PATCHES``: fixes for upstream bugs that also hit GPU runs; always applied.
 
 Every patch module exposes ``NAME``, ``SUPPORTED`` (a PEP 440 specifier of megatron-core

@@ -15,7 +15,7 @@ Every estimator has the signature
 - metrics: the ``moe_rl.metrics`` convention (``Mean``/``Std`` of local sums over response tokens),
   so the caller can reduce them across ranks whichever way the batch was split.
 
-Estimators that need more inputs (the Optimal Token Baseline, math.md section 6, needs per-token
+Estimators that need more inputs (the Optimal Token Baseline, docs/math.md 6, needs per-token
 old log-probs and sum_v pi^2) take them as extra keyword-only arguments passed by name. Every
 registered estimator carries two attributes saying which: ``fn.REQUIRES`` (names that must be
 passed, not None) and ``fn.OPTIONAL`` (names that may be passed). The caller computes only what
@@ -148,7 +148,7 @@ def rloo(rewards_B: torch.Tensor, group_B: torch.Tensor, response_mask_BS: torch
 
 
 # ----------------------------------------------------------------------------- Optimal Token Baseline
-# math.md 6.2 [C verl compute_optimal_token_baseline_advantage / compute_multi_turn_...]; 6.3 [I].
+# docs/math.md 6.2 [C verl compute_optimal_token_baseline_advantage / compute_multi_turn_...]; 6.3 [I].
 
 
 def _response_positions(mask_BS: torch.Tensor, compact: bool) -> torch.Tensor:
@@ -241,7 +241,7 @@ def otb(rewards_B: torch.Tensor, group_B: torch.Tensor, response_mask_BS: torch.
         std_norm: bool = False, eps: float = 1e-8, sum_pi_sq_BS: torch.Tensor | None = None,
         logp_BS: torch.Tensor | None = None, is_weights_BS: torch.Tensor | None = None,
         handle_zero_tail: bool = False) -> tuple[torch.Tensor, dict[str, MetricValue]]:
-    """Optimal Token Baseline (math.md 6.2, verl ``optimal_token_baseline``): per-token baselines.
+    """Optimal Token Baseline (docs/math.md 6.2, verl ``optimal_token_baseline``): per-token baselines.
 
     For group g and response position t (counted from the first response token; masked-out
     tokens inside the response still advance t):
@@ -251,7 +251,7 @@ def otb(rewards_B: torch.Tensor, group_B: torch.Tensor, response_mask_BS: torch.
         B*_t = sum_i G_t^i W_t^i m_t^i / (sum_i W_t^i m_t^i + eps)
         A_t  = (G_t - B*_t) m_t,  with G_t = r_i (reward on the last response token)
     A group of one sequence (N = 1) gets baseline 0, so A_t = r_i, as the reference does; run
-    with N > 1 (math.md 11). A group of equal rewards gets A ~ r * eps / (sum W + eps), not an
+    with N > 1 (docs/math.md 9). A group of equal rewards gets A ~ r * eps / (sum W + eps), not an
     exact 0 (reference behaviour). ``handle_zero_tail`` (default False here): if one sequence is
     strictly the longest in its group, its baseline at positions >= the second-longest response
     length (the count of response tokens) is 0.

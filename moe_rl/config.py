@@ -109,7 +109,7 @@ class ModelConfig:
         _check(self.router_aux_loss_coeff >= 0, "model.router_aux_loss_coeff", "must be >= 0")
         _one_of(self.transformer_impl, "model.transformer_impl", ("local", "te"))
         _one_of(self.precision, "model.precision", ("fp32", "bf16", "fp8"))
-        # mxfp8 / nvfp4 are Blackwell-only (gpu_stack.md 3); custom needs a quantizer factory
+        # mxfp8 / nvfp4 are Blackwell-only (docs/gpu_stack.md 3); custom needs a quantizer factory
         _one_of(self.fp8_recipe, "model.fp8_recipe", ("delayed", "tensorwise", "blockwise"))
         _one_of(self.fp8_format, "model.fp8_format", ("hybrid", "e4m3"))
         _one_of(self.hf_family, "model.hf_family", HF_FAMILY_NAMES)
@@ -172,12 +172,12 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class LengthLRConfig:
-    """Knobs of ``LengthLRScheduler`` (math.md 5.2 [I]; all defaults unverified).
+    """Knobs of ``LengthLRScheduler`` (docs/math.md 5.2 [I]; all defaults unverified).
 
     Each step the scheduler observes the global mean response length x_k and:
     1. smooths it: ``smoothing="ema"``: L_k = (1 - ema_alpha) L_{k-1} + ema_alpha x_k, L_0 = x_0;
        ``smoothing="window"``: L_k = mean of the last ``window`` observations.
-    2. compares it with a reference: ``reference="running_min"``: min_{j<=k} L_j (math.md 5.2);
+    2. compares it with a reference: ``reference="running_min"``: min_{j<=k} L_j (docs/math.md 5.2);
        ``reference="lookback"``: L_{k-lookback} (a relative slope over ``lookback`` steps; no
        trigger until that many smoothed values exist). ratio_k = L_k / reference.
     3. counts consecutive steps with ratio_k > ``surge_ratio`` (the first ``min_observations``
@@ -309,7 +309,7 @@ class RoutingConfig:
     # r3:  the rollout engine's routes are replayed in the old-log-prob and update passes
     replay: str = "off"
     # Replay in the reference (KL) pass too, so the KL term measures the policy change and not
-    # routing noise between two forwards (all peers default to not replaying: peers.md 2.0).
+    # routing noise between two forwards (all peers default to not replaying: docs/design.md 6.3).
     replay_reference: bool = True
 
     def __post_init__(self) -> None:
@@ -338,7 +338,7 @@ class RejectionSpec:
 
 @dataclass(frozen=True)
 class TrmConfig:
-    """Trust Region Masking (math.md 3): whole sequences whose per-token divergence from the
+    """Trust Region Masking (docs/math.md 3): whole sequences whose per-token divergence from the
     rollout policy exceeds a criterion are masked. Off unless a delta > 0 or ``length_neutral``."""
 
     max: float = 0.0  # max criterion delta on per-token k2 (0 = off); paper: 0.05 alone
@@ -369,7 +369,7 @@ class TrmConfig:
 
 @dataclass(frozen=True)
 class CorrectionConfig:
-    """Rollout correction (math.md 2-3). Ratio bounds are on rho = pi_train / pi_rollout."""
+    """Rollout correction (docs/math.md 2-3). Ratio bounds are on rho = pi_train / pi_rollout."""
 
     mode: str = "decoupled"  # decoupled: rollout->old by IS/RS, old->theta by the clip | bypass
     bypass_loss: str = "ppo_clip"  # bypass only: ppo_clip (ratio theta/rollout) | reinforce
@@ -380,7 +380,7 @@ class CorrectionConfig:
     dual_clip_c: float = 0.0  # dual clip for A < 0 (verl clip_ratio_c); 0 = off
     trm: TrmConfig = field(default_factory=TrmConfig)
     # Dynamic Vocabulary Pruning: the engine samples only from a safe set per position and both
-    # sides compute log-probs over it (math.md 4; the paper's rule is a GAP, so it is a knob). 0 = off
+    # sides compute log-probs over it (docs/math.md 4; the paper's rule is a GAP, so it is a knob). 0 = off
     dvp_threshold: float = 0.0
     dvp_rule: str = "relative"  # relative: p >= threshold * max p | top_p: smallest set with mass >= threshold
 

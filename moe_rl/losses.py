@@ -1,11 +1,11 @@
 """Policy losses: the PPO clipped surrogate (asymmetric and dual clip), decoupled PPO, the bypass
 losses, KL estimators, and token-sum aggregation.
 
-Pure tensor functions (math.md sections 2.1, 2.4; verl ``compute_policy_loss_vanilla`` and
+Pure tensor functions (docs/math.md 2.1; verl ``compute_policy_loss_vanilla`` and
 ``compute_policy_loss_bypass_mode``): no torch.distributed, no ``.item()``, no config objects.
 The cross-rank normaliser is an argument.
 
-Modes (math.md 2.1):
+Modes (docs/math.md 2.1):
 - decoupled (3 policies): ``decoupled_ppo_loss``. Drift rollout -> old is corrected by IS weights
   and rejection masks computed once per batch from pi_old / pi_rollout (``moe_rl.corrections``);
   drift old -> theta by the PPO clip on r = pi_theta / pi_old. IS weights multiply OUTSIDE the clip.
@@ -45,7 +45,7 @@ def kl_estimate(logp_BS: torch.Tensor, ref_logp_BS: torch.Tensor, kind: str = "k
         k1 = -log r                 unbiased, high variance, either sign per token
         k2 = (log r)^2 / 2          biased (KL to second order), >= 0
         k3 = r - 1 - log r          unbiased, >= 0, low variance
-    (This is math.md's estimator family with (pi_roll, pi_theta) replaced by (pi, ref).)
+    (This is the estimator family of docs/math.md 1.2 with (pi_roll, pi_theta) replaced by (pi, ref).)
 
     Args:
         logp_BS: log pi of the sampled tokens (the policy being trained; gradients flow).
@@ -84,7 +84,7 @@ def clipped_surrogate(
     lr_BS: torch.Tensor, adv_BS: torch.Tensor, *, clip_low: float, clip_high: float,
     clip_ratio_c: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-token PPO loss with asymmetric clip and optional dual clip (verl semantics, math.md 2.4).
+    """Per-token PPO loss with asymmetric clip and optional dual clip (verl semantics, docs/math.md 2.1).
 
     With ratio = exp(lr):
         pg = max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high))
@@ -162,7 +162,7 @@ def ppo_clip_loss(
             kl_coef == 0 only the metric is computed.
         kl_coef, kl_kind: weight and estimator ("k1" | "k2" | "k3") of the KL(pi || ref) term.
         is_weights_BS: float [B, S] rollout-correction IS weights multiplying the PG term; the
-            stop-gradient is applied here (math.md 2.1).
+            stop-gradient is applied here (docs/math.md 2.1).
         clip_ratio_c: dual-clip constant c > 1 (verl ``clip_ratio_c``, default there 3.0); None = off.
     Returns:
         loss: 0-dim tensor; metrics: ``train/pg_loss`` (the IS-weighted PG term, per token),
@@ -217,7 +217,7 @@ def decoupled_ppo_loss(
     kl_coef: float = 0.0,
     kl_kind: str = "k3",
 ) -> tuple[torch.Tensor, dict[str, MetricValue]]:
-    """Decoupled PPO (Hilton et al. 2021; math.md 2.1): L = -E_mu[w_t * min(r_t A_t, clip(r_t) A_t)].
+    """Decoupled PPO (Hilton et al. 2021; docs/math.md 2.1): L = -E_mu[w_t * min(r_t A_t, clip(r_t) A_t)].
 
     Two drifts, two mechanisms:
     - rollout -> old: ``is_weights_BS`` (w_t, from pi_old / pi_rollout, computed once per batch by
@@ -226,7 +226,7 @@ def decoupled_ppo_loss(
     - old -> theta: the PPO clip on r_t = pi_theta / pi_old (asymmetric; dual clip if clip_ratio_c).
 
     Normaliser: an explicit argument, NOT recomputed after rejection. Pass the global number of loss
-    tokens BEFORE rejection (TRM, math.md 3.3: normalise by the total batch, not the accepted
+    tokens BEFORE rejection (TRM, docs/math.md 3.3: normalise by the total batch, not the accepted
     count): rejected tokens / sequences contribute zero and the others are not re-weighted.
 
     Args:
@@ -266,7 +266,7 @@ def bypass_loss(
     kl_coef: float = 0.0,
     kl_kind: str = "k3",
 ) -> tuple[torch.Tensor, dict[str, MetricValue]]:
-    """Bypass mode (math.md 2.1; verl ``compute_policy_loss_bypass_mode``): pi_old := pi_rollout.
+    """Bypass mode (docs/math.md 2.1; verl ``compute_policy_loss_bypass_mode``): pi_old := pi_rollout.
 
     The rejection mask (``rs_options`` / ``rs_bounds``, see ``corrections.importance.rejection_mask``)
     is recomputed here from the CURRENT pi_theta (rho = pi_theta / pi_rollout, detached) and ANDed

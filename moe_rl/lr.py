@@ -1,5 +1,5 @@
 """Learning-rate schedules: ``lr_at``, a pure function of the step (warmup, constant or cosine),
-and the response-length-triggered decay of math.md 5 (``LengthLRConfig``, ``LengthLRScheduler``,
+and the response-length-triggered decay of docs/math.md 5 (``LengthLRConfig``, ``LengthLRScheduler``,
 composed by ``scheduled_lr``).
 
 Composition: ``lr = scheduled_lr(step, total_steps, opt, multiplier, cfg.min_lr)``, where
@@ -25,7 +25,7 @@ def lr_at(step: int, total_steps: int, opt: OptimConfig) -> float:
 
 
 # ----------------------------------------------------------------------------- response-length LR decay
-# math.md 5 ("Beyond Precision"): decay the LR when the response length surges. 5.1 is verified;
+# docs/math.md 5 ("Beyond Precision"): decay the LR when the response length surges. 5.1 is verified;
 # the exact trigger rule, decay factor, smoothing and every default are NOT public (5.2 [GAP]).
 # What follows is the 5.2 implementation proposal [I], with every part configurable. No default
 # below is from the paper; all are unverified starting points.

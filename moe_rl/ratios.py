@@ -1,7 +1,7 @@
 """Log-ratios and the KL estimators built on them: the one home of the helpers shared by the losses
 (``moe_rl.losses``) and the rollout corrections (``moe_rl.corrections``), below both.
 
-Pure tensor functions (math.md "Common notation"; verl ``SAFETY_BOUND``): no torch.distributed, no
+Pure tensor functions (docs/math.md 1; verl ``SAFETY_BOUND``): no torch.distributed, no
 ``.item()``, no config objects.
 
 Shape suffixes: B sequences, S padded sequence length.
@@ -33,7 +33,7 @@ def kl_from_log_ratio(log_ratio_BS: torch.Tensor, kind: str = "k3") -> torch.Ten
         k1 = -log r                 unbiased, high variance, either sign per sample
         k2 = (log r)^2 / 2          biased (KL to second order), >= 0, k2(r) = k2(1/r)
         k3 = r - 1 - log r          unbiased, >= 0, asymmetric
-    Rollout correction (math.md "Common notation"): log r = log rho = log pi_train - log pi_rollout,
+    Rollout correction (docs/math.md 1): log r = log rho = log pi_train - log pi_rollout,
     samples from pi_rollout, so these estimate KL(pi_rollout || pi_train). For k2 / k3 the
     caller clamps log r (``log_ratio`` does) so exp stays finite; k1 takes no exp, so the
     corrections pass it the exact log r (``exact_log_ratio``) where they average or sum it.

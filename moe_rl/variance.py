@@ -1,9 +1,9 @@
-"""Gradient-variance proxies for any advantage estimator (math.md 6.4 [C verl ``compute_variance_proxy_metrics``]).
+"""Gradient-variance proxies for any advantage estimator (docs/math.md 6.4 [C verl ``compute_variance_proxy_metrics``]).
 
 Shape suffixes: B sequences, S padded sequence length.
 
 Per sequence tau (m the response mask, Abar the masked mean advantage):
-    w_t       = 1 - 2 pi_t(y_t) + sum_v pi_t(v)^2        (the logit-gradient energy, math.md 6.2)
+    w_t       = 1 - 2 pi_t(y_t) + sum_v pi_t(v)^2        (the logit-gradient energy, docs/math.md 6.2)
     W(tau)    = sum_t w_t m_t                              (IS-weighted by rho_t^2 when IS is on)
     Abar(tau) = sum_t A_t m_t / max(sum_t m_t, 1)          (0 for an empty response, as verl)
 
@@ -39,7 +39,7 @@ from moe_rl.metrics import Mean, MetricValue, Sum
 
 def variance_proxies(advantages_BS: torch.Tensor, mask_BS: torch.Tensor, sum_pi_sq_BS: torch.Tensor,
                      logp_BS: torch.Tensor, is_weights_BS: torch.Tensor | None = None) -> dict[str, MetricValue]:
-    """Local parts of the math.md 6.4 proxies for one rank's batch (see the module docstring).
+    """Local parts of the docs/math.md 6.4 proxies for one rank's batch (see the module docstring).
 
     Args:
         advantages_BS: the advantages the loss uses, [B, S].

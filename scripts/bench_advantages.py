@@ -6,7 +6,7 @@ Each arm is a real `moe-rl train` run (same seed, same prompts per step, same wa
 the estimator and the samples per prompt differ. Prints per arm: final reward (mean of the last
 10% of steps), area under the reward curve (mean over steps), response tokens consumed in total
 and until the 10-step moving average of reward first reaches --target, and the variance proxies
-(math.md 6.4) averaged over steps, and the machine load during the runs (scripts/bench_stats.py;
+(docs/math.md 6.4) averaged over steps, and the machine load during the runs (scripts/bench_stats.py;
 one run per arm, no repeated timing, so no interval).
 """
 

@@ -141,7 +141,7 @@ def test_registry():
     assert advantages.ADVANTAGES["grpo"] is grpo  # the failed registration changed nothing
 
 
-# ----------------------------------------------------------------------------- OTB (math.md 6.2)
+# ----------------------------------------------------------------------------- OTB (docs/math.md 6.2)
 
 HALF = math.log(0.5)  # pi(y) = 0.5 everywhere below, so w_t = 1 - 1 + sum_pi_sq = sum_pi_sq
 
@@ -233,7 +233,7 @@ def test_otb_missing_inputs_raise_naming_them(fn):
 
 
 def _otb_reference(rewards, group, mask, logp, spi, isw, handle_zero_tail, compact, eps=1e-8):
-    """The authors' per-group loops (math.md 6.2), transcribed for the equivalence test."""
+    """The authors' per-group loops (docs/math.md 6.2), transcribed for the equivalence test."""
     B, S = mask.shape
     m = mask.double()
     w = 1 - 2 * logp.double().exp() + spi.double()

@@ -1,4 +1,4 @@
-"""Every shipped config parses through the real loader and validates (style.md rule 5)."""
+"""Every shipped config parses through the real loader and validates (docs/design.md 11.2)."""
 
 from __future__ import annotations
 

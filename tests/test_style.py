@@ -1,4 +1,4 @@
-"""Rule-enforcing tests (style.md 7.2 rule 8): import boundaries, one-way imports and size budgets."""
+"""Rule-enforcing tests (docs/design.md 11.3): import boundaries, one-way imports and size budgets."""
 
 from __future__ import annotations
 

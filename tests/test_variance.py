@@ -1,4 +1,4 @@
-"""moe_rl.variance: the math.md 6.4 proxies on hand-computed batches, and exact cross-rank pooling."""
+"""moe_rl.variance: the docs/math.md 6.4 proxies on hand-computed batches, and exact cross-rank pooling."""
 
 from __future__ import annotations
 

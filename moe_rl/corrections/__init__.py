@@ -1,8 +1,8 @@
 """Rollout correction: importance weights and rejection (``importance``), Trust Region Masking
 (``trm``), Dynamic Vocabulary Pruning (``dvp``), and post-reduction metrics (``derived``).
 
-Pure tensor functions, tensors in and ``(tensor, metrics)`` out, no collectives (style.md 7.2
-rule 2). One direction convention: every ratio bound is on rho = pi_train / pi_rollout
+Pure tensor functions, tensors in and ``(tensor, metrics)`` out, no collectives (docs/design.md 11.1).
+One direction convention: every ratio bound is on rho = pi_train / pi_rollout
 (``importance`` module docstring). The losses that consume the weights and masks live in
 ``moe_rl.losses`` (``decoupled_ppo_loss``, ``bypass_loss``, ``BYPASS_MODES``), above this package;
 the log-ratio and KL-estimator helpers both use live in ``moe_rl.ratios``, below both.

@@ -18,11 +18,11 @@ from moe_rl.corrections.trm import ACCEPT_ALARM_BELOW
 def derive_metrics(reduced: dict[str, float]) -> dict[str, float]:
     """Adds the derived correction metrics whose inputs are present; returns a new dict.
 
-    - ``corr/is_ess`` = 1 / mean(wbar^2) with wbar = w / mean(w) (math.md 2.6; a fraction in (0, 1]),
+    - ``corr/is_ess`` = 1 / mean(wbar^2) with wbar = w / mean(w) (docs/math.md 2.6; a fraction in (0, 1]),
       = mean^2 / (mean^2 + std^2) from ``corr/is_mean`` and ``corr/is_std`` (population std over
-      response tokens). Troubleshooting hint (math.md 2.6): investigate below 0.3.
+      response tokens). Troubleshooting hint (docs/math.md 2.6): investigate below 0.3.
     - ``corr/is_seq_ess``: the same over sequences, from ``corr/is_seq_mean`` / ``corr/is_seq_std``.
-    - ``corr/trm_alarm`` = 1.0 when ``corr/trm_accept_rate`` < 0.7 (math.md 3.3), else 0.0.
+    - ``corr/trm_alarm`` = 1.0 when ``corr/trm_accept_rate`` < 0.7 (docs/math.md 3.3), else 0.0.
     """
     out = dict(reduced)
     for prefix in ("corr/is", "corr/is_seq"):

@@ -1,12 +1,12 @@
-"""Dynamic Vocabulary Pruning (DVP; arXiv 2512.23087, math.md section 4): a safe vocabulary per
+"""Dynamic Vocabulary Pruning (DVP; arXiv 2512.23087, docs/math.md 4): a safe vocabulary per
 position, log-probs renormalised over it, and its metrics.
 
-FIDELITY: the paper body was not reachable (math.md 4.3 is a GAP). The safe-set rule, the
+FIDELITY: the paper body was not reachable (docs/math.md 4.1 is a GAP). The safe-set rule, the
 threshold and the handling of sampled tokens outside the set below are the project's proposal
 [I], not the paper's. Default rule "relative" (min-p style): V_safe(c) = {v : p(v|c) >= rho_min *
 max_u p(u|c)}; rule and threshold are configurable (``SAFE_SET_RULES``).
 
-Contract (peers.md 6 item 8): the safe set is computed ONCE per position from one distribution
+Contract (docs/math.md 4.3): the safe set is computed ONCE per position from one distribution
 (e.g. the rollout engine's, or pi_old's) and then BOTH policies are restricted to it,
 pi~(v|c) = pi(v|c) 1[v in V_safe] / sum_{u in V_safe} pi(u|c), so IS ratios compare log-probs over
 the same support. A sampled token outside the set has no restricted log-prob: it is flagged
@@ -38,7 +38,7 @@ __all__ = [
     "safe_set",
 ]
 
-DEFAULT_RHO_MIN = 1e-3  # [I] math.md 4.3 is a GAP: no threshold from the paper
+DEFAULT_RHO_MIN = 1e-3  # [I] docs/math.md 4.1 is a GAP: no threshold from the paper
 
 SafeSetRule = Callable[[torch.Tensor, float], torch.Tensor]
 SAFE_SET_RULES: Registry[SafeSetRule] = Registry("DVP safe-set rule")
@@ -122,7 +122,7 @@ def restricted_logprobs(logits_BSV: torch.Tensor, safe_BSV: torch.Tensor,
 
 def dvp_metrics(train: RestrictedLogprobs, rollout: RestrictedLogprobs, safe_BSV: torch.Tensor,
                 mask_BS: torch.Tensor) -> dict[str, MetricValue]:
-    """DVP metrics over response tokens (math.md 4.3 list).
+    """DVP metrics over response tokens (docs/math.md 4.4 list).
 
     Args:
         train, rollout: ``restricted_logprobs`` of pi_train and pi_rollout over the same safe set.

@@ -1,6 +1,6 @@
 """Rollout correction: importance weights, rejection masks, and off-policy diagnostics.
 
-math.md sections 2.2 (IS weights), 2.3 (rejection / masking), 2.6 (metrics); semantics of verl
+docs/math.md 2.2 (IS weights), 2.3 (rejection / masking), 2.6 (metrics); semantics of verl
 ``rollout_corr_helper.py`` except as listed under "Where this differs from verl" (below). Pure
 tensor functions: no torch.distributed, no ``.item()``; metrics follow ``moe_rl.metrics`` (local
 Mean/Std/Max/Min).
@@ -30,7 +30,7 @@ clamps the sum. The per-token k2 = lr^2 / 2 and k3 = e^lr - 1 - lr (``moe_rl.rat
 kl_from_log_ratio``; estimators of KL(pi_rollout || pi_train) for tokens sampled from pi_rollout)
 use lr = clamp(log rho, +-20) so e^lr stays finite; ``corr/k1_kl`` averages the exact log rho.
 
-Where this differs from verl (math.md 2.3 and 2.6, peers.md 3.1):
+Where this differs from verl (docs/math.md 2.3 and 2.6):
   1. Direction of asymmetric k1 bounds: ours bound rho, verl's bound 1/rho (above).
   2. k1 rejection statistics: verl computes every per-token statistic from clamp(log rho_t, +-20)
      and aggregates those; token_k1, seq_sum_k1 and seq_mean_k1 here aggregate the exact log rho_t
@@ -127,7 +127,7 @@ def is_weights(
     batch_normalize: bool = False,
     norm_mean: float | torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, MetricValue]]:
-    """Truncated importance weights w = min(rho_level, clip_max) (math.md 2.2), detached.
+    """Truncated importance weights w = min(rho_level, clip_max) (docs/math.md 2.2), detached.
 
     Levels (``IS_LEVELS``): "token" rho_t = exp(clamp(log rho_t, +-20)); "sequence"
     rho(y) = exp(clamp(sum_t log rho_t, +-20)); "geometric" rho_geo = exp(clamp(mean_t log rho_t,
@@ -223,7 +223,7 @@ def rejection_mask(
     options: Sequence[str],
     bounds: Sequence[Bound] | Bound,
 ) -> tuple[torch.Tensor, dict[str, MetricValue]]:
-    """Rejection sampling masks (math.md 2.3), several options AND-combined.
+    """Rejection sampling masks (docs/math.md 2.3), several options AND-combined.
 
     Each option "<agg>_<k>" aggregates a per-token statistic (k1/k2/k3 of log rho) per token
     ("token") or per sequence ("seq_sum", "seq_mean", "seq_max"; the decision then covers the whole
@@ -278,7 +278,7 @@ def _rejected_fractions(prefix: str, rejected_BS: torch.Tensor, mask_BS: torch.T
 
 def offpolicy_metrics(train_logp_BS: torch.Tensor, rollout_logp_BS: torch.Tensor,
                       mask_BS: torch.Tensor) -> dict[str, MetricValue]:
-    """Off-policy diagnostics of pi_train vs pi_rollout (math.md 2.6, verl ``compute_offpolicy_metrics``).
+    """Off-policy diagnostics of pi_train vs pi_rollout (docs/math.md 2.6, verl ``compute_offpolicy_metrics``).
 
     pi_train is pi_old in decoupled mode and pi_theta in bypass mode / inside the update.
 
@@ -295,7 +295,7 @@ def offpolicy_metrics(train_logp_BS: torch.Tensor, rollout_logp_BS: torch.Tensor
         ``corr/{training,rollout}_log_ppl`` mean_seq(-mean_t log pi),
         ``corr/{training,rollout}_ppl`` mean_seq exp(-mean_t log pi),
         ``corr/log_ppl_diff`` mean_seq(mean_t log pi_rollout - mean_t log pi_train) and its
-        ``_max`` / ``_min``, ``corr/log_ppl_abs_diff`` (TRM's Delta_PPL, math.md 3.4),
+        ``_max`` / ``_min``, ``corr/log_ppl_abs_diff`` (TRM's Delta_PPL, docs/math.md 3.5),
         ``corr/ppl_ratio`` mean_seq exp(log_ppl_diff) (= training_ppl / rollout_ppl per sequence).
     """
     f64 = torch.float64

@@ -1,16 +1,16 @@
-"""Trust Region Masking (TRM; arXiv 2512.23075, math.md section 3): per-token KL, the sequence
+"""Trust Region Masking (TRM; arXiv 2512.23075, docs/math.md 3): per-token KL, the sequence
 mask (max / average criteria, combined or alone, and the length-neutral LN-TRM and SER variants),
-and the error-bound calculator of math.md 3.2.
+and the error-bound calculator of docs/math.md 3.2.
 
 Pure tensor functions; metrics follow ``moe_rl.metrics``. Shape suffixes: B sequences, S padded
 sequence length, V vocabulary.
 
 Per-token divergence D_KL(c_t) = KL(pi_roll(.|c_t) || pi_train(.|c_t)) (rollout policy first,
-math.md 3.1), at the response positions only:
+docs/math.md 3.1), at the response positions only:
 - exact, over the full vocabulary, when the engine returns the rollout distribution of every
   generated position (the built-in engine can): ``exact_kl_tokens``;
 - sample-based otherwise (vLLM returns top-k only): k2 = (log rho)^2 / 2 for the max criterion
-  and k3 = rho - 1 - log rho for the average (math.md 3.3; ``sample_kl_tokens``). The paper's
+  and k3 = rho - 1 - log rho for the average (docs/math.md 3.3; ``sample_kl_tokens``). The paper's
   guarantee holds only with exact KL.
 
 Which pi_train (a config choice, ``TRM_REFERENCES``): "theta" evaluates the statistic against
@@ -20,7 +20,7 @@ once per batch against pi_old (cheaper, no guarantee once theta moves). The func
 care: pass the log-probs / logits of the policy chosen.
 
 Loss normaliser: masked sequences contribute zero and the loss is still divided by the TOTAL
-batch (math.md 3.3, "not the accepted count"): pass ``normalizer`` counted before masking to
+batch (docs/math.md 3.3, "not the accepted count"): pass ``normalizer`` counted before masking to
 ``moe_rl.losses.decoupled_ppo_loss`` / ``bypass_loss`` with ``keep=keep_B``.
 """
 
@@ -47,7 +47,7 @@ __all__ = [
 
 TRM_REFERENCES = TRM_REFERENCE_NAMES  # the names the config accepts (moe_rl.names)
 LENGTH_NEUTRAL = LENGTH_NEUTRAL_NAMES
-ACCEPT_ALARM_BELOW = 0.7  # math.md 3.3: monitor the acceptance rate; above 70% is recommended
+ACCEPT_ALARM_BELOW = 0.7  # docs/math.md 3.3: monitor the acceptance rate; above 70% is recommended
 
 
 # --------------------------------------------------------------------------- per-token KL
@@ -98,7 +98,7 @@ def chunked_kl(rollout_logits_BSV: torch.Tensor, train_logits_BSV: torch.Tensor,
 
 def sample_kl_tokens(log_ratio_BS: torch.Tensor, kind: str) -> torch.Tensor:
     """Sample-based per-token statistic from log rho = log pi_train - log pi_rollout (detached,
-    clamped +-20): "k2" for the max criterion, "k3" for the average (math.md 3.3)."""
+    clamped +-20): "k2" for the max criterion, "k3" for the average (docs/math.md 3.3)."""
     if kind not in ("k2", "k3"):
         raise ValueError(f"TRM sample statistic must be k2 (max) or k3 (avg), got {kind!r}")
     return kl_from_log_ratio(log_ratio_BS.detach().clamp(-SAFETY_BOUND, SAFETY_BOUND), kind)
@@ -147,7 +147,7 @@ def trm_mask(
     ln_eps: float | None = None,
     ln_delta: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, MetricValue]]:
-    """TRM sequence mask, math.md 3.3 (paper Algorithm 1 and Appendix "Length-Neutral TRM").
+    """TRM sequence mask, docs/math.md 3.3 (paper Algorithm 1 and Appendix "Length-Neutral TRM").
 
     Every criterion given is applied and they are AND-combined:
     - max:  M = 1[max_t D_KL(c_t) <= max_delta]                     (``max_delta``)
@@ -162,7 +162,7 @@ def trm_mask(
             given, the avg) criterion: exact D_KL (``exact_kl_tokens``) or k2 (``sample_kl_tokens``).
             May be None when only a length-neutral criterion is used.
         mask_BS: bool or 0/1 [B, S] response tokens.
-        max_delta, avg_delta: thresholds; None = criterion off (defaults math.md 11: 0.05 alone,
+        max_delta, avg_delta: thresholds; None = criterion off (defaults docs/math.md 9: 0.05 alone,
             0.001 alone, 0.1 + 0.002 combined).
         avg_kl_tok_BS: float [B, S] statistic for the avg criterion (k3 in the sample-based form).
         length_neutral: "none" | "ln" | "ser".
@@ -230,7 +230,7 @@ def _acceptance_metrics(keep_B: torch.Tensor, mask_BS: torch.Tensor,
     }
 
 
-# --------------------------------------------------------------------------- bounds (math.md 3.2)
+# --------------------------------------------------------------------------- bounds (docs/math.md 3.2)
 
 
 def trm_bounds(
@@ -242,7 +242,7 @@ def trm_bounds(
     tv_seq: float | None = None,
     dbar_t: torch.Tensor | list[float] | None = None,
 ) -> dict[str, float]:
-    """Every bound of math.md 3.2 on |Error| = |J(pi_theta) - J(pi_roll) - L(pi_theta)|.
+    """Every bound of docs/math.md 3.2 on |Error| = |J(pi_theta) - J(pi_roll) - L(pi_theta)|.
 
     A CPU calculator of python floats (for reports and config sanity checks), not training math.
 

@@ -39,7 +39,7 @@ def token_logprobs(logits_BSV: torch.Tensor, tokens_BS: torch.Tensor,
 
 def token_logprobs_energy(logits_BSV: torch.Tensor, tokens_BS: torch.Tensor,
                           temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``token_logprobs`` plus sum_v pi(v)^2 per token (the OTB energy input, math.md 6.2).
+    """``token_logprobs`` plus sum_v pi(v)^2 per token (the OTB energy input, docs/math.md 6.2).
 
     Same shift convention as ``token_logprobs``: column t describes the distribution
     pi_t = softmax(logits[:, t - 1] / temperature) that produced tokens[:, t]; column 0 is 0.
@@ -49,7 +49,7 @@ def token_logprobs_energy(logits_BSV: torch.Tensor, tokens_BS: torch.Tensor,
     backward is needed: this is a forward-only quantity. Float64 logits stay float64 (tests);
     anything narrower is computed in float32.
 
-    The energy of token t (math.md 6.2, 6.3 step 3) is
+    The energy of token t (docs/math.md 6.2, 6.3 step 3) is
         w_t = 1 - 2 pi_t(y_t) + sum_v pi_t(v)^2 = || e_{y_t} - pi_t ||^2
             = || d log pi_t(y_t) / d z_t ||^2,   z_t = logits_t / temperature,
     i.e. temperature^2 * || d log pi_t(y_t) / d logits_t ||^2 (the chain rule through the scaling).

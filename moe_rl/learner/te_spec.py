@@ -30,9 +30,9 @@ from packaging.version import Version
 from moe_rl.config import ConfigError, ModelConfig
 
 # Oldest TE each FP8 recipe needs in megatron-core's get_fp8_recipe (fp8_utils.py, 0.16.1 = 0.19.2;
-# gpu_stack.md 3). MoE FP8 needs TE >= 1.7 and FP8 grouped GEMM >= 1.11 (TransformerConfig checks).
+# docs/gpu_stack.md 3). MoE FP8 needs TE >= 1.7 and FP8 grouped GEMM >= 1.11 (TransformerConfig checks).
 FP8_MIN_TE = {"delayed": "1.11.0", "tensorwise": "2.2.0.dev0", "blockwise": "2.3.0.dev0"}
-BLOCKWISE_MIN_CUDA = "12.9"  # Float8BlockScaling kernels (gpu_stack.md 3)
+BLOCKWISE_MIN_CUDA = "12.9"  # Float8BlockScaling kernels (docs/gpu_stack.md 3)
 FP8_MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (sm_89) and Hopper (sm_90) onwards
 FP8_TOKEN_MULTIPLE = 16  # TE FP8 GEMMs need the token count (S * B) to be a multiple of 16
 
@@ -77,7 +77,7 @@ def te_version() -> Version | None:
 
 def te_import_error() -> str | None:
     """None when ``transformer_engine.pytorch`` imports, else why not. The empty meta wheel raises
-    RuntimeError, not ImportError (gpu_stack.md 3), so both are caught."""
+    RuntimeError, not ImportError (docs/gpu_stack.md 3), so both are caught."""
     try:
         import transformer_engine.pytorch  # noqa: F401
     except (ImportError, RuntimeError) as e:

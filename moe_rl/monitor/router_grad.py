@@ -1,6 +1,6 @@
 """Router-gradient monitor: gradient blackout and routing stability, per MoE layer, every step.
 
-Top-K routing gives an unselected expert's router logit exactly zero gradient (math.md 7): with
+Top-K routing gives an unselected expert's router logit exactly zero gradient (docs/math.md 7.1): with
 the gate renormalised over the selected set and no auxiliary loss, a fraction (E - K) / E of the
 router-logit entries gets none, structurally. The monitor measures that and what follows from it,
 from the update passes' own forwards and backwards (no extra pass):

@@ -55,7 +55,7 @@ CURVES = (
     ("router_grad/norm", "Router-weight gradient norm"),
     ("rollout/policy_lag", "Policy lag of the rollout (rollout.staleness)"),
 )
-# verdict thresholds (math.md 7.2 defines the metrics, not alarms: these are ours, stated in the report)
+# verdict thresholds (docs/math.md 7.2 defines the metrics, not alarms: these are ours, stated in the report)
 THRESHOLDS = {
     "no_grad_expert_frac": 0.10,  # experts left without router gradient, mean per step
     "zero_frac_gap": 0.05,  # |measured - structural| zero-gradient fraction

@@ -1,6 +1,6 @@
 """The rollout engine interface every engine implements (built-in on CPU, vLLM on GPU).
 
-design.md, "The rollout engine interface": ``generate`` returns a :class:`RolloutBatch` in the
+docs/design.md 4: ``generate`` returns a :class:`RolloutBatch` in the
 token layout of ``moe_rl/types.py`` plus the route record of every sample; ``load_weights`` takes
 the learner's canonical (HF Qwen3-MoE) named tensors, all experts gathered: one dict, or a stream
 of chunks (``Learner.iter_canonical_layers``: a layer at a time, so no rank ever holds the full

@@ -9,8 +9,8 @@ Implements :class:`moe_rl.rollout.base.RolloutEngine` on CPU (and small models o
 - sampling (temperature, top-k, top-p, stop tokens, max_new_tokens) from a local generator, so a
   seed fixes the whole batch and global RNG is never touched;
 - the output layout of ``moe_rl/types.py`` (prompt + response left-aligned, right-padded) and the
-  route record of every sample (design.md, "The route record"), mirroring vLLM's
-  ``routed_experts`` (gpu_stack.md section 1.2): [T_b - 1, L_moe, K], prompt rows included, the
+  route record of every sample (docs/design.md 5), mirroring vLLM's
+  ``routed_experts`` (docs/gpu_stack.md 1.2): [T_b - 1, L_moe, K], prompt rows included, the
   last sampled token has no row, ids in torch.topk order, uint8 (uint16 for E > 255).
 
 Log-probs: the reported log-prob of a token is always log softmax(logits / temperature) over the

@@ -8,8 +8,8 @@ The architecture matches megatron-core's GPTModel with the local spec (and HF tr
 so the training-inference mismatch that rollout correction handles is real on a laptop.
 
 Every forward records the Top-K expert ids of every MoE layer for every processed token: the raw
-material of the route record (design.md, "The route record"; vLLM's ``routed_experts``,
-gpu_stack.md section 1.2).
+material of the route record (docs/design.md 5; vLLM's ``routed_experts``,
+docs/gpu_stack.md 1.2).
 
 Weights come in the canonical (HF Qwen3-MoE hub) names listed by
 :func:`moe_rl.weights.canonical.canonical_param_shapes`; the learner exports exactly that dict

@@ -12,7 +12,7 @@ pinned from its wheel (tests/rollout/vllm_format.json, scripts/pin_vllm_format.p
   ``logprobs_mode`` picks processed when nothing truncates, raw when T = 1, and refuses the rest
   (the log(S) bias of vllm#42259). Exact-KL TRM is refused: vLLM returns top-k log-probs, not
   full distributions.
-- DVP (``correction.dvp_threshold``, math.md 4): sampling restricted to the safe set by a custom
+- DVP (``correction.dvp_threshold``, docs/math.md 4): sampling restricted to the safe set by a custom
   logits processor of vLLM's Model Runner V2 (``DvpLogitsProcessor``; interface read in the
   vllm 0.33.0 wheel, ``vllm/v1/worker/gpu/sample/logits_processor/{interface,loader}.py``, run by
   ``vllm/v1/worker/gpu/sample/sampler.py: Sampler.apply_sampling_params``). The processor sees the
@@ -43,13 +43,13 @@ pinned from its wheel (tests/rollout/vllm_format.json, scripts/pin_vllm_format.p
   ``torch.``, ``shapes``); ``received_weights`` is the receiving side's check of tensors against
   that metadata; ``WeightVersions`` numbers the syncs for ``finish_weight_update(weight_version)``.
 
-Process model (design.md "Processes"): SPMD under torchrun, one vLLM engine per group of
+Process model (docs/design.md 2): SPMD under torchrun, one vLLM engine per group of
 ``rollout.vllm.tensor_parallel`` consecutive ranks, in-process (``distributed_executor_backend=
 "external_launcher"``: every rank of the group is one vLLM worker and submits the same requests;
 ranks in other groups run their own engine). ``generate`` gathers the group's prompts, generates
 them all, and returns this rank's share. Between rollouts the engine sleeps (``LLM.sleep``) so
 the learner gets the GPU memory back; ``load_weights`` wakes the weights, hands vLLM the
-learner's tensors in-process (no copy through a socket; gpu_stack.md 1.3), and resets the
+learner's tensors in-process (no copy through a socket; docs/gpu_stack.md 1.3), and resets the
 prefix cache, whose KV blocks and cached routes came from the old weights.
 
 Weight sync: vLLM's weight-transfer API, ``start_weight_update``, one
@@ -95,7 +95,7 @@ from moe_rl.weights.hf import hf_names
 
 log = logging.getLogger(__name__)
 
-# Routed-experts capture needs Model Runner V2 (gpu_stack.md 1.2); external_launcher needs the
+# Routed-experts capture needs Model Runner V2 (docs/gpu_stack.md 1.2); external_launcher needs the
 # engine core in this process. Set before vllm is imported; an explicit user setting wins.
 VLLM_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
@@ -111,7 +111,7 @@ DVP_PROCESSOR = f"{__name__}:DvpLogitsProcessor"  # the FQCN vLLM's loader resol
 # --------------------------------------------------------------------------------------------
 
 def check_vllm_environment() -> None:
-    """vLLM needs CUDA and the vllm package (it cannot even be installed on CPU: gpu_stack.md 1.5)."""
+    """vLLM needs CUDA and the vllm package (it cannot even be installed on CPU: docs/gpu_stack.md 1.5)."""
     if not torch.cuda.is_available():
         raise ConfigError("config key 'rollout.engine': vllm needs a CUDA GPU; this machine has none "
                           "(use rollout.engine=builtin on CPU)")
@@ -468,7 +468,7 @@ class WeightVersions:
 
 
 def engine_kwargs(cfg: RunConfig, model_dir: str, external: bool) -> dict[str, Any]:
-    """Keyword arguments of ``vllm.LLM`` for this run (gpu_stack.md 1.2-1.4)."""
+    """Keyword arguments of ``vllm.LLM`` for this run (docs/gpu_stack.md 1.2-1.4)."""
     r, v, dvp = cfg.rollout, cfg.rollout.vllm, cfg.correction.dvp_threshold > 0
     kw: dict[str, Any] = {
         "model": model_dir, "skip_tokenizer_init": True,  # token-id prompts; the tasks own tokenization

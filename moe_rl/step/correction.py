@@ -38,7 +38,7 @@ class TrmPlan:
 
     def mask(self, train_logp_BS: torch.Tensor, rollout_logp_BS: torch.Tensor, mask_BS: torch.Tensor,
              exact_kl_BS: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
-        """TRM sequence keep mask (math.md 3.3): the exact per-token KL(pi_rollout || pi_train) from
+        """TRM sequence keep mask (docs/math.md 3.3): the exact per-token KL(pi_rollout || pi_train) from
         full distributions, or the sample-based k2 (max criterion) and k3 (average criterion)."""
         lr_BS = log_ratio(train_logp_BS.detach(), rollout_logp_BS.detach())
         ln = {"length_neutral": self.length_neutral, "log_ratio_BS": lr_BS, "ln_threshold": self.ln_threshold,

@@ -68,7 +68,7 @@ def prepare_batch(plan: StepPlan, learner: Learner, old: OldPass, rewards_B: tor
     rewards_B, mask_BS = rewards_B.to(learner.device), batch.response_mask_BS
     corr, corr_metrics = correction.drift_tensors(plan.correction, st.logp_BS, batch.logprobs_BS, mask_BS,
                                                   learner.dims.dp_group, st.exact_kl_BS)
-    # OTB weights its energies by the squared rollout IS weights when rollout IS is on (math.md 6.2)
+    # OTB weights its energies by the squared rollout IS weights when rollout IS is on (docs/math.md 6.2)
     adv_inputs = {"logp_BS": st.logp_BS, "sum_pi_sq_BS": st.sum_pi_sq_BS, "is_weights_BS": corr.is_weights_BS}
     adv_BS, metrics = plan.advantage(rewards_B, batch.group_B, mask_BS, std_norm=plan.std_norm,
                                      **extra_inputs(plan.advantage, adv_inputs))

@@ -10,7 +10,7 @@ digits where n is drawn uniformly from [min_len, max_len]:
     add      "A42+315:" -> "357"    sum of two operands of n1, n2 digits (no leading zeros)
 
 reverse, sort and copy are the default mix: short answers that RL moves within minutes on the tiny
-CPU model (see docs/design.md, "Calibration for the embedded default"). add is opt-in; on the
+CPU model (see docs/design.md 10). add is opt-in; on the
 tiny model it barely learns.
 
 Each generator takes ``(rng, min_len, max_len)`` where rng is a ``random.Random`` or a

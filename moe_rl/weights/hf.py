@@ -6,7 +6,7 @@ to megatron and back for every EP/TP/PP layout). Other families are renamed here
 boundary only, by one small table per family (``FAMILIES``, keyed by ``model_type`` ==
 ``ModelConfig.hf_family``): Mixtral's ``block_sparse_moe.gate`` is ``mlp.gate`` and its experts'
 ``w1``/``w3``/``w2`` are ``gate_proj``/``up_proj``/``down_proj``. This module owns the file formats
-and the strict checks (design.md, "Model formats"; issue 7).
+and the strict checks (docs/design.md 9; issue 7).
 
 - ``load_hf_config``: config.json -> ModelConfig fields; anything the learner cannot represent
   exactly (unrenormalised Top-K, sliding window, tied embeddings, dense layers that are not the

@@ -1,5 +1,5 @@
-"""moe_rl.corrections.trm: exact vs sample KL, the TRM mask (math.md 3.3), the normaliser, the bounds
-of math.md 3.2 and the T = 4096 table."""
+"""moe_rl.corrections.trm: exact vs sample KL, the TRM mask (docs/math.md 3.3), the normaliser, the bounds
+of docs/math.md 3.2 and the T = 4096 table."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def test_exact_kl_closed_form_chunks_and_mask():
 
 @pytest.mark.unit
 def test_k3_sample_mean_matches_exact_kl_in_expectation():
-    """E_{y ~ pi_roll}[k3(rho_y)] = KL(pi_roll || pi_train) (math.md 3.3): toy distribution, seeded."""
+    """E_{y ~ pi_roll}[k3(rho_y)] = KL(pi_roll || pi_train) (docs/math.md 3.3): toy distribution, seeded."""
     gen = torch.Generator().manual_seed(1)
     roll_logits = torch.randn(8, generator=gen, dtype=F64)
     train_logits = roll_logits + 0.4 * torch.randn(8, generator=gen, dtype=F64)
@@ -97,7 +97,7 @@ def test_max_avg_and_combined_criteria():
 
 @pytest.mark.unit
 def test_sample_based_form_equals_rs_options():
-    """Sample TRM = rollout_rs "seq_max_k2,seq_mean_k3" (math.md 3.3 verl mapping)."""
+    """Sample TRM = rollout_rs "seq_max_k2,seq_mean_k3" (docs/math.md 3.3 verl mapping)."""
     gen = torch.Generator().manual_seed(2)
     lr = torch.randn(16, 12, generator=gen, dtype=F64) * 0.2
     mask = torch.rand(16, 12, generator=gen) > 0.2
@@ -168,7 +168,7 @@ def test_vectorised_mask_matches_loop_reference():
 
 @pytest.mark.unit
 def test_normaliser_is_total_batch_not_accepted_count():
-    """Masked sequences contribute zero; the others keep weight 1 / N_total (math.md 3.3)."""
+    """Masked sequences contribute zero; the others keep weight 1 / N_total (docs/math.md 3.3)."""
     kl, mask = _batch()
     keep_B, _ = trm_mask(kl, mask, max_delta=0.05)  # rejects sequence 0
     gen = torch.Generator().manual_seed(4)
@@ -189,7 +189,7 @@ def test_normaliser_is_total_batch_not_accepted_count():
 
 @pytest.mark.unit
 def test_bound_table_t4096_reproduced():
-    """math.md 3.2 reference table, T = 4096, delta = 1e-4, eps = 5e-3, KL_seq = 0.01, TV_seq = 0.05."""
+    """docs/math.md 3.2 reference table, T = 4096, delta = 1e-4, eps = 5e-3, KL_seq = 0.01, TV_seq = 0.05."""
     kl_only = trm_bounds(4096, 1e-4, kl_seq=0.01)
     kl_tv = trm_bounds(4096, 1e-4, eps=5e-3, kl_seq=0.01, tv_seq=0.05)
     assert kl_only["eps"] == pytest.approx(7.07e-3, abs=5e-6) and kl_only["tv_seq"] == pytest.approx(0.0707, abs=5e-5)

@@ -47,7 +47,7 @@ def test_uniform_and_one_hot_closed_forms():
 @pytest.mark.unit
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
 def test_energy_equals_squared_logit_gradient_norm(temperature):
-    """math.md 6.3 step 3: || d log pi(y) / d z ||^2 = ||e_y - pi||^2 = 1 - 2 pi(y) + sum_v pi(v)^2
+    """docs/math.md 6.3 step 3: || d log pi(y) / d z ||^2 = ||e_y - pi||^2 = 1 - 2 pi(y) + sum_v pi(v)^2
     with z = logits / temperature, i.e. temperature^2 * || d log pi(y) / d logits ||^2."""
     gen = torch.Generator().manual_seed(1)
     B, S, V = 2, 5, 9

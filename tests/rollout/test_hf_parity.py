@@ -1,10 +1,10 @@
 """Parity of the built-in engine (fp32) with HF transformers' Qwen3MoeForCausalLM, the independent
-reference implementation of the same architecture (design.md, "Model formats").
+reference implementation of the same architecture (docs/design.md 9).
 
 HF v5 holds experts fused in memory (``experts.gate_up_proj [E, 2F, H]``, ``experts.down_proj
 [E, H, F]``) and writes the per-expert hub layout on ``save_pretrained``; the test converts our
 canonical dict to the in-memory layout and checks that the saved file is exactly our canonical dict.
-Routes are captured with forward hooks on the router modules (``output[2]``, gpu_stack.md sec. 6).
+Routes are captured with forward hooks on the router modules (``output[2]``, docs/gpu_stack.md 6).
 """
 
 from __future__ import annotations

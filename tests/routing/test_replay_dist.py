@@ -146,7 +146,7 @@ def _worker(rank: int):
     out["monitor_layer"] = {k: v for k, v in router.items() if k.endswith("/layer1")}
 
     # (1c) update-induced flips, replay off: an update forward with the old pass's weights is the
-    # same forward (determinism check, math.md 7.2 item 5): exactly 0 on CPU
+    # same forward (determinism check, docs/math.md 7.2 item 5): exactly 0 on CPU
     old_routes = learner.forward_logprobs(plain, 1.0, 2, PassPlan(PassMode.OBSERVE, keep_native=True)).routing.recorded
     mb_old = plain.replace(loss_mask_BS=mask_BS, old_routes=old_routes)
     _, routing = learner.forward_backward(mb_old, _nll, 1.0, 2, observe)
