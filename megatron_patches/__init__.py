@@ -116,7 +116,9 @@ def _plan_row(name: str, cuda_available: bool) -> tuple[str, bool, str]:
     is_needed, reason = _needed(patch)
     if not is_needed:
         return name, False, f"not needed: {reason}"
-    kind = "CPU shim; no CUDA" if name in CPU_PATCHES else getattr(patch, "KIND", "upstream bug on CPU and GPU")
+    kind = (
+        "CPU shim; no CUDA" if name in CPU_PATCHES else getattr(patch, "KIND", "upstream bug on CPU and GPU")
+    )
     return name, True, f"{kind} (megatron-core {MCORE_VERSION}, supports {patch.SUPPORTED})"
 
 

@@ -54,9 +54,7 @@ def require_version(spec: str) -> None:
     # prereleases=True: an rc of a supported release is judged by its number, while "<0.20"
     # still excludes 0.20.0rc1 (PEP 440), so a new major line is never let in by accident.
     if not specifier.contains(installed, prereleases=True):
-        raise PatchError(
-            f"megatron-core {MCORE_VERSION} is installed, but this patch supports {spec}"
-        )
+        raise PatchError(f"megatron-core {MCORE_VERSION} is installed, but this patch supports {spec}")
 
 
 def qualified_name(obj: Any) -> str:
@@ -78,8 +76,7 @@ def check_signature(fn: Callable[..., Any], expected_params: tuple[str, ...]) ->
         raise PatchError(f"cannot read the signature of {qualified_name(fn)}: {err}") from err
     if actual != tuple(expected_params):
         raise PatchError(
-            f"{qualified_name(fn)} has parameters {list(actual)}, "
-            f"expected {list(expected_params)}"
+            f"{qualified_name(fn)} has parameters {list(actual)}, expected {list(expected_params)}"
         )
 
 

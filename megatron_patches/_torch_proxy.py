@@ -20,8 +20,19 @@ from megatron_patches import _compat
 
 # torch tensor factories that take a ``device=`` keyword
 FACTORIES = (
-    "tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange",
-    "zeros_like", "ones_like", "empty_like", "full_like", "randn", "rand",
+    "tensor",
+    "as_tensor",
+    "zeros",
+    "ones",
+    "empty",
+    "full",
+    "arange",
+    "zeros_like",
+    "ones_like",
+    "empty_like",
+    "full_like",
+    "randn",
+    "rand",
 )
 
 
@@ -91,9 +102,7 @@ def check_module_uses_torch(module: types.ModuleType) -> None:
         )
 
 
-def install(
-    module: types.ModuleType, patch_name: str, extra: dict[str, Any] | None = None
-) -> None:
+def install(module: types.ModuleType, patch_name: str, extra: dict[str, Any] | None = None) -> None:
     """Replace ``module.torch`` with a proxy whose factories map CUDA devices to the CPU.
 
     Args:

@@ -42,9 +42,7 @@ def _modules() -> tuple[types.ModuleType, types.ModuleType]:
 
 def _wrap(upstream: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(upstream)
-    def maybe_move_tensor_to_cpu(
-        tensor: Any, as_numpy: bool = False, record_stream: bool = False
-    ) -> Any:
+    def maybe_move_tensor_to_cpu(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
         # the one case upstream leaves alone: a CPU tensor asked for as a host array
         if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
             return tensor.numpy()

@@ -36,7 +36,11 @@ SUPPORTED = ">=0.16.1,<0.20"
 CPU_ONLY = False
 EXPECTED_PARAMS = {
     "sharded_state_dict": (
-        "self", "model_sharded_state_dict", "is_loading", "sharding_type", "metadata",
+        "self",
+        "model_sharded_state_dict",
+        "is_loading",
+        "sharding_type",
+        "metadata",
     ),
     "_set_main_param_and_optimizer_states": ("self", "model_param", "tensors"),
     "_get_main_param_and_optimizer_states": ("self", "model_param"),
@@ -54,9 +58,7 @@ def _torch_adam(dopt: types.ModuleType) -> bool:
     return not dopt.HAVE_APEX_OR_TE
 
 
-def _wrap_sharded_state_dict(
-    dopt: types.ModuleType, upstream: Callable[..., Any]
-) -> Callable[..., Any]:
+def _wrap_sharded_state_dict(dopt: types.ModuleType, upstream: Callable[..., Any]) -> Callable[..., Any]:
     signature = inspect.signature(upstream)
 
     @functools.wraps(upstream)

@@ -38,8 +38,14 @@ EXPECTED_PARAMS = {
     "_get_cuda_rng_state": ("device", "clone", "graph_safe"),
     "_set_cuda_rng_state": ("new_state", "device", "graph_safe"),
     "model_parallel_cuda_manual_seed": (
-        "seed", "te_rng_tracker", "inference_rng_tracker", "use_cudagraphable_rng",
-        "tp_rank", "ep_rank", "etp_rank", "force_reset_rng",
+        "seed",
+        "te_rng_tracker",
+        "inference_rng_tracker",
+        "use_cudagraphable_rng",
+        "tp_rank",
+        "ep_rank",
+        "etp_rank",
+        "force_reset_rng",
     ),
 }
 TRACKER_PARAMS = {"add": ("self", "name", "seed"), "fork": ("self", "name")}
@@ -48,9 +54,7 @@ TRACKER_PARAMS = {"add": ("self", "name", "seed"), "fork": ("self", "name")}
 SPURIOUS_WARNING = "CPU RNG state changed within GPU RNG context"
 
 
-def _get_cpu_rng_state(
-    device: Any = "cuda", clone: bool = False, graph_safe: bool = False
-) -> torch.Tensor:
+def _get_cpu_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
     if graph_safe:
         raise NotImplementedError("graph-safe (CUDA graph) RNG states do not exist on CPU")
     return torch.get_rng_state()  # always a fresh tensor, so `clone` holds trivially

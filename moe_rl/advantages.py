@@ -51,7 +51,9 @@ register_advantage = ADVANTAGES.register
 get_advantage = ADVANTAGES.lookup
 
 
-def _inputs(requires: tuple[str, ...] = (), optional: tuple[str, ...] = ()) -> Callable[[AdvantageFn], AdvantageFn]:
+def _inputs(
+    requires: tuple[str, ...] = (), optional: tuple[str, ...] = ()
+) -> Callable[[AdvantageFn], AdvantageFn]:
     """Decorator recording the extra keyword inputs an estimator needs (``REQUIRES``) or accepts."""
 
     def deco(fn: AdvantageFn) -> AdvantageFn:
@@ -68,7 +70,9 @@ def extra_inputs(fn: AdvantageFn, available: Mapping[str, Any]) -> dict[str, Any
     not None. Other entries of ``available`` are left out."""
     missing = [k for k in fn.REQUIRES if available.get(k) is None]
     if missing:
-        raise ValueError(f"advantage estimator {fn.__name__} needs {missing}; the caller did not provide them")
+        raise ValueError(
+            f"advantage estimator {fn.__name__} needs {missing}; the caller did not provide them"
+        )
     out = {k: available[k] for k in fn.REQUIRES}
     out.update({k: available[k] for k in fn.OPTIONAL if available.get(k) is not None})
     return out
@@ -92,15 +96,20 @@ def _group_stats(rewards_B: torch.Tensor, group_B: torch.Tensor) -> dict[str, to
     min_G = zeros_G.scatter_reduce(0, index_B, r_B, reduce="amin", include_self=False)
     const_G = max_G == min_G
     return {
-        "r_B": r_B, "count_B": count_G[index_B], "sum_B": sum_G[index_B], "mean_B": mean_B,
-        "sq_dev_B": sq_dev_G[index_B], "const_B": const_G[index_B],
+        "r_B": r_B,
+        "count_B": count_G[index_B],
+        "sum_B": sum_G[index_B],
+        "mean_B": mean_B,
+        "sq_dev_B": sq_dev_G[index_B],
+        "const_B": const_G[index_B],
         "num_groups": torch.full((), ids_G.shape[0], dtype=torch.float64, device=r_B.device),
         "num_const_groups": const_G.sum().to(torch.float64),
     }
 
 
-def _broadcast_and_metrics(adv_B: torch.Tensor, response_mask_BS: torch.Tensor,
-                           stats: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, MetricValue]]:
+def _broadcast_and_metrics(
+    adv_B: torch.Tensor, response_mask_BS: torch.Tensor, stats: dict[str, torch.Tensor]
+) -> tuple[torch.Tensor, dict[str, MetricValue]]:
     mask_BS = response_mask_BS.to(torch.float64)
     adv_BS = adv_B[:, None] * mask_BS
     num_tokens = mask_BS.sum()
@@ -114,8 +123,14 @@ def _broadcast_and_metrics(adv_B: torch.Tensor, response_mask_BS: torch.Tensor,
 
 @register_advantage("grpo")
 @_inputs()
-def grpo(rewards_B: torch.Tensor, group_B: torch.Tensor, response_mask_BS: torch.Tensor, *,
-         std_norm: bool = True, eps: float = 1e-6) -> tuple[torch.Tensor, dict[str, MetricValue]]:
+def grpo(
+    rewards_B: torch.Tensor,
+    group_B: torch.Tensor,
+    response_mask_BS: torch.Tensor,
+    *,
+    std_norm: bool = True,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, dict[str, MetricValue]]:
     """GRPO group-normalised advantage: A_i = (r_i - mean_g) [/ (std_g + eps) if std_norm].
 
     std_g is the *unbiased* (Bessel, n - 1) group std, as torch.std in verl and TRL. A group whose
@@ -133,8 +148,14 @@ def grpo(rewards_B: torch.Tensor, group_B: torch.Tensor, response_mask_BS: torch
 
 @register_advantage("rloo")
 @_inputs()
-def rloo(rewards_B: torch.Tensor, group_B: torch.Tensor, response_mask_BS: torch.Tensor, *,
-         std_norm: bool = False, eps: float = 1e-6) -> tuple[torch.Tensor, dict[str, MetricValue]]:
+def rloo(
+    rewards_B: torch.Tensor,
+    group_B: torch.Tensor,
+    response_mask_BS: torch.Tensor,
+    *,
+    std_norm: bool = False,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, dict[str, MetricValue]]:
     """RLOO: A_i = r_i - mean_{j != i, j in g} r_j = n/(n-1) * (r_i - mean_g).
 
     ``std_norm`` and ``eps`` are accepted so all estimators share one signature; RLOO ignores them
@@ -168,8 +189,9 @@ def _response_positions(mask_BS: torch.Tensor, compact: bool) -> torch.Tensor:
     return pos_BS.clamp(0, S - 1)
 
 
-def _zero_tail_BS(len_B: torch.Tensor, index_B: torch.Tensor, num_groups: int, active_B: torch.Tensor,
-                  pos_BS: torch.Tensor) -> torch.Tensor:
+def _zero_tail_BS(
+    len_B: torch.Tensor, index_B: torch.Tensor, num_groups: int, active_B: torch.Tensor, pos_BS: torch.Tensor
+) -> torch.Tensor:
     """handle_zero_tail: true where a sequence that is *strictly* the longest of its group (one
     sequence at the max length) is at a position >= the second-longest length of the group."""
     zeros_G = torch.zeros(num_groups, dtype=len_B.dtype, device=len_B.device)
@@ -182,9 +204,17 @@ def _zero_tail_BS(len_B: torch.Tensor, index_B: torch.Tensor, num_groups: int, a
     return unique_longest_B[:, None] & (pos_BS >= second_B[:, None])
 
 
-def _otb(rewards_B: torch.Tensor, group_B: torch.Tensor, response_mask_BS: torch.Tensor,
-         sum_pi_sq_BS: torch.Tensor | None, logp_BS: torch.Tensor | None, is_weights_BS: torch.Tensor | None,
-         eps: float, handle_zero_tail: bool, compact: bool) -> tuple[torch.Tensor, dict[str, MetricValue]]:
+def _otb(
+    rewards_B: torch.Tensor,
+    group_B: torch.Tensor,
+    response_mask_BS: torch.Tensor,
+    sum_pi_sq_BS: torch.Tensor | None,
+    logp_BS: torch.Tensor | None,
+    is_weights_BS: torch.Tensor | None,
+    eps: float,
+    handle_zero_tail: bool,
+    compact: bool,
+) -> tuple[torch.Tensor, dict[str, MetricValue]]:
     missing = [n for n, v in (("sum_pi_sq_BS", sum_pi_sq_BS), ("logp_BS", logp_BS)) if v is None]
     if missing:
         raise ValueError(f"OTB advantage needs {missing} (the learner's old-log-prob pass computes them)")
@@ -201,14 +231,17 @@ def _otb(rewards_B: torch.Tensor, group_B: torch.Tensor, response_mask_BS: torch
     G = ids_G.shape[0]
     len_B = mask_BS.sum(1)
     member_B = len_B > 0 if compact else torch.ones_like(len_B, dtype=torch.bool)
-    count_B = torch.zeros(G, dtype=torch.float64, device=r_B.device).index_add(0, index_B, member_B.double())[index_B]
+    count_B = torch.zeros(G, dtype=torch.float64, device=r_B.device).index_add(0, index_B, member_B.double())[
+        index_B
+    ]
     pos_BS = _response_positions(mask_BS, compact)
     # baseline B*_t = sum_i G_t W_t m_t / (sum_i W_t m_t + eps) per (group, position): scatter-add
     # into a [G * S] table. The scalar reward sits on the last response token, so G_t = r_i.
     flat_BS = index_B[:, None] * S + pos_BS
     wm_BS = W_BS * m_BS
     num = torch.zeros(G * S, dtype=torch.float64, device=r_B.device).index_add(
-        0, flat_BS.flatten(), (r_B[:, None] * wm_BS).flatten())
+        0, flat_BS.flatten(), (r_B[:, None] * wm_BS).flatten()
+    )
     den = torch.zeros_like(num).index_add(0, flat_BS.flatten(), wm_BS.flatten())
     active_B = (count_B > 1) & member_B  # a group of one gets baseline 0 (advantage = return)
     den = den + eps
@@ -220,8 +253,9 @@ def _otb(rewards_B: torch.Tensor, group_B: torch.Tensor, response_mask_BS: torch
     return adv_BS.to(torch.float32), _token_metrics(adv_BS, m_BS, r_B, index_B, G)
 
 
-def _token_metrics(adv_BS: torch.Tensor, m_BS: torch.Tensor, r_B: torch.Tensor, index_B: torch.Tensor,
-                   num_groups: int) -> dict[str, MetricValue]:
+def _token_metrics(
+    adv_BS: torch.Tensor, m_BS: torch.Tensor, r_B: torch.Tensor, index_B: torch.Tensor, num_groups: int
+) -> dict[str, MetricValue]:
     """The keys every estimator logs (see ``_broadcast_and_metrics``), from token advantages."""
     zeros_G = torch.zeros(num_groups, dtype=torch.float64, device=r_B.device)
     max_G = zeros_G.scatter_reduce(0, index_B, r_B, reduce="amax", include_self=False)
@@ -230,17 +264,27 @@ def _token_metrics(adv_BS: torch.Tensor, m_BS: torch.Tensor, r_B: torch.Tensor, 
     return {
         "adv/mean": Mean(adv_BS.sum(), num_tokens),
         "adv/std": Std(adv_BS.sum(), (adv_BS * adv_BS).sum(), num_tokens),
-        "adv/zero_std_group_frac": Mean((max_G == min_G).sum().to(torch.float64),
-                                        torch.full((), num_groups, dtype=torch.float64, device=r_B.device)),
+        "adv/zero_std_group_frac": Mean(
+            (max_G == min_G).sum().to(torch.float64),
+            torch.full((), num_groups, dtype=torch.float64, device=r_B.device),
+        ),
     }
 
 
 @register_advantage("otb")
 @_inputs(requires=("sum_pi_sq_BS", "logp_BS"), optional=("is_weights_BS",))
-def otb(rewards_B: torch.Tensor, group_B: torch.Tensor, response_mask_BS: torch.Tensor, *,
-        std_norm: bool = False, eps: float = 1e-8, sum_pi_sq_BS: torch.Tensor | None = None,
-        logp_BS: torch.Tensor | None = None, is_weights_BS: torch.Tensor | None = None,
-        handle_zero_tail: bool = False) -> tuple[torch.Tensor, dict[str, MetricValue]]:
+def otb(
+    rewards_B: torch.Tensor,
+    group_B: torch.Tensor,
+    response_mask_BS: torch.Tensor,
+    *,
+    std_norm: bool = False,
+    eps: float = 1e-8,
+    sum_pi_sq_BS: torch.Tensor | None = None,
+    logp_BS: torch.Tensor | None = None,
+    is_weights_BS: torch.Tensor | None = None,
+    handle_zero_tail: bool = False,
+) -> tuple[torch.Tensor, dict[str, MetricValue]]:
     """Optimal Token Baseline (docs/math.md 6.2, verl ``optimal_token_baseline``): per-token baselines.
 
     For group g and response position t (counted from the first response token; masked-out
@@ -262,16 +306,33 @@ def otb(rewards_B: torch.Tensor, group_B: torch.Tensor, response_mask_BS: torch.
     Returns: (advantages_BS float32, metrics) as every estimator.
     """
     del std_norm
-    return _otb(rewards_B, group_B, response_mask_BS, sum_pi_sq_BS, logp_BS, is_weights_BS, eps,
-                handle_zero_tail, compact=False)
+    return _otb(
+        rewards_B,
+        group_B,
+        response_mask_BS,
+        sum_pi_sq_BS,
+        logp_BS,
+        is_weights_BS,
+        eps,
+        handle_zero_tail,
+        compact=False,
+    )
 
 
 @register_advantage("otb_multiturn")
 @_inputs(requires=("sum_pi_sq_BS", "logp_BS"), optional=("is_weights_BS",))
-def otb_multiturn(rewards_B: torch.Tensor, group_B: torch.Tensor, response_mask_BS: torch.Tensor, *,
-                  std_norm: bool = False, eps: float = 1e-8, sum_pi_sq_BS: torch.Tensor | None = None,
-                  logp_BS: torch.Tensor | None = None, is_weights_BS: torch.Tensor | None = None,
-                  handle_zero_tail: bool = True) -> tuple[torch.Tensor, dict[str, MetricValue]]:
+def otb_multiturn(
+    rewards_B: torch.Tensor,
+    group_B: torch.Tensor,
+    response_mask_BS: torch.Tensor,
+    *,
+    std_norm: bool = False,
+    eps: float = 1e-8,
+    sum_pi_sq_BS: torch.Tensor | None = None,
+    logp_BS: torch.Tensor | None = None,
+    is_weights_BS: torch.Tensor | None = None,
+    handle_zero_tail: bool = True,
+) -> tuple[torch.Tensor, dict[str, MetricValue]]:
     """OTB for multi-turn / tool-integrated sequences (verl ``tir_optimal_token_baseline``).
 
     As ``otb``, but positions are compacted first: tool / environment tokens (false in
@@ -280,5 +341,14 @@ def otb_multiturn(rewards_B: torch.Tensor, group_B: torch.Tensor, response_mask_
     left out of its group's count (so its one partner, if any, forms a group of one).
     """
     del std_norm
-    return _otb(rewards_B, group_B, response_mask_BS, sum_pi_sq_BS, logp_BS, is_weights_BS, eps,
-                handle_zero_tail, compact=True)
+    return _otb(
+        rewards_B,
+        group_B,
+        response_mask_BS,
+        sum_pi_sq_BS,
+        logp_BS,
+        is_weights_BS,
+        eps,
+        handle_zero_tail,
+        compact=True,
+    )

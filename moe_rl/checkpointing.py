@@ -25,8 +25,9 @@ log = logging.getLogger(__name__)
 
 
 class CheckpointManager:
-    def __init__(self, cfg: RunConfig, learner: Learner, lr_sched: LengthLRScheduler,
-                 stale: StaleWeights | None = None) -> None:
+    def __init__(
+        self, cfg: RunConfig, learner: Learner, lr_sched: LengthLRScheduler, stale: StaleWeights | None = None
+    ) -> None:
         self.cfg, self.learner, self.lr_sched, self.stale = cfg, learner, lr_sched, stale
         self.root = Path(cfg.run_dir) / "checkpoints"
 
@@ -43,12 +44,16 @@ class CheckpointManager:
             raise RunDirError(f"resume=true but {self.root} has no checkpoint")
         stale = self.stale_path(path.name)
         if self.stale is not None and self.stale.k and not stale.is_file():
-            raise RunDirError(f"resume=true with rollout.staleness={self.stale.k} but {stale} (the engine's "
-                              f"stale weight sets) is missing")
+            raise RunDirError(
+                f"resume=true with rollout.staleness={self.stale.k} but {stale} (the engine's "
+                f"stale weight sets) is missing"
+            )
         state = checkpoint.load(self.learner, path)
         self.lr_sched.load_state_dict(state["length_lr"])
         if self.stale is not None and self.stale.k:
-            self.stale.load_state_dict(torch.load(stale, map_location="cpu", weights_only=True), self.learner.device)
+            self.stale.load_state_dict(
+                torch.load(stale, map_location="cpu", weights_only=True), self.learner.device
+            )
         log.info("resumed from %s (step %d)", path, state["step"])
         return int(state["step"])
 
@@ -61,8 +66,12 @@ class CheckpointManager:
         """The state after step ``step`` (0-based): a resumed run starts at ``step + 1``."""
         if self.stale is not None and self.stale.k and (not dist.is_initialized() or dist.get_rank() == 0):
             self._save_stale(f"step_{step + 1:06d}")
-        checkpoint.save(self.learner, self.root, step + 1,
-                        {"seed": self.cfg.seed, "length_lr": self.lr_sched.state_dict()})
+        checkpoint.save(
+            self.learner,
+            self.root,
+            step + 1,
+            {"seed": self.cfg.seed, "length_lr": self.lr_sched.state_dict()},
+        )
 
     def _save_stale(self, step_dir_name: str) -> None:
         self.root.mkdir(parents=True, exist_ok=True)

@@ -21,7 +21,15 @@ import click
 from moe_rl.config import RunConfig, load_config
 from moe_rl.errors import ConfigError, UserError, disk_full_named, one_line
 
-_OPTIONAL = ("transformer-engine", "transformer-engine-torch", "vllm", "sglang", "apex", "transformers", "wandb")
+_OPTIONAL = (
+    "transformer-engine",
+    "transformer-engine-torch",
+    "vllm",
+    "sglang",
+    "apex",
+    "transformers",
+    "wandb",
+)
 
 
 def _split_args(args: tuple[str, ...]) -> tuple[str | None, list[str]]:
@@ -137,14 +145,18 @@ def _resume_hint(cfg: RunConfig, args: tuple[str, ...]) -> str:
         latest = None
     if latest is not None:
         ck = int(latest.name.removeprefix("step_"))
-        again = shlex.join(["moe-rl", "train", *[a for a in args if not a.startswith("resume=")], "resume=true"])
+        again = shlex.join(
+            ["moe-rl", "train", *[a for a in args if not a.startswith("resume=")], "resume=true"]
+        )
         return f" at step {done}; resume with: {again}  (from the checkpoint of step {ck})"
     if done == 0 and not run_dir.exists():
         return " before the first step; nothing was kept: run the same command again"
     if done == 0:
         return f" before the first step of this start; {run_dir} is as it was: run the same command again"
-    return (f" at step {done}; no checkpoint was saved, so it cannot be resumed: delete {run_dir} or "
-            f"pass another run_dir= to start over")
+    return (
+        f" at step {done}; no checkpoint was saved, so it cannot be resumed: delete {run_dir} or "
+        f"pass another run_dir= to start over"
+    )
 
 
 def _steps_logged(metrics: Path) -> int:
@@ -170,11 +182,14 @@ def show_config(args: tuple[str, ...]) -> None:
 @main.command("estimate", context_settings={"ignore_unknown_options": True})
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 @click.option("--gpu-gib", type=float, default=80.0, show_default=True, help="memory of one GPU")
-@click.option("--gpus-per-node", type=int, default=8, show_default=True, help="for --rank: TP stays within a node")
+@click.option(
+    "--gpus-per-node", type=int, default=8, show_default=True, help="for --rank: TP stays within a node"
+)
 @click.option("--rank", "top", type=int, default=0, help="also rank the N best layouts for the config's GPUs")
 def show_estimate(args: tuple[str, ...], gpu_gib: float, gpus_per_node: int, top: int) -> None:
     """Per-GPU memory of a config's layout (moe_rl/memory.py), per pipeline stage, and its table row;
-    --rank N: the N best layouts for parallel.nproc GPUs instead: moe-rl estimate [CONFIG.yaml] [key=value ...]."""
+    --rank N: the N best layouts for parallel.nproc GPUs instead:
+    moe-rl estimate [CONFIG.yaml] [key=value ...]."""
     from moe_rl.memory import (
         GiB,
         Layout,
@@ -198,8 +213,10 @@ def show_estimate(args: tuple[str, ...], gpu_gib: float, gpus_per_node: int, top
     if lay.pp > 1:
         for s in range(lay.pp):
             st = stage_memory(cfg, lay, s)
-            click.echo(f"stage {s}: {st['layers']:.0f} layers, static {st['static'] / GiB:.1f} GiB, "
-                       f"train peak {st['train_peak'] / GiB:.1f} GiB")
+            click.echo(
+                f"stage {s}: {st['layers']:.0f} layers, static {st['static'] / GiB:.1f} GiB, "
+                f"train peak {st['train_peak'] / GiB:.1f} GiB"
+            )
     rows = [Ranked(lay, est, fits(cfg, est))]
     if top > 0:
         nodes, per_node = max(1, lay.world // gpus_per_node), min(gpus_per_node, lay.world)
@@ -212,8 +229,13 @@ def show_estimate(args: tuple[str, ...], gpu_gib: float, gpus_per_node: int, top
 @click.argument("out_dir", type=click.Path())
 @click.option("--step", type=int, default=None, help="checkpoint step (default: the latest)")
 @click.option("--max-shard-gb", type=float, default=5.0, show_default=True, help="safetensors shard size")
-@click.option("--dtype", type=click.Choice(["auto", "bf16", "fp16", "fp32"]), default="auto", show_default=True,
-              help="auto: the init_weights=hf:DIR checkpoint's dtype, else fp32")
+@click.option(
+    "--dtype",
+    type=click.Choice(["auto", "bf16", "fp16", "fp32"]),
+    default="auto",
+    show_default=True,
+    help="auto: the init_weights=hf:DIR checkpoint's dtype, else fp32",
+)
 def export_hf(run_dir: str, out_dir: str, step: int | None, max_shard_gb: float, dtype: str) -> None:
     """Write a run's checkpoint as a Hugging Face checkpoint: moe-rl export-hf RUN_DIR OUT_DIR [--step N]."""
     from moe_rl.weights.export import export_run
@@ -231,8 +253,13 @@ def data() -> None:
 @click.argument("out", type=click.Path(dir_okay=False))
 @click.option("--num", type=int, default=1000, show_default=True, help="problems")
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--style", type=click.Choice(["verl", "slime"]), default="verl", show_default=True,
-              help="row layout (verl: chat prompt + reward_model.ground_truth; slime: input/label)")
+@click.option(
+    "--style",
+    type=click.Choice(["verl", "slime"]),
+    default="verl",
+    show_default=True,
+    help="row layout (verl: chat prompt + reward_model.ground_truth; slime: input/label)",
+)
 def make_math(out: str, num: int, seed: int, style: str) -> None:
     """Arithmetic word problems with answers, as .parquet or JSONL (moe_rl/tasks/make_data.py)."""
     from moe_rl.tasks.make_data import write_math_dataset
@@ -242,9 +269,13 @@ def make_math(out: str, num: int, seed: int, style: str) -> None:
 
 @main.command()
 @click.argument("run_dirs", nargs=-1, required=True, type=click.Path(file_okay=False))
-@click.option("--out", type=click.Path(file_okay=False), default=None,
-              help="output directory (default: RUN_DIR/report, RUN_A/compare_<B> for two runs, "
-                   "RUN_A/compare_<N>_runs for more)")
+@click.option(
+    "--out",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="output directory (default: RUN_DIR/report, RUN_A/compare_<B> for two runs, "
+    "RUN_A/compare_<N>_runs for more)",
+)
 def report(run_dirs: tuple[str, ...], out: str | None) -> None:
     """Router stability report: moe-rl report RUN_DIR [RUN_DIR ...]  (HTML + markdown; several
     runs share every axis and colour scale)."""
@@ -263,7 +294,9 @@ def env() -> None:
     import megatron_patches
 
     click.echo(f"python                     {sys.version.split()[0]}")
-    click.echo(f"torch                      {torch.__version__} (cuda available: {torch.cuda.is_available()})")
+    click.echo(
+        f"torch                      {torch.__version__} (cuda available: {torch.cuda.is_available()})"
+    )
     click.echo(f"megatron-core              {metadata.version('megatron-core')}")
     for name in _OPTIONAL:
         try:

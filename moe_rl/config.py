@@ -58,7 +58,11 @@ def _check_finite(cfg: Any, prefix: str) -> None:
 
 
 def _one_of(value: str, key: str, choices: tuple[str, ...] | list[str]) -> None:
-    hint = " (YAML reads unquoted on/off/yes/no as booleans: quote the value)" if value in ("True", "False") else ""
+    hint = (
+        " (YAML reads unquoted on/off/yes/no as booleans: quote the value)"
+        if value in ("True", "False")
+        else ""
+    )
     _check(value in choices, key, f"{value!r} is not one of {sorted(choices)}{hint}")
 
 
@@ -94,18 +98,35 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         _check_finite(self, "model")
-        for name in ("hidden_size", "num_layers", "num_attention_heads", "num_query_groups",
-                     "head_dim", "ffn_hidden_size", "moe_ffn_hidden_size", "num_experts",
-                     "moe_router_topk", "max_seq_len"):
+        for name in (
+            "hidden_size",
+            "num_layers",
+            "num_attention_heads",
+            "num_query_groups",
+            "head_dim",
+            "ffn_hidden_size",
+            "moe_ffn_hidden_size",
+            "num_experts",
+            "moe_router_topk",
+            "max_seq_len",
+        ):
             _check(getattr(self, name) > 0, f"model.{name}", "must be > 0")
         _check(self.vocab_size >= 0, "model.vocab_size", "must be >= 0 (0 = from the tokenizer)")
-        _check(self.moe_router_topk <= self.num_experts, "model.moe_router_topk",
-               f"top-k {self.moe_router_topk} > model.num_experts {self.num_experts}")
-        _check(self.num_attention_heads % self.num_query_groups == 0, "model.num_query_groups",
-               f"{self.num_query_groups} does not divide model.num_attention_heads "
-               f"{self.num_attention_heads}")
-        _check(0 <= self.first_k_dense < self.num_layers, "model.first_k_dense",
-               f"must be in [0, model.num_layers={self.num_layers}) so at least one layer is MoE")
+        _check(
+            self.moe_router_topk <= self.num_experts,
+            "model.moe_router_topk",
+            f"top-k {self.moe_router_topk} > model.num_experts {self.num_experts}",
+        )
+        _check(
+            self.num_attention_heads % self.num_query_groups == 0,
+            "model.num_query_groups",
+            f"{self.num_query_groups} does not divide model.num_attention_heads {self.num_attention_heads}",
+        )
+        _check(
+            0 <= self.first_k_dense < self.num_layers,
+            "model.first_k_dense",
+            f"must be in [0, model.num_layers={self.num_layers}) so at least one layer is MoE",
+        )
         _check(self.router_aux_loss_coeff >= 0, "model.router_aux_loss_coeff", "must be >= 0")
         _one_of(self.transformer_impl, "model.transformer_impl", ("local", "te"))
         _one_of(self.precision, "model.precision", ("fp32", "bf16", "fp8"))
@@ -113,8 +134,11 @@ class ModelConfig:
         _one_of(self.fp8_recipe, "model.fp8_recipe", ("delayed", "tensorwise", "blockwise"))
         _one_of(self.fp8_format, "model.fp8_format", ("hybrid", "e4m3"))
         _one_of(self.hf_family, "model.hf_family", HF_FAMILY_NAMES)
-        _check(self.precision != "fp8" or self.transformer_impl == "te", "model.precision",
-               "fp8 GEMMs come from Transformer Engine: set model.transformer_impl=te")
+        _check(
+            self.precision != "fp8" or self.transformer_impl == "te",
+            "model.precision",
+            "fp8 GEMMs come from Transformer Engine: set model.transformer_impl=te",
+        )
 
     @property
     def moe_layers(self) -> list[int]:
@@ -125,9 +149,22 @@ class ModelConfig:
 # ModelConfig fields that change tensor shapes or the function computed; max_seq_len and the aux-loss
 # coefficient do not (RoPE has no parameters). Init weights, HF checkpoints and route records made
 # for another architecture are refused by these (weights/warmstart.py, weights/hf.py, routing/record.py).
-ARCH_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_query_groups",
-               "head_dim", "ffn_hidden_size", "moe_ffn_hidden_size", "num_experts", "moe_router_topk",
-               "first_k_dense", "qk_layernorm", "rope_theta", "norm_eps")
+ARCH_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "num_layers",
+    "num_attention_heads",
+    "num_query_groups",
+    "head_dim",
+    "ffn_hidden_size",
+    "moe_ffn_hidden_size",
+    "num_experts",
+    "moe_router_topk",
+    "first_k_dense",
+    "qk_layernorm",
+    "rope_theta",
+    "norm_eps",
+)
 
 
 @dataclass(frozen=True)
@@ -156,11 +193,17 @@ class ParallelConfig:
             _check(getattr(self, name) >= 0, f"parallel.{name}", "must be >= 0 (0: the default)")
         # megatron's interleaved schedule needs one model chunk per virtual stage; the learner,
         # replay hooks and weight mapping hold one chunk per rank
-        _check(self.virtual_pipeline == 1, "parallel.virtual_pipeline",
-               f"{self.virtual_pipeline}: virtual pipeline stages (interleaved 1F1B) are not supported; "
-               f"use 1 and, for balance, parallel.layers_in_first_stage / layers_in_last_stage")
-        _check(self.pipeline_parallel > 1 or self.layers_in_first_stage == self.layers_in_last_stage == 0,
-               "parallel.layers_in_first_stage", "uneven stages need parallel.pipeline_parallel > 1")
+        _check(
+            self.virtual_pipeline == 1,
+            "parallel.virtual_pipeline",
+            f"{self.virtual_pipeline}: virtual pipeline stages (interleaved 1F1B) are not supported; "
+            f"use 1 and, for balance, parallel.layers_in_first_stage / layers_in_last_stage",
+        )
+        _check(
+            self.pipeline_parallel > 1 or self.layers_in_first_stage == self.layers_in_last_stage == 0,
+            "parallel.layers_in_first_stage",
+            "uneven stages need parallel.pipeline_parallel > 1",
+        )
         _one_of(self.token_dispatcher, "parallel.token_dispatcher", ("alltoall", "allgather"))
         _one_of(self.backend, "parallel.backend", ("auto", "gloo", "nccl"))
 
@@ -221,7 +264,6 @@ class LengthLRConfig:
         _check(self.min_lr >= 0, "optim.length_lr.min_lr", "must be >= 0")
 
 
-
 @dataclass(frozen=True)
 class OptimConfig:
     lr: float = 5e-5
@@ -269,7 +311,9 @@ class VllmConfig:
     def __post_init__(self) -> None:
         _check_finite(self, "rollout.vllm")
         _check(self.tensor_parallel >= 1, "rollout.vllm.tensor_parallel", "must be >= 1")
-        _check(0 < self.gpu_memory_utilization < 1, "rollout.vllm.gpu_memory_utilization", "must be in (0, 1)")
+        _check(
+            0 < self.gpu_memory_utilization < 1, "rollout.vllm.gpu_memory_utilization", "must be in (0, 1)"
+        )
         _one_of(str(self.sleep_level), "rollout.vllm.sleep_level", ("0", "1", "2"))
         _check(self.max_model_len >= 0, "rollout.vllm.max_model_len", "must be >= 0")
         _check(self.dvp_max_safe >= 1, "rollout.vllm.dvp_max_safe", "must be >= 1")
@@ -285,7 +329,9 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
-    router_noise: float = 0.0  # std of Gaussian noise on the engine's router logits: dialled-in routing mismatch
+    router_noise: float = (
+        0.0  # std of Gaussian noise on the engine's router logits: dialled-in routing mismatch
+    )
     staleness: int = 0  # generate with the policy of k updates ago (asynchronous pipelines); 0 = synced
     vllm: VllmConfig = field(default_factory=VllmConfig)
 
@@ -359,8 +405,11 @@ class TrmConfig:
         _one_of(self.reference, "correction.trm.reference", TRM_REFERENCE_NAMES)
         _one_of(self.kl, "correction.trm.kl", TRM_KL_SOURCE_NAMES)
         _one_of(self.length_neutral, "correction.trm.length_neutral", LENGTH_NEUTRAL_NAMES)
-        _check(self.ln_threshold > 0 and self.ln_eps > 0 and self.ln_delta > 0,
-               "correction.trm.ln_threshold", "length-neutral TRM parameters must be > 0")
+        _check(
+            self.ln_threshold > 0 and self.ln_eps > 0 and self.ln_delta > 0,
+            "correction.trm.ln_threshold",
+            "length-neutral TRM parameters must be > 0",
+        )
 
     @property
     def on(self) -> bool:
@@ -382,7 +431,9 @@ class CorrectionConfig:
     # Dynamic Vocabulary Pruning: the engine samples only from a safe set per position and both
     # sides compute log-probs over it (docs/math.md 4; the paper's rule is a GAP, so it is a knob). 0 = off
     dvp_threshold: float = 0.0
-    dvp_rule: str = "relative"  # relative: p >= threshold * max p | top_p: smallest set with mass >= threshold
+    dvp_rule: str = (
+        "relative"  # relative: p >= threshold * max p | top_p: smallest set with mass >= threshold
+    )
 
     def __post_init__(self) -> None:
         _check_finite(self, "correction")
@@ -390,11 +441,16 @@ class CorrectionConfig:
         _one_of(self.bypass_loss, "correction.bypass_loss", ("ppo_clip", "reinforce"))
         _one_of(self.is_level, "correction.is_level", ("none", *IS_LEVEL_NAMES))
         _check(self.is_clip >= 1, "correction.is_clip", "must be >= 1")
-        _check(self.dual_clip_c == 0 or self.dual_clip_c > 1, "correction.dual_clip_c", "must be 0 (off) or > 1")
+        _check(
+            self.dual_clip_c == 0 or self.dual_clip_c > 1, "correction.dual_clip_c", "must be 0 (off) or > 1"
+        )
         _check(0 <= self.dvp_threshold < 1, "correction.dvp_threshold", "must be in [0, 1)")
         _one_of(self.dvp_rule, "correction.dvp_rule", SAFE_SET_RULE_NAMES)
-        _check(not (self.mode == "bypass" and self.bypass_loss == "ppo_clip" and self.is_level != "none"),
-               "correction.is_level", "bypass ppo_clip applies no IS weight (the ratio already is one)")
+        _check(
+            not (self.mode == "bypass" and self.bypass_loss == "ppo_clip" and self.is_level != "none"),
+            "correction.is_level",
+            "bypass ppo_clip applies no IS weight (the ratio already is one)",
+        )
         for i, spec in enumerate(self.rejection):
             _check_finite(spec, f"correction.rejection[{i}]")
             try:
@@ -424,12 +480,14 @@ class TaskConfig:
     min_len: int = 2
     max_len: int = 4
     dataset: str = ""  # JSONL or Parquet prompt rows; see moe_rl/tasks/rows.py
-    # exact_match | char_accuracy | math | python:FILE.py:FUNCTION (called per sample; see moe_rl/tasks/text_rewards.py)
+    # exact_match | char_accuracy | math | python:FILE.py:FUNCTION (called per sample; see
+    # moe_rl/tasks/text_rewards.py)
     reward: str = "exact_match"
     # a dataset prompt that leaves no room for rollout.max_new_tokens within model.max_seq_len:
     # error (names file and row) | drop (skipped, counted in the log and rollout/prompts_dropped_too_long)
     overlong: str = "error"
-    # builtin:char | hf:DIR (transformers AutoTokenizer) | auto: the init_weights=hf:DIR directory, else builtin:char
+    # builtin:char | hf:DIR (transformers AutoTokenizer) | auto: the init_weights=hf:DIR directory,
+    # else builtin:char
     tokenizer: str = "auto"
     prompt_key: str = "prompt"  # a string, or a list of chat messages ({"role", "content"})
     answer_key: str = "answer"  # the ground truth (a string or a number)
@@ -445,7 +503,9 @@ class TaskConfig:
     val_dataset: str = ""  # validation rows (same keys); scored every log.val_every steps
     val_max_prompts: int = 0  # 0: every validation row
     reward_workers: int = 2  # processes scoring text rewards (math, python:...); 0: in the trainer's process
-    reward_timeout_s: float = 10.0  # per sample; a reward that raises or times out scores 0 (reward/error_frac)
+    reward_timeout_s: float = (
+        10.0  # per sample; a reward that raises or times out scores 0 (reward/error_frac)
+    )
     # DAPO soft overlong penalty: over the last `overlong_buffer` tokens before rollout.max_new_tokens the
     # reward drops linearly by up to `overlong_penalty` (0 = off)
     overlong_buffer: int = 0
@@ -455,13 +515,22 @@ class TaskConfig:
         _check_finite(self, "task")
         _one_of(self.overlong, "task.overlong", ("error", "drop"))
         _check(len(self.tasks) > 0 or bool(self.dataset), "task.tasks", "empty and no task.dataset")
-        _check(1 <= self.min_len <= self.max_len, "task.min_len",
-               f"need 1 <= task.min_len ({self.min_len}) <= task.max_len ({self.max_len})")
-        _check(self.tokenizer in ("auto", "builtin:char", "hf") or self.tokenizer.startswith("hf:"),
-               "task.tokenizer", f"{self.tokenizer!r} is not auto, builtin:char or hf:DIR")
+        _check(
+            1 <= self.min_len <= self.max_len,
+            "task.min_len",
+            f"need 1 <= task.min_len ({self.min_len}) <= task.max_len ({self.max_len})",
+        )
+        _check(
+            self.tokenizer in ("auto", "builtin:char", "hf") or self.tokenizer.startswith("hf:"),
+            "task.tokenizer",
+            f"{self.tokenizer!r} is not auto, builtin:char or hf:DIR",
+        )
         for key in ("prompt_key", "answer_key", "source_key"):
-            _check(bool(getattr(self, key)) and "" not in getattr(self, key).split("."), f"task.{key}",
-                   f"{getattr(self, key)!r} is not a dotted key path")
+            _check(
+                bool(getattr(self, key)) and "" not in getattr(self, key).split("."),
+                f"task.{key}",
+                f"{getattr(self, key)!r} is not a dotted key path",
+            )
         _check(self.reward != "", "task.reward", "must name a reward")
         # YAML reads an unquoted true/false as a boolean, stored here as 'True'/'False'
         object.__setattr__(self, "apply_chat_template", str(self.apply_chat_template).lower())
@@ -554,47 +623,78 @@ class RunConfig:
         _check(self.steps >= 1, "steps", "must be >= 1")
         _check(self.checkpoint_every >= 0, "checkpoint_every", "must be >= 0")
         m, p, r = self.model, self.parallel, self.rollout
-        _check(r.max_new_tokens < m.max_seq_len, "rollout.max_new_tokens",
-               f"{r.max_new_tokens} leaves no room for a prompt within model.max_seq_len={m.max_seq_len}")
+        _check(
+            r.max_new_tokens < m.max_seq_len,
+            "rollout.max_new_tokens",
+            f"{r.max_new_tokens} leaves no room for a prompt within model.max_seq_len={m.max_seq_len}",
+        )
         check_layout(m, p)
         dp = self.data_parallel
-        _check(r.prompts_per_step % dp == 0, "rollout.prompts_per_step",
-               f"{r.prompts_per_step} prompts do not split over {dp} data-parallel ranks")
-        _check(self.task.val_max_prompts % dp == 0, "task.val_max_prompts",
-               f"{self.task.val_max_prompts} prompts do not split over {dp} data-parallel ranks")
-        _check(r.samples_per_prompt >= 2 or self.algo.advantage not in GROUP_ADVANTAGE_NAMES,
-               "rollout.samples_per_prompt", f"{self.algo.advantage} needs >= 2 samples per prompt")
+        _check(
+            r.prompts_per_step % dp == 0,
+            "rollout.prompts_per_step",
+            f"{r.prompts_per_step} prompts do not split over {dp} data-parallel ranks",
+        )
+        _check(
+            self.task.val_max_prompts % dp == 0,
+            "task.val_max_prompts",
+            f"{self.task.val_max_prompts} prompts do not split over {dp} data-parallel ranks",
+        )
+        _check(
+            r.samples_per_prompt >= 2 or self.algo.advantage not in GROUP_ADVANTAGE_NAMES,
+            "rollout.samples_per_prompt",
+            f"{self.algo.advantage} needs >= 2 samples per prompt",
+        )
         per_rank = r.prompts_per_step // dp
-        _check(per_rank % self.algo.num_minibatches == 0, "algo.num_minibatches",
-               f"{self.algo.num_minibatches} minibatches do not split the {per_rank} prompts per rank")
+        _check(
+            per_rank % self.algo.num_minibatches == 0,
+            "algo.num_minibatches",
+            f"{self.algo.num_minibatches} minibatches do not split the {per_rank} prompts per rank",
+        )
         if r.engine == "vllm":
             check_vllm(self)
-        _check(self.algo.max_tokens_per_micro_batch == 0 or p.pipeline_parallel == 1, "algo.max_tokens_per_micro_batch",
-               "token-budget micro-batches are tested with parallel.pipeline_parallel=1 only")
+        _check(
+            self.algo.max_tokens_per_micro_batch == 0 or p.pipeline_parallel == 1,
+            "algo.max_tokens_per_micro_batch",
+            "token-budget micro-batches are tested with parallel.pipeline_parallel=1 only",
+        )
         t = self.task
         _check(self.log.val_every == 0 or bool(t.val_dataset), "log.val_every", "needs task.val_dataset")
         room = self.model.max_seq_len - r.max_new_tokens
-        _check(t.max_prompt_tokens <= room, "task.max_prompt_tokens",
-               f"{t.max_prompt_tokens} leaves no room for rollout.max_new_tokens={r.max_new_tokens} within "
-               f"model.max_seq_len={self.model.max_seq_len} (at most {room})")
-        _check(t.overlong_buffer < r.max_new_tokens, "task.overlong_buffer",
-               f"{t.overlong_buffer} must be < rollout.max_new_tokens {r.max_new_tokens}")
-        _check(t.tokenizer in ("auto", "builtin:char") or t.tokenizer.startswith("hf:") and len(t.tokenizer) > 3
-               or self.init_weights.startswith("hf:"), "task.tokenizer",
-               f"{t.tokenizer!r} names the init_weights=hf:DIR directory, but init_weights is {self.init_weights!r}")
+        _check(
+            t.max_prompt_tokens <= room,
+            "task.max_prompt_tokens",
+            f"{t.max_prompt_tokens} leaves no room for rollout.max_new_tokens={r.max_new_tokens} within "
+            f"model.max_seq_len={self.model.max_seq_len} (at most {room})",
+        )
+        _check(
+            t.overlong_buffer < r.max_new_tokens,
+            "task.overlong_buffer",
+            f"{t.overlong_buffer} must be < rollout.max_new_tokens {r.max_new_tokens}",
+        )
+        _check(
+            t.tokenizer in ("auto", "builtin:char")
+            or t.tokenizer.startswith("hf:")
+            and len(t.tokenizer) > 3
+            or self.init_weights.startswith("hf:"),
+            "task.tokenizer",
+            f"{t.tokenizer!r} names the init_weights=hf:DIR directory, "
+            f"but init_weights is {self.init_weights!r}",
+        )
 
     @property
     def data_parallel(self) -> int:
         return data_parallel_size(self.parallel)
 
 
-
 # Renamed keys, kept for one release: old dotted key -> new key (None: removed, the value is
 # ignored). correction.rs + correction.rs_bounds (strings such as '0.5_2.0') together become
 # correction.rejection, a list of typed RejectionSpec, merged after every input (file, overrides).
 DEPRECATED_KEYS: dict[str, str | None] = {
-    **{f"correction.trm_{k}": f"correction.trm.{k}" for k in (
-        "max", "avg", "reference", "kl", "length_neutral", "ln_threshold", "ln_eps", "ln_delta")},
+    **{
+        f"correction.trm_{k}": f"correction.trm.{k}"
+        for k in ("max", "avg", "reference", "kl", "length_neutral", "ln_threshold", "ln_eps", "ln_delta")
+    },
     "correction.rs": "correction.rejection",
     "correction.rs_bounds": "correction.rejection",
     "rollout.vllm.weight_sync": None,  # transfer was its one value
@@ -606,8 +706,10 @@ def _warn_deprecated(where: str, old: str, new: str | None) -> None:
     """One line on stderr; ``where`` (the file or override) tells a run's own saved config.yaml
     from what the user typed."""
     what = f"use '{new}'" if new else "removed; its value is ignored"
-    print(f"warning: {where}: config key '{old}' is deprecated: {what} (the old key goes in the next release)",
-          file=sys.stderr)
+    print(
+        f"warning: {where}: config key '{old}' is deprecated: {what} (the old key goes in the next release)",
+        file=sys.stderr,
+    )
 
 
 def _renamed_key(key: str) -> str:
@@ -648,15 +750,18 @@ def _legacy_rejection(legacy_rs: dict) -> list[dict]:
         if not all(math.isfinite(v) for b in bounds for v in (b if isinstance(b, tuple) else (b,))):
             raise ValueError
     except ValueError:
-        raise ConfigError(f"config key 'correction.rs_bounds': {raw} are not finite "
-                          f"numbers ('0.5_2.0' or '0.01')") from None
+        raise ConfigError(
+            f"config key 'correction.rs_bounds': {raw} are not finite numbers ('0.5_2.0' or '0.01')"
+        ) from None
     try:
         parse_rs_spec(options, bounds)
     except (ValueError, TypeError) as e:
         raise ConfigError(f"config key 'correction.rs': {e}") from None
     bounds = bounds * len(options) if len(bounds) == 1 else bounds
-    return [{"option": o, "lower": b[0], "upper": b[1]} if isinstance(b, tuple) else {"option": o, "upper": b}
-            for o, b in zip(options, bounds)]
+    return [
+        {"option": o, "lower": b[0], "upper": b[1]} if isinstance(b, tuple) else {"option": o, "upper": b}
+        for o, b in zip(options, bounds)
+    ]
 
 
 def _check_rules(layer: DictConfig) -> DictConfig:
@@ -666,7 +771,9 @@ def _check_rules(layer: DictConfig) -> DictConfig:
     fields = [f.name for f in dataclasses.fields(RejectionSpec)]
     for i, rule in enumerate(rules if isinstance(rules, ListConfig) else []):
         for key in rule.keys() if isinstance(rule, DictConfig) else ():
-            _check(key in fields, f"correction.rejection[{i}].{key}", f"not a field of a rejection rule {fields}")
+            _check(
+                key in fields, f"correction.rejection[{i}].{key}", f"not a field of a rejection rule {fields}"
+            )
     return layer
 
 
@@ -683,8 +790,12 @@ def _override(base, item: str, legacy_rs: dict):
         _warn_deprecated(f"override {item!r}", old, DEPRECATED_KEYS[old])
         if old in _RS_KEYS:
             value = OmegaConf.select(OmegaConf.from_dotlist([item]), old)
-            legacy_rs.update({old: OmegaConf.to_container(value) if OmegaConf.is_config(value) else value,
-                              "where": f"override {item!r}"})
+            legacy_rs.update(
+                {
+                    old: OmegaConf.to_container(value) if OmegaConf.is_config(value) else value,
+                    "where": f"override {item!r}",
+                }
+            )
         if old in _RS_KEYS or DEPRECATED_KEYS[old] is None:
             return None
         key = DEPRECATED_KEYS[old]
@@ -727,16 +838,20 @@ def _read_yaml(path: str | Path):
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
         lines = p.read_text(errors="replace").splitlines()
         line = lines[mark.line] if mark is not None and mark.line < len(lines) else ""
-        tabs = " (a tab: indent YAML with spaces)" if "\t" in line[:mark.column + 1] else ""
+        tabs = " (a tab: indent YAML with spaces)" if "\t" in line[: mark.column + 1] else ""
         raise ConfigError(f"{where}: YAML syntax error: {e.problem}{tabs}") from None
     except (yaml.YAMLError, UnicodeDecodeError, OSError) as e:
-        raise ConfigError(f"{path}: cannot read the YAML config ({type(e).__name__}: "
-                          f"{str(e).splitlines()[0] if str(e) else ''})") from None
+        raise ConfigError(
+            f"{path}: cannot read the YAML config ({type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''})"
+        ) from None
     if loaded is None:
         return {}
     if not OmegaConf.is_dict(loaded):
-        raise ConfigError(f"{path}: the top level is a {type(OmegaConf.to_container(loaded)).__name__}, "
-                          f"expected a mapping of config keys (e.g. 'steps: 100')")
+        raise ConfigError(
+            f"{path}: the top level is a {type(OmegaConf.to_container(loaded)).__name__}, "
+            f"expected a mapping of config keys (e.g. 'steps: 100')"
+        )
     return loaded
 
 

@@ -71,16 +71,25 @@ class ParallelDims:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
         return cls(
-            rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
+            rank=dist.get_rank(),
+            world_size=dist.get_world_size(),
+            local_rank=local_rank,
             device=torch.device("cuda", local_rank) if cuda else torch.device("cpu"),
-            dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
-            tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp,
-            pp_rank=ps.get_pipeline_model_parallel_rank(), pp_size=pp,
-            ep_rank=ps.get_expert_model_parallel_rank(), ep_size=ps.get_expert_model_parallel_world_size(),
-            etp_rank=ps.get_expert_tensor_parallel_rank(), etp_size=ps.get_expert_tensor_parallel_world_size(),
-            dp_group=ps.get_data_parallel_group(), tp_group=ps.get_tensor_model_parallel_group(),
+            dp_rank=ps.get_data_parallel_rank(),
+            dp_size=ps.get_data_parallel_world_size(),
+            tp_rank=ps.get_tensor_model_parallel_rank(),
+            tp_size=tp,
+            pp_rank=ps.get_pipeline_model_parallel_rank(),
+            pp_size=pp,
+            ep_rank=ps.get_expert_model_parallel_rank(),
+            ep_size=ps.get_expert_model_parallel_world_size(),
+            etp_rank=ps.get_expert_tensor_parallel_rank(),
+            etp_size=ps.get_expert_tensor_parallel_world_size(),
+            dp_group=ps.get_data_parallel_group(),
+            tp_group=ps.get_tensor_model_parallel_group(),
             pp_group=ps.get_pipeline_model_parallel_group() if pp > 1 else None,
-            ep_group=ps.get_expert_model_parallel_group(), etp_group=ps.get_expert_tensor_parallel_group(),
+            ep_group=ps.get_expert_model_parallel_group(),
+            etp_group=ps.get_expert_tensor_parallel_group(),
             edp_group=ps.get_expert_data_parallel_group(),
             tp_dp_group=ps.get_tensor_and_data_parallel_group(),
             mp_group=ps.get_model_parallel_group() if tp * pp > 1 else None,
@@ -89,8 +98,7 @@ class ParallelDims:
 
 def setup_logging(rank: int) -> None:
     level = logging.INFO if rank == 0 else logging.WARNING
-    logging.basicConfig(level=level, format=f"[rank{rank}] %(levelname)s %(name)s: %(message)s",
-                        force=True)
+    logging.basicConfig(level=level, format=f"[rank{rank}] %(levelname)s %(name)s: %(message)s", force=True)
     # megatron-core logs every buffer and parameter at INFO; keep its warnings only
     logging.getLogger("megatron").setLevel(logging.WARNING)
 
@@ -113,8 +121,10 @@ def init_distributed(par: ParallelConfig, seed: int) -> ParallelDims:
     if world != par.nproc:
         # Under an external torchrun the launcher decides the world size; the config must agree,
         # since batch splits and EP layout were validated against parallel.nproc.
-        raise ConfigError(f"config key 'parallel.nproc' is {par.nproc} but the launcher started "
-                         f"{world} ranks; set parallel.nproc={world}")
+        raise ConfigError(
+            f"config key 'parallel.nproc' is {par.nproc} but the launcher started "
+            f"{world} ranks; set parallel.nproc={world}"
+        )
     ps.initialize_model_parallel(
         tensor_model_parallel_size=par.tensor_parallel,
         pipeline_model_parallel_size=par.pipeline_parallel,

@@ -44,5 +44,6 @@ def open_safetensors(path: Path, name: str = "") -> Iterator[Any]:
         with safe_open(str(path), framework="pt") as f:
             yield f
     except (SafetensorError, OSError) as e:
-        raise CheckpointError(f"{name}{path}: not a readable safetensors file, or a truncated one "
-                              f"({str(e).splitlines()[0]})") from None
+        raise CheckpointError(
+            f"{name}{path}: not a readable safetensors file, or a truncated one ({str(e).splitlines()[0]})"
+        ) from None

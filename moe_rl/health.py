@@ -32,14 +32,26 @@ class HealthMonitor:
         c, out = self.cfg, {}
         h = metrics.get("train/entropy")
         bound = c.entropy_uniform_frac * self.uniform
-        out["entropy_uniform"] = None if h is None or not h >= bound else (
-            f"policy entropy {h:.4g} nats >= {c.entropy_uniform_frac:g} ln(V={round(math.exp(self.uniform))}) "
-            f"= {bound:.4g}: the policy is uniform")
-        out["entropy_zero"] = None if h is None or not h <= c.entropy_zero else (
-            f"policy entropy {h:.4g} nats <= {c.entropy_zero:g}: the policy collapsed onto one token")
+        out["entropy_uniform"] = (
+            None
+            if h is None or not h >= bound
+            else (
+                f"policy entropy {h:.4g} nats >= {c.entropy_uniform_frac:g} "
+                f"ln(V={round(math.exp(self.uniform))}) "
+                f"= {bound:.4g}: the policy is uniform"
+            )
+        )
+        out["entropy_zero"] = (
+            None
+            if h is None or not h <= c.entropy_zero
+            else (f"policy entropy {h:.4g} nats <= {c.entropy_zero:g}: the policy collapsed onto one token")
+        )
         g = metrics.get("train/grad_norm_max")
-        out["grad_norm_zero"] = None if g is None or g != 0 else (
-            "gradient norm exactly 0 in every minibatch (optimizer steps skipped): nothing is learned")
+        out["grad_norm_zero"] = (
+            None
+            if g is None or g != 0
+            else ("gradient norm exactly 0 in every minibatch (optimizer steps skipped): nothing is learned")
+        )
         return out
 
     def observe(self, step: int, metrics: dict[str, float]) -> list[dict]:
@@ -50,9 +62,14 @@ class HealthMonitor:
             self.count[name] = self.count.get(name, 0) + 1 if why else 0
             if self.count[name] == self.cfg.patience:
                 n = self.cfg.patience
-                event = {"step": step, "event": "health", "alarm": name, "severity": "warning",
-                         "cause": f"{why} for {n} consecutive step{'s' if n > 1 else ''} "
-                                  f"(steps {step - n + 1}-{step}; log.health)"}
+                event = {
+                    "step": step,
+                    "event": "health",
+                    "alarm": name,
+                    "severity": "warning",
+                    "cause": f"{why} for {n} consecutive step{'s' if n > 1 else ''} "
+                    f"(steps {step - n + 1}-{step}; log.health)",
+                }
                 log.warning("health alarm at step %d: %s", step, event["cause"])
                 events.append(event)
         return events

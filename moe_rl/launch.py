@@ -111,8 +111,10 @@ class _RankFailure:
     def reraise(self) -> None:
         if isinstance(self.exc, UserError):
             raise type(self.exc)(f"rank {self.rank}: {self.exc}") from None
-        raise RankFailedError(f"rank {self.rank} failed with {self.kind}: {self.message}\n"
-                              f"--- rank {self.rank} traceback ---\n{self.traceback}") from None
+        raise RankFailedError(
+            f"rank {self.rank} failed with {self.kind}: {self.message}\n"
+            f"--- rank {self.rank} traceback ---\n{self.traceback}"
+        ) from None
 
 
 def _guarded(fn, report_dir: str, *args):
@@ -222,15 +224,24 @@ def spawn_local(fn, nproc: int, *args):
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     lc = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=nproc,
-        run_id=str(uuid.uuid4()), rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0",
-        max_restarts=0, start_method="spawn", monitor_interval=0.1,
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=str(uuid.uuid4()),
+        rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0",
+        max_restarts=0,
+        start_method="spawn",
+        monitor_interval=0.1,
     )
     from torch.distributed.elastic.multiprocessing import SignalException
 
     report_dir = Path(tempfile.mkdtemp(prefix="moe_rl_ranks_"))
-    elastic_logs = [logging.getLogger(name) for name in list(logging.Logger.manager.loggerDict)
-                    if name.startswith(("torch.distributed.elastic", "torch.multiprocessing"))]
+    elastic_logs = [
+        logging.getLogger(name)
+        for name in list(logging.Logger.manager.loggerDict)
+        if name.startswith(("torch.distributed.elastic", "torch.multiprocessing"))
+    ]
     levels = [log.level for log in elastic_logs]
     _become_subreaper()
     before = _descendants()

@@ -34,11 +34,16 @@ def pipeline_stage_layers(num_layers: int, par: ParallelConfig) -> tuple[int, ..
         return (num_layers,)
     middle_stages = pp - (first > 0) - (last > 0)
     middle_layers = num_layers - first - last
-    if middle_layers < 0 or (middle_stages == 0) != (middle_layers == 0) \
-            or (middle_stages and middle_layers % middle_stages):
+    if (
+        middle_layers < 0
+        or (middle_stages == 0) != (middle_layers == 0)
+        or (middle_stages and middle_layers % middle_stages)
+    ):
         ends = f" after {first} on the first and {last} on the last stage" if first or last else ""
-        raise ValueError(f"{num_layers} layers{ends} do not split evenly over {middle_stages} "
-                         f"{'middle ' if first or last else ''}pipeline stages")
+        raise ValueError(
+            f"{num_layers} layers{ends} do not split evenly over {middle_stages} "
+            f"{'middle ' if first or last else ''}pipeline stages"
+        )
     each = middle_layers // middle_stages if middle_stages else 0
     return tuple(first if (s == 0 and first) else last if (s == pp - 1 and last) else each for s in range(pp))
 
@@ -47,25 +52,45 @@ def check_layout(m: ModelConfig, p: ParallelConfig) -> None:
     """Sizes that must divide for megatron to build the layout, each refused (ConfigError) naming
     its keys and numbers."""
     tp, pp, ep, etp = p.tensor_parallel, p.pipeline_parallel, p.expert_parallel, p.expert_tp
-    _check(m.num_experts % ep == 0, "parallel.expert_parallel",
-           f"{ep} does not divide model.num_experts {m.num_experts}")
+    _check(
+        m.num_experts % ep == 0,
+        "parallel.expert_parallel",
+        f"{ep} does not divide model.num_experts {m.num_experts}",
+    )
     for key in ("num_query_groups", "num_attention_heads", "vocab_size", "ffn_hidden_size"):
-        _check(getattr(m, key) % tp == 0, "parallel.tensor_parallel",
-               f"{tp} does not divide model.{key} {getattr(m, key)}")
-    _check(m.moe_ffn_hidden_size % etp == 0, "parallel.expert_tensor_parallel",
-           f"{etp} does not divide model.moe_ffn_hidden_size {m.moe_ffn_hidden_size}")
-    _check(p.nproc % (tp * pp) == 0, "parallel.nproc",
-           f"{p.nproc} ranks are not a multiple of tensor_parallel x pipeline_parallel = {tp} x {pp}")
-    _check(p.nproc % (ep * etp * pp) == 0, "parallel.expert_parallel",
-           f"expert_parallel x expert_tensor_parallel x pipeline_parallel = {ep} x {etp} x {pp} "
-           f"does not divide parallel.nproc {p.nproc}")
+        _check(
+            getattr(m, key) % tp == 0,
+            "parallel.tensor_parallel",
+            f"{tp} does not divide model.{key} {getattr(m, key)}",
+        )
+    _check(
+        m.moe_ffn_hidden_size % etp == 0,
+        "parallel.expert_tensor_parallel",
+        f"{etp} does not divide model.moe_ffn_hidden_size {m.moe_ffn_hidden_size}",
+    )
+    _check(
+        p.nproc % (tp * pp) == 0,
+        "parallel.nproc",
+        f"{p.nproc} ranks are not a multiple of tensor_parallel x pipeline_parallel = {tp} x {pp}",
+    )
+    _check(
+        p.nproc % (ep * etp * pp) == 0,
+        "parallel.expert_parallel",
+        f"expert_parallel x expert_tensor_parallel x pipeline_parallel = {ep} x {etp} x {pp} "
+        f"does not divide parallel.nproc {p.nproc}",
+    )
     if pp > 1:
         try:
             stages = pipeline_stage_layers(m.num_layers, p)
         except ValueError as e:
-            raise ConfigError(f"config key 'parallel.pipeline_parallel': {e} (model.num_layers, "
-                              f"parallel.layers_in_first_stage / layers_in_last_stage)") from None
+            raise ConfigError(
+                f"config key 'parallel.pipeline_parallel': {e} (model.num_layers, "
+                f"parallel.layers_in_first_stage / layers_in_last_stage)"
+            ) from None
         # routing replay and the router monitor run per stage: every stage needs a router
-        _check(m.first_k_dense < stages[0], "model.first_k_dense",
-               f"{m.first_k_dense} dense layers leave pipeline stage 0 (layers 0..{stages[0] - 1}) "
-               f"without a MoE layer")
+        _check(
+            m.first_k_dense < stages[0],
+            "model.first_k_dense",
+            f"{m.first_k_dense} dense layers leave pipeline stage 0 (layers 0..{stages[0] - 1}) "
+            f"without a MoE layer",
+        )

@@ -62,8 +62,9 @@ def _check_normalizer(normalizer: float | torch.Tensor) -> None:
         raise ValueError(f"normalizer must be > 0, got {normalizer}")
 
 
-def _ppo_metrics(pg_sum: torch.Tensor, lr_BS: torch.Tensor, clipped_BS: torch.Tensor,
-                 loss_mask_BS: torch.Tensor) -> dict[str, MetricValue]:
+def _ppo_metrics(
+    pg_sum: torch.Tensor, lr_BS: torch.Tensor, clipped_BS: torch.Tensor, loss_mask_BS: torch.Tensor
+) -> dict[str, MetricValue]:
     """Local sums/counts over loss tokens (all inputs detached; clipped_BS bool)."""
     keep_BS = loss_mask_BS.bool()
     mask_BS = keep_BS.to(lr_BS.dtype)
@@ -81,7 +82,11 @@ def _ppo_metrics(pg_sum: torch.Tensor, lr_BS: torch.Tensor, clipped_BS: torch.Te
 
 
 def clipped_surrogate(
-    lr_BS: torch.Tensor, adv_BS: torch.Tensor, *, clip_low: float, clip_high: float,
+    lr_BS: torch.Tensor,
+    adv_BS: torch.Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
     clip_ratio_c: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-token PPO loss with asymmetric clip and optional dual clip (verl semantics, docs/math.md 2.1).
@@ -113,9 +118,15 @@ def clipped_surrogate(
     return torch.where(dual_BS, pg_dual_BS, pg_BS), clipped_BS, dual_BS
 
 
-def _add_kl_term(loss_sum: torch.Tensor, metrics: dict[str, MetricValue], logp_BS: torch.Tensor,
-                 ref_logp_BS: torch.Tensor | None, mask_BS: torch.Tensor, kl_coef: float,
-                 kl_kind: str) -> torch.Tensor:
+def _add_kl_term(
+    loss_sum: torch.Tensor,
+    metrics: dict[str, MetricValue],
+    logp_BS: torch.Tensor,
+    ref_logp_BS: torch.Tensor | None,
+    mask_BS: torch.Tensor,
+    kl_coef: float,
+    kl_kind: str,
+) -> torch.Tensor:
     """Adds kl_coef * sum_t m_t kl_t to loss_sum and ``train/kl_ref`` to metrics (when ref given)."""
     if kl_coef > 0 and ref_logp_BS is None:
         raise ValueError("kl_coef > 0 needs ref_logp_BS")
@@ -177,15 +188,17 @@ def ppo_clip_loss(
     mask_BS = loss_mask_BS.to(logp_BS.dtype)
     adv_BS = advantages_BS.detach().to(logp_BS.dtype)
     lr_BS = log_ratio(logp_BS, old_logp_BS.detach())
-    pg_BS, clipped_BS, dual_BS = clipped_surrogate(lr_BS, adv_BS, clip_low=clip_low, clip_high=clip_high,
-                                                   clip_ratio_c=clip_ratio_c)
+    pg_BS, clipped_BS, dual_BS = clipped_surrogate(
+        lr_BS, adv_BS, clip_low=clip_low, clip_high=clip_high, clip_ratio_c=clip_ratio_c
+    )
     weighted_pg_BS = pg_BS if is_weights_BS is None else pg_BS * is_weights_BS.detach()
     loss_sum = (weighted_pg_BS * mask_BS).sum()
 
     metrics = _ppo_metrics(loss_sum.detach(), lr_BS.detach(), clipped_BS, loss_mask_BS)
     if clip_ratio_c is not None:
-        metrics["train/pg_clipfrac_lower"] = Mean((dual_BS.to(mask_BS.dtype) * mask_BS).sum(),
-                                                  metrics["train/pg_loss"].count)
+        metrics["train/pg_clipfrac_lower"] = Mean(
+            (dual_BS.to(mask_BS.dtype) * mask_BS).sum(), metrics["train/pg_loss"].count
+        )
     loss_sum = _add_kl_term(loss_sum, metrics, logp_BS, ref_logp_BS, mask_BS, kl_coef, kl_kind)
     return loss_sum / normalizer, metrics
 
@@ -237,10 +250,20 @@ def decoupled_ppo_loss(
     Returns:
         (loss, metrics) as ``ppo_clip_loss``; metric means are over the kept loss tokens.
     """
-    return ppo_clip_loss(logp_BS, old_logp_BS, advantages_BS, _apply_keep(loss_mask_BS, keep),
-                         clip_low=clip_low, clip_high=clip_high, normalizer=normalizer,
-                         ref_logp_BS=ref_logp_BS, kl_coef=kl_coef, kl_kind=kl_kind,
-                         is_weights_BS=is_weights_BS, clip_ratio_c=clip_ratio_c)
+    return ppo_clip_loss(
+        logp_BS,
+        old_logp_BS,
+        advantages_BS,
+        _apply_keep(loss_mask_BS, keep),
+        clip_low=clip_low,
+        clip_high=clip_high,
+        normalizer=normalizer,
+        ref_logp_BS=ref_logp_BS,
+        kl_coef=kl_coef,
+        kl_kind=kl_kind,
+        is_weights_BS=is_weights_BS,
+        clip_ratio_c=clip_ratio_c,
+    )
 
 
 BYPASS_MODES = ("ppo_clip", "reinforce")
@@ -286,8 +309,10 @@ def bypass_loss(
     if mode not in BYPASS_MODES:
         raise ValueError(f"unknown bypass mode {mode!r}; known: {list(BYPASS_MODES)}")
     if mode == "ppo_clip" and is_level is not None:
-        raise ValueError("bypass ppo_clip applies no IS weights: the ratio is pi_theta/pi_rollout, a weight "
-                         "would double-count; set is_level=None")
+        raise ValueError(
+            "bypass ppo_clip applies no IS weights: the ratio is pi_theta/pi_rollout, a weight "
+            "would double-count; set is_level=None"
+        )
     _check_normalizer(normalizer)
     lr_det_BS = log_ratio(logp_BS.detach(), rollout_logp_BS.detach())
     exact_BS = exact_log_ratio(logp_BS.detach(), rollout_logp_BS.detach())  # clamped after any sum
@@ -298,10 +323,19 @@ def bypass_loss(
         rs_keep_BS, corr_metrics = rejection_mask(exact_BS, base_mask_BS, rs_options, rs_bounds)
         mask_BS = mask_BS & rs_keep_BS
     if mode == "ppo_clip":
-        loss, metrics = ppo_clip_loss(logp_BS, rollout_logp_BS, advantages_BS, mask_BS,
-                                      clip_low=clip_low, clip_high=clip_high, normalizer=normalizer,
-                                      ref_logp_BS=ref_logp_BS, kl_coef=kl_coef, kl_kind=kl_kind,
-                                      clip_ratio_c=clip_ratio_c)
+        loss, metrics = ppo_clip_loss(
+            logp_BS,
+            rollout_logp_BS,
+            advantages_BS,
+            mask_BS,
+            clip_low=clip_low,
+            clip_high=clip_high,
+            normalizer=normalizer,
+            ref_logp_BS=ref_logp_BS,
+            kl_coef=kl_coef,
+            kl_kind=kl_kind,
+            clip_ratio_c=clip_ratio_c,
+        )
         return loss, {**corr_metrics, **metrics}
     w_BS = torch.ones_like(lr_det_BS)
     if is_level is not None:

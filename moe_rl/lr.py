@@ -31,8 +31,9 @@ def lr_at(step: int, total_steps: int, opt: OptimConfig) -> float:
 # below is from the paper; all are unverified starting points.
 
 
-def scheduled_lr(step: int, total_steps: int, opt: OptimConfig, multiplier: float = 1.0,
-                 min_lr: float = 0.0) -> float:
+def scheduled_lr(
+    step: int, total_steps: int, opt: OptimConfig, multiplier: float = 1.0, min_lr: float = 0.0
+) -> float:
     """The LR of ``step``: lr_at(step) * multiplier, floored at min(lr_at(step), min_lr).
 
     The floor only limits the length-triggered decay: it never lifts the base schedule (warmup,
@@ -68,7 +69,7 @@ class LengthLRScheduler:
 
     def _smooth(self, x: float) -> float:
         if self.cfg.smoothing == "window":
-            self.recent = (self.recent + [x])[-self.cfg.window:]
+            self.recent = (self.recent + [x])[-self.cfg.window :]
             return sum(self.recent) / len(self.recent)
         if self.smoothed is None:
             return x
@@ -93,13 +94,15 @@ class LengthLRScheduler:
             return 1.0, []
         x = float(mean_response_len)
         if not math.isfinite(x) or x < 0:
-            raise ValueError(f"step {step}: mean response length {mean_response_len!r} is not a finite number >= 0")
+            raise ValueError(
+                f"step {step}: mean response length {mean_response_len!r} is not a finite number >= 0"
+            )
         if self.last_step is not None and step <= self.last_step:
             raise ValueError(f"steps must increase: got {step} after {self.last_step}")
         self.last_step = step
         self.num_obs += 1
         self.smoothed = self._smooth(x)
-        self.history = (self.history + [self.smoothed])[-(self.cfg.lookback + 1):]
+        self.history = (self.history + [self.smoothed])[-(self.cfg.lookback + 1) :]
         self.running_min = self.smoothed if self.running_min is None else min(self.running_min, self.smoothed)
         ref = self._reference()
         self.ratio = self.smoothed / ref if ref and ref > 0 else math.nan
@@ -119,11 +122,16 @@ class LengthLRScheduler:
         self.cooldown_until = step + c.cooldown_steps
         event = {
             "step": step,
-            "cause": (f"smoothed response length surged from {ref:.1f} ({c.reference}) to {self.smoothed:.1f} "
-                      f"(ratio {self.ratio:.3f} > surge_ratio {c.surge_ratio}) for {c.patience} consecutive "
-                      f"step(s); lr multiplier {before:g} -> {self.multiplier:g}"),
-            "multiplier_before": before, "multiplier_after": self.multiplier,
-            "smoothed_len": self.smoothed, "reference_len": ref, "ratio": self.ratio,
+            "cause": (
+                f"smoothed response length surged from {ref:.1f} ({c.reference}) to {self.smoothed:.1f} "
+                f"(ratio {self.ratio:.3f} > surge_ratio {c.surge_ratio}) for {c.patience} consecutive "
+                f"step(s); lr multiplier {before:g} -> {self.multiplier:g}"
+            ),
+            "multiplier_before": before,
+            "multiplier_after": self.multiplier,
+            "smoothed_len": self.smoothed,
+            "reference_len": ref,
+            "ratio": self.ratio,
         }
         if c.rebase_after_trigger:
             self._rebase()
@@ -131,16 +139,31 @@ class LengthLRScheduler:
 
     def metrics(self) -> dict[str, float]:
         """Plain (already global) values for the step's metrics: multiplier, smoothed length, ratio."""
-        return {"train/length_lr/multiplier": self.multiplier,
-                "train/length_lr/smoothed_len": math.nan if self.smoothed is None else self.smoothed,
-                "train/length_lr/ratio": self.ratio,
-                "train/length_lr/num_triggers": self.num_triggers}
+        return {
+            "train/length_lr/multiplier": self.multiplier,
+            "train/length_lr/smoothed_len": math.nan if self.smoothed is None else self.smoothed,
+            "train/length_lr/ratio": self.ratio,
+            "train/length_lr/num_triggers": self.num_triggers,
+        }
 
-    _STATE = ("multiplier", "num_obs", "last_step", "smoothed", "recent", "history", "running_min",
-              "above", "cooldown_until", "num_triggers")  # ratio is recomputed by every update
+    _STATE = (
+        "multiplier",
+        "num_obs",
+        "last_step",
+        "smoothed",
+        "recent",
+        "history",
+        "running_min",
+        "above",
+        "cooldown_until",
+        "num_triggers",
+    )  # ratio is recomputed by every update
 
     def state_dict(self) -> dict:
-        return {k: (list(v) if isinstance(v, list) else v) for k, v in ((k, getattr(self, k)) for k in self._STATE)}
+        return {
+            k: (list(v) if isinstance(v, list) else v)
+            for k, v in ((k, getattr(self, k)) for k in self._STATE)
+        }
 
     def load_state_dict(self, state: dict) -> None:
         missing = [k for k in self._STATE if k not in state]

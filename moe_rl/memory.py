@@ -32,11 +32,21 @@ def param_counts(m: ModelConfig) -> dict[str, int]:
     attn = H * Q * D * 2 + H * G * D * 2 + 2 * H + (2 * D if m.qk_layernorm else 0)  # q, o, k, v, 2 norms
     n_moe = len(m.moe_layers)
     expert = n_moe * m.num_experts * 3 * H * m.moe_ffn_hidden_size
-    dense = (m.num_layers * attn + m.first_k_dense * 3 * H * m.ffn_hidden_size + n_moe * m.num_experts * H
-             + 2 * m.vocab_size * H + H)  # + routers, untied embedding / lm_head, final norm
+    dense = (
+        m.num_layers * attn
+        + m.first_k_dense * 3 * H * m.ffn_hidden_size
+        + n_moe * m.num_experts * H
+        + 2 * m.vocab_size * H
+        + H
+    )  # + routers, untied embedding / lm_head, final norm
     active = dense + n_moe * m.moe_router_topk * 3 * H * m.moe_ffn_hidden_size
-    return {"total": dense + expert, "expert": expert, "dense": dense, "active": active,
-            "matmul_active": active - m.vocab_size * H}
+    return {
+        "total": dense + expert,
+        "expert": expert,
+        "dense": dense,
+        "active": active,
+        "matmul_active": active - m.vocab_size * H,
+    }
 
 
 def train_flops_per_token(m: ModelConfig) -> float:
@@ -49,8 +59,15 @@ def forward_flops_per_token(m: ModelConfig) -> float:
     return 2.0 * param_counts(m)["matmul_active"]
 
 
-def mfu(m: ModelConfig, *, trained_tokens: float, forward_tokens: float, seconds: float, num_gpus: int,
-        peak_tflops: float = H100_BF16_DENSE_TFLOPS) -> float:
+def mfu(
+    m: ModelConfig,
+    *,
+    trained_tokens: float,
+    forward_tokens: float,
+    seconds: float,
+    num_gpus: int,
+    peak_tflops: float = H100_BF16_DENSE_TFLOPS,
+) -> float:
     """Model FLOPs utilisation: achieved (6N per trained token + 2N per forward-only token) / peak."""
     flops = train_flops_per_token(m) * trained_tokens + forward_flops_per_token(m) * forward_tokens
     return flops / (seconds * num_gpus * peak_tflops * 1e12)
@@ -75,8 +92,15 @@ class Layout:
 
     @classmethod
     def of(cls, p: ParallelConfig) -> Layout:
-        return cls(p.nproc, p.tensor_parallel, p.pipeline_parallel, p.expert_parallel,
-                   p.expert_tensor_parallel, p.layers_in_first_stage, p.layers_in_last_stage)
+        return cls(
+            p.nproc,
+            p.tensor_parallel,
+            p.pipeline_parallel,
+            p.expert_parallel,
+            p.expert_tensor_parallel,
+            p.layers_in_first_stage,
+            p.layers_in_last_stage,
+        )
 
     @property
     def expert_tp(self) -> int:
@@ -96,9 +120,13 @@ class Layout:
         """Layers of each pipeline stage (megatron's rule); ValueError when they do not split."""
         if self.pp == 1 and (self.first or self.last):
             raise ValueError("layers in the first/last stage need pipeline_parallel > 1")
-        par = ParallelConfig(nproc=self.world, pipeline_parallel=self.pp, expert_parallel=1,
-                             layers_in_first_stage=self.first if self.pp > 1 else 0,
-                             layers_in_last_stage=self.last if self.pp > 1 else 0)
+        par = ParallelConfig(
+            nproc=self.world,
+            pipeline_parallel=self.pp,
+            expert_parallel=1,
+            layers_in_first_stage=self.first if self.pp > 1 else 0,
+            layers_in_last_stage=self.last if self.pp > 1 else 0,
+        )
         return list(pipeline_stage_layers(num_layers, par))
 
     def problems(self, m: ModelConfig) -> list[str]:
@@ -123,7 +151,9 @@ class Layout:
 
     def describe(self, num_layers: int) -> str:
         text = f"TP {self.tp} x EP {self.ep} x ETP {self.expert_tp} x PP {self.pp}"
-        return text + (f" ({'/'.join(map(str, self.stage_layers(num_layers)))} layers)" if self.pp > 1 else "")
+        return text + (
+            f" ({'/'.join(map(str, self.stage_layers(num_layers)))} layers)" if self.pp > 1 else ""
+        )
 
 
 def _stage_params(m: ModelConfig, lay: Layout, stage: int, layers: list[int]) -> tuple[float, float]:
@@ -159,8 +189,11 @@ def layer_activations(m: ModelConfig, lay: Layout, dense_layer: bool = False) ->
     and F / ETP of their fc1 columns: k (ETP H + 3F) / TP."""
     H, D, Q, G = m.hidden_size, m.head_dim, m.num_attention_heads, m.num_query_groups
     attn = 4 * H + (Q + 2 * G) * D + Q * D
-    mlp = 3 * m.ffn_hidden_size if dense_layer else \
-        2 * m.num_experts + m.moe_router_topk * (lay.expert_tp * H + 3 * m.moe_ffn_hidden_size)
+    mlp = (
+        3 * m.ffn_hidden_size
+        if dense_layer
+        else 2 * m.num_experts + m.moe_router_topk * (lay.expert_tp * H + 3 * m.moe_ffn_hidden_size)
+    )
     return (attn + mlp) / lay.tp
 
 
@@ -180,7 +213,8 @@ def stage_memory(cfg: RunConfig, lay: Layout, stage: int) -> dict[str, float]:
     weights when algo.kl_coef > 0; with rollout.staleness=k > 0, the k + 1 full canonical weight
     sets the rollout keeps on every rank (every expert, in the weights' dtype). Activations:
     micro_batch_size x max_seq_len tokens per micro-batch (``layer_activations``, bf16: 2 B, fp32:
-    4 B); 1F1B keeps up to PP - stage micro-batches in flight (stage 0: PP). Full recomputation keeps only each in-flight
+    4 B); 1F1B keeps up to PP - stage micro-batches in flight (stage 0: PP). Full recomputation
+    keeps only each in-flight
     micro-batch's layer inputs (H / TP per token and layer) plus one layer's full set.
     Logits (last stage): vocab-parallel [tokens, V / TP]: the output layer's (bf16) logits plus
     fp32 tensors the log-prob / entropy pass saves for its backward (log-softmax and softmax;
@@ -200,7 +234,9 @@ def stage_memory(cfg: RunConfig, lay: Layout, stage: int) -> dict[str, float]:
     per_dense, per_moe = layer_activations(m, lay, True), layer_activations(m, lay, False)
     in_flight = min(lay.pp - stage, micro_batches(cfg, lay))
     if m.recompute:
-        elems = in_flight * n * m.hidden_size / lay.tp + max(per_moe if n > n_dense else 0, per_dense if n_dense else 0)
+        elems = in_flight * n * m.hidden_size / lay.tp + max(
+            per_moe if n > n_dense else 0, per_dense if n_dense else 0
+        )
     else:
         elems = in_flight * (n_dense * per_dense + (n - n_dense) * per_moe)
     tokens = cfg.algo.micro_batch_size * m.max_seq_len
@@ -208,9 +244,21 @@ def stage_memory(cfg: RunConfig, lay: Layout, stage: int) -> dict[str, float]:
     saved = 3 if lay.tp > 1 else 2
     logits = tokens * m.vocab_size / lay.tp * (act_bytes + 4 * (saved + 1)) if stage == lay.pp - 1 else 0.0
     static = weights + grads + optim + reference + stale
-    return {"layers": n, "in_flight": in_flight, "dense": dense, "expert": expert, "weights": weights,
-            "grads": grads, "optimizer": optim, "reference": reference, "stale": stale, "static": static,
-            "activations": acts, "logits": logits, "train_peak": static + acts + logits}
+    return {
+        "layers": n,
+        "in_flight": in_flight,
+        "dense": dense,
+        "expert": expert,
+        "weights": weights,
+        "grads": grads,
+        "optimizer": optim,
+        "reference": reference,
+        "stale": stale,
+        "static": static,
+        "activations": acts,
+        "logits": logits,
+        "train_peak": static + acts + logits,
+    }
 
 
 def estimate(cfg: RunConfig, gpu_gib: float = 80.0, layout: Layout | None = None) -> dict[str, float]:
@@ -237,17 +285,27 @@ def estimate(cfg: RunConfig, gpu_gib: float = 80.0, layout: Layout | None = None
     kv_bytes = max(0.0, vllm_budget - vllm_weights - 2 * GiB)
     stale = {"stale_weights_gib": top["stale"] / GiB} if cfg.rollout.staleness else {}  # k + 1 weight sets
     return {
-        "params_total_b": c["total"] / 1e9, "params_active_b": c["active"] / 1e9,
+        "params_total_b": c["total"] / 1e9,
+        "params_active_b": c["active"] / 1e9,
         "learner_params_per_gpu_b": (top["dense"] + top["expert"]) / 1e9,
-        "dense_params_per_gpu_b": top["dense"] / 1e9, "expert_params_per_gpu_b": top["expert"] / 1e9,
-        "weights_gib": top["weights"] / GiB, "grads_gib": top["grads"] / GiB,
-        "optimizer_gib": top["optimizer"] / GiB, "reference_gib": top["reference"] / GiB, **stale,
-        "learner_static_gib": top["static"] / GiB, "activations_gib": top["activations"] / GiB,
-        "logits_gib": top["logits"] / GiB, "train_peak_gib": top["train_peak"] / GiB,
-        "peak_stage": float(peak_stage), "learner_static_max_gib": static_max / GiB,
-        "vllm_budget_gib": vllm_budget / GiB, "vllm_weights_gib": vllm_weights / GiB,
+        "dense_params_per_gpu_b": top["dense"] / 1e9,
+        "expert_params_per_gpu_b": top["expert"] / 1e9,
+        "weights_gib": top["weights"] / GiB,
+        "grads_gib": top["grads"] / GiB,
+        "optimizer_gib": top["optimizer"] / GiB,
+        "reference_gib": top["reference"] / GiB,
+        **stale,
+        "learner_static_gib": top["static"] / GiB,
+        "activations_gib": top["activations"] / GiB,
+        "logits_gib": top["logits"] / GiB,
+        "train_peak_gib": top["train_peak"] / GiB,
+        "peak_stage": float(peak_stage),
+        "learner_static_max_gib": static_max / GiB,
+        "vllm_budget_gib": vllm_budget / GiB,
+        "vllm_weights_gib": vllm_weights / GiB,
         "vllm_kv_tokens": kv_bytes / kv_per_token if vllm else 0.0,
-        "rollout_peak_gib": (static_max + vllm_budget) / GiB, "gpu_gib": gpu_gib,
+        "rollout_peak_gib": (static_max + vllm_budget) / GiB,
+        "gpu_gib": gpu_gib,
     }
 
 
@@ -271,8 +329,11 @@ def _splits(num_layers: int, pp: int):
         return
     for mid in range(math.ceil(num_layers / pp), (num_layers - 2) // (pp - 2) + 1):
         rest = num_layers - mid * (pp - 2)
-        yield from ((f, rest - f) for f in range(max(1, rest - mid), min(mid, rest - 1) + 1)
-                    if not f == rest - f == mid)
+        yield from (
+            (f, rest - f)
+            for f in range(max(1, rest - mid), min(mid, rest - 1) + 1)
+            if not f == rest - f == mid
+        )
 
 
 def candidate_layouts(m: ModelConfig, nodes: int, gpus_per_node: int) -> list[Layout]:
@@ -298,8 +359,9 @@ class Ranked:
     fits: bool
 
 
-def rank_layouts(cfg: RunConfig, nodes: int, gpus_per_node: int, gpu_gib: float = 80.0,
-                 margin_gib: float = MARGIN_GIB) -> list[Ranked]:
+def rank_layouts(
+    cfg: RunConfig, nodes: int, gpus_per_node: int, gpu_gib: float = 80.0, margin_gib: float = MARGIN_GIB
+) -> list[Ranked]:
     """``candidate_layouts`` estimated, one per (TP, EP, ETP, PP): the first/last split whose
     larger peak (training or rollout, the heaviest stage decides) is smallest. Ordered: the ones
     that fit (``fits``) first, by the rule: fewest pipeline stages (less bubble, fewer in-flight
@@ -316,11 +378,13 @@ def rank_layouts(cfg: RunConfig, nodes: int, gpus_per_node: int, gpu_gib: float 
     def order(r: Ranked):
         rule = (r.layout.pp, r.layout.tp, r.layout.expert_tp, r.layout.ep) if r.fits else ()
         return (not r.fits, *rule, _peak(r.est))
+
     return sorted(best.values(), key=order)
 
 
-def choose_layout(cfg: RunConfig, nodes: int, gpus_per_node: int, gpu_gib: float = 80.0,
-                  margin_gib: float = MARGIN_GIB) -> list[Ranked]:
+def choose_layout(
+    cfg: RunConfig, nodes: int, gpus_per_node: int, gpu_gib: float = 80.0, margin_gib: float = MARGIN_GIB
+) -> list[Ranked]:
     """The layouts that fit, best first (``rank_layouts``' rule); empty when none does."""
     return [r for r in rank_layouts(cfg, nodes, gpus_per_node, gpu_gib, margin_gib) if r.fits]
 
@@ -335,18 +399,30 @@ def format_estimate(est: dict[str, float]) -> str:
 
 def layout_table(cfg: RunConfig, ranked: list[Ranked]) -> str:
     """A markdown table of ranked layouts (the README's)."""
-    rows = ["| layout (TP x EP x ETP x PP) | learner static | train peak | rollout peak | vLLM KV tokens | fits? |",
-            "|---|---|---|---|---|---|"]
+    rows = [
+        "| layout (TP x EP x ETP x PP) | learner static | train peak | rollout peak | "
+        "vLLM KV tokens | fits? |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in ranked:
         e = r.est
-        rows.append(f"| {r.layout.describe(cfg.model.num_layers)} | {e['learner_static_max_gib']:.1f} | "
-                    f"{e['train_peak_gib']:.1f} | {e['rollout_peak_gib']:.1f} | {e['vllm_kv_tokens']:,.0f} | "
-                    f"{'yes' if r.fits else 'no'} |")
+        rows.append(
+            f"| {r.layout.describe(cfg.model.num_layers)} | {e['learner_static_max_gib']:.1f} | "
+            f"{e['train_peak_gib']:.1f} | {e['rollout_peak_gib']:.1f} | {e['vllm_kv_tokens']:,.0f} | "
+            f"{'yes' if r.fits else 'no'} |"
+        )
     return "\n".join(rows)
 
 
-def summarize_run(rows: list[dict], cfg: RunConfig, *, prompt_tokens: float, num_gpus: int = 1,
-                  peak_tflops: float = H100_BF16_DENSE_TFLOPS, skip: int = 1) -> dict[str, float]:
+def summarize_run(
+    rows: list[dict],
+    cfg: RunConfig,
+    *,
+    prompt_tokens: float,
+    num_gpus: int = 1,
+    peak_tflops: float = H100_BF16_DENSE_TFLOPS,
+    skip: int = 1,
+) -> dict[str, float]:
     """Step time, tokens/s, MFU and routing agreement from a run's metrics.jsonl rows.
 
     The first ``skip`` steps (compilation, allocator warm-up) are left out. Tokens per step: every
@@ -366,9 +442,20 @@ def summarize_run(rows: list[dict], cfg: RunConfig, *, prompt_tokens: float, num
     seqs = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
     tokens = seqs * (prompt_tokens + sum(r["rollout/response_len_mean"] for r in rows) / n)
     forward_passes = 2 + (cfg.algo.kl_coef > 0)
-    out = {"steps": float(n), "step_s": step_s, "tokens_per_step": tokens, "tokens_per_s": tokens / step_s,
-           "mfu": mfu(cfg.model, trained_tokens=tokens, forward_tokens=forward_passes * tokens, seconds=step_s,
-                      num_gpus=num_gpus, peak_tflops=peak_tflops)}
+    out = {
+        "steps": float(n),
+        "step_s": step_s,
+        "tokens_per_step": tokens,
+        "tokens_per_s": tokens / step_s,
+        "mfu": mfu(
+            cfg.model,
+            trained_tokens=tokens,
+            forward_tokens=forward_passes * tokens,
+            seconds=step_s,
+            num_gpus=num_gpus,
+            peak_tflops=peak_tflops,
+        ),
+    }
     for key in ("routing/flip_router_frac", "routing/flip_token_frac", "corr/k3_kl", "reward/mean"):
         vals = [r[key] for r in rows if key in r]
         if vals:
@@ -377,11 +464,19 @@ def summarize_run(rows: list[dict], cfg: RunConfig, *, prompt_tokens: float, num
         out["routing_agreement"] = 1.0 - out["routing/flip_router_frac"]
     if all("time/update_s" in r for r in rows):
         # time/reference_s: the reference pass, timed apart from the old one since the step package
-        learner_s = sum(r["time/old_logprob_s"] + r.get("time/reference_s", 0.0) + r["time/update_s"]
-                        for r in rows) / n
+        learner_s = (
+            sum(r["time/old_logprob_s"] + r.get("time/reference_s", 0.0) + r["time/update_s"] for r in rows)
+            / n
+        )
         out["learner_s"] = learner_s
-        out["learner_mfu"] = mfu(cfg.model, trained_tokens=tokens, forward_tokens=(forward_passes - 1) * tokens,
-                                 seconds=learner_s, num_gpus=num_gpus, peak_tflops=peak_tflops)
+        out["learner_mfu"] = mfu(
+            cfg.model,
+            trained_tokens=tokens,
+            forward_tokens=(forward_passes - 1) * tokens,
+            seconds=learner_s,
+            num_gpus=num_gpus,
+            peak_tflops=peak_tflops,
+        )
     peaks = [r["mem/peak_gib"] for r in all_rows if "mem/peak_gib" in r]
     if peaks:
         out["peak_gib"] = max(peaks)

@@ -141,8 +141,9 @@ def _comm_device(metrics: dict[str, MetricValue], group: Any) -> torch.device:
 def _pack(items: list[Number], device: torch.device) -> torch.Tensor:
     if not items:
         return torch.zeros(0, dtype=torch.float64, device=device)
-    return torch.stack([torch.as_tensor(x, dtype=torch.float64, device=device).detach().reshape(())
-                        for x in items])
+    return torch.stack(
+        [torch.as_tensor(x, dtype=torch.float64, device=device).detach().reshape(()) for x in items]
+    )
 
 
 def _check_same_keys(signature: str, device: torch.device, group: Any) -> None:
@@ -152,8 +153,9 @@ def _check_same_keys(signature: str, device: torch.device, group: Any) -> None:
     dist.all_reduce(check, op=dist.ReduceOp.MAX, group=group)
     hi, neg_lo = check.tolist()
     if hi != -neg_lo:
-        raise RuntimeError("reduce_metrics: ranks passed different metric keys or kinds; "
-                           f"this rank has: {signature}")
+        raise RuntimeError(
+            f"reduce_metrics: ranks passed different metric keys or kinds; this rank has: {signature}"
+        )
 
 
 def reduce_metrics(metrics: dict[str, MetricValue], group: Any = None) -> dict[str, float]:
@@ -195,9 +197,14 @@ def reduce_metrics(metrics: dict[str, MetricValue], group: Any = None) -> dict[s
     return _unpack(keys, kinds, flat, len(sums), len(maxes))
 
 
-def _unpack(keys: list[str], kinds: list[str], flat: list[float], num_sums: int,
-            num_maxes: int) -> dict[str, float]:
-    s, m, p = iter(flat[:num_sums]), iter(flat[num_sums:num_sums + num_maxes]), iter(flat[num_sums + num_maxes:])
+def _unpack(
+    keys: list[str], kinds: list[str], flat: list[float], num_sums: int, num_maxes: int
+) -> dict[str, float]:
+    s, m, p = (
+        iter(flat[:num_sums]),
+        iter(flat[num_sums : num_sums + num_maxes]),
+        iter(flat[num_sums + num_maxes :]),
+    )
     out: dict[str, float] = {}
     for key, kind in zip(keys, kinds):
         if kind == "Mean":
@@ -205,8 +212,9 @@ def _unpack(keys: list[str], kinds: list[str], flat: list[float], num_sums: int,
             out[key] = total / count if count != 0 else math.nan
         elif kind == "Std":
             total, total_sq, count = next(s), next(s), next(s)
-            out[key] = (math.sqrt(max(total_sq / count - (total / count) ** 2, 0.0))
-                        if count != 0 else math.nan)
+            out[key] = (
+                math.sqrt(max(total_sq / count - (total / count) ** 2, 0.0)) if count != 0 else math.nan
+            )
         elif kind == "Sum":
             out[key] = next(s)
         elif kind == "Max":
@@ -314,8 +322,15 @@ class MetricsWriter:
             steps show up in wandb twice; metrics.jsonl has each step exactly once.
     """
 
-    def __init__(self, run_dir: str | Path, config_dict: dict, wandb_mode: str = "offline",
-                 wandb_project: str = "moe-rl", rank: int = 0, resume_step: int | None = None) -> None:
+    def __init__(
+        self,
+        run_dir: str | Path,
+        config_dict: dict,
+        wandb_mode: str = "offline",
+        wandb_project: str = "moe-rl",
+        rank: int = 0,
+        resume_step: int | None = None,
+    ) -> None:
         if wandb_mode not in ("offline", "online", "disabled"):
             raise ValueError(f"wandb_mode {wandb_mode!r} is not one of offline|online|disabled")
         self.rank = rank
@@ -334,8 +349,9 @@ class MetricsWriter:
                 truncate_metrics_file(path, resume_step)
         self._file = open(self.path, "a", encoding="utf-8")
         if wandb_mode != "disabled":
-            self._wandb_run = self._init_wandb(config_dict, wandb_mode, wandb_project,
-                                               resume=resume_step is not None)
+            self._wandb_run = self._init_wandb(
+                config_dict, wandb_mode, wandb_project, resume=resume_step is not None
+            )
 
     def _init_wandb(self, config_dict: dict, mode: str, project: str, resume: bool) -> Any:
         import wandb  # only when used: importing it is slow and spawns nothing until init
@@ -346,8 +362,9 @@ class MetricsWriter:
         else:
             run_id = uuid.uuid4().hex[:16]
             _fsync_write(id_path, run_id + "\n")
-        run = wandb.init(dir=str(self.run_dir), mode=mode, project=project, config=config_dict,
-                         id=run_id, resume="allow")
+        run = wandb.init(
+            dir=str(self.run_dir), mode=mode, project=project, config=config_dict, id=run_id, resume="allow"
+        )
         run.define_metric("step")
         run.define_metric("*", step_metric="step")
         return run

@@ -9,12 +9,20 @@ ADVANTAGE_NAMES = ("grpo", "rloo", "otb", "otb_multiturn")  # moe_rl.advantages.
 # every advantage above is a per-group baseline: each needs >= 2 samples per prompt
 GROUP_ADVANTAGE_NAMES = ADVANTAGE_NAMES
 IS_LEVEL_NAMES = ("token", "sequence", "geometric")  # moe_rl.corrections.importance.IS_LEVELS ("none": off)
-RS_AGGREGATION_NAMES = ("token", "seq_sum", "seq_mean", "seq_max")  # moe_rl.corrections.importance.RS_AGGREGATIONS
+RS_AGGREGATION_NAMES = (
+    "token",
+    "seq_sum",
+    "seq_mean",
+    "seq_max",
+)  # moe_rl.corrections.importance.RS_AGGREGATIONS
 KL_ESTIMATOR_NAMES = ("k1", "k2", "k3")  # the per-token KL estimators (rejection kinds, algo.kl_estimator)
 SAFE_SET_RULE_NAMES = ("relative", "top_p")  # moe_rl.corrections.dvp.SAFE_SET_RULES
 HF_FAMILY_NAMES = ("qwen3_moe", "mixtral")  # moe_rl.weights.hf.FAMILIES
 # Trust Region Masking (moe_rl.corrections.trm): what pi_train is, where the KL comes from, the
 # length-neutral criteria ("none": off)
 TRM_REFERENCE_NAMES = ("theta", "old")
-TRM_KL_SOURCE_NAMES = ("exact", "sample")  # exact: full rollout distributions (built-in engine); sample: k2/k3
+TRM_KL_SOURCE_NAMES = (
+    "exact",
+    "sample",
+)  # exact: full rollout distributions (built-in engine); sample: k2/k3
 LENGTH_NEUTRAL_NAMES = ("none", "ln", "ser")

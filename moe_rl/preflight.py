@@ -44,9 +44,11 @@ def check_launch(cfg: RunConfig) -> None:
             # vllm 0.33 under external_launcher: only the first rank of a TP group owns the
             # routed-experts output (distributed/aux_output_connector/worker.py); the other ranks'
             # schedulers assert on the missing rows (connector.py take_output)
-            raise ConfigError(f"config key 'rollout.vllm.tensor_parallel': {cfg.rollout.vllm.tensor_parallel} > 1 "
-                              "is not supported: vLLM returns routed experts only on the first rank of each "
-                              "tensor-parallel group, and every rank needs its samples' routes; use 1")
+            raise ConfigError(
+                f"config key 'rollout.vllm.tensor_parallel': {cfg.rollout.vllm.tensor_parallel} > 1 "
+                "is not supported: vLLM returns routed experts only on the first rank of each "
+                "tensor-parallel group, and every rank needs its samples' routes; use 1"
+            )
 
 
 def check_devices(cfg: RunConfig, num_gpus: int) -> None:
@@ -55,28 +57,41 @@ def check_devices(cfg: RunConfig, num_gpus: int) -> None:
     ranks, otherwise ``parallel.nproc`` local ranks."""
     p = cfg.parallel
     if p.backend == "nccl" and num_gpus == 0:
-        raise ConfigError("config key 'parallel.backend': nccl needs CUDA, and this machine has no GPU; "
-                          "use parallel.backend=gloo (or auto)")
+        raise ConfigError(
+            "config key 'parallel.backend': nccl needs CUDA, and this machine has no GPU; "
+            "use parallel.backend=gloo (or auto)"
+        )
     if num_gpus == 0 or p.backend == "gloo":
         return
     external = "LOCAL_WORLD_SIZE" in os.environ  # torchrun/Slurm: this node's share of the ranks
     if not external and p.expert_parallel > num_gpus:
-        raise ConfigError(f"config key 'parallel.expert_parallel': {p.expert_parallel} is larger than the "
-                          f"{num_gpus} GPU(s) of this machine (a local run spans one machine)")
+        raise ConfigError(
+            f"config key 'parallel.expert_parallel': {p.expert_parallel} is larger than the "
+            f"{num_gpus} GPU(s) of this machine (a local run spans one machine)"
+        )
     local = int(os.environ["LOCAL_WORLD_SIZE"]) if external else p.nproc
     if local > num_gpus:
         what = f"the launcher starts {local} ranks on this node" if external else f"{local} local ranks"
-        raise ConfigError(f"config key 'parallel.nproc': {what} but this machine has {num_gpus} GPU(s): "
-                          "one rank per GPU")
+        raise ConfigError(
+            f"config key 'parallel.nproc': {what} but this machine has {num_gpus} GPU(s): one rank per GPU"
+        )
 
 
 # Fields a resumed run must share with the run it continues: the checkpoint's tensor shapes and
 # sharding depend on them (the tokenizer enters through model.vocab_size); rollout.staleness fixes
 # how many stale weight sets the checkpoint holds.
 RESUME_FIELDS = tuple(f"model.{k}" for k in ARCH_FIELDS) + (
-    "model.precision", "parallel.nproc", "parallel.tensor_parallel", "parallel.pipeline_parallel",
-    "parallel.expert_parallel", "parallel.expert_tensor_parallel", "parallel.layers_in_first_stage",
-    "parallel.layers_in_last_stage", "parallel.distributed_optimizer", "rollout.staleness")
+    "model.precision",
+    "parallel.nproc",
+    "parallel.tensor_parallel",
+    "parallel.pipeline_parallel",
+    "parallel.expert_parallel",
+    "parallel.expert_tensor_parallel",
+    "parallel.layers_in_first_stage",
+    "parallel.layers_in_last_stage",
+    "parallel.distributed_optimizer",
+    "rollout.staleness",
+)
 
 
 def check_run_dir(cfg: RunConfig) -> None:
@@ -84,8 +99,10 @@ def check_run_dir(cfg: RunConfig) -> None:
     run; with it, ``check_resume``. RunDirError / CheckpointError name the key and what to do."""
     run_dir = Path(cfg.run_dir)
     if run_dir.exists() and not run_dir.is_dir():
-        raise RunDirError(f"config key 'run_dir': {run_dir} is a file, not a directory; "
-                          f"give a new or existing run directory")
+        raise RunDirError(
+            f"config key 'run_dir': {run_dir} is a file, not a directory; "
+            f"give a new or existing run directory"
+        )
     ancestor = run_dir.absolute()
     while not ancestor.exists():
         ancestor = ancestor.parent
@@ -97,11 +114,15 @@ def check_run_dir(cfg: RunConfig) -> None:
         check_resume(cfg)
     elif any((run_dir / name).exists() for name in ("metrics.jsonl", "config.yaml", "checkpoints")):
         if checkpoint.latest(run_dir / "checkpoints") is None:
-            raise RunDirError(f"config key 'run_dir': {run_dir} holds a run that saved no checkpoint, so it "
-                              f"cannot be resumed; delete {_run_files(run_dir)} to start over, or pass "
-                              f"another run_dir=")
-        raise RunDirError(f"config key 'run_dir': {run_dir} already holds a run; pass resume=true to "
-                          f"continue it, or another run_dir=")
+            raise RunDirError(
+                f"config key 'run_dir': {run_dir} holds a run that saved no checkpoint, so it "
+                f"cannot be resumed; delete {_run_files(run_dir)} to start over, or pass "
+                f"another run_dir="
+            )
+        raise RunDirError(
+            f"config key 'run_dir': {run_dir} already holds a run; pass resume=true to "
+            f"continue it, or another run_dir="
+        )
 
 
 def _run_files(run_dir: Path) -> str:
@@ -116,29 +137,37 @@ def check_resume(cfg: RunConfig) -> None:
     run_dir = Path(cfg.run_dir)
     latest = checkpoint.latest(run_dir / "checkpoints")
     if latest is None and (run_dir / "config.yaml").exists():
-        raise RunDirError(f"resume=true but {run_dir}/checkpoints has no checkpoint (the run saved none); "
-                          f"delete {_run_files(run_dir)} and drop resume=true to start over, or pass "
-                          f"another run_dir=")
+        raise RunDirError(
+            f"resume=true but {run_dir}/checkpoints has no checkpoint (the run saved none); "
+            f"delete {_run_files(run_dir)} and drop resume=true to start over, or pass "
+            f"another run_dir="
+        )
     if latest is None:
-        raise RunDirError(f"resume=true but {run_dir}/checkpoints has no checkpoint; drop resume=true "
-                          f"to start a new run")
+        raise RunDirError(
+            f"resume=true but {run_dir}/checkpoints has no checkpoint; drop resume=true to start a new run"
+        )
     saved_path = run_dir / "config.yaml"
     if not saved_path.is_file():
-        raise RunDirError(f"resume=true but {saved_path} is missing, so the checkpoint's model and "
-                          f"layout are unknown")
+        raise RunDirError(
+            f"resume=true but {saved_path} is missing, so the checkpoint's model and layout are unknown"
+        )
     saved = to_dict(load_config(saved_path))
     new = to_dict(cfg)
     for key in RESUME_FIELDS:
         section, name = key.split(".")
         was, now = saved[section][name], new[section][name]
         if was != now:
-            raise CheckpointError(f"resume=true: {key}={now} but the run in {run_dir} was made with "
-                                  f"{key}={was} ({saved_path}); a checkpoint cannot change it: use "
-                                  f"{key}={was} or a new run_dir=")
+            raise CheckpointError(
+                f"resume=true: {key}={now} but the run in {run_dir} was made with "
+                f"{key}={was} ({saved_path}); a checkpoint cannot change it: use "
+                f"{key}={was} or a new run_dir="
+            )
     step = int(read_json(latest / "trainer_state.json")["step"])
     if cfg.steps <= step:
-        raise ConfigError(f"config key 'steps': {cfg.steps}, but the run in {run_dir} is at step {step} "
-                          f"({latest.name}); pass steps > {step} to train on")
+        raise ConfigError(
+            f"config key 'steps': {cfg.steps}, but the run in {run_dir} is at step {step} "
+            f"({latest.name}); pass steps > {step} to train on"
+        )
 
 
 def check_tokenizer_files(cfg: RunConfig) -> None:
@@ -153,9 +182,11 @@ def check_tokenizer_files(cfg: RunConfig) -> None:
         return
     key = "init_weights" if cfg.task.tokenizer in ("auto", "hf", "hf:") else "task.tokenizer"
     wanted = ", ".join(" + ".join(files) for files in VOCAB_FILES)
-    raise TokenizerError(f"config key '{key}': {directory} has no tokenizer files (none of {wanted}), and "
-                         f"task.tokenizer={cfg.task.tokenizer} reads the tokenizer from it; copy the "
-                         f"checkpoint's tokenizer files there, or pass task.tokenizer=hf:DIR")
+    raise TokenizerError(
+        f"config key '{key}': {directory} has no tokenizer files (none of {wanted}), and "
+        f"task.tokenizer={cfg.task.tokenizer} reads the tokenizer from it; copy the "
+        f"checkpoint's tokenizer files there, or pass task.tokenizer=hf:DIR"
+    )
 
 
 def prompt_limit(cfg: RunConfig) -> tuple[int, str]:

@@ -22,8 +22,9 @@ class Registry(dict[str, F], Generic[F]):
         def deco(fn: F) -> F:
             if name in self:
                 old = self[name]
-                raise ValueError(f"{self.kind} {name!r} is already registered "
-                                 f"(by {old.__module__}.{old.__qualname__})")
+                raise ValueError(
+                    f"{self.kind} {name!r} is already registered (by {old.__module__}.{old.__qualname__})"
+                )
             self[name] = fn
             return fn
 

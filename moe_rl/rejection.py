@@ -11,7 +11,9 @@ from moe_rl.names import KL_ESTIMATOR_NAMES, RS_AGGREGATION_NAMES
 Bound = float | tuple[float, float]  # see parse_rs_spec
 
 
-def parse_rs_spec(options: Sequence[str], bounds: Sequence[Bound] | Bound) -> list[tuple[str, str, float, float]]:
+def parse_rs_spec(
+    options: Sequence[str], bounds: Sequence[Bound] | Bound
+) -> list[tuple[str, str, float, float]]:
     """Validate rejection options and bounds.
 
     Args:
@@ -38,8 +40,10 @@ def parse_rs_spec(options: Sequence[str], bounds: Sequence[Bound] | Bound) -> li
 def _parse_one(option: str, bound: Bound) -> tuple[str, str, float, float]:
     agg, _, kind = option.rpartition("_")
     if kind not in KL_ESTIMATOR_NAMES or agg not in RS_AGGREGATION_NAMES:
-        raise ValueError(f"unknown rejection option {option!r}; use <agg>_<k1|k2|k3>, agg in "
-                         f"{sorted(RS_AGGREGATION_NAMES)}")
+        raise ValueError(
+            f"unknown rejection option {option!r}; use <agg>_<k1|k2|k3>, agg in "
+            f"{sorted(RS_AGGREGATION_NAMES)}"
+        )
     if agg == "seq_max" and kind == "k1":
         raise ValueError("seq_max_k1 is not supported (k1 is sign-indefinite); use seq_max_k2")
     if kind != "k1":

@@ -46,8 +46,9 @@ def _in_use(run_dir: Path, fd: int) -> RunDirInUseError:
         stop = f"stop it (kill {owner['pid']} on {owner['host']})"
     except (ValueError, KeyError, TypeError):  # the owner is between its flock and its write
         who, stop = "another job", "stop it"
-    return RunDirInUseError(f"run_dir {run_dir} is in use by {who}; wait for that job to end or {stop}, "
-                            f"or pass another run_dir=")
+    return RunDirInUseError(
+        f"run_dir {run_dir} is in use by {who}; wait for that job to end or {stop}, or pass another run_dir="
+    )
 
 
 def check_free(run_dir: str | Path) -> None:
@@ -76,8 +77,10 @@ def acquire(run_dir: str | Path) -> int:
     try:
         fd = os.open(run_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by the ranks
     except OSError as e:
-        raise RunDirError(f"config key 'run_dir': cannot open its lock file {run_dir / LOCK_NAME} "
-                          f"({type(e).__name__}: {e.strerror})") from None
+        raise RunDirError(
+            f"config key 'run_dir': cannot open its lock file {run_dir / LOCK_NAME} "
+            f"({type(e).__name__}: {e.strerror})"
+        ) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -27,7 +27,10 @@ class StepTimer:
 
     def metrics(self) -> dict[str, float]:
         """Every phase, and the whole step so far."""
-        return {**{f"time/{k}_s": v for k, v in self.seconds.items()}, "time/step_s": time.perf_counter() - self.start}
+        return {
+            **{f"time/{k}_s": v for k, v in self.seconds.items()},
+            "time/step_s": time.perf_counter() - self.start,
+        }
 
 
 def memory_metrics(device: torch.device) -> dict:

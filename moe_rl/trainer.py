@@ -46,8 +46,14 @@ def preflight(cfg: RunConfig, check_run_dir: bool = True) -> RunConfig:
 
 
 def progress(cfg: RunConfig, start: int, dims: ParallelDims) -> tqdm:
-    return tqdm(total=cfg.steps, initial=start, desc="rl", unit="step", dynamic_ncols=True,
-                disable=not (dims.is_main and cfg.log.progress_bar))
+    return tqdm(
+        total=cfg.steps,
+        initial=start,
+        desc="rl",
+        unit="step",
+        dynamic_ncols=True,
+        disable=not (dims.is_main and cfg.log.progress_bar),
+    )
 
 
 def sync_weights(engine, learner: Learner, stale: StaleWeights, resumed: bool = False) -> None:
@@ -61,34 +67,61 @@ def sync_weights(engine, learner: Learner, stale: StaleWeights, resumed: bool = 
     engine.load_weights(stale.resume_push(exported) if resumed else stale.push(exported))
 
 
+def build_learner(cfg: RunConfig, plan: StepPlan, dims: ParallelDims, tok) -> Learner:
+    """The megatron learner of ``cfg``, from its warm start (checked in preflight)."""
+    init = load_init_weights(cfg.init_weights, cfg.model, tok)
+    return Learner(
+        cfg.model,
+        cfg.parallel,
+        cfg.optim,
+        dims,
+        init,
+        with_reference=plan.reference,
+        monitor=cfg.log.router_monitor,
+        monitor_margin_eps=cfg.log.router_margin_eps,
+        max_tokens_per_micro_batch=cfg.algo.max_tokens_per_micro_batch,
+    )
+
+
+def open_run_dir(cfg: RunConfig, dims: ParallelDims, start: int) -> MetricsWriter:
+    """The resolved config (rank 0) and the metrics sink, continued on resume."""
+    run_dir = Path(cfg.run_dir)
+    if dims.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    return MetricsWriter(
+        run_dir,
+        to_dict(cfg),
+        cfg.log.wandb_mode,
+        cfg.log.wandb_project,
+        dims.rank,
+        resume_step=start if cfg.resume else None,
+    )
+
+
 def train(cfg: RunConfig, dims: ParallelDims) -> None:
     cfg, task = build_task(cfg)
-    run_dir, r, a, tok = Path(cfg.run_dir), cfg.rollout, cfg.algo, task.tokenizer
+    r, tok = cfg.rollout, task.tokenizer
     plan = StepPlan.from_config(cfg, tok.eos_ids)  # the step's every choice, made once
-    init = load_init_weights(cfg.init_weights, cfg.model, tok)
-    learner = Learner(cfg.model, cfg.parallel, cfg.optim, dims, init, with_reference=plan.reference,
-                      monitor=cfg.log.router_monitor, monitor_margin_eps=cfg.log.router_margin_eps,
-                      max_tokens_per_micro_batch=a.max_tokens_per_micro_batch)
+    learner = build_learner(cfg, plan, dims, tok)
     engine, lr_sched = build_engine(cfg, tok.pad_id, learner.device), LengthLRScheduler(cfg.optim.length_lr)
     stale = StaleWeights(r.staleness)  # rollout.staleness: the engine runs k updates behind
     ckpt = CheckpointManager(cfg, learner, lr_sched, stale)
     start = ckpt.resume()
     sync_weights(engine, learner, stale, resumed=start > 0)
-    if dims.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(to_yaml(cfg))
-    writer = MetricsWriter(run_dir, to_dict(cfg), cfg.log.wandb_mode, cfg.log.wandb_project,
-                           dims.rank, resume_step=start if cfg.resume else None)
-    bar = progress(cfg, start, dims)
+    writer, bar = open_run_dir(cfg, dims, start), progress(cfg, start, dims)
     health = HealthMonitor(cfg.log.health, cfg.model.vocab_size, active=dims.is_main)
     for step in range(start, cfg.steps):
         m_val = validate(cfg, task, engine, step, dims.dp_rank, dims.dp_size)  # every log.val_every steps
         timer = StepTimer()
         with timer.phase("rollout"):
-            prompts = task.source.sample_step(step, r.prompts_per_step // dims.dp_size, dims.dp_rank, dims.dp_size,
-                                              cfg.seed)
-            batch = engine.generate([p.prompt_ids for p in prompts], r.samples_per_prompt, plan.sampling,
-                                    seed=step_seed(cfg.seed, step, dims.dp_rank, GENERATE))
+            prompts = task.source.sample_step(
+                step, r.prompts_per_step // dims.dp_size, dims.dp_rank, dims.dp_size, cfg.seed
+            )
+            seed = step_seed(cfg.seed, step, dims.dp_rank, GENERATE)
+            batch = engine.generate(
+                [p.prompt_ids for p in prompts], r.samples_per_prompt, plan.sampling, seed=seed
+            )
             m_stale = stale.metrics()
         with timer.phase("score"):
             rewards_B, m_reward = score_step(cfg, task, prompts, batch)
@@ -103,8 +136,8 @@ def train(cfg: RunConfig, dims: ParallelDims) -> None:
             m_update = update_policy(plan, learner, train_batch, lr)
         with timer.phase("sync"):
             sync_weights(engine, learner, stale)  # weight sync learner -> engine
-        metrics = finalize({**m_val, **m_reward, **m_prep, **m_update, **m_lr, **m_stale, **rollout_metrics(batch),
-                            **timer.metrics(), **memory_metrics(learner.device)}, dims.dp_group)
+        local = {**m_val, **m_reward, **m_prep, **m_update, **m_lr, **m_stale, **rollout_metrics(batch)}
+        metrics = finalize({**local, **timer.metrics(), **memory_metrics(learner.device)}, dims.dp_group)
         writer.log(step, metrics)
         writer.log_events(events + health.observe(step, metrics))  # LR decays, health alarms
         bar.update(1)

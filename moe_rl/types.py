@@ -51,7 +51,9 @@ class SamplingParams:
     # Dynamic Vocabulary Pruning: sample only from the safe set of ``dvp_rule`` and report
     # log-probs renormalised over it; 0 = off (full vocabulary).
     dvp_threshold: float = 0.0
-    dvp_rule: str = "relative"  # relative (p >= threshold * max p) | top_p (smallest set of mass >= threshold)
+    dvp_rule: str = (
+        "relative"  # relative (p >= threshold * max p) | top_p (smallest set of mass >= threshold)
+    )
     return_dist: bool = False  # also return the full rollout distribution per generated token
 
     @property
@@ -103,8 +105,11 @@ class RolloutBatch:
 
     def to(self, device: torch.device | str) -> RolloutBatch:
         """A copy with every [B]/[B, S] tensor on ``device`` (route records stay where they are)."""
-        moved = {f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
-                 if isinstance(getattr(self, f.name), torch.Tensor)}
+        moved = {
+            f.name: getattr(self, f.name).to(device)
+            for f in dataclasses.fields(self)
+            if isinstance(getattr(self, f.name), torch.Tensor)
+        }
         return dataclasses.replace(self, **moved)
 
 
@@ -159,8 +164,9 @@ class TrainBatch:
     def select(self, idx_B: torch.Tensor) -> TrainBatch:
         """The sequences ``idx_B`` (in that order)."""
         cpu_B = idx_B.cpu()
-        return self._map(lambda v: v[idx_B.to(v.device)], lambda v: v[idx_B.to(v.device)],
-                         lambda r: r.select(cpu_B))
+        return self._map(
+            lambda v: v[idx_B.to(v.device)], lambda v: v[idx_B.to(v.device)], lambda r: r.select(cpu_B)
+        )
 
     def to(self, device: torch.device | str) -> TrainBatch:
         """Every tensor on ``device`` (no copy where it is already there); routes stay on the CPU."""
@@ -172,11 +178,14 @@ class TrainBatch:
         multiple of ``seq_multiple`` (sequence parallelism splits S over the TP ranks). Padding
         is zeros: out of every mask, and pad routes in the replay layout."""
         lens = self.seq_lens_B.tolist()  # one host sync per pass: slicing needs Python ints
-        return [self._chunk(list(range(start, min(start + size, len(lens)))), lens, token_multiple, seq_multiple)
-                for start in range(0, len(lens), size)]
+        return [
+            self._chunk(list(range(start, min(start + size, len(lens)))), lens, token_multiple, seq_multiple)
+            for start in range(0, len(lens), size)
+        ]
 
-    def micro_batches_by_tokens(self, max_tokens: int, token_multiple: int = 1,
-                                seq_multiple: int = 1) -> tuple[list[TrainBatch], torch.Tensor]:
+    def micro_batches_by_tokens(
+        self, max_tokens: int, token_multiple: int = 1, seq_multiple: int = 1
+    ) -> tuple[list[TrainBatch], torch.Tensor]:
         """Micro-batches by token budget (verl's dynamic batch size): sequences sorted by length,
         longest first, and packed greedily while (sequences x longest length) <= ``max_tokens``; a
         sequence longer than the budget gets a micro-batch of its own. Each is trimmed and padded
@@ -197,8 +206,10 @@ class TrainBatch:
                 groups[-1].append(b)
             else:
                 groups.append([b])
-        return ([self._chunk(g, lens, token_multiple, seq_multiple) for g in groups],
-                torch.tensor(order, dtype=torch.long, device="cpu"))
+        return (
+            [self._chunk(g, lens, token_multiple, seq_multiple) for g in groups],
+            torch.tensor(order, dtype=torch.long, device="cpu"),
+        )
 
     def _chunk(self, idx: list[int], lens: list[int], token_multiple: int, seq_multiple: int) -> TrainBatch:
         """The sequences ``idx`` (in that order), trimmed to their longest and padded (see micro_batches)."""
@@ -209,7 +220,7 @@ class TrainBatch:
         idx_B = torch.tensor(idx, dtype=torch.long, device="cpu")  # made on the host, like route records
 
         def rows(v: torch.Tensor) -> torch.Tensor:  # slicing (a view) where the rows are consecutive
-            return v[idx[0]:idx[0] + b] if consecutive else v[idx_B.to(v.device)]
+            return v[idx[0] : idx[0] + b] if consecutive else v[idx_B.to(v.device)]
 
         def positions(v: torch.Tensor) -> torch.Tensor:
             v = rows(v)[:, :s_max]
@@ -231,4 +242,8 @@ class TokenStats:
 
     def fields(self) -> dict[str, torch.Tensor]:
         """The statistics that were computed, by field name."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) is not None
+        }

@@ -1,4 +1,5 @@
-"""Gradient-variance proxies for any advantage estimator (docs/math.md 6.4 [C verl ``compute_variance_proxy_metrics``]).
+"""Gradient-variance proxies for any advantage estimator (docs/math.md 6.4 [C verl
+``compute_variance_proxy_metrics``]).
 
 Shape suffixes: B sequences, S padded sequence length.
 
@@ -37,8 +38,13 @@ import torch
 from moe_rl.metrics import Mean, MetricValue, Sum
 
 
-def variance_proxies(advantages_BS: torch.Tensor, mask_BS: torch.Tensor, sum_pi_sq_BS: torch.Tensor,
-                     logp_BS: torch.Tensor, is_weights_BS: torch.Tensor | None = None) -> dict[str, MetricValue]:
+def variance_proxies(
+    advantages_BS: torch.Tensor,
+    mask_BS: torch.Tensor,
+    sum_pi_sq_BS: torch.Tensor,
+    logp_BS: torch.Tensor,
+    is_weights_BS: torch.Tensor | None = None,
+) -> dict[str, MetricValue]:
     """Local parts of the docs/math.md 6.4 proxies for one rank's batch (see the module docstring).
 
     Args:
@@ -57,18 +63,18 @@ def variance_proxies(advantages_BS: torch.Tensor, mask_BS: torch.Tensor, sum_pi_
     w_BS = (1.0 - 2.0 * logp_BS.detach().double().exp() + sum_pi_sq_BS.detach().double()) * m_BS
     if is_weights_BS is None:
         w_B = w_BS.sum(1)
-        power_B = a_B ** 2 * w_B.clamp(min=0.0)
+        power_B = a_B**2 * w_B.clamp(min=0.0)
     else:
         rho_BS = is_weights_BS.detach().double()
-        rho_sq_BS = rho_BS ** 2
+        rho_sq_BS = rho_BS**2
         w_B = (w_BS * rho_sq_BS).sum(1)
         w_orig_B = (w_BS * rho_sq_BS / rho_sq_BS.clamp(min=1e-10)).sum(1).clamp(min=0.0)  # verl's divide-back
         rho_seq_B = (rho_BS * m_BS).sum(1) / denom_B
-        power_B = rho_seq_B ** 2 * a_B ** 2 * w_orig_B
+        power_B = rho_seq_B**2 * a_B**2 * w_orig_B
     num_seqs = torch.full((), a_B.shape[0], dtype=torch.float64, device=a_B.device)
     return {
         "adv/proxy_total_power": Mean(power_B.sum(), num_seqs),
-        "adv/proxy_expected_a_sq": Mean((a_B ** 2).sum(), num_seqs),
+        "adv/proxy_expected_a_sq": Mean((a_B**2).sum(), num_seqs),
         "adv/proxy_expected_w": Mean(w_B.sum(), num_seqs),
         "adv/proxy_num_seqs": Sum(num_seqs),
     }

@@ -40,9 +40,19 @@ def run_arm(name: str, args) -> list[dict]:
     run_dir = Path(args.out) / name
     if not args.reuse:
         shutil.rmtree(run_dir, ignore_errors=True)
-        cmd = [sys.executable, "-m", "moe_rl.cli", "train", *ARMS[name], f"run_dir={run_dir}", f"steps={args.steps}",
-               "checkpoint_every=0", "log.progress_bar=false", "log.wandb_mode=disabled",
-               f"rollout.router_noise={args.router_noise}"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "moe_rl.cli",
+            "train",
+            *ARMS[name],
+            f"run_dir={run_dir}",
+            f"steps={args.steps}",
+            "checkpoint_every=0",
+            "log.progress_bar=false",
+            "log.wandb_mode=disabled",
+            f"rollout.router_noise={args.router_noise}",
+        ]
         print(f"[{name}] {' '.join(cmd[3:])}", flush=True)
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -65,8 +75,14 @@ def correction_cost_s(preset: list[str], reps: int = 20, pairs: int = 10) -> lis
     mask = torch.rand(B, S, generator=g) > 0.5
     rollout = -torch.rand(B, S, generator=g)
     old = rollout + 0.05 * torch.randn(B, S, generator=g)
-    mb = TrainBatch(torch.zeros(B, S, dtype=torch.int64), torch.full((B,), S), loss_mask_BS=mask, old_logp_BS=old,
-                    rollout_logp_BS=rollout, advantages_BS=torch.randn(B, S, generator=g))
+    mb = TrainBatch(
+        torch.zeros(B, S, dtype=torch.int64),
+        torch.full((B,), S),
+        loss_mask_BS=mask,
+        old_logp_BS=old,
+        rollout_logp_BS=rollout,
+        advantages_BS=torch.randn(B, S, generator=g),
+    )
 
     def one(c) -> float:
         plan = StepPlan.from_config(c)  # the loss is built once per run, not per step
@@ -76,7 +92,8 @@ def correction_cost_s(preset: list[str], reps: int = 20, pairs: int = 10) -> lis
             logp = old.clone().requires_grad_(True)
             st = TokenStats(logp, torch.zeros_like(logp), torch.zeros_like(logp))
             loss, _ = plan.loss(
-                mb.replace(is_weights_BS=corr.is_weights_BS, keep_BS=corr.keep_BS), st, mask.sum())
+                mb.replace(is_weights_BS=corr.is_weights_BS, keep_BS=corr.keep_BS), st, mask.sum()
+            )
             loss.backward()
         return (time.perf_counter() - t0) / reps
 
@@ -98,10 +115,14 @@ def main() -> None:
     args = ap.parse_args()
     load = MachineLoad()
     print(f"{args.steps} steps, default batch, bf16 engine + router-logit noise std {args.router_noise}")
-    print(f"corr cost: median of {args.reps} paired differences (correction - plain loss, each the mean of 20 "
-          f"steps) / median step time, with its interval (scripts/bench_stats.py)")
-    print(f"{'arm':10}{'final':>8}{'peak k3':>10}{'spikes':>8}{'TRM acc':>9}{'step s':>8}{'corr cost':>11}"
-          f"  interval")
+    print(
+        f"corr cost: median of {args.reps} paired differences (correction - plain loss, each the mean of 20 "
+        f"steps) / median step time, with its interval (scripts/bench_stats.py)"
+    )
+    print(
+        f"{'arm':10}{'final':>8}{'peak k3':>10}{'spikes':>8}{'TRM acc':>9}{'step s':>8}{'corr cost':>11}"
+        f"  interval"
+    )
     for name in ARMS:
         recs = run_arm(name, args)
         k = max(1, len(recs) // 10)
@@ -114,8 +135,10 @@ def main() -> None:
         med_s, lo_s, hi_s, cov = median_interval(correction_cost_s(ARMS[name], pairs=args.reps))
         cost, lo, hi = med_s / step_s, lo_s / step_s, hi_s / step_s
         acc_s = f"{sum(acc) / len(acc):.3f}" if acc else "-"
-        print(f"{name:10}{final:8.3f}{max(r['corr/k3_kl'] for r in recs):10.2e}{spikes:8d}{acc_s:>9}"
-              f"{step_s:8.2f}{cost:11.2%}  {lo:.2%}..{hi:.2%} (coverage {cov:.0%})")
+        print(
+            f"{name:10}{final:8.3f}{max(r['corr/k3_kl'] for r in recs):10.2e}{spikes:8d}{acc_s:>9}"
+            f"{step_s:8.2f}{cost:11.2%}  {lo:.2%}..{hi:.2%} (coverage {cov:.0%})"
+        )
     print(load.line(2))
 
 

@@ -32,20 +32,35 @@ def _measure(args) -> dict:
 
     torch.set_num_threads(1)
     megatron_patches.apply_all()
-    model = ModelConfig(vocab_size=64, hidden_size=64, num_layers=2, num_attention_heads=4, num_query_groups=2,
-                        head_dim=16, ffn_hidden_size=96, moe_ffn_hidden_size=32, num_experts=4, moe_router_topk=2,
-                        max_seq_len=2048)
+    model = ModelConfig(
+        vocab_size=64,
+        hidden_size=64,
+        num_layers=2,
+        num_attention_heads=4,
+        num_query_groups=2,
+        head_dim=16,
+        ffn_hidden_size=96,
+        moe_ffn_hidden_size=32,
+        num_experts=4,
+        moe_router_topk=2,
+        max_seq_len=2048,
+    )
     par = ParallelConfig(nproc=1, expert_parallel=1)
     ctx = dist.init_distributed(par, seed=0)
     g = torch.Generator().manual_seed(args.seed)
     lens_B = torch.randint(20, 2001, (args.seqs,), generator=g)
     pos_S = torch.arange(int(lens_B.max()))
-    tokens_BS = torch.randint(3, model.vocab_size, (args.seqs, pos_S.numel()), generator=g) * (pos_S < lens_B[:, None])
+    tokens_BS = torch.randint(3, model.vocab_size, (args.seqs, pos_S.numel()), generator=g) * (
+        pos_S < lens_B[:, None]
+    )
     batch = TrainBatch(tokens_BS, lens_B, loss_mask_BS=(pos_S >= 10) & (pos_S < lens_B[:, None]))
     weights = random_canonical_weights(model, seed=0)
-    learners = {"fixed": Learner(model, par, OptimConfig(), ctx, weights, monitor=False),
-                "token-budget": Learner(model, par, OptimConfig(), ctx, weights, monitor=False,
-                                        max_tokens_per_micro_batch=args.max_tokens)}
+    learners = {
+        "fixed": Learner(model, par, OptimConfig(), ctx, weights, monitor=False),
+        "token-budget": Learner(
+            model, par, OptimConfig(), ctx, weights, monitor=False, max_tokens_per_micro_batch=args.max_tokens
+        ),
+    }
 
     def nll(mb, st, normalizer):
         return -(st.logp_BS * mb.loss_mask_BS).sum() / normalizer, {}
@@ -55,7 +70,7 @@ def _measure(args) -> dict:
         mbs, _ = learner._micro_batches(batch, args.micro_batch_size)
         res[name] = {"num": len(mbs), "padded": sum(mb.tokens_BS.numel() for mb in mbs), "times": []}
     for rep in range(args.reps + 1):
-        for name in (("fixed", "token-budget") if rep % 2 == 0 else ("token-budget", "fixed")):
+        for name in ("fixed", "token-budget") if rep % 2 == 0 else ("token-budget", "fixed"):
             t0 = time.perf_counter()
             learners[name].forward_backward(batch, nll, 1.0, args.micro_batch_size)
             if rep:
@@ -76,15 +91,27 @@ def main() -> None:
 
     load = MachineLoad()
     res = spawn_local(_measure, 1, args)[0]
-    print(f"{args.seqs} sequences, lengths {res['lens'][0]}..{res['lens'][1]} tokens, {res['real']} real tokens; "
-          f"one rank, update pass (forward + backward), median of {args.reps}")
+    print(
+        f"{args.seqs} sequences, lengths {res['lens'][0]}..{res['lens'][1]} tokens, "
+        f"{res['real']} real tokens; "
+        f"one rank, update pass (forward + backward), median of {args.reps}"
+    )
     print(f"{'':36}{'micro-batches':>14}{'padded/real':>13}{'pass time (s)':>15}")
-    for name, label in (("fixed", f"fixed, {args.micro_batch_size} seqs each"),
-                        ("token-budget", f"token budget, <= {args.max_tokens} tokens")):
+    for name, label in (
+        ("fixed", f"fixed, {args.micro_batch_size} seqs each"),
+        ("token-budget", f"token budget, <= {args.max_tokens} tokens"),
+    ):
         r = res[name]
-        print(f"{label:36}{r['num']:>14}{r['padded'] / res['real']:>13.3f}{statistics.median(r['times']):>15.2f}")
-    print(ratio_line("pass time ratio token-budget/fixed",
-                     paired_ratios(res["token-budget"]["times"], res["fixed"]["times"])))
+        print(
+            f"{label:36}{r['num']:>14}{r['padded'] / res['real']:>13.3f}"
+            f"{statistics.median(r['times']):>15.2f}"
+        )
+    print(
+        ratio_line(
+            "pass time ratio token-budget/fixed",
+            paired_ratios(res["token-budget"]["times"], res["fixed"]["times"]),
+        )
+    )
     print(load.line(1))
 
 

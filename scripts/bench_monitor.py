@@ -45,8 +45,10 @@ def _measure(args) -> list[dict]:
     cfg_off = dataclasses.replace(cfg_on, log=LogConfig(router_monitor=False))
     ctx = dist.init_distributed(cfg_on.parallel, seed=0)
     init = load_init_weights(cfg_on.init_weights, cfg_on.model, tok)
-    learners = {name: Learner(cfg_on.model, cfg_on.parallel, cfg_on.optim, ctx, init, monitor=name == "on")
-                for name in ("on", "off")}  # the same weights; lr 0 keeps them the same
+    learners = {
+        name: Learner(cfg_on.model, cfg_on.parallel, cfg_on.optim, ctx, init, monitor=name == "on")
+        for name in ("on", "off")
+    }  # the same weights; lr 0 keeps them the same
     plans = {"on": StepPlan.from_config(cfg_on), "off": StepPlan.from_config(cfg_off)}  # routing.replay=off
     learner, monitor = learners["on"], learners["on"].monitor
     engine = build_engine(cfg_on, tok.pad_id)
@@ -56,11 +58,11 @@ def _measure(args) -> list[dict]:
     prompts = source.sample(args.prompts, seed=ctx.dp_rank)
     t0 = time.perf_counter()
     sampling = sampling_params(cfg_on, (tok.eos_id,))
-    batch = engine.generate([p.prompt_ids for p in prompts], r.samples_per_prompt, sampling,
-                            seed=ctx.dp_rank)
+    batch = engine.generate([p.prompt_ids for p in prompts], r.samples_per_prompt, sampling, seed=ctx.dp_rank)
     rollout_s = time.perf_counter() - t0
-    rewards_B, _ = score(prompts, batch.response_ids(tok.pad_id), tok, r.samples_per_prompt,
-                         task_names=source.task_names)
+    rewards_B, _ = score(
+        prompts, batch.response_ids(tok.pad_id), tok, r.samples_per_prompt, task_names=source.task_names
+    )
     # the monitor's own code, timed directly (robust to other load on the machine): its hooks,
     # the update passes' comparison with the old pass's routes, and the once-per-step reduction
     inside = [0.0]
@@ -72,9 +74,13 @@ def _measure(args) -> list[dict]:
                 return fn(*a, **kw)
             finally:
                 inside[0] += time.perf_counter() - t0
+
         return wrapper
 
-    monitor.observe_forward, monitor.observe_grad = timed(monitor.observe_forward), timed(monitor.observe_grad)
+    monitor.observe_forward, monitor.observe_grad = (
+        timed(monitor.observe_forward),
+        timed(monitor.observe_grad),
+    )
     learner.router_monitor_metrics = timed(learner.router_monitor_metrics)
     learner.replay.collector.finish = timed(learner.replay.collector.finish)
     times: dict[str, list[float]] = {"on": [], "off": []}
@@ -105,20 +111,28 @@ def _report(ranks: list[dict]) -> None:
     off = statistics.median(t for r in ranks for t in r["times"]["off"])
     rollout = statistics.median(r["rollout_s"] for r in ranks)
     n = len(ranks[0]["times"]["on"])
-    print(f"tiny model, default batch; {sum(r['tokens'] for r in ranks)} response tokens over {len(ranks)} ranks; "
-          f"{n} interleaved reps each")
-    print(f"learner part of a step (old log-probs + 4 minibatch updates): monitor off {off * 1e3:.1f} ms, "
-          f"on {on * 1e3:.1f} ms (medians)")
+    print(
+        f"tiny model, default batch; {sum(r['tokens'] for r in ranks)} response tokens "
+        f"over {len(ranks)} ranks; "
+        f"{n} interleaved reps each"
+    )
+    print(
+        f"learner part of a step (old log-probs + 4 minibatch updates): monitor off {off * 1e3:.1f} ms, "
+        f"on {on * 1e3:.1f} ms (medians)"
+    )
 
     def per_rep(name):  # the ranks' mean per rep (barrier-synchronised, so nearly equal)
         return [statistics.fmean(ts) for ts in zip(*(r["times"][name] for r in ranks))]
+
     print(ratio_line("ratio on/off", paired_ratios(per_rep("on"), per_rep("off"))))
     print(f"rollout of the same batch: {rollout * 1e3:.1f} ms")
     share = (on - off) / (off + rollout)
     print(f"monitor overhead as a share of a whole step (rollout + learner): {share:+.2%} (budget 3%)")
     own = statistics.median(t for r in ranks for t in r["own"])
-    print(f"time inside the monitor's own code (hooks, flip comparison, reduction), timed directly: "
-          f"{own * 1e3:.1f} ms = {own / (on + rollout):.2%} of a step with it")
+    print(
+        f"time inside the monitor's own code (hooks, flip comparison, reduction), timed directly: "
+        f"{own * 1e3:.1f} ms = {own / (on + rollout):.2%} of a step with it"
+    )
 
 
 def main() -> None:

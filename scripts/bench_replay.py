@@ -46,17 +46,27 @@ def _measure(args) -> list[dict]:
     tok = CharTokenizer()
     cfg = resolve(RunConfig(), tok)
     ctx = dist.init_distributed(ParallelConfig(), seed=0)
-    learner = Learner(cfg.model, cfg.parallel, cfg.optim, ctx, load_init_weights(cfg.init_weights, cfg.model, tok))
+    learner = Learner(
+        cfg.model, cfg.parallel, cfg.optim, ctx, load_init_weights(cfg.init_weights, cfg.model, tok)
+    )
     engine = BuiltinEngine(cfg.model, dtype="bf16", pad_id=tok.pad_id, router_logit_noise=args.router_noise)
     engine.load_weights(learner.export_canonical())
     t = cfg.task
-    prompts = build_prompt_source(t.tasks, t.min_len, t.max_len, "", t.reward, tok).sample(args.prompts, seed=ctx.dp_rank)
-    batch = engine.generate([p.prompt_ids for p in prompts], 4, sampling_params(cfg, (tok.eos_id,)), seed=ctx.dp_rank)
+    prompts = build_prompt_source(t.tasks, t.min_len, t.max_len, "", t.reward, tok).sample(
+        args.prompts, seed=ctx.dp_rank
+    )
+    batch = engine.generate(
+        [p.prompt_ids for p in prompts], 4, sampling_params(cfg, (tok.eos_id,)), seed=ctx.dp_rank
+    )
     routes = rollout_routes(batch, learner.route_header)
     seq_lens_B = batch.prompt_lens_B + batch.response_lens_B
     m = batch.response_mask_BS
-    res = {"bytes_per_token": routes.ids_NLK.element_size() * routes.ids_NLK.shape[1] * routes.ids_NLK.shape[2],
-           "L_moe": routes.ids_NLK.shape[1], "K": routes.ids_NLK.shape[2], "E": cfg.model.num_experts}
+    res = {
+        "bytes_per_token": routes.ids_NLK.element_size() * routes.ids_NLK.shape[1] * routes.ids_NLK.shape[2],
+        "L_moe": routes.ids_NLK.shape[1],
+        "K": routes.ids_NLK.shape[2],
+        "E": cfg.model.num_experts,
+    }
     tb = TrainBatch(batch.tokens_BS, seq_lens_B, loss_mask_BS=m, routes=routes)
     for name, mode in (("off", PassMode.OBSERVE), ("r3", PassMode.REPLAY)):
         out = learner.forward_logprobs(tb, 1.0, 64, PassPlan(mode))
@@ -64,8 +74,12 @@ def _measure(args) -> list[dict]:
         native = {k: v for k, v in out.routing.metrics.items() if "/layer" not in k}
         lr = (logp_BS - batch.logprobs_BS)[m]
         k3 = kl_estimate(batch.logprobs_BS, logp_BS, "k3")[m]
-        res[name] = {"k3_sum": float(k3.sum()), "f2_sum": float((lr.abs() > math.log(2)).sum()), "n": int(m.sum()),
-                     "native": {k: [float(v.sum), float(v.count)] for k, v in native.items()}}
+        res[name] = {
+            "k3_sum": float(k3.sum()),
+            "f2_sum": float((lr.abs() > math.log(2)).sum()),
+            "n": int(m.sum()),
+            "native": {k: [float(v.sum), float(v.count)] for k, v in native.items()},
+        }
 
     def nll(mb, st, normalizer):
         return -(st.logp_BS * mb.loss_mask_BS).sum() / normalizer, {}
@@ -104,8 +118,10 @@ def _measure(args) -> list[dict]:
 
 def _per_rep_ratios(ranks: list[dict], num: str, den: str) -> list[float]:
     """One ratio per rep: the ranks' mean step times (barrier-synchronised, so nearly equal)."""
+
     def per_rep(name):
         return [statistics.fmean(ts) for ts in zip(*(r["step_s"][name] for r in ranks))]
+
     return paired_ratios(per_rep(num), per_rep(den))
 
 
@@ -117,14 +133,21 @@ def _report(ranks: list[dict], noise: float) -> None:
 
     r0 = ranks[0]
     n = sum(r["off"]["n"] for r in ranks)
-    print(f"tiny model: L_moe={r0['L_moe']} K={r0['K']} E={r0['E']}; rollout engine bf16 + router-logit noise "
-          f"std {noise}; {n} response tokens over {len(ranks)} ranks")
+    print(
+        f"tiny model: L_moe={r0['L_moe']} K={r0['K']} E={r0['E']}; rollout engine bf16 + router-logit noise "
+        f"std {noise}; {n} response tokens over {len(ranks)} ranks"
+    )
     print("\n(a) routes the learner used vs the rollout's, and rollout-vs-learner mismatch")
     print(f"{'':34}{'replay off':>12}{'r3':>12}")
-    native = {k: pooled("off", f"routing/{k}") for k in ("flip_router_frac", "flip_token_frac", "flip_layers_per_token")}
-    rows = [("flip, router decisions", native["flip_router_frac"], 0.0),
-            ("flip, tokens (any layer)", native["flip_token_frac"], 0.0),
-            ("flipped layers per token", native["flip_layers_per_token"], 0.0)]
+    native = {
+        k: pooled("off", f"routing/{k}")
+        for k in ("flip_router_frac", "flip_token_frac", "flip_layers_per_token")
+    }
+    rows = [
+        ("flip, router decisions", native["flip_router_frac"], 0.0),
+        ("flip, tokens (any layer)", native["flip_token_frac"], 0.0),
+        ("flipped layers per token", native["flip_layers_per_token"], 0.0),
+    ]
     for mode in ("off", "r3"):
         ranks_k3 = sum(r[mode]["k3_sum"] for r in ranks) / n
         ranks_f2 = sum(r[mode]["f2_sum"] for r in ranks) / n
@@ -136,16 +159,22 @@ def _report(ranks: list[dict], noise: float) -> None:
     for label, a, b in rows:
         print(f"{label:34}{a:12.4g}{b:12.4g}")
     print(f"{'k3 ratio r3/off':34}{k3_r3 / k3_off:24.3f}")
-    print("(under r3 the learner routes every recorded row through the rollout's experts: 0 flips by "
-          f"construction; its native router still disagrees on {native['flip_router_frac']:.1%} of decisions)")
+    print(
+        "(under r3 the learner routes every recorded row through the rollout's experts: 0 flips by "
+        f"construction; its native router still disagrees on {native['flip_router_frac']:.1%} of decisions)"
+    )
     off = statistics.median(t for r in ranks for t in r["step_s"]["off"])
     r3 = statistics.median(t for r in ranks for t in r["step_s"]["r3"])
     print(f"\n(b) learner update step: off {off * 1e3:.1f} ms, r3 {r3 * 1e3:.1f} ms (medians)")
     print(f"    {ratio_line('ratio r3/off', _per_rep_ratios(ranks, 'r3', 'off'))}")
     metrics = statistics.median(t for r in ranks for t in r["metrics_s"])
-    print(f"    of which the agreement metrics (once per pass, timed directly): {metrics * 1e3:.1f} ms; "
-          f"forcing the routes: {(r3 - off - metrics) * 1e3:.1f} ms")
-    print(f"\n(c) route bytes per token: {r0['bytes_per_token']} (L_moe x K x 1 byte = {r0['L_moe'] * r0['K']})")
+    print(
+        f"    of which the agreement metrics (once per pass, timed directly): {metrics * 1e3:.1f} ms; "
+        f"forcing the routes: {(r3 - off - metrics) * 1e3:.1f} ms"
+    )
+    print(
+        f"\n(c) route bytes per token: {r0['bytes_per_token']} (L_moe x K x 1 byte = {r0['L_moe'] * r0['K']})"
+    )
 
 
 def main() -> None:

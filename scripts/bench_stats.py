@@ -32,13 +32,15 @@ LEVEL = 0.95
 def paired_ratios(num: Sequence[float], den: Sequence[float]) -> list[float]:
     """num_i / den_i per repetition (the two lists pair up by index)."""
     if len(num) != len(den):
-        raise ValueError(f"paired ratios need as many numerators as denominators, got {len(num)} and {len(den)}")
+        raise ValueError(
+            f"paired ratios need as many numerators as denominators, got {len(num)} and {len(den)}"
+        )
     return [a / b for a, b in zip(num, den)]
 
 
 def _binom_half_cdf(k: int, n: int) -> float:
     """P(Binomial(n, 1/2) <= k)."""
-    return sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n
+    return sum(math.comb(n, i) for i in range(k + 1)) / 2**n
 
 
 def median_interval(xs: Sequence[float], level: float = LEVEL) -> tuple[float, float, float, float]:
@@ -64,8 +66,10 @@ def interval_text(xs: Sequence[float], fmt: str = ".3f", level: float = LEVEL) -
     n = len(xs)
     if cov >= level:
         return f"{level:.0%} interval {lo:{fmt}}..{hi:{fmt}} ({n} paired reps, coverage {cov:.1%})"
-    return (f"interval {lo:{fmt}}..{hi:{fmt}} = min..max of {n} paired reps, coverage only {cov:.0%} "
-            f"(6 or more reps give {level:.0%})")
+    return (
+        f"interval {lo:{fmt}}..{hi:{fmt}} = min..max of {n} paired reps, coverage only {cov:.0%} "
+        f"(6 or more reps give {level:.0%})"
+    )
 
 
 def ratio_line(label: str, ratios: Sequence[float]) -> str:
@@ -87,6 +91,9 @@ class MachineLoad:
 
     def line(self, workers: int) -> str:
         load1, wall, cpu = os.getloadavg()[0], time.perf_counter() - self.wall0, _cpu_s() - self.cpu0
-        return (f"machine: {os.cpu_count()} CPUs, load average (1 min) {self.load0:.2f} before, {load1:.2f} after; "
-                f"CPU time {cpu:.1f} s over {wall:.1f} s wall = {cpu / max(wall, 1e-9):.2f} "
-                f"CPUs busy for {workers} worker process{'es' if workers != 1 else ''}")
+        return (
+            f"machine: {os.cpu_count()} CPUs, load average (1 min) {self.load0:.2f} before, "
+            f"{load1:.2f} after; "
+            f"CPU time {cpu:.1f} s over {wall:.1f} s wall = {cpu / max(wall, 1e-9):.2f} "
+            f"CPUs busy for {workers} worker process{'es' if workers != 1 else ''}"
+        )

@@ -2,8 +2,9 @@
 (no correction, routing replay, IS, rejection, TRM, DVP, an on-policy control) and seed, then one
 N-run report and a table of outcomes per arm.
 
-    python scripts/collapse_lab.py [--steps 100] [--seeds 0,1,2] [--arms none,r3,onpolicy | all] [--out runs/lab]
-                                   [--router-noise 1.5] [--lr 4e-4] [--minibatches 8] [--staleness 0]
+    python scripts/collapse_lab.py [--steps 100] [--seeds 0,1,2] [--arms none,r3,onpolicy | all]
+                                   [--out runs/lab] [--router-noise 1.5] [--lr 4e-4] [--minibatches 8]
+                                   [--staleness 0]
                                    [--set key=value ...] [--rerun] [--ci]
     python scripts/collapse_lab.py --arms none,r3 --map-noise 0.3,1.0,1.5 --map-lr 2e-4,3e-4   # map.md
 
@@ -42,12 +43,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
-from moe_rl.config import RunConfig, load_config, to_dict
-from moe_rl.errors import ConfigError, RunDirError, UserError, one_line
-from moe_rl.report import data, outcome
-from moe_rl.report.render import write_report
-from moe_rl.tasks.hf_tokenizer import load_tokenizer
-from moe_rl.tasks.setup import resolve_vocab
+from moe_rl.config import RunConfig, load_config, to_dict  # noqa: E402 (after the sys.path line)
+from moe_rl.errors import ConfigError, RunDirError, UserError, one_line  # noqa: E402 (after the sys.path line)
+from moe_rl.report import data, outcome  # noqa: E402 (after the sys.path line)
+from moe_rl.report.render import write_report  # noqa: E402 (after the sys.path line)
+from moe_rl.tasks.hf_tokenizer import load_tokenizer  # noqa: E402 (after the sys.path line)
+from moe_rl.tasks.setup import resolve_vocab  # noqa: E402 (after the sys.path line)
 
 PRESETS = ROOT / "configs" / "corrections"
 CONTROL = "onpolicy"
@@ -65,8 +66,12 @@ ARMS = {
 }
 DEFAULT_ARMS = ["none", "r3", CONTROL]  # the headline: collapse, rescue, best case
 CI_ARMS = ["none", "r3"]
-CI_BATCH = ["rollout.prompts_per_step=8", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=8",
-            "algo.num_minibatches=2"]
+CI_BATCH = [
+    "rollout.prompts_per_step=8",
+    "rollout.samples_per_prompt=4",
+    "rollout.max_new_tokens=8",
+    "algo.num_minibatches=2",
+]
 # config keys that say where a run writes and how it logs, not what it computes: a finished run
 # that differs from the grid only in these is reused
 IGNORED = ("run_dir", "resume", "checkpoint_every", "log.progress_bar", "log.wandb_mode", "log.wandb_project")
@@ -75,12 +80,23 @@ IGNORED = ("run_dir", "resume", "checkpoint_every", "log.progress_bar", "log.wan
 def arm_overrides(arm: str, args) -> list[str]:
     """Preset files first (positional configs), then key=value overrides; the control drops the
     engine-side mismatch."""
-    mismatch = [f"rollout.router_noise={args.router_noise}", f"rollout.dtype={args.dtype}",
-                f"rollout.staleness={args.staleness}"]
-    control = ["rollout.router_noise=0.0", "rollout.dtype=fp32", "rollout.staleness=0"] if arm == CONTROL else []
+    mismatch = [
+        f"rollout.router_noise={args.router_noise}",
+        f"rollout.dtype={args.dtype}",
+        f"rollout.staleness={args.staleness}",
+    ]
+    control = (
+        ["rollout.router_noise=0.0", "rollout.dtype=fp32", "rollout.staleness=0"] if arm == CONTROL else []
+    )
     # the control's resets come last: no --set brings a mismatch back into it
-    return [*ARMS[arm], *mismatch, f"optim.lr={args.lr}", f"algo.num_minibatches={args.minibatches}", *args.set,
-            *control]
+    return [
+        *ARMS[arm],
+        *mismatch,
+        f"optim.lr={args.lr}",
+        f"algo.num_minibatches={args.minibatches}",
+        *args.set,
+        *control,
+    ]
 
 
 def finished(run_dir: Path, steps: int) -> bool:
@@ -93,8 +109,15 @@ def finished(run_dir: Path, steps: int) -> bool:
 
 def train_args(arm: str, seed: int, run_dir: Path, args) -> list[str]:
     """The `moe-rl train` arguments of one run: [preset.yaml] key=value ..."""
-    return [*arm_overrides(arm, args), f"run_dir={run_dir}", f"steps={args.steps}", f"seed={seed}",
-            "checkpoint_every=0", "log.progress_bar=false", "log.wandb_mode=disabled"]
+    return [
+        *arm_overrides(arm, args),
+        f"run_dir={run_dir}",
+        f"steps={args.steps}",
+        f"seed={seed}",
+        "checkpoint_every=0",
+        "log.progress_bar=false",
+        "log.wandb_mode=disabled",
+    ]
 
 
 def resolved_config(argv: list[str]) -> RunConfig:
@@ -118,12 +141,15 @@ def _flat(tree: dict, prefix: str = "") -> dict:
 def config_diff(saved: dict, wanted: dict) -> list[tuple[str, object, object]]:
     """(key, saved value, wanted value) of every result-relevant key that differs, in key order."""
     was, now = _flat(saved), _flat(wanted)
-    return [(k, was.get(k), now.get(k)) for k in sorted(was.keys() | now.keys())
-            if k not in IGNORED and was.get(k) != now.get(k)]
+    return [
+        (k, was.get(k), now.get(k))
+        for k in sorted(was.keys() | now.keys())
+        if k not in IGNORED and was.get(k) != now.get(k)
+    ]
 
 
 def check_reuse(run_dir: Path, wanted: dict, steps: int, rerun: bool) -> str:
-    """"new" (nothing there), "reuse" (finished, same settings) or "redo" (--rerun and the run dir
+    """ "new" (nothing there), "reuse" (finished, same settings) or "redo" (--rerun and the run dir
     is unfinished or was made with other settings); RunDirError naming the first differing key
     otherwise."""
     if not run_dir.exists():
@@ -137,7 +163,11 @@ def check_reuse(run_dir: Path, wanted: dict, steps: int, rerun: bool) -> str:
             diff, problem = None, f"{saved_path} cannot be compared ({one_line(e)})"
         if diff:
             key, was, now = diff[0]
-            more = f" (and {len(diff) - 1} more: {', '.join(k for k, _, _ in diff[1:])})" if len(diff) > 1 else ""
+            more = (
+                f" (and {len(diff) - 1} more: {', '.join(k for k, _, _ in diff[1:])})"
+                if len(diff) > 1
+                else ""
+            )
             problem = f"{run_dir} was made with {key}={was}, this grid asks for {key}={now}{more}"
         elif diff is not None and finished(run_dir, steps):
             return "reuse"
@@ -163,7 +193,9 @@ def run_one(run_dir: Path, argv: list[str], verdict: str) -> Path:
         print(f"[{run_dir.name}] reused (same resolved config)", flush=True)
         return run_dir
     if verdict == "redo":
-        print(f"[{run_dir.name}] --rerun: deleting the run made with other settings or unfinished", flush=True)
+        print(
+            f"[{run_dir.name}] --rerun: deleting the run made with other settings or unfinished", flush=True
+        )
         shutil.rmtree(run_dir)
     cmd = [sys.executable, "-m", "moe_rl.cli", "train", *argv]
     print(f"[{run_dir.name}] {' '.join(cmd[3:])}", flush=True)
@@ -183,24 +215,38 @@ def _mean_spread(xs: list[float]) -> str:
 
 
 def collapsed_count(outs: list[outcome.Outcome]) -> str:
-    """"k/n" seeds collapsed, or "n/a" when a run is too short to tell."""
+    """ "k/n" seeds collapsed, or "n/a" when a run is too short to tell."""
     return f"{sum(o.collapsed for o in outs)}/{len(outs)}" if all(o.judged for o in outs) else "n/a"
 
 
 def arm_table(results: dict[str, list[outcome.Outcome]]) -> str:
     """Markdown: one row per arm, mean ± sample std over seeds (collapses counted)."""
-    head = ("| arm | seeds | start reward | final reward | collapsed | collapse step | peak k3 KL "
-            "| grad-norm spikes | router flips | TRM acceptance | skipped updates |")
+    head = (
+        "| arm | seeds | start reward | final reward | collapsed | collapse step | peak k3 KL "
+        "| grad-norm spikes | router flips | TRM acceptance | skipped updates |"
+    )
     rows = [head, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for arm, outs in results.items():
         steps = [float(o.collapse_step) for o in outs if o.collapse_step is not None]
         collapsed = collapsed_count(outs)
-        rows.append(" | ".join([
-            f"| {arm}", str(len(outs)), _mean_spread([o.start_reward for o in outs]),
-            _mean_spread([o.final_reward for o in outs]), collapsed, _mean_spread(steps) if steps else "-",
-            _mean_spread([o.peak_k3 for o in outs]), _mean_spread([float(o.grad_spikes) for o in outs]),
-            _mean_spread([o.mean_flip for o in outs]), _mean_spread([o.trm_accept for o in outs]),
-            _mean_spread([o.skipped_updates for o in outs])]) + " |")
+        rows.append(
+            " | ".join(
+                [
+                    f"| {arm}",
+                    str(len(outs)),
+                    _mean_spread([o.start_reward for o in outs]),
+                    _mean_spread([o.final_reward for o in outs]),
+                    collapsed,
+                    _mean_spread(steps) if steps else "-",
+                    _mean_spread([o.peak_k3 for o in outs]),
+                    _mean_spread([float(o.grad_spikes) for o in outs]),
+                    _mean_spread([o.mean_flip for o in outs]),
+                    _mean_spread([o.trm_accept for o in outs]),
+                    _mean_spread([o.skipped_updates for o in outs]),
+                ]
+            )
+            + " |"
+        )
     return "\n".join(rows) + "\n"
 
 
@@ -244,20 +290,41 @@ def parse(argv: list[str] | None = None):
     ap.add_argument("--out", default="runs/lab", help="one directory for every run, the report and the table")
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (config key seed=)")
-    ap.add_argument("--arms", default=",".join(DEFAULT_ARMS),
-                    help=f"comma-separated, from {','.join(ARMS)}; all: every one")
-    ap.add_argument("--router-noise", type=float, default=1.5, help="rollout.router_noise (std of router-logit noise)")
+    ap.add_argument(
+        "--arms",
+        default=",".join(DEFAULT_ARMS),
+        help=f"comma-separated, from {','.join(ARMS)}; all: every one",
+    )
+    ap.add_argument(
+        "--router-noise", type=float, default=1.5, help="rollout.router_noise (std of router-logit noise)"
+    )
     ap.add_argument("--dtype", default="bf16", help="rollout.dtype of the engine (bf16 | fp32)")
     ap.add_argument("--lr", type=float, default=4e-4, help="optim.lr")
-    ap.add_argument("--minibatches", type=int, default=8, help="algo.num_minibatches (optimizer steps per RL step)")
-    ap.add_argument("--staleness", type=int, default=None,
-                    help="rollout.staleness (rollouts from k updates ago); default 0, 2 with --ci")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="extra config override for every arm (repeatable)")
-    ap.add_argument("--map-noise", default="", help="comma-separated router noises: run the grid per (noise, lr)")
+    ap.add_argument(
+        "--minibatches", type=int, default=8, help="algo.num_minibatches (optimizer steps per RL step)"
+    )
+    ap.add_argument(
+        "--staleness",
+        type=int,
+        default=None,
+        help="rollout.staleness (rollouts from k updates ago); default 0, 2 with --ci",
+    )
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra config override for every arm (repeatable)",
+    )
+    ap.add_argument(
+        "--map-noise", default="", help="comma-separated router noises: run the grid per (noise, lr)"
+    )
     ap.add_argument("--map-lr", default="", help="comma-separated learning rates for the map")
-    ap.add_argument("--rerun", action="store_true",
-                    help="delete and redo any run in --out made with other settings (or unfinished)")
+    ap.add_argument(
+        "--rerun",
+        action="store_true",
+        help="delete and redo any run in --out made with other settings (or unfinished)",
+    )
     ap.add_argument("--ci", action="store_true", help="none + r3, one seed, 3 steps of a small batch")
     args = ap.parse_args(argv)
     if args.ci:  # staleness on, so the CI run exercises every mismatch source
@@ -283,7 +350,10 @@ def run_grid(jobs: list[tuple[str, int, Path, list[str], str]]) -> dict[str, lis
     dirs: dict[str, list[Path]] = {}
     for arm, _, run_dir, argv, verdict in jobs:
         dirs.setdefault(arm, []).append(run_one(run_dir, argv, verdict))
-    return {arm: [outcome.outcome(r.steps_T, r.series) for r in map(data.load_run, ds)] for arm, ds in dirs.items()}
+    return {
+        arm: [outcome.outcome(r.steps_T, r.series) for r in map(data.load_run, ds)]
+        for arm, ds in dirs.items()
+    }
 
 
 def collapse_map(args) -> None:
@@ -291,20 +361,38 @@ def collapse_map(args) -> None:
     arms collapse."""
     noises, lrs = args.noise_list, args.lr_list
     rows = ["| router noise, lr |" + "".join(f" {lr:g} |" for lr in lrs), "|---|" + "---|" * len(lrs)]
-    plans = {(noise, lr): plan_grid(argparse.Namespace(**{**vars(args), "router_noise": noise, "lr": lr,
-                                                           "out": str(Path(args.out) / f"map_n{noise:g}_lr{lr:g}")}))
-             for noise in noises for lr in lrs}  # every cell checked before any trains
+    plans = {
+        (noise, lr): plan_grid(
+            argparse.Namespace(
+                **{
+                    **vars(args),
+                    "router_noise": noise,
+                    "lr": lr,
+                    "out": str(Path(args.out) / f"map_n{noise:g}_lr{lr:g}"),
+                }
+            )
+        )
+        for noise in noises
+        for lr in lrs
+    }  # every cell checked before any trains
     for noise in noises:
         cells = []
         for lr in lrs:
             res = run_grid(plans[noise, lr])
-            cells.append("; ".join(f"{arm} {collapsed_count(outs)} collapsed, final "
-                                   f"{_mean_spread([o.final_reward for o in outs])}" for arm, outs in res.items()))
+            cells.append(
+                "; ".join(
+                    f"{arm} {collapsed_count(outs)} collapsed, final "
+                    f"{_mean_spread([o.final_reward for o in outs])}"
+                    for arm, outs in res.items()
+                )
+            )
         rows.append(f"| {noise:g} | " + " | ".join(cells) + " |")
-    text = (f"# Collapse map: router noise x lr, {args.steps} steps, seeds {args.seeds}\n\n"
-            f"Other settings: rollout.dtype={args.dtype} rollout.staleness={args.staleness} "
-            f"algo.num_minibatches={args.minibatches} {' '.join(args.set)}\n\n" + "\n".join(rows) + "\n\n"
-            f"{outcome.DEFINITIONS}\n")
+    text = (
+        f"# Collapse map: router noise x lr, {args.steps} steps, seeds {args.seeds}\n\n"
+        f"Other settings: rollout.dtype={args.dtype} rollout.staleness={args.staleness} "
+        f"algo.num_minibatches={args.minibatches} {' '.join(args.set)}\n\n" + "\n".join(rows) + "\n\n"
+        f"{outcome.DEFINITIONS}\n"
+    )
     (Path(args.out) / "map.md").write_text(text)
     print(text)
 
@@ -326,12 +414,16 @@ def lab(args) -> None:
     jobs = plan_grid(args)
     out.mkdir(parents=True, exist_ok=True)
     results = run_grid(jobs)
-    html = write_report([Path(args.out).resolve() / f"{arm}_s{s}" for arm in args.arm_list for s in args.seed_list],
-                        out / "report")
+    html = write_report(
+        [Path(args.out).resolve() / f"{arm}_s{s}" for arm in args.arm_list for s in args.seed_list],
+        out / "report",
+    )
     settings = " ".join(arm_overrides("none", args))
-    text = (f"# Collapse lab: {len(args.arm_list)} arms x {len(args.seed_list)} seeds, {args.steps} steps\n\n"
-            f"Mismatch settings (every arm but `{CONTROL}`): `{settings}`\n\n{arm_table(results)}\n"
-            f"{outcome.DEFINITIONS} Spread: sample standard deviation over seeds.\n")
+    text = (
+        f"# Collapse lab: {len(args.arm_list)} arms x {len(args.seed_list)} seeds, {args.steps} steps\n\n"
+        f"Mismatch settings (every arm but `{CONTROL}`): `{settings}`\n\n{arm_table(results)}\n"
+        f"{outcome.DEFINITIONS} Spread: sample standard deviation over seeds.\n"
+    )
     (out / "table.md").write_text(text)
     print(text)
     print(f"report: {html}\ntable: {out / 'table.md'}")

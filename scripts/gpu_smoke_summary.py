@@ -16,19 +16,41 @@ from pathlib import Path
 from moe_rl.config import load_config
 from moe_rl.memory import H100_BF16_DENSE_TFLOPS, summarize_run
 
-COLUMNS = ("run", "steps", "step_s", "tokens/s", "MFU%", "learner_MFU%", "peak_GiB", "agree", "k3_kl",
-           "reward first->last")
+COLUMNS = (
+    "run",
+    "steps",
+    "step_s",
+    "tokens/s",
+    "MFU%",
+    "learner_MFU%",
+    "peak_GiB",
+    "agree",
+    "k3_kl",
+    "reward first->last",
+)
 
 
 def row(run: Path, prompt_tokens: float, peak_tflops: float) -> tuple[dict, list[str]]:
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    s = summarize_run(rows, load_config(run / "config.yaml"), prompt_tokens=prompt_tokens, peak_tflops=peak_tflops)
+    s = summarize_run(
+        rows, load_config(run / "config.yaml"), prompt_tokens=prompt_tokens, peak_tflops=peak_tflops
+    )
 
     def fmt(key, spec, scale=1.0):
         return format(s[key] * scale, spec) if key in s else "n/a"
-    return s, [run.name, fmt("steps", ".0f"), fmt("step_s", ".3f"), fmt("tokens_per_s", ",.0f"), fmt("mfu", ".2f", 100),
-               fmt("learner_mfu", ".2f", 100), fmt("peak_gib", ".1f"), fmt("routing_agreement", ".4f"),
-               fmt("corr/k3_kl", ".2e"), f"{fmt('reward_first', '.3f')}->{fmt('reward_last', '.3f')}"]
+
+    return s, [
+        run.name,
+        fmt("steps", ".0f"),
+        fmt("step_s", ".3f"),
+        fmt("tokens_per_s", ",.0f"),
+        fmt("mfu", ".2f", 100),
+        fmt("learner_mfu", ".2f", 100),
+        fmt("peak_gib", ".1f"),
+        fmt("routing_agreement", ".4f"),
+        fmt("corr/k3_kl", ".2e"),
+        f"{fmt('reward_first', '.3f')}->{fmt('reward_last', '.3f')}",
+    ]
 
 
 def main() -> None:
@@ -48,7 +70,9 @@ def main() -> None:
         if name.endswith("_r3") and name[:-3] + "_off" in summaries:
             off = summaries[name[:-3] + "_off"]
             print(f"{name[:-3]}: step time r3/off {s['step_s'] / off['step_s']:.3f}")
-    flat = [n for n, s in summaries.items() if n.startswith("tiny_") and not s["reward_last"] > s["reward_first"]]
+    flat = [
+        n for n, s in summaries.items() if n.startswith("tiny_") and not s["reward_last"] > s["reward_first"]
+    ]
     if flat:
         print(f"reward did not rise in: {', '.join(flat)}")
         sys.exit(1)

@@ -36,10 +36,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="moe_rl/assets/warmstart.safetensors")
     ap.add_argument("--target", type=float, default=0.2, help="stop at this sampled exact-match reward")
-    ap.add_argument("--target-greedy", type=float, default=0.8,
-                    help="also require this greedy exact-match reward before stopping")
-    ap.add_argument("--entropy-bonus", type=float, default=0.25,
-                    help="SFT loss = NLL - bonus * entropy: keeps the policy spread while its mode improves")
+    ap.add_argument(
+        "--target-greedy",
+        type=float,
+        default=0.8,
+        help="also require this greedy exact-match reward before stopping",
+    )
+    ap.add_argument(
+        "--entropy-bonus",
+        type=float,
+        default=0.25,
+        help="SFT loss = NLL - bonus * entropy: keeps the policy spread while its mode improves",
+    )
     ap.add_argument("--max-steps", type=int, default=800)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--lr", type=float, default=1e-3)
@@ -61,8 +69,13 @@ def main() -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("megatron").setLevel(logging.WARNING)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29533"),
-                      RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=os.environ.get("MASTER_PORT", "29533"),
+        RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_RANK="0",
+    )
     megatron_patches.apply_all()
     tok = CharTokenizer()
     cfg = resolve(RunConfig(), tok)
@@ -93,11 +106,24 @@ def main() -> None:
         step += 1
         if step % args.eval_every == 0:
             sampled, greedy = evaluate(step, False), evaluate(step, True)
-            logging.info("sft step %d  exact-match sampled %.3f greedy %.3f  (%.0f s)", step, sampled, greedy,
-                         time.perf_counter() - t0)
-    info = {"sft_steps": step, "sampled_exact_match": sampled, "greedy_exact_match": greedy,
-            "seconds": round(time.perf_counter() - t0, 1), "seed": args.seed, "target": args.target,
-            "target_greedy": args.target_greedy, "entropy_bonus": args.entropy_bonus, "lr": args.lr}
+            logging.info(
+                "sft step %d  exact-match sampled %.3f greedy %.3f  (%.0f s)",
+                step,
+                sampled,
+                greedy,
+                time.perf_counter() - t0,
+            )
+    info = {
+        "sft_steps": step,
+        "sampled_exact_match": sampled,
+        "greedy_exact_match": greedy,
+        "seconds": round(time.perf_counter() - t0, 1),
+        "seed": args.seed,
+        "target": args.target,
+        "target_greedy": args.target_greedy,
+        "entropy_bonus": args.entropy_bonus,
+        "lr": args.lr,
+    }
     save_init_weights(args.out, learner.export_canonical(), cfg.model, tok, info)
     logging.info("wrote %s: %s", args.out, info)
     dist.shutdown()

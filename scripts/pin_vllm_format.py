@@ -30,12 +30,29 @@ SAMPLING = "vllm/sampling_params.py"
 CAPTURER = "vllm/model_executor/layers/fused_moe/routed_experts_capturer.py"
 CONNECTOR = "vllm/distributed/aux_output_connector/connector.py"
 
-CLASSES = ((OUTPUTS, "CompletionOutput"), (OUTPUTS, "RequestOutput"), (LOGPROBS, "Logprob"),
-           (LOGPROBS, "FlatLogprobs"))
+CLASSES = (
+    (OUTPUTS, "CompletionOutput"),
+    (OUTPUTS, "RequestOutput"),
+    (LOGPROBS, "Logprob"),
+    (LOGPROBS, "FlatLogprobs"),
+)
 ALIASES = ((LOGPROBS, "LogprobsOnePosition"), (LOGPROBS, "SampleLogprobs"), (LOGPROBS, "PromptLogprobs"))
 # the SamplingParams fields moe-rl's build_requests passes, plus the defaults the decoder relies on
-SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "max_tokens", "logprobs",
-                   "prompt_logprobs", "flat_logprobs", "detokenize", "extra_args", "routed_experts_prompt_start")
+SAMPLING_FIELDS = (
+    "n",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop_token_ids",
+    "max_tokens",
+    "logprobs",
+    "prompt_logprobs",
+    "flat_logprobs",
+    "detokenize",
+    "extra_args",
+    "routed_experts_prompt_start",
+)
 
 Reader = Callable[[str], str]
 
@@ -52,7 +69,9 @@ def _top(tree: ast.Module, path: str, name: str) -> ast.AST:
     for node in tree.body:
         if isinstance(node, ast.ClassDef | ast.FunctionDef) and node.name == name:
             return node
-        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == name for t in node.targets
+        ):
             return node
     raise FormatError(f"{path}: no top-level {name}")
 
@@ -93,12 +112,21 @@ def _init_fields(cls: ast.ClassDef, path: str) -> tuple[list[dict[str, Any]], li
     a = init.args
     pos = a.posonlyargs + a.args
     defaults = [None] * (len(pos) - len(a.defaults)) + list(a.defaults)
-    fields = [{"name": p.arg, "annotation": _text(p.annotation), "default": _text(d), "kw_only": False}
-              for p, d in zip(pos[1:], defaults[1:])]
-    fields += [{"name": p.arg, "annotation": _text(p.annotation), "default": _text(d), "kw_only": True}
-               for p, d in zip(a.kwonlyargs, a.kw_defaults)]
-    attrs = [t.attr for node in init.body if isinstance(node, ast.Assign) for t in node.targets
-             if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"]
+    fields = [
+        {"name": p.arg, "annotation": _text(p.annotation), "default": _text(d), "kw_only": False}
+        for p, d in zip(pos[1:], defaults[1:])
+    ]
+    fields += [
+        {"name": p.arg, "annotation": _text(p.annotation), "default": _text(d), "kw_only": True}
+        for p, d in zip(a.kwonlyargs, a.kw_defaults)
+    ]
+    attrs = [
+        t.attr
+        for node in init.body
+        if isinstance(node, ast.Assign)
+        for t in node.targets
+        if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"
+    ]
     return fields, attrs, a.kwarg.arg if a.kwarg else None
 
 
@@ -108,8 +136,12 @@ def _class(trees: dict[str, ast.Module], path: str, name: str) -> dict[str, Any]
         raise FormatError(f"{_src(path, cls)}: {name} is not a class")
     decos = _is_dataclass(cls)
     if decos is not None:
-        return {"source": _src(path, cls), "kind": "dataclass", "decorators": decos,
-                "fields": _annotated_fields(cls)}
+        return {
+            "source": _src(path, cls),
+            "kind": "dataclass",
+            "decorators": decos,
+            "fields": _annotated_fields(cls),
+        }
     fields, attrs, varkw = _init_fields(cls, path)
     return {"source": _src(path, cls), "kind": "class", "fields": fields, "attributes": attrs, "varkw": varkw}
 
@@ -134,14 +166,25 @@ def _dtype_rule(trees: dict[str, ast.Module]) -> dict[str, Any]:
     init = _method(_top(trees[CAPTURER], CAPTURER, "RoutedExpertsCapturer"), CAPTURER, "__init__")
     node = _assign(init, CAPTURER, "self.output_dtype_name")
     v = node.value
-    ok = (isinstance(v, ast.IfExp) and isinstance(v.test, ast.Compare) and len(v.test.ops) == 1
-          and isinstance(v.test.ops[0], ast.LtE) and ast.unparse(v.test.left) == "num_experts"
-          and all(isinstance(x, ast.Constant) for x in (v.body, v.orelse, v.test.comparators[0])))
+    ok = (
+        isinstance(v, ast.IfExp)
+        and isinstance(v.test, ast.Compare)
+        and len(v.test.ops) == 1
+        and isinstance(v.test.ops[0], ast.LtE)
+        and ast.unparse(v.test.left) == "num_experts"
+        and all(isinstance(x, ast.Constant) for x in (v.body, v.orelse, v.test.comparators[0]))
+    )
     if not ok:
-        raise FormatError(f"{_src(CAPTURER, node)}: routed_experts dtype rule is not "
-                          f"'A' if num_experts <= N else 'B': {ast.unparse(v)}")
-    return {"source": _src(CAPTURER, node), "narrow": v.body.value,
-            "max_experts_narrow": v.test.comparators[0].value, "wide": v.orelse.value}
+        raise FormatError(
+            f"{_src(CAPTURER, node)}: routed_experts dtype rule is not "
+            f"'A' if num_experts <= N else 'B': {ast.unparse(v)}"
+        )
+    return {
+        "source": _src(CAPTURER, node),
+        "narrow": v.body.value,
+        "max_experts_narrow": v.test.comparators[0].value,
+        "wide": v.orelse.value,
+    }
 
 
 def _routed_experts(trees: dict[str, ast.Module]) -> dict[str, Any]:
@@ -152,18 +195,29 @@ def _routed_experts(trees: dict[str, ast.Module]) -> dict[str, Any]:
     sizes_fn = _top(trees[CAPTURER], CAPTURER, "_get_routed_experts_shape")
     sizes = {}
     for node in sizes_fn.body:
-        if (isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name)
-                and isinstance(node.value, ast.Call) and isinstance(node.value.func, ast.Attribute)):
+        if (
+            isinstance(node, ast.Assign)
+            and isinstance(node.targets[0], ast.Name)
+            and isinstance(node.value, ast.Call)
+            and isinstance(node.value.func, ast.Attribute)
+        ):
             sizes[node.targets[0].id] = node.value.func.attr
-    take = next((n for n in ast.walk(trees[CONNECTOR]) if isinstance(n, ast.FunctionDef) and n.name == "take_output"),
-                None)
+    take = next(
+        (n for n in ast.walk(trees[CONNECTOR]) if isinstance(n, ast.FunctionDef) and n.name == "take_output"),
+        None,
+    )
     if take is None:
         raise FormatError(f"{CONNECTOR}: no take_output")
     end = _assign(take, CONNECTOR, "token_end")
-    return {"dtype": _dtype_rule(trees),
-            "per_token": {"source": _src(CAPTURER, per_token), "value": [ast.unparse(e) for e in per_token.value.elts]},
-            "sizes": {"source": _src(CAPTURER, sizes_fn), "value": sizes},
-            "row_end": {"source": _src(CONNECTOR, end), "value": ast.unparse(end.value)}}
+    return {
+        "dtype": _dtype_rule(trees),
+        "per_token": {
+            "source": _src(CAPTURER, per_token),
+            "value": [ast.unparse(e) for e in per_token.value.elts],
+        },
+        "sizes": {"source": _src(CAPTURER, sizes_fn), "value": sizes},
+        "row_end": {"source": _src(CONNECTOR, end), "value": ast.unparse(end.value)},
+    }
 
 
 def extract(read: Reader) -> dict[str, Any]:
@@ -221,8 +275,11 @@ def diff(pinned: Any, found: Any, where: str = "") -> list[str]:
 
 def dumps(obj: Any, indent: int = 0) -> str:
     """JSON with every dict or list of scalars on one line (one field per line: diffable)."""
-    flat = all(not isinstance(v, dict | list) for v in (obj.values() if isinstance(obj, dict) else obj)) \
-        if isinstance(obj, dict | list) else True
+    flat = (
+        all(not isinstance(v, dict | list) for v in (obj.values() if isinstance(obj, dict) else obj))
+        if isinstance(obj, dict | list)
+        else True
+    )
     if flat:
         return json.dumps(obj)
     pad, inner = " " * indent, " " * (indent + 2)

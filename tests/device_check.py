@@ -20,20 +20,35 @@ from torch.overrides import TorchFunctionMode
 
 PACKAGE = str(Path(__file__).resolve().parents[1] / "moe_rl")
 TORCH = str(Path(torch.__file__).resolve().parent)
-FACTORIES = {torch.arange, torch.zeros, torch.ones, torch.full, torch.empty, torch.tensor, torch.rand,
-             torch.randn, torch.randint, torch.randperm, torch.linspace, torch.logspace, torch.eye,
-             torch.as_tensor, torch.scalar_tensor}
+FACTORIES = {
+    torch.arange,
+    torch.zeros,
+    torch.ones,
+    torch.full,
+    torch.empty,
+    torch.tensor,
+    torch.rand,
+    torch.randn,
+    torch.randint,
+    torch.randperm,
+    torch.linspace,
+    torch.logspace,
+    torch.eye,
+    torch.as_tensor,
+    torch.scalar_tensor,
+}
 
 
 def _package_caller() -> str | None:
     """``file:line`` of the innermost frame outside torch and this module, if it is moe-rl's."""
     frame = sys._getframe(2)
-    while frame is not None and (frame.f_code.co_filename == __file__
-                                 or frame.f_code.co_filename.startswith(TORCH)):
+    while frame is not None and (
+        frame.f_code.co_filename == __file__ or frame.f_code.co_filename.startswith(TORCH)
+    ):
         frame = frame.f_back
     if frame is None or not frame.f_code.co_filename.startswith(PACKAGE):
         return None
-    return f"{frame.f_code.co_filename[len(PACKAGE) - len('moe_rl'):]}:{frame.f_lineno}"
+    return f"{frame.f_code.co_filename[len(PACKAGE) - len('moe_rl') :]}:{frame.f_lineno}"
 
 
 class _StrictDevice(TorchFunctionMode):

@@ -42,8 +42,14 @@ def _cuda_hidden() -> Iterator[None]:
 
 
 def _entry(rank: int, fn, world: int, port: int, queue, args: tuple) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+    )
     if torch.cuda.is_available():  # CUDA was initialised before the environment hid it
         raise RuntimeError("dist_harness ranks must run on the CPU, but CUDA is visible in the rank")
     torch.set_num_threads(1)
@@ -57,7 +63,8 @@ def run_ranks(fn, world: int, *args):
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     with _cuda_hidden():
-        mp.start_processes(_entry, args=(fn, world, free_port(), queue, args), nprocs=world,
-                           join=True, start_method="spawn")
+        mp.start_processes(
+            _entry, args=(fn, world, free_port(), queue, args), nprocs=world, join=True, start_method="spawn"
+        )
     results = dict(queue.get() for _ in range(world))
     return [results[r] for r in range(world)]

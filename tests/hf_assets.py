@@ -16,7 +16,9 @@ SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
-    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{% endif %}{% endif %}"
+)
 TOKENIZER_VOCAB = 600
 
 
@@ -40,28 +42,51 @@ def make_tokenizer(out_dir: Path, vocab_size: int = TOKENIZER_VOCAB) -> Path:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator(training_text(), trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(str(out_dir))
     ids = [tok.token_to_id(s) for s in SPECIALS]
-    (out_dir / "generation_config.json").write_text(json.dumps(
-        {"eos_token_id": [ids[2], ids[0]], "pad_token_id": ids[0], "do_sample": True}))
+    (out_dir / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": [ids[2], ids[0]], "pad_token_id": ids[0], "do_sample": True})
+    )
     return out_dir
 
 
 def tiny_model(vocab_size: int) -> ModelConfig:
-    return ModelConfig(vocab_size=vocab_size, hidden_size=64, num_layers=2, num_attention_heads=4,
-                       num_query_groups=2, head_dim=16, ffn_hidden_size=96, moe_ffn_hidden_size=32, num_experts=4,
-                       moe_router_topk=2, max_seq_len=128)
+    return ModelConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        num_layers=2,
+        num_attention_heads=4,
+        num_query_groups=2,
+        head_dim=16,
+        ffn_hidden_size=96,
+        moe_ffn_hidden_size=32,
+        num_experts=4,
+        moe_router_topk=2,
+        max_seq_len=128,
+    )
 
 
 def model_overrides(cfg: ModelConfig) -> list[str]:
     """``model.*`` overrides matching ``cfg`` (what a user writes in the model: section)."""
-    keys = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_query_groups", "head_dim",
-            "ffn_hidden_size", "moe_ffn_hidden_size", "num_experts", "moe_router_topk", "max_seq_len")
+    keys = (
+        "vocab_size",
+        "hidden_size",
+        "num_layers",
+        "num_attention_heads",
+        "num_query_groups",
+        "head_dim",
+        "ffn_hidden_size",
+        "moe_ffn_hidden_size",
+        "num_experts",
+        "moe_router_topk",
+        "max_seq_len",
+    )
     return [f"model.{k}={getattr(cfg, k)}" for k in keys]
 
 

@@ -11,15 +11,36 @@ import dataclasses
 
 from moe_rl.config import ModelConfig
 
-TINY_MOE_L3 = ModelConfig(vocab_size=50, hidden_size=64, num_layers=3, num_attention_heads=4, num_query_groups=2,
-                          head_dim=16, ffn_hidden_size=96, moe_ffn_hidden_size=48, num_experts=4,
-                          moe_router_topk=2, first_k_dense=1, max_seq_len=32)
+TINY_MOE_L3 = ModelConfig(
+    vocab_size=50,
+    hidden_size=64,
+    num_layers=3,
+    num_attention_heads=4,
+    num_query_groups=2,
+    head_dim=16,
+    ffn_hidden_size=96,
+    moe_ffn_hidden_size=48,
+    num_experts=4,
+    moe_router_topk=2,
+    first_k_dense=1,
+    max_seq_len=32,
+)
 TINY_MOE_L4 = dataclasses.replace(TINY_MOE_L3, num_layers=4)
 TINY_MOE_L6 = dataclasses.replace(TINY_MOE_L3, num_layers=6)
 TINY_MOE_L2_ALL_MOE = dataclasses.replace(TINY_MOE_L3, num_layers=2, first_k_dense=0)
 
-MICRO_MOE = ModelConfig(vocab_size=16, hidden_size=8, num_layers=2, num_attention_heads=2, num_query_groups=1,
-                        head_dim=4, ffn_hidden_size=8, moe_ffn_hidden_size=4, num_experts=4, moe_router_topk=2,
-                        max_seq_len=16)
+MICRO_MOE = ModelConfig(
+    vocab_size=16,
+    hidden_size=8,
+    num_layers=2,
+    num_attention_heads=2,
+    num_query_groups=1,
+    head_dim=4,
+    ffn_hidden_size=8,
+    moe_ffn_hidden_size=4,
+    num_experts=4,
+    moe_router_topk=2,
+    max_seq_len=16,
+)
 
 DEFAULT_WIDTH_L3 = ModelConfig(vocab_size=50, num_layers=3, first_k_dense=1, num_experts=4, moe_router_topk=2)

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from moe_rl import advantages
-from moe_rl.names import ADVANTAGE_NAMES
 from moe_rl.advantages import (
     ADVANTAGES,
     extra_inputs,
@@ -21,13 +20,14 @@ from moe_rl.advantages import (
 )
 from moe_rl.learner.logprobs import token_logprobs_energy
 from moe_rl.metrics import reduce_metrics
+from moe_rl.names import ADVANTAGE_NAMES
 
 
 def _mask(lens: list[int], S: int = 6) -> torch.Tensor:
     """Response mask with the response starting at position 1 (after a 1-token prompt)."""
     m = torch.zeros(len(lens), S, dtype=torch.bool)
     for b, n in enumerate(lens):
-        m[b, 1:1 + n] = True
+        m[b, 1 : 1 + n] = True
     return m
 
 
@@ -54,8 +54,18 @@ def test_grpo_eps_and_no_std_norm():
     torch.testing.assert_close(adv[:, 0], torch.tensor([1.0, -1.0, 2.0, 1.0, -3.0]))
     adv, _ = grpo(rewards, group, mask, std_norm=True, eps=0.5)
     std3 = math.sqrt((4 + 1 + 9) / 2)
-    torch.testing.assert_close(adv[:, 1], torch.tensor([1 / (math.sqrt(2) + 0.5), -1 / (math.sqrt(2) + 0.5),
-                                                        2 / (std3 + 0.5), 1 / (std3 + 0.5), -3 / (std3 + 0.5)]))
+    torch.testing.assert_close(
+        adv[:, 1],
+        torch.tensor(
+            [
+                1 / (math.sqrt(2) + 0.5),
+                -1 / (math.sqrt(2) + 0.5),
+                2 / (std3 + 0.5),
+                1 / (std3 + 0.5),
+                -3 / (std3 + 0.5),
+            ]
+        ),
+    )
 
 
 @pytest.mark.unit
@@ -124,6 +134,7 @@ def test_metrics_pool_exactly_over_a_split_batch():
     _, a = grpo(rewards[:8], group[:8], mask[:8])  # groups kept whole on each "rank"
     _, b = grpo(rewards[8:], group[8:], mask[8:])
     from moe_rl.metrics import merge_metrics
+
     split = reduce_metrics(merge_metrics(a, b))
     for key, value in reduce_metrics(whole).items():
         assert split[key] == pytest.approx(value, abs=1e-12)
@@ -147,7 +158,8 @@ HALF = math.log(0.5)  # pi(y) = 0.5 everywhere below, so w_t = 1 - 1 + sum_pi_sq
 
 
 def _otb_inputs(spans: list[list[int]], w: list[list[float]], S: int):
-    """mask true at the listed columns; logp = log 0.5 and sum_pi_sq = w there (so w_t = w), junk elsewhere."""
+    """mask true at the listed columns; logp = log 0.5 and sum_pi_sq = w there (so w_t = w),
+    junk elsewhere."""
     B = len(spans)
     mask = torch.zeros(B, S, dtype=torch.bool)
     sum_pi_sq = torch.full((B, S), 0.9, dtype=torch.float64)  # off-mask junk must not matter
@@ -164,7 +176,9 @@ def test_otb_closed_form_single_turn():
     # A (r=1): response at cols 1-2, w = [.5, .25] -> W = [.5, .75]
     # B (r=2): response at cols 2-4 (longer prompt), w = [.25, .25, .5] -> W = [.25, .5, 1]
     # C (r=.7): alone in its group -> baseline 0, advantage = r
-    mask, spi, logp = _otb_inputs([[1, 2], [2, 3, 4], [3, 4]], [[.5, .25], [.25, .25, .5], [.3, .3]], S=6)
+    mask, spi, logp = _otb_inputs(
+        [[1, 2], [2, 3, 4], [3, 4]], [[0.5, 0.25], [0.25, 0.25, 0.5], [0.3, 0.3]], S=6
+    )
     rewards, group = torch.tensor([1.0, 2.0, 0.7]), torch.tensor([4, 4, 9])
     adv, _ = otb(rewards, group, mask, sum_pi_sq_BS=spi, logp_BS=logp, eps=0.0)
     # positions counted from each response's start: B*_0 = (1*.5 + 2*.25)/.75 = 4/3,
@@ -186,13 +200,13 @@ def test_otb_closed_form_single_turn():
 
 @pytest.mark.unit
 def test_otb_is_weights_scale_energy_by_their_square():
-    mask, spi, logp = _otb_inputs([[1, 2], [2, 3, 4]], [[.5, .25], [.25, .25, .5]], S=6)
+    mask, spi, logp = _otb_inputs([[1, 2], [2, 3, 4]], [[0.5, 0.25], [0.25, 0.25, 0.5]], S=6)
     rewards, group = torch.tensor([1.0, 2.0]), torch.tensor([0, 0])
     isw = torch.ones(2, 6, dtype=torch.float64)
     isw[0, 1] = 2.0  # A's first w: .5 * 4 = 2 -> W_A = [2, 2.25]
     isw[1, 0] = 5.0  # off the mask: ignored
     adv, _ = otb(rewards, group, mask, sum_pi_sq_BS=spi, logp_BS=logp, is_weights_BS=isw, eps=0.0)
-    b0, b1 = (2 + 2 * .25) / 2.25, (2.25 + 2 * .5) / 2.75  # 10/9, 13/11
+    b0, b1 = (2 + 2 * 0.25) / 2.25, (2.25 + 2 * 0.5) / 2.75  # 10/9, 13/11
     torch.testing.assert_close(adv[0, 1:3], torch.tensor([1 - b0, 1 - b1]), rtol=0, atol=1e-7)
     torch.testing.assert_close(adv[1, 2:5], torch.tensor([2 - b0, 2 - b1, 0.0]), rtol=0, atol=1e-7)
 
@@ -200,7 +214,7 @@ def test_otb_is_weights_scale_energy_by_their_square():
 @pytest.mark.unit
 def test_otb_multiturn_compacts_tool_tokens():
     # A (r=1): model tokens at cols 1, 3, 4; col 2 is a tool token (masked). B (r=0): cols 1, 2.
-    mask, spi, logp = _otb_inputs([[1, 3, 4], [1, 2]], [[.5, .25, .25], [.25, .5]], S=6)
+    mask, spi, logp = _otb_inputs([[1, 3, 4], [1, 2]], [[0.5, 0.25, 0.25], [0.25, 0.5]], S=6)
     spi[0, 2] = 0.75  # the tool token's energy must not enter W
     rewards, group = torch.tensor([1.0, 0.0]), torch.tensor([0, 0])
     kw = {"sum_pi_sq_BS": spi, "logp_BS": logp, "eps": 0.0}
@@ -244,8 +258,8 @@ def _otb_reference(rewards, group, mask, logp, spi, isw, handle_zero_tail, compa
     rows_W, rows_R, lens = torch.zeros(B, S, dtype=torch.float64), torch.zeros(B, S, dtype=torch.float64), []
     for b in range(B):  # align on the response: compacted (multi-turn) or from the first response column
         cols = mask[b].nonzero().flatten() if compact else torch.arange(starts[b], S)
-        rows_W[b, :len(cols)] = W[b, cols] * m[b, cols]
-        rows_R[b, :len(cols)] = float(rewards[b]) * m[b, cols]
+        rows_W[b, : len(cols)] = W[b, cols] * m[b, cols]
+        rows_R[b, : len(cols)] = float(rewards[b]) * m[b, cols]
         lens.append(int(m[b].sum()))
     base = torch.zeros(B, S, dtype=torch.float64)
     for g in group.unique().tolist():
@@ -257,7 +271,7 @@ def _otb_reference(rewards, group, mask, logp, spi, isw, handle_zero_tail, compa
         gl = sorted(lens[i] for i in idx)
         at_max = [i for i in idx if lens[i] == gl[-1]]
         if handle_zero_tail and len(at_max) == 1 and gl[-1] > gl[-2]:
-            base[at_max[0], gl[-2]:] = 0.0
+            base[at_max[0], gl[-2] :] = 0.0
     adv = torch.zeros(B, S, dtype=torch.float64)
     for b in range(B):
         cols = mask[b].nonzero().flatten()
@@ -288,8 +302,9 @@ def test_otb_vectorized_matches_reference_loop(compact):
         isw = torch.rand(B, S, generator=gen, dtype=torch.float64) * 2 if trial == 2 else None
         for zt in (False, True):
             fn = otb_multiturn if compact else otb
-            adv, metrics = fn(rewards, group, mask, sum_pi_sq_BS=spi, logp_BS=logp, is_weights_BS=isw,
-                              handle_zero_tail=zt)
+            adv, metrics = fn(
+                rewards, group, mask, sum_pi_sq_BS=spi, logp_BS=logp, is_weights_BS=isw, handle_zero_tail=zt
+            )
             ref = _otb_reference(rewards, group, mask, logp, spi, isw, zt, compact)
             torch.testing.assert_close(adv, ref, rtol=1e-6, atol=1e-6)
             got = reduce_metrics(metrics)
@@ -302,8 +317,12 @@ def test_every_estimator_declares_inputs_and_takes_the_shared_call():
     rewards, group = torch.rand(8, generator=gen), torch.arange(8) // 4
     mask = torch.ones(8, 5, dtype=torch.bool)
     mask[:, 0] = False
-    available = {"logp_BS": torch.full((8, 5), HALF), "sum_pi_sq_BS": torch.full((8, 5), 0.5),
-                 "is_weights_BS": None, "unrelated": 1}
+    available = {
+        "logp_BS": torch.full((8, 5), HALF),
+        "sum_pi_sq_BS": torch.full((8, 5), 0.5),
+        "is_weights_BS": None,
+        "unrelated": 1,
+    }
     for name, fn in ADVANTAGES.items():
         assert isinstance(fn.REQUIRES, tuple) and isinstance(fn.OPTIONAL, tuple), name
         extra = extra_inputs(fn, available)

@@ -32,8 +32,9 @@ def test_installed_omegaconf_is_an_allowed_version() -> None:
 def test_nested_keys_from_file_and_overrides(tmp_path) -> None:
     path = tmp_path / "run.yaml"
     path.write_text("model:\n  transformer_impl: local\n  hidden_size: 96\nrollout:\n  temperature: 0.7\n")
-    cfg = load_config(path, ["model.num_layers=3", "routing.replay=off", "parallel.nproc=1",
-                             "parallel.expert_parallel=1"])
+    cfg = load_config(
+        path, ["model.num_layers=3", "routing.replay=off", "parallel.nproc=1", "parallel.expert_parallel=1"]
+    )
     assert (cfg.model.hidden_size, cfg.model.num_layers, cfg.rollout.temperature) == (96, 3, 0.7)
     assert cfg.routing.replay == "off"
     assert cfg.parallel.nproc == 1

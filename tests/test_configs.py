@@ -25,21 +25,24 @@ def test_configs_exist():
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("overrides, needle", [
-    (["parallel.expert_parallel=3"], "'parallel.expert_parallel'"),
-    (["model.moe_router_topk=9"], "'model.moe_router_topk'"),
-    (["model.num_query_groups=3"], "'model.num_query_groups'"),
-    (["model.first_k_dense=4"], "'model.first_k_dense'"),
-    (["rollout.top_p=0"], "'rollout.top_p'"),
-    (["algo.kl_estimator=k9"], "'algo.kl_estimator'"),
-    (["algo.advantage=ppo"], "'algo.advantage'"),
-    (["algo.num_minibatches=3"], "'algo.num_minibatches'"),
-    (["parallel.tensor_parallel=2"], "'parallel.expert_parallel'"),  # EP 2 x ETP 2 > 2 ranks
-    (["parallel.pipeline_parallel=2"], "'parallel.expert_parallel'"),  # EP=2 needs DP*TP >= 2
-    (["nosuch=1"], "'nosuch'"),
-    (["model.hidden_size=1.5"], "'model.hidden_size'"),
-    (["steps"], "key=value"),
-])
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (["parallel.expert_parallel=3"], "'parallel.expert_parallel'"),
+        (["model.moe_router_topk=9"], "'model.moe_router_topk'"),
+        (["model.num_query_groups=3"], "'model.num_query_groups'"),
+        (["model.first_k_dense=4"], "'model.first_k_dense'"),
+        (["rollout.top_p=0"], "'rollout.top_p'"),
+        (["algo.kl_estimator=k9"], "'algo.kl_estimator'"),
+        (["algo.advantage=ppo"], "'algo.advantage'"),
+        (["algo.num_minibatches=3"], "'algo.num_minibatches'"),
+        (["parallel.tensor_parallel=2"], "'parallel.expert_parallel'"),  # EP 2 x ETP 2 > 2 ranks
+        (["parallel.pipeline_parallel=2"], "'parallel.expert_parallel'"),  # EP=2 needs DP*TP >= 2
+        (["nosuch=1"], "'nosuch'"),
+        (["model.hidden_size=1.5"], "'model.hidden_size'"),
+        (["steps"], "key=value"),
+    ],
+)
 def test_bad_values_name_the_key(overrides, needle):
     with pytest.raises(ConfigError) as e:
         load_config(None, overrides)
@@ -73,8 +76,12 @@ def test_qwen3_recipe_parses_and_its_memory_comment_matches_the_estimate():
     from moe_rl.memory import estimate
 
     cfg = load_config(QWEN3_RECIPE)
-    assert (cfg.parallel.nproc, cfg.parallel.expert_parallel, cfg.rollout.engine, cfg.routing.replay) == \
-        (16, 16, "vllm", "r3")
+    assert (cfg.parallel.nproc, cfg.parallel.expert_parallel, cfg.rollout.engine, cfg.routing.replay) == (
+        16,
+        16,
+        "vllm",
+        "r3",
+    )
     assert (cfg.model.transformer_impl, cfg.model.precision) == ("te", "fp8")
     est = estimate(cfg)
     assert round(est["params_total_b"], 1) == 30.5 and round(est["params_active_b"], 2) == 3.35
@@ -117,14 +124,33 @@ def test_qwen3_235b_recipe_layout_and_every_number_of_its_comment():
     cfg = load_config(QWEN3_235B)
     m, p, text = cfg.model, cfg.parallel, QWEN3_235B.read_text()
     # the architecture in the header (Qwen/Qwen3-235B-A22B config.json)
-    assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.num_query_groups, m.head_dim) == (94, 4096, 64, 4, 128)
-    assert (m.num_experts, m.moe_router_topk, m.moe_ffn_hidden_size, m.vocab_size, m.first_k_dense) == \
-        (128, 8, 1536, 151936, 0)
-    assert (m.qk_layernorm, m.rope_theta, m.recompute, m.precision, cfg.rollout.engine, cfg.routing.replay) == \
-        (True, 1e6, True, "bf16", "vllm", "r3")
+    assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.num_query_groups, m.head_dim) == (
+        94,
+        4096,
+        64,
+        4,
+        128,
+    )
+    assert (m.num_experts, m.moe_router_topk, m.moe_ffn_hidden_size, m.vocab_size, m.first_k_dense) == (
+        128,
+        8,
+        1536,
+        151936,
+        0,
+    )
+    assert (
+        m.qk_layernorm,
+        m.rope_theta,
+        m.recompute,
+        m.precision,
+        cfg.rollout.engine,
+        cfg.routing.replay,
+    ) == (True, 1e6, True, "bf16", "vllm", "r3")
     c = param_counts(m)
     assert [round(c[k] / 1e9, 1) for k in ("total", "active", "expert", "dense")] == [235.1, 22.2, 227.1, 8.0]
-    assert "235.1B parameters, 22.2B active" in text and "(227.1B in routed experts, 8.0B in attention" in text
+    assert (
+        "235.1B parameters, 22.2B active" in text and "(227.1B in routed experts, 8.0B in attention" in text
+    )
     # why 16 nodes: 18 B per expert parameter with expert-DP = 1, and vLLM's weights beside it
     per_gpu = [round(18 * c["expert"] / gpus / GiB, 1) for gpus in (32, 64, 128)]
     assert per_gpu == [119.0, 59.5, 29.7]
@@ -135,18 +161,34 @@ def test_qwen3_235b_recipe_layout_and_every_number_of_its_comment():
     # the layout: what choose_layout ranks first on 16 x 8 GPUs
     lay, chosen = Layout.of(p), choose_layout(cfg, nodes=16, gpus_per_node=8)
     assert chosen[0].layout == lay
-    assert (lay.world, lay.tp, lay.pp, lay.ep, lay.expert_tp, lay.dp, lay.expert_dp) == (128, 4, 4, 32, 1, 8, 1)
+    assert (lay.world, lay.tp, lay.pp, lay.ep, lay.expert_tp, lay.dp, lay.expert_dp) == (
+        128,
+        4,
+        4,
+        32,
+        1,
+        8,
+        1,
+    )
     assert lay.stage_layers(94) == [23, 24, 24, 23] and 94 % 4 and m.num_experts // lay.ep == 4
     assert "PP=4 with 23/24/24/23 layers" in text and "EP=32 x expert-TP=1" in text and "DP=8" in text
-    assert [stage_memory(cfg, lay, s)["in_flight"] for s in range(4)] == [4, 3, 2, 1] and micro_batches(cfg, lay) == 32
+    assert [stage_memory(cfg, lay, s)["in_flight"] for s in range(4)] == [4, 3, 2, 1] and micro_batches(
+        cfg, lay
+    ) == 32
     # PP=1 and PP=2 do not fit beside vLLM
     assert min(r.layout.pp for r in chosen) == 4
     stated = _stated_estimate(QWEN3_235B)
     assert len(stated) == 16
     for key, value in stated.items():
         assert abs(est[key] - float(value)) <= (1.0 if key == "vllm_kv_tokens" else 0.05), key
-    assert est["peak_stage"] == 3 and est["learner_static_max_gib"] == stage_memory(cfg, lay, 1)["static"] / GiB
-    assert est["vllm_budget_gib"] == 40.0 and est["train_peak_gib"] <= 80 - 4 and est["rollout_peak_gib"] <= 80 - 4
+    assert (
+        est["peak_stage"] == 3 and est["learner_static_max_gib"] == stage_memory(cfg, lay, 1)["static"] / GiB
+    )
+    assert (
+        est["vllm_budget_gib"] == 40.0
+        and est["train_peak_gib"] <= 80 - 4
+        and est["rollout_peak_gib"] <= 80 - 4
+    )
 
 
 @pytest.mark.unit
@@ -166,7 +208,9 @@ def test_gpu_recipes_load_here_but_only_launch_on_gpu(monkeypatch):
     # without CUDA (this machine, or a GPU machine seen as one without) the launch is refused
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     for cfg in recipes:
-        with pytest.raises(ConfigError, match=r"config key 'model\.(precision|transformer_impl)'.*no CUDA device"):
+        with pytest.raises(
+            ConfigError, match=r"config key 'model\.(precision|transformer_impl)'.*no CUDA device"
+        ):
             check_launch(cfg)
 
 
@@ -185,19 +229,42 @@ TP2 = ["parallel.tensor_parallel=2", "parallel.expert_parallel=1"]
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("overrides, dims", [
-    # (TP, PP, EP, expert-TP, DP) of layouts tests/learner/test_learner_layouts.py runs
-    (TP2, (2, 1, 1, 2, 1)),
-    (["parallel.nproc=4", "parallel.tensor_parallel=2", "parallel.expert_tensor_parallel=1"], (2, 1, 2, 1, 2)),
-    (["parallel.nproc=4", "parallel.tensor_parallel=2"], (2, 1, 2, 2, 2)),
-    (["parallel.nproc=4", "parallel.tensor_parallel=2", "parallel.pipeline_parallel=2", "parallel.expert_parallel=1"],
-     (2, 2, 1, 2, 1)),
-    (["parallel.nproc=8", "parallel.tensor_parallel=2", "parallel.pipeline_parallel=2",
-      "parallel.expert_tensor_parallel=1"], (2, 2, 2, 1, 2)),
-    (["parallel.pipeline_parallel=4", "parallel.nproc=4", "parallel.expert_parallel=1"], (1, 4, 1, 1, 1)),
-    (TP2 + ["model.transformer_impl=te"], (2, 1, 1, 2, 1)),  # TE + TP, TE + PP: untested on GPU
-    (["parallel.pipeline_parallel=2", "parallel.expert_parallel=1", "model.transformer_impl=te"], (1, 2, 1, 1, 1)),
-])
+@pytest.mark.parametrize(
+    "overrides, dims",
+    [
+        # (TP, PP, EP, expert-TP, DP) of layouts tests/learner/test_learner_layouts.py runs
+        (TP2, (2, 1, 1, 2, 1)),
+        (
+            ["parallel.nproc=4", "parallel.tensor_parallel=2", "parallel.expert_tensor_parallel=1"],
+            (2, 1, 2, 1, 2),
+        ),
+        (["parallel.nproc=4", "parallel.tensor_parallel=2"], (2, 1, 2, 2, 2)),
+        (
+            [
+                "parallel.nproc=4",
+                "parallel.tensor_parallel=2",
+                "parallel.pipeline_parallel=2",
+                "parallel.expert_parallel=1",
+            ],
+            (2, 2, 1, 2, 1),
+        ),
+        (
+            [
+                "parallel.nproc=8",
+                "parallel.tensor_parallel=2",
+                "parallel.pipeline_parallel=2",
+                "parallel.expert_tensor_parallel=1",
+            ],
+            (2, 2, 2, 1, 2),
+        ),
+        (["parallel.pipeline_parallel=4", "parallel.nproc=4", "parallel.expert_parallel=1"], (1, 4, 1, 1, 1)),
+        (TP2 + ["model.transformer_impl=te"], (2, 1, 1, 2, 1)),  # TE + TP, TE + PP: untested on GPU
+        (
+            ["parallel.pipeline_parallel=2", "parallel.expert_parallel=1", "model.transformer_impl=te"],
+            (1, 2, 1, 1, 1),
+        ),
+    ],
+)
 def test_parallel_layouts_are_accepted(overrides, dims):
     p = load_config(None, overrides).parallel
     cfg = load_config(None, overrides)
@@ -213,49 +280,118 @@ def test_full_vocab_corrections_run_under_tensor_parallel():
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("num_layers, pp, first, last, stages", [
-    (4, 1, 0, 0, (4,)), (4, 2, 0, 0, (2, 2)), (5, 2, 2, 0, (2, 3)), (5, 2, 0, 2, (3, 2)),
-    (94, 4, 23, 23, (23, 24, 24, 23)), (94, 8, 11, 11, (11,) + (12,) * 6 + (11,)), (6, 3, 1, 1, (1, 4, 1)),
-])
+@pytest.mark.parametrize(
+    "num_layers, pp, first, last, stages",
+    [
+        (4, 1, 0, 0, (4,)),
+        (4, 2, 0, 0, (2, 2)),
+        (5, 2, 2, 0, (2, 3)),
+        (5, 2, 0, 2, (3, 2)),
+        (94, 4, 23, 23, (23, 24, 24, 23)),
+        (94, 8, 11, 11, (11,) + (12,) * 6 + (11,)),
+        (6, 3, 1, 1, (1, 4, 1)),
+    ],
+)
 def test_pipeline_stage_layers_split_like_megatron(num_layers, pp, first, last, stages):
     from moe_rl.config import ParallelConfig
     from moe_rl.layout import pipeline_stage_layers
 
-    par = ParallelConfig(nproc=pp, pipeline_parallel=pp, expert_parallel=1, layers_in_first_stage=first,
-                         layers_in_last_stage=last)
+    par = ParallelConfig(
+        nproc=pp,
+        pipeline_parallel=pp,
+        expert_parallel=1,
+        layers_in_first_stage=first,
+        layers_in_last_stage=last,
+    )
     assert pipeline_stage_layers(num_layers, par) == stages
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("extra, needle", [
-    (["model.num_attention_heads=6", "model.num_query_groups=3", "parallel.tensor_parallel=4", "parallel.nproc=4",
-      "parallel.expert_parallel=1"], "'parallel.tensor_parallel': 4 does not divide model.num_query_groups 3"),
-    (TP2 + ["model.vocab_size=51"], "does not divide model.vocab_size 51"),
-    (["parallel.expert_parallel=3", "parallel.nproc=3"], "'parallel.expert_parallel': 3 does not divide model.num_experts 8"),
-    (["parallel.nproc=3", "parallel.tensor_parallel=2", "parallel.expert_parallel=1"],
-     "'parallel.nproc': 3 ranks are not a multiple of tensor_parallel x pipeline_parallel = 2 x 1"),
-    (["parallel.nproc=4", "parallel.tensor_parallel=2", "parallel.pipeline_parallel=2"],
-     ("'parallel.expert_parallel': expert_parallel x expert_tensor_parallel x pipeline_parallel = 2 x 2 x 2 "
-      "does not divide parallel.nproc 4")),
-    (["parallel.pipeline_parallel=3", "parallel.nproc=3", "parallel.expert_parallel=1"],
-     "'parallel.pipeline_parallel': 4 layers do not split evenly over 3 pipeline stages"),
-    (["parallel.pipeline_parallel=3", "parallel.nproc=3", "parallel.expert_parallel=1",
-      "parallel.layers_in_first_stage=1"],
-     ("'parallel.pipeline_parallel': 4 layers after 1 on the first and 0 on the last stage do not split evenly "
-      "over 2 middle pipeline stages")),
-    (["parallel.pipeline_parallel=2", "parallel.expert_parallel=1", "parallel.layers_in_first_stage=4"],
-     "4 layers after 4 on the first and 0 on the last stage do not split evenly over 1 middle"),
-    (["parallel.layers_in_first_stage=2"], "'parallel.layers_in_first_stage': uneven stages need "),
-    (["parallel.pipeline_parallel=2", "parallel.virtual_pipeline=2", "parallel.expert_parallel=1"],
-     "'parallel.virtual_pipeline': 2: virtual pipeline stages (interleaved 1F1B) are not supported"),
-    (["parallel.expert_tensor_parallel=-1"], "'parallel.expert_tensor_parallel': must be >= 0"),
-    (["parallel.nproc=4", "parallel.tensor_parallel=2", "parallel.expert_tensor_parallel=1",
-      "model.moe_ffn_hidden_size=3"], None),  # expert-TP 1 keeps experts whole: any width
-    (["parallel.nproc=2", "parallel.tensor_parallel=2", "parallel.expert_parallel=1",
-      "model.moe_ffn_hidden_size=3"], "'parallel.expert_tensor_parallel': 2 does not divide model.moe_ffn_hidden_size 3"),
-    (["parallel.pipeline_parallel=2", "parallel.expert_parallel=1", "model.first_k_dense=2"],
-     "'model.first_k_dense': 2 dense layers leave pipeline stage 0"),
-])
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        (
+            [
+                "model.num_attention_heads=6",
+                "model.num_query_groups=3",
+                "parallel.tensor_parallel=4",
+                "parallel.nproc=4",
+                "parallel.expert_parallel=1",
+            ],
+            "'parallel.tensor_parallel': 4 does not divide model.num_query_groups 3",
+        ),
+        (TP2 + ["model.vocab_size=51"], "does not divide model.vocab_size 51"),
+        (
+            ["parallel.expert_parallel=3", "parallel.nproc=3"],
+            "'parallel.expert_parallel': 3 does not divide model.num_experts 8",
+        ),
+        (
+            ["parallel.nproc=3", "parallel.tensor_parallel=2", "parallel.expert_parallel=1"],
+            "'parallel.nproc': 3 ranks are not a multiple of tensor_parallel x pipeline_parallel = 2 x 1",
+        ),
+        (
+            ["parallel.nproc=4", "parallel.tensor_parallel=2", "parallel.pipeline_parallel=2"],
+            (
+                "'parallel.expert_parallel': expert_parallel x expert_tensor_parallel x pipeline_parallel = "
+                "2 x 2 x 2 "
+                "does not divide parallel.nproc 4"
+            ),
+        ),
+        (
+            ["parallel.pipeline_parallel=3", "parallel.nproc=3", "parallel.expert_parallel=1"],
+            "'parallel.pipeline_parallel': 4 layers do not split evenly over 3 pipeline stages",
+        ),
+        (
+            [
+                "parallel.pipeline_parallel=3",
+                "parallel.nproc=3",
+                "parallel.expert_parallel=1",
+                "parallel.layers_in_first_stage=1",
+            ],
+            (
+                "'parallel.pipeline_parallel': 4 layers after 1 on the first and 0 on the last stage "
+                "do not split evenly "
+                "over 2 middle pipeline stages"
+            ),
+        ),
+        (
+            [
+                "parallel.pipeline_parallel=2",
+                "parallel.expert_parallel=1",
+                "parallel.layers_in_first_stage=4",
+            ],
+            "4 layers after 4 on the first and 0 on the last stage do not split evenly over 1 middle",
+        ),
+        (["parallel.layers_in_first_stage=2"], "'parallel.layers_in_first_stage': uneven stages need "),
+        (
+            ["parallel.pipeline_parallel=2", "parallel.virtual_pipeline=2", "parallel.expert_parallel=1"],
+            "'parallel.virtual_pipeline': 2: virtual pipeline stages (interleaved 1F1B) are not supported",
+        ),
+        (["parallel.expert_tensor_parallel=-1"], "'parallel.expert_tensor_parallel': must be >= 0"),
+        (
+            [
+                "parallel.nproc=4",
+                "parallel.tensor_parallel=2",
+                "parallel.expert_tensor_parallel=1",
+                "model.moe_ffn_hidden_size=3",
+            ],
+            None,
+        ),  # expert-TP 1 keeps experts whole: any width
+        (
+            [
+                "parallel.nproc=2",
+                "parallel.tensor_parallel=2",
+                "parallel.expert_parallel=1",
+                "model.moe_ffn_hidden_size=3",
+            ],
+            "'parallel.expert_tensor_parallel': 2 does not divide model.moe_ffn_hidden_size 3",
+        ),
+        (
+            ["parallel.pipeline_parallel=2", "parallel.expert_parallel=1", "model.first_k_dense=2"],
+            "'model.first_k_dense': 2 dense layers leave pipeline stage 0",
+        ),
+    ],
+)
 def test_parallel_layouts_that_do_not_divide_are_refused(extra, needle):
     if needle is None:
         assert load_config(None, extra).parallel.expert_tp == 1
@@ -270,7 +406,9 @@ def test_launch_refuses_more_ranks_or_experts_than_gpus_and_nccl_without_cuda(mo
     from moe_rl.preflight import check_devices
 
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    with pytest.raises(ConfigError, match=r"'parallel.backend': nccl needs CUDA, and this machine has no GPU"):
+    with pytest.raises(
+        ConfigError, match=r"'parallel.backend': nccl needs CUDA, and this machine has no GPU"
+    ):
         check_devices(load_config(None, ["parallel.backend=nccl"]), num_gpus=0)
     check_devices(load_config(None), num_gpus=0)  # the CPU default: gloo
     with pytest.raises(ConfigError, match=r"'parallel.nproc': 2 local ranks but this machine has 1 GPU\(s\)"):
@@ -281,11 +419,21 @@ def test_launch_refuses_more_ranks_or_experts_than_gpus_and_nccl_without_cuda(mo
     check_devices(load_config(None, ["parallel.backend=gloo"]), num_gpus=1)  # CPU ranks on a GPU machine
     # under torchrun the node's rank count comes from the launcher; EP may span nodes
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    wide = load_config(None, ["parallel.nproc=16", "parallel.expert_parallel=16", "model.num_experts=16",
-                              "rollout.prompts_per_step=64"])
+    wide = load_config(
+        None,
+        [
+            "parallel.nproc=16",
+            "parallel.expert_parallel=16",
+            "model.num_experts=16",
+            "rollout.prompts_per_step=64",
+        ],
+    )
     check_devices(wide, num_gpus=8)
-    with pytest.raises(ConfigError, match=r"'parallel.nproc': the launcher starts 8 ranks on this node but "
-                                          r"this machine has 4 GPU\(s\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"'parallel.nproc': the launcher starts 8 ranks on this node but "
+        r"this machine has 4 GPU\(s\)",
+    ):
         check_devices(wide, num_gpus=4)
 
 
@@ -298,6 +446,9 @@ def test_vllm_tensor_parallel_is_refused_at_launch(monkeypatch):
     monkeypatch.setattr(preflight, "check_devices", lambda cfg, n: None)
     cfg = load_config("configs/qwen3_30b_a3b_2x8h100.yaml")  # one vLLM engine per node: TP 8
     monkeypatch.setattr("moe_rl.learner.te_spec.check_te_environment", lambda m: None)
-    with pytest.raises(ConfigError, match=r"'rollout.vllm.tensor_parallel': 8 > 1 is not supported: vLLM returns "
-                                          r"routed experts only on the first rank"):
+    with pytest.raises(
+        ConfigError,
+        match=r"'rollout.vllm.tensor_parallel': 8 > 1 is not supported: vLLM returns "
+        r"routed experts only on the first rank",
+    ):
         preflight.check_launch(cfg)

@@ -24,8 +24,9 @@ SUFFIXES = {".py", ".yaml", ".yml", ".md", ".sh", ".toml", ".txt", ".j2"}
 PRIVATE = ("math", "design", "gpu_stack", "peers", "megatron_cpu", "style")
 
 NUM = r"\d+(?:\.\d+)*"
-CITATION = re.compile(r"(?<![\w./-])docs/(?P<name>[\w-]+)\.md(?: (?P<nums>" + NUM + r"(?:-" + NUM + r")?(?:, "
-                      + NUM + r")*))?")
+CITATION = re.compile(
+    r"(?<![\w./-])docs/(?P<name>[\w-]+)\.md(?: (?P<nums>" + NUM + r"(?:-" + NUM + r")?(?:, " + NUM + r")*))?"
+)
 ANY_PRIVATE = re.compile(r"(?P<name>" + "|".join(PRIVATE) + r")\.md")
 VALID_PREFIX = re.compile(r"(?<![\w./-])docs/$")
 HEADING = re.compile(r"^#{1,6}\s+(?P<num>" + NUM + r")\.?\s", re.MULTILINE)
@@ -34,8 +35,11 @@ HEADING = re.compile(r"^#{1,6}\s+(?P<num>" + NUM + r")\.?\s", re.MULTILINE)
 def _scanned_files() -> list[Path]:
     out = []
     for d in SCANNED:
-        out += [p for p in sorted((ROOT / d).rglob("*"))
-                if p.is_file() and p.suffix in SUFFIXES and "__pycache__" not in p.parts]
+        out += [
+            p
+            for p in sorted((ROOT / d).rglob("*"))
+            if p.is_file() and p.suffix in SUFFIXES and "__pycache__" not in p.parts
+        ]
     return out
 
 
@@ -54,7 +58,9 @@ def _citations() -> list[tuple[str, int, str, list[str]]]:
         text = path.read_text(encoding="utf-8")
         for m in CITATION.finditer(text):
             nums = [end for part in (m["nums"] or "").split(", ") if part for end in part.split("-")]
-            out.append((path.relative_to(ROOT).as_posix(), text.count("\n", 0, m.start()) + 1, m["name"], nums))
+            out.append(
+                (path.relative_to(ROOT).as_posix(), text.count("\n", 0, m.start()) + 1, m["name"], nums)
+            )
     return out
 
 
@@ -88,9 +94,11 @@ def test_no_bare_citation_of_a_private_reference():
     for path in _scanned_files():
         text = path.read_text(encoding="utf-8")
         for m in ANY_PRIVATE.finditer(text):
-            if not VALID_PREFIX.search(text[max(0, m.start() - 40):m.start()]):
+            if not VALID_PREFIX.search(text[max(0, m.start() - 40) : m.start()]):
                 line = text.count("\n", 0, m.start()) + 1
-                problems.append(f"{path.relative_to(ROOT).as_posix()}:{line}: {text[max(0, m.start() - 20):m.end()]!r}")
+                problems.append(
+                    f"{path.relative_to(ROOT).as_posix()}:{line}: {text[max(0, m.start() - 20) : m.end()]!r}"
+                )
     assert not problems, "cite docs/<file>.md <section> instead:\n" + "\n".join(problems)
 
 
@@ -99,7 +107,7 @@ def _metric_table() -> list[tuple[str, str]]:
     text = _doc("math").read_text(encoding="utf-8")
     start = re.search(r"^## 10\. ", text, re.MULTILINE)
     assert start, "math docs: no section 10 (metric names)"
-    return re.findall(r"^\| `([\w/]+)` \| (" + NUM + r") \|$", text[start.end():], re.MULTILINE)
+    return re.findall(r"^\| `([\w/]+)` \| (" + NUM + r") \|$", text[start.end() :], re.MULTILINE)
 
 
 @pytest.mark.unit

@@ -22,11 +22,17 @@ def test_uniform_entropy_and_zero_gradient_alarm_once_after_patience_and_rearm()
     events = mon.observe(1, sick)
     assert [e["alarm"] for e in events] == ["entropy_uniform", "grad_norm_zero"]
     assert events[0] == {
-        "step": 1, "event": "health", "alarm": "entropy_uniform", "severity": "warning",
+        "step": 1,
+        "event": "health",
+        "alarm": "entropy_uniform",
+        "severity": "warning",
         "cause": "policy entropy 3.912 nats >= 0.95 ln(V=50) = 3.716: the policy is uniform for 2 "
-                 "consecutive steps (steps 0-1; log.health)"}
-    assert events[1]["cause"] == ("gradient norm exactly 0 in every minibatch (optimizer steps skipped): "
-                                  "nothing is learned for 2 consecutive steps (steps 0-1; log.health)")
+        "consecutive steps (steps 0-1; log.health)",
+    }
+    assert events[1]["cause"] == (
+        "gradient norm exactly 0 in every minibatch (optimizer steps skipped): "
+        "nothing is learned for 2 consecutive steps (steps 0-1; log.health)"
+    )
     assert mon.observe(2, sick) == []  # once per episode
     assert mon.observe(3, {"train/entropy": 1.0, "train/grad_norm_max": 0.5}) == []  # clears: re-armed
     assert mon.observe(4, sick) == []
@@ -39,11 +45,16 @@ def test_collapsed_entropy_alarm_and_healthy_steps_are_silent():
     assert mon.observe(0, {"train/entropy": 0.5, "train/grad_norm_max": 0.25}) == []
     (event,) = mon.observe(1, {"train/entropy": 2e-4, "train/grad_norm_max": 0.25})
     assert event["alarm"] == "entropy_zero"
-    assert event["cause"] == ("policy entropy 0.0002 nats <= 0.001: the policy collapsed onto one token for 1 "
-                              "consecutive step (steps 1-1; log.health)")
+    assert event["cause"] == (
+        "policy entropy 0.0002 nats <= 0.001: the policy collapsed onto one token for 1 "
+        "consecutive step (steps 1-1; log.health)"
+    )
     assert mon.observe(2, {}) == []  # metrics not logged: no alarm
     assert HealthMonitor(HealthConfig(enabled=False), 50).observe(0, {"train/grad_norm_max": 0.0}) == []
-    assert HealthMonitor(HealthConfig(patience=1), 50, active=False).observe(0, {"train/grad_norm_max": 0.0}) == []
+    assert (
+        HealthMonitor(HealthConfig(patience=1), 50, active=False).observe(0, {"train/grad_norm_max": 0.0})
+        == []
+    )
 
 
 @pytest.mark.unit
@@ -53,6 +64,11 @@ def test_health_config_is_validated_and_alarms_reach_the_report(tmp_path):
     with pytest.raises(ValueError, match=r"config key 'log.health.patience': must be >= 1"):
         load_config(None, ["log.health.patience=0"])
     (tmp_path / "events.jsonl").write_text(
-        json.dumps({"step": 3, "cause": "length surged", "multiplier_after": 0.5}) + "\n"
-        + json.dumps({"step": 7, "event": "health", "alarm": "grad_norm_zero", "cause": "why"}) + "\n{cut")
-    assert health_warnings(tmp_path / "events.jsonl") == [f"{tmp_path.name}: health alarm grad_norm_zero at step 7: why"]
+        json.dumps({"step": 3, "cause": "length surged", "multiplier_after": 0.5})
+        + "\n"
+        + json.dumps({"step": 7, "event": "health", "alarm": "grad_norm_zero", "cause": "why"})
+        + "\n{cut"
+    )
+    assert health_warnings(tmp_path / "events.jsonl") == [
+        f"{tmp_path.name}: health alarm grad_norm_zero at step 7: why"
+    ]

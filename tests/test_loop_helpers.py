@@ -41,21 +41,54 @@ def test_step_timer_adds_phases_and_the_whole_step():
 def test_the_loop_times_each_stage_apart_and_the_learner_time_counts_its_passes():
     tree = ast.parse((Path(__file__).resolve().parents[1] / "moe_rl" / "trainer.py").read_text())
     train = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "train")
-    calls = sorted((n for n in ast.walk(train) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
-                    and n.func.attr == "phase"), key=lambda n: n.lineno)
+    calls = sorted(
+        (
+            n
+            for n in ast.walk(train)
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "phase"
+        ),
+        key=lambda n: n.lineno,
+    )
     # old_logprob is the old pass alone (scripts and memory.summarize_run read time/<phase>_s)
-    assert [c.args[0].value for c in calls] == ["rollout", "score", "old_logprob", "prepare", "reference",
-                                                "update", "sync"]
-    cfg = load_config(None, ["model.vocab_size=50", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=2",
-                             "algo.num_minibatches=1"])
-    rows = [{"time/step_s": 9.0, "time/old_logprob_s": 1.0, "time/reference_s": 0.5, "time/update_s": 2.0,
-             "rollout/response_len_mean": 5.0}] * 2
+    assert [c.args[0].value for c in calls] == [
+        "rollout",
+        "score",
+        "old_logprob",
+        "prepare",
+        "reference",
+        "update",
+        "sync",
+    ]
+    cfg = load_config(
+        None,
+        [
+            "model.vocab_size=50",
+            "rollout.prompts_per_step=4",
+            "rollout.samples_per_prompt=2",
+            "algo.num_minibatches=1",
+        ],
+    )
+    rows = [
+        {
+            "time/step_s": 9.0,
+            "time/old_logprob_s": 1.0,
+            "time/reference_s": 0.5,
+            "time/update_s": 2.0,
+            "rollout/response_len_mean": 5.0,
+        }
+    ] * 2
     assert summarize_run(rows, cfg, prompt_tokens=5.0)["learner_s"] == 3.5  # old + reference + update
 
 
 @pytest.mark.unit
 def test_step_seeds_differ_per_step_rank_and_stream():
-    seeds = {step_seed(1234, step, rank, stream) for step in range(50) for rank in range(8)
-             for stream in (PROMPTS, GENERATE)}
+    seeds = {
+        step_seed(1234, step, rank, stream)
+        for step in range(50)
+        for rank in range(8)
+        for stream in (PROMPTS, GENERATE)
+    }
     assert len(seeds) == 50 * 8 * 2
-    assert step_seed(1234, 3, 1, PROMPTS) == ((1234 * 1_000_003 + 3) * 1_009 + 1) * 8  # resume redraws the same
+    assert (
+        step_seed(1234, 3, 1, PROMPTS) == ((1234 * 1_000_003 + 3) * 1_009 + 1) * 8
+    )  # resume redraws the same

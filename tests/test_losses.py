@@ -21,11 +21,11 @@ from moe_rl.ratios import SAFETY_BOUND, kl_from_log_ratio, log_ratio
 
 # (ratio, advantage, expected per-token loss, clipped branch active)
 CASES = [
-    (1.5, 1.0, -1.28, True),    # A > 0, ratio above 1 + clip_high: clipped, no gradient
-    (0.5, 1.0, -0.5, False),    # A > 0, ratio below 1 - clip_low: unclipped (pessimistic min)
-    (0.5, -1.0, 0.8, True),     # A < 0, ratio below 1 - clip_low: clipped
-    (1.5, -1.0, 1.5, False),    # A < 0, ratio above 1 + clip_high: unclipped
-    (1.1, 2.0, -2.2, False),    # inside the range
+    (1.5, 1.0, -1.28, True),  # A > 0, ratio above 1 + clip_high: clipped, no gradient
+    (0.5, 1.0, -0.5, False),  # A > 0, ratio below 1 - clip_low: unclipped (pessimistic min)
+    (0.5, -1.0, 0.8, True),  # A < 0, ratio below 1 - clip_low: clipped
+    (1.5, -1.0, 1.5, False),  # A < 0, ratio above 1 + clip_high: unclipped
+    (1.1, 2.0, -2.2, False),  # inside the range
     (1.25, 1.0, -1.25, False),  # inside the asymmetric range (would be clipped at 1.2)
 ]
 
@@ -60,8 +60,9 @@ def test_ppo_hand_computed_values_and_metrics():
 def test_mask_and_normalizer():
     logp, old, adv = _inputs()
     mask = torch.tensor([[True, False, True, False, False, True]])
-    loss, metrics = ppo_clip_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.28,
-                                  normalizer=torch.tensor(10.0))
+    loss, metrics = ppo_clip_loss(
+        logp, old, adv, mask, clip_low=0.2, clip_high=0.28, normalizer=torch.tensor(10.0)
+    )
     assert loss.item() == pytest.approx((-1.28 + 0.8 - 1.25) / 10)
     got = reduce_metrics(metrics)
     assert got["train/pg_clipfrac"] == pytest.approx(2 / 3)
@@ -79,11 +80,13 @@ def test_asymmetric_clip_direction():
     # ratio 0.75 with A < 0: below 1 - clip_low = 0.8, clipped
     logp = torch.tensor([[math.log(1.25), math.log(0.75)]], dtype=torch.float64)
     _, m = ppo_clip_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.28, normalizer=2)
-    loss_tok, _ = ppo_clip_loss(logp[:, :1], old[:, :1], adv[:, :1], mask[:, :1],
-                                clip_low=0.2, clip_high=0.28, normalizer=1)
+    loss_tok, _ = ppo_clip_loss(
+        logp[:, :1], old[:, :1], adv[:, :1], mask[:, :1], clip_low=0.2, clip_high=0.28, normalizer=1
+    )
     assert loss_tok.item() == pytest.approx(-1.25)
-    loss_tok, _ = ppo_clip_loss(logp[:, 1:], old[:, 1:], adv[:, 1:], mask[:, 1:],
-                                clip_low=0.2, clip_high=0.28, normalizer=1)
+    loss_tok, _ = ppo_clip_loss(
+        logp[:, 1:], old[:, 1:], adv[:, 1:], mask[:, 1:], clip_low=0.2, clip_high=0.28, normalizer=1
+    )
     assert loss_tok.item() == pytest.approx(0.8)
     assert reduce_metrics(m)["train/pg_clipfrac"] == pytest.approx(0.5)
     _, m = ppo_clip_loss(logp, old, adv, mask, clip_low=0.3, clip_high=0.2, normalizer=2)
@@ -109,8 +112,9 @@ def test_gradient_flow():
 def test_is_weights_are_stop_gradient():
     logp, old, adv = _inputs()
     w = torch.full_like(adv, 2.0, requires_grad=True)
-    loss, _ = ppo_clip_loss(logp, old, adv, torch.ones_like(adv), clip_low=0.2, clip_high=0.28,
-                            normalizer=6, is_weights_BS=w)
+    loss, _ = ppo_clip_loss(
+        logp, old, adv, torch.ones_like(adv), clip_low=0.2, clip_high=0.28, normalizer=6, is_weights_BS=w
+    )
     loss.backward()
     assert loss.item() == pytest.approx(2 * sum(c[2] for c in CASES) / 6)
     assert w.grad is None
@@ -150,12 +154,32 @@ def test_kl_term_added_with_coef():
     ref = torch.log(torch.tensor([[0.25, 0.5]], dtype=torch.float64))
     adv = torch.zeros_like(logp)
     mask = torch.ones_like(logp)
-    loss, m = ppo_clip_loss(logp, logp.detach(), adv, mask, clip_low=0.2, clip_high=0.2,
-                            normalizer=2, ref_logp_BS=ref, kl_coef=0.5, kl_kind="k1")
+    loss, m = ppo_clip_loss(
+        logp,
+        logp.detach(),
+        adv,
+        mask,
+        clip_low=0.2,
+        clip_high=0.2,
+        normalizer=2,
+        ref_logp_BS=ref,
+        kl_coef=0.5,
+        kl_kind="k1",
+    )
     # k1 = logp - ref = [log 2, -log 2]: sums to 0
     assert loss.item() == pytest.approx(0.0, abs=1e-12)
-    loss, m = ppo_clip_loss(logp, logp.detach(), adv, mask, clip_low=0.2, clip_high=0.2,
-                            normalizer=2, ref_logp_BS=ref, kl_coef=0.5, kl_kind="k2")
+    loss, m = ppo_clip_loss(
+        logp,
+        logp.detach(),
+        adv,
+        mask,
+        clip_low=0.2,
+        clip_high=0.2,
+        normalizer=2,
+        ref_logp_BS=ref,
+        kl_coef=0.5,
+        kl_kind="k2",
+    )
     assert loss.item() == pytest.approx(0.5 * math.log(2) ** 2 / 2)
     assert reduce_metrics(m)["train/kl_ref"] == pytest.approx(math.log(2) ** 2 / 2)
     with pytest.raises(ValueError, match="ref_logp_BS"):
@@ -194,8 +218,15 @@ def test_log_ratio_clamp():
     b = torch.tensor([-100.0, 100.0, -3.0])
     torch.testing.assert_close(log_ratio(a, b), torch.tensor([SAFETY_BOUND, -SAFETY_BOUND, 2.0]))
     logp = torch.tensor([[0.0]], requires_grad=True)
-    loss, _ = ppo_clip_loss(logp, torch.tensor([[-100.0]]), torch.tensor([[-1.0]]), torch.ones(1, 1),
-                            clip_low=0.2, clip_high=0.28, normalizer=1)
+    loss, _ = ppo_clip_loss(
+        logp,
+        torch.tensor([[-100.0]]),
+        torch.tensor([[-1.0]]),
+        torch.ones(1, 1),
+        clip_low=0.2,
+        clip_high=0.28,
+        normalizer=1,
+    )
     assert torch.isfinite(loss)
 
 
@@ -205,15 +236,19 @@ def test_log_ratio_clamp():
 @pytest.mark.unit
 def test_dual_clip_hand_computed():
     # (ratio, A, expected loss with clip 0.2/0.28 and c = 3, dual active, has gradient)
-    cases = [(5.0, -1.0, 3.0, True, False),   # A < 0, -A*ratio = 5 > c = 3: bounded at 3, no gradient
-             (2.0, -1.0, 2.0, False, True),   # below c: unchanged
-             (5.0, 1.0, -1.28, False, False),  # A > 0: dual clip does not apply (normal clip)
-             (0.5, -2.0, 1.6, False, False)]  # A < 0, clipped from below as usual
+    cases = [
+        (5.0, -1.0, 3.0, True, False),  # A < 0, -A*ratio = 5 > c = 3: bounded at 3, no gradient
+        (2.0, -1.0, 2.0, False, True),  # below c: unchanged
+        (5.0, 1.0, -1.28, False, False),  # A > 0: dual clip does not apply (normal clip)
+        (0.5, -2.0, 1.6, False, False),
+    ]  # A < 0, clipped from below as usual
     logp = torch.tensor([[math.log(c[0]) for c in cases]], dtype=torch.float64, requires_grad=True)
     old = torch.zeros_like(logp)
     adv = torch.tensor([[c[1] for c in cases]], dtype=torch.float64)
     mask = torch.ones_like(adv, dtype=torch.bool)
-    loss, m = ppo_clip_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.28, normalizer=4, clip_ratio_c=3.0)
+    loss, m = ppo_clip_loss(
+        logp, old, adv, mask, clip_low=0.2, clip_high=0.28, normalizer=4, clip_ratio_c=3.0
+    )
     assert loss.item() == pytest.approx(sum(c[2] for c in cases) / 4)
     assert reduce_metrics(m)["train/pg_clipfrac_lower"] == pytest.approx(1 / 4)
     loss.backward()
@@ -235,8 +270,9 @@ def test_decoupled_is_weights_multiply_outside_the_clip():
     logp, old, adv = _inputs()
     w = torch.tensor([[2.0, 0.5, 3.0, 1.0, 1.5, 0.25]], dtype=torch.float64)
     mask = torch.ones_like(adv, dtype=torch.bool)
-    loss, _ = decoupled_ppo_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.28, normalizer=6,
-                                 is_weights_BS=w)
+    loss, _ = decoupled_ppo_loss(
+        logp, old, adv, mask, clip_low=0.2, clip_high=0.28, normalizer=6, is_weights_BS=w
+    )
     assert loss.item() == pytest.approx(sum(wi * c[2] for wi, c in zip(w[0].tolist(), CASES)) / 6)
     loss.backward()
     for i, (ratio, a, _, clipped) in enumerate(CASES):
@@ -257,7 +293,9 @@ def test_decoupled_keep_mask_token_and_sequence_with_explicit_normalizer():
     loss_seq, _ = decoupled_ppo_loss(logp, old, adv, mask, keep=keep_B, **kw)
     loss_tok, _ = decoupled_ppo_loss(logp, old, adv, mask, keep=keep_B[:, None].expand(3, 4), **kw)
     loss_ref, _ = ppo_clip_loss(logp, old, adv, mask & keep_B[:, None], **kw)
-    assert loss_seq.item() == pytest.approx(loss_ref.item()) and loss_tok.item() == pytest.approx(loss_ref.item())
+    assert loss_seq.item() == pytest.approx(loss_ref.item()) and loss_tok.item() == pytest.approx(
+        loss_ref.item()
+    )
     (g,) = torch.autograd.grad(loss_seq, logp)
     assert (g[1] == 0).all() and (g[0] != 0).all()
     # not renormalised: the kept rows' gradient equals the one of the full batch with the same normaliser
@@ -282,8 +320,9 @@ def test_bypass_ppo_clip_is_ppo_on_rollout_ratio_without_is():
     with pytest.raises(ValueError, match="bypass mode"):
         bypass_loss(logp, roll, adv, mask, mode="grpo", **kw)
     # RS recomputed from the current pi_theta: token_k1 in [0.8, 1.3] drops ratios 1.5, 0.5, 0.5, 1.5
-    loss, m = bypass_loss(logp, roll, adv, mask, mode="ppo_clip", rs_options=["token_k1"], rs_bounds=[(0.8, 1.3)],
-                          **kw)
+    loss, m = bypass_loss(
+        logp, roll, adv, mask, mode="ppo_clip", rs_options=["token_k1"], rs_bounds=[(0.8, 1.3)], **kw
+    )
     assert loss.item() == pytest.approx((-2.2 - 1.25) / 6)
     assert reduce_metrics(m)["corr/rs_masked_fraction"] == pytest.approx(4 / 6)
 
@@ -298,10 +337,14 @@ def test_bypass_reinforce_gradient_is_w_times_a_times_grad_logp():
     mask = torch.rand(B, S, generator=gen) > 0.2
     n = mask.sum()
     for level in (None, "token", "sequence"):
-        loss, m = bypass_loss(logp, roll, adv, mask, mode="reinforce", is_level=level, is_clip_max=1.5,
-                              normalizer=n)
-        w = (torch.ones(B, S, dtype=torch.float64) if level is None
-             else is_weights(log_ratio(logp.detach(), roll), mask, level, 1.5)[0])
+        loss, m = bypass_loss(
+            logp, roll, adv, mask, mode="reinforce", is_level=level, is_clip_max=1.5, normalizer=n
+        )
+        w = (
+            torch.ones(B, S, dtype=torch.float64)
+            if level is None
+            else is_weights(log_ratio(logp.detach(), roll), mask, level, 1.5)[0]
+        )
         assert loss.item() == pytest.approx((-w * adv * logp.detach() * mask).sum().item() / n.item())
         (g,) = torch.autograd.grad(loss, logp)
         # stopgrad(w): exactly -w A / N per token, no log pi * grad w term
@@ -315,8 +358,17 @@ def test_bypass_reinforce_rejection_and_keep():
     logp = logp.detach().requires_grad_(True)
     mask = torch.ones_like(adv, dtype=torch.bool)
     keep_rs, _ = rejection_mask(log_ratio(logp.detach(), roll), mask, ["token_k2"], [0.05])
-    loss, _ = bypass_loss(logp, roll, adv, mask, mode="reinforce", rs_options=["token_k2"], rs_bounds=[0.05],
-                          keep=torch.tensor([True]), normalizer=6)
+    loss, _ = bypass_loss(
+        logp,
+        roll,
+        adv,
+        mask,
+        mode="reinforce",
+        rs_options=["token_k2"],
+        rs_bounds=[0.05],
+        keep=torch.tensor([True]),
+        normalizer=6,
+    )
     assert loss.item() == pytest.approx((-adv * logp.detach() * keep_rs).sum().item() / 6)
     loss, _ = bypass_loss(logp, roll, adv, mask, mode="reinforce", keep=torch.tensor([False]), normalizer=6)
     assert loss.item() == 0.0
@@ -326,7 +378,8 @@ def test_bypass_reinforce_rejection_and_keep():
 def test_kl_from_log_ratio_matches_kl_estimate():
     lr = torch.tensor([-1.0, 0.0, 0.7], dtype=torch.float64)
     for kind in ("k1", "k2", "k3"):
-        torch.testing.assert_close(kl_from_log_ratio(lr, kind), kl_estimate(torch.zeros(3, dtype=torch.float64),
-                                                                            lr, kind))
+        torch.testing.assert_close(
+            kl_from_log_ratio(lr, kind), kl_estimate(torch.zeros(3, dtype=torch.float64), lr, kind)
+        )
     with pytest.raises(ValueError, match="unknown KL estimator"):
         kl_from_log_ratio(lr, "k5")

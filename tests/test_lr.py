@@ -58,8 +58,15 @@ def test_flat_and_disabled_never_trigger():
 
 @pytest.mark.unit
 def test_surge_triggers_after_patience():
-    cfg = LengthLRConfig(enabled=True, ema_alpha=0.5, surge_ratio=1.2, patience=3, min_observations=5,
-                         decay_factor=0.5, cooldown_steps=5)
+    cfg = LengthLRConfig(
+        enabled=True,
+        ema_alpha=0.5,
+        surge_ratio=1.2,
+        patience=3,
+        min_observations=5,
+        decay_factor=0.5,
+        cooldown_steps=5,
+    )
     mults, events, sched = _run(cfg, SURGE)
     # EMA after the surge: 150 (ratio 1.5), 175, 187.5 -> the 3rd step above 1.2 is step 22
     assert [e["step"] for e in events] == [22]  # rebase_after_trigger: 200 / 187.5 < 1.2 afterwards
@@ -68,17 +75,28 @@ def test_surge_triggers_after_patience():
     assert e["smoothed_len"] == 187.5 and e["reference_len"] == 100.0 and e["ratio"] == 1.875
     assert "100.0" in e["cause"] and "187.5" in e["cause"] and "1.875 > surge_ratio 1.2" in e["cause"]
     assert mults[:22] == [1.0] * 22 and mults[22:] == [0.5] * (len(SURGE) - 22)  # applies from step 22
-    assert sched.metrics() == {"train/length_lr/multiplier": 0.5, "train/length_lr/smoothed_len": 200.0,
-                               "train/length_lr/ratio": pytest.approx(200 / 187.5),
-                               "train/length_lr/num_triggers": 1}
+    assert sched.metrics() == {
+        "train/length_lr/multiplier": 0.5,
+        "train/length_lr/smoothed_len": 200.0,
+        "train/length_lr/ratio": pytest.approx(200 / 187.5),
+        "train/length_lr/num_triggers": 1,
+    }
     # patience 4 delays the trigger by one step
     assert [e["step"] for e in _run(LengthLRConfig(**{**cfg.__dict__, "patience": 4}), SURGE)[1]] == [23]
 
 
 @pytest.mark.unit
 def test_cooldown_and_floor_without_rebase():
-    cfg = LengthLRConfig(enabled=True, ema_alpha=0.5, patience=3, min_observations=5, decay_factor=0.5,
-                         cooldown_steps=5, min_multiplier=0.2, rebase_after_trigger=False)
+    cfg = LengthLRConfig(
+        enabled=True,
+        ema_alpha=0.5,
+        patience=3,
+        min_observations=5,
+        decay_factor=0.5,
+        cooldown_steps=5,
+        min_multiplier=0.2,
+        rebase_after_trigger=False,
+    )
     mults, events, _ = _run(cfg, SURGE)
     # trigger at 22; steps 23..27 are cooldown; 28, 29, 30 count -> 30; then 38; then the floor
     assert [e["step"] for e in events] == [22, 30, 38]
@@ -89,8 +107,14 @@ def test_cooldown_and_floor_without_rebase():
 @pytest.mark.unit
 def test_lookback_reference_ignores_slow_drift_running_min_does_not():
     drift = [100.0 + k for k in range(80)]  # +1 per step: 1.1x over 10 steps, 1.5x overall
-    base = {"enabled": True, "ema_alpha": 1.0, "patience": 2, "min_observations": 0, "surge_ratio": 1.2,
-            "cooldown_steps": 0}
+    base = {
+        "enabled": True,
+        "ema_alpha": 1.0,
+        "patience": 2,
+        "min_observations": 0,
+        "surge_ratio": 1.2,
+        "cooldown_steps": 0,
+    }
     assert _run(LengthLRConfig(**base, reference="lookback", lookback=10), drift)[1] == []
     events = _run(LengthLRConfig(**base, reference="running_min"), drift)[1]
     # 121/100 > 1.2 at step 21, 2nd step above at 22; rebased to 122: 147/122 > 1.2 at 47 -> 48;
@@ -115,9 +139,20 @@ def test_window_smoothing():
 @pytest.mark.parametrize("cut", [21, 25, 33])  # mid-patience, mid-cooldown, after two triggers
 @pytest.mark.parametrize("rebase", [True, False])
 def test_state_dict_round_trip_reproduces_the_future(cut, rebase):
-    cfg = LengthLRConfig(enabled=True, ema_alpha=0.3, patience=2, min_observations=3, cooldown_steps=4,
-                         min_multiplier=0.05, rebase_after_trigger=rebase, reference="lookback", lookback=3)
-    lengths = [100.0 + 3 * (k % 5) + (40.0 if k >= 18 else 0.0) + (60.0 if k >= 30 else 0.0) for k in range(60)]
+    cfg = LengthLRConfig(
+        enabled=True,
+        ema_alpha=0.3,
+        patience=2,
+        min_observations=3,
+        cooldown_steps=4,
+        min_multiplier=0.05,
+        rebase_after_trigger=rebase,
+        reference="lookback",
+        lookback=3,
+    )
+    lengths = [
+        100.0 + 3 * (k % 5) + (40.0 if k >= 18 else 0.0) + (60.0 if k >= 30 else 0.0) for k in range(60)
+    ]
     full_mults, full_events, _ = _run(cfg, lengths)
     _, _, first = _run(cfg, lengths[:cut])
     state = json.loads(json.dumps(first.state_dict()))  # survives a checkpoint as plain JSON

@@ -52,11 +52,20 @@ def test_mfu_by_hand():
 
 @pytest.mark.unit
 def test_summarize_run_skips_warmup_and_reports_agreement():
-    cfg = load_config(None, ["model.vocab_size=50", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=2",
-                             "algo.num_minibatches=1"])
-    rows = [{"time/step_s": 100.0, "rollout/response_len_mean": 1.0},
-            {"time/step_s": 2.0, "rollout/response_len_mean": 4.0, "routing/flip_router_frac": 0.1},
-            {"time/step_s": 4.0, "rollout/response_len_mean": 6.0, "routing/flip_router_frac": 0.3}]
+    cfg = load_config(
+        None,
+        [
+            "model.vocab_size=50",
+            "rollout.prompts_per_step=4",
+            "rollout.samples_per_prompt=2",
+            "algo.num_minibatches=1",
+        ],
+    )
+    rows = [
+        {"time/step_s": 100.0, "rollout/response_len_mean": 1.0},
+        {"time/step_s": 2.0, "rollout/response_len_mean": 4.0, "routing/flip_router_frac": 0.1},
+        {"time/step_s": 4.0, "rollout/response_len_mean": 6.0, "routing/flip_router_frac": 0.3},
+    ]
     s = summarize_run(rows, cfg, prompt_tokens=5.0)
     assert s["steps"] == 2 and s["step_s"] == 3.0
     assert s["tokens_per_step"] == 8 * (5.0 + 5.0) and s["tokens_per_s"] == pytest.approx(80 / 3)
@@ -68,10 +77,26 @@ def test_summarize_run_skips_warmup_and_reports_agreement():
 
 @pytest.mark.unit
 def test_summarize_run_learner_mfu_peak_memory_and_reward_trend():
-    cfg = load_config(None, ["model.vocab_size=50", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=2",
-                             "algo.num_minibatches=1"])
-    rows = [{"time/step_s": 9.0, "time/old_logprob_s": 1.0, "time/update_s": 2.0, "rollout/response_len_mean": 5.0,
-             "reward/mean": 0.1 * i, "mem/peak_gib": 3.0 + i % 3} for i in range(8)]
+    cfg = load_config(
+        None,
+        [
+            "model.vocab_size=50",
+            "rollout.prompts_per_step=4",
+            "rollout.samples_per_prompt=2",
+            "algo.num_minibatches=1",
+        ],
+    )
+    rows = [
+        {
+            "time/step_s": 9.0,
+            "time/old_logprob_s": 1.0,
+            "time/update_s": 2.0,
+            "rollout/response_len_mean": 5.0,
+            "reward/mean": 0.1 * i,
+            "mem/peak_gib": 3.0 + i % 3,
+        }
+        for i in range(8)
+    ]
     s = summarize_run(rows, cfg, prompt_tokens=5.0)
     n = param_counts(cfg.model)["matmul_active"]
     tokens = 8 * 10.0
@@ -84,10 +109,23 @@ def test_summarize_run_learner_mfu_peak_memory_and_reward_trend():
 
 # ---- per-GPU memory by layout (estimate / stage_memory / choose_layout) --------------------------
 
-TINY = ["model.vocab_size=64", "model.hidden_size=32", "model.num_layers=6", "model.num_attention_heads=4",
-        "model.num_query_groups=2", "model.head_dim=8", "model.ffn_hidden_size=64", "model.moe_ffn_hidden_size=16",
-        "model.num_experts=8", "model.moe_router_topk=2", "model.max_seq_len=16", "model.precision=bf16",
-        "algo.micro_batch_size=2", "parallel.nproc=8", "parallel.expert_parallel=8"]
+TINY = [
+    "model.vocab_size=64",
+    "model.hidden_size=32",
+    "model.num_layers=6",
+    "model.num_attention_heads=4",
+    "model.num_query_groups=2",
+    "model.head_dim=8",
+    "model.ffn_hidden_size=64",
+    "model.moe_ffn_hidden_size=16",
+    "model.num_experts=8",
+    "model.moe_router_topk=2",
+    "model.max_seq_len=16",
+    "model.precision=bf16",
+    "algo.micro_batch_size=2",
+    "parallel.nproc=8",
+    "parallel.expert_parallel=8",
+]
 
 
 def _tiny(*extra: str):
@@ -131,11 +169,15 @@ def test_expert_tp_divides_expert_weights_and_grads_but_not_their_sharded_optimi
     assert one["expert"] == tp * full["expert"] and one["dense"] == full["dense"]
     # bf16 weight 2 B + fp32 grad 4 B per parameter; the distributed optimizer's 12 B per expert
     # parameter are sharded over expert-DP = world / (EP x ETP): 12 x all experts / world either way
-    assert one["weights"] + one["grads"] - full["weights"] - full["grads"] == 6 * (one["expert"] - full["expert"])
+    assert one["weights"] + one["grads"] - full["weights"] - full["grads"] == 6 * (
+        one["expert"] - full["expert"]
+    )
     assert one["optimizer"] == full["optimizer"]
     experts_all = 6 * 8 * 3 * 32 * 16
     assert one["optimizer"] == 12 * one["dense"] / 4 + 12 * experts_all / 8  # dense DP = 8 / TP = 4
-    unsharded = stage_memory(_tiny("parallel.distributed_optimizer=false"), Layout(world=8, tp=tp, ep=ep, etp=1), 0)
+    unsharded = stage_memory(
+        _tiny("parallel.distributed_optimizer=false"), Layout(world=8, tp=tp, ep=ep, etp=1), 0
+    )
     assert unsharded["optimizer"] == 12 * (one["dense"] + one["expert"])
 
 
@@ -155,7 +197,10 @@ def test_activations_per_layer_and_in_flight_micro_batches():
     tokens, per_layer = 2 * 16, 400
     s0, s1 = stage_memory(cfg, lay, 0), stage_memory(cfg, lay, 1)
     assert (s0["in_flight"], s1["in_flight"]) == (2, 1)  # 1F1B: stage 0 holds PP micro-batches
-    assert s0["activations"] == 2 * tokens * 2 * 3 * per_layer and s1["activations"] == 2 * tokens * 3 * per_layer
+    assert (
+        s0["activations"] == 2 * tokens * 2 * 3 * per_layer
+        and s1["activations"] == 2 * tokens * 3 * per_layer
+    )
     rc = _tiny(*batch, "model.recompute=true")
     # full recomputation: each in-flight micro-batch keeps its 3 layer inputs (H), plus one full layer
     assert stage_memory(rc, lay, 0)["activations"] == 2 * tokens * (2 * 3 * 32 + per_layer)
@@ -171,7 +216,9 @@ def test_logits_per_tp_shard_on_the_last_stage_only():
     # vocab-parallel: a V / TP slice, and exp(z - max) saved too
     assert stage_memory(cfg, Layout(world=8, tp=2, ep=4), 0)["logits"] == tokens * 32 * (2 + 4 * 4)
     lay = Layout(world=8, pp=2, ep=4)
-    assert stage_memory(cfg, lay, 0)["logits"] == 0 and stage_memory(cfg, lay, 1)["logits"] == tokens * 64 * 14
+    assert (
+        stage_memory(cfg, lay, 0)["logits"] == 0 and stage_memory(cfg, lay, 1)["logits"] == tokens * 64 * 14
+    )
 
 
 @pytest.mark.unit
@@ -185,7 +232,14 @@ def test_uneven_stages_move_the_peak_to_the_heaviest_stage():
         assert est["peak_stage"] == heavy and stages[heavy]["train_peak"] > stages[1 - heavy]["train_peak"]
         assert est["train_peak_gib"] == stages[heavy]["train_peak"] / GiB
         assert est["learner_static_max_gib"] == max(s["static"] for s in stages) / GiB
-        parts = ("weights_gib", "grads_gib", "optimizer_gib", "reference_gib", "activations_gib", "logits_gib")
+        parts = (
+            "weights_gib",
+            "grads_gib",
+            "optimizer_gib",
+            "reference_gib",
+            "activations_gib",
+            "logits_gib",
+        )
         assert sum(est[k] for k in parts) == pytest.approx(est["train_peak_gib"])
     # a frozen reference copy of the weights with a KL term
     kl = estimate(_tiny("model.recompute=true", "algo.kl_coef=0.1"), layout=lay)
@@ -200,14 +254,27 @@ def test_stage_layers_follow_megatrons_uneven_split():
     for pp, first, last in ((4, 23, 23), (4, 22, 24), (8, 11, 11), (2, 40, 54), (4, 0, 0), (3, 30, 0)):
         lay = Layout(world=pp, pp=pp, first=first, last=last)
         num_layers = 94 if (first or last) else 96
-        tc = TransformerConfig(num_layers=num_layers, hidden_size=8, num_attention_heads=1,
-                               pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32,
-                               num_layers_in_first_pipeline_stage=first or None,
-                               num_layers_in_last_pipeline_stage=last or None)
+        tc = TransformerConfig(
+            num_layers=num_layers,
+            hidden_size=8,
+            num_attention_heads=1,
+            pipeline_model_parallel_size=pp,
+            pipeline_dtype=torch.float32,
+            num_layers_in_first_pipeline_stage=first or None,
+            num_layers_in_last_pipeline_stage=last or None,
+        )
         assert lay.stage_layers(num_layers) == [get_num_layers_to_build(tc, pp_rank=r) for r in range(pp)]
-    for lay, needle in ((Layout(world=4, pp=4), "94 layers do not split evenly over 4 pipeline stages"),
-                        (Layout(world=4, pp=4, first=21, last=20), "94 layers after 21 on the first and 20 on the last stage do not split evenly over 2 middle"),
-                        (Layout(world=2, pp=2, first=20, last=20), "94 layers after 20 on the first and 20 on the last stage do not split evenly over 0 middle")):
+    for lay, needle in (
+        (Layout(world=4, pp=4), "94 layers do not split evenly over 4 pipeline stages"),
+        (
+            Layout(world=4, pp=4, first=21, last=20),
+            "94 layers after 21 on the first and 20 on the last stage do not split evenly over 2 middle",
+        ),
+        (
+            Layout(world=2, pp=2, first=20, last=20),
+            "94 layers after 20 on the first and 20 on the last stage do not split evenly over 0 middle",
+        ),
+    ):
         with pytest.raises(ValueError, match=re.escape(needle)):
             lay.stage_layers(94)
 
@@ -225,8 +292,10 @@ def test_choose_layout_offers_only_layouts_whose_sizes_divide():
     assert Layout(8, tp=2, pp=4, ep=1, etp=2, first=1, last=1) in layouts  # 1/2/2/1 layers
     assert not any(lay.pp == 4 and (lay.first, lay.last) == (0, 0) for lay in layouts)  # 6 layers, PP 4
     assert Layout(8, tp=4, ep=2).problems(m) == ["TP 4 does not divide model.num_query_groups 2"]
-    assert Layout(8, tp=2, ep=3, etp=1).problems(m) == ["EP 3 does not divide model.num_experts 8",
-                                                        "EP*ETP = 3 does not divide DP*TP = 8"]
+    assert Layout(8, tp=2, ep=3, etp=1).problems(m) == [
+        "EP 3 does not divide model.num_experts 8",
+        "EP*ETP = 3 does not divide DP*TP = 8",
+    ]
     assert Layout(8, tp=2, ep=4, etp=2).problems(m) == ["EP*ETP = 8 does not divide DP*TP = 8"][:0]
     assert Layout(8, pp=2, ep=8).problems(m) == ["EP*ETP = 8 does not divide DP*TP = 4"]
     assert Layout(6, tp=4).problems(m)[0] == "TP*PP = 4 does not divide 6 GPUs"
@@ -241,21 +310,34 @@ def test_choose_layout_ranks_the_fitting_ones_by_the_stated_rule():
     gpu_gib = peaks[len(peaks) // 2] + 0.1  # a GPU that holds about half of them, less 0.1 GiB margin
     chosen = choose_layout(cfg, 2, 4, gpu_gib=gpu_gib, margin_gib=0.1)
     assert 0 < len(chosen) < len(ranked)
-    assert {r.layout for r in chosen} == {r.layout for r in rank_layouts(cfg, 2, 4, gpu_gib)
-                                          if max(r.est["train_peak_gib"], r.est["rollout_peak_gib"]) <= gpu_gib - 0.1}
+    assert {r.layout for r in chosen} == {
+        r.layout
+        for r in rank_layouts(cfg, 2, 4, gpu_gib)
+        if max(r.est["train_peak_gib"], r.est["rollout_peak_gib"]) <= gpu_gib - 0.1
+    }
     keys = [(r.layout.pp, r.layout.tp, r.layout.expert_tp, r.layout.ep) for r in chosen]
     assert keys == sorted(keys) and keys[0][0] == 1  # fewest pipeline stages first
     for r in chosen:
         assert r.est == estimate(cfg, gpu_gib, r.layout)
         # per (TP, EP, ETP, PP) the first/last split with the smallest peak
-        splits = [lay for lay in candidate_layouts(cfg.model, 2, 4)
-                  if (lay.tp, lay.ep, lay.expert_tp, lay.pp) == (r.layout.tp, r.layout.ep, r.layout.expert_tp,
-                                                                 r.layout.pp)]
-        assert min(max(estimate(cfg, gpu_gib, lay)["train_peak_gib"], estimate(cfg, gpu_gib, lay)["rollout_peak_gib"])
-                   for lay in splits) == max(r.est["train_peak_gib"], r.est["rollout_peak_gib"])
+        splits = [
+            lay
+            for lay in candidate_layouts(cfg.model, 2, 4)
+            if (lay.tp, lay.ep, lay.expert_tp, lay.pp)
+            == (r.layout.tp, r.layout.ep, r.layout.expert_tp, r.layout.pp)
+        ]
+        assert min(
+            max(
+                estimate(cfg, gpu_gib, lay)["train_peak_gib"], estimate(cfg, gpu_gib, lay)["rollout_peak_gib"]
+            )
+            for lay in splits
+        ) == max(r.est["train_peak_gib"], r.est["rollout_peak_gib"])
     # vLLM: its ~2 GiB of activations / CUDA graphs leave no KV cache in a 1.25 GiB budget
     vllm = _tiny("model.num_layers=8", "rollout.engine=vllm", "rollout.top_k=0")
-    assert estimate(vllm, 2.5)["vllm_kv_tokens"] == 0 and choose_layout(vllm, 2, 4, gpu_gib=2.5, margin_gib=0) == []
+    assert (
+        estimate(vllm, 2.5)["vllm_kv_tokens"] == 0
+        and choose_layout(vllm, 2, 4, gpu_gib=2.5, margin_gib=0) == []
+    )
     assert choose_layout(vllm, 2, 4, gpu_gib=8.0, margin_gib=0)
 
 

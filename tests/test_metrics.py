@@ -12,8 +12,17 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from moe_rl.metrics import (Max, Mean, Min, MetricsWriter, Std, Sum, merge_metrics, read_metrics,
-                            reduce_metrics)
+from moe_rl.metrics import (
+    Max,
+    Mean,
+    MetricsWriter,
+    Min,
+    Std,
+    Sum,
+    merge_metrics,
+    read_metrics,
+    reduce_metrics,
+)
 
 
 @pytest.mark.unit
@@ -40,8 +49,14 @@ def test_reduce_single_process_exact():
 @pytest.mark.unit
 def test_merge_metrics_over_microbatches():
     a = {"m": Mean(1.0, 2), "s": Sum(1), "x": Max(torch.tensor(3.0)), "n": Min(torch.tensor(0.0)), "p": 1.0}
-    b = {"m": Mean(5.0, 2), "s": Sum(2), "x": Max(torch.tensor(4.0)), "n": Min(torch.tensor(-2.0)),
-         "p": 2.0, "only_b": Sum(9)}
+    b = {
+        "m": Mean(5.0, 2),
+        "s": Sum(2),
+        "x": Max(torch.tensor(4.0)),
+        "n": Min(torch.tensor(-2.0)),
+        "p": 2.0,
+        "only_b": Sum(9),
+    }
     got = reduce_metrics(merge_metrics(a, b))
     assert got == {"m": 1.5, "n": -2.0, "only_b": 9.0, "p": 2.0, "s": 3.0, "x": 4.0}
     with pytest.raises(TypeError, match="cannot merge"):
@@ -97,8 +112,13 @@ def test_reduce_two_ranks_gloo(tmp_path):
 
 @pytest.fixture
 def wandb_env(tmp_path, monkeypatch):
-    for var, sub in (("WANDB_DIR", "wandb"), ("WANDB_CACHE_DIR", "cache"), ("WANDB_CONFIG_DIR", "config"),
-                     ("WANDB_DATA_DIR", "data"), ("WANDB_ARTIFACT_DIR", "artifacts")):
+    for var, sub in (
+        ("WANDB_DIR", "wandb"),
+        ("WANDB_CACHE_DIR", "cache"),
+        ("WANDB_CONFIG_DIR", "config"),
+        ("WANDB_DATA_DIR", "data"),
+        ("WANDB_ARTIFACT_DIR", "artifacts"),
+    ):
         monkeypatch.setenv(var, str(tmp_path / sub))
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
@@ -135,6 +155,7 @@ def test_writer_offline_wandb_and_resume(wandb_env):
 @pytest.mark.unit
 def test_writer_disabled_and_nonzero_rank(tmp_path, monkeypatch):
     import sys
+
     monkeypatch.delitem(sys.modules, "wandb", raising=False)
     w = MetricsWriter(tmp_path / "r0", {}, wandb_mode="disabled", rank=0)
     w.log(0, {"a/b": 1.0})
@@ -163,7 +184,9 @@ def test_fresh_run_starts_empty_file(tmp_path):
 @pytest.mark.unit
 def test_read_metrics_reports_truncated_and_bad_lines(tmp_path):
     path = tmp_path / "metrics.jsonl"
-    path.write_text('{"step": 0, "a": 1}\nnot json\n{"step": 1, "a": 2}\n{"step": 1, "a": 3}\n{"step": 2, "a"')
+    path.write_text(
+        '{"step": 0, "a": 1}\nnot json\n{"step": 1, "a": 2}\n{"step": 1, "a": 3}\n{"step": 2, "a"'
+    )
     records, warnings = read_metrics(path)
     assert records == [{"step": 0, "a": 1}, {"step": 1, "a": 3}]
     assert len(warnings) == 3

@@ -40,8 +40,8 @@ def test_blackout_load_and_margins_from_known_tensors():
     assert m["router_grad/no_grad_expert_frac/layer3"] == 0.0
     assert m["router_grad/zero_frac_expected"] == 0.5
     # per-token logit-gradient norms over the two tokens with gradient: sqrt(0.5), sqrt(0.08)
-    assert m["router_grad/logit_grad_norm_mean/layer3"] == pytest.approx((0.5 ** 0.5 + 0.08 ** 0.5) / 2)
-    assert m["router_grad/logit_grad_norm_max/layer3"] == pytest.approx(0.5 ** 0.5)
+    assert m["router_grad/logit_grad_norm_mean/layer3"] == pytest.approx((0.5**0.5 + 0.08**0.5) / 2)
+    assert m["router_grad/logit_grad_norm_max/layer3"] == pytest.approx(0.5**0.5)
     # bf16 resolution |h_(K)| 2^-8: 3/256, 2.8/256, 1/256; no margin is that small
     assert m["router_grad/near_boundary_bf16_frac/layer3"] == 0.0
     # margins 3, 1.8, 0.1: the median lies in 1.8's log bin, within one bin's ratio (10^(8/64))
@@ -83,14 +83,24 @@ def test_stats_accumulate_over_micro_batches_like_one_batch():
         two.observe_forward(0, logits_NE[sl], native_NK[sl])
         two.observe_grad(0, grad_NE[sl])
     g = torch.randn(1, 8, 4, generator=gen)
-    assert one.finalize(one.stats_LXW, one.max_L, g) == pytest.approx(two.finalize(two.stats_LXW, two.max_L, g),
-                                                                      nan_ok=True)
+    assert one.finalize(one.stats_LXW, one.max_L, g) == pytest.approx(
+        two.finalize(two.stats_LXW, two.max_L, g), nan_ok=True
+    )
 
 
 @pytest.mark.unit
 def test_rollout_flip_rates_are_filed_under_the_monitor_prefix():
-    got = rollout_flip_aliases({"routing/flip_router_frac": 1, "routing/flip_router_frac/layer2": 2,
-                                "routing/flip_token_frac": 3, "routing/update_flip_router_frac": 4,
-                                "routing/overlap_at_k": 5})
-    assert got == {"router_grad/rollout_flip_frac": 1, "router_grad/rollout_flip_frac/layer2": 2,
-                   "router_grad/rollout_flip_token_frac": 3}
+    got = rollout_flip_aliases(
+        {
+            "routing/flip_router_frac": 1,
+            "routing/flip_router_frac/layer2": 2,
+            "routing/flip_token_frac": 3,
+            "routing/update_flip_router_frac": 4,
+            "routing/overlap_at_k": 5,
+        }
+    )
+    assert got == {
+        "router_grad/rollout_flip_frac": 1,
+        "router_grad/rollout_flip_frac/layer2": 2,
+        "router_grad/rollout_flip_token_frac": 3,
+    }

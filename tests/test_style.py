@@ -24,8 +24,11 @@ def _imports(path: Path) -> set[str]:
 
 @pytest.mark.unit
 def test_gpu_engines_imported_in_one_module_each():
-    owners = {"vllm": "moe_rl/rollout/vllm_engine.py", "sglang": "moe_rl/rollout/sglang_engine.py",
-              "transformer_engine": "moe_rl/learner/te_spec.py"}
+    owners = {
+        "vllm": "moe_rl/rollout/vllm_engine.py",
+        "sglang": "moe_rl/rollout/sglang_engine.py",
+        "transformer_engine": "moe_rl/learner/te_spec.py",
+    }
     for path in SOURCES:
         rel = path.relative_to(ROOT).as_posix()
         for pkg, owner in owners.items():
@@ -35,6 +38,7 @@ def test_gpu_engines_imported_in_one_module_each():
 # --------------------------------------------------------------------------------------------
 # One-way imports (issue 11): the module graph of moe_rl and megatron_patches has no cycle
 # --------------------------------------------------------------------------------------------
+
 
 def _module_name(path: Path) -> str:
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
@@ -46,8 +50,9 @@ PACKAGES = {name for name, p in MODULES.items() if p.name == "__init__.py"}
 
 
 def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
-        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _import_nodes(node: ast.AST):
@@ -169,8 +174,14 @@ def test_config_imports_only_pure_modules():
     # config loading stays light (no torch, megatron, vllm): it reaches the error types (issue 14),
     # the names, the rejection grammar, the layout arithmetic and the vLLM rules, and nothing else
     graph = import_graph()
-    assert graph["moe_rl.config"] == {"moe_rl.errors", "moe_rl.names", "moe_rl.rejection", "moe_rl.layout",
-                                      "moe_rl.rollout", "moe_rl.rollout.vllm_rules"}
+    assert graph["moe_rl.config"] == {
+        "moe_rl.errors",
+        "moe_rl.names",
+        "moe_rl.rejection",
+        "moe_rl.layout",
+        "moe_rl.rollout",
+        "moe_rl.rollout.vllm_rules",
+    }
     reached, todo = set(), ["moe_rl.config"]
     while todo:
         for w in graph[todo.pop()] - reached:
@@ -220,7 +231,9 @@ def test_import_graph_builder_resolves_submodules_packages_and_lazy_imports():
     graph = import_graph()
     assert "moe_rl.learner.checkpoint" in graph["moe_rl.preflight"]  # from moe_rl.learner import checkpoint
     assert "moe_rl.step.correction" in graph["moe_rl.step.prepare"]  # from moe_rl.step import correction
-    assert "moe_rl.corrections" in graph["moe_rl.step.finalize"]  # from moe_rl.corrections import ... (an __init__)
+    assert (
+        "moe_rl.corrections" in graph["moe_rl.step.finalize"]
+    )  # from moe_rl.corrections import ... (an __init__)
     assert "moe_rl.corrections.derived" in graph["moe_rl.corrections"]  # ... whose re-exports carry on
     assert "moe_rl.trainer" in graph["moe_rl.launch"]  # an import inside a function
     assert "megatron_patches" in graph["moe_rl.routing.replay"]  # a package's __init__ runs first

@@ -22,47 +22,47 @@ from moe_rl.tasks.text_rewards import (
 GSM8K_SOLUTION = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n#### 72"
 
 MATH_TABLE = [  # (response, ground truth, reward)
-    ("The answer is \\boxed{72}.", "72", 1.0),                               # integer
-    ("\\boxed{-3}", "-3", 1.0),                                              # negative
-    ("\\boxed{\\frac{1}{2}}", "0.5", 1.0),                                   # LaTeX fraction vs decimal
-    ("\\boxed{1/2}", "\\frac12", 1.0),                                        # slash fraction
-    ("\\boxed{0.50}", "1/2", 1.0),                                           # decimal vs fraction
-    ("\\boxed{3.14}", "3.14", 1.0),                                          # decimal
-    ("\\boxed{1,000}", "1000", 1.0),                                         # thousands comma
-    ("\\boxed{12 \\text{ cm}}", "12", 1.0),                                  # LaTeX unit
-    ("\\boxed{12 dollars}", "12", 1.0),                                      # unit word
-    ("\\boxed{\\$12}", "12", 1.0),                                           # currency
-    ("\\boxed{x=5}", "5", 1.0),                                              # equation
-    ("\\boxed{\\dfrac{3}{4}}", "0.75", 1.0),                                 # \dfrac
-    ("\\boxed{\\sqrt{2}}", "\\sqrt 2", 1.0),                                  # radical
-    ("\\boxed{2\\sqrt{2}}", "\\sqrt{8}", 1.0),                               # equivalent radicals
-    ("\\boxed{50\\%}", "50", 1.0),                                           # percent
-    ("\\boxed{7}", "8", 0.0),                                                # wrong
-    ("\\boxed{}", "5", 0.0),                                                 # empty box
-    ("I do not know.", "5", 0.0),                                            # no final answer
-    ("\\boxed{abc}", "5", 0.0),                                              # garbage
-    ("\\boxed{\\text{garbage}}", "5", 0.0),                                  # garbage text
-    ("", "5", 0.0),                                                          # empty response
-    ("\\boxed{\\pi}", "\\pi", 1.0),                                          # constant
-    ("\\boxed{\\frac{1}{3}}", "0.333", 0.0),                                 # rounding is not equal
-    ("\\boxed{-\\frac{2}{3}}", "-2/3", 1.0),                                 # negative fraction
-    ("\\boxed{3.0}", "3", 1.0),                                              # trailing zero
-    ("\\boxed{5.}", "5", 1.0),                                               # trailing period
-    ("\\boxed{\\frac{\\sqrt{3}}{2}}", "\\frac{\\sqrt3}{2}", 1.0),            # nested braces
-    ("\\boxed{{5}}", "5", 1.0),                                              # doubled braces
-    ("first \\boxed{3}, then \\boxed{4}", "4", 1.0),                         # several boxes: the last
-    ("first \\boxed{3}, then \\boxed{4}", "3", 0.0),                         # ... not the first
-    ("so it is \\boxed{6", "6", 0.0),                                        # unclosed box
-    ("\\boxed 5", "5", 1.0),                                                 # box without braces
-    ("\\fbox{9}", "9", 1.0),                                                 # \fbox
-    ("$\\boxed{10}$.", "10", 1.0),                                           # inside math mode
-    ("Step 1 ...\n#### 72", "72", 1.0),                                      # GSM8K marker
-    ("#### 1,234", "1234", 1.0),                                             # GSM8K with comma
-    ("\\boxed{72}", GSM8K_SOLUTION, 1.0),                                    # GSM8K solution as ground truth
-    ("\\boxed{10^{3}}", "1000", 1.0),                                        # power
-    ("\\boxed{1e3}", "1000", 1.0),                                           # scientific notation
-    ("\\boxed{-0}", "0", 1.0),                                               # signed zero
-    ("\\boxed{12}", "12.0", 1.0),                                            # decimal ground truth
+    ("The answer is \\boxed{72}.", "72", 1.0),  # integer
+    ("\\boxed{-3}", "-3", 1.0),  # negative
+    ("\\boxed{\\frac{1}{2}}", "0.5", 1.0),  # LaTeX fraction vs decimal
+    ("\\boxed{1/2}", "\\frac12", 1.0),  # slash fraction
+    ("\\boxed{0.50}", "1/2", 1.0),  # decimal vs fraction
+    ("\\boxed{3.14}", "3.14", 1.0),  # decimal
+    ("\\boxed{1,000}", "1000", 1.0),  # thousands comma
+    ("\\boxed{12 \\text{ cm}}", "12", 1.0),  # LaTeX unit
+    ("\\boxed{12 dollars}", "12", 1.0),  # unit word
+    ("\\boxed{\\$12}", "12", 1.0),  # currency
+    ("\\boxed{x=5}", "5", 1.0),  # equation
+    ("\\boxed{\\dfrac{3}{4}}", "0.75", 1.0),  # \dfrac
+    ("\\boxed{\\sqrt{2}}", "\\sqrt 2", 1.0),  # radical
+    ("\\boxed{2\\sqrt{2}}", "\\sqrt{8}", 1.0),  # equivalent radicals
+    ("\\boxed{50\\%}", "50", 1.0),  # percent
+    ("\\boxed{7}", "8", 0.0),  # wrong
+    ("\\boxed{}", "5", 0.0),  # empty box
+    ("I do not know.", "5", 0.0),  # no final answer
+    ("\\boxed{abc}", "5", 0.0),  # garbage
+    ("\\boxed{\\text{garbage}}", "5", 0.0),  # garbage text
+    ("", "5", 0.0),  # empty response
+    ("\\boxed{\\pi}", "\\pi", 1.0),  # constant
+    ("\\boxed{\\frac{1}{3}}", "0.333", 0.0),  # rounding is not equal
+    ("\\boxed{-\\frac{2}{3}}", "-2/3", 1.0),  # negative fraction
+    ("\\boxed{3.0}", "3", 1.0),  # trailing zero
+    ("\\boxed{5.}", "5", 1.0),  # trailing period
+    ("\\boxed{\\frac{\\sqrt{3}}{2}}", "\\frac{\\sqrt3}{2}", 1.0),  # nested braces
+    ("\\boxed{{5}}", "5", 1.0),  # doubled braces
+    ("first \\boxed{3}, then \\boxed{4}", "4", 1.0),  # several boxes: the last
+    ("first \\boxed{3}, then \\boxed{4}", "3", 0.0),  # ... not the first
+    ("so it is \\boxed{6", "6", 0.0),  # unclosed box
+    ("\\boxed 5", "5", 1.0),  # box without braces
+    ("\\fbox{9}", "9", 1.0),  # \fbox
+    ("$\\boxed{10}$.", "10", 1.0),  # inside math mode
+    ("Step 1 ...\n#### 72", "72", 1.0),  # GSM8K marker
+    ("#### 1,234", "1234", 1.0),  # GSM8K with comma
+    ("\\boxed{72}", GSM8K_SOLUTION, 1.0),  # GSM8K solution as ground truth
+    ("\\boxed{10^{3}}", "1000", 1.0),  # power
+    ("\\boxed{1e3}", "1000", 1.0),  # scientific notation
+    ("\\boxed{-0}", "0", 1.0),  # signed zero
+    ("\\boxed{12}", "12.0", 1.0),  # decimal ground truth
 ]
 
 
@@ -96,7 +96,8 @@ def _user_module(tmp_path: Path) -> Path:
         "    return float('nan')\n"
         "def slow(prompt, response, ground_truth, extra):\n"
         "    time.sleep(30)\n"
-        "    return 1.0\n")
+        "    return 1.0\n"
+    )
     return path
 
 
@@ -118,7 +119,9 @@ def test_reward_names_are_checked(tmp_path: Path) -> None:
     mod = _user_module(tmp_path)
     for name in ("math", "exact_match", "char_accuracy", f"python:{mod}:score"):
         check_reward_name(name)
-    with pytest.raises(ValueError, match=r"unknown reward 'bleu'; known: \['char_accuracy', 'exact_match', 'math'\]"):
+    with pytest.raises(
+        ValueError, match=r"unknown reward 'bleu'; known: \['char_accuracy', 'exact_match', 'math'\]"
+    ):
         check_reward_name("bleu")
     with pytest.raises(ValueError, match=r"nope\.py does not exist"):
         check_reward_name(f"python:{tmp_path}/nope.py:score")
@@ -141,7 +144,10 @@ def test_reward_names_are_checked(tmp_path: Path) -> None:
 def test_pool_matches_inline_and_survives_errors(tmp_path: Path) -> None:
     mod = _user_module(tmp_path)
     samples = [TextSample("math", "", f"\\boxed{{{i}}}", str(i % 3)) for i in range(6)]
-    samples += [TextSample(f"python:{mod}:boom", "", "", "", {}), TextSample(f"python:{mod}:score", "", "a", "a", {})]
+    samples += [
+        TextSample(f"python:{mod}:boom", "", "", "", {}),
+        TextSample(f"python:{mod}:score", "", "a", "a", {}),
+    ]
     pool = RewardPool(2, 5.0)
     try:
         got = pool.score(samples)
@@ -155,15 +161,21 @@ def test_pool_matches_inline_and_survives_errors(tmp_path: Path) -> None:
 @pytest.mark.unit
 def test_pool_ends_a_worker_that_stops_answering(tmp_path: Path) -> None:
     hang = tmp_path / "hang.py"
-    hang.write_text("import signal, time\n"
-                    "def score(prompt, response, ground_truth, extra):\n"
-                    "    signal.signal(signal.SIGALRM, signal.SIG_IGN)  # as a hang in C code would: no alarm\n"
-                    "    time.sleep(60)\n")
+    hang.write_text(
+        "import signal, time\n"
+        "def score(prompt, response, ground_truth, extra):\n"
+        "    signal.signal(signal.SIGALRM, signal.SIG_IGN)  # as a hang in C code would: no alarm\n"
+        "    time.sleep(60)\n"
+    )
     pool = RewardPool(1, 0.2)
     pool.STARTUP_GRACE_S = 0.0
     try:
-        got = pool.score([TextSample(f"python:{hang}:score", "", "", ""), TextSample("math", "", "\\boxed{1}", "1")])
-        assert got == [TextScore(0.0, error=True, timed_out=True)] * 2  # the second waited behind the hung one
+        got = pool.score(
+            [TextSample(f"python:{hang}:score", "", "", ""), TextSample("math", "", "\\boxed{1}", "1")]
+        )
+        assert (
+            got == [TextScore(0.0, error=True, timed_out=True)] * 2
+        )  # the second waited behind the hung one
         pool.STARTUP_GRACE_S = RewardPool.STARTUP_GRACE_S
         assert pool.score([TextSample("math", "", "\\boxed{1}", "1")]) == [TextScore(1.0)]  # a fresh pool
     finally:

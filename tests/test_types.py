@@ -22,8 +22,9 @@ def test_token_budget_buckets_sorted_by_length() -> None:
     assert [tuple(mb.tokens_BS.shape) for mb in mbs] == [(2, 14), (2, 12), (2, 7)]  # each B * S <= 30
     assert [mb.seq_lens_B.tolist() for mb in mbs] == [[14, 14], [12, 9], [7, 5]]
     for key in ("tokens_BS", "loss_mask_BS", "advantages_BS"):
-        joined = torch.cat([torch.nn.functional.pad(getattr(mb, key), (0, 14 - getattr(mb, key).shape[1]))
-                            for mb in mbs])
+        joined = torch.cat(
+            [torch.nn.functional.pad(getattr(mb, key), (0, 14 - getattr(mb, key).shape[1])) for mb in mbs]
+        )
         assert torch.equal(joined, getattr(b.select(order_B), key))
         assert torch.equal(joined[torch.argsort(order_B)], getattr(b, key))
     one, order = b.micro_batches_by_tokens(5)  # every sequence over budget: one each
@@ -41,5 +42,7 @@ def test_fixed_size_micro_batches_unchanged() -> None:
     b = _batch()
     mbs = b.micro_batches(4)
     assert [tuple(mb.tokens_BS.shape) for mb in mbs] == [(4, 14), (2, 14)]
-    assert torch.equal(mbs[0].tokens_BS, b.tokens_BS[:4]) and torch.equal(mbs[1].advantages_BS, b.advantages_BS[4:])
+    assert torch.equal(mbs[0].tokens_BS, b.tokens_BS[:4]) and torch.equal(
+        mbs[1].advantages_BS, b.advantages_BS[4:]
+    )
     assert mbs[0].tokens_BS.data_ptr() == b.tokens_BS.data_ptr()  # consecutive rows: views, no copy

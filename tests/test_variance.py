@@ -43,7 +43,7 @@ def test_rollout_is_closed_form():
     isw = torch.tensor([[2.0, 0.5, 7.0], [7.0, 1.0, 1.0]], dtype=torch.float64)  # rhobar_seq = 1.25, 1
     got = reduce_metrics(variance_proxies(adv, mask, spi, logp, isw))
     # P = mean[rhobar^2 Abar^2 W_orig]; W_orig is the unweighted energy
-    assert got["adv/proxy_total_power"] == pytest.approx((1.25 ** 2 * 4 * 0.75 + 4 * 1.0) / 2, abs=1e-12)
+    assert got["adv/proxy_total_power"] == pytest.approx((1.25**2 * 4 * 0.75 + 4 * 1.0) / 2, abs=1e-12)
     # expected_w is the IS-weighted W: A 4 * .5 + .25 * .25, B 1.0
     assert got["adv/proxy_expected_w"] == pytest.approx((2.0625 + 1.0) / 2, abs=1e-12)
 
@@ -71,10 +71,14 @@ def test_pooling_over_ranks_is_exact(with_is):
     logp = -torch.rand(B, S, generator=gen, dtype=torch.float64) * 3
     isw = torch.rand(B, S, generator=gen, dtype=torch.float64) * 2 if with_is else None
     whole = reduce_metrics(variance_proxies(adv, mask, spi, logp, isw))
-    parts = [variance_proxies(adv[s], mask[s], spi[s], logp[s], None if isw is None else isw[s])
-             for s in (slice(0, 3), slice(3, B))]
+    parts = [
+        variance_proxies(adv[s], mask[s], spi[s], logp[s], None if isw is None else isw[s])
+        for s in (slice(0, 3), slice(3, B))
+    ]
     split = reduce_metrics(merge_metrics(*parts))
     for key, value in whole.items():
         assert split[key] == pytest.approx(value, rel=1e-12)
     fin = finalize_variance_proxies(split, 0.1)
-    assert fin["adv/proxy_noise"] == pytest.approx(max(0.0, (whole["adv/proxy_total_power"] - 0.01) / (B - 1)))
+    assert fin["adv/proxy_noise"] == pytest.approx(
+        max(0.0, (whole["adv/proxy_total_power"] - 0.01) / (B - 1))
+    )

@@ -34,8 +34,11 @@ def masked_std(x: torch.Tensor, keep: torch.Tensor) -> Std:
 
 def stats(prefix: str, x: torch.Tensor, keep: torch.Tensor, std: bool = False) -> dict[str, MetricValue]:
     """``{prefix}_mean``, ``_max``, ``_min`` (and ``_std``) of x over the kept entries."""
-    out: dict[str, MetricValue] = {f"{prefix}_mean": masked_mean(x, keep), f"{prefix}_max": masked_max(x, keep),
-                                   f"{prefix}_min": masked_min(x, keep)}
+    out: dict[str, MetricValue] = {
+        f"{prefix}_mean": masked_mean(x, keep),
+        f"{prefix}_max": masked_max(x, keep),
+        f"{prefix}_min": masked_min(x, keep),
+    }
     if std:
         out[f"{prefix}_std"] = masked_std(x, keep)
     return out

@@ -68,8 +68,9 @@ def _top_p_rule(logits_BSV: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 @torch.no_grad()
-def safe_set(logits_BSV: torch.Tensor, *, rule: str = "relative",
-             threshold: float = DEFAULT_RHO_MIN) -> torch.Tensor:
+def safe_set(
+    logits_BSV: torch.Tensor, *, rule: str = "relative", threshold: float = DEFAULT_RHO_MIN
+) -> torch.Tensor:
     """The safe vocabulary at every position (no gradient).
 
     Args:
@@ -97,8 +98,9 @@ class RestrictedLogprobs(NamedTuple):
     inside_BS: torch.Tensor
 
 
-def restricted_logprobs(logits_BSV: torch.Tensor, safe_BSV: torch.Tensor,
-                        tokens_BS: torch.Tensor) -> RestrictedLogprobs:
+def restricted_logprobs(
+    logits_BSV: torch.Tensor, safe_BSV: torch.Tensor, tokens_BS: torch.Tensor
+) -> RestrictedLogprobs:
     """Log-probs of the sampled tokens renormalised over the safe set (differentiable in logits).
 
     log pi~(y) = z_y - logsumexp_{v in V_safe} z_v, i.e. log_softmax(logits.masked_fill(~safe, -inf))
@@ -120,8 +122,9 @@ def restricted_logprobs(logits_BSV: torch.Tensor, safe_BSV: torch.Tensor,
     return RestrictedLogprobs(logp_BS, z_y_BS - lse_full_BS, lse_safe_BS - lse_full_BS, inside_BS)
 
 
-def dvp_metrics(train: RestrictedLogprobs, rollout: RestrictedLogprobs, safe_BSV: torch.Tensor,
-                mask_BS: torch.Tensor) -> dict[str, MetricValue]:
+def dvp_metrics(
+    train: RestrictedLogprobs, rollout: RestrictedLogprobs, safe_BSV: torch.Tensor, mask_BS: torch.Tensor
+) -> dict[str, MetricValue]:
     """DVP metrics over response tokens (docs/math.md 4.4 list).
 
     Args:
@@ -148,7 +151,9 @@ def dvp_metrics(train: RestrictedLogprobs, rollout: RestrictedLogprobs, safe_BSV
     return {
         "corr/dvp_pruned_mass": masked_mean(pruned_BS, mask_BS),
         "corr/dvp_pruned_mass_max": masked_max(pruned_BS, mask_BS),
-        "corr/dvp_pruned_mass_train": masked_mean(-torch.expm1(train.log_safe_mass_BS.detach().to(f64)), mask_BS),
+        "corr/dvp_pruned_mass_train": masked_mean(
+            -torch.expm1(train.log_safe_mass_BS.detach().to(f64)), mask_BS
+        ),
         "corr/dvp_outside_frac": masked_mean((~inside_BS).to(f64), mask_BS),
         "corr/dvp_safe_size": masked_mean(size_BS, mask_BS),
         "corr/dvp_safe_size_max": masked_max(size_BS, mask_BS),

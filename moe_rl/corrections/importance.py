@@ -50,11 +50,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from moe_rl.rejection import Bound, parse_rs_spec
 from moe_rl.corrections._masked import inf_like, masked_max, masked_mean, masked_min, seq_valid, stats
 from moe_rl.metrics import MetricValue
 from moe_rl.ratios import SAFETY_BOUND, exact_log_ratio, kl_from_log_ratio, log_ratio
 from moe_rl.registry import Registry
+from moe_rl.rejection import Bound, parse_rs_spec
 
 __all__ = [
     "IS_LEVELS",
@@ -100,8 +100,9 @@ def _geometric_log_weight(lr_BS: torch.Tensor, maskf_BS: torch.Tensor) -> torch.
     return mean_B1.clamp(-SAFETY_BOUND, SAFETY_BOUND).expand_as(lr_BS)
 
 
-def is_batch_mean_parts(weights_BS: torch.Tensor, mask_BS: torch.Tensor,
-                        level: str) -> tuple[torch.Tensor, torch.Tensor]:
+def is_batch_mean_parts(
+    weights_BS: torch.Tensor, mask_BS: torch.Tensor, level: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Local (sum, count) whose global ratio is the batch-normalisation mean of ``is_weights``.
 
     token level: over response tokens; sequence / geometric: over sequences (one weight each).
@@ -175,8 +176,9 @@ def is_weights(
     return w_BS, metrics
 
 
-def _is_metrics(w_BS: torch.Tensor, log_w_BS: torch.Tensor, mask_BS: torch.Tensor, level: str,
-                clip_max: float | None) -> dict[str, MetricValue]:
+def _is_metrics(
+    w_BS: torch.Tensor, log_w_BS: torch.Tensor, mask_BS: torch.Tensor, level: str, clip_max: float | None
+) -> dict[str, MetricValue]:
     w64_BS = w_BS.detach().to(torch.float64)
     metrics = stats("corr/is", w64_BS, mask_BS, std=True)
     valid_B = seq_valid(mask_BS)
@@ -186,8 +188,12 @@ def _is_metrics(w_BS: torch.Tensor, log_w_BS: torch.Tensor, mask_BS: torch.Tenso
         log_c = math.log(clip_max)
         unit_log_w, unit_keep = (log_w_BS, mask_BS) if level == "token" else (log_w_BS[:, 0], valid_B)
         unit_log_w = unit_log_w.to(torch.float64)
-        metrics["corr/is_ratio_fraction_high"] = masked_mean((unit_log_w > log_c).to(torch.float64), unit_keep)
-        metrics["corr/is_ratio_fraction_low"] = masked_mean((unit_log_w < -log_c).to(torch.float64), unit_keep)
+        metrics["corr/is_ratio_fraction_high"] = masked_mean(
+            (unit_log_w > log_c).to(torch.float64), unit_keep
+        )
+        metrics["corr/is_ratio_fraction_low"] = masked_mean(
+            (unit_log_w < -log_c).to(torch.float64), unit_keep
+        )
     return metrics
 
 
@@ -254,7 +260,7 @@ def rejection_mask(
     for option, (agg, kind, lo, hi) in zip(options, specs):
         k_BS = kl_from_log_ratio(exact_BS if kind == "k1" else lr_BS, kind)
         stat = RS_AGGREGATIONS[agg](k_BS, mask_BS)  # [B, S] for "token", else [B]
-        test = -stat if kind == "k1" else stat       # k1 bounds act on agg(log rho) = -agg(k1)
+        test = -stat if kind == "k1" else stat  # k1 bounds act on agg(log rho) = -agg(k1)
         opt_keep = (test >= lo) & (test <= hi)
         opt_keep_BS = opt_keep if agg == "token" else opt_keep[:, None].expand_as(mask_BS)
         rejected_BS = mask_BS & ~opt_keep_BS
@@ -266,19 +272,24 @@ def rejection_mask(
     return keep_BS, metrics
 
 
-def _rejected_fractions(prefix: str, rejected_BS: torch.Tensor, mask_BS: torch.Tensor,
-                        valid_B: torch.Tensor) -> dict[str, MetricValue]:
+def _rejected_fractions(
+    prefix: str, rejected_BS: torch.Tensor, mask_BS: torch.Tensor, valid_B: torch.Tensor
+) -> dict[str, MetricValue]:
     f64 = torch.float64
-    return {f"{prefix}_masked_fraction": masked_mean(rejected_BS.to(f64), mask_BS),
-            f"{prefix}_seq_masked_fraction": masked_mean(rejected_BS.any(-1).to(f64), valid_B)}
+    return {
+        f"{prefix}_masked_fraction": masked_mean(rejected_BS.to(f64), mask_BS),
+        f"{prefix}_seq_masked_fraction": masked_mean(rejected_BS.any(-1).to(f64), valid_B),
+    }
 
 
 # --------------------------------------------------------------------------- diagnostics
 
 
-def offpolicy_metrics(train_logp_BS: torch.Tensor, rollout_logp_BS: torch.Tensor,
-                      mask_BS: torch.Tensor) -> dict[str, MetricValue]:
-    """Off-policy diagnostics of pi_train vs pi_rollout (docs/math.md 2.6, verl ``compute_offpolicy_metrics``).
+def offpolicy_metrics(
+    train_logp_BS: torch.Tensor, rollout_logp_BS: torch.Tensor, mask_BS: torch.Tensor
+) -> dict[str, MetricValue]:
+    """Off-policy diagnostics of pi_train vs pi_rollout (docs/math.md 2.6, verl
+    ``compute_offpolicy_metrics``).
 
     pi_train is pi_old in decoupled mode and pi_theta in bypass mode / inside the update.
 

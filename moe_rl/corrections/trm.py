@@ -54,8 +54,13 @@ ACCEPT_ALARM_BELOW = 0.7  # docs/math.md 3.3: monitor the acceptance rate; above
 
 
 @torch.no_grad()
-def exact_kl_tokens(rollout_logits_BSV: torch.Tensor, train_logits_BSV: torch.Tensor,
-                    mask_BS: torch.Tensor | None = None, *, chunk_tokens: int = 1024) -> torch.Tensor:
+def exact_kl_tokens(
+    rollout_logits_BSV: torch.Tensor,
+    train_logits_BSV: torch.Tensor,
+    mask_BS: torch.Tensor | None = None,
+    *,
+    chunk_tokens: int = 1024,
+) -> torch.Tensor:
     """Exact per-position KL(pi_roll || pi_train) = sum_v p_roll(v) (log p_roll(v) - log p_train(v)).
 
     Both inputs are unnormalised logits or log-probs over the same full vocabulary, already
@@ -70,6 +75,7 @@ def exact_kl_tokens(rollout_logits_BSV: torch.Tensor, train_logits_BSV: torch.Te
     Returns:
         kl_BS: float32 [B, S], >= 0 (up to rounding), 0 outside the mask.
     """
+
     def rows_kl(roll_NV: torch.Tensor, train_NV: torch.Tensor) -> torch.Tensor:
         log_p, log_q = torch.log_softmax(roll_NV, dim=-1), torch.log_softmax(train_NV, dim=-1)
         return (log_p.exp() * (log_p - log_q)).sum(-1)
@@ -77,21 +83,31 @@ def exact_kl_tokens(rollout_logits_BSV: torch.Tensor, train_logits_BSV: torch.Te
     return chunked_kl(rollout_logits_BSV, train_logits_BSV, mask_BS, chunk_tokens, rows_kl)
 
 
-def chunked_kl(rollout_logits_BSV: torch.Tensor, train_logits_BSV: torch.Tensor, mask_BS: torch.Tensor | None,
-               chunk_tokens: int, rows_kl) -> torch.Tensor:
+def chunked_kl(
+    rollout_logits_BSV: torch.Tensor,
+    train_logits_BSV: torch.Tensor,
+    mask_BS: torch.Tensor | None,
+    chunk_tokens: int,
+    rows_kl,
+) -> torch.Tensor:
     """``rows_kl(rollout_NV, train_NV) -> kl_N`` (float32 inputs) over the masked positions,
     ``chunk_tokens`` at a time; float32 [B, S], 0 outside the mask. Shared by ``exact_kl_tokens``
     and its vocabulary-parallel form (learner/logprobs.py)."""
     if rollout_logits_BSV.shape != train_logits_BSV.shape:
-        raise ValueError(f"shape mismatch: {tuple(rollout_logits_BSV.shape)} vs {tuple(train_logits_BSV.shape)}")
+        raise ValueError(
+            f"shape mismatch: {tuple(rollout_logits_BSV.shape)} vs {tuple(train_logits_BSV.shape)}"
+        )
     *lead, num_v = train_logits_BSV.shape
     roll_NV = rollout_logits_BSV.reshape(-1, num_v)
     train_NV = train_logits_BSV.reshape(-1, num_v)
     kl_N = torch.zeros(roll_NV.shape[0], dtype=torch.float32, device=roll_NV.device)
-    rows_N = (torch.arange(roll_NV.shape[0], device=roll_NV.device) if mask_BS is None
-              else mask_BS.reshape(-1).nonzero().squeeze(-1))
+    rows_N = (
+        torch.arange(roll_NV.shape[0], device=roll_NV.device)
+        if mask_BS is None
+        else mask_BS.reshape(-1).nonzero().squeeze(-1)
+    )
     for start in range(0, rows_N.numel(), chunk_tokens):  # chunks of positions, not tokens one by one
-        idx = rows_N[start:start + chunk_tokens]
+        idx = rows_N[start : start + chunk_tokens]
         kl_N[idx] = rows_kl(roll_NV[idx].float(), train_NV[idx].float())
     return kl_N.reshape(lead)
 
@@ -115,13 +131,19 @@ def _ln_weights(mask_BS: torch.Tensor, eps: float, delta: float) -> tuple[torch.
     maskf_BS = mask_BS.to(torch.float64)
     t_BS = maskf_BS.cumsum(-1)
     remaining_BS = (maskf_BS.sum(-1, keepdim=True) - t_BS).clamp(min=0)
-    w_BS = torch.minimum(torch.minimum(torch.ones_like(remaining_BS), remaining_BS * eps),
-                         torch.sqrt(remaining_BS * delta / 2)) * maskf_BS
+    w_BS = (
+        torch.minimum(
+            torch.minimum(torch.ones_like(remaining_BS), remaining_BS * eps),
+            torch.sqrt(remaining_BS * delta / 2),
+        )
+        * maskf_BS
+    )
     return w_BS, w_BS.sum(-1)
 
 
-def _length_neutral_score(log_ratio_BS: torch.Tensor, mask_BS: torch.Tensor, kind: str,
-                          ln_eps: float | None, ln_delta: float | None) -> torch.Tensor:
+def _length_neutral_score(
+    log_ratio_BS: torch.Tensor, mask_BS: torch.Tensor, kind: str, ln_eps: float | None, ln_delta: float | None
+) -> torch.Tensor:
     """Per-sequence score: SER (1/T) sum_t |rho_t - 1|, or LN-TRM W(y) / Z(T) (0 when Z = 0)."""
     maskf_BS = mask_BS.to(torch.float64)
     dev_BS = torch.expm1(log_ratio_BS.detach().to(torch.float64).clamp(-SAFETY_BOUND, SAFETY_BOUND)).abs()
@@ -211,14 +233,20 @@ def trm_mask(
     return keep_B, metrics
 
 
-def _criterion(metrics: dict[str, MetricValue], name: str, ok_B: torch.Tensor, keep_B: torch.Tensor,
-               valid_B: torch.Tensor) -> torch.Tensor:
+def _criterion(
+    metrics: dict[str, MetricValue],
+    name: str,
+    ok_B: torch.Tensor,
+    keep_B: torch.Tensor,
+    valid_B: torch.Tensor,
+) -> torch.Tensor:
     metrics[f"corr/trm_{name}_reject_frac"] = masked_mean((~ok_B).to(torch.float64), valid_B)
     return keep_B & ok_B
 
 
-def _acceptance_metrics(keep_B: torch.Tensor, mask_BS: torch.Tensor,
-                        valid_B: torch.Tensor) -> dict[str, MetricValue]:
+def _acceptance_metrics(
+    keep_B: torch.Tensor, mask_BS: torch.Tensor, valid_B: torch.Tensor
+) -> dict[str, MetricValue]:
     f64 = torch.float64
     len_B = mask_BS.sum(-1).to(f64)
     accepted_B = keep_B & valid_B
@@ -285,11 +313,16 @@ def trm_bounds(
     shift_coupling = float(torch.minimum(one, k_T * eps).sum())
     adv_kl, adv_tv = min(1.0, math.sqrt(delta / 2)), min(1.0, eps)
     out = {
-        "classical": 2 * T * (T - 1) * eps ** 2, "classical_kl": T * (T - 1) * delta,
-        "linear": 4 * T * adv_tv, "coupling": 4 * adv_tv * shift_coupling,
-        "pm_kl": 4 * adv_kl * shift_pinsker, "pm_tv": 4 * adv_tv * shift_pinsker,
-        "pm_kl_closed": 4 / 3 * T ** 1.5 * delta, "pm_tv_closed": 8 / 3 * T ** 1.5 * eps * math.sqrt(delta / 2),
-        "mix_kl": 4 * T * adv_kl * min(1.0, math.sqrt(kl_seq / 2)), "mix_tv": 4 * T * adv_tv * min(1.0, tv_seq),
+        "classical": 2 * T * (T - 1) * eps**2,
+        "classical_kl": T * (T - 1) * delta,
+        "linear": 4 * T * adv_tv,
+        "coupling": 4 * adv_tv * shift_coupling,
+        "pm_kl": 4 * adv_kl * shift_pinsker,
+        "pm_tv": 4 * adv_tv * shift_pinsker,
+        "pm_kl_closed": 4 / 3 * T**1.5 * delta,
+        "pm_tv_closed": 8 / 3 * T**1.5 * eps * math.sqrt(delta / 2),
+        "mix_kl": 4 * T * adv_kl * min(1.0, math.sqrt(kl_seq / 2)),
+        "mix_tv": 4 * T * adv_tv * min(1.0, tv_seq),
     }
     out.update(_adaptive_bounds(T, delta, eps, dbar_t))
     out["unified"] = min(out[k] for k in ("pm_kl", "pm_tv", "mix_kl", "mix_tv", "coupling", "adaptive"))
@@ -297,8 +330,9 @@ def trm_bounds(
     return out
 
 
-def _adaptive_bounds(T: int, delta: float, eps: float,
-                     dbar_t: torch.Tensor | list[float] | None) -> dict[str, float]:
+def _adaptive_bounds(
+    T: int, delta: float, eps: float, dbar_t: torch.Tensor | list[float] | None
+) -> dict[str, float]:
     f64 = torch.float64
     if dbar_t is None:
         dbar_T = torch.full((T,), min(1.0, eps, math.sqrt(delta / 2)), dtype=f64)
@@ -310,6 +344,8 @@ def _adaptive_bounds(T: int, delta: float, eps: float,
     one = torch.ones((), dtype=f64)
     future_kl = torch.minimum(one, torch.sqrt(remaining_T * delta / 2))
     future_tv = torch.minimum(one, remaining_T * eps)
-    return {"adaptive_kl": 4 * float((dbar_T * future_kl).sum()),
-            "adaptive_tv": 4 * float((dbar_T * future_tv).sum()),
-            "adaptive": 4 * float((dbar_T * torch.minimum(future_kl, future_tv)).sum())}
+    return {
+        "adaptive_kl": 4 * float((dbar_T * future_kl).sum()),
+        "adaptive_tv": 4 * float((dbar_T * future_tv).sum()),
+        "adaptive": 4 * float((dbar_T * torch.minimum(future_kl, future_tv)).sum()),
+    }

@@ -93,8 +93,9 @@ def _sharded_state(learner, is_loading: bool) -> dict[str, Any]:
     if not is_loading:
         init_unstepped_state(learner.optimizer)
     model_sd = learner.gpt.sharded_state_dict(prefix="")
-    opt_sd = learner.optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
-                                                  metadata=OPTIM_CKPT_METADATA)
+    opt_sd = learner.optimizer.sharded_state_dict(
+        model_sd, is_loading=is_loading, metadata=OPTIM_CKPT_METADATA
+    )
     if not is_loading:
         _keep_zero_step(opt_sd, learner.optimizer)
     return {"model": model_sd, "optimizer": opt_sd}
@@ -117,7 +118,9 @@ def save(learner, ckpt_root: Path, step: int, trainer_state: dict[str, Any]) -> 
     if rank0:
         try:
             with disk_full_named(tmp):
-                _write_atomic(tmp / "trainer_state.json", json.dumps({"step": step, **trainer_state}, indent=1))
+                _write_atomic(
+                    tmp / "trainer_state.json", json.dumps({"step": step, **trainer_state}, indent=1)
+                )
                 for p in tmp.rglob("*"):
                     if p.is_file():
                         with open(p, "rb") as f:
@@ -173,8 +176,10 @@ def latest(ckpt_root: Path) -> Path | None:
         return None
     path = Path(ckpt_root) / ptr.read_text().strip()
     if not (path / "trainer_state.json").is_file():
-        raise CheckpointError(f"{ptr} names {path.name}, which is not a complete checkpoint; point it at "
-                              f"a complete step_N directory")
+        raise CheckpointError(
+            f"{ptr} names {path.name}, which is not a complete checkpoint; point it at "
+            f"a complete step_N directory"
+        )
     return path
 
 
@@ -187,8 +192,10 @@ def check_files(path: Path) -> None:
     try:
         storage = FileSystemReader(str(path)).read_metadata().storage_data
     except (OSError, EOFError, pickle.UnpicklingError, ValueError, AttributeError) as e:
-        raise CheckpointError(f"{meta}: unreadable checkpoint metadata ({type(e).__name__}); the checkpoint in "
-                              f"{path} is truncated or corrupt: resume from another step") from None
+        raise CheckpointError(
+            f"{meta}: unreadable checkpoint metadata ({type(e).__name__}); the checkpoint in "
+            f"{path} is truncated or corrupt: resume from another step"
+        ) from None
     need: dict[str, int] = {}
     for item in storage.values():
         need[item.relative_path] = max(need.get(item.relative_path, 0), item.offset + item.length)
@@ -197,8 +204,10 @@ def check_files(path: Path) -> None:
         have = f.stat().st_size if f.is_file() else -1
         if have < size:
             what = "is missing" if have < 0 else f"has {have} bytes, its metadata needs {size}"
-            raise CheckpointError(f"{f} {what}: the checkpoint in {path} is truncated or corrupt; resume from "
-                                  f"another step (point {Path(path).parent / 'latest'} at it)")
+            raise CheckpointError(
+                f"{f} {what}: the checkpoint in {path} is truncated or corrupt; resume from "
+                f"another step (point {Path(path).parent / 'latest'} at it)"
+            )
 
 
 def load_sharded(sharded_state: dict[str, Any], path: Path) -> dict[str, Any]:
@@ -215,8 +224,10 @@ def load_sharded(sharded_state: dict[str, Any], path: Path) -> dict[str, Any]:
         if not any(isinstance(c, EOFError | OSError | pickle.UnpicklingError) for c in causes):
             raise
         kinds = sorted({type(c).__name__ for c in causes})  # their text is torch's advice on weights_only
-        raise CheckpointError(f"{path}: a file of the checkpoint is truncated or corrupt ({', '.join(kinds)}); "
-                              f"resume from another step") from None
+        raise CheckpointError(
+            f"{path}: a file of the checkpoint is truncated or corrupt ({', '.join(kinds)}); "
+            f"resume from another step"
+        ) from None
 
 
 def load(learner, path: Path) -> dict[str, Any]:

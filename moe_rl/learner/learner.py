@@ -12,7 +12,8 @@ normaliser (the global token count) is computed here, once per minibatch, and pa
 
 Tensor parallelism (TP > 1, with sequence parallelism): the output layer is vocab-parallel, so
 each TP rank gets a [B, S, V / TP] slice of the logits and the per-token statistics (DVP and the
-exact KL included) are all-reduced over the TP group (``logprobs``' vocab-parallel functions); micro-batch lengths are
+exact KL included) are all-reduced over the TP group (``logprobs``' vocab-parallel functions);
+micro-batch lengths are
 padded to a multiple of TP (megatron splits the sequence over TP ranks); weights and gradients
 are exported in canonical names by gathering the TP pieces. TP ranks of one data-parallel rank
 hold the same data, so every output here is identical on them.
@@ -99,8 +100,9 @@ class VocabShard(NamedTuple):
     group: Any
 
 
-def token_stats(mb: TrainBatch, logits_BSV: torch.Tensor, temperature: float,
-                vocab_shard: VocabShard | None = None) -> TokenStats:
+def token_stats(
+    mb: TrainBatch, logits_BSV: torch.Tensor, temperature: float, vocab_shard: VocabShard | None = None
+) -> TokenStats:
     """What the loss and the old-log-prob pass need from a micro-batch's logits.
 
     ``mb.safe_BSV`` (the engine's DVP safe sets) restricts log-probs to the same support the
@@ -113,25 +115,34 @@ def token_stats(mb: TrainBatch, logits_BSV: torch.Tensor, temperature: float,
         logp_BS, ent_BS, spi_BS = token_logprobs_energy(logits_BSV, mb.tokens_BS, temperature)
     else:
         logp_BS, ent_BS, spi_BS = token_logprobs_energy_vocab_parallel(
-            logits_BSV, mb.tokens_BS, temperature, vocab_shard.start, vocab_shard.group)
+            logits_BSV, mb.tokens_BS, temperature, vocab_shard.start, vocab_shard.group
+        )
     if mb.safe_BSV is None and mb.rollout_dist_BSV is None:
         return TokenStats(logp_BS, ent_BS, spi_BS)
     z_BSV = logits_BSV[:, :-1].float() / temperature
-    cols = slice(None) if vocab_shard is None else slice(vocab_shard.start, vocab_shard.start + z_BSV.shape[-1])
+    cols = (
+        slice(None) if vocab_shard is None else slice(vocab_shard.start, vocab_shard.start + z_BSV.shape[-1])
+    )
     pad = logp_BS.new_zeros((logp_BS.shape[0], 1))
     full_logp_BS = log_safe_mass_BS = exact_kl_BS = None
     if mb.safe_BSV is not None:
         safe_BSV = mb.safe_BSV[:, 1:, cols]
-        r = (restricted_logprobs(z_BSV, safe_BSV, mb.tokens_BS[:, 1:]) if vocab_shard is None else
-             restricted_logprobs_vocab_parallel(z_BSV, safe_BSV, mb.tokens_BS[:, 1:], *vocab_shard))
+        r = (
+            restricted_logprobs(z_BSV, safe_BSV, mb.tokens_BS[:, 1:])
+            if vocab_shard is None
+            else restricted_logprobs_vocab_parallel(z_BSV, safe_BSV, mb.tokens_BS[:, 1:], *vocab_shard)
+        )
         full_logp_BS, log_safe_mass_BS = logp_BS, torch.cat([pad, r.log_safe_mass_BS], 1)
         logp_BS = torch.cat([pad, torch.where(r.inside_BS, r.logp_BS, torch.zeros_like(r.logp_BS))], 1)
     if mb.rollout_dist_BSV is not None:
         # generated positions carry a distribution (from the full vocabulary: the same on every TP rank)
         mask_BS = mb.rollout_dist_BSV[:, 1:].ne(0).any(-1)
         dist_BSV = mb.rollout_dist_BSV[:, 1:, cols]
-        kl_BS = (exact_kl_tokens(dist_BSV, z_BSV, mask_BS) if vocab_shard is None else
-                 exact_kl_tokens_vocab_parallel(dist_BSV, z_BSV, vocab_shard.group, mask_BS))
+        kl_BS = (
+            exact_kl_tokens(dist_BSV, z_BSV, mask_BS)
+            if vocab_shard is None
+            else exact_kl_tokens_vocab_parallel(dist_BSV, z_BSV, vocab_shard.group, mask_BS)
+        )
         exact_kl_BS = torch.cat([pad, kl_BS], 1)
     return TokenStats(logp_BS, ent_BS, spi_BS, full_logp_BS, log_safe_mass_BS, exact_kl_BS)
 
@@ -139,18 +150,34 @@ def token_stats(mb: TrainBatch, logits_BSV: torch.Tensor, temperature: float,
 class Learner:
     """A megatron GPTModel (MoE, EP over the default group) with DDP and its optimizer."""
 
-    def __init__(self, model_cfg: ModelConfig, par: ParallelConfig, optim: OptimConfig,
-                 dims: ParallelDims, init_weights: dict[str, torch.Tensor] | None = None,
-                 with_reference: bool = False, monitor: bool = True, monitor_margin_eps: float = 0.1,
-                 max_tokens_per_micro_batch: int = 0):
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        par: ParallelConfig,
+        optim: OptimConfig,
+        dims: ParallelDims,
+        init_weights: dict[str, torch.Tensor] | None = None,
+        with_reference: bool = False,
+        monitor: bool = True,
+        monitor_margin_eps: float = 0.1,
+        max_tokens_per_micro_batch: int = 0,
+    ):
         self.model_cfg, self.par, self.dims = model_cfg, par, dims
         self.skip_zero_grad = optim.skip_zero_grad
         self.max_tokens_per_micro_batch = max_tokens_per_micro_batch  # > 0: token-budget micro-batches
-        self.shard = Shard.for_stage(pipeline_stage_layers(model_cfg.num_layers, par), dims.pp_rank,
-                                     dims.tp_rank, dims.tp_size,
-                                     dims.etp_rank, dims.etp_size)
-        self.vocab_shard = (VocabShard(dims.tp_rank * model_cfg.vocab_size // dims.tp_size, dims.tp_group)
-                            if dims.tp_size > 1 else None)
+        self.shard = Shard.for_stage(
+            pipeline_stage_layers(model_cfg.num_layers, par),
+            dims.pp_rank,
+            dims.tp_rank,
+            dims.tp_size,
+            dims.etp_rank,
+            dims.etp_size,
+        )
+        self.vocab_shard = (
+            VocabShard(dims.tp_rank * model_cfg.vocab_size // dims.tp_size, dims.tp_group)
+            if dims.tp_size > 1
+            else None
+        )
         sp = dims.tp_size > 1  # megatron refuses MoE + TP training without sequence parallelism
         self.gpt, self.tcfg = setup.build_model(model_cfg, par, sequence_parallel=sp)
         self.token_multiple = FP8_TOKEN_MULTIPLE if model_cfg.precision == "fp8" else 1
@@ -158,24 +185,43 @@ class Learner:
             self.load_canonical(init_weights)
         # per-layer router-gradient monitor of the update passes (moe_rl/monitor/router_grad.py)
         # (its structural blackout expectation follows the gating megatron actually built)
-        self.monitor = RouterGradMonitor(
-            model_cfg.moe_layers, model_cfg.num_experts, model_cfg.moe_router_topk, monitor_margin_eps,
-            pre_softmax=self.tcfg.moe_router_pre_softmax,
-            aux_loss=self.tcfg.moe_router_load_balancing_type != "none", device=self.device) if monitor else None
+        self.monitor = (
+            RouterGradMonitor(
+                model_cfg.moe_layers,
+                model_cfg.num_experts,
+                model_cfg.moe_router_topk,
+                monitor_margin_eps,
+                pre_softmax=self.tcfg.moe_router_pre_softmax,
+                aux_loss=self.tcfg.moe_router_load_balancing_type != "none",
+                device=self.device,
+            )
+            if monitor
+            else None
+        )
         # Every model gets its own replay controller (megatron's RouterReplay instances are
         # per router; the controller keeps the policy's and the reference's state apart).
         self.route_header = RouteHeader.for_model(model_cfg)
-        seq_shard = SeqShard(dims.tp_rank, dims.tp_size, dims.tp_group)  # SP: each TP rank routes S / TP positions
-        self.replay = RouteReplay(self.gpt, self.route_header, dims.ep_size, model_cfg.recompute, seq_shard,
-                                  dims.pp_group, monitor=self.monitor)
+        seq_shard = SeqShard(
+            dims.tp_rank, dims.tp_size, dims.tp_group
+        )  # SP: each TP rank routes S / TP positions
+        self.replay = RouteReplay(
+            self.gpt,
+            self.route_header,
+            dims.ep_size,
+            model_cfg.recompute,
+            seq_shard,
+            dims.pp_group,
+            monitor=self.monitor,
+        )
         # The reference policy is a frozen copy of the initial weights (for the KL term).
         self.ref, self.ref_replay = None, None
         if with_reference:
             self.ref, _ = setup.build_model(model_cfg, par, sequence_parallel=sp)
             self.ref.load_state_dict(self.gpt.state_dict())
             self.ref.requires_grad_(False).eval()
-            self.ref_replay = RouteReplay(self.ref, self.route_header, dims.ep_size, model_cfg.recompute, seq_shard,
-                                          dims.pp_group)
+            self.ref_replay = RouteReplay(
+                self.ref, self.route_header, dims.ep_size, model_cfg.recompute, seq_shard, dims.pp_group
+            )
         self.ddp = setup.wrap_ddp(self.gpt, self.tcfg, par)
         self.optimizer = setup.build_optimizer(self.ddp, optim, par)
 
@@ -189,14 +235,16 @@ class Learner:
         """Copy full canonical weights into this rank's shard; errors name the tensor."""
         params = dict(self.gpt.named_parameters())
         local = te_name_map(list(params))  # TE fuses norms into linears: its names -> the local spec's
-        tensors = canonical_to_megatron(full, [local[n] for n in params], self.model_cfg, self.dims.ep_rank,
-                                        self.dims.ep_size, self.shard)
+        tensors = canonical_to_megatron(
+            full, [local[n] for n in params], self.model_cfg, self.dims.ep_rank, self.dims.ep_size, self.shard
+        )
         with torch.no_grad():
             for name, p in params.items():
                 t = tensors[local[name]]
                 if tuple(t.shape) != tuple(p.shape):
-                    raise ValueError(f"weight for {name} has shape {tuple(t.shape)}, "
-                                     f"the model expects {tuple(p.shape)}")
+                    raise ValueError(
+                        f"weight for {name} has shape {tuple(t.shape)}, the model expects {tuple(p.shape)}"
+                    )
                 p.copy_(t)
 
     def iter_canonical_layers(self) -> Iterator[dict[str, torch.Tensor]]:
@@ -227,17 +275,31 @@ class Learner:
         if self.dims.mp_group is None:
             return
         weights_S = torch.arange(1, tokens_BS.shape[1] + 1, dtype=torch.float64, device=tokens_BS.device)
-        sig = torch.stack([tokens_BS.new_tensor(float(tokens_BS.numel()), dtype=torch.float64),
-                           (tokens_BS.double() * weights_S).sum()])
+        sig = torch.stack(
+            [
+                tokens_BS.new_tensor(float(tokens_BS.numel()), dtype=torch.float64),
+                (tokens_BS.double() * weights_S).sum(),
+            ]
+        )
         both = torch.cat([sig, -sig]).to(comm_device(self.dims.mp_group))
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.dims.mp_group)
         if not torch.equal(both[:2], -both[2:]):
-            raise RuntimeError("model-parallel (tensor/pipeline) ranks were given different token batches; "
-                               "TP/PP ranks of one data-parallel rank must see the same data "
-                               "(shard prompts by DP rank)")
+            raise RuntimeError(
+                "model-parallel (tensor/pipeline) ranks were given different token batches; "
+                "TP/PP ranks of one data-parallel rank must see the same data "
+                "(shard prompts by DP rank)"
+            )
 
-    def _schedule(self, model, replay: RouteReplay, micro_batches: list[TrainBatch], loss_fn, forward_only: bool,
-                  plan: PassPlan | None, monitor: bool = False) -> tuple[list, RoutingOutcome]:
+    def _schedule(
+        self,
+        model,
+        replay: RouteReplay,
+        micro_batches: list[TrainBatch],
+        loss_fn,
+        forward_only: bool,
+        plan: PassPlan | None,
+        monitor: bool = False,
+    ) -> tuple[list, RoutingOutcome]:
         """megatron's schedule over micro-batches, inside one replay pass: (its outputs, routing)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -251,22 +313,36 @@ class Learner:
 
         with replay.run(plan, with_backward=not forward_only, monitor=monitor) as p:
             outs = get_forward_backward_func()(
-                forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[model],
-                num_microbatches=len(micro_batches), seq_length=int(micro_batches[0].tokens_BS.shape[1]),
-                micro_batch_size=int(micro_batches[0].tokens_BS.shape[0]), forward_only=forward_only)
+                forward_step_func=forward_step,
+                data_iterator=iter(micro_batches),
+                model=[model],
+                num_microbatches=len(micro_batches),
+                seq_length=int(micro_batches[0].tokens_BS.shape[1]),
+                micro_batch_size=int(micro_batches[0].tokens_BS.shape[0]),
+                forward_only=forward_only,
+            )
         return outs, p.outcome or RoutingOutcome()
 
-    def _micro_batches(self, batch: TrainBatch, micro_batch_size: int) -> tuple[list[TrainBatch], torch.Tensor | None]:
+    def _micro_batches(
+        self, batch: TrainBatch, micro_batch_size: int
+    ) -> tuple[list[TrainBatch], torch.Tensor | None]:
         """The pass's micro-batches: ``micro_batch_size`` sequences each, or by token budget
         (``max_tokens_per_micro_batch``, sorted by length), then with the order to undo it."""
         if self.max_tokens_per_micro_batch > 0:
-            return batch.micro_batches_by_tokens(self.max_tokens_per_micro_batch, self.token_multiple,
-                                                 self.dims.tp_size)
+            return batch.micro_batches_by_tokens(
+                self.max_tokens_per_micro_batch, self.token_multiple, self.dims.tp_size
+            )
         return batch.micro_batches(micro_batch_size, self.token_multiple, self.dims.tp_size), None
 
     @torch.no_grad()
-    def forward_logprobs(self, batch: TrainBatch, temperature: float, micro_batch_size: int,
-                         plan: PassPlan | None = None, reference: bool = False) -> LogprobOutput:
+    def forward_logprobs(
+        self,
+        batch: TrainBatch,
+        temperature: float,
+        micro_batch_size: int,
+        plan: PassPlan | None = None,
+        reference: bool = False,
+    ) -> LogprobOutput:
         """Log-probs, entropies and sum_v pi(v)^2 (OTB's energy term, from the same softmax) of
         the batch's sequences (policy, or the frozen reference), each [B, S], and the pass's
         routing outcome. ``plan`` runs the pass under routing replay (its routes are
@@ -292,7 +368,9 @@ class Learner:
             return torch.cat([torch.nn.functional.pad(o[key][:, :c], (0, S - c)) for o, c in zip(outs, cols)])
 
         stats = {k: gather(k) for k in outs[0]} if self.dims.is_last_stage else None
-        if order_B is not None:  # token-budget micro-batches: statistics and recorded routes back in batch order
+        if (
+            order_B is not None
+        ):  # token-budget micro-batches: statistics and recorded routes back in batch order
             undo_B = torch.argsort(order_B)
             stats = {k: v[undo_B.to(v.device)] for k, v in stats.items()} if stats is not None else None
             if routing.recorded is not None:
@@ -316,23 +394,34 @@ class Learner:
         else:
             packed = torch.empty((len(keys), *shape), dtype=dtype, device=device)
         dist.broadcast(packed, src=self._last_stage_rank(), group=self.dims.pp_group)
-        return {k: (stats[k] if stats is not None else packed[i].to(meta[0][i][1])) for i, k in enumerate(keys)}
+        return {
+            k: (stats[k] if stats is not None else packed[i].to(meta[0][i][1])) for i, k in enumerate(keys)
+        }
 
     def _broadcast_metrics(self, metrics: list) -> list:
         """PP: the last stage's per-micro-batch loss metrics on every stage (values moved to the CPU)."""
+
         def cpu(v):
             if isinstance(v, torch.Tensor):
                 return v.detach().cpu()
             if dataclasses.is_dataclass(v) and not isinstance(v, type):
-                return dataclasses.replace(v, **{f.name: cpu(getattr(v, f.name)) for f in dataclasses.fields(v)})
+                return dataclasses.replace(
+                    v, **{f.name: cpu(getattr(v, f.name)) for f in dataclasses.fields(v)}
+                )
             return v
 
         box = [[{k: cpu(v) for k, v in m.items()} for m in metrics] if self.dims.is_last_stage else None]
         dist.broadcast_object_list(box, src=self._last_stage_rank(), group=self.dims.pp_group)
         return metrics if self.dims.is_last_stage else box[0]
 
-    def forward_backward(self, batch: TrainBatch, loss_fn: LossFn, temperature: float, micro_batch_size: int,
-                         plan: PassPlan | None = None) -> tuple[list, RoutingOutcome]:
+    def forward_backward(
+        self,
+        batch: TrainBatch,
+        loss_fn: LossFn,
+        temperature: float,
+        micro_batch_size: int,
+        plan: PassPlan | None = None,
+    ) -> tuple[list, RoutingOutcome]:
         """Gradients of the minibatch loss, reduced over data-parallel ranks; per-micro-batch loss
         metrics and the pass's routing outcome (metrics under ``routing/update_``). The router
         monitor, if any, observes this pass.
@@ -353,8 +442,10 @@ class Learner:
             st = token_stats(mb, logits_BSV, temperature, self.vocab_shard)
             loss, metrics = loss_fn(mb, st, normalizer)
             if not torch.isfinite(loss):  # never backpropagate NaN/Inf into the weights
-                raise FloatingPointError(f"non-finite loss {float(loss)} in a micro-batch of "
-                                         f"{int(mb.loss_mask_BS.sum())} loss tokens; no update was applied")
+                raise FloatingPointError(
+                    f"non-finite loss {float(loss)} in a micro-batch of "
+                    f"{int(mb.loss_mask_BS.sum())} loss tokens; no update was applied"
+                )
             return loss, mb.loss_mask_BS.sum().int(), metrics
 
         self.ddp.zero_grad_buffer()
@@ -363,7 +454,9 @@ class Learner:
         if plan is not None:
             plan = dataclasses.replace(plan, prefix="routing/update_")
         loss_metrics, routing = self._schedule(self.ddp, self.replay, mbs, compute, False, plan, monitor=True)
-        if self.monitor is not None:  # local sums: with the distributed optimizer only a shard survives finalize
+        if (
+            self.monitor is not None
+        ):  # local sums: with the distributed optimizer only a shard survives finalize
             self.monitor.add_router_grads(self._router_grads_LEH())
         finalize_model_grads([self.ddp])  # sum over DP (scaling 1.0: the loss is already global)
         return (self._broadcast_metrics(loss_metrics) if self.dims.pp_size > 1 else loss_metrics), routing
@@ -392,18 +485,29 @@ class Learner:
         packed = torch.cat([stats.flatten().to(grads_LEH.device), grads_LEH.flatten()])
         max_L = max_L.clone()
         if dist.is_initialized():
-            for group in (self.dims.tp_dp_group, self.dims.pp_group):  # PP: each stage holds its own layers' rows
+            for group in (
+                self.dims.tp_dp_group,
+                self.dims.pp_group,
+            ):  # PP: each stage holds its own layers' rows
                 if group is not None:
                     dist.all_reduce(packed, group=group)
                     dist.all_reduce(max_L, op=dist.ReduceOp.MAX, group=group)
         n = stats.numel()
-        out = self.monitor.finalize(packed[:n].view_as(stats).cpu(), max_L.cpu(),
-                                    packed[n:].view_as(grads_LEH).cpu())
+        out = self.monitor.finalize(
+            packed[:n].view_as(stats).cpu(), max_L.cpu(), packed[n:].view_as(grads_LEH).cpu()
+        )
         self.monitor.reset()
         return out
 
-    def update(self, batch: TrainBatch, loss_fn: LossFn, temperature: float, micro_batch_size: int, lr: float,
-               plan: PassPlan | None = None) -> UpdateOutput:
+    def update(
+        self,
+        batch: TrainBatch,
+        loss_fn: LossFn,
+        temperature: float,
+        micro_batch_size: int,
+        lr: float,
+        plan: PassPlan | None = None,
+    ) -> UpdateOutput:
         """One optimizer step over a minibatch; with ``optim.skip_zero_grad`` skipped when its
         gradient is exactly zero on every rank (every token rejected or of zero advantage): Adam
         would still move the weights by its momentum (and decay them) on a zero gradient."""
@@ -436,4 +540,6 @@ class Learner:
         optimizer: the distributed optimizer keeps only a shard of each reduced gradient)."""
         if self.par.distributed_optimizer:
             raise RuntimeError("canonical_grads needs parallel.distributed_optimizer=false")
-        return self._gather_canonical({n: p.main_grad.detach().clone() for n, p in self.gpt.named_parameters()})
+        return self._gather_canonical(
+            {n: p.main_grad.detach().clone() for n, p in self.gpt.named_parameters()}
+        )

@@ -18,8 +18,9 @@ from moe_rl.corrections.dvp import RestrictedLogprobs
 from moe_rl.corrections.trm import chunked_kl
 
 
-def token_logprobs(logits_BSV: torch.Tensor, tokens_BS: torch.Tensor,
-                   temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def token_logprobs(
+    logits_BSV: torch.Tensor, tokens_BS: torch.Tensor, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob and entropy of each token given its prefix, under softmax(logits / temperature).
 
     Args:
@@ -37,8 +38,9 @@ def token_logprobs(logits_BSV: torch.Tensor, tokens_BS: torch.Tensor,
     return torch.cat([pad, logp_BS], 1), torch.cat([pad, entropy_BS], 1)
 
 
-def token_logprobs_energy(logits_BSV: torch.Tensor, tokens_BS: torch.Tensor,
-                          temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def token_logprobs_energy(
+    logits_BSV: torch.Tensor, tokens_BS: torch.Tensor, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``token_logprobs`` plus sum_v pi(v)^2 per token (the OTB energy input, docs/math.md 6.2).
 
     Same shift convention as ``token_logprobs``: column t describes the distribution
@@ -78,8 +80,7 @@ def token_logprobs_energy(logits_BSV: torch.Tensor, tokens_BS: torch.Tensor,
     entropy_BS = -(pi_BS1V @ logp_BSV.unsqueeze(-1)).reshape(logp_BS.shape)
     sum_pi_sq_BS = (pi_BS1V @ pi_BS1V.transpose(-1, -2)).reshape(logp_BS.shape)
     pad = logp_BS.new_zeros((logp_BS.shape[0], 1))
-    return (torch.cat([pad, logp_BS], 1), torch.cat([pad, entropy_BS], 1),
-            torch.cat([pad, sum_pi_sq_BS], 1))
+    return (torch.cat([pad, logp_BS], 1), torch.cat([pad, entropy_BS], 1), torch.cat([pad, sum_pi_sq_BS], 1))
 
 
 class _AllReduceSum(torch.autograd.Function):
@@ -103,9 +104,9 @@ class _AllReduceSum(torch.autograd.Function):
         return grad, None
 
 
-def token_logprobs_energy_vocab_parallel(logits_BSV: torch.Tensor, tokens_BS: torch.Tensor, temperature: float,
-                                         vocab_start: int, group) -> tuple[torch.Tensor, torch.Tensor,
-                                                                           torch.Tensor]:
+def token_logprobs_energy_vocab_parallel(
+    logits_BSV: torch.Tensor, tokens_BS: torch.Tensor, temperature: float, vocab_start: int, group
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``token_logprobs_energy`` when ``logits_BSV`` is this rank's vocabulary slice
     [vocab_start, vocab_start + V) of megatron's vocab-parallel output layer.
 
@@ -133,13 +134,16 @@ def token_logprobs_energy_vocab_parallel(logits_BSV: torch.Tensor, tokens_BS: to
     owned_BS = (target_BS >= 0) & (target_BS < logp_BSV.shape[-1])
     picked_BS = logp_BSV.gather(-1, target_BS.clamp(0, logp_BSV.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
     pi_BS1V = logp_BSV.exp().unsqueeze(-2)
-    local_XBS = torch.stack([torch.where(owned_BS, picked_BS, torch.zeros_like(picked_BS)),
-                             -(pi_BS1V @ logp_BSV.unsqueeze(-1)).reshape(picked_BS.shape),
-                             (pi_BS1V @ pi_BS1V.transpose(-1, -2)).reshape(picked_BS.shape)])
+    local_XBS = torch.stack(
+        [
+            torch.where(owned_BS, picked_BS, torch.zeros_like(picked_BS)),
+            -(pi_BS1V @ logp_BSV.unsqueeze(-1)).reshape(picked_BS.shape),
+            (pi_BS1V @ pi_BS1V.transpose(-1, -2)).reshape(picked_BS.shape),
+        ]
+    )
     logp_BS, entropy_BS, sum_pi_sq_BS = reduce_from_tensor_model_parallel_region(local_XBS, group).unbind(0)
     pad = logp_BS.new_zeros((logp_BS.shape[0], 1))
-    return (torch.cat([pad, logp_BS], 1), torch.cat([pad, entropy_BS], 1),
-            torch.cat([pad, sum_pi_sq_BS], 1))
+    return (torch.cat([pad, logp_BS], 1), torch.cat([pad, entropy_BS], 1), torch.cat([pad, sum_pi_sq_BS], 1))
 
 
 def _logsumexp_vocab_parallel(xs: Sequence[torch.Tensor], group) -> list[torch.Tensor]:
@@ -157,16 +161,21 @@ def _logsumexp_vocab_parallel(xs: Sequence[torch.Tensor], group) -> list[torch.T
     dist.all_reduce(max_X, op=dist.ReduceOp.MAX, group=group)
     some_X = torch.isfinite(max_X)  # else no finite entry anywhere (an empty DVP safe set)
     shift_X = torch.where(some_X, max_X, torch.zeros_like(max_X))
-    sum_X = _AllReduceSum.apply(torch.stack([(x - s.unsqueeze(-1)).exp().sum(-1) for x, s in zip(xs, shift_X)]),
-                                group)
+    sum_X = _AllReduceSum.apply(
+        torch.stack([(x - s.unsqueeze(-1)).exp().sum(-1) for x, s in zip(xs, shift_X)]), group
+    )
     # (sum >= 1 where some_X: the max contributes exp(0); the 1 elsewhere keeps log's gradient finite)
-    lse_X = torch.where(some_X, torch.where(some_X, sum_X, torch.ones_like(sum_X)).log() + shift_X,
-                        torch.full_like(sum_X, -math.inf))
+    lse_X = torch.where(
+        some_X,
+        torch.where(some_X, sum_X, torch.ones_like(sum_X)).log() + shift_X,
+        torch.full_like(sum_X, -math.inf),
+    )
     return list(lse_X.unbind(0))
 
 
-def restricted_logprobs_vocab_parallel(logits_BSV: torch.Tensor, safe_BSV: torch.Tensor, tokens_BS: torch.Tensor,
-                                       vocab_start: int, group) -> RestrictedLogprobs:
+def restricted_logprobs_vocab_parallel(
+    logits_BSV: torch.Tensor, safe_BSV: torch.Tensor, tokens_BS: torch.Tensor, vocab_start: int, group
+) -> RestrictedLogprobs:
     """``corrections.dvp.restricted_logprobs`` when ``logits_BSV`` and ``safe_BSV`` are this
     rank's vocabulary slice [vocab_start, vocab_start + V); the same outputs on every rank.
 
@@ -185,7 +194,9 @@ def restricted_logprobs_vocab_parallel(logits_BSV: torch.Tensor, safe_BSV: torch
     )
 
     z_BSV = logits_BSV if logits_BSV.dtype in (torch.float32, torch.float64) else logits_BSV.float()
-    lse_full_BS, lse_safe_BS = _logsumexp_vocab_parallel([z_BSV, z_BSV.masked_fill(~safe_BSV, -math.inf)], group)
+    lse_full_BS, lse_safe_BS = _logsumexp_vocab_parallel(
+        [z_BSV, z_BSV.masked_fill(~safe_BSV, -math.inf)], group
+    )
     target_BS = tokens_BS.long() - vocab_start
     owned_BS = (target_BS >= 0) & (target_BS < z_BSV.shape[-1])
     idx_BS1 = target_BS.clamp(0, z_BSV.shape[-1] - 1).unsqueeze(-1)
@@ -193,20 +204,35 @@ def restricted_logprobs_vocab_parallel(logits_BSV: torch.Tensor, safe_BSV: torch
     inside_BS = owned_BS & safe_BSV.gather(-1, idx_BS1).squeeze(-1)
     zero_BS = torch.zeros_like(z_y_BS)
     first = dist.get_rank(group) == 0
-    local_XBS = torch.stack([torch.where(inside_BS, z_y_BS - lse_safe_BS, zero_BS),
-                             torch.where(owned_BS, z_y_BS - lse_full_BS, zero_BS),
-                             lse_safe_BS - lse_full_BS if first else zero_BS,
-                             inside_BS.to(z_y_BS.dtype)])
+    local_XBS = torch.stack(
+        [
+            torch.where(inside_BS, z_y_BS - lse_safe_BS, zero_BS),
+            torch.where(owned_BS, z_y_BS - lse_full_BS, zero_BS),
+            lse_safe_BS - lse_full_BS if first else zero_BS,
+            inside_BS.to(z_y_BS.dtype),
+        ]
+    )
     logp_BS, full_logp_BS, log_safe_mass_BS, inside_f_BS = reduce_from_tensor_model_parallel_region(
-        local_XBS, group).unbind(0)
+        local_XBS, group
+    ).unbind(0)
     inside_BS = inside_f_BS > 0.5
-    return RestrictedLogprobs(torch.where(inside_BS, logp_BS, torch.full_like(logp_BS, -math.inf)), full_logp_BS,
-                              log_safe_mass_BS, inside_BS)
+    return RestrictedLogprobs(
+        torch.where(inside_BS, logp_BS, torch.full_like(logp_BS, -math.inf)),
+        full_logp_BS,
+        log_safe_mass_BS,
+        inside_BS,
+    )
 
 
 @torch.no_grad()
-def exact_kl_tokens_vocab_parallel(rollout_logits_BSV: torch.Tensor, train_logits_BSV: torch.Tensor, group,
-                                   mask_BS: torch.Tensor | None = None, *, chunk_tokens: int = 1024) -> torch.Tensor:
+def exact_kl_tokens_vocab_parallel(
+    rollout_logits_BSV: torch.Tensor,
+    train_logits_BSV: torch.Tensor,
+    group,
+    mask_BS: torch.Tensor | None = None,
+    *,
+    chunk_tokens: int = 1024,
+) -> torch.Tensor:
     """``corrections.trm.exact_kl_tokens`` when both inputs are this rank's vocabulary slice of the
     same columns: KL(pi_roll || pi_train) = sum over ranks of sum_local p_roll (log p_roll - log
     p_train), both log-probs normalised over the whole vocabulary. Three [tokens]-sized

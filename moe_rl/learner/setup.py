@@ -21,8 +21,9 @@ OPTIM_CKPT_METADATA = {
 }
 
 
-def transformer_config(model: ModelConfig, par: ParallelConfig, *, bf16: bool = False,
-                       sequence_parallel: bool = False):
+def transformer_config(
+    model: ModelConfig, par: ParallelConfig, *, bf16: bool = False, sequence_parallel: bool = False
+):
     """``sequence_parallel``: the learner trains with it whenever TP > 1 (megatron refuses MoE + TP
     training without it); eval-only builders may leave it off."""
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -85,8 +86,11 @@ def _precision(model: ModelConfig, bf16: bool) -> dict:
     """dtype, kernels and FP8 fields; model.precision / transformer_impl decide (learner/te_spec.py)."""
     from moe_rl.learner.te_spec import precision_kwargs
 
-    kw = {"moe_grouped_gemm": False,  # grouped GEMM needs CUDA kernels; the TE spec brings its own
-          "params_dtype": torch.bfloat16 if bf16 else torch.float32, "bf16": bf16}
+    kw = {
+        "moe_grouped_gemm": False,  # grouped GEMM needs CUDA kernels; the TE spec brings its own
+        "params_dtype": torch.bfloat16 if bf16 else torch.float32,
+        "bf16": bf16,
+    }
     kw.update(precision_kwargs(model))  # moe_router_fusion is always False: it would bypass replay
     return kw
 
@@ -102,8 +106,11 @@ def _pipeline(model: ModelConfig, par: ParallelConfig, bf16: bool) -> dict:
         uneven["num_layers_in_first_pipeline_stage"] = par.layers_in_first_stage
     if par.layers_in_last_stage:
         uneven["num_layers_in_last_pipeline_stage"] = par.layers_in_last_stage
-    return {"pipeline_dtype": torch.bfloat16 if bf16 or model.precision != "fp32" else torch.float32,
-            "variable_seq_lengths": True, **uneven}
+    return {
+        "pipeline_dtype": torch.bfloat16 if bf16 or model.precision != "fp32" else torch.float32,
+        "variable_seq_lengths": True,
+        **uneven,
+    }
 
 
 def _recompute(model: ModelConfig) -> dict:
@@ -113,7 +120,9 @@ def _recompute(model: ModelConfig) -> dict:
     return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
 
 
-def build_model(model: ModelConfig, par: ParallelConfig, *, bf16: bool = False, sequence_parallel: bool = False):
+def build_model(
+    model: ModelConfig, par: ParallelConfig, *, bf16: bool = False, sequence_parallel: bool = False
+):
     """A megatron GPTModel with MoE layers: the local layer spec (CPU), or TE's (model.transformer_impl=te).
 
     With PP > 1 this rank's pipeline stage only: the embedding on the first, the final norm and

@@ -41,6 +41,7 @@ FP8_TOKEN_MULTIPLE = 16  # TE FP8 GEMMs need the token count (S * B) to be a mul
 # Precision -> megatron TransformerConfig fields (pure)
 # --------------------------------------------------------------------------------------------
 
+
 def precision_kwargs(model: ModelConfig) -> dict:
     """The TransformerConfig fields that model.transformer_impl / precision choose.
 
@@ -65,6 +66,7 @@ def uses_te(model: ModelConfig) -> bool:
 # Environment checks (run when a run starts: moe_rl.preflight.check_launch)
 # --------------------------------------------------------------------------------------------
 
+
 def te_version() -> Version | None:
     """The installed TE version from package metadata (no import: importing a broken TE raises)."""
     for dist in ("transformer-engine", "transformer_engine"):
@@ -85,32 +87,60 @@ def te_import_error() -> str | None:
     return None
 
 
-def te_problems(model: ModelConfig, *, cuda: bool, capability: tuple[int, int] | None,
-                cuda_version: str | None, te_ver: Version | None, te_error: str | None) -> list[str]:
+def te_problems(
+    model: ModelConfig,
+    *,
+    cuda: bool,
+    capability: tuple[int, int] | None,
+    cuda_version: str | None,
+    te_ver: Version | None,
+    te_error: str | None,
+) -> list[str]:
     """Why this machine cannot run ``model``'s transformer_impl / precision (pure; [] = it can)."""
     key = "model.precision" if model.precision == "fp8" else "model.transformer_impl"
     if not uses_te(model):
         return []
-    what = ("FP8 needs Hopper-class (sm_89+) GPUs and Transformer Engine" if model.precision == "fp8"
-            else "the Transformer Engine layer spec needs CUDA and Transformer Engine")
+    what = (
+        "FP8 needs Hopper-class (sm_89+) GPUs and Transformer Engine"
+        if model.precision == "fp8"
+        else "the Transformer Engine layer spec needs CUDA and Transformer Engine"
+    )
     if not cuda:
-        return [(f"config key '{key}': {what}; this machine has no CUDA device "
-                 f"(use model.transformer_impl=local model.precision=fp32 on CPU)")]
+        return [
+            (
+                f"config key '{key}': {what}; this machine has no CUDA device "
+                f"(use model.transformer_impl=local model.precision=fp32 on CPU)"
+            )
+        ]
     if te_error is not None:
-        return [(f"config key '{key}': {what}; transformer_engine.pytorch does not import ({te_error}). "
-                 f"Install moe-rl[te] against the CUDA torch, with --no-build-isolation")]
+        return [
+            (
+                f"config key '{key}': {what}; transformer_engine.pytorch does not import ({te_error}). "
+                f"Install moe-rl[te] against the CUDA torch, with --no-build-isolation"
+            )
+        ]
     problems = []
     if model.precision == "fp8":
         if capability is not None and tuple(capability) < FP8_MIN_CAPABILITY:
-            problems.append(f"config key 'model.precision': fp8 needs compute capability >= 8.9, this GPU is "
-                            f"sm_{capability[0]}{capability[1]}")
+            problems.append(
+                f"config key 'model.precision': fp8 needs compute capability >= 8.9, this GPU is "
+                f"sm_{capability[0]}{capability[1]}"
+            )
         need = Version(FP8_MIN_TE[model.fp8_recipe])
         if te_ver is not None and te_ver < need:
-            problems.append(f"config key 'model.fp8_recipe': {model.fp8_recipe} needs Transformer Engine >= "
-                            f"{need}, installed {te_ver}")
-        if model.fp8_recipe == "blockwise" and cuda_version and Version(cuda_version) < Version(BLOCKWISE_MIN_CUDA):
-            problems.append(f"config key 'model.fp8_recipe': blockwise needs CUDA >= {BLOCKWISE_MIN_CUDA}, "
-                            f"torch is built for {cuda_version}")
+            problems.append(
+                f"config key 'model.fp8_recipe': {model.fp8_recipe} needs Transformer Engine >= "
+                f"{need}, installed {te_ver}"
+            )
+        if (
+            model.fp8_recipe == "blockwise"
+            and cuda_version
+            and Version(cuda_version) < Version(BLOCKWISE_MIN_CUDA)
+        ):
+            problems.append(
+                f"config key 'model.fp8_recipe': blockwise needs CUDA >= {BLOCKWISE_MIN_CUDA}, "
+                f"torch is built for {cuda_version}"
+            )
     return problems
 
 
@@ -119,10 +149,14 @@ def check_te_environment(model: ModelConfig) -> None:
     if not uses_te(model):
         return
     cuda = torch.cuda.is_available()
-    problems = te_problems(model, cuda=cuda,
-                           capability=torch.cuda.get_device_capability() if cuda else None,
-                           cuda_version=torch.version.cuda, te_ver=te_version(),
-                           te_error=te_import_error() if cuda else None)
+    problems = te_problems(
+        model,
+        cuda=cuda,
+        capability=torch.cuda.get_device_capability() if cuda else None,
+        cuda_version=torch.version.cuda,
+        te_ver=te_version(),
+        te_error=te_import_error() if cuda else None,
+    )
     if problems:
         raise ConfigError("; ".join(problems))
 
@@ -130,6 +164,7 @@ def check_te_environment(model: ModelConfig) -> None:
 # --------------------------------------------------------------------------------------------
 # The layer spec
 # --------------------------------------------------------------------------------------------
+
 
 def require_te() -> None:
     """Import TE before megatron's TE extension does, so a missing TE is one clear error."""
@@ -146,8 +181,10 @@ def layer_spec(tcfg, use_te: bool):
 
     params = list(inspect.signature(get_gpt_decoder_block_spec).parameters)
     if params[:2] != ["config", "use_transformer_engine"] or "normalization" not in params:
-        raise RuntimeError(f"megatron-core's get_gpt_decoder_block_spec{tuple(params)} is not the "
-                           f"(config, use_transformer_engine, normalization, ...) signature moe_rl supports")
+        raise RuntimeError(
+            f"megatron-core's get_gpt_decoder_block_spec{tuple(params)} is not the "
+            f"(config, use_transformer_engine, normalization, ...) signature moe_rl supports"
+        )
     if use_te:
         require_te()
     return get_gpt_decoder_block_spec(tcfg, use_transformer_engine=use_te, normalization="RMSNorm")
@@ -180,8 +217,10 @@ def te_to_local_name(name: str) -> str:
     if g is not None:
         return f"{pre}mlp.experts.local_experts.{int(g.group(2))}.{g.group(1)}.weight"
     if rest.endswith("layer_norm_bias") or rest in ("mlp.experts.weight1", "mlp.experts.weight2"):
-        raise KeyError(f"TE parameter {name!r} has no local-spec counterpart (RMSNorm has no bias; the "
-                       f"legacy GroupedMLP is not supported: use TE >= 1.7 for TEGroupedMLP)")
+        raise KeyError(
+            f"TE parameter {name!r} has no local-spec counterpart (RMSNorm has no bias; the "
+            f"legacy GroupedMLP is not supported: use TE >= 1.7 for TEGroupedMLP)"
+        )
     return name
 
 

@@ -41,10 +41,12 @@ NUM_SCALARS = 8
 MARGIN_EDGES = torch.logspace(-6, 2, 65, dtype=torch.float64)
 NUM_BINS = MARGIN_EDGES.numel() + 1
 MARGIN_QUANTILES = (0.01, 0.05, 0.5)
-BF16_RESOLUTION = 2.0 ** -8
+BF16_RESOLUTION = 2.0**-8
 
 
-def structural_zero_frac(num_experts: int, top_k: int, pre_softmax: bool = False, aux_loss: bool = False) -> float:
+def structural_zero_frac(
+    num_experts: int, top_k: int, pre_softmax: bool = False, aux_loss: bool = False
+) -> float:
     """Expected exact-zero fraction of router-logit gradients.
 
     Gating renormalised over the selected set (softmax over the top-k logits; sigmoid scores
@@ -75,14 +77,24 @@ def histogram_quantiles(hist_B: torch.Tensor, edges: torch.Tensor, qs: tuple[flo
 
 
 class RouterGradMonitor:
-    def __init__(self, layer_ids: list[int], num_experts: int, top_k: int, near_eps: float = 0.1,
-                 pre_softmax: bool = False, aux_loss: bool = False, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        layer_ids: list[int],
+        num_experts: int,
+        top_k: int,
+        near_eps: float = 0.1,
+        pre_softmax: bool = False,
+        aux_loss: bool = False,
+        device: torch.device | str = "cpu",
+    ) -> None:
         """``device``: where the routers run (the statistics accumulate there: no host sync per layer)."""
         self.layer_ids, self.E, self.K, self.near_eps = list(layer_ids), num_experts, top_k, near_eps
         self.expected_zero_frac = structural_zero_frac(num_experts, top_k, pre_softmax, aux_loss)
         width = max(num_experts, NUM_SCALARS, NUM_BINS)
         self.stats_LXW = torch.zeros(len(layer_ids), NUM_STATS, width, dtype=torch.float64, device=device)
-        self.max_L = torch.zeros(len(layer_ids), dtype=torch.float64, device=device)  # per-token logit-grad norm max
+        self.max_L = torch.zeros(
+            len(layer_ids), dtype=torch.float64, device=device
+        )  # per-token logit-grad norm max
         self._edges: dict = {}  # MARGIN_EDGES per device, in the logits' dtype
         self.router_grad_LEH: torch.Tensor | None = None
 
@@ -105,7 +117,7 @@ class RouterGradMonitor:
     def observe_forward(self, pos: int, logits_NE: torch.Tensor, native_NK: torch.Tensor) -> None:
         s = self._stats(logits_NE.device)[pos]
         logits = logits_NE.detach()  # the router's own dtype (fp32); sums accumulate in fp64
-        s[LOAD, :self.E] += torch.bincount(native_NK.detach().reshape(-1), minlength=self.E)
+        s[LOAD, : self.E] += torch.bincount(native_NK.detach().reshape(-1), minlength=self.E)
         if self.K < self.E:
             top = torch.topk(logits, self.K + 1, dim=-1, sorted=True).values
             margin_N = top[:, self.K - 1] - top[:, self.K]
@@ -115,8 +127,9 @@ class RouterGradMonitor:
             edges = self._edges.get(margin_N.device)
             if edges is None:
                 edges = self._edges[margin_N.device] = MARGIN_EDGES.to(margin_N.device, margin_N.dtype)
-            s[MARGIN_HIST, :NUM_BINS] += torch.bincount(torch.bucketize(margin_N, edges, right=True),
-                                                        minlength=NUM_BINS)
+            s[MARGIN_HIST, :NUM_BINS] += torch.bincount(
+                torch.bucketize(margin_N, edges, right=True), minlength=NUM_BINS
+            )
         s[SCALARS, _TOKENS] += logits.shape[0]
 
     def observe_grad(self, pos: int, grad_NE: torch.Tensor) -> None:
@@ -129,20 +142,22 @@ class RouterGradMonitor:
         live = live_N.sum()
         s[SCALARS, _ZERO] += live * self.E - nonzero_NE.sum()  # zero entries of live tokens
         s[SCALARS, _ENTRIES] += live * self.E  # stays on the device: no sync per layer
-        s[GRAD_MASS, :self.E] += g.abs().sum(0)
+        s[GRAD_MASS, : self.E] += g.abs().sum(0)
         norm_N = g.norm(dim=-1)  # zero on tokens without gradient: they add nothing
         s[SCALARS, _TOK_NORM] += norm_N.sum()
         s[SCALARS, _LIVE] += live
         self.max_L[pos] = torch.maximum(self.max_L[pos], norm_N.max() if norm_N.numel() else self.max_L[pos])
 
-    def finalize(self, stats_LXW: torch.Tensor, max_L: torch.Tensor, router_grad_LEH: torch.Tensor) -> dict[str, float]:
+    def finalize(
+        self, stats_LXW: torch.Tensor, max_L: torch.Tensor, router_grad_LEH: torch.Tensor
+    ) -> dict[str, float]:
         """Per-layer metrics from globally reduced statistics, maxima and router-weight gradients."""
         out: dict[str, float] = {}
         zero_all = entries_all = 0.0
         for pos, lid in enumerate(self.layer_ids):
             s = stats_LXW[pos]
             sc = [float(v) for v in s[SCALARS, :NUM_SCALARS]]
-            load_E, mass_E = s[LOAD, :self.E], s[GRAD_MASS, :self.E]
+            load_E, mass_E = s[LOAD, : self.E], s[GRAD_MASS, : self.E]
             zero_all, entries_all = zero_all + sc[_ZERO], entries_all + sc[_ENTRIES]
             p_E = load_E / load_E.sum().clamp(min=1)
             entropy = float(-(p_E * p_E.clamp(min=1e-30).log()).sum()) / math.log(self.E)
@@ -160,7 +175,9 @@ class RouterGradMonitor:
                 "load_entropy": entropy,
                 "load_max_frac": float(p_E.max()),
                 "margin_mean": sc[_MARGIN] / tokens if tokens else float("nan"),
-                "margin_p1": p1, "margin_p5": p5, "margin_p50": p50,
+                "margin_p1": p1,
+                "margin_p5": p5,
+                "margin_p50": p50,
                 "near_boundary_frac": sc[_NEAR] / tokens if tokens else float("nan"),
                 "near_boundary_bf16_frac": sc[_NEAR_BF16] / tokens if tokens else float("nan"),
             }
@@ -172,9 +189,11 @@ class RouterGradMonitor:
 
 
 # rollout-vs-learner agreement (routing replay's names) -> this monitor's prefix
-_ROLLOUT_ALIASES = {"routing/flip_router_frac": "router_grad/rollout_flip_frac",
-                    "routing/flip_token_frac": "router_grad/rollout_flip_token_frac",
-                    "routing/flip_layers_per_token": "router_grad/rollout_flip_layers_per_token"}
+_ROLLOUT_ALIASES = {
+    "routing/flip_router_frac": "router_grad/rollout_flip_frac",
+    "routing/flip_token_frac": "router_grad/rollout_flip_token_frac",
+    "routing/flip_layers_per_token": "router_grad/rollout_flip_layers_per_token",
+}
 
 
 def rollout_flip_aliases(route_metrics: dict) -> dict:

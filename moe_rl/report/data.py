@@ -142,8 +142,10 @@ def load_run(path: str | Path) -> Run:
     run_dir = Path(path)
     metrics = run_dir / METRICS_FILE
     if not metrics.is_file():
-        raise ReportError(f"{metrics} does not exist: {run_dir} is not a moe-rl run directory "
-                          f"(or its first step has not been logged yet)")
+        raise ReportError(
+            f"{metrics} does not exist: {run_dir} is not a moe-rl run directory "
+            f"(or its first step has not been logged yet)"
+        )
     records, warnings = read_metrics(metrics)
     warnings = [f"{metrics}: {w}" for w in warnings]
     if not records:
@@ -173,8 +175,9 @@ def read_run_config(cfg_path: Path) -> tuple[str, dict]:
     except yaml.YAMLError as e:
         raise ReportError(f"{cfg_path}: not a readable YAML config ({type(e).__name__})") from None
     if not isinstance(config, dict):
-        raise ReportError(f"{cfg_path}: the top level is a {type(config).__name__}, expected the run's config "
-                          f"mapping")
+        raise ReportError(
+            f"{cfg_path}: the top level is a {type(config).__name__}, expected the run's config mapping"
+        )
     return text, config
 
 
@@ -189,8 +192,10 @@ def health_warnings(events_path: Path) -> list[str]:
         except json.JSONDecodeError:
             continue  # a line cut by a kill mid-write
         if isinstance(ev, dict) and ev.get("event") == "health":
-            out.append(f"{events_path.parent.name}: health alarm {ev.get('alarm')} at step {ev.get('step')}: "
-                       f"{ev.get('cause')}")
+            out.append(
+                f"{events_path.parent.name}: health alarm {ev.get('alarm')} at step {ev.get('step')}: "
+                f"{ev.get('cause')}"
+            )
     return out
 
 
@@ -213,23 +218,29 @@ def headline(run: Run) -> list[tuple[str, float | str]]:
         ("reward, first 10% of steps", nanmean(reward_T[:tenth])),
         ("reward, last 10% of steps", nanmean(reward_T[-tenth:])),
     ]
-    for label, key in (("validation reward, greedy", "val/reward/mean"),
-                       ("validation reward, sampled", "val/reward_sampled/mean")):
+    for label, key in (
+        ("validation reward, greedy", "val/reward/mean"),
+        ("validation reward, sampled", "val/reward_sampled/mean"),
+    ):
         val_T = run.series(key)
         logged = val_T[np.isfinite(val_T)]
         if logged.size:
             rows += [(f"{label}, first", float(logged[0])), (f"{label}, last", float(logged[-1]))]
     rows.append(("truncated responses (mean)", nanmean(run.series("rollout/truncated_frac"))))
-    for label, key in (("rollout-vs-learner router flips", "routing/flip_router_frac"),
-                       ("tokens with any rollout-vs-learner flip", "routing/flip_token_frac"),
-                       ("update-induced router flips", "router_grad/update_flip_frac"),
-                       ("router-logit zero-gradient fraction", "router_grad/zero_frac"),
-                       ("structural (E-K)/E of the gating", "router_grad/zero_frac_expected"),
-                       ("k3 KL, rollout to learner", "corr/k3_kl"),
-                       ("abs log-prob diff, rollout vs learner", "corr/logprob_abs_diff")):
+    for label, key in (
+        ("rollout-vs-learner router flips", "routing/flip_router_frac"),
+        ("tokens with any rollout-vs-learner flip", "routing/flip_token_frac"),
+        ("update-induced router flips", "router_grad/update_flip_frac"),
+        ("router-logit zero-gradient fraction", "router_grad/zero_frac"),
+        ("structural (E-K)/E of the gating", "router_grad/zero_frac_expected"),
+        ("k3 KL, rollout to learner", "corr/k3_kl"),
+        ("abs log-prob diff, rollout vs learner", "corr/logprob_abs_diff"),
+    ):
         rows.append((f"{label} (mean)", nanmean(run.series(key))))
     step_T = run.series("time/step_s")
-    rows.append(("median step time (s)", float(np.nanmedian(step_T)) if np.isfinite(step_T).any() else math.nan))
+    rows.append(
+        ("median step time (s)", float(np.nanmedian(step_T)) if np.isfinite(step_T).any() else math.nan)
+    )
     return rows
 
 
@@ -256,36 +267,80 @@ def layer_verdicts(run: Run, window: int = WINDOW) -> list[Verdict]:
     n = min(window, len(run.records))
     span = f"the last {n} steps"
     expected = nanmean(_window(run.series("router_grad/zero_frac_expected"), window))
-    mean = {name: _layer_means(_window(run.matrix(name), window))
-            for name in ("zero_frac", "no_grad_expert_frac", "rollout_flip_frac", "update_flip_frac",
-                         "load_entropy", "load_max_frac", "margin_p50", "near_boundary_bf16_frac")}
+    mean = {
+        name: _layer_means(_window(run.matrix(name), window))
+        for name in (
+            "zero_frac",
+            "no_grad_expert_frac",
+            "rollout_flip_frac",
+            "update_flip_frac",
+            "load_entropy",
+            "load_max_frac",
+            "margin_p50",
+            "near_boundary_bf16_frac",
+        )
+    }
     r3 = run.cfg("routing.replay") == "r3"
     out = []
     for i, lid in enumerate(run.layers):
         m = {k: float(v[i]) for k, v in mean.items()}
         found: list[tuple[str, bool]] = []  # (finding, whether it crosses a threshold)
         if math.isfinite(m["no_grad_expert_frac"]):
-            found.append(((f"{m['no_grad_expert_frac']:.0%} of experts got no router gradient per step "
-                           f"(mean over {span})"), m["no_grad_expert_frac"] > THRESHOLDS["no_grad_expert_frac"]))
+            found.append(
+                (
+                    (
+                        f"{m['no_grad_expert_frac']:.0%} of experts got no router gradient per step "
+                        f"(mean over {span})"
+                    ),
+                    m["no_grad_expert_frac"] > THRESHOLDS["no_grad_expert_frac"],
+                )
+            )
         if math.isfinite(m["zero_frac"]) and math.isfinite(expected):
             gap = abs(m["zero_frac"] - expected) > THRESHOLDS["zero_frac_gap"]
-            found.append((f"zero-gradient fraction {m['zero_frac']:.3f} vs structural {expected:.3f}"
-                          + (": the live gating is not the configured one (aux loss? pre-softmax?)" if gap else
-                             ": unselected experts' logits never learn from a token (gradient blackout)"), gap))
+            found.append(
+                (
+                    f"zero-gradient fraction {m['zero_frac']:.3f} vs structural {expected:.3f}"
+                    + (
+                        ": the live gating is not the configured one (aux loss? pre-softmax?)"
+                        if gap
+                        else ": unselected experts' logits never learn from a token (gradient blackout)"
+                    ),
+                    gap,
+                )
+            )
         if math.isfinite(m["rollout_flip_frac"]):
-            found.append((f"{m['rollout_flip_frac']:.1%} of routes differ between rollout and learner"
-                          + (" (R3 trains on the rollout's routes)" if r3 else ""),
-                          m["rollout_flip_frac"] > THRESHOLDS["rollout_flip_frac"] and not r3))
+            found.append(
+                (
+                    f"{m['rollout_flip_frac']:.1%} of routes differ between rollout and learner"
+                    + (" (R3 trains on the rollout's routes)" if r3 else ""),
+                    m["rollout_flip_frac"] > THRESHOLDS["rollout_flip_frac"] and not r3,
+                )
+            )
         if math.isfinite(m["update_flip_frac"]):
-            found.append((f"{m['update_flip_frac']:.1%} of routes flip within a step's update",
-                          m["update_flip_frac"] > THRESHOLDS["update_flip_frac"]))
+            found.append(
+                (
+                    f"{m['update_flip_frac']:.1%} of routes flip within a step's update",
+                    m["update_flip_frac"] > THRESHOLDS["update_flip_frac"],
+                )
+            )
         if math.isfinite(m["load_entropy"]):
-            found.append((f"load entropy {m['load_entropy']:.2f} (busiest expert {m['load_max_frac']:.0%} of routes)",
-                          m["load_entropy"] < THRESHOLDS["load_entropy"]))
+            found.append(
+                (
+                    f"load entropy {m['load_entropy']:.2f} "
+                    f"(busiest expert {m['load_max_frac']:.0%} of routes)",
+                    m["load_entropy"] < THRESHOLDS["load_entropy"],
+                )
+            )
         if math.isfinite(m["margin_p50"]):
-            found.append(((f"median Top-K margin {m['margin_p50']:.3g}; {m['near_boundary_bf16_frac']:.1%} of "
-                           f"tokens within bf16 resolution of the boundary"),
-                          m["near_boundary_bf16_frac"] > THRESHOLDS["near_boundary_bf16_frac"]))
+            found.append(
+                (
+                    (
+                        f"median Top-K margin {m['margin_p50']:.3g}; {m['near_boundary_bf16_frac']:.1%} of "
+                        f"tokens within bf16 resolution of the boundary"
+                    ),
+                    m["near_boundary_bf16_frac"] > THRESHOLDS["near_boundary_bf16_frac"],
+                )
+            )
         warn = any(bad for _, bad in found)
         out.append(Verdict(lid, "warn" if warn else "ok", found))
     return out
@@ -306,4 +361,6 @@ def config_diff(runs: list[Run]) -> list[tuple[str, list[object]]]:
     """Keys whose values differ between the runs (run_dir excluded: it always does)."""
     flats = [flat_config(r.config) for r in runs]
     keys = sorted(set().union(*flats) - {"run_dir"})
-    return [(k, [f.get(k, "-") for f in flats]) for k in keys if len({repr(f.get(k, "-")) for f in flats}) > 1]
+    return [
+        (k, [f.get(k, "-") for f in flats]) for k in keys if len({repr(f.get(k, "-")) for f in flats}) > 1
+    ]

@@ -41,8 +41,10 @@ def heatmap(runs: list[Run], name: str, title: str, vrange: tuple[float, float] 
         vmax = vmin + 1e-12
     ncols = min(len(runs), HEATMAP_COLUMNS)  # many runs wrap into rows on the one colour scale
     nrows = -(-len(runs) // ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(5.2 * ncols + 1.2, 2.4 * nrows), squeeze=False, sharey=True)
-    for ax in axes.flat[len(runs):]:
+    fig, axes = plt.subplots(
+        nrows, ncols, figsize=(5.2 * ncols + 1.2, 2.4 * nrows), squeeze=False, sharey=True
+    )
+    for ax in axes.flat[len(runs) :]:
         ax.set_visible(False)
     for ax, run, m_LT in zip(axes.flat, runs, mats):
         steps_T = run.steps_T
@@ -50,8 +52,15 @@ def heatmap(runs: list[Run], name: str, title: str, vrange: tuple[float, float] 
             ax.set_title(f"{run.name}: not logged", fontsize=9)
             continue
         extent = (steps_T[0] - 0.5, steps_T[-1] + 0.5, len(run.layers) - 0.5, -0.5)
-        im = ax.imshow(np.ma.masked_invalid(m_LT), aspect="auto", interpolation="nearest", cmap="viridis",
-                       vmin=vmin, vmax=vmax, extent=extent)
+        im = ax.imshow(
+            np.ma.masked_invalid(m_LT),
+            aspect="auto",
+            interpolation="nearest",
+            cmap="viridis",
+            vmin=vmin,
+            vmax=vmax,
+            extent=extent,
+        )
         ax.set_yticks(range(len(run.layers)), [f"layer {lid}" for lid in run.layers], fontsize=8)
         ax.set_xlabel("step", fontsize=8)
         ax.tick_params(labelsize=8)
@@ -71,7 +80,9 @@ def _style(runs: list[Run]) -> list[dict]:
     arms = [re.sub(r"_s\d+$", "", run.name) for run in runs]
     colours = {arm: plt.get_cmap("tab10")(i % 10) for i, arm in enumerate(dict.fromkeys(arms))}
     nth = [arms[:i].count(arm) for i, arm in enumerate(arms)]
-    return [{"color": colours[arm], "linestyle": LINESTYLES[k % len(LINESTYLES)]} for arm, k in zip(arms, nth)]
+    return [
+        {"color": colours[arm], "linestyle": LINESTYLES[k % len(LINESTYLES)]} for arm, k in zip(arms, nth)
+    ]
 
 
 def trailing_mean(y_T: np.ndarray, window: int) -> np.ndarray:

@@ -32,7 +32,8 @@ DEFINITIONS = (
     f"earlier steps (from step {SPIKE_MIN_HISTORY} on). Peak k3: max corr/k3_kl (rollout vs learner). "
     f"TRM acceptance: mean corr/trm_accept_rate (only runs with TRM on). Skipped updates: minibatches "
     f"whose gradient was exactly 0 on every rank, so the optimizer did not step (sum of "
-    f"train/skipped_minibatches).")
+    f"train/skipped_minibatches)."
+)
 
 
 @dataclass(frozen=True)
@@ -58,8 +59,13 @@ class Outcome:
         return "none" if self.collapse_step is None else str(self.collapse_step)
 
 
-def collapse_step(steps_T: np.ndarray, reward_T: np.ndarray, window: int = COLLAPSE_WINDOW,
-                  frac: float = COLLAPSE_FRAC, start: int = START_WINDOW) -> int | None:
+def collapse_step(
+    steps_T: np.ndarray,
+    reward_T: np.ndarray,
+    window: int = COLLAPSE_WINDOW,
+    frac: float = COLLAPSE_FRAC,
+    start: int = START_WINDOW,
+) -> int | None:
     """The logged step after the first ``start`` (the reference) that opens the first ``window``
     consecutive steps whose mean reward is below ``frac`` x the reference's mean; None if never (or
     fewer than ``start + window`` steps). The reference is the warm start, so a collapse within a
@@ -68,12 +74,14 @@ def collapse_step(steps_T: np.ndarray, reward_T: np.ndarray, window: int = COLLA
     if len(r_T) < start + window:
         return None
     csum = np.concatenate([[0.0], np.cumsum(r_T)])
-    sums = csum[start + window:] - csum[start:-window]  # the window opening at step index start + i
+    sums = csum[start + window :] - csum[start:-window]  # the window opening at step index start + i
     below = np.nonzero(sums * start < frac * window * csum[start])[0]  # sums, not means: no rounding
     return int(steps_T[start + below[0]]) if below.size else None
 
 
-def grad_spikes(grad_T: np.ndarray, factor: float = SPIKE_FACTOR, min_history: int = SPIKE_MIN_HISTORY) -> int:
+def grad_spikes(
+    grad_T: np.ndarray, factor: float = SPIKE_FACTOR, min_history: int = SPIKE_MIN_HISTORY
+) -> int:
     """Steps whose gradient norm exceeds ``factor`` x the median of every earlier finite one."""
     g_T = np.asarray(grad_T, dtype=np.float64)
     count = 0

@@ -15,8 +15,11 @@ from moe_rl.errors import disk_full_named
 from moe_rl.report import data, figures, outcome
 from moe_rl.report.data import Run
 
-_ENV = jinja2.Environment(loader=jinja2.PackageLoader("moe_rl.report", "templates"),
-                          autoescape=jinja2.select_autoescape(["html"]), keep_trailing_newline=True)
+_ENV = jinja2.Environment(
+    loader=jinja2.PackageLoader("moe_rl.report", "templates"),
+    autoescape=jinja2.select_autoescape(["html"]),
+    keep_trailing_newline=True,
+)
 
 
 def _fmt(v) -> str:
@@ -48,12 +51,26 @@ def build(runs: list[Run]) -> dict:
     figs: list[dict] = []
     for name, title, vrange in data.PANELS:
         png = figures.heatmap(runs, name, title, vrange)
-        figs.append({"stem": f"heatmap_{name}", "title": title, "kind": "heatmap", "png": png,
-                     "metric": f"router_grad/{name}/layer*"})
+        figs.append(
+            {
+                "stem": f"heatmap_{name}",
+                "title": title,
+                "kind": "heatmap",
+                "png": png,
+                "metric": f"router_grad/{name}/layer*",
+            }
+        )
     for key, title in data.CURVES:
         png = figures.curve(runs, key, title)
-        figs.append({"stem": "curve_" + key.replace("/", "_"), "title": title, "kind": "curve", "png": png,
-                     "metric": key})
+        figs.append(
+            {
+                "stem": "curve_" + key.replace("/", "_"),
+                "title": title,
+                "kind": "curve",
+                "png": png,
+                "metric": key,
+            }
+        )
     heads = [dict(data.headline(r)) for r in runs]
     return {
         "outcomes": [outcome.outcome(r.steps_T, r.series) for r in runs],

@@ -34,8 +34,7 @@ class RolloutEngine(Protocol):
     per call (``RolloutBatch.logprob_support``, from ``SamplingParams``); every engine returns
     the route record of every MoE layer."""
 
-    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams,
-                 seed: int) -> RolloutBatch:
+    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams, seed: int) -> RolloutBatch:
         """Sample n responses per prompt; B = len(prompts) * n, sequence b answers prompt b // n."""
         ...
 

@@ -46,6 +46,7 @@ _NOISE_SEED_ADD = 1442695040888963407
 # Sampling (pure)
 # --------------------------------------------------------------------------------------------
 
+
 def filter_logits(scaled_BV: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     """Mask (-inf) the tokens top-k / top-p exclude from the sampling distribution.
 
@@ -67,16 +68,23 @@ def filter_logits(scaled_BV: torch.Tensor, top_k: int, top_p: float) -> torch.Te
     return out_BV
 
 
-def sample_next(logits_BV: torch.Tensor, temperature: float, top_k: int, top_p: float,
-                generator: torch.Generator, dvp_threshold: float = 0.0, dvp_rule: str = "relative"
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def sample_next(
+    logits_BV: torch.Tensor,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    generator: torch.Generator,
+    dvp_threshold: float = 0.0,
+    dvp_rule: str = "relative",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Sample one token per row; return (tokens_B int64, logprobs_B float32, the full log-probs
     [B, V], and the DVP safe set [B, V] or None).
 
     The sample comes from softmax(filter(logits / temperature)); the log-prob is that of the
     chosen token under log softmax(logits / temperature) over the full vocabulary (see the
-    module docstring), or, with ``dvp_threshold``, over the DVP safe set it was sampled from. Sampling uses the exponential-race trick argmax(p / Exp(1)) (as vLLM
-    does): one vectorized draw per step, and a token with p = 0 can never win.
+    module docstring), or, with ``dvp_threshold``, over the DVP safe set it was sampled from.
+    Sampling uses the exponential-race trick argmax(p / Exp(1)) (as vLLM does): one vectorized
+    draw per step, and a token with p = 0 can never win.
     """
     scaled_BV = logits_BV.float() / temperature
     logprobs_BV = torch.log_softmax(scaled_BV, dim=-1)
@@ -97,15 +105,19 @@ def sample_next(logits_BV: torch.Tensor, temperature: float, top_k: int, top_p: 
 # The engine
 # --------------------------------------------------------------------------------------------
 
-def _to_route_dtype(routes_BSLK: torch.Tensor, shift_B: torch.Tensor, cfg: ModelConfig,
-                    dtype: torch.dtype) -> torch.Tensor:
+
+def _to_route_dtype(
+    routes_BSLK: torch.Tensor, shift_B: torch.Tensor, cfg: ModelConfig, dtype: torch.dtype
+) -> torch.Tensor:
     """The engine's int32 expert ids in the record dtype; an id outside [0, E) is a RouteError
     naming sample, layer and row (token position) and the value, never wrapped by the cast."""
     bad_BSLK = (routes_BSLK < 0) | (routes_BSLK >= cfg.num_experts)
     if bool(bad_BSLK.any()):
-        b, s, l, k = (int(x) for x in bad_BSLK.nonzero()[0])
-        raise RouteError(f"sample {b}, layer {cfg.moe_layers[l]}, row {s - int(shift_B[b])}: built-in engine "
-                         f"expert id {int(routes_BSLK[b, s, l, k])} outside [0, {cfg.num_experts})")
+        b, s, li, k = (int(x) for x in bad_BSLK.nonzero()[0])
+        raise RouteError(
+            f"sample {b}, layer {cfg.moe_layers[li]}, row {s - int(shift_B[b])}: built-in engine "
+            f"expert id {int(routes_BSLK[b, s, li, k])} outside [0, {cfg.num_experts})"
+        )
     return routes_BSLK.to(dtype)
 
 
@@ -141,8 +153,15 @@ class BuiltinEngine:
             the call's seed: a dialled-in routing mismatch for experiments; 0 = off.
     """
 
-    def __init__(self, model_cfg: ModelConfig, *, dtype: str = "bf16", pad_id: int,
-                 device: torch.device | str = "cpu", router_logit_noise: float = 0.0) -> None:
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        *,
+        dtype: str = "bf16",
+        pad_id: int,
+        device: torch.device | str = "cpu",
+        router_logit_noise: float = 0.0,
+    ) -> None:
         if dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
         if model_cfg.vocab_size <= 0:
@@ -164,8 +183,7 @@ class BuiltinEngine:
         self.model.load_canonical(weights)
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams,
-                 seed: int) -> RolloutBatch:
+    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams, seed: int) -> RolloutBatch:
         """Sample n responses per prompt, all B = len(prompts) * n sequences in one batch.
 
         Sequence b answers prompt b // n. Deterministic given ``seed`` (local generators only).
@@ -177,8 +195,9 @@ class BuiltinEngine:
         noise = None
         if self.router_logit_noise > 0:
             noise_seed = (seed * _NOISE_SEED_MUL + _NOISE_SEED_ADD) % 2**64
-            noise = RouterNoise(self.router_logit_noise,
-                                torch.Generator(device=self.device).manual_seed(noise_seed))
+            noise = RouterNoise(
+                self.router_logit_noise, torch.Generator(device=self.device).manual_seed(noise_seed)
+            )
         state = self._prefill(prompts, n, sampling.max_new_tokens, noise)
         self._decode(state, sampling, sample_gen, noise)
         return self._assemble(state, n, sampling)
@@ -202,21 +221,21 @@ class BuiltinEngine:
         if any(not 0 <= t < V for t in sampling.stop_token_ids):
             raise ValueError(f"stop_token_ids {sampling.stop_token_ids} outside [0, {V})")
 
-    def _prefill(self, prompts: list[list[int]], n: int, max_new: int,
-                 noise: RouterNoise | None) -> _Rollout:
+    def _prefill(self, prompts: list[list[int]], n: int, max_new: int, noise: RouterNoise | None) -> _Rollout:
         """Prefill each distinct prompt once (left-padded), then fan cache/logits/routes out n times."""
         U, dev = len(prompts), self.device
         lens_U = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=dev)
         P = int(lens_U.max())
         prompt_UP = torch.full((U, P), self.pad_id, dtype=torch.long, device=dev)
         for u, p in enumerate(prompts):  # one row copy per prompt, not per token
-            prompt_UP[u, P - len(p):] = torch.tensor(p, dtype=torch.long, device=dev)
+            prompt_UP[u, P - len(p) :] = torch.tensor(p, dtype=torch.long, device=dev)
         valid_UP = torch.arange(P, device=dev)[None, :] >= (P - lens_U)[:, None]
         positions_UP = (valid_UP.long().cumsum(1) - 1).clamp(min=0)
         # The last sampled token is never fed back, so P + max_new - 1 slots suffice.
         cache_U = KVCache.allocate(self.cfg, U, P + max_new - 1, self.model.dtype, dev)
-        out = self.model.forward(prompt_UP, positions_UP, valid_UP, cache_U,
-                                 last_logits_only=True, noise=noise)
+        out = self.model.forward(
+            prompt_UP, positions_UP, valid_UP, cache_U, last_logits_only=True, noise=noise
+        )
         B, L, K = U * n, len(self.cfg.moe_layers), self.cfg.moe_router_topk
         routes_BSLK = torch.zeros((B, P + max_new - 1, L, K), dtype=torch.int32, device=dev)
         routes_BSLK[:, :P] = out.expert_ids_BTLK.repeat_interleave(n, dim=0)
@@ -233,23 +252,31 @@ class BuiltinEngine:
             finished_B=torch.zeros(B, dtype=torch.bool, device=dev),
         )
 
-    def _decode(self, st: _Rollout, sampling: SamplingParams, gen: torch.Generator,
-                noise: RouterNoise | None) -> None:
+    def _decode(
+        self, st: _Rollout, sampling: SamplingParams, gen: torch.Generator, noise: RouterNoise | None
+    ) -> None:
         """Sample, record, feed back; one token for every row per step, finished rows feed pad."""
         B, P = st.prompt_BP.shape
         max_new = sampling.max_new_tokens
         stop_ids = torch.tensor(sampling.stop_token_ids, dtype=torch.long, device=self.device)
         key_valid_BS = torch.cat(
-            [st.prompt_valid_BP, torch.ones((B, max_new), dtype=torch.bool, device=self.device)], 1)
+            [st.prompt_valid_BP, torch.ones((B, max_new), dtype=torch.bool, device=self.device)], 1
+        )
         V = self.cfg.vocab_size
         if sampling.return_dist:
             st.gen_dist_BGV = torch.zeros((B, max_new, V), dtype=torch.float32, device=self.device)
         if sampling.dvp_threshold > 0:
             st.gen_safe_BGV = torch.zeros((B, max_new, V), dtype=torch.bool, device=self.device)
         for g in range(max_new):
-            tok_B, lp_B, dist_BV, safe_BV = sample_next(st.logits_BV, sampling.temperature, sampling.top_k,
-                                                        sampling.top_p, gen, sampling.dvp_threshold,
-                                                        sampling.dvp_rule)
+            tok_B, lp_B, dist_BV, safe_BV = sample_next(
+                st.logits_BV,
+                sampling.temperature,
+                sampling.top_k,
+                sampling.top_p,
+                gen,
+                sampling.dvp_threshold,
+                sampling.dvp_rule,
+            )
             if st.gen_dist_BGV is not None:
                 st.gen_dist_BGV[:, g] = dist_BV
             if st.gen_safe_BGV is not None:
@@ -263,21 +290,30 @@ class BuiltinEngine:
             if g == max_new - 1 or bool(st.finished_B.all()):
                 break
             slot = P + g
-            out = self.model.forward(st.gen_tokens_BG[:, g:g + 1], (st.prompt_lens_B + g)[:, None],
-                                     key_valid_BS[:, :slot + 1], st.cache, noise=noise)
+            out = self.model.forward(
+                st.gen_tokens_BG[:, g : g + 1],
+                (st.prompt_lens_B + g)[:, None],
+                key_valid_BS[:, : slot + 1],
+                st.cache,
+                noise=noise,
+            )
             st.routes_BSLK[:, slot] = out.expert_ids_BTLK[:, 0]
             st.logits_BV = out.logits[:, -1]
 
-    def _per_position(self, gen_BGV: torch.Tensor | None, src_BS: torch.Tensor, P: int,
-                      response_mask_BS: torch.Tensor) -> torch.Tensor | None:
+    def _per_position(
+        self, gen_BGV: torch.Tensor | None, src_BS: torch.Tensor, P: int, response_mask_BS: torch.Tensor
+    ) -> torch.Tensor | None:
         """A per-generated-token [B, G, V] tensor in the output layout [B, S, V] (0 elsewhere)."""
         if gen_BGV is None:
             return None
         G, V = gen_BGV.shape[1], gen_BGV.shape[2]
         g_BS = (src_BS - P).clamp(0, G - 1)
         out_BSV = gen_BGV.gather(1, g_BS[..., None].expand(-1, -1, V))
-        return out_BSV * response_mask_BS[..., None].to(out_BSV.dtype) if out_BSV.is_floating_point() \
+        return (
+            out_BSV * response_mask_BS[..., None].to(out_BSV.dtype)
+            if out_BSV.is_floating_point()
             else out_BSV & response_mask_BS[..., None]
+        )
 
     def _assemble(self, st: _Rollout, n: int, sampling: SamplingParams) -> RolloutBatch:
         """Internal left-padded slots -> the right-padded layout of types.py, plus route records."""
@@ -287,8 +323,9 @@ class BuiltinEngine:
         total_B = st.prompt_lens_B + response_lens_B
         S = int(total_B.max())
         tokens_int = torch.cat([st.prompt_BP, st.gen_tokens_BG[:, :G]], 1)
-        logprobs_int = torch.cat([torch.zeros_like(st.prompt_BP, dtype=torch.float32),
-                                  st.gen_logprobs_BG[:, :G]], 1)
+        logprobs_int = torch.cat(
+            [torch.zeros_like(st.prompt_BP, dtype=torch.float32), st.gen_logprobs_BG[:, :G]], 1
+        )
         shift_B = P - st.prompt_lens_B  # output position s <- internal slot s + shift
         s_S = torch.arange(S, device=self.device)
         src_BS = (s_S[None, :] + shift_B[:, None]).clamp(max=P + G - 1)
@@ -298,7 +335,7 @@ class BuiltinEngine:
         logprobs_BS = torch.where(response_mask_BS, logprobs_int.gather(1, src_BS), 0.0)
         routes_all = _to_route_dtype(st.routes_BSLK, shift_B, self.cfg, self.route_dtype)
         starts, totals = shift_B.tolist(), total_B.tolist()
-        routes = [routes_all[b, starts[b]:starts[b] + totals[b] - 1].clone() for b in range(B)]
+        routes = [routes_all[b, starts[b] : starts[b] + totals[b] - 1].clone() for b in range(B)]
         return RolloutBatch(
             tokens_BS=tokens_BS,
             prompt_lens_B=st.prompt_lens_B.clone(),

@@ -41,6 +41,7 @@ DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # KV cache and forward outputs
 # --------------------------------------------------------------------------------------------
 
+
 @dataclass
 class KVCache:
     """Preallocated keys/values of every layer; slots [0, length) are filled.
@@ -55,11 +56,14 @@ class KVCache:
     length: int = 0
 
     @classmethod
-    def allocate(cls, cfg: ModelConfig, batch: int, capacity: int, dtype: torch.dtype,
-                 device: torch.device | str) -> KVCache:
+    def allocate(
+        cls, cfg: ModelConfig, batch: int, capacity: int, dtype: torch.dtype, device: torch.device | str
+    ) -> KVCache:
         shape = (batch, cfg.num_query_groups, capacity, cfg.head_dim)
-        return cls(k=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)],
-                   v=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)])
+        return cls(
+            k=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)],
+            v=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)],
+        )
 
     @property
     def capacity(self) -> int:
@@ -70,8 +74,11 @@ class KVCache:
 
         Lets the engine prefill each distinct prompt once and fan it out to its n samples.
         """
-        return KVCache(k=[t.repeat_interleave(n, dim=0) for t in self.k],
-                       v=[t.repeat_interleave(n, dim=0) for t in self.v], length=self.length)
+        return KVCache(
+            k=[t.repeat_interleave(n, dim=0) for t in self.k],
+            v=[t.repeat_interleave(n, dim=0) for t in self.v],
+            length=self.length,
+        )
 
 
 class ForwardOut(NamedTuple):
@@ -96,6 +103,7 @@ class RouterNoise:
 # Numeric building blocks
 # --------------------------------------------------------------------------------------------
 
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x * rsqrt(mean(x^2) + eps) * w over the last dim, in fp32, cast back to x's dtype."""
     xf = x.float()
@@ -103,11 +111,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return y.to(x.dtype)
 
 
-def rope_cos_sin(positions_BT: torch.Tensor, head_dim: int, theta: float
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(
+    positions_BT: torch.Tensor, head_dim: int, theta: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 cos/sin [B, T, D] for non-interleaved (rotate_half) RoPE over the full head dim."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32,
-                                             device=positions_BT.device) / head_dim))
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions_BT.device) / head_dim)
+    )
     freqs_BTd = positions_BT.float()[..., None] * inv_freq
     emb_BTD = torch.cat((freqs_BTd, freqs_BTd), dim=-1)
     return emb_BTD.cos(), emb_BTD.sin()
@@ -122,15 +132,20 @@ def apply_rope(x_BNTD: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tenso
     return (xf * cos + rotated * sin).to(x_BNTD.dtype)
 
 
-def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor
-           ) -> torch.Tensor:
+def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
     """down(silu(gate(x)) * up(x)); weights [F, H], [F, H], [H, F]."""
     return F.linear(F.silu(F.linear(x, w_gate)) * F.linear(x, w_up), w_down)
 
 
-def moe_forward(x_TH: torch.Tensor, router_EH: torch.Tensor, w_gate_EFH: torch.Tensor,
-                w_up_EFH: torch.Tensor, w_down_EHF: torch.Tensor, top_k: int,
-                noise: RouterNoise | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_forward(
+    x_TH: torch.Tensor,
+    router_EH: torch.Tensor,
+    w_gate_EFH: torch.Tensor,
+    w_up_EFH: torch.Tensor,
+    w_down_EHF: torch.Tensor,
+    top_k: int,
+    noise: RouterNoise | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax Top-K MoE (Qwen3, norm_topk_prob): route in fp32, run experts on sorted slices.
 
     Top-k is taken over the fp32 router logits; the gate weights are the softmax over the k
@@ -147,7 +162,8 @@ def moe_forward(x_TH: torch.Tensor, router_EH: torch.Tensor, w_gate_EFH: torch.T
     logits_TE = F.linear(x_TH.float(), router_EH.float())
     if noise is not None and noise.std > 0:
         logits_TE = logits_TE + noise.std * torch.randn(
-            logits_TE.shape, generator=noise.generator, device=logits_TE.device)
+            logits_TE.shape, generator=noise.generator, device=logits_TE.device
+        )
     top_logits_TK, ids_TK = torch.topk(logits_TE, top_k, dim=-1)
     gates_TK = torch.softmax(top_logits_TK, dim=-1).to(x_TH.dtype)
 
@@ -156,8 +172,11 @@ def moe_forward(x_TH: torch.Tensor, router_EH: torch.Tensor, w_gate_EFH: torch.T
     token_of_P = order_P // top_k
     counts = torch.bincount(flat_ids_P, minlength=num_experts).tolist()
     x_PH = x_TH[token_of_P]
-    outs = [swiglu(x_e, w_gate_EFH[e], w_up_EFH[e], w_down_EHF[e])
-            for e, x_e in enumerate(x_PH.split(counts)) if counts[e] > 0]
+    outs = [
+        swiglu(x_e, w_gate_EFH[e], w_up_EFH[e], w_down_EHF[e])
+        for e, x_e in enumerate(x_PH.split(counts))
+        if counts[e] > 0
+    ]
     y_PH = torch.cat(outs) * gates_TK.reshape(-1)[order_P, None]
     y_TH = torch.zeros_like(x_TH).index_add_(0, token_of_P, y_PH)
     return y_TH, ids_TK
@@ -167,6 +186,7 @@ def moe_forward(x_TH: torch.Tensor, router_EH: torch.Tensor, w_gate_EFH: torch.T
 # The model
 # --------------------------------------------------------------------------------------------
 
+
 class BuiltinMoEModel:
     """Qwen3-MoE decoder over canonical weights, with an optional KV cache and route capture.
 
@@ -174,8 +194,9 @@ class BuiltinMoEModel:
     overwritten in place by :meth:`load_canonical` on every weight sync.
     """
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16,
-                 device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self, cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu"
+    ) -> None:
         if cfg.vocab_size <= 0:
             raise ValueError("model.vocab_size must be > 0 to build the built-in engine")
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
@@ -224,16 +245,23 @@ class BuiltinMoEModel:
         for i in self.moe_layers:
             p = f"model.layers.{i}.mlp.experts."
             for proj in ("gate_proj", "up_proj", "down_proj"):
-                stacked = w[p + proj] = torch.empty((E, *shapes[f"{p}0.{proj}.weight"]), dtype=self.dtype,
-                                                    device=self.device)
+                stacked = w[p + proj] = torch.empty(
+                    (E, *shapes[f"{p}0.{proj}.weight"]), dtype=self.dtype, device=self.device
+                )
                 slots.update({f"{p}{e}.{proj}.weight": stacked[e] for e in range(E)})
         self.w, self._slots = w, slots
 
     # -- forward ------------------------------------------------------------------------------
     @torch.no_grad()
-    def forward(self, tokens_BT: torch.Tensor, positions_BT: torch.Tensor,
-                key_valid_BS: torch.Tensor, cache: KVCache | None = None,
-                last_logits_only: bool = False, noise: RouterNoise | None = None) -> ForwardOut:
+    def forward(
+        self,
+        tokens_BT: torch.Tensor,
+        positions_BT: torch.Tensor,
+        key_valid_BS: torch.Tensor,
+        cache: KVCache | None = None,
+        last_logits_only: bool = False,
+        noise: RouterNoise | None = None,
+    ) -> ForwardOut:
         """One forward over T new tokens per row; with a cache, appends to it and attends to it.
 
         Args:
@@ -265,13 +293,22 @@ class BuiltinMoEModel:
             h_BTH = h_BTH + self._attention(i, x_BTH, cos_BTD, sin_BTD, mask_B1TS, cache, start)
             x_BTH = rms_norm(h_BTH, self.w[p + "post_attention_layernorm.weight"], cfg.norm_eps)
             if i < cfg.first_k_dense:
-                y_BTH = swiglu(x_BTH, self.w[p + "mlp.gate_proj.weight"],
-                               self.w[p + "mlp.up_proj.weight"], self.w[p + "mlp.down_proj.weight"])
+                y_BTH = swiglu(
+                    x_BTH,
+                    self.w[p + "mlp.gate_proj.weight"],
+                    self.w[p + "mlp.up_proj.weight"],
+                    self.w[p + "mlp.down_proj.weight"],
+                )
             else:
                 y_TH, ids_TK = moe_forward(
-                    x_BTH.reshape(B * T, -1), self.w[p + "mlp.gate.weight"],
-                    self.w[p + "mlp.experts.gate_proj"], self.w[p + "mlp.experts.up_proj"],
-                    self.w[p + "mlp.experts.down_proj"], cfg.moe_router_topk, noise)
+                    x_BTH.reshape(B * T, -1),
+                    self.w[p + "mlp.gate.weight"],
+                    self.w[p + "mlp.experts.gate_proj"],
+                    self.w[p + "mlp.experts.up_proj"],
+                    self.w[p + "mlp.experts.down_proj"],
+                    cfg.moe_router_topk,
+                    noise,
+                )
                 y_BTH = y_TH.view(B, T, -1)
                 ids_per_layer.append(ids_TK.view(B, T, -1))
             h_BTH = h_BTH + y_BTH
@@ -296,9 +333,16 @@ class BuiltinMoEModel:
         self_TS = k_slot_S[None, :] == q_slot_T[:, None]
         return (causal_TS[None] & (key_valid_BS[:, None, :] | self_TS[None]))[:, None]
 
-    def _attention(self, i: int, x_BTH: torch.Tensor, cos_BTD: torch.Tensor,
-                   sin_BTD: torch.Tensor, mask_B1TS: torch.Tensor, cache: KVCache | None,
-                   start: int) -> torch.Tensor:
+    def _attention(
+        self,
+        i: int,
+        x_BTH: torch.Tensor,
+        cos_BTD: torch.Tensor,
+        sin_BTD: torch.Tensor,
+        mask_B1TS: torch.Tensor,
+        cache: KVCache | None,
+        start: int,
+    ) -> torch.Tensor:
         """GQA self-attention of layer i (q/k RMSNorm before RoPE); returns [B, T, H]."""
         cfg, p = self.cfg, f"model.layers.{i}.self_attn."
         B, T, _ = x_BTH.shape
@@ -312,11 +356,12 @@ class BuiltinMoEModel:
         q_BNTD = apply_rope(q_BTND.transpose(1, 2), cos_BTD, sin_BTD)
         k_BGTD = apply_rope(k_BTGD.transpose(1, 2), cos_BTD, sin_BTD)
         if cache is not None:
-            cache.k[i][:, :, start:start + T] = k_BGTD
-            cache.v[i][:, :, start:start + T] = v_BGTD
-            k_BGSD, v_BGSD = cache.k[i][:, :, :start + T], cache.v[i][:, :, :start + T]
+            cache.k[i][:, :, start : start + T] = k_BGTD
+            cache.v[i][:, :, start : start + T] = v_BGTD
+            k_BGSD, v_BGSD = cache.k[i][:, :, : start + T], cache.v[i][:, :, : start + T]
         else:
             k_BGSD, v_BGSD = k_BGTD, v_BGTD
-        out_BNTD = F.scaled_dot_product_attention(q_BNTD, k_BGSD, v_BGSD, attn_mask=mask_B1TS,
-                                                  enable_gqa=True)
+        out_BNTD = F.scaled_dot_product_attention(
+            q_BNTD, k_BGSD, v_BGSD, attn_mask=mask_B1TS, enable_gqa=True
+        )
         return F.linear(out_BNTD.transpose(1, 2).reshape(B, T, N * D), self.w[p + "o_proj.weight"])

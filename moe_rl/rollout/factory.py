@@ -17,15 +17,26 @@ def build_engine(cfg: RunConfig, pad_id: int, device: torch.device | str = "cpu"
         return VllmEngine(cfg, cfg.model, pad_id=pad_id)
     from moe_rl.rollout.builtin import BuiltinEngine
 
-    return BuiltinEngine(cfg.model, dtype=cfg.rollout.dtype, pad_id=pad_id, device=device,
-                         router_logit_noise=cfg.rollout.router_noise)
+    return BuiltinEngine(
+        cfg.model,
+        dtype=cfg.rollout.dtype,
+        pad_id=pad_id,
+        device=device,
+        router_logit_noise=cfg.rollout.router_noise,
+    )
 
 
 def sampling_params(cfg: RunConfig, stop_token_ids: tuple[int, ...] = ()) -> SamplingParams:
     """What the engine samples with; the full distributions are returned when a correction needs them."""
     r, c = cfg.rollout, cfg.correction
     exact_trm = c.trm.on and c.trm.kl == "exact"
-    return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                          top_k=r.top_k, stop_token_ids=tuple(stop_token_ids),
-                          dvp_threshold=c.dvp_threshold, dvp_rule=c.dvp_rule,
-                          return_dist=exact_trm or c.dvp_threshold > 0)
+    return SamplingParams(
+        max_new_tokens=r.max_new_tokens,
+        temperature=r.temperature,
+        top_p=r.top_p,
+        top_k=r.top_k,
+        stop_token_ids=tuple(stop_token_ids),
+        dvp_threshold=c.dvp_threshold,
+        dvp_rule=c.dvp_rule,
+        return_dist=exact_trm or c.dvp_threshold > 0,
+    )

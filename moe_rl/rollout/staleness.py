@@ -39,8 +39,13 @@ class StaleWeights:
             return named
         if not self.sets:  # the cost, said once: k + 1 full copies of the weights on this rank
             size = sum(t.numel() * t.element_size() for t in named.values()) / 2**30
-            logger.info("rollout.staleness=%d keeps %d weight sets of %.2f GiB on this rank (%.2f GiB)", self.k,
-                        self.k + 1, size, (self.k + 1) * size)
+            logger.info(
+                "rollout.staleness=%d keeps %d weight sets of %.2f GiB on this rank (%.2f GiB)",
+                self.k,
+                self.k + 1,
+                size,
+                (self.k + 1) * size,
+            )
         self.sets.append({n: t.detach().clone() for n, t in named.items()})
         return self.sets[0]
 
@@ -50,10 +55,13 @@ class StaleWeights:
         if self.k == 0:
             return named
         newest = self.sets[-1]
-        if sorted(newest) != sorted(named) or any(not torch.equal(newest[n], named[n].to(newest[n].device))
-                                                  for n in named):
-            raise CheckpointError("the saved stale weight sets (checkpoints/stale_weights_step_N.pt) do not end "
-                                  "with the checkpoint's weights: they belong to another checkpoint")
+        if sorted(newest) != sorted(named) or any(
+            not torch.equal(newest[n], named[n].to(newest[n].device)) for n in named
+        ):
+            raise CheckpointError(
+                "the saved stale weight sets (checkpoints/stale_weights_step_N.pt) do not end "
+                "with the checkpoint's weights: they belong to another checkpoint"
+            )
         return self.sets[0]
 
     def metrics(self) -> dict:
@@ -62,13 +70,17 @@ class StaleWeights:
         return {"rollout/policy_lag": float(len(self.sets) - 1)} if self.k else {}
 
     def state_dict(self) -> dict:
-        return {"staleness": self.k,
-                "sets": [{n: t.cpu() for n, t in s.items()} for s in self.sets] if self.k else []}
+        return {
+            "staleness": self.k,
+            "sets": [{n: t.cpu() for n, t in s.items()} for s in self.sets] if self.k else [],
+        }
 
     def load_state_dict(self, state: dict, device: torch.device) -> None:
         if int(state["staleness"]) != self.k:
-            raise CheckpointError(f"the checkpoint's stale weight sets are for rollout.staleness={state['staleness']}, "
-                             f"this run has rollout.staleness={self.k}")
+            raise CheckpointError(
+                f"the checkpoint's stale weight sets are for rollout.staleness={state['staleness']}, "
+                f"this run has rollout.staleness={self.k}"
+            )
         self.sets.clear()
         for s in state["sets"]:
             self.sets.append({n: t.to(device) for n, t in s.items()})

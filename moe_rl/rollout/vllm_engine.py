@@ -5,7 +5,8 @@ else here is pure and unit-tested on CPU with fakes built from vllm 0.33.0's out
 pinned from its wheel (tests/rollout/vllm_format.json, scripts/pin_vllm_format.py):
 
 - What vLLM cannot do for the learner is refused when the config loads (``vllm_rules.py``:
-  ``check_vllm`` and ``logprobs_mode``, pure, so the config imports them without vllm). Log-probs: vLLM reports the sampled token's log-prob (``SamplingParams.logprobs=0``) either
+  ``check_vllm`` and ``logprobs_mode``, pure, so the config imports them without vllm). Log-probs:
+  vLLM reports the sampled token's log-prob (``SamplingParams.logprobs=0``) either
   ``raw_logprobs`` (before any processor: no temperature, no top-k/top-p) or
   ``processed_logprobs`` (after temperature AND top-k/top-p, renormalised over the truncated
   support). The learner uses log softmax(logits / T) over the full vocabulary, so
@@ -110,21 +111,27 @@ DVP_PROCESSOR = f"{__name__}:DvpLogitsProcessor"  # the FQCN vLLM's loader resol
 # Environment check (when a run starts: moe_rl/preflight.py); the pure config checks are in config.py
 # --------------------------------------------------------------------------------------------
 
+
 def check_vllm_environment() -> None:
     """vLLM needs CUDA and the vllm package (it cannot even be installed on CPU: docs/gpu_stack.md 1.5)."""
     if not torch.cuda.is_available():
-        raise ConfigError("config key 'rollout.engine': vllm needs a CUDA GPU; this machine has none "
-                          "(use rollout.engine=builtin on CPU)")
+        raise ConfigError(
+            "config key 'rollout.engine': vllm needs a CUDA GPU; this machine has none "
+            "(use rollout.engine=builtin on CPU)"
+        )
     import importlib.util
 
     if importlib.util.find_spec("vllm") is None:
-        raise ConfigError("config key 'rollout.engine': vllm is not installed: install moe-rl[vllm] on a "
-                          "CUDA machine (pip install 'moe-rl[vllm]')")
+        raise ConfigError(
+            "config key 'rollout.engine': vllm is not installed: install moe-rl[vllm] on a "
+            "CUDA machine (pip install 'moe-rl[vllm]')"
+        )
 
 
 # --------------------------------------------------------------------------------------------
 # DVP: the safe-set mask of the logits processor, and the safe sets back from the log-probs (pure)
 # --------------------------------------------------------------------------------------------
+
 
 def dvp_request_args(rule: str, threshold: float) -> dict[str, Any]:
     """``SamplingParams.extra_args`` asking ``DvpLogitsProcessor`` for DVP on one request."""
@@ -145,7 +152,9 @@ def dvp_params(extra_args: dict[str, Any] | None, temperature: float) -> tuple[s
     if not 0 < threshold <= 1:
         raise ValueError(f"DVP threshold must be in (0, 1], got {threshold}")
     if not temperature > 0:
-        raise ValueError(f"DVP needs temperature > 0 (the safe set is defined on logits / T), got {temperature}")
+        raise ValueError(
+            f"DVP needs temperature > 0 (the safe set is defined on logits / T), got {temperature}"
+        )
     return rule, threshold, float(temperature)
 
 
@@ -179,8 +188,14 @@ def dvp_num_logprobs(max_safe: int, vocab_size: int) -> int:
     return min(max_safe + 1, vocab_size)
 
 
-def dvp_safe_sets(logprobs: list[dict], token_ids: list[int], num_logprobs: int, vocab_size: int,
-                  sample: int, prompt_len: int = 0) -> torch.Tensor:
+def dvp_safe_sets(
+    logprobs: list[dict],
+    token_ids: list[int],
+    num_logprobs: int,
+    vocab_size: int,
+    sample: int,
+    prompt_len: int = 0,
+) -> torch.Tensor:
     """bool [G, V]: the safe set of every generated position, from vLLM's processed top-k
     log-probs (one ``{token_id: Logprob}`` dict per position, top ``num_logprobs`` + the sampled
     token). Outside the safe set the processed logits are -inf, so with fewer safe tokens than
@@ -188,16 +203,20 @@ def dvp_safe_sets(logprobs: list[dict], token_ids: list[int], num_logprobs: int,
     the finite entries. ``num_logprobs`` finite entries (below the full vocabulary) mean the set
     may be larger than what came back: ValueError naming sample, position and the config key."""
     if logprobs is None or len(logprobs) != len(token_ids):
-        raise ValueError(f"sample {sample}: vLLM returned {None if logprobs is None else len(logprobs)} log-prob "
-                         f"entries for {len(token_ids)} generated tokens (is SamplingParams.logprobs set?)")
+        raise ValueError(
+            f"sample {sample}: vLLM returned {None if logprobs is None else len(logprobs)} log-prob "
+            f"entries for {len(token_ids)} generated tokens (is SamplingParams.logprobs set?)"
+        )
     safe_GV = torch.zeros((len(token_ids), vocab_size), dtype=torch.bool)
     for g, (entry, tok) in enumerate(zip(logprobs, token_ids)):
         where = f"sample {sample}, generated token {g} (sequence position {prompt_len + g})"
         finite = [t for t, lp in entry.items() if lp.logprob > -math.inf]
         if len(finite) >= num_logprobs and num_logprobs < vocab_size:
-            raise ValueError(f"{where}: the DVP safe set has more than {num_logprobs - 1} tokens (all "
-                             f"{num_logprobs} top log-probs vLLM returned are finite); raise "
-                             f"rollout.vllm.dvp_max_safe (now {num_logprobs - 1}) or lower correction.dvp_threshold")
+            raise ValueError(
+                f"{where}: the DVP safe set has more than {num_logprobs - 1} tokens (all "
+                f"{num_logprobs} top log-probs vLLM returned are finite); raise "
+                f"rollout.vllm.dvp_max_safe (now {num_logprobs - 1}) or lower correction.dvp_threshold"
+            )
         if any(not 0 <= t < vocab_size for t in finite):
             raise ValueError(f"{where}: token id outside the vocabulary [0, {vocab_size}) in the log-probs")
         if tok not in finite:
@@ -210,13 +229,15 @@ def dvp_safe_sets(logprobs: list[dict], token_ids: list[int], num_logprobs: int,
 # Requests and outputs (pure)
 # --------------------------------------------------------------------------------------------
 
+
 def request_seeds(seed: int, num_requests: int) -> list[int]:
     """One seed per sample: reproducible given the call's seed, distinct across samples."""
     return [(seed * _SEED_MUL + b) % 2**63 for b in range(num_requests)]
 
 
-def build_requests(prompts: list[list[int]], n: int, sampling: SamplingParams,
-                   seed: int, dvp_logprobs: int = 0) -> list[tuple[dict, dict[str, Any]]]:
+def build_requests(
+    prompts: list[list[int]], n: int, sampling: SamplingParams, seed: int, dvp_logprobs: int = 0
+) -> list[tuple[dict, dict[str, Any]]]:
     """(prompt, SamplingParams kwargs) per sample b = u * n + i, answering prompt u.
 
     One request per sample (n=1) with its own seed, so the batch is reproducible without relying
@@ -231,9 +252,15 @@ def build_requests(prompts: list[list[int]], n: int, sampling: SamplingParams,
     seeds = request_seeds(seed, len(prompts) * n)
     out = []
     for b, s in enumerate(seeds):
-        kw: dict[str, Any] = {"n": 1, "temperature": sampling.temperature, "max_tokens": sampling.max_new_tokens,
-                              "stop_token_ids": list(sampling.stop_token_ids), "logprobs": 0, "seed": s,
-                              "detokenize": False}
+        kw: dict[str, Any] = {
+            "n": 1,
+            "temperature": sampling.temperature,
+            "max_tokens": sampling.max_new_tokens,
+            "stop_token_ids": list(sampling.stop_token_ids),
+            "logprobs": 0,
+            "seed": s,
+            "detokenize": False,
+        }
         if dvp:
             kw["logprobs"] = dvp_logprobs
             kw["extra_args"] = dvp_request_args(sampling.dvp_rule, sampling.dvp_threshold)
@@ -251,15 +278,19 @@ def _field(obj: Any, name: str, sample: int) -> Any:
     try:
         return getattr(obj, name)
     except AttributeError:
-        raise RouteError(f"sample {sample}: vLLM {type(obj).__name__} has no field {name!r} (the decoder reads "
-                         f"vllm 0.33.0's format, tests/rollout/vllm_format.json)") from None
+        raise RouteError(
+            f"sample {sample}: vLLM {type(obj).__name__} has no field {name!r} (the decoder reads "
+            f"vllm 0.33.0's format, tests/rollout/vllm_format.json)"
+        ) from None
 
 
 def _sampled_logprobs(logprobs: list[dict], token_ids: list[int], sample: int) -> list[float]:
     """The sampled token's entry of each ``{token_id: Logprob}`` dict (logprobs=0 returns just it)."""
     if logprobs is None or len(logprobs) != len(token_ids):
-        raise RouteError(f"sample {sample}: vLLM returned {None if logprobs is None else len(logprobs)} log-prob "
-                         f"entries for {len(token_ids)} generated tokens (is SamplingParams.logprobs set?)")
+        raise RouteError(
+            f"sample {sample}: vLLM returned {None if logprobs is None else len(logprobs)} log-prob "
+            f"entries for {len(token_ids)} generated tokens (is SamplingParams.logprobs set?)"
+        )
     out = []
     for g, (entry, tok) in enumerate(zip(logprobs, token_ids)):
         if tok not in entry:
@@ -277,7 +308,9 @@ def _completion(out: Any, sample: int) -> tuple[list[int], list[int], Any]:
     """(prompt ids, generated ids, the ``CompletionOutput``) of one ``RequestOutput``."""
     completions = _field(out, "outputs", sample)
     if len(completions) != 1:
-        raise RouteError(f"sample {sample}: vLLM returned {len(completions)} completions, expected 1 (n=1 requests)")
+        raise RouteError(
+            f"sample {sample}: vLLM returned {len(completions)} completions, expected 1 (n=1 requests)"
+        )
     c = completions[0]
     prompt_ids = _field(out, "prompt_token_ids", sample)
     if prompt_ids is None:
@@ -285,16 +318,25 @@ def _completion(out: Any, sample: int) -> tuple[list[int], list[int], Any]:
     gen = [int(t) for t in _field(c, "token_ids", sample)]
     reason = _field(c, "finish_reason", sample)
     if reason not in FINISHED:
-        raise RouteError(f"sample {sample}: vLLM finish_reason {reason!r}; a complete sample ends with one of "
-                         f"{sorted(FINISHED)} (aborted, failed or unfinished request?)")
+        raise RouteError(
+            f"sample {sample}: vLLM finish_reason {reason!r}; a complete sample ends with one of "
+            f"{sorted(FINISHED)} (aborted, failed or unfinished request?)"
+        )
     if not gen:
         raise RouteError(f"sample {sample}: vLLM generated no token (finish_reason={reason!r})")
     return [int(t) for t in prompt_ids], gen, c
 
 
-def to_rollout_batch(outputs: list, n: int, pad_id: int, header: RouteHeader,
-                     logprob_support: str = "full", vocab_size: int = 0, dvp_logprobs: int = 0,
-                     num_layers: int | None = None) -> RolloutBatch:
+def to_rollout_batch(
+    outputs: list,
+    n: int,
+    pad_id: int,
+    header: RouteHeader,
+    logprob_support: str = "full",
+    vocab_size: int = 0,
+    dvp_logprobs: int = 0,
+    num_layers: int | None = None,
+) -> RolloutBatch:
     """vLLM ``RequestOutput``s (one per sample, in request order) -> RolloutBatch + route records.
 
     Reads vllm 0.33.0's format (pinned in tests/rollout/vllm_format.json), strictly, every error
@@ -307,21 +349,33 @@ def to_rollout_batch(outputs: list, n: int, pad_id: int, header: RouteHeader,
     as the built-in engine lays it out: the set each generated token was sampled from, False elsewhere."""
     dvp = logprob_support != "full"
     if dvp and (vocab_size < 1 or dvp_logprobs < 1):
-        raise ValueError(f"support {logprob_support!r} needs vocab_size and dvp_logprobs to rebuild the safe sets")
+        raise ValueError(
+            f"support {logprob_support!r} needs vocab_size and dvp_logprobs to rebuild the safe sets"
+        )
     B = len(outputs)
     prompts, gens, lps, routes, finished, safes = [], [], [], [], [], []
     for b, out in enumerate(outputs):
         prompt, gen, c = _completion(out, b)
         routed = _field(c, "routed_experts", b)
         if routed is None:
-            raise RouteError(f"sample {b}: vLLM returned no routed_experts (enable_return_routed_experts off, "
-                             f"or the request was aborted)")
+            raise RouteError(
+                f"sample {b}: vLLM returned no routed_experts (enable_return_routed_experts off, "
+                f"or the request was aborted)"
+            )
         logprobs = _field(c, "logprobs", b)
         lps.append(_sampled_logprobs(logprobs, gen, b))
         if dvp:
             safes.append(dvp_safe_sets(logprobs, gen, dvp_logprobs, vocab_size, b, prompt_len=len(prompt)))
-        routes.append(from_vllm(routed, num_tokens=len(prompt) + len(gen), prompt_len=len(prompt),
-                                header=header, sample=b, num_layers=num_layers).ids_TLK)
+        routes.append(
+            from_vllm(
+                routed,
+                num_tokens=len(prompt) + len(gen),
+                prompt_len=len(prompt),
+                header=header,
+                sample=b,
+                num_layers=num_layers,
+            ).ids_TLK
+        )
         prompts.append(prompt)
         gens.append(gen)
         finished.append(FINISHED[c.finish_reason])
@@ -333,20 +387,31 @@ def to_rollout_batch(outputs: list, n: int, pad_id: int, header: RouteHeader,
     safe_BSV = torch.zeros((B, S, vocab_size), dtype=torch.bool) if dvp else None
     for b in range(B):
         P, G = len(prompts[b]), len(gens[b])
-        tokens_BS[b, :P + G] = torch.tensor(prompts[b] + gens[b], dtype=torch.int64)
-        logprobs_BS[b, P:P + G] = torch.tensor(lps[b], dtype=torch.float32)
+        tokens_BS[b, : P + G] = torch.tensor(prompts[b] + gens[b], dtype=torch.int64)
+        logprobs_BS[b, P : P + G] = torch.tensor(lps[b], dtype=torch.float32)
         if safe_BSV is not None:
-            safe_BSV[b, P:P + G] = safes[b]
+            safe_BSV[b, P : P + G] = safes[b]
     s_S = torch.arange(S)
-    response_mask_BS = (s_S[None, :] >= prompt_lens_B[:, None]) & (s_S[None, :] < (prompt_lens_B + response_lens_B)[:, None])
-    return RolloutBatch(tokens_BS=tokens_BS, prompt_lens_B=prompt_lens_B, response_lens_B=response_lens_B,
-                        response_mask_BS=response_mask_BS, logprobs_BS=logprobs_BS, routes=routes,
-                        group_B=torch.arange(B) // n, finished_B=torch.tensor(finished, dtype=torch.bool),
-                        logprob_support=logprob_support, safe_BSV=safe_BSV)
+    response_mask_BS = (s_S[None, :] >= prompt_lens_B[:, None]) & (
+        s_S[None, :] < (prompt_lens_B + response_lens_B)[:, None]
+    )
+    return RolloutBatch(
+        tokens_BS=tokens_BS,
+        prompt_lens_B=prompt_lens_B,
+        response_lens_B=response_lens_B,
+        response_mask_BS=response_mask_BS,
+        logprobs_BS=logprobs_BS,
+        routes=routes,
+        group_B=torch.arange(B) // n,
+        finished_B=torch.tensor(finished, dtype=torch.bool),
+        logprob_support=logprob_support,
+        safe_BSV=safe_BSV,
+    )
 
 
-def sync_items(named: dict[str, torch.Tensor], expected: list[str],
-               file_names: dict[str, str] | None = None) -> list[tuple[str, torch.Tensor]]:
+def sync_items(
+    named: dict[str, torch.Tensor], expected: list[str], file_names: dict[str, str] | None = None
+) -> list[tuple[str, torch.Tensor]]:
     """(HF name, tensor) pairs for vLLM's ``load_weights``, in model order; strict on names, since
     a tensor the sync misses would keep stale (after sleep level 2: garbage) weights.
     ``file_names`` (``weights.hf.hf_names``) renames canonical names to the model family's own
@@ -359,8 +424,11 @@ def sync_items(named: dict[str, torch.Tensor], expected: list[str],
     return [(rename.get(k, k), named[k].detach()) for k in expected]
 
 
-def sync_chunks(chunks: Iterable[Mapping[str, torch.Tensor]], expected: list[str],
-                file_names: dict[str, str] | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def sync_chunks(
+    chunks: Iterable[Mapping[str, torch.Tensor]],
+    expected: list[str],
+    file_names: dict[str, str] | None = None,
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """``sync_items`` for a stream of chunks: per chunk its (HF name, tensor) pairs in model
     order, strict over the whole stream. An unexpected or repeated name raises before its chunk
     is yielded, a missing one after the last chunk (all named)."""
@@ -390,7 +458,7 @@ def _layer_index(name: str) -> int | None:
     """The decoder-layer index of ``model.layers.<i>.<...>``, else None (embedding, norm, head)."""
     if not name.startswith(_LAYER_PREFIX):
         return None
-    head = name[len(_LAYER_PREFIX):].split(".", 1)[0]
+    head = name[len(_LAYER_PREFIX) :].split(".", 1)[0]
     return int(head) if head.isdigit() else None
 
 
@@ -419,21 +487,30 @@ def update_info(items: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
     """One ``update_weights`` payload: vLLM's per-parameter metadata (``names``, ``dtype_names``,
     ``shapes``, as in its IPC update info) plus the tensors themselves, passed by reference to the
     in-process worker."""
-    return {"names": [k for k, _ in items], "dtype_names": [dtype_name(t.dtype) for _, t in items],
-            "shapes": [list(t.shape) for _, t in items], "tensors": [t for _, t in items]}
+    return {
+        "names": [k for k, _ in items],
+        "dtype_names": [dtype_name(t.dtype) for _, t in items],
+        "shapes": [list(t.shape) for _, t in items],
+        "tensors": [t for _, t in items],
+    }
 
 
-def received_weights(names: list[str], dtype_names: list[str], shapes: list[list[int]],
-                     tensors: list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+def received_weights(
+    names: list[str], dtype_names: list[str], shapes: list[list[int]], tensors: list[torch.Tensor]
+) -> list[tuple[str, torch.Tensor]]:
     """The receiving side: (name, tensor) pairs for ``model.load_weights`` once every tensor
     matches its metadata entry; ValueError naming the first parameter that does not."""
     if not len(names) == len(dtype_names) == len(shapes) == len(tensors):
-        raise ValueError(f"weight transfer: {len(names)} names, {len(dtype_names)} dtype_names, "
-                         f"{len(shapes)} shapes, {len(tensors)} tensors")
+        raise ValueError(
+            f"weight transfer: {len(names)} names, {len(dtype_names)} dtype_names, "
+            f"{len(shapes)} shapes, {len(tensors)} tensors"
+        )
     for name, dt, shape, t in zip(names, dtype_names, shapes, tensors):
         if dtype_name(t.dtype) != dt or list(t.shape) != list(shape):
-            raise ValueError(f"weight transfer: {name!r} is {dtype_name(t.dtype)} {list(t.shape)}, "
-                             f"its metadata says {dt} {list(shape)}")
+            raise ValueError(
+                f"weight transfer: {name!r} is {dtype_name(t.dtype)} {list(t.shape)}, "
+                f"its metadata says {dt} {list(shape)}"
+            )
     return list(zip(names, tensors))
 
 
@@ -459,7 +536,9 @@ class WeightVersions:
         if self.pending is None:
             raise RuntimeError("weight sync: finish without begin")
         if reported != self.pending:
-            raise RuntimeError(f"weight sync: vLLM reports weight version {reported!r}, expected {self.pending!r}")
+            raise RuntimeError(
+                f"weight sync: vLLM reports weight version {reported!r}, expected {self.pending!r}"
+            )
         self.current, self.pending = self.pending, None
         self.num_synced += 1
 
@@ -471,11 +550,16 @@ def engine_kwargs(cfg: RunConfig, model_dir: str, external: bool) -> dict[str, A
     """Keyword arguments of ``vllm.LLM`` for this run (docs/gpu_stack.md 1.2-1.4)."""
     r, v, dvp = cfg.rollout, cfg.rollout.vllm, cfg.correction.dvp_threshold > 0
     kw: dict[str, Any] = {
-        "model": model_dir, "skip_tokenizer_init": True,  # token-id prompts; the tasks own tokenization
-        "dtype": DTYPES[r.dtype], "seed": cfg.seed, "tensor_parallel_size": v.tensor_parallel,
-        "gpu_memory_utilization": v.gpu_memory_utilization, "enforce_eager": v.enforce_eager,
+        "model": model_dir,
+        "skip_tokenizer_init": True,  # token-id prompts; the tasks own tokenization
+        "dtype": DTYPES[r.dtype],
+        "seed": cfg.seed,
+        "tensor_parallel_size": v.tensor_parallel,
+        "gpu_memory_utilization": v.gpu_memory_utilization,
+        "enforce_eager": v.enforce_eager,
         "max_model_len": v.max_model_len or cfg.model.max_seq_len,
-        "enable_return_routed_experts": True, "enable_prefix_caching": True,  # R3 requires both
+        "enable_return_routed_experts": True,
+        "enable_prefix_caching": True,  # R3 requires both
         "enable_sleep_mode": v.sleep_level > 0,
         "logprobs_mode": logprobs_mode(r.temperature, r.top_k, r.top_p, dvp=dvp),
     }
@@ -488,7 +572,9 @@ def engine_kwargs(cfg: RunConfig, model_dir: str, external: bool) -> dict[str, A
     return kw
 
 
-def transfer_chunks(llm: Any, chunks: Iterable[list[tuple[str, torch.Tensor]]], versions: WeightVersions) -> None:
+def transfer_chunks(
+    llm: Any, chunks: Iterable[list[tuple[str, torch.Tensor]]], versions: WeightVersions
+) -> None:
     """One versioned update through vLLM's weight-transfer API (``LLM`` methods of
     ``vllm/entrypoints/rl/offline.py``): each chunk, as it arrives, in one ``update_weights`` call
     per layer group, then dropped (vLLM holds by reference what its layerwise reload still
@@ -569,8 +655,10 @@ def _dvp_processor_class() -> type:
         def apply(self, logits: torch.Tensor, ctx: Any) -> torch.Tensor:
             slots = ctx.idx_mapping_np.tolist()
             if logits.shape[0] != len(slots):
-                raise RuntimeError(f"DVP: {logits.shape[0]} logits rows for {len(slots)} requests; "
-                                   f"speculative decoding is not supported with DVP")
+                raise RuntimeError(
+                    f"DVP: {logits.shape[0]} logits rows for {len(slots)} requests; "
+                    f"speculative decoding is not supported with DVP"
+                )
             return apply_dvp(logits, [self.params[i] for i in slots])
 
     DvpLogitsProcessor.__module__, DvpLogitsProcessor.__qualname__ = __name__, "DvpLogitsProcessor"
@@ -589,6 +677,7 @@ def __getattr__(name: str) -> Any:
 # --------------------------------------------------------------------------------------------
 # The engine (needs CUDA and vllm)
 # --------------------------------------------------------------------------------------------
+
 
 class VllmEngine:
     """Implements ``RolloutEngine`` on vLLM (see module docstring).
@@ -631,8 +720,12 @@ class VllmEngine:
         from moe_rl.weights.hf import write_hf_checkpoint
 
         out = Path(tempfile.mkdtemp(prefix="moe_rl_vllm_")) / "model"
-        write_hf_checkpoint(out, {k: t.detach().cpu() for k, t in named.items()}, self.model_cfg,
-                            dtype=torch.bfloat16 if self.cfg.rollout.dtype == "bf16" else torch.float32)
+        write_hf_checkpoint(
+            out,
+            {k: t.detach().cpu() for k, t in named.items()},
+            self.model_cfg,
+            dtype=torch.bfloat16 if self.cfg.rollout.dtype == "bf16" else torch.float32,
+        )
         return str(out)
 
     def _start(self, named: Mapping[str, torch.Tensor] | None) -> None:
@@ -642,8 +735,10 @@ class VllmEngine:
         import vllm
 
         if not hasattr(vllm.LLM, "start_weight_update"):
-            raise ConfigError(f"rollout.engine=vllm: vllm {vllm.__version__} has no "
-                              f"weight-transfer API; install vllm 0.33 (the gpu extra)")
+            raise ConfigError(
+                f"rollout.engine=vllm: vllm {vllm.__version__} has no "
+                f"weight-transfer API; install vllm 0.33 (the gpu extra)"
+            )
         _register_transfer_backend()
         kw = engine_kwargs(self.cfg, self._model_dir(named), external=dist.is_initialized())
         log.info("starting vLLM %s: %s", vllm.__version__, kw)
@@ -671,8 +766,10 @@ class VllmEngine:
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams, seed: int) -> RolloutBatch:
         """Sample n responses per prompt; the engine group's prompts go through together."""
         if self.llm is None or self.versions.current is None:
-            raise RuntimeError("VllmEngine: no weights loaded (call load_weights first; a failed sync "
-                               "leaves none until the next one completes)")
+            raise RuntimeError(
+                "VllmEngine: no weights loaded (call load_weights first; a failed sync "
+                "leaves none until the next one completes)"
+            )
         import vllm
 
         if self.asleep:
@@ -682,21 +779,30 @@ class VllmEngine:
         if sampling.dvp_threshold > 0:
             dvp_logprobs = dvp_num_logprobs(self.cfg.rollout.vllm.dvp_max_safe, self.model_cfg.vocab_size)
             if sampling.return_dist and not self._warned_dist:
-                log.warning("vLLM returns no full rollout distributions: DVP batches carry safe sets and "
-                            "safe-set log-probs only (dist_logp_BSV is None)")
+                log.warning(
+                    "vLLM returns no full rollout distributions: DVP batches carry safe sets and "
+                    "safe-set log-probs only (dist_logp_BSV is None)"
+                )
                 self._warned_dist = True
         calls = self._gather((prompts, seed))
         reqs = [req for p, s in calls for req in build_requests(p, n, sampling, s, dvp_logprobs)]
         params = [vllm.SamplingParams(**kw) for _, kw in reqs]
         outputs = self.llm.generate([prompt for prompt, _ in reqs], params, use_tqdm=False)
-        mine = sum(len(p) * n for p, _ in calls[:self.group_rank])
-        outputs = outputs[mine:mine + len(prompts) * n]
+        mine = sum(len(p) * n for p, _ in calls[: self.group_rank])
+        outputs = outputs[mine : mine + len(prompts) * n]
         if self.cfg.rollout.vllm.sleep_level > 0:
             self.llm.sleep(level=self.cfg.rollout.vllm.sleep_level)
             self.asleep = True
-        return to_rollout_batch(outputs, n, self.pad_id, self.header, sampling.logprob_support,
-                                vocab_size=self.model_cfg.vocab_size, dvp_logprobs=dvp_logprobs,
-                                num_layers=self.model_cfg.num_layers)
+        return to_rollout_batch(
+            outputs,
+            n,
+            self.pad_id,
+            self.header,
+            sampling.logprob_support,
+            vocab_size=self.model_cfg.vocab_size,
+            dvp_logprobs=dvp_logprobs,
+            num_layers=self.model_cfg.num_layers,
+        )
 
     def _gather(self, call: tuple) -> list[tuple]:
         if self.group is None:

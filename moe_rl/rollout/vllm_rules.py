@@ -20,15 +20,19 @@ def logprobs_mode(temperature: float, top_k: int, top_p: float, dvp: bool = Fals
     if top_k == 0 and top_p >= 1.0:
         return "processed_logprobs"  # temperature (and the DVP mask) are the only processors
     if dvp:
-        raise ValueError(f"with DVP the log-probs must come after the DVP mask and temperature "
-                         f"(processed_logprobs), and those would also be renormalised over top_k={top_k}, "
-                         f"top_p={top_p}, unlike the learner's safe-set log-probs: use top_k=0 top_p=1")
+        raise ValueError(
+            f"with DVP the log-probs must come after the DVP mask and temperature "
+            f"(processed_logprobs), and those would also be renormalised over top_k={top_k}, "
+            f"top_p={top_p}, unlike the learner's safe-set log-probs: use top_k=0 top_p=1"
+        )
     if temperature == 1.0:
         return "raw_logprobs"  # before top-k/top-p, so not renormalised; T = 1 needs no scaling
-    raise ValueError(f"vLLM reports log-probs either before temperature (raw) or after top-k/top-p "
-                     f"renormalisation (processed); with temperature {temperature} and top_k={top_k}, "
-                     f"top_p={top_p} neither is the learner's full-vocabulary log softmax(z / T) "
-                     f"(vllm#42259). Use top_k=0 top_p=1, or temperature=1")
+    raise ValueError(
+        f"vLLM reports log-probs either before temperature (raw) or after top-k/top-p "
+        f"renormalisation (processed); with temperature {temperature} and top_k={top_k}, "
+        f"top_p={top_p} neither is the learner's full-vocabulary log softmax(z / T) "
+        f"(vllm#42259). Use top_k=0 top_p=1, or temperature=1"
+    )
 
 
 def check_vllm(cfg: RunConfig) -> None:
@@ -46,11 +50,19 @@ def check_vllm(cfg: RunConfig) -> None:
     if r.router_noise > 0:
         refuse("rollout.router_noise", "router-logit noise exists only in the built-in engine")
     if c.trm.on and c.trm.kl == "exact":
-        refuse("correction.trm.kl", "exact TRM needs the rollout's full distributions; vLLM returns top-k "
-               "log-probs only: use correction.trm.kl=sample")
+        refuse(
+            "correction.trm.kl",
+            "exact TRM needs the rollout's full distributions; vLLM returns top-k "
+            "log-probs only: use correction.trm.kl=sample",
+        )
     if cfg.parallel.nproc % v.tensor_parallel:
-        refuse("rollout.vllm.tensor_parallel", f"{v.tensor_parallel} does not divide parallel.nproc "
-               f"{cfg.parallel.nproc} (each engine spans consecutive ranks)")
+        refuse(
+            "rollout.vllm.tensor_parallel",
+            f"{v.tensor_parallel} does not divide parallel.nproc "
+            f"{cfg.parallel.nproc} (each engine spans consecutive ranks)",
+        )
     if cfg.model.num_attention_heads % v.tensor_parallel:
-        refuse("rollout.vllm.tensor_parallel", f"{v.tensor_parallel} does not divide "
-               f"model.num_attention_heads {cfg.model.num_attention_heads}")
+        refuse(
+            "rollout.vllm.tensor_parallel",
+            f"{v.tensor_parallel} does not divide model.num_attention_heads {cfg.model.num_attention_heads}",
+        )

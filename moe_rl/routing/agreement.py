@@ -61,9 +61,16 @@ class SeqShard:
 
 
 class AgreementCollector:
-    def __init__(self, header: RouteHeader, layer_ids: list[int], seq_shard: SeqShard, stage_group=None) -> None:
+    def __init__(
+        self, header: RouteHeader, layer_ids: list[int], seq_shard: SeqShard, stage_group=None
+    ) -> None:
         """``layer_ids``: this model's (stage's) MoE layers, in hook order."""
-        self.header, self.layer_ids, self.sp, self.stage_group = header, list(layer_ids), seq_shard, stage_group
+        self.header, self.layer_ids, self.sp, self.stage_group = (
+            header,
+            list(layer_ids),
+            seq_shard,
+            stage_group,
+        )
         self.pos = [header.layer_ids.index(lid) for lid in layer_ids]  # positions in the full record
         self.begin_pass("routing/", False)
 
@@ -99,11 +106,14 @@ class AgreementCollector:
             metrics[f"{self.prefix}missing_frac"] = Mean(*self._missing)
         per_layer, tokens = {}, []
         if self._vs_target:
-            differs_NL = self._compare(self._vs_target, f"{self.prefix}flip_router_frac", per_layer,
-                                       f"{self.prefix}overlap_at_k")
+            differs_NL = self._compare(
+                self._vs_target, f"{self.prefix}flip_router_frac", per_layer, f"{self.prefix}overlap_at_k"
+            )
             tokens.append((self.prefix, differs_NL))
         if self._vs_old:
-            tokens.append((self.old_prefix, self._compare(self._vs_old, f"{self.old_prefix}flip_frac", per_layer)))
+            tokens.append(
+                (self.old_prefix, self._compare(self._vs_old, f"{self.old_prefix}flip_frac", per_layer))
+            )
         natives = [n for n, _ in self._native]
         if self.stage_group is not None:
             natives, tokens, per_layer = self._join_stages(natives, tokens, per_layer)
@@ -155,15 +165,20 @@ class AgreementCollector:
             flat = all_reduce_sum(torch.cat([p.reshape(-1).to(device, torch.int64) for p in parts]), group)
             joined = list(torch.split(flat, [p.numel() for p in parts]))
             natives = [j.view(p.shape).to(n.dtype) for j, p, n in zip(joined, parts, natives)]
-            tokens = [(k, j.view(p.shape) > 0) for j, p, (k, _) in zip(joined[len(natives):], parts[len(natives):],
-                                                                      tokens)]
+            tokens = [
+                (k, j.view(p.shape) > 0)
+                for j, p, (k, _) in zip(joined[len(natives) :], parts[len(natives) :], tokens)
+            ]
         key_sets: list = [None] * dist.get_world_size(group)
         dist.all_gather_object(key_sets, sorted(per_layer), group=group)
         keys = sorted(set().union(*key_sets))
         if keys:
             zero = Mean(0.0, 0.0)
-            vals = [torch.as_tensor(x).to(device=device, dtype=torch.float64).reshape(())
-                    for k in keys for x in (per_layer.get(k, zero).sum, per_layer.get(k, zero).count)]
+            vals = [
+                torch.as_tensor(x).to(device=device, dtype=torch.float64).reshape(())
+                for k in keys
+                for x in (per_layer.get(k, zero).sum, per_layer.get(k, zero).count)
+            ]
             packed = all_reduce_sum(torch.stack(vals), group)
             per_layer = {k: Mean(packed[2 * i], packed[2 * i + 1]) for i, k in enumerate(keys)}
         return natives, tokens, per_layer
@@ -174,8 +189,11 @@ class AgreementCollector:
             return metrics
         keys = sorted(metrics)  # the same keys on every TP rank (same layers, same micro-batches)
         device = comm_device(self.sp.group)
-        vals = [torch.as_tensor(x).to(device=device, dtype=torch.float64).reshape(())
-                for k in keys for x in (metrics[k].sum, metrics[k].count)]
+        vals = [
+            torch.as_tensor(x).to(device=device, dtype=torch.float64).reshape(())
+            for k in keys
+            for x in (metrics[k].sum, metrics[k].count)
+        ]
         packed = all_reduce_sum(torch.stack(vals), self.sp.group)
         return {k: Mean(packed[2 * i], packed[2 * i + 1]) for i, k in enumerate(keys)}
 
@@ -188,8 +206,14 @@ class AgreementCollector:
             gathered = all_gather_rows(torch.cat(natives).contiguous(), self.sp.group).chunk(self.sp.size)
             blocks = [torch.split(g, sizes) for g in gathered]
             natives = [torch.cat([b[m] for b in blocks]) for m in range(len(natives))]
-        parts = [unlayout(n.cpu(), lens_B, torch.zeros_like(lens_B), self.header)
-                 for n, (_, lens_B) in zip(natives, self._native)]
-        return RouteBatch(torch.cat([p.ids_NLK for p in parts]), torch.cat([p.rows_B for p in parts]),
-                          torch.cat([p.start_B for p in parts]), torch.cat([p.prompt_len_B for p in parts]),
-                          self.header)
+        parts = [
+            unlayout(n.cpu(), lens_B, torch.zeros_like(lens_B), self.header)
+            for n, (_, lens_B) in zip(natives, self._native)
+        ]
+        return RouteBatch(
+            torch.cat([p.ids_NLK for p in parts]),
+            torch.cat([p.rows_B for p in parts]),
+            torch.cat([p.start_B for p in parts]),
+            torch.cat([p.prompt_len_B for p in parts]),
+            self.header,
+        )

@@ -18,21 +18,24 @@ import torch
 from moe_rl.routing.record import RouteBatch, RouteHeader, missing_id
 
 
-def pad_routes(num_rows: int, top_k: int, num_experts: int, ep_size: int,
-               device: torch.device | str = "cpu") -> torch.Tensor:
+def pad_routes(
+    num_rows: int, top_k: int, num_experts: int, ep_size: int, device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """int64 [num_rows, K]: K distinct experts per row, consecutive rows cycling over EP ranks.
 
     Ordinal m = row * K + k maps to expert (m % ep) * (E / ep) + (m // ep) % (E / ep): K
     consecutive ordinals are distinct modulo E, so a row never repeats an expert, and every rank
     gets the same share of pad tokens."""
     per_rank = num_experts // ep_size
-    m_NK = (torch.arange(num_rows, device=device)[:, None] * top_k
-            + torch.arange(top_k, device=device)[None, :]) % num_experts
+    m_NK = (
+        torch.arange(num_rows, device=device)[:, None] * top_k + torch.arange(top_k, device=device)[None, :]
+    ) % num_experts
     return (m_NK % ep_size) * per_rank + (m_NK // ep_size) % per_rank
 
 
-def layout(routes: RouteBatch, seq_lens_B: torch.Tensor, seq_len: int,
-           ep_size: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+def layout(
+    routes: RouteBatch, seq_lens_B: torch.Tensor, seq_len: int, ep_size: int
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """Replay targets for one micro-batch, on the records' device (the host, for the learner).
 
     Args:
@@ -65,8 +68,9 @@ def layout(routes: RouteBatch, seq_lens_B: torch.Tensor, seq_len: int,
     return targets_NLK, recorded_N, counts
 
 
-def unlayout(native_NLK: torch.Tensor, seq_lens_B: torch.Tensor, prompt_len_B: torch.Tensor,
-             header: RouteHeader) -> RouteBatch:
+def unlayout(
+    native_NLK: torch.Tensor, seq_lens_B: torch.Tensor, prompt_len_B: torch.Tensor, header: RouteHeader
+) -> RouteBatch:
     """The inverse for recording (R2): a micro-batch's [S * B, L, K] routes -> records of its B
     sequences, rows 0 .. T_b - 2 (the last token's routing is not part of a record)."""
     B, device = int(seq_lens_B.shape[0]), native_NLK.device

@@ -61,8 +61,11 @@ class ReplayPlan:
 
     @property
     def old_pass(self) -> PassPlan:
-        mode = {ReplayMode.OFF: PassMode.OBSERVE, ReplayMode.R2: PassMode.RECORD,
-                ReplayMode.R3: PassMode.REPLAY}[self.mode]
+        mode = {
+            ReplayMode.OFF: PassMode.OBSERVE,
+            ReplayMode.R2: PassMode.RECORD,
+            ReplayMode.R3: PassMode.REPLAY,
+        }[self.mode]
         return PassPlan(mode, keep_native=self.monitor)
 
     @property

@@ -33,8 +33,6 @@ from moe_rl.config import ARCH_FIELDS, ModelConfig
 from moe_rl.errors import RouteError
 
 
-
-
 def route_dtype(num_experts: int) -> torch.dtype:
     """Narrowest unsigned dtype holding ids 0..E-1 plus the MISSING sentinel (the dtype max)."""
     if num_experts <= 255:
@@ -110,8 +108,11 @@ class RouteBatch:
     def position_N(self) -> torch.Tensor:
         """Token position of every row."""
         sample_N = self.sample_N
-        return (torch.arange(self.ids_NLK.shape[0], device=self.rows_B.device) - self.first_B[sample_N]
-                + self.start_B[sample_N])
+        return (
+            torch.arange(self.ids_NLK.shape[0], device=self.rows_B.device)
+            - self.first_B[sample_N]
+            + self.start_B[sample_N]
+        )
 
     @classmethod
     def from_records(cls, records: list[RouteRecord]) -> RouteBatch:
@@ -126,28 +127,40 @@ class RouteBatch:
             if not isinstance(ids, torch.Tensor):
                 raise RouteError(f"sample {b}: route ids are a {type(ids).__name__}, expected a torch.Tensor")
             if ids.dtype != header.dtype:
-                raise RouteError(f"sample {b}: route dtype {ids.dtype}, expected {header.dtype} for "
-                                 f"{header.num_experts} experts (nothing is cast)")
+                raise RouteError(
+                    f"sample {b}: route dtype {ids.dtype}, expected {header.dtype} for "
+                    f"{header.num_experts} experts (nothing is cast)"
+                )
             if ids.dim() != 3 or tuple(ids.shape[1:]) != (L, K):
-                raise RouteError(f"sample {b}: route shape {tuple(ids.shape)}, expected [rows, {L} MoE layers, "
-                                 f"{K}] (MoE layers {list(header.layer_ids)})")
-        return cls(torch.cat([r.ids_TLK for r in records]),
-                   torch.tensor([r.num_rows for r in records], dtype=torch.int64),
-                   torch.tensor([r.start for r in records], dtype=torch.int64),
-                   torch.tensor([r.prompt_len for r in records], dtype=torch.int64), header)
+                raise RouteError(
+                    f"sample {b}: route shape {tuple(ids.shape)}, expected [rows, {L} MoE layers, "
+                    f"{K}] (MoE layers {list(header.layer_ids)})"
+                )
+        return cls(
+            torch.cat([r.ids_TLK for r in records]),
+            torch.tensor([r.num_rows for r in records], dtype=torch.int64),
+            torch.tensor([r.start for r in records], dtype=torch.int64),
+            torch.tensor([r.prompt_len for r in records], dtype=torch.int64),
+            header,
+        )
 
     def select(self, idx_B: torch.Tensor) -> RouteBatch:
         """The samples ``idx_B`` (in that order), one vectorized gather."""
         rows_B = self.rows_B[idx_B]
         row_N = torch.repeat_interleave(self.first_B[idx_B], rows_B) + (
             torch.arange(int(rows_B.sum()), device=rows_B.device)
-            - torch.repeat_interleave(torch.cumsum(rows_B, 0) - rows_B, rows_B))
-        return RouteBatch(self.ids_NLK[row_N], rows_B, self.start_B[idx_B], self.prompt_len_B[idx_B], self.header)
+            - torch.repeat_interleave(torch.cumsum(rows_B, 0) - rows_B, rows_B)
+        )
+        return RouteBatch(
+            self.ids_NLK[row_N], rows_B, self.start_B[idx_B], self.prompt_len_B[idx_B], self.header
+        )
 
     def records(self) -> list[RouteRecord]:
         chunks = torch.split(self.ids_NLK, self.rows_B.tolist())
-        return [RouteRecord(ids, int(p), int(s), self.header)
-                for ids, p, s in zip(chunks, self.prompt_len_B.tolist(), self.start_B.tolist())]
+        return [
+            RouteRecord(ids, int(p), int(s), self.header)
+            for ids, p, s in zip(chunks, self.prompt_len_B.tolist(), self.start_B.tolist())
+        ]
 
 
 def save_records(records: list[RouteRecord]) -> bytes:
@@ -171,15 +184,24 @@ def load_records(blob: bytes, name: str = "route records") -> list[RouteRecord]:
         tensors = st_load(blob)
         # safetensors layout: u64 little-endian header size, then the JSON header with __metadata__
         n_header = int.from_bytes(blob[:8], "little")
-        h = json.loads(json.loads(blob[8:8 + n_header])["__metadata__"]["header"])
+        h = json.loads(json.loads(blob[8 : 8 + n_header])["__metadata__"]["header"])
         header = RouteHeader(tuple(h["layer_ids"]), h["num_experts"], h["top_k"], h["fingerprint"])
         ids, rows, meta = tensors["ids"], tensors["rows"], tensors["meta"]
     except (SafetensorError, ValueError, KeyError, TypeError, IndexError) as e:  # a foreign or cut blob
-        raise RouteError(f"{name}: not a complete route-record blob ({type(e).__name__}: "
-                         f"{str(e).splitlines()[0] if str(e) else ''})") from None
-    if rows.dim() != 1 or meta.shape != (rows.shape[0], 2) or int(rows.sum()) != ids.shape[0] or bool((rows < 0).any()):
-        raise RouteError(f"{name}: row counts {rows.tolist()} (sum {int(rows.sum())}) do not match "
-                         f"{ids.shape[0]} id rows and meta {tuple(meta.shape)}")
+        raise RouteError(
+            f"{name}: not a complete route-record blob ({type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''})"
+        ) from None
+    if (
+        rows.dim() != 1
+        or meta.shape != (rows.shape[0], 2)
+        or int(rows.sum()) != ids.shape[0]
+        or bool((rows < 0).any())
+    ):
+        raise RouteError(
+            f"{name}: row counts {rows.tolist()} (sum {int(rows.sum())}) do not match "
+            f"{ids.shape[0]} id rows and meta {tuple(meta.shape)}"
+        )
     chunks = torch.split(ids, rows.tolist())
     records = [RouteRecord(c, int(m[0]), int(m[1]), header) for c, m in zip(chunks, meta)]
     RouteBatch.from_records(records)  # dtype and shape, per sample
@@ -192,8 +214,16 @@ def vllm_route_dtype(num_experts: int) -> np.dtype:
     return np.dtype(np.uint8 if num_experts <= 256 else np.uint16)
 
 
-def from_vllm(routed_experts: np.ndarray, *, num_tokens: int, prompt_len: int, header: RouteHeader,
-              prompt_start: int = 0, sample: int = 0, num_layers: int | None = None) -> RouteRecord:
+def from_vllm(
+    routed_experts: np.ndarray,
+    *,
+    num_tokens: int,
+    prompt_len: int,
+    header: RouteHeader,
+    prompt_start: int = 0,
+    sample: int = 0,
+    num_layers: int | None = None,
+) -> RouteRecord:
     """Adapt vLLM's ``CompletionOutput.routed_experts`` ([T - 1 - prompt_start, A, K] numpy array in
     ``vllm_route_dtype``, every decoder layer, dense-layer rows zero) to a record: keep the MoE
     layers by global number and move to our dtype (uint8 can hold 256 ids but then no MISSING).
@@ -208,27 +238,35 @@ def from_vllm(routed_experts: np.ndarray, *, num_tokens: int, prompt_len: int, h
         raise RouteError(f"{where} is a {type(routed_experts).__name__}, expected a numpy.ndarray")
     arr, want = routed_experts, vllm_route_dtype(header.num_experts)
     if arr.dtype != want:
-        raise RouteError(f"{where} dtype is {arr.dtype}, expected {want} for {header.num_experts} experts "
-                         f"(vLLM 0.33: uint8 up to 256 experts, else uint16)")
+        raise RouteError(
+            f"{where} dtype is {arr.dtype}, expected {want} for {header.num_experts} experts "
+            f"(vLLM 0.33: uint8 up to 256 experts, else uint16)"
+        )
     if arr.ndim != 3:
         raise RouteError(f"{where} has shape {arr.shape}, expected [T-1, layers, K]")
     expect_rows = num_tokens - 1 - prompt_start
     if arr.shape[0] != expect_rows:
-        raise RouteError(f"sample {sample}: vLLM returned {arr.shape[0]} route rows for {num_tokens} tokens "
-                         f"from position {prompt_start}; expected {expect_rows}")
+        raise RouteError(
+            f"sample {sample}: vLLM returned {arr.shape[0]} route rows for {num_tokens} tokens "
+            f"from position {prompt_start}; expected {expect_rows}"
+        )
     num_layers = max(header.layer_ids) + 1 if num_layers is None else num_layers
     if arr.shape[1] != num_layers:
         raise RouteError(f"{where} has {arr.shape[1]} layers, the model has {num_layers} decoder layers")
     if max(header.layer_ids) >= arr.shape[1]:
-        raise RouteError(f"{where} has {arr.shape[1]} layers but MoE layer {max(header.layer_ids)} is expected")
+        raise RouteError(
+            f"{where} has {arr.shape[1]} layers but MoE layer {max(header.layer_ids)} is expected"
+        )
     if arr.shape[2] != header.top_k:
         raise RouteError(f"{where} has K={arr.shape[2]}, model top-k is {header.top_k}")
     moe_NLK = arr[:, list(header.layer_ids), :]
     bad_NLK = moe_NLK >= header.num_experts
     if bad_NLK.any():
-        n, l, k = (int(x) for x in np.argwhere(bad_NLK)[0])
-        raise RouteError(f"sample {sample}, layer {header.layer_ids[l]}, row {prompt_start + n}: vLLM expert id "
-                         f"{int(moe_NLK[n, l, k])} outside [0, {header.num_experts})")
+        n, li, k = (int(x) for x in np.argwhere(bad_NLK)[0])
+        raise RouteError(
+            f"sample {sample}, layer {header.layer_ids[li]}, row {prompt_start + n}: vLLM expert id "
+            f"{int(moe_NLK[n, li, k])} outside [0, {header.num_experts})"
+        )
     ids_NLK = torch.from_numpy(moe_NLK.astype(np.int64)).to(header.dtype)  # ids < E fit the record dtype
     return RouteRecord(ids_NLK, prompt_len, prompt_start, header)
 
@@ -241,22 +279,28 @@ def validate(batch: RouteBatch, num_tokens_B: torch.Tensor, header: RouteHeader)
     if int(num_tokens_B.shape[0]) != B:
         raise RouteError(f"{B} route records for {int(num_tokens_B.shape[0])} samples")
     if batch.header.fingerprint != header.fingerprint:
-        raise RouteError(f"route fingerprint {batch.header.fingerprint} is not the learner model's "
-                         f"{header.fingerprint}")
+        raise RouteError(
+            f"route fingerprint {batch.header.fingerprint} is not the learner model's {header.fingerprint}"
+        )
     if batch.header != header:
         raise RouteError(f"route header {batch.header} differs from the learner's {header}")
     L, K = len(header.layer_ids), header.top_k
     if batch.ids_NLK.dtype != header.dtype:  # one tensor for the batch: every sample has it
-        raise RouteError(f"sample 0 (and every other): route dtype {batch.ids_NLK.dtype}, expected {header.dtype}")
+        raise RouteError(
+            f"sample 0 (and every other): route dtype {batch.ids_NLK.dtype}, expected {header.dtype}"
+        )
     if batch.ids_NLK.dim() != 3 or tuple(batch.ids_NLK.shape[1:]) != (L, K):
-        raise RouteError(f"sample 0 (and every other): route shape {tuple(batch.ids_NLK.shape)}, "
-                         f"expected [rows, {L}, {K}]")
+        raise RouteError(
+            f"sample 0 (and every other): route shape {tuple(batch.ids_NLK.shape)}, expected [rows, {L}, {K}]"
+        )
     expect_B = num_tokens_B - 1 - batch.start_B
     wrong_B = batch.rows_B != expect_B
     if bool(wrong_B.any()):
         b = int(wrong_B.nonzero()[0])
-        raise RouteError(f"sample {b}: {int(batch.rows_B[b])} route rows for {int(num_tokens_B[b])} tokens "
-                         f"from position {int(batch.start_B[b])}; expected {int(expect_B[b])}")
+        raise RouteError(
+            f"sample {b}: {int(batch.rows_B[b])} route rows for {int(num_tokens_B[b])} tokens "
+            f"from position {int(batch.start_B[b])}; expected {int(expect_B[b])}"
+        )
     ids_NLK = batch.ids_NLK.to(torch.int64)
     if ids_NLK.numel() == 0:
         return
@@ -264,26 +308,44 @@ def validate(batch: RouteBatch, num_tokens_B: torch.Tensor, header: RouteHeader)
     missing = missing_id(header.dtype)
     present_NLK = ids_NLK != missing
     bad = present_NLK & (ids_NLK >= header.num_experts)
-    _raise_first(bad.any(-1), sample_N, row_N, header, lambda n, l: f"expert id {int(ids_NLK[n, l].max())} "
-                 f"outside [0, {header.num_experts})")
+    _raise_first(
+        bad.any(-1),
+        sample_N,
+        row_N,
+        header,
+        lambda n, li: f"expert id {int(ids_NLK[n, li].max())} outside [0, {header.num_experts})",
+    )
     srt_NLK = ids_NLK.sort(-1).values
     dup_NL = ((srt_NLK[..., 1:] == srt_NLK[..., :-1]) & (srt_NLK[..., 1:] != missing)).any(-1)
-    _raise_first(dup_NL, sample_N, row_N, header, lambda n, l: f"repeated expert ids {ids_NLK[n, l].tolist()}")
+    _raise_first(
+        dup_NL, sample_N, row_N, header, lambda n, li: f"repeated expert ids {ids_NLK[n, li].tolist()}"
+    )
     partial_NL = present_NLK.any(-1) & ~present_NLK.all(-1)
-    _raise_first(partial_NL, sample_N, row_N, header, lambda n, l: f"row mixes MISSING and ids {ids_NLK[n, l].tolist()}")
+    _raise_first(
+        partial_NL,
+        sample_N,
+        row_N,
+        header,
+        lambda n, li: f"row mixes MISSING and ids {ids_NLK[n, li].tolist()}",
+    )
     # an engine that never captured a layer leaves it all zero: per sample and layer
     zero_NL = (ids_NLK == 0).all(-1).to(torch.int64)
     zero_BL = zero_NL.new_zeros((B, L)).index_add_(0, sample_N, zero_NL)
     all_zero_BL = (zero_BL == batch.rows_B[:, None]) & (batch.rows_B[:, None] > 0)
     if bool(all_zero_BL.any()):
-        b, l = (int(x) for x in all_zero_BL.nonzero()[0])
-        raise RouteError(f"sample {b}, layer {header.layer_ids[l]}: every row routes to expert 0 only "
-                         f"(an engine that did not capture this layer?)")
+        b, li = (int(x) for x in all_zero_BL.nonzero()[0])
+        raise RouteError(
+            f"sample {b}, layer {header.layer_ids[li]}: every row routes to expert 0 only "
+            f"(an engine that did not capture this layer?)"
+        )
 
 
-def _raise_first(bad_NL: torch.Tensor, sample_N: torch.Tensor, row_N: torch.Tensor, header: RouteHeader,
-                 what) -> None:
+def _raise_first(
+    bad_NL: torch.Tensor, sample_N: torch.Tensor, row_N: torch.Tensor, header: RouteHeader, what
+) -> None:
     if not bool(bad_NL.any()):
         return
-    n, l = (int(x) for x in bad_NL.nonzero()[0])
-    raise RouteError(f"sample {int(sample_N[n])}, layer {header.layer_ids[l]}, row {int(row_N[n])}: {what(n, l)}")
+    n, li = (int(x) for x in bad_NL.nonzero()[0])
+    raise RouteError(
+        f"sample {int(sample_N[n])}, layer {header.layer_ids[li]}, row {int(row_N[n])}: {what(n, li)}"
+    )

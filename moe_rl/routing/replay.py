@@ -60,14 +60,24 @@ class _Pass:
 
 
 class RouteReplay:
-    def __init__(self, gpt, header: RouteHeader, ep_size: int, recompute: bool,
-                 seq_shard: SeqShard = SeqShard(), stage_group=None, monitor=None) -> None:
+    def __init__(
+        self,
+        gpt,
+        header: RouteHeader,
+        ep_size: int,
+        recompute: bool,
+        seq_shard: SeqShard = SeqShard(),
+        stage_group=None,
+        monitor=None,
+    ) -> None:
         """``seq_shard``: sequence parallelism (TP > 1); ``stage_group``: the pipeline group when
         PP > 1 (this model is one stage); ``monitor``: a RouterGradMonitor fed by passes that ask."""
         from megatron_patches import router_replay_hook
 
         if not router_replay_hook.is_applied():
-            raise ReplayError("megatron_patches.router_replay_hook is not applied (megatron_patches.apply_all)")
+            raise ReplayError(
+                "megatron_patches.router_replay_hook is not applied (megatron_patches.apply_all)"
+            )
         self.header, self.ep_size, self.recompute, self.sp = header, ep_size, recompute, seq_shard
         self.monitor = monitor
         self.layer_ids: list[int] = []
@@ -133,22 +143,32 @@ class RouteReplay:
         finally:
             self._in_forward = False
 
-    def _begin_micro_batch(self, plan: PassPlan, routes: RouteBatch | None, old_routes: RouteBatch | None,
-                           seq_lens_B: torch.Tensor, seq_len: int) -> None:
+    def _begin_micro_batch(
+        self,
+        plan: PassPlan,
+        routes: RouteBatch | None,
+        old_routes: RouteBatch | None,
+        seq_lens_B: torch.Tensor,
+        seq_len: int,
+    ) -> None:
         B = int(seq_lens_B.shape[0])
         self._native = [None] * len(self.layer_ids)
         self._targets = self._old = None
         lens_B = seq_lens_B.cpu()  # the layout is index arithmetic on the CPU, moved once below
         if old_routes is not None:
             if old_routes.num_samples != B:
-                raise ReplayError(f"micro-batch of {B} sequences has {old_routes.num_samples} old-pass routes")
+                raise ReplayError(
+                    f"micro-batch of {B} sequences has {old_routes.num_samples} old-pass routes"
+                )
             old_NLK, old_rec_N, _ = layout(old_routes, lens_B, seq_len, self.ep_size)
             self._old = (self._local(old_NLK), self.sp.local_rows(old_rec_N))
         if routes is None and plan.mode is not PassMode.REPLAY:
             return  # record and/or compare with the old routes only
         if routes is None or routes.num_samples != B:
-            raise ReplayError(f"{plan.mode.value}: micro-batch of {B} sequences has "
-                              f"{None if routes is None else routes.num_samples} route records")
+            raise ReplayError(
+                f"{plan.mode.value}: micro-batch of {B} sequences has "
+                f"{None if routes is None else routes.num_samples} route records"
+            )
         targets_NLK, rec_N, counts = layout(routes, lens_B, seq_len, self.ep_size)
         targets_NLK = self._local(targets_NLK)
         self.server.load(targets_NLK)
@@ -176,7 +196,11 @@ class RouteReplay:
 
     @property
     def device(self) -> torch.device:
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        return (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )
 
     # ---- the per-layer decision ------------------------------------------------------------
     def _route(self, hook: _LayerHook, scores: torch.Tensor, topk: int, compute_native):

@@ -57,8 +57,9 @@ class RouteServer:
         else:
             target_NK = self._target[i]
             if target_NK is None:
-                raise ReplayError(f"layer {layer}: forward without routes for this micro-batch "
-                                  f"(stale or missing data)")
+                raise ReplayError(
+                    f"layer {layer}: forward without routes for this micro-batch (stale or missing data)"
+                )
             self._target[i] = None
             self.served_forward[i] += 1
             if self._queue:
@@ -72,7 +73,9 @@ class RouteServer:
         n = self.num_micro_batches
         for i, layer in enumerate(self.layer_ids):
             if self.served_forward[i] != n:
-                raise ReplayError(f"layer {layer}: consumed {self.served_forward[i]} of {n} micro-batches' routes")
+                raise ReplayError(
+                    f"layer {layer}: consumed {self.served_forward[i]} of {n} micro-batches' routes"
+                )
             if self._target[i] is not None:
                 raise ReplayError(f"layer {layer}: routes of the last micro-batch were never used")
 
@@ -81,4 +84,6 @@ class RouteServer:
         self.check_forward()
         for i, layer in enumerate(self.layer_ids):
             if self._fifo[i]:
-                raise ReplayError(f"layer {layer}: {len(self._fifo[i])} queued routes were not consumed by recompute")
+                raise ReplayError(
+                    f"layer {layer}: {len(self._fifo[i])} queued routes were not consumed by recompute"
+                )

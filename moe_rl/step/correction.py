@@ -36,19 +36,37 @@ class TrmPlan:
     ln_eps: float
     ln_delta: float
 
-    def mask(self, train_logp_BS: torch.Tensor, rollout_logp_BS: torch.Tensor, mask_BS: torch.Tensor,
-             exact_kl_BS: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+    def mask(
+        self,
+        train_logp_BS: torch.Tensor,
+        rollout_logp_BS: torch.Tensor,
+        mask_BS: torch.Tensor,
+        exact_kl_BS: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict]:
         """TRM sequence keep mask (docs/math.md 3.3): the exact per-token KL(pi_rollout || pi_train) from
         full distributions, or the sample-based k2 (max criterion) and k3 (average criterion)."""
         lr_BS = log_ratio(train_logp_BS.detach(), rollout_logp_BS.detach())
-        ln = {"length_neutral": self.length_neutral, "log_ratio_BS": lr_BS, "ln_threshold": self.ln_threshold,
-              "ln_eps": self.ln_eps, "ln_delta": self.ln_delta}
+        ln = {
+            "length_neutral": self.length_neutral,
+            "log_ratio_BS": lr_BS,
+            "ln_threshold": self.ln_threshold,
+            "ln_eps": self.ln_eps,
+            "ln_delta": self.ln_delta,
+        }
         if self.exact:
             if exact_kl_BS is None:
                 raise ValueError("correction.trm.kl=exact needs the rollout engine's full distributions")
-            return trm_mask(exact_kl_BS.detach(), mask_BS, max_delta=self.max_delta, avg_delta=self.avg_delta, **ln)
-        return trm_mask(sample_kl_tokens(lr_BS, "k2"), mask_BS, max_delta=self.max_delta,
-                        avg_delta=self.avg_delta, avg_kl_tok_BS=sample_kl_tokens(lr_BS, "k3"), **ln)
+            return trm_mask(
+                exact_kl_BS.detach(), mask_BS, max_delta=self.max_delta, avg_delta=self.avg_delta, **ln
+            )
+        return trm_mask(
+            sample_kl_tokens(lr_BS, "k2"),
+            mask_BS,
+            max_delta=self.max_delta,
+            avg_delta=self.avg_delta,
+            avg_kl_tok_BS=sample_kl_tokens(lr_BS, "k3"),
+            **ln,
+        )
 
 
 @dataclass(frozen=True)
@@ -93,8 +111,10 @@ def token_inputs(plan: CorrectionPlan, batch: RolloutBatch) -> TokenInputs:
 
     Refuses a batch whose log-probs are normalised over another support than the learner's."""
     if batch.logprob_support != plan.support:
-        raise ValueError(f"the rollout engine reported log-probs over support {batch.logprob_support!r} "
-                         f"but the learner computes them over {plan.support!r}")
+        raise ValueError(
+            f"the rollout engine reported log-probs over support {batch.logprob_support!r} "
+            f"but the learner computes them over {plan.support!r}"
+        )
     safe_BSV = dist_BSV = None
     if plan.safe_sets:
         if batch.safe_BSV is None:
@@ -113,8 +133,9 @@ def dvp_batch_metrics(plan: CorrectionPlan, batch: RolloutBatch, old: TokenStats
         return {}
     outside_BS1 = ~batch.response_mask_BS[..., None]  # prompt/pad positions: no distribution, no NaN
     safe_BSV = batch.safe_BSV | outside_BS1
-    train = RestrictedLogprobs(old.logp_BS, old.full_logp_BS, old.log_safe_mass_BS,
-                               batch.response_mask_BS.clone())
+    train = RestrictedLogprobs(
+        old.logp_BS, old.full_logp_BS, old.log_safe_mass_BS, batch.response_mask_BS.clone()
+    )
     if batch.dist_logp_BSV is not None:
         rollout = restricted_logprobs(batch.dist_logp_BSV, safe_BSV, batch.tokens_BS)
         return dvp_metrics(train, rollout, safe_BSV, batch.response_mask_BS)
@@ -131,9 +152,14 @@ def dvp_batch_metrics(plan: CorrectionPlan, batch: RolloutBatch, old: TokenStats
 ROLLOUT_DIST_METRICS = ("corr/dvp_pruned_mass", "corr/dvp_pruned_mass_max", "corr/dvp_k3_before")
 
 
-def drift_tensors(plan: CorrectionPlan, old_logp_BS: torch.Tensor, rollout_logp_BS: torch.Tensor,
-                  mask_BS: torch.Tensor, dp_group, exact_kl_BS: torch.Tensor | None = None
-                  ) -> tuple[CorrectionTensors, dict]:
+def drift_tensors(
+    plan: CorrectionPlan,
+    old_logp_BS: torch.Tensor,
+    rollout_logp_BS: torch.Tensor,
+    mask_BS: torch.Tensor,
+    dp_group,
+    exact_kl_BS: torch.Tensor | None = None,
+) -> tuple[CorrectionTensors, dict]:
     """Decoupled mode's per-batch tensors (rollout -> old drift): IS weights and the keep mask."""
     metrics: dict = {}
     is_weights_BS = None
@@ -148,8 +174,14 @@ def drift_tensors(plan: CorrectionPlan, old_logp_BS: torch.Tensor, rollout_logp_
             if dist.is_initialized():
                 dist.all_reduce(parts, group=dp_group)
             norm_mean = float(parts[0] / parts[1].clamp(min=1))
-        is_weights_BS, m = is_weights(lr_BS, mask_BS, plan.is_level, plan.is_clip,
-                                      batch_normalize=plan.is_batch_normalize, norm_mean=norm_mean)
+        is_weights_BS, m = is_weights(
+            lr_BS,
+            mask_BS,
+            plan.is_level,
+            plan.is_clip,
+            batch_normalize=plan.is_batch_normalize,
+            norm_mean=norm_mean,
+        )
         metrics.update(m)
     keep_BS = mask_BS.bool()
     if plan.rs:
@@ -168,32 +200,84 @@ def drift_tensors(plan: CorrectionPlan, old_logp_BS: torch.Tensor, rollout_logp_
 # rejection, as TRM requires) comes from the learner. ``trm_theta``: the TRM mask evaluated
 # against pi_theta here (the paper's guarantee), None when off or evaluated against pi_old.
 
-def _theta_keep(trm_theta: TrmPlan | None, mb: TrainBatch, st: TokenStats) -> tuple[torch.Tensor | None, dict]:
+
+def _theta_keep(
+    trm_theta: TrmPlan | None, mb: TrainBatch, st: TokenStats
+) -> tuple[torch.Tensor | None, dict]:
     if trm_theta is None:
         return None, {}
     return trm_theta.mask(st.logp_BS, mb.rollout_logp_BS, mb.loss_mask_BS, st.exact_kl_BS)
 
 
-def decoupled_loss(mb: TrainBatch, st: TokenStats, normalizer, *, trm_theta: TrmPlan | None, clip_low: float,
-                   clip_high: float, clip_ratio_c: float | None, kl_coef: float, kl_kind: str):
+def decoupled_loss(
+    mb: TrainBatch,
+    st: TokenStats,
+    normalizer,
+    *,
+    trm_theta: TrmPlan | None,
+    clip_low: float,
+    clip_high: float,
+    clip_ratio_c: float | None,
+    kl_coef: float,
+    kl_kind: str,
+):
     """Decoupled PPO: the per-batch IS weights and keep mask, the clip against pi_old."""
     keep, metrics = _theta_keep(trm_theta, mb, st)
     keep_BS = mb.keep_BS if keep is None else mb.keep_BS & keep[:, None]
-    value, m = losses.decoupled_ppo_loss(st.logp_BS, mb.old_logp_BS, mb.advantages_BS, mb.loss_mask_BS,
-                                         clip_low=clip_low, clip_high=clip_high, normalizer=normalizer,
-                                         is_weights_BS=mb.is_weights_BS, keep=keep_BS, clip_ratio_c=clip_ratio_c,
-                                         ref_logp_BS=mb.ref_logp_BS, kl_coef=kl_coef, kl_kind=kl_kind)
+    value, m = losses.decoupled_ppo_loss(
+        st.logp_BS,
+        mb.old_logp_BS,
+        mb.advantages_BS,
+        mb.loss_mask_BS,
+        clip_low=clip_low,
+        clip_high=clip_high,
+        normalizer=normalizer,
+        is_weights_BS=mb.is_weights_BS,
+        keep=keep_BS,
+        clip_ratio_c=clip_ratio_c,
+        ref_logp_BS=mb.ref_logp_BS,
+        kl_coef=kl_coef,
+        kl_kind=kl_kind,
+    )
     return value, {**metrics, **m}
 
 
-def bypass_loss(mb: TrainBatch, st: TokenStats, normalizer, *, trm_theta: TrmPlan | None, mode: str,
-                clip_low: float, clip_high: float, clip_ratio_c: float | None, is_level: str | None,
-                is_clip_max: float, rs_options: tuple[str, ...], rs_bounds: tuple, kl_coef: float, kl_kind: str):
+def bypass_loss(
+    mb: TrainBatch,
+    st: TokenStats,
+    normalizer,
+    *,
+    trm_theta: TrmPlan | None,
+    mode: str,
+    clip_low: float,
+    clip_high: float,
+    clip_ratio_c: float | None,
+    is_level: str | None,
+    is_clip_max: float,
+    rs_options: tuple[str, ...],
+    rs_bounds: tuple,
+    kl_coef: float,
+    kl_kind: str,
+):
     """Bypass mode: the ratio, IS weights and rejection against pi_rollout, in the loss."""
     keep, metrics = _theta_keep(trm_theta, mb, st)
-    value, m = losses.bypass_loss(st.logp_BS, mb.rollout_logp_BS, mb.advantages_BS, mb.loss_mask_BS,
-                                  mode=mode, normalizer=normalizer, clip_low=clip_low, clip_high=clip_high,
-                                  clip_ratio_c=clip_ratio_c, is_level=is_level, is_clip_max=is_clip_max,
-                                  rs_options=list(rs_options), rs_bounds=list(rs_bounds), keep=keep,
-                                  ref_logp_BS=mb.ref_logp_BS, kl_coef=kl_coef, kl_kind=kl_kind)
+    value, m = losses.bypass_loss(
+        st.logp_BS,
+        mb.rollout_logp_BS,
+        mb.advantages_BS,
+        mb.loss_mask_BS,
+        mode=mode,
+        normalizer=normalizer,
+        clip_low=clip_low,
+        clip_high=clip_high,
+        clip_ratio_c=clip_ratio_c,
+        is_level=is_level,
+        is_clip_max=is_clip_max,
+        rs_options=list(rs_options),
+        rs_bounds=list(rs_bounds),
+        keep=keep,
+        ref_logp_BS=mb.ref_logp_BS,
+        kl_coef=kl_coef,
+        kl_kind=kl_kind,
+    )
     return value, {**metrics, **m}

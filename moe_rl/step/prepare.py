@@ -35,9 +35,13 @@ def rollout_routes(batch: RolloutBatch, header: RouteHeader) -> RouteBatch:
     live on the host (a few bytes per token; the replay layout is index arithmetic done there and
     moved to the router's device once per micro-batch): one copy per step from an engine on a GPU."""
     prompt_lens_B = batch.prompt_lens_B.cpu()
-    routes = RouteBatch(torch.cat(batch.routes).cpu(),
-                        torch.tensor([r.shape[0] for r in batch.routes], dtype=torch.int64, device="cpu"),
-                        torch.zeros_like(prompt_lens_B), prompt_lens_B.clone(), header)
+    routes = RouteBatch(
+        torch.cat(batch.routes).cpu(),
+        torch.tensor([r.shape[0] for r in batch.routes], dtype=torch.int64, device="cpu"),
+        torch.zeros_like(prompt_lens_B),
+        prompt_lens_B.clone(),
+        header,
+    )
     validate(routes, prompt_lens_B + batch.response_lens_B.cpu(), header)
     return routes
 
@@ -55,33 +59,47 @@ def old_logprobs(plan: StepPlan, learner: Learner, batch: RolloutBatch) -> OldPa
     over on another: vLLM's is on the host)."""
     batch = batch.to(learner.device)
     inputs = correction.token_inputs(plan.correction, batch)
-    tb = TrainBatch(batch.tokens_BS, batch.prompt_lens_B + batch.response_lens_B, safe_BSV=inputs.safe_BSV,
-                    rollout_dist_BSV=inputs.rollout_dist_BSV, routes=rollout_routes(batch, learner.route_header))
+    tb = TrainBatch(
+        batch.tokens_BS,
+        batch.prompt_lens_B + batch.response_lens_B,
+        safe_BSV=inputs.safe_BSV,
+        rollout_dist_BSV=inputs.rollout_dist_BSV,
+        routes=rollout_routes(batch, learner.route_header),
+    )
     out = learner.forward_logprobs(tb, plan.sampling.temperature, plan.micro_batch_size, plan.replay.old_pass)
     return OldPass(batch, tb, out)
 
 
-def prepare_batch(plan: StepPlan, learner: Learner, old: OldPass, rewards_B: torch.Tensor
-                  ) -> tuple[TrainBatch, dict]:
+def prepare_batch(
+    plan: StepPlan, learner: Learner, old: OldPass, rewards_B: torch.Tensor
+) -> tuple[TrainBatch, dict]:
     """Correction tensors and advantages: the batch the update consumes, and the step's metrics."""
     batch, st, routing = old.batch, old.out.stats, old.out.routing
     rewards_B, mask_BS = rewards_B.to(learner.device), batch.response_mask_BS
-    corr, corr_metrics = correction.drift_tensors(plan.correction, st.logp_BS, batch.logprobs_BS, mask_BS,
-                                                  learner.dims.dp_group, st.exact_kl_BS)
+    corr, corr_metrics = correction.drift_tensors(
+        plan.correction, st.logp_BS, batch.logprobs_BS, mask_BS, learner.dims.dp_group, st.exact_kl_BS
+    )
     # OTB weights its energies by the squared rollout IS weights when rollout IS is on (docs/math.md 6.2)
     adv_inputs = {"logp_BS": st.logp_BS, "sum_pi_sq_BS": st.sum_pi_sq_BS, "is_weights_BS": corr.is_weights_BS}
-    adv_BS, metrics = plan.advantage(rewards_B, batch.group_B, mask_BS, std_norm=plan.std_norm,
-                                     **extra_inputs(plan.advantage, adv_inputs))
+    adv_BS, metrics = plan.advantage(
+        rewards_B, batch.group_B, mask_BS, std_norm=plan.std_norm, **extra_inputs(plan.advantage, adv_inputs)
+    )
     metrics.update(routing.metrics)
     if plan.replay.monitor:
         metrics.update(rollout_flip_aliases(routing.metrics))
     metrics.update(variance_proxies(adv_BS, mask_BS, st.sum_pi_sq_BS, st.logp_BS, corr.is_weights_BS))
     metrics.update({**corr_metrics, **correction.dvp_batch_metrics(plan.correction, batch, st)})
-    tb = old.tb.replace(loss_mask_BS=mask_BS, old_logp_BS=st.logp_BS, advantages_BS=adv_BS,
-                        rollout_logp_BS=batch.logprobs_BS, is_weights_BS=corr.is_weights_BS, keep_BS=corr.keep_BS,
-                        routes=plan.replay.update_routes(old.tb.routes, routing.recorded),
-                        # the update passes compare their routing with the old pass's (update-induced flips)
-                        old_routes=routing.recorded if plan.replay.monitor else None)
+    tb = old.tb.replace(
+        loss_mask_BS=mask_BS,
+        old_logp_BS=st.logp_BS,
+        advantages_BS=adv_BS,
+        rollout_logp_BS=batch.logprobs_BS,
+        is_weights_BS=corr.is_weights_BS,
+        keep_BS=corr.keep_BS,
+        routes=plan.replay.update_routes(old.tb.routes, routing.recorded),
+        # the update passes compare their routing with the old pass's (update-induced flips)
+        old_routes=routing.recorded if plan.replay.monitor else None,
+    )
     metrics.update(mismatch_metrics(st.logp_BS, batch.logprobs_BS, st.entropy_BS, mask_BS))
     return tb, metrics
 
@@ -92,21 +110,27 @@ def reference_logprobs(plan: StepPlan, learner: Learner, tb: TrainBatch) -> Trai
     if not plan.reference:
         return tb
     ref_plan = plan.replay.reference_pass
-    ref_batch = TrainBatch(tb.tokens_BS, tb.seq_lens_B, safe_BSV=tb.safe_BSV, routes=tb.routes if ref_plan else None)
-    ref = learner.forward_logprobs(ref_batch, plan.sampling.temperature, plan.micro_batch_size, ref_plan,
-                                   reference=True)
+    ref_batch = TrainBatch(
+        tb.tokens_BS, tb.seq_lens_B, safe_BSV=tb.safe_BSV, routes=tb.routes if ref_plan else None
+    )
+    ref = learner.forward_logprobs(
+        ref_batch, plan.sampling.temperature, plan.micro_batch_size, ref_plan, reference=True
+    )
     return tb.replace(ref_logp_BS=ref.stats.logp_BS)
 
 
-def mismatch_metrics(old_logp_BS: torch.Tensor, rollout_logp_BS: torch.Tensor, entropy_BS: torch.Tensor,
-                     mask_BS: torch.Tensor) -> dict:
+def mismatch_metrics(
+    old_logp_BS: torch.Tensor, rollout_logp_BS: torch.Tensor, entropy_BS: torch.Tensor, mask_BS: torch.Tensor
+) -> dict:
     """Training-inference mismatch on the sampled tokens (pi_train = the learner's pi_old here)."""
     m = mask_BS.float()
     diff_BS = (old_logp_BS - rollout_logp_BS).abs() * m
-    return {**offpolicy_metrics(old_logp_BS, rollout_logp_BS, mask_BS),
-            "train/entropy": Mean((entropy_BS * m).sum(), m.sum()),
-            "corr/logprob_abs_diff": Mean(diff_BS.sum(), m.sum()),
-            "corr/logprob_abs_diff_max": Max(diff_BS.max())}
+    return {
+        **offpolicy_metrics(old_logp_BS, rollout_logp_BS, mask_BS),
+        "train/entropy": Mean((entropy_BS * m).sum(), m.sum()),
+        "corr/logprob_abs_diff": Mean(diff_BS.sum(), m.sum()),
+        "corr/logprob_abs_diff_max": Max(diff_BS.max()),
+    }
 
 
 def rollout_metrics(batch: RolloutBatch) -> dict:

@@ -13,13 +13,16 @@ from moe_rl.step.plan import StepPlan
 from moe_rl.types import RolloutBatch, TrainBatch
 
 
-def learning_rate(plan: StepPlan, scheduler: LengthLRScheduler, step: int, batch: RolloutBatch,
-                  dp_group) -> tuple[float, dict, list[dict]]:
+def learning_rate(
+    plan: StepPlan, scheduler: LengthLRScheduler, step: int, batch: RolloutBatch, dp_group
+) -> tuple[float, dict, list[dict]]:
     """This step's LR: the base schedule times the response-length decay multiplier, which sees
     the global mean response length of this step's rollouts (one tiny all-reduce)."""
     lens_B = batch.response_lens_B.to(comm_device(dp_group))  # NCCL reduces CUDA tensors only
-    stats = all_reduce_sum(torch.stack([lens_B.double().sum(), lens_B.new_tensor(float(batch.num_seqs),
-                                                                                 dtype=torch.float64)]), dp_group)
+    stats = all_reduce_sum(
+        torch.stack([lens_B.double().sum(), lens_B.new_tensor(float(batch.num_seqs), dtype=torch.float64)]),
+        dp_group,
+    )
     multiplier, events = scheduler.update(step, float(stats[0] / stats[1]))
     o = plan.optim
     lr = scheduled_lr(step, plan.steps, o, multiplier, o.length_lr.min_lr)
@@ -31,8 +34,14 @@ def update_policy(plan: StepPlan, learner: Learner, tb: TrainBatch, lr: float) -
     merged: dict = {}
     grad_norms, skipped = [], 0
     for idx_B in torch.arange(tb.num_seqs, device=tb.tokens_BS.device).chunk(plan.num_minibatches):
-        out = learner.update(tb.select(idx_B), plan.loss, plan.sampling.temperature, plan.micro_batch_size, lr,
-                             plan.replay.update_pass)
+        out = learner.update(
+            tb.select(idx_B),
+            plan.loss,
+            plan.sampling.temperature,
+            plan.micro_batch_size,
+            lr,
+            plan.replay.update_pass,
+        )
         grad_norms.append(out.grad_norm)
         skipped += out.skipped
         for m in [*out.loss_metrics, out.routing.metrics]:

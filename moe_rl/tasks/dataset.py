@@ -50,8 +50,14 @@ class GeneratedTasks:
     A name repeated in ``tasks`` is drawn proportionally more often.
     """
 
-    def __init__(self, tasks: list[str], min_len: int, max_len: int, tokenizer: CharTokenizer,
-                 reward: str = "exact_match") -> None:
+    def __init__(
+        self,
+        tasks: list[str],
+        min_len: int,
+        max_len: int,
+        tokenizer: CharTokenizer,
+        reward: str = "exact_match",
+    ) -> None:
         check_task_names(list(tasks))
         check_lengths(min_len, max_len)
         check_reward_name(reward)
@@ -64,8 +70,10 @@ class GeneratedTasks:
     def longest_prompt_tokens(self) -> int:
         """Tokens of the longest prompt any task can draw (bos included): every length at max_len."""
         longest = _Longest()
-        return max(len(self.tokenizer.encode(TASKS[t](longest, self.max_len, self.max_len)[0], bos=True))
-                   for t in self.task_names)
+        return max(
+            len(self.tokenizer.encode(TASKS[t](longest, self.max_len, self.max_len)[0], bos=True))
+            for t in self.task_names
+        )
 
     def sample_step(self, step: int, num: int, dp_rank: int, dp_size: int, run_seed: int) -> list[Prompt]:
         """``sample`` with the per-step, per-rank seed ``step_seed(run_seed, step, dp_rank, PROMPTS)``."""
@@ -85,8 +93,10 @@ class GeneratedTasks:
         return prompts
 
     def __repr__(self) -> str:
-        return (f"GeneratedTasks(tasks={self.tasks}, min_len={self.min_len}, "
-                f"max_len={self.max_len}, reward={self.reward!r})")
+        return (
+            f"GeneratedTasks(tasks={self.tasks}, min_len={self.min_len}, "
+            f"max_len={self.max_len}, reward={self.reward!r})"
+        )
 
 
 def _check_num(num: int) -> None:
@@ -99,5 +109,3 @@ class _Longest(random.Random):
 
     def randint(self, a: int, b: int) -> int:
         return b
-
-

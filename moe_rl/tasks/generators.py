@@ -63,28 +63,28 @@ def random_number(rng: Rng, min_len: int, max_len: int) -> str:
 
 @register_task("reverse")
 def reverse_digits(rng: Rng, min_len: int, max_len: int) -> tuple[str, str]:
-    """"R" + digits + ":" -> the digits reversed."""
+    """ "R" + digits + ":" -> the digits reversed."""
     digits = random_digits(rng, min_len, max_len)
     return f"R{digits}:", digits[::-1]
 
 
 @register_task("sort")
 def sort_digits(rng: Rng, min_len: int, max_len: int) -> tuple[str, str]:
-    """"S" + digits + ":" -> the digits sorted ascending."""
+    """ "S" + digits + ":" -> the digits sorted ascending."""
     digits = random_digits(rng, min_len, max_len)
     return f"S{digits}:", "".join(sorted(digits))
 
 
 @register_task("copy")
 def copy_digits(rng: Rng, min_len: int, max_len: int) -> tuple[str, str]:
-    """"C" + digits + ":" -> the same digits."""
+    """ "C" + digits + ":" -> the same digits."""
     digits = random_digits(rng, min_len, max_len)
     return f"C{digits}:", digits
 
 
 @register_task("add")
 def add_numbers(rng: Rng, min_len: int, max_len: int) -> tuple[str, str]:
-    """"A" + a + "+" + b + ":" -> str(a + b); a and b have min_len..max_len digits each."""
+    """ "A" + a + "+" + b + ":" -> str(a + b); a and b have min_len..max_len digits each."""
     a = random_number(rng, min_len, max_len)
     b = random_number(rng, min_len, max_len)
     return f"A{a}+{b}:", str(int(a) + int(b))

@@ -25,9 +25,18 @@ from moe_rl.tasks.tokenizer import CharTokenizer
 
 BUILTIN_CHAR = "builtin:char"
 HF_PREFIX = "hf:"
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-                    "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja",
-                    "chat_template.json", "generation_config.json")
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
 
 
 class TokenizerError(ConfigError):
@@ -64,15 +73,19 @@ class HFTokenizer:
         try:
             self.hf = AutoTokenizer.from_pretrained(str(self.directory), local_files_only=True)
         except Exception as e:  # transformers raises OSError, ValueError, JSON errors ... for a bad directory
-            raise TokenizerError(f"tokenizer directory {self.directory} is not readable by transformers' "
-                                 f"AutoTokenizer: {type(e).__name__}: {e}") from None
+            raise TokenizerError(
+                f"tokenizer directory {self.directory} is not readable by transformers' "
+                f"AutoTokenizer: {type(e).__name__}: {e}"
+            ) from None
         gen = _generation_config(self.directory)
         eos = [self.hf.eos_token_id] if self.hf.eos_token_id is not None else []
         eos += _as_list(gen.get("eos_token_id"))
         self.eos_ids = tuple(dict.fromkeys(int(i) for i in eos))
         if not self.eos_ids:
-            raise TokenizerError(f"tokenizer directory {self.directory}: no eos_token_id in the tokenizer or in "
-                                 "generation_config.json; generation could never stop")
+            raise TokenizerError(
+                f"tokenizer directory {self.directory}: no eos_token_id in the tokenizer or in "
+                "generation_config.json; generation could never stop"
+            )
         pad = self.hf.pad_token_id if self.hf.pad_token_id is not None else gen.get("pad_token_id")
         self.pad_id = int(_as_list(pad)[0]) if pad is not None else self.eos_ids[0]
         self.eos_id = self.eos_ids[0]
@@ -88,19 +101,21 @@ class HFTokenizer:
             ids = [int(self.bos_id), *ids]
         return ids + [self.eos_id] if eos else ids
 
-    def chat_text(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                  kwargs: dict[str, Any]) -> str:
+    def chat_text(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool, kwargs: dict[str, Any]
+    ) -> str:
         """Chat messages -> the prompt text the model was trained to continue (the template writes
         the special tokens itself, so encode it without bos)."""
-        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                           **kwargs)
+        return self.hf.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+        )
 
     def decode(self, ids: Iterable[int] | torch.Tensor) -> str:
         """Ids -> text, stopping at the first EOS id, special tokens and ids past the tokenizer's
         vocabulary (a padded embedding's rows) skipped."""
         ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
         stops = [k for k, t in enumerate(ids) if t in self.eos_ids]
-        ids = [t for t in (ids[:stops[0]] if stops else ids) if 0 <= t < self.vocab_size]
+        ids = [t for t in (ids[: stops[0]] if stops else ids) if 0 <= t < self.vocab_size]
         return self.hf.decode(ids, skip_special_tokens=True)
 
     def decode_batch(self, ids_BS: torch.Tensor) -> list[str]:
@@ -147,15 +162,17 @@ def _generation_config(directory: Path) -> dict[str, Any]:
 def tokenizer_dir(spec: str, init_weights: str) -> str:
     """``task.tokenizer`` -> "" (built-in) or the HF directory: ``auto`` is the ``init_weights=hf:DIR``
     directory when there is one, else the built-in; ``hf`` / ``hf:`` alone is that directory."""
-    init_dir = init_weights[len(HF_PREFIX):] if init_weights.startswith(HF_PREFIX) else ""
+    init_dir = init_weights[len(HF_PREFIX) :] if init_weights.startswith(HF_PREFIX) else ""
     if spec == BUILTIN_CHAR or (spec == "auto" and not init_dir):
         return ""
     if spec in ("auto", "hf", HF_PREFIX):
         if not init_dir:
-            raise TokenizerError(f"task.tokenizer={spec!r} names the init_weights=hf:DIR directory, but "
-                                 f"init_weights is {init_weights!r}; give task.tokenizer=hf:DIR")
+            raise TokenizerError(
+                f"task.tokenizer={spec!r} names the init_weights=hf:DIR directory, but "
+                f"init_weights is {init_weights!r}; give task.tokenizer=hf:DIR"
+            )
         return init_dir
-    return spec[len(HF_PREFIX):]
+    return spec[len(HF_PREFIX) :]
 
 
 def load_tokenizer(spec: str, init_weights: str) -> CharTokenizer | HFTokenizer:
@@ -171,5 +188,7 @@ def check_vocab_fits(tok: CharTokenizer | HFTokenizer, model_vocab: int) -> None
     """The model's embedding must hold every token id (it may be larger: padded embeddings)."""
     if model_vocab < tok.vocab_size:
         where = getattr(tok, "directory", "builtin:char")
-        raise TokenizerError(f"the tokenizer ({where}) has {tok.vocab_size} tokens but the model's vocabulary "
-                             f"(model.vocab_size) has only {model_vocab}: every token id needs an embedding row")
+        raise TokenizerError(
+            f"the tokenizer ({where}) has {tok.vocab_size} tokens but the model's vocabulary "
+            f"(model.vocab_size) has only {model_vocab}: every token id needs an embedding row"
+        )

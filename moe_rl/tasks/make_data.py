@@ -50,8 +50,14 @@ def make_rows(num: int, seed: int, style: str) -> list[dict[str, Any]]:
     for i in range(num):
         question, answer = word_problem(rng)
         if style == "verl":
-            rows.append({"data_source": SOURCE, "prompt": [{"role": "user", "content": question}],
-                         "reward_model": {"style": "rule", "ground_truth": str(answer)}, "extra_info": {"index": i}})
+            rows.append(
+                {
+                    "data_source": SOURCE,
+                    "prompt": [{"role": "user", "content": question}],
+                    "reward_model": {"style": "rule", "ground_truth": str(answer)},
+                    "extra_info": {"index": i},
+                }
+            )
         elif style == "slime":
             rows.append({"input": question, "label": str(answer), "data_source": SOURCE})
         else:

@@ -39,7 +39,14 @@ import torch
 
 from moe_rl.metrics import Mean, MetricValue, Std
 from moe_rl.registry import Registry
-from moe_rl.tasks.text_rewards import TEXT_REWARDS, USER_PREFIX, RewardPool, TextSample, TextScore, load_user_reward
+from moe_rl.tasks.text_rewards import (
+    TEXT_REWARDS,
+    USER_PREFIX,
+    RewardPool,
+    TextSample,
+    TextScore,
+    load_user_reward,
+)
 from moe_rl.tasks.tokenizer import CharTokenizer
 
 if TYPE_CHECKING:
@@ -52,8 +59,9 @@ REWARDS: Registry[RewardFn] = Registry("reward")
 register_reward = REWARDS.register
 
 
-def _align(response_ids_BS: torch.Tensor, answer_ids_BA: torch.Tensor, eos_id: int,
-           pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _align(
+    response_ids_BS: torch.Tensor, answer_ids_BA: torch.Tensor, eos_id: int, pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pad both sides to a common length L = max(S, A + 1) and find lengths.
 
     Returns:
@@ -65,19 +73,20 @@ def _align(response_ids_BS: torch.Tensor, answer_ids_BA: torch.Tensor, eos_id: i
     if response_ids_BS.dim() != 2 or answer_ids_BA.dim() != 2:
         raise ValueError("response_ids_BS and answer_ids_BA must be 2-D [B, S] / [B, A]")
     if response_ids_BS.shape[0] != answer_ids_BA.shape[0]:
-        raise ValueError(f"batch sizes differ: responses {response_ids_BS.shape[0]}, "
-                         f"answers {answer_ids_BA.shape[0]}")
+        raise ValueError(
+            f"batch sizes differ: responses {response_ids_BS.shape[0]}, answers {answer_ids_BA.shape[0]}"
+        )
     (num_seqs, resp_len), ans_len = response_ids_BS.shape, answer_ids_BA.shape[1]
     length = max(resp_len, ans_len + 1)
-    resp_BL = torch.full((num_seqs, length), pad_id, dtype=torch.long,
-                         device=response_ids_BS.device)
+    resp_BL = torch.full((num_seqs, length), pad_id, dtype=torch.long, device=response_ids_BS.device)
     resp_BL[:, :resp_len] = response_ids_BS
     ans_BL = torch.full_like(resp_BL, pad_id)
     ans_BL[:, :ans_len] = answer_ids_BA
     answer_len_B = (ans_BL != pad_id).sum(dim=1)
     is_eos_BL = resp_BL == eos_id
-    first_eos_B = torch.where(is_eos_BL.any(dim=1), is_eos_BL.long().argmax(dim=1),
-                              torch.full_like(answer_len_B, length))
+    first_eos_B = torch.where(
+        is_eos_BL.any(dim=1), is_eos_BL.long().argmax(dim=1), torch.full_like(answer_len_B, length)
+    )
     return resp_BL, ans_BL, answer_len_B, first_eos_B
 
 
@@ -88,8 +97,9 @@ def _mean(x_B: torch.Tensor) -> Mean:
 
 
 @register_reward("exact_match")
-def exact_match(response_ids_BS: torch.Tensor, answer_ids_BA: torch.Tensor, eos_id: int,
-                pad_id: int) -> tuple[torch.Tensor, Metrics]:
+def exact_match(
+    response_ids_BS: torch.Tensor, answer_ids_BA: torch.Tensor, eos_id: int, pad_id: int
+) -> tuple[torch.Tensor, Metrics]:
     """1 iff the response is exactly the answer followed by eos.
 
     Args:
@@ -100,8 +110,7 @@ def exact_match(response_ids_BS: torch.Tensor, answer_ids_BA: torch.Tensor, eos_
         rewards_B: float32 [B] in {0, 1}.
         metrics: ``reward/exact_match_frac``.
     """
-    resp_BL, ans_BL, answer_len_B, first_eos_B = _align(response_ids_BS, answer_ids_BA,
-                                                        eos_id, pad_id)
+    resp_BL, ans_BL, answer_len_B, first_eos_B = _align(response_ids_BS, answer_ids_BA, eos_id, pad_id)
     pos_BL = torch.arange(resp_BL.shape[1], device=resp_BL.device).expand_as(resp_BL)
     before_BL = pos_BL < answer_len_B[:, None]
     rewards_B = ((resp_BL == ans_BL) | ~before_BL).all(dim=1) & (first_eos_B == answer_len_B)
@@ -110,8 +119,9 @@ def exact_match(response_ids_BS: torch.Tensor, answer_ids_BA: torch.Tensor, eos_
 
 
 @register_reward("char_accuracy")
-def char_accuracy(response_ids_BS: torch.Tensor, answer_ids_BA: torch.Tensor, eos_id: int,
-                  pad_id: int) -> tuple[torch.Tensor, Metrics]:
+def char_accuracy(
+    response_ids_BS: torch.Tensor, answer_ids_BA: torch.Tensor, eos_id: int, pad_id: int
+) -> tuple[torch.Tensor, Metrics]:
     """Fraction of answer characters right, halved unless eos directly follows the answer.
 
     Args:
@@ -123,13 +133,15 @@ def char_accuracy(response_ids_BS: torch.Tensor, answer_ids_BA: torch.Tensor, eo
         metrics: ``reward/char_accuracy_mean`` (the reward), ``reward/char_accuracy_chars_frac``
             (matched / answer_len, before the eos factor), ``reward/char_accuracy_eos_ok_frac``.
     """
-    resp_BL, ans_BL, answer_len_B, first_eos_B = _align(response_ids_BS, answer_ids_BA,
-                                                        eos_id, pad_id)
+    resp_BL, ans_BL, answer_len_B, first_eos_B = _align(response_ids_BS, answer_ids_BA, eos_id, pad_id)
     pos_BL = torch.arange(resp_BL.shape[1], device=resp_BL.device).expand_as(resp_BL)
     counted_BL = (pos_BL < answer_len_B[:, None]) & (pos_BL < first_eos_B[:, None])
     matched_B = ((resp_BL == ans_BL) & counted_BL).sum(dim=1)
-    chars_B = torch.where(answer_len_B > 0, matched_B / answer_len_B.clamp(min=1),
-                          torch.ones_like(matched_B, dtype=torch.float32)).float()
+    chars_B = torch.where(
+        answer_len_B > 0,
+        matched_B / answer_len_B.clamp(min=1),
+        torch.ones_like(matched_B, dtype=torch.float32),
+    ).float()
     eos_ok_B = first_eos_B == answer_len_B
     rewards_B = chars_B * torch.where(eos_ok_B, 1.0, 0.5)
     metrics = {
@@ -145,8 +157,10 @@ def check_reward_name(name: str) -> None:
     if name.startswith(USER_PREFIX):
         load_user_reward(name)
     elif name not in REWARDS and name not in TEXT_REWARDS:
-        raise ValueError(f"unknown reward {name!r}; known: {sorted(set(REWARDS) | set(TEXT_REWARDS))} "
-                         f"or python:FILE.py:FUNCTION")
+        raise ValueError(
+            f"unknown reward {name!r}; known: {sorted(set(REWARDS) | set(TEXT_REWARDS))} "
+            f"or python:FILE.py:FUNCTION"
+        )
 
 
 def uses_token_reward(name: str, tokenizer) -> bool:
@@ -154,9 +168,15 @@ def uses_token_reward(name: str, tokenizer) -> bool:
     return isinstance(tokenizer, CharTokenizer) and name in REWARDS
 
 
-def score(prompts: list[Prompt], response_ids_BS: torch.Tensor, tokenizer: CharTokenizer,
-          group_size: int, task_names: Sequence[str] = (), pool: RewardPool | None = None,
-          text_metrics: bool = False) -> tuple[torch.Tensor, Metrics]:
+def score(
+    prompts: list[Prompt],
+    response_ids_BS: torch.Tensor,
+    tokenizer: CharTokenizer,
+    group_size: int,
+    task_names: Sequence[str] = (),
+    pool: RewardPool | None = None,
+    text_metrics: bool = False,
+) -> tuple[torch.Tensor, Metrics]:
     """Score B = len(prompts) * group_size responses; sequence b answers prompt b // group_size.
 
     Each reward kind present runs once: a token reward vectorized over the sequences (selected by
@@ -188,7 +208,10 @@ def score(prompts: list[Prompt], response_ids_BS: torch.Tensor, tokenizer: CharT
         raise ValueError(f"{num_seqs} responses for {len(prompts)} prompts x {group_size} samples")
     device = response_ids_BS.device
     rewards_B = torch.zeros(num_seqs, dtype=torch.float32, device=device)
-    error_B, timeout_B = torch.zeros_like(rewards_B, dtype=torch.bool), torch.zeros_like(rewards_B, dtype=torch.bool)
+    error_B, timeout_B = (
+        torch.zeros_like(rewards_B, dtype=torch.bool),
+        torch.zeros_like(rewards_B, dtype=torch.bool),
+    )
     char = isinstance(tokenizer, CharTokenizer)
     answer_ids_BA = None
     if char:
@@ -197,8 +220,9 @@ def score(prompts: list[Prompt], response_ids_BS: torch.Tensor, tokenizer: CharT
     for name, mask_B in _group_masks([p.reward for p in prompts], group_size, device).items():
         check_reward_name(name)
         if uses_token_reward(name, tokenizer):
-            rewards_B[mask_B], _ = REWARDS[name](response_ids_BS[mask_B], answer_ids_BA[mask_B],
-                                                 tokenizer.eos_id, tokenizer.pad_id)
+            rewards_B[mask_B], _ = REWARDS[name](
+                response_ids_BS[mask_B], answer_ids_BA[mask_B], tokenizer.eos_id, tokenizer.pad_id
+            )
         else:
             idx = mask_B.nonzero().flatten().tolist()
             scored = _score_text(prompts, response_ids_BS, idx, group_size, tokenizer, pool)
@@ -206,8 +230,10 @@ def score(prompts: list[Prompt], response_ids_BS: torch.Tensor, tokenizer: CharT
             error_B[mask_B] = torch.tensor([x.error for x in scored], dtype=torch.bool, device=device)
             timeout_B[mask_B] = torch.tensor([x.timed_out for x in scored], dtype=torch.bool, device=device)
     r64_B = rewards_B.to(torch.float64)
-    metrics: Metrics = {"reward/mean": _mean(rewards_B),
-                        "reward/std": Std(r64_B.sum(), (r64_B * r64_B).sum(), _mean(r64_B).count)}
+    metrics: Metrics = {
+        "reward/mean": _mean(rewards_B),
+        "reward/std": Std(r64_B.sum(), (r64_B * r64_B).sum(), _mean(r64_B).count),
+    }
     if char:
         exact_B, _ = exact_match(response_ids_BS, answer_ids_BA, tokenizer.eos_id, tokenizer.pad_id)
         metrics["reward/exact_match_frac"] = _mean(exact_B)
@@ -222,8 +248,14 @@ def score(prompts: list[Prompt], response_ids_BS: torch.Tensor, tokenizer: CharT
     return rewards_B, metrics
 
 
-def _score_text(prompts: list[Prompt], response_ids_BS: torch.Tensor, idx: list[int], group_size: int,
-                tokenizer, pool: RewardPool | None) -> list[TextScore]:
+def _score_text(
+    prompts: list[Prompt],
+    response_ids_BS: torch.Tensor,
+    idx: list[int],
+    group_size: int,
+    tokenizer,
+    pool: RewardPool | None,
+) -> list[TextScore]:
     """Decode the responses ``idx`` and score them (per sample: text rewards are Python)."""
     rows = response_ids_BS[idx].tolist()
     samples = []
@@ -233,8 +265,9 @@ def _score_text(prompts: list[Prompt], response_ids_BS: torch.Tensor, idx: list[
     return (pool or RewardPool(0, 10.0)).score(samples)
 
 
-def overlong_penalty(response_lens_B: torch.Tensor, max_new_tokens: int, buffer: int,
-                     factor: float) -> tuple[torch.Tensor, Metrics]:
+def overlong_penalty(
+    response_lens_B: torch.Tensor, max_new_tokens: int, buffer: int, factor: float
+) -> tuple[torch.Tensor, Metrics]:
     """DAPO's soft overlong penalty: 0 up to L - buffer tokens, then falling linearly to -factor at
     L = max_new_tokens (DAPO eq. 13, L_cache = buffer).
 
@@ -246,11 +279,13 @@ def overlong_penalty(response_lens_B: torch.Tensor, max_new_tokens: int, buffer:
     """
     over_B = (response_lens_B.float() - (max_new_tokens - buffer)).clamp(min=0.0)
     penalty_B = -(over_B / buffer).clamp(max=1.0) * factor
-    return penalty_B, {"reward/overlong_penalty_mean": _mean(penalty_B), "reward/overlong_frac": _mean(over_B > 0)}
+    return penalty_B, {
+        "reward/overlong_penalty_mean": _mean(penalty_B),
+        "reward/overlong_frac": _mean(over_B > 0),
+    }
 
 
-def _group_masks(labels: list[str], group_size: int,
-                 device: torch.device) -> dict[str, torch.Tensor]:
+def _group_masks(labels: list[str], group_size: int, device: torch.device) -> dict[str, torch.Tensor]:
     """Per-prompt labels -> {label: bool [B] mask of the sequences whose prompt has it}."""
     names = sorted(set(labels))
     position = {name: k for k, name in enumerate(names)}

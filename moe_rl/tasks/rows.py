@@ -102,11 +102,15 @@ def _read_jsonl_lines(path: Path) -> list[dict[str, Any]]:
         try:
             line.decode("utf-8")
         except UnicodeDecodeError as e:
-            raise DataError(f"{path}: line {lineno}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
+            raise DataError(
+                f"{path}: line {lineno}: not valid UTF-8 ({e.reason} at byte {e.start})"
+            ) from None
         try:
             table = pj.read_json(io.BytesIO(line))
         except pa.ArrowInvalid as e:
-            raise DataError(f"{path}: line {lineno}: not a JSON object ({str(e).split(' in row')[0]})") from None
+            raise DataError(
+                f"{path}: line {lineno}: not a JSON object ({str(e).split(' in row')[0]})"
+            ) from None
         rows.extend(table.to_pylist())
     return rows
 
@@ -142,11 +146,19 @@ def _messages(prompt: Any, key: str) -> list[dict[str, Any]] | None:
         if not prompt:
             raise ValueError(f"key {key!r} is an empty string")
         return None
-    if isinstance(prompt, list) and prompt and all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                                                   and isinstance(m.get("content"), str) for m in prompt):
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in prompt
+        )
+    ):
         return prompt
-    raise ValueError(f"key {key!r} must be a string or a non-empty list of {{'role': str, 'content': str}} "
-                     f"messages, got {type(prompt).__name__} {str(prompt)[:60]!r}")
+    raise ValueError(
+        f"key {key!r} must be a string or a non-empty list of {{'role': str, 'content': str}} "
+        f"messages, got {type(prompt).__name__} {str(prompt)[:60]!r}"
+    )
 
 
 def _encode(tok, text: str, key: str, bos: bool = False) -> list[int]:
@@ -168,16 +180,23 @@ def _use_template(spec: RowSpec, messages: list | None, tok) -> bool:
     mode = str(spec.apply_chat_template).lower()
     if mode == "false":
         if messages is not None:
-            raise ValueError(f"key {spec.prompt_key!r} holds chat messages but task.apply_chat_template=false: "
-                             f"set it to auto or true")
+            raise ValueError(
+                f"key {spec.prompt_key!r} holds chat messages but task.apply_chat_template=false: "
+                f"set it to auto or true"
+            )
         return False
     if mode == "auto" and messages is None:
         return False  # a plain string prompt is tokenized as is
     if not tok.has_chat_template:
-        why = "task.apply_chat_template=true but" if mode == "true" else \
-            f"key {spec.prompt_key!r} holds chat messages but"
-        raise ValueError(f"{why} the tokenizer {_tokenizer_name(tok)} has no chat template; use an HF tokenizer "
-                         f"with one (task.tokenizer=hf:DIR) or plain string prompts")
+        why = (
+            "task.apply_chat_template=true but"
+            if mode == "true"
+            else f"key {spec.prompt_key!r} holds chat messages but"
+        )
+        raise ValueError(
+            f"{why} the tokenizer {_tokenizer_name(tok)} has no chat template; use an HF tokenizer "
+            f"with one (task.tokenizer=hf:DIR) or plain string prompts"
+        )
     return True
 
 
@@ -188,14 +207,18 @@ def row_to_prompt(row: dict[str, Any], spec: RowSpec, tok) -> Prompt:
     prompt, answer = lookup(row, spec.prompt_key), lookup(row, spec.answer_key)
     for key, value in ((spec.prompt_key, prompt), (spec.answer_key, answer)):
         if value is _MISSING:
-            raise ValueError(f"missing key {key!r} (row keys: {sorted(k for k, v in row.items() if v is not None)})")
+            raise ValueError(
+                f"missing key {key!r} (row keys: {sorted(k for k, v in row.items() if v is not None)})"
+            )
     messages = _messages(prompt, spec.prompt_key)
     if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
         raise ValueError(f"key {spec.answer_key!r} must be a string or a number, got {type(answer).__name__}")
     reward = row.get("reward") if isinstance(row.get("reward"), str) else spec.default_reward
     check_reward_name(reward)
     source = lookup(row, spec.source_key)
-    source = row.get("task") if source is _MISSING and isinstance(row.get("task"), str) else source  # built-in format
+    source = (
+        row.get("task") if source is _MISSING and isinstance(row.get("task"), str) else source
+    )  # built-in format
     source = str(source) if source not in (_MISSING, None, "") else "dataset"
     if _use_template(spec, messages, tok):
         messages = messages or [{"role": "user", "content": prompt}]
@@ -206,7 +229,9 @@ def row_to_prompt(row: dict[str, Any], spec: RowSpec, tok) -> Prompt:
     if not hasattr(tok, "hf"):  # the character tokenizer's token rewards encode the answer
         _encode(tok, str(answer), spec.answer_key)
     top = spec.prompt_key.split(".")[0], spec.answer_key.split(".")[0]
-    extra = {k: v for k, v in row.items() if k not in top and v is not None}  # pyarrow fills absent keys with None
+    extra = {
+        k: v for k, v in row.items() if k not in top and v is not None
+    }  # pyarrow fills absent keys with None
     return Prompt(ids, str(answer), reward, source, text=text, extra=extra)
 
 
@@ -221,15 +246,23 @@ def load_prompts(path: str | Path, spec: RowSpec, tok) -> tuple[list[Prompt], in
             raise DataError(f"{path}: row {i}: {e}") from None
         if spec.max_prompt_tokens and len(p.prompt_ids) > spec.max_prompt_tokens:
             if spec.overlong == "error":
-                raise DataError(f"{path}: row {i}: prompt has {len(p.prompt_ids)} tokens (bos included), more "
-                                   f"than {spec.max_prompt_tokens} ({spec.limit_why}); shorten it, raise "
-                                   f"model.max_seq_len, or set task.overlong=drop")
+                raise DataError(
+                    f"{path}: row {i}: prompt has {len(p.prompt_ids)} tokens (bos included), more "
+                    f"than {spec.max_prompt_tokens} ({spec.limit_why}); shorten it, raise "
+                    f"model.max_seq_len, or set task.overlong=drop"
+                )
             dropped += 1
             continue
         prompts.append(p)
     if dropped:
-        logger.warning("%s: dropped %d of %d prompts longer than %d tokens (%s)", path, dropped,
-                       dropped + len(prompts), spec.max_prompt_tokens, spec.limit_why)
+        logger.warning(
+            "%s: dropped %d of %d prompts longer than %d tokens (%s)",
+            path,
+            dropped,
+            dropped + len(prompts),
+            spec.max_prompt_tokens,
+            spec.limit_why,
+        )
     if not prompts:
         limit = f" (all {dropped} are longer than {spec.max_prompt_tokens} tokens)" if dropped else ""
         raise DataError(f"{path}: no prompts left after filtering{limit}")

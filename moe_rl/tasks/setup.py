@@ -50,13 +50,29 @@ def row_spec(cfg: RunConfig) -> RowSpec:
         limit, overlong, why = m - r, t.overlong, f"model.max_seq_len={m} minus rollout.max_new_tokens={r}"
         if overlong == "drop":
             why += "; task.overlong=drop"
-    return RowSpec(t.prompt_key, t.answer_key, t.source_key, t.reward, t.apply_chat_template,
-                   t.add_generation_prompt, dict(t.chat_template_kwargs), max(limit, 1), overlong, why)
+    return RowSpec(
+        t.prompt_key,
+        t.answer_key,
+        t.source_key,
+        t.reward,
+        t.apply_chat_template,
+        t.add_generation_prompt,
+        dict(t.chat_template_kwargs),
+        max(limit, 1),
+        overlong,
+        why,
+    )
 
 
-def build_prompt_source(tasks: list[str], min_len: int, max_len: int, dataset_path: str | Path,
-                        reward: str, tokenizer: CharTokenizer | HFTokenizer,
-                        spec: RowSpec | None = None) -> PromptSource:
+def build_prompt_source(
+    tasks: list[str],
+    min_len: int,
+    max_len: int,
+    dataset_path: str | Path,
+    reward: str,
+    tokenizer: CharTokenizer | HFTokenizer,
+    spec: RowSpec | None = None,
+) -> PromptSource:
     """The prompt source for a run: the rows of ``dataset_path`` if set, else the tasks.
 
     Args:
@@ -79,9 +95,11 @@ def build_prompt_source(tasks: list[str], min_len: int, max_len: int, dataset_pa
         raise ConfigError(f"config key 'task': {e}") from None
     limit = spec.max_prompt_tokens if spec is not None else 0
     if limit and gen.longest_prompt_tokens() > limit:
-        raise ConfigError(f"config key 'task.max_len': {max_len} digits give prompts of up to "
-                          f"{gen.longest_prompt_tokens()} tokens, more than {limit} ({spec.limit_why}); "
-                          f"lower task.max_len or raise model.max_seq_len")
+        raise ConfigError(
+            f"config key 'task.max_len': {max_len} digits give prompts of up to "
+            f"{gen.longest_prompt_tokens()} tokens, more than {limit} ({spec.limit_why}); "
+            f"lower task.max_len or raise model.max_seq_len"
+        )
     return gen
 
 
@@ -108,10 +126,16 @@ def build_task(cfg: RunConfig, start_pool: bool = True) -> tuple[RunConfig, Task
     cfg = resolve_vocab(cfg, tok)
     spec = row_spec(cfg)
     source = build_prompt_source(t.tasks, t.min_len, t.max_len, t.dataset, t.reward, tok, spec)
-    val = RowDataset(t.val_dataset, dataclasses.replace(spec, default_reward=t.reward), tok) if t.val_dataset else None
-    if val is not None and len(val.prompts[:t.val_max_prompts or None]) < cfg.data_parallel:
-        raise DataError(f"{t.val_dataset}: {len(val)} validation prompts for {cfg.data_parallel} "
-                           "data-parallel ranks; each rank needs at least one")
+    val = (
+        RowDataset(t.val_dataset, dataclasses.replace(spec, default_reward=t.reward), tok)
+        if t.val_dataset
+        else None
+    )
+    if val is not None and len(val.prompts[: t.val_max_prompts or None]) < cfg.data_parallel:
+        raise DataError(
+            f"{t.val_dataset}: {len(val)} validation prompts for {cfg.data_parallel} "
+            "data-parallel ranks; each rank needs at least one"
+        )
     text = not uses_token_reward(t.reward, tok) or isinstance(tok, HFTokenizer)
     pool = RewardPool(t.reward_workers if text else 0, t.reward_timeout_s)
     return cfg, Task(tok, source, val, pool.start() if start_pool else pool, text)
@@ -120,12 +144,19 @@ def build_task(cfg: RunConfig, start_pool: bool = True) -> tuple[RunConfig, Task
 def score_step(cfg: RunConfig, task: Task, prompts: list, batch) -> tuple[torch.Tensor, dict]:
     """Rewards of a rollout (plus the overlong penalty when on) and the reward metrics."""
     t = cfg.task
-    rewards_B, metrics = score(prompts, batch.response_ids(task.tokenizer.pad_id), task.tokenizer,
-                               cfg.rollout.samples_per_prompt, task_names=task.source.task_names,
-                               pool=task.pool, text_metrics=task.text_metrics)
+    rewards_B, metrics = score(
+        prompts,
+        batch.response_ids(task.tokenizer.pad_id),
+        task.tokenizer,
+        cfg.rollout.samples_per_prompt,
+        task_names=task.source.task_names,
+        pool=task.pool,
+        text_metrics=task.text_metrics,
+    )
     if t.overlong_buffer > 0:
-        penalty_B, m_pen = overlong_penalty(batch.response_lens_B, cfg.rollout.max_new_tokens, t.overlong_buffer,
-                                            t.overlong_penalty)
+        penalty_B, m_pen = overlong_penalty(
+            batch.response_lens_B, cfg.rollout.max_new_tokens, t.overlong_buffer, t.overlong_penalty
+        )
         rewards_B = rewards_B + penalty_B.to(rewards_B.device)
         metrics.update(m_pen)
     if isinstance(task.source, RowDataset):
@@ -147,15 +178,22 @@ def validate(cfg: RunConfig, task: Task, engine, step: int, dp_rank: int, dp_siz
     if task.val_source is None or not every or step % every:
         return {}
     t0 = time.perf_counter()
-    rows = task.val_source.prompts[:cfg.task.val_max_prompts or None]
+    rows = task.val_source.prompts[: cfg.task.val_max_prompts or None]
     prompts = rows[dp_rank::dp_size]
     sampled = sampling_params(cfg, task.tokenizer.eos_ids)
     greedy = dataclasses.replace(sampled, top_k=1, return_dist=False, dvp_threshold=0.0)
     out = {}
     for prefix, params in (("val/reward", greedy), ("val/reward_sampled", sampled)):
-        batch = engine.generate([p.prompt_ids for p in prompts], 1, params,
-                                seed=step_seed(cfg.seed, step, dp_rank, VALIDATE))
-        _, m = score(prompts, batch.response_ids(task.tokenizer.pad_id), task.tokenizer, 1,
-                     task_names=task.val_source.task_names, pool=task.pool)
-        out.update({prefix + k[len("reward"):]: v for k, v in m.items() if k.startswith("reward/mean")})
+        batch = engine.generate(
+            [p.prompt_ids for p in prompts], 1, params, seed=step_seed(cfg.seed, step, dp_rank, VALIDATE)
+        )
+        _, m = score(
+            prompts,
+            batch.response_ids(task.tokenizer.pad_id),
+            task.tokenizer,
+            1,
+            task_names=task.val_source.task_names,
+            pool=task.pool,
+        )
+        out.update({prefix + k[len("reward") :]: v for k, v in m.items() if k.startswith("reward/mean")})
     return {**out, "time/validate_s": time.perf_counter() - t0}

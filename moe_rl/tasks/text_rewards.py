@@ -80,7 +80,7 @@ def boxed_contents(text: str) -> list[str]:
             for k in range(start, len(text)):
                 depth += {"{": 1, "}": -1}.get(text[k], 0)
                 if depth == 0:
-                    out.append(text[start + 1:k])
+                    out.append(text[start + 1 : k])
                     break
             pos = start + 1
         else:
@@ -159,7 +159,7 @@ def load_user_reward(spec: str) -> TextRewardFn:
     """``python:FILE.py:FUNCTION`` -> the function (cached); ValueError naming the spec otherwise."""
     if spec in _USER_FNS:
         return _USER_FNS[spec]
-    path_str, sep, name = spec[len(USER_PREFIX):].rpartition(":")
+    path_str, sep, name = spec[len(USER_PREFIX) :].rpartition(":")
     if not sep or not path_str or not name:
         raise ValueError(f"task.reward={spec!r}: use python:FILE.py:FUNCTION")
     path = Path(path_str)
@@ -192,6 +192,7 @@ def resolve_text_reward(name: str) -> TextRewardFn:
 # ---------------------------------------------------------------------------------------------
 # scoring
 # ---------------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class TextSample:
@@ -226,7 +227,9 @@ def score_sample(sample: TextSample, timeout_s: float) -> TextScore:
     try:
         if on_main:
             signal.setitimer(signal.ITIMER_REAL, timeout_s)
-        out = resolve_text_reward(sample.reward)(sample.prompt, sample.response, sample.ground_truth, sample.extra)
+        out = resolve_text_reward(sample.reward)(
+            sample.prompt, sample.response, sample.ground_truth, sample.extra
+        )
         out = out["score"] if isinstance(out, Mapping) else out
         if isinstance(out, str | bytes):  # float("0.75") would parse it: text is not a number
             raise TypeError(f"reward returned text {out!r}, not a number")
@@ -236,7 +239,10 @@ def score_sample(sample: TextSample, timeout_s: float) -> TextScore:
         return TextScore(value)
     except _Timeout:
         return TextScore(0.0, error=True, timed_out=True)
-    except (Exception, SystemExit) as e:  # a reward never kills the step (sys.exit neither): scored 0, counted
+    except (
+        Exception,
+        SystemExit,
+    ) as e:  # a reward never kills the step (sys.exit neither): scored 0, counted
         logger.debug("reward %s raised %s: %s", sample.reward, type(e).__name__, e)
         return TextScore(0.0, error=True)
     finally:
@@ -277,8 +283,9 @@ class RewardPool:
 
     def _executor(self) -> cf.ProcessPoolExecutor:
         if self._ex is None:
-            self._ex = cf.ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"),
-                                              initializer=_worker_init)
+            self._ex = cf.ProcessPoolExecutor(
+                self.workers, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_init
+            )
             self._started = time.monotonic()
             for _ in range(self.workers):
                 self._ex.submit(_warm_up)
@@ -295,7 +302,7 @@ class RewardPool:
             return score_chunk(samples, self.timeout_s)
         ex = self._executor()
         size = -(-len(samples) // (self.workers * 2))
-        chunks = [list(samples[i:i + size]) for i in range(0, len(samples), size)]
+        chunks = [list(samples[i : i + size]) for i in range(0, len(samples), size)]
         futures = [ex.submit(score_chunk, c, self.timeout_s) for c in chunks]
         grace = max(0.0, self.STARTUP_GRACE_S - (time.monotonic() - self._started))
         deadline = time.monotonic() + grace + 5.0 + self.timeout_s * size * len(chunks) / self.workers

@@ -81,7 +81,8 @@ class CharTokenizer:
             if tok is None:
                 raise ValueError(
                     f"character {ch!r} at position {pos} of {text!r} is not in the vocabulary "
-                    f"(allowed: {ALPHABET!r})")
+                    f"(allowed: {ALPHABET!r})"
+                )
             ids.append(tok)
         if eos:
             ids.append(self.eos_id)
@@ -106,8 +107,7 @@ class CharTokenizer:
             chars.append(self._tokens[tok])
         return "".join(chars)
 
-    def encode_batch(self, texts: Sequence[str], bos: bool = False,
-                     eos: bool = False) -> list[list[int]]:
+    def encode_batch(self, texts: Sequence[str], bos: bool = False, eos: bool = False) -> list[list[int]]:
         """``encode`` for each text (jagged lists)."""
         return [self.encode(t, bos=bos, eos=eos) for t in texts]
 

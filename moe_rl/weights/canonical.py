@@ -59,8 +59,9 @@ def check_canonical_weights(named: Mapping[str, torch.Tensor], cfg: ModelConfig)
     expected = canonical_param_shapes(cfg)
     missing = [k for k in expected if k not in named]
     if missing:
-        raise ValueError(f"load_weights: missing tensor {missing[0]!r} "
-                         f"({len(missing)} missing in all: {missing[:5]})")
+        raise ValueError(
+            f"load_weights: missing tensor {missing[0]!r} ({len(missing)} missing in all: {missing[:5]})"
+        )
     check = CanonicalCheck(cfg, expected)
     check.chunk(named)
     check.finish()
@@ -78,8 +79,10 @@ class CanonicalCheck:
         """Check one chunk before anything of it is used."""
         unexpected = [k for k in named if k not in self.expected]
         if unexpected:
-            raise ValueError(f"load_weights: unexpected tensor {unexpected[0]!r} "
-                             f"({len(unexpected)} unexpected in all: {unexpected[:5]})")
+            raise ValueError(
+                f"load_weights: unexpected tensor {unexpected[0]!r} "
+                f"({len(unexpected)} unexpected in all: {unexpected[:5]})"
+            )
         again = [k for k in named if k in self.seen]
         if again:
             raise ValueError(f"load_weights: tensor {again[0]!r} given twice ({len(again)} in all)")
@@ -88,16 +91,18 @@ class CanonicalCheck:
             if got != shape:
                 raise ValueError(f"load_weights: tensor {name!r} has shape {got}, expected {shape}")
             if not t.is_floating_point():
-                raise ValueError(f"load_weights: tensor {name!r} has dtype {t.dtype}, "
-                                 "expected a floating point dtype")
+                raise ValueError(
+                    f"load_weights: tensor {name!r} has dtype {t.dtype}, expected a floating point dtype"
+                )
         self.seen.update(named)
 
     def finish(self) -> None:
         """After the last chunk: nothing expected is missing."""
         missing = [k for k in self.expected if k not in self.seen]
         if missing:
-            raise ValueError(f"load_weights: missing tensor {missing[0]!r} "
-                             f"({len(missing)} missing in all: {missing[:5]})")
+            raise ValueError(
+                f"load_weights: missing tensor {missing[0]!r} ({len(missing)} missing in all: {missing[:5]})"
+            )
 
 
 def random_canonical_weights(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:

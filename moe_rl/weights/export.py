@@ -37,8 +37,14 @@ def checkpoint_dir(run_dir: Path, step: int | None) -> Path:
     return path
 
 
-def export_from_checkpoint(learner, ckpt: Path, out_dir: Path, max_shard_bytes: int,
-                           dtype: torch.dtype | None = None, extra_files: dict[str, bytes] | None = None) -> None:
+def export_from_checkpoint(
+    learner,
+    ckpt: Path,
+    out_dir: Path,
+    max_shard_bytes: int,
+    dtype: torch.dtype | None = None,
+    extra_files: dict[str, bytes] | None = None,
+) -> None:
     """Collective: load the model part of a dist checkpoint into ``learner`` and write it as an HF
     checkpoint from rank 0 (every rank gathers the experts), in ``dtype`` (default: as trained),
     with ``extra_files`` (the tokenizer's) beside it."""
@@ -46,23 +52,35 @@ def export_from_checkpoint(learner, ckpt: Path, out_dir: Path, max_shard_bytes: 
 
     from moe_rl.learner import checkpoint
 
-    state = checkpoint.load_sharded({"model": learner.gpt.sharded_state_dict(prefix="")}, ckpt)  # names bad files
+    state = checkpoint.load_sharded(
+        {"model": learner.gpt.sharded_state_dict(prefix="")}, ckpt
+    )  # names bad files
     learner.gpt.load_state_dict(state["model"], strict=True)
     canonical = learner.export_canonical()
     if not dist.is_initialized() or dist.get_rank() == 0:
         try:
             with disk_full_named(out_dir):
-                write_hf_checkpoint(out_dir, canonical, learner.model_cfg, max_shard_bytes, dtype, extra_files)
+                write_hf_checkpoint(
+                    out_dir, canonical, learner.model_cfg, max_shard_bytes, dtype, extra_files
+                )
         except DiskFullError:
-            shutil.rmtree(Path(out_dir).with_name(Path(out_dir).name + ".tmp"), ignore_errors=True)  # frees it
+            shutil.rmtree(
+                Path(out_dir).with_name(Path(out_dir).name + ".tmp"), ignore_errors=True
+            )  # frees it
             raise
         log.info("HF checkpoint written: %s (from %s)", out_dir, ckpt)
     if dist.is_initialized():
         dist.barrier()
 
 
-def _export_worker(cfg, ckpt: Path, out_dir: Path, max_shard_bytes: int, dtype: torch.dtype | None = None,
-                   extra_files: dict[str, bytes] | None = None) -> None:
+def _export_worker(
+    cfg,
+    ckpt: Path,
+    out_dir: Path,
+    max_shard_bytes: int,
+    dtype: torch.dtype | None = None,
+    extra_files: dict[str, bytes] | None = None,
+) -> None:
     import megatron_patches
     from moe_rl import dist
     from moe_rl.learner.learner import Learner
@@ -103,11 +121,18 @@ def tokenizer_files(cfg) -> dict[str, bytes]:
     directory = tokenizer_dir(cfg.task.tokenizer, cfg.init_weights)
     if not directory:
         return {}
-    return {n: (Path(directory) / n).read_bytes() for n in _TOKENIZER_FILES if (Path(directory) / n).is_file()}
+    return {
+        n: (Path(directory) / n).read_bytes() for n in _TOKENIZER_FILES if (Path(directory) / n).is_file()
+    }
 
 
-def export_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None,
-               max_shard_bytes: int = 5 * 2**30, dtype: str = "auto") -> None:
+def export_run(
+    run_dir: str | Path,
+    out_dir: str | Path,
+    step: int | None = None,
+    max_shard_bytes: int = 5 * 2**30,
+    dtype: str = "auto",
+) -> None:
     """`moe-rl export-hf`: the run's ranks (its parallel layout) load a checkpoint and write HF, with
     the run's tokenizer files, in ``dtype`` (``export_dtype``)."""
     from moe_rl.config import load_config

@@ -62,8 +62,14 @@ class Shard:
     layer_offset: int = 0
 
     @staticmethod
-    def for_stage(stage_layers: tuple[int, ...], pp_rank: int, tp_rank: int = 0, tp_size: int = 1,
-                  etp_rank: int = 0, etp_size: int = 1) -> Shard:
+    def for_stage(
+        stage_layers: tuple[int, ...],
+        pp_rank: int,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        etp_rank: int = 0,
+        etp_size: int = 1,
+    ) -> Shard:
         """Stage ``pp_rank`` of a split with ``stage_layers[p]`` layers on stage p
         (``layout.pipeline_stage_layers``) starts at the sum of the stages before it."""
         return Shard(tp_rank, tp_size, etp_rank, etp_size, sum(stage_layers[:pp_rank]))
@@ -134,8 +140,9 @@ def _tp(target: str, shard: Shard) -> tuple[int, int]:
     return (shard.etp_rank, shard.etp_size) if ".mlp.experts." in target else (shard.tp_rank, shard.tp_size)
 
 
-def megatron_to_canonical(local: dict[str, torch.Tensor], cfg: ModelConfig, ep_rank: int,
-                          ep_size: int, shard: Shard = NO_SHARD) -> dict[str, torch.Tensor]:
+def megatron_to_canonical(
+    local: dict[str, torch.Tensor], cfg: ModelConfig, ep_rank: int, ep_size: int, shard: Shard = NO_SHARD
+) -> dict[str, torch.Tensor]:
     """Rename this rank's megatron params; experts get their global ids (only local ones).
 
     With TP > 1 every split tensor is this rank's piece (``merge_tensor_parallel`` joins them)."""
@@ -146,14 +153,19 @@ def megatron_to_canonical(local: dict[str, torch.Tensor], cfg: ModelConfig, ep_r
             out[target] = t
         elif kind == "qkv":
             q, k, v = _split_qkv(t, cfg)
-            out[target + "q_proj.weight"], out[target + "k_proj.weight"], out[target + "v_proj.weight"] = q, k, v
+            out[target + "q_proj.weight"], out[target + "k_proj.weight"], out[target + "v_proj.weight"] = (
+                q,
+                k,
+                v,
+            )
         else:
             out[target + "gate_proj.weight"], out[target + "up_proj.weight"] = t.chunk(2, dim=0)
     return out
 
 
-def merge_tensor_parallel(pieces: list[dict[str, torch.Tensor]], etp_size: int | None = None
-                          ) -> dict[str, torch.Tensor]:
+def merge_tensor_parallel(
+    pieces: list[dict[str, torch.Tensor]], etp_size: int | None = None
+) -> dict[str, torch.Tensor]:
     """Join the canonical pieces of the TP ranks of one (EP rank, PP stage), ordered by TP rank.
 
     Expert tensors are split over ``etp_size`` ranks (default: all of them); with ``etp_size``
@@ -167,8 +179,14 @@ def merge_tensor_parallel(pieces: list[dict[str, torch.Tensor]], etp_size: int |
     return out
 
 
-def canonical_to_megatron(full: dict[str, torch.Tensor], megatron_names: list[str], cfg: ModelConfig,
-                          ep_rank: int, ep_size: int, shard: Shard = NO_SHARD) -> dict[str, torch.Tensor]:
+def canonical_to_megatron(
+    full: dict[str, torch.Tensor],
+    megatron_names: list[str],
+    cfg: ModelConfig,
+    ep_rank: int,
+    ep_size: int,
+    shard: Shard = NO_SHARD,
+) -> dict[str, torch.Tensor]:
     """Build this rank's megatron tensors (by name) from a full canonical dict.
 
     Raises KeyError naming the first canonical tensor that is missing."""
@@ -186,9 +204,12 @@ def canonical_to_megatron(full: dict[str, torch.Tensor], megatron_names: list[st
         if kind == "copy":
             out[name] = get(target)
         elif kind == "qkv":
-            out[name] = _join_qkv(get(target + "q_proj.weight"), get(target + "k_proj.weight"),
-                                  get(target + "v_proj.weight"), cfg)
+            out[name] = _join_qkv(
+                get(target + "q_proj.weight"),
+                get(target + "k_proj.weight"),
+                get(target + "v_proj.weight"),
+                cfg,
+            )
         else:
             out[name] = torch.cat([get(target + "gate_proj.weight"), get(target + "up_proj.weight")])
     return out
-

@@ -108,8 +108,9 @@ def stack_experts(canon: dict[str, torch.Tensor]) -> dict[str, list[tuple[int, t
     return out
 
 
-def _gathered_shape(name: str, shape: tuple[int, ...], stacked: bool, shard: Shard, num_experts: int
-                    ) -> tuple[int, ...]:
+def _gathered_shape(
+    name: str, shape: tuple[int, ...], stacked: bool, shard: Shard, num_experts: int
+) -> tuple[int, ...]:
     """The full shape of a kind from this rank's piece: TP dims joined, experts all present."""
     dims = list(shape)
     split = tp_split_dim(name.replace(EXPERT_SLOT, "0"))
@@ -121,18 +122,28 @@ def _gathered_shape(name: str, shape: tuple[int, ...], stacked: bool, shard: Sha
     return tuple(dims)
 
 
-def stage_chunks(tensors: dict[str, torch.Tensor], cfg: ModelConfig, ep_rank: int, ep_size: int, shard: Shard,
-                 stage: int) -> list[Chunk]:
+def stage_chunks(
+    tensors: dict[str, torch.Tensor], cfg: ModelConfig, ep_rank: int, ep_size: int, shard: Shard, stage: int
+) -> list[Chunk]:
     """The chunks this stage owns, with gathered shapes, computed on meta copies (no memory)."""
     meta = {n: torch.empty(t.shape, dtype=t.dtype, device="meta") for n, t in tensors.items()}
     out = []
     for order, local in sorted(split_by_chunk(meta, shard.layer_offset).items()):
         canon = megatron_to_canonical(local, cfg, ep_rank, ep_size, shard)
         stacked = stack_experts(canon)
-        kinds = [Kind(n, _gathered_shape(n, tuple(t.shape), False, shard, cfg.num_experts), t.dtype)
-                 for n, t in canon.items() if _EXPERT.match(n) is None]
-        kinds += [Kind(n, _gathered_shape(n, (len(ts), *ts[0][1].shape), True, shard, cfg.num_experts),
-                       ts[0][1].dtype) for n, ts in stacked.items()]
+        kinds = [
+            Kind(n, _gathered_shape(n, tuple(t.shape), False, shard, cfg.num_experts), t.dtype)
+            for n, t in canon.items()
+            if _EXPERT.match(n) is None
+        ]
+        kinds += [
+            Kind(
+                n,
+                _gathered_shape(n, (len(ts), *ts[0][1].shape), True, shard, cfg.num_experts),
+                ts[0][1].dtype,
+            )
+            for n, ts in stacked.items()
+        ]
         out.append(Chunk(order, stage, tuple(sorted(kinds, key=lambda k: k.name))))
     return out
 
@@ -155,12 +166,16 @@ def _gather_dim(t: torch.Tensor, dim: int, group, size: int) -> torch.Tensor:
     dist.all_gather_into_tensor(full, t.contiguous(), group=group)
     if dim == 0:
         return full
-    return full.view(size, *t.shape).movedim(0, dim).reshape(*t.shape[:dim], size * t.shape[dim],
-                                                             *t.shape[dim + 1:])
+    return (
+        full.view(size, *t.shape)
+        .movedim(0, dim)
+        .reshape(*t.shape[:dim], size * t.shape[dim], *t.shape[dim + 1 :])
+    )
 
 
-def _gather_kind(kind: Kind, canon: dict[str, torch.Tensor], stacked: dict, dims: ParallelDims,
-                 shard: Shard) -> torch.Tensor:
+def _gather_kind(
+    kind: Kind, canon: dict[str, torch.Tensor], stacked: dict, dims: ParallelDims, shard: Shard
+) -> torch.Tensor:
     """The owner stage's full tensor of one kind: TP pieces joined, then experts over EP."""
     if not kind.stacked:
         t = canon[kind.name]
@@ -187,8 +202,9 @@ def _expand(kind: Kind, t: torch.Tensor) -> dict[str, torch.Tensor]:
     return {kind.name.format(e): t[e] for e in range(t.shape[0])}
 
 
-def stream_canonical(tensors: dict[str, torch.Tensor], cfg: ModelConfig, dims: ParallelDims, shard: Shard
-                     ) -> Iterator[dict[str, torch.Tensor]]:
+def stream_canonical(
+    tensors: dict[str, torch.Tensor], cfg: ModelConfig, dims: ParallelDims, shard: Shard
+) -> Iterator[dict[str, torch.Tensor]]:
     """Canonical weights chunk by chunk from this rank's megatron tensors (by local-spec parameter
     name: the learner renames TE names first), identical on every rank; see the module docstring.
     A yielded chunk may alias ``tensors`` (a tensor nothing had to gather); its stacked experts are

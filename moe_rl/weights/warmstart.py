@@ -32,10 +32,18 @@ def builtin_path() -> Path:
     return Path(str(resources.files("moe_rl") / "assets" / "warmstart.safetensors"))
 
 
-def save_init_weights(path: str | Path, tensors: dict[str, torch.Tensor], model: ModelConfig,
-                      tok: CharTokenizer, info: dict | None = None) -> None:
-    meta = {"model": json.dumps(dataclasses.asdict(model)), "tokenizer": tok.fingerprint(),
-            "info": json.dumps(info or {})}
+def save_init_weights(
+    path: str | Path,
+    tensors: dict[str, torch.Tensor],
+    model: ModelConfig,
+    tok: CharTokenizer,
+    info: dict | None = None,
+) -> None:
+    meta = {
+        "model": json.dumps(dataclasses.asdict(model)),
+        "tokenizer": tok.fingerprint(),
+        "info": json.dumps(info or {}),
+    }
     save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(path), metadata=meta)
 
 
@@ -45,13 +53,17 @@ def load_init_weights(spec: str, model: ModelConfig, tok: CharTokenizer) -> dict
     if spec.startswith(HF_PREFIX):
         from moe_rl.weights.hf import load_hf_checkpoint
 
-        ckpt = Path(spec[len(HF_PREFIX):])
+        ckpt = Path(spec[len(HF_PREFIX) :])
         if not ckpt.is_dir():
             raise ConfigError(f"config key 'init_weights': {ckpt} is not a directory")
         return load_hf_checkpoint(ckpt, model)
     path = builtin_path() if spec == BUILTIN else Path(spec)
     if not path.is_file():
-        what = "is a directory (a HF checkpoint directory is given as hf:DIR)" if path.is_dir() else "does not exist"
+        what = (
+            "is a directory (a HF checkpoint directory is given as hf:DIR)"
+            if path.is_dir()
+            else "does not exist"
+        )
         raise ConfigError(f"config key 'init_weights': {path} {what}")
     with open_safetensors(path, "config key 'init_weights': ") as f:
         meta = f.metadata() or {}
@@ -63,11 +75,15 @@ def load_init_weights(spec: str, model: ModelConfig, tok: CharTokenizer) -> dict
             raise CheckpointError(f"init_weights {path}: its 'model' metadata is not JSON") from None
         for key in ARCH_FIELDS:
             if made_for.get(key) != getattr(model, key):
-                raise CheckpointError(f"init_weights {path} was made for model.{key}={made_for.get(key)}, "
-                                      f"but the config has model.{key}={getattr(model, key)}")
+                raise CheckpointError(
+                    f"init_weights {path} was made for model.{key}={made_for.get(key)}, "
+                    f"but the config has model.{key}={getattr(model, key)}"
+                )
     if "tokenizer" in meta and meta["tokenizer"] != tok.fingerprint():
-        raise CheckpointError(f"init_weights {path} was made for another tokenizer "
-                              f"(fingerprint {meta['tokenizer']}, ours {tok.fingerprint()})")
+        raise CheckpointError(
+            f"init_weights {path} was made for another tokenizer "
+            f"(fingerprint {meta['tokenizer']}, ours {tok.fingerprint()})"
+        )
     try:
         check_canonical_weights(tensors, model)
     except ValueError as e:

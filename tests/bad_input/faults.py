@@ -40,8 +40,11 @@ def _fault(where: str, kind: str):
 def _inject(where: str, kind: str) -> None:
     from moe_rl import checkpointing, trainer
 
-    places = {"startup": (trainer, "Learner"), "step": (trainer, "update_policy"),
-              "save": (checkpointing.checkpoint, "save")}
+    places = {
+        "startup": (trainer, "Learner"),
+        "step": (trainer, "update_policy"),
+        "save": (checkpointing.checkpoint, "save"),
+    }
     if where not in places:
         raise ValueError(f"unknown fault place {where!r}")
     module, name = places[where]

@@ -44,7 +44,9 @@ def _full_disk_save(learner, root: Path, checkpoint) -> dict:
 
     def full(state, path):
         (Path(path) / "__0_0.distcp").write_bytes(b"partial")
-        cause = RuntimeError("Worker failure: [enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+        cause = RuntimeError(
+            "Worker failure: [enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"
+        )
         raise CheckpointException("write", {0: (cause, [])})
 
     def enospc(path, text):
@@ -103,26 +105,58 @@ def test_checkpoint_disk_full_and_damaged_files_are_named(tmp_path):
     assert out["after"] == (["latest", "step_000001"], "step_000001\n")  # the last good one stays latest
     assert out["good"] == {"step": 1}
     shard = step1 / "__0_0.distcp"
-    assert out["truncated"] == (f"CheckpointError: {shard} has 1000 bytes, its metadata needs {out['size']}: the "
-                                f"checkpoint in {step1} is truncated or corrupt; resume from another step (point "
-                                f"{tmp_path / 'latest'} at it)")
-    assert out["zeroed"] == (f"CheckpointError: {step1}: a file of the checkpoint is truncated or corrupt "
-                             f"(UnpicklingError); resume from another step")
-    assert out["missing"] == (f"CheckpointError: {shard} is missing: the checkpoint in {step1} is truncated or "
-                              f"corrupt; resume from another step (point {tmp_path / 'latest'} at it)")
-    assert out["metadata"] == (f"CheckpointError: {step1 / '.metadata'}: unreadable checkpoint metadata "
-                               f"(UnpicklingError); the checkpoint in {step1} is truncated or corrupt: resume "
-                               f"from another step")
+    assert out["truncated"] == (
+        f"CheckpointError: {shard} has 1000 bytes, its metadata needs {out['size']}: the "
+        f"checkpoint in {step1} is truncated or corrupt; resume from another step (point "
+        f"{tmp_path / 'latest'} at it)"
+    )
+    assert out["zeroed"] == (
+        f"CheckpointError: {step1}: a file of the checkpoint is truncated or corrupt "
+        f"(UnpicklingError); resume from another step"
+    )
+    assert out["missing"] == (
+        f"CheckpointError: {shard} is missing: the checkpoint in {step1} is truncated or "
+        f"corrupt; resume from another step (point {tmp_path / 'latest'} at it)"
+    )
+    assert out["metadata"] == (
+        f"CheckpointError: {step1 / '.metadata'}: unreadable checkpoint metadata "
+        f"(UnpicklingError); the checkpoint in {step1} is truncated or corrupt: resume "
+        f"from another step"
+    )
 
     # export-hf names a truncated file before any rank starts (the run's own checkpoint, in-process)
     run = tmp_path / "run"
-    fields = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_query_groups", "head_dim",
-              "ffn_hidden_size", "moe_ffn_hidden_size", "num_experts", "moe_router_topk", "max_seq_len")
-    cfg = load_config(None, [f"run_dir={run}", "parallel.nproc=1", "parallel.expert_parallel=1",
-                             *[f"model.{k}={getattr(MODEL, k)}" for k in fields]])
+    fields = (
+        "vocab_size",
+        "hidden_size",
+        "num_layers",
+        "num_attention_heads",
+        "num_query_groups",
+        "head_dim",
+        "ffn_hidden_size",
+        "moe_ffn_hidden_size",
+        "num_experts",
+        "moe_router_topk",
+        "max_seq_len",
+    )
+    cfg = load_config(
+        None,
+        [
+            f"run_dir={run}",
+            "parallel.nproc=1",
+            "parallel.expert_parallel=1",
+            *[f"model.{k}={getattr(MODEL, k)}" for k in fields],
+        ],
+    )
     (run / "config.yaml").write_text(to_yaml(cfg))
     shard = run / "checkpoints" / "step_000001" / "__0_1.distcp"
     shard.write_bytes(shard.read_bytes()[:-1])
-    fails_with(tmp_path, f"{shard} has {out['size'] - 1} bytes, its metadata needs {out['size']}: the checkpoint in "
-                         f"{shard.parent} is truncated or corrupt; resume from another step (point "
-                         f"{run / 'checkpoints' / 'latest'} at it)", "export-hf", str(run), str(tmp_path / "hf"))
+    fails_with(
+        tmp_path,
+        f"{shard} has {out['size'] - 1} bytes, its metadata needs {out['size']}: the checkpoint in "
+        f"{shard.parent} is truncated or corrupt; resume from another step (point "
+        f"{run / 'checkpoints' / 'latest'} at it)",
+        "export-hf",
+        str(run),
+        str(tmp_path / "hf"),
+    )

@@ -16,17 +16,31 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY = ["rollout.prompts_per_step=8", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=8",
-        "log.progress_bar=false", "log.wandb_mode=disabled"]
+TINY = [
+    "rollout.prompts_per_step=8",
+    "rollout.samples_per_prompt=4",
+    "rollout.max_new_tokens=8",
+    "log.progress_bar=false",
+    "log.wandb_mode=disabled",
+]
 FAIL_FAST_S = 30.0  # from the fault to the end of the job (the elastic agent polls every 0.1 s)
 
 
 def run_with_fault(tmp_path: Path, where: str, rank: int, kind: str, *args: str):
     stamp = tmp_path / "fault_time"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "MOE_RL_FAULT_STAMP": str(stamp),
-           "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "tests.bad_input.faults", where, str(rank), kind, "train",
-           f"run_dir={tmp_path / 'run'}", *TINY, *args]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "MOE_RL_FAULT_STAMP": str(stamp), "PYTHONPATH": str(ROOT)}
+    cmd = [
+        sys.executable,
+        "-m",
+        "tests.bad_input.faults",
+        where,
+        str(rank),
+        kind,
+        "train",
+        f"run_dir={tmp_path / 'run'}",
+        *TINY,
+        *args,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     end = time.time()
     assert stamp.is_file(), f"the fault never fired:\n{proc.stderr[-3000:]}"
@@ -74,18 +88,38 @@ def test_learning_rate_that_flattens_the_policy_raises_health_alarms(tmp_path):
     uniform (entropy ln 50) with a zero gradient, and both alarms reach events.jsonl and the report."""
     run = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "moe_rl.cli", "train", f"run_dir={run}", "steps=3", "checkpoint_every=0",
-           "optim.lr=1e3", "log.health.patience=2", *TINY]
+    cmd = [
+        sys.executable,
+        "-m",
+        "moe_rl.cli",
+        "train",
+        f"run_dir={run}",
+        "steps=3",
+        "checkpoint_every=0",
+        "optim.lr=1e3",
+        "log.health.patience=2",
+        *TINY,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     events = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
     assert [(e["step"], e["event"], e["alarm"]) for e in events] == [
-        (2, "health", "entropy_uniform"), (2, "health", "grad_norm_zero")]
-    assert events[0]["cause"] == ("policy entropy 3.912 nats >= 0.95 ln(V=50) = 3.716: the policy is uniform "
-                                  "for 2 consecutive steps (steps 1-2; log.health)")
+        (2, "health", "entropy_uniform"),
+        (2, "health", "grad_norm_zero"),
+    ]
+    assert events[0]["cause"] == (
+        "policy entropy 3.912 nats >= 0.95 ln(V=50) = 3.716: the policy is uniform "
+        "for 2 consecutive steps (steps 1-2; log.health)"
+    )
     assert "[rank0] WARNING moe_rl.health: health alarm at step 2: gradient norm exactly 0" in proc.stderr
-    rep = subprocess.run([sys.executable, "-m", "moe_rl.cli", "report", str(run)], capture_output=True, text=True,
-                         timeout=300, env=env, cwd=ROOT)
+    rep = subprocess.run(
+        [sys.executable, "-m", "moe_rl.cli", "report", str(run)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=ROOT,
+    )
     assert rep.returncode == 0, rep.stderr[-3000:]
     md = (run / "report" / "report.md").read_text()
     assert "- run: health alarm grad_norm_zero at step 2: gradient norm exactly 0 in every minibatch" in md

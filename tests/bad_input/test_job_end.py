@@ -26,8 +26,13 @@ from click.testing import CliRunner
 from moe_rl import cli
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY = ["rollout.prompts_per_step=8", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=8",
-        "log.progress_bar=false", "log.wandb_mode=disabled"]
+TINY = [
+    "rollout.prompts_per_step=8",
+    "rollout.samples_per_prompt=4",
+    "rollout.max_new_tokens=8",
+    "log.progress_bar=false",
+    "log.wandb_mode=disabled",
+]
 LONG = ["steps=50", "checkpoint_every=1", *TINY]  # long enough to be stopped mid-run
 MATH = ["task.reward=math", "task.reward_workers=1"]  # text rewards: a reward worker per rank
 
@@ -39,8 +44,14 @@ class Job:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}
         env.pop("MOE_RL_DEBUG", None)
         with open(self.err_path, "w") as err, open(tmp_path / "stdout", "w") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "moe_rl.cli", "train", *self.args], stdout=out,
-                                         stderr=err, env=env, cwd=ROOT, start_new_session=True)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "moe_rl.cli", "train", *self.args],
+                stdout=out,
+                stderr=err,
+                env=env,
+                cwd=ROOT,
+                start_new_session=True,
+            )
 
     def wait_for_first_checkpoint(self) -> None:
         latest, deadline = self.run / "checkpoints" / "latest", time.time() + 300
@@ -62,16 +73,21 @@ class Job:
         """The session's processes that still run (a few seconds for them to go)."""
         deadline = time.time() + 10
         while True:
-            ps = subprocess.run(["ps", "-o", "pid=,stat=,args=", "-s", str(self.proc.pid)], capture_output=True,
-                                text=True, check=False).stdout.splitlines()
+            ps = subprocess.run(
+                ["ps", "-o", "pid=,stat=,args=", "-s", str(self.proc.pid)],
+                capture_output=True,
+                text=True,
+                check=False,
+            ).stdout.splitlines()
             alive = [x for x in ps if x.split()[1][0] != "Z"]
             if not alive or time.time() > deadline:
                 return alive
             time.sleep(0.2)
 
     def session(self) -> list[str]:
-        ps = subprocess.run(["ps", "-o", "pid=,args=", "-s", str(self.proc.pid)], capture_output=True, text=True,
-                            check=False)  # ps exits 1 on an empty session
+        ps = subprocess.run(
+            ["ps", "-o", "pid=,args=", "-s", str(self.proc.pid)], capture_output=True, text=True, check=False
+        )  # ps exits 1 on an empty session
         return ps.stdout.splitlines()
 
     def hint(self) -> str:
@@ -97,9 +113,12 @@ def test_second_start_is_refused_and_a_signal_ends_the_job_cleanly(tmp_path, sig
         job.wait_for_first_checkpoint()
         owner = json.loads((job.run / ".lock").read_text())
         assert (owner["pid"], owner["host"]) == (job.proc.pid, socket.gethostname())
-        line = (f"error: run_dir {job.run} is in use by pid {job.proc.pid} on host {owner['host']} since "
-                f"{owner['since']}; wait for that job to end or stop it (kill {job.proc.pid} on {owner['host']}), "
-                f"or pass another run_dir=\n")
+        line = (
+            f"error: run_dir {job.run} is in use by pid {job.proc.pid} on host {owner['host']} since "
+            f"{owner['since']}; wait for that job to end or stop it "
+            f"(kill {job.proc.pid} on {owner['host']}), "
+            f"or pass another run_dir=\n"
+        )
         for extra in ([], ["resume=true", "steps=60"]):
             result = CliRunner().invoke(cli.main, ["train", f"run_dir={job.run}", *TINY, *extra])
             assert (result.exit_code, result.stderr) == (2, line)
@@ -121,8 +140,10 @@ def test_a_killed_rank_is_named_and_leaves_no_process(tmp_path):
     job = Job(tmp_path, *LONG, *MATH)
     try:
         job.wait_for_first_checkpoint()
-        ranks = sorted((c for c in psutil.Process(job.proc.pid).children() if "spawn_main" in " ".join(c.cmdline())),
-                       key=lambda c: c.pid)  # started in rank order
+        ranks = sorted(
+            (c for c in psutil.Process(job.proc.pid).children() if "spawn_main" in " ".join(c.cmdline())),
+            key=lambda c: c.pid,
+        )  # started in rank order
         assert len(ranks) == 2
         os.kill(ranks[1].pid, signal.SIGKILL)
         code = job.end("kill -9 of rank 1")
@@ -130,8 +151,12 @@ def test_a_killed_rank_is_named_and_leaves_no_process(tmp_path):
         job.proc.kill()
     err = job.stderr()
     assert code == 1
-    assert last_lines(err, "error:") == [(f"error: rank 1 died (signal 9, SIGKILL: kill -9 or the out-of-memory "
-                                          f"killer); the job stopped {job.hint()}")]
+    assert last_lines(err, "error:") == [
+        (
+            f"error: rank 1 died (signal 9, SIGKILL: kill -9 or the out-of-memory "
+            f"killer); the job stopped {job.hint()}"
+        )
+    ]
     assert "Traceback" not in err and "Connection closed by peer" not in err
     assert job.left() == []
 
@@ -145,5 +170,10 @@ def test_a_normal_end_leaves_no_process_and_frees_the_run_dir(tmp_path):
     assert len((job.run / "metrics.jsonl").read_text().splitlines()) == 2
     # the lock went with the job: the next start gets the run's own refusal, not "in use"
     result = CliRunner().invoke(cli.main, ["train", f"run_dir={job.run}", *TINY])
-    assert (result.exit_code, result.stderr) == (2, (f"error: config key 'run_dir': {job.run} already holds a run; "
-                                                     f"pass resume=true to continue it, or another run_dir=\n"))
+    assert (result.exit_code, result.stderr) == (
+        2,
+        (
+            f"error: config key 'run_dir': {job.run} already holds a run; "
+            f"pass resume=true to continue it, or another run_dir=\n"
+        ),
+    )

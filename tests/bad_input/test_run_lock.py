@@ -24,9 +24,11 @@ def test_a_held_lock_refuses_train_and_resume_naming_the_owner(tmp_path):
     try:
         owner = json.loads((run / ".lock").read_text())
         assert (owner["host"], owner["pid"]) == (socket.gethostname(), os.getpid())
-        line = (f"run_dir {run} is in use by pid {os.getpid()} on host {socket.gethostname()} since "
-                f"{owner['since']}; wait for that job to end or stop it (kill {os.getpid()} on "
-                f"{socket.gethostname()}), or pass another run_dir=")
+        line = (
+            f"run_dir {run} is in use by pid {os.getpid()} on host {socket.gethostname()} since "
+            f"{owner['since']}; wait for that job to end or stop it (kill {os.getpid()} on "
+            f"{socket.gethostname()}), or pass another run_dir="
+        )
         fails_with(tmp_path, line, "train", f"run_dir={run}", "steps=40")
         fails_with(tmp_path, line, "train", f"run_dir={run}", "steps=40", "resume=true")
         with pytest.raises(run_lock.RunDirInUseError, match="is in use by pid"):
@@ -34,8 +36,14 @@ def test_a_held_lock_refuses_train_and_resume_naming_the_owner(tmp_path):
     finally:
         os.close(fd)
     # the flock went with its holder: the file left behind is no lock (the run's own refusal is next)
-    fails_with(tmp_path, f"config key 'run_dir': {run} already holds a run; pass resume=true to continue it, "
-                         f"or another run_dir=", "train", f"run_dir={run}", "steps=40")
+    fails_with(
+        tmp_path,
+        f"config key 'run_dir': {run} already holds a run; pass resume=true to continue it, "
+        f"or another run_dir=",
+        "train",
+        f"run_dir={run}",
+        "steps=40",
+    )
     fd = run_lock.acquire(run)  # a stale file is simply locked again, with the new owner
     os.close(fd)
     assert json.loads((run / ".lock").read_text())["pid"] == os.getpid()
@@ -50,12 +58,21 @@ def test_a_run_without_a_checkpoint_says_what_to_delete(tmp_path):
     write(run / "metrics.jsonl", '{"step": 0}\n')
     write(run / "events.jsonl", "")
     files = f"{run}/config.yaml {run}/metrics.jsonl {run}/events.jsonl"
-    fails_with(tmp_path, f"config key 'run_dir': {run} holds a run that saved no checkpoint, so it cannot be "
-                         f"resumed; delete {files} to start over, or pass another run_dir=",
-               "train", f"run_dir={run}")
-    fails_with(tmp_path, f"resume=true but {run}/checkpoints has no checkpoint (the run saved none); delete "
-                         f"{files} and drop resume=true to start over, or pass another run_dir=",
-               "train", f"run_dir={run}", "resume=true")
+    fails_with(
+        tmp_path,
+        f"config key 'run_dir': {run} holds a run that saved no checkpoint, so it cannot be "
+        f"resumed; delete {files} to start over, or pass another run_dir=",
+        "train",
+        f"run_dir={run}",
+    )
+    fails_with(
+        tmp_path,
+        f"resume=true but {run}/checkpoints has no checkpoint (the run saved none); delete "
+        f"{files} and drop resume=true to start over, or pass another run_dir=",
+        "train",
+        f"run_dir={run}",
+        "resume=true",
+    )
 
 
 @pytest.mark.bad_input
@@ -88,14 +105,24 @@ def test_hf_dir_without_tokenizer_files_fails_in_preflight(tmp_path):
     write(hf / "config.json", json.dumps({"model_type": "qwen3_moe", "vocab_size": 50}))
     save_file({"model.embed_tokens.weight": torch.zeros(50, 4)}, str(hf / "model.safetensors"))
     files = "tokenizer.json, tokenizer.model, vocab.json + merges.txt, vocab.txt"
-    fails_with(tmp_path, f"config key 'init_weights': {hf} has no tokenizer files (none of {files}), and "
-                         f"task.tokenizer=auto reads the tokenizer from it; copy the checkpoint's tokenizer files "
-                         f"there, or pass task.tokenizer=hf:DIR", "train", f"run_dir={tmp_path / 'run'}",
-               f"init_weights=hf:{hf}")
+    fails_with(
+        tmp_path,
+        f"config key 'init_weights': {hf} has no tokenizer files (none of {files}), and "
+        f"task.tokenizer=auto reads the tokenizer from it; copy the checkpoint's tokenizer files "
+        f"there, or pass task.tokenizer=hf:DIR",
+        "train",
+        f"run_dir={tmp_path / 'run'}",
+        f"init_weights=hf:{hf}",
+    )
     write(hf / "vocab.json", "{}")  # half of a BPE tokenizer is still none
-    fails_with(tmp_path, f"config key 'task.tokenizer': {hf} has no tokenizer files (none of {files}), and "
-                         f"task.tokenizer=hf:{hf} reads the tokenizer from it; copy the checkpoint's tokenizer "
-                         f"files there, or pass task.tokenizer=hf:DIR", "train", f"run_dir={tmp_path / 'run'}",
-               f"task.tokenizer=hf:{hf}")
+    fails_with(
+        tmp_path,
+        f"config key 'task.tokenizer': {hf} has no tokenizer files (none of {files}), and "
+        f"task.tokenizer=hf:{hf} reads the tokenizer from it; copy the checkpoint's tokenizer "
+        f"files there, or pass task.tokenizer=hf:DIR",
+        "train",
+        f"run_dir={tmp_path / 'run'}",
+        f"task.tokenizer=hf:{hf}",
+    )
     code, _, err = run_cli(tmp_path, "config", f"init_weights=hf:{hf}")  # only `train` checks it
     assert (code, err) == (0, "")

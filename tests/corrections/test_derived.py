@@ -20,10 +20,14 @@ def test_ess_derived_exactly_from_reduced_mean_and_std():
     mask = torch.rand(8, 6, generator=gen) > 0.3
     w, _ = is_weights(lr, mask, "token", 2.0)
     # two "ranks" / micro-batches: the derived ESS equals the whole-batch formula 1 / mean(wbar^2)
-    parts = merge_metrics(is_weights(lr[:3], mask[:3], "token", 2.0)[1], is_weights(lr[3:], mask[3:], "token", 2.0)[1])
+    parts = merge_metrics(
+        is_weights(lr[:3], mask[:3], "token", 2.0)[1], is_weights(lr[3:], mask[3:], "token", 2.0)[1]
+    )
     got = derive_metrics(reduce_metrics(parts))
     w_valid = w[mask]
-    assert got["corr/is_ess"] == pytest.approx((1 / ((w_valid / w_valid.mean()) ** 2).mean()).item(), rel=1e-12)
+    assert got["corr/is_ess"] == pytest.approx(
+        (1 / ((w_valid / w_valid.mean()) ** 2).mean()).item(), rel=1e-12
+    )
     assert 0 < got["corr/is_seq_ess"] <= 1
 
 

@@ -107,7 +107,7 @@ def test_dvp_metrics_hand_computed():
     roll = torch.log(torch.tensor([[[0.5, 0.3, 0.15, 0.05], [0.5, 0.3, 0.15, 0.05]]], dtype=F64))
     train = torch.log(torch.tensor([[[0.4, 0.4, 0.1, 0.1], [0.4, 0.4, 0.1, 0.1]]], dtype=F64))
     safe = safe_set(roll, threshold=0.25)  # {0, 1, 2}
-    tokens = torch.tensor([[1, 3]])        # position 2 sampled a pruned token
+    tokens = torch.tensor([[1, 3]])  # position 2 sampled a pruned token
     mask = torch.ones(1, 2, dtype=torch.bool)
     rt, rr = restricted_logprobs(train, safe, tokens), restricted_logprobs(roll, safe, tokens)
     got = reduce_metrics(dvp_metrics(rt, rr, safe, mask))
@@ -115,7 +115,10 @@ def test_dvp_metrics_hand_computed():
     assert got["corr/dvp_pruned_mass_train"] == pytest.approx(0.1)
     assert got["corr/dvp_outside_frac"] == pytest.approx(0.5)
     assert got["corr/dvp_safe_size"] == pytest.approx(3.0)
-    k3 = lambda r: r - 1 - math.log(r)
+
+    def k3(r):
+        return r - 1 - math.log(r)
+
     assert got["corr/dvp_k3_before"] == pytest.approx((k3(0.4 / 0.3) + k3(0.1 / 0.05)) / 2)
     assert got["corr/dvp_k3_after"] == pytest.approx(k3((0.4 / 0.9) / (0.3 / 0.95)))
     assert all(math.isfinite(v) for v in got.values())

@@ -58,7 +58,7 @@ def test_token_is_weights_truncated_and_zero_on_padding():
     assert got["corr/is_mean"] == pytest.approx((0.5 + 1.5 + 2 + 2) / 4)
     assert got["corr/is_max"] == 2.0 and got["corr/is_min"] == 0.5
     assert got["corr/is_ratio_fraction_high"] == pytest.approx(2 / 4)  # 4.0 and 3.0 > C
-    assert got["corr/is_ratio_fraction_low"] == pytest.approx(0.0)     # 0.5 is not < 1/C
+    assert got["corr/is_ratio_fraction_low"] == pytest.approx(0.0)  # 0.5 is not < 1/C
     assert got["corr/is_seq_mean"] == pytest.approx(((0.5 + 1.5 + 2) / 3 + 2) / 2)
     ess = derive_metrics(got)["corr/is_ess"]
     w_valid = torch.tensor([0.5, 1.5, 2.0, 2.0], dtype=F64)
@@ -77,10 +77,11 @@ def test_sequence_and_geometric_weights():
     w, _ = is_weights(lr, mask, "sequence", clip_max=1.5)
     assert w[0, 0].item() == pytest.approx(1.5)
     w, _ = is_weights(lr, mask, "geometric", clip_max=None)
-    torch.testing.assert_close(w, torch.tensor([[1.8 ** 0.5] * 2 + [0.0], [0.5] * 3], dtype=F64))
+    torch.testing.assert_close(w, torch.tensor([[1.8**0.5] * 2 + [0.0], [0.5] * 3], dtype=F64))
     # the sum is clamped to +-20 before exp
-    w, _ = is_weights(torch.full((1, 3), 15.0, dtype=F64), torch.ones(1, 3, dtype=torch.bool), "sequence",
-                      clip_max=None)
+    w, _ = is_weights(
+        torch.full((1, 3), 15.0, dtype=F64), torch.ones(1, 3, dtype=torch.bool), "sequence", clip_max=None
+    )
     assert w[0, 0].item() == pytest.approx(math.exp(20.0))
     with pytest.raises(ValueError, match="IS weight level"):
         is_weights(lr, mask, "tokens", 2.0)
@@ -142,7 +143,7 @@ def test_each_option_hand_computed():
     # seq 0: rho = [2.0, 1.0]; seq 1: rho = [1.0, 1.1, 0.9]
     lr, mask = _lr([[2.0, 1.0, None], [1.0, 1.1, 0.9]])
     k2_tok = 0.5 * math.log(2.0) ** 2  # 0.240
-    k3_tok = 2.0 - 1 - math.log(2.0)   # 0.307
+    k3_tok = 2.0 - 1 - math.log(2.0)  # 0.307
     keep, m = rejection_mask(lr, mask, ["token_k2"], [0.2])
     assert keep.tolist() == [[False, True, False], [True, True, True]]
     got = reduce_metrics(m)
@@ -154,7 +155,8 @@ def test_each_option_hand_computed():
     keep, m = rejection_mask(lr, mask, ["seq_mean_k3"], [k3_tok / 2 + 1e-9])
     assert keep[0].tolist() == [True, True, False]  # mean k3 of seq 0 == k3_tok / 2, kept (<=)
     assert reduce_metrics(m)["corr/rs_seq_mean_k3_mean"] == pytest.approx(
-        (k3_tok / 2 + (1.1 - 1 - math.log(1.1) + 0.9 - 1 - math.log(0.9)) / 3) / 2)
+        (k3_tok / 2 + (1.1 - 1 - math.log(1.1) + 0.9 - 1 - math.log(0.9)) / 3) / 2
+    )
     keep, _ = rejection_mask(lr, mask, ["seq_sum_k2"], [0.2])
     assert keep.tolist() == [[False, False, False], [True, True, True]]
     keep, _ = rejection_mask(lr, mask, ["token_k1"], 1.5)  # float U -> (1/U, U)
@@ -178,14 +180,26 @@ def test_options_are_and_combined():
 
 @pytest.mark.unit
 def test_rs_spec_validation():
-    assert parse_rs_spec(["seq_max_k2", "seq_mean_k3"], [0.05, 0.001])[1] == ("seq_mean", "k3", -math.inf, 0.001)
+    assert parse_rs_spec(["seq_max_k2", "seq_mean_k3"], [0.05, 0.001])[1] == (
+        "seq_mean",
+        "k3",
+        -math.inf,
+        0.001,
+    )
     agg, kind, lo, hi = parse_rs_spec(["token_k1"], [(0.6, 1.6)])[0]
-    assert (agg, kind) == ("token", "k1") and lo == pytest.approx(math.log(0.6)) and hi == pytest.approx(math.log(1.6))
+    assert (
+        (agg, kind) == ("token", "k1")
+        and lo == pytest.approx(math.log(0.6))
+        and hi == pytest.approx(math.log(1.6))
+    )
     assert len(parse_rs_spec(["token_k2", "seq_max_k3"], 2.0)) == 2  # broadcast
     for options, bounds, match in [
-        (["seq_max_k1"], [2.0], "seq_max_k1"), (["token_k4"], [1.0], "unknown rejection option"),
-        (["seq_median_k2"], [1.0], "unknown rejection option"), (["token_k2"], [(0.5, 2.0)], "one float"),
-        (["token_k1"], [0.5], "U >= 1"), (["token_k1"], [(2.0, 0.5)], "lo <= hi"),
+        (["seq_max_k1"], [2.0], "seq_max_k1"),
+        (["token_k4"], [1.0], "unknown rejection option"),
+        (["seq_median_k2"], [1.0], "unknown rejection option"),
+        (["token_k2"], [(0.5, 2.0)], "one float"),
+        (["token_k1"], [0.5], "U >= 1"),
+        (["token_k1"], [(2.0, 0.5)], "lo <= hi"),
         (["token_k1", "token_k2"], [1.0, 2.0, 3.0], "bounds"),
     ]:
         with pytest.raises(ValueError, match=match):
@@ -216,9 +230,19 @@ def _loop_rejection(lr, mask, option, bound):
 def test_rejection_matches_loop_reference(seed):
     train, roll, mask = _random_batch(seed)
     lr = log_ratio(train, roll)
-    for option, bound in [("token_k1", (0.7, 1.2)), ("seq_sum_k1", (0.3, 2.5)), ("seq_mean_k1", (0.9, 1.05)),
-                          ("token_k2", 0.05), ("seq_sum_k2", 0.4), ("seq_mean_k2", 0.08), ("seq_max_k2", 0.2),
-                          ("token_k3", 0.05), ("seq_sum_k3", 0.5), ("seq_mean_k3", 0.1), ("seq_max_k3", 0.3)]:
+    for option, bound in [
+        ("token_k1", (0.7, 1.2)),
+        ("seq_sum_k1", (0.3, 2.5)),
+        ("seq_mean_k1", (0.9, 1.05)),
+        ("token_k2", 0.05),
+        ("seq_sum_k2", 0.4),
+        ("seq_mean_k2", 0.08),
+        ("seq_max_k2", 0.2),
+        ("token_k3", 0.05),
+        ("seq_sum_k3", 0.5),
+        ("seq_mean_k3", 0.1),
+        ("seq_max_k3", 0.3),
+    ]:
         keep, _ = rejection_mask(lr, mask, [option], [bound])
         assert torch.equal(keep, _loop_rejection(lr, mask, option, bound)), option
 
@@ -236,12 +260,14 @@ def test_offpolicy_metrics_hand_computed():
     assert got["corr/k1_kl"] == pytest.approx(-sum(math.log(r) for r in rho) / 3)
     assert got["corr/k3_kl"] == pytest.approx(sum(r - 1 - math.log(r) for r in rho) / 3)
     assert got["corr/chi2_token"] == pytest.approx(sum(r * r for r in rho) / 3 - 1)
-    assert got["corr/chi2_seq"] == pytest.approx((2.0 ** 2 + 0.8 ** 2) / 2 - 1)
+    assert got["corr/chi2_seq"] == pytest.approx((2.0**2 + 0.8**2) / 2 - 1)
     d0 = (math.log(0.25) + math.log(0.2)) / 2 - (math.log(0.5) + math.log(0.2)) / 2
     d1 = math.log(0.5) - math.log(0.4)
     assert got["corr/log_ppl_diff"] == pytest.approx((d0 + d1) / 2)
     assert got["corr/log_ppl_abs_diff"] == pytest.approx((abs(d0) + abs(d1)) / 2)
-    assert got["corr/log_ppl_diff_max"] == pytest.approx(d1) and got["corr/log_ppl_diff_min"] == pytest.approx(d0)
+    assert got["corr/log_ppl_diff_max"] == pytest.approx(d1) and got[
+        "corr/log_ppl_diff_min"
+    ] == pytest.approx(d0)
     ppl_train = [math.exp(-(math.log(0.5) + math.log(0.2)) / 2), 1 / 0.4]
     ppl_roll = [math.exp(-(math.log(0.25) + math.log(0.2)) / 2), 1 / 0.5]
     assert got["corr/training_ppl"] == pytest.approx(sum(ppl_train) / 2)
@@ -283,12 +309,16 @@ def test_is_weights_match_loop_reference():
                 if s not in idx:
                     assert w[b, s].item() == 0.0
                     continue
-                log_w = {"token": lr[b, s].item(), "sequence": sum(lr[b, j].item() for j in idx),
-                         "geometric": sum(lr[b, j].item() for j in idx) / len(idx)}[level]
+                log_w = {
+                    "token": lr[b, s].item(),
+                    "sequence": sum(lr[b, j].item() for j in idx),
+                    "geometric": sum(lr[b, j].item() for j in idx) / len(idx),
+                }[level]
                 assert w[b, s].item() == pytest.approx(min(math.exp(log_w), 1.7))
 
 
 # ------------------------------------------------ exact sequence ratios (issue 14 point 7)
+
 
 def _extreme():
     # sequence 0: token log-ratios +30 and -29.5 (sum 0.5, mean 0.25); sequence 1: +15, +15
@@ -340,8 +370,11 @@ def test_k1_kl_averages_the_exact_token_log_ratios():
     m = reduce_metrics(offpolicy_metrics(train, roll, mask))
     # tokens +30, -29.5, +15, +15, -25: mean log rho 5.5 / 5 (clamped terms would give 10 / 5)
     assert m["corr/k1_kl"] == -1.1
-    one = reduce_metrics(offpolicy_metrics(torch.tensor([[25.0]], dtype=F64), torch.zeros(1, 1, dtype=F64),
-                                           torch.tensor([[True]])))
+    one = reduce_metrics(
+        offpolicy_metrics(
+            torch.tensor([[25.0]], dtype=F64), torch.zeros(1, 1, dtype=F64), torch.tensor([[True]])
+        )
+    )
     assert one["corr/k1_kl"] == -25.0
     # k3 still takes e^lr of the clamped token term (finite): e^20 - 1 - 20
     assert one["corr/k3_kl"] == pytest.approx(math.expm1(20.0) - 20.0, rel=1e-12)
@@ -359,8 +392,16 @@ def test_glue_and_bypass_paths_weight_sequences_exactly():
     corr, _ = correction.drift_tensors(plan.correction, train, roll, mask, None)
     assert corr.is_weights_BS[0, :2].tolist() == pytest.approx([math.exp(0.5)] * 2, rel=1e-6)
     logp = train.clone().requires_grad_(True)
-    _, metrics = losses.bypass_loss(logp, roll, torch.ones(1, 3), mask, mode="reinforce", normalizer=2.0,
-                                    is_level="sequence", is_clip_max=None)
+    _, metrics = losses.bypass_loss(
+        logp,
+        roll,
+        torch.ones(1, 3),
+        mask,
+        mode="reinforce",
+        normalizer=2.0,
+        is_level="sequence",
+        is_clip_max=None,
+    )
     assert float(metrics["corr/is_max"].value) == pytest.approx(math.exp(0.5), rel=1e-6)
 
 

@@ -31,7 +31,9 @@ def test_exact_kl_closed_form_chunks_and_mask():
     torch.testing.assert_close(exact_kl_tokens(roll, train, chunk_tokens=4), expect)
     torch.testing.assert_close(exact_kl_tokens(log_p, train), expect)  # log-probs work as logits
     mask = torch.rand(3, 5, generator=gen) > 0.5
-    torch.testing.assert_close(exact_kl_tokens(roll, train, mask, chunk_tokens=2), torch.where(mask, expect, 0.0))
+    torch.testing.assert_close(
+        exact_kl_tokens(roll, train, mask, chunk_tokens=2), torch.where(mask, expect, 0.0)
+    )
     assert (exact_kl_tokens(roll, roll).abs() < 1e-6).all()
     with pytest.raises(ValueError, match="shape"):
         exact_kl_tokens(roll, train[..., :5])
@@ -77,7 +79,9 @@ def test_max_avg_and_combined_criteria():
     assert got["corr/trm_max_kl"] == pytest.approx(0.2)
     assert got["corr/trm_max_reject_frac"] == pytest.approx(1 / 3)
     assert got["corr/trm_token_accept_frac"] == pytest.approx(5 / 7)
-    assert got["corr/trm_len_accepted"] == pytest.approx(2.5) and got["corr/trm_len_all"] == pytest.approx(7 / 3)
+    assert got["corr/trm_len_accepted"] == pytest.approx(2.5) and got["corr/trm_len_all"] == pytest.approx(
+        7 / 3
+    )
     keep, m = trm_mask(kl, mask, avg_delta=0.015)  # averages 0.105, 0.01, 0.02005
     assert keep.tolist() == [False, True, False, True]
     assert reduce_metrics(m)["corr/trm_avg_kl"] == pytest.approx((0.105 + 0.01 + 0.02005) / 3)
@@ -101,8 +105,13 @@ def test_sample_based_form_equals_rs_options():
     gen = torch.Generator().manual_seed(2)
     lr = torch.randn(16, 12, generator=gen, dtype=F64) * 0.2
     mask = torch.rand(16, 12, generator=gen) > 0.2
-    keep_B, _ = trm_mask(sample_kl_tokens(lr, "k2"), mask, max_delta=0.05,
-                         avg_delta=0.02, avg_kl_tok_BS=sample_kl_tokens(lr, "k3"))
+    keep_B, _ = trm_mask(
+        sample_kl_tokens(lr, "k2"),
+        mask,
+        max_delta=0.05,
+        avg_delta=0.02,
+        avg_kl_tok_BS=sample_kl_tokens(lr, "k3"),
+    )
     keep_BS, _ = rejection_mask(lr, mask, ["seq_max_k2", "seq_mean_k3"], [0.05, 0.02])
     assert 0 < keep_B.sum() < 16
     assert torch.equal(keep_BS, mask & keep_B[:, None])
@@ -121,20 +130,35 @@ def test_length_neutral_variants_hand_computed():
     eps, delta = 0.5, 0.08
     w = [min(1, (4 - t) * eps, math.sqrt((4 - t) * delta / 2)) for t in range(1, 5)]  # [0.346, 0.283, 0.2, 0]
     score = sum(d * wt for d, wt in zip(dev, w)) / sum(w)
-    keep, m = trm_mask(None, mask, length_neutral="ln", log_ratio_BS=lr, ln_threshold=score + 1e-9,
-                       ln_eps=eps, ln_delta=delta)
+    keep, m = trm_mask(
+        None,
+        mask,
+        length_neutral="ln",
+        log_ratio_BS=lr,
+        ln_threshold=score + 1e-9,
+        ln_eps=eps,
+        ln_delta=delta,
+    )
     assert keep.tolist() == [True]
     assert reduce_metrics(m)["corr/trm_ln_score"] == pytest.approx(score)
-    keep, _ = trm_mask(None, mask, length_neutral="ln", log_ratio_BS=lr, ln_threshold=score - 1e-6,
-                       ln_eps=eps, ln_delta=delta)
+    keep, _ = trm_mask(
+        None,
+        mask,
+        length_neutral="ln",
+        log_ratio_BS=lr,
+        ln_threshold=score - 1e-6,
+        ln_eps=eps,
+        ln_delta=delta,
+    )
     assert keep.tolist() == [False]
     with pytest.raises(ValueError, match="ln_eps"):
         trm_mask(None, mask, length_neutral="ln", log_ratio_BS=lr, ln_threshold=0.1)
     # LN uses response-token positions: interleaved padding / tool tokens do not change the score
     lr_gap = torch.tensor([[lr[0, 0], 5.0, lr[0, 1], lr[0, 2], 5.0, lr[0, 3]]], dtype=F64)
     mask_gap = torch.tensor([[True, False, True, True, False, True]])
-    _, m_gap = trm_mask(None, mask_gap, length_neutral="ln", log_ratio_BS=lr_gap, ln_threshold=1.0,
-                        ln_eps=eps, ln_delta=delta)
+    _, m_gap = trm_mask(
+        None, mask_gap, length_neutral="ln", log_ratio_BS=lr_gap, ln_threshold=1.0, ln_eps=eps, ln_delta=delta
+    )
     assert reduce_metrics(m_gap)["corr/trm_ln_score"] == pytest.approx(score)
 
 
@@ -148,15 +172,28 @@ def test_vectorised_mask_matches_loop_reference():
     mask = torch.rand(B, S, generator=gen) > 0.25
     eps, delta = 0.05, 0.01
     for ln in ("none", "ln", "ser"):
-        keep, _ = trm_mask(kl, mask, max_delta=0.05, avg_delta=0.014, avg_kl_tok_BS=kl_avg, length_neutral=ln,
-                           log_ratio_BS=lr, ln_threshold=0.08, ln_eps=eps, ln_delta=delta)
+        keep, _ = trm_mask(
+            kl,
+            mask,
+            max_delta=0.05,
+            avg_delta=0.014,
+            avg_kl_tok_BS=kl_avg,
+            length_neutral=ln,
+            log_ratio_BS=lr,
+            ln_threshold=0.08,
+            ln_eps=eps,
+            ln_delta=delta,
+        )
         for b in range(B):
             idx = [s for s in range(S) if mask[b, s]]
             if not idx:
                 assert keep[b]
                 continue
             T = len(idx)
-            ok = max(kl[b, s].item() for s in idx) <= 0.05 and sum(kl_avg[b, s].item() for s in idx) / T <= 0.014
+            ok = (
+                max(kl[b, s].item() for s in idx) <= 0.05
+                and sum(kl_avg[b, s].item() for s in idx) / T <= 0.014
+            )
             devs = [abs(math.exp(lr[b, s].item()) - 1) for s in idx]
             if ln == "ser":
                 ok = ok and sum(devs) / T <= 0.08
@@ -176,8 +213,9 @@ def test_normaliser_is_total_batch_not_accepted_count():
     old = logp.detach().clone()  # ratio 1: loss_t = -A_t
     adv = torch.tensor([[1.0], [2.0], [-1.0], [5.0]], dtype=F64).expand(4, 3)
     total_tokens = mask.sum()  # counted BEFORE masking: 7
-    loss, _ = decoupled_ppo_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.2,
-                                 normalizer=total_tokens, keep=keep_B)
+    loss, _ = decoupled_ppo_loss(
+        logp, old, adv, mask, clip_low=0.2, clip_high=0.2, normalizer=total_tokens, keep=keep_B
+    )
     assert loss.item() == pytest.approx((-2.0 * 3 + 1.0 * 2) / 7)  # not / 5 (accepted tokens)
     loss.backward()
     assert (logp.grad[0] == 0).all()  # the rejected sequence has no gradient
@@ -192,7 +230,9 @@ def test_bound_table_t4096_reproduced():
     """docs/math.md 3.2 reference table, T = 4096, delta = 1e-4, eps = 5e-3, KL_seq = 0.01, TV_seq = 0.05."""
     kl_only = trm_bounds(4096, 1e-4, kl_seq=0.01)
     kl_tv = trm_bounds(4096, 1e-4, eps=5e-3, kl_seq=0.01, tv_seq=0.05)
-    assert kl_only["eps"] == pytest.approx(7.07e-3, abs=5e-6) and kl_only["tv_seq"] == pytest.approx(0.0707, abs=5e-5)
+    assert kl_only["eps"] == pytest.approx(7.07e-3, abs=5e-6) and kl_only["tv_seq"] == pytest.approx(
+        0.0707, abs=5e-5
+    )
     table = {  # row: (key, KL-only, KL+TV, decimals)
         "Classical": ("classical", 1677, 839, 0),
         "Coupling": ("coupling", 113.8, 79.9, 1),
@@ -212,7 +252,9 @@ def test_bound_table_t4096_reproduced():
     assert kl_only["adaptive"] <= 35.0 and round(kl_only["adaptive"], 1) == 34.9
     assert kl_tv["adaptive"] <= kl_tv["pm_tv"] and round(kl_tv["adaptive"], 1) == 24.7
     assert kl_only["classical_kl"] == pytest.approx(1677.312)
-    assert math.floor(kl_tv["classical_kl"] / kl_tv["unified"]) == 409  # "409x better" (1677.3 / 4.096 = 409.5)
+    assert (
+        math.floor(kl_tv["classical_kl"] / kl_tv["unified"]) == 409
+    )  # "409x better" (1677.3 / 4.096 = 409.5)
     assert round(kl_only["linear"], 1) == 115.9  # paper v2 "Linear" row
 
 
@@ -248,7 +290,9 @@ def test_bound_identities():
     dbar = torch.full((T,), 1e-4, dtype=F64)
     dbar[::50] = eps
     b = trm_bounds(T, delta, eps=eps, kl_seq=0.5, tv_seq=0.5, dbar_t=dbar)
-    assert b["unified"] == b["adaptive"] < min(b[k] for k in ("pm_kl", "pm_tv", "mix_kl", "mix_tv", "coupling"))
+    assert (
+        b["unified"] == b["adaptive"] < min(b[k] for k in ("pm_kl", "pm_tv", "mix_kl", "mix_tv", "coupling"))
+    )
     with pytest.raises(ValueError, match="dbar_t"):
         trm_bounds(T, delta, dbar_t=[0.1] * (T - 1))
     with pytest.raises(ValueError):

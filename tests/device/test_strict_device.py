@@ -17,14 +17,29 @@ from tests.dist_harness import run_ranks
 
 RUNS = {
     "off": ["routing.replay=off", "checkpoint_every=1"],
-    "r2": ["routing.replay=r2", "algo.kl_coef=0.01", "correction.is_level=token", "correction.rejection=[{option: seq_mean_k3, upper: 0.01}]",
-           "correction.trm.max=0.05"],
-    "r3": ["routing.replay=r3", "correction.dvp_threshold=0.05", "correction.trm.avg=0.05",
-           "correction.trm.kl=exact", "optim.length_lr.enabled=true"],
+    "r2": [
+        "routing.replay=r2",
+        "algo.kl_coef=0.01",
+        "correction.is_level=token",
+        "correction.rejection=[{option: seq_mean_k3, upper: 0.01}]",
+        "correction.trm.max=0.05",
+    ],
+    "r3": [
+        "routing.replay=r3",
+        "correction.dvp_threshold=0.05",
+        "correction.trm.avg=0.05",
+        "correction.trm.kl=exact",
+        "optim.length_lr.enabled=true",
+    ],
 }
 TP2 = ["parallel.tensor_parallel=2", "parallel.expert_parallel=1", "routing.replay=r3", "algo.kl_coef=0.01"]
-COMMON = ["steps=2", "rollout.prompts_per_step=8", "rollout.samples_per_prompt=4", "log.progress_bar=false",
-          "log.wandb_mode=disabled"]
+COMMON = [
+    "steps=2",
+    "rollout.prompts_per_step=8",
+    "rollout.samples_per_prompt=4",
+    "log.progress_bar=false",
+    "log.wandb_mode=disabled",
+]
 
 
 def _worker(rank: int, root: str, redirect: bool = True) -> dict:
@@ -37,9 +52,15 @@ def _worker(rank: int, root: str, redirect: bool = True) -> dict:
 
     caught = {}
     dims = None
-    for name, overrides in [*RUNS.items(), ("off_resumed", [*RUNS["off"], "resume=true", "steps=3"]), ("tp2", TP2)]:
+    for name, overrides in [
+        *RUNS.items(),
+        ("off_resumed", [*RUNS["off"], "resume=true", "steps=3"]),
+        ("tp2", TP2),
+    ]:
         run_dir = f"{root}/{name.removesuffix('_resumed')}"
-        cfg = trainer.preflight(load_config(None, [*COMMON, *overrides, f"run_dir={run_dir}"]), check_run_dir=False)
+        cfg = trainer.preflight(
+            load_config(None, [*COMMON, *overrides, f"run_dir={run_dir}"]), check_run_dir=False
+        )
         if dims is None:
             dims = dist.init_distributed(cfg.parallel, cfg.seed)
         if name == "tp2":  # the same 2 ranks as one tensor-parallel model (sequence parallel, vocab-parallel)

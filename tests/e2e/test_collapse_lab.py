@@ -29,8 +29,13 @@ def test_lab_defaults_are_the_documented_setting_and_all_means_every_arm():
     lab = _lab()
     args = lab.parse([])
     assert (args.arm_list, args.seed_list, args.steps) == (["none", "r3", "onpolicy"], [0, 1, 2], 100)
-    assert lab.arm_overrides("none", args) == ["rollout.router_noise=1.5", "rollout.dtype=bf16", "rollout.staleness=0",
-                                               "optim.lr=0.0004", "algo.num_minibatches=8"]
+    assert lab.arm_overrides("none", args) == [
+        "rollout.router_noise=1.5",
+        "rollout.dtype=bf16",
+        "rollout.staleness=0",
+        "optim.lr=0.0004",
+        "algo.num_minibatches=8",
+    ]
     # the control drops every engine-side mismatch, after any --set
     ctl = lab.arm_overrides("onpolicy", lab.parse(["--set", "rollout.router_noise=0.7"]))
     assert ctl[-3:] == ["rollout.router_noise=0.0", "rollout.dtype=fp32", "rollout.staleness=0"]
@@ -39,7 +44,9 @@ def test_lab_defaults_are_the_documented_setting_and_all_means_every_arm():
         lab.parse(["--arms", "none,bogus"])
 
 
-def _fake_finished_run(lab, out: Path, lab_flags: list[str], extra: tuple[str, ...] = (), last_step: int = 1) -> Path:
+def _fake_finished_run(
+    lab, out: Path, lab_flags: list[str], extra: tuple[str, ...] = (), last_step: int = 1
+) -> Path:
     """A run dir as `moe-rl train` leaves it for the arm none, seed 0 of ``lab_flags`` (plus
     ``extra`` overrides): its resolved config.yaml, and metrics.jsonl up to ``last_step``."""
     from moe_rl.config import to_yaml
@@ -47,9 +54,12 @@ def _fake_finished_run(lab, out: Path, lab_flags: list[str], extra: tuple[str, .
     args = lab.parse(["--out", str(out), "--arms", "none", "--seeds", "0", *lab_flags])
     run_dir = out.resolve() / "none_s0"
     run_dir.mkdir(parents=True)
-    (run_dir / "config.yaml").write_text(to_yaml(lab.resolved_config([*lab.train_args("none", 0, run_dir, args),
-                                                                      *extra])))
-    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(last_step + 1)))
+    (run_dir / "config.yaml").write_text(
+        to_yaml(lab.resolved_config([*lab.train_args("none", 0, run_dir, args), *extra]))
+    )
+    (run_dir / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": s}) + "\n" for s in range(last_step + 1))
+    )
     return run_dir
 
 
@@ -63,13 +73,17 @@ def test_lab_refuses_a_finished_run_made_with_other_settings(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         lab.main([*grid, "--lr", "1e-3"])
     assert e.value.code == 2
-    assert capsys.readouterr().err == (f"error: {run_dir} was made with optim.lr=0.0004, this grid asks for "
-                                       f"optim.lr=0.001: use another --out or pass --rerun\n")
+    assert capsys.readouterr().err == (
+        f"error: {run_dir} was made with optim.lr=0.0004, this grid asks for "
+        f"optim.lr=0.001: use another --out or pass --rerun\n"
+    )
     with pytest.raises(SystemExit):
         lab.main([*grid, "--lr", "1e-3", "--minibatches", "4"])
-    assert capsys.readouterr().err == (f"error: {run_dir} was made with algo.num_minibatches=8, this grid asks for "
-                                       f"algo.num_minibatches=4 (and 1 more: optim.lr): use another --out or "
-                                       f"pass --rerun\n")
+    assert capsys.readouterr().err == (
+        f"error: {run_dir} was made with algo.num_minibatches=8, this grid asks for "
+        f"algo.num_minibatches=4 (and 1 more: optim.lr): use another --out or "
+        f"pass --rerun\n"
+    )
     assert sorted(p.name for p in run_dir.iterdir()) == before  # nothing trained, nothing deleted
     # the same settings: reused; --rerun: redone
     assert [j[-1] for j in lab.plan_grid(lab.parse(grid))] == ["reuse"]
@@ -82,16 +96,30 @@ def test_lab_reuse_ignores_only_keys_that_change_no_number(tmp_path, capsys):
     out = tmp_path / "lab"
     grid = ["--out", str(out), "--arms", "none", "--seeds", "0", "--steps", "2"]
     # written elsewhere, with a progress bar, wandb offline under another project, checkpoints
-    logging = ("run_dir=/elsewhere", "log.progress_bar=true", "log.wandb_mode=offline", "log.wandb_project=x",
-               "checkpoint_every=1")
+    logging = (
+        "run_dir=/elsewhere",
+        "log.progress_bar=true",
+        "log.wandb_mode=offline",
+        "log.wandb_project=x",
+        "checkpoint_every=1",
+    )
     _fake_finished_run(lab, out, ["--steps", "2"], logging)
     assert [j[-1] for j in lab.plan_grid(lab.parse(grid))] == ["reuse"]
-    assert set(lab.IGNORED) == {"run_dir", "resume", "checkpoint_every", "log.progress_bar", "log.wandb_mode",
-                                "log.wandb_project"}
+    assert set(lab.IGNORED) == {
+        "run_dir",
+        "resume",
+        "checkpoint_every",
+        "log.progress_bar",
+        "log.wandb_mode",
+        "log.wandb_project",
+    }
     # a key that changes results is not ignored, even one the lab never sets
     with pytest.raises(SystemExit):
         lab.main([*grid, "--set", "log.router_monitor=false"])
-    assert "was made with log.router_monitor=True, this grid asks for log.router_monitor=False" in capsys.readouterr().err
+    assert (
+        "was made with log.router_monitor=True, this grid asks for log.router_monitor=False"
+        in capsys.readouterr().err
+    )
 
 
 @pytest.mark.unit
@@ -102,20 +130,32 @@ def test_lab_refuses_an_unfinished_run(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         lab.main(["--out", str(out), "--arms", "none", "--seeds", "0", "--steps", "2"])
     assert e.value.code == 2
-    assert capsys.readouterr().err == f"error: {run_dir} holds an unfinished run: use another --out or pass --rerun\n"
+    assert (
+        capsys.readouterr().err
+        == f"error: {run_dir} holds an unfinished run: use another --out or pass --rerun\n"
+    )
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("flags, message", [
-    (["--seeds", "abc"], "--seeds: 'abc' is not an integer; give comma-separated values, e.g. 0,1,2"),
-    (["--seeds", "0,1.5"], "--seeds: '1.5' is not an integer; give comma-separated values, e.g. 0,1,2"),
-    (["--map-lr", "x"], "--map-lr: 'x' is not a number; give comma-separated values, e.g. 2e-4,3e-4"),
-    (["--map-noise", "0.3,y"], "--map-noise: 'y' is not a number; give comma-separated values, e.g. 0.3,1.0,1.5"),
-    (["--out", "FILE"], "--out: FILE is a file, not a directory; give a new or existing directory"),
-    (["--arms", "none,bogus"], "--arms: unknown ['bogus']; known: none,r2,r3,token_tis,seq_mis,trm_max,trm_avg,"
-                               "r3_trm,dvp,onpolicy"),
-    (["--steps", "x"], "argument --steps: invalid int value: 'x'"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--seeds", "abc"], "--seeds: 'abc' is not an integer; give comma-separated values, e.g. 0,1,2"),
+        (["--seeds", "0,1.5"], "--seeds: '1.5' is not an integer; give comma-separated values, e.g. 0,1,2"),
+        (["--map-lr", "x"], "--map-lr: 'x' is not a number; give comma-separated values, e.g. 2e-4,3e-4"),
+        (
+            ["--map-noise", "0.3,y"],
+            "--map-noise: 'y' is not a number; give comma-separated values, e.g. 0.3,1.0,1.5",
+        ),
+        (["--out", "FILE"], "--out: FILE is a file, not a directory; give a new or existing directory"),
+        (
+            ["--arms", "none,bogus"],
+            "--arms: unknown ['bogus']; known: none,r2,r3,token_tis,seq_mis,trm_max,trm_avg,"
+            "r3_trm,dvp,onpolicy",
+        ),
+        (["--steps", "x"], "argument --steps: invalid int value: 'x'"),
+    ],
+)
 def test_lab_bad_flags_are_one_error_line(tmp_path, capsys, flags, message):
     lab = _lab()
     file = tmp_path / "results.txt"
@@ -130,11 +170,19 @@ def test_lab_bad_flags_are_one_error_line(tmp_path, capsys, flags, message):
 @pytest.mark.e2e
 def test_collapse_lab_ci_grid_runs_and_reports(tmp_path):
     out = tmp_path / "lab"
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "collapse_lab.py"), "--ci", "--out", str(out)],
-                          check=False, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "collapse_lab.py"), "--ci", "--out", str(out)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    recs = {arm: [json.loads(x) for x in (out / f"{arm}_s0" / "metrics.jsonl").read_text().splitlines()]
-            for arm in ("none", "r3")}
+    recs = {
+        arm: [json.loads(x) for x in (out / f"{arm}_s0" / "metrics.jsonl").read_text().splitlines()]
+        for arm in ("none", "r3")
+    }
     for arm, rs in recs.items():
         assert [r["step"] for r in rs] == [0, 1, 2]
         assert [r["rollout/policy_lag"] for r in rs] == [0.0, 1.0, 2.0]  # rollout.staleness=2 reached the run
@@ -146,8 +194,11 @@ def test_collapse_lab_ci_grid_runs_and_reports(tmp_path):
     assert recs["r3"][0]["reward/mean"] == recs["none"][0]["reward/mean"]
     assert 0 < recs["r3"][0]["corr/k3_kl"] < recs["none"][0]["corr/k3_kl"]
     table = (out / "table.md").read_text()
-    rows = {c[0]: c[1:] for c in ([x.strip() for x in line.strip().strip("|").split("|")]
-                                  for line in table.splitlines()) if c[0] in ("none", "r3")}
+    rows = {
+        c[0]: c[1:]
+        for c in ([x.strip() for x in line.strip().strip("|").split("|")] for line in table.splitlines())
+        if c[0] in ("none", "r3")
+    }
     for arm, rs in recs.items():
         peak = max(r["corr/k3_kl"] for r in rs)
         assert rows[arm][:2] == ["1", f"{rs[0]['reward/mean']:.3g}"]  # start: the warm start's step

@@ -30,13 +30,27 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _args(model_dir: Path, data: Path, val: Path) -> list[str]:
-    return [f"init_weights=hf:{model_dir}", *model_overrides(MODEL), "model.first_k_dense=0",
-            f"task.dataset={data}", f"task.val_dataset={val}", "task.answer_key=reward_model.ground_truth",
-            "task.apply_chat_template=true", "task.chat_template_kwargs.enable_thinking=false",
-            "task.reward=math", f"task.max_prompt_tokens={MAX_PROMPT}", "task.overlong_buffer=4",
-            "log.val_every=2", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4",
-            "rollout.max_new_tokens=12", "algo.num_minibatches=2", "checkpoint_every=2",
-            "log.progress_bar=false", "log.wandb_mode=offline"]
+    return [
+        f"init_weights=hf:{model_dir}",
+        *model_overrides(MODEL),
+        "model.first_k_dense=0",
+        f"task.dataset={data}",
+        f"task.val_dataset={val}",
+        "task.answer_key=reward_model.ground_truth",
+        "task.apply_chat_template=true",
+        "task.chat_template_kwargs.enable_thinking=false",
+        "task.reward=math",
+        f"task.max_prompt_tokens={MAX_PROMPT}",
+        "task.overlong_buffer=4",
+        "log.val_every=2",
+        "rollout.prompts_per_step=4",
+        "rollout.samples_per_prompt=4",
+        "rollout.max_new_tokens=12",
+        "algo.num_minibatches=2",
+        "checkpoint_every=2",
+        "log.progress_bar=false",
+        "log.wandb_mode=offline",
+    ]
 
 
 @pytest.mark.e2e
@@ -45,8 +59,11 @@ def test_train_resume_export_hf_math(tmp_path: Path, model_dir: Path) -> None:
     assert "wrote" in moe_rl("data", "make-math", str(data), "--num", "40", "--seed", "1").stdout
     moe_rl("data", "make-math", str(val), "--num", "6", "--seed", "2")
     # what the run should drop: prompts over MAX_PROMPT tokens after the chat template
-    spec = RowSpec(answer_key="reward_model.ground_truth", apply_chat_template=True,
-                   chat_template_kwargs={"enable_thinking": False})
+    spec = RowSpec(
+        answer_key="reward_model.ground_truth",
+        apply_chat_template=True,
+        chat_template_kwargs={"enable_thinking": False},
+    )
     kept = RowDataset(data, dataclasses.replace(spec, max_prompt_tokens=MAX_PROMPT), HFTokenizer(model_dir))
     assert 0 < kept.num_dropped < 40
 
@@ -67,8 +84,16 @@ def test_train_resume_export_hf_math(tmp_path: Path, model_dir: Path) -> None:
         assert "reward/mean/arith_words" in rec and "reward/overlong_penalty_mean" in rec
         # validation on steps 0 and 2 only, greedy and sampled, per data source
         has_val = {k for k in rec if k.startswith("val/")}
-        assert has_val == ({"val/reward/mean", "val/reward/mean/arith_words", "val/reward_sampled/mean",
-                            "val/reward_sampled/mean/arith_words"} if step % 2 == 0 else set())
+        assert has_val == (
+            {
+                "val/reward/mean",
+                "val/reward/mean/arith_words",
+                "val/reward_sampled/mean",
+                "val/reward_sampled/mean/arith_words",
+            }
+            if step % 2 == 0
+            else set()
+        )
     assert a[0]["val/reward/mean"] == a[0]["val/reward/mean/arith_words"]
     cfg_text = (full / "config.yaml").read_text()
     assert "vocab_size: 512" in cfg_text and "enable_thinking: false" in cfg_text
@@ -86,22 +111,29 @@ def test_train_resume_export_hf_math(tmp_path: Path, model_dir: Path) -> None:
     assert model.config.vocab_size == 512 and len(tok) == 460
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja"):
         assert (out / name).read_bytes() == (model_dir / name).read_bytes(), name
-    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
-                                   add_generation_prompt=True) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert (
+        tok.apply_chat_template(
+            [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+        )
+        == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    )
     size_in = sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
     size_out = sum(p.stat().st_size for p in out.glob("*.safetensors"))
     assert abs(size_out - size_in) < 0.01 * size_in  # bf16 in, bf16 out (not twice the size)
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("override, needle", [
-    ("task.tokenizer=hf:/nonexistent/tok", "tokenizer directory /nonexistent/tok does not exist"),
-    ("task.reward=bleu", "unknown reward 'bleu'"),
-    ("task.reward=python:/nonexistent/r.py:score", "/nonexistent/r.py does not exist"),
-    ("task.answer_key=answer", "row 1: missing key 'answer'"),
-    ("task.max_prompt_tokens=5", "no prompts left after filtering (all 10 are longer than 5 tokens)"),
-    ("model.vocab_size=400", "has 460 tokens but the model's vocabulary (model.vocab_size) has only 400"),
-])
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("task.tokenizer=hf:/nonexistent/tok", "tokenizer directory /nonexistent/tok does not exist"),
+        ("task.reward=bleu", "unknown reward 'bleu'"),
+        ("task.reward=python:/nonexistent/r.py:score", "/nonexistent/r.py does not exist"),
+        ("task.answer_key=answer", "row 1: missing key 'answer'"),
+        ("task.max_prompt_tokens=5", "no prompts left after filtering (all 10 are longer than 5 tokens)"),
+        ("model.vocab_size=400", "has 460 tokens but the model's vocabulary (model.vocab_size) has only 400"),
+    ],
+)
 def test_bad_input_fails_before_any_rank(tmp_path: Path, model_dir: Path, override: str, needle: str) -> None:
     data, val = tmp_path / "train.parquet", tmp_path / "val.jsonl"
     moe_rl("data", "make-math", str(data), "--num", "10")

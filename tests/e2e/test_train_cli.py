@@ -5,22 +5,28 @@ a run before any rank starts."""
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-TINY = ["rollout.prompts_per_step=8", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=8",
-        "log.progress_bar=false", "log.wandb_mode=offline"]
+TINY = [
+    "rollout.prompts_per_step=8",
+    "rollout.samples_per_prompt=4",
+    "rollout.max_new_tokens=8",
+    "log.progress_bar=false",
+    "log.wandb_mode=offline",
+]
 
 
 def moe_rl(*args: str, check: bool = True, timeout: int = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run([sys.executable, "-m", "moe_rl.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-m", "moe_rl.cli", *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
     if check and proc.returncode != 0:
         raise AssertionError(f"moe-rl {' '.join(args)} exited {proc.returncode}:\n{proc.stderr[-4000:]}")
     return proc
@@ -36,10 +42,15 @@ def _deterministic(rec: dict) -> dict:
 
 
 # a response-length LR decay that triggers at almost any length change, so its state matters
-EAGER_LENGTH_LR = ["optim.length_lr.enabled=true", "optim.length_lr.surge_ratio=1.001",
-                   "optim.length_lr.min_observations=0", "optim.length_lr.patience=1",
-                   "optim.length_lr.ema_alpha=1.0", "optim.length_lr.cooldown_steps=0",
-                   "optim.length_lr.rebase_after_trigger=false"]
+EAGER_LENGTH_LR = [
+    "optim.length_lr.enabled=true",
+    "optim.length_lr.surge_ratio=1.001",
+    "optim.length_lr.min_observations=0",
+    "optim.length_lr.patience=1",
+    "optim.length_lr.ema_alpha=1.0",
+    "optim.length_lr.cooldown_steps=0",
+    "optim.length_lr.rebase_after_trigger=false",
+]
 
 
 @pytest.mark.e2e
@@ -57,9 +68,21 @@ def test_resume_reproduces_uninterrupted_run(tmp_path):
     for step in range(4):
         assert _deterministic(a[step]) == _deterministic(b[step]), f"step {step} differs after resume"
     keys = set(a[3])
-    for key in ("reward/mean", "time/step_s", "rollout/response_len_mean", "corr/k3_kl", "train/lr",
-                "train/grad_norm", "train/pg_loss", "train/entropy", "adv/mean", "router_grad/norm",
-                "router_grad/zero_frac", "router_grad/load_entropy/layer0", "routing/flip_router_frac"):
+    for key in (
+        "reward/mean",
+        "time/step_s",
+        "rollout/response_len_mean",
+        "corr/k3_kl",
+        "train/lr",
+        "train/grad_norm",
+        "train/pg_loss",
+        "train/entropy",
+        "adv/mean",
+        "router_grad/norm",
+        "router_grad/zero_frac",
+        "router_grad/load_entropy/layer0",
+        "routing/flip_router_frac",
+    ):
         assert key in keys, key
     assert a[3]["train/grad_norm"] > 0 and 0 <= a[3]["reward/mean"] <= 1
     assert a[3]["router_grad/zero_frac"] == pytest.approx(6 / 8)  # E=8, K=2, no aux loss: (E-K)/E
@@ -74,12 +97,18 @@ def test_resume_reproduces_uninterrupted_run(tmp_path):
     assert a[last["step"]]["train/lr"] == pytest.approx(5e-5 * last["multiplier_after"])
     # the run dir: resolved config, checkpoints (only complete ones), offline wandb run files
     assert "expert_parallel: 2" in (full / "config.yaml").read_text()
-    assert sorted(p.name for p in (full / "checkpoints").iterdir()) == ["latest", "step_000002", "step_000004"]
+    assert sorted(p.name for p in (full / "checkpoints").iterdir()) == [
+        "latest",
+        "step_000002",
+        "step_000004",
+    ]
     assert list((full / "wandb").glob("offline-run-*/run-*.wandb"))
     # the monitor's update-induced flips (replay off): step 0's first minibatch ran with the old
     # pass's weights, later minibatches after 1..3 optimizer steps; all in [0, 1]
     for step in range(4):
-        assert 0 <= a[step]["router_grad/update_flip_frac"] <= a[step]["router_grad/update_flip_token_frac"] <= 1
+        assert (
+            0 <= a[step]["router_grad/update_flip_frac"] <= a[step]["router_grad/update_flip_token_frac"] <= 1
+        )
         assert a[step]["router_grad/rollout_flip_frac/layer0"] == a[step]["routing/flip_router_frac/layer0"]
     # the stability report of the real runs, side by side, through the CLI
     out = moe_rl("report", str(full), str(part), "--out", str(tmp_path / "cmp")).stdout
@@ -92,27 +121,41 @@ def test_resume_reproduces_uninterrupted_run(tmp_path):
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("layout", [
-    ["parallel.expert_parallel=1"],  # TP 2, DP 1
-    # TP 2 x EP 2 with whole experts per rank, DP 2, routes replayed from the engine
-    ["parallel.nproc=4", "parallel.expert_tensor_parallel=1", "routing.replay=r3"],
-])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["parallel.expert_parallel=1"],  # TP 2, DP 1
+        # TP 2 x EP 2 with whole experts per rank, DP 2, routes replayed from the engine
+        ["parallel.nproc=4", "parallel.expert_tensor_parallel=1", "routing.replay=r3"],
+    ],
+)
 def test_tensor_parallel_run_counts_each_sample_once(tmp_path, layout):
     run = tmp_path / "tp"
-    moe_rl("train", f"run_dir={run}", "steps=2", "checkpoint_every=0", "parallel.tensor_parallel=2",
-           *layout, *TINY)
+    moe_rl(
+        "train",
+        f"run_dir={run}",
+        "steps=2",
+        "checkpoint_every=0",
+        "parallel.tensor_parallel=2",
+        *layout,
+        *TINY,
+    )
     m = metrics(run)
     # TP peers share one batch: metrics reduce over data-parallel ranks only
     assert [m[s]["rollout/num_seqs"] for s in (0, 1)] == [32.0, 32.0]  # 8 prompts x 4 samples
     assert m[1]["train/grad_norm"] > 0 and m[1]["router_grad/zero_frac"] == pytest.approx(6 / 8)
     if "routing.replay=r3" in layout:  # the engine's routes, recorded per sample, replayed on 2 SP blocks
-        assert 0 < m[1]["routing/flip_router_frac"] < 0.2 and 0 <= m[1]["routing/update_flip_router_frac"] < 0.2
+        assert (
+            0 < m[1]["routing/flip_router_frac"] < 0.2 and 0 <= m[1]["routing/update_flip_router_frac"] < 0.2
+        )
 
 
 @pytest.mark.e2e
 def test_jsonl_dataset_run(tmp_path):
     data = tmp_path / "prompts.jsonl"
-    rows = [{"prompt": f"C{a}{b}:", "answer": f"{a}{b}", "task": "copy2"} for a in range(10) for b in range(3)]
+    rows = [
+        {"prompt": f"C{a}{b}:", "answer": f"{a}{b}", "task": "copy2"} for a in range(10) for b in range(3)
+    ]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     run = tmp_path / "run"
     moe_rl("train", f"run_dir={run}", "steps=2", "checkpoint_every=0", f"task.dataset={data}", *TINY)
@@ -141,19 +184,26 @@ def test_zero_signal_run_checkpoints_and_resumes(tmp_path):
         assert a[step]["reward/mean"] == 0.0 and a[step]["train/grad_norm"] == 0.0
         assert a[step]["train/skipped_minibatches"] == 4  # algo.num_minibatches, every one skipped
         assert _deterministic(a[step]) == _deterministic(b[step]), f"step {step} differs after resume"
-    assert sorted(p.name for p in (full / "checkpoints").iterdir()) == ["latest", "step_000002", "step_000003"]
+    assert sorted(p.name for p in (full / "checkpoints").iterdir()) == [
+        "latest",
+        "step_000002",
+        "step_000003",
+    ]
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("args, needle", [
-    (["parallel.expert_parallel=3"], "parallel.expert_parallel"),
-    (["model.moe_router_topk=9"], "model.moe_router_topk"),
-    (["rollout.temprature=0.5"], "rollout.temprature"),
-    (["model.hidden_size=big"], "model.hidden_size"),
-    (["rollout.prompts_per_step=7"], "rollout.prompts_per_step"),
-    (["init_weights=/nonexistent.safetensors"], "init_weights"),
-    (["model.hidden_size=64"], "model.hidden_size=128"),  # warm start made for another architecture
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["parallel.expert_parallel=3"], "parallel.expert_parallel"),
+        (["model.moe_router_topk=9"], "model.moe_router_topk"),
+        (["rollout.temprature=0.5"], "rollout.temprature"),
+        (["model.hidden_size=big"], "model.hidden_size"),
+        (["rollout.prompts_per_step=7"], "rollout.prompts_per_step"),
+        (["init_weights=/nonexistent.safetensors"], "init_weights"),
+        (["model.hidden_size=64"], "model.hidden_size=128"),  # warm start made for another architecture
+    ],
+)
 def test_bad_config_fails_before_launch(tmp_path, args, needle):
     proc = moe_rl("train", f"run_dir={tmp_path / 'r'}", *args, check=False, timeout=120)
     assert proc.returncode != 0
@@ -190,9 +240,23 @@ def test_env_lists_versions_and_patches():
 @pytest.mark.e2e
 def test_external_torchrun_with_kl_to_reference(tmp_path):
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "moe_rl.cli", "train", f"run_dir={run}", "steps=2", "checkpoint_every=0",
-           "algo.kl_coef=0.05", "algo.num_minibatches=1", *TINY]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "moe_rl.cli",
+        "train",
+        f"run_dir={run}",
+        "steps=2",
+        "checkpoint_every=0",
+        "algo.kl_coef=0.05",
+        "algo.num_minibatches=1",
+        *TINY,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     recs = metrics(run)
@@ -207,8 +271,16 @@ def test_external_torchrun_with_kl_to_reference(tmp_path):
 @pytest.mark.parametrize("mode", ["r2", "r3"])
 def test_routing_replay_modes_through_the_cli(tmp_path, mode):
     run = tmp_path / mode
-    moe_rl("train", f"run_dir={run}", "steps=2", "checkpoint_every=0", f"routing.replay={mode}",
-           "rollout.router_noise=1.0", "algo.kl_coef=0.01", *TINY)
+    moe_rl(
+        "train",
+        f"run_dir={run}",
+        "steps=2",
+        "checkpoint_every=0",
+        f"routing.replay={mode}",
+        "rollout.router_noise=1.0",
+        "algo.kl_coef=0.01",
+        *TINY,
+    )
     rec = metrics(run)[1]
     # the rollout's routes differ from the learner's native ones (noisy engine router) ...
     assert 0.0 < rec["routing/flip_router_frac"] < 1.0
@@ -230,8 +302,15 @@ PRESETS = sorted((Path(__file__).resolve().parents[2] / "configs" / "corrections
 def test_correction_preset_trains(tmp_path, preset):
     run = tmp_path / preset.stem
     # bf16 engine + router noise: a real rollout/learner mismatch for the corrections to act on
-    moe_rl("train", str(preset), f"run_dir={run}", "steps=2", "checkpoint_every=0", "rollout.router_noise=0.05",
-           *TINY)
+    moe_rl(
+        "train",
+        str(preset),
+        f"run_dir={run}",
+        "steps=2",
+        "checkpoint_every=0",
+        "rollout.router_noise=0.05",
+        *TINY,
+    )
     rec = metrics(run)[1]
     everything_rejected = rec.get("corr/rs_masked_fraction") == 1.0 or rec.get("corr/trm_accept_rate") == 0.0
     assert rec["corr/k3_kl"] > 0 and (rec["train/grad_norm"] > 0 or everything_rejected)
@@ -253,8 +332,15 @@ def test_pipeline_parallel_run_has_every_stage_metric(tmp_path):
     import math
 
     # R2 replay, a reference model (KL) and a noisy engine router: every per-stage path is used
-    args = ["steps=2", "checkpoint_every=0", "routing.replay=r2", "rollout.router_noise=1.0", "algo.kl_coef=0.01",
-            "parallel.expert_parallel=1", *TINY]
+    args = [
+        "steps=2",
+        "checkpoint_every=0",
+        "routing.replay=r2",
+        "rollout.router_noise=1.0",
+        "algo.kl_coef=0.01",
+        "parallel.expert_parallel=1",
+        *TINY,
+    ]
     moe_rl("train", f"run_dir={tmp_path / 'pp'}", "parallel.pipeline_parallel=2", *args)
     moe_rl("train", f"run_dir={tmp_path / 'one'}", "parallel.nproc=1", *args)  # the same data (DP=1)
     m, ref = metrics(tmp_path / "pp"), metrics(tmp_path / "one")
@@ -264,7 +350,9 @@ def test_pipeline_parallel_run_has_every_stage_metric(tmp_path):
     assert all(math.isfinite(m[s]["train/grad_norm"]) and m[s]["train/grad_norm"] > 0 for s in (0, 1))
     assert m[1]["router_grad/zero_frac"] == pytest.approx(6 / 8)
     for layer in range(4):  # stage 0 owns layers 0-1, stage 1 layers 2-3
-        assert f"router_grad/zero_frac/layer{layer}" in m[1] and f"routing/flip_router_frac/layer{layer}" in m[1]
+        assert (
+            f"router_grad/zero_frac/layer{layer}" in m[1] and f"routing/flip_router_frac/layer{layer}" in m[1]
+        )
     for s in (0, 1):  # and they are the single-process run's metrics (summation order aside)
         got, want = _deterministic(m[s]), _deterministic(ref[s])
         assert sorted(got) == sorted(want)

@@ -14,8 +14,15 @@ import torch
 
 from moe_rl.config import ModelConfig, ParallelConfig, load_config
 
-TINY = ModelConfig(vocab_size=64, hidden_size=128, num_layers=3, first_k_dense=1, num_experts=8,
-                   moe_router_topk=2, max_seq_len=64)
+TINY = ModelConfig(
+    vocab_size=64,
+    hidden_size=128,
+    num_layers=3,
+    first_k_dense=1,
+    num_experts=8,
+    moe_router_topk=2,
+    max_seq_len=64,
+)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -23,8 +30,14 @@ def torchrun_env():
     """Every test here runs as rank 0 of 1, as torchrun would start it: once a test has started
     torch.distributed, VllmEngine picks vLLM's external_launcher, whose executor reads RANK and
     LOCAL_RANK from the environment (vllm/v1/executor/uniproc_executor.py)."""
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29533", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
-           "LOCAL_WORLD_SIZE": "1"}
+    env = {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29533",
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_WORLD_SIZE": "1",
+    }
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     yield
@@ -71,22 +84,33 @@ def test_te_bf16_forward_matches_local_spec(single_rank):
     with torch.no_grad():
         a, b = local(tokens, pos, None).float(), te(tokens, pos, None).float()
     # bf16 kernels differ (fused norm+linear, grouped GEMM, flash attention): compare distributions
-    kl = torch.nn.functional.kl_div(b.log_softmax(-1), a.log_softmax(-1), log_target=True, reduction="batchmean")
+    kl = torch.nn.functional.kl_div(
+        b.log_softmax(-1), a.log_softmax(-1), log_target=True, reduction="batchmean"
+    )
     assert kl.item() < 1e-2 and (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.9
 
 
 @pytest.mark.gpu
 def test_vllm_generate_routes_pass_ingest(tmp_path):
     pytest.importorskip("vllm")
-    from moe_rl.step.prepare import rollout_routes
     from moe_rl.rollout.vllm_engine import VllmEngine
     from moe_rl.routing.record import RouteHeader
+    from moe_rl.step.prepare import rollout_routes
     from moe_rl.types import SamplingParams
     from moe_rl.weights.canonical import random_canonical_weights
 
-    cfg = load_config(None, ["rollout.engine=vllm", "routing.replay=r3", "parallel.nproc=1",
-                             "parallel.expert_parallel=1", "rollout.vllm.enforce_eager=true",
-                             "rollout.vllm.gpu_memory_utilization=0.3", f"rollout.vllm.model_dir={tmp_path}/m"])
+    cfg = load_config(
+        None,
+        [
+            "rollout.engine=vllm",
+            "routing.replay=r3",
+            "parallel.nproc=1",
+            "parallel.expert_parallel=1",
+            "rollout.vllm.enforce_eager=true",
+            "rollout.vllm.gpu_memory_utilization=0.3",
+            f"rollout.vllm.model_dir={tmp_path}/m",
+        ],
+    )
     model = dataclasses.replace(cfg.model, vocab_size=TINY.vocab_size)
     weights = random_canonical_weights(model, seed=1)
     from moe_rl.weights.hf import write_hf_checkpoint
@@ -94,11 +118,15 @@ def test_vllm_generate_routes_pass_ingest(tmp_path):
     write_hf_checkpoint(tmp_path / "m", weights, model, dtype=torch.bfloat16)
     engine = VllmEngine(dataclasses.replace(cfg, model=model), model, pad_id=0)
     engine.load_weights(weights)
-    batch = engine.generate([[5, 6, 7], [8, 9]], 4, SamplingParams(max_new_tokens=8, stop_token_ids=(3,)), seed=1)
+    batch = engine.generate(
+        [[5, 6, 7], [8, 9]], 4, SamplingParams(max_new_tokens=8, stop_token_ids=(3,)), seed=1
+    )
     assert batch.num_seqs == 8 and torch.isfinite(batch.logprobs_BS).all()
     assert (batch.logprobs_BS[batch.response_mask_BS] <= 0).all()
     rollout_routes(batch, RouteHeader.for_model(model))  # strict ingest: shapes, ids, no all-zero layer
-    again = engine.generate([[5, 6, 7], [8, 9]], 4, SamplingParams(max_new_tokens=8, stop_token_ids=(3,)), seed=1)
+    again = engine.generate(
+        [[5, 6, 7], [8, 9]], 4, SamplingParams(max_new_tokens=8, stop_token_ids=(3,)), seed=1
+    )
     assert torch.equal(again.tokens_BS, batch.tokens_BS)  # seeded per sample, after sleep/wake
 
 
@@ -112,13 +140,24 @@ def test_vllm_weight_transfer_versions_and_changes_the_policy(tmp_path):
     from moe_rl.weights.canonical import random_canonical_weights
     from moe_rl.weights.hf import write_hf_checkpoint
 
-    cfg = load_config(None, ["rollout.engine=vllm", "routing.replay=r3", "parallel.nproc=1",
-                             "parallel.expert_parallel=1", "rollout.vllm.enforce_eager=true",
-                             "rollout.vllm.gpu_memory_utilization=0.3", f"rollout.vllm.model_dir={tmp_path}/m"])
+    cfg = load_config(
+        None,
+        [
+            "rollout.engine=vllm",
+            "routing.replay=r3",
+            "parallel.nproc=1",
+            "parallel.expert_parallel=1",
+            "rollout.vllm.enforce_eager=true",
+            "rollout.vllm.gpu_memory_utilization=0.3",
+            f"rollout.vllm.model_dir={tmp_path}/m",
+        ],
+    )
     model = dataclasses.replace(cfg.model, vocab_size=TINY.vocab_size)
     w1, w2 = random_canonical_weights(model, seed=1), random_canonical_weights(model, seed=2)
     write_hf_checkpoint(tmp_path / "m", w2, model, dtype=torch.bfloat16)  # vLLM starts from w2
-    w1, w2 = ({k: t.to("cuda", torch.bfloat16) for k, t in w.items()} for w in (w1, w2))  # as the learner holds them
+    w1, w2 = (
+        {k: t.to("cuda", torch.bfloat16) for k, t in w.items()} for w in (w1, w2)
+    )  # as the learner holds them
     engine = VllmEngine(dataclasses.replace(cfg, model=model), model, pad_id=0)
     sp = SamplingParams(max_new_tokens=8, stop_token_ids=(3,))
 
@@ -135,7 +174,9 @@ def test_vllm_weight_transfer_versions_and_changes_the_policy(tmp_path):
     assert engine.llm.get_weight_version() == "2"
     c = roll()
     assert torch.equal(a.tokens_BS, c.tokens_BS) and torch.allclose(a.logprobs_BS, c.logprobs_BS, atol=1e-3)
-    same = a.logprobs_BS.shape == b.logprobs_BS.shape and torch.allclose(a.logprobs_BS, b.logprobs_BS, atol=1e-2)
+    same = a.logprobs_BS.shape == b.logprobs_BS.shape and torch.allclose(
+        a.logprobs_BS, b.logprobs_BS, atol=1e-2
+    )
     assert not same  # the sync reached the model
 
 
@@ -156,18 +197,34 @@ def test_vllm_dvp_safe_sets_match_the_learner_recomputation(tmp_path, rule, thre
     from moe_rl.weights.hf import write_hf_checkpoint
 
     T = 0.8
-    cfg = load_config(None, ["rollout.engine=vllm", "routing.replay=r3", "parallel.nproc=1",
-                             "parallel.expert_parallel=1", "rollout.vllm.enforce_eager=true",
-                             "rollout.vllm.gpu_memory_utilization=0.3", f"rollout.vllm.model_dir={tmp_path}/m",
-                             f"rollout.temperature={T}", f"correction.dvp_threshold={threshold}",
-                             f"correction.dvp_rule={rule}"])
+    cfg = load_config(
+        None,
+        [
+            "rollout.engine=vllm",
+            "routing.replay=r3",
+            "parallel.nproc=1",
+            "parallel.expert_parallel=1",
+            "rollout.vllm.enforce_eager=true",
+            "rollout.vllm.gpu_memory_utilization=0.3",
+            f"rollout.vllm.model_dir={tmp_path}/m",
+            f"rollout.temperature={T}",
+            f"correction.dvp_threshold={threshold}",
+            f"correction.dvp_rule={rule}",
+        ],
+    )
     model = dataclasses.replace(cfg.model, vocab_size=TINY.vocab_size)
     weights = random_canonical_weights(model, seed=1)
     write_hf_checkpoint(tmp_path / "m", weights, model, dtype=torch.bfloat16)
     engine = VllmEngine(dataclasses.replace(cfg, model=model), model, pad_id=0)
     engine.load_weights(weights)
-    sp = SamplingParams(max_new_tokens=8, temperature=T, stop_token_ids=(3,), dvp_threshold=threshold,
-                        dvp_rule=rule, return_dist=True)
+    sp = SamplingParams(
+        max_new_tokens=8,
+        temperature=T,
+        stop_token_ids=(3,),
+        dvp_threshold=threshold,
+        dvp_rule=rule,
+        return_dist=True,
+    )
     batch = engine.generate([[5, 6, 7], [8, 9]], 4, sp, seed=1)
     mask_BS, safe_BSV = batch.response_mask_BS, batch.safe_BSV
     assert batch.logprob_support == sp.logprob_support and safe_BSV is not None
@@ -178,9 +235,13 @@ def test_vllm_dvp_safe_sets_match_the_learner_recomputation(tmp_path, rule, thre
     ref.load_canonical(weights)
     S = batch.tokens_BS.shape[1]
     tokens_BS = batch.tokens_BS.cuda()
-    valid_BS = torch.arange(S, device="cuda")[None] < (batch.prompt_lens_B + batch.response_lens_B).cuda()[:, None]
+    valid_BS = (
+        torch.arange(S, device="cuda")[None] < (batch.prompt_lens_B + batch.response_lens_B).cuda()[:, None]
+    )
     with torch.no_grad():
-        logits_BSV = ref.forward(tokens_BS, torch.arange(S, device="cuda").expand_as(tokens_BS), valid_BS).logits
+        logits_BSV = ref.forward(
+            tokens_BS, torch.arange(S, device="cuda").expand_as(tokens_BS), valid_BS
+        ).logits
     # position s predicts token s: the logits of s - 1
     pred_BSV = torch.cat([torch.zeros_like(logits_BSV[:, :1]), logits_BSV[:, :-1]], 1).float().cpu()
     learner = restricted_logprobs(pred_BSV / T, safe_BSV, batch.tokens_BS)

@@ -15,14 +15,42 @@ from tests.hf_reference import canonical_to_hf_memory, hf_config
 
 transformers = pytest.importorskip("transformers")
 
-# vocab 40, hidden 64, 4 layers (layer 0 dense; 4 so that PP=2 splits them), 4 heads / 2 kv groups, 8 experts top-2
-CFG = ModelConfig(vocab_size=40, hidden_size=64, num_layers=4, num_attention_heads=4, num_query_groups=2,
-                  head_dim=16, ffn_hidden_size=96, moe_ffn_hidden_size=32, num_experts=8, moe_router_topk=2,
-                  first_k_dense=1, rope_theta=10000.0, norm_eps=1e-6, max_seq_len=64)
+# vocab 40, hidden 64, 4 layers (layer 0 dense; 4 so that PP=2 splits them), 4 heads / 2 kv groups,
+# 8 experts top-2
+CFG = ModelConfig(
+    vocab_size=40,
+    hidden_size=64,
+    num_layers=4,
+    num_attention_heads=4,
+    num_query_groups=2,
+    head_dim=16,
+    ffn_hidden_size=96,
+    moe_ffn_hidden_size=32,
+    num_experts=8,
+    moe_router_topk=2,
+    first_k_dense=1,
+    rope_theta=10000.0,
+    norm_eps=1e-6,
+    max_seq_len=64,
+)
 # Mixtral: every layer MoE, no q/k norm, head_dim not in the HF config (hidden / heads = 16)
-MIXTRAL_CFG = ModelConfig(vocab_size=40, hidden_size=64, num_layers=4, num_attention_heads=4, num_query_groups=2,
-                          head_dim=16, moe_ffn_hidden_size=32, num_experts=8, moe_router_topk=2, first_k_dense=0,
-                          qk_layernorm=False, rope_theta=1e6, norm_eps=1e-5, max_seq_len=64, hf_family="mixtral")
+MIXTRAL_CFG = ModelConfig(
+    vocab_size=40,
+    hidden_size=64,
+    num_layers=4,
+    num_attention_heads=4,
+    num_query_groups=2,
+    head_dim=16,
+    moe_ffn_hidden_size=32,
+    num_experts=8,
+    moe_router_topk=2,
+    first_k_dense=0,
+    qk_layernorm=False,
+    rope_theta=1e6,
+    norm_eps=1e-5,
+    max_seq_len=64,
+    hf_family="mixtral",
+)
 SHARD_SIZE = "100KB"  # the model is ~0.9 MB in fp32: about 10 shards
 
 
@@ -62,11 +90,19 @@ def hf_dir(hf_model: object, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def mixtral_hf_config(cfg: ModelConfig) -> object:
     hf_cfg = transformers.MixtralConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.moe_ffn_hidden_size,
-        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_query_groups, num_local_experts=cfg.num_experts,
-        num_experts_per_tok=cfg.moe_router_topk, rms_norm_eps=cfg.norm_eps, max_position_embeddings=cfg.max_seq_len,
-        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta}, sliding_window=None)
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.moe_ffn_hidden_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_query_groups,
+        num_local_experts=cfg.num_experts,
+        num_experts_per_tok=cfg.moe_router_topk,
+        rms_norm_eps=cfg.norm_eps,
+        max_position_embeddings=cfg.max_seq_len,
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+        sliding_window=None,
+    )
     hf_cfg._attn_implementation = "eager"
     hf_cfg._experts_implementation = "eager"
     return hf_cfg

@@ -40,7 +40,9 @@ def test_config_and_weights_import_exactly(hf_dir: Path, cfg: ModelConfig, weigh
 
 
 @pytest.mark.unit
-def test_builtin_engine_on_imported_checkpoint_matches_hf(hf_dir: Path, hf_model: object, cfg: ModelConfig) -> None:
+def test_builtin_engine_on_imported_checkpoint_matches_hf(
+    hf_dir: Path, hf_model: object, cfg: ModelConfig
+) -> None:
     engine = BuiltinEngine(cfg, dtype="fp32", pad_id=0)
     engine.load_weights(hfc.load_hf_checkpoint(hf_dir, cfg))
     tokens_BS, valid_BS = _tokens(cfg)
@@ -52,8 +54,9 @@ def test_builtin_engine_on_imported_checkpoint_matches_hf(hf_dir: Path, hf_model
 
 
 @pytest.mark.unit
-def test_export_reloads_in_transformers_bitwise(tmp_path: Path, hf_dir: Path, hf_model: object,
-                                               cfg: ModelConfig) -> None:
+def test_export_reloads_in_transformers_bitwise(
+    tmp_path: Path, hf_dir: Path, hf_model: object, cfg: ModelConfig
+) -> None:
     canon = hfc.read_hf_weights(hf_dir, cfg)
     out = hfc.write_hf_checkpoint(tmp_path / "out", canon, cfg, max_shard_bytes=100_000)
     assert (out / hfc.INDEX).is_file() and len(list(out.glob("model-*.safetensors"))) >= 2
@@ -72,8 +75,9 @@ def test_export_reloads_in_transformers_bitwise(tmp_path: Path, hf_dir: Path, hf
 
 
 @pytest.mark.unit
-def test_export_is_atomic_and_never_overwrites(tmp_path: Path, cfg: ModelConfig, weights: dict,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_export_is_atomic_and_never_overwrites(
+    tmp_path: Path, cfg: ModelConfig, weights: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
     calls = []
 
     def crash_on_second(tensors, path, metadata=None):
@@ -99,7 +103,9 @@ def _shard_of(ckpt: Path, name: str) -> Path:
 
 
 @pytest.mark.unit
-def test_partial_or_wrong_checkpoints_name_tensor_and_file(tmp_path: Path, hf_dir: Path, cfg: ModelConfig) -> None:
+def test_partial_or_wrong_checkpoints_name_tensor_and_file(
+    tmp_path: Path, hf_dir: Path, cfg: ModelConfig
+) -> None:
     name = "model.layers.2.mlp.experts.5.up_proj.weight"
     # 1. the shard lacks a tensor the index lists
     ckpt = shutil.copytree(hf_dir, tmp_path / "a")
@@ -131,23 +137,29 @@ def test_partial_or_wrong_checkpoints_name_tensor_and_file(tmp_path: Path, hf_di
     index = json.loads((ckpt / hfc.INDEX).read_text())
     index["weight_map"]["model.layers.1.mlp.shared_expert.up_proj.weight"] = shard.name
     (ckpt / hfc.INDEX).write_text(json.dumps(index))
-    with pytest.raises(hfc.CheckpointError, match=rf"{shard.name}: unexpected tensor 'model.layers.1.mlp.shared"):
+    with pytest.raises(
+        hfc.CheckpointError, match=rf"{shard.name}: unexpected tensor 'model.layers.1.mlp.shared"
+    ):
         hfc.read_hf_weights(ckpt, cfg)
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize(("key", "value", "match"), [
-    ("norm_topk_prob", False, "renormalises"),
-    ("use_sliding_window", True, "sliding-window"),
-    ("tie_word_embeddings", True, "tied"),
-    ("decoder_sparse_step", 2, "first k"),
-    ("mlp_only_layers", [1], "first k"),
-    ("model_type", "llama", "supported"),
-    ("rope_parameters", {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}, "plain RoPE"),
-    ("shared_expert_intermediate_size", 64, "shared experts"),
-])
-def test_unsupported_config_names_key_and_file(tmp_path: Path, hf_dir: Path, key: str, value: object,
-                                               match: str) -> None:
+@pytest.mark.parametrize(
+    ("key", "value", "match"),
+    [
+        ("norm_topk_prob", False, "renormalises"),
+        ("use_sliding_window", True, "sliding-window"),
+        ("tie_word_embeddings", True, "tied"),
+        ("decoder_sparse_step", 2, "first k"),
+        ("mlp_only_layers", [1], "first k"),
+        ("model_type", "llama", "supported"),
+        ("rope_parameters", {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}, "plain RoPE"),
+        ("shared_expert_intermediate_size", 64, "shared experts"),
+    ],
+)
+def test_unsupported_config_names_key_and_file(
+    tmp_path: Path, hf_dir: Path, key: str, value: object, match: str
+) -> None:
     hf = json.loads((hf_dir / hfc.CONFIG).read_text())
     hf[key] = value
     (tmp_path / hfc.CONFIG).write_text(json.dumps(hf))
@@ -179,7 +191,9 @@ def test_init_weights_hf_prefix(hf_dir: Path, cfg: ModelConfig, weights: dict) -
     got = load_init_weights(f"hf:{hf_dir}", cfg, tok)
     assert all(torch.equal(got[k], weights[k]) for k in weights)
     other = dataclasses.replace(cfg, num_experts=4)
-    with pytest.raises(hfc.CheckpointError, match="model.num_experts=8, but the config has model.num_experts=4"):
+    with pytest.raises(
+        hfc.CheckpointError, match="model.num_experts=8, but the config has model.num_experts=4"
+    ):
         load_init_weights(f"hf:{hf_dir}", other, tok)
     with pytest.raises(ConfigError, match="init_weights"):
         load_init_weights("hf:/nonexistent", cfg, tok)

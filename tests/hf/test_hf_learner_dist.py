@@ -35,8 +35,11 @@ def _forward(gpt, input_tensor=None):
     hooks = []
     for local, layer in enumerate(gpt.decoder.layers):
         if getattr(layer.mlp, "router", None) is not None:
-            hooks.append(layer.mlp.router.register_forward_hook(
-                lambda _m, _i, out, n=layer.layer_number - 1: maps.__setitem__(n, out[1])))
+            hooks.append(
+                layer.mlp.router.register_forward_hook(
+                    lambda _m, _i, out, n=layer.layer_number - 1: maps.__setitem__(n, out[1])
+                )
+            )
     gpt.eval()  # megatron refuses MoE + TP without sequence parallel only in training
     if input_tensor is not None:
         gpt.set_input_tensor(input_tensor)
@@ -88,20 +91,33 @@ def _ep2(rank, canon, out_root: Path, mixtral_canon):
         write_hf_checkpoint(out_root / "from_learner", exported, CFG, max_shard_bytes=100_000)
     checkpoint.save(learner, out_root / "run" / "checkpoints", 1, {})
     fresh = Learner(CFG, par, OptimConfig(), ctx, None, monitor=False)  # random init, then the checkpoint
-    export_from_checkpoint(fresh, checkpoint.latest(out_root / "run" / "checkpoints"), out_root / "from_ckpt",
-                           100_000)
+    export_from_checkpoint(
+        fresh, checkpoint.latest(out_root / "run" / "checkpoints"), out_root / "from_ckpt", 100_000
+    )
     # Mixtral (no q/k norm, every layer MoE) on the same EP=2 ranks
     mixtral = Learner(MIXTRAL_CFG, par, OptimConfig(), ctx, mixtral_canon, monitor=False)
     m_logits, m_maps = _forward(mixtral.gpt)
     m_exported = mixtral.export_canonical()
     if rank == 0:
-        write_hf_checkpoint(out_root / "mixtral_from_learner", m_exported, MIXTRAL_CFG, max_shard_bytes=100_000)
+        write_hf_checkpoint(
+            out_root / "mixtral_from_learner", m_exported, MIXTRAL_CFG, max_shard_bytes=100_000
+        )
     # through a file: both ranks' results share one 64 KB pipe that is read only after they exit
-    torch.save({"logits": m_logits, "maps": m_maps, "names": sorted(n for n, _ in mixtral.gpt.named_parameters()),
-                "export_exact": all(torch.equal(m_exported[k], mixtral_canon[k]) for k in mixtral_canon)},
-               out_root / f"mixtral_rank{rank}.pt")
-    return {"logits": logits, "maps": maps, "export_exact": all(torch.equal(exported[k], canon[k]) for k in canon),
-            "names": {n: tuple(p.shape) for n, p in learner.gpt.named_parameters()}}
+    torch.save(
+        {
+            "logits": m_logits,
+            "maps": m_maps,
+            "names": sorted(n for n, _ in mixtral.gpt.named_parameters()),
+            "export_exact": all(torch.equal(m_exported[k], mixtral_canon[k]) for k in mixtral_canon),
+        },
+        out_root / f"mixtral_rank{rank}.pt",
+    )
+    return {
+        "logits": logits,
+        "maps": maps,
+        "export_exact": all(torch.equal(exported[k], canon[k]) for k in canon),
+        "names": {n: tuple(p.shape) for n, p in learner.gpt.named_parameters()},
+    }
 
 
 def _tp2(rank, canon):
@@ -117,18 +133,29 @@ def _tp2(rank, canon):
 
     _reinit(tensor_model_parallel_size=2)
     gpt, _ = setup.build_model(CFG, ParallelConfig(nproc=2, tensor_parallel=2, expert_parallel=1))
-    shard = Shard(ps.get_tensor_model_parallel_rank(), 2, ps.get_expert_tensor_parallel_rank(),
-                  ps.get_expert_tensor_parallel_world_size())
+    shard = Shard(
+        ps.get_tensor_model_parallel_rank(),
+        2,
+        ps.get_expert_tensor_parallel_rank(),
+        ps.get_expert_tensor_parallel_world_size(),
+    )
     names = _load(gpt, canon, 0, 1, shard)
     logits_local, maps = _forward(gpt)  # vocab-parallel: [B, S, V / TP]
     parts = [torch.empty_like(logits_local) for _ in range(2)]
     tdist.all_gather(parts, logits_local.contiguous())
     pieces = [None, None]
-    tdist.all_gather_object(pieces, megatron_to_canonical({n: p.detach() for n, p in gpt.named_parameters()},
-                                                          CFG, 0, 1, shard))
+    tdist.all_gather_object(
+        pieces, megatron_to_canonical({n: p.detach() for n, p in gpt.named_parameters()}, CFG, 0, 1, shard)
+    )
     merged = merge_tensor_parallel(pieces, shard.etp_size)
-    return {"logits": torch.cat(parts, -1), "maps": maps, "names": names, "etp": shard.etp_size,
-            "merge_exact": sorted(merged) == sorted(canon) and all(torch.equal(merged[k], canon[k]) for k in canon)}
+    return {
+        "logits": torch.cat(parts, -1),
+        "maps": maps,
+        "names": names,
+        "etp": shard.etp_size,
+        "merge_exact": sorted(merged) == sorted(canon)
+        and all(torch.equal(merged[k], canon[k]) for k in canon),
+    }
 
 
 def _pp2(rank, canon):
@@ -142,14 +169,24 @@ def _pp2(rank, canon):
 
     _reinit(pipeline_model_parallel_size=2)
     # setup.py does not build PP models yet (the learner refuses PP): add what megatron needs here
-    tcfg = dataclasses.replace(setup.transformer_config(CFG, ParallelConfig(nproc=2, expert_parallel=1)),
-                               pipeline_model_parallel_size=2, pipeline_dtype=torch.float32)
+    tcfg = dataclasses.replace(
+        setup.transformer_config(CFG, ParallelConfig(nproc=2, expert_parallel=1)),
+        pipeline_model_parallel_size=2,
+        pipeline_dtype=torch.float32,
+    )
     spec = get_gpt_decoder_block_spec(tcfg, use_transformer_engine=False, normalization="RMSNorm")
     stage = ps.get_pipeline_model_parallel_rank()
-    gpt = GPTModel(config=tcfg, transformer_layer_spec=spec, vocab_size=CFG.vocab_size,
-                   max_sequence_length=CFG.max_seq_len, pre_process=stage == 0, post_process=stage == 1,
-                   position_embedding_type="rope", rotary_base=int(CFG.rope_theta),
-                   share_embeddings_and_output_weights=False)
+    gpt = GPTModel(
+        config=tcfg,
+        transformer_layer_spec=spec,
+        vocab_size=CFG.vocab_size,
+        max_sequence_length=CFG.max_seq_len,
+        pre_process=stage == 0,
+        post_process=stage == 1,
+        position_embedding_type="rope",
+        rotary_base=int(CFG.rope_theta),
+        share_embeddings_and_output_weights=False,
+    )
     names = _load(gpt, canon, 0, 1, Shard.for_stage((CFG.num_layers // 2,) * 2, stage))
     hidden_SBH = torch.empty(S, B, CFG.hidden_size)
     if stage == 0:
@@ -167,8 +204,11 @@ def _worker(rank: int, hf_dir: str, out_root: str, mixtral_dir: str):
 
     canon = load_hf_checkpoint(hf_dir, CFG)
     mixtral_canon = load_hf_checkpoint(mixtral_dir, MIXTRAL_CFG)
-    result = {"ep2": _ep2(rank, canon, Path(out_root), mixtral_canon), "tp2": _tp2(rank, canon),
-              "pp2": _pp2(rank, canon)}
+    result = {
+        "ep2": _ep2(rank, canon, Path(out_root), mixtral_canon),
+        "tp2": _tp2(rank, canon),
+        "pp2": _pp2(rank, canon),
+    }
     dist.shutdown()
     return _plain(result)
 
@@ -190,14 +230,18 @@ def _routes_map(hf_ids_BSLK: torch.Tensor, cfg=CFG) -> dict[int, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def spawned(hf_dir: Path, mixtral_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], Path]:
+def spawned(
+    hf_dir: Path, mixtral_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[list[dict], Path]:
     """Every rank's results, and the directory with the exports and the run's dist checkpoint."""
     out_root = tmp_path_factory.mktemp("hf_dist")
     return run_ranks(_worker, 2, str(hf_dir), str(out_root), str(mixtral_dir)), out_root
 
 
 @pytest.mark.dist
-def test_learner_matches_transformers_on_every_layout(spawned: tuple[list[dict], Path], hf_model: object) -> None:
+def test_learner_matches_transformers_on_every_layout(
+    spawned: tuple[list[dict], Path], hf_model: object
+) -> None:
     ranks, tmp_path = spawned
     hf_logits, hf_ids = hf_forward(hf_model, CFG, _tokens(), torch.ones(B, S, dtype=torch.bool))
     hf_maps = _routes_map(hf_ids)
@@ -221,7 +265,9 @@ def test_learner_matches_transformers_on_every_layout(spawned: tuple[list[dict],
 
     ref_sd = hf_model.state_dict()
     for name in ("from_learner", "from_ckpt"):
-        reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / name, attn_implementation="eager")
+        reloaded = transformers.AutoModelForCausalLM.from_pretrained(
+            tmp_path / name, attn_implementation="eager"
+        )
         reloaded.config._experts_implementation = "eager"
         sd = reloaded.eval().state_dict()
         assert sorted(sd) == sorted(ref_sd) and all(torch.equal(sd[k], ref_sd[k]) for k in ref_sd), name
@@ -230,7 +276,9 @@ def test_learner_matches_transformers_on_every_layout(spawned: tuple[list[dict],
 
 
 @pytest.mark.dist
-def test_learner_matches_transformers_on_mixtral(spawned: tuple[list[dict], Path], mixtral_model: object) -> None:
+def test_learner_matches_transformers_on_mixtral(
+    spawned: tuple[list[dict], Path], mixtral_model: object
+) -> None:
     """A Mixtral checkpoint in the learner (EP=2): transformers' logits and routes; its export reloads."""
     ranks, tmp_path = spawned
     hf_logits, hf_ids = hf_forward(mixtral_model, MIXTRAL_CFG, _tokens(), torch.ones(B, S, dtype=torch.bool))
@@ -246,8 +294,9 @@ def test_learner_matches_transformers_on_mixtral(spawned: tuple[list[dict], Path
         assert out["names"] == megatron_names(MIXTRAL_CFG, 2)  # no q/k layernorm, no dense MLP
     print("mixtral max |logits - transformers|:", [f"{d:.2e}" for d in diffs])
     assert max(diffs) < LOGITS_ATOL, diffs
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "mixtral_from_learner",
-                                                                 attn_implementation="eager")
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "mixtral_from_learner", attn_implementation="eager"
+    )
     reloaded.config._experts_implementation = "eager"
     sd, ref_sd = reloaded.eval().state_dict(), mixtral_model.state_dict()
     assert type(reloaded).__name__ == "MixtralForCausalLM"
@@ -265,15 +314,26 @@ def test_export_hf_cli(spawned: tuple[list[dict], Path], hf_model: object) -> No
     from moe_rl.config import RunConfig, to_yaml
 
     run_dir = spawned[1] / "run"
-    cfg = RunConfig(run_dir=str(run_dir), init_weights="", model=CFG,
-                    parallel=ParallelConfig(nproc=2, expert_parallel=2, distributed_optimizer=False))
+    cfg = RunConfig(
+        run_dir=str(run_dir),
+        init_weights="",
+        model=CFG,
+        parallel=ParallelConfig(nproc=2, expert_parallel=2, distributed_optimizer=False),
+    )
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
     cli = [sys.executable, "-m", "moe_rl.cli", "export-hf", str(run_dir)]
-    bad = subprocess.run([*cli, str(spawned[1] / "x"), "--step", "7"], capture_output=True, text=True, check=False)
+    bad = subprocess.run(
+        [*cli, str(spawned[1] / "x"), "--step", "7"], capture_output=True, text=True, check=False
+    )
     assert bad.returncode != 0 and "step_000007 is not a complete checkpoint" in bad.stderr
     out = spawned[1] / "cli_export"
-    done = subprocess.run([*cli, str(out), "--step", "1", "--max-shard-gb", "0.0001"], capture_output=True,
-                          text=True, timeout=300, check=False)
+    done = subprocess.run(
+        [*cli, str(out), "--step", "1", "--max-shard-gb", "0.0001"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert len(list(out.glob("model-*.safetensors"))) >= 2
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).state_dict()

@@ -87,8 +87,9 @@ def test_builtin_engine_on_imported_mixtral_matches_hf(mixtral_dir: Path, mixtra
 
 
 @pytest.mark.unit
-def test_mixtral_export_round_trip_reloads_in_transformers_bitwise(tmp_path: Path, mixtral_dir: Path,
-                                                                  mixtral_model: object) -> None:
+def test_mixtral_export_round_trip_reloads_in_transformers_bitwise(
+    tmp_path: Path, mixtral_dir: Path, mixtral_model: object
+) -> None:
     canon = hfc.read_hf_weights(mixtral_dir, MIXTRAL_CFG)
     out = hfc.write_hf_checkpoint(tmp_path / "out", canon, MIXTRAL_CFG, max_shard_bytes=100_000)
     hf = json.loads((out / hfc.CONFIG).read_text())
@@ -125,14 +126,18 @@ def test_missing_mixtral_expert_names_tensor_and_file(tmp_path: Path, mixtral_di
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize(("key", "value", "match"), [
-    ("sliding_window", 4096, "sliding-window"),
-    ("router_jitter_noise", 0.01, "jitter"),
-    ("tie_word_embeddings", True, "tied"),
-    ("rope_parameters", {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}, "plain RoPE"),
-])
-def test_unsupported_mixtral_config_names_key(tmp_path: Path, mixtral_dir: Path, key: str, value: object,
-                                              match: str) -> None:
+@pytest.mark.parametrize(
+    ("key", "value", "match"),
+    [
+        ("sliding_window", 4096, "sliding-window"),
+        ("router_jitter_noise", 0.01, "jitter"),
+        ("tie_word_embeddings", True, "tied"),
+        ("rope_parameters", {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}, "plain RoPE"),
+    ],
+)
+def test_unsupported_mixtral_config_names_key(
+    tmp_path: Path, mixtral_dir: Path, key: str, value: object, match: str
+) -> None:
     hf = json.loads((mixtral_dir / hfc.CONFIG).read_text())
     hf[key] = value
     (tmp_path / hfc.CONFIG).write_text(json.dumps(hf))
@@ -158,15 +163,19 @@ def test_hub_style_mixtral_config(tmp_path: Path, mixtral_dir: Path) -> None:
 
 @pytest.mark.unit
 def test_family_mismatch_is_refused(tmp_path: Path, mixtral_dir: Path, hf_dir: Path) -> None:
-    with pytest.raises(hfc.CheckpointError, match="model.hf_family=mixtral, but the config has "
-                                                  "model.hf_family=qwen3_moe"):
+    with pytest.raises(
+        hfc.CheckpointError, match="model.hf_family=mixtral, but the config has model.hf_family=qwen3_moe"
+    ):
         hfc.load_hf_checkpoint(mixtral_dir, dataclasses.replace(MIXTRAL_CFG, hf_family="qwen3_moe"))
-    with pytest.raises(hfc.CheckpointError, match="model.hf_family=qwen3_moe, but the config has "
-                                                  "model.hf_family=mixtral"):
+    with pytest.raises(
+        hfc.CheckpointError, match="model.hf_family=qwen3_moe, but the config has model.hf_family=mixtral"
+    ):
         hfc.load_hf_checkpoint(hf_dir, dataclasses.replace(CFG, hf_family="mixtral"))
     weights = random_canonical_weights(MIXTRAL_CFG, seed=0)
     with pytest.raises(ValueError, match="model.qk_layernorm=False, but model.hf_family='qwen3_moe' always"):
-        hfc.write_hf_checkpoint(tmp_path / "a", weights, dataclasses.replace(MIXTRAL_CFG, hf_family="qwen3_moe"))
+        hfc.write_hf_checkpoint(
+            tmp_path / "a", weights, dataclasses.replace(MIXTRAL_CFG, hf_family="qwen3_moe")
+        )
     with pytest.raises(ValueError, match="model.first_k_dense=1, but model.hf_family='mixtral' has no dense"):
         hfc.write_hf_checkpoint(tmp_path / "b", weights, dataclasses.replace(MIXTRAL_CFG, first_k_dense=1))
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

@@ -21,10 +21,22 @@ from moe_rl.weights.megatron_shards import (
 )
 from tests.hf.layouts import megatron_names
 
-CFG = ModelConfig(vocab_size=40, hidden_size=32, num_layers=4, num_attention_heads=4, num_query_groups=2,
-                  head_dim=8, ffn_hidden_size=48, moe_ffn_hidden_size=16, num_experts=8, moe_router_topk=2,
-                  first_k_dense=1)
-LAYOUTS = [(ep, tp, pp, etp) for ep, tp, pp in itertools.product((1, 2, 4), (1, 2), (1, 2)) for etp in {1, tp}]
+CFG = ModelConfig(
+    vocab_size=40,
+    hidden_size=32,
+    num_layers=4,
+    num_attention_heads=4,
+    num_query_groups=2,
+    head_dim=8,
+    ffn_hidden_size=48,
+    moe_ffn_hidden_size=16,
+    num_experts=8,
+    moe_router_topk=2,
+    first_k_dense=1,
+)
+LAYOUTS = [
+    (ep, tp, pp, etp) for ep, tp, pp in itertools.product((1, 2, 4), (1, 2), (1, 2)) for etp in {1, tp}
+]
 
 
 def _even(pp: int) -> tuple[int, ...]:
@@ -36,8 +48,9 @@ def _shard_all(full, ep: int, tp: int, pp: int, etp: int):
     out = {}
     for pp_rank, ep_rank, tp_rank in itertools.product(range(pp), range(ep), range(tp)):
         shard = Shard.for_stage(_even(pp), pp_rank, tp_rank, tp, tp_rank % etp, etp)
-        out[pp_rank, ep_rank, tp_rank] = canonical_to_megatron(full, megatron_names(CFG, ep, pp_rank, pp), CFG,
-                                                               ep_rank, ep, shard)
+        out[pp_rank, ep_rank, tp_rank] = canonical_to_megatron(
+            full, megatron_names(CFG, ep, pp_rank, pp), CFG, ep_rank, ep, shard
+        )
     return out
 
 
@@ -48,8 +61,16 @@ def test_shard_then_merge_is_exact(ep: int, tp: int, pp: int, etp: int) -> None:
     ranks = _shard_all(full, ep, tp, pp, etp)
     merged: dict[str, torch.Tensor] = {}
     for pp_rank, ep_rank in itertools.product(range(pp), range(ep)):
-        pieces = [megatron_to_canonical(ranks[pp_rank, ep_rank, t], CFG, ep_rank, ep,
-                                        Shard.for_stage(_even(pp), pp_rank, t, tp, t % etp, etp)) for t in range(tp)]
+        pieces = [
+            megatron_to_canonical(
+                ranks[pp_rank, ep_rank, t],
+                CFG,
+                ep_rank,
+                ep,
+                Shard.for_stage(_even(pp), pp_rank, t, tp, t % etp, etp),
+            )
+            for t in range(tp)
+        ]
         for name, t in merge_tensor_parallel(pieces, etp).items():
             assert name not in merged or torch.equal(merged[name], t), name  # replicas agree
             merged[name] = t
@@ -69,11 +90,16 @@ def test_tp_shards_are_megatron_row_and_column_chunks(tp: int) -> None:
     whole = canonical_to_megatron(full, names, cfg, 0, 1)
     for r in range(tp):
         part = canonical_to_megatron(full, names, cfg, 0, 1, Shard(r, tp, r, tp))
-        for name in ("decoder.layers.1.self_attention.linear_qkv.weight", "embedding.word_embeddings.weight",
-                     "output_layer.weight"):
+        for name in (
+            "decoder.layers.1.self_attention.linear_qkv.weight",
+            "embedding.word_embeddings.weight",
+            "output_layer.weight",
+        ):
             assert torch.equal(part[name], whole[name].chunk(tp, 0)[r]), name
-        assert torch.equal(part["decoder.layers.1.self_attention.linear_proj.weight"],
-                           whole["decoder.layers.1.self_attention.linear_proj.weight"].chunk(tp, 1)[r])
+        assert torch.equal(
+            part["decoder.layers.1.self_attention.linear_proj.weight"],
+            whole["decoder.layers.1.self_attention.linear_proj.weight"].chunk(tp, 1)[r],
+        )
         fc1 = "decoder.layers.0.mlp.linear_fc1.weight"
         gate, up = whole[fc1].chunk(2, 0)
         assert torch.equal(part[fc1], torch.cat([gate.chunk(tp, 0)[r], up.chunk(tp, 0)[r]]))
@@ -84,7 +110,9 @@ def test_pipeline_stage_numbers_layers_globally() -> None:
     full = random_canonical_weights(CFG, seed=5)
     last = canonical_to_megatron(full, megatron_names(CFG, 1, 1, 2), CFG, 0, 1, Shard.for_stage(_even(2), 1))
     assert "embedding.word_embeddings.weight" not in last and "output_layer.weight" in last
-    assert torch.equal(last["decoder.layers.0.input_layernorm.weight"], full["model.layers.2.input_layernorm.weight"])
+    assert torch.equal(
+        last["decoder.layers.0.input_layernorm.weight"], full["model.layers.2.input_layernorm.weight"]
+    )
 
 
 @pytest.mark.unit

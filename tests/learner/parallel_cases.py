@@ -27,7 +27,9 @@ def batch_data(vocab_size: int, lens: tuple[int, ...] = ODD_LENS):
     g = torch.Generator().manual_seed(100)
     lens_B = torch.tensor(lens)
     pos_S = torch.arange(14)
-    tokens_BS = torch.where(pos_S[None] < lens_B[:, None], torch.randint(3, vocab_size, (6, 14), generator=g), 0)
+    tokens_BS = torch.where(
+        pos_S[None] < lens_B[:, None], torch.randint(3, vocab_size, (6, 14), generator=g), 0
+    )
     mask_BS = (pos_S[None] >= 3) & (pos_S[None] < lens_B[:, None])
     return tokens_BS, lens_B, mask_BS
 
@@ -38,10 +40,13 @@ def random_routes(lens_B: torch.Tensor, header):
 
     g = torch.Generator().manual_seed(300)
     rows_B = lens_B - 1
-    ids_NLK = torch.rand(int(rows_B.sum()), len(header.layer_ids), header.num_experts,
-                         generator=g).argsort(-1)[..., :header.top_k]
+    ids_NLK = torch.rand(int(rows_B.sum()), len(header.layer_ids), header.num_experts, generator=g).argsort(
+        -1
+    )[..., : header.top_k]
     B = lens_B.shape[0]
-    return RouteBatch(ids_NLK.to(torch.uint8), rows_B, torch.zeros(B, dtype=torch.int64), torch.full((B,), 2), header)
+    return RouteBatch(
+        ids_NLK.to(torch.uint8), rows_B, torch.zeros(B, dtype=torch.int64), torch.full((B,), 2), header
+    )
 
 
 def nll_entropy_loss(mb, st, normalizer):
@@ -75,9 +80,17 @@ def routing_passes(learner, plain) -> tuple[dict, object, object]:
     forced_routes = random_routes(plain.seq_lens_B, learner.route_header)
     out = learner.forward_logprobs(plain.replace(routes=forced_routes), 0.8, 4, REPLAY)
     forced, forced_metrics = out.stats, means(out.routing.metrics, "routing/")
-    got = {"logp": native.logp_BS, "entropy": native.entropy_BS, "spi": native.sum_pi_sq_BS,
-           "recorded": recorded.ids_NLK, "recorded_rows": recorded.rows_B, "r2_logp": r2.logp_BS,
-           "r2_metrics": r2_metrics, "forced_logp": forced.logp_BS, "forced_metrics": forced_metrics}
+    got = {
+        "logp": native.logp_BS,
+        "entropy": native.entropy_BS,
+        "spi": native.sum_pi_sq_BS,
+        "recorded": recorded.ids_NLK,
+        "recorded_rows": recorded.rows_B,
+        "r2_logp": r2.logp_BS,
+        "r2_metrics": r2_metrics,
+        "forced_logp": forced.logp_BS,
+        "forced_metrics": forced_metrics,
+    }
     return got, recorded, forced_routes
 
 
@@ -85,8 +98,12 @@ def update_pass(learner, batch) -> dict:
     """The replayed update pass (loss and gradients, micro-batches of 4, T 0.8): its agreement
     and loss metrics, the gradients in canonical names, the router monitor's metrics."""
     loss_metrics, routing = learner.forward_backward(batch, nll_entropy_loss, 0.8, 4, REPLAY)
-    return {"update_metrics": means(routing.metrics, "routing/"), "grads": learner.canonical_grads(),
-            "monitor": learner.router_monitor_metrics(), "loss_metrics": [means(m, "train/") for m in loss_metrics]}
+    return {
+        "update_metrics": means(routing.metrics, "routing/"),
+        "grads": learner.canonical_grads(),
+        "monitor": learner.router_monitor_metrics(),
+        "loss_metrics": [means(m, "train/") for m in loss_metrics],
+    }
 
 
 def step_and_resume(model, par_opt, ctx, weights, batch, ckpt_dir: str | None) -> dict:
@@ -137,6 +154,7 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 def compare_common(got: dict, ref: dict, dp_ratio: int, real_BS: torch.Tensor | None = None) -> dict:
     """The differences every layout test checks. ``dp_ratio``: how many times more data-parallel
     ranks the reference has; ``real_BS``: compare log-probs on these positions only (None: all)."""
+
     def masked(d_BS):
         return d_BS if real_BS is None else d_BS * real_BS
 
@@ -155,11 +173,14 @@ def compare_common(got: dict, ref: dict, dp_ratio: int, real_BS: torch.Tensor | 
         return abs(got["monitor"][k] - mon_ref(k)) / max(abs(mon_ref(k)), 1e-12)
 
     out = {
-        "logp_diff": max_diff("logp"), "ent_diff": max_diff("entropy"), "spi_diff": max_diff("spi"),
-        "r2_logp_diff": max_diff("r2_logp"), "forced_logp_diff": max_diff("forced_logp"),
+        "logp_diff": max_diff("logp"),
+        "ent_diff": max_diff("entropy"),
+        "spi_diff": max_diff("spi"),
+        "r2_logp_diff": max_diff("r2_logp"),
+        "forced_logp_diff": max_diff("forced_logp"),
         "forced_vs_native": float(masked(ref["forced_logp"] - ref["logp"]).abs().max()),
-        "recorded_equal": torch.equal(got["recorded"], ref["recorded"]) and torch.equal(got["recorded_rows"],
-                                                                                         ref["recorded_rows"]),
+        "recorded_equal": torch.equal(got["recorded"], ref["recorded"])
+        and torch.equal(got["recorded_rows"], ref["recorded_rows"]),
         "r2_flip": got["r2_metrics"]["routing/flip_router_frac"],
         "forced_metrics_diff": metrics_diff("forced_metrics"),
         "same_metric_keys": sorted(got["forced_metrics"]) == sorted(ref["forced_metrics"]),
@@ -167,7 +188,8 @@ def compare_common(got: dict, ref: dict, dp_ratio: int, real_BS: torch.Tensor | 
         "forced_flip": got["forced_metrics"]["routing/flip_router_frac"],
         "update_metrics_diff": metrics_diff("update_metrics"),
         "same_update_keys": sorted(got["update_metrics"]) == sorted(ref["update_metrics"]),
-        "same_grad_keys": sorted(got["grads"]) == sorted(ref["grads"]), "num_grad_keys": len(ref["grads"]),
+        "same_grad_keys": sorted(got["grads"]) == sorted(ref["grads"]),
+        "num_grad_keys": len(ref["grads"]),
         "grad_rel": max(rel_diff(got["grads"][k], ref["grads"][k]) for k in ref["grads"]),
         "monitor_worst": max(mon_keys, key=mon_rel),
         "monitor_rel": max(mon_rel(k) for k in mon_keys),
@@ -176,8 +198,9 @@ def compare_common(got: dict, ref: dict, dp_ratio: int, real_BS: torch.Tensor | 
         "same_after_keys": sorted(got["after"]) == sorted(ref["after"]),
     }
     if "loss_metrics" in ref:
-        out["loss_metrics_diff"] = max(abs(a[k] - b[k]) for a, b in zip(got["loss_metrics"], ref["loss_metrics"])
-                                       for k in b)
+        out["loss_metrics_diff"] = max(
+            abs(a[k] - b[k]) for a, b in zip(got["loss_metrics"], ref["loss_metrics"]) for k in b
+        )
         out["num_loss_metrics"] = len(got["loss_metrics"])
     if "grad_norm" in ref:
         out["grad_norm_rel"] = abs(got["grad_norm"] - ref["grad_norm"]) / ref["grad_norm"]

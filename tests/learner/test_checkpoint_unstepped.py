@@ -59,7 +59,9 @@ def _worker(rank: int, root: str):
             assert not learner.update(_batch(rank), _nll, 1.0, 4, lr=1e-2).skipped
         wa, wb, wc = (x.export_canonical() for x in (a, b, c))
         out[distopt] = {
-            "skipped": skipped, "saved_unchanged": saved_unchanged, "loaded_equal": loaded_equal,
+            "skipped": skipped,
+            "saved_unchanged": saved_unchanged,
+            "loaded_equal": loaded_equal,
             "resumed_vs_uninterrupted": max(float((wb[k] - wc[k]).abs().max()) for k in wc),
             "saved_vs_uninterrupted": max(float((wa[k] - wc[k]).abs().max()) for k in wc),
             "moved": max(float((wc[k] - weights[k]).abs().max()) for k in wc),

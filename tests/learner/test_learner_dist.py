@@ -58,10 +58,17 @@ def _skip_checks(learner, rank: int) -> dict:
     learner.skip_zero_grad = False  # optim.skip_zero_grad=false: the step is taken on momentum alone
     off = learner.update(batch, _zero_signal, 1.0, 4, lr=1e-2)
     momentum_moved = max(float((learner.export_canonical()[k] - stepped[k]).abs().max()) for k in stepped)
-    return {"skipped": out.skipped, "grad_norm": out.grad_norm, "unchanged": unchanged,
-            "one_rank_skipped": one_rank.skipped, "one_rank_grad_norm": one_rank.grad_norm,
-            "moved_one_rank": moved_one_rank, "off_skipped": off.skipped, "off_grad_norm": off.grad_norm,
-            "momentum_moved": momentum_moved}
+    return {
+        "skipped": out.skipped,
+        "grad_norm": out.grad_norm,
+        "unchanged": unchanged,
+        "one_rank_skipped": one_rank.skipped,
+        "one_rank_grad_norm": one_rank.grad_norm,
+        "moved_one_rank": moved_one_rank,
+        "off_skipped": off.skipped,
+        "off_grad_norm": off.grad_norm,
+        "momentum_moved": momentum_moved,
+    }
 
 
 def _worker(rank: int):
@@ -92,25 +99,40 @@ def _worker(rank: int):
     engine.load_weights(exported)
     out = engine.generate([[1, 5, 6, 7], [1, 9, 8]], 2, SamplingParams(max_new_tokens=6, top_k=1), seed=3)
     seq_lens_B = out.prompt_lens_B + out.response_lens_B
-    learner_logp_BS = ep2.forward_logprobs(TrainBatch(out.tokens_BS, seq_lens_B), 1.0, micro_batch_size=4).stats.logp_BS
+    learner_logp_BS = ep2.forward_logprobs(
+        TrainBatch(out.tokens_BS, seq_lens_B), 1.0, micro_batch_size=4
+    ).stats.logp_BS
     with torch.no_grad():
         pos = torch.arange(out.tokens_BS.shape[1]).expand_as(out.tokens_BS)
         logits_BSV = ep2.gpt(out.tokens_BS, pos, None)
     greedy_BS = torch.cat([out.tokens_BS[:, :1], logits_BSV[:, :-1].argmax(-1)], 1)
     m = out.response_mask_BS
     # DVP and exact KL: the engine's support travels with the batch; fp32 on both sides agrees
-    dvp = engine.generate([[1, 5, 6, 7], [1, 9, 8]], 4, SamplingParams(max_new_tokens=5, temperature=1.5,
-                                                                    dvp_threshold=0.2, return_dist=True), seed=4)
+    dvp = engine.generate(
+        [[1, 5, 6, 7], [1, 9, 8]],
+        4,
+        SamplingParams(max_new_tokens=5, temperature=1.5, dvp_threshold=0.2, return_dist=True),
+        seed=4,
+    )
     dvp_lens_B = dvp.prompt_lens_B + dvp.response_lens_B
-    st = ep2.forward_logprobs(TrainBatch(dvp.tokens_BS, dvp_lens_B, safe_BSV=dvp.safe_BSV,
-                                         rollout_dist_BSV=dvp.dist_logp_BSV), 1.5, 4).stats
+    st = ep2.forward_logprobs(
+        TrainBatch(dvp.tokens_BS, dvp_lens_B, safe_BSV=dvp.safe_BSV, rollout_dist_BSV=dvp.dist_logp_BSV),
+        1.5,
+        4,
+    ).stats
     dm = dvp.response_mask_BS
-    dvp_result = {"logp_diff": float((st.logp_BS - dvp.logprobs_BS)[dm].abs().max()),
-                  "restricted_gt_full": bool((st.logp_BS[dm] >= st.full_logp_BS[dm] - 1e-6).all()),
-                  "exact_kl_max": float(st.exact_kl_BS[dm].abs().max())}
-    sync = {"greedy_agree": bool((greedy_BS[m] == out.tokens_BS[m]).all()), "dvp": dvp_result,
-            "logp_diff": float((learner_logp_BS - out.logprobs_BS)[m].abs().max()),
-            "num_response_tokens": int(m.sum()), "weights_moved": moved}
+    dvp_result = {
+        "logp_diff": float((st.logp_BS - dvp.logprobs_BS)[dm].abs().max()),
+        "restricted_gt_full": bool((st.logp_BS[dm] >= st.full_logp_BS[dm] - 1e-6).all()),
+        "exact_kl_max": float(st.exact_kl_BS[dm].abs().max()),
+    }
+    sync = {
+        "greedy_agree": bool((greedy_BS[m] == out.tokens_BS[m]).all()),
+        "dvp": dvp_result,
+        "logp_diff": float((learner_logp_BS - out.logprobs_BS)[m].abs().max()),
+        "num_response_tokens": int(m.sum()),
+        "weights_moved": moved,
+    }
 
     sync["skip"] = _skip_checks(ep2, rank)
 
@@ -120,19 +142,33 @@ def _worker(rank: int):
     ctx1 = dist.ParallelDims.from_parallel_state()
     ep1 = Learner(MODEL, par1, OptimConfig(lr=1e-2), ctx1, weights)
     logp1, ent1, grads1 = _run(ep1, rank)
-    grad_rel = max(float((grads2[k] - grads1[k]).abs().max() / grads1[k].abs().max().clamp(min=1e-12))
-                   for k in grads1)
-    router_grad = min(float(grads2[f"model.layers.{i}.mlp.gate.weight"].abs().sum()) for i in MODEL.moe_layers)
-    result = {"logp_diff": float((logp2 - logp1).abs().max()), "ent_diff": float((ent2 - ent1).abs().max()),
-              "grad_rel": grad_rel, "same_keys": sorted(grads1) == sorted(grads2), "num_keys": len(grads1),
-              "router_grad_abs_sum": router_grad, "sync": sync,
-              "exported_equal_across_ranks": None}
+    grad_rel = max(
+        float((grads2[k] - grads1[k]).abs().max() / grads1[k].abs().max().clamp(min=1e-12)) for k in grads1
+    )
+    router_grad = min(
+        float(grads2[f"model.layers.{i}.mlp.gate.weight"].abs().sum()) for i in MODEL.moe_layers
+    )
+    result = {
+        "logp_diff": float((logp2 - logp1).abs().max()),
+        "ent_diff": float((ent2 - ent1).abs().max()),
+        "grad_rel": grad_rel,
+        "same_keys": sorted(grads1) == sorted(grads2),
+        "num_keys": len(grads1),
+        "router_grad_abs_sum": router_grad,
+        "sync": sync,
+        "exported_equal_across_ranks": None,
+    }
     # NaN/Inf is refused before any weight changes
     before = {k: v.clone() for k, v in ep1.gpt.state_dict().items() if torch.is_tensor(v)}
     tokens_BS, lens_B, mask_BS = _data(rank)
     try:
-        ep1.update(TrainBatch(tokens_BS, lens_B, loss_mask_BS=mask_BS),
-                   lambda mb, st, n: (_nll(mb, st, n)[0] * float("nan"), {}), 1.0, 4, lr=1e-2)
+        ep1.update(
+            TrainBatch(tokens_BS, lens_B, loss_mask_BS=mask_BS),
+            lambda mb, st, n: (_nll(mb, st, n)[0] * float("nan"), {}),
+            1.0,
+            4,
+            lr=1e-2,
+        )
         result["nan_error"] = None
     except FloatingPointError as e:
         result["nan_error"] = str(e)
@@ -167,4 +203,6 @@ def test_ep2_matches_ep1_and_engine_sync():
         assert skip["skipped"] and skip["grad_norm"] == 0.0 and skip["unchanged"], (rank, skip)
         assert not skip["one_rank_skipped"] and skip["one_rank_grad_norm"] > 0, (rank, skip)
         assert skip["moved_one_rank"] > 1e-4, (rank, skip)
-        assert not skip["off_skipped"] and skip["off_grad_norm"] == 0.0 and skip["momentum_moved"] > 1e-4, skip
+        assert not skip["off_skipped"] and skip["off_grad_norm"] == 0.0 and skip["momentum_moved"] > 1e-4, (
+            skip
+        )

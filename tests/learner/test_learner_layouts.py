@@ -49,9 +49,15 @@ class Layout:
     num_layers: int = 4
 
     def par(self, distributed_optimizer: bool) -> ParallelConfig:
-        return ParallelConfig(nproc=self.world, tensor_parallel=self.tp, pipeline_parallel=self.pp,
-                              expert_parallel=self.ep, expert_tensor_parallel=self.etp,
-                              layers_in_first_stage=self.first, distributed_optimizer=distributed_optimizer)
+        return ParallelConfig(
+            nproc=self.world,
+            tensor_parallel=self.tp,
+            pipeline_parallel=self.pp,
+            expert_parallel=self.ep,
+            expert_tensor_parallel=self.etp,
+            layers_in_first_stage=self.first,
+            distributed_optimizer=distributed_optimizer,
+        )
 
     @property
     def model(self) -> ModelConfig:
@@ -72,8 +78,14 @@ def _run(learner, lay: Layout, ctx, weights, ckpt_dir: str | None) -> dict:
     plain = TrainBatch(tokens_BS, lens_B)
     got, _, forced_routes = routing_passes(learner, plain)
     got.update(update_pass(learner, plain.replace(loss_mask_BS=mask_BS, routes=forced_routes)))
-    stepped = step_and_resume(learner.model_cfg, lay.par(distributed_optimizer=True), ctx, weights,
-                              plain.replace(loss_mask_BS=mask_BS), ckpt_dir)
+    stepped = step_and_resume(
+        learner.model_cfg,
+        lay.par(distributed_optimizer=True),
+        ctx,
+        weights,
+        plain.replace(loss_mask_BS=mask_BS),
+        ckpt_dir,
+    )
     return {**got, **stepped}
 
 
@@ -96,11 +108,14 @@ def _worker(rank: int, ckpt_dir: str, lay: Layout):
     ctx = dist.init_distributed(par, seed=7)
     learner = Learner(model, par, OptimConfig(lr=LR), ctx, weights)
     mlp = next(layer.mlp for layer in learner.gpt.decoder.layers if hasattr(layer.mlp, "experts"))
-    shape = {"dims": (ctx.tp_size, ctx.pp_size, ctx.ep_size, ctx.etp_size, ctx.dp_size),
-             "local_experts": len(mlp.experts.local_experts),
-             "expert_fc1_rows": mlp.experts.local_experts[0].linear_fc1.weight.shape[0],
-             "stage": ctx.pp_rank, "moe_hooks": learner.replay.layer_ids,
-             "sequence_parallel": learner.tcfg.sequence_parallel}
+    shape = {
+        "dims": (ctx.tp_size, ctx.pp_size, ctx.ep_size, ctx.etp_size, ctx.dp_size),
+        "local_experts": len(mlp.experts.local_experts),
+        "expert_fc1_rows": mlp.experts.local_experts[0].linear_fc1.weight.shape[0],
+        "stage": ctx.pp_rank,
+        "moe_hooks": learner.replay.layer_ids,
+        "sequence_parallel": learner.tcfg.sequence_parallel,
+    }
     got = _run(learner, lay, ctx, weights, ckpt_dir)
     export_exact = exported_exactly(learner.export_canonical(), weights)
 
@@ -133,5 +148,6 @@ def test_layout_matches_single_rank(tmp_path, name):
         assert [r["stage"] for r in stages] == [0, lay.pp - 1]
         first = lay.first or lay.num_layers // lay.pp
         assert stages[0]["moe_hooks"] == list(range(MODEL.first_k_dense, first))
-        assert stages[1]["moe_hooks"] == list(range(lay.num_layers - (lay.num_layers - first) // (lay.pp - 1),
-                                                    lay.num_layers))
+        assert stages[1]["moe_hooks"] == list(
+            range(lay.num_layers - (lay.num_layers - first) // (lay.pp - 1), lay.num_layers)
+        )

@@ -52,7 +52,9 @@ def _full_vocab_inputs(batch):
     g = torch.Generator().manual_seed(400)
     B, S, V = *batch.tokens_BS.shape, MODEL.vocab_size
     safe_BSV = torch.rand(B, S, V, generator=g) < 0.7
-    dist_BSV = torch.log_softmax(torch.randn(B, S, V, generator=g), -1) * (torch.arange(S) >= 3)[None, :, None]
+    dist_BSV = (
+        torch.log_softmax(torch.randn(B, S, V, generator=g), -1) * (torch.arange(S) >= 3)[None, :, None]
+    )
     return batch.replace(safe_BSV=safe_BSV, rollout_dist_BSV=dist_BSV)
 
 
@@ -63,16 +65,23 @@ def _run(learner, par_opt: ParallelConfig, ctx, weights, ckpt_dir: str | None) -
     full_vocab = learner.forward_logprobs(_full_vocab_inputs(plain), 0.8, 4).stats
     got.update(update_pass(learner, plain.replace(loss_mask_BS=mask_BS, routes=forced_routes)))
     stepped = step_and_resume(MODEL, par_opt, ctx, weights, plain.replace(loss_mask_BS=mask_BS), ckpt_dir)
-    extra = {k: v for k, v in full_vocab.fields().items() if k in ("exact_kl_BS", "full_logp_BS", "log_safe_mass_BS")}
+    extra = {
+        k: v
+        for k, v in full_vocab.fields().items()
+        if k in ("exact_kl_BS", "full_logp_BS", "log_safe_mass_BS")
+    }
     return {**got, **stepped, "dvp_logp": full_vocab.logp_BS, "extra": extra}
 
 
 def _compare(pp: dict, ref: dict) -> dict:
     # the reference's DP ranks each run the batch twice (DP = world, PP = 1)
     return {
-        **compare_common(pp, ref, 2), "dvp_logp_diff": float((pp["dvp_logp"] - ref["dvp_logp"]).abs().max()),
+        **compare_common(pp, ref, 2),
+        "dvp_logp_diff": float((pp["dvp_logp"] - ref["dvp_logp"]).abs().max()),
         "extra_diff": max(float((pp["extra"][k] - v).abs().max()) for k, v in ref["extra"].items()),
-        "extra_keys": sorted(pp["extra"]) == sorted(ref["extra"]) == ["exact_kl_BS", "full_logp_BS", "log_safe_mass_BS"],
+        "extra_keys": sorted(pp["extra"])
+        == sorted(ref["extra"])
+        == ["exact_kl_BS", "full_logp_BS", "log_safe_mass_BS"],
     }
 
 
@@ -83,11 +92,14 @@ def _recompute_grads(par: ParallelConfig, ctx, weights) -> dict:
 
     from moe_rl.learner.learner import Learner
 
-    learner = Learner(dataclasses.replace(MODEL, recompute=True), par, OptimConfig(lr=LR), ctx, weights, monitor=False)
+    learner = Learner(
+        dataclasses.replace(MODEL, recompute=True), par, OptimConfig(lr=LR), ctx, weights, monitor=False
+    )
     tokens_BS, lens_B, mask_BS = _data()
     routes = random_routes(lens_B, learner.route_header)
-    learner.forward_backward(TrainBatch(tokens_BS, lens_B, loss_mask_BS=mask_BS, routes=routes), nll_entropy_loss,
-                             0.8, 2, REPLAY)
+    learner.forward_backward(
+        TrainBatch(tokens_BS, lens_B, loss_mask_BS=mask_BS, routes=routes), nll_entropy_loss, 0.8, 2, REPLAY
+    )
     return learner.canonical_grads()
 
 
@@ -103,14 +115,22 @@ def _worker(rank: int, ckpt_dir: str, world: int, ep: int):
     ctx = dist.init_distributed(par, seed=7)
     assert (ctx.dp_size, ctx.ep_size, ps.get_pipeline_model_parallel_world_size()) == (world // 2, ep, 2)
     pp = Learner(MODEL, par, OptimConfig(lr=LR), ctx, weights)
-    stage = {"stage": ps.get_pipeline_model_parallel_rank(), "layers": len(pp.gpt.decoder.layers),
-             "embedding": hasattr(pp.gpt, "embedding"), "output": hasattr(pp.gpt, "output_layer"),
-             "moe_hooks": pp.replay.layer_ids}
-    pp_out = _run(pp, ParallelConfig(nproc=world, pipeline_parallel=2, expert_parallel=ep), ctx, weights, ckpt_dir)
+    stage = {
+        "stage": ps.get_pipeline_model_parallel_rank(),
+        "layers": len(pp.gpt.decoder.layers),
+        "embedding": hasattr(pp.gpt, "embedding"),
+        "output": hasattr(pp.gpt, "output_layer"),
+        "moe_hooks": pp.replay.layer_ids,
+    }
+    pp_out = _run(
+        pp, ParallelConfig(nproc=world, pipeline_parallel=2, expert_parallel=ep), ctx, weights, ckpt_dir
+    )
     exported = pp.export_canonical()
     recompute = _recompute_grads(par, ctx, weights)
-    recompute_rel = max(float((recompute[k] - pp_out["grads"][k]).abs().max() / pp_out["grads"][k].abs().max())
-                        for k in pp_out["grads"])
+    recompute_rel = max(
+        float((recompute[k] - pp_out["grads"][k]).abs().max() / pp_out["grads"][k].abs().max())
+        for k in pp_out["grads"]
+    )
     export_exact = exported_exactly(exported, weights)
     tokens_BS, lens_B, _ = _data()
     try:  # pipeline stages given different batches fail closed
@@ -120,11 +140,22 @@ def _worker(rank: int, ckpt_dir: str, world: int, ep: int):
         mismatch_error = str(e)
 
     ctx1 = single_rank_reference(ep)
-    ref = Learner(MODEL, ParallelConfig(nproc=world, expert_parallel=ep, distributed_optimizer=False),
-                  OptimConfig(lr=LR), ctx1, weights)
+    ref = Learner(
+        MODEL,
+        ParallelConfig(nproc=world, expert_parallel=ep, distributed_optimizer=False),
+        OptimConfig(lr=LR),
+        ctx1,
+        weights,
+    )
     ref_out = _run(ref, ParallelConfig(nproc=world, expert_parallel=ep), ctx1, weights, None)
-    result = {**_compare(pp_out, ref_out), **stage, **pp_out["ckpt"], "export_exact": export_exact, "recompute_rel": recompute_rel,
-              "mismatch_error": mismatch_error}
+    result = {
+        **_compare(pp_out, ref_out),
+        **stage,
+        **pp_out["ckpt"],
+        "export_exact": export_exact,
+        "recompute_rel": recompute_rel,
+        "mismatch_error": mismatch_error,
+    }
     dist.shutdown()
     return result
 
@@ -136,7 +167,10 @@ def test_pp2_matches_pp1(tmp_path, world, ep):
     print({k: v for k, v in results[0].items() if k.endswith(("diff", "rel"))})
     stages = [results[0], results[-1]]  # megatron puts PP outermost: the first ranks are stage 0
     assert [r["moe_hooks"] for r in stages] == [[1], [2, 3]], results
-    assert [(r["embedding"], r["output"], r["layers"]) for r in stages] == [(True, False, 2), (False, True, 2)]
+    assert [(r["embedding"], r["output"], r["layers"]) for r in stages] == [
+        (True, False, 2),
+        (False, True, 2),
+    ]
     for rank, r in enumerate(results):
         assert r["export_exact"], (rank, r)
         assert r["mismatch_error"] and "different token batches" in r["mismatch_error"], (rank, r)

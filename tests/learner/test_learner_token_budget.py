@@ -28,11 +28,18 @@ def _passes(learner, rank: int) -> dict:
     native = learner.forward_logprobs(plain, 0.8, 4, RECORD)
     forced = random_routes(lens_B, learner.route_header)
     replayed = learner.forward_logprobs(plain.replace(routes=forced), 0.8, 4, REPLAY)
-    learner.forward_backward(TrainBatch(tokens_BS, lens_B, loss_mask_BS=mask_BS, routes=forced), nll_entropy_loss,
-                             0.8, 4, REPLAY)
-    return {"logp": native.stats.logp_BS, "entropy": native.stats.entropy_BS, "spi": native.stats.sum_pi_sq_BS,
-            "recorded": native.routing.recorded.ids_NLK, "rows": native.routing.recorded.rows_B,
-            "replayed": replayed.stats.logp_BS, "grads": learner.canonical_grads()}
+    learner.forward_backward(
+        TrainBatch(tokens_BS, lens_B, loss_mask_BS=mask_BS, routes=forced), nll_entropy_loss, 0.8, 4, REPLAY
+    )
+    return {
+        "logp": native.stats.logp_BS,
+        "entropy": native.stats.entropy_BS,
+        "spi": native.stats.sum_pi_sq_BS,
+        "recorded": native.routing.recorded.ids_NLK,
+        "rows": native.routing.recorded.rows_B,
+        "replayed": replayed.stats.logp_BS,
+        "grads": learner.canonical_grads(),
+    }
 
 
 def _worker(rank: int):
@@ -44,17 +51,27 @@ def _worker(rank: int):
     par = ParallelConfig(nproc=2, expert_parallel=2, distributed_optimizer=False)
     ctx = dist.init_distributed(par, seed=7)
     fixed = _passes(Learner(MODEL, par, OptimConfig(), ctx, weights, monitor=False), rank)
-    budget = _passes(Learner(MODEL, par, OptimConfig(), ctx, weights, monitor=False, max_tokens_per_micro_batch=30),
-                     rank)
+    budget = _passes(
+        Learner(MODEL, par, OptimConfig(), ctx, weights, monitor=False, max_tokens_per_micro_batch=30), rank
+    )
     # columns past a sequence's own length hold whatever its micro-batch's padding gave (out of every
     # mask, on either path); the sequence's own positions must agree
     _, lens_B, _ = _data(rank)
     real_BS = torch.arange(14)[None] < lens_B[:, None]
-    out = {k: float(((fixed[k] - budget[k]) * real_BS).abs().max()) for k in ("logp", "entropy", "spi", "replayed")}
-    out["routes_equal"] = torch.equal(fixed["recorded"], budget["recorded"]) and torch.equal(fixed["rows"],
-                                                                                            budget["rows"])
-    out["grad_rel"] = max(float((fixed["grads"][k] - budget["grads"][k]).abs().max()
-                                / fixed["grads"][k].abs().max().clamp(min=1e-12)) for k in fixed["grads"])
+    out = {
+        k: float(((fixed[k] - budget[k]) * real_BS).abs().max())
+        for k in ("logp", "entropy", "spi", "replayed")
+    }
+    out["routes_equal"] = torch.equal(fixed["recorded"], budget["recorded"]) and torch.equal(
+        fixed["rows"], budget["rows"]
+    )
+    out["grad_rel"] = max(
+        float(
+            (fixed["grads"][k] - budget["grads"][k]).abs().max()
+            / fixed["grads"][k].abs().max().clamp(min=1e-12)
+        )
+        for k in fixed["grads"]
+    )
     out["replay_moves_logp"] = float((fixed["logp"] - fixed["replayed"]).abs().max())
     dist.shutdown()
     return out

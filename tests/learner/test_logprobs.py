@@ -58,7 +58,9 @@ def test_energy_equals_squared_logit_gradient_norm(temperature):
     for b in range(B):
         for t in range(1, S):
             (g,) = torch.autograd.grad(logp[b, t], logits, retain_graph=True)
-            assert g[b, t - 1].pow(2).sum().item() * temperature ** 2 == pytest.approx(w[b, t].item(), rel=1e-12)
+            assert g[b, t - 1].pow(2).sum().item() * temperature**2 == pytest.approx(
+                w[b, t].item(), rel=1e-12
+            )
             g[b, t - 1] = 0
             assert (g == 0).all()  # log pi_t depends only on the logits that produced token t
 

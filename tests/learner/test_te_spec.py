@@ -10,8 +10,8 @@ import torch
 from packaging.version import Version
 
 from moe_rl.config import ConfigError, ModelConfig, load_config
-from moe_rl.preflight import check_launch
 from moe_rl.learner import te_spec
+from moe_rl.preflight import check_launch
 from moe_rl.weights.canonical import canonical_param_shapes
 from moe_rl.weights.megatron_shards import megatron_to_canonical
 from tests.models import DEFAULT_WIDTH_L3 as CFG
@@ -22,15 +22,26 @@ def _local_names(cfg: ModelConfig) -> list[str]:
     names = ["embedding.word_embeddings.weight", "decoder.final_layernorm.weight", "output_layer.weight"]
     for i in range(cfg.num_layers):
         p = f"decoder.layers.{i}."
-        names += [p + s for s in ("input_layernorm.weight", "self_attention.linear_qkv.weight",
-                                  "self_attention.linear_proj.weight", "self_attention.q_layernorm.weight",
-                                  "self_attention.k_layernorm.weight", "pre_mlp_layernorm.weight")]
+        names += [
+            p + s
+            for s in (
+                "input_layernorm.weight",
+                "self_attention.linear_qkv.weight",
+                "self_attention.linear_proj.weight",
+                "self_attention.q_layernorm.weight",
+                "self_attention.k_layernorm.weight",
+                "pre_mlp_layernorm.weight",
+            )
+        ]
         if i < cfg.first_k_dense:
             names += [p + "mlp.linear_fc1.weight", p + "mlp.linear_fc2.weight"]
         else:
             names.append(p + "mlp.router.weight")
-            names += [f"{p}mlp.experts.local_experts.{j}.linear_fc{k}.weight"
-                      for j in range(cfg.num_experts) for k in (1, 2)]
+            names += [
+                f"{p}mlp.experts.local_experts.{j}.linear_fc{k}.weight"
+                for j in range(cfg.num_experts)
+                for k in (1, 2)
+            ]
     return names
 
 
@@ -40,25 +51,44 @@ def _te_names(cfg: ModelConfig) -> list[str]:
     names = ["embedding.word_embeddings.weight", "decoder.final_layernorm.weight", "output_layer.weight"]
     for i in range(cfg.num_layers):
         p = f"decoder.layers.{i}."
-        names += [p + s for s in ("self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_qkv.weight",
-                                  "self_attention.linear_proj.weight", "self_attention.q_layernorm.weight",
-                                  "self_attention.k_layernorm.weight")]
+        names += [
+            p + s
+            for s in (
+                "self_attention.linear_qkv.layer_norm_weight",
+                "self_attention.linear_qkv.weight",
+                "self_attention.linear_proj.weight",
+                "self_attention.q_layernorm.weight",
+                "self_attention.k_layernorm.weight",
+            )
+        ]
         if i < cfg.first_k_dense:
-            names += [p + "mlp.linear_fc1.layer_norm_weight", p + "mlp.linear_fc1.weight", p + "mlp.linear_fc2.weight"]
+            names += [
+                p + "mlp.linear_fc1.layer_norm_weight",
+                p + "mlp.linear_fc1.weight",
+                p + "mlp.linear_fc2.weight",
+            ]
         else:
             names += [p + "pre_mlp_layernorm.weight", p + "mlp.router.weight"]
-            names += [f"{p}mlp.experts.linear_fc{k}.weight{j}" for j in range(cfg.num_experts) for k in (1, 2)]
+            names += [
+                f"{p}mlp.experts.linear_fc{k}.weight{j}" for j in range(cfg.num_experts) for k in (1, 2)
+            ]
     return names
 
 
 def _local_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     H, D, F, Fm = cfg.hidden_size, cfg.head_dim, cfg.ffn_hidden_size, cfg.moe_ffn_hidden_size
     qkv = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * D
-    by_suffix = {"input_layernorm.weight": (H,), "self_attention.linear_qkv.weight": (qkv, H),
-                 "self_attention.linear_proj.weight": (H, cfg.num_attention_heads * D),
-                 "self_attention.q_layernorm.weight": (D,), "self_attention.k_layernorm.weight": (D,),
-                 "pre_mlp_layernorm.weight": (H,), "mlp.linear_fc1.weight": (2 * F, H),
-                 "mlp.linear_fc2.weight": (H, F), "mlp.router.weight": (cfg.num_experts, H)}
+    by_suffix = {
+        "input_layernorm.weight": (H,),
+        "self_attention.linear_qkv.weight": (qkv, H),
+        "self_attention.linear_proj.weight": (H, cfg.num_attention_heads * D),
+        "self_attention.q_layernorm.weight": (D,),
+        "self_attention.k_layernorm.weight": (D,),
+        "pre_mlp_layernorm.weight": (H,),
+        "mlp.linear_fc1.weight": (2 * F, H),
+        "mlp.linear_fc2.weight": (H, F),
+        "mlp.router.weight": (cfg.num_experts, H),
+    }
     out = {}
     for n in _local_names(cfg):
         if n.startswith(("embedding", "output")):
@@ -76,9 +106,13 @@ def _local_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 def test_te_names_map_one_to_one_onto_local_names():
     m = te_spec.te_name_map(_te_names(CFG))
     assert sorted(m.values()) == sorted(_local_names(CFG))
-    assert m["decoder.layers.0.mlp.linear_fc1.layer_norm_weight"] == "decoder.layers.0.pre_mlp_layernorm.weight"
-    assert m["decoder.layers.2.mlp.experts.linear_fc2.weight3"] == \
-        "decoder.layers.2.mlp.experts.local_experts.3.linear_fc2.weight"
+    assert (
+        m["decoder.layers.0.mlp.linear_fc1.layer_norm_weight"] == "decoder.layers.0.pre_mlp_layernorm.weight"
+    )
+    assert (
+        m["decoder.layers.2.mlp.experts.linear_fc2.weight3"]
+        == "decoder.layers.2.mlp.experts.local_experts.3.linear_fc2.weight"
+    )
     assert m["decoder.layers.1.pre_mlp_layernorm.weight"] == "decoder.layers.1.pre_mlp_layernorm.weight"
 
 
@@ -93,8 +127,10 @@ def test_te_model_reaches_canonical_names_through_the_local_mapping():
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("name", ["decoder.layers.0.self_attention.linear_qkv.layer_norm_bias",
-                                  "decoder.layers.1.mlp.experts.weight1"])
+@pytest.mark.parametrize(
+    "name",
+    ["decoder.layers.0.self_attention.linear_qkv.layer_norm_bias", "decoder.layers.1.mlp.experts.weight1"],
+)
 def test_unmappable_te_names_are_refused(name):
     with pytest.raises(KeyError, match="no local-spec counterpart"):
         te_spec.te_to_local_name(name)
@@ -133,12 +169,15 @@ def test_transformer_config_takes_the_precision_fields_and_never_fuses_the_route
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("overrides, needle", [
-    (["model.precision=fp8"], "model.transformer_impl=te"),
-    (["model.fp8_recipe=mxfp8"], "'model.fp8_recipe'"),
-    (["model.precision=fp16"], "'model.precision'"),
-    (["model.transformer_impl=apex"], "'model.transformer_impl'"),
-])
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (["model.precision=fp8"], "model.transformer_impl=te"),
+        (["model.fp8_recipe=mxfp8"], "'model.fp8_recipe'"),
+        (["model.precision=fp16"], "'model.precision'"),
+        (["model.transformer_impl=apex"], "'model.transformer_impl'"),
+    ],
+)
 def test_static_precision_validation(overrides, needle):
     with pytest.raises(ConfigError, match=needle):
         load_config(None, overrides)
@@ -146,10 +185,13 @@ def test_static_precision_validation(overrides, needle):
 
 @pytest.mark.unit
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
-@pytest.mark.parametrize("overrides, needle", [
-    (["model.transformer_impl=te", "model.precision=fp8"], "FP8 needs Hopper-class .* no CUDA device"),
-    (["model.transformer_impl=te"], "'model.transformer_impl'.*no CUDA device"),
-])
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (["model.transformer_impl=te", "model.precision=fp8"], "FP8 needs Hopper-class .* no CUDA device"),
+        (["model.transformer_impl=te"], "'model.transformer_impl'.*no CUDA device"),
+    ],
+)
 def test_launch_refuses_te_and_fp8_without_cuda(overrides, needle):
     cfg = load_config(None, overrides)  # loads (a GPU recipe must print anywhere) ...
     with pytest.raises(ConfigError, match=needle):
@@ -160,7 +202,13 @@ def test_launch_refuses_te_and_fp8_without_cuda(overrides, needle):
 @pytest.mark.unit
 def test_te_problems_on_a_gpu_machine():
     fp8 = ModelConfig(transformer_impl="te", precision="fp8", fp8_recipe="blockwise")
-    ok = {"cuda": True, "capability": (9, 0), "cuda_version": "12.9", "te_ver": Version("2.9.0"), "te_error": None}
+    ok = {
+        "cuda": True,
+        "capability": (9, 0),
+        "cuda_version": "12.9",
+        "te_ver": Version("2.9.0"),
+        "te_error": None,
+    }
     assert te_spec.te_problems(fp8, **ok) == []
     old = te_spec.te_problems(fp8, **{**ok, "te_ver": Version("2.2.0"), "cuda_version": "12.4"})
     assert any("Transformer Engine >= 2.3.0.dev0" in p for p in old) and any("CUDA >= 12.9" in p for p in old)
@@ -177,8 +225,9 @@ def test_micro_batches_are_padded_to_the_fp8_token_multiple():
 
     seq_lens_B = torch.tensor([5, 7, 3, 9, 2])
     tokens_BS = torch.arange(5 * 9).view(5, 9) + 1
-    batch = TrainBatch(tokens_BS, seq_lens_B, loss_mask_BS=torch.ones(5, 9),
-                       safe_BSV=torch.ones(5, 9, 4, dtype=torch.bool))
+    batch = TrainBatch(
+        tokens_BS, seq_lens_B, loss_mask_BS=torch.ones(5, 9), safe_BSV=torch.ones(5, 9, 4, dtype=torch.bool)
+    )
     plain = batch.micro_batches(2)
     padded = batch.micro_batches(2, FP8_TOKEN_MULTIPLE)
     assert [mb.tokens_BS.shape for mb in plain] == [(2, 7), (2, 9), (1, 2)]

@@ -82,8 +82,9 @@ def _worker(rank: int, tmp: str) -> dict:
     from moe_rl.weights.megatron_shards import tp_split_dim
 
     weights = random_canonical_weights(MODEL, seed=0)
-    par = ParallelConfig(nproc=WORLD, tensor_parallel=TP, pipeline_parallel=PP, expert_parallel=EP,
-                         distributed_optimizer=False)
+    par = ParallelConfig(
+        nproc=WORLD, tensor_parallel=TP, pipeline_parallel=PP, expert_parallel=EP, distributed_optimizer=False
+    )
     ctx = dist.init_distributed(par, seed=7)
     learner = Learner(MODEL, par, OptimConfig(lr=1e-3), ctx, weights, monitor=False)
     layout = (ctx.pp_rank, ctx.tp_rank, ctx.ep_rank, ctx.etp_size, ctx.dp_size)
@@ -91,42 +92,67 @@ def _worker(rank: int, tmp: str) -> dict:
     chunks = [dict(c) for c in learner.iter_canonical_layers()]
     joined = {k: v for c in chunks for k, v in c.items()}
     expected_chunks = [["model.embed_tokens.weight"]]
-    expected_chunks += [[k for k in weights if k.startswith(f"model.layers.{i}.")] for i in range(MODEL.num_layers)]
+    expected_chunks += [
+        [k for k in weights if k.startswith(f"model.layers.{i}.")] for i in range(MODEL.num_layers)
+    ]
     expected_chunks += [["model.norm.weight", "lm_head.weight"]]
     exported = learner.export_canonical()
     exact = {
         "chunks": [sorted(c) for c in chunks] == [sorted(c) for c in expected_chunks],
         "once": sum(map(len, chunks)) == len(joined) == len(weights),
         "weights": all(torch.equal(joined[k], weights[k]) for k in weights),
-        "export": sorted(exported) == sorted(weights) and all(torch.equal(exported[k], joined[k]) for k in weights),
+        "export": sorted(exported) == sorted(weights)
+        and all(torch.equal(exported[k], joined[k]) for k in weights),
     }
     del chunks, joined, exported
 
     engine = BuiltinEngine(MODEL, dtype="fp32", pad_id=0)
     engine.load_weights(random_canonical_weights(MODEL, seed=1))  # its own tensors exist from here on
     before = engine.model.w["model.layers.3.mlp.experts.gate_proj"].clone()
-    peaks_ops = [_profiled(lambda: engine.load_weights(learner.iter_canonical_layers()), f"{tmp}/stream_{rank}_{i}.json")
-                 for i in range(5)]  # the same sync five times: a missed free can only overstate, keep the least
+    peaks_ops = [
+        _profiled(
+            lambda: engine.load_weights(learner.iter_canonical_layers()), f"{tmp}/stream_{rank}_{i}.json"
+        )
+        for i in range(5)
+    ]  # the same sync five times: a missed free can only overstate, keep the least
     stream_peak, stream_ops = min(peaks_ops, key=lambda p: p[0])
     slots = engine.model._slots
-    exact["engine"] = (engine.model.loaded and all(torch.equal(slots[k], weights[k]) for k in weights)
-                       and not torch.equal(before, engine.model.w["model.layers.3.mlp.experts.gate_proj"]))
+    exact["engine"] = (
+        engine.model.loaded
+        and all(torch.equal(slots[k], weights[k]) for k in weights)
+        and not torch.equal(before, engine.model.w["model.layers.3.mlp.experts.gate_proj"])
+    )
     export_peak, _ = _profiled(lambda: learner.export_canonical(), f"{tmp}/export_{rank}.json")
 
     nbytes = {k: t.numel() * t.element_size() for k, t in weights.items()}
     chunk_bytes = [sum(nbytes[k] for k in c) for c in expected_chunks]
     projection = max(v for k, v in nbytes.items() if ".mlp.experts." in k) * MODEL.num_experts
     first, n_local = learner.shard.layer_offset, len(learner.gpt.decoder.layers)
-    owned = expected_chunks[first + 1:first + n_local + 1] + (
-        [expected_chunks[0]] if ctx.pp_rank == 0 else [expected_chunks[-1]] if ctx.pp_rank == PP - 1 else [])
-    gathers = sum((2 if ".experts." in k else 1) for c in owned for k in _kinds(c)
-                  if ".experts." in k or tp_split_dim(k) is not None)
-    result = {"layout": layout, "exact": exact, "stream_peak": stream_peak, "export_peak": export_peak,
-              "stream_peaks": [p for p, _ in peaks_ops],
-              "max_chunk": max(chunk_bytes), "full": sum(chunk_bytes), "slack": projection + projection // EP,
-              "broadcasts": stream_ops.get("c10d::broadcast_", 0), "num_kinds": sum(len(_kinds(c)) for c in expected_chunks),
-              "num_tensors": len(weights), "allgathers": stream_ops.get("c10d::_allgather_base_", 0),
-              "expected_allgathers": gathers, "ops": stream_ops}
+    owned = expected_chunks[first + 1 : first + n_local + 1] + (
+        [expected_chunks[0]] if ctx.pp_rank == 0 else [expected_chunks[-1]] if ctx.pp_rank == PP - 1 else []
+    )
+    gathers = sum(
+        (2 if ".experts." in k else 1)
+        for c in owned
+        for k in _kinds(c)
+        if ".experts." in k or tp_split_dim(k) is not None
+    )
+    result = {
+        "layout": layout,
+        "exact": exact,
+        "stream_peak": stream_peak,
+        "export_peak": export_peak,
+        "stream_peaks": [p for p, _ in peaks_ops],
+        "max_chunk": max(chunk_bytes),
+        "full": sum(chunk_bytes),
+        "slack": projection + projection // EP,
+        "broadcasts": stream_ops.get("c10d::broadcast_", 0),
+        "num_kinds": sum(len(_kinds(c)) for c in expected_chunks),
+        "num_tensors": len(weights),
+        "allgathers": stream_ops.get("c10d::_allgather_base_", 0),
+        "expected_allgathers": gathers,
+        "ops": stream_ops,
+    }
     dist.shutdown()
     return result
 
@@ -138,11 +164,15 @@ def test_streamed_sync_is_exact_and_holds_one_layer(tmp_path, capsys):
     with capsys.disabled():
         print(f"\nfull model {r0['full']} B, largest chunk {r0['max_chunk']} B, slack {r0['slack']} B")
         for rank, r in enumerate(results):
-            print(f"rank {rank} (pp, tp, ep, etp, dp) {r['layout']}: streamed sync peaks {r['stream_peaks']} B, "
-                  f"export_canonical peak {r['export_peak']} B, c10d ops {r['ops']}")
+            print(
+                f"rank {rank} (pp, tp, ep, etp, dp) {r['layout']}: "
+                f"streamed sync peaks {r['stream_peaks']} B, "
+                f"export_canonical peak {r['export_peak']} B, c10d ops {r['ops']}"
+            )
     # the layout the test is about: 2 stages x 2 TP x 2 EP ranks, experts split over expert-TP too
     assert sorted(r["layout"] for r in results) == sorted(
-        (p, t, e, 2, 2) for p in range(PP) for t in range(TP) for e in range(EP))
+        (p, t, e, 2, 2) for p in range(PP) for t in range(TP) for e in range(EP)
+    )
     assert r0["max_chunk"] < r0["full"] / 4  # the model is clearly more than one layer
     for rank, r in enumerate(results):
         assert all(r["exact"].values()), (rank, r["exact"])
@@ -150,6 +180,9 @@ def test_streamed_sync_is_exact_and_holds_one_layer(tmp_path, capsys):
         assert max(r["stream_peaks"]) < r["full"] / 2, (rank, r)
         assert r["export_peak"] > 2 * r["stream_peak"], (rank, r)  # what streaming saves, really measured
         # one broadcast per kind: 3 per MoE layer for its 3 x E expert tensors
-        assert r["broadcasts"] == r["num_kinds"] == r["num_tensors"] - 3 * (MODEL.num_experts - 1) * len(
-            MODEL.moe_layers), (rank, r)
+        assert (
+            r["broadcasts"]
+            == r["num_kinds"]
+            == r["num_tensors"] - 3 * (MODEL.num_experts - 1) * len(MODEL.moe_layers)
+        ), (rank, r)
         assert r["allgathers"] == r["expected_allgathers"] > 0, (rank, r)

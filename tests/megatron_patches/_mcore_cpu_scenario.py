@@ -57,16 +57,26 @@ def build_model() -> Any:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     config = TransformerConfig(
-        num_layers=2, hidden_size=32, num_attention_heads=4,
-        num_moe_experts=NUM_EXPERTS, moe_router_topk=2, moe_token_dispatcher_type="alltoall",
-        moe_aux_loss_coeff=1e-2, add_bias_linear=False, params_dtype=torch.float32,
-        hidden_dropout=0.1, attention_dropout=0.1,  # exercise the RNG tracker's fork
-        bias_dropout_fusion=False, masked_softmax_fusion=False, bias_activation_fusion=False,
-        gradient_accumulation_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_moe_experts=NUM_EXPERTS,
+        moe_router_topk=2,
+        moe_token_dispatcher_type="alltoall",
+        moe_aux_loss_coeff=1e-2,
+        add_bias_linear=False,
+        params_dtype=torch.float32,
+        hidden_dropout=0.1,
+        attention_dropout=0.1,  # exercise the RNG tracker's fork
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        bias_activation_fusion=False,
+        gradient_accumulation_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
     )
     spec = get_gpt_layer_local_spec(num_experts=NUM_EXPERTS)
-    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB,
-                    max_sequence_length=SEQ)
+    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ)
 
 
 def forward_backward(model: Any) -> float:
@@ -82,7 +92,9 @@ def wrap_ddp(model: Any) -> Any:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True,
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=True,
         bucket_size=None,
     )
     return DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
@@ -93,8 +105,14 @@ def build_optimizer(ddp: Any) -> Any:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     config = OptimizerConfig(
-        optimizer="adam", lr=1e-3, weight_decay=0.0, clip_grad=1.0, bf16=False, fp16=False,
-        use_distributed_optimizer=True, params_dtype=torch.float32,
+        optimizer="adam",
+        lr=1e-3,
+        weight_decay=0.0,
+        clip_grad=1.0,
+        bf16=False,
+        fp16=False,
+        use_distributed_optimizer=True,
+        params_dtype=torch.float32,
     )
     return get_megatron_optimizer(config, [ddp])
 
@@ -121,8 +139,11 @@ def adam_states(opt: Any) -> list[dict[str, Any]]:
 
 def step_report(opt: Any) -> Result:
     steps = [s["step"] for s in adam_states(opt)]
-    return {"values": sorted({float(s) for s in steps}), "num": len(steps),
-            "num_distinct_tensors": len({id(s) for s in steps})}
+    return {
+        "values": sorted({float(s) for s in steps}),
+        "num": len(steps),
+        "num_distinct_tensors": len({id(s) for s in steps}),
+    }
 
 
 def max_diff(xs: list[Any], ys: list[Any]) -> float:
@@ -150,8 +171,7 @@ def expect_error(fn: Callable[[], Any]) -> dict[str, str]:
     try:
         fn()
     except Exception as err:  # the point is to record whatever upstream raises
-        frames = [f for f in traceback.extract_tb(err.__traceback__)
-                  if "megatron/core/" in f.filename]
+        frames = [f for f in traceback.extract_tb(err.__traceback__) if "megatron/core/" in f.filename]
         where = ""
         if frames:
             where = f"{frames[-1].filename.split('megatron/core/')[-1]}:{frames[-1].name}"
@@ -171,8 +191,12 @@ def check_apply_all() -> Result:
     import megatron_patches
 
     def targets() -> tuple[Any, ...]:
-        return (torch.cuda.current_device, torch.Tensor.type,
-                DistributedOptimizer.load_state_dict, moe_utils.maybe_move_tensor_to_cpu)
+        return (
+            torch.cuda.current_device,
+            torch.Tensor.type,
+            DistributedOptimizer.load_state_dict,
+            moe_utils.maybe_move_tensor_to_cpu,
+        )
 
     # what a CUDA process gets (only the always-on fixes), then the CPU shims on top
     applied_as_if_cuda = megatron_patches.apply_all(cuda_available=True)
@@ -200,7 +224,8 @@ def train(result: Result) -> tuple[Any, Any, Any]:
     result["losses"] = [train_step(ddp, opt) for _ in range(NUM_TRAIN_STEPS)]
     result["num_params"] = len(before)
     result["num_params_changed"] = sum(
-        int(not b.equal(p.detach())) for b, p in zip(before, model.parameters(), strict=True))
+        int(not b.equal(p.detach())) for b, p in zip(before, model.parameters(), strict=True)
+    )
     result["optimizers"] = [type(o).__name__ for o in inner_optimizers(opt)]
     return model, ddp, opt
 
@@ -235,17 +260,16 @@ def checkpoint_roundtrip(result: Result, model: Any, ddp: Any, opt: Any, tmp: Pa
     model2, ddp2, opt2, loaded_opt_sd = load_fresh(tmp / "ckpt")
     result["steps_after_load"] = step_report(opt2)
     result["exp_avg_max_diff_after_load"] = max_diff(
-        [s["exp_avg"] for s in adam_states(opt)], [s["exp_avg"] for s in adam_states(opt2)])
-    result["param_max_diff_after_load"] = max_diff(
-        list(model.parameters()), list(model2.parameters()))
+        [s["exp_avg"] for s in adam_states(opt)], [s["exp_avg"] for s in adam_states(opt2)]
+    )
+    result["param_max_diff_after_load"] = max_diff(list(model.parameters()), list(model2.parameters()))
     # one more step on both runs from the same RNG state: resumed must equal uninterrupted
     snapshot = rng_snapshot()
     loss_uninterrupted = train_step(ddp, opt)
     rng_restore(snapshot)
     loss_resumed = train_step(ddp2, opt2)
     result["next_loss_uninterrupted_vs_resumed"] = [loss_uninterrupted, loss_resumed]
-    result["param_max_diff_after_next_step"] = max_diff(
-        list(model.parameters()), list(model2.parameters()))
+    result["param_max_diff_after_next_step"] = max_diff(list(model.parameters()), list(model2.parameters()))
     result["steps_after_next_step"] = step_report(opt2)
     result["upstream_still_broken"] = upstream_still_broken(opt2, loaded_opt_sd)
 
@@ -265,15 +289,17 @@ def upstream_still_broken(opt: Any, loaded_opt_sd: Any) -> Result:
     (fresh,) = inner_optimizers(build_optimizer(wrap_ddp(fresh_model)))
     fresh_sd = fresh_model.sharded_state_dict(prefix="")
     model_param = next(iter(inner.model_param_group_index_map))
-    no_step = {k: v for k, v in inner._get_main_param_and_optimizer_states(model_param).items()
-               if k != "step"}
+    no_step = {
+        k: v for k, v in inner._get_main_param_and_optimizer_states(model_param).items() if k != "step"
+    }
     # the loaders call it under no_grad
     set_states = torch.no_grad()(DistOpt._set_main_param_and_optimizer_states.__wrapped__)
     cpu_splits = moe_utils.maybe_move_tensor_to_cpu.__wrapped__(torch.tensor([1]), as_numpy=True)
     broken = {
         "a2a_splits": torch.is_tensor(cpu_splits),
-        "distopt_ckpt_i": expect_error(lambda: DistOpt.sharded_state_dict.__wrapped__(
-            fresh, fresh_sd, True, None, OPT_CKPT_META)),
+        "distopt_ckpt_i": expect_error(
+            lambda: DistOpt.sharded_state_dict.__wrapped__(fresh, fresh_sd, True, None, OPT_CKPT_META)
+        ),
         "distopt_ckpt_ii": expect_error(lambda: set_states(inner, model_param, no_step)),
     }
     DistOpt.load_state_dict.__wrapped__(inner, loaded_opt_sd)
@@ -294,8 +320,13 @@ def run_patched(tmp: Path) -> Result:
 
 # CPU shims left out at the start, in the order the scenario runs into their errors
 LEFT_OUT = (
-    "rng_tracker", "current_device", "cuda_stream", "causal_mask", "te_names",
-    "cuda_factories", "tensor_type_strings",
+    "rng_tracker",
+    "current_device",
+    "cuda_stream",
+    "causal_mask",
+    "te_names",
+    "cuda_factories",
+    "tensor_type_strings",
 )
 
 

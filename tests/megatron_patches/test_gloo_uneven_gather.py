@@ -33,7 +33,13 @@ def _worker(rank: int):
         upstream_errors = str(e)
     applied = megatron_patches.get_patch("gloo_uneven_gather").is_applied()
     torch.distributed.destroy_process_group()
-    return gathered.tolist(), scattered.tolist(), even.tolist(), upstream_errors, applied  # plain lists: no shared memory
+    return (
+        gathered.tolist(),
+        scattered.tolist(),
+        even.tolist(),
+        upstream_errors,
+        applied,
+    )  # plain lists: no shared memory
 
 
 @pytest.mark.dist

@@ -39,7 +39,11 @@ def _start(mode: str, out: Path) -> subprocess.Popen:
     env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU shims refuse a visible GPU; run them on CPU anywhere
     return subprocess.Popen(
         [sys.executable, str(SCENARIO), mode, str(out)],
-        cwd=out.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=out.parent,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
 
 
@@ -187,9 +191,11 @@ if CPU_TORCH:  # torch's CPU build (CI: 2.13.0+cpu)
     NO_STREAM: tuple[tuple[str, ...], str] = (("RuntimeError",), "torch.cuda.Stream requires CUDA support")
 else:  # a CUDA build with no usable GPU: no driver (CPU machine) or CUDA_VISIBLE_DEVICES=""
     NOT_CUDA = (("RuntimeError",), "Found no NVIDIA driver|No CUDA GPUs are available")
-    NO_STREAM = (("RuntimeError", "AcceleratorError"),
-                 "CUDA driver version is insufficient|no CUDA-capable device|No CUDA GPUs are available"
-                 "|Found no NVIDIA driver")
+    NO_STREAM = (
+        ("RuntimeError", "AcceleratorError"),
+        "CUDA driver version is insufficient|no CUDA-capable device|No CUDA GPUs are available"
+        "|Found no NVIDIA driver",
+    )
 ABLATIONS = {
     # patch left out: (exception types, message regex, innermost megatron frame); the same
     # frames in megatron-core 0.16.1 and 0.19.2
@@ -197,11 +203,17 @@ ABLATIONS = {
     "current_device": (*NOT_CUDA, "tensor_parallel/layers.py:__init__"),
     "cuda_stream": (*NO_STREAM, "transformer/moe/token_dispatcher.py:__init__"),
     "causal_mask": (*NOT_CUDA, "transformer/utils.py:get_default_causal_mask"),
-    "te_names": (("NameError",), "name 'te_general_gemm' is not defined",
-                 "transformer/moe/moe_utils.py:forward"),
+    "te_names": (
+        ("NameError",),
+        "name 'te_general_gemm' is not defined",
+        "transformer/moe/moe_utils.py:forward",
+    ),
     "cuda_factories": (*NOT_CUDA, "optimizer/optimizer.py:__init__"),
-    "tensor_type_strings": (("TypeError",), "Wrapped parameters must be one of torch.cuda.FloatTensor",
-                            "optimizer/distrib_optimizer.py:_build_model_and_main_param_groups"),
+    "tensor_type_strings": (
+        ("TypeError",),
+        "Wrapped parameters must be one of torch.cuda.FloatTensor",
+        "optimizer/distrib_optimizer.py:_build_model_and_main_param_groups",
+    ),
 }
 
 

@@ -70,9 +70,7 @@ def test_step_alias_fix_is_not_cpu_only() -> None:
 
 
 @pytest.mark.parametrize("name", megatron_patches.ALL_PATCHES)
-def test_unsupported_megatron_version_fails_loudly(
-    name: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_unsupported_megatron_version_fails_loudly(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     patch = megatron_patches.get_patch(name)
     if not getattr(patch, "needed", lambda: (True, ""))()[0]:
         # te_names on megatron-core >= 0.17 (fixed upstream) or with TE: nothing to patch, so
@@ -129,6 +127,7 @@ def test_import_has_no_side_effects() -> None:
         "assert 'torch' not in sys.modules, 'imports torch'; "
         "assert not any(m.startswith('megatron.') for m in sys.modules), 'imports megatron'"
     )
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
-                          text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 0, proc.stderr

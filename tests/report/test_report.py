@@ -28,28 +28,43 @@ LAYERS = (0, 1, 2)
 
 def _record(step: int, replay: str) -> dict:
     rng = np.random.default_rng(step)
-    rec = {"step": step, "reward/mean": 0.5 + step / 100, "corr/k3_kl": 1e-3 * rng.random(),
-           "routing/flip_token_frac": 0.1, "router_grad/zero_frac": 0.75, "router_grad/zero_frac_expected": 0.75,
-           "router_grad/norm": 1.0, "time/step_s": 0.5, "router_grad/update_flip_token_frac": 0.02}
+    rec = {
+        "step": step,
+        "reward/mean": 0.5 + step / 100,
+        "corr/k3_kl": 1e-3 * rng.random(),
+        "routing/flip_token_frac": 0.1,
+        "router_grad/zero_frac": 0.75,
+        "router_grad/zero_frac_expected": 0.75,
+        "router_grad/norm": 1.0,
+        "time/step_s": 0.5,
+        "router_grad/update_flip_token_frac": 0.02,
+    }
     for lid in LAYERS:
-        rec.update({
-            f"router_grad/zero_frac/layer{lid}": 0.75,
-            # layer 1: 40% of experts without router gradient every step; others none
-            f"router_grad/no_grad_expert_frac/layer{lid}": 0.4 if lid == 1 else 0.0,
-            f"router_grad/rollout_flip_frac/layer{lid}": 0.12,  # the same mismatch; r3 only changes its meaning
-            f"router_grad/update_flip_frac/layer{lid}": 0.002 * (lid + 1),
-            f"router_grad/load_entropy/layer{lid}": 0.95 - 0.1 * lid,
-            f"router_grad/load_max_frac/layer{lid}": 0.2,
-            f"router_grad/margin_p50/layer{lid}": 0.3 + rng.random(),
-            f"router_grad/near_boundary_frac/layer{lid}": 0.05,
-            f"router_grad/near_boundary_bf16_frac/layer{lid}": 0.001,
-        })
+        rec.update(
+            {
+                f"router_grad/zero_frac/layer{lid}": 0.75,
+                # layer 1: 40% of experts without router gradient every step; others none
+                f"router_grad/no_grad_expert_frac/layer{lid}": 0.4 if lid == 1 else 0.0,
+                # the same mismatch; r3 only changes its meaning
+                f"router_grad/rollout_flip_frac/layer{lid}": 0.12,
+                f"router_grad/update_flip_frac/layer{lid}": 0.002 * (lid + 1),
+                f"router_grad/load_entropy/layer{lid}": 0.95 - 0.1 * lid,
+                f"router_grad/load_max_frac/layer{lid}": 0.2,
+                f"router_grad/margin_p50/layer{lid}": 0.3 + rng.random(),
+                f"router_grad/near_boundary_frac/layer{lid}": 0.05,
+                f"router_grad/near_boundary_bf16_frac/layer{lid}": 0.001,
+            }
+        )
     return rec
 
 
-def _run_dir(path: Path, steps_logged: int, steps: int = 40, replay: str = "off", truncate: bool = False) -> Path:
+def _run_dir(
+    path: Path, steps_logged: int, steps: int = 40, replay: str = "off", truncate: bool = False
+) -> Path:
     path.mkdir(parents=True)
-    cfg = dataclasses.replace(RunConfig(), run_dir=str(path), steps=steps, routing=RoutingConfig(replay=replay))
+    cfg = dataclasses.replace(
+        RunConfig(), run_dir=str(path), steps=steps, routing=RoutingConfig(replay=replay)
+    )
     (path / "config.yaml").write_text(to_yaml(cfg))
     lines = [json.dumps(_record(s, replay)) for s in range(steps_logged)]
     text = "\n".join(lines) + "\n"
@@ -75,7 +90,9 @@ def test_verdicts_state_the_measured_numbers(tmp_path):
     assert verdicts[2].level == "warn"  # load entropy under 0.8 (and rollout flips)
     heads = dict(data.headline(run))
     assert heads["reward, first 10% of steps"] == pytest.approx(np.mean([0.5 + s / 100 for s in range(3)]))
-    assert heads["reward, last 10% of steps"] == pytest.approx(np.mean([0.5 + s / 100 for s in range(27, 30)]))
+    assert heads["reward, last 10% of steps"] == pytest.approx(
+        np.mean([0.5 + s / 100 for s in range(27, 30)])
+    )
     assert heads["status"] == "in progress or stopped: 30 of 40 steps logged"
 
 
@@ -83,7 +100,9 @@ def test_verdicts_state_the_measured_numbers(tmp_path):
 def test_r3_flips_are_explained_not_alarmed(tmp_path):
     run = load_run(_run_dir(tmp_path / "b", 10, replay="r3"))
     v0 = data.layer_verdicts(run)[0]
-    assert "12.0% of routes differ between rollout and learner (R3 trains on the rollout's routes)" in v0.texts
+    assert (
+        "12.0% of routes differ between rollout and learner (R3 trains on the rollout's routes)" in v0.texts
+    )
     assert v0.level == "ok"
 
 
@@ -108,7 +127,10 @@ def test_report_of_a_run_killed_mid_write(tmp_path):
     md = (html.parent / "report.md").read_text()
     assert "in progress or stopped: 25 of 40 steps logged" in md
     # the finding that crosses its threshold is in bold
-    assert "- layer 1 **warn**: **40% of experts got no router gradient per step (mean over the last 25 steps)**" in md
+    assert (
+        "- layer 1 **warn**: **40% of experts got no router gradient per step (mean over the last 25 steps)**"
+        in md
+    )
     figures = sorted(p.name for p in (html.parent / "figures").iterdir())
     assert len(figures) == 12 and all(f"figures/{f}" in md for f in figures)
 
@@ -150,14 +172,29 @@ def test_html_renders_in_headless_chromium(tmp_path):
         pytest.skip("chromium is not installed (CI installs it)")
     a, b = _run_dir(tmp_path / "off", 40), _run_dir(tmp_path / "r3", 40, replay="r3")
     html = write_report([a, b], tmp_path / "cmp")
-    flags = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--user-data-dir=" + str(tmp_path / "profile")]
-    dom = subprocess.run([*flags, "--virtual-time-budget=5000", "--dump-dom", html.as_uri()],
-                         capture_output=True, text=True, timeout=120, check=True).stdout
+    flags = [
+        browser,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--user-data-dir=" + str(tmp_path / "profile"),
+    ]
+    dom = subprocess.run(
+        [*flags, "--virtual-time-budget=5000", "--dump-dom", html.as_uri()],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
     m = re.search(r'data-images-decoded="(\d+)" data-images-total="(\d+)"', dom)
     assert m and m.groups() == ("12", "12"), dom[:500]  # the page's script ran and every figure decoded
     shot = tmp_path / "shot.png"
-    subprocess.run([*flags, "--hide-scrollbars", "--window-size=1200,1600", f"--screenshot={shot}", html.as_uri()],
-                   capture_output=True, timeout=120, check=True)
+    subprocess.run(
+        [*flags, "--hide-scrollbars", "--window-size=1200,1600", f"--screenshot={shot}", html.as_uri()],
+        capture_output=True,
+        timeout=120,
+        check=True,
+    )
     from PIL import Image
 
     pixels = np.asarray(Image.open(shot).convert("L"), dtype=np.float64)
@@ -199,9 +236,15 @@ def _collapsing_run(path: Path, steps: int, trm: bool) -> Path:
     recs = []
     for s in range(steps):
         rec = _record(s, "off")
-        rec.update({"reward/mean": 0.5 if s < 30 else 0.0, "corr/k3_kl": 0.01 * (s + 1),
-                    "train/grad_norm": 100.0 if s == 35 else 1.0, "routing/flip_router_frac": 0.2,
-                    "train/skipped_minibatches": 2 if s >= 50 else 0})
+        rec.update(
+            {
+                "reward/mean": 0.5 if s < 30 else 0.0,
+                "corr/k3_kl": 0.01 * (s + 1),
+                "train/grad_norm": 100.0 if s == 35 else 1.0,
+                "routing/flip_router_frac": 0.2,
+                "train/skipped_minibatches": 2 if s >= 50 else 0,
+            }
+        )
         if trm:
             rec["corr/trm_accept_rate"] = 0.8
         recs.append(json.dumps(rec))
@@ -226,11 +269,16 @@ def test_report_compares_n_runs_with_an_outcome_table(tmp_path):
     assert text.count('<table class="verdicts">') == 5
     # a grid of runs: the shared-axes curves right after the outcome table, before the verdicts
     assert text.count("<h2>Reward, correction and mismatch</h2>") == 1
-    assert text.index('<table id="outcome">') < text.index("<h2>Reward, correction and mismatch</h2>") \
+    assert (
+        text.index('<table id="outcome">')
+        < text.index("<h2>Reward, correction and mismatch</h2>")
         < text.index("<h2>Verdicts per layer")
+    )
     md = (out / "report.md").read_text()
     cells = [[c.strip() for c in line.strip().strip("|").split("|")] for line in md.splitlines()]
-    rows = {c[0]: c[1:] for c in cells if len(c) == 10 and c[0] in ("x/off", "y/off", "collapse", "short", "e")}
+    rows = {
+        c[0]: c[1:] for c in cells if len(c) == 10 and c[0] in ("x/off", "y/off", "collapse", "short", "e")
+    }
     assert sorted(rows) == ["collapse", "e", "short", "x/off", "y/off"]
     # collapse: 0.5 then 0 from step 30; final reward 0; peak k3 0.01 x 60; one spike at step 35
     # 2 skipped minibatches in each of steps 50-59

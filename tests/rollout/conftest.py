@@ -18,10 +18,22 @@ PAD_ID = 0
 
 def tiny_config(**overrides: object) -> ModelConfig:
     """vocab 40, hidden 64, 3 layers (layer 0 dense), 4 heads / 2 kv groups, 8 experts top-2."""
-    base = dict(vocab_size=40, hidden_size=64, num_layers=3, num_attention_heads=4,
-                num_query_groups=2, head_dim=16, ffn_hidden_size=96, moe_ffn_hidden_size=32,
-                num_experts=8, moe_router_topk=2, first_k_dense=1, rope_theta=10000.0,
-                norm_eps=1e-6, max_seq_len=64)
+    base = dict(
+        vocab_size=40,
+        hidden_size=64,
+        num_layers=3,
+        num_attention_heads=4,
+        num_query_groups=2,
+        head_dim=16,
+        ffn_hidden_size=96,
+        moe_ffn_hidden_size=32,
+        num_experts=8,
+        moe_router_topk=2,
+        first_k_dense=1,
+        rope_theta=10000.0,
+        norm_eps=1e-6,
+        max_seq_len=64,
+    )
     base.update(overrides)
     return ModelConfig(**base)  # type: ignore[arg-type]
 
@@ -82,8 +94,7 @@ def score(fp32_model: BuiltinMoEModel) -> Callable[[torch.Tensor], ForwardOut]:
 
     def _score(tokens_T: torch.Tensor) -> ForwardOut:
         T = tokens_T.shape[0]
-        out = fp32_model.forward(tokens_T[None], torch.arange(T)[None],
-                                 torch.ones((1, T), dtype=torch.bool))
+        out = fp32_model.forward(tokens_T[None], torch.arange(T)[None], torch.ones((1, T), dtype=torch.bool))
         return ForwardOut(out.logits[0], out.expert_ids_BTLK[0])
 
     return _score

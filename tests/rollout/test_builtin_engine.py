@@ -3,9 +3,8 @@ determinism, and the bf16-vs-fp32 mismatch it is meant to produce."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -21,8 +20,14 @@ PROMPTS = [[3, 1, 4, 1, 5], [9, 2], [6, 5, 3, 5, 8, 9, 7], [2]]
 Score = Callable[[torch.Tensor], ForwardOut]
 
 
-def assert_layout(batch: RolloutBatch, prompts: list[list[int]], n: int, sampling: SamplingParams,
-                  pad_id: int, cfg: ModelConfig) -> None:
+def assert_layout(
+    batch: RolloutBatch,
+    prompts: list[list[int]],
+    n: int,
+    sampling: SamplingParams,
+    pad_id: int,
+    cfg: ModelConfig,
+) -> None:
     """Every documented property of the RolloutBatch layout (moe_rl/types.py)."""
     B, stops = len(prompts) * n, set(sampling.stop_token_ids)
     assert batch.num_seqs == B
@@ -71,7 +76,7 @@ def test_stop_tokens_truncate_and_keep_the_stop(fp32_engine: BuiltinEngine, cfg:
     assert batch.finished_B[0] and int(batch.response_lens_B[0]) <= 3
     for b in range(batch.num_seqs):
         p = int(base.prompt_lens_B[b])
-        response = base.tokens_BS[b, p:p + 8].tolist()
+        response = base.tokens_BS[b, p : p + 8].tolist()
         hits = [i for i, t in enumerate(response) if t in with_stop.stop_token_ids]
         expected_len = hits[0] + 1 if hits else 8
         assert int(batch.response_lens_B[b]) == expected_len
@@ -79,8 +84,7 @@ def test_stop_tokens_truncate_and_keep_the_stop(fp32_engine: BuiltinEngine, cfg:
         # Greedy: the stopped run is the prefix of the unstopped one.
         end = p + expected_len
         assert batch.tokens_BS[b, :end].tolist() == base.tokens_BS[b, :end].tolist()
-        torch.testing.assert_close(batch.logprobs_BS[b, :end], base.logprobs_BS[b, :end],
-                                   atol=1e-6, rtol=0)
+        torch.testing.assert_close(batch.logprobs_BS[b, :end], base.logprobs_BS[b, :end], atol=1e-6, rtol=0)
 
 
 @pytest.mark.unit
@@ -104,23 +108,23 @@ def test_max_new_tokens_without_stops(fp32_engine: BuiltinEngine, cfg: ModelConf
 
 
 @pytest.mark.unit
-def test_routes_equal_no_cache_recomputation(fp32_engine: BuiltinEngine, score: Score,
-                                             cfg: ModelConfig) -> None:
+def test_routes_equal_no_cache_recomputation(
+    fp32_engine: BuiltinEngine, score: Score, cfg: ModelConfig
+) -> None:
     sampling = SamplingParams(max_new_tokens=9, stop_token_ids=(4,))
     batch = fp32_engine.generate(PROMPTS, 3, sampling, seed=7)
     assert_layout(batch, PROMPTS, 3, sampling, fp32_engine.pad_id, cfg)
     for b, route in enumerate(batch.routes):
         T = int(batch.prompt_lens_B[b] + batch.response_lens_B[b])
         ref_ids = score(batch.tokens_BS[b, :T]).expert_ids_BTLK
-        assert torch.equal(route.long(), ref_ids[:T - 1]), f"sample {b}"
+        assert torch.equal(route.long(), ref_ids[: T - 1]), f"sample {b}"
         assert int(route.max()) < cfg.num_experts
         sorted_ids = route.long().sort(-1).values
         assert (sorted_ids[..., 1:] != sorted_ids[..., :-1]).all()  # no repeated id in a row
 
 
 @pytest.mark.unit
-def test_top_k_1_is_greedy_and_logprob_is_full_softmax(fp32_engine: BuiltinEngine,
-                                                       score: Score) -> None:
+def test_top_k_1_is_greedy_and_logprob_is_full_softmax(fp32_engine: BuiltinEngine, score: Score) -> None:
     temperature = 0.7
     sampling = SamplingParams(max_new_tokens=6, temperature=temperature, top_k=1)
     batch = fp32_engine.generate(PROMPTS, 2, sampling, seed=3)
@@ -128,10 +132,13 @@ def test_top_k_1_is_greedy_and_logprob_is_full_softmax(fp32_engine: BuiltinEngin
         p, T = int(batch.prompt_lens_B[b]), int(batch.prompt_lens_B[b] + batch.response_lens_B[b])
         tokens_T = batch.tokens_BS[b, :T]
         logits_TV = score(tokens_T).logits
-        assert torch.equal(logits_TV[p - 1:T - 1].argmax(-1), tokens_T[p:])
+        assert torch.equal(logits_TV[p - 1 : T - 1].argmax(-1), tokens_T[p:])
         # The reported log-prob is NOT the top-k=1 renormalised 0; it is the full softmax.
-        ref_lp = torch.log_softmax(logits_TV[p - 1:T - 1] / temperature, -1).gather(
-            -1, tokens_T[p:, None]).squeeze(-1)
+        ref_lp = (
+            torch.log_softmax(logits_TV[p - 1 : T - 1] / temperature, -1)
+            .gather(-1, tokens_T[p:, None])
+            .squeeze(-1)
+        )
         torch.testing.assert_close(batch.logprobs_BS[b, p:T], ref_lp, atol=1e-5, rtol=0)
         assert (ref_lp < 0).all()
 
@@ -144,7 +151,7 @@ def test_top_k_top_p_restrict_samples_not_logprobs(fp32_engine: BuiltinEngine, s
     for b in range(batch.num_seqs):
         p, T = int(batch.prompt_lens_B[b]), int(batch.prompt_lens_B[b] + batch.response_lens_B[b])
         tokens_T = batch.tokens_BS[b, :T]
-        scaled_TV = score(tokens_T).logits[p - 1:T - 1] / temperature
+        scaled_TV = score(tokens_T).logits[p - 1 : T - 1] / temperature
         allowed_TV = torch.isfinite(filter_logits(scaled_TV, top_k, top_p))
         assert allowed_TV.gather(-1, tokens_T[p:, None]).all()
         ref_lp = torch.log_softmax(scaled_TV, -1).gather(-1, tokens_T[p:, None]).squeeze(-1)
@@ -183,14 +190,15 @@ def test_seed_determinism(fp32_engine: BuiltinEngine) -> None:
     c = fp32_engine.generate(PROMPTS, 3, sampling, seed=124)
     assert torch.equal(a.tokens_BS, b.tokens_BS) and torch.equal(a.logprobs_BS, b.logprobs_BS)
     assert all(torch.equal(x, y) for x, y in zip(a.routes, b.routes))
-    assert not torch.equal(a.tokens_BS[:, :c.tokens_BS.shape[1]], c.tokens_BS[:, :a.tokens_BS.shape[1]])
+    assert not torch.equal(a.tokens_BS[:, : c.tokens_BS.shape[1]], c.tokens_BS[:, : a.tokens_BS.shape[1]])
     # Samples of one prompt differ from each other (the n copies are independent draws).
     assert len({tuple(a.tokens_BS[i].tolist()) for i in range(3)}) > 1
 
 
 @pytest.mark.unit
-def test_bf16_logprobs_differ_slightly_from_fp32(bf16_engine: BuiltinEngine, score: Score,
-                                                 cfg: ModelConfig) -> None:
+def test_bf16_logprobs_differ_slightly_from_fp32(
+    bf16_engine: BuiltinEngine, score: Score, cfg: ModelConfig
+) -> None:
     """The engine's bf16 path is a real, small training-inference mismatch.
 
     Measured here: mean |bf16 - fp32| over generated tokens 1.1e-2, max 0.14; route agreement
@@ -204,21 +212,27 @@ def test_bf16_logprobs_differ_slightly_from_fp32(bf16_engine: BuiltinEngine, sco
     for b in range(batch.num_seqs):
         p, T = int(batch.prompt_lens_B[b]), int(batch.prompt_lens_B[b] + batch.response_lens_B[b])
         ref = score(batch.tokens_BS[b, :T])
-        ref_lp = torch.log_softmax(ref.logits[p - 1:T - 1] / temperature, -1).gather(
-            -1, batch.tokens_BS[b, p:T, None]).squeeze(-1)
+        ref_lp = (
+            torch.log_softmax(ref.logits[p - 1 : T - 1] / temperature, -1)
+            .gather(-1, batch.tokens_BS[b, p:T, None])
+            .squeeze(-1)
+        )
         diffs.append((batch.logprobs_BS[b, p:T] - ref_lp).abs())
-        agree.append((batch.routes[b].long() == ref.expert_ids_BTLK[:T - 1]).all(-1).float())
+        agree.append((batch.routes[b].long() == ref.expert_ids_BTLK[: T - 1]).all(-1).float())
     mean_diff = torch.cat(diffs).mean().item()
     agreement = torch.cat([a.reshape(-1) for a in agree]).mean().item()
-    print(f"bf16 vs fp32: mean |dlogprob| {mean_diff:.3e}, max {torch.cat(diffs).max():.3e}, "
-          f"route agreement {agreement:.4f} over {torch.cat(diffs).numel()} tokens")
+    print(
+        f"bf16 vs fp32: mean |dlogprob| {mean_diff:.3e}, max {torch.cat(diffs).max():.3e}, "
+        f"route agreement {agreement:.4f} over {torch.cat(diffs).numel()} tokens"
+    )
     assert 1e-4 < mean_diff < 0.05, f"mean |bf16 - fp32| logprob {mean_diff:.3e}"
     assert agreement > 0.9, f"route agreement {agreement:.3f}"
 
 
 @pytest.mark.unit
 def test_router_logit_noise_perturbs_routes_deterministically(
-        cfg: ModelConfig, weights: dict[str, torch.Tensor], score: Score) -> None:
+    cfg: ModelConfig, weights: dict[str, torch.Tensor], score: Score
+) -> None:
     engine = BuiltinEngine(cfg, dtype="fp32", pad_id=0, router_logit_noise=0.3)
     engine.load_weights(weights)
     sampling = SamplingParams(max_new_tokens=6)
@@ -228,7 +242,7 @@ def test_router_logit_noise_perturbs_routes_deterministically(
     flips = []
     for i, route in enumerate(a.routes):
         T = route.shape[0] + 1
-        ref_ids = score(a.tokens_BS[i, :T]).expert_ids_BTLK[:T - 1]
+        ref_ids = score(a.tokens_BS[i, :T]).expert_ids_BTLK[: T - 1]
         flips.append((route.long() != ref_ids).any(-1).float().reshape(-1))
     flip_frac = torch.cat(flips).mean().item()
     print(f"router_logit_noise=0.3: flipped (token, layer) fraction {flip_frac:.3f}")
@@ -237,14 +251,16 @@ def test_router_logit_noise_perturbs_routes_deterministically(
 
 @pytest.mark.unit
 def test_many_experts_use_uint16_routes(make_cfg: Callable[..., ModelConfig]) -> None:
-    cfg = make_cfg(num_experts=300, moe_router_topk=2, moe_ffn_hidden_size=4, hidden_size=32,
-                   num_layers=2, head_dim=8)
+    cfg = make_cfg(
+        num_experts=300, moe_router_topk=2, moe_ffn_hidden_size=4, hidden_size=32, num_layers=2, head_dim=8
+    )
     engine = BuiltinEngine(cfg, dtype="fp32", pad_id=0)
     engine.load_weights(random_canonical_weights(cfg, seed=0))
     batch = engine.generate([[1, 2, 3]], 2, SamplingParams(max_new_tokens=4), seed=0)
     assert_layout(batch, [[1, 2, 3]], 2, SamplingParams(max_new_tokens=4), 0, cfg)
-    ref = engine.model.forward(batch.tokens_BS[:1], torch.arange(7)[None],
-                               torch.ones(1, 7, dtype=torch.bool)).expert_ids_BTLK[0]
+    ref = engine.model.forward(
+        batch.tokens_BS[:1], torch.arange(7)[None], torch.ones(1, 7, dtype=torch.bool)
+    ).expert_ids_BTLK[0]
     assert torch.equal(batch.routes[0].long(), ref[:6])
 
 
@@ -281,19 +297,28 @@ def test_dvp_samples_inside_the_safe_set_and_renormalises(fp32_engine: BuiltinEn
     lse_safe = torch.logsumexp(full_BSV[m].masked_fill(~out.safe_BSV[m], -math.inf), -1)
     full_tok = full_BSV[m].gather(-1, out.tokens_BS[m][:, None]).squeeze(-1)
     assert torch.allclose(out.logprobs_BS[m], full_tok - lse_safe, atol=1e-6)
-    assert (out.logprobs_BS[m] >= full_tok - 1e-6).all() and (out.safe_BSV[m].sum(-1) < full_BSV.shape[-1]).any()
+    assert (out.logprobs_BS[m] >= full_tok - 1e-6).all() and (
+        out.safe_BSV[m].sum(-1) < full_BSV.shape[-1]
+    ).any()
     # full distributions without DVP: the reported log-prob is their entry for the sampled token
-    plain = fp32_engine.generate([[1, 5, 6, 7]], 4, SamplingParams(max_new_tokens=4, return_dist=True), seed=2)
+    plain = fp32_engine.generate(
+        [[1, 5, 6, 7]], 4, SamplingParams(max_new_tokens=4, return_dist=True), seed=2
+    )
     pm = plain.response_mask_BS
     assert plain.logprob_support == "full" and plain.safe_BSV is None
-    assert torch.allclose(plain.dist_logp_BSV[pm].gather(-1, plain.tokens_BS[pm][:, None]).squeeze(-1),
-                          plain.logprobs_BS[pm], atol=1e-6)
+    assert torch.allclose(
+        plain.dist_logp_BSV[pm].gather(-1, plain.tokens_BS[pm][:, None]).squeeze(-1),
+        plain.logprobs_BS[pm],
+        atol=1e-6,
+    )
     assert (plain.dist_logp_BSV[~pm] == 0).all()
 
 
 @pytest.mark.unit
 def test_dvp_top_p_rule_keeps_the_smallest_set_reaching_the_mass(fp32_engine: BuiltinEngine) -> None:
-    sp = SamplingParams(max_new_tokens=4, temperature=1.5, dvp_threshold=0.5, dvp_rule="top_p", return_dist=True)
+    sp = SamplingParams(
+        max_new_tokens=4, temperature=1.5, dvp_threshold=0.5, dvp_rule="top_p", return_dist=True
+    )
     out = fp32_engine.generate([[1, 5, 6, 7]], 8, sp, seed=5)
     m = out.response_mask_BS
     probs_NV = out.dist_logp_BSV[m].exp()
@@ -322,13 +347,24 @@ def test_dvp_metrics_without_the_rollout_distribution(fp32_engine: BuiltinEngine
     m = out.response_mask_BS
     r = restricted_logprobs(out.dist_logp_BSV, out.safe_BSV | ~m[..., None], out.tokens_BS)
     logp_BS = torch.where(m, r.logp_BS + 0.01, 0.0)  # a slightly drifted learner
-    old = TokenStats(logp_BS, torch.zeros_like(logp_BS), torch.zeros_like(logp_BS), full_logp_BS=r.full_logp_BS,
-                     log_safe_mass_BS=r.log_safe_mass_BS)
+    old = TokenStats(
+        logp_BS,
+        torch.zeros_like(logp_BS),
+        torch.zeros_like(logp_BS),
+        full_logp_BS=r.full_logp_BS,
+        log_safe_mass_BS=r.log_safe_mass_BS,
+    )
     cp = StepPlan.from_config(load_config(None, ["correction.dvp_threshold=0.2"])).correction
-    full = {k: float(v.sum / v.count) if hasattr(v, "count") else float(v.value)
-            for k, v in correction.dvp_batch_metrics(cp, out, old).items()}
-    partial = {k: float(v.sum / v.count) if hasattr(v, "count") else float(v.value)
-               for k, v in correction.dvp_batch_metrics(cp, dataclasses.replace(out, dist_logp_BSV=None), old).items()}
+    full = {
+        k: float(v.sum / v.count) if hasattr(v, "count") else float(v.value)
+        for k, v in correction.dvp_batch_metrics(cp, out, old).items()
+    }
+    partial = {
+        k: float(v.sum / v.count) if hasattr(v, "count") else float(v.value)
+        for k, v in correction.dvp_batch_metrics(
+            cp, dataclasses.replace(out, dist_logp_BSV=None), old
+        ).items()
+    }
     assert set(full) - set(partial) == set(correction.ROLLOUT_DIST_METRICS)
     # (the engine reports its fp32 log-prob; the recomputation differs by ~1e-7, k3 is second order)
     assert partial == pytest.approx({k: full[k] for k in partial}, rel=1e-4)

@@ -18,8 +18,9 @@ from moe_rl.weights.canonical import canonical_param_shapes, random_canonical_we
 PAD_ID = 0
 
 
-def _left_padded_batch(seed: int, prompt_lens: list[int], num_decode: int, vocab: int
-                       ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+def _left_padded_batch(
+    seed: int, prompt_lens: list[int], num_decode: int, vocab: int
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """tokens_BS / valid_BS with prompts right-aligned at slot P, then num_decode shared slots."""
     gen = torch.Generator().manual_seed(seed)
     P = max(prompt_lens)
@@ -27,14 +28,13 @@ def _left_padded_batch(seed: int, prompt_lens: list[int], num_decode: int, vocab
     tokens_BS = torch.full((len(seqs), P + num_decode), PAD_ID, dtype=torch.long)
     valid_BS = torch.zeros_like(tokens_BS, dtype=torch.bool)
     for b, (p, s) in enumerate(zip(prompt_lens, seqs)):
-        tokens_BS[b, P - p:] = s
-        valid_BS[b, P - p:] = True
+        tokens_BS[b, P - p :] = s
+        valid_BS[b, P - p :] = True
     return tokens_BS, valid_BS, seqs
 
 
 @pytest.mark.unit
-def test_kv_cache_decode_matches_no_cache_forward(fp32_model: BuiltinMoEModel,
-                                                  cfg: ModelConfig) -> None:
+def test_kv_cache_decode_matches_no_cache_forward(fp32_model: BuiltinMoEModel, cfg: ModelConfig) -> None:
     prompt_lens, num_decode = [5, 2, 7], 6
     tokens_BS, valid_BS, seqs = _left_padded_batch(0, prompt_lens, num_decode, cfg.vocab_size)
     B, S = tokens_BS.shape
@@ -45,8 +45,9 @@ def test_kv_cache_decode_matches_no_cache_forward(fp32_model: BuiltinMoEModel,
     pre = fp32_model.forward(tokens_BS[:, :P], positions_BS[:, :P], valid_BS[:, :P], cache)
     logits_parts, ids_parts = [pre.logits], [pre.expert_ids_BTLK]
     for j in range(P, S):
-        out = fp32_model.forward(tokens_BS[:, j:j + 1], positions_BS[:, j:j + 1],
-                                 valid_BS[:, :j + 1], cache)
+        out = fp32_model.forward(
+            tokens_BS[:, j : j + 1], positions_BS[:, j : j + 1], valid_BS[:, : j + 1], cache
+        )
         logits_parts.append(out.logits)
         ids_parts.append(out.expert_ids_BTLK)
     cached_logits_BSV = torch.cat(logits_parts, 1)
@@ -55,22 +56,19 @@ def test_kv_cache_decode_matches_no_cache_forward(fp32_model: BuiltinMoEModel,
 
     # Same left-padded batch without a cache.
     full = fp32_model.forward(tokens_BS, positions_BS, valid_BS)
-    torch.testing.assert_close(cached_logits_BSV[valid_BS], full.logits[valid_BS],
-                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(cached_logits_BSV[valid_BS], full.logits[valid_BS], atol=1e-5, rtol=0)
     assert torch.equal(cached_ids_BSLK[valid_BS], full.expert_ids_BTLK[valid_BS])
 
     # And every sequence alone, unpadded (what the learner sees).
     for b, seq in enumerate(seqs):
         T = seq.shape[0]
         alone = fp32_model.forward(seq[None], torch.arange(T)[None], torch.ones(1, T, dtype=torch.bool))
-        torch.testing.assert_close(cached_logits_BSV[b][valid_BS[b]], alone.logits[0],
-                                   atol=1e-5, rtol=0)
+        torch.testing.assert_close(cached_logits_BSV[b][valid_BS[b]], alone.logits[0], atol=1e-5, rtol=0)
         assert torch.equal(cached_ids_BSLK[b][valid_BS[b]], alone.expert_ids_BTLK[0])
 
 
 @pytest.mark.unit
-def test_right_padded_no_cache_forward_ignores_pads(fp32_model: BuiltinMoEModel,
-                                                    cfg: ModelConfig) -> None:
+def test_right_padded_no_cache_forward_ignores_pads(fp32_model: BuiltinMoEModel, cfg: ModelConfig) -> None:
     """The learner's layout (right padding) gives the same logits on real tokens."""
     gen = torch.Generator().manual_seed(1)
     lens = [9, 4, 12]
@@ -80,23 +78,31 @@ def test_right_padded_no_cache_forward_ignores_pads(fp32_model: BuiltinMoEModel,
     tokens_BS[~valid_BS] = PAD_ID
     out = fp32_model.forward(tokens_BS, torch.arange(S).expand(3, S), valid_BS)
     for b, T in enumerate(lens):
-        alone = fp32_model.forward(tokens_BS[b:b + 1, :T], torch.arange(T)[None],
-                                   torch.ones(1, T, dtype=torch.bool))
+        alone = fp32_model.forward(
+            tokens_BS[b : b + 1, :T], torch.arange(T)[None], torch.ones(1, T, dtype=torch.bool)
+        )
         torch.testing.assert_close(out.logits[b, :T], alone.logits[0], atol=1e-5, rtol=0)
         assert torch.equal(out.expert_ids_BTLK[b, :T], alone.expert_ids_BTLK[0])
 
 
-def _moe_reference(x_TH: torch.Tensor, router_EH: torch.Tensor, w_gate_EFH: torch.Tensor,
-                   w_up_EFH: torch.Tensor, w_down_EHF: torch.Tensor, top_k: int
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+def _moe_reference(
+    x_TH: torch.Tensor,
+    router_EH: torch.Tensor,
+    w_gate_EFH: torch.Tensor,
+    w_up_EFH: torch.Tensor,
+    w_down_EHF: torch.Tensor,
+    top_k: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token loop: top-k over logits, softmax over the k logits, weighted expert sum."""
     ys, ids = [], []
     for x_H in x_TH:
         logits_E = router_EH @ x_H
         vals_K, ids_K = torch.topk(logits_E, top_k)
         w_K = torch.softmax(vals_K, -1)
-        y = sum(w * (w_down_EHF[e] @ (F.silu(w_gate_EFH[e] @ x_H) * (w_up_EFH[e] @ x_H)))
-                for w, e in zip(w_K, ids_K.tolist()))
+        y = sum(
+            w * (w_down_EHF[e] @ (F.silu(w_gate_EFH[e] @ x_H) * (w_up_EFH[e] @ x_H)))
+            for w, e in zip(w_K, ids_K.tolist())
+        )
         ys.append(y)
         ids.append(ids_K)
     return torch.stack(ys), torch.stack(ids)
@@ -133,14 +139,14 @@ def test_qk_layernorm_off_runs(cfg: ModelConfig, make_cfg: Callable[..., ModelCo
     cfg_off = make_cfg(qk_layernorm=False)
     model = BuiltinMoEModel(cfg_off, torch.float32)
     model.load_canonical(random_canonical_weights(cfg_off, seed=3))
-    out = model.forward(torch.tensor([[1, 2, 3]]), torch.arange(3)[None],
-                        torch.ones(1, 3, dtype=torch.bool))
+    out = model.forward(torch.tensor([[1, 2, 3]]), torch.arange(3)[None], torch.ones(1, 3, dtype=torch.bool))
     assert out.logits.shape == (1, 3, cfg.vocab_size) and torch.isfinite(out.logits).all()
 
 
 @pytest.mark.unit
 def test_load_weights_rejects_missing_unexpected_and_misshaped(
-        cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
+    cfg: ModelConfig, weights: dict[str, torch.Tensor]
+) -> None:
     engine = BuiltinEngine(cfg, dtype="fp32", pad_id=PAD_ID)
     name = "model.layers.2.mlp.experts.5.up_proj.weight"
 
@@ -165,8 +171,13 @@ def test_load_weights_rejects_missing_unexpected_and_misshaped(
 
 def _layer_chunks(weights: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
     """The learner's stream layout: the embedding, one chunk per decoder layer, then the rest."""
+
     def chunk_of(name: str) -> int:
-        return int(name.split(".")[2]) + 1 if name.startswith("model.layers.") else (0 if "embed" in name else 10**6)
+        return (
+            int(name.split(".")[2]) + 1
+            if name.startswith("model.layers.")
+            else (0 if "embed" in name else 10**6)
+        )
 
     chunks: dict[int, dict[str, torch.Tensor]] = {}
     for name, t in weights.items():
@@ -176,7 +187,8 @@ def _layer_chunks(weights: dict[str, torch.Tensor]) -> list[dict[str, torch.Tens
 
 @pytest.mark.unit
 def test_load_weights_streams_chunks_into_the_engine_tensors_in_place(
-        cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
+    cfg: ModelConfig, weights: dict[str, torch.Tensor]
+) -> None:
     engine = BuiltinEngine(cfg, dtype="fp32", pad_id=PAD_ID)
     engine.load_weights(random_canonical_weights(cfg, seed=5))
     ptrs = {k: t.data_ptr() for k, t in engine.model.w.items()}

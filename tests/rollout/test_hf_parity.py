@@ -35,12 +35,15 @@ def hf_model(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> object:
     return model
 
 
-def hf_forward(model: object, cfg: ModelConfig, tokens_BS: torch.Tensor, valid_BS: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+def hf_forward(
+    model: object, cfg: ModelConfig, tokens_BS: torch.Tensor, valid_BS: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """HF logits [B, S, V] and captured Top-K ids [B, S, L_moe, K] of a right-padded batch."""
     captured: list[torch.Tensor] = []
-    hooks = [model.model.layers[i].mlp.gate.register_forward_hook(
-        lambda _m, _inp, out: captured.append(out[2])) for i in cfg.moe_layers]
+    hooks = [
+        model.model.layers[i].mlp.gate.register_forward_hook(lambda _m, _inp, out: captured.append(out[2]))
+        for i in cfg.moe_layers
+    ]
     try:
         with torch.no_grad():
             logits = model(input_ids=tokens_BS, attention_mask=valid_BS.long()).logits
@@ -52,9 +55,9 @@ def hf_forward(model: object, cfg: ModelConfig, tokens_BS: torch.Tensor, valid_B
 
 
 @pytest.mark.unit
-def test_hf_save_pretrained_writes_our_canonical_dict(hf_model: object,
-                                                      weights: dict[str, torch.Tensor],
-                                                      tmp_path: Path) -> None:
+def test_hf_save_pretrained_writes_our_canonical_dict(
+    hf_model: object, weights: dict[str, torch.Tensor], tmp_path: Path
+) -> None:
     hf_model.save_pretrained(tmp_path)
     saved = safetensors_torch.load_file(str(tmp_path / "model.safetensors"))
     assert set(saved) == set(weights)
@@ -63,8 +66,7 @@ def test_hf_save_pretrained_writes_our_canonical_dict(hf_model: object,
 
 
 @pytest.mark.unit
-def test_logits_and_routes_match_hf(hf_model: object, fp32_engine: BuiltinEngine,
-                                    cfg: ModelConfig) -> None:
+def test_logits_and_routes_match_hf(hf_model: object, fp32_engine: BuiltinEngine, cfg: ModelConfig) -> None:
     gen = torch.Generator().manual_seed(5)
     lens = [14, 9, 3]
     S = max(lens)
@@ -79,13 +81,17 @@ def test_logits_and_routes_match_hf(hf_model: object, fp32_engine: BuiltinEngine
 
 
 @pytest.mark.unit
-def test_generated_logprobs_and_routes_match_hf(hf_model: object, fp32_engine: BuiltinEngine,
-                                                cfg: ModelConfig) -> None:
+def test_generated_logprobs_and_routes_match_hf(
+    hf_model: object, fp32_engine: BuiltinEngine, cfg: ModelConfig
+) -> None:
     """End to end: KV-cached sampling, layout conversion and route records against HF scoring."""
     temperature = 0.8
-    batch = fp32_engine.generate([[3, 1, 4, 1, 5], [9, 2], [6, 5, 3, 5, 8, 9, 7]], 3,
-                                 SamplingParams(max_new_tokens=7, temperature=temperature,
-                                                stop_token_ids=(7,)), seed=11)
+    batch = fp32_engine.generate(
+        [[3, 1, 4, 1, 5], [9, 2], [6, 5, 3, 5, 8, 9, 7]],
+        3,
+        SamplingParams(max_new_tokens=7, temperature=temperature, stop_token_ids=(7,)),
+        seed=11,
+    )
     S = batch.tokens_BS.shape[1]
     total_B = batch.prompt_lens_B + batch.response_lens_B
     valid_BS = torch.arange(S)[None] < total_B[:, None]
@@ -93,11 +99,14 @@ def test_generated_logprobs_and_routes_match_hf(hf_model: object, fp32_engine: B
 
     # logprobs_BS[b, t] = log p(tokens[b, t] | tokens[b, :t]) -> HF logits at t - 1.
     hf_lp_BS = torch.zeros_like(batch.logprobs_BS)
-    hf_lp_BS[:, 1:] = torch.log_softmax(hf_logits[:, :-1] / temperature, -1).gather(
-        -1, batch.tokens_BS[:, 1:, None]).squeeze(-1)
+    hf_lp_BS[:, 1:] = (
+        torch.log_softmax(hf_logits[:, :-1] / temperature, -1)
+        .gather(-1, batch.tokens_BS[:, 1:, None])
+        .squeeze(-1)
+    )
     mask = batch.response_mask_BS
     diff = (batch.logprobs_BS - hf_lp_BS)[mask].abs().max().item()
     assert diff < LOGITS_ATOL, f"max |logprob diff| {diff:.2e}"
     for b, route in enumerate(batch.routes):
         T = int(total_B[b])
-        assert torch.equal(route.long(), hf_ids[b, :T - 1]), f"sample {b}"
+        assert torch.equal(route.long(), hf_ids[b, : T - 1]), f"sample {b}"

@@ -63,17 +63,28 @@ def test_resume_without_the_stale_weight_sets_names_the_file(tmp_path):
     (ckpt_dir / "trainer_state.json").write_text('{"step": 2}')
     (tmp_path / "checkpoints" / "latest").write_text("step_000002\n")
     cfg = load_config(None, [f"run_dir={tmp_path}", "resume=true", "rollout.staleness=2"])
-    with pytest.raises(RunDirError, match=r"rollout.staleness=2 but .*stale_weights_step_000002.pt \(the engine's"):
+    with pytest.raises(
+        RunDirError, match=r"rollout.staleness=2 but .*stale_weights_step_000002.pt \(the engine's"
+    ):
         CheckpointManager(cfg, None, None, StaleWeights(2)).resume()
 
 
-COMMON = ["rollout.prompts_per_step=8", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=8",
-          # the engine in the learner's numerics, no router noise: the only mismatch left is staleness
-          "rollout.dtype=fp32", "log.progress_bar=false", "log.wandb_mode=disabled", "log.val_every=0"]
-RUNS = [("k0", ["rollout.staleness=0", "steps=4", "checkpoint_every=0"]),
-        ("k2", ["rollout.staleness=2", "steps=4", "checkpoint_every=2"]),
-        ("part", ["rollout.staleness=2", "steps=2", "checkpoint_every=2"]),
-        ("part", ["rollout.staleness=2", "steps=4", "checkpoint_every=2", "resume=true"])]
+COMMON = [
+    "rollout.prompts_per_step=8",
+    "rollout.samples_per_prompt=4",
+    "rollout.max_new_tokens=8",
+    # the engine in the learner's numerics, no router noise: the only mismatch left is staleness
+    "rollout.dtype=fp32",
+    "log.progress_bar=false",
+    "log.wandb_mode=disabled",
+    "log.val_every=0",
+]
+RUNS = [
+    ("k0", ["rollout.staleness=0", "steps=4", "checkpoint_every=0"]),
+    ("k2", ["rollout.staleness=2", "steps=4", "checkpoint_every=2"]),
+    ("part", ["rollout.staleness=2", "steps=2", "checkpoint_every=2"]),
+    ("part", ["rollout.staleness=2", "steps=4", "checkpoint_every=2", "resume=true"]),
+]
 
 
 def _fingerprint(named: dict[str, torch.Tensor]) -> str:
@@ -91,7 +102,11 @@ def _worker(rank: int, root: str) -> list[dict]:
     from moe_rl.learner.learner import Learner
 
     dims, out = None, []
-    real_export, real_stream, real_build = Learner.export_canonical, Learner.iter_canonical_layers, trainer.build_engine
+    real_export, real_stream, real_build = (
+        Learner.export_canonical,
+        Learner.iter_canonical_layers,
+        trainer.build_engine,
+    )
     for name, overrides in RUNS:
         exports, loads = [], []
 
@@ -114,11 +129,13 @@ def _worker(rank: int, root: str) -> list[dict]:
                     named = {n: t for chunk in named for n, t in chunk.items()}
                 _loads.append(_fingerprint(named))
                 return real_load(named)
+
             engine.load_weights = load
             return engine
 
-        cfg = trainer.preflight(load_config(None, [*COMMON, *overrides, f"run_dir={root}/{name}"]),
-                                check_run_dir=False)
+        cfg = trainer.preflight(
+            load_config(None, [*COMMON, *overrides, f"run_dir={root}/{name}"]), check_run_dir=False
+        )
         if dims is None:
             dims = dist.init_distributed(cfg.parallel, cfg.seed)
         RouterReplay.clear_global_router_replay_instances()
@@ -127,7 +144,10 @@ def _worker(rank: int, root: str) -> list[dict]:
             trainer.train(cfg, dims)
         finally:
             Learner.export_canonical, Learner.iter_canonical_layers, trainer.build_engine = (
-                real_export, real_stream, real_build)
+                real_export,
+                real_stream,
+                real_build,
+            )
         out.append({"exports": exports, "loads": loads})
     dist.shutdown()
     return out
@@ -153,7 +173,12 @@ def test_engine_runs_k_steps_behind_the_learner_and_resumes_exactly(tmp_path):
     assert a == b
     # each complete checkpoint has its stale weight sets beside it
     assert sorted(p.name for p in (tmp_path / "k2" / "checkpoints").iterdir()) == [
-        "latest", "stale_weights_step_000002.pt", "stale_weights_step_000004.pt", "step_000002", "step_000004"]
+        "latest",
+        "stale_weights_step_000002.pt",
+        "stale_weights_step_000004.pt",
+        "step_000002",
+        "step_000004",
+    ]
     assert [a[t]["rollout/policy_lag"] for t in range(4)] == [0.0, 1.0, 2.0, 2.0]
     # step 0 runs on the same weights and seeds whatever k is: the same step, bit for bit
     assert {k: v for k, v in a[0].items() if k != "rollout/policy_lag"} == zero[0]

@@ -43,17 +43,33 @@ def as_vllm(batch, cfg, b: int) -> RequestOutput:
     dtype for E experts; one ``{sampled: Logprob}`` dict per generated token (rank is not read);
     finish_reason "stop" with the stop token as stop_reason, or "length"."""
     P, G = int(batch.prompt_lens_B[b]), int(batch.response_lens_B[b])
-    toks = batch.tokens_BS[b, :P + G].tolist()
-    all_TAK = np.zeros((P + G - 1, cfg.num_layers, cfg.moe_router_topk), dtype=routed_experts_dtype(cfg.num_experts))
+    toks = batch.tokens_BS[b, : P + G].tolist()
+    all_TAK = np.zeros(
+        (P + G - 1, cfg.num_layers, cfg.moe_router_topk), dtype=routed_experts_dtype(cfg.num_experts)
+    )
     all_TAK[:, cfg.moe_layers, :] = batch.routes[b].numpy()
     lp_G = [float(batch.logprobs_BS[b, P + g]) for g in range(G)]
     lps = [{toks[P + g]: Logprob(logprob=lp_G[g], rank=1, decoded_token=None)} for g in range(G)]
     done = bool(batch.finished_B[b])
-    completion = CompletionOutput(index=0, text="", token_ids=toks[P:], cumulative_logprob=sum(lp_G), logprobs=lps,
-                                  routed_experts=all_TAK, finish_reason="stop" if done else "length",
-                                  stop_reason=toks[-1] if done else None)
-    return RequestOutput(request_id=str(b), prompt=None, prompt_token_ids=toks[:P], prompt_logprobs=None,
-                         outputs=[completion], finished=True, num_cached_tokens=0)
+    completion = CompletionOutput(
+        index=0,
+        text="",
+        token_ids=toks[P:],
+        cumulative_logprob=sum(lp_G),
+        logprobs=lps,
+        routed_experts=all_TAK,
+        finish_reason="stop" if done else "length",
+        stop_reason=toks[-1] if done else None,
+    )
+    return RequestOutput(
+        request_id=str(b),
+        prompt=None,
+        prompt_token_ids=toks[:P],
+        prompt_logprobs=None,
+        outputs=[completion],
+        finished=True,
+        num_cached_tokens=0,
+    )
 
 
 def _decode(outs, cfg, **kw):
@@ -75,10 +91,18 @@ def test_vllm_outputs_round_trip_to_the_builtin_batch(rollout, cfg):
     outs = [as_vllm(rollout, cfg, b) for b in range(rollout.num_seqs)]
     assert outs[0].outputs[0].routed_experts.dtype == np.uint8
     assert [o.outputs[0].routed_experts.shape for o in outs] == [
-        (int(p + g - 1), 3, 2) for p, g in zip(rollout.prompt_lens_B, rollout.response_lens_B)]
+        (int(p + g - 1), 3, 2) for p, g in zip(rollout.prompt_lens_B, rollout.response_lens_B)
+    ]
     got = _decode(outs, cfg)
-    for f in ("tokens_BS", "prompt_lens_B", "response_lens_B", "response_mask_BS", "logprobs_BS",
-              "group_B", "finished_B"):
+    for f in (
+        "tokens_BS",
+        "prompt_lens_B",
+        "response_lens_B",
+        "response_mask_BS",
+        "logprobs_BS",
+        "group_B",
+        "finished_B",
+    ):
         assert torch.equal(getattr(got, f), getattr(rollout, f)), f
     assert all(torch.equal(a, b) and a.dtype == torch.uint8 for a, b in zip(got.routes, rollout.routes))
     assert got.logprob_support == "full"
@@ -94,8 +118,10 @@ def test_missing_routes_or_logprobs_name_the_sample(rollout, cfg):
 
     outs = [as_vllm(rollout, cfg, b) for b in range(3)]
     outs[1].outputs[0].routed_experts = None
-    assert refused(outs) == ("sample 1: vLLM returned no routed_experts (enable_return_routed_experts off, "
-                             "or the request was aborted)")
+    assert refused(outs) == (
+        "sample 1: vLLM returned no routed_experts (enable_return_routed_experts off, "
+        "or the request was aborted)"
+    )
     outs = [as_vllm(rollout, cfg, b) for b in range(3)]
     outs[2].outputs[0].routed_experts = outs[2].outputs[0].routed_experts[:-1]  # one row short
     assert refused(outs) == "sample 2: vLLM returned 7 route rows for 9 tokens from position 0; expected 8"
@@ -105,19 +131,26 @@ def test_missing_routes_or_logprobs_name_the_sample(rollout, cfg):
     assert refused(outs) == f"sample 0, generated token 1: no log-prob for the sampled token {tok}"
     outs = [as_vllm(rollout, cfg, b) for b in range(3)]
     outs[0].outputs[0].logprobs = None  # SamplingParams.logprobs left at None
-    assert refused(outs) == ("sample 0: vLLM returned None log-prob entries for 6 generated tokens "
-                             "(is SamplingParams.logprobs set?)")
+    assert refused(outs) == (
+        "sample 0: vLLM returned None log-prob entries for 6 generated tokens "
+        "(is SamplingParams.logprobs set?)"
+    )
 
 
 def _renamed(out: RequestOutput, cls: str, old: str, new: str) -> RequestOutput:
     """``out`` rebuilt with vLLM class ``cls`` having field ``old`` renamed ``new`` (values kept)."""
+
     def rebuild(obj, make):
-        return make(**{(new if f.name == old else f.name): getattr(obj, f.name) for f in dataclasses.fields(obj)})
+        return make(
+            **{(new if f.name == old else f.name): getattr(obj, f.name) for f in dataclasses.fields(obj)}
+        )
 
     c = out.outputs[0]
     if cls == "Logprob":
         make = vllm_class("Logprob", {old: new})
-        c = dataclasses.replace(c, logprobs=[{t: rebuild(lp, make) for t, lp in e.items()} for e in c.logprobs])
+        c = dataclasses.replace(
+            c, logprobs=[{t: rebuild(lp, make) for t, lp in e.items()} for e in c.logprobs]
+        )
     elif cls == "CompletionOutput":
         c = rebuild(c, vllm_class(cls, {old: new}))
     out = dataclasses.replace(out, outputs=[c])
@@ -125,20 +158,28 @@ def _renamed(out: RequestOutput, cls: str, old: str, new: str) -> RequestOutput:
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("cls, old, new", [
-    ("CompletionOutput", "routed_experts", "routed_expert"), ("CompletionOutput", "logprobs", "log_probs"),
-    ("CompletionOutput", "token_ids", "output_token_ids"), ("CompletionOutput", "finish_reason", "reason"),
-    ("RequestOutput", "prompt_token_ids", "prompt_ids"), ("RequestOutput", "outputs", "completions"),
-    ("Logprob", "logprob", "value"),
-])
+@pytest.mark.parametrize(
+    "cls, old, new",
+    [
+        ("CompletionOutput", "routed_experts", "routed_expert"),
+        ("CompletionOutput", "logprobs", "log_probs"),
+        ("CompletionOutput", "token_ids", "output_token_ids"),
+        ("CompletionOutput", "finish_reason", "reason"),
+        ("RequestOutput", "prompt_token_ids", "prompt_ids"),
+        ("RequestOutput", "outputs", "completions"),
+        ("Logprob", "logprob", "value"),
+    ],
+)
 def test_a_renamed_vllm_field_is_refused_naming_sample_and_field(rollout, cfg, cls, old, new):
     outs = [as_vllm(rollout, cfg, b) for b in range(3)]
     _decode(outs, cfg)  # the pinned format decodes
     outs[1] = _renamed(outs[1], cls, old, new)
     with pytest.raises(RouteError) as e:
         _decode(outs, cfg)
-    assert str(e.value) == (f"sample 1: vLLM {cls} has no field '{old}' (the decoder reads vllm 0.33.0's "
-                            f"format, tests/rollout/vllm_format.json)")
+    assert str(e.value) == (
+        f"sample 1: vLLM {cls} has no field '{old}' (the decoder reads vllm 0.33.0's "
+        f"format, tests/rollout/vllm_format.json)"
+    )
 
 
 @pytest.mark.unit
@@ -151,10 +192,14 @@ def test_routed_experts_in_another_dtype_are_refused_not_cast(rollout, cfg, dtyp
     c.routed_experts = c.routed_experts.astype(dtype)
     with pytest.raises(RouteError) as e:
         _decode(outs, cfg)
-    assert str(e.value) == (f"sample 2: vLLM routed_experts dtype is {dtype}, expected uint8 for 8 experts "
-                            f"(vLLM 0.33: uint8 up to 256 experts, else uint16)")
-    for other, name in ((c.routed_experts.astype(np.uint8).tolist(), "list"),
-                        (torch.from_numpy(c.routed_experts.astype(np.uint8)), "Tensor")):
+    assert str(e.value) == (
+        f"sample 2: vLLM routed_experts dtype is {dtype}, expected uint8 for 8 experts "
+        f"(vLLM 0.33: uint8 up to 256 experts, else uint16)"
+    )
+    for other, name in (
+        (c.routed_experts.astype(np.uint8).tolist(), "list"),
+        (torch.from_numpy(c.routed_experts.astype(np.uint8)), "Tensor"),
+    ):
         c.routed_experts = other
         with pytest.raises(RouteError) as e:
             _decode(outs, cfg)
@@ -168,14 +213,23 @@ def test_routed_experts_in_another_shape_are_refused(rollout, cfg):
     good_TAK = c.routed_experts
     T = int(rollout.prompt_lens_B[0] + rollout.response_lens_B[0])
     cases = [
-        (np.concatenate([good_TAK, good_TAK[-1:]]),  # a row for the last sampled token too
-         f"sample 0: vLLM returned {T} route rows for {T} tokens from position 0; expected {T - 1}"),
-        (good_TAK[:, cfg.moe_layers], "sample 0: vLLM routed_experts has 2 layers, the model has 3 decoder layers"),
-        (np.concatenate([good_TAK, good_TAK[:, :1]], axis=1),
-         "sample 0: vLLM routed_experts has 4 layers, the model has 3 decoder layers"),
+        (
+            np.concatenate([good_TAK, good_TAK[-1:]]),  # a row for the last sampled token too
+            f"sample 0: vLLM returned {T} route rows for {T} tokens from position 0; expected {T - 1}",
+        ),
+        (
+            good_TAK[:, cfg.moe_layers],
+            "sample 0: vLLM routed_experts has 2 layers, the model has 3 decoder layers",
+        ),
+        (
+            np.concatenate([good_TAK, good_TAK[:, :1]], axis=1),
+            "sample 0: vLLM routed_experts has 4 layers, the model has 3 decoder layers",
+        ),
         (good_TAK[..., :1], "sample 0: vLLM routed_experts has K=1, model top-k is 2"),
-        (good_TAK.reshape(T - 1, -1),
-         f"sample 0: vLLM routed_experts has shape ({T - 1}, 6), expected [T-1, layers, K]"),
+        (
+            good_TAK.reshape(T - 1, -1),
+            f"sample 0: vLLM routed_experts has shape ({T - 1}, 6), expected [T-1, layers, K]",
+        ),
     ]
     for arr, message in cases:
         c.routed_experts = arr
@@ -212,8 +266,10 @@ def test_only_stop_or_length_make_a_complete_sample(rollout, cfg, reason):
         return
     with pytest.raises(RouteError) as e:
         _decode(outs, cfg)
-    assert str(e.value) == (f"sample 2: vLLM finish_reason {reason!r}; a complete sample ends with one of "
-                            f"['length', 'stop'] (aborted, failed or unfinished request?)")
+    assert str(e.value) == (
+        f"sample 2: vLLM finish_reason {reason!r}; a complete sample ends with one of "
+        f"['length', 'stop'] (aborted, failed or unfinished request?)"
+    )
 
 
 @pytest.mark.unit
@@ -251,8 +307,11 @@ def test_real_vllm_output_objects_decode_like_the_fixtures(rollout, cfg):
                 lps.append({t: VllmLogprob(**dataclasses.asdict(lp)) for t, lp in e.items()})
             values = {f.name: getattr(c, f.name) for f in dataclasses.fields(c)}
             real_c = VllmCompletionOutput(**values | {"logprobs": lps})
-            outs.append(VllmRequestOutput(**{f.name: getattr(fx, f.name) for f in dataclasses.fields(fx)}
-                                          | {"outputs": [real_c]}))
+            outs.append(
+                VllmRequestOutput(
+                    **{f.name: getattr(fx, f.name) for f in dataclasses.fields(fx)} | {"outputs": [real_c]}
+                )
+            )
         got = _decode(outs, cfg)
         for f in ("tokens_BS", "prompt_lens_B", "response_lens_B", "logprobs_BS", "finished_B"):
             assert torch.equal(getattr(got, f), getattr(want, f)), (f, flat)
@@ -265,11 +324,28 @@ def test_build_requests_sets_only_pinned_sampling_params_fields():
     stay at their pinned defaults (False, 0), so logprobs arrive as list[dict[int, Logprob]] and
     the routes start at position 0, as the decoder reads them."""
     fields = {f["name"] for f in SPEC["sampling_params"]["fields"]}
-    sp = SamplingParams(max_new_tokens=5, temperature=0.7, top_k=4, top_p=0.9, stop_token_ids=(2,),
-                        dvp_threshold=0.1, return_dist=True)
+    sp = SamplingParams(
+        max_new_tokens=5,
+        temperature=0.7,
+        top_k=4,
+        top_p=0.9,
+        stop_token_ids=(2,),
+        dvp_threshold=0.1,
+        return_dist=True,
+    )
     kws = [kw for _, kw in ve.build_requests([[4, 5]], 1, sp, seed=3, dvp_logprobs=5)]
-    assert sorted(kws[0]) == ["detokenize", "extra_args", "logprobs", "max_tokens", "n", "seed", "stop_token_ids",
-                              "temperature", "top_k", "top_p"]
+    assert sorted(kws[0]) == [
+        "detokenize",
+        "extra_args",
+        "logprobs",
+        "max_tokens",
+        "n",
+        "seed",
+        "stop_token_ids",
+        "temperature",
+        "top_k",
+        "top_p",
+    ]
     assert set(kws[0]) <= fields and "flat_logprobs" in fields and "routed_experts_prompt_start" in fields
 
 
@@ -279,8 +355,10 @@ def test_build_requests_one_seeded_request_per_sample():
     reqs = ve.build_requests([[4, 5], [6]], 3, sp, seed=11)
     assert [r[0]["prompt_token_ids"] for r in reqs] == [[4, 5]] * 3 + [[6]] * 3
     kws = [r[1] for r in reqs]
-    assert all(k["n"] == 1 and k["logprobs"] == 0 and k["max_tokens"] == 5 and k["stop_token_ids"] == [2]
-               for k in kws)
+    assert all(
+        k["n"] == 1 and k["logprobs"] == 0 and k["max_tokens"] == 5 and k["stop_token_ids"] == [2]
+        for k in kws
+    )
     assert "top_k" not in kws[0] and "top_p" not in kws[0]  # vLLM's defaults mean off
     assert len({k["seed"] for k in kws}) == 6
     assert [k["seed"] for k in kws] == [k["seed"] for _, k in ve.build_requests([[4, 5], [6]], 3, sp, 11)]
@@ -291,8 +369,15 @@ def test_build_requests_one_seeded_request_per_sample():
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("t, k, p, mode", [(0.7, 0, 1.0, "processed_logprobs"), (1.0, 0, 1.0, "processed_logprobs"),
-                                           (1.0, 5, 0.9, "raw_logprobs"), (0.7, 5, 1.0, None)])
+@pytest.mark.parametrize(
+    "t, k, p, mode",
+    [
+        (0.7, 0, 1.0, "processed_logprobs"),
+        (1.0, 0, 1.0, "processed_logprobs"),
+        (1.0, 5, 0.9, "raw_logprobs"),
+        (0.7, 5, 1.0, None),
+    ],
+)
 def test_logprobs_mode_matches_the_learner_support(t, k, p, mode):
     if mode is None:
         with pytest.raises(ValueError, match="vllm#42259"):
@@ -305,16 +390,22 @@ VLLM = ["rollout.engine=vllm"]
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("overrides, needle", [
-    (VLLM + ["rollout.temperature=0.8", "rollout.top_p=0.9"], "'rollout.top_p'"),
-    (VLLM + ["rollout.router_noise=0.1"], "'rollout.router_noise'"),
-    (VLLM + ["correction.dvp_threshold=0.01", "rollout.top_k=5"], "'rollout.top_p'"),
-    (VLLM + ["correction.dvp_threshold=0.01", "rollout.vllm.dvp_max_safe=0"], "'rollout.vllm.dvp_max_safe'"),
-    (VLLM + ["correction.trm.max=0.05", "correction.trm.kl=exact"], "'correction.trm.kl'"),
-    (VLLM + ["rollout.vllm.tensor_parallel=4"], "'rollout.vllm.tensor_parallel'"),
-    (VLLM + ["rollout.vllm.gpu_memory_utilization=1.5"], "'rollout.vllm.gpu_memory_utilization'"),
-    (["rollout.engine=sglang"], "'rollout.engine'"),
-])
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (VLLM + ["rollout.temperature=0.8", "rollout.top_p=0.9"], "'rollout.top_p'"),
+        (VLLM + ["rollout.router_noise=0.1"], "'rollout.router_noise'"),
+        (VLLM + ["correction.dvp_threshold=0.01", "rollout.top_k=5"], "'rollout.top_p'"),
+        (
+            VLLM + ["correction.dvp_threshold=0.01", "rollout.vllm.dvp_max_safe=0"],
+            "'rollout.vllm.dvp_max_safe'",
+        ),
+        (VLLM + ["correction.trm.max=0.05", "correction.trm.kl=exact"], "'correction.trm.kl'"),
+        (VLLM + ["rollout.vllm.tensor_parallel=4"], "'rollout.vllm.tensor_parallel'"),
+        (VLLM + ["rollout.vllm.gpu_memory_utilization=1.5"], "'rollout.vllm.gpu_memory_utilization'"),
+        (["rollout.engine=sglang"], "'rollout.engine'"),
+    ],
+)
 def test_vllm_config_refusals_name_the_key(overrides, needle):
     with pytest.raises(ConfigError) as e:
         load_config(None, overrides)
@@ -356,6 +447,7 @@ def test_sync_items_are_the_hf_names_in_model_order(cfg, weights):
 # vllm/distributed/weight_transfer/{base,ipc_engine}.py, vllm/v1/worker/gpu_worker.py)
 # --------------------------------------------------------------------------------------------
 
+
 class FakeTransferLLM:
     """``vllm.LLM``'s weight-transfer surface as 0.33 defines it: ``init_weight_transfer_engine(
     {"init_info": ...})``, ``start_weight_update()``, ``update_weights({"update_info": ...})``,
@@ -390,7 +482,9 @@ class FakeTransferLLM:
             self.active = False
             raise RuntimeError("worker failed")
         self.updates.append(info)
-        self.loaded.update(ve.received_weights(info["names"], info["dtype_names"], info["shapes"], info["tensors"]))
+        self.loaded.update(
+            ve.received_weights(info["names"], info["dtype_names"], info["shapes"], info["tensors"])
+        )
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         if not self.active:
@@ -422,8 +516,11 @@ def _many_layer_names(num_layers: int, num_experts: int) -> list[str]:
     names = ["model.embed_tokens.weight"]
     for i in range(num_layers):
         names += [f"model.layers.{i}.input_layernorm.weight", f"model.layers.{i}.mlp.gate.weight"]
-        names += [f"model.layers.{i}.mlp.experts.{e}.{p}.weight" for e in range(num_experts)
-                  for p in ("gate_proj", "up_proj", "down_proj")]
+        names += [
+            f"model.layers.{i}.mlp.experts.{e}.{p}.weight"
+            for e in range(num_experts)
+            for p in ("gate_proj", "up_proj", "down_proj")
+        ]
     return names + ["model.norm.weight", "lm_head.weight"]
 
 
@@ -432,7 +529,10 @@ def test_layer_groups_every_tensor_once_experts_of_a_layer_together(cfg):
     names = list(canonical_param_shapes(cfg))
     groups = ve.layer_groups(names)
     assert sorted(n for g in groups for n in g) == sorted(names) and sum(map(len, groups)) == len(names)
-    assert groups[0] == ["model.embed_tokens.weight"] and groups[-1] == ["model.norm.weight", "lm_head.weight"]
+    assert groups[0] == ["model.embed_tokens.weight"] and groups[-1] == [
+        "model.norm.weight",
+        "lm_head.weight",
+    ]
     assert len(groups) == cfg.num_layers + 2
     for i, g in enumerate(groups[1:-1]):
         assert all(n.startswith(f"model.layers.{i}.") for n in g)
@@ -440,7 +540,10 @@ def test_layer_groups_every_tensor_once_experts_of_a_layer_together(cfg):
     for layer in cfg.moe_layers:
         experts = [n for n in names if n.startswith(f"model.layers.{layer}.mlp.experts.")]
         assert len(experts) == 3 * cfg.num_experts
-        assert sum(all(e in g for e in experts) and f"model.layers.{layer}.mlp.gate.weight" in g for g in groups) == 1
+        assert (
+            sum(all(e in g for e in experts) and f"model.layers.{layer}.mlp.gate.weight" in g for g in groups)
+            == 1
+        )
     assert ve.layer_groups(names) == groups  # deterministic
 
 
@@ -449,8 +552,16 @@ def test_layer_groups_sort_layers_numerically_whatever_the_input_order():
     names = _many_layer_names(12, 3)
     expected = ve.layer_groups(names)
     assert [g[0] for g in expected[1:-1]] == [f"model.layers.{i}.input_layernorm.weight" for i in range(12)]
-    shuffled = names[:1] + [n for i in (11, 2, 10, 0, 1, 3, 4, 5, 6, 7, 8, 9)
-                            for n in names if n.startswith(f"model.layers.{i}.")] + names[-2:]
+    shuffled = (
+        names[:1]
+        + [
+            n
+            for i in (11, 2, 10, 0, 1, 3, 4, 5, 6, 7, 8, 9)
+            for n in names
+            if n.startswith(f"model.layers.{i}.")
+        ]
+        + names[-2:]
+    )
     assert ve.layer_groups(shuffled) == expected
     with pytest.raises(ValueError, match="duplicate"):
         ve.layer_groups(names + ["model.layers.3.mlp.gate.weight"])
@@ -464,8 +575,12 @@ def test_update_info_metadata_as_vllm_spells_it(cfg, weights):
     assert set(info) == {"names", "dtype_names", "shapes", "tensors"}  # IPC's metadata fields + the tensors
     assert info["names"] == [k for k, _ in items]
     assert info["dtype_names"][:2] == ["float32", "bfloat16"]
-    assert all(getattr(torch, d) is t.dtype for d, (_, t) in zip(info["dtype_names"], items))  # the receiver's mapping
-    assert all(s == list(t.shape) and all(type(x) is int for x in s) for s, (_, t) in zip(info["shapes"], items))
+    assert all(
+        getattr(torch, d) is t.dtype for d, (_, t) in zip(info["dtype_names"], items)
+    )  # the receiver's mapping
+    assert all(
+        s == list(t.shape) and all(type(x) is int for x in s) for s, (_, t) in zip(info["shapes"], items)
+    )
     assert all(a is b for a, (_, b) in zip(info["tensors"], items))  # by reference, no copy
     got = ve.received_weights(info["names"], info["dtype_names"], info["shapes"], info["tensors"])
     assert [(k, id(t)) for k, t in got] == [(k, id(t)) for k, t in items]
@@ -603,8 +718,14 @@ def test_a_broken_stream_closes_the_update_untrusted_and_names_the_tensor(cfg, w
 # vllm/v1/worker/gpu/sample/logits_processor/interface.py, vllm/logprobs.py)
 # --------------------------------------------------------------------------------------------
 
-DVP_CASES = [("relative", 0.02), ("relative", 0.3), ("relative", 1.0), ("top_p", 0.5), ("top_p", 0.9),
-             ("top_p", 0.999)]
+DVP_CASES = [
+    ("relative", 0.02),
+    ("relative", 0.3),
+    ("relative", 1.0),
+    ("top_p", 0.5),
+    ("top_p", 0.9),
+    ("top_p", 0.999),
+]
 
 
 def _dvp_logits(rows: int, vocab: int, seed: int) -> torch.Tensor:
@@ -642,7 +763,7 @@ def test_apply_dvp_masks_each_row_by_its_own_request_and_leaves_the_rest():
         if p is None:
             assert torch.equal(out[r], z_RV[r])
             continue
-        safe_V = ve.dvp_safe_mask(z_RV[r:r + 1], p[2], p[0], p[1])[0]
+        safe_V = ve.dvp_safe_mask(z_RV[r : r + 1], p[2], p[0], p[1])[0]
         assert torch.equal(torch.isfinite(out[r]), safe_V) and torch.equal(out[r][safe_V], z_RV[r][safe_V])
     buf = z_RV.clone()
     assert ve.apply_dvp(buf, params) is buf and torch.equal(buf, out)  # in place, as vLLM prefers
@@ -681,8 +802,14 @@ def vllm_position_logprobs(processed_V: torch.Tensor, sampled: int, k: int) -> d
 @pytest.fixture(scope="module", params=[("relative", 0.2), ("top_p", 0.6)], ids=["relative", "top_p"])
 def dvp_rollout(request, fp32_engine):
     rule, threshold = request.param
-    sp = SamplingParams(max_new_tokens=6, temperature=0.9, stop_token_ids=(3,), dvp_threshold=threshold,
-                        dvp_rule=rule, return_dist=True)
+    sp = SamplingParams(
+        max_new_tokens=6,
+        temperature=0.9,
+        stop_token_ids=(3,),
+        dvp_threshold=threshold,
+        dvp_rule=rule,
+        return_dist=True,
+    )
     return fp32_engine.generate([[5, 6, 7], [8, 9], [10, 11, 12, 13]], 3, sp, seed=11), sp
 
 
@@ -710,16 +837,33 @@ def test_vllm_dvp_outputs_round_trip_to_the_builtin_safe_sets(dvp_rollout, cfg):
     assert 1 <= int(sizes.min()) and int(sizes.max()) < cfg.vocab_size  # some pruning happened
     k = ve.dvp_num_logprobs(int(sizes.max()), cfg.vocab_size)
     outs = [as_vllm_dvp(batch, cfg, b, k) for b in range(batch.num_seqs)]
-    got = ve.to_rollout_batch(outs, 3, PAD_ID, RouteHeader.for_model(cfg), sp.logprob_support,
-                              vocab_size=cfg.vocab_size, dvp_logprobs=k)
+    got = ve.to_rollout_batch(
+        outs,
+        3,
+        PAD_ID,
+        RouteHeader.for_model(cfg),
+        sp.logprob_support,
+        vocab_size=cfg.vocab_size,
+        dvp_logprobs=k,
+    )
     for f in ("tokens_BS", "response_mask_BS", "logprobs_BS", "safe_BSV"):
         assert torch.equal(getattr(got, f), getattr(batch, f)), f
-    assert got.safe_BSV.dtype == torch.bool and got.logprob_support == batch.logprob_support == sp.logprob_support
+    assert (
+        got.safe_BSV.dtype == torch.bool
+        and got.logprob_support == batch.logprob_support == sp.logprob_support
+    )
     assert got.dist_logp_BSV is None  # vLLM has no full distribution next to the restricted one
     # the whole vocabulary requested: never ambiguous, same sets
     outs = [as_vllm_dvp(batch, cfg, b, cfg.vocab_size) for b in range(batch.num_seqs)]
-    full = ve.to_rollout_batch(outs, 3, PAD_ID, RouteHeader.for_model(cfg), sp.logprob_support,
-                               vocab_size=cfg.vocab_size, dvp_logprobs=cfg.vocab_size)
+    full = ve.to_rollout_batch(
+        outs,
+        3,
+        PAD_ID,
+        RouteHeader.for_model(cfg),
+        sp.logprob_support,
+        vocab_size=cfg.vocab_size,
+        dvp_logprobs=cfg.vocab_size,
+    )
     assert torch.equal(full.safe_BSV, batch.safe_BSV)
 
 
@@ -734,14 +878,21 @@ def test_a_safe_set_larger_than_dvp_max_safe_is_an_error_naming_sample_position_
     first_b = int((sizes_BS >= k).any(-1).nonzero()[0])
     first_s = int((sizes_BS[first_b] >= k).nonzero()[0])
     g = first_s - int(batch.prompt_lens_B[first_b])
-    with pytest.raises(ValueError, match=rf"sample {first_b}, generated token {g} \(sequence position {first_s}\)"
-                       rf".*more than {k - 1} tokens.*rollout\.vllm\.dvp_max_safe"):
-        ve.to_rollout_batch(outs, 3, PAD_ID, header, sp.logprob_support, vocab_size=cfg.vocab_size, dvp_logprobs=k)
+    with pytest.raises(
+        ValueError,
+        match=rf"sample {first_b}, generated token {g} \(sequence position {first_s}\)"
+        rf".*more than {k - 1} tokens.*rollout\.vllm\.dvp_max_safe",
+    ):
+        ve.to_rollout_batch(
+            outs, 3, PAD_ID, header, sp.logprob_support, vocab_size=cfg.vocab_size, dvp_logprobs=k
+        )
     assert sizes_BS[b, s] == k
     # exactly max_safe tokens fit: dvp_num_logprobs asks for one more
     k1 = ve.dvp_num_logprobs(k, cfg.vocab_size)
     outs = [as_vllm_dvp(batch, cfg, i, k1) for i in range(batch.num_seqs)]
-    got = ve.to_rollout_batch(outs, 3, PAD_ID, header, sp.logprob_support, vocab_size=cfg.vocab_size, dvp_logprobs=k1)
+    got = ve.to_rollout_batch(
+        outs, 3, PAD_ID, header, sp.logprob_support, vocab_size=cfg.vocab_size, dvp_logprobs=k1
+    )
     assert torch.equal(got.safe_BSV, batch.safe_BSV)
 
 
@@ -765,17 +916,25 @@ def test_dvp_request_args_and_their_validation():
     args = ve.dvp_request_args("top_p", 0.9)
     assert ve.dvp_params(args, 0.7) == ("top_p", 0.9, 0.7)
     assert ve.dvp_params(None, 0.7) is None and ve.dvp_params({"other": 1}, 0.7) is None
-    for bad, needle in [({ve.DVP_ARG: {"rule": "min_p", "threshold": 0.1}}, "rule 'min_p'"),
-                        ({ve.DVP_ARG: {"rule": "relative", "threshold": 0.0}}, "threshold"),
-                        ({ve.DVP_ARG: {"rule": "relative"}}, "must be")]:
+    for bad, needle in [
+        ({ve.DVP_ARG: {"rule": "min_p", "threshold": 0.1}}, "rule 'min_p'"),
+        ({ve.DVP_ARG: {"rule": "relative", "threshold": 0.0}}, "threshold"),
+        ({ve.DVP_ARG: {"rule": "relative"}}, "must be"),
+    ]:
         with pytest.raises(ValueError, match=needle):
             ve.dvp_params(bad, 1.0)
     with pytest.raises(ValueError, match="temperature > 0"):
         ve.dvp_params(args, 0.0)
-    sp = SamplingParams(max_new_tokens=4, temperature=0.8, dvp_threshold=0.05, dvp_rule="relative", return_dist=True)
+    sp = SamplingParams(
+        max_new_tokens=4, temperature=0.8, dvp_threshold=0.05, dvp_rule="relative", return_dist=True
+    )
     reqs = ve.build_requests([[4, 5]], 2, sp, seed=3, dvp_logprobs=17)
     for _, kw in reqs:
-        assert kw["logprobs"] == 17 and ve.dvp_params(kw["extra_args"], kw["temperature"]) == ("relative", 0.05, 0.8)
+        assert kw["logprobs"] == 17 and ve.dvp_params(kw["extra_args"], kw["temperature"]) == (
+            "relative",
+            0.05,
+            0.8,
+        )
     assert ve.dvp_num_logprobs(64, 151936) == 65 and ve.dvp_num_logprobs(64, 40) == 40
 
 
@@ -817,8 +976,14 @@ def test_dvp_processor_class_through_the_v2_interface(monkeypatch):
     import sys
     import types
 
-    names = ["vllm", "vllm.v1", "vllm.v1.worker", "vllm.v1.worker.gpu", "vllm.v1.worker.gpu.sample",
-             "vllm.v1.worker.gpu.sample.logits_processor"]
+    names = [
+        "vllm",
+        "vllm.v1",
+        "vllm.v1.worker",
+        "vllm.v1.worker.gpu",
+        "vllm.v1.worker.gpu.sample",
+        "vllm.v1.worker.gpu.sample.logits_processor",
+    ]
     for name in names:
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
     sys.modules[names[-1]].LogitsProcessor = _FakeV2LogitsProcessor
@@ -831,7 +996,9 @@ def test_dvp_processor_class_through_the_v2_interface(monkeypatch):
         sp = types.SimpleNamespace
         dvp = sp(extra_args=ve.dvp_request_args("relative", 0.3), temperature=0.5)
         assert proc.add_request(2, dvp) and not proc.add_request(0, sp(extra_args=None, temperature=1.0))
-        assert proc.add_request(1, dvp) and not proc.add_request(1, sp(extra_args={}, temperature=1.0))  # slot reused
+        assert proc.add_request(1, dvp) and not proc.add_request(
+            1, sp(extra_args={}, temperature=1.0)
+        )  # slot reused
         with pytest.raises(ValueError, match="rule"):
             cls.validate_params(sp(extra_args={ve.DVP_ARG: {"rule": "x", "threshold": 0.1}}, temperature=1.0))
         z_RV = _dvp_logits(3, 30, 9)
@@ -858,5 +1025,7 @@ def test_weight_sync_uses_the_model_familys_own_names():
     assert "model.layers.1.block_sparse_moe.gate.weight" in names
     assert not any(".mlp." in n for n in names) and len(names) == len(weights)
     got = dict(items)
-    assert torch.equal(got["model.layers.1.block_sparse_moe.experts.5.w1.weight"],
-                       weights["model.layers.1.mlp.experts.5.gate_proj.weight"])
+    assert torch.equal(
+        got["model.layers.1.block_sparse_moe.experts.5.w1.weight"],
+        weights["model.layers.1.mlp.experts.5.gate_proj.weight"],
+    )

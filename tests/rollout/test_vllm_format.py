@@ -36,7 +36,7 @@ from tests.rollout.vllm_format import (
 pin = pin_script()
 
 FAKE = {
-    "vllm/outputs.py": '''from dataclasses import dataclass
+    "vllm/outputs.py": """from dataclasses import dataclass
 import numpy as np
 
 
@@ -56,8 +56,8 @@ class RequestOutput:
         self.request_id = request_id
         self.outputs = outputs
         self.finished = finished
-''',
-    "vllm/logprobs.py": '''from dataclasses import dataclass, field
+""",
+    "vllm/logprobs.py": """from dataclasses import dataclass, field
 from typing import ClassVar
 
 
@@ -78,11 +78,12 @@ class FlatLogprobs:
 
 PromptLogprobs = list[LogprobsOnePosition | None]
 SampleLogprobs = list[LogprobsOnePosition]
-''',
+""",
     "vllm/v1/engine/__init__.py": 'FINISH_REASON_STRINGS = ("stop", "length")\n',
-    "vllm/sampling_params.py": "class SamplingParams:\n" + "".join(
-        f"    {name}: int = {i}\n" for i, name in enumerate(pin.SAMPLING_FIELDS)) + "    other: str = 'x'\n",
-    "vllm/model_executor/layers/fused_moe/routed_experts_capturer.py": '''def _get_routed_experts_shape(cfg):
+    "vllm/sampling_params.py": "class SamplingParams:\n"
+    + "".join(f"    {name}: int = {i}\n" for i, name in enumerate(pin.SAMPLING_FIELDS))
+    + "    other: str = 'x'\n",
+    "vllm/model_executor/layers/fused_moe/routed_experts_capturer.py": """def _get_routed_experts_shape(cfg):
     num_layers = cfg.get_layers()
     num_experts = cfg.get_experts()
     return num_layers, num_experts
@@ -93,12 +94,12 @@ class RoutedExpertsCapturer:
         num_layers, num_experts = _get_routed_experts_shape(cfg)
         self.shape_per_token = (num_layers, num_experts)
         self.output_dtype_name = "uint8" if num_experts <= 128 else "int16"
-''',
-    "vllm/distributed/aux_output_connector/connector.py": '''class Connector:
+""",
+    "vllm/distributed/aux_output_connector/connector.py": """class Connector:
     def take_output(self, request):
         token_end = request.num_tokens - 2
         return token_end
-''',
+""",
     "vllm-9.9.9.dist-info/METADATA": "Metadata-Version: 2.1\nName: vllm\nVersion: 9.9.9\n",
 }
 
@@ -107,22 +108,44 @@ FAKE_SPEC = {
     "vllm": "9.9.9",
     "classes": {
         "CompletionOutput": {
-            "source": "vllm/outputs.py:6", "kind": "dataclass", "decorators": ["dataclass"], "fields": [
-            {"name": "index", "annotation": "int", "default": None},
-            {"name": "token_ids", "annotation": "list[int]", "default": None},
-            {"name": "routed_experts", "annotation": "np.ndarray | None", "default": "None"}]},
-        "RequestOutput": {"source": "vllm/outputs.py:15", "kind": "class", "fields": [
-            {"name": "request_id", "annotation": "str", "default": None, "kw_only": False},
-            {"name": "outputs", "annotation": "list", "default": None, "kw_only": False},
-            {"name": "finished", "annotation": "bool", "default": "False", "kw_only": False},
-            {"name": "extra", "annotation": "int | None", "default": "None", "kw_only": True}],
-            "attributes": ["request_id", "outputs", "finished"], "varkw": "kwargs"},
-        "Logprob": {"source": "vllm/logprobs.py:6", "kind": "dataclass", "decorators": ["dataclass"], "fields": [
-            {"name": "logprob", "annotation": "float", "default": None},
-            {"name": "rank", "annotation": "int | None", "default": "None"}]},
-        "FlatLogprobs": {"source": "vllm/logprobs.py:15", "kind": "dataclass", "decorators": ["dataclass(frozen=True)"],
-                         "fields": [{"name": "token_ids", "annotation": "list[int]",
-                                     "default": "field(default_factory=list)"}]},
+            "source": "vllm/outputs.py:6",
+            "kind": "dataclass",
+            "decorators": ["dataclass"],
+            "fields": [
+                {"name": "index", "annotation": "int", "default": None},
+                {"name": "token_ids", "annotation": "list[int]", "default": None},
+                {"name": "routed_experts", "annotation": "np.ndarray | None", "default": "None"},
+            ],
+        },
+        "RequestOutput": {
+            "source": "vllm/outputs.py:15",
+            "kind": "class",
+            "fields": [
+                {"name": "request_id", "annotation": "str", "default": None, "kw_only": False},
+                {"name": "outputs", "annotation": "list", "default": None, "kw_only": False},
+                {"name": "finished", "annotation": "bool", "default": "False", "kw_only": False},
+                {"name": "extra", "annotation": "int | None", "default": "None", "kw_only": True},
+            ],
+            "attributes": ["request_id", "outputs", "finished"],
+            "varkw": "kwargs",
+        },
+        "Logprob": {
+            "source": "vllm/logprobs.py:6",
+            "kind": "dataclass",
+            "decorators": ["dataclass"],
+            "fields": [
+                {"name": "logprob", "annotation": "float", "default": None},
+                {"name": "rank", "annotation": "int | None", "default": "None"},
+            ],
+        },
+        "FlatLogprobs": {
+            "source": "vllm/logprobs.py:15",
+            "kind": "dataclass",
+            "decorators": ["dataclass(frozen=True)"],
+            "fields": [
+                {"name": "token_ids", "annotation": "list[int]", "default": "field(default_factory=list)"}
+            ],
+        },
     },
     "aliases": {
         "LogprobsOnePosition": {"source": "vllm/logprobs.py:11", "value": "dict[int, Logprob]"},
@@ -133,12 +156,22 @@ FAKE_SPEC = {
     "routed_experts": {
         "dtype": {"source": f"{CAPTURER}:11", "narrow": "uint8", "max_experts_narrow": 128, "wide": "int16"},
         "per_token": {"source": f"{CAPTURER}:10", "value": ["num_layers", "num_experts"]},
-        "sizes": {"source": f"{CAPTURER}:1", "value": {"num_layers": "get_layers", "num_experts": "get_experts"}},
-        "row_end": {"source": "vllm/distributed/aux_output_connector/connector.py:3",
-                    "value": "request.num_tokens - 2"},
+        "sizes": {
+            "source": f"{CAPTURER}:1",
+            "value": {"num_layers": "get_layers", "num_experts": "get_experts"},
+        },
+        "row_end": {
+            "source": "vllm/distributed/aux_output_connector/connector.py:3",
+            "value": "request.num_tokens - 2",
+        },
     },
-    "sampling_params": {"source": "vllm/sampling_params.py:1", "fields": [
-        {"name": name, "annotation": "int", "default": str(i)} for i, name in enumerate(pin.SAMPLING_FIELDS)]},
+    "sampling_params": {
+        "source": "vllm/sampling_params.py:1",
+        "fields": [
+            {"name": name, "annotation": "int", "default": str(i)}
+            for i, name in enumerate(pin.SAMPLING_FIELDS)
+        ],
+    },
 }
 
 
@@ -153,8 +186,12 @@ def _wheel(path: Path, replace: dict[str, str] | None = None) -> Path:
 @pytest.mark.unit
 def test_pin_script_prints_the_spec_of_a_synthetic_wheel(tmp_path):
     wheel = _wheel(tmp_path / "vllm-9.9.9-py3-none-any.whl")
-    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "pin_vllm_format.py"), str(wheel)],
-                         capture_output=True, text=True, check=True)
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "pin_vllm_format.py"), str(wheel)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert json.loads(run.stdout) == FAKE_SPEC
     assert run.stdout == pin.dumps(FAKE_SPEC) + "\n"
     assert pin.spec_from(wheel) == FAKE_SPEC
@@ -174,27 +211,55 @@ def test_diff_names_every_change_of_the_format(tmp_path):
         ".routed_experts.dtype.max_experts_narrow: pinned 128, found 256",
         ".routed_experts.dtype.wide: pinned 'int16', found 'uint16'",
     ]
-    fewer = _wheel(tmp_path / "fewer.whl", {"vllm/outputs.py": FAKE["vllm/outputs.py"].replace(
-        "    routed_experts: np.ndarray | None = None\n", "")})
+    fewer = _wheel(
+        tmp_path / "fewer.whl",
+        {
+            "vllm/outputs.py": FAKE["vllm/outputs.py"].replace(
+                "    routed_experts: np.ndarray | None = None\n", ""
+            )
+        },
+    )
     assert pin.diff(FAKE_SPEC, pin.spec_from(fewer)) == [
         ".classes.CompletionOutput.fields: pinned [{'name': 'index', 'annotation': 'int', 'default': None}, "
         "{'name': 'token_ids', 'annotation': 'list[int]', 'default': None}, {'name': 'routed_experts', "
-        "'annotation': 'np.ndarray | None', 'default': 'None'}], found [{'name': 'index', 'annotation': 'int', "
+        "'annotation': 'np.ndarray | None', 'default': 'None'}], "
+        "found [{'name': 'index', 'annotation': 'int', "
         "'default': None}, {'name': 'token_ids', 'annotation': 'list[int]', 'default': None}]",
-        ".classes.RequestOutput.source: pinned 'vllm/outputs.py:15', found 'vllm/outputs.py:14'"]
+        ".classes.RequestOutput.source: pinned 'vllm/outputs.py:15', found 'vllm/outputs.py:14'",
+    ]
     assert pin.diff(FAKE_SPEC, FAKE_SPEC) == []
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("member, old, new, message", [
-    (CAPTURER, '"uint8" if num_experts <= 128 else "int16"', "torch.uint8", f"{CAPTURER}:11: routed_experts dtype "
-     "rule is not 'A' if num_experts <= N else 'B': torch.uint8"),
-    ("vllm/outputs.py", "class CompletionOutput", "class Completion", "vllm/outputs.py: no top-level CompletionOutput"),
-    ("vllm/sampling_params.py", "    flat_logprobs: int", "    flat: int",
-     "vllm/sampling_params.py:1: SamplingParams has no field ['flat_logprobs']"),
-    ("vllm/distributed/aux_output_connector/connector.py", "token_end =", "end =",
-     "vllm/distributed/aux_output_connector/connector.py:2: no assignment to token_end"),
-])
+@pytest.mark.parametrize(
+    "member, old, new, message",
+    [
+        (
+            CAPTURER,
+            '"uint8" if num_experts <= 128 else "int16"',
+            "torch.uint8",
+            f"{CAPTURER}:11: routed_experts dtype rule is not 'A' if num_experts <= N else 'B': torch.uint8",
+        ),
+        (
+            "vllm/outputs.py",
+            "class CompletionOutput",
+            "class Completion",
+            "vllm/outputs.py: no top-level CompletionOutput",
+        ),
+        (
+            "vllm/sampling_params.py",
+            "    flat_logprobs: int",
+            "    flat: int",
+            "vllm/sampling_params.py:1: SamplingParams has no field ['flat_logprobs']",
+        ),
+        (
+            "vllm/distributed/aux_output_connector/connector.py",
+            "token_end =",
+            "end =",
+            "vllm/distributed/aux_output_connector/connector.py:2: no assignment to token_end",
+        ),
+    ],
+)
 def test_pin_script_refuses_source_it_cannot_read(tmp_path, member, old, new, message):
     assert old in FAKE[member]
     wheel = _wheel(tmp_path / "odd.whl", {member: FAKE[member].replace(old, new)})
@@ -213,18 +278,34 @@ def test_the_pin_file_is_what_the_script_prints():
 @pytest.mark.unit
 def test_the_pinned_facts_the_decoder_relies_on():
     assert [f.name for f in dataclasses.fields(CompletionOutput)] == [
-        "index", "text", "token_ids", "cumulative_logprob", "logprobs", "routed_experts", "finish_reason",
-        "stop_reason", "lora_request", "sampling_mask", "spec_decode_metrics", "weight_versions"]
+        "index",
+        "text",
+        "token_ids",
+        "cumulative_logprob",
+        "logprobs",
+        "routed_experts",
+        "finish_reason",
+        "stop_reason",
+        "lora_request",
+        "sampling_mask",
+        "spec_decode_metrics",
+        "weight_versions",
+    ]
     assert [f.name for f in dataclasses.fields(Logprob)] == ["logprob", "rank", "decoded_token"]
-    assert [p.name for p in inspect.signature(RequestOutput).parameters.values()
-            if p.default is inspect.Parameter.empty] == [
-        "request_id", "prompt", "prompt_token_ids", "prompt_logprobs", "outputs", "finished"]
+    assert [
+        p.name
+        for p in inspect.signature(RequestOutput).parameters.values()
+        if p.default is inspect.Parameter.empty
+    ] == ["request_id", "prompt", "prompt_token_ids", "prompt_logprobs", "outputs", "finished"]
     ro = SPEC["classes"]["RequestOutput"]
     assert sorted(ro["attributes"]) == sorted(f["name"] for f in ro["fields"])  # every parameter stored as is
     assert SPEC["aliases"]["SampleLogprobs"]["value"] == "FlatLogprobs | list[LogprobsOnePosition]"
     assert SPEC["aliases"]["LogprobsOnePosition"]["value"] == "dict[int, Logprob]"
     flat = {f["name"]: f for f in SPEC["sampling_params"]["fields"]}
-    assert (flat["flat_logprobs"]["default"], flat["routed_experts_prompt_start"]["default"]) == ("False", "0")
+    assert (flat["flat_logprobs"]["default"], flat["routed_experts_prompt_start"]["default"]) == (
+        "False",
+        "0",
+    )
     assert FINISH_REASONS == ("stop", "length", "abort", "error", "repetition")
     assert SPEC["routed_experts"]["per_token"]["value"] == ["num_layers", "num_experts_per_tok"]
     assert SPEC["routed_experts"]["sizes"]["value"]["num_layers"] == "get_total_num_hidden_layers"
@@ -238,8 +319,10 @@ def test_the_pinned_facts_the_decoder_relies_on():
 def test_pin_matches_the_vllm_wheel():
     wheel = os.environ.get("MOE_RL_VLLM_WHEEL")
     if not wheel:
-        pytest.skip("MOE_RL_VLLM_WHEEL unset: point it at vllm-0.33.0-*.whl "
-                    "(pip download vllm==0.33.0 --no-deps) to check the pin against the wheel's source")
+        pytest.skip(
+            "MOE_RL_VLLM_WHEEL unset: point it at vllm-0.33.0-*.whl "
+            "(pip download vllm==0.33.0 --no-deps) to check the pin against the wheel's source"
+        )
     assert pin.diff(SPEC, pin.spec_from(wheel)) == []
 
 
@@ -251,16 +334,25 @@ def test_pin_matches_the_installed_vllm():
     from vllm.outputs import CompletionOutput as VllmCompletionOutput
     from vllm.outputs import RequestOutput as VllmRequestOutput
 
-    assert vllm.__version__ == SPEC["vllm"], "regenerate tests/rollout/vllm_format.json: scripts/pin_vllm_format.py"
+    assert vllm.__version__ == SPEC["vllm"], (
+        "regenerate tests/rollout/vllm_format.json: scripts/pin_vllm_format.py"
+    )
     found = pin.spec_from(Path(vllm.__file__).resolve().parent.parent)
     assert pin.diff(dict(SPEC, vllm=None), found) == []
-    for real, name in ((VllmCompletionOutput, "CompletionOutput"), (VllmLogprob, "Logprob"),
-                       (FlatLogprobs, "FlatLogprobs")):
-        assert [f.name for f in dataclasses.fields(real)] == [f["name"] for f in SPEC["classes"][name]["fields"]]
+    for real, name in (
+        (VllmCompletionOutput, "CompletionOutput"),
+        (VllmLogprob, "Logprob"),
+        (FlatLogprobs, "FlatLogprobs"),
+    ):
+        assert [f.name for f in dataclasses.fields(real)] == [
+            f["name"] for f in SPEC["classes"][name]["fields"]
+        ]
     params = list(inspect.signature(VllmRequestOutput).parameters.values())
     pinned = SPEC["classes"]["RequestOutput"]["fields"]
     assert [(p.name, p.kind == p.KEYWORD_ONLY) for p in params if p.kind != p.VAR_KEYWORD] == [
-        (f["name"], f["kw_only"]) for f in pinned]
-    sample = VllmRequestOutput(request_id="0", prompt=None, prompt_token_ids=[1], prompt_logprobs=None,
-                               outputs=[], finished=True)
+        (f["name"], f["kw_only"]) for f in pinned
+    ]
+    sample = VllmRequestOutput(
+        request_id="0", prompt=None, prompt_token_ids=[1], prompt_logprobs=None, outputs=[], finished=True
+    )
     assert all(hasattr(sample, f["name"]) for f in pinned)

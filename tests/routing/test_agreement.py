@@ -34,8 +34,12 @@ def test_agreement_over_micro_batches_and_layers_matches_hand_counts():
     native2 = _nlk([[1, 2], [0, 3]], [[3, 2], [0, 1]])
     target2 = _nlk([[1, 3], [0, 1]], [[2, 3], [0, 2]])
     c.add(native2, torch.tensor([2]), target=(target2, torch.tensor([True, False])))
-    c.add_missing({"rows_expected": torch.tensor(3.0, dtype=torch.float64),
-                   "rows_missing": torch.tensor(0.0, dtype=torch.float64)})
+    c.add_missing(
+        {
+            "rows_expected": torch.tensor(3.0, dtype=torch.float64),
+            "rows_missing": torch.tensor(0.0, dtype=torch.float64),
+        }
+    )
     out = c.finish()
     m = {k: _mean(v) for k, v in out.metrics.items()}
     # layer 0 flips on rows (mb1, 1) and (mb2, 0); layer 1 on (mb1, 1); 3 recorded rows
@@ -47,10 +51,19 @@ def test_agreement_over_micro_batches_and_layers_matches_hand_counts():
     assert m["routing/flip_token_frac"] == pytest.approx(2 / 3)
     assert m["routing/flip_layers_per_token"] == pytest.approx(1.0)
     assert m["routing/missing_frac"] == 0.0
-    assert sorted(m) == sorted(["routing/flip_router_frac/layer0", "routing/flip_router_frac/layer1",
-                                "routing/flip_router_frac", "routing/overlap_at_k/layer0",
-                                "routing/overlap_at_k/layer1", "routing/overlap_at_k", "routing/flip_token_frac",
-                                "routing/flip_layers_per_token", "routing/missing_frac"])
+    assert sorted(m) == sorted(
+        [
+            "routing/flip_router_frac/layer0",
+            "routing/flip_router_frac/layer1",
+            "routing/flip_router_frac",
+            "routing/overlap_at_k/layer0",
+            "routing/overlap_at_k/layer1",
+            "routing/overlap_at_k",
+            "routing/flip_token_frac",
+            "routing/flip_layers_per_token",
+            "routing/missing_frac",
+        ]
+    )
     # the kept native routes, as records: T - 1 rows per sequence, in batch order
     rec = out.recorded
     assert rec.rows_B.tolist() == [2, 1]
@@ -67,9 +80,15 @@ def test_old_route_comparison_is_filed_under_the_monitor_prefix():
     out = c.finish()
     m = {k: _mean(v) for k, v in out.metrics.items()}
     assert out.recorded is None and not any(k.startswith("routing/") for k in m)
-    assert m == pytest.approx({"router_grad/update_flip_frac/layer0": 0.5, "router_grad/update_flip_frac/layer1": 0.0,
-                               "router_grad/update_flip_frac": 0.25, "router_grad/update_flip_token_frac": 0.5,
-                               "router_grad/update_flip_layers_per_token": 0.5})
+    assert m == pytest.approx(
+        {
+            "router_grad/update_flip_frac/layer0": 0.5,
+            "router_grad/update_flip_frac/layer1": 0.0,
+            "router_grad/update_flip_frac": 0.25,
+            "router_grad/update_flip_token_frac": 0.5,
+            "router_grad/update_flip_layers_per_token": 0.5,
+        }
+    )
 
 
 @pytest.mark.unit

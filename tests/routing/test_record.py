@@ -59,12 +59,17 @@ def test_valid_batch_passes_and_select_matches_records():
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("mutate, needle", [
-    (lambda ids: ids.__setitem__((5, 1, 0), 9), "sample 1, layer 2, row 1: expert id 9 outside [0, 8)"),
-    (lambda ids: ids.__setitem__((6, 0), torch.tensor([3, 3], dtype=torch.uint8)),
-     "sample 2, layer 1, row 0: repeated expert ids [3, 3]"),
-    (lambda ids: ids.__setitem__((2, 2, 1), 255), "sample 0, layer 3, row 2: row mixes MISSING"),
-])
+@pytest.mark.parametrize(
+    "mutate, needle",
+    [
+        (lambda ids: ids.__setitem__((5, 1, 0), 9), "sample 1, layer 2, row 1: expert id 9 outside [0, 8)"),
+        (
+            lambda ids: ids.__setitem__((6, 0), torch.tensor([3, 3], dtype=torch.uint8)),
+            "sample 2, layer 1, row 0: repeated expert ids [3, 3]",
+        ),
+        (lambda ids: ids.__setitem__((2, 2, 1), 255), "sample 0, layer 3, row 2: row mixes MISSING"),
+    ],
+)
 def test_ingest_names_sample_layer_row(mutate, needle):
     routes = _random_routes([5, 3, 7])
     mutate(routes.ids_NLK)
@@ -78,19 +83,25 @@ def test_ingest_rejects_all_zero_layer_count_dtype_and_fingerprint():
     routes.ids_NLK[4:, 1] = torch.tensor([0, 1], dtype=torch.uint8)  # fine: distinct
     validate(routes, torch.tensor([5, 4]), HEADER)
     k1 = RouteHeader((1, 2, 3), 8, 1, HEADER.fingerprint)
-    zero = RouteBatch(torch.zeros(3, 3, 1, dtype=torch.uint8), torch.tensor([3]), torch.tensor([0]),
-                      torch.tensor([2]), k1)
+    zero = RouteBatch(
+        torch.zeros(3, 3, 1, dtype=torch.uint8), torch.tensor([3]), torch.tensor([0]), torch.tensor([2]), k1
+    )
     with pytest.raises(RouteError, match="sample 0, layer 1: every row routes to expert 0"):
         validate(zero, torch.tensor([4]), k1)
     with pytest.raises(RouteError, match="sample 1: 3 route rows for 5 tokens from position 0; expected 4"):
         validate(routes, torch.tensor([5, 5]), HEADER)
-    wide = RouteBatch(routes.ids_NLK.to(torch.int32), routes.rows_B, routes.start_B, routes.prompt_len_B, HEADER)
+    wide = RouteBatch(
+        routes.ids_NLK.to(torch.int32), routes.rows_B, routes.start_B, routes.prompt_len_B, HEADER
+    )
     with pytest.raises(RouteError, match="route dtype torch.int32, expected torch.uint8"):
         validate(wide, torch.tensor([5, 4]), HEADER)
     alien = RouteHeader(HEADER.layer_ids, 8, 2, "0123456789abcdef")
     with pytest.raises(RouteError, match="fingerprint 0123456789abcdef is not the learner model's"):
-        validate(RouteBatch(routes.ids_NLK, routes.rows_B, routes.start_B, routes.prompt_len_B, alien),
-                 torch.tensor([5, 4]), HEADER)
+        validate(
+            RouteBatch(routes.ids_NLK, routes.rows_B, routes.start_B, routes.prompt_len_B, alien),
+            torch.tensor([5, 4]),
+            HEADER,
+        )
 
 
 @pytest.mark.unit
@@ -118,7 +129,9 @@ def test_vllm_adapter_selects_moe_layers_by_global_number():
     with pytest.raises(RouteError, match="K=2, model top-k is 1"):
         from_vllm(arr, num_tokens=T, prompt_len=5, header=RouteHeader((1, 2, 3), 8, 1, "x"), prompt_start=2)
     big = RouteHeader((1, 2, 3), 256, 2, "x")  # vLLM sends uint8 for 256 experts; we widen
-    assert from_vllm(arr, num_tokens=T, prompt_len=5, header=big, prompt_start=2).ids_TLK.dtype == torch.uint16
+    assert (
+        from_vllm(arr, num_tokens=T, prompt_len=5, header=big, prompt_start=2).ids_TLK.dtype == torch.uint16
+    )
 
 
 @pytest.mark.unit
@@ -128,7 +141,12 @@ def test_vllm_adapter_widens_256_experts_and_refuses_ids_outside_the_experts():
     arr = np.zeros((4, 2, 2), dtype=np.uint8)
     arr[:, 1] = [[255, 0], [254, 1], [3, 2], [7, 128]]
     rec = from_vllm(arr, num_tokens=5, prompt_len=3, header=RouteHeader((1,), 256, 2, "x"), num_layers=2)
-    assert rec.ids_TLK.dtype == torch.uint16 and rec.ids_TLK[:, 0].tolist() == [[255, 0], [254, 1], [3, 2], [7, 128]]
+    assert rec.ids_TLK.dtype == torch.uint16 and rec.ids_TLK[:, 0].tolist() == [
+        [255, 0],
+        [254, 1],
+        [3, 2],
+        [7, 128],
+    ]
     with pytest.raises(RouteError) as e:
         from_vllm(arr, num_tokens=5, prompt_len=3, header=RouteHeader((1,), 200, 2, "x"), sample=3)
     assert str(e.value) == "sample 3, layer 1, row 0: vLLM expert id 255 outside [0, 200)"
@@ -142,8 +160,10 @@ def test_vllm_adapter_widens_256_experts_and_refuses_ids_outside_the_experts():
     assert rec.ids_TLK.dtype == torch.uint16 and rec.ids_TLK[:, 0, 0].tolist() == [255, 254, 299, 7]
     with pytest.raises(RouteError) as e:
         from_vllm(arr, num_tokens=5, prompt_len=3, header=RouteHeader((1,), 300, 2, "x"))
-    assert str(e.value) == ("sample 0: vLLM routed_experts dtype is uint8, expected uint16 for 300 experts "
-                            "(vLLM 0.33: uint8 up to 256 experts, else uint16)")
+    assert str(e.value) == (
+        "sample 0: vLLM routed_experts dtype is uint8, expected uint16 for 300 experts "
+        "(vLLM 0.33: uint8 up to 256 experts, else uint16)"
+    )
 
 
 @pytest.mark.unit
@@ -195,17 +215,24 @@ def test_topk_agreement_ignores_order():
 
 # ---------------------------------------------- ingest never repairs (issue 14 point 4)
 
+
 @pytest.mark.unit
 def test_from_records_refuses_other_dtypes_and_layer_counts_naming_the_sample():
     good = _random_routes([5, 4]).records()
     wide = RouteRecord(good[1].ids_TLK.to(torch.int64), 2, 0, HEADER)
     with pytest.raises(RouteError) as e:
         RouteBatch.from_records([good[0], wide])
-    assert str(e.value) == "sample 1: route dtype torch.int64, expected torch.uint8 for 8 experts (nothing is cast)"
+    assert (
+        str(e.value)
+        == "sample 1: route dtype torch.int64, expected torch.uint8 for 8 experts (nothing is cast)"
+    )
     more = RouteRecord(torch.zeros(3, 4, 2, dtype=torch.uint8), 2, 0, HEADER)  # 4 layers, the model has 3 MoE
     with pytest.raises(RouteError) as e:
         RouteBatch.from_records([good[0], good[1], more])
-    assert str(e.value) == "sample 2: route shape (3, 4, 2), expected [rows, 3 MoE layers, 2] (MoE layers [1, 2, 3])"
+    assert (
+        str(e.value)
+        == "sample 2: route shape (3, 4, 2), expected [rows, 3 MoE layers, 2] (MoE layers [1, 2, 3])"
+    )
 
 
 @pytest.mark.unit
@@ -227,12 +254,16 @@ def test_load_records_refuses_cut_or_foreign_blobs():
     with pytest.raises(RouteError) as e:
         load_records(b"not a blob at all")
     assert str(e.value).startswith("route records: not a complete route-record blob (")
-    from safetensors.torch import save as st_save
-    import json
     import dataclasses
+    import json
+
+    from safetensors.torch import save as st_save
+
     ids = torch.zeros(5, 3, 2, dtype=torch.uint8)
-    lying = st_save({"ids": ids, "rows": torch.tensor([4, 3]), "meta": torch.zeros(2, 2, dtype=torch.int64)},
-                    metadata={"header": json.dumps(dataclasses.asdict(HEADER))})
+    lying = st_save(
+        {"ids": ids, "rows": torch.tensor([4, 3]), "meta": torch.zeros(2, 2, dtype=torch.int64)},
+        metadata={"header": json.dumps(dataclasses.asdict(HEADER))},
+    )
     with pytest.raises(RouteError) as e:
         load_records(lying, name="r.st")
     assert str(e.value) == "r.st: row counts [4, 3] (sum 7) do not match 5 id rows and meta (2, 2)"

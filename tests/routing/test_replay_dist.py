@@ -23,7 +23,9 @@ def _data(rank: int):
     g = torch.Generator().manual_seed(200 + rank)
     lens_B = torch.tensor([10, 6, 8, 4]) if rank == 0 else torch.tensor([7, 10, 5, 9])
     pos_S = torch.arange(S)
-    tokens_BS = torch.where(pos_S[None] < lens_B[:, None], torch.randint(3, MODEL.vocab_size, (4, S), generator=g), 0)
+    tokens_BS = torch.where(
+        pos_S[None] < lens_B[:, None], torch.randint(3, MODEL.vocab_size, (4, S), generator=g), 0
+    )
     mask_BS = (pos_S[None] >= 2) & (pos_S[None] < lens_B[:, None])
     return tokens_BS, lens_B, mask_BS
 
@@ -35,7 +37,9 @@ def _routes(rank: int, lens_B: torch.Tensor, header):
     rows_B = lens_B - 1
     n = int(rows_B.sum())
     ids_NLK = torch.rand(n, len(header.layer_ids), MODEL.num_experts, generator=g).argsort(-1)[..., :2]
-    return RouteBatch(ids_NLK.to(torch.uint8), rows_B, torch.zeros(4, dtype=torch.int64), torch.full((4,), 2), header)
+    return RouteBatch(
+        ids_NLK.to(torch.uint8), rows_B, torch.zeros(4, dtype=torch.int64), torch.full((4,), 2), header
+    )
 
 
 def _nll(mb, st, normalizer):
@@ -54,6 +58,7 @@ def _capture(learner):
 
         def hook(mod, inp, out, lid=lid):
             seen.setdefault(lid, []).append((inp[0].detach().reshape(-1, inp[0].shape[-1]), out[1].detach()))
+
         handles.append(router.register_forward_hook(hook))
     return seen, handles
 
@@ -78,6 +83,7 @@ def _hf_router_grads(weights, routes_by_rank, data_by_rank, header):
                 native = torch.topk(logits, 2, dim=-1).indices
                 idx = torch.where(forced_NK >= 0, forced_NK, native)
                 return logits, torch.softmax(logits.gather(1, idx), -1), idx
+
             return forward
 
         for pos, lid in enumerate(header.layer_ids):
@@ -126,17 +132,23 @@ def _worker(rank: int):
         x_NH, map_NE = seen[lid][0]
         chosen_NK = map_NE.nonzero()[:, 1].view(-1, 2)
         flat = routes.position_N * B + routes.sample_N
-        forced_ok &= bool((chosen_NK[flat].sort(-1).values == routes.ids_NLK[:, pos].long().sort(-1).values).all())
+        forced_ok &= bool(
+            (chosen_NK[flat].sort(-1).values == routes.ids_NLK[:, pos].long().sort(-1).values).all()
+        )
         router_w = learner.gpt.decoder.layers[lid].mlp.router.weight
         native_NK = torch.topk(x_NH.float() @ router_w.float().t(), 2, dim=-1).indices
         last = (lens_B - 1) * B + torch.arange(B)
         last_native_ok &= bool((chosen_NK[last].sort(-1).values == native_NK[last].sort(-1).values).all())
         pad_N = (torch.arange(S)[:, None] >= lens_B[None, :]).reshape(-1)
-        pad_ok &= bool((chosen_NK[pad_N].sort(-1).values
-                        == pad_routes(int(pad_N.sum()), 2, 4, 2).sort(-1).values).all())
+        pad_ok &= bool(
+            (chosen_NK[pad_N].sort(-1).values == pad_routes(int(pad_N.sum()), 2, 4, 2).sort(-1).values).all()
+        )
     out.update(forced_ok=forced_ok, last_native_ok=last_native_ok, pad_ok=pad_ok)
-    out["flip_metrics"] = {k: float(v.sum / v.count) for k, v in out_replay.routing.metrics.items()
-                           if k in ("routing/flip_router_frac", "routing/missing_frac")}
+    out["flip_metrics"] = {
+        k: float(v.sum / v.count)
+        for k, v in out_replay.routing.metrics.items()
+        if k in ("routing/flip_router_frac", "routing/missing_frac")
+    }
 
     # (1b) router-gradient monitor: with softmax over the top-k logits and no aux loss only the
     # K selected logits of a token get gradient: exactly (E - K) / E of the entries get none
@@ -147,11 +159,16 @@ def _worker(rank: int):
 
     # (1c) update-induced flips, replay off: an update forward with the old pass's weights is the
     # same forward (determinism check, docs/math.md 7.2 item 5): exactly 0 on CPU
-    old_routes = learner.forward_logprobs(plain, 1.0, 2, PassPlan(PassMode.OBSERVE, keep_native=True)).routing.recorded
+    old_routes = learner.forward_logprobs(
+        plain, 1.0, 2, PassPlan(PassMode.OBSERVE, keep_native=True)
+    ).routing.recorded
     mb_old = plain.replace(loss_mask_BS=mask_BS, old_routes=old_routes)
     _, routing = learner.forward_backward(mb_old, _nll, 1.0, 2, observe)
-    out["update_flip_same"] = {k: float(v.sum / v.count) for k, v in routing.metrics.items()
-                               if k.startswith("router_grad/update_flip")}
+    out["update_flip_same"] = {
+        k: float(v.sum / v.count)
+        for k, v in routing.metrics.items()
+        if k.startswith("router_grad/update_flip")
+    }
     learner.router_monitor_metrics()
 
     # (2) micro-batching: 2 micro-batches of 2 give the same log-probs as 1 of 4
@@ -164,10 +181,16 @@ def _worker(rank: int):
     learner.forward_backward(batch, _nll, 1.0, 2, replay)
     grads = learner.canonical_grads()
     data_by_rank = [_data(r) for r in range(2)]
-    hf = _hf_router_grads(weights, [_routes(r, data_by_rank[r][1], header) for r in range(2)], data_by_rank, header)
-    out["router_grad_min_norm"] = min(float(grads[f"model.layers.{lid}.mlp.gate.weight"].norm()) for lid in hf)
-    out["router_grad_rel"] = max(float((grads[f"model.layers.{lid}.mlp.gate.weight"] - g).abs().max() / g.abs().max())
-                                 for lid, g in hf.items())
+    hf = _hf_router_grads(
+        weights, [_routes(r, data_by_rank[r][1], header) for r in range(2)], data_by_rank, header
+    )
+    out["router_grad_min_norm"] = min(
+        float(grads[f"model.layers.{lid}.mlp.gate.weight"].norm()) for lid in hf
+    )
+    out["router_grad_rel"] = max(
+        float((grads[f"model.layers.{lid}.mlp.gate.weight"] - g).abs().max() / g.abs().max())
+        for lid, g in hf.items()
+    )
 
     # (4) R2: record natively, replay the record -> the native pass, bitwise
     native = learner.forward_logprobs(plain, 1.0, 4, record)
@@ -175,7 +198,9 @@ def _worker(rank: int):
     out["recorded_rows"] = recorded.rows_B.tolist()
     r2 = learner.forward_logprobs(plain.replace(routes=recorded), 1.0, 2, replay)
     out["r2_equal"] = bool(torch.equal(r2.stats.logp_BS[real_BS], logp_native[real_BS]))
-    out["r2_flip"] = float(sum(v.sum for k, v in r2.routing.metrics.items() if k == "routing/flip_router_frac"))
+    out["r2_flip"] = float(
+        sum(v.sum for k, v in r2.routing.metrics.items() if k == "routing/flip_router_frac")
+    )
 
     # (5) fail closed: a stale batch, and routes that were never consumed
     with pytest.raises(ReplayError, match="forward without routes"):
@@ -203,8 +228,11 @@ def _worker(rank: int):
     # expert sets move away from the old pass's: the same metric is then positive
     learner.update(mb_old, _nll, 1.0, 2, lr=1e-2, plan=observe)
     _, routing = learner.forward_backward(mb_old, _nll, 1.0, 2, observe)
-    out["update_flip_after_step"] = {k: float(v.sum / v.count) for k, v in routing.metrics.items()
-                                     if k.startswith("router_grad/update_flip")}
+    out["update_flip_after_step"] = {
+        k: float(v.sum / v.count)
+        for k, v in routing.metrics.items()
+        if k.startswith("router_grad/update_flip")
+    }
     dist.shutdown()
     return out
 
@@ -223,17 +251,36 @@ def test_replay_in_megatron():
         assert r["fail_closed"]
         assert r["monitor"]["router_grad/zero_frac"] == 0.5 and r["monitor"]["router_grad/norm"] > 0, r
         layer = r["monitor_layer"]
-        assert layer["router_grad/zero_frac/layer1"] == 0.5 and 0 < layer["router_grad/load_entropy/layer1"] <= 1
-        assert layer["router_grad/margin_mean/layer1"] > 0 and 0 <= layer["router_grad/near_boundary_frac/layer1"] <= 1
-        assert 0 < layer["router_grad/margin_p1/layer1"] <= layer["router_grad/margin_p5/layer1"] \
-            <= layer["router_grad/margin_p50/layer1"], layer
-        assert layer["router_grad/logit_grad_norm_max/layer1"] >= layer["router_grad/logit_grad_norm_mean/layer1"] > 0
+        assert (
+            layer["router_grad/zero_frac/layer1"] == 0.5 and 0 < layer["router_grad/load_entropy/layer1"] <= 1
+        )
+        assert (
+            layer["router_grad/margin_mean/layer1"] > 0
+            and 0 <= layer["router_grad/near_boundary_frac/layer1"] <= 1
+        )
+        assert (
+            0
+            < layer["router_grad/margin_p1/layer1"]
+            <= layer["router_grad/margin_p5/layer1"]
+            <= layer["router_grad/margin_p50/layer1"]
+        ), layer
+        assert (
+            layer["router_grad/logit_grad_norm_max/layer1"]
+            >= layer["router_grad/logit_grad_norm_mean/layer1"]
+            > 0
+        )
         assert r["monitor"]["router_grad/zero_frac_expected"] == 0.5
         same, moved = r["update_flip_same"], r["update_flip_after_step"]
-        assert set(same) == {"router_grad/update_flip_frac", "router_grad/update_flip_frac/layer1",
-                             "router_grad/update_flip_frac/layer2", "router_grad/update_flip_token_frac",
-                             "router_grad/update_flip_layers_per_token"}, same
+        assert set(same) == {
+            "router_grad/update_flip_frac",
+            "router_grad/update_flip_frac/layer1",
+            "router_grad/update_flip_frac/layer2",
+            "router_grad/update_flip_token_frac",
+            "router_grad/update_flip_layers_per_token",
+        }, same
         assert all(v == 0.0 for v in same.values()), same
-        assert 0 < moved["router_grad/update_flip_frac"] <= moved["router_grad/update_flip_token_frac"] <= 1, moved
+        assert (
+            0 < moved["router_grad/update_flip_frac"] <= moved["router_grad/update_flip_token_frac"] <= 1
+        ), moved
         assert r["recompute_grad_diff"] < 1e-6, r
         assert r["recompute_served"] == [(2, 2), (2, 2)], r

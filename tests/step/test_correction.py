@@ -29,8 +29,14 @@ def _batch():
 
 def _train_batch(mask, rollout, adv, **fields):
     B, S = mask.shape
-    return TrainBatch(torch.zeros(B, S, dtype=torch.int64), torch.full((B,), S), loss_mask_BS=mask,
-                      rollout_logp_BS=rollout, advantages_BS=adv, **fields)
+    return TrainBatch(
+        torch.zeros(B, S, dtype=torch.int64),
+        torch.full((B,), S),
+        loss_mask_BS=mask,
+        rollout_logp_BS=rollout,
+        advantages_BS=adv,
+        **fields,
+    )
 
 
 def _stats(logp):
@@ -55,8 +61,9 @@ def test_seq_mis_weights_and_rejects_the_drifted_sequence():
     w = corr.is_weights_BS
     assert w[1, 1].item() == pytest.approx(2.0)  # e^1.0 truncated at is_clip = 2
     assert w[0, 1].item() == pytest.approx(1.0) and not w.requires_grad
-    assert float(metrics["corr/rs_seq_masked_fraction"].sum / metrics["corr/rs_seq_masked_fraction"].count) \
-        == pytest.approx(1 / 3)
+    assert float(
+        metrics["corr/rs_seq_masked_fraction"].sum / metrics["corr/rs_seq_masked_fraction"].count
+    ) == pytest.approx(1 / 3)
 
 
 @pytest.mark.unit
@@ -68,7 +75,9 @@ def test_trm_against_old_masks_whole_sequences_and_keeps_the_normaliser():
     loss = plan.loss
     adv = torch.ones(3, 4)
     logp = old.clone().requires_grad_(True)
-    mb = _train_batch(mask, rollout, adv, old_logp_BS=old, keep_BS=corr.keep_BS, is_weights_BS=corr.is_weights_BS)
+    mb = _train_batch(
+        mask, rollout, adv, old_logp_BS=old, keep_BS=corr.keep_BS, is_weights_BS=corr.is_weights_BS
+    )
     value, _ = loss(mb, _stats(logp), mask.sum().float())
     # ratio 1 everywhere: loss = -sum over KEPT tokens of A / (ALL loss tokens): 6 / 8
     assert value.item() == pytest.approx(-6 / 8)
@@ -96,9 +105,20 @@ def test_learner_refuses_a_log_prob_support_mismatch():
     plan = _plan(None, "correction.dvp_threshold=0.05")
     assert plan.correction.support == "dvp:relative:0.05"  # the engine's sampling params say so
     z = torch.zeros(1, 3)
-    batch = RolloutBatch(z.long(), torch.ones(1).long(), torch.ones(1).long(), z.bool(), z, [],
-                         torch.zeros(1).long(), torch.ones(1).bool(), logprob_support="full")
-    with pytest.raises(ValueError, match="support 'full' but the learner computes them over 'dvp:relative:0.05'"):
+    batch = RolloutBatch(
+        z.long(),
+        torch.ones(1).long(),
+        torch.ones(1).long(),
+        z.bool(),
+        z,
+        [],
+        torch.zeros(1).long(),
+        torch.ones(1).bool(),
+        logprob_support="full",
+    )
+    with pytest.raises(
+        ValueError, match="support 'full' but the learner computes them over 'dvp:relative:0.05'"
+    ):
         correction.token_inputs(plan.correction, batch)
     batch.logprob_support = "dvp:relative:0.05"
     with pytest.raises(ValueError, match="returned no safe sets"):

@@ -24,48 +24,106 @@ from moe_rl.step.update import update_policy
 from moe_rl.types import TokenStats
 from tests.step.test_prepare import OLD_LOGP, _Learner, _rollout
 
-TRM_MAX = TrmPlan(exact=False, max_delta=0.05, avg_delta=None, length_neutral="none", ln_threshold=0.05,
-                  ln_eps=0.05, ln_delta=0.001)
+TRM_MAX = TrmPlan(
+    exact=False,
+    max_delta=0.05,
+    avg_delta=None,
+    length_neutral="none",
+    ln_threshold=0.05,
+    ln_eps=0.05,
+    ln_delta=0.001,
+)
 
 
 @pytest.mark.unit
 def test_trm_and_token_is_resolve_into_the_plan_and_the_decoupled_loss():
-    cfg = load_config(None, ["correction.trm.max=0.05", "correction.is_level=token", "correction.is_clip=3",
-                             "correction.dual_clip_c=3", "algo.kl_coef=0.1", "routing.replay=r3",
-                             "log.router_monitor=false"])
+    cfg = load_config(
+        None,
+        [
+            "correction.trm.max=0.05",
+            "correction.is_level=token",
+            "correction.is_clip=3",
+            "correction.dual_clip_c=3",
+            "algo.kl_coef=0.1",
+            "routing.replay=r3",
+            "log.router_monitor=false",
+        ],
+    )
     plan = StepPlan.from_config(cfg, (7,))
-    assert plan.correction == CorrectionPlan("full", safe_sets=False, full_dists=False, decoupled=True,
-                                             is_level="token", is_clip=3.0, is_batch_normalize=False, rs=(),
-                                             rs_bounds=(), trm_old=TRM_MAX)
+    assert plan.correction == CorrectionPlan(
+        "full",
+        safe_sets=False,
+        full_dists=False,
+        decoupled=True,
+        is_level="token",
+        is_clip=3.0,
+        is_batch_normalize=False,
+        rs=(),
+        rs_bounds=(),
+        trm_old=TRM_MAX,
+    )
     assert plan.loss.func is correction.decoupled_loss
-    assert plan.loss.keywords == {"trm_theta": None, "clip_low": 0.2, "clip_high": 0.28, "clip_ratio_c": 3.0,
-                                  "kl_coef": 0.1, "kl_kind": "k3"}
+    assert plan.loss.keywords == {
+        "trm_theta": None,
+        "clip_low": 0.2,
+        "clip_high": 0.28,
+        "clip_ratio_c": 3.0,
+        "kl_coef": 0.1,
+        "kl_kind": "k3",
+    }
     assert plan.replay == ReplayPlan(ReplayMode.R3, True, False)
     assert plan.advantage is advantages.grpo and plan.std_norm is True and plan.reference is True
     assert plan.sampling == sampling_params(cfg, (7,)) and plan.sampling.stop_token_ids == (7,)
-    assert (plan.micro_batch_size, plan.num_minibatches, plan.steps) == (cfg.algo.micro_batch_size,
-                                                                         cfg.algo.num_minibatches, cfg.steps)
+    assert (plan.micro_batch_size, plan.num_minibatches, plan.steps) == (
+        cfg.algo.micro_batch_size,
+        cfg.algo.num_minibatches,
+        cfg.steps,
+    )
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.loss = None
 
 
 @pytest.mark.unit
 def test_bypass_theta_trm_exact_kl_and_dvp_pick_the_bypass_loss():
-    cfg = load_config("configs/corrections/bypass_reinforce.yaml",
-                      ["correction.trm.max=0.05", "correction.trm.reference=theta", "correction.trm.kl=exact",
-                       "correction.dvp_threshold=0.1",
-                       "correction.rejection=[{option: seq_sum_k1, lower: 0.5, upper: 2.0}]",
-                       "algo.advantage=rloo"])
+    cfg = load_config(
+        "configs/corrections/bypass_reinforce.yaml",
+        [
+            "correction.trm.max=0.05",
+            "correction.trm.reference=theta",
+            "correction.trm.kl=exact",
+            "correction.dvp_threshold=0.1",
+            "correction.rejection=[{option: seq_sum_k1, lower: 0.5, upper: 2.0}]",
+            "algo.advantage=rloo",
+        ],
+    )
     plan = StepPlan.from_config(cfg)
     exact = dataclasses.replace(TRM_MAX, exact=True)
     # bypass mode corrects in the loss: no per-batch tensors, TRM against pi_theta lives in the loss
-    assert plan.correction == CorrectionPlan("dvp:relative:0.1", safe_sets=True, full_dists=True, decoupled=False,
-                                             is_level="sequence", is_clip=2.0, rs=("seq_sum_k1",),
-                                             rs_bounds=((0.5, 2.0),), trm_old=None)
+    assert plan.correction == CorrectionPlan(
+        "dvp:relative:0.1",
+        safe_sets=True,
+        full_dists=True,
+        decoupled=False,
+        is_level="sequence",
+        is_clip=2.0,
+        rs=("seq_sum_k1",),
+        rs_bounds=((0.5, 2.0),),
+        trm_old=None,
+    )
     assert plan.loss.func is correction.bypass_loss
-    assert plan.loss.keywords == {"trm_theta": exact, "mode": "reinforce", "is_clip_max": 2.0, "is_level": "sequence",
-                                  "rs_options": ("seq_sum_k1",), "rs_bounds": ((0.5, 2.0),), "clip_low": 0.2,
-                                  "clip_high": 0.28, "clip_ratio_c": None, "kl_coef": 0.0, "kl_kind": "k3"}
+    assert plan.loss.keywords == {
+        "trm_theta": exact,
+        "mode": "reinforce",
+        "is_clip_max": 2.0,
+        "is_level": "sequence",
+        "rs_options": ("seq_sum_k1",),
+        "rs_bounds": ((0.5, 2.0),),
+        "clip_low": 0.2,
+        "clip_high": 0.28,
+        "clip_ratio_c": None,
+        "kl_coef": 0.0,
+        "kl_kind": "k3",
+    }
     assert plan.advantage is advantages.rloo and plan.reference is False
 
 
@@ -78,14 +136,18 @@ class _LossLearner(_Learner):
 
     def update(self, batch, loss_fn, temperature, micro_batch_size, lr, plan=None):
         self.passes.append(("update", batch, plan))
-        value, metrics = loss_fn(batch, TokenStats(batch.old_logp_BS.clone(), batch.old_logp_BS, batch.old_logp_BS),
-                                 batch.loss_mask_BS.sum())
+        value, metrics = loss_fn(
+            batch,
+            TokenStats(batch.old_logp_BS.clone(), batch.old_logp_BS, batch.old_logp_BS),
+            batch.loss_mask_BS.sum(),
+        )
         self.values.append(float(value))
         return UpdateOutput(1.5, [metrics], RoutingOutcome())
 
 
 def _no_config_reads(monkeypatch) -> None:
     """Any attribute read of a run, algo or correction config raises from here on."""
+
     def refuse(obj, name):
         raise AssertionError(f"{type(obj).__name__}.{name} read during a step")
 
@@ -95,8 +157,17 @@ def _no_config_reads(monkeypatch) -> None:
 
 @pytest.mark.unit
 def test_a_step_runs_from_the_plan_alone(monkeypatch):
-    cfg = load_config(None, ["correction.trm.max=0.05", "correction.trm.reference=theta", "correction.is_level=token",
-                             "algo.kl_coef=0.1", "algo.num_minibatches=1", "log.router_monitor=false"])
+    cfg = load_config(
+        None,
+        [
+            "correction.trm.max=0.05",
+            "correction.trm.reference=theta",
+            "correction.is_level=token",
+            "algo.kl_coef=0.1",
+            "algo.num_minibatches=1",
+            "log.router_monitor=false",
+        ],
+    )
     plan = StepPlan.from_config(cfg)
     learner, rollout = _LossLearner(), _rollout()
     # sequence 1 drifted further from the engine: log rho 0.5, k2 0.125 > 0.05 (the others 0.25, k2 0.03125)

@@ -38,9 +38,19 @@ def _rollout() -> RolloutBatch:
     for b in range(4):  # valid records: distinct ids, T - 1 rows
         rows = int(prompt_B[b] + resp_B[b]) - 1
         ids_TLK = torch.stack([torch.tensor([(r + b) % 4, (r + b + 1) % 4]) for r in range(rows)])
-        routes.append(ids_TLK[:, None, :].expand(rows, len(HEADER.layer_ids), 2).to(HEADER.dtype).contiguous())
-    return RolloutBatch(tokens_BS, prompt_B, resp_B, mask_BS, torch.where(mask_BS, ROLLOUT_LOGP, 0.0), routes,
-                        torch.tensor([0, 0, 1, 1]), torch.tensor([True, False, True, True]))
+        routes.append(
+            ids_TLK[:, None, :].expand(rows, len(HEADER.layer_ids), 2).to(HEADER.dtype).contiguous()
+        )
+    return RolloutBatch(
+        tokens_BS,
+        prompt_B,
+        resp_B,
+        mask_BS,
+        torch.where(mask_BS, ROLLOUT_LOGP, 0.0),
+        routes,
+        torch.tensor([0, 0, 1, 1]),
+        torch.tensor([True, False, True, True]),
+    )
 
 
 class _Learner:
@@ -53,9 +63,13 @@ class _Learner:
         self.dims = dataclasses.make_dataclass("Dims", [("dp_group", object, None)])()
         self.passes: list[tuple[str, TrainBatch, PassPlan | None]] = []
         self.losses: list = []
-        self.recorded = RouteBatch(torch.zeros(0, len(HEADER.layer_ids), 2, dtype=HEADER.dtype),
-                                   torch.zeros(4, dtype=torch.int64), torch.zeros(4, dtype=torch.int64),
-                                   torch.full((4,), 2), HEADER)
+        self.recorded = RouteBatch(
+            torch.zeros(0, len(HEADER.layer_ids), 2, dtype=HEADER.dtype),
+            torch.zeros(4, dtype=torch.int64),
+            torch.zeros(4, dtype=torch.int64),
+            torch.full((4,), 2),
+            HEADER,
+        )
 
     def forward_logprobs(self, batch, temperature, micro_batch_size, plan=None, reference=False):
         self.passes.append(("ref" if reference else "old", batch, plan))
@@ -83,8 +97,14 @@ def test_replay_plan_table():
     assert (off.needs_old_routes, r2.needs_old_routes, r3.needs_old_routes) == (False, True, False)
     assert ReplayPlan(ReplayMode.R3, True, True).needs_old_routes  # the monitor keeps the old routes
     assert off.update_routes("rollout", "recorded") is None
-    assert (r2.update_routes("rollout", "recorded"), r3.update_routes("rollout", "recorded")) == ("recorded", "rollout")
-    assert ReplayPlan(ReplayMode.R3, False, False).reference_pass is None and r3.reference_pass.mode is PassMode.REPLAY
+    assert (r2.update_routes("rollout", "recorded"), r3.update_routes("rollout", "recorded")) == (
+        "recorded",
+        "rollout",
+    )
+    assert (
+        ReplayPlan(ReplayMode.R3, False, False).reference_pass is None
+        and r3.reference_pass.mode is PassMode.REPLAY
+    )
     with pytest.raises(ValueError):
         ReplayPlan.from_config("r4", True, False)
 
@@ -92,10 +112,16 @@ def test_replay_plan_table():
 @pytest.mark.unit
 def test_train_batch_select_micro_batches_and_to_make_new_batches():
     rollout = _rollout()
-    tb = TrainBatch(rollout.tokens_BS, rollout.prompt_lens_B + rollout.response_lens_B,
-                    loss_mask_BS=rollout.response_mask_BS, advantages_BS=torch.arange(20.).view(4, 5))
+    tb = TrainBatch(
+        rollout.tokens_BS,
+        rollout.prompt_lens_B + rollout.response_lens_B,
+        loss_mask_BS=rollout.response_mask_BS,
+        advantages_BS=torch.arange(20.0).view(4, 5),
+    )
     sel = tb.select(torch.tensor([2, 0]))
-    assert torch.equal(sel.seq_lens_B, torch.tensor([4, 5])) and torch.equal(sel.advantages_BS[1], torch.arange(5.))
+    assert torch.equal(sel.seq_lens_B, torch.tensor([4, 5])) and torch.equal(
+        sel.advantages_BS[1], torch.arange(5.0)
+    )
     assert sel.old_logp_BS is None and tb.num_seqs == 4 and sel.num_seqs == 2
     mbs = tb.micro_batches(3, token_multiple=1, seq_multiple=2)
     # lengths 5, 3, 4 -> S = 5 rounded up to 6; then 4 -> 4
@@ -111,8 +137,17 @@ def test_train_batch_select_micro_batches_and_to_make_new_batches():
 @pytest.mark.unit
 @pytest.mark.parametrize("mode", ["off", "r2", "r3"])
 def test_prepare_routes_each_pass_as_the_plan_says(mode):
-    plan = StepPlan.from_config(load_config(None, [f"routing.replay={mode}", "algo.kl_coef=0.1",
-                                                   "correction.is_level=token", "log.router_monitor=true"]))
+    plan = StepPlan.from_config(
+        load_config(
+            None,
+            [
+                f"routing.replay={mode}",
+                "algo.kl_coef=0.1",
+                "correction.is_level=token",
+                "log.router_monitor=true",
+            ],
+        )
+    )
     learner, rollout = _Learner(), _rollout()
     rewards_B = torch.tensor([1.0, 0.0, 0.5, 0.5])
     old = old_logprobs(plan, learner, rollout)
@@ -141,11 +176,15 @@ def test_prepare_routes_each_pass_as_the_plan_says(mode):
 
 @pytest.mark.unit
 def test_update_splits_by_minibatch_and_averages_grad_norms():
-    plan = StepPlan.from_config(load_config(None, ["algo.num_minibatches=2", "routing.replay=r3",
-                                                   "log.router_monitor=false"]))
+    plan = StepPlan.from_config(
+        load_config(None, ["algo.num_minibatches=2", "routing.replay=r3", "log.router_monitor=false"])
+    )
     learner, rollout = _Learner(), _rollout()
-    tb = TrainBatch(rollout.tokens_BS, rollout.prompt_lens_B + rollout.response_lens_B,
-                    loss_mask_BS=rollout.response_mask_BS)
+    tb = TrainBatch(
+        rollout.tokens_BS,
+        rollout.prompt_lens_B + rollout.response_lens_B,
+        loss_mask_BS=rollout.response_mask_BS,
+    )
     m = update_policy(plan, learner, tb, lr=0.5)
     sizes = [b.seq_lens_B.tolist() for _, b, _ in learner.passes]
     assert sizes == [[5, 3], [4, 4]] and all(p == plan.replay.update_pass for _, _, p in learner.passes)

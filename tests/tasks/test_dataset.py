@@ -30,6 +30,7 @@ GOOD = json.dumps({"prompt": "R12:", "answer": "21"})
 
 # ---------------------------------------------------------------- generated tasks
 
+
 @pytest.mark.unit
 def test_generated_sample_is_deterministic_and_seed_dependent() -> None:
     src = GeneratedTasks(["reverse", "sort", "copy"], 2, 5, TOK)
@@ -76,19 +77,18 @@ def test_generated_single_task_and_validation() -> None:
     assert GeneratedTasks(["sort", "copy", "sort"], 2, 5, TOK).task_names == ("sort", "copy")
     assert {p.task for p in prompts} == {"sort"}
     assert all(len(p.prompt_ids) == 1 + 1 + 3 + 1 for p in prompts)
-    with pytest.raises(ValueError,
-                       match=r"unknown task\(s\) \['revers'\]; known tasks: \[.*'reverse'"):
+    with pytest.raises(ValueError, match=r"unknown task\(s\) \['revers'\]; known tasks: \[.*'reverse'"):
         GeneratedTasks(["revers"], 2, 5, TOK)
     with pytest.raises(ValueError, match="no tasks given"):
         GeneratedTasks([], 2, 5, TOK)
     with pytest.raises(ValueError, match=r"min_len \(3\) <= max_len \(2\)"):
         GeneratedTasks(["copy"], 3, 2, TOK)
-    with pytest.raises(ValueError,
-                       match=r"unknown reward 'bleu'; known: \['char_accuracy'"):
+    with pytest.raises(ValueError, match=r"unknown reward 'bleu'; known: \['char_accuracy'"):
         GeneratedTasks(["copy"], 2, 3, TOK, reward="bleu")
 
 
 # ---------------------------------------------------------------- factory
+
 
 @pytest.mark.unit
 def test_build_prompt_source(tmp_path: Path) -> None:
@@ -99,7 +99,9 @@ def test_build_prompt_source(tmp_path: Path) -> None:
     path = _write(tmp_path, [GOOD])
     ds = build_prompt_source(["reverse"], 2, 4, str(path), "char_accuracy", TOK)
     assert isinstance(ds, RowDataset)
-    assert ds.sample_step(0, 2, 0, 1, 0) == [Prompt(TOK.encode("R12:", bos=True), "21", "char_accuracy",
-                                                    "dataset", text="R12:")] * 2
+    assert (
+        ds.sample_step(0, 2, 0, 1, 0)
+        == [Prompt(TOK.encode("R12:", bos=True), "21", "char_accuracy", "dataset", text="R12:")] * 2
+    )
     with pytest.raises(ValueError, match="unknown task"):
         build_prompt_source(["nope"], 2, 4, "", "exact_match", TOK)

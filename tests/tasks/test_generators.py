@@ -24,11 +24,14 @@ def test_registry_has_the_default_mix_and_rejects_duplicates() -> None:
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("name,tag,expected", [
-    ("reverse", "R", lambda d: d[::-1]),
-    ("sort", "S", lambda d: "".join(sorted(d))),
-    ("copy", "C", lambda d: d),
-])
+@pytest.mark.parametrize(
+    "name,tag,expected",
+    [
+        ("reverse", "R", lambda d: d[::-1]),
+        ("sort", "S", lambda d: "".join(sorted(d))),
+        ("copy", "C", lambda d: d),
+    ],
+)
 def test_digit_tasks_answers(name: str, tag: str, expected) -> None:
     lengths = set()
     for seed in SEEDS:

@@ -8,7 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from moe_rl.tasks.hf_tokenizer import HFTokenizer, TokenizerError, check_vocab_fits, load_tokenizer, tokenizer_dir
+from moe_rl.tasks.hf_tokenizer import (
+    HFTokenizer,
+    TokenizerError,
+    check_vocab_fits,
+    load_tokenizer,
+    tokenizer_dir,
+)
 from moe_rl.tasks.tokenizer import CharTokenizer
 
 
@@ -17,7 +23,9 @@ def test_ids_from_tokenizer_and_generation_config(hf_tok_dir: Path) -> None:
     tok = HFTokenizer(hf_tok_dir)
     end, im_end = tok.hf.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
     assert (end, im_end) == (0, 2)
-    assert tok.eos_ids == (2, 0) and tok.eos_id == 2 and tok.pad_id == 0  # eos_token, then generation_config's
+    assert (
+        tok.eos_ids == (2, 0) and tok.eos_id == 2 and tok.pad_id == 0
+    )  # eos_token, then generation_config's
     assert tok.vocab_size == len(tok.hf) == 460
     assert tok.has_chat_template
     ids = tok.encode("Ava has 3 coins.")
@@ -41,17 +49,23 @@ def test_spec_resolution(hf_tok_dir: Path) -> None:
     assert tokenizer_dir("builtin:char", "hf:/m") == ""
     assert isinstance(load_tokenizer("auto", ""), CharTokenizer)
     assert isinstance(load_tokenizer("auto", f"hf:{hf_tok_dir}"), HFTokenizer)
-    with pytest.raises(TokenizerError, match=r"init_weights is 'builtin:warmstart'; give task.tokenizer=hf:DIR"):
+    with pytest.raises(
+        TokenizerError, match=r"init_weights is 'builtin:warmstart'; give task.tokenizer=hf:DIR"
+    ):
         tokenizer_dir("hf", "builtin:warmstart")
 
 
 @pytest.mark.unit
 def test_bad_directories(tmp_path: Path) -> None:
-    with pytest.raises(TokenizerError, match=rf"^tokenizer directory {re.escape(str(tmp_path / 'nope'))} does not exist"):
+    with pytest.raises(
+        TokenizerError, match=rf"^tokenizer directory {re.escape(str(tmp_path / 'nope'))} does not exist"
+    ):
         HFTokenizer(tmp_path / "nope")
     (tmp_path / "tokenizer.json").write_text("{not json")
     (tmp_path / "tokenizer_config.json").write_text('{"tokenizer_class": "PreTrainedTokenizerFast"}')
-    with pytest.raises(TokenizerError, match=rf"^tokenizer directory {re.escape(str(tmp_path))} is not readable"):
+    with pytest.raises(
+        TokenizerError, match=rf"^tokenizer directory {re.escape(str(tmp_path))} is not readable"
+    ):
         HFTokenizer(tmp_path)
 
 
@@ -60,6 +74,9 @@ def test_vocab_must_fit_the_model(hf_tok_dir: Path) -> None:
     tok = HFTokenizer(hf_tok_dir)
     check_vocab_fits(tok, 460)
     check_vocab_fits(tok, 512)  # padded embeddings (Qwen3: 151,936 rows for 151,669 tokens)
-    with pytest.raises(TokenizerError, match=r"has 460 tokens but the model's vocabulary \(model.vocab_size\) "
-                                             r"has only 459"):
+    with pytest.raises(
+        TokenizerError,
+        match=r"has 460 tokens but the model's vocabulary \(model.vocab_size\) "
+        r"has only 459",
+    ):
         check_vocab_fits(tok, 459)

@@ -40,20 +40,20 @@ def _batch(cases: list[tuple[str, str]]) -> tuple[torch.Tensor, torch.Tensor]:
 # (response, answer, exact_match, char_accuracy)
 CASES = [
     ("123$", "123", 1.0, 1.0),
-    ("123$__", "123", 1.0, 1.0),          # right padding after eos
-    ("123$4", "123", 1.0, 1.0),           # tokens after the first eos are ignored
+    ("123$__", "123", 1.0, 1.0),  # right padding after eos
+    ("123$4", "123", 1.0, 1.0),  # tokens after the first eos are ignored
     ("123$$", "123", 1.0, 1.0),
-    ("123", "123", 0.0, 0.5),             # no eos: hit the length limit
-    ("123___", "123", 0.0, 0.5),          # no eos, padded
-    ("12$", "123", 0.0, 1 / 3),           # eos too early: 2/3 chars, halved
-    ("1234$", "123", 0.0, 0.5),           # extra token before eos
-    ("123_$", "123", 0.0, 0.5),           # a pad token before eos is a wrong token
-    ("124$", "123", 0.0, 2 / 3),          # one wrong char, eos in place
+    ("123", "123", 0.0, 0.5),  # no eos: hit the length limit
+    ("123___", "123", 0.0, 0.5),  # no eos, padded
+    ("12$", "123", 0.0, 1 / 3),  # eos too early: 2/3 chars, halved
+    ("1234$", "123", 0.0, 0.5),  # extra token before eos
+    ("123_$", "123", 0.0, 0.5),  # a pad token before eos is a wrong token
+    ("124$", "123", 0.0, 2 / 3),  # one wrong char, eos in place
     ("321$", "123", 0.0, 1 / 3),
-    ("$123", "123", 0.0, 0.0),            # empty response; the rest is ignored
+    ("$123", "123", 0.0, 0.0),  # empty response; the rest is ignored
     ("_", "123", 0.0, 0.0),
-    ("12", "123", 0.0, 1 / 3),            # response shorter than the answer, no eos
-    ("$", "", 1.0, 1.0),                  # empty answer: eos first is exact
+    ("12", "123", 0.0, 1 / 3),  # response shorter than the answer, no eos
+    ("$", "", 1.0, 1.0),  # empty answer: eos first is exact
     ("1$", "", 0.0, 0.5),
     ("9$", "9", 1.0, 1.0),
     ("99999$", "99999", 1.0, 1.0),
@@ -80,20 +80,20 @@ def test_hand_built_rows_one_at_a_time() -> None:
     for resp, ans, exact, chars in CASES:
         response_BS, answer_BA = _batch([(resp, ans)])
         assert exact_match(response_BS, answer_BA, EOS, PAD)[0].tolist() == [exact], resp
-        torch.testing.assert_close(char_accuracy(response_BS, answer_BA, EOS, PAD)[0],
-                                   torch.tensor([chars]))
+        torch.testing.assert_close(char_accuracy(response_BS, answer_BA, EOS, PAD)[0], torch.tensor([chars]))
 
 
 @pytest.mark.unit
 def test_char_accuracy_metrics() -> None:
     response_BS, answer_BA = _batch([("123$", "123"), ("12$", "123"), ("1234", "123")])
     _, metrics = char_accuracy(response_BS, answer_BA, EOS, PAD)
-    torch.testing.assert_close(_val(metrics["reward/char_accuracy_chars_frac"]),
-                               torch.tensor((1 + 2 / 3 + 1) / 3))
-    torch.testing.assert_close(_val(metrics["reward/char_accuracy_eos_ok_frac"]),
-                               torch.tensor(1 / 3))
-    torch.testing.assert_close(_val(metrics["reward/char_accuracy_mean"]),
-                               torch.tensor((1 + 1 / 3 + 0.5) / 3))
+    torch.testing.assert_close(
+        _val(metrics["reward/char_accuracy_chars_frac"]), torch.tensor((1 + 2 / 3 + 1) / 3)
+    )
+    torch.testing.assert_close(_val(metrics["reward/char_accuracy_eos_ok_frac"]), torch.tensor(1 / 3))
+    torch.testing.assert_close(
+        _val(metrics["reward/char_accuracy_mean"]), torch.tensor((1 + 1 / 3 + 0.5) / 3)
+    )
 
 
 @pytest.mark.unit
@@ -109,16 +109,17 @@ def test_extra_padding_does_not_change_rewards(name: str) -> None:
 @pytest.mark.unit
 @pytest.mark.parametrize("name", ["exact_match", "char_accuracy"])
 def test_empty_and_mismatched_batches(name: str) -> None:
-    rewards_B, metrics = REWARDS[name](torch.zeros(0, 4, dtype=torch.long),
-                                       torch.zeros(0, 2, dtype=torch.long), EOS, PAD)
+    rewards_B, metrics = REWARDS[name](
+        torch.zeros(0, 4, dtype=torch.long), torch.zeros(0, 2, dtype=torch.long), EOS, PAD
+    )
     assert rewards_B.shape == (0,)
     assert all(float(v.sum) == 0.0 and float(v.count) == 0.0 for v in metrics.values())
-    rewards_B, _ = REWARDS[name](torch.zeros(2, 0, dtype=torch.long),
-                                 TOK.pad([TOK.encode("1"), []]), EOS, PAD)
+    rewards_B, _ = REWARDS[name](
+        torch.zeros(2, 0, dtype=torch.long), TOK.pad([TOK.encode("1"), []]), EOS, PAD
+    )
     assert rewards_B.tolist() == [0.0, 0.0 if name == "exact_match" else 0.5]
     with pytest.raises(ValueError, match="batch sizes differ"):
-        REWARDS[name](torch.zeros(3, 4, dtype=torch.long), torch.zeros(2, 2, dtype=torch.long),
-                      EOS, PAD)
+        REWARDS[name](torch.zeros(3, 4, dtype=torch.long), torch.zeros(2, 2, dtype=torch.long), EOS, PAD)
 
 
 @pytest.mark.unit
@@ -130,6 +131,7 @@ def test_registry_rejects_duplicates() -> None:
 
 
 # ---------------------------------------------------------------- score vs reference loop
+
 
 def _ref_exact(resp: list[int], answer: list[int]) -> float:
     if EOS not in resp:
@@ -174,11 +176,14 @@ def test_score_matches_reference_loop(seed: int) -> None:
     prompts = []
     for _ in range(num_prompts):
         answer = "".join(rng.choice("0123456789") for _ in range(rng.randrange(0, 6)))
-        prompts.append(Prompt([TOK.bos_id] + TOK.encode("C1:"), answer,
-                              rng.choice(sorted(REWARDS)), rng.choice(tasks)))
+        prompts.append(
+            Prompt([TOK.bos_id] + TOK.encode("C1:"), answer, rng.choice(sorted(REWARDS)), rng.choice(tasks))
+        )
     max_len = rng.randrange(1, 10)
-    responses = [_random_response(rng, TOK.encode(prompts[b // group_size].answer), max_len)
-                 for b in range(num_prompts * group_size)]
+    responses = [
+        _random_response(rng, TOK.encode(prompts[b // group_size].answer), max_len)
+        for b in range(num_prompts * group_size)
+    ]
     response_BS = TOK.pad(responses, length=max(max_len, 1))
 
     rewards_B, metrics = score(prompts, response_BS, TOK, group_size, task_names=tasks)
@@ -195,10 +200,10 @@ def test_score_matches_reference_loop(seed: int) -> None:
     std = metrics["reward/std"]
     assert isinstance(std, Std) and float(std.count) == len(expected)
     torch.testing.assert_close(float(std.sum_sq), float((expected_B.double() ** 2).sum()))
-    exact = [_ref_exact(r, TOK.encode(prompts[b // group_size].answer))
-             for b, r in enumerate(response_BS.tolist())]
-    torch.testing.assert_close(_val(metrics["reward/exact_match_frac"]),
-                               torch.tensor(exact).mean())
+    exact = [
+        _ref_exact(r, TOK.encode(prompts[b // group_size].answer)) for b, r in enumerate(response_BS.tolist())
+    ]
+    torch.testing.assert_close(_val(metrics["reward/exact_match_frac"]), torch.tensor(exact).mean())
     eos_frac = sum(EOS in r for r in response_BS.tolist()) / len(responses)
     torch.testing.assert_close(_val(metrics["reward/eos_frac"]), torch.tensor(eos_frac))
     for task in tasks:
@@ -211,8 +216,7 @@ def test_score_matches_reference_loop(seed: int) -> None:
 @pytest.mark.unit
 def test_char_accuracy_is_one_iff_exact() -> None:
     rng = random.Random(0)
-    answers = ["".join(rng.choice("0123456789") for _ in range(rng.randrange(0, 6)))
-               for _ in range(400)]
+    answers = ["".join(rng.choice("0123456789") for _ in range(rng.randrange(0, 6))) for _ in range(400)]
     responses = [_random_response(rng, TOK.encode(a), 8) for a in answers]
     response_BS, answer_BA = TOK.pad(responses, length=8), TOK.pad(TOK.encode_batch(answers))
     exact_B, _ = exact_match(response_BS, answer_BA, EOS, PAD)
@@ -226,8 +230,9 @@ def test_char_accuracy_is_one_iff_exact() -> None:
 def test_score_group_layout_and_errors() -> None:
     prompts = [Prompt([1], "12", "exact_match", "copy"), Prompt([1], "3", "char_accuracy", "sort")]
     response_BS = TOK.pad([_resp("12$"), _resp("21$"), _resp("3$"), _resp("4$")])
-    rewards_B, metrics = score(prompts, response_BS, TOK, group_size=2,
-                               task_names=("copy", "sort", "reverse"))
+    rewards_B, metrics = score(
+        prompts, response_BS, TOK, group_size=2, task_names=("copy", "sort", "reverse")
+    )
     assert rewards_B.tolist() == [1.0, 0.0, 1.0, 0.0]
     out = reduce_metrics(metrics)  # local reduction: no process group
     assert out["reward/mean/copy"] == 0.5 and out["reward/mean/sort"] == 0.5
@@ -252,11 +257,18 @@ def test_score_keys_do_not_depend_on_the_local_mix() -> None:
         key_sets.add(tuple(sorted(metrics)))
     _, metrics = score([], torch.zeros(0, 3, dtype=torch.long), TOK, 2, task_names=names)
     key_sets.add(tuple(sorted(metrics)))
-    assert key_sets == {tuple(sorted(["reward/mean", "reward/std", "reward/exact_match_frac",
-                                      "reward/eos_frac"] + [f"reward/mean/{t}" for t in names]))}
+    assert key_sets == {
+        tuple(
+            sorted(
+                ["reward/mean", "reward/std", "reward/exact_match_frac", "reward/eos_frac"]
+                + [f"reward/mean/{t}" for t in names]
+            )
+        )
+    }
 
 
 # ---------------------------------------------------------------- text rewards through score()
+
 
 @pytest.mark.unit
 def test_score_text_rewards_with_hf_tokenizer(hf_tok_dir, tmp_path) -> None:
@@ -264,26 +276,40 @@ def test_score_text_rewards_with_hf_tokenizer(hf_tok_dir, tmp_path) -> None:
 
     tok = HFTokenizer(hf_tok_dir)
     user = tmp_path / "r.py"
-    user.write_text("def f(prompt, response, ground_truth, extra):\n"
-                    "    if response == 'x':\n        raise ValueError('no')\n"
-                    "    return {'score': 0.25 * extra['k']}\n")
-    prompts = [Prompt([1], "12", "math", "a", text="q"), Prompt([1], "3", f"python:{user}:f", "b", extra={"k": 2})]
+    user.write_text(
+        "def f(prompt, response, ground_truth, extra):\n"
+        "    if response == 'x':\n        raise ValueError('no')\n"
+        "    return {'score': 0.25 * extra['k']}\n"
+    )
+    prompts = [
+        Prompt([1], "12", "math", "a", text="q"),
+        Prompt([1], "3", f"python:{user}:f", "b", extra={"k": 2}),
+    ]
     texts = ["so \\boxed{12}", "\\boxed{13}", "y", "x"]
     rows = [tok.encode(t) + [tok.eos_id, 5, 6] for t in texts]  # anything after the first eos is ignored
     rewards_B, m = score(prompts, tok.pad(rows), tok, 2, task_names=("a", "b"), text_metrics=True)
     assert rewards_B.tolist() == [1.0, 0.0, 0.5, 0.0]
     assert {k: float(v.sum / v.count) for k, v in m.items() if isinstance(v, Mean)} == {
-        "reward/mean": 0.375, "reward/eos_frac": 1.0, "reward/error_frac": 0.25, "reward/timeout_frac": 0.0,
-        "reward/mean/a": 0.5, "reward/mean/b": 0.25}
+        "reward/mean": 0.375,
+        "reward/eos_frac": 1.0,
+        "reward/error_frac": 0.25,
+        "reward/timeout_frac": 0.0,
+        "reward/mean/a": 0.5,
+        "reward/mean/b": 0.25,
+    }
 
 
 @pytest.mark.unit
 def test_overlong_penalty_is_dapo_soft_linear() -> None:
     from moe_rl.tasks.rewards import overlong_penalty
 
-    penalty_B, m = overlong_penalty(torch.tensor([10, 16, 17, 18, 20]), max_new_tokens=20, buffer=4, factor=0.5)
+    penalty_B, m = overlong_penalty(
+        torch.tensor([10, 16, 17, 18, 20]), max_new_tokens=20, buffer=4, factor=0.5
+    )
     assert penalty_B.tolist() == [0.0, 0.0, -0.125, -0.25, -0.5]
-    assert float(m["reward/overlong_frac"].sum) == 3.0 and float(m["reward/overlong_penalty_mean"].sum) == -0.875
+    assert (
+        float(m["reward/overlong_frac"].sum) == 3.0 and float(m["reward/overlong_penalty_mean"].sum) == -0.875
+    )
 
 
 @pytest.mark.unit
@@ -296,11 +322,13 @@ def test_reward_that_exits_or_returns_text_scores_an_error(hf_tok_dir, tmp_path,
 
     tok = HFTokenizer(hf_tok_dir)
     user = tmp_path / "r.py"
-    user.write_text("import sys\n"
-                    "def f(prompt, response, ground_truth, extra):\n"
-                    "    if response == 'x':\n        sys.exit(3)\n"
-                    "    if response == 'y':\n        return '0.75'\n"
-                    "    return {'score': 0.75}\n")
+    user.write_text(
+        "import sys\n"
+        "def f(prompt, response, ground_truth, extra):\n"
+        "    if response == 'x':\n        sys.exit(3)\n"
+        "    if response == 'y':\n        return '0.75'\n"
+        "    return {'score': 0.75}\n"
+    )
     prompts = [Prompt([1], "3", f"python:{user}:f", "b")]
     rows = [tok.encode(t) + [tok.eos_id] for t in ("x", "y", "z", "x")]
     pool = RewardPool(workers, 5.0)

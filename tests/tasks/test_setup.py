@@ -25,9 +25,13 @@ def test_vocab_from_checkpoint_tokenizer_or_config(hf_tok_dir: Path, tmp_path: P
     cfg = load_config(None, [f"init_weights=hf:{model_dir}"])
     assert resolve_vocab(cfg, HFTokenizer(hf_tok_dir)).model.vocab_size == 512  # padded, from config.json
     assert resolve_vocab(RunConfig(), CharTokenizer()).model.vocab_size == 50
-    with pytest.raises(TokenizerError, match=r"has 460 tokens but the model's vocabulary \(model.vocab_size\) has only 64"):
-        resolve_vocab(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=64)),
-                      HFTokenizer(hf_tok_dir))
+    with pytest.raises(
+        TokenizerError, match=r"has 460 tokens but the model's vocabulary \(model.vocab_size\) has only 64"
+    ):
+        resolve_vocab(
+            dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=64)),
+            HFTokenizer(hf_tok_dir),
+        )
 
 
 @pytest.mark.unit
@@ -53,8 +57,12 @@ def test_export_dtype_and_tokenizer_files(hf_tok_dir: Path, tmp_path: Path) -> N
     assert export_dtype("auto", "builtin:warmstart") == torch.float32
     assert export_dtype("fp16", f"hf:{ckpt}") == torch.float16
     cfg = load_config(None, [f"task.tokenizer=hf:{hf_tok_dir}"])
-    assert sorted(tokenizer_files(cfg)) == ["chat_template.jinja", "generation_config.json", "tokenizer.json",
-                                           "tokenizer_config.json"]
+    assert sorted(tokenizer_files(cfg)) == [
+        "chat_template.jinja",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
     assert tokenizer_files(RunConfig()) == {}
 
 
@@ -67,12 +75,22 @@ def test_chat_template_auto_is_the_default_from_the_config(hf_tok_dir: Path, tmp
     assert load_config(None).task.apply_chat_template == "auto"
     (tmp_path / "c.yaml").write_text("task:\n  apply_chat_template: true\n")
     assert load_config(tmp_path / "c.yaml").task.apply_chat_template == "true"
-    assert [load_config(None, [f"task.apply_chat_template={v}"]).task.apply_chat_template
-            for v in ("false", "True", "auto")] == ["false", "true", "auto"]
+    assert [
+        load_config(None, [f"task.apply_chat_template={v}"]).task.apply_chat_template
+        for v in ("false", "True", "auto")
+    ] == ["false", "true", "auto"]
     data = write_math_dataset(tmp_path / "train.parquet", 4, seed=5)
-    cfg = load_config(None, [f"task.tokenizer=hf:{hf_tok_dir}", f"task.dataset={data}", "task.reward=math",
-                             "task.answer_key=reward_model.ground_truth", "model.max_seq_len=512",
-                             "task.chat_template_kwargs.enable_thinking=false"])
+    cfg = load_config(
+        None,
+        [
+            f"task.tokenizer=hf:{hf_tok_dir}",
+            f"task.dataset={data}",
+            "task.reward=math",
+            "task.answer_key=reward_model.ground_truth",
+            "model.max_seq_len=512",
+            "task.chat_template_kwargs.enable_thinking=false",
+        ],
+    )
     _, task = build_task(cfg, start_pool=False)
     question = make_rows(4, 5, "verl")[0]["prompt"][0]["content"]
     text = f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
