@@ -23,6 +23,7 @@ import pytest
 from moe_rl.config import load_config, to_yaml
 from tests.bad_input.test_cli_errors import fails_with
 from tests.dist_harness import run_ranks
+from tests.hf_assets import model_overrides
 from tests.models import TINY_MOE_L2_ALL_MOE as MODEL
 
 
@@ -126,26 +127,13 @@ def test_checkpoint_disk_full_and_damaged_files_are_named(tmp_path):
 
     # export-hf names a truncated file before any rank starts (the run's own checkpoint, in-process)
     run = tmp_path / "run"
-    fields = (
-        "vocab_size",
-        "hidden_size",
-        "num_layers",
-        "num_attention_heads",
-        "num_query_groups",
-        "head_dim",
-        "ffn_hidden_size",
-        "moe_ffn_hidden_size",
-        "num_experts",
-        "moe_router_topk",
-        "max_seq_len",
-    )
     cfg = load_config(
         None,
         [
             f"run_dir={run}",
             "parallel.nproc=1",
             "parallel.expert_parallel=1",
-            *[f"model.{k}={getattr(MODEL, k)}" for k in fields],
+            *model_overrides(MODEL),
         ],
     )
     (run / "config.yaml").write_text(to_yaml(cfg))
