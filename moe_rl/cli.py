@@ -112,12 +112,12 @@ def _train(cfg: RunConfig) -> None:
         run_lock.check_free(cfg.run_dir)  # a live job's lock first: its files say "already holds a run"
     check_tokenizer_files(cfg)
     # data, weights and run dir are checked here, before any rank starts
-    preflight(cfg, check_run_dir=lead)
+    resolved = preflight(cfg, check_run_dir=lead)  # e.g. model.vocab_size from the tokenizer
     if not lead:
         launch(cfg)
         return
     with run_lock.hold(cfg.run_dir, fresh=not cfg.resume):
-        check_run_dir(cfg)  # again, now that no other start can race this one
+        check_run_dir(resolved)  # again, now that no other start can race this one
         launch(cfg)
 
 

@@ -226,7 +226,23 @@ def test_existing_run_dir_needs_resume(tmp_path):
     run.mkdir()
     (run / "metrics.jsonl").write_text("")
     proc = moe_rl("train", f"run_dir={run}", check=False, timeout=120)
-    assert proc.returncode != 0 and "resume=true" in proc.stderr
+    # no checkpoint to resume: the refusal says what to delete (issue 26, point 4)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: config key 'run_dir': {run} holds a run that saved no checkpoint, so it cannot be "
+        f"resumed; delete {run / 'metrics.jsonl'} to start over, or pass another run_dir="
+    )
+    step = run / "checkpoints" / "step_000002"
+    step.mkdir(parents=True)
+    (step / "trainer_state.json").write_text('{"step": 2}')
+    (run / "checkpoints" / "latest").write_text("step_000002\n")
+    proc = moe_rl("train", f"run_dir={run}", check=False, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: config key 'run_dir': {run} already holds a run; pass resume=true to continue it, "
+        f"or another run_dir="
+    )
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "metrics.jsonl"]  # nothing written
 
 
 @pytest.mark.e2e
