@@ -272,3 +272,27 @@ def test_dense_first_layer_row_is_zero_and_dropped():
         from_vllm(
             zero, num_tokens=len(tokens), prompt_len=4, header=header, sample=3, num_layers=m.num_layers
         )
+
+
+def test_raw_logprobs_with_top_k_are_the_full_vocabulary_ones(tmp_path):
+    """(e) rollout.top_k=5 at T = 1 selects raw_logprobs: vLLM reports log softmax(z) over the
+    whole vocabulary, the learner's, not the top-5 renormalised ones (those would be larger)."""
+    from moe_rl.rollout.vllm_engine import engine_kwargs
+    from moe_rl.types import SamplingParams
+    from moe_rl.weights.canonical import random_canonical_weights
+    from tests.dist_harness import run_ranks
+    from tests.vllm.learner_ref import learner_side
+
+    cfg = _cfg("rollout.top_k=5")
+    assert engine_kwargs(cfg, "m", external=False, cpu=True)["logprobs_mode"] == "raw_logprobs"
+    weights = random_canonical_weights(cfg.model, seed=6)
+    engine = _engine(cfg, weights)
+    b = engine.generate(PROMPTS, N, SamplingParams(max_new_tokens=8, top_k=5, stop_token_ids=(3,)), seed=9)
+    tokens_BS, lens_B, mask_BS, routes = _joined([b], RouteHeader.for_model(cfg.model))
+    out = str(tmp_path / "ref.pt")
+    run_ranks(learner_side, 1, cfg.model, weights, tokens_BS, lens_B, mask_BS, routes, (1.0,), out)
+    learner_N = torch.load(out)["logp_T"][1.0][mask_BS]
+    vllm_N = b.logprobs_BS[b.response_mask_BS]
+    assert float((vllm_N - learner_N).abs().max()) <= LOGP_ATOL
+    # top-5 renormalised log-probs would sit above the full-vocabulary ones by log(1 / top-5 mass)
+    assert float((vllm_N - learner_N).mean()) < 0.05 and float(learner_N.mean()) < -1.0
