@@ -44,3 +44,25 @@ MICRO_MOE = ModelConfig(
 )
 
 DEFAULT_WIDTH_L3 = ModelConfig(vocab_size=50, num_layers=3, first_k_dense=1, num_experts=4, moe_router_topk=2)
+
+
+def hf_tiny(**overrides: object) -> ModelConfig:
+    """The HF-parity models (built-in engine, HF checkpoints): vocab 40, hidden 64, 3 layers (layer
+    0 dense), 4 heads / 2 kv groups, 8 experts top-2; ``overrides`` replace fields."""
+    base = ModelConfig(
+        vocab_size=40,
+        hidden_size=64,
+        num_layers=3,
+        num_attention_heads=4,
+        num_query_groups=2,
+        head_dim=16,
+        ffn_hidden_size=96,
+        moe_ffn_hidden_size=32,
+        num_experts=8,
+        moe_router_topk=2,
+        first_k_dense=1,
+        rope_theta=10000.0,
+        norm_eps=1e-6,
+        max_seq_len=64,
+    )
+    return dataclasses.replace(base, **overrides)

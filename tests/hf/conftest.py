@@ -12,27 +12,13 @@ import torch
 from moe_rl.config import ModelConfig
 from moe_rl.weights.canonical import random_canonical_weights
 from tests.hf_reference import canonical_to_hf_memory, hf_config
+from tests.models import hf_tiny
 
 transformers = pytest.importorskip("transformers")
 
 # vocab 40, hidden 64, 4 layers (layer 0 dense; 4 so that PP=2 splits them), 4 heads / 2 kv groups,
 # 8 experts top-2
-CFG = ModelConfig(
-    vocab_size=40,
-    hidden_size=64,
-    num_layers=4,
-    num_attention_heads=4,
-    num_query_groups=2,
-    head_dim=16,
-    ffn_hidden_size=96,
-    moe_ffn_hidden_size=32,
-    num_experts=8,
-    moe_router_topk=2,
-    first_k_dense=1,
-    rope_theta=10000.0,
-    norm_eps=1e-6,
-    max_seq_len=64,
-)
+CFG = hf_tiny(num_layers=4)
 # Mixtral: every layer MoE, no q/k norm, head_dim not in the HF config (hidden / heads = 16)
 MIXTRAL_CFG = ModelConfig(
     vocab_size=40,

@@ -12,30 +12,14 @@ from moe_rl.config import ModelConfig
 from moe_rl.rollout.builtin import BuiltinEngine
 from moe_rl.rollout.builtin_model import BuiltinMoEModel, ForwardOut
 from moe_rl.weights.canonical import random_canonical_weights
+from tests.models import hf_tiny
 
 PAD_ID = 0
 
 
 def tiny_config(**overrides: object) -> ModelConfig:
     """vocab 40, hidden 64, 3 layers (layer 0 dense), 4 heads / 2 kv groups, 8 experts top-2."""
-    base = dict(
-        vocab_size=40,
-        hidden_size=64,
-        num_layers=3,
-        num_attention_heads=4,
-        num_query_groups=2,
-        head_dim=16,
-        ffn_hidden_size=96,
-        moe_ffn_hidden_size=32,
-        num_experts=8,
-        moe_router_topk=2,
-        first_k_dense=1,
-        rope_theta=10000.0,
-        norm_eps=1e-6,
-        max_seq_len=64,
-    )
-    base.update(overrides)
-    return ModelConfig(**base)  # type: ignore[arg-type]
+    return hf_tiny(**overrides)
 
 
 @pytest.fixture(autouse=True)
