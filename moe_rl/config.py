@@ -81,6 +81,41 @@ class ModelConfig:
     num_experts: int = 8
     moe_router_topk: int = 2
     first_k_dense: int = 0  # the first N layers are dense MLPs (DeepSeek-style)
+    # --- Attention variants (HF config.json names in the comments) ---
+    attention_bias: bool = False  # attention_bias (GLM-4.5) / always on for qwen2_moe: q,k,v biases
+    partial_rotary_factor: float = 1.0  # partial_rotary_factor (GLM-4.5: 0.5): RoPE on that share of head_dim
+    # Multi-latent attention (DeepSeek-V3, Kimi-K2) when kv_lora_rank > 0; head_dim is then unused
+    kv_lora_rank: int = 0  # kv_lora_rank: 0 = not MLA
+    q_lora_rank: int = 0  # q_lora_rank: 0 (HF null) = q projected directly, no low-rank q
+    qk_nope_head_dim: int = 0  # qk_nope_head_dim
+    qk_rope_head_dim: int = 0  # qk_rope_head_dim
+    v_head_dim: int = 0  # v_head_dim
+    # rope_scaling {type: yarn, factor, original_max_position_embeddings, beta_fast, beta_slow,
+    # mscale, mscale_all_dim} (DeepSeek-V3's YaRN); "none" = plain RoPE
+    rope_scaling_type: str = "none"  # none | yarn
+    rope_scaling_factor: float = 1.0  # rope_scaling.factor
+    rope_original_max_position: int = 0  # rope_scaling.original_max_position_embeddings
+    rope_beta_fast: float = 32.0  # rope_scaling.beta_fast
+    rope_beta_slow: float = 1.0  # rope_scaling.beta_slow
+    rope_mscale: float = 1.0  # rope_scaling.mscale
+    rope_mscale_all_dim: float = 0.0  # rope_scaling.mscale_all_dim
+    # --- Router and experts variants ---
+    # scoring_func: softmax (Qwen, Mixtral) | sigmoid (DeepSeek-V3, GLM-4.5)
+    moe_router_score_function: str = "softmax"
+    norm_topk_prob: bool = True  # norm_topk_prob: the K gate weights renormalised to 1 (qwen2_moe: false)
+    # e_score_correction_bias (topk_method noaux_tc): added to the scores to select, never to weight
+    moe_router_expert_bias: bool = False
+    # how the expert bias moves during RL: frozen (bit-identical, slime / Megatron-Bridge's choice for
+    # GLM and Kimi) | native (megatron's aux-loss-free update from the routes the learner used)
+    expert_bias_update: str = "frozen"
+    moe_router_num_groups: int = 0  # n_group: 0 = no group-limited top-k
+    moe_router_group_topk: int = 0  # topk_group: groups a token may pick experts from
+    moe_router_scaling_factor: float = 1.0  # routed_scaling_factor: multiplies the K gate weights
+    # shared experts: n_shared_experts * moe_intermediate_size (DeepSeek, GLM) or
+    # shared_expert_intermediate_size (qwen2_moe); 0 = none
+    moe_shared_expert_ffn_hidden_size: int = 0
+    moe_shared_expert_gate: bool = False  # qwen2_moe: sigmoid(shared_expert_gate(x)) scales the shared expert
+    tie_word_embeddings: bool = False  # tie_word_embeddings: lm_head is the embedding matrix
     qk_layernorm: bool = True  # Qwen3 normalises q and k per head
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
@@ -134,17 +169,92 @@ class ModelConfig:
         _one_of(self.fp8_recipe, "model.fp8_recipe", ("delayed", "tensorwise", "blockwise"))
         _one_of(self.fp8_format, "model.fp8_format", ("hybrid", "e4m3"))
         _one_of(self.hf_family, "model.hf_family", HF_FAMILY_NAMES)
+        self._check_variants()
         _check(
             self.precision != "fp8" or self.transformer_impl == "te",
             "model.precision",
             "fp8 GEMMs come from Transformer Engine: set model.transformer_impl=te",
         )
 
+    def _check_variants(self) -> None:
+        """Attention / router variant fields (DeepSeek-V3, GLM-4.5, Qwen2-MoE) are consistent."""
+        for name in _NOT_BUILT_YET:  # accepted by the tree, not yet by learner and engines
+            default = ModelConfig.__dataclass_fields__[name].default
+            _check(getattr(self, name) == default, f"model.{name}", f"only {default!r} is supported yet")
+        _check(0 < self.partial_rotary_factor <= 1, "model.partial_rotary_factor", "must be in (0, 1]")
+        for name in ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            _check(getattr(self, name) >= 0, f"model.{name}", "must be >= 0")
+        if self.mla:
+            for name in ("qk_rope_head_dim", "v_head_dim"):
+                _check(
+                    getattr(self, name) > 0, f"model.{name}", "must be > 0 with MLA (model.kv_lora_rank > 0)"
+                )
+        _one_of(self.rope_scaling_type, "model.rope_scaling_type", ("none", "yarn"))
+        _check(self.rope_scaling_factor >= 1, "model.rope_scaling_factor", "must be >= 1")
+        _one_of(self.moe_router_score_function, "model.moe_router_score_function", ("softmax", "sigmoid"))
+        _one_of(self.expert_bias_update, "model.expert_bias_update", ("frozen", "native"))
+        _check(self.moe_router_num_groups >= 0, "model.moe_router_num_groups", "must be >= 0")
+        if self.moe_router_num_groups > 1:
+            G = self.moe_router_num_groups
+            _check(
+                self.num_experts % G == 0,
+                "model.moe_router_num_groups",
+                f"{G} does not divide model.num_experts {self.num_experts}",
+            )
+            _check(
+                0 < self.moe_router_group_topk <= G,
+                "model.moe_router_group_topk",
+                f"must be in [1, model.moe_router_num_groups={G}]",
+            )
+            _check(
+                self.moe_router_topk <= self.moe_router_group_topk * (self.num_experts // G),
+                "model.moe_router_topk",
+                f"{self.moe_router_topk} > experts in {self.moe_router_group_topk} groups "
+                f"of {self.num_experts // G}",
+            )
+        _check(self.moe_router_scaling_factor > 0, "model.moe_router_scaling_factor", "must be > 0")
+        _check(
+            self.moe_shared_expert_ffn_hidden_size >= 0,
+            "model.moe_shared_expert_ffn_hidden_size",
+            "must be >= 0",
+        )
+        _check(
+            not self.moe_shared_expert_gate or self.moe_shared_expert_ffn_hidden_size > 0,
+            "model.moe_shared_expert_gate",
+            "needs shared experts (model.moe_shared_expert_ffn_hidden_size > 0)",
+        )
+
+    @property
+    def mla(self) -> bool:
+        """Multi-latent attention (DeepSeek-V3 / Kimi-K2)."""
+        return self.kv_lora_rank > 0
+
     @property
     def moe_layers(self) -> list[int]:
         """Global (0-based) numbers of the MoE layers."""
         return list(range(self.first_k_dense, self.num_layers))
 
+
+# Variant fields the learner and the engines cannot build yet: only their default is accepted.
+_NOT_BUILT_YET = (
+    "attention_bias",
+    "partial_rotary_factor",
+    "kv_lora_rank",
+    "q_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "rope_scaling_type",
+    "moe_router_score_function",
+    "norm_topk_prob",
+    "moe_router_expert_bias",
+    "moe_router_num_groups",
+    "moe_router_group_topk",
+    "moe_router_scaling_factor",
+    "moe_shared_expert_ffn_hidden_size",
+    "moe_shared_expert_gate",
+    "tie_word_embeddings",
+)
 
 # ModelConfig fields that change tensor shapes or the function computed; max_seq_len and the aux-loss
 # coefficient do not (RoPE has no parameters). Init weights, HF checkpoints and route records made
@@ -164,6 +274,29 @@ ARCH_FIELDS = (
     "qk_layernorm",
     "rope_theta",
     "norm_eps",
+    "attention_bias",
+    "partial_rotary_factor",
+    "kv_lora_rank",
+    "q_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "rope_scaling_type",
+    "rope_scaling_factor",
+    "rope_original_max_position",
+    "rope_beta_fast",
+    "rope_beta_slow",
+    "rope_mscale",
+    "rope_mscale_all_dim",
+    "moe_router_score_function",
+    "norm_topk_prob",
+    "moe_router_expert_bias",
+    "moe_router_num_groups",
+    "moe_router_group_topk",
+    "moe_router_scaling_factor",
+    "moe_shared_expert_ffn_hidden_size",
+    "moe_shared_expert_gate",
+    "tie_word_embeddings",
 )
 
 

@@ -16,42 +16,82 @@ from moe_rl.config import ModelConfig
 
 
 def canonical_param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every canonical (HF Qwen3-MoE) tensor name of the model and its shape.
+    """Every canonical tensor name of the model and its shape.
 
+    Names are HF Qwen3-MoE's, extended with the DeepSeek-V3 hub names for what Qwen3-MoE lacks:
+    multi-latent attention (``q_a_proj``, ``q_a_layernorm``, ``q_b_proj``, ``kv_a_proj_with_mqa``,
+    ``kv_a_layernorm``, ``kv_b_proj``), shared experts (``mlp.shared_experts.*``) and the expert bias
+    (``mlp.gate.e_score_correction_bias``); Qwen2-MoE's shared-expert gate is
+    ``mlp.shared_expert_gate.weight`` and attention biases are ``self_attn.{q,k,v}_proj.bias``.
+    Each HF family maps its own names onto these (moe_rl/weights/hf.py).
     Experts are listed one by one (``mlp.experts.{e}.{gate,up,down}_proj.weight``), the hub
-    layout that ``save_pretrained`` writes; ``q_norm``/``k_norm`` only when ``cfg.qk_layernorm``.
+    layout that ``save_pretrained`` writes; ``q_norm``/``k_norm`` only when ``cfg.qk_layernorm``;
+    no ``lm_head.weight`` when ``cfg.tie_word_embeddings``.
     """
     if cfg.vocab_size <= 0:
         raise ValueError("model.vocab_size must be > 0 to lay out weights (0 = not resolved yet)")
-    H, D, V = cfg.hidden_size, cfg.head_dim, cfg.vocab_size
-    q_out, kv_out = cfg.num_attention_heads * D, cfg.num_query_groups * D
+    H, V = cfg.hidden_size, cfg.vocab_size
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (V, H)}
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         shapes[p + "input_layernorm.weight"] = (H,)
-        shapes[p + "self_attn.q_proj.weight"] = (q_out, H)
-        shapes[p + "self_attn.k_proj.weight"] = (kv_out, H)
-        shapes[p + "self_attn.v_proj.weight"] = (kv_out, H)
-        shapes[p + "self_attn.o_proj.weight"] = (H, q_out)
-        if cfg.qk_layernorm:
-            shapes[p + "self_attn.q_norm.weight"] = (D,)
-            shapes[p + "self_attn.k_norm.weight"] = (D,)
+        shapes.update(_attention_shapes(cfg, p + "self_attn."))
         shapes[p + "post_attention_layernorm.weight"] = (H,)
         if i < cfg.first_k_dense:
-            Fd = cfg.ffn_hidden_size
-            shapes[p + "mlp.gate_proj.weight"] = (Fd, H)
-            shapes[p + "mlp.up_proj.weight"] = (Fd, H)
-            shapes[p + "mlp.down_proj.weight"] = (H, Fd)
-        else:
-            Fm = cfg.moe_ffn_hidden_size
-            shapes[p + "mlp.gate.weight"] = (cfg.num_experts, H)
-            for e in range(cfg.num_experts):
-                shapes[p + f"mlp.experts.{e}.gate_proj.weight"] = (Fm, H)
-                shapes[p + f"mlp.experts.{e}.up_proj.weight"] = (Fm, H)
-                shapes[p + f"mlp.experts.{e}.down_proj.weight"] = (H, Fm)
+            shapes.update(_mlp_shapes(p + "mlp.", cfg.ffn_hidden_size, H))
+            continue
+        E, Fm = cfg.num_experts, cfg.moe_ffn_hidden_size
+        shapes[p + "mlp.gate.weight"] = (E, H)
+        if cfg.moe_router_expert_bias:
+            shapes[p + "mlp.gate.e_score_correction_bias"] = (E,)
+        for e in range(E):
+            shapes.update(_mlp_shapes(p + f"mlp.experts.{e}.", Fm, H))
+        if cfg.moe_shared_expert_ffn_hidden_size > 0:
+            shapes.update(_mlp_shapes(p + "mlp.shared_experts.", cfg.moe_shared_expert_ffn_hidden_size, H))
+            if cfg.moe_shared_expert_gate:
+                shapes[p + "mlp.shared_expert_gate.weight"] = (1, H)
     shapes["model.norm.weight"] = (H,)
-    shapes["lm_head.weight"] = (V, H)
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (V, H)
     return shapes
+
+
+def _mlp_shapes(p: str, F: int, H: int) -> dict[str, tuple[int, ...]]:
+    """One SwiGLU MLP (dense layer, expert or shared expert) under prefix ``p``."""
+    return {p + "gate_proj.weight": (F, H), p + "up_proj.weight": (F, H), p + "down_proj.weight": (H, F)}
+
+
+def _attention_shapes(cfg: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
+    """One attention block under prefix ``p`` (``model.layers.{i}.self_attn.``): GQA or MLA."""
+    H, N = cfg.hidden_size, cfg.num_attention_heads
+    if cfg.mla:
+        qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        out: dict[str, tuple[int, ...]] = {}
+        if cfg.q_lora_rank > 0:
+            out[p + "q_a_proj.weight"] = (cfg.q_lora_rank, H)
+            out[p + "q_a_layernorm.weight"] = (cfg.q_lora_rank,)
+            out[p + "q_b_proj.weight"] = (N * qk, cfg.q_lora_rank)
+        else:
+            out[p + "q_proj.weight"] = (N * qk, H)
+        out[p + "kv_a_proj_with_mqa.weight"] = (cfg.kv_lora_rank + cfg.qk_rope_head_dim, H)
+        out[p + "kv_a_layernorm.weight"] = (cfg.kv_lora_rank,)
+        out[p + "kv_b_proj.weight"] = (N * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)
+        out[p + "o_proj.weight"] = (H, N * cfg.v_head_dim)
+        return out
+    D = cfg.head_dim
+    q_out, kv_out = N * D, cfg.num_query_groups * D
+    out = {
+        p + "q_proj.weight": (q_out, H),
+        p + "k_proj.weight": (kv_out, H),
+        p + "v_proj.weight": (kv_out, H),
+        p + "o_proj.weight": (H, q_out),
+    }
+    if cfg.attention_bias:
+        out.update({p + "q_proj.bias": (q_out,), p + "k_proj.bias": (kv_out,), p + "v_proj.bias": (kv_out,)})
+    if cfg.qk_layernorm:
+        out[p + "q_norm.weight"] = (D,)
+        out[p + "k_norm.weight"] = (D,)
+    return out
 
 
 def check_canonical_weights(named: Mapping[str, torch.Tensor], cfg: ModelConfig) -> None:
@@ -116,6 +156,8 @@ def random_canonical_weights(cfg: ModelConfig, seed: int) -> dict[str, torch.Ten
     for name, shape in canonical_param_shapes(cfg).items():
         if name.endswith("norm.weight"):  # all RMSNorm weights, incl. q_norm / k_norm
             out[name] = 1.0 + 0.1 * torch.randn(shape, generator=gen)
+        elif len(shape) == 1:  # attention biases, the expert bias: small but not zero
+            out[name] = 0.1 * torch.randn(shape, generator=gen)
         elif name == "model.embed_tokens.weight":
             out[name] = torch.randn(shape, generator=gen)
         else:

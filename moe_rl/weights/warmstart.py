@@ -74,7 +74,8 @@ def load_init_weights(spec: str, model: ModelConfig, tok: CharTokenizer) -> dict
         except json.JSONDecodeError:
             raise CheckpointError(f"init_weights {path}: its 'model' metadata is not JSON") from None
         for key in ARCH_FIELDS:
-            if made_for.get(key) != getattr(model, key):
+            # a field newer than the file: the file was made with that field's default
+            if made_for.get(key, ModelConfig.__dataclass_fields__[key].default) != getattr(model, key):
                 raise CheckpointError(
                     f"init_weights {path} was made for model.{key}={made_for.get(key)}, "
                     f"but the config has model.{key}={getattr(model, key)}"
