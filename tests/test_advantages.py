@@ -143,7 +143,7 @@ def test_metrics_pool_exactly_over_a_split_batch():
 @pytest.mark.unit
 def test_registry():
     assert {"grpo", "rloo"} <= set(ADVANTAGES)
-    assert set(ADVANTAGES) == set(ADVANTAGE_NAMES)  # the names config.py checks when a config loads
+    assert set(ADVANTAGES) == set(ADVANTAGE_NAMES)  # the names moe_rl.config checks when a config loads
     assert get_advantage("grpo") is grpo
     with pytest.raises(ValueError, match="known: .*grpo.*rloo"):
         get_advantage("nope")

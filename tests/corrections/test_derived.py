@@ -46,7 +46,7 @@ def test_package_surface():
         assert hasattr(corrections, name), name
     assert set(corrections.IS_LEVELS) == {"token", "sequence", "geometric"}
     assert set(corrections.RS_AGGREGATIONS) == {"token", "seq_sum", "seq_mean", "seq_max"}
-    assert set(corrections.RS_AGGREGATIONS) == set(RS_AGGREGATION_NAMES)  # the names config.py checks
+    assert set(corrections.RS_AGGREGATIONS) == set(RS_AGGREGATION_NAMES)  # the names moe_rl.config checks
     assert corrections.LENGTH_NEUTRAL == ("none", "ln", "ser")
     assert corrections.TRM_REFERENCES == ("theta", "old")
     assert losses.BYPASS_MODES == ("ppo_clip", "reinforce")

@@ -1,0 +1,66 @@
+"""The typed config tree and its loader: the single source of truth for every run.
+
+Dataclasses define fields, defaults and validation. YAML files (``configs/*.yaml``) and dotted
+command-line overrides (``rollout.temperature=0.8``) only override them. Loading goes through
+OmegaConf's structured configs, so an unknown key or a wrong type fails before any work starts,
+naming the full dotted key; cross-field checks in ``__post_init__`` name the keys too. Renamed keys
+keep working for one release through one table (``DEPRECATED_KEYS``), with a one-line warning.
+Megatron's own argument names appear only in ``moe_rl/learner/setup.py``.
+
+The package, one job per module; everything public is re-exported here, so callers import from
+``moe_rl.config``:
+- ``model``: ``ModelConfig``, ``ParallelConfig``, ``ARCH_FIELDS``;
+- ``correction``: ``CorrectionConfig``, ``TrmConfig``, ``RejectionSpec``;
+- ``run``: the other subtrees (optim, rollout, routing, task, algo, log) and the root ``RunConfig``;
+- ``deprecations``: ``DEPRECATED_KEYS`` and the legacy-key renames;
+- ``loader``: ``load_config``, ``to_dict``, ``to_yaml``;
+- ``checks``: the ``__post_init__`` helpers.
+
+Near the bottom of the package: imports only pure modules (no torch, no megatron;
+tests/test_style.py): the names configs validate against (``moe_rl.names``), the rejection-option
+grammar (``moe_rl.rejection``), the layout arithmetic (``moe_rl.layout``) and what the vLLM engine
+cannot do (``moe_rl.rollout.vllm_rules``). What depends on the machine (CUDA, Transformer Engine,
+vllm installed) is checked when a run starts, in ``moe_rl/preflight.py``.
+"""
+
+from moe_rl.config.correction import CorrectionConfig, RejectionSpec, TrmConfig
+from moe_rl.config.deprecations import DEPRECATED_KEYS
+from moe_rl.config.loader import load_config, to_dict, to_yaml
+from moe_rl.config.model import ARCH_FIELDS, ModelConfig, ParallelConfig
+from moe_rl.config.run import (
+    AlgoConfig,
+    HealthConfig,
+    LengthLRConfig,
+    LogConfig,
+    OptimConfig,
+    RolloutConfig,
+    RoutingConfig,
+    RunConfig,
+    TaskConfig,
+    VllmConfig,
+)
+from moe_rl.errors import ConfigError
+
+__all__ = [
+    "ARCH_FIELDS",
+    "DEPRECATED_KEYS",
+    "AlgoConfig",
+    "ConfigError",
+    "CorrectionConfig",
+    "HealthConfig",
+    "LengthLRConfig",
+    "LogConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "ParallelConfig",
+    "RejectionSpec",
+    "RolloutConfig",
+    "RoutingConfig",
+    "RunConfig",
+    "TaskConfig",
+    "TrmConfig",
+    "VllmConfig",
+    "load_config",
+    "to_dict",
+    "to_yaml",
+]

@@ -1,0 +1,289 @@
+"""The model and its parallel layout: ``ModelConfig``, ``ParallelConfig`` and ``ARCH_FIELDS``, the
+fields that init weights, HF checkpoints and route records must match."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moe_rl.config.checks import _check, _check_finite, _one_of
+from moe_rl.names import HF_FAMILY_NAMES
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A Qwen3-MoE-style decoder: RMSNorm, RoPE, GQA, SwiGLU experts, softmax Top-K router."""
+
+    vocab_size: int = 0  # 0: taken from the task tokenizer
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_attention_heads: int = 4
+    num_query_groups: int = 2  # key/value heads (GQA)
+    head_dim: int = 32
+    ffn_hidden_size: int = 256  # dense (non-MoE) layers
+    moe_ffn_hidden_size: int = 128  # each expert
+    num_experts: int = 8
+    moe_router_topk: int = 2
+    first_k_dense: int = 0  # the first N layers are dense MLPs (DeepSeek-style)
+    # --- Attention variants (HF config.json names in the comments) ---
+    attention_bias: bool = False  # attention_bias (GLM-4.5) / always on for qwen2_moe: q,k,v biases
+    partial_rotary_factor: float = 1.0  # partial_rotary_factor (GLM-4.5: 0.5): RoPE on that share of head_dim
+    # Multi-latent attention (DeepSeek-V3, Kimi-K2) when kv_lora_rank > 0; head_dim is then unused
+    kv_lora_rank: int = 0  # kv_lora_rank: 0 = not MLA
+    q_lora_rank: int = 0  # q_lora_rank: 0 (HF null) = q projected directly, no low-rank q
+    qk_nope_head_dim: int = 0  # qk_nope_head_dim
+    qk_rope_head_dim: int = 0  # qk_rope_head_dim
+    v_head_dim: int = 0  # v_head_dim
+    # rope_scaling {type: yarn, factor, original_max_position_embeddings, beta_fast, beta_slow,
+    # mscale, mscale_all_dim} (DeepSeek-V3's YaRN); "none" = plain RoPE
+    rope_scaling_type: str = "none"  # none | yarn
+    rope_scaling_factor: float = 1.0  # rope_scaling.factor
+    rope_original_max_position: int = 0  # rope_scaling.original_max_position_embeddings
+    rope_beta_fast: float = 32.0  # rope_scaling.beta_fast
+    rope_beta_slow: float = 1.0  # rope_scaling.beta_slow
+    rope_mscale: float = 1.0  # rope_scaling.mscale
+    rope_mscale_all_dim: float = 0.0  # rope_scaling.mscale_all_dim
+    # --- Router and experts variants ---
+    # scoring_func: softmax (Qwen, Mixtral) | sigmoid (DeepSeek-V3, GLM-4.5)
+    moe_router_score_function: str = "softmax"
+    norm_topk_prob: bool = True  # norm_topk_prob: the K gate weights renormalised to 1 (qwen2_moe: false)
+    # e_score_correction_bias (topk_method noaux_tc): added to the scores to select, never to weight
+    moe_router_expert_bias: bool = False
+    # how the expert bias moves during RL: frozen (bit-identical, slime / Megatron-Bridge's choice for
+    # GLM and Kimi) | native (megatron's aux-loss-free update from the routes the learner used)
+    expert_bias_update: str = "frozen"
+    moe_router_num_groups: int = 0  # n_group: 0 = no group-limited top-k
+    moe_router_group_topk: int = 0  # topk_group: groups a token may pick experts from
+    moe_router_scaling_factor: float = 1.0  # routed_scaling_factor: multiplies the K gate weights
+    # shared experts: n_shared_experts * moe_intermediate_size (DeepSeek, GLM) or
+    # shared_expert_intermediate_size (qwen2_moe); 0 = none
+    moe_shared_expert_ffn_hidden_size: int = 0
+    moe_shared_expert_gate: bool = False  # qwen2_moe: sigmoid(shared_expert_gate(x)) scales the shared expert
+    tie_word_embeddings: bool = False  # tie_word_embeddings: lm_head is the embedding matrix
+    qk_layernorm: bool = True  # Qwen3 normalises q and k per head
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    max_seq_len: int = 64
+    router_aux_loss_coeff: float = 0.0  # switch load-balancing loss; 0 = off
+    recompute: bool = False  # full activation recomputation in the learner (routes are replayed again)
+    # HF model family of import/export (moe_rl/weights/hf.py FAMILIES): qwen3_moe | mixtral (no q/k norm)
+    hf_family: str = "qwen3_moe"
+    # Learner kernels and precision (moe_rl/learner/te_spec.py). te and fp8 need CUDA and Transformer
+    # Engine; that is checked when a run starts (preflight.check_launch), so GPU recipes still load anywhere.
+    transformer_impl: str = "local"  # local: megatron's own modules (CPU) | te: Transformer Engine spec
+    precision: str = "fp32"  # fp32 | bf16 | fp8 (TE linears in FP8, bf16 params, fp32 main params)
+    fp8_recipe: str = "delayed"  # delayed | tensorwise | blockwise (megatron-core Fp8Recipe names)
+    fp8_format: str = "hybrid"  # hybrid: e4m3 forward, e5m2 gradients | e4m3 everywhere
+
+    def __post_init__(self) -> None:
+        _check_finite(self, "model")
+        for name in (
+            "hidden_size",
+            "num_layers",
+            "num_attention_heads",
+            "num_query_groups",
+            "head_dim",
+            "ffn_hidden_size",
+            "moe_ffn_hidden_size",
+            "num_experts",
+            "moe_router_topk",
+            "max_seq_len",
+        ):
+            _check(getattr(self, name) > 0, f"model.{name}", "must be > 0")
+        _check(self.vocab_size >= 0, "model.vocab_size", "must be >= 0 (0 = from the tokenizer)")
+        _check(
+            self.moe_router_topk <= self.num_experts,
+            "model.moe_router_topk",
+            f"top-k {self.moe_router_topk} > model.num_experts {self.num_experts}",
+        )
+        _check(
+            self.num_attention_heads % self.num_query_groups == 0,
+            "model.num_query_groups",
+            f"{self.num_query_groups} does not divide model.num_attention_heads {self.num_attention_heads}",
+        )
+        _check(
+            0 <= self.first_k_dense < self.num_layers,
+            "model.first_k_dense",
+            f"must be in [0, model.num_layers={self.num_layers}) so at least one layer is MoE",
+        )
+        _check(self.router_aux_loss_coeff >= 0, "model.router_aux_loss_coeff", "must be >= 0")
+        _one_of(self.transformer_impl, "model.transformer_impl", ("local", "te"))
+        _one_of(self.precision, "model.precision", ("fp32", "bf16", "fp8"))
+        # mxfp8 / nvfp4 are Blackwell-only (docs/gpu_stack.md 3); custom needs a quantizer factory
+        _one_of(self.fp8_recipe, "model.fp8_recipe", ("delayed", "tensorwise", "blockwise"))
+        _one_of(self.fp8_format, "model.fp8_format", ("hybrid", "e4m3"))
+        _one_of(self.hf_family, "model.hf_family", HF_FAMILY_NAMES)
+        self._check_variants()
+        _check(
+            self.precision != "fp8" or self.transformer_impl == "te",
+            "model.precision",
+            "fp8 GEMMs come from Transformer Engine: set model.transformer_impl=te",
+        )
+
+    def _check_variants(self) -> None:
+        """Attention / router variant fields (DeepSeek-V3, GLM-4.5, Qwen2-MoE) are consistent."""
+        for name in _NOT_BUILT_YET:  # accepted by the tree, not yet by learner and engines
+            default = ModelConfig.__dataclass_fields__[name].default
+            _check(getattr(self, name) == default, f"model.{name}", f"only {default!r} is supported yet")
+        _check(0 < self.partial_rotary_factor <= 1, "model.partial_rotary_factor", "must be in (0, 1]")
+        for name in ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            _check(getattr(self, name) >= 0, f"model.{name}", "must be >= 0")
+        if self.mla:
+            for name in ("qk_rope_head_dim", "v_head_dim"):
+                _check(
+                    getattr(self, name) > 0, f"model.{name}", "must be > 0 with MLA (model.kv_lora_rank > 0)"
+                )
+        _one_of(self.rope_scaling_type, "model.rope_scaling_type", ("none", "yarn"))
+        _check(self.rope_scaling_factor >= 1, "model.rope_scaling_factor", "must be >= 1")
+        _one_of(self.moe_router_score_function, "model.moe_router_score_function", ("softmax", "sigmoid"))
+        _one_of(self.expert_bias_update, "model.expert_bias_update", ("frozen", "native"))
+        _check(self.moe_router_num_groups >= 0, "model.moe_router_num_groups", "must be >= 0")
+        if self.moe_router_num_groups > 1:
+            G = self.moe_router_num_groups
+            _check(
+                self.num_experts % G == 0,
+                "model.moe_router_num_groups",
+                f"{G} does not divide model.num_experts {self.num_experts}",
+            )
+            _check(
+                0 < self.moe_router_group_topk <= G,
+                "model.moe_router_group_topk",
+                f"must be in [1, model.moe_router_num_groups={G}]",
+            )
+            _check(
+                self.moe_router_topk <= self.moe_router_group_topk * (self.num_experts // G),
+                "model.moe_router_topk",
+                f"{self.moe_router_topk} > experts in {self.moe_router_group_topk} groups "
+                f"of {self.num_experts // G}",
+            )
+        _check(self.moe_router_scaling_factor > 0, "model.moe_router_scaling_factor", "must be > 0")
+        _check(
+            self.moe_shared_expert_ffn_hidden_size >= 0,
+            "model.moe_shared_expert_ffn_hidden_size",
+            "must be >= 0",
+        )
+        _check(
+            not self.moe_shared_expert_gate or self.moe_shared_expert_ffn_hidden_size > 0,
+            "model.moe_shared_expert_gate",
+            "needs shared experts (model.moe_shared_expert_ffn_hidden_size > 0)",
+        )
+
+    @property
+    def mla(self) -> bool:
+        """Multi-latent attention (DeepSeek-V3 / Kimi-K2)."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def moe_layers(self) -> list[int]:
+        """Global (0-based) numbers of the MoE layers."""
+        return list(range(self.first_k_dense, self.num_layers))
+
+
+# Variant fields the learner and the engines cannot build yet: only their default is accepted.
+_NOT_BUILT_YET = (
+    "attention_bias",
+    "partial_rotary_factor",
+    "kv_lora_rank",
+    "q_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "rope_scaling_type",
+    "moe_router_score_function",
+    "norm_topk_prob",
+    "moe_router_expert_bias",
+    "moe_router_num_groups",
+    "moe_router_group_topk",
+    "moe_router_scaling_factor",
+    "moe_shared_expert_ffn_hidden_size",
+    "moe_shared_expert_gate",
+    "tie_word_embeddings",
+)
+
+# ModelConfig fields that change tensor shapes or the function computed; max_seq_len and the aux-loss
+# coefficient do not (RoPE has no parameters). Init weights, HF checkpoints and route records made
+# for another architecture are refused by these (weights/warmstart.py, weights/hf.py, routing/record.py).
+ARCH_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "num_layers",
+    "num_attention_heads",
+    "num_query_groups",
+    "head_dim",
+    "ffn_hidden_size",
+    "moe_ffn_hidden_size",
+    "num_experts",
+    "moe_router_topk",
+    "first_k_dense",
+    "qk_layernorm",
+    "rope_theta",
+    "norm_eps",
+    "attention_bias",
+    "partial_rotary_factor",
+    "kv_lora_rank",
+    "q_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "rope_scaling_type",
+    "rope_scaling_factor",
+    "rope_original_max_position",
+    "rope_beta_fast",
+    "rope_beta_slow",
+    "rope_mscale",
+    "rope_mscale_all_dim",
+    "moe_router_score_function",
+    "norm_topk_prob",
+    "moe_router_expert_bias",
+    "moe_router_num_groups",
+    "moe_router_group_topk",
+    "moe_router_scaling_factor",
+    "moe_shared_expert_ffn_hidden_size",
+    "moe_shared_expert_gate",
+    "tie_word_embeddings",
+)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    nproc: int = 2  # local ranks `moe-rl train` starts (ignored under an external torchrun)
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    expert_parallel: int = 2
+    # experts' own tensor parallelism (megatron's expert_tensor_parallel_size): 0 = tensor_parallel
+    # (megatron's default); large MoE runs use 1 (whole experts per rank, EP across them)
+    expert_tensor_parallel: int = 0
+    # uneven pipeline stages: layers of the first / last stage (0 = an even split); the embedding
+    # and the output layer make those stages heavier, so they get fewer layers
+    layers_in_first_stage: int = 0
+    layers_in_last_stage: int = 0
+    virtual_pipeline: int = 1  # interleaved 1F1B model chunks per stage: only 1 is supported
+    distributed_optimizer: bool = True
+    token_dispatcher: str = "alltoall"  # alltoall (production-like) | allgather
+    backend: str = "auto"  # auto: nccl on CUDA, gloo on CPU
+
+    def __post_init__(self) -> None:
+        _check_finite(self, "parallel")
+        for name in ("nproc", "tensor_parallel", "pipeline_parallel", "expert_parallel", "virtual_pipeline"):
+            _check(getattr(self, name) >= 1, f"parallel.{name}", "must be >= 1")
+        for name in ("expert_tensor_parallel", "layers_in_first_stage", "layers_in_last_stage"):
+            _check(getattr(self, name) >= 0, f"parallel.{name}", "must be >= 0 (0: the default)")
+        # megatron's interleaved schedule needs one model chunk per virtual stage; the learner,
+        # replay hooks and weight mapping hold one chunk per rank
+        _check(
+            self.virtual_pipeline == 1,
+            "parallel.virtual_pipeline",
+            f"{self.virtual_pipeline}: virtual pipeline stages (interleaved 1F1B) are not supported; "
+            f"use 1 and, for balance, parallel.layers_in_first_stage / layers_in_last_stage",
+        )
+        _check(
+            self.pipeline_parallel > 1 or self.layers_in_first_stage == self.layers_in_last_stage == 0,
+            "parallel.layers_in_first_stage",
+            "uneven stages need parallel.pipeline_parallel > 1",
+        )
+        _one_of(self.token_dispatcher, "parallel.token_dispatcher", ("alltoall", "allgather"))
+        _one_of(self.backend, "parallel.backend", ("auto", "gloo", "nccl"))
+
+    @property
+    def expert_tp(self) -> int:
+        """The experts' tensor-parallel size in effect."""
+        return self.expert_tensor_parallel or self.tensor_parallel

@@ -1,0 +1,384 @@
+"""The rest of the tree and its root: optimizer, rollout (and vLLM), routing, task, algorithm and
+logging configs, and ``RunConfig``, whose cross-field checks span the subtrees (layout: ``moe_rl.layout``;
+what vLLM cannot do: ``moe_rl.rollout.vllm_rules``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from moe_rl.config.checks import _check, _check_finite, _one_of
+from moe_rl.config.correction import CorrectionConfig
+from moe_rl.config.model import ModelConfig, ParallelConfig
+from moe_rl.layout import check_layout, data_parallel_size
+from moe_rl.names import ADVANTAGE_NAMES, GROUP_ADVANTAGE_NAMES, KL_ESTIMATOR_NAMES
+from moe_rl.rollout.vllm_rules import check_vllm
+
+
+@dataclass(frozen=True)
+class LengthLRConfig:
+    """Knobs of ``LengthLRScheduler`` (docs/math.md 5.2 [I]; all defaults unverified).
+
+    Each step the scheduler observes the global mean response length x_k and:
+    1. smooths it: ``smoothing="ema"``: L_k = (1 - ema_alpha) L_{k-1} + ema_alpha x_k, L_0 = x_0;
+       ``smoothing="window"``: L_k = mean of the last ``window`` observations.
+    2. compares it with a reference: ``reference="running_min"``: min_{j<=k} L_j (docs/math.md 5.2);
+       ``reference="lookback"``: L_{k-lookback} (a relative slope over ``lookback`` steps; no
+       trigger until that many smoothed values exist). ratio_k = L_k / reference.
+    3. counts consecutive steps with ratio_k > ``surge_ratio`` (the first ``min_observations``
+       observations and steps inside a cooldown do not count, and reset the count).
+    4. triggers when the count reaches ``patience``: multiplier <- max(multiplier * decay_factor,
+       min_multiplier), then no trigger for ``cooldown_steps`` steps. With ``rebase_after_trigger``
+       the reference restarts from the current smoothed length, so the next trigger needs a new
+       surge; without it a length that stays high decays again after every cooldown.
+    A trigger when the multiplier is already at ``min_multiplier`` changes nothing and is not an
+    event. The LR is then ``scheduled_lr(...)``: the base schedule (``lr_at``) times the
+    multiplier, never below ``min(base, min_lr)``.
+    """
+
+    enabled: bool = False
+    smoothing: str = "ema"  # ema | window
+    ema_alpha: float = 0.1  # weight of the newest observation (ema)
+    window: int = 10  # observations averaged (window)
+    reference: str = "running_min"  # running_min | lookback
+    lookback: int = 20  # steps back for reference="lookback"
+    surge_ratio: float = 1.2  # trigger threshold on smoothed / reference (> 1)
+    patience: int = 3  # consecutive steps above the threshold
+    min_observations: int = 10  # no trigger before this many observations (smoother warm-up)
+    decay_factor: float = 0.5  # multiplier <- multiplier * decay_factor on a trigger
+    cooldown_steps: int = 50  # steps after a trigger during which nothing triggers
+    min_multiplier: float = 0.1  # the multiplier's floor
+    min_lr: float = 0.0  # floor on the decayed LR (never raises it above the base schedule)
+    rebase_after_trigger: bool = True
+
+    def __post_init__(self) -> None:
+        _check_finite(self, "optim.length_lr")
+        _one_of(self.smoothing, "optim.length_lr.smoothing", ("ema", "window"))
+        _one_of(self.reference, "optim.length_lr.reference", ("running_min", "lookback"))
+        _check(0 < self.ema_alpha <= 1, "optim.length_lr.ema_alpha", "must be in (0, 1]")
+        for name in ("window", "lookback", "patience"):
+            _check(getattr(self, name) >= 1, f"optim.length_lr.{name}", "must be >= 1")
+        for name in ("min_observations", "cooldown_steps"):
+            _check(getattr(self, name) >= 0, f"optim.length_lr.{name}", "must be >= 0")
+        _check(self.surge_ratio > 1, "optim.length_lr.surge_ratio", "must be > 1")
+        _check(0 < self.decay_factor < 1, "optim.length_lr.decay_factor", "must be in (0, 1)")
+        _check(0 <= self.min_multiplier <= 1, "optim.length_lr.min_multiplier", "must be in [0, 1]")
+        _check(self.min_lr >= 0, "optim.length_lr.min_lr", "must be >= 0")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 5e-5
+    min_lr: float = 0.0
+    lr_schedule: str = "constant"  # constant | cosine
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    # a minibatch whose gradient is exactly 0 on every rank (all advantages 0, or every token
+    # rejected) skips the optimizer step: Adam would otherwise take a near-full-size step on its
+    # momentum alone (counted in train/skipped_minibatches); false: step anyway, as verl and
+    # Megatron-LM do
+    skip_zero_grad: bool = True
+    length_lr: LengthLRConfig = field(default_factory=LengthLRConfig)  # decay on response-length surges
+
+    def __post_init__(self) -> None:
+        _check_finite(self, "optim")
+        _check(self.lr > 0, "optim.lr", "must be > 0")
+        _check(0 <= self.min_lr <= self.lr, "optim.min_lr", "must be in [0, optim.lr]")
+        _one_of(self.lr_schedule, "optim.lr_schedule", ("constant", "cosine"))
+        _check(self.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
+        _check(self.clip_grad > 0, "optim.clip_grad", "must be > 0")
+        for name in ("adam_beta1", "adam_beta2"):
+            _check(0 <= getattr(self, name) < 1, f"optim.{name}", f"{getattr(self, name)} is not in [0, 1)")
+        _check(self.weight_decay >= 0, "optim.weight_decay", f"must be >= 0 (got {self.weight_decay})")
+
+
+@dataclass(frozen=True)
+class VllmConfig:
+    """The vLLM rollout engine (moe_rl/rollout/vllm_engine.py); used when rollout.engine=vllm."""
+
+    tensor_parallel: int = 1  # consecutive ranks that share one colocated vLLM engine
+    gpu_memory_utilization: float = 0.35  # vLLM's share of each GPU (weights + KV cache)
+    sleep_level: int = 1  # between rollouts: 0 stay awake | 1 offload weights, drop KV | 2 drop both
+    enforce_eager: bool = False  # no CUDA graphs (faster start, slower decode)
+    max_model_len: int = 0  # 0: model.max_seq_len
+    model_dir: str = ""  # HF dir vLLM starts from; "": init_weights' hf:DIR, else written from the learner
+    # DVP (correction.dvp_threshold > 0): the largest safe set per position the engine can report;
+    # vLLM returns the top dvp_max_safe + 1 log-probs per token, and a larger safe set is an error
+    dvp_max_safe: int = 64
+
+    def __post_init__(self) -> None:
+        _check_finite(self, "rollout.vllm")
+        _check(self.tensor_parallel >= 1, "rollout.vllm.tensor_parallel", "must be >= 1")
+        _check(
+            0 < self.gpu_memory_utilization < 1, "rollout.vllm.gpu_memory_utilization", "must be in (0, 1)"
+        )
+        _one_of(str(self.sleep_level), "rollout.vllm.sleep_level", ("0", "1", "2"))
+        _check(self.max_model_len >= 0, "rollout.vllm.max_model_len", "must be >= 0")
+        _check(self.dvp_max_safe >= 1, "rollout.vllm.dvp_max_safe", "must be >= 1")
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    engine: str = "builtin"  # builtin (CPU or small GPU models) | vllm (CUDA; rollout.vllm)
+    dtype: str = "bf16"  # the built-in engine's own numeric path: bf16 | fp32
+    prompts_per_step: int = 32  # global, over all data-parallel ranks
+    samples_per_prompt: int = 8
+    max_new_tokens: int = 12
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    router_noise: float = (
+        0.0  # std of Gaussian noise on the engine's router logits: dialled-in routing mismatch
+    )
+    staleness: int = 0  # generate with the policy of k updates ago (asynchronous pipelines); 0 = synced
+    vllm: VllmConfig = field(default_factory=VllmConfig)
+
+    def __post_init__(self) -> None:
+        _check_finite(self, "rollout")
+        _one_of(self.engine, "rollout.engine", ("builtin", "vllm"))
+        _one_of(self.dtype, "rollout.dtype", ("bf16", "fp32"))
+        for name in ("prompts_per_step", "samples_per_prompt", "max_new_tokens"):
+            _check(getattr(self, name) >= 1, f"rollout.{name}", "must be >= 1")
+        _check(self.temperature > 0, "rollout.temperature", "must be > 0")
+        _check(0 < self.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
+        _check(self.top_k >= 0, "rollout.top_k", "must be >= 0")
+        _check(self.router_noise >= 0, "rollout.router_noise", "must be >= 0")
+        _check(self.staleness >= 0, "rollout.staleness", f"must be >= 0 (got {self.staleness})")
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    # off: learner routes natively (agreement with the rollout's routes is still measured)
+    # r2:  the old-log-prob pass records the learner's routes; the update passes replay them
+    # r3:  the rollout engine's routes are replayed in the old-log-prob and update passes
+    replay: str = "off"
+    # Replay in the reference (KL) pass too, so the KL term measures the policy change and not
+    # routing noise between two forwards (all peers default to not replaying: docs/design.md 6.3).
+    replay_reference: bool = True
+
+    def __post_init__(self) -> None:
+        _check_finite(self, "routing")
+        _one_of(self.replay, "routing.replay", ("off", "r2", "r3"))
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    """Where prompts, answers and rewards come from (moe_rl/tasks/; README "Train your own checkpoint").
+
+    Built-in generated tasks (mixed uniformly) unless ``dataset`` names a JSONL or Parquet file of
+    rows; ``prompt_key`` / ``answer_key`` / ``source_key`` are dotted paths into a row (verl:
+    ``prompt`` as chat messages, ``reward_model.ground_truth``, ``data_source``)."""
+
+    tasks: list[str] = field(default_factory=lambda: ["reverse", "sort", "copy"])
+    min_len: int = 2
+    max_len: int = 4
+    dataset: str = ""  # JSONL or Parquet prompt rows; see moe_rl/tasks/rows.py
+    # exact_match | char_accuracy | math | python:FILE.py:FUNCTION (called per sample; see
+    # moe_rl/tasks/text_rewards.py)
+    reward: str = "exact_match"
+    # a dataset prompt that leaves no room for rollout.max_new_tokens within model.max_seq_len:
+    # error (names file and row) | drop (skipped, counted in the log and rollout/prompts_dropped_too_long)
+    overlong: str = "error"
+    # builtin:char | hf:DIR (transformers AutoTokenizer) | auto: the init_weights=hf:DIR directory,
+    # else builtin:char
+    tokenizer: str = "auto"
+    prompt_key: str = "prompt"  # a string, or a list of chat messages ({"role", "content"})
+    answer_key: str = "answer"  # the ground truth (a string or a number)
+    source_key: str = "data_source"  # label for per-source metrics; rows without it are "dataset"
+    # the tokenizer's chat template: auto (a prompt of chat messages goes through it, a string prompt
+    # is tokenized as is) | true (every prompt, a string as one user message) | false (refuse messages)
+    apply_chat_template: str = "auto"
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. {enable_thinking: false}
+    # a configured prompt limit: longer prompts are dropped at load (counted); 0: model.max_seq_len -
+    # rollout.max_new_tokens, with task.overlong deciding
+    max_prompt_tokens: int = 0
+    val_dataset: str = ""  # validation rows (same keys); scored every log.val_every steps
+    val_max_prompts: int = 0  # 0: every validation row
+    reward_workers: int = 2  # processes scoring text rewards (math, python:...); 0: in the trainer's process
+    reward_timeout_s: float = (
+        10.0  # per sample; a reward that raises or times out scores 0 (reward/error_frac)
+    )
+    # DAPO soft overlong penalty: over the last `overlong_buffer` tokens before rollout.max_new_tokens the
+    # reward drops linearly by up to `overlong_penalty` (0 = off)
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        _check_finite(self, "task")
+        _one_of(self.overlong, "task.overlong", ("error", "drop"))
+        _check(len(self.tasks) > 0 or bool(self.dataset), "task.tasks", "empty and no task.dataset")
+        _check(
+            1 <= self.min_len <= self.max_len,
+            "task.min_len",
+            f"need 1 <= task.min_len ({self.min_len}) <= task.max_len ({self.max_len})",
+        )
+        _check(
+            self.tokenizer in ("auto", "builtin:char", "hf") or self.tokenizer.startswith("hf:"),
+            "task.tokenizer",
+            f"{self.tokenizer!r} is not auto, builtin:char or hf:DIR",
+        )
+        for key in ("prompt_key", "answer_key", "source_key"):
+            _check(
+                bool(getattr(self, key)) and "" not in getattr(self, key).split("."),
+                f"task.{key}",
+                f"{getattr(self, key)!r} is not a dotted key path",
+            )
+        _check(self.reward != "", "task.reward", "must name a reward")
+        # YAML reads an unquoted true/false as a boolean, stored here as 'True'/'False'
+        object.__setattr__(self, "apply_chat_template", str(self.apply_chat_template).lower())
+        _one_of(self.apply_chat_template, "task.apply_chat_template", ("auto", "true", "false"))
+        for key in ("max_prompt_tokens", "val_max_prompts", "reward_workers", "overlong_buffer"):
+            _check(getattr(self, key) >= 0, f"task.{key}", "must be >= 0")
+        _check(self.reward_timeout_s > 0, "task.reward_timeout_s", "must be > 0")
+        _check(self.overlong_penalty >= 0, "task.overlong_penalty", "must be >= 0")
+
+
+@dataclass(frozen=True)
+class AlgoConfig:
+    advantage: str = "grpo"
+    grpo_std_norm: bool = True  # grpo only: divide by the group std (rloo never does)
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    kl_coef: float = 0.0  # KL to the reference (initial) policy; 0 = no reference model
+    kl_estimator: str = "k3"  # k1 | k2 | k3
+    num_minibatches: int = 4  # optimizer steps per RL step: the batch is split into this many
+    micro_batch_size: int = 64  # sequences per forward/backward on one rank
+    # > 0: micro-batches formed by token count instead (sequences sorted by length, bucketed so each
+    # micro-batch holds at most this many padded tokens; a longer sequence gets one of its own)
+    max_tokens_per_micro_batch: int = 0
+
+    def __post_init__(self) -> None:
+        _check_finite(self, "algo")
+        _one_of(self.advantage, "algo.advantage", ADVANTAGE_NAMES)
+        _check(self.clip_low >= 0 and self.clip_high >= 0, "algo.clip_low", "clips must be >= 0")
+        _one_of(self.kl_estimator, "algo.kl_estimator", KL_ESTIMATOR_NAMES)
+        _check(self.kl_coef >= 0, "algo.kl_coef", "must be >= 0")
+        _check(self.num_minibatches >= 1, "algo.num_minibatches", "must be >= 1")
+        _check(self.micro_batch_size >= 1, "algo.micro_batch_size", "must be >= 1")
+        _check(self.max_tokens_per_micro_batch >= 0, "algo.max_tokens_per_micro_batch", "must be >= 0")
+
+
+@dataclass(frozen=True)
+class HealthConfig:
+    """Health alarms (moe_rl/health.py): a warning event in events.jsonl, the log and the report
+    when a condition holds for ``patience`` consecutive steps; never stops the run."""
+
+    enabled: bool = True
+    patience: int = 3  # consecutive steps a condition must hold
+    # policy entropy (train/entropy, nats per token) >= this fraction of ln(vocab_size): uniform
+    entropy_uniform_frac: float = 0.95
+    entropy_zero: float = 1e-3  # policy entropy <= this: collapsed onto one token per position
+    # and, always: every minibatch's gradient norm exactly 0 (train/grad_norm_max == 0)
+
+    def __post_init__(self) -> None:
+        _check_finite(self, "log.health")
+        _check(self.patience >= 1, "log.health.patience", "must be >= 1")
+        _check(0 < self.entropy_uniform_frac <= 1, "log.health.entropy_uniform_frac", "must be in (0, 1]")
+        _check(self.entropy_zero >= 0, "log.health.entropy_zero", "must be >= 0")
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    wandb_mode: str = "offline"  # offline | online | disabled
+    wandb_project: str = "moe-rl"
+    progress_bar: bool = True
+    router_monitor: bool = True  # per-layer router-gradient monitor of the update passes
+    router_margin_eps: float = 0.1  # Top-K margin under which a token counts as near the boundary
+    health: HealthConfig = field(default_factory=HealthConfig)  # entropy / gradient alarms
+    val_every: int = 0  # validation reward (greedy and sampled) on task.val_dataset every N steps; 0 = off
+
+    def __post_init__(self) -> None:
+        _check_finite(self, "log")
+        _one_of(self.wandb_mode, "log.wandb_mode", ("offline", "online", "disabled"))
+        _check(self.val_every >= 0, "log.val_every", "must be >= 0")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    run_dir: str = "runs/default"
+    resume: bool = False  # continue from run_dir's last checkpoint
+    seed: int = 1234
+    steps: int = 300
+    checkpoint_every: int = 100  # 0 = only at the end
+    init_weights: str = "builtin:warmstart"  # safetensors file, "builtin:warmstart", "hf:DIR" or "" (random)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    correction: CorrectionConfig = field(default_factory=CorrectionConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def __post_init__(self) -> None:
+        _check(self.steps >= 1, "steps", "must be >= 1")
+        _check(self.checkpoint_every >= 0, "checkpoint_every", "must be >= 0")
+        m, p, r = self.model, self.parallel, self.rollout
+        _check(
+            r.max_new_tokens < m.max_seq_len,
+            "rollout.max_new_tokens",
+            f"{r.max_new_tokens} leaves no room for a prompt within model.max_seq_len={m.max_seq_len}",
+        )
+        check_layout(m, p)
+        dp = self.data_parallel
+        _check(
+            r.prompts_per_step % dp == 0,
+            "rollout.prompts_per_step",
+            f"{r.prompts_per_step} prompts do not split over {dp} data-parallel ranks",
+        )
+        _check(
+            self.task.val_max_prompts % dp == 0,
+            "task.val_max_prompts",
+            f"{self.task.val_max_prompts} prompts do not split over {dp} data-parallel ranks",
+        )
+        _check(
+            r.samples_per_prompt >= 2 or self.algo.advantage not in GROUP_ADVANTAGE_NAMES,
+            "rollout.samples_per_prompt",
+            f"{self.algo.advantage} needs >= 2 samples per prompt",
+        )
+        per_rank = r.prompts_per_step // dp
+        _check(
+            per_rank % self.algo.num_minibatches == 0,
+            "algo.num_minibatches",
+            f"{self.algo.num_minibatches} minibatches do not split the {per_rank} prompts per rank",
+        )
+        if r.engine == "vllm":
+            check_vllm(self)
+        _check(
+            self.algo.max_tokens_per_micro_batch == 0 or p.pipeline_parallel == 1,
+            "algo.max_tokens_per_micro_batch",
+            "token-budget micro-batches are tested with parallel.pipeline_parallel=1 only",
+        )
+        t = self.task
+        _check(self.log.val_every == 0 or bool(t.val_dataset), "log.val_every", "needs task.val_dataset")
+        room = self.model.max_seq_len - r.max_new_tokens
+        _check(
+            t.max_prompt_tokens <= room,
+            "task.max_prompt_tokens",
+            f"{t.max_prompt_tokens} leaves no room for rollout.max_new_tokens={r.max_new_tokens} within "
+            f"model.max_seq_len={self.model.max_seq_len} (at most {room})",
+        )
+        _check(
+            t.overlong_buffer < r.max_new_tokens,
+            "task.overlong_buffer",
+            f"{t.overlong_buffer} must be < rollout.max_new_tokens {r.max_new_tokens}",
+        )
+        _check(
+            t.tokenizer in ("auto", "builtin:char")
+            or t.tokenizer.startswith("hf:")
+            and len(t.tokenizer) > 3
+            or self.init_weights.startswith("hf:"),
+            "task.tokenizer",
+            f"{t.tokenizer!r} names the init_weights=hf:DIR directory, "
+            f"but init_weights is {self.init_weights!r}",
+        )
+
+    @property
+    def data_parallel(self) -> int:
+        return data_parallel_size(self.parallel)
