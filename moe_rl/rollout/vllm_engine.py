@@ -124,7 +124,7 @@ DVP_PROCESSOR = f"{__name__}:DvpLogitsProcessor"  # the FQCN vLLM's loader resol
 
 
 # --------------------------------------------------------------------------------------------
-# Environment check (when a run starts: moe_rl/preflight.py); the pure config checks are in config.py
+# Environment check (when a run starts: moe_rl/preflight.py); the pure config checks are in moe_rl/config/
 # --------------------------------------------------------------------------------------------
 
 
