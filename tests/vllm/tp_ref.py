@@ -1,0 +1,79 @@
+"""The vLLM side of the TP test (tests/vllm/test_vllm_tp.py), run in spawned CPU ranks
+(tests/dist_harness.py): one VllmEngine per group of ``tensor_parallel`` ranks, each rank asking
+for its own prompts; the engine's batch and the group's raw vLLM outputs saved to a file."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+
+VOCAB = 50
+N = 2
+MAX_NEW = 8
+RANK_PROMPTS = ([[5, 6, 7], [8, 9]], [[10, 11, 12, 13], [14, 15, 16]])  # rank r's prompts
+ALL_PROMPTS = [p for ps in RANK_PROMPTS for p in ps]
+SEEDS = (3, 4)  # rank r's generate seed
+
+
+def tp_cfg(world: int, tp: int, *extra: str):
+    from moe_rl.config import load_config
+
+    cfg = load_config(
+        None,
+        [
+            "rollout.engine=vllm",
+            f"parallel.nproc={world}",
+            "parallel.expert_parallel=1",
+            f"rollout.vllm.tensor_parallel={tp}",
+            "rollout.vllm.enforce_eager=true",
+            "rollout.dtype=fp32",  # TP=2's all-reduce sums in another order: keep that noise at fp32's
+        ]
+        + list(extra),
+    )
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=VOCAB))
+
+
+def _batch(b) -> dict:
+    return {
+        "tokens_BS": b.tokens_BS,
+        "prompt_lens_B": b.prompt_lens_B,
+        "response_lens_B": b.response_lens_B,
+        "logprobs_BS": b.logprobs_BS,
+        "routes": [r.clone() for r in b.routes],
+    }
+
+
+def vllm_side(rank: int, world: int, tp: int, out_path: str) -> str:
+    """Rank ``rank`` of ``world`` ranks, vLLM engines of ``tp`` ranks. With ``world`` > 1 rank r asks
+    for RANK_PROMPTS[r] (seed SEEDS[r]); alone it asks for every rank's, one ``generate`` call each.
+    Then a weight sync to other weights and the same calls again. Saves (``out_path``, with the rank
+    for ``%d``) ``batches[w][c]``: the engine's batch of call c under weights w, and ``raw``:
+    vLLM's (token ids, routed_experts) for ALL_PROMPTS straight from ``llm.generate`` (every rank
+    of an engine group submits the same requests)."""
+    import vllm
+
+    from moe_rl.rollout.vllm_engine import VllmEngine
+    from moe_rl.types import SamplingParams
+    from moe_rl.weights.canonical import random_canonical_weights
+
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(r) for r in range(world)))
+    if world > 1:
+        torch.distributed.init_process_group("gloo")
+    cfg = tp_cfg(world, tp)
+    calls = (rank,) if world > 1 else tuple(range(len(RANK_PROMPTS)))
+    engine = VllmEngine(cfg, cfg.model, pad_id=0)
+    sp = SamplingParams(max_new_tokens=MAX_NEW, temperature=1.0, stop_token_ids=(3,))
+    out: dict = {"batches": []}
+    for w in (1, 2):  # the first weights, then a sync (reload_weights on every TP rank's shard)
+        engine.load_weights(random_canonical_weights(cfg.model, seed=w))
+        out["batches"].append(
+            [_batch(engine.generate(list(RANK_PROMPTS[c]), N, sp, seed=SEEDS[c])) for c in calls]
+        )
+    raw_sp = vllm.SamplingParams(max_tokens=MAX_NEW, seed=5, logprobs=0, detokenize=False)
+    outs = engine.llm.generate([{"prompt_token_ids": p} for p in ALL_PROMPTS], raw_sp, use_tqdm=False)
+    out["raw"] = [(list(o.outputs[0].token_ids), o.outputs[0].routed_experts.copy()) for o in outs]
+    out_path = out_path % rank if "%d" in out_path else out_path
+    torch.save(out, out_path)
+    return out_path
