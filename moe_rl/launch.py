@@ -135,7 +135,7 @@ def _guarded(fn, report_dir: str, launcher_pid: int, *args):
     except OSError:
         pass
     try:
-        end_with_launcher(launcher_pid)  # kill -9 of the launcher takes the ranks along
+        end_with_launcher(launcher_pid)  # kill -9 of the launcher takes the ranks and their children along
         return fn(*args)
     except SystemExit as e:
         if e.code in (0, None):
