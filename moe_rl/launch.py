@@ -16,15 +16,18 @@ killer) leaves no record; it is named as the one that died (``RankDiedError``), 
 that lost its connection to it. SIGINT/SIGTERM/SIGHUP/SIGQUIT of the launcher stop the ranks
 (torch's agent passes the signal on, then SIGKILL after its timeout) and become
 ``JobInterrupted``. And no process of the job survives any end: each rank is its own process
-group (a terminal's Ctrl-C reaches the launcher alone) and dies with the launcher
-(PR_SET_PDEATHSIG); the launcher is a child subreaper (Linux), so what a dead rank leaves behind
-(reward workers, megatron's checkpoint writers) is re-parented to it, and every process the job
-started, except the launcher's own multiprocessing resource tracker (which ends with it), is
-ended and reaped before ``spawn_local`` returns or raises.
+group (a terminal's Ctrl-C reaches the launcher alone); the launcher is a child subreaper (Linux),
+so what a dead rank leaves behind (reward workers, megatron's checkpoint workers) is re-parented to
+it, and every process the job started, except the launcher's own multiprocessing resource tracker
+(which ends with it), is ended and reaped before ``spawn_local`` returns or raises. kill -9 of the
+launcher itself: each rank is a child subreaper too, and gets ``LAUNCHER_DIED`` (SIGUSR2) when the
+launcher dies (PR_SET_PDEATHSIG); it then SIGKILLs and reaps its own descendants and exits, and the
+resource tracker, whose pipe they all held, ends once they are gone.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import pickle
@@ -45,6 +48,10 @@ from moe_rl.config import RunConfig
 from moe_rl.errors import UserError
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+# a rank's parent-death signal: one it handles (SIGKILL would leave its own children running) and
+# that nothing else in the job sends
+LAUNCHER_DIED = signal.SIGUSR2
+_PR_SET_PDEATHSIG, _PR_SET_CHILD_SUBREAPER = 1, 36
 
 
 class RankFailedError(RuntimeError):
@@ -117,7 +124,7 @@ class _RankFailure:
         ) from None
 
 
-def _guarded(fn, report_dir: str, *args):
+def _guarded(fn, report_dir: str, launcher_pid: int, *args):
     """A rank's ``fn(*args)``; on any exception: record it for the launcher, then exit at once
     (no teardown that could wait for a peer)."""
     try:
@@ -127,8 +134,8 @@ def _guarded(fn, report_dir: str, *args):
         os.setpgid(0, 0)
     except OSError:
         pass
-    die_with_parent()  # kill -9 of the launcher takes the ranks along
     try:
+        end_with_launcher(launcher_pid)  # kill -9 of the launcher takes the ranks and their children along
         return fn(*args)
     except SystemExit as e:
         if e.code in (0, None):
@@ -169,22 +176,77 @@ def _died_without_record(failures: dict, report_dir: Path) -> RankDiedError | No
     return None
 
 
-def die_with_parent() -> None:
-    """Ask the kernel to SIGKILL this process when its parent ends (Linux PR_SET_PDEATHSIG; a
-    no-op elsewhere): a launcher killed with kill -9 cannot stop its ranks itself."""
-    if sys.platform.startswith("linux"):
-        import ctypes
+def _prctl(option: int, arg: int) -> None:
+    """Linux prctl(2), loud when the kernel refuses (callers check the platform)."""
+    import ctypes
 
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(option, arg, 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"prctl({option}, {arg}) failed: {os.strerror(err)}")
 
 
 def _become_subreaper() -> None:
     """Orphans of this process's descendants are re-parented to it (not to init), so that
-    ``_end_strays`` finds what a killed rank leaves behind. Linux only; a no-op elsewhere."""
+    ``_end_strays`` and ``_kill_descendants`` find them. Linux only; a no-op elsewhere."""
     if sys.platform.startswith("linux"):
-        import ctypes
+        _prctl(_PR_SET_CHILD_SUBREAPER, 1)
 
-        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+
+def end_with_launcher(launcher_pid: int) -> None:
+    """A rank (a child of ``launcher_pid``) ends, with everything it started, when the launcher
+    dies, as after kill -9 of it, which cannot stop anything itself. Linux only (prctl); a no-op
+    elsewhere, where the README says what is left. Must run in the rank's main thread (a handler)."""
+    if not sys.platform.startswith("linux"):
+        return
+    _become_subreaper()  # a killed child's own children come here, not to init: all are found
+    signal.signal(LAUNCHER_DIED, functools.partial(_on_launcher_died, launcher_pid))
+    _prctl(_PR_SET_PDEATHSIG, int(LAUNCHER_DIED))
+    if os.getppid() != launcher_pid:  # it died before the prctl: no signal will come
+        _on_launcher_died(launcher_pid, int(LAUNCHER_DIED), None)
+
+
+def _on_launcher_died(launcher_pid: int, signum: int, _frame) -> None:
+    if os.getppid() == launcher_pid:  # sent by someone else: the launcher lives, the job goes on
+        logging.getLogger(__name__).warning(
+            "%s ignored: this rank ends on it only when its launcher (pid %d) has died",
+            signal.Signals(signum).name,
+            launcher_pid,
+        )
+        return
+    _kill_descendants()
+    os._exit(128 + signum)  # nobody waits for it: no teardown, no message
+
+
+def _kill_descendants(timeout_s: float = 5.0) -> None:
+    """SIGKILL and reap every descendant of this process, a child subreaper, so that orphans of
+    the killed ones are its children too; a loop, since one may fork while it is being killed.
+    Names on stderr any that outlive ``timeout_s`` (a process in uninterruptible sleep)."""
+    import psutil
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            left = psutil.Process().children(recursive=True)
+        except psutil.Error:
+            left = []
+        for p in left:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        try:
+            while os.waitpid(-1, os.WNOHANG)[0] != 0:
+                pass
+        except ChildProcessError:  # no child left, zombie or not
+            return
+        if time.monotonic() > deadline:
+            pids = " ".join(str(p.pid) for p in left)
+            rank = os.environ.get("RANK", "?")
+            line = f"error: rank {rank}: its processes {pids} outlived SIGKILL for {timeout_s} s\n"
+            os.write(2, line.encode())  # no logging: this runs in a signal handler
+            return
+        time.sleep(0.01)
 
 
 def _end_strays(before: set[int]) -> None:
@@ -249,7 +311,7 @@ def spawn_local(fn, nproc: int, *args):
     try:
         for log in elastic_logs:  # its failure and signal reports would repeat ours, worse
             log.setLevel(logging.CRITICAL)
-        return elastic_launch(lc, _guarded)(fn, str(report_dir), *args)
+        return elastic_launch(lc, _guarded)(fn, str(report_dir), os.getpid(), *args)
     except SignalException as e:  # the agent has stopped the ranks
         raise JobInterrupted(e.sigval) from None
     except ChildFailedError as e:

@@ -1,8 +1,8 @@
 """bad_input tier, issue 26: how a real `moe-rl train` job ends. Each job runs in its own session
 (``start_new_session=True``) so that every process it starts (ranks, reward workers, the resource
-tracker, megatron's async checkpoint workers) can be listed afterwards: after Ctrl-C, SIGTERM, kill
--9 of rank 1 and a normal end, none is left (zombies, which a container's init may never reap,
-are not processes that run). A second start on the live run dir is refused naming the job; a
+tracker, megatron's checkpoint workers) can be listed afterwards: after Ctrl-C, SIGTERM, kill -9 of
+rank 1, kill -9 of the leader and a normal end, none is left (zombies, which a container's init may
+never reap, are not processes that run). A second start on the live run dir is refused naming the job; a
 signal ends the job with one line that says how to resume; a killed rank is named.
 
 The time from the signal to the job's end is printed (``pytest -s``), not asserted."""
@@ -60,29 +60,25 @@ class Job:
             assert time.time() < deadline
             time.sleep(0.2)
 
-    def end(self, what: str) -> int:
+    def end(self, what: str, timeout_s: float = 120) -> int:
         t0 = time.time()
-        code = self.proc.wait(timeout=120)
+        code = self.proc.wait(timeout=timeout_s)
         print(f"{what}: the job ended {time.time() - t0:.2f} s later (exit code {code})")
         return code
+
+    def ranks(self) -> list[psutil.Process]:
+        ranks = sorted(
+            (c for c in psutil.Process(self.proc.pid).children() if "spawn_main" in " ".join(c.cmdline())),
+            key=lambda c: c.pid,
+        )  # started in rank order
+        assert len(ranks) == 2
+        return ranks
 
     def stderr(self) -> str:
         return self.err_path.read_text()
 
     def left(self) -> list[str]:
-        """The session's processes that still run (a few seconds for them to go)."""
-        deadline = time.time() + 10
-        while True:
-            ps = subprocess.run(
-                ["ps", "-o", "pid=,stat=,args=", "-s", str(self.proc.pid)],
-                capture_output=True,
-                text=True,
-                check=False,
-            ).stdout.splitlines()
-            alive = [x for x in ps if x.split()[1][0] != "Z"]
-            if not alive or time.time() > deadline:
-                return alive
-            time.sleep(0.2)
+        return left_in_session(self.proc.pid)
 
     def session(self) -> list[str]:
         ps = subprocess.run(
@@ -98,6 +94,19 @@ class Job:
         assert ck in (done - 1, done)  # checkpoint_every=1
         again = shlex.join(["moe-rl", "train", *self.args, "resume=true"])
         return f"at step {done}; resume with: {again}  (from the checkpoint of step {ck})"
+
+
+def left_in_session(sid: int) -> list[str]:
+    """The session's processes that still run (a few seconds for them to go)."""
+    deadline = time.time() + 10
+    while True:
+        ps = subprocess.run(
+            ["ps", "-o", "pid=,stat=,args=", "-s", str(sid)], capture_output=True, text=True, check=False
+        ).stdout.splitlines()
+        alive = [x for x in ps if x.split()[1][0] != "Z"]
+        if not alive or time.time() > deadline:
+            return alive
+        time.sleep(0.2)
 
 
 def last_lines(err: str, prefix: str) -> list[str]:
@@ -140,12 +149,7 @@ def test_a_killed_rank_is_named_and_leaves_no_process(tmp_path):
     job = Job(tmp_path, *LONG, *MATH)
     try:
         job.wait_for_first_checkpoint()
-        ranks = sorted(
-            (c for c in psutil.Process(job.proc.pid).children() if "spawn_main" in " ".join(c.cmdline())),
-            key=lambda c: c.pid,
-        )  # started in rank order
-        assert len(ranks) == 2
-        os.kill(ranks[1].pid, signal.SIGKILL)
+        os.kill(job.ranks()[1].pid, signal.SIGKILL)
         code = job.end("kill -9 of rank 1")
     finally:
         job.proc.kill()
@@ -162,9 +166,69 @@ def test_a_killed_rank_is_named_and_leaves_no_process(tmp_path):
 
 
 @pytest.mark.bad_input
+def test_a_rank_ends_what_it_started_when_its_launcher_dies(tmp_path):
+    """The mechanism alone, in seconds (no megatron): a stand-in launcher, one rank, the kinds of
+    process that outlived a killed launcher before; a stray SIGUSR2 is not the launcher's death."""
+    out, err = tmp_path / "pids.json", tmp_path / "stderr"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    with open(err, "w") as err_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.bad_input.launcher_death", str(out)],
+            stderr=err_file,
+            env=env,
+            cwd=ROOT,
+            start_new_session=True,
+        )
+    try:
+        deadline = time.time() + 120
+        while not out.is_file():
+            assert proc.poll() is None and time.time() < deadline, err.read_text()
+            time.sleep(0.1)
+        pids = json.loads(out.read_text())
+        assert len(pids["children"]) == 2, pids  # the server, the orphan the rank inherited
+        os.kill(pids["rank"], signal.SIGUSR2)  # the launcher lives: the rank goes on
+        time.sleep(1.0)
+        assert psutil.Process(pids["rank"]).status() != psutil.STATUS_ZOMBIE
+        assert [p.pid for p in psutil.Process(pids["rank"]).children()] == pids["children"]
+        os.kill(proc.pid, signal.SIGKILL)
+        assert proc.wait(timeout=10) == -signal.SIGKILL
+        t0 = time.time()
+        left = left_in_session(proc.pid)
+        print(f"stand-in launcher killed: its last process ended {time.time() - t0:.2f} s later")
+    finally:
+        proc.kill()
+    assert left == []
+    line = f"SIGUSR2 ignored: this rank ends on it only when its launcher (pid {proc.pid}) has died"
+    assert [x for x in err.read_text().splitlines() if "SIGUSR2" in x] == [line]
+
+
+@pytest.mark.bad_input
+def test_kill_9_of_the_leader_leaves_no_process(tmp_path):
+    """The leader cannot clean up after itself here: each rank ends its own descendants (its reward
+    worker and megatron's checkpoint worker, whose end also ends the shared resource tracker)."""
+    job = Job(tmp_path, *LONG, *MATH)
+    try:
+        job.wait_for_first_checkpoint()
+        for rank in job.ranks():  # what outlived the leader before: started by the ranks, not by it
+            kids = [" ".join(c.cmdline()) for c in rank.children()]
+            assert len(kids) >= 2, kids  # a reward worker, megatron's checkpoint worker (+ writers)
+        assert any("resource_tracker" in x for x in job.session()), job.session()
+        os.kill(job.proc.pid, signal.SIGKILL)
+        code = job.end("kill -9 of the leader")
+        t0 = time.time()
+        left = job.left()
+        print(f"kill -9 of the leader: the job's last process ended {time.time() - t0:.2f} s later")
+    finally:
+        job.proc.kill()
+    assert code == -signal.SIGKILL
+    assert left == []
+    assert "Traceback" not in job.stderr()
+
+
+@pytest.mark.bad_input
 def test_a_normal_end_leaves_no_process_and_frees_the_run_dir(tmp_path):
     job = Job(tmp_path, "steps=2", *MATH, *TINY)
-    code = job.end("normal end")
+    code = job.end("normal end", timeout_s=600)  # the whole run: 190 s at a load average of 40
     assert code == 0, job.stderr()[-3000:]
     assert job.left() == []
     assert len((job.run / "metrics.jsonl").read_text().splitlines()) == 2
