@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_rl.routing.agreement import AgreementCollector, RoutingOutcome, SeqShard
+from moe_rl.routing.gating import RouterSpec, group_violations
 from moe_rl.routing.layout import layout
 from moe_rl.routing.plan import PassMode, PassPlan
 from moe_rl.routing.record import RouteBatch, RouteHeader
@@ -97,6 +98,13 @@ class RouteReplay:
             self.layer_ids.append(layer_id)
         if not hooks:
             raise ReplayError("the model has no MoE router to replay")
+        tcfg = router.config  # group-limited routing: replayed ids are checked against the groups
+        self.group_spec = RouterSpec(
+            tcfg.moe_router_topk,
+            tcfg.moe_router_score_function,
+            num_groups=tcfg.moe_router_num_groups or 0,
+            group_topk=tcfg.moe_router_group_topk or 0,
+        )
         self.server = RouteServer(self.layer_ids)
         self.collector = AgreementCollector(header, self.layer_ids, seq_shard, stage_group)
         self._pass: _Pass | None = None
@@ -223,4 +231,12 @@ class RouteReplay:
         if p.plan.mode is not PassMode.REPLAY:
             return native_probs, native_NK
         idx_NK = torch.where(target_NK >= 0, target_NK, native_NK)
+        if forward and self.group_spec.grouped:
+            # ``scores`` are the selection scores (biased with an expert bias), before group masking
+            replayed_N = self._targets[1].to(scores.device) & (target_NK >= 0).all(-1)
+            outside_N = group_violations(scores.detach(), idx_NK, self.group_spec) & replayed_N
+            self.collector.add_group_violations(outside_N.sum(), replayed_N.sum())
+        # The values are megatron's gather from the same scores: with an expert bias megatron
+        # discards them and gates by the unbiased scores at these ids (the bias never weights);
+        # renormalisation over K and the routed scaling factor follow in megatron, as natively.
         return scores.gather(1, idx_NK), idx_NK
