@@ -80,9 +80,9 @@ def test_sigmoid_groups_bias_shared_equal_transformers(family: str):
     else:
         hf = transformers.models.glm4_moe.modeling_glm4_moe
         block = hf.Glm4MoeMoE(transformers.Glm4MoeConfig(**common))
-    common_fs = F  # n_shared_experts * moe_intermediate_size
+    fs = F  # the shared expert: n_shared_experts * moe_intermediate_size
     w = _weights(E, seed=3)
-    w["s_gate"], w["s_up"], w["s_down"] = w["s_gate"][:common_fs], w["s_up"][:common_fs], w["s_down"][:, :common_fs]
+    w["s_gate"], w["s_up"], w["s_down"] = w["s_gate"][:fs], w["s_up"][:fs], w["s_down"][:, :fs]
     w["bias_E"][:3] += 0.2  # group 0 favoured: groups of unequal use
     block.gate.weight.data.copy_(w["router_EH"])
     block.gate.e_score_correction_bias.copy_(w["bias_E"])
