@@ -132,7 +132,8 @@ def _worker(rank: int):
         out[f"{name}_ep_grad_rel"] = max(
             float((grads2[k] - grads[k]).abs().max() / grads[k].abs().max().clamp(min=1e-12)) for k in grads
         )
-        out[f"{name}_shared_grad"] = float(grads["model.layers.1.mlp.shared_experts.up_proj.weight"].abs().sum())
+        shared = grads["model.layers.1.mlp.shared_experts.up_proj.weight"]
+        out[f"{name}_shared_grad"] = float(shared.abs().sum())
         out[f"{name}_same_keys"] = sorted(grads) == sorted(grads2)
     dist.shutdown()
     return out
