@@ -98,6 +98,7 @@ class RouteReplay:
             self.layer_ids.append(layer_id)
         if not hooks:
             raise ReplayError("the model has no MoE router to replay")
+        self.biased = getattr(router, "expert_bias", None) is not None  # sigmoid + expert bias
         tcfg = router.config  # group-limited routing: replayed ids are checked against the groups
         self.group_spec = RouterSpec(
             tcfg.moe_router_topk,
@@ -210,6 +211,21 @@ class RouteReplay:
             else torch.device("cpu")
         )
 
+    def _watch_grad(self, scores: torch.Tensor, pos: int) -> None:
+        """Feed the monitor the gradient of the scores that gate. Without an expert bias these are
+        the ``scores`` the top-k sees. With one, megatron's top-k sees ``sigmoid + bias`` and
+        discards its values (the bias never weights): no gradient reaches that sum, so the hook
+        goes on the autograd node of the unbiased sigmoid scores it was built from."""
+        if not self.biased:
+            scores.register_hook(lambda g: self.monitor.observe_grad(pos, g))
+            return
+        node = scores.grad_fn
+        if type(node).__name__ != "AddBackward0" or node.next_functions[0][0] is None:
+            raise ReplayError(
+                f"router monitor: expected megatron-core's sigmoid scores + expert bias, got {node}"
+            )
+        node.next_functions[0][0].register_hook(lambda g_in, g_out: self.monitor.observe_grad(pos, g_out[0]))
+
     # ---- the per-layer decision ------------------------------------------------------------
     def _route(self, hook: _LayerHook, scores: torch.Tensor, topk: int, compute_native):
         native_probs, native_NK = compute_native(scores)
@@ -220,7 +236,7 @@ class RouteReplay:
             if forward:  # not again on recompute
                 self.monitor.observe_forward(hook.pos, scores[self._real_N], native_NK[self._real_N])
             if scores.requires_grad:  # the no-grad first forward under recompute registers nothing
-                scores.register_hook(lambda g, pos=hook.pos: self.monitor.observe_grad(pos, g))
+                self._watch_grad(scores, hook.pos)
         if p.plan is None:
             return native_probs, native_NK
         if forward:

@@ -85,6 +85,9 @@ def _worker(rank: int):
     before = _biases(frozen, model)
     for _ in range(2):
         frozen.update(batch, _nll, 1.0, 2, lr=1e-2)
+    # the router monitor sees the gradient of the unbiased gating scores: with sigmoid gates
+    # renormalised over the K, exactly (E - K) / E of the entries get none
+    out["monitor_zero_frac"] = frozen.router_monitor_metrics()["router_grad/zero_frac"]
     after = frozen.export_canonical()
     out["frozen_bias_equal"] = torch.equal(before, _biases(frozen, model))
     out["frozen_bias_is_init"] = torch.equal(
@@ -150,5 +153,6 @@ def test_router_variants_engine_ep_bias_replay():
             assert r[f"{name}_shared_grad"] > 0 and r[f"{name}_same_keys"], (rank, r)
         assert r["frozen_bias_equal"] and r["frozen_bias_is_init"], (rank, r)
         assert r["frozen_router_moved"] > 1e-4, (rank, r)
+        assert abs(r["monitor_zero_frac"] - 0.5) < 1e-12, (rank, r)  # (12 - 6) / 12
         assert r["native_delta_err"] < 1e-7, (rank, r)
         assert 0 < r["violation"] < 1 and r["violation_count"] > 0, (rank, r)
