@@ -2,8 +2,9 @@
 
 Target: torch.cuda.current_device, as called by megatron-core for ``device=`` arguments in
     tensor_parallel.layers (VocabParallelEmbedding with use_cpu_initialization=False),
-    utils.GlobalMemoryBuffer (DotProductAttention), Router.gating, the experts and the DDP
-    buffers.
+    utils.GlobalMemoryBuffer (DotProductAttention), Router.gating, the experts, the DDP
+    buffers, and TopKRouter's ``expert_bias`` / ``local_tokens_per_expert`` buffers (sigmoid
+    routers with ``moe_router_enable_expert_bias``, tests/learner/test_router_variants_dist.py).
 Why: every one of those raises ``AssertionError: Torch not compiled with CUDA enabled``.
     Returning ``torch.device("cpu")`` keeps all those allocations valid on the CPU.
 Remove when: megatron-core takes its device from the model/config instead of

@@ -66,3 +66,30 @@ def hf_tiny(**overrides: object) -> ModelConfig:
         max_seq_len=64,
     )
     return dataclasses.replace(base, **overrides)
+
+
+# DeepSeek-V3 / GLM-4.5-shaped router on TINY_MOE_L3's widths: sigmoid scores with an expert bias,
+# 12 experts in 4 groups of 3, 3 groups per token, top-6 (not a power of two; 6 // 3 = 2 as HF's
+# group score needs), routed scaling 2.5, a shared expert; layer 0 dense.
+TINY_SIGMOID_L3 = dataclasses.replace(
+    TINY_MOE_L3,
+    num_experts=12,
+    moe_router_topk=6,
+    moe_ffn_hidden_size=16,
+    moe_router_score_function="sigmoid",
+    moe_router_expert_bias=True,
+    moe_router_num_groups=4,
+    moe_router_group_topk=3,
+    moe_router_scaling_factor=2.5,
+    moe_shared_expert_ffn_hidden_size=24,
+)
+# Qwen2-MoE-shaped: softmax without renormalisation (norm_topk_prob false), top-3 of 6, a shared
+# expert behind its sigmoid gate.
+TINY_QWEN2_L3 = dataclasses.replace(
+    TINY_MOE_L3,
+    num_experts=6,
+    moe_router_topk=3,
+    norm_topk_prob=False,
+    moe_shared_expert_ffn_hidden_size=40,
+    moe_shared_expert_gate=True,
+)

@@ -166,6 +166,41 @@ class ModelConfig:
             "model.moe_shared_expert_gate",
             "needs shared experts (model.moe_shared_expert_ffn_hidden_size > 0)",
         )
+        self._check_router_buildable()
+
+    def _check_router_buildable(self) -> None:
+        """Router combinations megatron-core 0.16.1 (the learner) cannot build the HF way are refused
+        (moe_rl/routing/gating.py is the semantics both the learner and the built-in engine run)."""
+        sigmoid = self.moe_router_score_function == "sigmoid"
+        _check(
+            not sigmoid or self.norm_topk_prob or self.moe_router_topk == 1,
+            "model.norm_topk_prob",
+            "false is built with softmax scores only: megatron-core 0.16.1 renormalises sigmoid gates",
+        )
+        _check(
+            not self.moe_router_expert_bias or sigmoid,
+            "model.moe_router_expert_bias",
+            "needs model.moe_router_score_function=sigmoid (megatron-core 0.16.1 biases sigmoid scores only)",
+        )
+        _check(
+            self.expert_bias_update == "frozen" or self.moe_router_expert_bias,
+            "model.expert_bias_update",
+            "native updates the expert bias: needs model.moe_router_expert_bias=true",
+        )
+        if self.moe_router_num_groups > 1:
+            _check(
+                sigmoid,
+                "model.moe_router_num_groups",
+                "group-limited top-k is built with sigmoid scores only (DeepSeek-V3, GLM-4.5)",
+            )
+            per_group = self.moe_router_topk // self.moe_router_group_topk
+            _check(
+                per_group == 2,
+                "model.moe_router_group_topk",
+                "megatron-core 0.16.1 scores a group by its best model.moe_router_topk // "
+                f"model.moe_router_group_topk experts (here {per_group}), HF DeepSeek-V3 / GLM-4.5 by its "
+                "best 2: needs that quotient to be 2",
+            )
 
     @property
     def mla(self) -> bool:
@@ -188,14 +223,6 @@ _NOT_BUILT_YET = (
     "qk_rope_head_dim",
     "v_head_dim",
     "rope_scaling_type",
-    "moe_router_score_function",
-    "norm_topk_prob",
-    "moe_router_expert_bias",
-    "moe_router_num_groups",
-    "moe_router_group_topk",
-    "moe_router_scaling_factor",
-    "moe_shared_expert_ffn_hidden_size",
-    "moe_shared_expert_gate",
     "tie_word_embeddings",
 )
 

@@ -233,7 +233,7 @@ class Learner:
     # ---- weights -------------------------------------------------------------------------
     def load_canonical(self, full: dict[str, torch.Tensor]) -> None:
         """Copy full canonical weights into this rank's shard; errors name the tensor."""
-        params = dict(self.gpt.named_parameters())
+        params = self._named_weights()
         local = te_name_map(list(params))  # TE fuses norms into linears: its names -> the local spec's
         tensors = canonical_to_megatron(
             full, [local[n] for n in params], self.model_cfg, self.dims.ep_rank, self.dims.ep_size, self.shard
@@ -252,7 +252,14 @@ class Learner:
         embedding, each decoder layer, then the final norm and lm_head (``weights/stream.py``).
         The weight sync source; a rank never holds more than one gathered chunk. Collective: every
         rank must consume the whole iterator, in step."""
-        return self._stream({n: p.detach() for n, p in self.gpt.named_parameters()})
+        return self._stream({n: p.detach() for n, p in self._named_weights().items()})
+
+    def _named_weights(self) -> dict[str, torch.Tensor]:
+        """Parameters plus the routers' expert-bias buffers (canonical weights without a gradient:
+        ``e_score_correction_bias``, frozen or moved by megatron, moe_rl/learner/setup.py)."""
+        out = dict(self.gpt.named_parameters())
+        out.update({n: b for n, b in self.gpt.named_buffers() if n.endswith("mlp.router.expert_bias")})
+        return out
 
     def export_canonical(self) -> dict[str, torch.Tensor]:
         """Full canonical weights on every rank (checkpoint exports); tensors nothing had to

@@ -49,9 +49,7 @@ def transformer_config(
         add_qkv_bias=False,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        # softmax over the top-k logits == Qwen3's softmax + renormalised top-k
-        moe_router_score_function="softmax",
-        moe_router_pre_softmax=False,
+        **_router(model),
         moe_router_dtype="fp32",
         moe_router_load_balancing_type="aux_loss" if model.router_aux_loss_coeff > 0 else "none",
         moe_aux_loss_coeff=model.router_aux_loss_coeff,
@@ -80,6 +78,52 @@ def transformer_config(
         **_recompute(model),
         **_precision(model, bf16),
     )
+
+
+def _router(model: ModelConfig) -> dict:
+    """The router and shared experts (semantics: moe_rl/routing/gating.py; the combinations
+    megatron-core cannot build are refused by ModelConfig).
+
+    softmax + norm_topk_prob: softmax over the top-k logits (== Qwen3's renormalised top-k);
+    softmax without it (Qwen2-MoE): megatron's pre-softmax, the full softmax's K probabilities;
+    sigmoid: megatron renormalises over the K (DeepSeek-V3 / GLM-4.5 norm_topk_prob). The expert
+    bias: megatron's own buffer only when it may move (``expert_bias_update=native``: updated in
+    finalize_model_grads from the routes used); frozen, ``build_model`` adds it as a plain buffer
+    the router reads and megatron never updates."""
+    native_bias = model.moe_router_expert_bias and model.expert_bias_update == "native"
+    kw: dict = {
+        "moe_router_score_function": model.moe_router_score_function,
+        "moe_router_pre_softmax": model.moe_router_score_function == "softmax" and not model.norm_topk_prob,
+        "moe_router_enable_expert_bias": native_bias,
+    }
+    if model.moe_router_num_groups > 1:
+        kw["moe_router_num_groups"] = model.moe_router_num_groups
+        kw["moe_router_group_topk"] = model.moe_router_group_topk
+    if model.moe_router_scaling_factor != 1.0:
+        kw["moe_router_topk_scaling_factor"] = model.moe_router_scaling_factor
+    if model.moe_shared_expert_ffn_hidden_size > 0:
+        kw["moe_shared_expert_intermediate_size"] = model.moe_shared_expert_ffn_hidden_size
+        kw["moe_shared_expert_gate"] = model.moe_shared_expert_gate
+    return kw
+
+
+def add_frozen_expert_bias(gpt, model: ModelConfig) -> None:
+    """``expert_bias_update=frozen``: every router gets ``expert_bias`` as a plain fp32 buffer.
+
+    megatron's TopKRouter passes ``self.expert_bias`` to its top-k whatever built it; with
+    ``moe_router_enable_expert_bias`` off, neither the router counts tokens nor
+    ``finalize_model_grads`` updates the bias, so it stays bit-identical (``requires_grad=False``
+    would not stop that update: it is a buffer copy, not an optimizer step)."""
+    if not model.moe_router_expert_bias or model.expert_bias_update != "frozen":
+        return
+    for layer in gpt.decoder.layers:
+        router = getattr(layer.mlp, "router", None)
+        if router is None:
+            continue
+        if getattr(router, "expert_bias", None) is not None:
+            raise RuntimeError("frozen expert bias: megatron already built a (moving) expert_bias")
+        del router.expert_bias  # megatron's plain ``None`` attribute: a buffer takes its place
+        router.register_buffer("expert_bias", torch.zeros(model.num_experts, device=router.weight.device))
 
 
 def _precision(model: ModelConfig, bf16: bool) -> dict:
@@ -148,6 +192,7 @@ def build_model(
         pre_process=ps.is_pipeline_first_stage(ignore_virtual=True),
         post_process=ps.is_pipeline_last_stage(ignore_virtual=True),
     )
+    add_frozen_expert_bias(gpt, model)
     return gpt, cfg
 
 

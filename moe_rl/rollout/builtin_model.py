@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from moe_rl.config import ModelConfig
 from moe_rl.rollout.base import Weights, weight_chunks
+from moe_rl.routing.gating import RouterSpec, route
 from moe_rl.weights.canonical import CanonicalCheck, check_canonical_weights
 
 DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -137,6 +138,23 @@ def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: to
     return F.linear(F.silu(F.linear(x, w_gate)) * F.linear(x, w_up), w_down)
 
 
+@dataclass
+class SharedExpert:
+    """The shared expert of a MoE layer (DeepSeek/GLM ``shared_experts``, Qwen2-MoE ``shared_expert``):
+    a SwiGLU MLP every token goes through; ``gate_1H`` (Qwen2-MoE) scales it by sigmoid(gate . x)."""
+
+    w_gate_FH: torch.Tensor
+    w_up_FH: torch.Tensor
+    w_down_HF: torch.Tensor
+    gate_1H: torch.Tensor | None = None
+
+    def __call__(self, x_TH: torch.Tensor) -> torch.Tensor:
+        y_TH = swiglu(x_TH, self.w_gate_FH, self.w_up_FH, self.w_down_HF)
+        if self.gate_1H is not None:
+            y_TH = torch.sigmoid(F.linear(x_TH, self.gate_1H)) * y_TH
+        return y_TH
+
+
 def moe_forward(
     x_TH: torch.Tensor,
     router_EH: torch.Tensor,
@@ -145,27 +163,33 @@ def moe_forward(
     w_down_EHF: torch.Tensor,
     top_k: int,
     noise: RouterNoise | None = None,
+    *,
+    spec: RouterSpec | None = None,
+    bias_E: torch.Tensor | None = None,
+    shared: SharedExpert | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax Top-K MoE (Qwen3, norm_topk_prob): route in fp32, run experts on sorted slices.
+    """Top-K MoE: route in fp32 (moe_rl/routing/gating.py), run experts on sorted slices.
 
-    Top-k is taken over the fp32 router logits; the gate weights are the softmax over the k
-    selected logits (= renormalised top-k probabilities). Tokens are sorted by expert so each
-    expert runs one matmul on its contiguous slice; the only Python loop is over the E experts.
+    ``spec`` is the router (default: Qwen3's softmax with renormalised top-k); ``bias_E`` the
+    expert bias (sigmoid scores: selects, never weights); ``shared`` the shared expert, added to
+    every token. Tokens are sorted by expert so each expert runs one matmul on its contiguous
+    slice; the only Python loop is over the E experts.
 
     Args:
         x_TH: tokens in the engine dtype. router_EH: router weight (kept in fp32).
         w_gate_EFH, w_up_EFH, w_down_EHF: stacked expert weights in the engine dtype.
     Returns:
-        y_TH in x's dtype, and ids_TK int64, in torch.topk order (descending logit).
+        y_TH in x's dtype, and ids_TK int64, in descending selection score.
     """
+    spec = spec if spec is not None else RouterSpec(top_k)
     num_experts = router_EH.shape[0]
     logits_TE = F.linear(x_TH.float(), router_EH.float())
     if noise is not None and noise.std > 0:
         logits_TE = logits_TE + noise.std * torch.randn(
             logits_TE.shape, generator=noise.generator, device=logits_TE.device
         )
-    top_logits_TK, ids_TK = torch.topk(logits_TE, top_k, dim=-1)
-    gates_TK = torch.softmax(top_logits_TK, dim=-1).to(x_TH.dtype)
+    gates_TK, ids_TK, _ = route(logits_TE, spec, bias_E)
+    gates_TK = gates_TK.to(x_TH.dtype)
 
     flat_ids_P = ids_TK.reshape(-1)
     order_P = torch.argsort(flat_ids_P, stable=True)
@@ -179,6 +203,8 @@ def moe_forward(
     ]
     y_PH = torch.cat(outs) * gates_TK.reshape(-1)[order_P, None]
     y_TH = torch.zeros_like(x_TH).index_add_(0, token_of_P, y_PH)
+    if shared is not None:
+        y_TH = y_TH + shared(x_TH)
     return y_TH, ids_TK
 
 
@@ -201,6 +227,7 @@ class BuiltinMoEModel:
             raise ValueError("model.vocab_size must be > 0 to build the built-in engine")
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
         self.moe_layers: list[int] = cfg.moe_layers
+        self.router_spec = RouterSpec.from_model(cfg)
         self.w: dict[str, torch.Tensor] = {}  # canonical name -> tensor (experts stacked, below)
         self._slots: dict[str, torch.Tensor] = {}  # every canonical name -> its place in self.w
         self.loaded = False
@@ -237,9 +264,10 @@ class BuiltinMoEModel:
         w: dict[str, torch.Tensor] = {}
         for name, shape in shapes.items():
             if ".mlp.experts." not in name:
-                # The router is tiny and routing is precision-sensitive: keep it fp32 (like
-                # megatron's moe_router_dtype=fp32); everything else lives in the engine dtype.
-                dtype = torch.float32 if name.endswith("mlp.gate.weight") else self.dtype
+                # The router (and its expert bias) is tiny and routing is precision-sensitive:
+                # keep it fp32 (like megatron's moe_router_dtype=fp32); the rest: engine dtype.
+                fp32 = name.endswith(("mlp.gate.weight", "mlp.gate.e_score_correction_bias"))
+                dtype = torch.float32 if fp32 else self.dtype
                 w[name] = torch.empty(shape, dtype=dtype, device=self.device)
         slots = dict(w)
         for i in self.moe_layers:
@@ -308,6 +336,9 @@ class BuiltinMoEModel:
                     self.w[p + "mlp.experts.down_proj"],
                     cfg.moe_router_topk,
                     noise,
+                    spec=self.router_spec,
+                    bias_E=self.w.get(p + "mlp.gate.e_score_correction_bias"),
+                    shared=self._shared_expert(p),
                 )
                 y_BTH = y_TH.view(B, T, -1)
                 ids_per_layer.append(ids_TK.view(B, T, -1))
@@ -320,6 +351,18 @@ class BuiltinMoEModel:
         # The lm_head runs in the engine dtype (as an inference engine does); sampling is fp32.
         logits_BTV = F.linear(h_BTH, self.w["lm_head.weight"]).float()
         return ForwardOut(logits_BTV, torch.stack(ids_per_layer, dim=2))
+
+    def _shared_expert(self, p: str) -> SharedExpert | None:
+        """Layer prefix ``p``'s shared expert, or None when the model has none."""
+        if self.cfg.moe_shared_expert_ffn_hidden_size == 0:
+            return None
+        s = p + "mlp.shared_experts."
+        return SharedExpert(
+            self.w[s + "gate_proj.weight"],
+            self.w[s + "up_proj.weight"],
+            self.w[s + "down_proj.weight"],
+            self.w.get(p + "mlp.shared_expert_gate.weight"),
+        )
 
     def _attention_mask(self, key_valid_BS: torch.Tensor, start: int, T: int) -> torch.Tensor:
         """bool [B, 1, T, S]: slot j is visible to query slot start+i iff j <= start+i and

@@ -82,6 +82,7 @@ class AgreementCollector:
         # the layout's counts (host tensors, like the layout itself)
         self._missing = [torch.zeros((), dtype=torch.float64, device="cpu")] * 2
         self._counted_missing = False
+        self._group_violations: list[tuple[torch.Tensor, torch.Tensor]] = []  # (violating, replayed)
 
     def add(self, native_NLK: torch.Tensor, seq_lens_B: torch.Tensor, target=None, old=None) -> None:
         """One micro-batch: this rank's native routes, and (target_NLK, recorded_N) pairs to
@@ -92,6 +93,11 @@ class AgreementCollector:
             self._vs_target.append((native_NLK, *target))
         if old is not None:
             self._vs_old.append((native_NLK, *old))
+
+    def add_group_violations(self, violating: torch.Tensor, replayed: torch.Tensor) -> None:
+        """One layer of one micro-batch under group-limited routing: replayed rows whose ids leave
+        the token's own selected groups (accepted: the engine chose them), and replayed rows."""
+        self._group_violations.append((violating, replayed))
 
     def add_missing(self, counts: dict[str, torch.Tensor]) -> None:
         """The layout's counts of rows expected and rows without a recorded route."""
@@ -121,6 +127,9 @@ class AgreementCollector:
             natives = [self._full_layers(n, dim=1) for n in natives]
             tokens = [(p, self._full_layers(d, dim=1)) for p, d in tokens]
         sharded = dict(per_layer)
+        if self._group_violations:  # per (replayed token, MoE layer) pair
+            v, n = (torch.stack(x).sum().double() for x in zip(*self._group_violations))
+            sharded[f"{self.prefix}group_violation_frac"] = Mean(v, n)
         for prefix, differs_NL in tokens:
             n = torch.tensor(float(differs_NL.shape[0]), device=differs_NL.device)
             sharded[f"{prefix}flip_token_frac"] = Mean(differs_NL.any(1).float().sum(), n)

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_rl.routing.agreement import AgreementCollector, RoutingOutcome, SeqShard
+from moe_rl.routing.gating import RouterSpec, group_violations
 from moe_rl.routing.layout import layout
 from moe_rl.routing.plan import PassMode, PassPlan
 from moe_rl.routing.record import RouteBatch, RouteHeader
@@ -97,6 +98,14 @@ class RouteReplay:
             self.layer_ids.append(layer_id)
         if not hooks:
             raise ReplayError("the model has no MoE router to replay")
+        self.biased = getattr(router, "expert_bias", None) is not None  # sigmoid + expert bias
+        tcfg = router.config  # group-limited routing: replayed ids are checked against the groups
+        self.group_spec = RouterSpec(
+            tcfg.moe_router_topk,
+            tcfg.moe_router_score_function,
+            num_groups=tcfg.moe_router_num_groups or 0,
+            group_topk=tcfg.moe_router_group_topk or 0,
+        )
         self.server = RouteServer(self.layer_ids)
         self.collector = AgreementCollector(header, self.layer_ids, seq_shard, stage_group)
         self._pass: _Pass | None = None
@@ -202,6 +211,21 @@ class RouteReplay:
             else torch.device("cpu")
         )
 
+    def _watch_grad(self, scores: torch.Tensor, pos: int) -> None:
+        """Feed the monitor the gradient of the scores that gate. Without an expert bias these are
+        the ``scores`` the top-k sees. With one, megatron's top-k sees ``sigmoid + bias`` and
+        discards its values (the bias never weights): no gradient reaches that sum, so the hook
+        goes on the autograd node of the unbiased sigmoid scores it was built from."""
+        if not self.biased:
+            scores.register_hook(lambda g: self.monitor.observe_grad(pos, g))
+            return
+        node = scores.grad_fn
+        if type(node).__name__ != "AddBackward0" or node.next_functions[0][0] is None:
+            raise ReplayError(
+                f"router monitor: expected megatron-core's sigmoid scores + expert bias, got {node}"
+            )
+        node.next_functions[0][0].register_hook(lambda g_in, g_out: self.monitor.observe_grad(pos, g_out[0]))
+
     # ---- the per-layer decision ------------------------------------------------------------
     def _route(self, hook: _LayerHook, scores: torch.Tensor, topk: int, compute_native):
         native_probs, native_NK = compute_native(scores)
@@ -212,7 +236,7 @@ class RouteReplay:
             if forward:  # not again on recompute
                 self.monitor.observe_forward(hook.pos, scores[self._real_N], native_NK[self._real_N])
             if scores.requires_grad:  # the no-grad first forward under recompute registers nothing
-                scores.register_hook(lambda g, pos=hook.pos: self.monitor.observe_grad(pos, g))
+                self._watch_grad(scores, hook.pos)
         if p.plan is None:
             return native_probs, native_NK
         if forward:
@@ -223,4 +247,12 @@ class RouteReplay:
         if p.plan.mode is not PassMode.REPLAY:
             return native_probs, native_NK
         idx_NK = torch.where(target_NK >= 0, target_NK, native_NK)
+        if forward and self.group_spec.grouped:
+            # ``scores`` are the selection scores (biased with an expert bias), before group masking
+            replayed_N = self._targets[1].to(scores.device) & (target_NK >= 0).all(-1)
+            outside_N = group_violations(scores.detach(), idx_NK, self.group_spec) & replayed_N
+            self.collector.add_group_violations(outside_N.sum(), replayed_N.sum())
+        # The values are megatron's gather from the same scores: with an expert bias megatron
+        # discards them and gates by the unbiased scores at these ids (the bias never weights);
+        # renormalisation over K and the routed scaling factor follow in megatron, as natively.
         return scores.gather(1, idx_NK), idx_NK

@@ -9,7 +9,11 @@ Layouts that differ between the two sides:
 - megatron ``linear_qkv`` [G * (Q/G + 2) * D, H] interleaves per query group g: the Q/G query
   heads of g, then its key head, then its value head (G kv groups, Q heads, D head dim);
 - megatron ``linear_fc1`` [2F, H] is cat(gate_proj, up_proj);
-- megatron experts are local: global expert id = ep_rank * (E / ep_size) + local id.
+- megatron experts are local: global expert id = ep_rank * (E / ep_size) + local id;
+- shared experts (``mlp.shared_experts.linear_fc1/fc2``, TP-split like a dense MLP, replicated
+  over EP) map to ``mlp.shared_experts.{gate,up,down}_proj``, their gate ``gate_weight`` to
+  ``mlp.shared_expert_gate.weight``; the router's ``expert_bias`` buffer (replicated) to
+  ``mlp.gate.e_score_correction_bias``.
 
 Tensor parallelism (``Shard``; ``etp`` is the expert tensor parallel size, megatron's default is
 TP): column-parallel ``linear_qkv`` holds the rank's G/TP query groups, interleaved as above;
@@ -42,6 +46,10 @@ _SIMPLE_LAYER = {  # megatron suffix -> canonical suffix (within one layer)
     "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
     "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
     "mlp.router.weight": "mlp.gate.weight",
+    # the router's expert_bias is a buffer (moe_rl/learner/setup.py): it travels with the weights
+    "mlp.router.expert_bias": "mlp.gate.e_score_correction_bias",
+    "mlp.shared_experts.linear_fc2.weight": "mlp.shared_experts.down_proj.weight",
+    "mlp.shared_experts.gate_weight": "mlp.shared_expert_gate.weight",
     "mlp.linear_fc2.weight": "mlp.down_proj.weight",
 }
 _SIMPLE_TOP = {
@@ -80,7 +88,9 @@ NO_SHARD = Shard()
 
 def tp_split_dim(canonical: str) -> int | None:
     """Dim along which TP splits a canonical tensor (experts by expert TP); None: replicated."""
-    if canonical.endswith(("norm.weight", "mlp.gate.weight")):
+    if canonical.endswith(
+        ("norm.weight", "mlp.gate.weight", "e_score_correction_bias", "mlp.shared_expert_gate.weight")
+    ):
         return None
     if canonical.endswith(("o_proj.weight", "down_proj.weight")):
         return 1  # row-parallel: split on the input dim
@@ -128,6 +138,8 @@ def _classify(name: str, n_local: int, ep_rank: int, layer_offset: int = 0) -> t
         return "qkv", pre + "self_attn."
     if rest == "mlp.linear_fc1.weight":
         return "fc1", pre + "mlp."
+    if rest == "mlp.shared_experts.linear_fc1.weight":
+        return "fc1", pre + "mlp.shared_experts."
     e = _MG_EXPERT.match(rest)
     if e is None:
         raise KeyError(f"no canonical name for megatron parameter {name!r}")
