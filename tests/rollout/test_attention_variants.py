@@ -225,3 +225,20 @@ def test_mla_cache_holds_the_latent_only() -> None:
 def test_unbuildable_attention_combinations_are_refused(overrides: dict, key: str) -> None:
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         hf_tiny(**overrides)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_memory_attention_params_and_kv_bytes(name: str) -> None:
+    """moe_rl.memory counts exactly the canonical attention tensors; MLA's cache is the latent."""
+    from moe_rl.memory import attention_params, kv_cache_bytes_per_token
+    from moe_rl.weights.canonical import canonical_param_shapes
+
+    cfg = hf_tiny(**CASES[name][1])
+    shapes = canonical_param_shapes(cfg)
+    want = sum(math.prod(s) for k, s in shapes.items() if k.startswith("model.layers.1.self_attn."))
+    assert attention_params(cfg) == want
+    per_layer = (20 + 8) if cfg.mla else 2 * 2 * 16  # latent + rope key | K and V of 2 groups x 16
+    assert kv_cache_bytes_per_token(cfg, tensor_parallel=2, bytes_per_value=2) == (
+        3 * per_layer * 2 if cfg.mla else 3 * (per_layer // 2) * 2
+    )
