@@ -242,3 +242,27 @@ def test_memory_attention_params_and_kv_bytes(name: str) -> None:
     assert kv_cache_bytes_per_token(cfg, tensor_parallel=2, bytes_per_value=2) == (
         3 * per_layer * 2 if cfg.mla else 3 * (per_layer // 2) * 2
     )
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("name", ["mla_yarn_q_lora", "glm_partial_bias"])
+def test_engine_generation_equals_no_cache_scoring(name: str) -> None:
+    """The engine's sampling path (prefill once, fan out, KV-cached decode) on MLA / partial RoPE:
+    its log-probs equal a no-cache forward over the finished sequences."""
+    from moe_rl.rollout.builtin import BuiltinEngine
+    from moe_rl.types import SamplingParams
+
+    cfg = hf_tiny(**CASES[name][1])
+    engine = BuiltinEngine(cfg, dtype="fp32", pad_id=0)
+    engine.load_weights(random_canonical_weights(cfg, seed=7))
+    batch = engine.generate(
+        [[3, 1, 4, 1, 5], [9, 2]], 2, SamplingParams(max_new_tokens=6, temperature=1.0), seed=5
+    )
+    S = batch.tokens_BS.shape[1]
+    valid_BS = torch.arange(S)[None] < (batch.prompt_lens_B + batch.response_lens_B)[:, None]
+    full = engine.model.forward(batch.tokens_BS, torch.arange(S).expand_as(batch.tokens_BS), valid_BS).logits
+    lp_BS = torch.zeros_like(batch.logprobs_BS)
+    lp_BS[:, 1:] = torch.log_softmax(full[:, :-1], -1).gather(-1, batch.tokens_BS[:, 1:, None]).squeeze(-1)
+    m = batch.response_mask_BS
+    assert m.sum() > 0
+    assert (batch.logprobs_BS - lp_BS)[m].abs().max().item() < ATOL
