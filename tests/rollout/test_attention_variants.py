@@ -245,7 +245,7 @@ def test_memory_attention_params_and_kv_bytes(name: str) -> None:
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("name", ["mla_yarn_q_lora", "glm_partial_bias"])
+@pytest.mark.parametrize("name", ["mla_yarn_q_lora", "glm_partial_rotary_bias"])
 def test_engine_generation_equals_no_cache_scoring(name: str) -> None:
     """The engine's sampling path (prefill once, fan out, KV-cached decode) on MLA / partial RoPE:
     its log-probs equal a no-cache forward over the finished sequences."""
