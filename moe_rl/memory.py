@@ -25,11 +25,42 @@ H100_BF16_DENSE_TFLOPS = 989.0  # H100/H200 SXM dense bf16 peak (no sparsity)
 MARGIN_GIB = 4.0  # left free on every GPU: CUDA context, NCCL buffers, allocator fragmentation
 
 
+def attention_params(m: ModelConfig) -> int:
+    """Parameters of one attention block (moe_rl/weights/canonical.py's tensors): GQA q, k, v, o
+    (+ q/k/v biases, + q/k norms) or MLA's q (low-rank or direct), kv_a, latent norms, kv_b, o."""
+    H, N = m.hidden_size, m.num_attention_heads
+    if m.mla:
+        qk, C = m.qk_nope_head_dim + m.qk_rope_head_dim, m.kv_lora_rank
+        ql = m.q_lora_rank
+        q = H * ql + ql + ql * N * qk if ql > 0 else H * N * qk
+        return (
+            q
+            + H * (C + m.qk_rope_head_dim)
+            + C
+            + C * N * (m.qk_nope_head_dim + m.v_head_dim)
+            + N * m.v_head_dim * H
+        )
+    D, G = m.head_dim, m.num_query_groups
+    bias = (N + 2 * G) * D if m.attention_bias else 0
+    return H * N * D * 2 + H * G * D * 2 + bias + (2 * D if m.qk_layernorm else 0)
+
+
+def kv_cache_bytes_per_token(m: ModelConfig, tensor_parallel: int, bytes_per_value: int = 2) -> int:
+    """KV-cache bytes one token takes on one engine GPU, all layers. GQA: K and V of the rank's
+    kv heads (fewer heads than TP: replicated). MLA: the latent (kv_lora_rank) and the shared rope
+    key (qk_rope_head_dim) once per layer, replicated on every TP rank (vLLM's MLA cache layout;
+    DeepSeek-V3: 61 * 576 * 2 = 70 KiB a token)."""
+    if m.mla:
+        return m.num_layers * (m.kv_lora_rank + m.qk_rope_head_dim) * bytes_per_value
+    kv_heads = max(1, m.num_query_groups // tensor_parallel)
+    return 2 * m.num_layers * kv_heads * m.head_dim * bytes_per_value
+
+
 def param_counts(m: ModelConfig) -> dict[str, int]:
     """Parameters by kind: total, expert (routed experts), dense (everything else), active per token
     (dense + top-k experts), matmul_active (active minus the input embedding, which costs no FLOPs)."""
-    H, D, Q, G = m.hidden_size, m.head_dim, m.num_attention_heads, m.num_query_groups
-    attn = H * Q * D * 2 + H * G * D * 2 + 2 * H + (2 * D if m.qk_layernorm else 0)  # q, o, k, v, 2 norms
+    H = m.hidden_size
+    attn = attention_params(m) + 2 * H  # + the layer's 2 norms
     n_moe = len(m.moe_layers)
     expert = n_moe * m.num_experts * 3 * H * m.moe_ffn_hidden_size
     dense = (
@@ -280,8 +311,7 @@ def estimate(cfg: RunConfig, gpu_gib: float = 80.0, layout: Layout | None = None
     vllm = cfg.rollout.engine == "vllm"
     vllm_budget = v.gpu_memory_utilization * gpu_gib * GiB if vllm else 0.0
     vllm_weights = c["total"] * (2 if cfg.rollout.dtype == "bf16" else 4) / v.tensor_parallel
-    kv_heads = max(1, m.num_query_groups // v.tensor_parallel)  # fewer KV heads than TP: replicated
-    kv_per_token = 2 * m.num_layers * kv_heads * m.head_dim * 2  # K and V, bf16
+    kv_per_token = kv_cache_bytes_per_token(m, v.tensor_parallel)  # bf16
     kv_bytes = max(0.0, vllm_budget - vllm_weights - 2 * GiB)
     stale = {"stale_weights_gib": top["stale"] / GiB} if cfg.rollout.staleness else {}  # k + 1 weight sets
     return {

@@ -134,6 +134,7 @@ class ModelConfig:
                 )
         _one_of(self.rope_scaling_type, "model.rope_scaling_type", ("none", "yarn"))
         _check(self.rope_scaling_factor >= 1, "model.rope_scaling_factor", "must be >= 1")
+        self._check_attention_variants()
         _one_of(self.moe_router_score_function, "model.moe_router_score_function", ("softmax", "sigmoid"))
         _one_of(self.expert_bias_update, "model.expert_bias_update", ("frozen", "native"))
         _check(self.moe_router_num_groups >= 0, "model.moe_router_num_groups", "must be >= 0")
@@ -202,6 +203,39 @@ class ModelConfig:
                 "best 2: needs that quotient to be 2",
             )
 
+    def _check_attention_variants(self) -> None:
+        """Combinations the learner (megatron-core 0.16.1) and the built-in engine compute alike."""
+        rot = self.qk_rope_head_dim if self.mla else int(self.head_dim * self.partial_rotary_factor)
+        _check(
+            rot > 0 and rot % 2 == 0,
+            "model.qk_rope_head_dim" if self.mla else "model.partial_rotary_factor",
+            f"RoPE rotates {rot} dims per head: must be even and > 0",
+        )
+        if self.mla:
+            _check(self.qk_nope_head_dim > 0, "model.qk_nope_head_dim", "must be > 0 with MLA")
+            # DeepSeek-V3's attention_bias puts biases on q_a/kv_a/o_proj: not built
+            _check(not self.attention_bias, "model.attention_bias", "q/k/v biases are for GQA, not with MLA")
+            _check(self.partial_rotary_factor == 1, "model.partial_rotary_factor", "must be 1 with MLA")
+            # transformers' q_a/kv_a_layernorm use eps 1e-6 whatever rms_norm_eps; megatron uses one eps
+            _check(
+                self.norm_eps == 1e-6, "model.norm_eps", "must be 1e-6 with MLA (DeepSeek-V3's latent norms)"
+            )
+        if self.rope_scaling_type == "yarn":
+            # megatron-core 0.16.1 builds YaRN inside MLA; GPTModel's yarn path for GQA is not wired here
+            _check(self.mla, "model.rope_scaling_type", "yarn is built for MLA (DeepSeek-V3) only")
+            _check(
+                self.rope_original_max_position > 0,
+                "model.rope_original_max_position",
+                "must be > 0 with yarn",
+            )
+            # transformers and megatron-core agree on YaRN's cos/sin factor only in these cases
+            _check(
+                self.rope_mscale == 1 if self.rope_mscale_all_dim == 0 else self.rope_mscale != 0,
+                "model.rope_mscale",
+                f"{self.rope_mscale} with rope_mscale_all_dim {self.rope_mscale_all_dim}: must be 1 when "
+                "mscale_all_dim is 0, else non-zero",
+            )
+
     @property
     def mla(self) -> bool:
         """Multi-latent attention (DeepSeek-V3 / Kimi-K2)."""
@@ -214,17 +248,7 @@ class ModelConfig:
 
 
 # Variant fields the learner and the engines cannot build yet: only their default is accepted.
-_NOT_BUILT_YET = (
-    "attention_bias",
-    "partial_rotary_factor",
-    "kv_lora_rank",
-    "q_lora_rank",
-    "qk_nope_head_dim",
-    "qk_rope_head_dim",
-    "v_head_dim",
-    "rope_scaling_type",
-    "tie_word_embeddings",
-)
+_NOT_BUILT_YET = ("tie_word_embeddings",)
 
 # ModelConfig fields that change tensor shapes or the function computed; max_seq_len and the aux-loss
 # coefficient do not (RoPE has no parameters). Init weights, HF checkpoints and route records made

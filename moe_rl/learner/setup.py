@@ -9,7 +9,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from moe_rl.config import ModelConfig, OptimConfig, ParallelConfig
+from moe_rl.config import ConfigError, ModelConfig, OptimConfig, ParallelConfig
 
 # 'fully_reshardable' gathers optimizer shards over NCCL by default; the mem-efficient variant
 # gathers over the (gloo on CPU) DP group. No "chained_N." prefix so dense+expert optimizers
@@ -26,15 +26,16 @@ def transformer_config(
 ):
     """``sequence_parallel``: the learner trains with it whenever TP > 1 (megatron refuses MoE + TP
     training without it); eval-only builders may leave it off."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     n_dense = model.first_k_dense
-    return TransformerConfig(
+    attention = _attention(model, par)
+    config_class = MLATransformerConfig if model.mla else TransformerConfig
+    return config_class(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
         num_attention_heads=model.num_attention_heads,
-        num_query_groups=model.num_query_groups,
-        kv_channels=model.head_dim,
+        **attention,
         ffn_hidden_size=model.ffn_hidden_size,
         moe_ffn_hidden_size=model.moe_ffn_hidden_size,
         num_moe_experts=model.num_experts,
@@ -42,11 +43,9 @@ def transformer_config(
         moe_layer_freq=[0] * n_dense + [1] * (model.num_layers - n_dense),
         normalization="RMSNorm",
         layernorm_epsilon=model.norm_eps,
-        qk_layernorm=model.qk_layernorm,
         gated_linear_unit=True,
         activation_func=F.silu,
-        add_bias_linear=False,
-        add_qkv_bias=False,
+        add_bias_linear=False,  # o_proj and the MLPs have none in every family; q/k/v: _attention
         hidden_dropout=0.0,
         attention_dropout=0.0,
         **_router(model),
@@ -126,6 +125,55 @@ def add_frozen_expert_bias(gpt, model: ModelConfig) -> None:
         router.register_buffer("expert_bias", torch.zeros(model.num_experts, device=router.weight.device))
 
 
+def _attention(model: ModelConfig, par: ParallelConfig) -> dict:
+    """The attention fields of the TransformerConfig: GQA (optional q/k/v biases, RoPE on a share of
+    each head via GPTModel's rotary_percent, build_model) or multi-latent attention (MLATransformerConfig).
+
+    MLA: megatron's qk_head_dim is HF's qk_nope_head_dim and qk_pos_emb_head_dim its qk_rope_head_dim;
+    q_lora_rank 0 (HF null) is megatron's None (a direct linear_q_proj). Its ``q_layernorm`` /
+    ``kv_layernorm`` are the latent norms (q_a_layernorm / kv_a_layernorm), built only with
+    qk_layernorm=True. megatron's MLA RoPE de-interleaves the rope dims before rotate_half
+    (rope_utils._apply_rotary_pos_emb_bshd, multi_latent_attention=True), which is exactly
+    transformers' DeepSeek-V3 rope_interleave=True: no weight permutation at the canonical boundary.
+    The softmax scale is mscale(rotary_scaling_factor, mscale_all_dim)^2 / sqrt(nope + rope), so
+    plain RoPE passes factor 1 (mscale 1); YaRN's cos/sin factor is applied by YarnRotaryEmbedding."""
+    if not model.mla:
+        return {
+            "num_query_groups": model.num_query_groups,
+            "kv_channels": model.head_dim,
+            "qk_layernorm": model.qk_layernorm,
+            "add_qkv_bias": model.attention_bias,  # GLM-4.5 / Qwen2-MoE: linear_qkv.bias
+        }
+    if model.transformer_impl == "te" and par.tensor_parallel > 1:
+        # TE's MLA spec keeps linear_q/kv_down_proj duplicated over TP, the local spec splits them:
+        # weights/megatron_shards.py maps the local layout only.
+        raise ConfigError(
+            "config key 'model.kv_lora_rank': MLA with model.transformer_impl=te and "
+            f"parallel.tensor_parallel={par.tensor_parallel} is not mapped yet (TE duplicates the down "
+            "projections over TP); use tensor_parallel=1 or the local spec"
+        )
+    yarn = model.rope_scaling_type == "yarn"
+    return {
+        "num_query_groups": model.num_attention_heads,  # MLA: every head has its own k and v
+        "kv_channels": model.v_head_dim,  # the core attention's output width per head (mla_core_attention)
+        "qk_layernorm": True,
+        "q_lora_rank": model.q_lora_rank or None,
+        "kv_lora_rank": model.kv_lora_rank,
+        "qk_head_dim": model.qk_nope_head_dim,
+        "qk_pos_emb_head_dim": model.qk_rope_head_dim,
+        "v_head_dim": model.v_head_dim,
+        "rope_type": "yarn" if yarn else "rope",
+        "rotary_base": model.rope_theta,
+        "rotary_percent": 1.0,
+        "rotary_scaling_factor": model.rope_scaling_factor if yarn else 1.0,
+        "original_max_position_embeddings": model.rope_original_max_position if yarn else model.max_seq_len,
+        "beta_fast": model.rope_beta_fast,
+        "beta_slow": model.rope_beta_slow,
+        "mscale": model.rope_mscale,
+        "mscale_all_dim": model.rope_mscale_all_dim if yarn else 0.0,
+    }
+
+
 def _precision(model: ModelConfig, bf16: bool) -> dict:
     """dtype, kernels and FP8 fields; model.precision / transformer_impl decide (learner/te_spec.py)."""
     from moe_rl.learner.te_spec import precision_kwargs
@@ -173,6 +221,7 @@ def build_model(
     output layer on the last (megatron numbers the stage's layers from its offset)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     from moe_rl.learner.te_spec import layer_spec
@@ -181,6 +230,9 @@ def build_model(
     spec = layer_spec(cfg, use_te=model.transformer_impl == "te")
     if cfg.sequence_parallel:
         _swap_module(spec, WrappedTorchNorm, SequenceParallelTorchNorm)
+    if model.mla and model.transformer_impl != "te":
+        _swap_module(spec, DotProductAttention, mla_core_attention())
+        _mla_module_without_te()
     gpt = GPTModel(
         config=cfg,
         transformer_layer_spec=spec,
@@ -188,12 +240,90 @@ def build_model(
         max_sequence_length=model.max_seq_len,
         position_embedding_type="rope",
         rotary_base=int(model.rope_theta),
+        # GLM-4.5's partial RoPE: megatron rotates the first int(kv_channels * rotary_percent) dims in
+        # rotate_half layout with inv_freq over that dim, as transformers' Glm4Moe does (MLA: ignored)
+        rotary_percent=model.partial_rotary_factor,
         share_embeddings_and_output_weights=False,
         pre_process=ps.is_pipeline_first_stage(ignore_virtual=True),
         post_process=ps.is_pipeline_last_stage(ignore_virtual=True),
     )
     add_frozen_expert_bias(gpt, model)
     return gpt, cfg
+
+
+# DotProductAttention.__init__ of megatron-core 0.16.1 (checked before it is wrapped)
+_DPA_PARAMS = (
+    "self",
+    "config",
+    "layer_number",
+    "attn_mask_type",
+    "attention_type",
+    "attention_dropout",
+    "softmax_scale",
+    "cp_comm_type",
+    "pg_collection",
+)
+
+
+def mla_core_attention() -> type:
+    """megatron's local DotProductAttention, taking the ``k_channels`` / ``v_channels`` that MLA passes.
+
+    MLASelfAttention builds its core attention with k_channels (nope + rope) and v_channels (v head
+    dim), which TE's attention accepts but the local DotProductAttention of megatron-core 0.16.1
+    does not (TypeError). Its math is already head-dim generic (q.k over the last dim, the explicit
+    softmax_scale MLA passes, value's own last dim); only its output reshape uses kv_channels, which
+    the learner sets to v_head_dim for MLA (``_attention``). So this subclass checks both channel
+    counts and drops them; the signature is checked first, so another megatron fails loudly."""
+    import inspect
+
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    params = tuple(inspect.signature(DotProductAttention.__init__).parameters)
+    if params != _DPA_PARAMS:
+        raise RuntimeError(
+            f"megatron-core's DotProductAttention.__init__{params} is not the 0.16.1 signature the MLA "
+            f"wrapper (moe_rl/learner/setup.py mla_core_attention) was written for: {_DPA_PARAMS}"
+        )
+
+    class MLADotProductAttention(DotProductAttention):
+        # megatron's Attention base builds a core attention without channels first, then MLA its own
+        def __init__(self, config, *args, k_channels=None, v_channels=None, **kwargs) -> None:
+            q_head = config.qk_head_dim + config.qk_pos_emb_head_dim
+            if (k_channels, v_channels) != (None, None) and (
+                k_channels != q_head
+                or v_channels != config.kv_channels
+                or kwargs.get("softmax_scale") is None
+            ):
+                raise RuntimeError(
+                    f"MLA core attention: k_channels {k_channels} (expected {q_head}), v_channels "
+                    f"{v_channels} (expected kv_channels {config.kv_channels}) and an explicit softmax_scale"
+                )
+            super().__init__(config, *args, **kwargs)
+
+    return MLADotProductAttention
+
+
+def _mla_module_without_te() -> None:
+    """Without Transformer Engine, tell megatron's multi_latent_attention module so (HAVE_TE False).
+
+    megatron-core 0.16.1's extensions/transformer_engine.py imports without TE by binding ``te`` to
+    a MagicMock, so multi_latent_attention's ``try: import TELinear`` succeeds, sets HAVE_TE True and
+    binds TELinear to a mock; MultiLatentAttention.__init__ then runs ``isinstance(linear_proj,
+    TELinear)`` and raises TypeError. The flag only guards that TE-only FP8 branch. Checked: the
+    module's TELinear is a mock (not a class) and TE really does not import; anything else is left
+    alone, and the change is logged."""
+    import logging
+
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    from moe_rl.learner.te_spec import te_import_error
+
+    if not getattr(mla, "HAVE_TE", False) or isinstance(getattr(mla, "TELinear", None), type):
+        return
+    if te_import_error() is None:
+        raise RuntimeError("megatron's MLA module holds a mock TELinear although Transformer Engine imports")
+    mla.HAVE_TE = False
+    logging.getLogger(__name__).info("megatron multi_latent_attention: HAVE_TE set False (TE not installed)")
 
 
 class SequenceParallelTorchNorm:

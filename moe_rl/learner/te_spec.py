@@ -199,6 +199,9 @@ _GROUPED = re.compile(r"^mlp\.experts\.(linear_fc1|linear_fc2)\.weight(\d+)$")
 _TE_ONLY = {  # TE suffix -> local suffix (within one layer)
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",  # dense layers only
+    # MLA: TE fuses the latent norms into the up projections (gpt_layer_specs.py, 0.16.1; untested on GPU)
+    "self_attention.linear_q_up_proj.layer_norm_weight": "self_attention.q_layernorm.weight",
+    "self_attention.linear_kv_up_proj.layer_norm_weight": "self_attention.kv_layernorm.weight",
 }
 
 

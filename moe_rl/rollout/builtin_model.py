@@ -23,6 +23,7 @@ Shape suffix legend:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -36,6 +37,8 @@ from moe_rl.routing.gating import RouterSpec, route
 from moe_rl.weights.canonical import CanonicalCheck, check_canonical_weights
 
 DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}
+# eps of the q_a / kv_a RMSNorms of MLA: transformers' DeepseekV3RMSNorm default (not rms_norm_eps)
+MLA_EPS = 1e-6
 
 
 # --------------------------------------------------------------------------------------------
@@ -49,7 +52,10 @@ class KVCache:
 
     All rows share the slot index (prompts are left-padded, decode steps are aligned), so one
     ``length`` serves the batch; which slots a row may attend to is the caller's key mask.
-    k / v: one tensor per layer, [B, G, S_max, D] in the engine dtype.
+    GQA: k / v, one tensor per layer, [B, G, S_max, D] in the engine dtype.
+    MLA: k holds the latent per layer, [B, 1, S_max, C + R] (C = kv_lora_rank normalised latent,
+    then the R = qk_rope_head_dim roped shared key, what vLLM's MLA cache keeps); v is empty. Keys
+    and values are re-expanded from it each step: MLA's cache is the point of MLA.
     """
 
     k: list[torch.Tensor]
@@ -60,6 +66,11 @@ class KVCache:
     def allocate(
         cls, cfg: ModelConfig, batch: int, capacity: int, dtype: torch.dtype, device: torch.device | str
     ) -> KVCache:
+        if cfg.mla:
+            shape = (batch, 1, capacity, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+            return cls(
+                k=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)], v=[]
+            )
         shape = (batch, cfg.num_query_groups, capacity, cfg.head_dim)
         return cls(
             k=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)],
@@ -119,18 +130,94 @@ def rope_cos_sin(
     inv_freq = 1.0 / (
         theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions_BT.device) / head_dim)
     )
+    return _cos_sin(positions_BT, inv_freq, 1.0)
+
+
+def rotary_dim(cfg: ModelConfig) -> int:
+    """Dims of each q/k head that RoPE rotates: MLA's rope part, else the partial share of head_dim
+    (GLM-4.5: int(head_dim * partial_rotary_factor), as transformers and megatron's rotary_percent)."""
+    return cfg.qk_rope_head_dim if cfg.mla else int(cfg.head_dim * cfg.partial_rotary_factor)
+
+
+def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction 0.1 * mscale * ln(scale) + 1 (1 when not extrapolating)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_frequencies(cfg: ModelConfig, device: torch.device | str = "cpu") -> tuple[torch.Tensor, float]:
+    """inv_freq [R/2] fp32 and the factor cos/sin are multiplied by (YaRN's attention factor, else 1).
+
+    YaRN as DeepSeek-V3 uses it (transformers ``_compute_yarn_parameters``, megatron-core
+    ``YarnRotaryEmbedding``): frequencies below the correction range are interpolated by
+    ``rope_scaling_factor``, those above kept, a linear ramp between (bounds floored/ceiled)."""
+    R, base = rotary_dim(cfg), cfg.rope_theta
+    pos_freqs = base ** (torch.arange(0, R, 2, dtype=torch.float32, device=device) / R)
+    if cfg.rope_scaling_type == "none":
+        return 1.0 / pos_freqs, 1.0
+    factor, orig = cfg.rope_scaling_factor, cfg.rope_original_max_position
+
+    def correction_dim(rotations: float) -> float:
+        return (R * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(cfg.rope_beta_fast)), 0)
+    high = min(math.ceil(correction_dim(cfg.rope_beta_slow)), R - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = ((torch.arange(R // 2, dtype=torch.float32, device=device) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (original frequency), 0: interpolate
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
+    if cfg.rope_mscale and cfg.rope_mscale_all_dim:
+        attention_factor = yarn_get_mscale(factor, cfg.rope_mscale) / yarn_get_mscale(
+            factor, cfg.rope_mscale_all_dim
+        )
+    else:
+        attention_factor = yarn_get_mscale(factor)
+    return inv_freq, attention_factor
+
+
+def rope_tables(positions_BT: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 cos/sin [B, T, R] of the model's RoPE (R = rotary_dim; YaRN's factor folded in)."""
+    inv_freq, factor = rope_frequencies(cfg, positions_BT.device)
+    return _cos_sin(positions_BT, inv_freq, factor)
+
+
+def _cos_sin(
+    positions_BT: torch.Tensor, inv_freq: torch.Tensor, factor: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     freqs_BTd = positions_BT.float()[..., None] * inv_freq
-    emb_BTD = torch.cat((freqs_BTd, freqs_BTd), dim=-1)
-    return emb_BTD.cos(), emb_BTD.sin()
+    emb_BTR = torch.cat((freqs_BTd, freqs_BTd), dim=-1)
+    return emb_BTR.cos() * factor, emb_BTR.sin() * factor
 
 
-def apply_rope(x_BNTD: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tensor) -> torch.Tensor:
-    """x * cos + rotate_half(x) * sin, in fp32 (positions must not lose bits in bf16), cast back."""
+def softmax_scale(cfg: ModelConfig) -> float:
+    """1/sqrt(q-k head dim); MLA under YaRN also times mscale(factor, mscale_all_dim)^2 (DeepSeek-V3)."""
+    if not cfg.mla:
+        return cfg.head_dim**-0.5
+    scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
+    if cfg.rope_scaling_type == "yarn" and cfg.rope_mscale_all_dim:
+        scale *= yarn_get_mscale(cfg.rope_scaling_factor, cfg.rope_mscale_all_dim) ** 2
+    return scale
+
+
+def apply_rope(
+    x_BNTD: torch.Tensor, cos_BTR: torch.Tensor, sin_BTR: torch.Tensor, interleaved: bool = False
+) -> torch.Tensor:
+    """Rotate the first R = cos.shape[-1] dims (x * cos + rotate_half(x) * sin), pass the rest; in
+    fp32 (positions must not lose bits in bf16), cast back.
+
+    ``interleaved``: the rotated dims hold (x0, x1), (x2, x3) pairs (DeepSeek-V3's rope_interleave,
+    megatron's MLA): they are de-interleaved to (x0, x2, ..., x1, x3, ...) first, so the result is
+    in rotate_half layout, as transformers and megatron both return it (q and k alike: q.k is
+    unchanged by the permutation)."""
     xf = x_BNTD.float()
-    half = xf.shape[-1] // 2
-    rotated = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
-    cos, sin = cos_BTD[:, None], sin_BTD[:, None]
-    return (xf * cos + rotated * sin).to(x_BNTD.dtype)
+    R = cos_BTR.shape[-1]
+    rot, passed = xf[..., :R], xf[..., R:]
+    if interleaved:
+        rot = torch.cat((rot[..., 0::2], rot[..., 1::2]), dim=-1)
+    half = R // 2
+    rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
+    out = rot * cos_BTR[:, None] + rotated * sin_BTR[:, None]
+    return torch.cat((out, passed), dim=-1).to(x_BNTD.dtype)
 
 
 def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
@@ -312,13 +399,13 @@ class BuiltinMoEModel:
         if cache is not None and start + T > cache.capacity:
             raise ValueError(f"KV cache overflow: {start} + {T} > capacity {cache.capacity}")
         mask_B1TS = self._attention_mask(key_valid_BS, start, T)
-        cos_BTD, sin_BTD = rope_cos_sin(positions_BT, cfg.head_dim, cfg.rope_theta)
+        cos_BTR, sin_BTR = rope_tables(positions_BT, cfg)
         h_BTH = F.embedding(tokens_BT, self.w["model.embed_tokens.weight"])
         ids_per_layer: list[torch.Tensor] = []
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
             x_BTH = rms_norm(h_BTH, self.w[p + "input_layernorm.weight"], cfg.norm_eps)
-            h_BTH = h_BTH + self._attention(i, x_BTH, cos_BTD, sin_BTD, mask_B1TS, cache, start)
+            h_BTH = h_BTH + self._attention(i, x_BTH, cos_BTR, sin_BTR, mask_B1TS, cache, start)
             x_BTH = rms_norm(h_BTH, self.w[p + "post_attention_layernorm.weight"], cfg.norm_eps)
             if i < cfg.first_k_dense:
                 y_BTH = swiglu(
@@ -380,24 +467,30 @@ class BuiltinMoEModel:
         self,
         i: int,
         x_BTH: torch.Tensor,
-        cos_BTD: torch.Tensor,
-        sin_BTD: torch.Tensor,
+        cos_BTR: torch.Tensor,
+        sin_BTR: torch.Tensor,
         mask_B1TS: torch.Tensor,
         cache: KVCache | None,
         start: int,
     ) -> torch.Tensor:
-        """GQA self-attention of layer i (q/k RMSNorm before RoPE); returns [B, T, H]."""
-        cfg, p = self.cfg, f"model.layers.{i}.self_attn."
+        """Self-attention of layer i, GQA or MLA; returns [B, T, H].
+
+        GQA: optional q/k/v biases (GLM-4.5, Qwen2-MoE), optional per-head q/k RMSNorm before RoPE
+        (Qwen3), RoPE on the first rotary_dim dims of each head (partial for GLM-4.5)."""
+        if self.cfg.mla:
+            return self._mla(i, x_BTH, cos_BTR, sin_BTR, mask_B1TS, cache, start)
+        cfg, p, w = self.cfg, f"model.layers.{i}.self_attn.", self.w
         B, T, _ = x_BTH.shape
         N, G, D = cfg.num_attention_heads, cfg.num_query_groups, cfg.head_dim
-        q_BTND = F.linear(x_BTH, self.w[p + "q_proj.weight"]).view(B, T, N, D)
-        k_BTGD = F.linear(x_BTH, self.w[p + "k_proj.weight"]).view(B, T, G, D)
-        v_BGTD = F.linear(x_BTH, self.w[p + "v_proj.weight"]).view(B, T, G, D).transpose(1, 2)
+        bias = (lambda n: w[p + n + ".bias"]) if cfg.attention_bias else (lambda n: None)
+        q_BTND = F.linear(x_BTH, w[p + "q_proj.weight"], bias("q_proj")).view(B, T, N, D)
+        k_BTGD = F.linear(x_BTH, w[p + "k_proj.weight"], bias("k_proj")).view(B, T, G, D)
+        v_BGTD = F.linear(x_BTH, w[p + "v_proj.weight"], bias("v_proj")).view(B, T, G, D).transpose(1, 2)
         if cfg.qk_layernorm:
-            q_BTND = rms_norm(q_BTND, self.w[p + "q_norm.weight"], cfg.norm_eps)
-            k_BTGD = rms_norm(k_BTGD, self.w[p + "k_norm.weight"], cfg.norm_eps)
-        q_BNTD = apply_rope(q_BTND.transpose(1, 2), cos_BTD, sin_BTD)
-        k_BGTD = apply_rope(k_BTGD.transpose(1, 2), cos_BTD, sin_BTD)
+            q_BTND = rms_norm(q_BTND, w[p + "q_norm.weight"], cfg.norm_eps)
+            k_BTGD = rms_norm(k_BTGD, w[p + "k_norm.weight"], cfg.norm_eps)
+        q_BNTD = apply_rope(q_BTND.transpose(1, 2), cos_BTR, sin_BTR)
+        k_BGTD = apply_rope(k_BTGD.transpose(1, 2), cos_BTR, sin_BTR)
         if cache is not None:
             cache.k[i][:, :, start : start + T] = k_BGTD
             cache.v[i][:, :, start : start + T] = v_BGTD
@@ -407,4 +500,57 @@ class BuiltinMoEModel:
         out_BNTD = F.scaled_dot_product_attention(
             q_BNTD, k_BGSD, v_BGSD, attn_mask=mask_B1TS, enable_gqa=True
         )
-        return F.linear(out_BNTD.transpose(1, 2).reshape(B, T, N * D), self.w[p + "o_proj.weight"])
+        return F.linear(out_BNTD.transpose(1, 2).reshape(B, T, N * D), w[p + "o_proj.weight"])
+
+    def _mla(
+        self,
+        i: int,
+        x_BTH: torch.Tensor,
+        cos_BTR: torch.Tensor,
+        sin_BTR: torch.Tensor,
+        mask_B1TS: torch.Tensor,
+        cache: KVCache | None,
+        start: int,
+    ) -> torch.Tensor:
+        """Multi-latent attention of layer i (DeepSeek-V3 / Kimi-K2); returns [B, T, H].
+
+        q = q_b(norm(q_a(x))) (or q_proj(x) with q_lora_rank 0), per head [nope Dn | rope R];
+        kv_a(x) = [latent C | shared key R]; the normalised latent (and the roped shared key) is
+        what the cache keeps; kv_b(latent) gives per head [k_nope Dn | v Dv]. RoPE is interleaved
+        (rope_interleave, the hub checkpoints' layout). C = kv_lora_rank."""
+        cfg, p, w = self.cfg, f"model.layers.{i}.self_attn.", self.w
+        B, T, _ = x_BTH.shape
+        N, Dn, R, Dv, C = (
+            cfg.num_attention_heads,
+            cfg.qk_nope_head_dim,
+            cfg.qk_rope_head_dim,
+            cfg.v_head_dim,
+            cfg.kv_lora_rank,
+        )
+        if cfg.q_lora_rank > 0:
+            # transformers' DeepseekV3RMSNorm on q_a / kv_a uses its default eps 1e-6 (config checks norm_eps)
+            q_lat = rms_norm(
+                F.linear(x_BTH, w[p + "q_a_proj.weight"]), w[p + "q_a_layernorm.weight"], MLA_EPS
+            )
+            q_BTNQ = F.linear(q_lat, w[p + "q_b_proj.weight"]).view(B, T, N, Dn + R)
+        else:
+            q_BTNQ = F.linear(x_BTH, w[p + "q_proj.weight"]).view(B, T, N, Dn + R)
+        q_BNTQ = q_BTNQ.transpose(1, 2)
+        q_BNTQ = torch.cat((q_BNTQ[..., :Dn], apply_rope(q_BNTQ[..., Dn:], cos_BTR, sin_BTR, True)), dim=-1)
+        kv_BTX = F.linear(x_BTH, w[p + "kv_a_proj_with_mqa.weight"])
+        lat_BTC = rms_norm(kv_BTX[..., :C], w[p + "kv_a_layernorm.weight"], MLA_EPS)
+        kr_B1TR = apply_rope(kv_BTX[..., None, C:].transpose(1, 2), cos_BTR, sin_BTR, True)
+        lat_B1TX = torch.cat((lat_BTC[:, None], kr_B1TR), dim=-1)
+        if cache is not None:
+            cache.k[i][:, :, start : start + T] = lat_B1TX
+            lat_B1SX = cache.k[i][:, :, : start + T]
+        else:
+            lat_B1SX = lat_B1TX
+        S = lat_B1SX.shape[2]
+        kv_BSNY = F.linear(lat_B1SX[:, 0, :, :C], w[p + "kv_b_proj.weight"]).view(B, S, N, Dn + Dv)
+        kv_BNSY = kv_BSNY.transpose(1, 2)
+        k_BNSQ = torch.cat((kv_BNSY[..., :Dn], lat_B1SX[..., C:].expand(B, N, S, R)), dim=-1)
+        out_BNTV = F.scaled_dot_product_attention(
+            q_BNTQ, k_BNSQ, kv_BNSY[..., Dn:], attn_mask=mask_B1TS, scale=softmax_scale(cfg)
+        )
+        return F.linear(out_BNTV.transpose(1, 2).reshape(B, T, N * Dv), w[p + "o_proj.weight"])

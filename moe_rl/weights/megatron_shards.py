@@ -14,6 +14,8 @@ Layouts that differ between the two sides:
   over EP) map to ``mlp.shared_experts.{gate,up,down}_proj``, their gate ``gate_weight`` to
   ``mlp.shared_expert_gate.weight``; the router's ``expert_bias`` buffer (replicated) to
   ``mlp.gate.e_score_correction_bias``.
+- attention biases (GLM-4.5, Qwen2-MoE): ``linear_qkv.bias`` interleaved like its weight;
+- multi-latent attention (DeepSeek-V3): plain copies under the hub names (``_MLA_LAYER``).
 
 Tensor parallelism (``Shard``; ``etp`` is the expert tensor parallel size, megatron's default is
 TP): column-parallel ``linear_qkv`` holds the rank's G/TP query groups, interleaved as above;
@@ -51,6 +53,21 @@ _SIMPLE_LAYER = {  # megatron suffix -> canonical suffix (within one layer)
     "mlp.shared_experts.linear_fc2.weight": "mlp.shared_experts.down_proj.weight",
     "mlp.shared_experts.gate_weight": "mlp.shared_expert_gate.weight",
     "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+}
+# Multi-latent attention (megatron MLASelfAttention, local spec) -> DeepSeek-V3 hub names. Layouts are
+# identical: linear_kv_down_proj rows are [latent C | shared rope key R] like kv_a_proj_with_mqa,
+# linear_q_up_proj / linear_kv_up_proj rows are per head [nope | rope] / [k_nope | v] like q_b_proj /
+# kv_b_proj, and megatron's MLA RoPE reads the rope dims interleaved as the hub checkpoints store them
+# (learner/setup.py _attention): every tensor is a plain copy. The local spec's down projections are
+# column-parallel (split on their output rows under TP, gathered inside MLA).
+_MLA_LAYER = {
+    "self_attention.linear_q_proj.weight": "self_attn.q_proj.weight",
+    "self_attention.linear_q_down_proj.weight": "self_attn.q_a_proj.weight",
+    "self_attention.q_layernorm.weight": "self_attn.q_a_layernorm.weight",
+    "self_attention.linear_q_up_proj.weight": "self_attn.q_b_proj.weight",
+    "self_attention.linear_kv_down_proj.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "self_attention.kv_layernorm.weight": "self_attn.kv_a_layernorm.weight",
+    "self_attention.linear_kv_up_proj.weight": "self_attn.kv_b_proj.weight",
 }
 _SIMPLE_TOP = {
     "embedding.word_embeddings.weight": "model.embed_tokens.weight",
@@ -104,38 +121,47 @@ def _chunk(t: torch.Tensor, dim: int, rank: int, size: int, name: str) -> torch.
 
 
 def _split_qkv(w: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Local q, k, v rows of a (possibly TP-local) linear_qkv; the group count comes from its shape."""
-    d, h = cfg.head_dim, cfg.hidden_size
+    """Local q, k, v rows of a (possibly TP-local) linear_qkv weight [rows, H] or bias [rows]; the
+    group count comes from its shape."""
+    d, rest = cfg.head_dim, tuple(w.shape[1:])
     qpg = cfg.num_attention_heads // cfg.num_query_groups
     g = w.shape[0] // ((qpg + 2) * d)
-    w_GXDH = w.view(g, qpg + 2, d, h)
-    q = w_GXDH[:, :qpg].reshape(g * qpg * d, h)
-    k = w_GXDH[:, qpg].reshape(g * d, h)
-    v = w_GXDH[:, qpg + 1].reshape(g * d, h)
+    w_GXD_ = w.view(g, qpg + 2, d, *rest)
+    q = w_GXD_[:, :qpg].reshape(g * qpg * d, *rest)
+    k = w_GXD_[:, qpg].reshape(g * d, *rest)
+    v = w_GXD_[:, qpg + 1].reshape(g * d, *rest)
     return q, k, v
 
 
 def _join_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    d, h = cfg.head_dim, cfg.hidden_size
+    """Inverse of _split_qkv (weights or biases)."""
+    d, rest = cfg.head_dim, tuple(k.shape[1:])
     g = k.shape[0] // d
     qpg = cfg.num_attention_heads // cfg.num_query_groups
-    return torch.cat([q.view(g, qpg, d, h), k.view(g, 1, d, h), v.view(g, 1, d, h)], dim=1).reshape(-1, h)
+    parts = [q.view(g, qpg, d, *rest), k.view(g, 1, d, *rest), v.view(g, 1, d, *rest)]
+    return torch.cat(parts, dim=1).reshape(-1, *rest)
 
 
-def _classify(name: str, n_local: int, ep_rank: int, layer_offset: int = 0) -> tuple[str, str]:
-    """How a megatron parameter maps: ("copy", canonical name), ("qkv", attention prefix) or
-    ("fc1", prefix of the gate_proj/up_proj pair). Experts get their global id, layers their
-    global number."""
+def _classify(
+    name: str, n_local: int, ep_rank: int, layer_offset: int = 0, mla: bool = False
+) -> tuple[str, str]:
+    """How a megatron parameter maps: ("copy", canonical name), ("qkv", attention prefix, with
+    ("qkv_bias", ...) for its bias) or ("fc1", prefix of the gate_proj/up_proj pair). Experts get
+    their global id, layers their global number; ``mla``: the attention is MLASelfAttention."""
     if name in _SIMPLE_TOP:
         return "copy", _SIMPLE_TOP[name]
     m = _MG_LAYER.match(name)
     if m is None:
         raise KeyError(f"no canonical name for megatron parameter {name!r}")
     pre, rest = f"model.layers.{layer_offset + int(m.group(1))}.", m.group(2)
+    if mla and rest in _MLA_LAYER:  # before _SIMPLE_LAYER: q_layernorm is q_a_layernorm here
+        return "copy", pre + _MLA_LAYER[rest]
     if rest in _SIMPLE_LAYER:
         return "copy", pre + _SIMPLE_LAYER[rest]
     if rest == "self_attention.linear_qkv.weight":
         return "qkv", pre + "self_attn."
+    if rest == "self_attention.linear_qkv.bias":
+        return "qkv_bias", pre + "self_attn."
     if rest == "mlp.linear_fc1.weight":
         return "fc1", pre + "mlp."
     if rest == "mlp.shared_experts.linear_fc1.weight":
@@ -160,16 +186,13 @@ def megatron_to_canonical(
     With TP > 1 every split tensor is this rank's piece (``merge_tensor_parallel`` joins them)."""
     out: dict[str, torch.Tensor] = {}
     for name, t in local.items():
-        kind, target = _classify(name, cfg.num_experts // ep_size, ep_rank, shard.layer_offset)
+        kind, target = _classify(name, cfg.num_experts // ep_size, ep_rank, shard.layer_offset, cfg.mla)
         if kind == "copy":
             out[target] = t
-        elif kind == "qkv":
-            q, k, v = _split_qkv(t, cfg)
-            out[target + "q_proj.weight"], out[target + "k_proj.weight"], out[target + "v_proj.weight"] = (
-                q,
-                k,
-                v,
-            )
+        elif kind in ("qkv", "qkv_bias"):
+            suffix = "weight" if kind == "qkv" else "bias"
+            for proj, part in zip(("q_proj.", "k_proj.", "v_proj."), _split_qkv(t, cfg)):
+                out[target + proj + suffix] = part
         else:
             out[target + "gate_proj.weight"], out[target + "up_proj.weight"] = t.chunk(2, dim=0)
     return out
@@ -212,14 +235,15 @@ def canonical_to_megatron(
 
     out: dict[str, torch.Tensor] = {}
     for name in megatron_names:
-        kind, target = _classify(name, cfg.num_experts // ep_size, ep_rank, shard.layer_offset)
+        kind, target = _classify(name, cfg.num_experts // ep_size, ep_rank, shard.layer_offset, cfg.mla)
         if kind == "copy":
             out[name] = get(target)
-        elif kind == "qkv":
+        elif kind in ("qkv", "qkv_bias"):
+            suffix = "weight" if kind == "qkv" else "bias"
             out[name] = _join_qkv(
-                get(target + "q_proj.weight"),
-                get(target + "k_proj.weight"),
-                get(target + "v_proj.weight"),
+                get(target + "q_proj." + suffix),
+                get(target + "k_proj." + suffix),
+                get(target + "v_proj." + suffix),
                 cfg,
             )
         else:
