@@ -515,6 +515,7 @@ def model_fields_from_hf(hf: dict, path: Path) -> dict[str, Any]:
     _require(hf, path, "hidden_act", lambda v: v == "silu", "experts must be SwiGLU (silu)", "silu")
     heads = int(hf["num_attention_heads"])
     return {
+        **family.fixed,  # so a model.* key that contradicts the family is refused at load too
         "hf_family": model_type,
         "vocab_size": int(hf["vocab_size"]),
         "hidden_size": int(hf["hidden_size"]),
