@@ -25,28 +25,55 @@ H100_BF16_DENSE_TFLOPS = 989.0  # H100/H200 SXM dense bf16 peak (no sparsity)
 MARGIN_GIB = 4.0  # left free on every GPU: CUDA context, NCCL buffers, allocator fragmentation
 
 
+def _attention_params(m: ModelConfig) -> int:
+    """One layer's attention (its two layer norms included): GQA (biases, q/k norms) or MLA."""
+    H, N = m.hidden_size, m.num_attention_heads
+    if m.mla:
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        q = (H * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * N * qk) if m.q_lora_rank else H * N * qk
+        kv = H * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank  # kv_a_proj_with_mqa, its norm
+        kv += m.kv_lora_rank * N * (m.qk_nope_head_dim + m.v_head_dim)  # kv_b_proj
+        return q + kv + N * m.v_head_dim * H + 2 * H  # + o_proj, 2 layer norms
+    D, G = m.head_dim, m.num_query_groups
+    bias = N * D + 2 * G * D if m.attention_bias else 0
+    return H * N * D * 2 + H * G * D * 2 + bias + 2 * H + (2 * D if m.qk_layernorm else 0)
+
+
 def param_counts(m: ModelConfig) -> dict[str, int]:
-    """Parameters by kind: total, expert (routed experts), dense (everything else), active per token
-    (dense + top-k experts), matmul_active (active minus the input embedding, which costs no FLOPs)."""
-    H, D, Q, G = m.hidden_size, m.head_dim, m.num_attention_heads, m.num_query_groups
-    attn = H * Q * D * 2 + H * G * D * 2 + 2 * H + (2 * D if m.qk_layernorm else 0)  # q, o, k, v, 2 norms
+    """Parameters by kind: total, expert (routed experts), dense (everything else, shared experts
+    and the expert bias included), active per token (dense + top-k experts), matmul_active (active
+    minus the input embedding, which costs no FLOPs; tied, it is the output layer too)."""
+    H, E = m.hidden_size, m.num_experts
     n_moe = len(m.moe_layers)
-    expert = n_moe * m.num_experts * 3 * H * m.moe_ffn_hidden_size
+    expert = n_moe * E * 3 * H * m.moe_ffn_hidden_size
+    S = m.moe_shared_expert_ffn_hidden_size
+    per_moe_layer = E * H + (E if m.moe_router_expert_bias else 0)  # router, expert bias
+    per_moe_layer += 3 * H * S + (H if m.moe_shared_expert_gate else 0)  # shared experts, their gate
+    embeddings = (1 if m.tie_word_embeddings else 2) * m.vocab_size * H
     dense = (
-        m.num_layers * attn
+        m.num_layers * _attention_params(m)
         + m.first_k_dense * 3 * H * m.ffn_hidden_size
-        + n_moe * m.num_experts * H
-        + 2 * m.vocab_size * H
+        + n_moe * per_moe_layer
+        + embeddings
         + H
-    )  # + routers, untied embedding / lm_head, final norm
+    )  # + routers, embedding / lm_head, final norm
     active = dense + n_moe * m.moe_router_topk * 3 * H * m.moe_ffn_hidden_size
     return {
         "total": dense + expert,
         "expert": expert,
         "dense": dense,
         "active": active,
-        "matmul_active": active - m.vocab_size * H,
+        "matmul_active": active - (0 if m.tie_word_embeddings else m.vocab_size * H),
     }
+
+
+def kv_bytes_per_token(m: ModelConfig, vllm_tp: int) -> int:
+    """vLLM's KV cache per token on one GPU, bf16: K and V of the KV heads on that rank (fewer heads
+    than TP: replicated), or MLA's latent (kv_lora_rank + qk_rope_head_dim per layer, on every rank)."""
+    if m.mla:
+        return m.num_layers * (m.kv_lora_rank + m.qk_rope_head_dim) * 2
+    kv_heads = max(1, m.num_query_groups // vllm_tp)
+    return 2 * m.num_layers * kv_heads * m.head_dim * 2
 
 
 def train_flops_per_token(m: ModelConfig) -> float:
@@ -280,8 +307,7 @@ def estimate(cfg: RunConfig, gpu_gib: float = 80.0, layout: Layout | None = None
     vllm = cfg.rollout.engine == "vllm"
     vllm_budget = v.gpu_memory_utilization * gpu_gib * GiB if vllm else 0.0
     vllm_weights = c["total"] * (2 if cfg.rollout.dtype == "bf16" else 4) / v.tensor_parallel
-    kv_heads = max(1, m.num_query_groups // v.tensor_parallel)  # fewer KV heads than TP: replicated
-    kv_per_token = 2 * m.num_layers * kv_heads * m.head_dim * 2  # K and V, bf16
+    kv_per_token = kv_bytes_per_token(m, v.tensor_parallel)
     kv_bytes = max(0.0, vllm_budget - vllm_weights - 2 * GiB)
     stale = {"stale_weights_gib": top["stale"] / GiB} if cfg.rollout.staleness else {}  # k + 1 weight sets
     return {
