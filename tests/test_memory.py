@@ -362,7 +362,7 @@ def test_estimate_command_prints_the_layouts_row():
 def test_param_counts_of_the_hf_families_match_their_canonical_shapes(monkeypatch, family, q_lora_rank):
     """MLA (q LoRA or not), shared experts and their gate, the expert bias, q/k/v biases, tied
     embeddings: every canonical tensor counted once, routed experts apart."""
-    import moe_rl.config as config_module
+    import moe_rl.config.model as config_module
     from tests.models import HF_FAMILY_TINY
 
     monkeypatch.setattr(config_module, "_NOT_BUILT_YET", ())  # the counts, not the learner
@@ -379,7 +379,7 @@ def test_param_counts_of_the_hf_families_match_their_canonical_shapes(monkeypatc
 
 @pytest.mark.unit
 def test_mla_kv_cache_is_the_latent_on_every_rank(monkeypatch):
-    import moe_rl.config as config_module
+    import moe_rl.config.model as config_module
     from moe_rl.memory import kv_bytes_per_token
     from tests.models import deepseek_v3_tiny
 

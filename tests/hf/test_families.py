@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import moe_rl.config as config_module
+import moe_rl.config.model as config_module
 from moe_rl.config import ConfigError, ModelConfig, load_config
 from moe_rl.errors import CheckpointError
 from moe_rl.weights import hf as hfc
