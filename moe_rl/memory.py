@@ -25,18 +25,35 @@ H100_BF16_DENSE_TFLOPS = 989.0  # H100/H200 SXM dense bf16 peak (no sparsity)
 MARGIN_GIB = 4.0  # left free on every GPU: CUDA context, NCCL buffers, allocator fragmentation
 
 
-def _attention_params(m: ModelConfig) -> int:
-    """One layer's attention (its two layer norms included): GQA (biases, q/k norms) or MLA."""
+def attention_params(m: ModelConfig) -> int:
+    """Parameters of one attention block (moe_rl/weights/canonical.py's tensors): GQA q, k, v, o
+    (+ q/k/v biases, + q/k norms) or MLA's q (low-rank or direct), kv_a, latent norms, kv_b, o."""
     H, N = m.hidden_size, m.num_attention_heads
     if m.mla:
-        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
-        q = (H * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * N * qk) if m.q_lora_rank else H * N * qk
-        kv = H * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank  # kv_a_proj_with_mqa, its norm
-        kv += m.kv_lora_rank * N * (m.qk_nope_head_dim + m.v_head_dim)  # kv_b_proj
-        return q + kv + N * m.v_head_dim * H + 2 * H  # + o_proj, 2 layer norms
+        qk, C = m.qk_nope_head_dim + m.qk_rope_head_dim, m.kv_lora_rank
+        ql = m.q_lora_rank
+        q = H * ql + ql + ql * N * qk if ql > 0 else H * N * qk
+        return (
+            q
+            + H * (C + m.qk_rope_head_dim)
+            + C
+            + C * N * (m.qk_nope_head_dim + m.v_head_dim)
+            + N * m.v_head_dim * H
+        )
     D, G = m.head_dim, m.num_query_groups
-    bias = N * D + 2 * G * D if m.attention_bias else 0
-    return H * N * D * 2 + H * G * D * 2 + bias + 2 * H + (2 * D if m.qk_layernorm else 0)
+    bias = (N + 2 * G) * D if m.attention_bias else 0
+    return H * N * D * 2 + H * G * D * 2 + bias + (2 * D if m.qk_layernorm else 0)
+
+
+def kv_cache_bytes_per_token(m: ModelConfig, tensor_parallel: int, bytes_per_value: int = 2) -> int:
+    """KV-cache bytes one token takes on one engine GPU, all layers. GQA: K and V of the rank's
+    kv heads (fewer heads than TP: replicated). MLA: the latent (kv_lora_rank) and the shared rope
+    key (qk_rope_head_dim) once per layer, replicated on every TP rank (vLLM's MLA cache layout;
+    DeepSeek-V3: 61 * 576 * 2 = 70 KiB a token)."""
+    if m.mla:
+        return m.num_layers * (m.kv_lora_rank + m.qk_rope_head_dim) * bytes_per_value
+    kv_heads = max(1, m.num_query_groups // tensor_parallel)
+    return 2 * m.num_layers * kv_heads * m.head_dim * bytes_per_value
 
 
 def param_counts(m: ModelConfig) -> dict[str, int]:
@@ -51,7 +68,7 @@ def param_counts(m: ModelConfig) -> dict[str, int]:
     per_moe_layer += 3 * H * S + (H if m.moe_shared_expert_gate else 0)  # shared experts, their gate
     embeddings = (1 if m.tie_word_embeddings else 2) * m.vocab_size * H
     dense = (
-        m.num_layers * _attention_params(m)
+        m.num_layers * (attention_params(m) + 2 * H)  # + the layer's 2 norms
         + m.first_k_dense * 3 * H * m.ffn_hidden_size
         + n_moe * per_moe_layer
         + embeddings
@@ -65,15 +82,6 @@ def param_counts(m: ModelConfig) -> dict[str, int]:
         "active": active,
         "matmul_active": active - (0 if m.tie_word_embeddings else m.vocab_size * H),
     }
-
-
-def kv_bytes_per_token(m: ModelConfig, vllm_tp: int) -> int:
-    """vLLM's KV cache per token on one GPU, bf16: K and V of the KV heads on that rank (fewer heads
-    than TP: replicated), or MLA's latent (kv_lora_rank + qk_rope_head_dim per layer, on every rank)."""
-    if m.mla:
-        return m.num_layers * (m.kv_lora_rank + m.qk_rope_head_dim) * 2
-    kv_heads = max(1, m.num_query_groups // vllm_tp)
-    return 2 * m.num_layers * kv_heads * m.head_dim * 2
 
 
 def train_flops_per_token(m: ModelConfig) -> float:
@@ -307,7 +315,7 @@ def estimate(cfg: RunConfig, gpu_gib: float = 80.0, layout: Layout | None = None
     vllm = cfg.rollout.engine == "vllm"
     vllm_budget = v.gpu_memory_utilization * gpu_gib * GiB if vllm else 0.0
     vllm_weights = c["total"] * (2 if cfg.rollout.dtype == "bf16" else 4) / v.tensor_parallel
-    kv_per_token = kv_bytes_per_token(m, v.tensor_parallel)
+    kv_per_token = kv_cache_bytes_per_token(m, v.tensor_parallel)  # bf16
     kv_bytes = max(0.0, vllm_budget - vllm_weights - 2 * GiB)
     stale = {"stale_weights_gib": top["stale"] / GiB} if cfg.rollout.staleness else {}  # k + 1 weight sets
     return {

@@ -380,11 +380,12 @@ def test_param_counts_of_the_hf_families_match_their_canonical_shapes(monkeypatc
 @pytest.mark.unit
 def test_mla_kv_cache_is_the_latent_on_every_rank(monkeypatch):
     import moe_rl.config.model as config_module
-    from moe_rl.memory import kv_bytes_per_token
+    from moe_rl.memory import kv_cache_bytes_per_token
     from tests.models import deepseek_v3_tiny
 
     monkeypatch.setattr(config_module, "_NOT_BUILT_YET", ())
     m = deepseek_v3_tiny()  # 4 layers, kv_lora_rank 16 + qk_rope_head_dim 4, bf16
-    assert kv_bytes_per_token(m, 1) == kv_bytes_per_token(m, 8) == 4 * 20 * 2
+    assert kv_cache_bytes_per_token(m, 1) == kv_cache_bytes_per_token(m, 8) == 4 * 20 * 2
     # GQA: K and V of the rank's KV heads (2 groups over TP 2: one each; over TP 4: replicated)
-    assert kv_bytes_per_token(CFG, 2) == kv_bytes_per_token(CFG, 4) == 2 * 3 * 1 * CFG.head_dim * 2
+    gqa = 2 * 3 * 1 * CFG.head_dim * 2
+    assert kv_cache_bytes_per_token(CFG, 2) == kv_cache_bytes_per_token(CFG, 4) == gqa
