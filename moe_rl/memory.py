@@ -57,26 +57,30 @@ def kv_cache_bytes_per_token(m: ModelConfig, tensor_parallel: int, bytes_per_val
 
 
 def param_counts(m: ModelConfig) -> dict[str, int]:
-    """Parameters by kind: total, expert (routed experts), dense (everything else), active per token
-    (dense + top-k experts), matmul_active (active minus the input embedding, which costs no FLOPs)."""
-    H = m.hidden_size
-    attn = attention_params(m) + 2 * H  # + the layer's 2 norms
+    """Parameters by kind: total, expert (routed experts), dense (everything else, shared experts
+    and the expert bias included), active per token (dense + top-k experts), matmul_active (active
+    minus the input embedding, which costs no FLOPs; tied, it is the output layer too)."""
+    H, E = m.hidden_size, m.num_experts
     n_moe = len(m.moe_layers)
-    expert = n_moe * m.num_experts * 3 * H * m.moe_ffn_hidden_size
+    expert = n_moe * E * 3 * H * m.moe_ffn_hidden_size
+    S = m.moe_shared_expert_ffn_hidden_size
+    per_moe_layer = E * H + (E if m.moe_router_expert_bias else 0)  # router, expert bias
+    per_moe_layer += 3 * H * S + (H if m.moe_shared_expert_gate else 0)  # shared experts, their gate
+    embeddings = (1 if m.tie_word_embeddings else 2) * m.vocab_size * H
     dense = (
-        m.num_layers * attn
+        m.num_layers * (attention_params(m) + 2 * H)  # + the layer's 2 norms
         + m.first_k_dense * 3 * H * m.ffn_hidden_size
-        + n_moe * m.num_experts * H
-        + 2 * m.vocab_size * H
+        + n_moe * per_moe_layer
+        + embeddings
         + H
-    )  # + routers, untied embedding / lm_head, final norm
+    )  # + routers, embedding / lm_head, final norm
     active = dense + n_moe * m.moe_router_topk * 3 * H * m.moe_ffn_hidden_size
     return {
         "total": dense + expert,
         "expert": expert,
         "dense": dense,
         "active": active,
-        "matmul_active": active - m.vocab_size * H,
+        "matmul_active": active - (0 if m.tie_word_embeddings else m.vocab_size * H),
     }
 
 

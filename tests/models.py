@@ -93,3 +93,118 @@ TINY_QWEN2_L3 = dataclasses.replace(
     moe_shared_expert_ffn_hidden_size=40,
     moe_shared_expert_gate=True,
 )
+
+
+# --- The HF families of issue 25 (DeepSeek-V3 / Kimi-K2, GLM-4.5, Qwen2-MoE), parity-sized. Functions,
+# not constants: their variant fields are refused by ModelConfig until the learner and the built-in
+# engine build them (moe_rl.config._NOT_BUILT_YET), and importing this module must not fail.
+# Each is odd on purpose: K not a power of two, dense first layers, tied and untied embeddings.
+
+
+def deepseek_v3_tiny(**overrides: object) -> ModelConfig:
+    """MLA (q LoRA 24, kv LoRA 16, nope 8 + rope 4, v 12), YaRN x4 from 16 positions, 12 experts
+    in 4 groups of 3 (3 groups per token: 6 // 3 = 2, the best-2 group score of HF and megatron),
+    top-6 sigmoid + expert bias, renormalised, times 2.5,
+    one shared expert, layer 0 dense, untied; 4 layers."""
+    base = ModelConfig(
+        vocab_size=40,
+        hidden_size=64,
+        num_layers=4,
+        num_attention_heads=4,
+        num_query_groups=4,
+        head_dim=12,  # unused by MLA (qk_nope_head_dim + qk_rope_head_dim)
+        ffn_hidden_size=96,
+        moe_ffn_hidden_size=16,
+        num_experts=12,
+        moe_router_topk=6,
+        first_k_dense=1,
+        qk_layernorm=False,
+        kv_lora_rank=16,
+        q_lora_rank=24,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=4,
+        v_head_dim=12,
+        rope_scaling_type="yarn",
+        rope_scaling_factor=4.0,
+        rope_original_max_position=16,
+        rope_beta_fast=32.0,
+        rope_beta_slow=1.0,
+        rope_mscale=1.0,
+        rope_mscale_all_dim=1.0,
+        moe_router_score_function="sigmoid",
+        norm_topk_prob=True,
+        moe_router_expert_bias=True,
+        moe_router_num_groups=4,
+        moe_router_group_topk=3,
+        moe_router_scaling_factor=2.5,
+        moe_shared_expert_ffn_hidden_size=16,
+        rope_theta=10000.0,
+        norm_eps=1e-6,
+        max_seq_len=64,
+        hf_family="deepseek_v3",
+    )
+    return dataclasses.replace(base, **overrides)
+
+
+def glm4_moe_tiny(**overrides: object) -> ModelConfig:
+    """GQA with q/k/v biases, q/k norms and partial RoPE (half of head_dim 16), 6 experts top-3
+    (sigmoid + bias, no groups, renormalised, times 1.5), two shared experts' width, layer 0
+    dense, tied embeddings; 3 layers."""
+    base = ModelConfig(
+        vocab_size=40,
+        hidden_size=64,
+        num_layers=3,
+        num_attention_heads=4,
+        num_query_groups=2,
+        head_dim=16,
+        ffn_hidden_size=96,
+        moe_ffn_hidden_size=16,
+        num_experts=6,
+        moe_router_topk=3,
+        first_k_dense=1,
+        qk_layernorm=True,
+        attention_bias=True,
+        partial_rotary_factor=0.5,
+        moe_router_score_function="sigmoid",
+        norm_topk_prob=True,
+        moe_router_expert_bias=True,
+        moe_router_scaling_factor=1.5,
+        moe_shared_expert_ffn_hidden_size=32,
+        tie_word_embeddings=True,
+        rope_theta=10000.0,
+        norm_eps=1e-5,
+        max_seq_len=64,
+        hf_family="glm4_moe",
+    )
+    return dataclasses.replace(base, **overrides)
+
+
+def qwen2_moe_tiny(**overrides: object) -> ModelConfig:
+    """q/k/v biases, 6 experts top-3 softmax not renormalised, a gated shared expert of 48, every
+    layer MoE, untied; 3 layers."""
+    base = ModelConfig(
+        vocab_size=40,
+        hidden_size=64,
+        num_layers=3,
+        num_attention_heads=4,
+        num_query_groups=2,
+        head_dim=16,
+        ffn_hidden_size=96,
+        moe_ffn_hidden_size=16,
+        num_experts=6,
+        moe_router_topk=3,
+        first_k_dense=0,
+        qk_layernorm=False,
+        attention_bias=True,
+        norm_topk_prob=False,
+        moe_shared_expert_ffn_hidden_size=48,
+        moe_shared_expert_gate=True,
+        rope_theta=10000.0,
+        norm_eps=1e-6,
+        max_seq_len=64,
+        hf_family="qwen2_moe",
+    )
+    return dataclasses.replace(base, **overrides)
+
+
+HF_FAMILY_TINY = {"deepseek_v3": deepseek_v3_tiny, "glm4_moe": glm4_moe_tiny, "qwen2_moe": qwen2_moe_tiny}

@@ -22,6 +22,8 @@ from moe_rl.config.deprecations import (
 )
 from moe_rl.config.run import RunConfig
 from moe_rl.errors import ConfigError
+from moe_rl.weights.hf_config import CONFIG as HF_CONFIG
+from moe_rl.weights.hf_config import load_hf_config
 
 
 def _check_rules(layer: DictConfig) -> DictConfig:
@@ -124,17 +126,50 @@ def _source_of(key: str | None, path: str | Path | None, overrides) -> str:
     return str(path) if path is not None else "defaults"
 
 
+def _model_from_hf(merged, file_model_keys: set[str], path, overrides) -> tuple[DictConfig, dict[str, str]]:
+    """With ``init_weights=hf:DIR`` the architecture comes from ``DIR/config.json``: its fields
+    (``moe_rl/weights/hf_config.py``) replace the defaults, and a ``model.*`` key the file or an
+    override sets to another value is refused, naming both values. Returns the merged tree and
+    which keys came from where (for the errors of validation)."""
+    init = OmegaConf.select(merged, "init_weights", default="")
+    hf_dir = Path(init[3:]) if isinstance(init, str) and init.startswith("hf:") else None
+    if hf_dir is None or not (hf_dir / HF_CONFIG).is_file():
+        return merged, {}  # no HF checkpoint (a missing one is named when weights are loaded)
+    hf_path = hf_dir / HF_CONFIG
+    derived = load_hf_config(hf_dir)  # CheckpointError naming the file and the key
+    given = file_model_keys | {
+        _renamed_key(item.split("=", 1)[0].strip())[len("model.") :]
+        for item in overrides
+        if _renamed_key(item.split("=", 1)[0].strip()).startswith("model.")
+    }
+    for name, value in derived.items():
+        if name in given and OmegaConf.select(merged, f"model.{name}") != value:
+            key = f"model.{name}"
+            raise ConfigError(
+                f"{_source_of(key, path, overrides)}: config key '{key}': "
+                f"{OmegaConf.select(merged, key)!r} contradicts {hf_path}, which gives {value!r} "
+                f"(init_weights={init}: the architecture comes from config.json; drop '{key}')"
+            )
+    origin = {f"model.{k}": f"{hf_path} (init_weights={init})" for k in derived if k not in given}
+    return _writable(OmegaConf.merge(merged, OmegaConf.create({"model": derived}))), origin
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    """Embedded defaults <- YAML file <- dotted overrides; validated, or ConfigError naming the
-    file (and line) or the override that is wrong, and the key. Deprecated keys are renamed
-    (``DEPRECATED_KEYS``), one warning line each."""
+    """Embedded defaults <- YAML file <- dotted overrides, and with ``init_weights=hf:DIR`` the
+    ``model:`` architecture from ``DIR/config.json`` (``_model_from_hf``); validated, or
+    ConfigError naming the file (and line) or the override that is wrong, and the key. Deprecated
+    keys are renamed (``DEPRECATED_KEYS``), one warning line each."""
     merged = _writable(OmegaConf.structured(RunConfig))
     where = "defaults"
     legacy_rs: dict = {}  # correction.rs / rs_bounds -> (value, where it was set)
+    file_model_keys: set[str] = set()
+    origin: dict[str, str] = {}  # key -> the HF config.json it was derived from
     try:
         if path is not None:
             where = str(path)
             tree = _rename_tree(OmegaConf.to_container(_read_yaml(path)), legacy_rs, where)
+            if isinstance(tree.get("model"), dict):
+                file_model_keys = set(tree["model"])
             merged = _writable(OmegaConf.merge(merged, _check_rules(OmegaConf.create(tree))))
         base = merged
         for item in overrides:  # merged one at a time, so an error names its own override
@@ -145,20 +180,22 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             where = legacy_rs["where"]
             layer = OmegaConf.create({"correction": {"rejection": _legacy_rejection(legacy_rs)}})
             merged = _writable(OmegaConf.merge(merged, layer))
+        where = "init_weights"
+        merged, origin = _model_from_hf(merged, file_model_keys, path, overrides)
         where = "validation"
         return OmegaConf.to_object(merged)  # type: ignore[return-value]
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None)
         first = str(e).splitlines()[0]
         if where == "validation":
-            where = _source_of(key, path, overrides)
+            where = origin.get(str(key)) or _source_of(key, path, overrides)
         raise ConfigError(f"{where}: config key '{key}': {first}") from None
     except ConfigError as e:
         if not str(e).startswith("config key"):
             raise
         if where == "validation":
             key = str(e).split("'")[1]
-            where = _source_of(key, path, overrides)
+            where = origin.get(key) or _source_of(key, path, overrides)
         if where == "defaults":
             raise
         raise ConfigError(f"{where}: {e}") from None

@@ -102,7 +102,10 @@ def test_hf_dir_without_tokenizer_files_fails_in_preflight(tmp_path):
     from safetensors.torch import save_file
 
     hf = tmp_path / "hf"
-    write(hf / "config.json", json.dumps({"model_type": "qwen3_moe", "vocab_size": 50}))
+    from moe_rl.weights.hf_config import hf_config_dict
+    from tests.models import hf_tiny
+
+    write(hf / "config.json", json.dumps(hf_config_dict(hf_tiny(vocab_size=50))))
     save_file({"model.embed_tokens.weight": torch.zeros(50, 4)}, str(hf / "model.safetensors"))
     files = "tokenizer.json, tokenizer.model, vocab.json + merges.txt, vocab.txt"
     fails_with(

@@ -149,7 +149,6 @@ def test_partial_or_wrong_checkpoints_name_tensor_and_file(
     [
         ("norm_topk_prob", False, "renormalises"),
         ("use_sliding_window", True, "sliding-window"),
-        ("tie_word_embeddings", True, "tied"),
         ("decoder_sparse_step", 2, "first k"),
         ("mlp_only_layers", [1], "first k"),
         ("model_type", "llama", "supported"),

@@ -15,15 +15,20 @@ from moe_rl.tasks.hf_tokenizer import HFTokenizer, TokenizerError
 from moe_rl.tasks.setup import build_task, resolve_vocab, row_spec
 from moe_rl.tasks.tokenizer import CharTokenizer
 from moe_rl.weights.export import export_dtype, tokenizer_files
+from moe_rl.weights.hf_config import hf_config_dict
+from tests.models import hf_tiny
 
 
 @pytest.mark.unit
 def test_vocab_from_checkpoint_tokenizer_or_config(hf_tok_dir: Path, tmp_path: Path) -> None:
     model_dir = tmp_path / "m"
     model_dir.mkdir()
-    (model_dir / "config.json").write_text(json.dumps({"vocab_size": 512}))
-    cfg = load_config(None, [f"init_weights=hf:{model_dir}"])
+    (model_dir / "config.json").write_text(json.dumps(hf_config_dict(hf_tiny(vocab_size=512))))
+    cfg = load_config(None, [f"init_weights=hf:{model_dir}"])  # the model: section from config.json
+    assert cfg.model.vocab_size == 512
     assert resolve_vocab(cfg, HFTokenizer(hf_tok_dir)).model.vocab_size == 512  # padded, from config.json
+    unresolved = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=0))
+    assert resolve_vocab(unresolved, HFTokenizer(hf_tok_dir)).model.vocab_size == 512  # read again
     assert resolve_vocab(RunConfig(), CharTokenizer()).model.vocab_size == 50
     with pytest.raises(
         TokenizerError, match=r"has 460 tokens but the model's vocabulary \(model.vocab_size\) has only 64"

@@ -1,0 +1,588 @@
+"""Hugging Face ``config.json`` <-> ModelConfig fields, per model family (no torch: ``moe_rl.config``
+derives the ``model:`` section of an ``init_weights=hf:DIR`` run from it while it loads).
+
+A family is one ``model_type`` (== ``ModelConfig.hf_family``): how its config.json keys map onto
+the typed fields, which fields it cannot vary, how its tensor names differ from the canonical ones
+(HF Qwen3-MoE's plus DeepSeek-V3's, ``moe_rl/weights/canonical.py``), and the inverse for export.
+Anything the learner cannot represent exactly is refused, naming the key and the file; what a family
+maps to is in the README ("Train your own checkpoint on your data").
+
+- ``qwen3_moe``, ``mixtral``: softmax Top-K routers, GQA (docs/design.md 9).
+- ``deepseek_v3`` (also Kimi-K2's config.json: ``model_type`` ``kimi_k2`` with ``architectures``
+  ``DeepseekV3ForCausalLM``, read as this architecture and exported as ``deepseek_v3``): MLA, YaRN,
+  sigmoid scores + ``e_score_correction_bias``, group-limited Top-K, ``routed_scaling_factor``,
+  shared experts, dense first layers. MTP layers (``num_nextn_predict_layers``) are not trained:
+  import skips their tensors (one log line), export writes ``num_nextn_predict_layers: 0``.
+- ``glm4_moe``: the DeepSeek-V3 router and shared experts with GQA, partial RoPE, q/k/v biases and
+  optional q/k norms; MTP as for DeepSeek-V3.
+- ``qwen2_moe``: softmax Top-K without renormalisation by default, a shared expert behind a sigmoid
+  gate (its ``mlp.shared_expert.*`` are canonical ``mlp.shared_experts.*``), q/k/v biases.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from moe_rl.errors import CheckpointError
+from moe_rl.fsutil import read_json
+
+if TYPE_CHECKING:
+    from moe_rl.config import ModelConfig
+
+CONFIG = "config.json"
+# model_type of configs that are another family's architecture under their own name
+MODEL_TYPE_ALIASES = {"kimi_k2": "deepseek_v3"}  # Kimi-K2: architectures ["DeepseekV3ForCausalLM"]
+
+
+def _refuse(path: Path, key: str, value: Any, why: str) -> CheckpointError:
+    return CheckpointError(f"{path}: key {key!r} = {value!r}: {why}")
+
+
+def _require(hf: dict, path: Path, key: str, ok, why: str, default: Any = None) -> None:
+    value = hf.get(key, default)
+    if not ok(value):
+        raise _refuse(path, key, value, why)
+
+
+def _first_k_dense(hf: dict, path: Path, num_layers: int, num_experts: int) -> int:
+    """Qwen-MoE makes layer i MoE iff i not in mlp_only_layers and (i + 1) % decoder_sparse_step
+    == 0; the learner represents exactly the pattern "first k layers dense, the rest MoE"."""
+    step = int(hf.get("decoder_sparse_step", 1) or 1)
+    mlp_only = set(hf.get("mlp_only_layers") or [])
+    dense = [i for i in range(num_layers) if i in mlp_only or (i + 1) % step != 0 or num_experts == 0]
+    k = len(dense)
+    if dense != list(range(k)) or k >= num_layers:
+        key = "decoder_sparse_step" if step != 1 else "mlp_only_layers"
+        raise _refuse(
+            path,
+            key,
+            hf.get(key),
+            f"dense layers {dense} are not the first k of {num_layers} "
+            "with at least one MoE layer after them (the learner's first_k_dense pattern)",
+        )
+    return k
+
+
+def _first_k_replace(hf: dict, path: Path, default: int) -> int:
+    """DeepSeek-V3 / GLM-4.5: ``first_k_dense_replace`` dense layers, then MoE in every layer."""
+    _require(
+        hf, path, "moe_layer_freq", lambda v: v in (None, 1), "only an MoE layer every layer is supported"
+    )
+    k = int(hf.get("first_k_dense_replace", default) or 0)
+    layers = int(hf["num_hidden_layers"])
+    if not 0 <= k < layers:
+        why = f"must leave at least one MoE layer of num_hidden_layers={layers}"
+        raise _refuse(path, "first_k_dense_replace", k, why)
+    return k
+
+
+_YARN_KEYS = {
+    "factor": "rope_scaling_factor",
+    "original_max_position_embeddings": "rope_original_max_position",
+    "beta_fast": "rope_beta_fast",
+    "beta_slow": "rope_beta_slow",
+    "mscale": "rope_mscale",
+    "mscale_all_dim": "rope_mscale_all_dim",
+}
+# transformers' yarn defaults for a key that is absent (None): mscale / mscale_all_dim None and 0
+# compute the same attention factor (``if mscale and mscale_all_dim``)
+_YARN_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0}
+
+
+def _rope_fields(hf: dict, path: Path, default_theta: float, yarn_ok: bool, partial_default: float):
+    """RoPE base, YaRN scaling and partial rotary from ``rope_parameters`` (transformers 5) or the
+    hub's ``rope_scaling`` + top-level ``rope_theta`` / ``partial_rotary_factor``."""
+    rope = dict(hf.get("rope_parameters") or {})
+    key = "rope_parameters"
+    if not rope and hf.get("rope_scaling"):
+        rope, key = dict(hf["rope_scaling"]), "rope_scaling"
+    kind = rope.get("rope_type", rope.get("type")) or "default"
+    out: dict[str, Any] = {"rope_scaling_type": "none"}
+    if kind == "yarn" and yarn_ok:
+        out["rope_scaling_type"] = "yarn"
+        if rope.get("attention_factor") is not None:
+            why = "an explicit YaRN attention factor is not supported"
+            raise _refuse(path, f"{key}.attention_factor", rope["attention_factor"], why)
+        if rope.get("truncate", True) is not True:
+            why = "only the truncated YaRN ramp is supported"
+            raise _refuse(path, f"{key}.truncate", rope["truncate"], why)
+        if rope.get("factor") is None:
+            raise _refuse(path, f"{key}.factor", None, "YaRN needs its scaling factor")
+        for hf_key, ours in _YARN_KEYS.items():
+            value = rope.get(hf_key)
+            if hf_key == "original_max_position_embeddings":
+                value = value or hf.get("max_position_embeddings")
+                out[ours] = int(value)
+            else:
+                out[ours] = float(value if value is not None else _YARN_DEFAULTS.get(hf_key, 1.0))
+    elif kind != "default":
+        what = "plain RoPE or YaRN" if yarn_ok else "only plain RoPE is supported"
+        raise _refuse(path, f"{key}.rope_type", kind, f"{what} (this family)")
+    theta = float(rope.get("rope_theta", hf.get("rope_theta", default_theta)))
+    if theta != int(theta):  # megatron's rotary_base is an int
+        raise _refuse(path, "rope_theta", theta, "the learner needs an integer RoPE base")
+    out["rope_theta"] = theta
+    partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    out["partial_rotary_factor"] = float(partial_default if partial is None else partial)
+    return out
+
+
+def _qwen3_moe_fields(hf: dict, path: Path) -> dict[str, Any]:
+    _require(
+        hf,
+        path,
+        "norm_topk_prob",
+        lambda v: v is True,
+        "the learner renormalises the Top-K gate weights (softmax over the top-k logits)",
+        False,
+    )
+    _require(
+        hf, path, "use_sliding_window", lambda v: not v, "sliding-window attention is not supported", False
+    )
+    _require(
+        hf,
+        path,
+        "shared_expert_intermediate_size",
+        lambda v: not v,
+        "Qwen3-MoE has no shared experts; this checkpoint does",
+        0,
+    )
+    _require(hf, path, "attention_bias", lambda v: not v, "attention biases are not supported", False)
+    num_experts = int(hf.get("num_experts", hf.get("num_local_experts", 0)))
+    return {
+        "ffn_hidden_size": int(hf["intermediate_size"]),
+        "moe_ffn_hidden_size": int(hf["moe_intermediate_size"]),
+        "num_experts": num_experts,
+        "qk_layernorm": True,
+        "first_k_dense": _first_k_dense(hf, path, int(hf["num_hidden_layers"]), num_experts),
+    }
+
+
+def _mixtral_fields(hf: dict, path: Path) -> dict[str, Any]:
+    """Every Mixtral layer is MoE (``intermediate_size`` is the expert's), so the dense FFN size
+    is not described; routing is softmax over all experts, Top-K, renormalised: the same gates as
+    the learner's softmax over the top-k logits."""
+    _require(hf, path, "sliding_window", lambda v: v is None, "sliding-window attention is not supported")
+    _require(hf, path, "router_jitter_noise", lambda v: not v, "router jitter noise is not implemented", 0.0)
+    _require(hf, path, "attention_bias", lambda v: not v, "attention biases are not supported", False)
+    return {
+        "moe_ffn_hidden_size": int(hf["intermediate_size"]),
+        "num_experts": int(hf["num_local_experts"]),
+        "qk_layernorm": False,
+        "first_k_dense": 0,
+    }
+
+
+def _sigmoid_router(hf: dict, path: Path) -> dict[str, Any]:
+    """DeepSeek-V3 / GLM-4.5 routing: sigmoid scores, the expert bias selects (noaux_tc), groups,
+    the routed scaling factor; ``n_group`` 1 (or absent) is no group limit."""
+    _require(hf, path, "scoring_func", lambda v: v in (None, "sigmoid"), "only sigmoid scores (this family)")
+    _require(
+        hf,
+        path,
+        "topk_method",
+        lambda v: v in (None, "noaux_tc"),
+        "only noaux_tc (the e_score_correction_bias selects, never weights)",
+    )
+    groups = int(hf.get("n_group") or 1)
+    moe_ffn = int(hf["moe_intermediate_size"])
+    return {
+        "ffn_hidden_size": int(hf["intermediate_size"]),
+        "moe_ffn_hidden_size": moe_ffn,
+        "num_experts": int(hf["n_routed_experts"]),
+        "moe_router_score_function": "sigmoid",
+        "moe_router_expert_bias": True,
+        "norm_topk_prob": bool(hf.get("norm_topk_prob", True)),
+        "moe_router_num_groups": groups if groups > 1 else 0,
+        "moe_router_group_topk": int(hf.get("topk_group") or 1) if groups > 1 else 0,
+        "moe_router_scaling_factor": float(hf.get("routed_scaling_factor", 1.0) or 1.0),
+        "moe_shared_expert_ffn_hidden_size": int(hf.get("n_shared_experts") or 0) * moe_ffn,
+    }
+
+
+def _deepseek_v3_fields(hf: dict, path: Path) -> dict[str, Any]:
+    _require(hf, path, "attention_bias", lambda v: not v, "MLA with biases is not supported", False)
+    _require(
+        hf,
+        path,
+        "rope_interleave",
+        lambda v: v in (None, True),
+        "the learner's MLA rotates interleaved pairs (DeepSeek-V3's own layout)",
+    )
+    nope, rope = int(hf["qk_nope_head_dim"]), int(hf["qk_rope_head_dim"])
+    return {
+        **_sigmoid_router(hf, path),
+        "first_k_dense": _first_k_replace(hf, path, 3),
+        "kv_lora_rank": int(hf["kv_lora_rank"]),
+        "q_lora_rank": int(hf.get("q_lora_rank") or 0),
+        "qk_nope_head_dim": nope,
+        "qk_rope_head_dim": rope,
+        "v_head_dim": int(hf["v_head_dim"]),
+        "head_dim": nope + rope,  # unused by MLA; the q/k head size, for the record
+        "qk_layernorm": False,
+        "attention_bias": False,
+    }
+
+
+def _glm4_moe_fields(hf: dict, path: Path) -> dict[str, Any]:
+    return {
+        **_sigmoid_router(hf, path),
+        "first_k_dense": _first_k_replace(hf, path, 1),
+        "qk_layernorm": bool(hf.get("use_qk_norm", False)),
+        "attention_bias": bool(hf.get("attention_bias", False)),
+    }
+
+
+def _qwen2_moe_fields(hf: dict, path: Path) -> dict[str, Any]:
+    _require(
+        hf, path, "use_sliding_window", lambda v: not v, "sliding-window attention is not supported", False
+    )
+    _require(
+        hf,
+        path,
+        "shared_expert_intermediate_size",
+        lambda v: isinstance(v, int) and v > 0,
+        "Qwen2-MoE has a gated shared expert in every MoE layer; its size must be > 0",
+    )
+    num_experts = int(hf["num_experts"])
+    return {
+        "ffn_hidden_size": int(hf["intermediate_size"]),
+        "moe_ffn_hidden_size": int(hf["moe_intermediate_size"]),
+        "num_experts": num_experts,
+        "norm_topk_prob": bool(hf.get("norm_topk_prob", False)),
+        "moe_shared_expert_ffn_hidden_size": int(hf["shared_expert_intermediate_size"]),
+        "moe_shared_expert_gate": True,
+        "qk_layernorm": False,
+        "attention_bias": bool(hf.get("qkv_bias", True)),
+        "first_k_dense": _first_k_dense(hf, path, int(hf["num_hidden_layers"]), num_experts),
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# ModelConfig -> config.json (export)
+# --------------------------------------------------------------------------------------------
+
+
+def _gqa_config(cfg: ModelConfig) -> dict[str, Any]:
+    return {"head_dim": cfg.head_dim}
+
+
+def _qwen3_moe_config(cfg: ModelConfig) -> dict[str, Any]:
+    return {
+        **_gqa_config(cfg),
+        "intermediate_size": cfg.ffn_hidden_size,
+        "moe_intermediate_size": cfg.moe_ffn_hidden_size,
+        "num_experts": cfg.num_experts,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": list(range(cfg.first_k_dense)),
+        "attention_bias": False,
+        "use_sliding_window": False,
+        "sliding_window": None,
+    }
+
+
+def _mixtral_config(cfg: ModelConfig) -> dict[str, Any]:
+    return {
+        **_gqa_config(cfg),
+        "intermediate_size": cfg.moe_ffn_hidden_size,
+        "num_local_experts": cfg.num_experts,
+        "sliding_window": None,
+        "router_jitter_noise": 0.0,
+        "output_router_logits": False,
+    }
+
+
+def _sigmoid_router_config(cfg: ModelConfig) -> dict[str, Any]:
+    return {
+        "intermediate_size": cfg.ffn_hidden_size,
+        "moe_intermediate_size": cfg.moe_ffn_hidden_size,
+        "n_routed_experts": cfg.num_experts,
+        "n_shared_experts": cfg.moe_shared_expert_ffn_hidden_size // cfg.moe_ffn_hidden_size,
+        "first_k_dense_replace": cfg.first_k_dense,
+        "n_group": max(1, cfg.moe_router_num_groups),
+        "topk_group": max(1, cfg.moe_router_group_topk),
+        "routed_scaling_factor": cfg.moe_router_scaling_factor,
+        "norm_topk_prob": cfg.norm_topk_prob,
+        "num_nextn_predict_layers": 0,  # the learner trains no MTP head: the export has none
+    }
+
+
+def _deepseek_v3_config(cfg: ModelConfig) -> dict[str, Any]:
+    return {
+        **_sigmoid_router_config(cfg),
+        "kv_lora_rank": cfg.kv_lora_rank,
+        "q_lora_rank": cfg.q_lora_rank or None,
+        "qk_nope_head_dim": cfg.qk_nope_head_dim,
+        "qk_rope_head_dim": cfg.qk_rope_head_dim,
+        "v_head_dim": cfg.v_head_dim,
+        "rope_interleave": True,
+        "attention_bias": False,
+        "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc",
+    }
+
+
+def _glm4_moe_config(cfg: ModelConfig) -> dict[str, Any]:
+    return {
+        **_gqa_config(cfg),
+        **_sigmoid_router_config(cfg),
+        "use_qk_norm": cfg.qk_layernorm,
+        "attention_bias": cfg.attention_bias,
+    }
+
+
+def _qwen2_moe_config(cfg: ModelConfig) -> dict[str, Any]:
+    return {
+        "intermediate_size": cfg.ffn_hidden_size,
+        "moe_intermediate_size": cfg.moe_ffn_hidden_size,
+        "shared_expert_intermediate_size": cfg.moe_shared_expert_ffn_hidden_size,
+        "num_experts": cfg.num_experts,
+        "norm_topk_prob": cfg.norm_topk_prob,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": list(range(cfg.first_k_dense)),
+        "qkv_bias": cfg.attention_bias,
+        "use_sliding_window": False,
+    }
+
+
+def _rope_config(cfg: ModelConfig) -> dict[str, Any]:
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling_type == "yarn":
+        rope["rope_type"] = "yarn"
+        rope.update({hf_key: getattr(cfg, ours) for hf_key, ours in _YARN_KEYS.items()})
+    if cfg.partial_rotary_factor != 1.0:
+        rope["partial_rotary_factor"] = cfg.partial_rotary_factor
+    return rope
+
+
+# --------------------------------------------------------------------------------------------
+# The families
+# --------------------------------------------------------------------------------------------
+
+
+def _not(value: Any) -> Callable[[Any], bool]:
+    return lambda v: v == value
+
+
+@dataclass(frozen=True)
+class Family:
+    """One HF model family: its config.json keys and its tensor names.
+
+    ``renames``: (canonical-name regex, family name) pairs for ``re.sub``. ``fixed``: ModelConfig
+    fields the family cannot vary (field -> its one value). ``requires``: (field, test, what the
+    family needs) for the rest it constrains. ``mtp``: its checkpoints may hold multi-token
+    prediction layers after the last decoder layer (``num_nextn_predict_layers``)."""
+
+    architecture: str
+    default_rope_theta: float
+    fields: Callable[[dict, Path], dict[str, Any]]  # family-specific config.json -> ModelConfig fields
+    config: Callable[[ModelConfig], dict[str, Any]]  # family-specific ModelConfig -> config.json keys
+    renames: tuple[tuple[str, str], ...] = ()
+    fixed: dict[str, Any] = field(default_factory=dict)
+    requires: tuple[tuple[str, Callable[[Any], bool], str], ...] = ()
+    yarn: bool = False
+    partial_rotary_default: float = 1.0
+    mtp: bool = False
+
+
+# What Qwen3-MoE and Mixtral checkpoints never have (a softmax-router GQA decoder, full RoPE).
+_PLAIN = {
+    "kv_lora_rank": 0,
+    "moe_router_score_function": "softmax",
+    "moe_router_expert_bias": False,
+    "moe_router_num_groups": 0,
+    "moe_router_scaling_factor": 1.0,
+    "moe_shared_expert_ffn_hidden_size": 0,
+    "attention_bias": False,
+    "partial_rotary_factor": 1.0,
+    "rope_scaling_type": "none",
+}
+_SIGMOID = {
+    "moe_router_score_function": "sigmoid",
+    "moe_router_expert_bias": True,
+    "moe_shared_expert_gate": False,
+}
+_SHARED_IN_EXPERTS = (
+    "moe_shared_expert_ffn_hidden_size",
+    None,  # checked against moe_ffn_hidden_size in family_problem
+    "is n_shared_experts * moe_intermediate_size (a multiple of model.moe_ffn_hidden_size)",
+)
+
+FAMILIES: dict[str, Family] = {
+    "qwen3_moe": Family(
+        "Qwen3MoeForCausalLM",
+        default_rope_theta=10000.0,
+        fields=_qwen3_moe_fields,
+        config=_qwen3_moe_config,
+        fixed={**_PLAIN, "qk_layernorm": True, "norm_topk_prob": True},
+    ),
+    "mixtral": Family(
+        "MixtralForCausalLM",
+        default_rope_theta=1e6,
+        fields=_mixtral_fields,
+        config=_mixtral_config,
+        renames=(
+            (r"\.mlp\.gate\.weight$", ".block_sparse_moe.gate.weight"),
+            (r"\.mlp\.experts\.(\d+)\.gate_proj\.weight$", r".block_sparse_moe.experts.\1.w1.weight"),
+            (r"\.mlp\.experts\.(\d+)\.down_proj\.weight$", r".block_sparse_moe.experts.\1.w2.weight"),
+            (r"\.mlp\.experts\.(\d+)\.up_proj\.weight$", r".block_sparse_moe.experts.\1.w3.weight"),
+        ),
+        fixed={**_PLAIN, "qk_layernorm": False, "norm_topk_prob": True, "first_k_dense": 0},
+    ),
+    "deepseek_v3": Family(
+        "DeepseekV3ForCausalLM",
+        default_rope_theta=10000.0,
+        fields=_deepseek_v3_fields,
+        config=_deepseek_v3_config,
+        fixed={**_SIGMOID, "qk_layernorm": False, "attention_bias": False, "partial_rotary_factor": 1.0},
+        requires=(("kv_lora_rank", lambda v: v > 0, "has multi-latent attention (> 0)"), _SHARED_IN_EXPERTS),
+        yarn=True,
+        mtp=True,
+    ),
+    "glm4_moe": Family(
+        "Glm4MoeForCausalLM",
+        default_rope_theta=10000.0,
+        fields=_glm4_moe_fields,
+        config=_glm4_moe_config,
+        fixed={**_SIGMOID, "kv_lora_rank": 0, "rope_scaling_type": "none"},
+        requires=(_SHARED_IN_EXPERTS,),
+        partial_rotary_default=0.5,  # transformers' Glm4MoeConfig default
+        mtp=True,
+    ),
+    "qwen2_moe": Family(
+        "Qwen2MoeForCausalLM",
+        default_rope_theta=10000.0,
+        fields=_qwen2_moe_fields,
+        config=_qwen2_moe_config,
+        renames=((r"\.mlp\.shared_experts\.", ".mlp.shared_expert."),),
+        fixed={
+            "kv_lora_rank": 0,
+            "moe_router_score_function": "softmax",
+            "moe_router_expert_bias": False,
+            "moe_router_num_groups": 0,
+            "moe_router_scaling_factor": 1.0,
+            "moe_shared_expert_gate": True,
+            "qk_layernorm": False,
+            "partial_rotary_factor": 1.0,
+            "rope_scaling_type": "none",
+        },
+        requires=(("moe_shared_expert_ffn_hidden_size", lambda v: v > 0, "has a shared expert (> 0)"),),
+    ),
+}
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
+
+
+def family_problem(cfg: ModelConfig) -> str | None:
+    """What ``cfg.hf_family`` cannot represent of ``cfg`` (one sentence naming the field), or None."""
+    family = FAMILIES[cfg.hf_family]
+    where = f"model.hf_family={cfg.hf_family!r}"
+    for name, value in family.fixed.items():
+        if getattr(cfg, name) != value:
+            return f"model.{name}={getattr(cfg, name)!r}, but {where} always has {value!r}"
+    for name, ok, what in family.requires:
+        value = getattr(cfg, name)
+        if ok is None:  # shared experts in units of one routed expert
+            good = value % cfg.moe_ffn_hidden_size == 0
+        else:
+            good = ok(value)
+        if not good:
+            return f"model.{name}={value!r}, but {where} {what}"
+    return None
+
+
+def model_fields_from_hf(hf: dict, path: Path) -> dict[str, Any]:
+    """ModelConfig fields of a parsed config.json (``path`` only names the file in errors).
+
+    ``router_aux_loss_coef`` is not read: it weighs transformers' own training loss (normalised
+    ``num_experts_per_tok`` times megatron's, and used only with ``output_router_logits``); the
+    run's ``model.router_aux_loss_coeff`` is an RL training choice. Nor is
+    ``max_position_embeddings``: ``model.max_seq_len`` is the run's sequence budget."""
+    model_type = MODEL_TYPE_ALIASES.get(hf.get("model_type"), hf.get("model_type"))
+    supported = (*SUPPORTED_MODEL_TYPES, *MODEL_TYPE_ALIASES)
+    _require(hf, path, "model_type", lambda v: model_type in FAMILIES, f"supported: {supported}")
+    family = FAMILIES[model_type]
+    _require(
+        hf,
+        path,
+        "quantization_config",
+        lambda v: not v,
+        "quantized weights (e.g. FP8 blocks with weight_scale_inv) are not read: dequantize to bf16 first",
+    )
+    _require(hf, path, "hidden_act", lambda v: v == "silu", "experts must be SwiGLU (silu)", "silu")
+    heads = int(hf["num_attention_heads"])
+    return {
+        **family.fixed,  # so a model.* key that contradicts the family is refused at load too
+        "hf_family": model_type,
+        "vocab_size": int(hf["vocab_size"]),
+        "hidden_size": int(hf["hidden_size"]),
+        "num_layers": int(hf["num_hidden_layers"]),
+        "num_attention_heads": heads,
+        "num_query_groups": int(hf.get("num_key_value_heads") or heads),
+        "head_dim": int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
+        "moe_router_topk": int(hf["num_experts_per_tok"]),
+        "norm_eps": float(hf["rms_norm_eps"]),
+        "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
+        **_rope_fields(hf, path, family.default_rope_theta, family.yarn, family.partial_rotary_default),
+        **family.fields(hf, path),
+    }
+
+
+def read_hf_config(ckpt_dir: str | Path) -> dict:
+    """``ckpt_dir/config.json`` as a dict; CheckpointError names the file."""
+    path = Path(ckpt_dir) / CONFIG
+    if not path.is_file():
+        raise CheckpointError(f"{path} does not exist (an HF checkpoint directory has a config.json)")
+    hf = read_json(path)
+    if not isinstance(hf, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got a {type(hf).__name__}")
+    return hf
+
+
+def load_hf_config(ckpt_dir: str | Path) -> dict[str, Any]:
+    """ModelConfig fields from ``ckpt_dir/config.json``; CheckpointError names a refused key."""
+    path = Path(ckpt_dir) / CONFIG
+    hf = read_hf_config(ckpt_dir)
+    try:
+        return model_fields_from_hf(hf, path)
+    except KeyError as e:
+        raise CheckpointError(f"{path}: required key {e.args[0]!r} is missing") from None
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{path}: a value has the wrong type ({e})") from None
+
+
+def mtp_layers(ckpt_dir: str | Path) -> int:
+    """``num_nextn_predict_layers`` of a DeepSeek-V3 / GLM-4.5 checkpoint (0 for other families)."""
+    hf = read_hf_config(ckpt_dir)
+    family = FAMILIES.get(MODEL_TYPE_ALIASES.get(hf.get("model_type"), hf.get("model_type")))
+    return int(hf.get("num_nextn_predict_layers") or 0) if family is not None and family.mtp else 0
+
+
+def hf_config_dict(cfg: ModelConfig, dtype_name: str = "float32") -> dict[str, Any]:
+    """The config.json transformers loads for ``cfg`` (``cfg.hf_family``; inverse of load_hf_config)."""
+    problem = family_problem(cfg)
+    if problem:
+        raise ValueError(problem)
+    family = FAMILIES[cfg.hf_family]
+    return {
+        "architectures": [family.architecture],
+        "model_type": cfg.hf_family,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_query_groups,
+        "num_experts_per_tok": cfg.moe_router_topk,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_parameters": _rope_config(cfg),
+        "max_position_embeddings": cfg.max_seq_len,
+        "hidden_act": "silu",
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "router_aux_loss_coef": cfg.router_aux_loss_coeff,
+        "dtype": dtype_name,
+        **family.config(cfg),
+    }
