@@ -278,7 +278,7 @@ def test_export_refuses_what_the_family_cannot_hold(tmp_path: Path, variants) ->
     weights = random_canonical_weights(deepseek_v3_tiny(), seed=0)
     cases = [
         (
-            deepseek_v3_tiny(kv_lora_rank=0, qk_layernorm=False),
+            deepseek_v3_tiny(kv_lora_rank=0, qk_layernorm=False, rope_scaling_type="none"),
             "model.kv_lora_rank=0, but model.hf_family='deepseek_v3' has multi-latent",
         ),
         (
