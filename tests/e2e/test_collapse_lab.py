@@ -44,6 +44,33 @@ def test_lab_defaults_are_the_documented_setting_and_all_means_every_arm():
         lab.parse(["--arms", "none,bogus"])
 
 
+@pytest.mark.unit
+def test_lab_on_vllm_has_no_router_noise_and_keeps_the_builtin_control():
+    lab = _lab()
+    args = lab.parse(["--engine", "vllm"])
+    assert (args.arm_list, args.router_noise) == (["none", "r3"], 0.0)
+    assert lab.arm_overrides("r3", args) == [
+        "routing.replay=r3",
+        "rollout.engine=vllm",
+        "rollout.vllm.enforce_eager=true",
+        "rollout.router_noise=0.0",
+        "rollout.dtype=bf16",
+        "rollout.staleness=0",
+        "optim.lr=0.0004",
+        "algo.num_minibatches=8",
+    ]
+    ctl = lab.arm_overrides("onpolicy", args)  # the control stays the built-in fp32 engine
+    assert ctl[-4:] == [
+        "rollout.engine=builtin",
+        "rollout.router_noise=0.0",
+        "rollout.dtype=fp32",
+        "rollout.staleness=0",
+    ]
+    assert lab.arm_overrides("none", lab.parse([])) == lab.arm_overrides(
+        "none", lab.parse(["--engine", "builtin"])
+    )
+
+
 def _fake_finished_run(
     lab, out: Path, lab_flags: list[str], extra: tuple[str, ...] = (), last_step: int = 1
 ) -> Path:
@@ -154,13 +181,29 @@ def test_lab_refuses_an_unfinished_run(tmp_path, capsys):
             "r3_trm,dvp,onpolicy",
         ),
         (["--steps", "x"], "argument --steps: invalid int value: 'x'"),
+        (
+            ["--engine", "vllm", "--router-noise", "0.5"],
+            "--router-noise/--map-noise: router-logit noise exists only in the built-in engine; "
+            "with --engine vllm the mismatch is vLLM's own numerics (use --dtype, --staleness)",
+        ),
+        (
+            ["--engine", "vllm", "--map-noise", "0.5,1.0"],
+            "--router-noise/--map-noise: router-logit noise exists only in the built-in engine; "
+            "with --engine vllm the mismatch is vLLM's own numerics (use --dtype, --staleness)",
+        ),
+        (
+            ["--engine", "vllm", "--set", "rollout.router_noise=0.5", "--out", "OUT"],
+            "override 'rollout.router_noise=0.5': config key 'rollout.router_noise': router-logit noise "
+            "exists only in the built-in engine "
+            "(rollout.engine=vllm)",
+        ),
     ],
 )
 def test_lab_bad_flags_are_one_error_line(tmp_path, capsys, flags, message):
     lab = _lab()
     file = tmp_path / "results.txt"
     file.write_text("")
-    flags = [str(file) if f == "FILE" else f for f in flags]
+    flags = [str(file) if f == "FILE" else str(tmp_path / "out") if f == "OUT" else f for f in flags]
     with pytest.raises(SystemExit) as e:
         lab.main(flags)
     assert e.value.code == 2
