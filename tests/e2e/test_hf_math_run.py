@@ -131,7 +131,8 @@ def test_train_resume_export_hf_math(tmp_path: Path, model_dir: Path) -> None:
         ("task.reward=python:/nonexistent/r.py:score", "/nonexistent/r.py does not exist"),
         ("task.answer_key=answer", "row 1: missing key 'answer'"),
         ("task.max_prompt_tokens=5", "no prompts left after filtering (all 10 are longer than 5 tokens)"),
-        ("model.vocab_size=400", "has 460 tokens but the model's vocabulary (model.vocab_size) has only 400"),
+        # the architecture comes from config.json (512 rows): a contradicting override names both
+        ("model.vocab_size=400", "'model.vocab_size': 400 contradicts"),
     ],
 )
 def test_bad_input_fails_before_any_rank(tmp_path: Path, model_dir: Path, override: str, needle: str) -> None:
