@@ -82,8 +82,11 @@ class Job:
 
     def session(self) -> list[str]:
         ps = subprocess.run(
-            ["ps", "-o", "pid=,args=", "-s", str(self.proc.pid)], capture_output=True, text=True, check=False
-        )  # ps exits 1 on an empty session
+            ["ps", "-ww", "-o", "pid=,args=", "-s", str(self.proc.pid)],
+            capture_output=True,
+            text=True,
+            check=False,
+        )  # -ww: whole command lines (80 columns without a tty); ps exits 1 on an empty session
         return ps.stdout.splitlines()
 
     def hint(self) -> str:
@@ -101,7 +104,10 @@ def left_in_session(sid: int) -> list[str]:
     deadline = time.time() + 10
     while True:
         ps = subprocess.run(
-            ["ps", "-o", "pid=,stat=,args=", "-s", str(sid)], capture_output=True, text=True, check=False
+            ["ps", "-ww", "-o", "pid=,stat=,args=", "-s", str(sid)],
+            capture_output=True,
+            text=True,
+            check=False,
         ).stdout.splitlines()
         alive = [x for x in ps if x.split()[1][0] != "Z"]
         if not alive or time.time() > deadline:
