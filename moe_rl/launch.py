@@ -51,6 +51,7 @@ _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 # a rank's parent-death signal: one it handles (SIGKILL would leave its own children running) and
 # that nothing else in the job sends
 LAUNCHER_DIED = signal.SIGUSR2
+PARENT_GONE_WAIT_S = 1.0  # how long a parent-death signal waits for the launcher to be gone
 _PR_SET_PDEATHSIG, _PR_SET_CHILD_SUBREAPER = 1, 36
 
 
@@ -207,13 +208,19 @@ def end_with_launcher(launcher_pid: int) -> None:
 
 
 def _on_launcher_died(launcher_pid: int, signum: int, _frame) -> None:
-    if os.getppid() == launcher_pid:  # sent by someone else: the launcher lives, the job goes on
-        logging.getLogger(__name__).warning(
-            "%s ignored: this rank ends on it only when its launcher (pid %d) has died",
-            signal.Signals(signum).name,
-            launcher_pid,
-        )
-        return
+    # The signal also comes when the launcher's *thread* that started this rank ends: on kill -9 of
+    # a launcher with threads, that thread may go first and another of its threads holds the rank
+    # for a moment (the kernel re-parents within the process, then to the reaper): wait for that.
+    deadline = time.monotonic() + PARENT_GONE_WAIT_S
+    while os.getppid() == launcher_pid:
+        if time.monotonic() > deadline:  # sent by someone else: the launcher lives, the job goes on
+            logging.getLogger(__name__).warning(
+                "%s ignored: this rank ends on it only when its launcher (pid %d) has died",
+                signal.Signals(signum).name,
+                launcher_pid,
+            )
+            return
+        time.sleep(0.01)
     _kill_descendants()
     os._exit(128 + signum)  # nobody waits for it: no teardown, no message
 

@@ -193,7 +193,9 @@ def test_a_rank_ends_what_it_started_when_its_launcher_dies(tmp_path):
         pids = json.loads(out.read_text())
         assert len(pids["children"]) == 2, pids  # the server, the orphan the rank inherited
         os.kill(pids["rank"], signal.SIGUSR2)  # the launcher lives: the rank goes on
-        time.sleep(1.0)
+        while "SIGUSR2 ignored" not in err.read_text():  # after launch.PARENT_GONE_WAIT_S
+            assert time.time() < deadline, err.read_text()
+            time.sleep(0.1)
         assert psutil.Process(pids["rank"]).status() != psutil.STATUS_ZOMBIE
         assert [p.pid for p in psutil.Process(pids["rank"]).children()] == pids["children"]
         os.kill(proc.pid, signal.SIGKILL)
