@@ -48,6 +48,20 @@ def pipeline_stage_layers(num_layers: int, par: ParallelConfig) -> tuple[int, ..
     return tuple(first if (s == 0 and first) else last if (s == pp - 1 and last) else each for s in range(pp))
 
 
+def check_tied_embeddings(m: ModelConfig, p: ParallelConfig) -> None:
+    """Tied embeddings only with PP = 1 (ConfigError naming the key otherwise).
+
+    With PP > 1, megatron-core 0.16.1 keeps a copy of the tied matrix on the last stage in step
+    through ``.cuda()`` and an embedding-group all-reduce: that does not run on CPU/gloo, so it is
+    neither built nor tested here."""
+    _check(
+        not (m.tie_word_embeddings and p.pipeline_parallel > 1),
+        "model.tie_word_embeddings",
+        f"true with parallel.pipeline_parallel={p.pipeline_parallel} is not supported (the embedding "
+        "and the lm_head would live on different stages): use parallel.pipeline_parallel=1",
+    )
+
+
 def check_layout(m: ModelConfig, p: ParallelConfig) -> None:
     """Sizes that must divide for megatron to build the layout, each refused (ConfigError) naming
     its keys and numbers."""
@@ -79,6 +93,7 @@ def check_layout(m: ModelConfig, p: ParallelConfig) -> None:
         f"expert_parallel x expert_tensor_parallel x pipeline_parallel = {ep} x {etp} x {pp} "
         f"does not divide parallel.nproc {p.nproc}",
     )
+    check_tied_embeddings(m, p)
     if pp > 1:
         try:
             stages = pipeline_stage_layers(m.num_layers, p)

@@ -96,8 +96,7 @@ TINY_QWEN2_L3 = dataclasses.replace(
 
 
 # --- The HF families of issue 25 (DeepSeek-V3 / Kimi-K2, GLM-4.5, Qwen2-MoE), parity-sized. Functions,
-# not constants: their variant fields are refused by ModelConfig until the learner and the built-in
-# engine build them (moe_rl.config._NOT_BUILT_YET), and importing this module must not fail.
+# so that each test states its own variation (``**overrides``).
 # Each is odd on purpose: K not a power of two, dense first layers, tied and untied embeddings.
 
 

@@ -299,6 +299,13 @@ def test_rejection_spec_bound_is_what_the_grammar_takes():
             "config key 'model.first_k_dense': 2 dense layers leave pipeline stage 0 (layers 0..1) "
             "without a MoE layer",
         ),
+        (
+            {"tie_word_embeddings": True},
+            {"pipeline_parallel": 2, "expert_parallel": 1},
+            "config key 'model.tie_word_embeddings': true with parallel.pipeline_parallel=2 is not "
+            "supported (the embedding and the lm_head would live on different stages): use "
+            "parallel.pipeline_parallel=1",
+        ),
     ],
 )
 def test_layout_checks_name_keys_and_numbers(model, par, line):

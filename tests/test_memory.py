@@ -359,13 +359,11 @@ def test_estimate_command_prints_the_layouts_row():
 @pytest.mark.unit
 @pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe", "qwen2_moe"])
 @pytest.mark.parametrize("q_lora_rank", [24, 0])
-def test_param_counts_of_the_hf_families_match_their_canonical_shapes(monkeypatch, family, q_lora_rank):
+def test_param_counts_of_the_hf_families_match_their_canonical_shapes(family, q_lora_rank):
     """MLA (q LoRA or not), shared experts and their gate, the expert bias, q/k/v biases, tied
     embeddings: every canonical tensor counted once, routed experts apart."""
-    import moe_rl.config.model as config_module
     from tests.models import HF_FAMILY_TINY
 
-    monkeypatch.setattr(config_module, "_NOT_BUILT_YET", ())  # the counts, not the learner
     m = HF_FAMILY_TINY[family](**({"q_lora_rank": q_lora_rank} if family == "deepseek_v3" else {}))
     shapes = canonical_param_shapes(m)
     c = param_counts(m)
@@ -378,12 +376,10 @@ def test_param_counts_of_the_hf_families_match_their_canonical_shapes(monkeypatc
 
 
 @pytest.mark.unit
-def test_mla_kv_cache_is_the_latent_on_every_rank(monkeypatch):
-    import moe_rl.config.model as config_module
+def test_mla_kv_cache_is_the_latent_on_every_rank():
     from moe_rl.memory import kv_cache_bytes_per_token
     from tests.models import deepseek_v3_tiny
 
-    monkeypatch.setattr(config_module, "_NOT_BUILT_YET", ())
     m = deepseek_v3_tiny()  # 4 layers, kv_lora_rank 16 + qk_rope_head_dim 4, bf16
     assert kv_cache_bytes_per_token(m, 1) == kv_cache_bytes_per_token(m, 8) == 4 * 20 * 2
     # GQA: K and V of the rank's KV heads (2 groups over TP 2: one each; over TP 4: replicated)

@@ -122,9 +122,6 @@ class ModelConfig:
 
     def _check_variants(self) -> None:
         """Attention / router variant fields (DeepSeek-V3, GLM-4.5, Qwen2-MoE) are consistent."""
-        for name in _NOT_BUILT_YET:  # accepted by the tree, not yet by learner and engines
-            default = ModelConfig.__dataclass_fields__[name].default
-            _check(getattr(self, name) == default, f"model.{name}", f"only {default!r} is supported yet")
         _check(0 < self.partial_rotary_factor <= 1, "model.partial_rotary_factor", "must be in (0, 1]")
         for name in ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
             _check(getattr(self, name) >= 0, f"model.{name}", "must be >= 0")
@@ -247,9 +244,6 @@ class ModelConfig:
         """Global (0-based) numbers of the MoE layers."""
         return list(range(self.first_k_dense, self.num_layers))
 
-
-# Variant fields the learner and the engines cannot build yet: only their default is accepted.
-_NOT_BUILT_YET = ("tie_word_embeddings",)
 
 # ModelConfig fields that change tensor shapes or the function computed; max_seq_len and the aux-loss
 # coefficient do not (RoPE has no parameters). Init weights, HF checkpoints and route records made

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_rl.config import ConfigError, ModelConfig, OptimConfig, ParallelConfig
+from moe_rl.layout import check_tied_embeddings
 
 # 'fully_reshardable' gathers optimizer shards over NCCL by default; the mem-efficient variant
 # gathers over the (gloo on CPU) DP group. No "chained_N." prefix so dense+expert optimizers
@@ -226,6 +227,7 @@ def build_model(
 
     from moe_rl.learner.te_spec import layer_spec
 
+    check_tied_embeddings(model, par)  # also for a Learner built without a RunConfig
     cfg = transformer_config(model, par, bf16=bf16, sequence_parallel=sequence_parallel)
     spec = layer_spec(cfg, use_te=model.transformer_impl == "te")
     if cfg.sequence_parallel:
@@ -243,7 +245,9 @@ def build_model(
         # GLM-4.5's partial RoPE: megatron rotates the first int(kv_channels * rotary_percent) dims in
         # rotate_half layout with inv_freq over that dim, as transformers' Glm4Moe does (MLA: ignored)
         rotary_percent=model.partial_rotary_factor,
-        share_embeddings_and_output_weights=False,
+        # tied (GLM-4.5 tiny, many small models): the output layer reads the embedding matrix,
+        # so autograd sums both uses' gradients into the one parameter (PP > 1 refused: layout.py)
+        share_embeddings_and_output_weights=model.tie_word_embeddings,
         pre_process=ps.is_pipeline_first_stage(ignore_virtual=True),
         post_process=ps.is_pipeline_last_stage(ignore_virtual=True),
     )

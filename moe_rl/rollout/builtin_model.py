@@ -436,7 +436,9 @@ class BuiltinMoEModel:
             h_BTH = h_BTH[:, -1:]
         h_BTH = rms_norm(h_BTH, self.w["model.norm.weight"], cfg.norm_eps)
         # The lm_head runs in the engine dtype (as an inference engine does); sampling is fp32.
-        logits_BTV = F.linear(h_BTH, self.w["lm_head.weight"]).float()
+        # tied embeddings (model.tie_word_embeddings): the lm_head is the embedding matrix itself
+        lm_head_VH = self.w.get("lm_head.weight", self.w["model.embed_tokens.weight"])
+        logits_BTV = F.linear(h_BTH, lm_head_VH).float()
         return ForwardOut(logits_BTV, torch.stack(ids_per_layer, dim=2))
 
     def _shared_expert(self, p: str) -> SharedExpert | None:

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import moe_rl.config.model as config_module
 from moe_rl.weights.canonical import random_canonical_weights
 from moe_rl.weights.hf import write_hf_checkpoint
 from tests.e2e.test_train_cli import _deterministic, metrics, moe_rl
@@ -20,14 +19,12 @@ from tests.models import HF_FAMILY_TINY
 
 transformers = pytest.importorskip("transformers")
 VOCAB = 512  # the trained tokenizer has 460 tokens: padded embeddings, as hub checkpoints have
-# tied embeddings are not built yet (README "Train your own checkpoint"): untied here
-OVERRIDES = {"glm4_moe": {"tie_word_embeddings": False}}
 
 
 def _checkpoint(root: Path, family: str) -> tuple[Path, dict[str, torch.Tensor]]:
     """A random checkpoint of ``family`` as transformers writes it: our config.json and weights
     loaded by AutoModelForCausalLM and saved again by it (bf16, its own tensor names)."""
-    cfg = HF_FAMILY_TINY[family](vocab_size=VOCAB, max_seq_len=128, **OVERRIDES.get(family, {}))
+    cfg = HF_FAMILY_TINY[family](vocab_size=VOCAB, max_seq_len=128)  # GLM-4.5's is tied
     ours = write_hf_checkpoint(root / "ours", random_canonical_weights(cfg, seed=3), cfg)
     model = transformers.AutoModelForCausalLM.from_pretrained(str(ours), torch_dtype=torch.float32)
     out = root / family
@@ -38,14 +35,9 @@ def _checkpoint(root: Path, family: str) -> tuple[Path, dict[str, torch.Tensor]]
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("family", sorted(HF_FAMILY_TINY))
-def test_family_checkpoint_trains_with_r3_resumes_and_exports(
-    tmp_path: Path, family: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # the tiny GLM-4.5 helper starts from tied embeddings (refused yet): lift the refusal in this
-    # process only; the checkpoint and the runs are untied
-    monkeypatch.setattr(config_module, "_NOT_BUILT_YET", ())
+def test_family_checkpoint_trains_with_r3_resumes_and_exports(tmp_path: Path, family: str) -> None:
     model_dir, before = _checkpoint(tmp_path, family)
-    moe_layers = HF_FAMILY_TINY[family](**OVERRIDES.get(family, {})).moe_layers
+    moe_layers = HF_FAMILY_TINY[family]().moe_layers
     data = tmp_path / "train.jsonl"
     moe_rl("data", "make-math", str(data), "--num", "24", "--seed", "1")
     args = [

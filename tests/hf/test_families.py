@@ -1,11 +1,7 @@
 """The HF families of issue 25 in and out: DeepSeek-V3 (and Kimi-K2's config.json), GLM-4.5 and
 Qwen2-MoE. Files and configs only: our canonical weights written as each family's checkpoint,
 loaded by transformers' own classes with nothing missing or unexpected, saved back by
-transformers (sharded) and read again bitwise; config.json mapped onto every typed field both ways.
-
-The learner and the built-in engine build these variant fields on other branches; until they do,
-ModelConfig refuses them (``moe_rl.config._NOT_BUILT_YET``). The file format does not depend on
-them, so these tests lift that refusal for themselves (``variants``)."""
+transformers (sharded) and read again bitwise; config.json mapped onto every typed field both ways."""
 
 from __future__ import annotations
 
@@ -17,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import moe_rl.config.model as config_module
 from moe_rl.config import ConfigError, ModelConfig, load_config
 from moe_rl.errors import CheckpointError
 from moe_rl.weights import hf as hfc
@@ -29,12 +24,6 @@ transformers = pytest.importorskip("transformers")
 FAMILIES = sorted(HF_FAMILY_TINY)
 
 
-@pytest.fixture
-def variants(monkeypatch: pytest.MonkeyPatch) -> None:
-    """ModelConfig accepts every variant field (the file format is tested, not the learner)."""
-    monkeypatch.setattr(config_module, "_NOT_BUILT_YET", ())
-
-
 def _export(tmp_path: Path, cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> tuple[Path, dict]:
     weights = random_canonical_weights(cfg, seed=11)
     out = hfc.write_hf_checkpoint(tmp_path / "ours", weights, cfg, max_shard_bytes=60_000, dtype=dtype)
@@ -43,7 +32,7 @@ def _export(tmp_path: Path, cfg: ModelConfig, dtype: torch.dtype = torch.float32
 
 @pytest.mark.unit
 @pytest.mark.parametrize("family", FAMILIES)
-def test_export_loads_in_transformers_and_comes_back_bitwise(tmp_path: Path, variants, family: str) -> None:
+def test_export_loads_in_transformers_and_comes_back_bitwise(tmp_path: Path, family: str) -> None:
     cfg = HF_FAMILY_TINY[family]()
     ours, weights = _export(tmp_path, cfg)
     assert len(list(ours.glob("model-*.safetensors"))) > 1  # sharded, with an index
@@ -66,7 +55,7 @@ def test_export_loads_in_transformers_and_comes_back_bitwise(tmp_path: Path, var
 
 @pytest.mark.unit
 @pytest.mark.parametrize("family", FAMILIES)
-def test_bf16_stays_bf16_and_the_expert_bias_fp32(tmp_path: Path, variants, family: str) -> None:
+def test_bf16_stays_bf16_and_the_expert_bias_fp32(tmp_path: Path, family: str) -> None:
     cfg = HF_FAMILY_TINY[family]()
     ours, weights = _export(tmp_path, cfg, dtype=torch.bfloat16)
     assert hfc.checkpoint_dtype(ours) == torch.bfloat16
@@ -85,7 +74,7 @@ def test_bf16_stays_bf16_and_the_expert_bias_fp32(tmp_path: Path, variants, fami
 
 
 @pytest.mark.unit
-def test_family_tensor_names(variants) -> None:
+def test_family_tensor_names() -> None:
     qwen2 = hfc.hf_names(HF_FAMILY_TINY["qwen2_moe"]())
     assert (
         qwen2["model.layers.0.mlp.shared_experts.up_proj.weight"]
@@ -252,7 +241,7 @@ def test_hub_configs_deepseek_v3_and_kimi_k2(tmp_path: Path) -> None:
     ],
 )
 def test_unsupported_family_configs_name_key_and_file(
-    tmp_path: Path, variants, family: str, key: str, value: object, match: str
+    tmp_path: Path, family: str, key: str, value: object, match: str
 ) -> None:
     hf = hfc.hf_config_dict(HF_FAMILY_TINY[family]())
     hf[key] = value
@@ -262,7 +251,7 @@ def test_unsupported_family_configs_name_key_and_file(
 
 
 @pytest.mark.unit
-def test_yarn_attention_factor_and_truncate_refused(tmp_path: Path, variants) -> None:
+def test_yarn_attention_factor_and_truncate_refused(tmp_path: Path) -> None:
     hf = hfc.hf_config_dict(deepseek_v3_tiny())
     hf["rope_parameters"]["attention_factor"] = 1.2
     with pytest.raises(CheckpointError, match=r"key 'rope_parameters.attention_factor' = 1.2"):
@@ -274,7 +263,7 @@ def test_yarn_attention_factor_and_truncate_refused(tmp_path: Path, variants) ->
 
 
 @pytest.mark.unit
-def test_export_refuses_what_the_family_cannot_hold(tmp_path: Path, variants) -> None:
+def test_export_refuses_what_the_family_cannot_hold(tmp_path: Path) -> None:
     weights = random_canonical_weights(deepseek_v3_tiny(), seed=0)
     cases = [
         (
@@ -301,7 +290,7 @@ def test_export_refuses_what_the_family_cannot_hold(tmp_path: Path, variants) ->
 
 
 @pytest.mark.unit
-def test_mtp_layers_are_skipped_with_one_line(tmp_path: Path, variants, caplog) -> None:
+def test_mtp_layers_are_skipped_with_one_line(tmp_path: Path, caplog) -> None:
     cfg = deepseek_v3_tiny()
     ours, weights = _export(tmp_path, cfg)
     from safetensors.torch import save_file
@@ -333,7 +322,7 @@ def test_mtp_layers_are_skipped_with_one_line(tmp_path: Path, variants, caplog) 
 
 @pytest.mark.unit
 @pytest.mark.parametrize("family", FAMILIES)
-def test_model_section_comes_from_config_json(tmp_path: Path, variants, family: str) -> None:
+def test_model_section_comes_from_config_json(tmp_path: Path, family: str) -> None:
     cfg = HF_FAMILY_TINY[family]()
     ours, _ = _export(tmp_path, cfg)
     run = load_config(None, [f"init_weights=hf:{ours}", "task.tokenizer=builtin:char"])

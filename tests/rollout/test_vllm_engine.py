@@ -401,6 +401,7 @@ VLLM = ["rollout.engine=vllm"]
     [
         (VLLM + ["rollout.temperature=0.8", "rollout.top_p=0.9"], "'rollout.top_p'"),
         (VLLM + ["rollout.router_noise=0.1"], "'rollout.router_noise'"),
+        (VLLM + ["model.tie_word_embeddings=true"], "'model.tie_word_embeddings': tied embeddings are"),
         (VLLM + ["correction.dvp_threshold=0.01", "rollout.top_k=5"], "'rollout.top_p'"),
         (
             VLLM + ["correction.dvp_threshold=0.01", "rollout.vllm.dvp_max_safe=0"],
