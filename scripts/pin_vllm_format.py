@@ -264,6 +264,7 @@ CPU_WORKER = "vllm/v1/worker/cpu_worker.py"
 CPU_MOE = "vllm/model_executor/layers/fused_moe/experts/cpu_moe.py"
 MOE_ORACLE = "vllm/model_executor/layers/fused_moe/oracle/unquantized.py"
 CPU_ATTN = "vllm/v1/attention/backends/cpu_attn.py"
+CPU_MLA = "vllm/v1/attention/backends/mla/cpu_mla.py"
 MODEL_CONFIG = "vllm/config/model.py"
 CPU_PATHS = (
     SCHEDULER,
@@ -274,6 +275,7 @@ CPU_PATHS = (
     CPU_MOE,
     MOE_ORACLE,
     CPU_ATTN,
+    CPU_MLA,
     MODEL_CONFIG,
 )
 RELOAD_CALLS = ("initialize_layerwise_reload", "model.load_weights", "finalize_layerwise_reload")
@@ -422,12 +424,15 @@ def _class_constant(cls: ast.ClassDef, path: str, name: str) -> dict[str, Any]:
 def _cpu_kernels(trees: dict[str, ast.Module]) -> dict[str, Any]:
     """What ``check_vllm_cpu_model`` and ``repack_cpu_experts`` rely on."""
     attn = _top(trees[CPU_ATTN], CPU_ATTN, "CPUAttentionBackend")
+    mla = _top(trees[CPU_MLA], CPU_MLA, "CPUMLABackend")
     base = _top(trees[CPU_MOE], CPU_MOE, "CPUUnquantizedExperts")
     x86 = _top(trees[CPU_MOE], CPU_MOE, "X86CPUUnquantizedExperts")
     backend = _top(trees[MOE_ORACLE], MOE_ORACLE, "UnquantizedMoeBackend")
     methods = ("_padded_intermediate_size", "process_weights_after_loading")
     return {
         "attention_head_sizes": _returned_list(attn, CPU_ATTN, "get_supported_head_sizes"),
+        # MLA's latent cache head: kv_lora_rank + qk_rope_head_dim (the CPU decode kernel's one size)
+        "mla_head_sizes": _returned_list(mla, CPU_MLA, "get_supported_head_sizes"),
         "moe_alignment_x86": {
             "source": _src(CPU_MOE, x86),
             "output": _class_constant(x86, CPU_MOE, "output_alignment")["value"],

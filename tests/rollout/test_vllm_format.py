@@ -405,6 +405,7 @@ def test_each_build_has_its_pin_and_the_fields_the_decoder_reads(build, spec):
 def test_the_pinned_cpu_facts_the_cpu_path_relies_on():
     k = CPU_SPEC["cpu_kernels"]
     assert tuple(k["attention_head_sizes"]["value"]) == ve.CPU_HEAD_DIMS  # check_vllm_cpu_model
+    assert tuple(k["mla_head_sizes"]["value"]) == ve.CPU_MLA_HEAD_SIZES == (576,)  # its MLA latent head
     align = k["moe_alignment_x86"]
     assert math.lcm(align["output"], align["reduction"]) == ve.CPU_MOE_ALIGN == 32
     assert k["experts_repack"]["methods"] == ["_padded_intermediate_size", "process_weights_after_loading"]

