@@ -222,9 +222,7 @@ VLLM_CPU_SHAPES: dict[str, dict[str, object]] = {
         moe_ffn_hidden_size=32,
         moe_shared_expert_ffn_hidden_size=32,
     ),
-    "glm4_moe": dict(
-        head_dim=32, moe_ffn_hidden_size=32, moe_shared_expert_ffn_hidden_size=64, tie_word_embeddings=False
-    ),
+    "glm4_moe": dict(head_dim=32, moe_ffn_hidden_size=32, moe_shared_expert_ffn_hidden_size=64),  # tied
     "qwen2_moe": dict(num_attention_heads=2, num_query_groups=1, head_dim=32, moe_ffn_hidden_size=32),
 }
 

@@ -90,7 +90,7 @@ import math
 import os
 import tempfile
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -551,6 +551,18 @@ def to_rollout_batch(
     )
 
 
+VLLM_IGNORES_TIE = ("glm4_moe", "deepseek_v3")  # vLLM model classes that never tie their lm_head
+
+
+def untied(named: Mapping[str, torch.Tensor], untie: bool) -> Mapping[str, torch.Tensor]:
+    """``named`` plus ``lm_head.weight`` = the embedding wherever the embedding is (``untie``: a
+    tied model for a vLLM class that loads its own lm_head, ``VLLM_IGNORES_TIE``)."""
+    embed = "model.embed_tokens.weight"
+    if not untie or embed not in named:
+        return named
+    return {**named, "lm_head.weight": named[embed]}
+
+
 def sync_items(
     named: dict[str, torch.Tensor], expected: list[str], file_names: dict[str, str] | None = None
 ) -> list[tuple[str, torch.Tensor]]:
@@ -943,7 +955,11 @@ class VllmEngine:
         self._warned_dist = False
         self.versions = WeightVersions()
         self.group, self.group_rank, self.group_size = self._engine_group(cfg.rollout.vllm.tensor_parallel)
-        self.expected = list(canonical_param_shapes(model_cfg))
+        # vLLM's glm4_moe and deepseek_v2 classes build their own lm_head whatever
+        # tie_word_embeddings says (0.30: no tie_weights): they get an untied copy of the embedding
+        self.untie = model_cfg.tie_word_embeddings and model_cfg.hf_family in VLLM_IGNORES_TIE
+        self.vllm_model_cfg = replace(model_cfg, tie_word_embeddings=False) if self.untie else model_cfg
+        self.expected = list(canonical_param_shapes(self.vllm_model_cfg))
 
     @staticmethod
     def _engine_group(size: int):
@@ -956,8 +972,11 @@ class VllmEngine:
         return group, dist.get_rank(group), size
 
     def _source_dir(self) -> str | None:
-        """The HF dir vLLM starts from when the config names one (else it is written once)."""
+        """The HF dir vLLM starts from when the config names one (else it is written once; always
+        for an untied copy, since the named dir has no ``lm_head.weight``)."""
         v, init = self.cfg.rollout.vllm, self.cfg.init_weights
+        if self.untie:
+            return None
         if v.model_dir:
             return v.model_dir
         return init[3:] if init.startswith("hf:") else None
@@ -968,10 +987,13 @@ class VllmEngine:
         from moe_rl.weights.hf import write_hf_checkpoint
 
         out = Path(tempfile.mkdtemp(prefix="moe_rl_vllm_")) / "model"
+        tensors = {k: t.detach().cpu() for k, t in untied(named, self.untie).items()}
+        if self.untie:  # safetensors refuses two names on one storage
+            tensors["lm_head.weight"] = tensors["lm_head.weight"].clone()
         write_hf_checkpoint(
             out,
-            {k: t.detach().cpu() for k, t in named.items()},
-            self.model_cfg,
+            tensors,
+            self.vllm_model_cfg,
             dtype=torch.bfloat16 if self.cfg.rollout.dtype == "bf16" else torch.float32,
         )
         return str(out)
@@ -1009,14 +1031,15 @@ class VllmEngine:
         ``rollout.vllm.model_dir`` or an ``hf:`` init joins a stream into one dict, to write the
         HF dir vLLM starts from (small models: the smoke test)."""
         if isinstance(weights, Mapping):  # a dict is checked whole before vLLM sees any of it
-            sync_items(weights, self.expected)
+            sync_items(untied(weights, self.untie), self.expected)
         if self.llm is None:
             if self._source_dir() is None and not isinstance(weights, Mapping):
                 weights = {k: t for chunk in weight_chunks(weights) for k, t in chunk.items()}
             self._start(weights if isinstance(weights, Mapping) else None)
         if self.asleep:
             self.llm.wake_up(tags=["weights"])
-        chunks = sync_chunks(weight_chunks(weights), self.expected, hf_names(self.model_cfg))
+        streamed = (untied(c, self.untie) for c in weight_chunks(weights))
+        chunks = sync_chunks(streamed, self.expected, hf_names(self.vllm_model_cfg))
         if self.cpu:
             reload_chunks(self.llm, chunks, self.versions, len(self.header.layer_ids))
         else:

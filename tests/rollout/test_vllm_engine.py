@@ -401,7 +401,6 @@ VLLM = ["rollout.engine=vllm"]
     [
         (VLLM + ["rollout.temperature=0.8", "rollout.top_p=0.9"], "'rollout.top_p'"),
         (VLLM + ["rollout.router_noise=0.1"], "'rollout.router_noise'"),
-        (VLLM + ["model.tie_word_embeddings=true"], "'model.tie_word_embeddings': tied embeddings are"),
         (VLLM + ["correction.dvp_threshold=0.01", "rollout.top_k=5"], "'rollout.top_p'"),
         (
             VLLM + ["correction.dvp_threshold=0.01", "rollout.vllm.dvp_max_safe=0"],
@@ -862,6 +861,7 @@ def _fake_engine(cfg) -> ve.VllmEngine:
     engine.cfg = load_config(None, VLLM)
     engine.expected, engine.llm, engine.asleep = list(canonical_param_shapes(cfg)), FakeTransferLLM(), False
     engine.versions, engine.model_cfg = ve.WeightVersions(), cfg
+    engine.untie, engine.vllm_model_cfg = False, cfg
     engine.cpu = False  # the GPU path (vllm 0.33's weight-transfer API)
     return engine
 
@@ -1241,3 +1241,28 @@ def test_weight_sync_uses_the_model_familys_own_names():
         got["model.layers.1.block_sparse_moe.experts.5.w1.weight"],
         weights["model.layers.1.mlp.experts.5.gate_proj.weight"],
     )
+
+
+@pytest.mark.unit
+def test_a_tied_model_streams_an_untied_copy_to_the_vllm_classes_that_never_tie():
+    """vLLM 0.30's glm4_moe / deepseek_v2 classes load their own lm_head: a tied model's stream gains
+    ``lm_head.weight`` (the embedding itself, no copy) in the chunk holding the embedding, and the
+    stream is then complete for the untied names; other families and untied models pass unchanged."""
+    from tests.models import glm4_moe_tiny
+
+    tied = glm4_moe_tiny()
+    assert tied.tie_word_embeddings and tied.hf_family in ve.VLLM_IGNORES_TIE
+    names = list(canonical_param_shapes(dataclasses.replace(tied, tie_word_embeddings=False)))
+    assert "lm_head.weight" not in canonical_param_shapes(tied) and "lm_head.weight" in names
+    embed = torch.randn(tied.vocab_size, tied.hidden_size)
+    chunks = [
+        {"model.embed_tokens.weight": embed},
+        {k: torch.zeros(1) for k in names[1:] if k != "lm_head.weight"},
+    ]
+    streamed = [ve.untied(c, True) for c in chunks]
+    assert streamed[0]["lm_head.weight"] is embed and "lm_head.weight" not in streamed[1]
+    sent = [name for chunk in ve.sync_chunks(streamed, names) for name, _ in chunk]
+    assert sorted(sent) == sorted(names)
+    assert ve.untied(chunks[0], False) is chunks[0]  # qwen2_moe / qwen3_moe / mixtral tie in vLLM
+    with pytest.raises(KeyError, match="missing"):  # without the copy the sync would leave lm_head stale
+        list(ve.sync_chunks(chunks, names))
