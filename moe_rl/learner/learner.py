@@ -60,6 +60,7 @@ from moe_rl.learner.logprobs import (
 )
 from moe_rl.learner.te_spec import FP8_TOKEN_MULTIPLE, rename_to_local, te_name_map
 from moe_rl.monitor.router_grad import RouterGradMonitor
+from moe_rl.routing.gating import RouterSpec
 from moe_rl.routing.plan import PassPlan
 from moe_rl.routing.record import RouteHeader
 from moe_rl.routing.replay import RouteReplay, RoutingOutcome, SeqShard
@@ -194,6 +195,8 @@ class Learner:
                 pre_softmax=self.tcfg.moe_router_pre_softmax,
                 aux_loss=self.tcfg.moe_router_load_balancing_type != "none",
                 device=self.device,
+                spec=RouterSpec.from_model(model_cfg),
+                shared_expert=model_cfg.moe_shared_expert_ffn_hidden_size > 0,
             )
             if monitor
             else None

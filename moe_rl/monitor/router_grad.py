@@ -6,10 +6,14 @@ router-logit entries gets none, structurally. The monitor measures that and what
 from the update passes' own forwards and backwards (no extra pass):
 
 - ``observe_forward`` (each update micro-batch, forward only, not on recompute; real tokens only,
-  padding rows excluded): native Top-K of
-  the router logits -> tokens routed per expert, a histogram of the Top-K margin (K-th minus
-  (K+1)-th logit: percentiles survive the reduction over micro-batches and ranks), and the
+  padding rows excluded): the native Top-K -> tokens routed per expert, a histogram of the Top-K
+  margin (K-th minus (K+1)-th *selection* score, what megatron's top-k compares: the logits for
+  softmax, sigmoid + expert bias for sigmoid routers, within the token's selected groups when
+  group-limited; percentiles survive the reduction over micro-batches and ranks), and the
   near-boundary counts (margin under ``near_eps``, and under the bf16 resolution |h_(K)| 2^-8);
+- ``observe_shared`` (layers with a shared expert, same passes): per token the shared expert's
+  share ||s|| / (||s|| + ||r||) of the MoE output norm (s the shared expert's output, gate
+  included; r the routed experts' gated sum);
 - ``observe_grad`` (the router logits' gradient, via a tensor hook): among tokens whose router
   got any gradient, the entries with exactly zero gradient, per-token gradient norms, and
   per-expert gradient mass;
@@ -20,8 +24,9 @@ The update-induced and rollout-vs-learner flip rates come from the routing-repla
 which lays routes out like tokens (moe_rl/routing/replay.py); ``rollout_flip_aliases`` files the
 latter under this prefix too, so one prefix holds the whole picture.
 
+Only MoE layers are monitored (``layer_ids``): a dense layer has no router, and no metric.
 Pure tensor code; the collectives live with the caller (``Learner``).
-Shape suffixes: N tokens, E experts, K top-k, L MoE layers, X statistic rows, W row width.
+Shape suffixes: N tokens, E experts, K top-k, L MoE layers, X statistic rows, W row width, H hidden.
 """
 
 from __future__ import annotations
@@ -30,13 +35,15 @@ import math
 
 import torch
 
+from moe_rl.routing.gating import RouterSpec, group_mask
+
 # rows of the packed per-layer statistics [L, NUM_STATS, W]
 LOAD, GRAD_MASS, MARGIN_HIST, SCALARS = range(4)
 NUM_STATS = 4
 # SCALARS row: zero-grad entries, grad entries, margin sum, near eps, near bf16, tokens,
-# per-token logit-grad norm sum, tokens with any gradient
-_ZERO, _ENTRIES, _MARGIN, _NEAR, _NEAR_BF16, _TOKENS, _TOK_NORM, _LIVE = range(8)
-NUM_SCALARS = 8
+# per-token logit-grad norm sum, tokens with any gradient, shared-expert share sum, tokens it covers
+_ZERO, _ENTRIES, _MARGIN, _NEAR, _NEAR_BF16, _TOKENS, _TOK_NORM, _LIVE, _SHARED, _SHARED_TOK = range(10)
+NUM_SCALARS = 10
 # margin histogram: [0, 1e-6), 64 log-spaced bins up to 1e2, [1e2, inf)
 MARGIN_EDGES = torch.logspace(-6, 2, 65, dtype=torch.float64)
 NUM_BINS = MARGIN_EDGES.numel() + 1
@@ -86,9 +93,18 @@ class RouterGradMonitor:
         pre_softmax: bool = False,
         aux_loss: bool = False,
         device: torch.device | str = "cpu",
+        spec: RouterSpec | None = None,
+        shared_expert: bool = False,
     ) -> None:
-        """``device``: where the routers run (the statistics accumulate there: no host sync per layer)."""
+        """``layer_ids``: the MoE layers (global numbers; dense layers have no router);
+        ``device``: where the routers run (the statistics accumulate there: no host sync per layer);
+        ``spec``: the router (its groups restrict the margin to the selected groups);
+        ``shared_expert``: the MoE layers have one (its output share is reported)."""
         self.layer_ids, self.E, self.K, self.near_eps = list(layer_ids), num_experts, top_k, near_eps
+        self.spec = spec if spec is not None else RouterSpec(top_k)
+        if self.spec.top_k != top_k:
+            raise ValueError(f"router monitor: spec top_k {self.spec.top_k} != top_k {top_k}")
+        self.shared_expert = shared_expert
         self.expected_zero_frac = structural_zero_frac(num_experts, top_k, pre_softmax, aux_loss)
         width = max(num_experts, NUM_SCALARS, NUM_BINS)
         self.stats_LXW = torch.zeros(len(layer_ids), NUM_STATS, width, dtype=torch.float64, device=device)
@@ -114,12 +130,16 @@ class RouterGradMonitor:
             self.stats_LXW, self.max_L = self.stats_LXW.to(device), self.max_L.to(device)
         return self.stats_LXW
 
-    def observe_forward(self, pos: int, logits_NE: torch.Tensor, native_NK: torch.Tensor) -> None:
-        s = self._stats(logits_NE.device)[pos]
-        logits = logits_NE.detach()  # the router's own dtype (fp32); sums accumulate in fp64
+    def observe_forward(self, pos: int, select_NE: torch.Tensor, native_NK: torch.Tensor) -> None:
+        """``select_NE``: the scores megatron's top-k ranks (logits for softmax; sigmoid scores
+        plus the expert bias for sigmoid routers), before any group masking."""
+        s = self._stats(select_NE.device)[pos]
+        select = select_NE.detach()  # the router's own dtype (fp32); sums accumulate in fp64
         s[LOAD, : self.E] += torch.bincount(native_NK.detach().reshape(-1), minlength=self.E)
+        if self.spec.grouped:  # the K-th and (K+1)-th candidates both lie in the selected groups
+            select = select.masked_fill(~group_mask(select, self.spec), float("-inf"))
         if self.K < self.E:
-            top = torch.topk(logits, self.K + 1, dim=-1, sorted=True).values
+            top = torch.topk(select, self.K + 1, dim=-1, sorted=True).values
             margin_N = top[:, self.K - 1] - top[:, self.K]
             s[SCALARS, _MARGIN] += margin_N.sum()
             s[SCALARS, _NEAR] += (margin_N < self.near_eps).sum()
@@ -130,7 +150,16 @@ class RouterGradMonitor:
             s[MARGIN_HIST, :NUM_BINS] += torch.bincount(
                 torch.bucketize(margin_N, edges, right=True), minlength=NUM_BINS
             )
-        s[SCALARS, _TOKENS] += logits.shape[0]
+        s[SCALARS, _TOKENS] += select.shape[0]
+
+    def observe_shared(self, pos: int, shared_NH: torch.Tensor, routed_NH: torch.Tensor) -> None:
+        """One micro-batch's shared-expert output (after its gate) and routed-experts output, real
+        tokens only: accumulates ||s|| / (||s|| + ||r||) per token (0 where both are zero)."""
+        s = self._stats(shared_NH.device)[pos]
+        s_N = shared_NH.detach().double().norm(dim=-1)
+        r_N = routed_NH.detach().double().norm(dim=-1)
+        s[SCALARS, _SHARED] += (s_N / (s_N + r_N).clamp(min=1e-300)).sum()
+        s[SCALARS, _SHARED_TOK] += s_N.shape[0]
 
     def observe_grad(self, pos: int, grad_NE: torch.Tensor) -> None:
         s = self._stats(grad_NE.device)[pos]
@@ -153,12 +182,13 @@ class RouterGradMonitor:
     ) -> dict[str, float]:
         """Per-layer metrics from globally reduced statistics, maxima and router-weight gradients."""
         out: dict[str, float] = {}
-        zero_all = entries_all = 0.0
+        zero_all = entries_all = shared_all = shared_tok_all = 0.0
         for pos, lid in enumerate(self.layer_ids):
             s = stats_LXW[pos]
             sc = [float(v) for v in s[SCALARS, :NUM_SCALARS]]
             load_E, mass_E = s[LOAD, : self.E], s[GRAD_MASS, : self.E]
             zero_all, entries_all = zero_all + sc[_ZERO], entries_all + sc[_ENTRIES]
+            shared_all, shared_tok_all = shared_all + sc[_SHARED], shared_tok_all + sc[_SHARED_TOK]
             p_E = load_E / load_E.sum().clamp(min=1)
             entropy = float(-(p_E * p_E.clamp(min=1e-30).log()).sum()) / math.log(self.E)
             tokens, live = sc[_TOKENS], sc[_LIVE]
@@ -181,10 +211,18 @@ class RouterGradMonitor:
                 "near_boundary_frac": sc[_NEAR] / tokens if tokens else float("nan"),
                 "near_boundary_bf16_frac": sc[_NEAR_BF16] / tokens if tokens else float("nan"),
             }
+            if self.shared_expert:
+                metrics["shared_expert_share"] = (
+                    sc[_SHARED] / sc[_SHARED_TOK] if sc[_SHARED_TOK] else float("nan")
+                )
             out.update({f"router_grad/{k}/layer{lid}": v for k, v in metrics.items()})
         out["router_grad/zero_frac"] = zero_all / entries_all if entries_all else float("nan")
         out["router_grad/zero_frac_expected"] = self.expected_zero_frac
         out["router_grad/norm"] = float(router_grad_LEH.norm())
+        if self.shared_expert:  # token-weighted over the MoE layers
+            out["router_grad/shared_expert_share"] = (
+                shared_all / shared_tok_all if shared_tok_all else float("nan")
+            )
         return out
 
 

@@ -4,7 +4,11 @@ Pure reading and numpy over ``metrics.jsonl`` (see moe_rl/metrics.py for the key
 run, a run still writing, and a run killed mid-write (truncated last line, reported as a
 warning) all read the same way.
 
-Shape suffixes: T logged steps, L MoE layers.
+Dense layers (``model.first_k_dense`` in the run's config.yaml: DeepSeek-V3, GLM-4.5) have no
+router: they are rows labelled dense in the per-layer figures and verdicts, never MoE layers whose
+metrics are missing or zero.
+
+Shape suffixes: T logged steps, L layers (the MoE layers logged and the config's dense layers).
 """
 
 from __future__ import annotations
@@ -32,6 +36,11 @@ PANELS = (
     ("load_entropy", "Expert-load entropy (1 = uniform)", (0.0, 1.0)),
     ("margin_p50", "Top-K margin h(K) - h(K+1), median", None),
     ("near_boundary_frac", "Tokens near the Top-K boundary (margin < log.router_margin_eps)", (0.0, 1.0)),
+    (
+        "shared_expert_share",
+        "Shared expert's share of the MoE output norm, ||s|| / (||s|| + ||r||)",
+        (0.0, 1.0),
+    ),
 )
 # step curves next to the heatmaps: reward, correction and mismatch metrics (when logged)
 CURVES = (
@@ -95,12 +104,34 @@ class Run:
         return any(key in r for r in self.records)
 
     @property
-    def layers(self) -> list[int]:
+    def moe_layers(self) -> list[int]:
+        """The MoE layers the monitor logged (its per-layer keys in the last record)."""
         ids = {int(m.group(1)) for r in self.records[-1:] for k in r if (m := _LAYER_KEY.match(k))}
         return sorted(ids)
 
+    @property
+    def dense_layers(self) -> list[int]:
+        """The config's dense layers (``model.first_k_dense``): no router, so no routing metric."""
+        n = self.cfg("model.first_k_dense", 0)
+        return list(range(n)) if isinstance(n, int) and not isinstance(n, bool) else []
+
+    @property
+    def layers(self) -> list[int]:
+        """The per-layer rows: the MoE layers logged and, when any is, the dense layers too."""
+        moe = self.moe_layers
+        return sorted(set(moe) | set(self.dense_layers)) if moe else []
+
+    def shared_expert_flop_share(self) -> float:
+        """S / (S + K F) from the config: the shared expert's share of a MoE layer's expert FLOPs
+        per token (S its hidden size, K routed experts of hidden size F); NaN without one."""
+        S = self.cfg("model.moe_shared_expert_ffn_hidden_size", 0)
+        K, F = self.cfg("model.moe_router_topk", 0), self.cfg("model.moe_ffn_hidden_size", 0)
+        if not all(isinstance(v, int) for v in (S, K, F)) or S <= 0 or K * F <= 0:
+            return math.nan
+        return S / (S + K * F)
+
     def matrix(self, name: str) -> np.ndarray:
-        """float [L, T] of router_grad/<name>/layer{N}; NaN where absent."""
+        """float [L, T] of router_grad/<name>/layer{N} over ``layers``; NaN where absent (dense rows)."""
         if not self.layers:
             return np.zeros((0, len(self.records)))
         return np.stack([self.series(f"router_grad/{name}/layer{lid}") for lid in self.layers])
@@ -233,10 +264,16 @@ def headline(run: Run) -> list[tuple[str, float | str]]:
         ("update-induced router flips", "router_grad/update_flip_frac"),
         ("router-logit zero-gradient fraction", "router_grad/zero_frac"),
         ("structural (E-K)/E of the gating", "router_grad/zero_frac_expected"),
+        ("shared-expert share of the MoE output norm", "router_grad/shared_expert_share"),
         ("k3 KL, rollout to learner", "corr/k3_kl"),
         ("abs log-prob diff, rollout vs learner", "corr/logprob_abs_diff"),
     ):
         rows.append((f"{label} (mean)", nanmean(run.series(key))))
+    flop_share = run.shared_expert_flop_share()
+    if math.isfinite(flop_share):
+        rows.append(("shared-expert share of the expert FLOPs, S/(S+K F)", flop_share))
+    if run.dense_layers:
+        rows.append(("dense layers (no router)", ", ".join(str(i) for i in run.dense_layers)))
     step_T = run.series("time/step_s")
     rows.append(
         ("median step time (s)", float(np.nanmedian(step_T)) if np.isfinite(step_T).any() else math.nan)
@@ -247,7 +284,7 @@ def headline(run: Run) -> list[tuple[str, float | str]]:
 @dataclass
 class Verdict:
     layer: int
-    level: str  # "ok" | "warn"
+    level: str  # "ok" | "warn" | "dense" (a dense layer: no router, nothing to judge)
     findings: list[tuple[str, bool]]  # (finding, whether it crosses its threshold)
 
     @property
@@ -263,7 +300,8 @@ def _layer_means(m_LT: np.ndarray) -> np.ndarray:
 
 
 def layer_verdicts(run: Run, window: int = WINDOW) -> list[Verdict]:
-    """One short verdict per MoE layer over the last ``window`` logged steps."""
+    """One short verdict per MoE layer over the last ``window`` logged steps; a dense layer gets
+    a "dense" line (none at all when the run logged no per-layer router metric)."""
     n = min(window, len(run.records))
     span = f"the last {n} steps"
     expected = nanmean(_window(run.series("router_grad/zero_frac_expected"), window))
@@ -278,11 +316,17 @@ def layer_verdicts(run: Run, window: int = WINDOW) -> list[Verdict]:
             "load_max_frac",
             "margin_p50",
             "near_boundary_bf16_frac",
+            "shared_expert_share",
         )
     }
     r3 = run.cfg("routing.replay") == "r3"
+    dense, flop_share = set(run.dense_layers), run.shared_expert_flop_share()
     out = []
     for i, lid in enumerate(run.layers):
+        if lid in dense:
+            text = f"an MLP without router (model.first_k_dense = {len(dense)}): no routing metrics"
+            out.append(Verdict(lid, "dense", [(text, False)]))
+            continue
         m = {k: float(v[i]) for k, v in mean.items()}
         found: list[tuple[str, bool]] = []  # (finding, whether it crosses a threshold)
         if math.isfinite(m["no_grad_expert_frac"]):
@@ -339,6 +383,14 @@ def layer_verdicts(run: Run, window: int = WINDOW) -> list[Verdict]:
                         f"tokens within bf16 resolution of the boundary"
                     ),
                     m["near_boundary_bf16_frac"] > THRESHOLDS["near_boundary_bf16_frac"],
+                )
+            )
+        if math.isfinite(m["shared_expert_share"]):
+            found.append(
+                (
+                    f"shared expert {m['shared_expert_share']:.1%} of the MoE output norm"
+                    + (f" ({flop_share:.1%} of its expert FLOPs)" if math.isfinite(flop_share) else ""),
+                    False,  # a property of the model, not an alarm
                 )
             )
         warn = any(bad for _, bad in found)

@@ -1,6 +1,7 @@
 """The report's figures as PNG bytes (matplotlib, Agg backend: no display, no network).
 
-Heatmaps put MoE layers on the y axis and logged steps on the x axis; with two runs they sit
+Heatmaps put layers on the y axis (dense ones hatched and labelled "dense": no router) and logged
+steps on the x axis; with two runs they sit
 side by side on one shared colour scale, so "replay off vs r3" reads at a glance (more than four
 runs wrap into rows). Curves put every run on the same axes; a grid of runs gets a colour per
 arm and trailing means.
@@ -61,7 +62,12 @@ def heatmap(runs: list[Run], name: str, title: str, vrange: tuple[float, float] 
             vmax=vmax,
             extent=extent,
         )
-        ax.set_yticks(range(len(run.layers)), [f"layer {lid}" for lid in run.layers], fontsize=8)
+        dense = set(run.dense_layers)
+        for row, lid in enumerate(run.layers):  # a dense layer has no router: hatched, labelled so
+            if lid in dense:
+                ax.axhspan(row - 0.5, row + 0.5, facecolor="0.9", hatch="//", edgecolor="0.6", lw=0)
+        labels = [f"layer {lid} (dense)" if lid in dense else f"layer {lid}" for lid in run.layers]
+        ax.set_yticks(range(len(run.layers)), labels, fontsize=8)
         ax.set_xlabel("step", fontsize=8)
         ax.tick_params(labelsize=8)
         ax.set_title(run.name, fontsize=9)

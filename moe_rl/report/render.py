@@ -17,7 +17,8 @@ from moe_rl.report.data import Run
 
 _ENV = jinja2.Environment(
     loader=jinja2.PackageLoader("moe_rl.report", "templates"),
-    autoescape=jinja2.select_autoescape(["html"]),
+    # the HTML template is report.html.j2: match its full suffix (["html"] alone never matched it)
+    autoescape=jinja2.select_autoescape(["html.j2"]),
     keep_trailing_newline=True,
 )
 

@@ -25,6 +25,7 @@ Shape suffixes: N rows (S * B tokens of a micro-batch), L MoE layers, K top-k.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -96,6 +97,14 @@ class RouteReplay:
             router.router_replay.moe_rl_controller = hook
             hooks.append(hook)
             self.layer_ids.append(layer_id)
+            shared = getattr(layer.mlp, "shared_experts", None)
+            if monitor is not None and shared is not None:  # the shared expert's output share
+                if getattr(layer.mlp, "shared_expert_overlap", False):
+                    raise ReplayError(
+                        f"layer {layer_id}: router monitor: moe_shared_expert_overlap is not supported"
+                    )
+                shared.register_forward_hook(functools.partial(self._keep_shared, hook))
+                layer.mlp.register_forward_hook(functools.partial(self._observe_shared, hook))
         if not hooks:
             raise ReplayError("the model has no MoE router to replay")
         self.biased = getattr(router, "expert_bias", None) is not None  # sigmoid + expert bias
@@ -113,6 +122,7 @@ class RouteReplay:
         self._targets = self._old = None  # this micro-batch's (targets_NLK, recorded_N) for comparison
         self._native: list[torch.Tensor | None] = []
         self._real_N: torch.Tensor | None = None  # this micro-batch's rows that are real tokens (monitor)
+        self._shared_out: dict[int, torch.Tensor] = {}  # a layer's shared-expert output, until its MoE output
 
     # ---- one pass over micro-batches --------------------------------------------------------
     @contextmanager
@@ -225,6 +235,31 @@ class RouteReplay:
                 f"router monitor: expected megatron-core's sigmoid scores + expert bias, got {node}"
             )
         node.next_functions[0][0].register_hook(lambda g_in, g_out: self.monitor.observe_grad(pos, g_out[0]))
+
+    def _monitoring_forward(self) -> bool:
+        return self._pass is not None and self._pass.monitor and self._in_forward
+
+    def _keep_shared(self, hook: _LayerHook, module, args, out) -> None:
+        """Forward hook of a layer's shared expert (its output includes Qwen2-MoE's gate)."""
+        if self._monitoring_forward():  # not again on recompute
+            self._shared_out[hook.idx] = out.detach()
+
+    def _observe_shared(self, hook: _LayerHook, module, args, out) -> None:
+        """Forward hook of the MoE layer: its output is routed + shared, so routed = out - shared."""
+        if not self._monitoring_forward():
+            return
+        shared = self._shared_out.pop(hook.idx, None)
+        if shared is None:
+            raise ReplayError(
+                f"layer {self.layer_ids[hook.idx]}: router monitor: the shared expert did not run"
+            )
+        total = (out[0] if isinstance(out, tuple) else out).detach()
+        real_N = self._real_N
+        shared_NH, routed_NH = (
+            shared.reshape(-1, shared.shape[-1]),
+            (total - shared).reshape(-1, shared.shape[-1]),
+        )
+        self.monitor.observe_shared(hook.pos, shared_NH[real_N], routed_NH[real_N])
 
     # ---- the per-layer decision ------------------------------------------------------------
     def _route(self, hook: _LayerHook, scores: torch.Tensor, topk: int, compute_native):

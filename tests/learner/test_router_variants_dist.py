@@ -43,6 +43,40 @@ def _engine_logits(model, weights, tokens_BS, lens_B):
     return eng.forward(tokens_BS, pos, valid).logits, valid
 
 
+def _engine_router_stats(model, weights, tokens_BS, lens_B) -> dict[str, list[float]]:
+    """Per MoE layer, over this rank's real tokens, from the built-in engine's own MoE forward:
+    the sums of the shared expert's norm share ||s|| / (||s|| + ||r||) and of the Top-K margin of
+    the scores megatron's top-k ranks (sigmoid + bias within the selected groups; softmax
+    probabilities when not renormalised, as megatron's pre-softmax), and the token count."""
+    from moe_rl.rollout import builtin_model
+    from moe_rl.routing.gating import route
+
+    real_T = (torch.arange(S)[None] < lens_B[:, None]).reshape(-1)
+    out: dict[str, list[float]] = {"share": [], "margin": [], "tokens": []}
+    upstream = builtin_model.moe_forward
+
+    def observed(x_TH, router_EH, *args, spec, bias_E, shared, **kw):
+        y_TH, ids_TK = upstream(x_TH, router_EH, *args, spec=spec, bias_E=bias_E, shared=shared, **kw)
+        s_TH = shared(x_TH)
+        s_T, r_T = s_TH.norm(dim=-1)[real_T], (y_TH - s_TH).norm(dim=-1)[real_T]
+        logits_TE = torch.nn.functional.linear(x_TH.float(), router_EH.float())
+        _, _, select_TE = route(logits_TE, spec, bias_E)  # -inf outside the selected groups
+        if spec.score_function == "softmax" and not spec.norm_topk_prob:
+            select_TE = torch.softmax(logits_TE, -1)
+        top_TK = select_TE.topk(spec.top_k + 1, dim=-1).values[real_T]
+        out["share"].append(float((s_T / (s_T + r_T)).sum()))
+        out["margin"].append(float((top_TK[:, -2] - top_TK[:, -1]).sum()))
+        out["tokens"].append(float(real_T.sum()))
+        return y_TH, ids_TK
+
+    builtin_model.moe_forward = observed
+    try:
+        _engine_logits(model, weights, tokens_BS, lens_B)
+    finally:
+        builtin_model.moe_forward = upstream
+    return out
+
+
 def _biases(learner, model) -> torch.Tensor:
     exp = learner.export_canonical()
     return torch.stack([exp[f"model.layers.{i}.mlp.gate.e_score_correction_bias"] for i in model.moe_layers])
@@ -74,6 +108,9 @@ def _worker(rank: int):
         logp = learner.forward_logprobs(batch, 1.0, 2).stats.logp_BS
         learner.forward_backward(batch, _nll, 1.0, 2)
         ep2[name] = (logp, learner.canonical_grads())
+        # the monitor over both ranks' real tokens vs the engine's MoE forward on each rank's own
+        out[f"{name}_monitor"] = learner.router_monitor_metrics()
+        out[f"{name}_engine_stats"] = _engine_router_stats(model, weights[name], tokens_BS, lens_B)
         out[f"{name}_engine_diff"] = float((logits - eng_logits)[valid].abs().max())
         out[f"{name}_local_experts"] = len(learner.gpt.decoder.layers[1].mlp.experts.local_experts)
 
@@ -144,7 +181,8 @@ def _worker(rank: int):
 
 @pytest.mark.dist
 def test_router_variants_engine_ep_bias_replay():
-    for rank, r in enumerate(run_ranks(_worker, 2)):
+    results = run_ranks(_worker, 2)
+    for rank, r in enumerate(results):
         for name in ("sigmoid", "qwen2"):
             assert r[f"{name}_engine_diff"] < LOGP_TOL, (rank, r)
             assert r[f"{name}_local_experts"] * 2 == {"sigmoid": 12, "qwen2": 6}[name], r
@@ -156,3 +194,18 @@ def test_router_variants_engine_ep_bias_replay():
         assert abs(r["monitor_zero_frac"] - 0.5) < 1e-12, (rank, r)  # (12 - 6) / 12
         assert r["native_delta_err"] < 1e-7, (rank, r)
         assert 0 < r["violation"] < 1 and r["violation_count"] > 0, (rank, r)
+    # the monitor (summed over both ranks) sees what the engine computes: the shared expert's
+    # output share and the Top-K margin of the scores that select, per MoE layer; dense layer 0 has none
+    for name, model in (("sigmoid", TINY_SIGMOID_L3), ("qwen2", TINY_QWEN2_L3)):
+        m = results[0][f"{name}_monitor"]
+        assert m == pytest.approx(results[1][f"{name}_monitor"], rel=0, abs=0, nan_ok=True), (
+            name
+        )  # all-reduced
+        assert not [k for k in m if k.endswith("/layer0")], (name, sorted(m))
+        for pos, lid in enumerate(model.moe_layers):
+            n = sum(r[f"{name}_engine_stats"]["tokens"][pos] for r in results)
+            share = sum(r[f"{name}_engine_stats"]["share"][pos] for r in results) / n
+            margin = sum(r[f"{name}_engine_stats"]["margin"][pos] for r in results) / n
+            assert 0 < share < 1, (name, lid, share)
+            assert abs(m[f"router_grad/shared_expert_share/layer{lid}"] - share) < 1e-5, (name, lid, m, share)
+            assert abs(m[f"router_grad/margin_mean/layer{lid}"] - margin) < 1e-5, (name, lid, m, margin)

@@ -308,3 +308,52 @@ def test_grid_curves_colour_by_arm_and_smooth_over_finite_steps():
     assert colours[0] == colours[1] and colours[2] == colours[3]  # seeds of an arm share a colour
     assert len({colours[i] for i in (0, 2, 4, 5)}) == 4  # arms differ
     assert [s["linestyle"] for s in styles] == ["-", "--", "-", "--", "-", "-"]  # seeds differ by style
+
+
+@pytest.mark.unit
+def test_dense_layers_are_labelled_dense_and_the_shared_expert_share_is_stated(tmp_path):
+    """A DeepSeek-style run (layer 0 dense, a shared expert): layer 0 is a dense row, never an empty
+    MoE layer; each MoE layer's verdict states its measured share and the config's FLOP share."""
+    from moe_rl.config import ModelConfig
+
+    path = tmp_path / "ds"
+    path.mkdir()
+    model = ModelConfig(
+        num_layers=3,
+        first_k_dense=1,
+        num_experts=8,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=64,
+        moe_shared_expert_ffn_hidden_size=128,
+    )
+    cfg = dataclasses.replace(RunConfig(), run_dir=str(path), steps=4, model=model)
+    (path / "config.yaml").write_text(to_yaml(cfg))
+    recs = []
+    for step in range(4):
+        rec = {"step": step, "router_grad/zero_frac_expected": 0.75}
+        for lid, share in ((1, 0.2 + 0.1 * step), (2, 0.5)):  # layer 1: 0.2 0.3 0.4 0.5, mean 0.35
+            rec[f"router_grad/zero_frac/layer{lid}"] = 0.75
+            rec[f"router_grad/shared_expert_share/layer{lid}"] = share
+        rec["router_grad/shared_expert_share"] = (rec["router_grad/shared_expert_share/layer1"] + 0.5) / 2
+        recs.append(json.dumps(rec))
+    (path / "metrics.jsonl").write_text("\n".join(recs) + "\n")
+    run = load_run(path)
+    assert (run.moe_layers, run.dense_layers, run.layers) == ([1, 2], [0], [0, 1, 2])
+    assert run.shared_expert_flop_share() == 128 / (128 + 2 * 64)
+    m_LT = run.matrix("shared_expert_share")
+    assert np.isnan(m_LT[0]).all() and m_LT[1].tolist() == pytest.approx([0.2, 0.3, 0.4, 0.5])
+    verdicts = {v.layer: v for v in data.layer_verdicts(run)}
+    assert verdicts[0].level == "dense" and verdicts[0].texts == [
+        "an MLP without router (model.first_k_dense = 1): no routing metrics"
+    ]
+    assert "shared expert 35.0% of the MoE output norm (50.0% of its expert FLOPs)" in verdicts[1].texts
+    assert "shared expert 50.0% of the MoE output norm (50.0% of its expert FLOPs)" in verdicts[2].texts
+    head = dict(data.headline(run))
+    assert head["shared-expert share of the MoE output norm (mean)"] == pytest.approx(0.425)
+    assert head["dense layers (no router)"] == "0"
+    html = _check_html(write_report([path]), expected_figures=2)  # blackout and shared-share heatmaps
+    assert '<tr class="dense"><td>layer 0 (dense)</td><td>dense: an MLP without router' in html
+    # a run without dense layers or a shared expert says neither
+    plain = load_run(_run_dir(tmp_path / "plain", 3))
+    assert plain.dense_layers == [] and "dense layers (no router)" not in dict(data.headline(plain))
+    assert not [t for v in data.layer_verdicts(plain) for t in v.texts if "shared expert" in t]
