@@ -49,6 +49,7 @@ Number = Union[float, int, torch.Tensor]
 
 METRICS_FILE = "metrics.jsonl"
 EVENTS_FILE = "events.jsonl"
+EXPERT_LOAD_FILE = "expert_load.jsonl"  # per step, per MoE layer: each routed expert's load share
 WANDB_ID_FILE = "wandb_id"
 
 
@@ -342,7 +343,8 @@ class MetricsWriter:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.events_path = self.run_dir / EVENTS_FILE
-        for path in (self.path, self.events_path):
+        self.load_path = self.run_dir / EXPERT_LOAD_FILE
+        for path in (self.path, self.events_path, self.load_path):
             if resume_step is None:
                 _fsync_write(path, "")
             else:
@@ -391,6 +393,19 @@ class MetricsWriter:
             for ev in events:
                 f.write(json.dumps({k: _json_value(v) for k, v in ev.items()}, sort_keys=True) + "\n")
                 logger.info("event at step %s: %s", ev.get("step"), ev.get("cause", ev))
+            f.flush()
+            os.fsync(f.fileno())
+
+    def log_expert_load(self, step: int, load: dict[int, list[float]]) -> None:
+        """Append {"step", "layers": {MoE layer: [E load shares]}} to expert_load.jsonl (a vector
+        per layer: E x L numbers, too many for metric keys at 256 experts x 58 layers)."""
+        if self.rank != 0 or not load:
+            return
+        line = json.dumps(
+            {"step": int(step), "layers": {str(k): v for k, v in load.items()}}, allow_nan=False
+        )
+        with open(self.load_path, "a", encoding="utf-8") as f:
+            f.write(line + "\n")
             f.flush()
             os.fsync(f.fileno())
 

@@ -139,6 +139,7 @@ def train(cfg: RunConfig, dims: ParallelDims) -> None:
         local = {**m_val, **m_reward, **m_prep, **m_update, **m_lr, **m_stale, **rollout_metrics(batch)}
         metrics = finalize({**local, **timer.metrics(), **memory_metrics(learner.device)}, dims.dp_group)
         writer.log(step, metrics)
+        writer.log_expert_load(step, learner.expert_load())  # run_dir/expert_load.jsonl
         writer.log_events(events + health.observe(step, metrics))  # LR decays, health alarms
         bar.update(1)
         bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", step_s=f"{metrics['time/step_s']:.2f}")

@@ -198,3 +198,26 @@ def test_read_metrics_reports_truncated_and_bad_lines(tmp_path):
     assert [r["step"] for r in records] == [0, 1] and "no newline" in warnings[0]
     path.write_text("")
     assert read_metrics(path) == ([], [])
+
+
+@pytest.mark.unit
+def test_expert_load_file_is_a_vector_per_layer_and_resumes_like_the_metrics(tmp_path):
+    """expert_load.jsonl: one line per step with each MoE layer's E shares; a resume drops the steps
+    it re-does, as in metrics.jsonl; other ranks and an empty load write nothing."""
+    from moe_rl.metrics import EXPERT_LOAD_FILE
+
+    with MetricsWriter(tmp_path, {}, wandb_mode="disabled", rank=0) as w:
+        for step in range(3):
+            w.log_expert_load(step, {1: [0.5 + 0.1 * step, 0.5 - 0.1 * step], 2: [1.0, 0.0]})
+        w.log_expert_load(3, {})
+    with MetricsWriter(tmp_path, {}, wandb_mode="disabled", rank=1) as w:
+        w.log_expert_load(9, {1: [1.0, 0.0]})
+    with MetricsWriter(tmp_path, {}, wandb_mode="disabled", rank=0, resume_step=2) as w:
+        w.log_expert_load(2, {1: [0.25, 0.75], 2: [1.0, 0.0]})
+    recs, warnings = read_metrics(tmp_path / EXPERT_LOAD_FILE)
+    assert warnings == []
+    assert recs == [
+        {"step": 0, "layers": {"1": [0.5, 0.5], "2": [1.0, 0.0]}},
+        {"step": 1, "layers": {"1": [0.6, 0.4], "2": [1.0, 0.0]}},
+        {"step": 2, "layers": {"1": [0.25, 0.75], "2": [1.0, 0.0]}},
+    ]

@@ -10,6 +10,7 @@ import torch
 from moe_rl.monitor.router_grad import (
     MARGIN_EDGES,
     RouterGradMonitor,
+    expert_load_LE,
     histogram_quantiles,
     rollout_flip_aliases,
     structural_zero_frac,
@@ -47,6 +48,10 @@ def test_blackout_load_and_margins_from_known_tensors():
     # margins 3, 1.8, 0.1: the median lies in 1.8's log bin, within one bin's ratio (10^(8/64))
     assert 1.8 / 1.34 < m["router_grad/margin_p50/layer3"] < 1.8 * 1.34
     assert 0.1 / 1.34 < m["router_grad/margin_p1/layer3"] < 0.1 * 1.34
+    # the per-expert load behind them (expert_load.jsonl): slots 0,1 / 2,3 / 0,1 of 6
+    assert expert_load_LE(mon.stats_LXW, 4).tolist() == [[2 / 6, 2 / 6, 1 / 6, 1 / 6]]
+    empty = RouterGradMonitor([1, 2], num_experts=4, top_k=2)
+    assert expert_load_LE(empty.stats_LXW, 4).tolist() == [[0.0] * 4] * 2  # no token: zeros, no NaN
 
 
 @pytest.mark.unit

@@ -59,7 +59,7 @@ from moe_rl.learner.logprobs import (
     token_logprobs_energy_vocab_parallel,
 )
 from moe_rl.learner.te_spec import FP8_TOKEN_MULTIPLE, rename_to_local, te_name_map
-from moe_rl.monitor.router_grad import RouterGradMonitor
+from moe_rl.monitor.router_grad import RouterGradMonitor, expert_load_LE
 from moe_rl.routing.gating import RouterSpec
 from moe_rl.routing.plan import PassPlan
 from moe_rl.routing.record import RouteHeader
@@ -184,6 +184,7 @@ class Learner:
         self.token_multiple = FP8_TOKEN_MULTIPLE if model_cfg.precision == "fp8" else 1
         if init_weights is not None:
             self.load_canonical(init_weights)
+        self.last_expert_load: dict[int, list[float]] = {}  # set by router_monitor_metrics
         # per-layer router-gradient monitor of the update passes (moe_rl/monitor/router_grad.py)
         # (its structural blackout expectation follows the gating megatron actually built)
         self.monitor = (
@@ -503,11 +504,17 @@ class Learner:
                     dist.all_reduce(packed, group=group)
                     dist.all_reduce(max_L, op=dist.ReduceOp.MAX, group=group)
         n = stats.numel()
-        out = self.monitor.finalize(
-            packed[:n].view_as(stats).cpu(), max_L.cpu(), packed[n:].view_as(grads_LEH).cpu()
-        )
+        reduced = packed[:n].view_as(stats).cpu()
+        out = self.monitor.finalize(reduced, max_L.cpu(), packed[n:].view_as(grads_LEH).cpu())
+        load_LE = expert_load_LE(reduced, self.monitor.E)
+        self.last_expert_load = {lid: load_LE[i].tolist() for i, lid in enumerate(self.monitor.layer_ids)}
         self.monitor.reset()
         return out
+
+    def expert_load(self) -> dict[int, list[float]]:
+        """The last step's per-expert load per MoE layer (``expert_load_LE``), for
+        ``run_dir/expert_load.jsonl``; empty without the monitor."""
+        return self.last_expert_load
 
     def update(
         self,

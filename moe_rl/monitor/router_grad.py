@@ -51,6 +51,15 @@ MARGIN_QUANTILES = (0.01, 0.05, 0.5)
 BF16_RESOLUTION = 2.0**-8
 
 
+def expert_load_LE(stats_LXW: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """float64 [L, E]: each routed expert's share of its MoE layer's routed token slots (the native
+    Top-K of the update passes, real tokens; a row sums to 1, 1/E each when uniform; zeros for a
+    layer that saw no token). The shared expert is not a column: it takes every token (its share of
+    the output is ``shared_expert_share``)."""
+    load_LE = stats_LXW[:, LOAD, :num_experts]
+    return load_LE / load_LE.sum(-1, keepdim=True).clamp(min=1)
+
+
 def structural_zero_frac(
     num_experts: int, top_k: int, pre_softmax: bool = False, aux_loss: bool = False
 ) -> float:
@@ -183,13 +192,14 @@ class RouterGradMonitor:
         """Per-layer metrics from globally reduced statistics, maxima and router-weight gradients."""
         out: dict[str, float] = {}
         zero_all = entries_all = shared_all = shared_tok_all = 0.0
+        p_LE = expert_load_LE(stats_LXW, self.E)
         for pos, lid in enumerate(self.layer_ids):
             s = stats_LXW[pos]
             sc = [float(v) for v in s[SCALARS, :NUM_SCALARS]]
             load_E, mass_E = s[LOAD, : self.E], s[GRAD_MASS, : self.E]
             zero_all, entries_all = zero_all + sc[_ZERO], entries_all + sc[_ENTRIES]
             shared_all, shared_tok_all = shared_all + sc[_SHARED], shared_tok_all + sc[_SHARED_TOK]
-            p_E = load_E / load_E.sum().clamp(min=1)
+            p_E = p_LE[pos]
             entropy = float(-(p_E * p_E.clamp(min=1e-30).log()).sum()) / math.log(self.E)
             tokens, live = sc[_TOKENS], sc[_LIVE]
             p1, p5, p50 = histogram_quantiles(s[MARGIN_HIST, :NUM_BINS], MARGIN_EDGES, MARGIN_QUANTILES)

@@ -23,7 +23,7 @@ import numpy as np
 import yaml
 
 from moe_rl.errors import UserError
-from moe_rl.metrics import EVENTS_FILE, METRICS_FILE, read_metrics
+from moe_rl.metrics import EVENTS_FILE, EXPERT_LOAD_FILE, METRICS_FILE, read_metrics
 
 _LAYER_KEY = re.compile(r"^router_grad/zero_frac/layer(\d+)$")
 
@@ -87,6 +87,7 @@ class Run:
     warnings: list[str]
     config: dict
     config_text: str
+    load_records: list[dict] = field(default_factory=list)  # expert_load.jsonl, by step
     name: str = field(init=False)
 
     def __post_init__(self) -> None:
@@ -120,6 +121,21 @@ class Run:
         """The per-layer rows: the MoE layers logged and, when any is, the dense layers too."""
         moe = self.moe_layers
         return sorted(set(moe) | set(self.dense_layers)) if moe else []
+
+    def expert_load_LE(self, window: int = WINDOW) -> np.ndarray:
+        """float [L, E] over ``layers``: each routed expert's load share (expert_load.jsonl) times E
+        (1 = uniform), the mean over the last ``window`` logged steps; NaN rows for dense layers;
+        shape (0, 0) when the run wrote no load."""
+        recs = self.load_records[-window:]
+        if not recs or not self.layers:
+            return np.zeros((0, 0))
+        E = len(next(iter(recs[-1]["layers"].values())))
+        out_LE = np.full((len(self.layers), E), np.nan)
+        for row, lid in enumerate(self.layers):
+            rows = [r["layers"][str(lid)] for r in recs if str(lid) in r["layers"]]
+            if rows:
+                out_LE[row] = np.mean(np.asarray(rows, dtype=np.float64), axis=0) * E
+        return out_LE
 
     def shared_expert_flop_share(self) -> float:
         """S / (S + K F) from the config: the shared expert's share of a MoE layer's expert FLOPs
@@ -186,7 +202,11 @@ def load_run(path: str | Path) -> Run:
     if not config_text:
         warnings.append(f"{cfg_path} is missing: the report cannot show the run's config")
     warnings += health_warnings(run_dir / EVENTS_FILE)
-    return Run(run_dir, records, warnings, config, config_text)
+    load_records: list[dict] = []
+    if (load_path := run_dir / EXPERT_LOAD_FILE).is_file():
+        load_records, load_warnings = read_metrics(load_path)
+        warnings += [f"{load_path}: {w}" for w in load_warnings]
+    return Run(run_dir, records, warnings, config, config_text, load_records)
 
 
 def read_run_config(cfg_path: Path) -> tuple[str, dict]:

@@ -76,6 +76,47 @@ def heatmap(runs: list[Run], name: str, title: str, vrange: tuple[float, float] 
     return _png(fig)
 
 
+def expert_load(runs: list[Run]) -> bytes | None:
+    """Per-expert load share x E (1 = uniform; expert_load.jsonl, mean over the report's window),
+    layers by experts, one panel per run on one colour scale; None if no run wrote it."""
+    mats = [r.expert_load_LE() for r in runs]
+    if not any(m.size and np.isfinite(m).any() for m in mats):
+        return None
+    vmax = max(float(np.nanmax(m)) for m in mats if m.size and np.isfinite(m).any())
+    ncols = min(len(runs), HEATMAP_COLUMNS)
+    nrows = -(-len(runs) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5.2 * ncols + 1.2, 2.4 * nrows), squeeze=False)
+    for ax in axes.flat[len(runs) :]:
+        ax.set_visible(False)
+    im = None
+    for ax, run, m_LE in zip(axes.flat, runs, mats):
+        if m_LE.size == 0:
+            ax.set_title(f"{run.name}: no expert_load.jsonl", fontsize=9)
+            continue
+        im = ax.imshow(
+            np.ma.masked_invalid(m_LE),
+            aspect="auto",
+            interpolation="nearest",
+            cmap="magma",
+            vmin=0,
+            vmax=vmax,
+        )
+        dense = set(run.dense_layers)
+        for row, lid in enumerate(run.layers):
+            if lid in dense:
+                ax.axhspan(row - 0.5, row + 0.5, facecolor="0.9", hatch="//", edgecolor="0.6", lw=0)
+        labels = [f"layer {lid} (dense)" if lid in dense else f"layer {lid}" for lid in run.layers]
+        ax.set_yticks(range(len(run.layers)), labels, fontsize=8)
+        ax.set_xlabel("routed expert", fontsize=8)
+        ax.tick_params(labelsize=8)
+        ax.set_title(run.name, fontsize=9)
+    if im is not None:
+        fig.colorbar(im, ax=axes.ravel().tolist(), fraction=0.025, pad=0.01)
+    fig.suptitle(EXPERT_LOAD_TITLE, fontsize=10, x=0.02, y=1 + 0.08 / nrows, ha="left")
+    return _png(fig)
+
+
+EXPERT_LOAD_TITLE = "Expert load per routed expert x E (1 = uniform; the shared expert takes every token)"
 SMOOTH_WINDOW = 10  # with many runs, each curve's trailing mean over this many logged steps
 LINESTYLES = ("-", "--", ":", "-.")
 

@@ -61,6 +61,15 @@ def build(runs: list[Run]) -> dict:
                 "metric": f"router_grad/{name}/layer*",
             }
         )
+    figs.append(
+        {
+            "stem": "heatmap_expert_load",
+            "title": figures.EXPERT_LOAD_TITLE,
+            "kind": "heatmap",
+            "png": figures.expert_load(runs),
+            "metric": "expert_load.jsonl",
+        }
+    )
     for key, title in data.CURVES:
         png = figures.curve(runs, key, title)
         figs.append(

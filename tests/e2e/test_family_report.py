@@ -13,6 +13,7 @@ import html5lib
 import numpy as np
 import pytest
 
+from moe_rl.metrics import read_metrics
 from tests.e2e.test_hf_families_run import _checkpoint
 from tests.e2e.test_train_cli import metrics, moe_rl
 from tests.models import deepseek_v3_tiny
@@ -75,6 +76,17 @@ def test_deepseek_v3_run_monitor_and_report_know_dense_layers_and_the_shared_exp
         whole = np.mean([r[f"router_grad/shared_expert_share/layer{lid}"] for lid in moe_layers])
         assert r["router_grad/shared_expert_share"] == pytest.approx(whole, rel=1e-12)
 
+    # per-expert load, a vector per MoE layer and step (expert_load.jsonl): the monitor's own counts
+    loads, _ = read_metrics(run / "expert_load.jsonl")
+    assert [r["step"] for r in loads] == [0, 1]
+    for rec, r in zip(loads, recs):
+        assert sorted(rec["layers"]) == [str(lid) for lid in moe_layers]  # no dense layer
+        for lid in moe_layers:
+            load_E = np.asarray(rec["layers"][str(lid)])
+            assert load_E.shape == (E,) and load_E.sum() == pytest.approx(1.0, abs=1e-12)
+            assert load_E.max() == r[f"router_grad/load_max_frac/layer{lid}"], lid
+            assert (load_E == 0).sum() == r[f"router_grad/never_selected/layer{lid}"], lid
+
     moe_rl("report", str(run))
     html = (run / "report" / "report.html").read_text()
     html5lib.HTMLParser(strict=True).parse(html)
@@ -103,5 +115,6 @@ def test_deepseek_v3_run_monitor_and_report_know_dense_layers_and_the_shared_exp
     )
     assert '<td>dense layers (no router)</td><td class="num">0</td>' in html
     assert "<figcaption>router_grad/shared_expert_share/layer*</figcaption>" in html
+    assert "<figcaption>expert_load.jsonl</figcaption>" in html
     md = (run / "report" / "report.md").read_text()
     assert "- layer 0 (dense) **dense**: an MLP without router" in md

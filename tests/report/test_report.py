@@ -337,8 +337,18 @@ def test_dense_layers_are_labelled_dense_and_the_shared_expert_share_is_stated(t
         rec["router_grad/shared_expert_share"] = (rec["router_grad/shared_expert_share/layer1"] + 0.5) / 2
         recs.append(json.dumps(rec))
     (path / "metrics.jsonl").write_text("\n".join(recs) + "\n")
+    loads = [  # layer 1 drifts from uniform onto expert 0; layer 2 stays uniform
+        {"step": s, "layers": {"1": [0.125 + 0.125 * s] + [(0.875 - 0.125 * s) / 7] * 7, "2": [0.125] * 8}}
+        for s in range(4)
+    ]
+    (path / "expert_load.jsonl").write_text("".join(json.dumps(x) + "\n" for x in loads))
     run = load_run(path)
     assert (run.moe_layers, run.dense_layers, run.layers) == ([1, 2], [0], [0, 1, 2])
+    load_LE = run.expert_load_LE()  # x E, mean over the steps: layer 1 expert 0 (0.125..0.5 -> 0.3125) x 8
+    assert load_LE.shape == (3, 8) and np.isnan(load_LE[0]).all()
+    assert load_LE[1, 0] == pytest.approx(2.5) and load_LE[1, 1:] == pytest.approx([(8 - 2.5) / 7] * 7)
+    assert load_LE[2] == pytest.approx([1.0] * 8)
+    assert run.expert_load_LE(window=1)[1, 0] == pytest.approx(4.0)  # the last step alone: 0.5 x 8
     assert run.shared_expert_flop_share() == 128 / (128 + 2 * 64)
     m_LT = run.matrix("shared_expert_share")
     assert np.isnan(m_LT[0]).all() and m_LT[1].tolist() == pytest.approx([0.2, 0.3, 0.4, 0.5])
@@ -351,7 +361,8 @@ def test_dense_layers_are_labelled_dense_and_the_shared_expert_share_is_stated(t
     head = dict(data.headline(run))
     assert head["shared-expert share of the MoE output norm (mean)"] == pytest.approx(0.425)
     assert head["dense layers (no router)"] == "0"
-    html = _check_html(write_report([path]), expected_figures=2)  # blackout and shared-share heatmaps
+    html = _check_html(write_report([path]), expected_figures=3)  # blackout, shared share, expert load
+    assert "<figcaption>expert_load.jsonl</figcaption>" in html
     assert '<tr class="dense"><td>layer 0 (dense)</td><td>dense: an MLP without router' in html
     # a run without dense layers or a shared expert says neither
     plain = load_run(_run_dir(tmp_path / "plain", 3))
