@@ -79,7 +79,8 @@ def test_deepseek_v3_run_monitor_and_report_know_dense_layers_and_the_shared_exp
     # per-expert load, a vector per MoE layer and step (expert_load.jsonl): the monitor's own counts
     loads, _ = read_metrics(run / "expert_load.jsonl")
     assert [r["step"] for r in loads] == [0, 1]
-    for rec, r in zip(loads, recs):
+    for rec in loads:
+        r = recs[rec["step"]]
         assert sorted(rec["layers"]) == [str(lid) for lid in moe_layers]  # no dense layer
         for lid in moe_layers:
             load_E = np.asarray(rec["layers"][str(lid)])
