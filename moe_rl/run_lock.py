@@ -32,7 +32,15 @@ log = logging.getLogger(__name__)
 
 LOCK_NAME = ".lock"
 # what a run writes into its directory (rank 0's files; checkpoints from every rank)
-RUN_FILES = ("config.yaml", "metrics.jsonl", "events.jsonl", "expert_load.jsonl", "wandb_id", "wandb", "checkpoints")
+RUN_FILES = (
+    "config.yaml",
+    "metrics.jsonl",
+    "events.jsonl",
+    "expert_load.jsonl",
+    "wandb_id",
+    "wandb",
+    "checkpoints",
+)
 
 
 class RunDirInUseError(RunDirError):
