@@ -31,6 +31,19 @@ def _png(fig) -> bytes:
     return buf.getvalue()
 
 
+def _layer_rows(ax, run: Run, xlabel: str) -> None:
+    """One run's panel: a row per layer, a dense layer (no router) hatched and labelled so."""
+    dense = set(run.dense_layers)
+    for row, lid in enumerate(run.layers):
+        if lid in dense:
+            ax.axhspan(row - 0.5, row + 0.5, facecolor="0.9", hatch="//", edgecolor="0.6", lw=0)
+    labels = [f"layer {lid} (dense)" if lid in dense else f"layer {lid}" for lid in run.layers]
+    ax.set_yticks(range(len(run.layers)), labels, fontsize=8)
+    ax.set_xlabel(xlabel, fontsize=8)
+    ax.tick_params(labelsize=8)
+    ax.set_title(run.name, fontsize=9)
+
+
 def heatmap(runs: list[Run], name: str, title: str, vrange: tuple[float, float] | None) -> bytes | None:
     """router_grad/<name>/layer{N} over steps, one panel per run; None if no run logged it."""
     mats = [r.matrix(name) for r in runs]
@@ -62,15 +75,7 @@ def heatmap(runs: list[Run], name: str, title: str, vrange: tuple[float, float] 
             vmax=vmax,
             extent=extent,
         )
-        dense = set(run.dense_layers)
-        for row, lid in enumerate(run.layers):  # a dense layer has no router: hatched, labelled so
-            if lid in dense:
-                ax.axhspan(row - 0.5, row + 0.5, facecolor="0.9", hatch="//", edgecolor="0.6", lw=0)
-        labels = [f"layer {lid} (dense)" if lid in dense else f"layer {lid}" for lid in run.layers]
-        ax.set_yticks(range(len(run.layers)), labels, fontsize=8)
-        ax.set_xlabel("step", fontsize=8)
-        ax.tick_params(labelsize=8)
-        ax.set_title(run.name, fontsize=9)
+        _layer_rows(ax, run, "step")
     fig.colorbar(im, ax=axes.ravel().tolist(), fraction=0.025, pad=0.01)
     fig.suptitle(title, fontsize=10, x=0.02, y=1 + 0.08 / nrows, ha="left")  # above the run-name titles
     return _png(fig)
@@ -101,15 +106,7 @@ def expert_load(runs: list[Run]) -> bytes | None:
             vmin=0,
             vmax=vmax,
         )
-        dense = set(run.dense_layers)
-        for row, lid in enumerate(run.layers):
-            if lid in dense:
-                ax.axhspan(row - 0.5, row + 0.5, facecolor="0.9", hatch="//", edgecolor="0.6", lw=0)
-        labels = [f"layer {lid} (dense)" if lid in dense else f"layer {lid}" for lid in run.layers]
-        ax.set_yticks(range(len(run.layers)), labels, fontsize=8)
-        ax.set_xlabel("routed expert", fontsize=8)
-        ax.tick_params(labelsize=8)
-        ax.set_title(run.name, fontsize=9)
+        _layer_rows(ax, run, "routed expert")
     if im is not None:
         fig.colorbar(im, ax=axes.ravel().tolist(), fraction=0.025, pad=0.01)
     fig.suptitle(EXPERT_LOAD_TITLE, fontsize=10, x=0.02, y=1 + 0.08 / nrows, ha="left")

@@ -31,6 +31,7 @@ from moe_rl.config import ModelConfig, OptimConfig, ParallelConfig, load_config
 from moe_rl.weights import hf as hfc
 from tests.dist_harness import run_ranks
 from tests.models import deepseek_v3_tiny, glm4_moe_tiny, qwen2_moe_tiny
+from tests.rollout.test_hf_parity import hf_forward
 
 transformers = pytest.importorskip("transformers")
 
@@ -122,19 +123,8 @@ def batch() -> tuple[torch.Tensor, torch.Tensor]:
 def hf_logits_and_ids(model: object, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """transformers' fp32 logits [B, S, V] and Top-K ids [B, S, L_moe, K] (sorted over K: HF's topk
     is unsorted), from forward hooks on every MoE layer's router (``mlp.gate``, ``output[2]``)."""
-    tokens_BS, valid_BS = batch()
-    captured: list[torch.Tensor] = []
-    hooks = [
-        model.model.layers[i].mlp.gate.register_forward_hook(lambda _m, _i, out: captured.append(out[2]))
-        for i in cfg.moe_layers
-    ]
-    try:
-        with torch.no_grad():
-            logits = model(input_ids=tokens_BS, attention_mask=valid_BS.long()).logits
-    finally:
-        for h in hooks:
-            h.remove()
-    return logits.float(), torch.stack([c.view(B, S, -1) for c in captured], dim=2).sort(-1).values
+    logits_BSV, ids_BSLK = hf_forward(model, cfg, *batch())
+    return logits_BSV, ids_BSLK.sort(-1).values
 
 
 @pytest.fixture(scope="module")
