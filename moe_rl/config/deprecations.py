@@ -39,10 +39,50 @@ def _renamed_key(key: str) -> str:
     return DEPRECATED_KEYS.get(key) or key
 
 
+def _covers(given: str, new: str) -> bool:
+    """Whether setting the dotted key ``given`` sets (part of) ``new``: itself, a parent or a child."""
+    return given == new or new.startswith(given + ".") or given.startswith((new + ".", new + "["))
+
+
+def _both_given(old: str, new: str, where: str) -> ConfigError:
+    return ConfigError(
+        f"{where}: config keys '{old}' and '{new}' are both given, and '{old}' is the deprecated name "
+        f"of '{new}': give only '{new}'"
+    )
+
+
+def refuse_old_and_new_overrides(overrides) -> None:
+    """A deprecated key and its new name among the same command line's overrides would leave the
+    last one silently winning: refused, naming both overrides."""
+    keys = [(item.split("=", 1)[0].strip(), item) for item in overrides]
+    for old, old_item in keys:
+        new = DEPRECATED_KEYS.get(old)
+        for given, item in keys:
+            if new is not None and given not in DEPRECATED_KEYS and _covers(given, new):
+                raise _both_given(old, new, f"overrides {old_item!r} and {item!r}")
+
+
+def _has_key(tree: dict, dotted: str) -> bool:
+    node = tree
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
+
+
+def _refuse_old_and_new_tree(tree: dict, where: str) -> None:
+    """The same check in one YAML mapping (the file ``where``)."""
+    for old, new in DEPRECATED_KEYS.items():
+        if new is not None and _has_key(tree, old) and _has_key(tree, new):
+            raise _both_given(old, new, where)
+
+
 def _rename_tree(tree: dict, legacy_rs: dict, where: str) -> dict:
     """Move the deprecated keys of one YAML mapping to their new keys (one warning each); the
     rs / rs_bounds values go to ``legacy_rs`` with ``where`` they were set (merged as
     correction.rejection after every input is read)."""
+    _refuse_old_and_new_tree(tree, where)
     for old, new in DEPRECATED_KEYS.items():
         head, _, leaf = old.rpartition(".")
         parent = tree

@@ -19,6 +19,7 @@ from moe_rl.config.deprecations import (
     _rename_tree,
     _renamed_key,
     _warn_deprecated,
+    refuse_old_and_new_overrides,
 )
 from moe_rl.config.run import RunConfig
 from moe_rl.errors import ConfigError
@@ -172,6 +173,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
                 file_model_keys = set(tree["model"])
             merged = _writable(OmegaConf.merge(merged, _check_rules(OmegaConf.create(tree))))
         base = merged
+        refuse_old_and_new_overrides(overrides)
         for item in overrides:  # merged one at a time, so an error names its own override
             where = f"override {item!r}"
             layer = _override(base, item, legacy_rs)

@@ -8,7 +8,8 @@ answers, in the peers' row formats, so a new user can try the HF path without do
 - ``--style slime``: ``{"input": ..., "label": "16", "data_source": "arith_words"}``; train with
   ``task.prompt_key=input task.answer_key=label``.
 
-``OUT`` ending in ``.parquet`` is written with pyarrow's Parquet writer, else as JSONL. Problems are
+``OUT`` ending in ``.parquet`` is written with pyarrow's Parquet writer, ``.jsonl`` / ``.json`` as
+JSONL; any other suffix is refused (``task.dataset`` would not read it). Problems are
 one to three operations on small integers (answers may be negative), each asking for the answer in
 ``\\boxed{}``; the output is a pure function of (num, seed).
 """
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from moe_rl.errors import DataError, DiskFullError, disk_full_named
+from moe_rl.tasks.rows import PROMPT_SUFFIXES
 
 SOURCE = "arith_words"
 NAMES = ("Ava", "Ben", "Chen", "Dana", "Eli", "Fay", "Gus", "Hana")
@@ -68,6 +70,11 @@ def make_rows(num: int, seed: int, style: str) -> list[dict[str, Any]]:
 def write_math_dataset(out: str | Path, num: int, seed: int = 0, style: str = "verl") -> Path:
     """Write ``num`` problems to ``out`` (.parquet, else JSONL); refuses to overwrite."""
     out = Path(out)
+    if out.suffix not in PROMPT_SUFFIXES:  # train would refuse the file: say so before writing it
+        raise DataError(
+            f"{out}: unknown prompt file type {out.suffix!r}; make-math writes what task.dataset "
+            f"reads: {', '.join(PROMPT_SUFFIXES)}"
+        )
     if out.exists():
         raise DataError(f"{out} already exists; make-math never overwrites")
     if num < 1:

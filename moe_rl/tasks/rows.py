@@ -39,6 +39,8 @@ from moe_rl.types import Prompt
 
 logger = logging.getLogger(__name__)
 _MISSING = object()
+# the prompt files read_rows reads (.json: one object per line, as .jsonl); make-math writes only these
+PROMPT_SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
 @dataclass(frozen=True)
@@ -76,7 +78,7 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
             import pyarrow.parquet as pq
 
             return _table_rows(pq.read_table(str(path)), path)
-        if path.suffix not in (".jsonl", ".json"):
+        if path.suffix not in PROMPT_SUFFIXES:
             raise DataError(f"{path}: unknown prompt file type {path.suffix!r}; use .jsonl or .parquet")
         import pyarrow.json as pj
 

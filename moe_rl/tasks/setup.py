@@ -16,14 +16,15 @@ from pathlib import Path
 import torch
 
 from moe_rl.config import RunConfig
-from moe_rl.errors import CheckpointError, ConfigError, DataError
-from moe_rl.fsutil import read_json
+from moe_rl.errors import ConfigError, DataError
 from moe_rl.tasks.dataset import GeneratedTasks, PromptSource
 from moe_rl.tasks.hf_tokenizer import HFTokenizer, TokenizerError, check_vocab_fits, load_tokenizer
 from moe_rl.tasks.rewards import overlong_penalty, score, uses_token_reward
 from moe_rl.tasks.rows import RowDataset, RowSpec
 from moe_rl.tasks.text_rewards import RewardPool
 from moe_rl.tasks.tokenizer import CharTokenizer
+from moe_rl.weights.hf_config import CONFIG as HF_CONFIG
+from moe_rl.weights.hf_config import hf_keys
 
 log = logging.getLogger(__name__)
 
@@ -108,12 +109,9 @@ def resolve_vocab(cfg: RunConfig, tok: CharTokenizer | HFTokenizer) -> RunConfig
     tokenizer's; it must hold every token id."""
     vocab = cfg.model.vocab_size
     if vocab == 0 and cfg.init_weights.startswith("hf:"):
-        path = Path(cfg.init_weights[3:]) / "config.json"
-        if path.is_file():
-            hf = read_json(path)  # errors name the file (and line)
-            if not isinstance(hf, dict):
-                raise CheckpointError(f"{path}: expected a JSON object, got a {type(hf).__name__}")
-            vocab = int(hf.get("vocab_size", 0))
+        ckpt_dir = Path(cfg.init_weights[3:])
+        if (ckpt_dir / HF_CONFIG).is_file():
+            vocab = hf_keys(ckpt_dir).get("vocab_size", int, 0)  # errors name the file and the key
     vocab = vocab or tok.vocab_size
     check_vocab_fits(tok, vocab)
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab))

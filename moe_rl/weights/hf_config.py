@@ -41,41 +41,89 @@ def _refuse(path: Path, key: str, value: Any, why: str) -> CheckpointError:
     return CheckpointError(f"{path}: key {key!r} = {value!r}: {why}")
 
 
-def _require(hf: dict, path: Path, key: str, ok, why: str, default: Any = None) -> None:
-    value = hf.get(key, default)
+_REQUIRED = object()
+_KIND_NAMES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", dict: "an object"}
+_JSON_TYPES = {bool: "boolean", int: "integer", float: "number", str: "string", dict: "object", list: "list"}
+
+
+def _is(value: Any, kind: type) -> bool:
+    """JSON's types as written, nothing coerced: a bool is not an int, a float (4.0 too) is not an
+    int, an int is a number."""
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    return isinstance(value, kind)
+
+
+@dataclass(frozen=True)
+class Keys:
+    """``config.json`` read by type: every key is read through ``get``, so a value of the wrong type
+    (``"false"`` for a boolean, 4.6 for an integer) is refused naming the file and the key instead
+    of being coerced. ``prefix``: the dotted name of a nested object (``rope_scaling.``)."""
+
+    raw: dict
+    path: Path
+    prefix: str = ""
+
+    def get(self, key: str, kind: type, default: Any = _REQUIRED, items: type | None = None) -> Any:
+        """``key``'s value, of ``kind`` (a list of ``items``); absent or null: ``default`` (HF
+        writes null for "the default"), or CheckpointError if it is required."""
+        name, value = self.prefix + key, self.raw.get(key)
+        if value is None:
+            if default is _REQUIRED:
+                state = "null" if key in self.raw else "missing"
+                raise CheckpointError(f"{self.path}: required key {name!r} is {state}")
+            return default
+        if kind is list:
+            if not isinstance(value, list) or not all(_is(v, items) for v in value):
+                raise _refuse(self.path, name, value, f"expected a list of {_KIND_NAMES[items][2:]}s")
+            return list(value)
+        if not _is(value, kind):
+            got = next(n for t, n in _JSON_TYPES.items() if isinstance(value, t))
+            raise _refuse(self.path, name, value, f"expected {_KIND_NAMES[kind]}, got a JSON {got}")
+        return float(value) if kind is float else value
+
+    def sub(self, key: str) -> Keys:
+        """The object at ``key`` (absent or null: an empty one) as its own typed reader."""
+        return Keys(dict(self.get(key, dict, {})), self.path, f"{self.prefix}{key}.")
+
+
+def _require(hf: Keys, key: str, kind: type, ok, why: str, default: Any = None) -> None:
+    value = hf.get(key, kind, default)
     if not ok(value):
-        raise _refuse(path, key, value, why)
+        raise _refuse(hf.path, hf.prefix + key, value, why)
 
 
-def _first_k_dense(hf: dict, path: Path, num_layers: int, num_experts: int) -> int:
+def _first_k_dense(hf: Keys, num_layers: int, num_experts: int) -> int:
     """Qwen-MoE makes layer i MoE iff i not in mlp_only_layers and (i + 1) % decoder_sparse_step
     == 0; the learner represents exactly the pattern "first k layers dense, the rest MoE"."""
-    step = int(hf.get("decoder_sparse_step", 1) or 1)
-    mlp_only = set(hf.get("mlp_only_layers") or [])
+    step = hf.get("decoder_sparse_step", int, 1) or 1
+    mlp_only = set(hf.get("mlp_only_layers", list, [], items=int))
     dense = [i for i in range(num_layers) if i in mlp_only or (i + 1) % step != 0 or num_experts == 0]
     k = len(dense)
     if dense != list(range(k)) or k >= num_layers:
         key = "decoder_sparse_step" if step != 1 else "mlp_only_layers"
         raise _refuse(
-            path,
+            hf.path,
             key,
-            hf.get(key),
+            hf.raw.get(key),
             f"dense layers {dense} are not the first k of {num_layers} "
             "with at least one MoE layer after them (the learner's first_k_dense pattern)",
         )
     return k
 
 
-def _first_k_replace(hf: dict, path: Path, default: int) -> int:
+def _first_k_replace(hf: Keys, default: int) -> int:
     """DeepSeek-V3 / GLM-4.5: ``first_k_dense_replace`` dense layers, then MoE in every layer."""
     _require(
-        hf, path, "moe_layer_freq", lambda v: v in (None, 1), "only an MoE layer every layer is supported"
+        hf, "moe_layer_freq", int, lambda v: v in (None, 1), "only an MoE layer every layer is supported"
     )
-    k = int(hf.get("first_k_dense_replace", default) or 0)
-    layers = int(hf["num_hidden_layers"])
+    k = hf.get("first_k_dense_replace", int, default)
+    layers = hf.get("num_hidden_layers", int)
     if not 0 <= k < layers:
         why = f"must leave at least one MoE layer of num_hidden_layers={layers}"
-        raise _refuse(path, "first_k_dense_replace", k, why)
+        raise _refuse(hf.path, "first_k_dense_replace", k, why)
     return k
 
 
@@ -92,172 +140,185 @@ _YARN_KEYS = {
 _YARN_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0}
 
 
-def _rope_fields(hf: dict, path: Path, default_theta: float, yarn_ok: bool, partial_default: float):
+def _rope_fields(hf: Keys, default_theta: float, yarn_ok: bool, partial_default: float):
     """RoPE base, YaRN scaling and partial rotary from ``rope_parameters`` (transformers 5) or the
     hub's ``rope_scaling`` + top-level ``rope_theta`` / ``partial_rotary_factor``."""
-    rope = dict(hf.get("rope_parameters") or {})
-    key = "rope_parameters"
-    if not rope and hf.get("rope_scaling"):
-        rope, key = dict(hf["rope_scaling"]), "rope_scaling"
-    kind = rope.get("rope_type", rope.get("type")) or "default"
+    rope = hf.sub("rope_parameters")
+    if not rope.raw and hf.get("rope_scaling", dict, {}):
+        rope = hf.sub("rope_scaling")
+    type_key = "rope_type" if rope.raw.get("rope_type") is not None else "type"
+    kind = rope.get(type_key, str, "default")
     out: dict[str, Any] = {"rope_scaling_type": "none"}
     if kind == "yarn" and yarn_ok:
         out["rope_scaling_type"] = "yarn"
-        if rope.get("attention_factor") is not None:
-            why = "an explicit YaRN attention factor is not supported"
-            raise _refuse(path, f"{key}.attention_factor", rope["attention_factor"], why)
-        if rope.get("truncate", True) is not True:
-            why = "only the truncated YaRN ramp is supported"
-            raise _refuse(path, f"{key}.truncate", rope["truncate"], why)
-        if rope.get("factor") is None:
-            raise _refuse(path, f"{key}.factor", None, "YaRN needs its scaling factor")
+        _require(
+            rope,
+            "attention_factor",
+            float,
+            lambda v: v is None,
+            "an explicit YaRN attention factor is not supported",
+        )
+        _require(
+            rope, "truncate", bool, lambda v: v is True, "only the truncated YaRN ramp is supported", True
+        )
+        rope.get("factor", float)  # required: YaRN's scaling factor
         for hf_key, ours in _YARN_KEYS.items():
-            value = rope.get(hf_key)
             if hf_key == "original_max_position_embeddings":
-                value = value or hf.get("max_position_embeddings")
-                out[ours] = int(value)
+                out[ours] = rope.get(hf_key, int, None) or hf.get("max_position_embeddings", int)
             else:
-                out[ours] = float(value if value is not None else _YARN_DEFAULTS.get(hf_key, 1.0))
+                out[ours] = rope.get(hf_key, float, _YARN_DEFAULTS.get(hf_key, 1.0))
     elif kind != "default":
         what = "plain RoPE or YaRN" if yarn_ok else "only plain RoPE is supported"
-        raise _refuse(path, f"{key}.rope_type", kind, f"{what} (this family)")
-    theta = float(rope.get("rope_theta", hf.get("rope_theta", default_theta)))
+        raise _refuse(hf.path, f"{rope.prefix}{type_key}", kind, f"{what} (this family)")
+    theta = rope.get("rope_theta", float, None)
+    theta = hf.get("rope_theta", float, default_theta) if theta is None else theta
     if theta != int(theta):  # megatron's rotary_base is an int
-        raise _refuse(path, "rope_theta", theta, "the learner needs an integer RoPE base")
+        raise _refuse(hf.path, "rope_theta", theta, "the learner needs an integer RoPE base")
     out["rope_theta"] = theta
-    partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
-    out["partial_rotary_factor"] = float(partial_default if partial is None else partial)
+    partial = rope.get("partial_rotary_factor", float, None)
+    out["partial_rotary_factor"] = (
+        hf.get("partial_rotary_factor", float, partial_default) if partial is None else partial
+    )
     return out
 
 
-def _qwen3_moe_fields(hf: dict, path: Path) -> dict[str, Any]:
+def _qwen3_moe_fields(hf: Keys) -> dict[str, Any]:
     _require(
         hf,
-        path,
         "norm_topk_prob",
+        bool,
         lambda v: v is True,
         "the learner renormalises the Top-K gate weights (softmax over the top-k logits)",
         False,
     )
     _require(
-        hf, path, "use_sliding_window", lambda v: not v, "sliding-window attention is not supported", False
+        hf, "use_sliding_window", bool, lambda v: not v, "sliding-window attention is not supported", False
     )
     _require(
         hf,
-        path,
         "shared_expert_intermediate_size",
+        int,
         lambda v: not v,
         "Qwen3-MoE has no shared experts; this checkpoint does",
         0,
     )
-    _require(hf, path, "attention_bias", lambda v: not v, "attention biases are not supported", False)
-    num_experts = int(hf.get("num_experts", hf.get("num_local_experts", 0)))
+    _require(hf, "attention_bias", bool, lambda v: not v, "attention biases are not supported", False)
+    num_experts = hf.get("num_experts", int, None)
+    num_experts = hf.get("num_local_experts", int, 0) if num_experts is None else num_experts
     return {
-        "ffn_hidden_size": int(hf["intermediate_size"]),
-        "moe_ffn_hidden_size": int(hf["moe_intermediate_size"]),
+        "ffn_hidden_size": hf.get("intermediate_size", int),
+        "moe_ffn_hidden_size": hf.get("moe_intermediate_size", int),
         "num_experts": num_experts,
         "qk_layernorm": True,
-        "first_k_dense": _first_k_dense(hf, path, int(hf["num_hidden_layers"]), num_experts),
+        "first_k_dense": _first_k_dense(hf, hf.get("num_hidden_layers", int), num_experts),
     }
 
 
-def _mixtral_fields(hf: dict, path: Path) -> dict[str, Any]:
+def _mixtral_fields(hf: Keys) -> dict[str, Any]:
     """Every Mixtral layer is MoE (``intermediate_size`` is the expert's), so the dense FFN size
     is not described; routing is softmax over all experts, Top-K, renormalised: the same gates as
     the learner's softmax over the top-k logits."""
-    _require(hf, path, "sliding_window", lambda v: v is None, "sliding-window attention is not supported")
-    _require(hf, path, "router_jitter_noise", lambda v: not v, "router jitter noise is not implemented", 0.0)
-    _require(hf, path, "attention_bias", lambda v: not v, "attention biases are not supported", False)
+    _require(hf, "sliding_window", int, lambda v: v is None, "sliding-window attention is not supported")
+    _require(hf, "router_jitter_noise", float, lambda v: not v, "router jitter noise is not implemented", 0.0)
+    _require(hf, "attention_bias", bool, lambda v: not v, "attention biases are not supported", False)
     return {
-        "moe_ffn_hidden_size": int(hf["intermediate_size"]),
-        "num_experts": int(hf["num_local_experts"]),
+        "moe_ffn_hidden_size": hf.get("intermediate_size", int),
+        "num_experts": hf.get("num_local_experts", int),
         "qk_layernorm": False,
         "first_k_dense": 0,
     }
 
 
-def _sigmoid_router(hf: dict, path: Path) -> dict[str, Any]:
+def _sigmoid_router(hf: Keys) -> dict[str, Any]:
     """DeepSeek-V3 / GLM-4.5 routing: sigmoid scores, the expert bias selects (noaux_tc), groups,
     the routed scaling factor; ``n_group`` 1 (or absent) is no group limit."""
-    _require(hf, path, "scoring_func", lambda v: v in (None, "sigmoid"), "only sigmoid scores (this family)")
+    _require(hf, "scoring_func", str, lambda v: v in (None, "sigmoid"), "only sigmoid scores (this family)")
     _require(
         hf,
-        path,
         "topk_method",
+        str,
         lambda v: v in (None, "noaux_tc"),
         "only noaux_tc (the e_score_correction_bias selects, never weights)",
     )
-    groups = int(hf.get("n_group") or 1)
-    moe_ffn = int(hf["moe_intermediate_size"])
+    groups = hf.get("n_group", int, 1) or 1
+    moe_ffn = hf.get("moe_intermediate_size", int)
     return {
-        "ffn_hidden_size": int(hf["intermediate_size"]),
+        "ffn_hidden_size": hf.get("intermediate_size", int),
         "moe_ffn_hidden_size": moe_ffn,
-        "num_experts": int(hf["n_routed_experts"]),
+        "num_experts": hf.get("n_routed_experts", int),
         "moe_router_score_function": "sigmoid",
         "moe_router_expert_bias": True,
-        "norm_topk_prob": bool(hf.get("norm_topk_prob", True)),
+        "norm_topk_prob": hf.get("norm_topk_prob", bool, True),
         "moe_router_num_groups": groups if groups > 1 else 0,
-        "moe_router_group_topk": int(hf.get("topk_group") or 1) if groups > 1 else 0,
-        "moe_router_scaling_factor": float(hf.get("routed_scaling_factor", 1.0) or 1.0),
-        "moe_shared_expert_ffn_hidden_size": int(hf.get("n_shared_experts") or 0) * moe_ffn,
+        "moe_router_group_topk": (hf.get("topk_group", int, 1) or 1) if groups > 1 else 0,
+        "moe_router_scaling_factor": hf.get("routed_scaling_factor", float, 1.0) or 1.0,
+        "moe_shared_expert_ffn_hidden_size": hf.get("n_shared_experts", int, 0) * moe_ffn,
     }
 
 
-def _deepseek_v3_fields(hf: dict, path: Path) -> dict[str, Any]:
-    _require(hf, path, "attention_bias", lambda v: not v, "MLA with biases is not supported", False)
+def _deepseek_v3_fields(hf: Keys) -> dict[str, Any]:
+    _require(hf, "attention_bias", bool, lambda v: not v, "MLA with biases is not supported", False)
     _require(
         hf,
-        path,
         "rope_interleave",
+        bool,
         lambda v: v in (None, True),
         "the learner's MLA rotates interleaved pairs (DeepSeek-V3's own layout)",
     )
-    nope, rope = int(hf["qk_nope_head_dim"]), int(hf["qk_rope_head_dim"])
+    # the family is multi-latent attention: 0 would build another model (then fail far from here)
+    _require(
+        hf,
+        "kv_lora_rank",
+        int,
+        lambda v: v is None or v > 0,
+        "DeepSeek-V3 attention is multi-latent: must be > 0",
+    )
+    nope, rope = hf.get("qk_nope_head_dim", int), hf.get("qk_rope_head_dim", int)
     return {
-        **_sigmoid_router(hf, path),
-        "first_k_dense": _first_k_replace(hf, path, 3),
-        "kv_lora_rank": int(hf["kv_lora_rank"]),
-        "q_lora_rank": int(hf.get("q_lora_rank") or 0),
+        **_sigmoid_router(hf),
+        "first_k_dense": _first_k_replace(hf, 3),
+        "kv_lora_rank": hf.get("kv_lora_rank", int),
+        "q_lora_rank": hf.get("q_lora_rank", int, 0),
         "qk_nope_head_dim": nope,
         "qk_rope_head_dim": rope,
-        "v_head_dim": int(hf["v_head_dim"]),
+        "v_head_dim": hf.get("v_head_dim", int),
         "head_dim": nope + rope,  # unused by MLA; the q/k head size, for the record
         "qk_layernorm": False,
         "attention_bias": False,
     }
 
 
-def _glm4_moe_fields(hf: dict, path: Path) -> dict[str, Any]:
+def _glm4_moe_fields(hf: Keys) -> dict[str, Any]:
     return {
-        **_sigmoid_router(hf, path),
-        "first_k_dense": _first_k_replace(hf, path, 1),
-        "qk_layernorm": bool(hf.get("use_qk_norm", False)),
-        "attention_bias": bool(hf.get("attention_bias", False)),
+        **_sigmoid_router(hf),
+        "first_k_dense": _first_k_replace(hf, 1),
+        "qk_layernorm": hf.get("use_qk_norm", bool, False),
+        "attention_bias": hf.get("attention_bias", bool, False),
     }
 
 
-def _qwen2_moe_fields(hf: dict, path: Path) -> dict[str, Any]:
+def _qwen2_moe_fields(hf: Keys) -> dict[str, Any]:
     _require(
-        hf, path, "use_sliding_window", lambda v: not v, "sliding-window attention is not supported", False
+        hf, "use_sliding_window", bool, lambda v: not v, "sliding-window attention is not supported", False
     )
     _require(
         hf,
-        path,
         "shared_expert_intermediate_size",
-        lambda v: isinstance(v, int) and v > 0,
+        int,
+        lambda v: v is not None and v > 0,
         "Qwen2-MoE has a gated shared expert in every MoE layer; its size must be > 0",
     )
-    num_experts = int(hf["num_experts"])
+    num_experts = hf.get("num_experts", int)
     return {
-        "ffn_hidden_size": int(hf["intermediate_size"]),
-        "moe_ffn_hidden_size": int(hf["moe_intermediate_size"]),
+        "ffn_hidden_size": hf.get("intermediate_size", int),
+        "moe_ffn_hidden_size": hf.get("moe_intermediate_size", int),
         "num_experts": num_experts,
-        "norm_topk_prob": bool(hf.get("norm_topk_prob", False)),
-        "moe_shared_expert_ffn_hidden_size": int(hf["shared_expert_intermediate_size"]),
+        "norm_topk_prob": hf.get("norm_topk_prob", bool, False),
+        "moe_shared_expert_ffn_hidden_size": hf.get("shared_expert_intermediate_size", int),
         "moe_shared_expert_gate": True,
         "qk_layernorm": False,
-        "attention_bias": bool(hf.get("qkv_bias", True)),
-        "first_k_dense": _first_k_dense(hf, path, int(hf["num_hidden_layers"]), num_experts),
+        "attention_bias": hf.get("qkv_bias", bool, True),
+        "first_k_dense": _first_k_dense(hf, hf.get("num_hidden_layers", int), num_experts),
     }
 
 
@@ -379,7 +440,7 @@ class Family:
 
     architecture: str
     default_rope_theta: float
-    fields: Callable[[dict, Path], dict[str, Any]]  # family-specific config.json -> ModelConfig fields
+    fields: Callable[[Keys], dict[str, Any]]  # family-specific config.json -> ModelConfig fields
     config: Callable[[ModelConfig], dict[str, Any]]  # family-specific ModelConfig -> config.json keys
     renames: tuple[tuple[str, str], ...] = ()
     fixed: dict[str, Any] = field(default_factory=dict)
@@ -495,39 +556,42 @@ def family_problem(cfg: ModelConfig) -> str | None:
 
 
 def model_fields_from_hf(hf: dict, path: Path) -> dict[str, Any]:
-    """ModelConfig fields of a parsed config.json (``path`` only names the file in errors).
+    """ModelConfig fields of a parsed config.json (``path`` only names the file in errors); every
+    key is read by type (``Keys``), CheckpointError names the file and the key.
 
     ``router_aux_loss_coef`` is not read: it weighs transformers' own training loss (normalised
     ``num_experts_per_tok`` times megatron's, and used only with ``output_router_logits``); the
     run's ``model.router_aux_loss_coeff`` is an RL training choice. Nor is
     ``max_position_embeddings``: ``model.max_seq_len`` is the run's sequence budget."""
-    model_type = MODEL_TYPE_ALIASES.get(hf.get("model_type"), hf.get("model_type"))
+    keys = Keys(hf, path)
+    given_type = keys.get("model_type", str, None)
+    model_type = MODEL_TYPE_ALIASES.get(given_type, given_type)
     supported = (*SUPPORTED_MODEL_TYPES, *MODEL_TYPE_ALIASES)
-    _require(hf, path, "model_type", lambda v: model_type in FAMILIES, f"supported: {supported}")
+    _require(keys, "model_type", str, lambda v: model_type in FAMILIES, f"supported: {supported}")
     family = FAMILIES[model_type]
     _require(
-        hf,
-        path,
+        keys,
         "quantization_config",
+        dict,
         lambda v: not v,
         "quantized weights (e.g. FP8 blocks with weight_scale_inv) are not read: dequantize to bf16 first",
     )
-    _require(hf, path, "hidden_act", lambda v: v == "silu", "experts must be SwiGLU (silu)", "silu")
-    heads = int(hf["num_attention_heads"])
+    _require(keys, "hidden_act", str, lambda v: v == "silu", "experts must be SwiGLU (silu)", "silu")
+    hidden, heads = keys.get("hidden_size", int), keys.get("num_attention_heads", int)
     return {
         **family.fixed,  # so a model.* key that contradicts the family is refused at load too
         "hf_family": model_type,
-        "vocab_size": int(hf["vocab_size"]),
-        "hidden_size": int(hf["hidden_size"]),
-        "num_layers": int(hf["num_hidden_layers"]),
+        "vocab_size": keys.get("vocab_size", int),
+        "hidden_size": hidden,
+        "num_layers": keys.get("num_hidden_layers", int),
         "num_attention_heads": heads,
-        "num_query_groups": int(hf.get("num_key_value_heads") or heads),
-        "head_dim": int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
-        "moe_router_topk": int(hf["num_experts_per_tok"]),
-        "norm_eps": float(hf["rms_norm_eps"]),
-        "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
-        **_rope_fields(hf, path, family.default_rope_theta, family.yarn, family.partial_rotary_default),
-        **family.fields(hf, path),
+        "num_query_groups": keys.get("num_key_value_heads", int, 0) or heads,
+        "head_dim": keys.get("head_dim", int, 0) or hidden // max(heads, 1),
+        "moe_router_topk": keys.get("num_experts_per_tok", int),
+        "norm_eps": keys.get("rms_norm_eps", float),
+        "tie_word_embeddings": keys.get("tie_word_embeddings", bool, False),
+        **_rope_fields(keys, family.default_rope_theta, family.yarn, family.partial_rotary_default),
+        **family.fields(keys),
     }
 
 
@@ -542,23 +606,22 @@ def read_hf_config(ckpt_dir: str | Path) -> dict:
     return hf
 
 
+def hf_keys(ckpt_dir: str | Path) -> Keys:
+    """``ckpt_dir/config.json``'s typed reader (``Keys``)."""
+    return Keys(read_hf_config(ckpt_dir), Path(ckpt_dir) / CONFIG)
+
+
 def load_hf_config(ckpt_dir: str | Path) -> dict[str, Any]:
     """ModelConfig fields from ``ckpt_dir/config.json``; CheckpointError names a refused key."""
-    path = Path(ckpt_dir) / CONFIG
-    hf = read_hf_config(ckpt_dir)
-    try:
-        return model_fields_from_hf(hf, path)
-    except KeyError as e:
-        raise CheckpointError(f"{path}: required key {e.args[0]!r} is missing") from None
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"{path}: a value has the wrong type ({e})") from None
+    return model_fields_from_hf(read_hf_config(ckpt_dir), Path(ckpt_dir) / CONFIG)
 
 
 def mtp_layers(ckpt_dir: str | Path) -> int:
     """``num_nextn_predict_layers`` of a DeepSeek-V3 / GLM-4.5 checkpoint (0 for other families)."""
-    hf = read_hf_config(ckpt_dir)
-    family = FAMILIES.get(MODEL_TYPE_ALIASES.get(hf.get("model_type"), hf.get("model_type")))
-    return int(hf.get("num_nextn_predict_layers") or 0) if family is not None and family.mtp else 0
+    hf = hf_keys(ckpt_dir)
+    model_type = hf.get("model_type", str, None)
+    family = FAMILIES.get(MODEL_TYPE_ALIASES.get(model_type, model_type))
+    return hf.get("num_nextn_predict_layers", int, 0) if family is not None and family.mtp else 0
 
 
 def hf_config_dict(cfg: ModelConfig, dtype_name: str = "float32") -> dict[str, Any]:
