@@ -5,7 +5,9 @@ A family is one ``model_type`` (== ``ModelConfig.hf_family``): how its config.js
 the typed fields, which fields it cannot vary, how its tensor names differ from the canonical ones
 (HF Qwen3-MoE's plus DeepSeek-V3's, ``moe_rl/weights/canonical.py``), and the inverse for export.
 Anything the learner cannot represent exactly is refused, naming the key and the file; what a family
-maps to is in the README ("Train your own checkpoint on your data").
+maps to is in the README ("Train your own checkpoint on your data"). Every value is read by type
+through one reader (``Keys``): a boolean is a JSON boolean, an integer a JSON integer, a number either;
+``"false"`` or 4.6 where those belong is refused naming the file and the key, never coerced.
 
 - ``qwen3_moe``, ``mixtral``: softmax Top-K routers, GQA (docs/design.md 9).
 - ``deepseek_v3`` (also Kimi-K2's config.json: ``model_type`` ``kimi_k2`` with ``architectures``
@@ -77,7 +79,7 @@ class Keys:
             return default
         if kind is list:
             if not isinstance(value, list) or not all(_is(v, items) for v in value):
-                raise _refuse(self.path, name, value, f"expected a list of {_KIND_NAMES[items][2:]}s")
+                raise _refuse(self.path, name, value, f"expected a list of {_KIND_NAMES[items].split()[1]}s")
             return list(value)
         if not _is(value, kind):
             got = next(n for t, n in _JSON_TYPES.items() if isinstance(value, t))

@@ -91,7 +91,11 @@ def test_every_config_json_value_of_the_wrong_type_is_named(family):
 
 
 @pytest.mark.bad_input
-def test_mtp_layers_are_read_by_type(tmp_path):
+def test_mtp_layers_and_lists_are_read_by_type(tmp_path):
+    qwen3 = {**hfc.hf_config_dict(hf_tiny()), "mlp_only_layers": [0, 1.0]}
+    with pytest.raises(CheckpointError) as e:
+        hfc.model_fields_from_hf(qwen3, Path("/ckpt/config.json"))
+    assert str(e.value) == "/ckpt/config.json: key 'mlp_only_layers' = [0, 1.0]: expected a list of integers"
     hf = hfc.hf_config_dict(deepseek_v3_tiny())
     write(tmp_path / "config.json", json.dumps({**hf, "num_nextn_predict_layers": 1.5}))
     with pytest.raises(CheckpointError) as e:
