@@ -5,7 +5,7 @@ A family is one ``model_type`` (== ``ModelConfig.hf_family``): how its config.js
 the typed fields, which fields it cannot vary, how its tensor names differ from the canonical ones
 (HF Qwen3-MoE's plus DeepSeek-V3's, ``moe_rl/weights/canonical.py``), and the inverse for export.
 Anything the learner cannot represent exactly is refused, naming the key and the file; what a family
-maps to is in the README ("Train your own checkpoint on your data").
+maps to is in docs/models.md 2.
 
 - ``qwen3_moe``, ``mixtral``: softmax Top-K routers, GQA (docs/design.md 9).
 - ``deepseek_v3`` (also Kimi-K2's config.json: ``model_type`` ``kimi_k2`` with ``architectures``
