@@ -245,12 +245,14 @@ def run_doc(repo: Path, doc: str, commands: list[tuple[Command, int]]) -> list[s
     for k, (c, code) in enumerate(commands):
         # in braces, not a subshell: `source .venv/bin/activate` holds for the next commands
         script.append(f"{{ {shortened(c.text)}\n}} >{logs}/{k}.log 2>&1")
-        script.append(f'rc=$?; echo "{k} $rc" >>{logs}/rc; [ $rc = {code} ] || exit 1')
+        script.append(
+            f'rc=$?; echo "{k} $rc $SECONDS" >>{logs}/rc; [ $rc = {code} ] || exit 1'
+        )  # s since start
     path = f"{Path(sys.prefix) / 'bin'}{os.pathsep}{os.environ['PATH']}"
     env = dict(os.environ, PATH=path, PYTHONPATH=str(repo))
     subprocess.run(["bash", "-c", "\n".join(script)], env=env, timeout=3000, check=False)
     rc_file = logs / "rc"
-    done = dict(line.split() for line in rc_file.read_text().splitlines()) if rc_file.exists() else {}
+    done = dict(line.split()[:2] for line in rc_file.read_text().splitlines()) if rc_file.exists() else {}
     problems = []
     for k, (c, code) in enumerate(commands):
         out = (logs / f"{k}.log").read_text(errors="replace") if (logs / f"{k}.log").exists() else ""
@@ -259,7 +261,8 @@ def run_doc(repo: Path, doc: str, commands: list[tuple[Command, int]]) -> list[s
         seen = {line.strip() for line in out.splitlines()}
         missing = [line for line in c.output if line not in seen]
         if done[str(k)] != str(code) or missing:
-            tail = "\n".join(out.splitlines()[-25:])
+            said = [line for line in out.splitlines() if line.startswith("error:")]  # a user error's one line
+            tail = "\n".join(said + [line for line in out.splitlines()[-15:] if line not in said])
             why = f"exit {done[str(k)]} (want {code})" + (f", output lacks {missing}" if missing else "")
             problems.append(f"{c.doc}:{c.line}: {why}: {shortened(c.text)}\n{tail}")
     return problems
