@@ -197,7 +197,8 @@ def _become_subreaper() -> None:
 def end_with_launcher(launcher_pid: int) -> None:
     """A rank (a child of ``launcher_pid``) ends, with everything it started, when the launcher
     dies, as after kill -9 of it, which cannot stop anything itself. Linux only (prctl); a no-op
-    elsewhere, where the README says what is left. Must run in the rank's main thread (a handler)."""
+    elsewhere, where docs/reliability.md 5 says what is left. Must run in the rank's main thread (a
+    handler)."""
     if not sys.platform.startswith("linux"):
         return
     _become_subreaper()  # a killed child's own children come here, not to init: all are found

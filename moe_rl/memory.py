@@ -449,7 +449,7 @@ def format_estimate(est: dict[str, float]) -> str:
 
 
 def layout_table(cfg: RunConfig, ranked: list[Ranked]) -> str:
-    """A markdown table of ranked layouts (the README's)."""
+    """A markdown table of ranked layouts (as in docs/gpu.md 7)."""
     rows = [
         "| layout (TP x EP x ETP x PP) | learner static | train peak | rollout peak | "
         "vLLM KV tokens | fits? |",

@@ -8,7 +8,7 @@ N-run report and a table of outcomes per arm.
                                    [--set key=value ...] [--rerun] [--ci]
     python scripts/collapse_lab.py --arms none,r3 --map-noise 0.3,1.0,1.5 --map-lr 2e-4,3e-4   # map.md
 
-The defaults are the documented collapsing setting (README, "Collapse lab"): the default grid
+The defaults are the documented collapsing setting (docs/collapse_lab.md 2): the default grid
 (no correction, R3, the on-policy control; 3 seeds; 100 steps) fits in 45 minutes on 2 cores;
 `--arms all` runs every arm (about 2 h there).
 

@@ -1,4 +1,5 @@
-"""The docs that ship with the code: every citation in code, tests and configs resolves.
+"""The docs that ship with the code: every citation in code, tests, configs, the README and the docs
+pages themselves resolves.
 
 A citation is ``docs/<name>.md`` optionally followed by section numbers (``docs/math.md 3.3``,
 ``docs/math.md 2.4, 9``, ``docs/gpu_stack.md 1.2-1.4``). The file must exist in the repository and
@@ -17,7 +18,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
-SCANNED = ("moe_rl", "megatron_patches", "scripts", "tests", "configs")
+SCANNED = ("moe_rl", "megatron_patches", "scripts", "tests", "configs", "docs")
+SCANNED_FILES = ("README.md",)  # the front page cites the docs pages too
 SUFFIXES = {".py", ".yaml", ".yml", ".md", ".sh", ".toml", ".txt", ".j2"}
 # the private references the code used to cite by bare name (spelled without their extension so
 # this file is no citation of them)
@@ -40,7 +42,7 @@ def _scanned_files() -> list[Path]:
             for p in sorted((ROOT / d).rglob("*"))
             if p.is_file() and p.suffix in SUFFIXES and "__pycache__" not in p.parts
         ]
-    return out
+    return out + [ROOT / f for f in SCANNED_FILES]
 
 
 def _doc(name: str) -> Path:

@@ -167,7 +167,7 @@ class RoutingConfig:
 
 @dataclass(frozen=True)
 class TaskConfig:
-    """Where prompts, answers and rewards come from (moe_rl/tasks/; README "Train your own checkpoint").
+    """Where prompts, answers and rewards come from (moe_rl/tasks/; docs/models.md 1).
 
     Built-in generated tasks (mixed uniformly) unless ``dataset`` names a JSONL or Parquet file of
     rows; ``prompt_key`` / ``answer_key`` / ``source_key`` are dotted paths into a row (verl:

@@ -5,7 +5,7 @@ A family is one ``model_type`` (== ``ModelConfig.hf_family``): how its config.js
 the typed fields, which fields it cannot vary, how its tensor names differ from the canonical ones
 (HF Qwen3-MoE's plus DeepSeek-V3's, ``moe_rl/weights/canonical.py``), and the inverse for export.
 Anything the learner cannot represent exactly is refused, naming the key and the file; what a family
-maps to is in the README ("Train your own checkpoint on your data"). Every value is read by type
+maps to is in docs/models.md 2. Every value is read by type
 through one reader (``Keys``): a boolean is a JSON boolean, an integer a JSON integer, a number either;
 ``"false"`` or 4.6 where those belong is refused naming the file and the key, never coerced.
 

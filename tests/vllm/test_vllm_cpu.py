@@ -22,7 +22,7 @@ PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
 N = 2
 TEMPS = (1.0, 0.7)
 # vLLM computes in bf16, the learner in fp32: the largest per-token log-prob gap seen on these
-# rollouts was ~0.03 (README "vLLM on CPU"); a sync that missed would leave gaps of ~1
+# rollouts was ~0.03 (docs/vllm.md 7); a sync that missed would leave gaps of ~1
 LOGP_ATOL = 0.1
 SYNC_MEAN_ATOL = 0.03  # mean over all scored tokens, native routes on both sides (seen: ~0.01)
 
