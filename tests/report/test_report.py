@@ -509,19 +509,19 @@ def test_bad_expert_load_lines_are_skipped_naming_file_and_line(tmp_path):
 
 @pytest.mark.unit
 def test_a_full_disk_leaves_no_partial_report(tmp_path, monkeypatch):
-    """ENOSPC at the last file (report.html, after the 11 PNGs and report.md): exit 2 naming it,
+    """ENOSPC at the last file (report.html, after the 5 PNGs and report.md): exit 2 naming it,
     and the disk as before: no report directory on a first report, the earlier report untouched
     on a second."""
     import errno
 
     from tests.bad_input.test_cli_errors import snapshot
 
-    run_dir = _run_dir(tmp_path / "run", 20)
+    run_dir = _small_run(tmp_path / "run")
     real_fdopen, calls = os.fdopen, []
 
-    def fdopen_full_at_13(fd, *args, **kwargs):
+    def fdopen_full_at_7(fd, *args, **kwargs):
         calls.append(fd)
-        if len(calls) == 13:
+        if len(calls) == 7:
             os.close(fd)
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_fdopen(fd, *args, **kwargs)
@@ -529,10 +529,10 @@ def test_a_full_disk_leaves_no_partial_report(tmp_path, monkeypatch):
     def report_on_a_full_disk() -> None:
         calls.clear()
         before = snapshot(tmp_path)
-        monkeypatch.setattr("os.fdopen", fdopen_full_at_13)
+        monkeypatch.setattr("os.fdopen", fdopen_full_at_7)
         result = CliRunner().invoke(main, ["report", str(run_dir)])
         monkeypatch.setattr("os.fdopen", real_fdopen)
-        assert len(calls) == 13
+        assert len(calls) == 7
         assert (result.exit_code, result.stderr) == (
             2,
             f"error: no space left on device: {run_dir / 'report' / 'report.html'}\n",
@@ -542,5 +542,5 @@ def test_a_full_disk_leaves_no_partial_report(tmp_path, monkeypatch):
     report_on_a_full_disk()
     assert not (run_dir / "report").exists()
     write_report([run_dir])
-    assert len(list((run_dir / "report" / "figures").iterdir())) == 11
+    assert len(list((run_dir / "report" / "figures").iterdir())) == 5
     report_on_a_full_disk()
