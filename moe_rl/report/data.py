@@ -24,13 +24,20 @@ import yaml
 
 from moe_rl.errors import UserError
 from moe_rl.metrics import EVENTS_FILE, EXPERT_LOAD_FILE, METRICS_FILE, read_metrics
+from moe_rl.report import outcome
 
 _LAYER_KEY = re.compile(r"^router_grad/zero_frac/layer(\d+)$")
 
 # per-layer heatmaps: router_grad/<name>/layer{N} -> title, fixed colour range (None: the data's)
+# No zero_frac panel: with the configured gating it is (E - K) / E in every layer and step by
+# construction (docs/math.md 7.1), one flat colour; the summary and the verdicts compare it with
+# the structural value as numbers. The blackout that varies is per expert: no_grad_expert_frac.
 PANELS = (
-    ("zero_frac", "Router-logit entries with zero gradient (blackout)", (0.0, 1.0)),
-    ("no_grad_expert_frac", "Experts whose router logit got no gradient in the step", (0.0, 1.0)),
+    (
+        "no_grad_expert_frac",
+        "Gradient blackout: experts whose router logit got no gradient in the step (fraction of E)",
+        (0.0, 1.0),
+    ),
     ("rollout_flip_frac", "Rollout vs learner: (token, layer) routes that differ", None),
     ("update_flip_frac", "Update-induced flips: old-log-prob pass vs update forward", None),
     ("load_entropy", "Expert-load entropy (1 = uniform)", (0.0, 1.0)),
@@ -129,7 +136,7 @@ class Run:
         recs = self.load_records[-window:]
         if not recs or not self.layers:
             return np.zeros((0, 0))
-        E = len(next(iter(recs[-1]["layers"].values())))
+        E = len(next(iter(recs[-1]["layers"].values())))  # read_expert_load kept one length only
         out_LE = np.full((len(self.layers), E), np.nan)
         for row, lid in enumerate(self.layers):
             rows = [r["layers"][str(lid)] for r in recs if str(lid) in r["layers"]]
@@ -159,6 +166,11 @@ class Run:
                 return default
             node = node[part]
         return node
+
+    @property
+    def has_shared_expert(self) -> bool:
+        S = self.cfg("model.moe_shared_expert_ffn_hidden_size", 0)
+        return isinstance(S, int) and not isinstance(S, bool) and S > 0
 
     @property
     def status(self) -> str:
@@ -204,9 +216,82 @@ def load_run(path: str | Path) -> Run:
     warnings += health_warnings(run_dir / EVENTS_FILE)
     load_records: list[dict] = []
     if (load_path := run_dir / EXPERT_LOAD_FILE).is_file():
-        load_records, load_warnings = read_metrics(load_path)
-        warnings += [f"{load_path}: {w}" for w in load_warnings]
+        E = _cfg_int(config, "model", "num_experts")
+        load_records, load_warnings = read_expert_load(load_path, E)
+        warnings += load_warnings
     return Run(run_dir, records, warnings, config, config_text, load_records)
+
+
+def _cfg_int(config: dict, *keys: str) -> int | None:
+    node = config
+    for k in keys:
+        node = node.get(k) if isinstance(node, dict) else None
+    return node if isinstance(node, int) and not isinstance(node, bool) and node > 0 else None
+
+
+def _load_problem(rec, E: int | None, source: str) -> str | None:
+    """Why one parsed expert_load.jsonl line cannot be drawn (None: it can): the format is
+    {"step": int, "layers": {"<layer>": [E shares >= 0]}} (moe_rl/metrics.py log_expert_load)."""
+    if not isinstance(rec, dict) or not isinstance(rec.get("step"), int) or isinstance(rec["step"], bool):
+        return "not an object with an integer 'step'"
+    layers = rec.get("layers")
+    if not isinstance(layers, dict):
+        what = ("null" if layers is None else f"a {type(layers).__name__}") if "layers" in rec else "missing"
+        return f"'layers' is {what}, expected an object {{layer: [shares]}}"
+    for lid, shares in layers.items():
+        if not (lid.isascii() and lid.isdigit()):
+            return f"layer key {lid!r} is not a layer number"
+        if not isinstance(shares, list):
+            return f"layer {lid}: {type(shares).__name__}, expected a list of load shares"
+        if E is not None and len(shares) != E:
+            return f"layer {lid} has {len(shares)} load shares, expected {E} ({source})"
+        for e, v in enumerate(shares):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 <= v < math.inf):
+                return f"layer {lid}: expert {e}'s share is {v!r}, expected a number >= 0"
+    return None
+
+
+def read_expert_load(path: Path, E: int | None) -> tuple[list[dict], list[str]]:
+    """expert_load.jsonl as records by step, and warnings naming the file and its lines. A bad line
+    is skipped (like an unreadable metrics.jsonl line) with one warning; lines with the same
+    problem share one. ``E`` is the config's model.num_experts; without it the commonest vector
+    length is the expected one. Later lines win for a repeated step."""
+    lines = path.read_text(encoding="utf-8", errors="replace").split("\n")
+    clean_end = lines[-1] == ""
+    lines = lines[:-1] if clean_end else lines
+    parsed: list[tuple[int, object]] = []
+    bad: dict[str, list[int]] = {}  # problem -> line numbers (1-based)
+    for i, line in enumerate(lines, start=1):
+        try:
+            parsed.append((i, json.loads(line)))
+        except ValueError:
+            cut = i == len(lines) and not clean_end
+            bad.setdefault("truncated last line (killed mid-write?)" if cut else "not JSON", []).append(i)
+    source = "model.num_experts"
+    if E is None:  # no config: the commonest length is taken as E
+        source = "the commonest length in the file; config.yaml gives no model.num_experts"
+        lengths = [
+            len(v)
+            for _, r in parsed
+            if isinstance(r, dict) and isinstance(r.get("layers"), dict)
+            for v in r["layers"].values()
+            if isinstance(v, list)
+        ]
+        E = max(set(lengths), key=lengths.count) if lengths else None
+    by_step: dict[int, dict] = {}
+    for i, rec in parsed:
+        if (problem := _load_problem(rec, E, source)) is not None:
+            bad.setdefault(problem, []).append(i)
+        else:
+            by_step[rec["step"]] = rec
+    warnings = []
+    for problem, nums in bad.items():
+        shown = ", ".join(str(n) for n in nums[:5]) + (f" and {len(nums) - 5} more" if len(nums) > 5 else "")
+        where = f"line {shown}" if len(nums) == 1 else f"lines {shown} ({len(nums)} of {len(lines)})"
+        warnings.append(f"{path}: {where}: {problem}; skipped")
+    if lines and not by_step:
+        warnings.append(f"{path}: no line could be read: the per-expert load is not drawn")
+    return [by_step[s] for s in sorted(by_step)], warnings
 
 
 def read_run_config(cfg_path: Path) -> tuple[str, dict]:
@@ -259,15 +344,18 @@ def nanmean(x) -> float:
     return float(np.nanmean(x)) if np.isfinite(x).any() else math.nan
 
 
+START_LABEL = f"start reward: {outcome.START_DEFINITION}"
+FINAL_LABEL = f"final reward: {outcome.FINAL_DEFINITION}"
+
+
 def headline(run: Run) -> list[tuple[str, float | str]]:
     """(label, value) rows of the summary table; NaN where the run did not log the metric."""
-    reward_T, T = run.series("reward/mean"), len(run.records)
-    tenth = max(T // 10, 1)
+    start, final = outcome.start_and_final_reward(run.series("reward/mean"))
     rows: list[tuple[str, float | str]] = [
         ("status", run.status),
         ("routing replay", str(run.cfg("routing.replay", "?"))),
-        ("reward, first 10% of steps", nanmean(reward_T[:tenth])),
-        ("reward, last 10% of steps", nanmean(reward_T[-tenth:])),
+        (START_LABEL, start),  # the outcome table's numbers, by the same function
+        (FINAL_LABEL, final),
     ]
     for label, key in (
         ("validation reward, greedy", "val/reward/mean"),
@@ -278,17 +366,19 @@ def headline(run: Run) -> list[tuple[str, float | str]]:
         if logged.size:
             rows += [(f"{label}, first", float(logged[0])), (f"{label}, last", float(logged[-1]))]
     rows.append(("truncated responses (mean)", nanmean(run.series("rollout/truncated_frac"))))
+    shared = run.has_shared_expert or run.has("router_grad/shared_expert_share")
     for label, key in (
         ("rollout-vs-learner router flips", "routing/flip_router_frac"),
         ("tokens with any rollout-vs-learner flip", "routing/flip_token_frac"),
         ("update-induced router flips", "router_grad/update_flip_frac"),
         ("router-logit zero-gradient fraction", "router_grad/zero_frac"),
         ("structural (E-K)/E of the gating", "router_grad/zero_frac_expected"),
-        ("shared-expert share of the MoE output norm", "router_grad/shared_expert_share"),
+        ("shared-expert share of the MoE output norm", "router_grad/shared_expert_share" if shared else None),
         ("k3 KL, rollout to learner", "corr/k3_kl"),
         ("abs log-prob diff, rollout vs learner", "corr/logprob_abs_diff"),
     ):
-        rows.append((f"{label} (mean)", nanmean(run.series(key))))
+        if key is not None:  # no shared-expert row for a model without one
+            rows.append((f"{label} (mean)", nanmean(run.series(key))))
     flop_share = run.shared_expert_flop_share()
     if math.isfinite(flop_share):
         rows.append(("shared-expert share of the expert FLOPs, S/(S+K F)", flop_share))
@@ -350,13 +440,14 @@ def layer_verdicts(run: Run, window: int = WINDOW) -> list[Verdict]:
         m = {k: float(v[i]) for k, v in mean.items()}
         found: list[tuple[str, bool]] = []  # (finding, whether it crosses a threshold)
         if math.isfinite(m["no_grad_expert_frac"]):
+            blackout = m["no_grad_expert_frac"] > THRESHOLDS["no_grad_expert_frac"]
             found.append(
                 (
                     (
                         f"{m['no_grad_expert_frac']:.0%} of experts got no router gradient per step "
-                        f"(mean over {span})"
+                        f"(mean over {span})" + (": gradient blackout" if blackout else "")
                     ),
-                    m["no_grad_expert_frac"] > THRESHOLDS["no_grad_expert_frac"],
+                    blackout,
                 )
             )
         if math.isfinite(m["zero_frac"]) and math.isfinite(expected):
@@ -367,7 +458,7 @@ def layer_verdicts(run: Run, window: int = WINDOW) -> list[Verdict]:
                     + (
                         ": the live gating is not the configured one (aux loss? pre-softmax?)"
                         if gap
-                        else ": unselected experts' logits never learn from a token (gradient blackout)"
+                        else " (as the gating implies)"
                     ),
                     gap,
                 )

@@ -17,6 +17,8 @@ import matplotlib
 matplotlib.use("Agg")  # before pyplot: headless
 import matplotlib.pyplot as plt
 import numpy as np
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 from moe_rl.report.data import Run
 
@@ -24,11 +26,25 @@ DPI = 90
 HEATMAP_COLUMNS = 4
 
 
-def _png(fig) -> bytes:
+def _png(fig: Figure | None) -> bytes | None:
+    if fig is None:
+        return None
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=DPI, bbox_inches="tight")
     plt.close(fig)
     return buf.getvalue()
+
+
+def colour_limits(finite: np.ndarray, vrange: tuple[float, float] | None) -> tuple[float, float]:
+    """The colour scale: ``vrange`` when fixed, else the data's range; constant data gets the span
+    from 0 to its value (0 to 1 when all zero), not a zero-width scale whose ticks read 1e-12."""
+    if vrange is not None:
+        return vrange
+    lo, hi = float(finite.min()), float(finite.max())
+    if hi > lo:
+        return lo, hi
+    lo, hi = min(lo, 0.0), max(hi, 0.0)
+    return (lo, hi) if hi > lo else (0.0, 1.0)
 
 
 def _layer_rows(ax, run: Run, xlabel: str) -> None:
@@ -39,20 +55,24 @@ def _layer_rows(ax, run: Run, xlabel: str) -> None:
             ax.axhspan(row - 0.5, row + 0.5, facecolor="0.9", hatch="//", edgecolor="0.6", lw=0)
     labels = [f"layer {lid} (dense)" if lid in dense else f"layer {lid}" for lid in run.layers]
     ax.set_yticks(range(len(run.layers)), labels, fontsize=8)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps and experts are whole numbers
     ax.set_xlabel(xlabel, fontsize=8)
     ax.tick_params(labelsize=8)
     ax.set_title(run.name, fontsize=9)
 
 
 def heatmap(runs: list[Run], name: str, title: str, vrange: tuple[float, float] | None) -> bytes | None:
+    return _png(heatmap_figure(runs, name, title, vrange))
+
+
+def heatmap_figure(
+    runs: list[Run], name: str, title: str, vrange: tuple[float, float] | None
+) -> Figure | None:
     """router_grad/<name>/layer{N} over steps, one panel per run; None if no run logged it."""
     mats = [r.matrix(name) for r in runs]
     if not any(m.size and np.isfinite(m).any() for m in mats):
         return None
-    finite = np.concatenate([m[np.isfinite(m)] for m in mats])
-    vmin, vmax = vrange if vrange is not None else (float(finite.min()), float(finite.max()))
-    if vmax <= vmin:
-        vmax = vmin + 1e-12
+    vmin, vmax = colour_limits(np.concatenate([m[np.isfinite(m)] for m in mats]), vrange)
     ncols = min(len(runs), HEATMAP_COLUMNS)  # many runs wrap into rows on the one colour scale
     nrows = -(-len(runs) // ncols)
     fig, axes = plt.subplots(
@@ -78,16 +98,28 @@ def heatmap(runs: list[Run], name: str, title: str, vrange: tuple[float, float] 
         _layer_rows(ax, run, "step")
     fig.colorbar(im, ax=axes.ravel().tolist(), fraction=0.025, pad=0.01)
     fig.suptitle(title, fontsize=10, x=0.02, y=1 + 0.08 / nrows, ha="left")  # above the run-name titles
-    return _png(fig)
+    return fig
+
+
+def expert_load_title(runs: list[Run]) -> str:
+    """The shared expert is named only where a run has one (model.moe_shared_expert_ffn_hidden_size)."""
+    shared = any(r.has_shared_expert for r in runs)
+    return "Expert load per routed expert x E (1 = uniform" + (
+        "; the shared expert, not drawn, takes every token)" if shared else ")"
+    )
 
 
 def expert_load(runs: list[Run]) -> bytes | None:
+    return _png(expert_load_figure(runs))
+
+
+def expert_load_figure(runs: list[Run]) -> Figure | None:
     """Per-expert load share x E (1 = uniform; expert_load.jsonl, mean over the report's window),
-    layers by experts, one panel per run on one colour scale; None if no run wrote it."""
+    layers by experts, one panel per run on one colour scale from 0; None if no run wrote it."""
     mats = [r.expert_load_LE() for r in runs]
     if not any(m.size and np.isfinite(m).any() for m in mats):
         return None
-    vmax = max(float(np.nanmax(m)) for m in mats if m.size and np.isfinite(m).any())
+    _, vmax = colour_limits(np.concatenate([[0.0]] + [m[np.isfinite(m)] for m in mats]), None)
     ncols = min(len(runs), HEATMAP_COLUMNS)
     nrows = -(-len(runs) // ncols)
     fig, axes = plt.subplots(nrows, ncols, figsize=(5.2 * ncols + 1.2, 2.4 * nrows), squeeze=False)
@@ -109,11 +141,11 @@ def expert_load(runs: list[Run]) -> bytes | None:
         _layer_rows(ax, run, "routed expert")
     if im is not None:
         fig.colorbar(im, ax=axes.ravel().tolist(), fraction=0.025, pad=0.01)
-    fig.suptitle(EXPERT_LOAD_TITLE, fontsize=10, x=0.02, y=1 + 0.08 / nrows, ha="left")
-    return _png(fig)
+    fig.suptitle(expert_load_title(runs), fontsize=10, x=0.02, y=1 + 0.08 / nrows, ha="left")
+    return fig
 
 
-EXPERT_LOAD_TITLE = "Expert load per routed expert x E (1 = uniform; the shared expert takes every token)"
+SPARSE = 20  # a run with fewer logged points than this gets markers on its curve
 SMOOTH_WINDOW = 10  # with many runs, each curve's trailing mean over this many logged steps
 LINESTYLES = ("-", "--", ":", "-.")
 
@@ -141,21 +173,36 @@ def trailing_mean(y_T: np.ndarray, window: int) -> np.ndarray:
 
 
 def curve(runs: list[Run], key: str, title: str) -> bytes | None:
+    return _png(curve_figure(runs, key, title))
+
+
+def curve_figure(runs: list[Run], key: str, title: str) -> Figure | None:
     """One metric over steps, every run on the same axes; None if no run logged it. Many runs: a
-    colour per arm, and each run's raw values faint under its trailing mean, so a grid reads."""
+    colour per arm, and each run's raw values faint under its trailing mean, so a grid reads.
+    Only the logged points are joined (a metric logged every n steps, like validation, is a line
+    through them, not NaN-broken pieces); a run with fewer than SPARSE points also gets markers, so
+    a single point shows. The x axis spans the runs' logged steps."""
     if not any(r.has(key) for r in runs):
         return None
     many = len(runs) > 4
     fig, ax = plt.subplots(figsize=(6.4, 2.6) if many else (4.6, 2.2))
     for run, style in zip(runs, _style(runs)):
-        y_T = run.series(key)
-        if not np.isfinite(y_T).any():
+        y_T, steps_T = run.series(key), run.steps_T
+        ok_T = np.isfinite(y_T)
+        if not ok_T.any():
             continue
+        dots = {"marker": "o", "markersize": 3} if ok_T.sum() < SPARSE else {}
         if many:
-            ax.plot(run.steps_T, y_T, lw=0.5, alpha=0.25, color=style["color"])
-            ax.plot(run.steps_T, trailing_mean(y_T, SMOOTH_WINDOW), lw=1.3, label=run.name, **style)
+            smooth_T = trailing_mean(y_T, SMOOTH_WINDOW)
+            ax.plot(steps_T[ok_T], y_T[ok_T], lw=0.5, alpha=0.25, color=style["color"])
+            ax.plot(steps_T[ok_T], smooth_T[ok_T], lw=1.3, label=run.name, **style, **dots)
         else:
-            ax.plot(run.steps_T, y_T, lw=1.0, label=run.name)
+            ax.plot(steps_T[ok_T], y_T[ok_T], lw=1.0, label=run.name, **dots)
+    lo = min(int(r.steps_T.min()) for r in runs if len(r.records))
+    hi = max(int(r.steps_T.max()) for r in runs if len(r.records))
+    pad = max(0.5, 0.02 * (hi - lo))
+    ax.set_xlim(lo - pad, hi + pad)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_title(f"{title} (lines: {SMOOTH_WINDOW}-step mean)" if many else title, fontsize=9)
     ax.set_xlabel("step", fontsize=8)
     ax.tick_params(labelsize=8)
@@ -164,4 +211,4 @@ def curve(runs: list[Run], key: str, title: str) -> bytes | None:
         ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0), ncol=1 + len(runs) // 16)
     elif len(runs) > 1:
         ax.legend(fontsize=7)
-    return _png(fig)
+    return fig

@@ -22,9 +22,10 @@ FINAL_WINDOW = 10  # final reward: mean over the last this many logged steps
 SPIKE_FACTOR = 5.0  # a spike: grad norm above this multiple of the median of all earlier steps
 SPIKE_MIN_HISTORY = 5  # ... once at least this many earlier steps exist
 
+START_DEFINITION = "reward/mean of the first logged step (the warm start, before any update)"
+FINAL_DEFINITION = f"mean reward/mean over the last {FINAL_WINDOW} logged steps"
 DEFINITIONS = (
-    f"Final reward: mean reward/mean over the last {FINAL_WINDOW} logged steps. "
-    f"Start reward: reward/mean of the first logged step (the warm start, before any update). "
+    f"Start reward: {START_DEFINITION}. Final reward: {FINAL_DEFINITION}. "
     f"Collapse step: the first later step from which the mean reward/mean of {COLLAPSE_WINDOW} "
     f"consecutive steps is below {COLLAPSE_FRAC:.0%} of the start reward "
     f"(none: never; n/a: fewer than {START_WINDOW + COLLAPSE_WINDOW} steps logged). "
@@ -92,6 +93,14 @@ def grad_spikes(
     return count
 
 
+def start_and_final_reward(reward_T) -> tuple[float, float]:
+    """(start, final) reward of a run, the one definition the report uses everywhere (summary,
+    outcome table): START_DEFINITION and FINAL_DEFINITION. NaN where nothing finite was logged;
+    the start is the first logged step's value, NaN if that step has none."""
+    r_T = np.asarray(reward_T, dtype=np.float64)
+    return _stat(r_T[:START_WINDOW], np.mean), _stat(r_T[-FINAL_WINDOW:], np.mean)
+
+
 def _stat(x_T: np.ndarray, fn) -> float:
     x = np.asarray(x_T, dtype=np.float64)
     x = x[np.isfinite(x)]
@@ -101,9 +110,10 @@ def _stat(x_T: np.ndarray, fn) -> float:
 def outcome(steps_T: np.ndarray, series) -> Outcome:
     """``series(key)`` gives a metric as float [T] (NaN where absent), e.g. ``Run.series``."""
     reward_T = series("reward/mean")
+    start, final = start_and_final_reward(reward_T)
     return Outcome(
-        final_reward=_stat(reward_T[-FINAL_WINDOW:], np.mean),
-        start_reward=_stat(reward_T[:START_WINDOW], np.mean),
+        final_reward=final,
+        start_reward=start,
         collapse_step=collapse_step(steps_T, reward_T),
         judged=len(reward_T) >= START_WINDOW + COLLAPSE_WINDOW,
         peak_k3=_stat(series("corr/k3_kl"), np.max),

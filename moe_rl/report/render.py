@@ -34,7 +34,8 @@ def _fmt(v) -> str:
 _ENV.filters["fmt"] = _fmt
 
 
-def _atomic_write(path: Path, payload: bytes) -> None:
+def _stage(path: Path, payload: bytes) -> Path:
+    """``payload`` in a temp file beside ``path`` (renamed into place by ``_write_all``)."""
     with disk_full_named(path):
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
         try:
@@ -44,6 +45,27 @@ def _atomic_write(path: Path, payload: bytes) -> None:
             os.unlink(tmp)  # a full disk leaves no temp file behind
             raise
         os.chmod(tmp, 0o644)  # mkstemp creates 0600; a report is for reading
+        return Path(tmp)
+
+
+def _write_all(out: Path, payloads: dict[Path, bytes]) -> None:
+    """Write every file of the report or none: all are staged first, then renamed into place; a
+    failure (a full disk) removes the staged files and the directories this call made, so an
+    earlier report in ``out`` stays as it was and no partial one is left."""
+    made = [d for d in (out / "figures", *(out / "figures").parents) if not d.exists()]
+    staged: list[tuple[Path, Path]] = []
+    try:
+        (out / "figures").mkdir(parents=True, exist_ok=True)
+        for path, payload in payloads.items():
+            staged.append((_stage(path, payload), path))
+    except BaseException:
+        for tmp, _ in staged:
+            tmp.unlink(missing_ok=True)
+        for d in made:  # deepest first
+            if d.is_dir() and not any(d.iterdir()):
+                d.rmdir()
+        raise
+    for tmp, path in staged:
         os.replace(tmp, path)
 
 
@@ -52,6 +74,8 @@ def build(runs: list[Run]) -> dict:
     figs: list[dict] = []
     for name, title, vrange in data.PANELS:
         png = figures.heatmap(runs, name, title, vrange)
+        if png is None and name == "shared_expert_share" and not any(r.has_shared_expert for r in runs):
+            continue  # not "not logged": these models have no shared expert to log
         figs.append(
             {
                 "stem": f"heatmap_{name}",
@@ -64,7 +88,7 @@ def build(runs: list[Run]) -> dict:
     figs.append(
         {
             "stem": "heatmap_expert_load",
-            "title": figures.EXPERT_LOAD_TITLE,
+            "title": figures.expert_load_title(runs),
             "kind": "heatmap",
             "png": figures.expert_load(runs),
             "metric": "expert_load.jsonl",
@@ -82,11 +106,12 @@ def build(runs: list[Run]) -> dict:
             }
         )
     heads = [dict(data.headline(r)) for r in runs]
+    labels = list(dict.fromkeys(label for h in heads for label in h))  # rows some runs lack: NaN there
     return {
         "outcomes": [outcome.outcome(r.steps_T, r.series) for r in runs],
         "outcome_definitions": outcome.DEFINITIONS,
         "runs": runs,
-        "headline": [(label, [h[label] for h in heads]) for label in heads[0]],
+        "headline": [(label, [h.get(label, math.nan) for h in heads]) for label in labels],
         "verdicts": [data.layer_verdicts(r) for r in runs],
         "figures": [f for f in figs if f["png"] is not None],
         "missing": [f["title"] for f in figs if f["png"] is None],
@@ -112,16 +137,15 @@ def write_report(run_dirs: list[str | Path], out_dir: str | Path | None = None) 
     if out_dir is None:
         out_dir = default_out(run_dirs, runs)
     out = Path(out_dir)
-    (out / "figures").mkdir(parents=True, exist_ok=True)
     ctx = build(runs)
+    payloads: dict[Path, bytes] = {}
     for f in ctx["figures"]:
         f["file"] = f"figures/{f['stem']}.png"
         f["data_uri"] = "data:image/png;base64," + base64.b64encode(f["png"]).decode("ascii")
-        _atomic_write(out / f["file"], f["png"])
+        payloads[out / f["file"]] = f["png"]
     names = [r.name for r in runs]
     title = "Router stability report: " + (" vs ".join(names) if len(runs) <= 4 else f"{len(runs)} runs")
-    html = _ENV.get_template("report.html.j2").render(title=title, **ctx)
-    md = _ENV.get_template("report.md.j2").render(title=title, **ctx)
-    _atomic_write(out / "report.md", md.encode())
-    _atomic_write(out / "report.html", html.encode())
+    payloads[out / "report.md"] = _ENV.get_template("report.md.j2").render(title=title, **ctx).encode()
+    payloads[out / "report.html"] = _ENV.get_template("report.html.j2").render(title=title, **ctx).encode()
+    _write_all(out, payloads)
     return out / "report.html"

@@ -24,6 +24,9 @@ from moe_rl.report.data import ReportError, load_run
 from moe_rl.report.render import write_report
 
 LAYERS = (0, 1, 2)
+# the start / final reward definitions, as the report prints them
+START_DEF = "reward/mean of the first logged step (the warm start, before any update)"
+FINAL_DEF = "mean reward/mean over the last 10 logged steps"
 
 
 def _record(step: int, replay: str) -> dict:
@@ -81,17 +84,29 @@ def test_verdicts_state_the_measured_numbers(tmp_path):
     assert list(verdicts) == list(LAYERS)
     v1 = verdicts[1]
     assert v1.level == "warn"
-    assert "40% of experts got no router gradient per step (mean over the last 30 steps)" in v1.texts
+    # the one problem of layer 1 is named; 40% is above the 10% threshold
+    assert (
+        "40% of experts got no router gradient per step (mean over the last 30 steps): gradient blackout"
+        in v1.texts
+    )
     assert "12.0% of routes differ between rollout and learner" in v1.texts  # > 5%, replay off
-    assert any(f.startswith("zero-gradient fraction 0.750 vs structural 0.750") for f in v1.texts)
+    assert "zero-gradient fraction 0.750 vs structural 0.750 (as the gating implies)" in v1.texts
+    # layers 0 and 2 give every expert router gradient: a 0% finding, no problem named
+    for lid in (0, 2):
+        assert verdicts[lid].findings[0] == (
+            "0% of experts got no router gradient per step (mean over the last 30 steps)",
+            False,
+        )
+        assert not [t for t in verdicts[lid].texts if "blackout" in t]
     assert "0.4% of routes flip within a step's update" in v1.texts
     assert "load entropy 0.85 (busiest expert 20% of routes)" in v1.texts
     assert verdicts[2].findings[-2] == ("load entropy 0.75 (busiest expert 20% of routes)", True)
     assert verdicts[2].level == "warn"  # load entropy under 0.8 (and rollout flips)
     heads = dict(data.headline(run))
-    assert heads["reward, first 10% of steps"] == pytest.approx(np.mean([0.5 + s / 100 for s in range(3)]))
-    assert heads["reward, last 10% of steps"] == pytest.approx(
-        np.mean([0.5 + s / 100 for s in range(27, 30)])
+    # the outcome table's definitions: the first logged step's reward, the mean of the last 10
+    assert heads[f"start reward: {START_DEF}"] == 0.5
+    assert heads[f"final reward: {FINAL_DEF}"] == pytest.approx(
+        np.mean([0.5 + s / 100 for s in range(20, 30)])
     )
     assert heads["status"] == "in progress or stopped: 30 of 40 steps logged"
 
@@ -104,6 +119,7 @@ def test_r3_flips_are_explained_not_alarmed(tmp_path):
         "12.0% of routes differ between rollout and learner (R3 trains on the rollout's routes)" in v0.texts
     )
     assert v0.level == "ok"
+    assert not [t for v in data.layer_verdicts(run) if v.level == "ok" for t in v.texts if "blackout" in t]
 
 
 def _check_html(html_path: Path, expected_figures: int) -> str:
@@ -121,18 +137,20 @@ def test_report_of_a_run_killed_mid_write(tmp_path):
     run_dir = _run_dir(tmp_path / "killed", 25, truncate=True)
     html = write_report([run_dir])
     assert html == run_dir / "report" / "report.html"
-    # 7 heatmaps + the curves these records carry: reward, flips (2), k3, router norm
-    text = _check_html(html, 7 + 5)
+    # 6 heatmaps + the curves these records carry: reward, flips (2), k3, router norm
+    text = _check_html(html, 6 + 5)
     assert "line 26: truncated last line dropped" in text
     md = (html.parent / "report.md").read_text()
     assert "in progress or stopped: 25 of 40 steps logged" in md
     # the finding that crosses its threshold is in bold
     assert (
-        "- layer 1 **warn**: **40% of experts got no router gradient per step (mean over the last 25 steps)**"
-        in md
+        "- layer 1 **warn**: **40% of experts got no router gradient per step (mean over the last 25 steps): "
+        "gradient blackout**" in md
     )
     figures = sorted(p.name for p in (html.parent / "figures").iterdir())
-    assert len(figures) == 12 and all(f"figures/{f}" in md for f in figures)
+    assert len(figures) == 11 and all(f"figures/{f}" in md for f in figures)
+    # the per-layer blackout that varies is drawn; the zero fraction, (E - K) / E by construction, is not
+    assert "heatmap_no_grad_expert_frac.png" in figures and "heatmap_zero_frac.png" not in figures
 
 
 @pytest.mark.unit
@@ -140,7 +158,7 @@ def test_compare_two_runs_side_by_side(tmp_path):
     a, b = _run_dir(tmp_path / "off", 40, replay="off"), _run_dir(tmp_path / "r3", 40, replay="r3")
     result = CliRunner().invoke(main, ["report", str(a), str(b), "--out", str(tmp_path / "cmp")])
     assert result.exit_code == 0, result.output
-    text = _check_html(tmp_path / "cmp" / "report.html", 12)
+    text = _check_html(tmp_path / "cmp" / "report.html", 11)
     assert "Router stability report: off vs r3" in text
     row = re.search(r"<tr><td>routing.replay</td><td>(\w+)</td><td>(\w+)</td></tr>", text)
     assert row and row.groups() == ("off", "r3")
@@ -163,43 +181,53 @@ def _chromium() -> str | None:
     return shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
 
 
-@pytest.mark.unit
-def test_html_renders_in_headless_chromium(tmp_path):
+def _browse(tmp_path: Path, html: Path, height: int) -> tuple[str, np.ndarray]:
+    """The page as headless Chromium leaves it after its scripts (the DOM) and as it draws it
+    (RGB pixels of a 1200 x ``height`` window)."""
     browser = _chromium()
     if browser is None:
         if os.environ.get("CI"):
             pytest.fail("CI must install Debian's chromium (see .ci/run)")
         pytest.skip("chromium is not installed (CI installs it)")
-    a, b = _run_dir(tmp_path / "off", 40), _run_dir(tmp_path / "r3", 40, replay="r3")
-    html = write_report([a, b], tmp_path / "cmp")
-    flags = [
-        browser,
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--user-data-dir=" + str(tmp_path / "profile"),
-    ]
-    dom = subprocess.run(
-        [*flags, "--virtual-time-budget=5000", "--dump-dom", html.as_uri()],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    ).stdout
-    m = re.search(r'data-images-decoded="(\d+)" data-images-total="(\d+)"', dom)
-    assert m and m.groups() == ("12", "12"), dom[:500]  # the page's script ran and every figure decoded
+    flags = [browser, "--headless", "--no-sandbox", "--disable-gpu", f"--user-data-dir={tmp_path / 'prof'}"]
+    run = dict(capture_output=True, text=True, timeout=120, check=True)
+    dom = subprocess.run([*flags, "--virtual-time-budget=5000", "--dump-dom", html.as_uri()], **run).stdout
     shot = tmp_path / "shot.png"
     subprocess.run(
-        [*flags, "--hide-scrollbars", "--window-size=1200,1600", f"--screenshot={shot}", html.as_uri()],
-        capture_output=True,
-        timeout=120,
-        check=True,
+        [*flags, "--hide-scrollbars", f"--window-size=1200,{height}", f"--screenshot={shot}", html.as_uri()],
+        **run,
     )
     from PIL import Image
 
-    pixels = np.asarray(Image.open(shot).convert("L"), dtype=np.float64)
-    assert pixels.shape == (1600, 1200)
-    assert pixels.std() > 10  # not a blank page: text, tables and heatmaps
+    return dom, np.asarray(Image.open(shot).convert("RGB"), dtype=np.int64)
+
+
+@pytest.mark.unit
+def test_html_renders_in_headless_chromium(tmp_path):
+    a, b = _run_dir(tmp_path / "off", 40), _run_dir(tmp_path / "r3", 40, replay="r3")
+    html = write_report([a, b], tmp_path / "cmp")
+    dom, rgb = _browse(tmp_path, html, 4000)
+    m = re.search(r'data-images-decoded="(\d+)" data-images-total="(\d+)"', dom)
+    assert m and m.groups() == ("11", "11"), dom[:500]  # the page's script ran and every figure decoded
+    # each figure: its PNG's own size (natural) and the size the page drew it at, both nonzero
+    seen = re.findall(r'data-seen="(\d+)x(\d+) (\d+)x(\d+)"', dom)
+    assert len(seen) == 11 and all(min(map(int, s)) > 0 for s in seen), seen
+    # what a person reads: the reward rows of the summary (one definition, the outcome table's
+    # numbers: 0.5 at step 0, the mean of 0.5 + s/100 over steps 30..39), the verdicts, no shared
+    # expert outside the config dumps (these models have none)
+    final = f"{np.mean([0.5 + s / 100 for s in range(30, 40)]):.4g}"
+    cell = '</td><td class="num">'
+    assert f"<td>start reward: {START_DEF}{cell}0.5{cell}0.5</td>" in dom
+    assert f"<td>final reward: {FINAL_DEF}{cell}{final}{cell}{final}</td>" in dom
+    assert f"<td>off{cell}0.5{cell}{final}</td>" in dom and f"<td>r3{cell}0.5{cell}{final}</td>" in dom
+    assert "gradient blackout" in dom and "10% of steps" not in dom
+    visible = re.sub(r"<details>.*?</details>", "", dom, flags=re.S)
+    assert "shared" not in visible.lower()
+    assert rgb.shape == (4000, 1200, 3)
+    # the figures are the only saturated colour on the page (tables and text are grey, the warn /
+    # ok rows pale): drawn heatmaps put thousands of such pixels on screen
+    chroma = rgb.max(axis=2) - rgb.min(axis=2)
+    assert (chroma > 80).mean() > 0.02, (chroma > 80).mean()
 
 
 @pytest.mark.unit
@@ -262,9 +290,9 @@ def test_report_compares_n_runs_with_an_outcome_table(tmp_path):
     result = CliRunner().invoke(main, ["report", str(a), str(b), str(c), str(d), str(e)])
     assert result.exit_code == 0, result.output
     out = a / "compare_5_runs"
-    # 7 heatmaps (5 runs wrapped into 2 rows on one scale) + the curves: reward, flips (3), k3,
+    # 6 heatmaps (5 runs wrapped into 2 rows on one scale) + the curves: reward, flips (3), k3,
     # grad norm, TRM acceptance, router norm
-    text = _check_html(out / "report.html", 7 + 8)
+    text = _check_html(out / "report.html", 6 + 8)
     assert "Router stability report: 5 runs" in text
     assert text.count('<table class="verdicts">') == 5
     # a grid of runs: the shared-axes curves right after the outcome table, before the verdicts
@@ -361,10 +389,158 @@ def test_dense_layers_are_labelled_dense_and_the_shared_expert_share_is_stated(t
     head = dict(data.headline(run))
     assert head["shared-expert share of the MoE output norm (mean)"] == pytest.approx(0.425)
     assert head["dense layers (no router)"] == "0"
-    html = _check_html(write_report([path]), expected_figures=3)  # blackout, shared share, expert load
+    html = _check_html(write_report([path]), expected_figures=2)  # shared share, expert load
     assert "<figcaption>expert_load.jsonl</figcaption>" in html
     assert '<tr class="dense"><td>layer 0 (dense)</td><td>dense: an MLP without router' in html
     # a run without dense layers or a shared expert says neither
     plain = load_run(_run_dir(tmp_path / "plain", 3))
     assert plain.dense_layers == [] and "dense layers (no router)" not in dict(data.headline(plain))
     assert not [t for v in data.layer_verdicts(plain) for t in v.texts if "shared expert" in t]
+
+
+def _small_run(path: Path, shared: int = 0) -> Path:
+    """3 logged steps of a 4-expert, 2-layer model: one validation point (step 2), update flips 0
+    everywhere, a median margin of 0.3 everywhere, and a per-expert load line per step."""
+    from moe_rl.config import ModelConfig
+
+    path.mkdir(parents=True)
+    model = ModelConfig(num_layers=2, num_experts=4, moe_shared_expert_ffn_hidden_size=shared)
+    (path / "config.yaml").write_text(to_yaml(dataclasses.replace(RunConfig(), steps=3, model=model)))
+    recs = []
+    for step in range(3):
+        rec = {"step": step, "reward/mean": 0.25 * step}
+        for lid in (0, 1):
+            rec[f"router_grad/zero_frac/layer{lid}"] = 0.5  # (E - K) / E: names the MoE layers
+            rec[f"router_grad/update_flip_frac/layer{lid}"] = 0.0
+            rec[f"router_grad/margin_p50/layer{lid}"] = 0.3
+        if step == 2:
+            rec["val/reward/mean"] = 0.75
+        recs.append(json.dumps(rec) + "\n")
+    (path / "metrics.jsonl").write_text("".join(recs))
+    loads = [{"step": s, "layers": {"0": [0.25] * 4, "1": [0.7, 0.1, 0.1, 0.1]}} for s in range(3)]
+    (path / "expert_load.jsonl").write_text("".join(json.dumps(x) + "\n" for x in loads))
+    return path
+
+
+def _visible_ticks(ax, axis: str = "x") -> list[float]:
+    lo, hi = sorted(ax.get_xlim() if axis == "x" else ax.get_ylim())
+    return [float(t) for t in (ax.get_xticks() if axis == "x" else ax.get_yticks()) if lo <= t <= hi]
+
+
+@pytest.mark.unit
+def test_figures_by_their_numbers(tmp_path):
+    """Read back from matplotlib: integer step and expert ticks, colour limits of constant data,
+    a single validation point drawn as a marker on a 1-step-wide axis, shared-expert wording only
+    for a model with one."""
+    import matplotlib.pyplot as plt
+
+    from moe_rl.report import figures
+
+    run = load_run(_small_run(tmp_path / "small"))
+    # a single point: a marker, on an x axis that spans the logged steps 0..2
+    fig = figures.curve_figure([run], "val/reward/mean", "val")
+    (line,) = fig.axes[0].lines
+    assert (line.get_marker(), list(line.get_xdata()), list(line.get_ydata())) == ("o", [2], [0.75])
+    lo, hi = fig.axes[0].get_xlim()
+    assert lo <= 0 and hi >= 2 and hi - lo >= 2
+    assert _visible_ticks(fig.axes[0]) == [0.0, 1.0, 2.0]
+    plt.close(fig)
+    # all-zero data on a free scale: 0..1, not a 1e-12 span; constant 0.3: 0..0.3
+    for name, clim in (("update_flip_frac", (0.0, 1.0)), ("margin_p50", (0.0, 0.3))):
+        fig = figures.heatmap_figure([run], name, name, None)
+        assert fig.axes[0].images[0].get_clim() == clim, name
+        assert _visible_ticks(fig.axes[0]) == [0.0, 1.0, 2.0]  # steps
+        assert _visible_ticks(fig.axes[0], "y") == [0.0, 1.0]  # layers
+        plt.close(fig)
+    # 4 experts: ticks on the experts 0..3; load x E, colour scale from 0 to the busiest (0.7 x 4)
+    fig = figures.expert_load_figure([run])
+    im = fig.axes[0].images[0]
+    assert _visible_ticks(fig.axes[0]) == [0.0, 1.0, 2.0, 3.0]
+    assert im.get_array().shape == (2, 4) and im.get_clim() == (0.0, pytest.approx(2.8))
+    assert "shared" not in fig._suptitle.get_text()
+    plt.close(fig)
+    shared = load_run(_small_run(tmp_path / "shared", shared=32))
+    fig = figures.expert_load_figure([shared])
+    assert "the shared expert, not drawn, takes every token" in fig._suptitle.get_text()
+    plt.close(fig)
+
+
+def _load_lines(path: Path, lines: list) -> Path:
+    path.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
+    return path
+
+
+@pytest.mark.unit
+def test_bad_expert_load_lines_are_skipped_naming_file_and_line(tmp_path):
+    run_dir = _small_run(tmp_path / "bad")
+    good = {"0": [0.25] * 4, "1": [0.7, 0.1, 0.1, 0.1]}
+    load = _load_lines(
+        run_dir / "expert_load.jsonl",
+        [
+            {"step": 0, "layers": good},
+            {"step": 1, "layers": {"0": [0.25] * 4, "1": [0.5, 0.5, 0.0]}},  # 3 shares of 4
+            {"step": 2, "layers": [[0.25] * 4, [0.25] * 4]},  # layers as a list
+            {"step": 3, "layers": {"0": [0.25] * 4, "1": [0.1, 0.1, 0.1, 0.7]}},
+        ],
+    )
+    run = load_run(run_dir)
+    assert run.warnings == [
+        f"{load}: line 2: layer 1 has 3 load shares, expected 4 (model.num_experts); skipped",
+        f"{load}: line 3: 'layers' is a list, expected an object {{layer: [shares]}}; skipped",
+    ]
+    # the rest is drawn: steps 0 and 3, layer 1's mean share x 4
+    assert [r["step"] for r in run.load_records] == [0, 3]
+    np.testing.assert_allclose(run.expert_load_LE()[1], [1.6, 0.4, 0.4, 1.6])
+    result = CliRunner().invoke(main, ["report", str(run_dir)])
+    assert result.exit_code == 0, result.output
+    html = (run_dir / "report" / "report.html").read_text()
+    assert f"<li>{load}: line 2: layer 1 has 3 load shares" in html
+    assert (run_dir / "report" / "figures" / "heatmap_expert_load.png").is_file()
+    # a wrong length on every line: nothing drawn, and said
+    _load_lines(load, [{"step": s, "layers": {"0": [0.2] * 5, "1": [0.2] * 5}} for s in range(7)])
+    run = load_run(run_dir)
+    assert run.warnings == [
+        f"{load}: lines 1, 2, 3, 4, 5 and 2 more (7 of 7): layer 0 has 5 load shares, expected 4 "
+        "(model.num_experts); skipped",
+        f"{load}: no line could be read: the per-expert load is not drawn",
+    ]
+    assert run.expert_load_LE().shape == (0, 0)
+
+
+@pytest.mark.unit
+def test_a_full_disk_leaves_no_partial_report(tmp_path, monkeypatch):
+    """ENOSPC at the last file (report.html, after the 5 PNGs and report.md): exit 2 naming it,
+    and the disk as before: no report directory on a first report, the earlier report untouched
+    on a second."""
+    import errno
+
+    from tests.bad_input.test_cli_errors import snapshot
+
+    run_dir = _small_run(tmp_path / "run")
+    real_fdopen, calls = os.fdopen, []
+
+    def fdopen_full_at_7(fd, *args, **kwargs):
+        calls.append(fd)
+        if len(calls) == 7:
+            os.close(fd)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_fdopen(fd, *args, **kwargs)
+
+    def report_on_a_full_disk() -> None:
+        calls.clear()
+        before = snapshot(tmp_path)
+        monkeypatch.setattr("os.fdopen", fdopen_full_at_7)
+        result = CliRunner().invoke(main, ["report", str(run_dir)])
+        monkeypatch.setattr("os.fdopen", real_fdopen)
+        assert len(calls) == 7
+        assert (result.exit_code, result.stderr) == (
+            2,
+            f"error: no space left on device: {run_dir / 'report' / 'report.html'}\n",
+        )
+        assert snapshot(tmp_path) == before
+
+    report_on_a_full_disk()
+    assert not (run_dir / "report").exists()
+    write_report([run_dir])
+    assert len(list((run_dir / "report" / "figures").iterdir())) == 5
+    report_on_a_full_disk()
