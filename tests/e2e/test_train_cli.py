@@ -116,7 +116,8 @@ def test_resume_reproduces_uninterrupted_run(tmp_path):
     md = (tmp_path / "cmp" / "report.md").read_text()
     assert md.count("finished: 4 of 4 steps logged") == 4  # per run: the header and the summary table
     assert md.count("- layer 0 ") == md.count("- layer 3 ") == 2  # a verdict per MoE layer and run
-    assert "(figures/heatmap_update_flip_frac.png)" in md and "(figures/heatmap_no_grad_expert_frac.png)" in md
+    assert "(figures/heatmap_update_flip_frac.png)" in md
+    assert "(figures/heatmap_no_grad_expert_frac.png)" in md
     assert "| resume | False | True |" in md  # the config keys that differ
 
 
