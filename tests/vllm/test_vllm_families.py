@@ -205,9 +205,10 @@ def test_mla_runs_cpu_mla_and_a_user_config_without_topk_method_starts(fam):
     assert vllm_model.hf_config.topk_method == "noaux_tc"
 
 
-# bf16 vLLM vs the fp32 reference, each on its own routes: the mean per-token gap over the scored
-# tokens (bf16 rounding and the odd flipped route); a sync that missed moves it by > SYNC_MIN_MEAN
-BF16_MEAN_ATOL = 0.03
+# bf16 vLLM vs the fp32 reference, each on its own routes: the mean per-token gap over the 62 scored
+# tokens (bf16 rounding and the odd flipped route; seen 0.020 before and 0.015 after the sync, max
+# 0.30, on CPU_MLA without AMX); a sync that missed leaves a gap of ~1.3 (how far the sync moves them)
+BF16_MEAN_ATOL = 0.05
 
 
 @pytest.mark.skipif(
