@@ -58,7 +58,6 @@ def worker(engine_name: str, prompts_n: int, samples: int) -> None:
             f"rollout.engine={engine_name}",
             "parallel.nproc=1",
             "parallel.expert_parallel=1",
-            "rollout.vllm.enforce_eager=true",
         ],
     )
     tok = load_tokenizer(cfg.task.tokenizer, cfg.init_weights)
@@ -141,7 +140,7 @@ _STEP_WRAPPER = (
 
 def rl_step(engine: str, steps: int, run_dir: Path) -> dict:
     cmd = [sys.executable, "-m", "moe_rl.cli", "train", f"rollout.engine={engine}", f"steps={steps}"]
-    cmd += ["parallel.nproc=2", "parallel.expert_parallel=2", "rollout.vllm.enforce_eager=true"]
+    cmd += ["parallel.nproc=2", "parallel.expert_parallel=2"]
     cmd += [f"run_dir={run_dir}", "checkpoint_every=0", "log.progress_bar=false", "log.wandb_mode=disabled"]
     env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", **os.environ}
     done = subprocess.run(

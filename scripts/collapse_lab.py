@@ -90,7 +90,7 @@ IGNORED = ("run_dir", "resume", "checkpoint_every", "log.progress_bar", "log.wan
 def arm_overrides(arm: str, args) -> list[str]:
     """Preset files first (positional configs), then key=value overrides; the control drops the
     engine-side mismatch."""
-    vllm = ["rollout.engine=vllm", "rollout.vllm.enforce_eager=true"] if args.engine == "vllm" else []
+    vllm = ["rollout.engine=vllm"] if args.engine == "vllm" else []
     mismatch = [
         *vllm,
         f"rollout.router_noise={args.router_noise}",

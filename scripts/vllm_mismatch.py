@@ -35,7 +35,7 @@ def run(run_dir: Path, dtype: str, replay: str, steps: int, extra: list[str]) ->
     shutil.rmtree(run_dir, ignore_errors=True)
     cmd = [sys.executable, "-m", "moe_rl.cli", "train", "rollout.engine=vllm", f"rollout.dtype={dtype}"]
     cmd += [f"routing.replay={replay}", f"steps={steps}", "optim.lr=1e-9", "seed=0", f"run_dir={run_dir}"]
-    cmd += ["parallel.nproc=2", "parallel.expert_parallel=2", "rollout.vllm.enforce_eager=true"]
+    cmd += ["parallel.nproc=2", "parallel.expert_parallel=2"]
     cmd += ["checkpoint_every=0", "log.progress_bar=false", "log.wandb_mode=disabled", *extra]
     env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", **os.environ}  # one OpenMP core per rank's engine
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)

@@ -29,7 +29,7 @@ NONDETERMINISTIC = ("time/", "perf/", "mem/")  # wall clock and memory: not what
 def train(run_dir: Path, steps: int, every: int, replay: str, extra: list[str], resume: bool) -> None:
     cmd = [sys.executable, "-m", "moe_rl.cli", "train", "rollout.engine=vllm", f"steps={steps}"]
     cmd += ["parallel.nproc=2", "parallel.expert_parallel=2", f"routing.replay={replay}"]
-    cmd += [f"run_dir={run_dir}", f"checkpoint_every={every}", "rollout.vllm.enforce_eager=true"]
+    cmd += [f"run_dir={run_dir}", f"checkpoint_every={every}"]
     cmd += ["log.progress_bar=false", "log.wandb_mode=disabled", *extra]
     cmd += ["resume=true"] if resume else []
     env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", **os.environ}  # one OpenMP core per rank's engine

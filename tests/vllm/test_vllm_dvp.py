@@ -40,7 +40,6 @@ def dvp_run():
             "rollout.engine=vllm",
             "parallel.nproc=1",
             "parallel.expert_parallel=1",
-            "rollout.vllm.enforce_eager=true",
             "rollout.dtype=fp32",
             f"rollout.temperature={T}",
             "correction.dvp_threshold=0.05",

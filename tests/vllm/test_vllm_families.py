@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from moe_rl.config import load_config
+from moe_rl.rollout.vllm_engine import AMX_FLAG, cpu_flags
 from moe_rl.routing.record import RouteHeader, from_vllm
 from tests.models import VLLM_CPU_FAMILY
 from tests.vllm.conftest import require_vllm
@@ -60,28 +61,38 @@ def _prompt_scores(engine, seqs: list[list[int]]):
     return logps, [o.outputs[0].routed_experts for o in outs]
 
 
-@pytest.fixture(scope="module", params=sorted(VLLM_CPU_FAMILY))
-def fam(request):
-    """One family's engine, its first rollout and scores, then one sync to new weights and the
-    same sequences scored again (module docstring)."""
-    require_vllm()
+def _transformers_style_dir(out, weights, model) -> None:
+    """An HF dir of ``model`` whose config.json has no ``topk_method``, as transformers writes
+    DeepSeek-V3's (vLLM then builds no expert bias: KeyError on ``...mlp.gate.e_score_correction_bias``)."""
+    import json
+
+    from moe_rl.weights.hf import write_hf_checkpoint
+
+    write_hf_checkpoint(out, weights, model)
+    hf = json.loads((out / "config.json").read_text())
+    assert hf.pop("topk_method") == "noaux_tc"
+    (out / "config.json").write_text(json.dumps(hf))
+
+
+def _attention_impls(worker) -> list[str]:
+    """The attention implementations of the worker's model (runs in vLLM's worker)."""
+    return sorted({type(m.impl).__name__ for m in worker.model_runner.model.modules() if hasattr(m, "impl")})
+
+
+def _run_family(model, overrides: list[str], user_dir=None) -> dict:
+    """One engine for ``model`` (config overrides ``overrides``; from ``user_dir`` written as
+    transformers writes it when given): its first rollout and prompt scores, then one sync to new
+    weights and the same sequences scored again, with the fp32 references on both weights."""
     from moe_rl.rollout.vllm_engine import VllmEngine
     from moe_rl.types import SamplingParams
     from moe_rl.weights.canonical import random_canonical_weights
 
-    model = VLLM_CPU_FAMILY[request.param]()
-    cfg = load_config(
-        None,
-        [
-            "rollout.engine=vllm",
-            "parallel.nproc=1",
-            "parallel.expert_parallel=1",
-            "rollout.vllm.enforce_eager=true",
-            "rollout.dtype=fp32",
-        ],
-    )
-    cfg = dataclasses.replace(cfg, model=model)
+    base = ["rollout.engine=vllm", "parallel.nproc=1", "parallel.expert_parallel=1"]
+    cfg = dataclasses.replace(load_config(None, base + overrides), model=model)
     old, new = random_canonical_weights(model, seed=1), random_canonical_weights(model, seed=2)
+    if user_dir is not None:
+        _transformers_style_dir(user_dir, old, model)
+        cfg = dataclasses.replace(cfg, init_weights=f"hf:{user_dir}")
     engine = VllmEngine(cfg, model, pad_id=0)
     engine.load_weights(old)
     batch = engine.generate(PROMPTS, N, SamplingParams(max_new_tokens=8, stop_token_ids=(3,)), seed=7)
@@ -89,8 +100,9 @@ def fam(request):
     seqs = [batch.tokens_BS[i, : int(lens_B[i])].tolist() for i in range(batch.num_seqs)]
     scored_old = _prompt_scores(engine, seqs)
     engine.load_weights(new)
-    yield dict(
-        family=request.param,
+    return dict(
+        family=model.hf_family,
+        user_dir=user_dir,
         model=model,
         engine=engine,
         batch=batch,
@@ -100,7 +112,20 @@ def fam(request):
         ref_old=_fp32_reference(model, old),
         ref_new=_fp32_reference(model, new),
     )
-    engine.llm = None  # the next family's engine starts in this process: free this one's KV cache
+
+
+@pytest.fixture(scope="module", params=sorted(VLLM_CPU_FAMILY))
+def fam(request, tmp_path_factory):
+    """One family's engine, its first rollout and scores, then one sync to new weights and the
+    same sequences scored again (module docstring)."""
+    require_vllm()
+    model = VLLM_CPU_FAMILY[request.param]()
+    user_dir = None
+    if model.mla:  # started from a user's folder, config.json as transformers writes it
+        user_dir = tmp_path_factory.mktemp("user") / "ds3"
+    run = _run_family(model, ["rollout.dtype=fp32"], user_dir)
+    yield run
+    run["engine"].llm = None  # the next family's engine starts in this process: free its KV cache
     gc.collect()
 
 
@@ -160,3 +185,56 @@ def test_weight_sync_changes_vllm_to_the_new_weights(fam):
         assert float((lp_T - want_T).abs().max()) <= LOGP_ATOL, fam["family"]
         got_TLK = torch.from_numpy(raw[:, m.first_k_dense :].astype(np.int64))
         assert torch.equal(got_TLK.sort(-1).values, ids_TLK.sort(-1).values), fam["family"]
+
+
+def test_mla_runs_cpu_mla_and_a_user_config_without_topk_method_starts(fam):
+    """DeepSeek-V3 (MLA) runs vLLM's CPU_MLA attention on every CPU (AMX_MLA would refuse fp32 and
+    the weight sync; docs/gpu_stack.md 1.7), GQA families vLLM's CPU attention. Its engine was
+    given a user's folder whose config.json has no topk_method: vLLM started from a dir written
+    from the learner's weights instead, whose config.json says noaux_tc (the other tests of this
+    module then check its outputs and its sync)."""
+    engine, m = fam["engine"], fam["model"]
+    (impls,) = engine.llm.collective_rpc(_attention_impls)
+    assert impls == (["CPUMLAImpl"] if m.mla else ["CPUAttentionBackendImpl"]), fam["family"]
+    vllm_model = engine.llm.llm_engine.vllm_config.model_config
+    if fam["user_dir"] is None:
+        assert engine._gaps is None
+        return
+    assert engine._gaps and engine._gaps[0].startswith("topk_method None")
+    assert vllm_model.model != str(fam["user_dir"])
+    assert vllm_model.hf_config.topk_method == "noaux_tc"
+
+
+# bf16 vLLM vs the fp32 reference, each on its own routes: the mean per-token gap over the 62 scored
+# tokens (bf16 rounding and the odd flipped route; seen 0.020 before and 0.015 after the sync, max
+# 0.30, on CPU_MLA without AMX); a sync that missed leaves a gap of ~1.3 (how far the sync moves them)
+BF16_MEAN_ATOL = 0.05
+
+
+@pytest.mark.skipif(
+    AMX_FLAG not in cpu_flags(),
+    reason=f"this CPU has no AMX ({AMX_FLAG} not in /proc/cpuinfo), where vLLM picks CPU_MLA by itself: "
+    f"the case where the engine overrides vLLM's AMX_MLA runs on hosts with AMX only",
+)
+def test_deepseek_v3_with_the_defaults_on_a_cpu_with_amx(tmp_path):
+    """On a CPU with AMX, DeepSeek-V3 with the defaults (bf16 rollouts, enforce_eager false) from a
+    user's folder without topk_method: vLLM runs CPU_MLA, not the AMX_MLA it would pick (which
+    fails the first sync, docs/gpu_stack.md 1.7); every MoE layer routes (strict ingest); the sync
+    reaches vLLM: its log-probs move and match the fp32 reference on the new weights on average."""
+    from moe_rl.step.prepare import rollout_routes
+
+    require_vllm()
+    run = _run_family(VLLM_CPU_FAMILY["deepseek_v3"](), [], tmp_path / "ds3")
+    engine, m = run["engine"], run["model"]
+    assert engine.cfg.rollout.dtype == "bf16" and not engine.cfg.rollout.vllm.enforce_eager
+    (impls,) = engine.llm.collective_rpc(_attention_impls)
+    assert impls == ["CPUMLAImpl"]
+    rollout_routes(run["batch"], RouteHeader.for_model(m))  # refuses a MoE layer that is all expert 0
+    (old, _), (new, _) = run["scored_old"], run["scored_new"]
+    assert float(torch.cat([a - b for a, b in zip(new, old)]).abs().mean()) > SYNC_MIN_MEAN
+    for scored, ref in ((old, run["ref_old"]), (new, run["ref_new"])):
+        gaps = [lp - _teacher_forced(ref, seq)[0] for seq, lp in zip(run["seqs"], scored)]
+        gap = float(torch.cat(gaps).abs().mean())
+        assert gap <= BF16_MEAN_ATOL, f"bf16 vLLM vs fp32 reference: mean log-prob gap {gap}"
+    engine.llm = None
+    gc.collect()

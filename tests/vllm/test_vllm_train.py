@@ -32,7 +32,7 @@ def _train(run: Path, *extra: str) -> list[dict]:
         "checkpoint_every=2",
     ]
     cmd += ["parallel.nproc=2", "parallel.expert_parallel=2", "routing.replay=r3", f"run_dir={run}"]
-    cmd += ["rollout.vllm.enforce_eager=true", "log.progress_bar=false", "log.wandb_mode=disabled", *extra]
+    cmd += ["log.progress_bar=false", "log.wandb_mode=disabled", *extra]
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0|1")  # one CPU core per rank's engine
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -87,7 +87,7 @@ def test_deepseek_v3_mla_trains_on_vllm_fp32_with_r3_and_synced_weights(tmp_path
         "routing.replay=r3",
         f"run_dir={tmp_path / 'run'}",
     ]
-    cmd += ["rollout.vllm.enforce_eager=true", "log.progress_bar=false", "log.wandb_mode=disabled"]
+    cmd += ["log.progress_bar=false", "log.wandb_mode=disabled"]
     done = subprocess.run(
         cmd, cwd=ROOT, env=dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0|1"), capture_output=True, text=True
     )

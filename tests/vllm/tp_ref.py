@@ -27,7 +27,6 @@ def tp_cfg(world: int, tp: int, *extra: str):
             f"parallel.nproc={world}",
             "parallel.expert_parallel=1",
             f"rollout.vllm.tensor_parallel={tp}",
-            "rollout.vllm.enforce_eager=true",
             "rollout.dtype=fp32",  # TP=2's all-reduce sums in another order: keep that noise at fp32's
         ]
         + list(extra),
