@@ -2,19 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.script_module import script_module
 
 
 def _stats():
-    spec = importlib.util.spec_from_file_location("bench_stats", ROOT / "scripts" / "bench_stats.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return script_module("bench_stats")
 
 
 @pytest.mark.unit

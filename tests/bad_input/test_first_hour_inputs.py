@@ -9,7 +9,6 @@ a bad choice or type: one line, not the usage text), ``estimate --rank`` < 0, a 
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from tests.bad_input.test_cli_errors import (  # noqa: F401 (hf_dir: a fixture)
     write,
 )
 from tests.models import HF_FAMILY_TINY, deepseek_v3_tiny, hf_tiny
+from tests.script_module import script_module
 
 # ------------------------------------------------------------------ HF config.json, read by type
 
@@ -261,10 +261,7 @@ def test_make_math_refuses_a_file_train_would_not_read(tmp_path, name):
 
 
 def _lab():
-    spec = importlib.util.spec_from_file_location("collapse_lab", ROOT / "scripts" / "collapse_lab.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return script_module("collapse_lab")
 
 
 @pytest.mark.bad_input

@@ -4,7 +4,6 @@ only that the mismatch settings reach the runs and the outputs hold every arm's 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -14,14 +13,13 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.script_module import script_module
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _lab():
-    spec = importlib.util.spec_from_file_location("collapse_lab", ROOT / "scripts" / "collapse_lab.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return script_module("collapse_lab")
 
 
 @pytest.mark.unit

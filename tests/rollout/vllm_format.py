@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import importlib.util
 import json
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from tests.script_module import script_module
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC_PATH = Path(__file__).with_name("vllm_format.json")
@@ -24,11 +25,8 @@ SPEC: dict[str, Any] = json.loads(SPEC_PATH.read_text())
 
 
 def pin_script():
-    """scripts/pin_vllm_format.py as a module (scripts/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("pin_vllm_format", ROOT / "scripts" / "pin_vllm_format.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """scripts/pin_vllm_format.py as a module."""
+    return script_module("pin_vllm_format")
 
 
 def _default(text: str, kw_only: bool) -> Any:
