@@ -18,7 +18,7 @@ from pathlib import Path
 
 import click
 
-from moe_rl.config import RunConfig, load_config
+from moe_rl.config import RunConfig, load_run_config
 from moe_rl.errors import ConfigError, UserError, disk_full_named, one_line
 
 _OPTIONAL = (
@@ -40,8 +40,9 @@ def _split_args(args: tuple[str, ...]) -> tuple[str | None, list[str]]:
 
 
 def _load(args: tuple[str, ...]) -> RunConfig:
+    """The config of ``args``; with ``resume=true`` and no file, the run's saved config is the base."""
     path, overrides = _split_args(args)
-    return load_config(path, overrides)
+    return load_run_config(path, overrides)
 
 
 def _positive(flag: str, value: float) -> None:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from moe_rl.dist import barrier
 from moe_rl.errors import CheckpointError, DiskFullError, disk_full_named
 from moe_rl.fsutil import fsync_path
+from moe_rl.fsutil import write_atomic as _write_atomic  # a test replaces it (a full disk)
 from moe_rl.learner.setup import OPTIM_CKPT_METADATA
 
 log = logging.getLogger(__name__)
@@ -31,15 +32,6 @@ KEEP_LAST = 2
 # a save that fails with less than this free under the checkpoint root ran out of space: megatron's
 # writer loses the errno (a full disk surfaces as torch's "unexpected pos" RuntimeError)
 FULL_DISK_FREE_BYTES = 16 * 2**20
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def init_unstepped_state(optimizer) -> int:
