@@ -19,7 +19,7 @@ from typing import NoReturn
 
 import click
 
-from moe_rl.config import RunConfig, load_config
+from moe_rl.config import RunConfig, load_run_config
 from moe_rl.errors import ConfigError, UserError, disk_full_named, one_line
 
 _OPTIONAL = (
@@ -41,8 +41,9 @@ def _split_args(args: tuple[str, ...]) -> tuple[str | None, list[str]]:
 
 
 def _load(args: tuple[str, ...]) -> RunConfig:
+    """The config of ``args``; with ``resume=true`` and no file, the run's saved config is the base."""
     path, overrides = _split_args(args)
-    return load_config(path, overrides)
+    return load_run_config(path, overrides)
 
 
 def _positive(flag: str, value: float) -> None:
@@ -97,12 +98,16 @@ def main(debug: bool) -> None:
     """RL training for Mixture-of-Experts LLMs on megatron-core."""
     if debug:
         os.environ["MOE_RL_DEBUG"] = "1"  # the ranks of `train` inherit it
+    from moe_rl.quiet import silence_known_noise
+
+    silence_known_noise()  # megatron's and torch's messages that are no user's business (not under --debug)
 
 
 @main.command(context_settings={"ignore_unknown_options": True})
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 def train(args: tuple[str, ...]) -> None:
-    """Train: moe-rl train [CONFIG.yaml] [key=value ...]  (no config: the embedded tiny CPU default)."""
+    """Train: moe-rl train [CONFIG.yaml] [key=value ...]  (no config: the embedded tiny CPU default).
+    Resume: moe-rl train run_dir=RUN resume=true [steps=N]  (RUN/config.yaml is the base)."""
     from moe_rl.launch import JobInterrupted, RankDiedError, under_torchrun
 
     cfg = _load(args)
@@ -110,7 +115,10 @@ def train(args: tuple[str, ...]) -> None:
     # rank inside a collective would run no Python handler until the agent's SIGKILL)
     previous = {} if under_torchrun() else _stop_signals_raise()
     try:
+        resumed_from = _checkpoint_step(Path(cfg.run_dir)) if cfg.resume else None
         _train(cfg)
+        if not under_torchrun() or os.environ.get("RANK") == "0":
+            _end(cfg, resumed_from)
     except (JobInterrupted, KeyboardInterrupt) as e:
         signum = getattr(e, "signum", signal.SIGINT)
         click.echo(f"interrupted ({signal.Signals(signum).name}){_resume_hint(cfg, args)}", err=True)
@@ -145,6 +153,25 @@ def _train(cfg: RunConfig) -> None:
         launch(cfg)
 
 
+def _checkpoint_step(run_dir: Path) -> int | None:
+    """The step of the run's last checkpoint (None if it has none, or an unreadable pointer,
+    which preflight names)."""
+    from moe_rl.learner import checkpoint
+
+    try:
+        latest = checkpoint.latest(run_dir / "checkpoints")
+    except UserError:
+        return None
+    return None if latest is None else int(latest.name.removeprefix("step_"))
+
+
+def _end(cfg: RunConfig, resumed_from: int | None) -> None:
+    """The lines a finished run ends with (``moe_rl.run_end``), on stdout."""
+    from moe_rl.run_end import end_lines, gather
+
+    click.echo("\n".join(end_lines(gather(cfg.run_dir, cfg.log.wandb_mode, resumed_from))))
+
+
 def _stop_signals_raise() -> dict:
     """SIGTERM (and SIGHUP) raise like Ctrl-C does, so that every stop unwinds: the lock is
     released, a failed start is undone, and the one-line message is printed. torch's elastic agent
@@ -159,16 +186,10 @@ def _stop_signals_raise() -> dict:
 
 def _resume_hint(cfg: RunConfig, args: tuple[str, ...]) -> str:
     """Where the run stopped and the command that continues it (or what to do instead)."""
-    from moe_rl.learner import checkpoint
-
     run_dir = Path(cfg.run_dir)
     done = _steps_logged(run_dir / "metrics.jsonl")
-    try:
-        latest = checkpoint.latest(run_dir / "checkpoints")
-    except UserError:
-        latest = None
-    if latest is not None:
-        ck = int(latest.name.removeprefix("step_"))
+    ck = _checkpoint_step(run_dir)
+    if ck is not None:
         again = shlex.join(
             ["moe-rl", "train", *[a for a in args if not a.startswith("resume=")], "resume=true"]
         )

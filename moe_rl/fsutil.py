@@ -1,7 +1,8 @@
-"""Small file-system helpers shared by the run checkpoints (``moe_rl/learner/checkpoint.py``) and the
-HF checkpoint reader and writer (``moe_rl/weights/hf.py``), and the init-weights reader
-(``moe_rl/weights/warmstart.py``): files read with a CheckpointError naming the file. Imports only
-``moe_rl.errors`` from the package."""
+"""Small file-system helpers shared by the run checkpoints (``moe_rl/learner/checkpoint.py``), the
+HF checkpoint reader and writer (``moe_rl/weights/hf.py``), the init-weights reader
+(``moe_rl/weights/warmstart.py``) and the run's saved config (``moe_rl/trainer.py``): files read
+with a CheckpointError naming the file, written atomically. Imports only ``moe_rl.errors`` from
+the package."""
 
 from __future__ import annotations
 
@@ -22,6 +23,17 @@ def fsync_path(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a fsynced temporary file and a rename: a crash leaves
+    the old content or the new, never a part."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def read_json(path: Path) -> Any:

@@ -89,6 +89,9 @@ def under_torchrun() -> bool:
 
 def run_worker(cfg: RunConfig) -> None:
     """One rank's whole life: patches, process groups, the training loop, teardown."""
+    from moe_rl.quiet import silence_known_noise
+
+    silence_known_noise()  # before megatron is imported: some of its warnings come at import
     import megatron_patches
     from moe_rl import dist, trainer
 

@@ -364,8 +364,18 @@ class MetricsWriter:
         else:
             run_id = uuid.uuid4().hex[:16]
             _fsync_write(id_path, run_id + "\n")
+        # offline, wandb's own lines (where it writes, its closing history and sync hint) would
+        # end the run's output; `moe-rl train` says where the offline run is and how to upload it
+        # in its end lines instead. Online, they carry the run's URL and stay.
+        settings = wandb.Settings(silent=mode == "offline")
         run = wandb.init(
-            dir=str(self.run_dir), mode=mode, project=project, config=config_dict, id=run_id, resume="allow"
+            dir=str(self.run_dir),
+            mode=mode,
+            project=project,
+            config=config_dict,
+            id=run_id,
+            resume="allow",
+            settings=settings,
         )
         run.define_metric("step")
         run.define_metric("*", step_metric="step")

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from moe_rl.config import ARCH_FIELDS, RunConfig, load_config, to_dict
+from moe_rl.config import ARCH_FIELDS, SAVED_CONFIG, RunConfig, load_config, to_dict
+from moe_rl.config.loader import saved_config_missing
 from moe_rl.errors import CheckpointError, ConfigError, RunDirError
 from moe_rl.fsutil import read_json
 from moe_rl.learner import checkpoint
@@ -145,11 +146,9 @@ def check_resume(cfg: RunConfig) -> None:
         raise RunDirError(
             f"resume=true but {run_dir}/checkpoints has no checkpoint; drop resume=true to start a new run"
         )
-    saved_path = run_dir / "config.yaml"
-    if not saved_path.is_file():
-        raise RunDirError(
-            f"resume=true but {saved_path} is missing, so the checkpoint's model and layout are unknown"
-        )
+    saved_path = run_dir / SAVED_CONFIG
+    if not saved_path.is_file():  # a config file given with resume=true; else the loader said so
+        raise saved_config_missing(run_dir)
     saved = to_dict(load_config(saved_path))
     new = to_dict(cfg)
     for key in RESUME_FIELDS:

@@ -10,8 +10,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 from moe_rl.checkpointing import CheckpointManager
-from moe_rl.config import RunConfig, to_dict, to_yaml
+from moe_rl.config import SAVED_CONFIG, RunConfig, to_dict, to_yaml
 from moe_rl.dist import ParallelDims
+from moe_rl.fsutil import write_atomic
 from moe_rl.health import HealthMonitor
 from moe_rl.learner.learner import Learner
 from moe_rl.lr import LengthLRScheduler
@@ -88,7 +89,8 @@ def open_run_dir(cfg: RunConfig, dims: ParallelDims, start: int) -> MetricsWrite
     run_dir = Path(cfg.run_dir)
     if dims.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(to_yaml(cfg))
+        # a resume's base (moe_rl.config.load_run_config): never left half-written
+        write_atomic(run_dir / SAVED_CONFIG, to_yaml(cfg))
     return MetricsWriter(
         run_dir,
         to_dict(cfg),

@@ -13,7 +13,8 @@ The package, one job per module; everything public is re-exported here, so calle
 - ``correction``: ``CorrectionConfig``, ``TrmConfig``, ``RejectionSpec``;
 - ``run``: the other subtrees (optim, rollout, routing, task, algo, log) and the root ``RunConfig``;
 - ``deprecations``: ``DEPRECATED_KEYS`` and the legacy-key renames;
-- ``loader``: ``load_config``, ``to_dict``, ``to_yaml``;
+- ``loader``: ``load_config``, ``load_run_config`` (resume's base: the run's saved config),
+  ``to_dict``, ``to_yaml``;
 - ``checks``: the ``__post_init__`` helpers.
 
 Near the bottom of the package: imports only pure modules (no torch, no megatron;
@@ -25,7 +26,7 @@ vllm installed) is checked when a run starts, in ``moe_rl/preflight.py``.
 
 from moe_rl.config.correction import CorrectionConfig, RejectionSpec, TrmConfig
 from moe_rl.config.deprecations import DEPRECATED_KEYS
-from moe_rl.config.loader import load_config, to_dict, to_yaml
+from moe_rl.config.loader import SAVED_CONFIG, load_config, load_run_config, to_dict, to_yaml
 from moe_rl.config.model import ARCH_FIELDS, ModelConfig, ParallelConfig
 from moe_rl.config.run import (
     AlgoConfig,
@@ -60,7 +61,9 @@ __all__ = [
     "TaskConfig",
     "TrmConfig",
     "VllmConfig",
+    "SAVED_CONFIG",
     "load_config",
+    "load_run_config",
     "to_dict",
     "to_yaml",
 ]

@@ -22,7 +22,7 @@ from moe_rl.config.deprecations import (
     refuse_old_and_new_overrides,
 )
 from moe_rl.config.run import RunConfig
-from moe_rl.errors import ConfigError
+from moe_rl.errors import ConfigError, RunDirError
 from moe_rl.weights.hf_config import CONFIG as HF_CONFIG
 from moe_rl.weights.hf_config import load_hf_config
 
@@ -201,6 +201,52 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if where == "defaults":
             raise
         raise ConfigError(f"{where}: {e}") from None
+
+
+SAVED_CONFIG = "config.yaml"  # the resolved config a run writes into its run_dir (moe_rl/trainer.py)
+
+
+def saved_config_missing(run_dir: Path) -> RunDirError:
+    """The refusal of resume=true for a run dir with checkpoints but no saved config."""
+    return RunDirError(
+        f"resume=true but {run_dir / SAVED_CONFIG} is missing, so the checkpoint's model and layout "
+        f"are unknown; write the config the run was started with there (moe-rl config "
+        f"[CONFIG.yaml] [key=value ...] prints it)"
+    )
+
+
+def resume_base(overrides: list[str] | tuple[str, ...]) -> Path | None:
+    """``RUN_DIR/config.yaml`` when the overrides ask to resume (``resume=true``, ``run_dir=RUN_DIR``
+    or its default), else None. The two keys are read through ``load_config`` on the defaults, so a
+    bad value (``resume=maybe``) gets the error it gets anywhere. RunDirError when that run has no
+    saved config: nothing to resume, or a checkpoint whose model and layout are unknown."""
+    flags = [i for i in overrides if _renamed_key(i.split("=", 1)[0].strip()) in ("resume", "run_dir")]
+    cfg = load_config(None, flags)
+    if not cfg.resume:
+        return None
+    run_dir = Path(cfg.run_dir)
+    saved = run_dir / SAVED_CONFIG
+    if saved.is_file():
+        return saved
+    if (run_dir / "checkpoints").is_dir():
+        raise saved_config_missing(run_dir)
+    raise RunDirError(
+        f"resume=true but {run_dir} holds no run to resume (no {SAVED_CONFIG}); drop resume=true "
+        f"to start a new run"
+    )
+
+
+def load_run_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """What ``moe-rl train`` (and ``config``, ``estimate``) run: ``load_config(path, overrides)``,
+    except that ``resume=true`` without a config file takes the run's saved ``RUN_DIR/config.yaml``
+    as the file, so ``moe-rl train run_dir=RUN resume=true steps=N`` continues the run as it was
+    made (an HF checkpoint's architecture included). The overrides apply on top; that they keep
+    the checkpoint's shape and layout is checked when the run starts (``preflight.check_resume``).
+    A file given with resume=true stays the base: an argument on the command line is never
+    dropped, and the command that started a run, re-run with resume=true, keeps working."""
+    if path is None:
+        path = resume_base(overrides)
+    return load_config(path, overrides)
 
 
 def to_dict(cfg: RunConfig) -> dict[str, Any]:

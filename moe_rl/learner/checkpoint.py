@@ -24,6 +24,7 @@ import torch.distributed as dist
 from moe_rl.dist import barrier
 from moe_rl.errors import CheckpointError, DiskFullError, disk_full_named
 from moe_rl.fsutil import fsync_path
+from moe_rl.fsutil import write_atomic as _write_atomic  # a test replaces it (a full disk)
 from moe_rl.learner.setup import OPTIM_CKPT_METADATA
 
 log = logging.getLogger(__name__)
@@ -31,15 +32,6 @@ KEEP_LAST = 2
 # a save that fails with less than this free under the checkpoint root ran out of space: megatron's
 # writer loses the errno (a full disk surfaces as torch's "unexpected pos" RuntimeError)
 FULL_DISK_FREE_BYTES = 16 * 2**20
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def init_unstepped_state(optimizer) -> int:
@@ -78,15 +70,36 @@ def _keep_zero_step(opt_sd: Any, optimizer) -> None:
     """
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    opts = getattr(optimizer, "chained_optimizers", [optimizer])
-    sds = [opt_sd] if len(opts) == 1 else [opt_sd[i] for i in range(len(opts))]
-    for opt, sd in zip(opts, sds):
+    for opt, sd in _optimizer_state_dicts(opt_sd, optimizer):
         if isinstance(opt, DistributedOptimizer) or getattr(opt, "optimizer", None) is None:
             continue
         inner = sd["optimizer"] if "fp32_from_fp16_params" in sd else sd
         steps = {float(s["step"]) for s in opt.optimizer.state.values() if "step" in s}
         if steps == {0.0} and "common_step" not in inner["state"]:
             inner["state"]["common_step"] = torch.tensor(0.0, dtype=torch.float32)
+
+
+def _optimizer_state_dicts(opt_sd: Any, optimizer) -> list[tuple[Any, Any]]:
+    """(optimizer, its part of ``opt_sd``) for each optimizer of a (chained) megatron optimizer."""
+    opts = getattr(optimizer, "chained_optimizers", [optimizer])
+    return list(zip(opts, [opt_sd] if len(opts) == 1 else [opt_sd[i] for i in range(len(opts))]))
+
+
+def _drop_unsaved_param_state(opt_sd: Any, optimizer) -> None:
+    """Remove a DistributedOptimizer's ``param_state`` where it is None.
+
+    With the memory-efficient ``fully_reshardable`` format (``OPTIM_CKPT_METADATA``) megatron
+    gathers the optimizer state on data-parallel rank 0, and the other ranks of the group get
+    ``param_state = None`` (distrib_optimizer.py, sharded_param_state_fully_reshardable). That None
+    stays in their common state dict, which rank 0 alone writes, so it carries nothing; but
+    megatron's save compares every rank's common dict with rank 0's and logs "Rank 1 common state
+    dict differs ... Keys only on 1: [('optimizer', 0, 'param_state')]" at each checkpoint, which
+    reads like corruption. Loading builds the key on every rank (is_loading) and is unaffected."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for opt, sd in _optimizer_state_dicts(opt_sd, optimizer):
+        if isinstance(opt, DistributedOptimizer) and "param_state" in sd and sd["param_state"] is None:
+            del sd["param_state"]
 
 
 def _sharded_state(learner, is_loading: bool) -> dict[str, Any]:
@@ -98,6 +111,7 @@ def _sharded_state(learner, is_loading: bool) -> dict[str, Any]:
     )
     if not is_loading:
         _keep_zero_step(opt_sd, learner.optimizer)
+        _drop_unsaved_param_state(opt_sd, learner.optimizer)
     return {"model": model_sd, "optimizer": opt_sd}
 
 

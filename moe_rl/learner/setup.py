@@ -75,6 +75,9 @@ def transformer_config(
         gradient_accumulation_fusion=False,
         apply_rope_fusion=False,
         persist_layer_norm=False,
+        # no CUDA graphs (cuda_graph_impl stays "none"); megatron's own default scope, "full", is
+        # deprecated by megatron and warns on every config built with it
+        cuda_graph_scope=[],
         **_recompute(model),
         **_precision(model, bf16),
     )

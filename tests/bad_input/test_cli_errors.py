@@ -270,7 +270,7 @@ def test_resume_without_a_checkpoint_or_with_a_dangling_pointer(tmp_path):
     run = tmp_path / "run"
     fails_with(
         tmp_path,
-        f"resume=true but {run}/checkpoints has no checkpoint; drop resume=true to start a new run",
+        f"resume=true but {run} holds no run to resume (no config.yaml); drop resume=true to start a new run",
         "train",
         f"run_dir={run}",
         "resume=true",
@@ -287,14 +287,40 @@ def test_resume_without_a_checkpoint_or_with_a_dangling_pointer(tmp_path):
         "steps=50",
     )
     write(run / "checkpoints" / "latest", "step_000030\n")
+    saved = (run / "config.yaml").read_text()
     (run / "config.yaml").unlink()
+    missing = (
+        f"resume=true but {run}/config.yaml is missing, so the checkpoint's model and layout are "
+        f"unknown; write the config the run was started with there (moe-rl config [CONFIG.yaml] "
+        f"[key=value ...] prints it)"
+    )
+    fails_with(tmp_path, missing, "train", f"run_dir={run}", "resume=true", "steps=50")
+    # a config file given with resume=true is the base, but the checkpoint still needs the saved one
+    given = write(tmp_path / "given.yaml", saved)
+    fails_with(tmp_path, missing, "train", str(given), f"run_dir={run}", "resume=true", "steps=50")
+
+
+@pytest.mark.bad_input
+def test_resume_takes_the_saved_config_as_its_base(tmp_path):
+    """resume=true without a config file: the run's config.yaml, then the overrides; with a file,
+    the file (the command that started the run, re-run with resume=true, means what it said)."""
+    run = tmp_path / "run"
+    _fake_run(run, 30, **{"model.num_experts": 4, "optim.lr": 0.001})
+    code, out, err = run_cli(tmp_path, "config", f"run_dir={run}", "resume=true", "steps=50")
+    assert (code, err) == (0, "")
+    want = load_config(run / "config.yaml", ["resume=true", "steps=50"])
+    assert out == to_yaml(want)
+    assert "num_experts: 4\n" in out and "lr: 0.001\n" in out and "steps: 50\n" in out
+    given = write(tmp_path / "recipe.yaml", "steps: 60\n")
+    code, out, _ = run_cli(tmp_path, "config", str(given), f"run_dir={run}", "resume=true")
+    assert code == 0 and out == to_yaml(load_config(given, [f"run_dir={run}", "resume=true"]))
+    assert "num_experts: 8\n" in out and "steps: 60\n" in out  # the defaults under the file
     fails_with(
         tmp_path,
-        f"resume=true but {run}/config.yaml is missing, so the checkpoint's model and layout are unknown",
-        "train",
+        "override 'resume=maybe': config key 'resume': Value 'maybe' is not a valid bool (type str)",
+        "config",
         f"run_dir={run}",
-        "resume=true",
-        "steps=50",
+        "resume=maybe",
     )
 
 

@@ -37,6 +37,44 @@ def metrics(run_dir: Path) -> dict[int, dict]:
     return {r["step"]: r for r in map(json.loads, lines)}
 
 
+# what `moe-rl train` must no longer print (moe_rl/quiet.py, the checkpoint's common state, wandb)
+SILENCED = (
+    "common state dict differs",
+    "Transformer Engine and Apex are not installed",
+    "Apex is not installed",
+    "is deprecated",  # torch's all_gather_into_tensor / reduce_scatter_tensor, megatron's "full scope"
+    "deprecating ShardedTensor",  # a resume's checkpoint load
+    "Tensor that is not a leaf Tensor",
+    "Rerun State Machine",
+    "RerunStateMachine",
+    "wandb:",
+)
+
+
+def assert_run_end(proc: subprocess.CompletedProcess, run_dir: Path, resumed_from: int | None = None) -> None:
+    """The run's end lines (stdout), each value read back from the run directory; and none of the
+    silenced warnings anywhere in the output."""
+    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    ckpt = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
+    ck_step = json.loads((ckpt / "trainer_state.json").read_text())["step"]
+    wandb_runs = sorted((run_dir / "wandb").glob("offline-run-*"))
+    first, last = recs[0], recs[-1]
+    resumed = "" if resumed_from is None else f" (resumed from step {resumed_from})"
+    assert proc.stdout.splitlines() == [
+        f"run finished: {last['step'] + 1} steps in {run_dir}{resumed}",
+        f"last checkpoint: step {ck_step}, {ckpt}",
+        f"reward/mean: {first['reward/mean']:.4f} at step {first['step']} (the first logged step), "
+        f"{last['reward/mean']:.4f} at step {last['step']} (the last)",
+        f"wandb (offline): {wandb_runs[-1]}; upload with: wandb sync {run_dir}/wandb/offline-run-*",
+        "next:",
+        f"  moe-rl report {run_dir}",
+        f"  moe-rl train run_dir={run_dir} resume=true steps={2 * (last['step'] + 1)}",
+        f"  moe-rl export-hf {run_dir} {run_dir}-hf",
+    ]
+    for needle in SILENCED:
+        assert needle not in proc.stdout + proc.stderr, needle
+
+
 def _deterministic(rec: dict) -> dict:
     return {k: v for k, v in rec.items() if not k.startswith(("time/", "perf/"))}
 
@@ -57,11 +95,12 @@ EAGER_LENGTH_LR = [
 def test_resume_reproduces_uninterrupted_run(tmp_path):
     full, part = tmp_path / "full", tmp_path / "part"
     args = ["checkpoint_every=2", "algo.advantage=otb", "correction.is_level=token", *EAGER_LENGTH_LR, *TINY]
-    moe_rl("train", f"run_dir={full}", "steps=4", *args)
+    assert_run_end(moe_rl("train", f"run_dir={full}", "steps=4", *args), full)
     moe_rl("train", f"run_dir={part}", "steps=2", *args)
     assert sorted(metrics(part)) == [0, 1]
     assert (part / "checkpoints" / "latest").read_text().strip() == "step_000002"
-    moe_rl("train", f"run_dir={part}", "steps=4", "resume=true", *args)
+    # one command: the run's saved config.yaml is the base (OTB, the LR decay, the layout ...)
+    assert_run_end(moe_rl("train", f"run_dir={part}", "steps=4", "resume=true"), part, resumed_from=2)
 
     a, b = metrics(full), metrics(part)
     assert sorted(a) == sorted(b) == [0, 1, 2, 3]
