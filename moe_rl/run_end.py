@@ -2,9 +2,11 @@
 start and end, where an offline wandb run went, and the commands that come next (report, resume,
 export), each runnable as printed from the directory the run was started in.
 
-Reward at start and end: ``reward/mean`` of the first and the last logged training step of the
-run's ``metrics.jsonl`` (a resumed run's file holds every step since step 0), the definition of
-the report's summary. Every value is read back from the run directory, not from the ranks.
+Reward at start and end: the report's one definition (``moe_rl.report.outcome.start_and_final_reward``:
+the first logged step's ``reward/mean``, and the mean over the last 10 logged steps) over the run's
+``metrics.jsonl`` (a resumed run's file holds every step since step 0), so the end line and
+``moe-rl report`` print the same two numbers. Every value is read back from the run directory, not
+from the ranks.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moe_rl.metrics import METRICS_FILE, read_metrics
+from moe_rl.report.outcome import FINAL_WINDOW, start_and_final_reward
 
 
 @dataclass(frozen=True)
@@ -23,8 +26,7 @@ class RunEnd:
     resumed_from: int | None  # the checkpoint step this start continued from (None: a fresh start)
     checkpoint: Path | None  # the last complete checkpoint
     checkpoint_step: int | None
-    reward_first: tuple[int, float] | None  # (step, reward/mean) of the first logged step
-    reward_last: tuple[int, float] | None
+    reward_start_final: tuple[float, float] | None  # start_and_final_reward (None: no reward logged)
     wandb_offline: Path | None  # the newest offline wandb run directory
 
 
@@ -36,7 +38,7 @@ def gather(run_dir: str | Path, wandb_mode: str, resumed_from: int | None) -> Ru
 
     run_dir = Path(run_dir)
     records, _ = read_metrics(run_dir / METRICS_FILE) if (run_dir / METRICS_FILE).is_file() else ([], [])
-    rewards = [(int(r["step"]), float(r["reward/mean"])) for r in records if "reward/mean" in r]
+    rewards = [float(r["reward/mean"]) for r in records if "reward/mean" in r]
     latest = checkpoint.latest(run_dir / "checkpoints")
     offline = sorted((run_dir / "wandb").glob("offline-run-*")) if wandb_mode == "offline" else []
     return RunEnd(
@@ -45,8 +47,7 @@ def gather(run_dir: str | Path, wandb_mode: str, resumed_from: int | None) -> Ru
         resumed_from=resumed_from,
         checkpoint=latest,
         checkpoint_step=None if latest is None else int(read_json(latest / "trainer_state.json")["step"]),
-        reward_first=rewards[0] if rewards else None,
-        reward_last=rewards[-1] if rewards else None,
+        reward_start_final=start_and_final_reward(rewards) if rewards else None,
         wandb_offline=offline[-1] if offline else None,  # named offline-run-<YYYYmmdd_HHMMSS>-<id>
     )
 
@@ -65,10 +66,11 @@ def end_lines(end: RunEnd) -> list[str]:
         lines.append(f"last checkpoint: step {end.checkpoint_step}, {end.checkpoint}")
     else:
         lines.append("no checkpoint saved: the run cannot be resumed or exported")
-    if end.reward_first is not None and end.reward_last is not None:
-        (s0, r0), (s1, r1) = end.reward_first, end.reward_last
+    if end.reward_start_final is not None:
+        start, final = end.reward_start_final
         lines.append(
-            f"reward/mean: {r0:.4f} at step {s0} (the first logged step), {r1:.4f} at step {s1} (the last)"
+            f"reward/mean: start {start:.4f} (the first logged step), "
+            f"final {final:.4f} (the mean of the last {FINAL_WINDOW} logged steps)"
         )
     if end.wandb_offline is not None:
         glob = f"{q(str(end.wandb_offline.parent))}/offline-run-*"

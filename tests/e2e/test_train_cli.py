@@ -59,12 +59,13 @@ def assert_run_end(proc: subprocess.CompletedProcess, run_dir: Path, resumed_fro
     ck_step = json.loads((ckpt / "trainer_state.json").read_text())["step"]
     wandb_runs = sorted((run_dir / "wandb").glob("offline-run-*"))
     first, last = recs[0], recs[-1]
+    final = sum(r["reward/mean"] for r in recs[-10:]) / len(recs[-10:])
     resumed = "" if resumed_from is None else f" (resumed from step {resumed_from})"
     assert proc.stdout.splitlines() == [
         f"run finished: {last['step'] + 1} steps in {run_dir}{resumed}",
         f"last checkpoint: step {ck_step}, {ckpt}",
-        f"reward/mean: {first['reward/mean']:.4f} at step {first['step']} (the first logged step), "
-        f"{last['reward/mean']:.4f} at step {last['step']} (the last)",
+        f"reward/mean: start {first['reward/mean']:.4f} (the first logged step), "
+        f"final {final:.4f} (the mean of the last 10 logged steps)",
         f"wandb (offline): {wandb_runs[-1]}; upload with: wandb sync {run_dir}/wandb/offline-run-*",
         "next:",
         f"  moe-rl report {run_dir}",
