@@ -92,7 +92,13 @@ def test_train_resume_export_hf_math(tmp_path: Path, model_dir: Path) -> None:
         assert rec["rollout/prompts_dropped_too_long"] == kept.num_dropped
         assert rec["reward/error_frac"] == 0.0 and rec["reward/timeout_frac"] == 0.0
         assert rec["rollout/truncated_frac"] + rec["rollout/finished_frac"] == 1.0
-        assert "reward/mean/arith_words" in rec and "reward/overlong_penalty_mean" in rec
+        # one data source (make-math): its reward is the step's, the math score in [0, 1]
+        assert rec["reward/mean/arith_words"] == rec["reward/mean"] and 0 <= rec["reward/mean"] <= 1
+        # DAPO penalty over the last 4 of 12 tokens: -1 for a response that hit max_new_tokens,
+        # in [-1, 0) inside the window, 0 before it
+        pen, over = rec["reward/overlong_penalty_mean"], rec["reward/overlong_frac"]
+        cut = rec["rollout/truncated_frac"]
+        assert -over - 1e-9 <= pen <= -cut + 1e-9 and cut <= over <= 1
         # validation on steps 0 and 2 only, greedy and sampled, per data source
         has_val = {k for k in rec if k.startswith("val/")}
         assert has_val == (

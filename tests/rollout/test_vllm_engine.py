@@ -14,6 +14,10 @@ the sample."""
 from __future__ import annotations
 
 import dataclasses
+import functools
+import sys
+import types
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -643,6 +647,17 @@ def test_engine_kwargs(cfg):
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("eager", [True, False])
+def test_engine_kwargs_pass_the_configs_enforce_eager(eager):
+    # the GPU build (vllm 0.33) takes the key as configured: both values reach vllm.LLM. The CPU
+    # build's choice is its own (docs/gpu_stack.md 1.5), so only cpu=False is pinned here.
+    run = load_config(None, VLLM + [f"rollout.vllm.enforce_eager={str(eager).lower()}"])
+    assert run.rollout.vllm.enforce_eager is eager
+    for external in (False, True):
+        assert ve.engine_kwargs(run, "/m", external=external)["enforce_eager"] is eager
+
+
+@pytest.mark.unit
 def test_sync_items_are_the_hf_names_in_model_order(cfg, weights):
     expected = list(canonical_param_shapes(cfg))
     items = ve.sync_items(dict(reversed(list(weights.items()))), expected)
@@ -658,17 +673,73 @@ def test_sync_items_are_the_hf_names_in_model_order(cfg, weights):
 # --------------------------------------------------------------------------------------------
 
 
+class _FakeTransferEngineBase:
+    """The part of vLLM 0.33's ``WeightTransferEngine`` (vllm/distributed/weight_transfer/base.py)
+    that our backend inherits through ``IPCWeightTransferEngine``: the worker's ``update_weights(
+    update_info: dict)`` builds ``update_info_cls(**update_info)`` (``parse_update_info``) and
+    hands it to ``receive_weights``; the engine holds the worker's model as ``self.model``."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+
+    def update_weights(self, update_info: dict) -> None:
+        self.receive_weights(self.update_info_cls(**update_info))
+
+
+@functools.cache
+def inproc_engine_class() -> type:
+    """The class ``_register_transfer_backend`` registers (the GPU path's receiver, run for real),
+    built against stand-ins of the three vLLM modules it imports: vLLM 0.33 is GPU-only."""
+
+    @dataclasses.dataclass
+    class WeightTransferUpdateInfo:
+        pass
+
+    registered: dict[str, type] = {}
+
+    class WeightTransferEngineFactory:
+        @staticmethod
+        def register_engine(name: str, cls: type) -> None:
+            if name in registered:
+                raise ValueError(f"Weight transfer engine {name!r} is already registered.")
+            registered[name] = cls
+
+    pkg = "vllm.distributed.weight_transfer"
+    names = ("vllm", "vllm.distributed", pkg, f"{pkg}.base", f"{pkg}.ipc_engine")
+    mods = {n: types.ModuleType(n) for n in names}
+    mods[pkg].WeightTransferEngineFactory = WeightTransferEngineFactory
+    mods[f"{pkg}.base"].WeightTransferUpdateInfo = WeightTransferUpdateInfo
+    mods[f"{pkg}.ipc_engine"].IPCWeightTransferEngine = _FakeTransferEngineBase
+    with mock.patch.dict(sys.modules, mods):
+        ve._register_transfer_backend()
+        ve._register_transfer_backend()  # idempotent: a second engine in the process
+    return registered[ve.TRANSFER_BACKEND]
+
+
+class _RecordingModel:
+    """vLLM's model as the receiver sees it: ``load_weights`` takes (name, tensor) pairs."""
+
+    def __init__(self, loaded: dict[str, torch.Tensor]) -> None:
+        self.loaded = loaded
+
+    def load_weights(self, weights) -> None:
+        self.loaded.update(weights)
+
+
 class FakeTransferLLM:
     """``vllm.LLM``'s weight-transfer surface as 0.33 defines it: ``init_weight_transfer_engine(
     {"init_info": ...})``, ``start_weight_update()``, ``update_weights({"update_info": ...})``,
     ``finish_weight_update(weight_version: str | None = None)``, ``get_weight_version() -> str``
     ("default" until one is set), plus ``reset_prefix_cache`` / ``apply_model``. The worker side
-    follows gpu_worker.py: update/finish outside a session raise, a failed update ends it."""
+    follows gpu_worker.py: update/finish outside a session raise, a failed update ends it; each
+    update goes to our registered backend's own ``receive_weights`` (``inproc_engine_class``),
+    which loads into ``model`` (default: a record of what it got, by reference)."""
 
-    def __init__(self, fail_on_update: int = -1, ignore_version: bool = False) -> None:
+    def __init__(self, fail_on_update: int = -1, ignore_version: bool = False, model=None) -> None:
         self.calls: list[str] = []
         self.updates: list[dict] = []
         self.loaded: dict[str, torch.Tensor] = {}
+        self.worker = inproc_engine_class()(model if model is not None else _RecordingModel(self.loaded))
         self.active = False
         self.version = "default"
         self.fail_on_update, self.ignore_version = fail_on_update, ignore_version
@@ -692,9 +763,7 @@ class FakeTransferLLM:
             self.active = False
             raise RuntimeError("worker failed")
         self.updates.append(info)
-        self.loaded.update(
-            ve.received_weights(info["names"], info["dtype_names"], info["shapes"], info["tensors"])
-        )
+        self.worker.update_weights(info)
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         if not self.active:
@@ -875,6 +944,60 @@ def test_engine_load_weights_goes_through_the_transfer_api(cfg, weights):
     assert engine.llm.calls == ["start"] + ["update"] * n + ["finish", "reset_prefix_cache"]
     assert engine.llm.loaded.keys() == weights.keys()
     assert engine.versions.current == "0"
+
+
+class _CopyingModel:
+    """A model that owns its parameters (NaN until loaded) and copies what ``load_weights`` gets
+    into them after checking name, dtype and shape, as vLLM's default weight loader does."""
+
+    def __init__(self, shapes: dict[str, tuple[torch.dtype, list[int]]]) -> None:
+        self.params = {k: torch.full(shape, float("nan"), dtype=dt) for k, (dt, shape) in shapes.items()}
+
+    def load_weights(self, weights) -> None:
+        for name, t in weights:
+            p = self.params[name]
+            assert (t.dtype, t.shape) == (p.dtype, p.shape), name
+            p.copy_(t)
+
+
+def _decode_update_info(info: dict) -> list[tuple[str, torch.dtype, list[int], torch.Tensor]]:
+    """The test's own reading of one payload, from vLLM 0.33's IPC metadata as its
+    ``trainer_send_weights`` writes it (ipc_engine.py): parallel lists ``names``, ``dtype_names``
+    (``str(dtype)`` without ``torch.``), ``shapes`` (``list(tensor.shape)``), plus our tensors."""
+    assert set(info) == {"names", "dtype_names", "shapes", "tensors"}
+    n = len(info["names"])
+    assert [len(info[k]) for k in ("dtype_names", "shapes", "tensors")] == [n, n, n]
+    out = []
+    for name, dt, shape, t in zip(info["names"], info["dtype_names"], info["shapes"], info["tensors"]):
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dt]
+        assert (t.dtype, list(t.shape)) == (dtype, shape), name
+        out.append((name, dtype, shape, t))
+    return out
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+@pytest.mark.unit
+def test_the_gpu_receiver_leaves_the_sent_weights_bitwise_in_the_model(cfg, weights):
+    """The GPU path end to end on its receiving side: the engine's stream through the transfer
+    API into our registered backend's ``receive_weights`` and a model that owns its tensors. The
+    check decodes the payloads itself and compares the model's bytes with the sent tensors, so a
+    receiver that drops, reorders, casts or skips a tensor fails it (NaN is never equal)."""
+    sent = {k: (t.to(torch.bfloat16) if i % 3 == 1 else t) for i, (k, t) in enumerate(weights.items())}
+    model = _CopyingModel({k: (t.dtype, list(t.shape)) for k, t in sent.items()})
+    engine = _fake_engine(cfg)
+    engine.llm = FakeTransferLLM(model=model)
+    engine.load_weights(_streamed(sent, []))
+    decoded = [d for info in engine.llm.updates for d in _decode_update_info(info)]
+    assert sorted(name for name, *_ in decoded) == sorted(sent)
+    assert all((dt, shape) == (sent[k].dtype, list(sent[k].shape)) for k, dt, shape, _ in decoded)
+    assert all(torch.equal(_bits(t), _bits(sent[k])) for k, *_, t in decoded)  # the wire carries them
+    for k, t in sent.items():  # and the model now holds them, bit for bit, in its own storage
+        assert model.params[k].data_ptr() != t.data_ptr()
+        assert torch.equal(_bits(model.params[k]), _bits(t)), k
+    assert engine.versions.current == engine.llm.get_weight_version() == "0"
 
 
 def _streamed(weights, calls: list[str], drop: str | None = None):
