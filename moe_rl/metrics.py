@@ -43,6 +43,8 @@ from typing import Any, Union
 import torch
 import torch.distributed as dist
 
+from moe_rl.fsutil import write_atomic
+
 logger = logging.getLogger(__name__)
 
 Number = Union[float, int, torch.Tensor]
@@ -284,15 +286,6 @@ def read_metrics(path: str | Path) -> tuple[list[dict], list[str]]:
     return [by_step[s] for s in sorted(by_step)], warnings
 
 
-def _fsync_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def truncate_metrics_file(path: Path, resume_step: int) -> int:
     """Keep only the complete lines with step < resume_step (atomic rewrite). Returns lines kept."""
     if not path.exists():
@@ -303,7 +296,7 @@ def truncate_metrics_file(path: Path, resume_step: int) -> int:
     kept = [r for r in records if r["step"] < resume_step]
     if len(kept) != len(records):
         logger.info("%s: dropped %d line(s) with step >= %d", path, len(records) - len(kept), resume_step)
-    _fsync_write(path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in kept))
+    write_atomic(path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in kept))
     return len(kept)
 
 
@@ -346,7 +339,7 @@ class MetricsWriter:
         self.load_path = self.run_dir / EXPERT_LOAD_FILE
         for path in (self.path, self.events_path, self.load_path):
             if resume_step is None:
-                _fsync_write(path, "")
+                write_atomic(path, "")
             else:
                 truncate_metrics_file(path, resume_step)
         self._file = open(self.path, "a", encoding="utf-8")
@@ -363,7 +356,7 @@ class MetricsWriter:
             run_id = id_path.read_text().strip()
         else:
             run_id = uuid.uuid4().hex[:16]
-            _fsync_write(id_path, run_id + "\n")
+            write_atomic(id_path, run_id + "\n")
         # offline, wandb's own lines (where it writes, its closing history and sync hint) would
         # end the run's output; `moe-rl train` says where the offline run is and how to upload it
         # in its end lines instead. Online, they carry the run's URL and stay.
