@@ -9,15 +9,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from moe_rl.checks import check
 from moe_rl.errors import ConfigError
 
 if TYPE_CHECKING:
     from moe_rl.config import ModelConfig, ParallelConfig
-
-
-def _check(cond: bool, key: str, msg: str) -> None:
-    if not cond:
-        raise ConfigError(f"config key '{key}': {msg}")
 
 
 def data_parallel_size(par: ParallelConfig) -> int:
@@ -54,7 +50,7 @@ def check_tied_embeddings(m: ModelConfig, p: ParallelConfig) -> None:
     With PP > 1, megatron-core 0.16.1 keeps a copy of the tied matrix on the last stage in step
     through ``.cuda()`` and an embedding-group all-reduce: that does not run on CPU/gloo, so it is
     neither built nor tested here."""
-    _check(
+    check(
         not (m.tie_word_embeddings and p.pipeline_parallel > 1),
         "model.tie_word_embeddings",
         f"true with parallel.pipeline_parallel={p.pipeline_parallel} is not supported (the embedding "
@@ -66,28 +62,28 @@ def check_layout(m: ModelConfig, p: ParallelConfig) -> None:
     """Sizes that must divide for megatron to build the layout, each refused (ConfigError) naming
     its keys and numbers."""
     tp, pp, ep, etp = p.tensor_parallel, p.pipeline_parallel, p.expert_parallel, p.expert_tp
-    _check(
+    check(
         m.num_experts % ep == 0,
         "parallel.expert_parallel",
         f"{ep} does not divide model.num_experts {m.num_experts}",
     )
     for key in ("num_query_groups", "num_attention_heads", "vocab_size", "ffn_hidden_size"):
-        _check(
+        check(
             getattr(m, key) % tp == 0,
             "parallel.tensor_parallel",
             f"{tp} does not divide model.{key} {getattr(m, key)}",
         )
-    _check(
+    check(
         m.moe_ffn_hidden_size % etp == 0,
         "parallel.expert_tensor_parallel",
         f"{etp} does not divide model.moe_ffn_hidden_size {m.moe_ffn_hidden_size}",
     )
-    _check(
+    check(
         p.nproc % (tp * pp) == 0,
         "parallel.nproc",
         f"{p.nproc} ranks are not a multiple of tensor_parallel x pipeline_parallel = {tp} x {pp}",
     )
-    _check(
+    check(
         p.nproc % (ep * etp * pp) == 0,
         "parallel.expert_parallel",
         f"expert_parallel x expert_tensor_parallel x pipeline_parallel = {ep} x {etp} x {pp} "
@@ -103,7 +99,7 @@ def check_layout(m: ModelConfig, p: ParallelConfig) -> None:
                 f"parallel.layers_in_first_stage / layers_in_last_stage)"
             ) from None
         # routing replay and the router monitor run per stage: every stage needs a router
-        _check(
+        check(
             m.first_k_dense < stages[0],
             "model.first_k_dense",
             f"{m.first_k_dense} dense layers leave pipeline stage 0 (layers 0..{stages[0] - 1}) "

@@ -181,6 +181,7 @@ def test_config_imports_only_pure_modules():
     outside = set().union(*(graph[m] for m in own)) - own
     assert outside == {
         "moe_rl.errors",
+        "moe_rl.checks",
         "moe_rl.names",
         "moe_rl.rejection",
         "moe_rl.layout",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from moe_rl.config.checks import _check, _check_finite, _one_of
+from moe_rl.checks import check, check_finite, one_of
 from moe_rl.errors import ConfigError
 from moe_rl.names import (
     IS_LEVEL_NAMES,
@@ -54,12 +54,12 @@ class TrmConfig:
     ln_delta: float = 0.001
 
     def __post_init__(self) -> None:
-        _check_finite(self, "correction.trm")
-        _check(self.max >= 0 and self.avg >= 0, "correction.trm.max", "TRM deltas must be >= 0")
-        _one_of(self.reference, "correction.trm.reference", TRM_REFERENCE_NAMES)
-        _one_of(self.kl, "correction.trm.kl", TRM_KL_SOURCE_NAMES)
-        _one_of(self.length_neutral, "correction.trm.length_neutral", LENGTH_NEUTRAL_NAMES)
-        _check(
+        check_finite(self, "correction.trm")
+        check(self.max >= 0 and self.avg >= 0, "correction.trm.max", "TRM deltas must be >= 0")
+        one_of(self.reference, "correction.trm.reference", TRM_REFERENCE_NAMES)
+        one_of(self.kl, "correction.trm.kl", TRM_KL_SOURCE_NAMES)
+        one_of(self.length_neutral, "correction.trm.length_neutral", LENGTH_NEUTRAL_NAMES)
+        check(
             self.ln_threshold > 0 and self.ln_eps > 0 and self.ln_delta > 0,
             "correction.trm.ln_threshold",
             "length-neutral TRM parameters must be > 0",
@@ -90,23 +90,23 @@ class CorrectionConfig:
     )
 
     def __post_init__(self) -> None:
-        _check_finite(self, "correction")
-        _one_of(self.mode, "correction.mode", ("decoupled", "bypass"))
-        _one_of(self.bypass_loss, "correction.bypass_loss", ("ppo_clip", "reinforce"))
-        _one_of(self.is_level, "correction.is_level", ("none", *IS_LEVEL_NAMES))
-        _check(self.is_clip >= 1, "correction.is_clip", "must be >= 1")
-        _check(
+        check_finite(self, "correction")
+        one_of(self.mode, "correction.mode", ("decoupled", "bypass"))
+        one_of(self.bypass_loss, "correction.bypass_loss", ("ppo_clip", "reinforce"))
+        one_of(self.is_level, "correction.is_level", ("none", *IS_LEVEL_NAMES))
+        check(self.is_clip >= 1, "correction.is_clip", "must be >= 1")
+        check(
             self.dual_clip_c == 0 or self.dual_clip_c > 1, "correction.dual_clip_c", "must be 0 (off) or > 1"
         )
-        _check(0 <= self.dvp_threshold < 1, "correction.dvp_threshold", "must be in [0, 1)")
-        _one_of(self.dvp_rule, "correction.dvp_rule", SAFE_SET_RULE_NAMES)
-        _check(
+        check(0 <= self.dvp_threshold < 1, "correction.dvp_threshold", "must be in [0, 1)")
+        one_of(self.dvp_rule, "correction.dvp_rule", SAFE_SET_RULE_NAMES)
+        check(
             not (self.mode == "bypass" and self.bypass_loss == "ppo_clip" and self.is_level != "none"),
             "correction.is_level",
             "bypass ppo_clip applies no IS weight (the ratio already is one)",
         )
         for i, spec in enumerate(self.rejection):
-            _check_finite(spec, f"correction.rejection[{i}]")
+            check_finite(spec, f"correction.rejection[{i}]")
             try:
                 parse_rs_spec([spec.option], [spec.bound])
             except ValueError as e:

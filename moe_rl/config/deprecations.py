@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import sys
 
-from moe_rl.config.checks import _check
+from moe_rl.checks import check
 from moe_rl.errors import ConfigError
 from moe_rl.rejection import parse_rs_spec
 
@@ -107,7 +107,7 @@ def _legacy_rejection(legacy_rs: dict) -> list[dict]:
     """correction.rs + correction.rs_bounds as correction.rejection, validated as they were."""
     options = list(legacy_rs.get("correction.rs") or [])
     raw = [str(b) for b in legacy_rs.get("correction.rs_bounds") or []]
-    _check(bool(options) == bool(raw), "correction.rs_bounds", "give bounds exactly when rs is set")
+    check(bool(options) == bool(raw), "correction.rs_bounds", "give bounds exactly when rs is set")
     try:
         bounds = [tuple(float(v) for v in b.split("_")) if "_" in b else float(b) for b in raw]
         if not all(math.isfinite(v) for b in bounds for v in (b if isinstance(b, tuple) else (b,))):

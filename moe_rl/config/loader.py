@@ -10,7 +10,7 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from moe_rl.config.checks import _check
+from moe_rl.checks import check
 from moe_rl.config.correction import RejectionSpec
 from moe_rl.config.deprecations import (
     _RS_KEYS,
@@ -34,7 +34,7 @@ def _check_rules(layer: DictConfig) -> DictConfig:
     fields = [f.name for f in dataclasses.fields(RejectionSpec)]
     for i, rule in enumerate(rules if isinstance(rules, ListConfig) else []):
         for key in rule.keys() if isinstance(rule, DictConfig) else ():
-            _check(
+            check(
                 key in fields, f"correction.rejection[{i}].{key}", f"not a field of a rejection rule {fields}"
             )
     return layer

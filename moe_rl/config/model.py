@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moe_rl.config.checks import _check, _check_finite, _one_of
+from moe_rl.checks import check, check_finite, one_of
 from moe_rl.names import HF_FAMILY_NAMES
 
 
@@ -76,7 +76,7 @@ class ModelConfig:
     fp8_format: str = "hybrid"  # hybrid: e4m3 forward, e5m2 gradients | e4m3 everywhere
 
     def __post_init__(self) -> None:
-        _check_finite(self, "model")
+        check_finite(self, "model")
         for name in (
             "hidden_size",
             "num_layers",
@@ -89,32 +89,32 @@ class ModelConfig:
             "moe_router_topk",
             "max_seq_len",
         ):
-            _check(getattr(self, name) > 0, f"model.{name}", "must be > 0")
-        _check(self.vocab_size >= 0, "model.vocab_size", "must be >= 0 (0 = from the tokenizer)")
-        _check(
+            check(getattr(self, name) > 0, f"model.{name}", "must be > 0")
+        check(self.vocab_size >= 0, "model.vocab_size", "must be >= 0 (0 = from the tokenizer)")
+        check(
             self.moe_router_topk <= self.num_experts,
             "model.moe_router_topk",
             f"top-k {self.moe_router_topk} > model.num_experts {self.num_experts}",
         )
-        _check(
+        check(
             self.num_attention_heads % self.num_query_groups == 0,
             "model.num_query_groups",
             f"{self.num_query_groups} does not divide model.num_attention_heads {self.num_attention_heads}",
         )
-        _check(
+        check(
             0 <= self.first_k_dense < self.num_layers,
             "model.first_k_dense",
             f"must be in [0, model.num_layers={self.num_layers}) so at least one layer is MoE",
         )
-        _check(self.router_aux_loss_coeff >= 0, "model.router_aux_loss_coeff", "must be >= 0")
-        _one_of(self.transformer_impl, "model.transformer_impl", ("local", "te"))
-        _one_of(self.precision, "model.precision", ("fp32", "bf16", "fp8"))
+        check(self.router_aux_loss_coeff >= 0, "model.router_aux_loss_coeff", "must be >= 0")
+        one_of(self.transformer_impl, "model.transformer_impl", ("local", "te"))
+        one_of(self.precision, "model.precision", ("fp32", "bf16", "fp8"))
         # mxfp8 / nvfp4 are Blackwell-only (docs/gpu_stack.md 3); custom needs a quantizer factory
-        _one_of(self.fp8_recipe, "model.fp8_recipe", ("delayed", "tensorwise", "blockwise"))
-        _one_of(self.fp8_format, "model.fp8_format", ("hybrid", "e4m3"))
-        _one_of(self.hf_family, "model.hf_family", HF_FAMILY_NAMES)
+        one_of(self.fp8_recipe, "model.fp8_recipe", ("delayed", "tensorwise", "blockwise"))
+        one_of(self.fp8_format, "model.fp8_format", ("hybrid", "e4m3"))
+        one_of(self.hf_family, "model.hf_family", HF_FAMILY_NAMES)
         self._check_variants()
-        _check(
+        check(
             self.precision != "fp8" or self.transformer_impl == "te",
             "model.precision",
             "fp8 GEMMs come from Transformer Engine: set model.transformer_impl=te",
@@ -122,45 +122,45 @@ class ModelConfig:
 
     def _check_variants(self) -> None:
         """Attention / router variant fields (DeepSeek-V3, GLM-4.5, Qwen2-MoE) are consistent."""
-        _check(0 < self.partial_rotary_factor <= 1, "model.partial_rotary_factor", "must be in (0, 1]")
+        check(0 < self.partial_rotary_factor <= 1, "model.partial_rotary_factor", "must be in (0, 1]")
         for name in ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
-            _check(getattr(self, name) >= 0, f"model.{name}", "must be >= 0")
+            check(getattr(self, name) >= 0, f"model.{name}", "must be >= 0")
         if self.mla:
             for name in ("qk_rope_head_dim", "v_head_dim"):
-                _check(
+                check(
                     getattr(self, name) > 0, f"model.{name}", "must be > 0 with MLA (model.kv_lora_rank > 0)"
                 )
-        _one_of(self.rope_scaling_type, "model.rope_scaling_type", ("none", "yarn"))
-        _check(self.rope_scaling_factor >= 1, "model.rope_scaling_factor", "must be >= 1")
+        one_of(self.rope_scaling_type, "model.rope_scaling_type", ("none", "yarn"))
+        check(self.rope_scaling_factor >= 1, "model.rope_scaling_factor", "must be >= 1")
         self._check_attention_variants()
-        _one_of(self.moe_router_score_function, "model.moe_router_score_function", ("softmax", "sigmoid"))
-        _one_of(self.expert_bias_update, "model.expert_bias_update", ("frozen", "native"))
-        _check(self.moe_router_num_groups >= 0, "model.moe_router_num_groups", "must be >= 0")
+        one_of(self.moe_router_score_function, "model.moe_router_score_function", ("softmax", "sigmoid"))
+        one_of(self.expert_bias_update, "model.expert_bias_update", ("frozen", "native"))
+        check(self.moe_router_num_groups >= 0, "model.moe_router_num_groups", "must be >= 0")
         if self.moe_router_num_groups > 1:
             G = self.moe_router_num_groups
-            _check(
+            check(
                 self.num_experts % G == 0,
                 "model.moe_router_num_groups",
                 f"{G} does not divide model.num_experts {self.num_experts}",
             )
-            _check(
+            check(
                 0 < self.moe_router_group_topk <= G,
                 "model.moe_router_group_topk",
                 f"must be in [1, model.moe_router_num_groups={G}]",
             )
-            _check(
+            check(
                 self.moe_router_topk <= self.moe_router_group_topk * (self.num_experts // G),
                 "model.moe_router_topk",
                 f"{self.moe_router_topk} > experts in {self.moe_router_group_topk} groups "
                 f"of {self.num_experts // G}",
             )
-        _check(self.moe_router_scaling_factor > 0, "model.moe_router_scaling_factor", "must be > 0")
-        _check(
+        check(self.moe_router_scaling_factor > 0, "model.moe_router_scaling_factor", "must be > 0")
+        check(
             self.moe_shared_expert_ffn_hidden_size >= 0,
             "model.moe_shared_expert_ffn_hidden_size",
             "must be >= 0",
         )
-        _check(
+        check(
             not self.moe_shared_expert_gate or self.moe_shared_expert_ffn_hidden_size > 0,
             "model.moe_shared_expert_gate",
             "needs shared experts (model.moe_shared_expert_ffn_hidden_size > 0)",
@@ -171,29 +171,29 @@ class ModelConfig:
         """Router combinations megatron-core 0.16.1 (the learner) cannot build the HF way are refused
         (moe_rl/routing/gating.py is the semantics both the learner and the built-in engine run)."""
         sigmoid = self.moe_router_score_function == "sigmoid"
-        _check(
+        check(
             not sigmoid or self.norm_topk_prob or self.moe_router_topk == 1,
             "model.norm_topk_prob",
             "false is built with softmax scores only: megatron-core 0.16.1 renormalises sigmoid gates",
         )
-        _check(
+        check(
             not self.moe_router_expert_bias or sigmoid,
             "model.moe_router_expert_bias",
             "needs model.moe_router_score_function=sigmoid (megatron-core 0.16.1 biases sigmoid scores only)",
         )
-        _check(
+        check(
             self.expert_bias_update == "frozen" or self.moe_router_expert_bias,
             "model.expert_bias_update",
             "native updates the expert bias: needs model.moe_router_expert_bias=true",
         )
         if self.moe_router_num_groups > 1:
-            _check(
+            check(
                 sigmoid,
                 "model.moe_router_num_groups",
                 "group-limited top-k is built with sigmoid scores only (DeepSeek-V3, GLM-4.5)",
             )
             per_group = self.moe_router_topk // self.moe_router_group_topk
-            _check(
+            check(
                 per_group == 2,
                 "model.moe_router_group_topk",
                 "megatron-core 0.16.1 scores a group by its best model.moe_router_topk // "
@@ -204,30 +204,30 @@ class ModelConfig:
     def _check_attention_variants(self) -> None:
         """Combinations the learner (megatron-core 0.16.1) and the built-in engine compute alike."""
         rot = self.qk_rope_head_dim if self.mla else int(self.head_dim * self.partial_rotary_factor)
-        _check(
+        check(
             rot > 0 and rot % 2 == 0,
             "model.qk_rope_head_dim" if self.mla else "model.partial_rotary_factor",
             f"RoPE rotates {rot} dims per head: must be even and > 0",
         )
         if self.mla:
-            _check(self.qk_nope_head_dim > 0, "model.qk_nope_head_dim", "must be > 0 with MLA")
+            check(self.qk_nope_head_dim > 0, "model.qk_nope_head_dim", "must be > 0 with MLA")
             # DeepSeek-V3's attention_bias puts biases on q_a/kv_a/o_proj: not built
-            _check(not self.attention_bias, "model.attention_bias", "q/k/v biases are for GQA, not with MLA")
-            _check(self.partial_rotary_factor == 1, "model.partial_rotary_factor", "must be 1 with MLA")
+            check(not self.attention_bias, "model.attention_bias", "q/k/v biases are for GQA, not with MLA")
+            check(self.partial_rotary_factor == 1, "model.partial_rotary_factor", "must be 1 with MLA")
             # transformers' q_a/kv_a_layernorm use eps 1e-6 whatever rms_norm_eps; megatron uses one eps
-            _check(
+            check(
                 self.norm_eps == 1e-6, "model.norm_eps", "must be 1e-6 with MLA (DeepSeek-V3's latent norms)"
             )
         if self.rope_scaling_type == "yarn":
             # megatron-core 0.16.1 builds YaRN inside MLA; GPTModel's yarn path for GQA is not wired here
-            _check(self.mla, "model.rope_scaling_type", "yarn is built for MLA (DeepSeek-V3) only")
-            _check(
+            check(self.mla, "model.rope_scaling_type", "yarn is built for MLA (DeepSeek-V3) only")
+            check(
                 self.rope_original_max_position > 0,
                 "model.rope_original_max_position",
                 "must be > 0 with yarn",
             )
             # transformers and megatron-core agree on YaRN's cos/sin factor only in these cases
-            _check(
+            check(
                 self.rope_mscale == 1 if self.rope_mscale_all_dim == 0 else self.rope_mscale != 0,
                 "model.rope_mscale",
                 f"{self.rope_mscale} with rope_mscale_all_dim {self.rope_mscale_all_dim}: must be 1 when "
@@ -308,26 +308,26 @@ class ParallelConfig:
     backend: str = "auto"  # auto: nccl on CUDA, gloo on CPU
 
     def __post_init__(self) -> None:
-        _check_finite(self, "parallel")
+        check_finite(self, "parallel")
         for name in ("nproc", "tensor_parallel", "pipeline_parallel", "expert_parallel", "virtual_pipeline"):
-            _check(getattr(self, name) >= 1, f"parallel.{name}", "must be >= 1")
+            check(getattr(self, name) >= 1, f"parallel.{name}", "must be >= 1")
         for name in ("expert_tensor_parallel", "layers_in_first_stage", "layers_in_last_stage"):
-            _check(getattr(self, name) >= 0, f"parallel.{name}", "must be >= 0 (0: the default)")
+            check(getattr(self, name) >= 0, f"parallel.{name}", "must be >= 0 (0: the default)")
         # megatron's interleaved schedule needs one model chunk per virtual stage; the learner,
         # replay hooks and weight mapping hold one chunk per rank
-        _check(
+        check(
             self.virtual_pipeline == 1,
             "parallel.virtual_pipeline",
             f"{self.virtual_pipeline}: virtual pipeline stages (interleaved 1F1B) are not supported; "
             f"use 1 and, for balance, parallel.layers_in_first_stage / layers_in_last_stage",
         )
-        _check(
+        check(
             self.pipeline_parallel > 1 or self.layers_in_first_stage == self.layers_in_last_stage == 0,
             "parallel.layers_in_first_stage",
             "uneven stages need parallel.pipeline_parallel > 1",
         )
-        _one_of(self.token_dispatcher, "parallel.token_dispatcher", ("alltoall", "allgather"))
-        _one_of(self.backend, "parallel.backend", ("auto", "gloo", "nccl"))
+        one_of(self.token_dispatcher, "parallel.token_dispatcher", ("alltoall", "allgather"))
+        one_of(self.backend, "parallel.backend", ("auto", "gloo", "nccl"))
 
     @property
     def expert_tp(self) -> int:

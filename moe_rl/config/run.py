@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from moe_rl.config.checks import _check, _check_finite, _one_of
+from moe_rl.checks import check, check_finite, one_of
 from moe_rl.config.correction import CorrectionConfig
 from moe_rl.config.model import ModelConfig, ParallelConfig
 from moe_rl.layout import check_layout, data_parallel_size
@@ -52,18 +52,18 @@ class LengthLRConfig:
     rebase_after_trigger: bool = True
 
     def __post_init__(self) -> None:
-        _check_finite(self, "optim.length_lr")
-        _one_of(self.smoothing, "optim.length_lr.smoothing", ("ema", "window"))
-        _one_of(self.reference, "optim.length_lr.reference", ("running_min", "lookback"))
-        _check(0 < self.ema_alpha <= 1, "optim.length_lr.ema_alpha", "must be in (0, 1]")
+        check_finite(self, "optim.length_lr")
+        one_of(self.smoothing, "optim.length_lr.smoothing", ("ema", "window"))
+        one_of(self.reference, "optim.length_lr.reference", ("running_min", "lookback"))
+        check(0 < self.ema_alpha <= 1, "optim.length_lr.ema_alpha", "must be in (0, 1]")
         for name in ("window", "lookback", "patience"):
-            _check(getattr(self, name) >= 1, f"optim.length_lr.{name}", "must be >= 1")
+            check(getattr(self, name) >= 1, f"optim.length_lr.{name}", "must be >= 1")
         for name in ("min_observations", "cooldown_steps"):
-            _check(getattr(self, name) >= 0, f"optim.length_lr.{name}", "must be >= 0")
-        _check(self.surge_ratio > 1, "optim.length_lr.surge_ratio", "must be > 1")
-        _check(0 < self.decay_factor < 1, "optim.length_lr.decay_factor", "must be in (0, 1)")
-        _check(0 <= self.min_multiplier <= 1, "optim.length_lr.min_multiplier", "must be in [0, 1]")
-        _check(self.min_lr >= 0, "optim.length_lr.min_lr", "must be >= 0")
+            check(getattr(self, name) >= 0, f"optim.length_lr.{name}", "must be >= 0")
+        check(self.surge_ratio > 1, "optim.length_lr.surge_ratio", "must be > 1")
+        check(0 < self.decay_factor < 1, "optim.length_lr.decay_factor", "must be in (0, 1)")
+        check(0 <= self.min_multiplier <= 1, "optim.length_lr.min_multiplier", "must be in [0, 1]")
+        check(self.min_lr >= 0, "optim.length_lr.min_lr", "must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -85,15 +85,15 @@ class OptimConfig:
     length_lr: LengthLRConfig = field(default_factory=LengthLRConfig)  # decay on response-length surges
 
     def __post_init__(self) -> None:
-        _check_finite(self, "optim")
-        _check(self.lr > 0, "optim.lr", "must be > 0")
-        _check(0 <= self.min_lr <= self.lr, "optim.min_lr", "must be in [0, optim.lr]")
-        _one_of(self.lr_schedule, "optim.lr_schedule", ("constant", "cosine"))
-        _check(self.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
-        _check(self.clip_grad > 0, "optim.clip_grad", "must be > 0")
+        check_finite(self, "optim")
+        check(self.lr > 0, "optim.lr", "must be > 0")
+        check(0 <= self.min_lr <= self.lr, "optim.min_lr", "must be in [0, optim.lr]")
+        one_of(self.lr_schedule, "optim.lr_schedule", ("constant", "cosine"))
+        check(self.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
+        check(self.clip_grad > 0, "optim.clip_grad", "must be > 0")
         for name in ("adam_beta1", "adam_beta2"):
-            _check(0 <= getattr(self, name) < 1, f"optim.{name}", f"{getattr(self, name)} is not in [0, 1)")
-        _check(self.weight_decay >= 0, "optim.weight_decay", f"must be >= 0 (got {self.weight_decay})")
+            check(0 <= getattr(self, name) < 1, f"optim.{name}", f"{getattr(self, name)} is not in [0, 1)")
+        check(self.weight_decay >= 0, "optim.weight_decay", f"must be >= 0 (got {self.weight_decay})")
 
 
 @dataclass(frozen=True)
@@ -111,14 +111,12 @@ class VllmConfig:
     dvp_max_safe: int = 64
 
     def __post_init__(self) -> None:
-        _check_finite(self, "rollout.vllm")
-        _check(self.tensor_parallel >= 1, "rollout.vllm.tensor_parallel", "must be >= 1")
-        _check(
-            0 < self.gpu_memory_utilization < 1, "rollout.vllm.gpu_memory_utilization", "must be in (0, 1)"
-        )
-        _one_of(str(self.sleep_level), "rollout.vllm.sleep_level", ("0", "1", "2"))
-        _check(self.max_model_len >= 0, "rollout.vllm.max_model_len", "must be >= 0")
-        _check(self.dvp_max_safe >= 1, "rollout.vllm.dvp_max_safe", "must be >= 1")
+        check_finite(self, "rollout.vllm")
+        check(self.tensor_parallel >= 1, "rollout.vllm.tensor_parallel", "must be >= 1")
+        check(0 < self.gpu_memory_utilization < 1, "rollout.vllm.gpu_memory_utilization", "must be in (0, 1)")
+        one_of(str(self.sleep_level), "rollout.vllm.sleep_level", ("0", "1", "2"))
+        check(self.max_model_len >= 0, "rollout.vllm.max_model_len", "must be >= 0")
+        check(self.dvp_max_safe >= 1, "rollout.vllm.dvp_max_safe", "must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -138,16 +136,16 @@ class RolloutConfig:
     vllm: VllmConfig = field(default_factory=VllmConfig)
 
     def __post_init__(self) -> None:
-        _check_finite(self, "rollout")
-        _one_of(self.engine, "rollout.engine", ("builtin", "vllm"))
-        _one_of(self.dtype, "rollout.dtype", ("bf16", "fp32"))
+        check_finite(self, "rollout")
+        one_of(self.engine, "rollout.engine", ("builtin", "vllm"))
+        one_of(self.dtype, "rollout.dtype", ("bf16", "fp32"))
         for name in ("prompts_per_step", "samples_per_prompt", "max_new_tokens"):
-            _check(getattr(self, name) >= 1, f"rollout.{name}", "must be >= 1")
-        _check(self.temperature > 0, "rollout.temperature", "must be > 0")
-        _check(0 < self.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
-        _check(self.top_k >= 0, "rollout.top_k", "must be >= 0")
-        _check(self.router_noise >= 0, "rollout.router_noise", "must be >= 0")
-        _check(self.staleness >= 0, "rollout.staleness", f"must be >= 0 (got {self.staleness})")
+            check(getattr(self, name) >= 1, f"rollout.{name}", "must be >= 1")
+        check(self.temperature > 0, "rollout.temperature", "must be > 0")
+        check(0 < self.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
+        check(self.top_k >= 0, "rollout.top_k", "must be >= 0")
+        check(self.router_noise >= 0, "rollout.router_noise", "must be >= 0")
+        check(self.staleness >= 0, "rollout.staleness", f"must be >= 0 (got {self.staleness})")
 
 
 @dataclass(frozen=True)
@@ -161,8 +159,8 @@ class RoutingConfig:
     replay_reference: bool = True
 
     def __post_init__(self) -> None:
-        _check_finite(self, "routing")
-        _one_of(self.replay, "routing.replay", ("off", "r2", "r3"))
+        check_finite(self, "routing")
+        one_of(self.replay, "routing.replay", ("off", "r2", "r3"))
 
 
 @dataclass(frozen=True)
@@ -209,33 +207,33 @@ class TaskConfig:
     overlong_penalty: float = 1.0
 
     def __post_init__(self) -> None:
-        _check_finite(self, "task")
-        _one_of(self.overlong, "task.overlong", ("error", "drop"))
-        _check(len(self.tasks) > 0 or bool(self.dataset), "task.tasks", "empty and no task.dataset")
-        _check(
+        check_finite(self, "task")
+        one_of(self.overlong, "task.overlong", ("error", "drop"))
+        check(len(self.tasks) > 0 or bool(self.dataset), "task.tasks", "empty and no task.dataset")
+        check(
             1 <= self.min_len <= self.max_len,
             "task.min_len",
             f"need 1 <= task.min_len ({self.min_len}) <= task.max_len ({self.max_len})",
         )
-        _check(
+        check(
             self.tokenizer in ("auto", "builtin:char", "hf") or self.tokenizer.startswith("hf:"),
             "task.tokenizer",
             f"{self.tokenizer!r} is not auto, builtin:char or hf:DIR",
         )
         for key in ("prompt_key", "answer_key", "source_key"):
-            _check(
+            check(
                 bool(getattr(self, key)) and "" not in getattr(self, key).split("."),
                 f"task.{key}",
                 f"{getattr(self, key)!r} is not a dotted key path",
             )
-        _check(self.reward != "", "task.reward", "must name a reward")
+        check(self.reward != "", "task.reward", "must name a reward")
         # YAML reads an unquoted true/false as a boolean, stored here as 'True'/'False'
         object.__setattr__(self, "apply_chat_template", str(self.apply_chat_template).lower())
-        _one_of(self.apply_chat_template, "task.apply_chat_template", ("auto", "true", "false"))
+        one_of(self.apply_chat_template, "task.apply_chat_template", ("auto", "true", "false"))
         for key in ("max_prompt_tokens", "val_max_prompts", "reward_workers", "overlong_buffer"):
-            _check(getattr(self, key) >= 0, f"task.{key}", "must be >= 0")
-        _check(self.reward_timeout_s > 0, "task.reward_timeout_s", "must be > 0")
-        _check(self.overlong_penalty >= 0, "task.overlong_penalty", "must be >= 0")
+            check(getattr(self, key) >= 0, f"task.{key}", "must be >= 0")
+        check(self.reward_timeout_s > 0, "task.reward_timeout_s", "must be > 0")
+        check(self.overlong_penalty >= 0, "task.overlong_penalty", "must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -253,14 +251,14 @@ class AlgoConfig:
     max_tokens_per_micro_batch: int = 0
 
     def __post_init__(self) -> None:
-        _check_finite(self, "algo")
-        _one_of(self.advantage, "algo.advantage", ADVANTAGE_NAMES)
-        _check(self.clip_low >= 0 and self.clip_high >= 0, "algo.clip_low", "clips must be >= 0")
-        _one_of(self.kl_estimator, "algo.kl_estimator", KL_ESTIMATOR_NAMES)
-        _check(self.kl_coef >= 0, "algo.kl_coef", "must be >= 0")
-        _check(self.num_minibatches >= 1, "algo.num_minibatches", "must be >= 1")
-        _check(self.micro_batch_size >= 1, "algo.micro_batch_size", "must be >= 1")
-        _check(self.max_tokens_per_micro_batch >= 0, "algo.max_tokens_per_micro_batch", "must be >= 0")
+        check_finite(self, "algo")
+        one_of(self.advantage, "algo.advantage", ADVANTAGE_NAMES)
+        check(self.clip_low >= 0 and self.clip_high >= 0, "algo.clip_low", "clips must be >= 0")
+        one_of(self.kl_estimator, "algo.kl_estimator", KL_ESTIMATOR_NAMES)
+        check(self.kl_coef >= 0, "algo.kl_coef", "must be >= 0")
+        check(self.num_minibatches >= 1, "algo.num_minibatches", "must be >= 1")
+        check(self.micro_batch_size >= 1, "algo.micro_batch_size", "must be >= 1")
+        check(self.max_tokens_per_micro_batch >= 0, "algo.max_tokens_per_micro_batch", "must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -276,10 +274,10 @@ class HealthConfig:
     # and, always: every minibatch's gradient norm exactly 0 (train/grad_norm_max == 0)
 
     def __post_init__(self) -> None:
-        _check_finite(self, "log.health")
-        _check(self.patience >= 1, "log.health.patience", "must be >= 1")
-        _check(0 < self.entropy_uniform_frac <= 1, "log.health.entropy_uniform_frac", "must be in (0, 1]")
-        _check(self.entropy_zero >= 0, "log.health.entropy_zero", "must be >= 0")
+        check_finite(self, "log.health")
+        check(self.patience >= 1, "log.health.patience", "must be >= 1")
+        check(0 < self.entropy_uniform_frac <= 1, "log.health.entropy_uniform_frac", "must be in (0, 1]")
+        check(self.entropy_zero >= 0, "log.health.entropy_zero", "must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -293,9 +291,9 @@ class LogConfig:
     val_every: int = 0  # validation reward (greedy and sampled) on task.val_dataset every N steps; 0 = off
 
     def __post_init__(self) -> None:
-        _check_finite(self, "log")
-        _one_of(self.wandb_mode, "log.wandb_mode", ("offline", "online", "disabled"))
-        _check(self.val_every >= 0, "log.val_every", "must be >= 0")
+        check_finite(self, "log")
+        one_of(self.wandb_mode, "log.wandb_mode", ("offline", "online", "disabled"))
+        check(self.val_every >= 0, "log.val_every", "must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -317,59 +315,59 @@ class RunConfig:
     log: LogConfig = field(default_factory=LogConfig)
 
     def __post_init__(self) -> None:
-        _check(self.steps >= 1, "steps", "must be >= 1")
-        _check(self.checkpoint_every >= 0, "checkpoint_every", "must be >= 0")
+        check(self.steps >= 1, "steps", "must be >= 1")
+        check(self.checkpoint_every >= 0, "checkpoint_every", "must be >= 0")
         m, p, r = self.model, self.parallel, self.rollout
-        _check(
+        check(
             r.max_new_tokens < m.max_seq_len,
             "rollout.max_new_tokens",
             f"{r.max_new_tokens} leaves no room for a prompt within model.max_seq_len={m.max_seq_len}",
         )
         check_layout(m, p)
         dp = self.data_parallel
-        _check(
+        check(
             r.prompts_per_step % dp == 0,
             "rollout.prompts_per_step",
             f"{r.prompts_per_step} prompts do not split over {dp} data-parallel ranks",
         )
-        _check(
+        check(
             self.task.val_max_prompts % dp == 0,
             "task.val_max_prompts",
             f"{self.task.val_max_prompts} prompts do not split over {dp} data-parallel ranks",
         )
-        _check(
+        check(
             r.samples_per_prompt >= 2 or self.algo.advantage not in GROUP_ADVANTAGE_NAMES,
             "rollout.samples_per_prompt",
             f"{self.algo.advantage} needs >= 2 samples per prompt",
         )
         per_rank = r.prompts_per_step // dp
-        _check(
+        check(
             per_rank % self.algo.num_minibatches == 0,
             "algo.num_minibatches",
             f"{self.algo.num_minibatches} minibatches do not split the {per_rank} prompts per rank",
         )
         if r.engine == "vllm":
             check_vllm(self)
-        _check(
+        check(
             self.algo.max_tokens_per_micro_batch == 0 or p.pipeline_parallel == 1,
             "algo.max_tokens_per_micro_batch",
             "token-budget micro-batches are tested with parallel.pipeline_parallel=1 only",
         )
         t = self.task
-        _check(self.log.val_every == 0 or bool(t.val_dataset), "log.val_every", "needs task.val_dataset")
+        check(self.log.val_every == 0 or bool(t.val_dataset), "log.val_every", "needs task.val_dataset")
         room = self.model.max_seq_len - r.max_new_tokens
-        _check(
+        check(
             t.max_prompt_tokens <= room,
             "task.max_prompt_tokens",
             f"{t.max_prompt_tokens} leaves no room for rollout.max_new_tokens={r.max_new_tokens} within "
             f"model.max_seq_len={self.model.max_seq_len} (at most {room})",
         )
-        _check(
+        check(
             t.overlong_buffer < r.max_new_tokens,
             "task.overlong_buffer",
             f"{t.overlong_buffer} must be < rollout.max_new_tokens {r.max_new_tokens}",
         )
-        _check(
+        check(
             t.tokenizer in ("auto", "builtin:char")
             or t.tokenizer.startswith("hf:")
             and len(t.tokenizer) > 3

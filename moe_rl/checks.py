@@ -9,12 +9,12 @@ from typing import Any
 from moe_rl.errors import ConfigError
 
 
-def _check(cond: bool, key: str, msg: str) -> None:
+def check(cond: bool, key: str, msg: str) -> None:
     if not cond:
         raise ConfigError(f"config key '{key}': {msg}")
 
 
-def _check_finite(cfg: Any, prefix: str) -> None:
+def check_finite(cfg: Any, prefix: str) -> None:
     """Every float field of one config dataclass is finite (``optim.lr=inf`` is refused here, not
     trained on)."""
     for f in dataclasses.fields(cfg):
@@ -23,10 +23,10 @@ def _check_finite(cfg: Any, prefix: str) -> None:
             raise ConfigError(f"config key '{prefix}.{f.name}': {value} is not a finite number")
 
 
-def _one_of(value: str, key: str, choices: tuple[str, ...] | list[str]) -> None:
+def one_of(value: str, key: str, choices: tuple[str, ...] | list[str]) -> None:
     hint = (
         " (YAML reads unquoted on/off/yes/no as booleans: quote the value)"
         if value in ("True", "False")
         else ""
     )
-    _check(value in choices, key, f"{value!r} is not one of {sorted(choices)}{hint}")
+    check(value in choices, key, f"{value!r} is not one of {sorted(choices)}{hint}")
