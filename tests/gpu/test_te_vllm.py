@@ -93,7 +93,7 @@ def test_te_bf16_forward_matches_local_spec(single_rank):
 @pytest.mark.gpu
 def test_vllm_generate_routes_pass_ingest(tmp_path):
     pytest.importorskip("vllm")
-    from moe_rl.rollout.vllm_engine import VllmEngine
+    from moe_rl.rollout.vllm.engine import VllmEngine
     from moe_rl.routing.record import RouteHeader
     from moe_rl.step.prepare import rollout_routes
     from moe_rl.types import SamplingParams
@@ -135,7 +135,7 @@ def test_vllm_weight_transfer_versions_and_changes_the_policy(tmp_path):
     """The weight-transfer API (the one sync): every sync is one versioned session of
     vLLM's weight-transfer API; new weights change the rollouts, the old ones bring them back."""
     pytest.importorskip("vllm")
-    from moe_rl.rollout.vllm_engine import VllmEngine
+    from moe_rl.rollout.vllm.engine import VllmEngine
     from moe_rl.types import SamplingParams
     from moe_rl.weights.canonical import random_canonical_weights
     from moe_rl.weights.hf import write_hf_checkpoint
@@ -191,7 +191,7 @@ def test_vllm_dvp_safe_sets_match_the_learner_recomputation(tmp_path, rule, thre
     pytest.importorskip("vllm")
     from moe_rl.corrections.dvp import restricted_logprobs
     from moe_rl.rollout.builtin_model import BuiltinMoEModel
-    from moe_rl.rollout.vllm_engine import VllmEngine, dvp_safe_mask
+    from moe_rl.rollout.vllm.engine import VllmEngine, dvp_safe_mask
     from moe_rl.types import SamplingParams
     from moe_rl.weights.canonical import random_canonical_weights
     from moe_rl.weights.hf import write_hf_checkpoint

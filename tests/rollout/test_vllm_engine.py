@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from moe_rl.config import ConfigError, load_config
-from moe_rl.rollout import vllm_engine as ve
+from moe_rl.rollout.vllm import engine as ve
 from moe_rl.routing.record import RouteError, RouteHeader
 from moe_rl.types import SamplingParams
 from moe_rl.weights.canonical import canonical_param_shapes
@@ -1278,7 +1278,7 @@ def test_dvp_config_with_vllm():
     run = load_config(None, VLLM + ["correction.dvp_threshold=0.02", "rollout.temperature=0.7"])
     assert run.rollout.vllm.dvp_max_safe == 64
     kw = ve.engine_kwargs(run, "/m", external=False)
-    assert kw["logits_processors"] == [ve.DVP_PROCESSOR] == ["moe_rl.rollout.vllm_engine:DvpLogitsProcessor"]
+    assert kw["logits_processors"] == [ve.DVP_PROCESSOR] == ["moe_rl.rollout.vllm.engine:DvpLogitsProcessor"]
     assert (kw["max_logprobs"], kw["logprobs_mode"]) == (65, "processed_logprobs")
     plain = ve.engine_kwargs(load_config(None, VLLM), "/m", external=False)
     assert "logits_processors" not in plain and "max_logprobs" not in plain

@@ -30,7 +30,7 @@ LOGP_ATOL = 1e-4  # fp32: the decode step vs the prefill that scores the sequenc
 def dvp_run():
     require_vllm()
     from moe_rl.config import load_config
-    from moe_rl.rollout import vllm_engine as ve
+    from moe_rl.rollout.vllm import engine as ve
     from moe_rl.types import SamplingParams
     from moe_rl.weights.canonical import random_canonical_weights
 
@@ -82,7 +82,7 @@ def _unmasked_logp(engine, batch) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("rule", [r for r, _ in RULES])
 def test_dvp_samples_inside_the_builtin_rules_safe_set_with_renormalised_logprobs(dvp_run, rule):
-    from moe_rl.rollout.vllm_engine import dvp_safe_mask
+    from moe_rl.rollout.vllm.engine import dvp_safe_mask
 
     engine, cfg, out = dvp_run
     batch, sp = out[rule]
@@ -111,7 +111,7 @@ def test_dvp_processed_logprobs_sum_to_one_over_the_safe_set(dvp_run):
     exactly on the safe set, where exp sums to 1 within RENORM_ATOL."""
     import vllm
 
-    from moe_rl.rollout import vllm_engine as ve
+    from moe_rl.rollout.vllm import engine as ve
 
     engine, cfg, out = dvp_run
     _, sp = out["relative"]

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from moe_rl.config import load_config
-from moe_rl.rollout.vllm_engine import AMX_FLAG, cpu_flags
+from moe_rl.rollout.vllm.engine import AMX_FLAG, cpu_flags
 from moe_rl.routing.record import RouteHeader, from_vllm
 from tests.models import VLLM_CPU_FAMILY
 from tests.vllm.conftest import require_vllm
@@ -83,7 +83,7 @@ def _run_family(model, overrides: list[str], user_dir=None) -> dict:
     """One engine for ``model`` (config overrides ``overrides``; from ``user_dir`` written as
     transformers writes it when given): its first rollout and prompt scores, then one sync to new
     weights and the same sequences scored again, with the fp32 references on both weights."""
-    from moe_rl.rollout.vllm_engine import VllmEngine
+    from moe_rl.rollout.vllm.engine import VllmEngine
     from moe_rl.types import SamplingParams
     from moe_rl.weights.canonical import random_canonical_weights
 

@@ -53,7 +53,7 @@ def vllm_side(rank: int, world: int, tp: int, out_path: str) -> str:
     of an engine group submits the same requests)."""
     import vllm
 
-    from moe_rl.rollout.vllm_engine import VllmEngine
+    from moe_rl.rollout.vllm.engine import VllmEngine
     from moe_rl.types import SamplingParams
     from moe_rl.weights.canonical import random_canonical_weights
 

@@ -1,0 +1,1 @@
+"""The vLLM rollout engine (``rollout.engine=vllm``); only engine.py imports vllm."""
