@@ -2,7 +2,7 @@
 
 Checked when a run starts (``moe_rl.trainer.preflight``, before any rank starts) rather than when a
 config loads, so a recipe for a GPU cluster still loads and prints on a laptop. The checks live
-with what they check (``learner/te_spec.py``, ``rollout/vllm_engine.py``); this module sits above
+with what they check (``learner/te_spec.py``, ``rollout/vllm/env.py``); this module sits above
 them and ``moe_rl.config``, which imports nothing from the package.
 
 Also the run directory (``check_run_dir``: a directory or absent, not taken by another run; on
@@ -39,7 +39,7 @@ def check_launch(cfg: RunConfig) -> None:
     check_te_environment(cfg.model)
     check_devices(cfg, torch.cuda.device_count() if torch.cuda.is_available() else 0)
     if cfg.rollout.engine == "vllm":
-        from moe_rl.rollout.vllm.engine import (
+        from moe_rl.rollout.vllm.env import (
             check_vllm_cpu_model,
             check_vllm_environment,
             check_vllm_tensor_parallel,

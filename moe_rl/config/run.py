@@ -98,7 +98,7 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class VllmConfig:
-    """The vLLM rollout engine (moe_rl/rollout/vllm_engine.py); used when rollout.engine=vllm."""
+    """The vLLM rollout engine (moe_rl/rollout/vllm/); used when rollout.engine=vllm."""
 
     tensor_parallel: int = 1  # consecutive ranks that share one colocated vLLM engine
     gpu_memory_utilization: float = 0.35  # vLLM's share of each GPU (weights + KV cache)

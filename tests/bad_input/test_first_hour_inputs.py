@@ -269,7 +269,7 @@ def _lab():
 def test_lab_on_vllm_without_vllm_stops_before_anything(tmp_path, capsys, monkeypatch, grid):
     """As on a machine without vllm (its package metadata absent): the first arm's config is
     refused with `train`'s own line before any arm starts, and --out is never made."""
-    monkeypatch.setattr("moe_rl.rollout.vllm.engine.installed_vllm", lambda: None)
+    monkeypatch.setattr("moe_rl.rollout.vllm.env.installed_vllm", lambda: None)
     out = tmp_path / "lab"
     before = snapshot(tmp_path)
     with pytest.raises(SystemExit) as e:

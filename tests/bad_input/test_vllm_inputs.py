@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_rl.rollout.vllm.engine import installed_vllm
+from moe_rl.rollout.vllm.env import installed_vllm
 from tests.bad_input.test_cli_errors import ROOT, fails_with, snapshot, write
 
 pytestmark = [

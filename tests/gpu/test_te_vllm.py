@@ -1,7 +1,7 @@
 """GPU tier: Transformer Engine parity and vLLM rollouts with R3 routes (skipped without CUDA).
 
 The pure parts they rely on (TE <-> local names, precision fields, vLLM request/output conversion)
-are unit-tested on CPU in tests/learner/test_te_spec.py and tests/rollout/test_vllm_engine.py.
+are unit-tested on CPU in tests/learner/test_te_spec.py and tests/rollout/vllm/.
 Run: pytest -m gpu tests/gpu (scripts/gpu_smoke.sh runs the training-loop version)."""
 
 from __future__ import annotations
@@ -191,7 +191,8 @@ def test_vllm_dvp_safe_sets_match_the_learner_recomputation(tmp_path, rule, thre
     pytest.importorskip("vllm")
     from moe_rl.corrections.dvp import restricted_logprobs
     from moe_rl.rollout.builtin_model import BuiltinMoEModel
-    from moe_rl.rollout.vllm.engine import VllmEngine, dvp_safe_mask
+    from moe_rl.rollout.vllm.dvp_processor import dvp_safe_mask
+    from moe_rl.rollout.vllm.engine import VllmEngine
     from moe_rl.types import SamplingParams
     from moe_rl.weights.canonical import random_canonical_weights
     from moe_rl.weights.hf import write_hf_checkpoint

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from moe_rl.rollout.vllm import engine as ve
+from moe_rl.rollout.vllm import env as ve
 from moe_rl.rollout.vllm_rules import logprobs_mode
 from moe_rl.routing.record import vllm_route_dtype
 from tests.rollout.vllm_format import (

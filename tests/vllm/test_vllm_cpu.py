@@ -196,7 +196,7 @@ def test_logprobs_processed_mode_match_the_learner_at_T1_and_T07(run):
     """(e) processed_logprobs (no top-k/top-p): vLLM's sampled-token log-probs are the learner's
     log softmax(z / T) with vLLM's routes replayed, at T = 1 and at T = 0.7; at 0.7 they are not
     the T = 1 ones (the temperature is in what vLLM reports)."""
-    from moe_rl.rollout.vllm.engine import engine_kwargs
+    from moe_rl.rollout.vllm.requests import engine_kwargs
 
     kw = engine_kwargs(run["cfg"], "m", external=False, cpu=True)
     assert kw["logprobs_mode"] == "processed_logprobs"
@@ -290,7 +290,7 @@ def test_dense_first_layer_row_is_zero_and_dropped():
 def test_raw_logprobs_with_top_k_are_the_full_vocabulary_ones(tmp_path):
     """(e) rollout.top_k=5 at T = 1 selects raw_logprobs: vLLM reports log softmax(z) over the
     whole vocabulary, the learner's, not the top-5 renormalised ones (those would be larger)."""
-    from moe_rl.rollout.vllm.engine import engine_kwargs
+    from moe_rl.rollout.vllm.requests import engine_kwargs
     from moe_rl.types import SamplingParams
     from moe_rl.weights.canonical import random_canonical_weights
     from tests.dist_harness import run_ranks

@@ -31,6 +31,8 @@ def dvp_run():
     require_vllm()
     from moe_rl.config import load_config
     from moe_rl.rollout.vllm import engine as ve
+    from moe_rl.rollout.vllm.dvp_processor import DVP_PROCESSOR
+    from moe_rl.rollout.vllm.requests import engine_kwargs
     from moe_rl.types import SamplingParams
     from moe_rl.weights.canonical import random_canonical_weights
 
@@ -46,8 +48,8 @@ def dvp_run():
         ],
     )
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=VOCAB))
-    kw = ve.engine_kwargs(cfg, "m", external=False, cpu=True)
-    assert kw["logits_processors"] == [ve.DVP_PROCESSOR] and kw["logprobs_mode"] == "processed_logprobs"
+    kw = engine_kwargs(cfg, "m", external=False, cpu=True)
+    assert kw["logits_processors"] == [DVP_PROCESSOR] and kw["logprobs_mode"] == "processed_logprobs"
     engine = ve.VllmEngine(cfg, cfg.model, pad_id=0)
     engine.load_weights(random_canonical_weights(cfg.model, seed=2))
     from vllm.v1.sample.logits_processor import LogitsProcessor
@@ -82,7 +84,7 @@ def _unmasked_logp(engine, batch) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("rule", [r for r, _ in RULES])
 def test_dvp_samples_inside_the_builtin_rules_safe_set_with_renormalised_logprobs(dvp_run, rule):
-    from moe_rl.rollout.vllm.engine import dvp_safe_mask
+    from moe_rl.rollout.vllm.dvp_processor import dvp_safe_mask
 
     engine, cfg, out = dvp_run
     batch, sp = out[rule]
@@ -111,13 +113,14 @@ def test_dvp_processed_logprobs_sum_to_one_over_the_safe_set(dvp_run):
     exactly on the safe set, where exp sums to 1 within RENORM_ATOL."""
     import vllm
 
-    from moe_rl.rollout.vllm import engine as ve
+    from moe_rl.rollout.vllm.dvp_processor import dvp_num_logprobs
+    from moe_rl.rollout.vllm.requests import build_requests
 
     engine, cfg, out = dvp_run
     _, sp = out["relative"]
-    k = ve.dvp_num_logprobs(cfg.rollout.vllm.dvp_max_safe, VOCAB)
+    k = dvp_num_logprobs(cfg.rollout.vllm.dvp_max_safe, VOCAB)
     assert k == VOCAB
-    reqs = ve.build_requests(PROMPTS, N, sp, seed=11, dvp_logprobs=k)
+    reqs = build_requests(PROMPTS, N, sp, seed=11, dvp_logprobs=k)
     outs = engine.llm.generate(
         [p for p, _ in reqs], [vllm.SamplingParams(**kw) for _, kw in reqs], use_tqdm=False
     )

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from moe_rl.config import load_config
-from moe_rl.rollout.vllm.engine import AMX_FLAG, cpu_flags
+from moe_rl.rollout.vllm.env import AMX_FLAG, cpu_flags
 from moe_rl.routing.record import RouteHeader, from_vllm
 from tests.models import VLLM_CPU_FAMILY
 from tests.vllm.conftest import require_vllm
