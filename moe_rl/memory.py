@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass
 
 from moe_rl.config import ModelConfig, ParallelConfig, RunConfig
-from moe_rl.layout import pipeline_stage_layers
+from moe_rl.config.layout import pipeline_stage_layers
 
 GiB = 2**30
 H100_BF16_DENSE_TFLOPS = 989.0  # H100/H200 SXM dense bf16 peak (no sparsity)

@@ -172,24 +172,17 @@ def test_import_graph_has_no_cycles():
 
 @pytest.mark.unit
 def test_config_imports_only_pure_modules():
-    # config loading stays light (no torch, megatron, vllm): it reaches the error types (issue 14),
-    # the names, the rejection grammar, the layout arithmetic, the vLLM rules and the HF
-    # config.json reader (init_weights=hf:DIR derives the model: section, issue 25), and nothing else
+    # config loading stays light (no torch, megatron, vllm): it owns the pure rules it validates
+    # with (the layout arithmetic, the vLLM rules, the HF config.json reader: init_weights=hf:DIR
+    # derives the model: section, issue 25) and reaches outside only the error types (issue 14),
+    # the checks, the names, the rejection grammar and the file helpers (issue 31: nothing in
+    # rollout/ or weights/)
     graph = import_graph()
     own = {m for m in graph if _inside(m, "moe_rl.config")}  # the package and its modules
     assert {"moe_rl.config", "moe_rl.config.model", "moe_rl.config.loader"} <= own
+    assert {"moe_rl.config.layout", "moe_rl.config.vllm_rules", "moe_rl.config.hf_model"} <= own
     outside = set().union(*(graph[m] for m in own)) - own
-    assert outside == {
-        "moe_rl.errors",
-        "moe_rl.checks",
-        "moe_rl.names",
-        "moe_rl.rejection",
-        "moe_rl.layout",
-        "moe_rl.rollout",
-        "moe_rl.rollout.vllm_rules",
-        "moe_rl.weights",
-        "moe_rl.weights.hf_config",
-    }
+    assert outside == {"moe_rl.errors", "moe_rl.checks", "moe_rl.names", "moe_rl.rejection", "moe_rl.fsutil"}
     reached, todo = set(), sorted(outside)
     while todo:
         for w in graph[todo.pop()] - reached:

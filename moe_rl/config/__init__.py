@@ -15,13 +15,15 @@ The package, one job per module; everything public is re-exported here, so calle
 - ``deprecations``: ``DEPRECATED_KEYS`` and the legacy-key renames;
 - ``loader``: ``load_config``, ``load_run_config`` (resume's base: the run's saved config),
   ``to_dict``, ``to_yaml``;
-- ``checks``: the ``__post_init__`` helpers.
+- the pure rules the tree validates with: ``layout`` (the layout arithmetic), ``vllm_rules`` (what
+  the vLLM engine cannot give the learner), ``hf_model`` (an HF config.json -> the ``model:``
+  section) on ``hf_json`` (config.json read by type).
 
 Near the bottom of the package: imports only pure modules (no torch, no megatron;
-tests/test_style.py): the names configs validate against (``moe_rl.names``), the rejection-option
-grammar (``moe_rl.rejection``), the layout arithmetic (``moe_rl.layout``) and what the vLLM engine
-cannot do (``moe_rl.rollout.vllm_rules``). What depends on the machine (CUDA, Transformer Engine,
-vllm installed) is checked when a run starts, in ``moe_rl/preflight.py``.
+tests/test_style.py): the checks (``moe_rl.checks``), the names configs validate against
+(``moe_rl.names``) and the rejection-option grammar (``moe_rl.rejection``). What depends on the
+machine (CUDA, Transformer Engine, vllm installed) is checked when a run starts, in
+``moe_rl/preflight.py``.
 """
 
 from moe_rl.config.correction import CorrectionConfig, RejectionSpec, TrmConfig

@@ -21,10 +21,10 @@ from moe_rl.config.deprecations import (
     _warn_deprecated,
     refuse_old_and_new_overrides,
 )
+from moe_rl.config.hf_json import CONFIG as HF_CONFIG
+from moe_rl.config.hf_model import load_hf_config
 from moe_rl.config.run import RunConfig
 from moe_rl.errors import ConfigError, RunDirError
-from moe_rl.weights.hf_config import CONFIG as HF_CONFIG
-from moe_rl.weights.hf_config import load_hf_config
 
 
 def _check_rules(layer: DictConfig) -> DictConfig:
@@ -129,7 +129,7 @@ def _source_of(key: str | None, path: str | Path | None, overrides) -> str:
 
 def _model_from_hf(merged, file_model_keys: set[str], path, overrides) -> tuple[DictConfig, dict[str, str]]:
     """With ``init_weights=hf:DIR`` the architecture comes from ``DIR/config.json``: its fields
-    (``moe_rl/weights/hf_config.py``) replace the defaults, and a ``model.*`` key the file or an
+    (``moe_rl/config/hf_model.py``) replace the defaults, and a ``model.*`` key the file or an
     override sets to another value is refused, naming both values. Returns the merged tree and
     which keys came from where (for the errors of validation)."""
     init = OmegaConf.select(merged, "init_weights", default="")

@@ -47,10 +47,10 @@ from moe_rl.config import (
     OptimConfig,
     ParallelConfig,
 )
+from moe_rl.config.layout import pipeline_stage_layers
 from moe_rl.corrections.dvp import restricted_logprobs
 from moe_rl.corrections.trm import exact_kl_tokens
 from moe_rl.dist import ParallelDims, comm_device
-from moe_rl.layout import pipeline_stage_layers
 from moe_rl.learner import setup
 from moe_rl.learner.logprobs import (
     exact_kl_tokens_vocab_parallel,

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_rl.config import ConfigError, ModelConfig, OptimConfig, ParallelConfig
-from moe_rl.layout import check_tied_embeddings
+from moe_rl.config.layout import check_tied_embeddings
 
 # 'fully_reshardable' gathers optimizer shards over NCCL by default; the mem-efficient variant
 # gathers over the (gloo on CPU) DP group. No "chained_N." prefix so dense+expert optimizers

@@ -99,9 +99,9 @@ from typing import Any
 import torch
 
 from moe_rl.config import ConfigError, ModelConfig, RunConfig
+from moe_rl.config.vllm_rules import logprobs_mode
 from moe_rl.corrections.dvp import SAFE_SET_RULES, safe_set
 from moe_rl.rollout.base import Weights, weight_chunks
-from moe_rl.rollout.vllm_rules import logprobs_mode
 from moe_rl.routing.record import RouteError, RouteHeader, from_vllm
 from moe_rl.types import RolloutBatch, SamplingParams
 from moe_rl.weights.canonical import canonical_param_shapes

@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 
 from moe_rl.config import RunConfig
+from moe_rl.config.hf_json import CONFIG as HF_CONFIG
+from moe_rl.config.hf_json import hf_keys
 from moe_rl.errors import ConfigError, DataError
 from moe_rl.tasks.dataset import GeneratedTasks, PromptSource
 from moe_rl.tasks.hf_tokenizer import HFTokenizer, TokenizerError, check_vocab_fits, load_tokenizer
@@ -23,8 +25,6 @@ from moe_rl.tasks.rewards import overlong_penalty, score, uses_token_reward
 from moe_rl.tasks.rows import RowDataset, RowSpec
 from moe_rl.tasks.text_rewards import RewardPool
 from moe_rl.tasks.tokenizer import CharTokenizer
-from moe_rl.weights.hf_config import CONFIG as HF_CONFIG
-from moe_rl.weights.hf_config import hf_keys
 
 log = logging.getLogger(__name__)
 
