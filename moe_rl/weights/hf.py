@@ -22,7 +22,7 @@ strict checks (docs/design.md 9; issue 7).
   DeepSeek-V3 hub stores it so: its entries differ by less than a bf16 step).
 
 File formats only: no learner, no launcher, so the vLLM engine imports it freely. Exporting a run
-(``moe-rl export-hf``: a run's dist checkpoint loaded by the learner -> HF) is ``weights/export.py``.
+(``moe-rl export-hf``: a run's dist checkpoint loaded by the learner -> HF) is ``moe_rl/export.py``.
 """
 
 from __future__ import annotations

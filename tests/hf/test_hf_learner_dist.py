@@ -77,9 +77,9 @@ def _reinit(**sizes):
 
 def _ep2(rank, canon, out_root: Path, mixtral_canon):
     from moe_rl import dist
+    from moe_rl.export import export_from_checkpoint
     from moe_rl.learner import checkpoint
     from moe_rl.learner.learner import Learner
-    from moe_rl.weights.export import export_from_checkpoint
     from moe_rl.weights.hf import write_hf_checkpoint
 
     par = ParallelConfig(nproc=2, expert_parallel=2, distributed_optimizer=False)
