@@ -5,7 +5,7 @@ command-line overrides (``rollout.temperature=0.8``) only override them. Loading
 OmegaConf's structured configs, so an unknown key or a wrong type fails before any work starts,
 naming the full dotted key; cross-field checks in ``__post_init__`` name the keys too. Renamed keys
 keep working for one release through one table (``DEPRECATED_KEYS``), with a one-line warning.
-Megatron's own argument names appear only in ``moe_rl/learner/setup.py``.
+Megatron's own argument names appear only in ``moe_rl/learner/build.py``.
 
 The package, one job per module; everything public is re-exported here, so callers import from
 ``moe_rl.config``:

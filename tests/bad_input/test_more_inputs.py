@@ -200,7 +200,7 @@ def test_hf_export_on_a_full_disk_leaves_nothing(tmp_path, monkeypatch):
 
     from moe_rl import export
     from moe_rl.config import load_config
-    from moe_rl.tasks.setup import resolve_vocab
+    from moe_rl.tasks.task import resolve_vocab
     from moe_rl.tasks.tokenizer import CharTokenizer
     from moe_rl.weights.warmstart import load_init_weights
 

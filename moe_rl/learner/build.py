@@ -289,7 +289,7 @@ def mla_core_attention() -> type:
     if params != _DPA_PARAMS:
         raise RuntimeError(
             f"megatron-core's DotProductAttention.__init__{params} is not the 0.16.1 signature the MLA "
-            f"wrapper (moe_rl/learner/setup.py mla_core_attention) was written for: {_DPA_PARAMS}"
+            f"wrapper (moe_rl/learner/build.py mla_core_attention) was written for: {_DPA_PARAMS}"
         )
 
     class MLADotProductAttention(DotProductAttention):
