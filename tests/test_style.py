@@ -177,7 +177,7 @@ def test_import_graph_has_no_cycles():
 # Layers (issue 31): every module sits on one layer; imports point down or sideways, never up
 # --------------------------------------------------------------------------------------------
 
-# bottom to top (docs/design.md 7); a module's layer is that of the longest name that is it or a
+# bottom to top (docs/design.md 12); a module's layer is that of the longest name that is it or a
 # package above it, so a new module in a listed package needs no entry
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     (
