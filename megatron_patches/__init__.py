@@ -22,7 +22,7 @@ import importlib
 import logging
 import types
 
-from megatron_patches._compat import MCORE_VERSION, PatchError
+from megatron_patches.compat import MCORE_VERSION, PatchError
 
 logger = logging.getLogger(__name__)
 

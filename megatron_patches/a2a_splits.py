@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from megatron_patches import _compat
+from megatron_patches import compat
 
 logger = logging.getLogger(__name__)
 
@@ -48,23 +48,23 @@ def _wrap(upstream: Callable[..., Any]) -> Callable[..., Any]:
             return tensor.numpy()
         return upstream(tensor, as_numpy=as_numpy, record_stream=record_stream)
 
-    return _compat.mark(maybe_move_tensor_to_cpu, NAME)
+    return compat.mark(maybe_move_tensor_to_cpu, NAME)
 
 
 def check_preconditions() -> None:
     """Version, the helper's signature, and that the dispatcher uses moe_utils' function."""
-    _compat.require_version(SUPPORTED)
+    compat.require_version(SUPPORTED)
     moe_utils, token_dispatcher = _modules()
-    fn = _compat.check_attr(moe_utils, TARGET)
-    _compat.check_signature(fn, EXPECTED_PARAMS)
-    if _compat.check_attr(token_dispatcher, TARGET) is not fn:
-        raise _compat.PatchError(
+    fn = compat.check_attr(moe_utils, TARGET)
+    compat.check_signature(fn, EXPECTED_PARAMS)
+    if compat.check_attr(token_dispatcher, TARGET) is not fn:
+        raise compat.PatchError(
             f"token_dispatcher.{TARGET} is no longer moe_utils.{TARGET}; the shim would miss it"
         )
 
 
 def is_applied() -> bool:
-    return _compat.is_marked(_modules()[0].maybe_move_tensor_to_cpu, NAME)
+    return compat.is_marked(_modules()[0].maybe_move_tensor_to_cpu, NAME)
 
 
 def apply() -> None:

@@ -9,7 +9,7 @@ Remove when: megatron-core builds the mask on the scores' device (still "cuda" i
     CPU-only: applying it on a CUDA build raises PatchError.
 
 The upstream functions run unchanged: only the ``torch`` global of transformer/utils.py is
-swapped for a proxy whose factories send ``device="cuda"`` to the CPU (see _torch_proxy).
+swapped for a proxy whose factories send ``device="cuda"`` to the CPU (see torch_proxy).
 Alternative without a patch: always pass an explicit attention_mask.
 """
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import types
 
-from megatron_patches import _compat, _torch_proxy
+from megatron_patches import compat, torch_proxy
 
 logger = logging.getLogger(__name__)
 
@@ -40,23 +40,23 @@ def _modules() -> tuple[types.ModuleType, types.ModuleType]:
 
 def check_preconditions() -> None:
     """Version, both signatures, and that fused_softmax calls the functions from utils.py."""
-    _compat.require_version(SUPPORTED)
+    compat.require_version(SUPPORTED)
     utils, fused_softmax = _modules()
-    _torch_proxy.check_module_uses_torch(utils)
+    torch_proxy.check_module_uses_torch(utils)
     for name, params in EXPECTED_PARAMS.items():
-        fn = _compat.check_attr(utils, name)
-        _compat.check_signature(fn, params)
+        fn = compat.check_attr(utils, name)
+        compat.check_signature(fn, params)
         # the proxy acts through the functions' globals; a copy elsewhere would escape it
-        bound = _compat.check_attr(fused_softmax, name)
+        bound = compat.check_attr(fused_softmax, name)
         if getattr(bound, "__globals__", None) is not utils.__dict__:
-            raise _compat.PatchError(
+            raise compat.PatchError(
                 f"megatron.core.fusions.fused_softmax.{name} is not defined in "
                 f"megatron.core.transformer.utils any more; the causal_mask shim would miss it"
             )
 
 
 def is_applied() -> bool:
-    return _torch_proxy.find(_modules()[0], NAME) is not None
+    return torch_proxy.find(_modules()[0], NAME) is not None
 
 
 def apply() -> None:
@@ -64,6 +64,6 @@ def apply() -> None:
     if is_applied():
         return
     check_preconditions()
-    _compat.require_no_cuda(NAME)
-    _torch_proxy.install(_modules()[0], NAME)
+    compat.require_no_cuda(NAME)
+    torch_proxy.install(_modules()[0], NAME)
     logger.info("applied megatron patch %s", NAME)

@@ -12,7 +12,7 @@ Why: each raises ``AssertionError: Torch not compiled with CUDA enabled`` on a C
 Remove when: megatron-core allocates these on the model's device (unchanged in 0.19.2).
     CPU-only: applying it on a CUDA build raises PatchError.
 
-Scoped: each listed module gets its own proxy ``torch`` (see _torch_proxy), so no other code in
+Scoped: each listed module gets its own proxy ``torch`` (see torch_proxy), so no other code in
 the process sees a changed factory, and the upstream function bodies run unchanged.
 """
 
@@ -22,7 +22,7 @@ import importlib
 import logging
 import types
 
-from megatron_patches import _compat, _torch_proxy
+from megatron_patches import compat, torch_proxy
 
 logger = logging.getLogger(__name__)
 
@@ -45,18 +45,18 @@ def _modules() -> list[types.ModuleType]:
     try:
         return [importlib.import_module(name) for name in MODULES]
     except ImportError as err:
-        raise _compat.PatchError(f"{NAME}: a target module is gone: {err}") from err
+        raise compat.PatchError(f"{NAME}: a target module is gone: {err}") from err
 
 
 def check_preconditions() -> None:
     """Version, and that every listed module still reads factories through global ``torch``."""
-    _compat.require_version(SUPPORTED)
+    compat.require_version(SUPPORTED)
     for module in _modules():
-        _torch_proxy.check_module_uses_torch(module)
+        torch_proxy.check_module_uses_torch(module)
 
 
 def is_applied() -> bool:
-    return all(_torch_proxy.find(module, NAME) is not None for module in _modules())
+    return all(torch_proxy.find(module, NAME) is not None for module in _modules())
 
 
 def apply() -> None:
@@ -64,7 +64,7 @@ def apply() -> None:
     if is_applied():
         return
     check_preconditions()
-    _compat.require_no_cuda(NAME)
+    compat.require_no_cuda(NAME)
     for module in _modules():
-        _torch_proxy.install(module, NAME)
+        torch_proxy.install(module, NAME)
     logger.info("applied megatron patch %s to %d modules", NAME, len(MODULES))

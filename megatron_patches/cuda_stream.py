@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from megatron_patches import _compat
+from megatron_patches import compat
 
 logger = logging.getLogger(__name__)
 
@@ -113,16 +113,16 @@ _STUBS: dict[str, Any] = {
 
 def check_preconditions() -> None:
     """Version, the torch.cuda names being stubbed, and the dispatcher's class-level stream."""
-    _compat.require_version(SUPPORTED)
+    compat.require_version(SUPPORTED)
     for name in STUBBED:
-        _compat.check_attr(torch.cuda, name)
+        compat.check_attr(torch.cuda, name)
     from megatron.core.transformer.moe import token_dispatcher
 
-    _compat.check_attr(token_dispatcher.MoEAlltoAllTokenDispatcher, "cuda_dtoh_stream")
+    compat.check_attr(token_dispatcher.MoEAlltoAllTokenDispatcher, "cuda_dtoh_stream")
 
 
 def is_applied() -> bool:
-    return _compat.is_marked(torch.cuda.Stream, NAME)
+    return compat.is_marked(torch.cuda.Stream, NAME)
 
 
 def apply() -> None:
@@ -130,7 +130,7 @@ def apply() -> None:
     if is_applied():
         return
     check_preconditions()
-    _compat.require_no_cuda(NAME)
+    compat.require_no_cuda(NAME)
     for name, stub in _STUBS.items():
-        setattr(torch.cuda, name, _compat.mark(stub, NAME))
+        setattr(torch.cuda, name, compat.mark(stub, NAME))
     logger.info("applied megatron patch %s", NAME)

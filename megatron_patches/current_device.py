@@ -21,7 +21,7 @@ import logging
 
 import torch
 
-from megatron_patches import _compat
+from megatron_patches import compat
 
 logger = logging.getLogger(__name__)
 
@@ -36,12 +36,12 @@ def _cpu_current_device() -> torch.device:
 
 def check_preconditions() -> None:
     """Version and the zero-argument signature megatron calls."""
-    _compat.require_version(SUPPORTED)
-    _compat.check_signature(torch.cuda.current_device, ())
+    compat.require_version(SUPPORTED)
+    compat.check_signature(torch.cuda.current_device, ())
 
 
 def is_applied() -> bool:
-    return _compat.is_marked(torch.cuda.current_device, NAME)
+    return compat.is_marked(torch.cuda.current_device, NAME)
 
 
 def apply() -> None:
@@ -49,8 +49,8 @@ def apply() -> None:
     if is_applied():
         return
     check_preconditions()
-    _compat.require_no_cuda(NAME)
+    compat.require_no_cuda(NAME)
     original = torch.cuda.current_device
     _cpu_current_device.__wrapped__ = original  # type: ignore[attr-defined]  # for inspection
-    torch.cuda.current_device = _compat.mark(_cpu_current_device, NAME)
+    torch.cuda.current_device = compat.mark(_cpu_current_device, NAME)
     logger.info("applied megatron patch %s", NAME)

@@ -27,7 +27,7 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-from megatron_patches import _compat
+from megatron_patches import compat
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ def _wrap_sharded_state_dict(dopt: types.ModuleType, upstream: Callable[..., Any
             self._init_optimizer_states_with_dummy_values()
         return upstream(self, *args, **kwargs)
 
-    return _compat.mark(sharded_state_dict, NAME)
+    return compat.mark(sharded_state_dict, NAME)
 
 
 def _wrap_set_states(dopt: types.ModuleType, upstream: Callable[..., Any]) -> Callable[..., Any]:
@@ -88,21 +88,21 @@ def _wrap_set_states(dopt: types.ModuleType, upstream: Callable[..., Any]) -> Ca
                 tensors = {**tensors, "step": dst["step"]}
         return upstream(self, model_param, tensors)
 
-    return _compat.mark(_set_main_param_and_optimizer_states, NAME)
+    return compat.mark(_set_main_param_and_optimizer_states, NAME)
 
 
 def check_preconditions() -> None:
     """Version, the four DistributedOptimizer methods, and the HAVE_APEX_OR_TE switch."""
-    _compat.require_version(SUPPORTED)
+    compat.require_version(SUPPORTED)
     dopt = _module()
-    _compat.check_attr(dopt, "HAVE_APEX_OR_TE")
-    cls = _compat.check_attr(dopt, "DistributedOptimizer")
+    compat.check_attr(dopt, "HAVE_APEX_OR_TE")
+    cls = compat.check_attr(dopt, "DistributedOptimizer")
     for name, params in EXPECTED_PARAMS.items():
-        _compat.check_signature(_compat.check_attr(cls, name), params)
+        compat.check_signature(compat.check_attr(cls, name), params)
 
 
 def is_applied() -> bool:
-    return _compat.is_marked(_module().DistributedOptimizer.sharded_state_dict, NAME)
+    return compat.is_marked(_module().DistributedOptimizer.sharded_state_dict, NAME)
 
 
 def apply() -> None:

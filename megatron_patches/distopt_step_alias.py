@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from megatron_patches import _compat
+from megatron_patches import compat
 
 logger = logging.getLogger(__name__)
 
@@ -70,18 +70,18 @@ def _wrap(upstream: Callable[..., Any]) -> Callable[..., Any]:
             logger.debug("%s: un-aliased Adam step for %d param states", NAME, num_cloned)
         return result
 
-    return _compat.mark(load_state_dict, NAME)
+    return compat.mark(load_state_dict, NAME)
 
 
 def check_preconditions() -> None:
     """Version and DistributedOptimizer.load_state_dict's signature."""
-    _compat.require_version(SUPPORTED)
-    cls = _compat.check_attr(_module(), "DistributedOptimizer")
-    _compat.check_signature(_compat.check_attr(cls, "load_state_dict"), EXPECTED_PARAMS)
+    compat.require_version(SUPPORTED)
+    cls = compat.check_attr(_module(), "DistributedOptimizer")
+    compat.check_signature(compat.check_attr(cls, "load_state_dict"), EXPECTED_PARAMS)
 
 
 def is_applied() -> bool:
-    return _compat.is_marked(_module().DistributedOptimizer.load_state_dict, NAME)
+    return compat.is_marked(_module().DistributedOptimizer.load_state_dict, NAME)
 
 
 def apply() -> None:

@@ -22,7 +22,7 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-from megatron_patches import _compat
+from megatron_patches import compat
 
 logger = logging.getLogger(__name__)
 
@@ -60,23 +60,23 @@ def _wrap_gather(upstream: Callable[..., Any]) -> Callable[..., Any]:
         dist.all_gather(parts, padded, group=group)
         return torch.cat([p[:n] for p, n in zip(parts, output_split_sizes)])
 
-    return _compat.mark(gather, NAME)
+    return compat.mark(gather, NAME)
 
 
 def check_preconditions() -> None:
-    _compat.require_version(SUPPORTED)
-    _compat.check_signature(_compat.check_attr(_module(), TARGET), EXPECTED_PARAMS)
+    compat.require_version(SUPPORTED)
+    compat.check_signature(compat.check_attr(_module(), TARGET), EXPECTED_PARAMS)
 
 
 def is_applied() -> bool:
-    return _compat.is_marked(getattr(_module(), TARGET), NAME)
+    return compat.is_marked(getattr(_module(), TARGET), NAME)
 
 
 def apply() -> None:
     """Wrap the function in the mappings module. Idempotent; CPU (gloo) only."""
     if is_applied():
         return
-    _compat.require_no_cuda(NAME)
+    compat.require_no_cuda(NAME)
     check_preconditions()
     mappings = _module()
     mappings._gather_along_first_dim = _wrap_gather(mappings._gather_along_first_dim)

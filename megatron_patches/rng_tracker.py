@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from megatron_patches import _compat, _torch_proxy
+from megatron_patches import compat, torch_proxy
 
 logger = logging.getLogger(__name__)
 
@@ -83,18 +83,18 @@ def _random_module() -> types.ModuleType:
 
 def check_preconditions() -> None:
     """Version, the two accessors' signatures, the tracker methods, and the torch global."""
-    _compat.require_version(SUPPORTED)
+    compat.require_version(SUPPORTED)
     random = _random_module()
-    _torch_proxy.check_module_uses_torch(random)
+    torch_proxy.check_module_uses_torch(random)
     for name, params in EXPECTED_PARAMS.items():
-        _compat.check_signature(_compat.check_attr(random, name), params)
-    tracker_cls = _compat.check_attr(random, "CudaRNGStatesTracker")
+        compat.check_signature(compat.check_attr(random, name), params)
+    tracker_cls = compat.check_attr(random, "CudaRNGStatesTracker")
     for name, params in TRACKER_PARAMS.items():
-        _compat.check_signature(_compat.check_attr(tracker_cls, name), params)
+        compat.check_signature(compat.check_attr(tracker_cls, name), params)
 
 
 def is_applied() -> bool:
-    return _compat.is_marked(_random_module()._set_cuda_rng_state, NAME)
+    return compat.is_marked(_random_module()._set_cuda_rng_state, NAME)
 
 
 def _cpu_cuda_namespace() -> types.ModuleType:
@@ -104,7 +104,7 @@ def _cpu_cuda_namespace() -> types.ModuleType:
         "set_rng_state": lambda new_state, device="cuda": torch.set_rng_state(new_state),
         "manual_seed": _cpu_manual_seed,
     }
-    return _torch_proxy.TorchProxy(torch.cuda, NAME, overrides, name="torch.cuda")
+    return torch_proxy.TorchProxy(torch.cuda, NAME, overrides, name="torch.cuda")
 
 
 def apply() -> None:
@@ -112,14 +112,14 @@ def apply() -> None:
     if is_applied():
         return
     check_preconditions()
-    _compat.require_no_cuda(NAME)
+    compat.require_no_cuda(NAME)
     random = _random_module()
-    _torch_proxy.install(random, NAME, extra={"cuda": _cpu_cuda_namespace()})
+    torch_proxy.install(random, NAME, extra={"cuda": _cpu_cuda_namespace()})
     for name, replacement in (
         ("_get_cuda_rng_state", _get_cpu_rng_state),
         ("_set_cuda_rng_state", _set_cpu_rng_state),
     ):
         replacement.__wrapped__ = getattr(random, name)  # type: ignore[attr-defined]
-        setattr(random, name, _compat.mark(replacement, NAME))
+        setattr(random, name, compat.mark(replacement, NAME))
     logging.getLogger(random.__name__).addFilter(_DropSpuriousWarning())
     logger.info("applied megatron patch %s", NAME)

@@ -22,7 +22,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from megatron_patches import _compat
+from megatron_patches import compat
 
 logger = logging.getLogger(__name__)
 
@@ -41,16 +41,16 @@ def _cls() -> type:
 
 
 def check_preconditions() -> None:
-    _compat.require_version(SUPPORTED)
+    compat.require_version(SUPPORTED)
     cls = _cls()
-    _compat.check_signature(_compat.check_attr(cls, "get_replay_topk"), EXPECTED_PARAMS)
+    compat.check_signature(compat.check_attr(cls, "get_replay_topk"), EXPECTED_PARAMS)
     from megatron.core.transformer.moe import moe_utils
 
-    fn = _compat.check_attr(moe_utils, "topk_routing_with_score_function")
+    fn = compat.check_attr(moe_utils, "topk_routing_with_score_function")
     import inspect
 
     if "router_replay" not in inspect.signature(fn).parameters:
-        raise _compat.PatchError("topk_routing_with_score_function no longer takes router_replay")
+        raise compat.PatchError("topk_routing_with_score_function no longer takes router_replay")
 
 
 def _wrap(upstream: Callable[..., Any]) -> Callable[..., Any]:
@@ -65,11 +65,11 @@ def _wrap(upstream: Callable[..., Any]) -> Callable[..., Any]:
 
         return controller(scores, topk, compute_native)
 
-    return _compat.mark(get_replay_topk, NAME)
+    return compat.mark(get_replay_topk, NAME)
 
 
 def is_applied() -> bool:
-    return _compat.is_marked(_cls().get_replay_topk, NAME)
+    return compat.is_marked(_cls().get_replay_topk, NAME)
 
 
 def apply() -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import types
 
-from megatron_patches import _compat
+from megatron_patches import compat
 
 logger = logging.getLogger(__name__)
 
@@ -62,13 +62,13 @@ def check_preconditions() -> None:
     """Nothing to check when the names exist; else the version and the router's global read."""
     if not needed()[0]:
         return
-    _compat.require_version(SUPPORTED)
+    compat.require_version(SUPPORTED)
     moe_utils = _moe_utils()
-    _compat.check_attr(moe_utils, "HAVE_TE")
-    router_fn = _compat.check_attr(moe_utils, "RouterGatingLinearFunction")
-    forward = _compat.check_attr(router_fn, "forward")
+    compat.check_attr(moe_utils, "HAVE_TE")
+    router_fn = compat.check_attr(moe_utils, "RouterGatingLinearFunction")
+    forward = compat.check_attr(router_fn, "forward")
     if "te_general_gemm" not in forward.__code__.co_names:
-        raise _compat.PatchError(
+        raise compat.PatchError(
             "RouterGatingLinearFunction.forward no longer reads the global te_general_gemm"
         )
 

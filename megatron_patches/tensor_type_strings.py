@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from megatron_patches import _compat
+from megatron_patches import compat
 
 logger = logging.getLogger(__name__)
 
@@ -56,23 +56,23 @@ def _wrap(upstream: Callable[..., Any]) -> Callable[..., Any]:
             return upstream(self).replace("torch.", "torch.cuda.", 1)
         return upstream(self, *args, **kwargs)
 
-    return _compat.mark(type, NAME)
+    return compat.mark(type, NAME)
 
 
 def check_preconditions() -> None:
     """Version, Tensor.type, and the optimizer call sites that compare type strings."""
     import importlib
 
-    _compat.require_version(SUPPORTED)
-    _compat.check_attr(torch.Tensor, "type")
+    compat.require_version(SUPPORTED)
+    compat.check_attr(torch.Tensor, "type")
     for module_name, path in CALL_SITES:
         obj: Any = importlib.import_module(module_name)
         for part in path.split("."):
-            obj = _compat.check_attr(obj, part)
+            obj = compat.check_attr(obj, part)
 
 
 def is_applied() -> bool:
-    return _compat.is_marked(torch.Tensor.type, NAME)
+    return compat.is_marked(torch.Tensor.type, NAME)
 
 
 def apply() -> None:
@@ -80,6 +80,6 @@ def apply() -> None:
     if is_applied():
         return
     check_preconditions()
-    _compat.require_no_cuda(NAME)
+    compat.require_no_cuda(NAME)
     torch.Tensor.type = _wrap(torch.Tensor.type)  # type: ignore[method-assign]
     logger.info("applied megatron patch %s", NAME)

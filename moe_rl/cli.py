@@ -285,7 +285,7 @@ def show_estimate(args: tuple[str, ...], gpu_gib: float, gpus_per_node: int, top
 )
 def export_hf(run_dir: str, out_dir: str, step: int | None, max_shard_gb: float, dtype: str) -> None:
     """Write a run's checkpoint as a Hugging Face checkpoint: moe-rl export-hf RUN_DIR OUT_DIR [--step N]."""
-    from moe_rl.weights.export import export_run
+    from moe_rl.export import export_run
 
     _positive("--max-shard-gb", max_shard_gb)
     export_run(run_dir, out_dir, step, int(max_shard_gb * 2**30), dtype)

@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass
 
 from moe_rl.config import ModelConfig, ParallelConfig, RunConfig
-from moe_rl.layout import pipeline_stage_layers
+from moe_rl.config.layout import pipeline_stage_layers
 
 GiB = 2**30
 H100_BF16_DENSE_TFLOPS = 989.0  # H100/H200 SXM dense bf16 peak (no sparsity)
@@ -169,7 +169,7 @@ class Layout:
         tp, etp, out = self.tp, self.expert_tp, []
         if self.world % (tp * self.pp):
             return [f"TP*PP = {tp * self.pp} does not divide {self.world} GPUs"]
-        if m.mla and m.transformer_impl == "te" and tp > 1:  # learner/setup.py refuses it at build
+        if m.mla and m.transformer_impl == "te" and tp > 1:  # learner/build.py refuses it at build
             out.append(f"TP {tp}: MLA with model.transformer_impl=te is built with TP 1 only")
         for key in ("num_attention_heads", "num_query_groups", "ffn_hidden_size", "vocab_size"):
             if getattr(m, key) % tp:

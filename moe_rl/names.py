@@ -17,7 +17,7 @@ RS_AGGREGATION_NAMES = (
 )  # moe_rl.corrections.importance.RS_AGGREGATIONS
 KL_ESTIMATOR_NAMES = ("k1", "k2", "k3")  # the per-token KL estimators (rejection kinds, algo.kl_estimator)
 SAFE_SET_RULE_NAMES = ("relative", "top_p")  # moe_rl.corrections.dvp.SAFE_SET_RULES
-# moe_rl.weights.hf_config.FAMILIES (Kimi-K2's kimi_k2 config.json is read as deepseek_v3)
+# moe_rl.config.hf_model.FAMILIES (Kimi-K2's kimi_k2 config.json is read as deepseek_v3)
 HF_FAMILY_NAMES = ("qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe", "qwen2_moe")
 # Trust Region Masking (moe_rl.corrections.trm): what pi_train is, where the KL comes from, the
 # length-neutral criteria ("none": off)

@@ -6,7 +6,7 @@ each rank (``moe_rl.launch.run_worker``; spawned ranks are fresh interpreters, w
 warning filter). What stays: every other warning, and these same ones under ``--debug`` /
 ``MOE_RL_DEBUG=1``. wandb's own lines are handled where it starts (``moe_rl.metrics``); the
 checkpoint-time "common state dict differs" warning and megatron's "full scope is deprecated"
-are fixed at their cause (``moe_rl.learner.checkpoint``, ``moe_rl.learner.setup``). Imports
+are fixed at their cause (``moe_rl.learner.checkpoint``, ``moe_rl.learner.build``). Imports
 nothing from the package.
 """
 

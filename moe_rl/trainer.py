@@ -26,7 +26,8 @@ from moe_rl.step.finalize import finalize
 from moe_rl.step.plan import StepPlan
 from moe_rl.step.prepare import old_logprobs, prepare_batch, reference_logprobs, rollout_metrics
 from moe_rl.step.update import learning_rate, update_policy
-from moe_rl.tasks.setup import build_task, score_step, validate
+from moe_rl.step.validation import validation_rewards
+from moe_rl.tasks.task import build_task, score_step
 from moe_rl.timing import StepTimer, memory_metrics
 from moe_rl.weights.warmstart import load_init_weights
 
@@ -114,7 +115,7 @@ def train(cfg: RunConfig, dims: ParallelDims) -> None:
     writer, bar = open_run_dir(cfg, dims, start), progress(cfg, start, dims)
     health = HealthMonitor(cfg.log.health, cfg.model.vocab_size, active=dims.is_main)
     for step in range(start, cfg.steps):
-        m_val = validate(cfg, task, engine, step, dims.dp_rank, dims.dp_size)  # every log.val_every steps
+        m_val = validation_rewards(cfg, task, engine, step, dims.dp_rank, dims.dp_size)  # every val_every
         timer = StepTimer()
         with timer.phase("rollout"):
             prompts = task.source.sample_step(

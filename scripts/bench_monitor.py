@@ -33,8 +33,8 @@ def _measure(args) -> list[dict]:
     from moe_rl.step.prepare import old_logprobs, prepare_batch
     from moe_rl.step.update import update_policy
     from moe_rl.tasks.rewards import score
-    from moe_rl.tasks.setup import build_prompt_source
-    from moe_rl.tasks.setup import resolve_vocab as resolve
+    from moe_rl.tasks.task import build_prompt_source
+    from moe_rl.tasks.task import resolve_vocab as resolve
     from moe_rl.tasks.tokenizer import CharTokenizer
     from moe_rl.weights.warmstart import load_init_weights
 

@@ -33,10 +33,10 @@ def _measure(args) -> list[dict]:
     from moe_rl.losses import kl_estimate
     from moe_rl.rollout.builtin import BuiltinEngine
     from moe_rl.rollout.factory import sampling_params
-    from moe_rl.routing.plan import PassMode, PassPlan
+    from moe_rl.routing.replay_plan import PassMode, PassPlan
     from moe_rl.step.prepare import rollout_routes
-    from moe_rl.tasks.setup import build_prompt_source
-    from moe_rl.tasks.setup import resolve_vocab as resolve
+    from moe_rl.tasks.task import build_prompt_source
+    from moe_rl.tasks.task import resolve_vocab as resolve
     from moe_rl.tasks.tokenizer import CharTokenizer
     from moe_rl.types import TrainBatch
     from moe_rl.weights.warmstart import load_init_weights

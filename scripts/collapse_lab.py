@@ -57,7 +57,7 @@ from moe_rl.preflight import check_launch  # noqa: E402 (after the sys.path line
 from moe_rl.report import data, outcome  # noqa: E402 (after the sys.path line)
 from moe_rl.report.render import write_report  # noqa: E402 (after the sys.path line)
 from moe_rl.tasks.hf_tokenizer import load_tokenizer  # noqa: E402 (after the sys.path line)
-from moe_rl.tasks.setup import resolve_vocab  # noqa: E402 (after the sys.path line)
+from moe_rl.tasks.task import resolve_vocab  # noqa: E402 (after the sys.path line)
 
 PRESETS = ROOT / "configs" / "corrections"
 CONTROL = "onpolicy"

@@ -62,8 +62,8 @@ def main() -> None:
     from moe_rl.rollout.builtin import BuiltinEngine
     from moe_rl.rollout.factory import sampling_params
     from moe_rl.tasks.rewards import score
-    from moe_rl.tasks.setup import build_prompt_source
-    from moe_rl.tasks.setup import resolve_vocab as resolve
+    from moe_rl.tasks.task import build_prompt_source
+    from moe_rl.tasks.task import resolve_vocab as resolve
     from moe_rl.tasks.tokenizer import CharTokenizer
     from moe_rl.weights.warmstart import save_init_weights
 

@@ -1,5 +1,5 @@
 """The nested correction keys, their deprecated flat spellings, the typed rejection spec, and the
-layout checks in moe_rl/layout.py (issue 23.2)."""
+layout checks in moe_rl/config/layout.py (issue 23.2)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from moe_rl.config import (
     load_config,
     to_dict,
 )
-from moe_rl.layout import check_layout, data_parallel_size, pipeline_stage_layers
+from moe_rl.config.layout import check_layout, data_parallel_size, pipeline_stage_layers
 
 pytestmark = pytest.mark.unit
 
@@ -243,7 +243,7 @@ def test_rejection_spec_bound_is_what_the_grammar_takes():
     ]
 
 
-# ------------------------------------------------------------------ layout checks (moe_rl/layout.py)
+# ------------------------------------------------------------------ layout checks (moe_rl/config/layout.py)
 
 
 @pytest.mark.parametrize(

@@ -294,7 +294,7 @@ def test_full_vocab_corrections_run_under_tensor_parallel():
 )
 def test_pipeline_stage_layers_split_like_megatron(num_layers, pp, first, last, stages):
     from moe_rl.config import ParallelConfig
-    from moe_rl.layout import pipeline_stage_layers
+    from moe_rl.config.layout import pipeline_stage_layers
 
     par = ParallelConfig(
         nproc=pp,
@@ -656,7 +656,7 @@ def test_family_recipe_model_is_what_its_hub_config_json_derives(name, tmp_path)
     derived field, so the run starts with no contradiction."""
     import json
 
-    from moe_rl.weights import hf_config as hfc
+    from moe_rl.config import hf_model as hfc
     from tests.hf.test_families import DEEPSEEK_V3_HUB
 
     hub = {"deepseek_v3": DEEPSEEK_V3_HUB, "glm4_moe": GLM45_HUB}[FAMILY_RECIPES[name]["arch"]["hf_family"]]

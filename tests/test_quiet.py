@@ -25,7 +25,7 @@ def test_warnings_are_silenced_by_message_category_and_module(monkeypatch):
     monkeypatch.delenv("MOE_RL_DEBUG", raising=False)
     te = "Transformer Engine and Apex are not installed. Falling back to Torch optimizers."
     assert not _shown(te, UserWarning, "megatron.core.optimizer")
-    assert _shown(te, UserWarning, "moe_rl.learner.setup")  # another module's: not megatron's fallback
+    assert _shown(te, UserWarning, "moe_rl.learner.build")  # another module's: not megatron's fallback
     assert _shown(te, DeprecationWarning, "megatron.core.optimizer")  # another category
     gather = "`torch.distributed.all_gather_into_tensor` is deprecated. Please use ..."
     c10d = "torch.distributed.c10d_logger"

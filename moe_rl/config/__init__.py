@@ -5,7 +5,7 @@ command-line overrides (``rollout.temperature=0.8``) only override them. Loading
 OmegaConf's structured configs, so an unknown key or a wrong type fails before any work starts,
 naming the full dotted key; cross-field checks in ``__post_init__`` name the keys too. Renamed keys
 keep working for one release through one table (``DEPRECATED_KEYS``), with a one-line warning.
-Megatron's own argument names appear only in ``moe_rl/learner/setup.py``.
+Megatron's own argument names appear only in ``moe_rl/learner/build.py``.
 
 The package, one job per module; everything public is re-exported here, so callers import from
 ``moe_rl.config``:
@@ -15,13 +15,15 @@ The package, one job per module; everything public is re-exported here, so calle
 - ``deprecations``: ``DEPRECATED_KEYS`` and the legacy-key renames;
 - ``loader``: ``load_config``, ``load_run_config`` (resume's base: the run's saved config),
   ``to_dict``, ``to_yaml``;
-- ``checks``: the ``__post_init__`` helpers.
+- the pure rules the tree validates with: ``layout`` (the layout arithmetic), ``vllm_rules`` (what
+  the vLLM engine cannot give the learner), ``hf_model`` (an HF config.json -> the ``model:``
+  section) on ``hf_json`` (config.json read by type).
 
 Near the bottom of the package: imports only pure modules (no torch, no megatron;
-tests/test_style.py): the names configs validate against (``moe_rl.names``), the rejection-option
-grammar (``moe_rl.rejection``), the layout arithmetic (``moe_rl.layout``) and what the vLLM engine
-cannot do (``moe_rl.rollout.vllm_rules``). What depends on the machine (CUDA, Transformer Engine,
-vllm installed) is checked when a run starts, in ``moe_rl/preflight.py``.
+tests/test_style.py): the checks (``moe_rl.checks``), the names configs validate against
+(``moe_rl.names``) and the rejection-option grammar (``moe_rl.rejection``). What depends on the
+machine (CUDA, Transformer Engine, vllm installed) is checked when a run starts, in
+``moe_rl/preflight.py``.
 """
 
 from moe_rl.config.correction import CorrectionConfig, RejectionSpec, TrmConfig

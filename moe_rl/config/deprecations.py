@@ -22,10 +22,10 @@ DEPRECATED_KEYS: dict[str, str | None] = {
     "correction.rs_bounds": "correction.rejection",
     "rollout.vllm.weight_sync": None,  # transfer was its one value
 }
-_RS_KEYS = ("correction.rs", "correction.rs_bounds")
+LEGACY_RS_KEYS = ("correction.rs", "correction.rs_bounds")
 
 
-def _warn_deprecated(where: str, old: str, new: str | None) -> None:
+def warn_deprecated(where: str, old: str, new: str | None) -> None:
     """One line on stderr; ``where`` (the file or override) tells a run's own saved config.yaml
     from what the user typed."""
     what = f"use '{new}'" if new else "removed; its value is ignored"
@@ -35,7 +35,7 @@ def _warn_deprecated(where: str, old: str, new: str | None) -> None:
     )
 
 
-def _renamed_key(key: str) -> str:
+def renamed_key(key: str) -> str:
     return DEPRECATED_KEYS.get(key) or key
 
 
@@ -78,7 +78,7 @@ def _refuse_old_and_new_tree(tree: dict, where: str) -> None:
             raise _both_given(old, new, where)
 
 
-def _rename_tree(tree: dict, legacy_rs: dict, where: str) -> dict:
+def rename_tree(tree: dict, legacy_rs: dict, where: str) -> dict:
     """Move the deprecated keys of one YAML mapping to their new keys (one warning each); the
     rs / rs_bounds values go to ``legacy_rs`` with ``where`` they were set (merged as
     correction.rejection after every input is read)."""
@@ -91,8 +91,8 @@ def _rename_tree(tree: dict, legacy_rs: dict, where: str) -> dict:
         if not isinstance(parent, dict) or leaf not in parent:
             continue
         value = parent.pop(leaf)
-        _warn_deprecated(where, old, new)
-        if old in _RS_KEYS:
+        warn_deprecated(where, old, new)
+        if old in LEGACY_RS_KEYS:
             legacy_rs.update({old: value, "where": where})
         elif new is not None:
             *heads, last = new.split(".")
@@ -103,7 +103,7 @@ def _rename_tree(tree: dict, legacy_rs: dict, where: str) -> dict:
     return tree
 
 
-def _legacy_rejection(legacy_rs: dict) -> list[dict]:
+def legacy_rejection(legacy_rs: dict) -> list[dict]:
     """correction.rs + correction.rs_bounds as correction.rejection, validated as they were."""
     options = list(legacy_rs.get("correction.rs") or [])
     raw = [str(b) for b in legacy_rs.get("correction.rs_bounds") or []]

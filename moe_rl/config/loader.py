@@ -13,18 +13,18 @@ from omegaconf.errors import OmegaConfBaseException
 from moe_rl.checks import check
 from moe_rl.config.correction import RejectionSpec
 from moe_rl.config.deprecations import (
-    _RS_KEYS,
     DEPRECATED_KEYS,
-    _legacy_rejection,
-    _rename_tree,
-    _renamed_key,
-    _warn_deprecated,
+    LEGACY_RS_KEYS,
+    legacy_rejection,
     refuse_old_and_new_overrides,
+    rename_tree,
+    renamed_key,
+    warn_deprecated,
 )
+from moe_rl.config.hf_json import CONFIG as HF_CONFIG
+from moe_rl.config.hf_model import load_hf_config
 from moe_rl.config.run import RunConfig
 from moe_rl.errors import ConfigError, RunDirError
-from moe_rl.weights.hf_config import CONFIG as HF_CONFIG
-from moe_rl.weights.hf_config import load_hf_config
 
 
 def _check_rules(layer: DictConfig) -> DictConfig:
@@ -50,8 +50,8 @@ def _override(base, item: str, legacy_rs: dict):
     key, raw = item.split("=", 1)
     if key.strip() in DEPRECATED_KEYS:
         old = key.strip()
-        _warn_deprecated(f"override {item!r}", old, DEPRECATED_KEYS[old])
-        if old in _RS_KEYS:
+        warn_deprecated(f"override {item!r}", old, DEPRECATED_KEYS[old])
+        if old in LEGACY_RS_KEYS:
             value = OmegaConf.select(OmegaConf.from_dotlist([item]), old)
             legacy_rs.update(
                 {
@@ -59,7 +59,7 @@ def _override(base, item: str, legacy_rs: dict):
                     "where": f"override {item!r}",
                 }
             )
-        if old in _RS_KEYS or DEPRECATED_KEYS[old] is None:
+        if old in LEGACY_RS_KEYS or DEPRECATED_KEYS[old] is None:
             return None
         key = DEPRECATED_KEYS[old]
         item = f"{key}={raw}"
@@ -121,7 +121,7 @@ def _read_yaml(path: str | Path):
 def _source_of(key: str | None, path: str | Path | None, overrides) -> str:
     """Which input set ``key``: the last override of it, else the file, else the defaults."""
     for item in reversed(list(overrides)):
-        given = _renamed_key(item.split("=", 1)[0].strip())
+        given = renamed_key(item.split("=", 1)[0].strip())
         if key is not None and (given == key or key.startswith(given + "[")):
             return f"override {item!r}"
     return str(path) if path is not None else "defaults"
@@ -129,7 +129,7 @@ def _source_of(key: str | None, path: str | Path | None, overrides) -> str:
 
 def _model_from_hf(merged, file_model_keys: set[str], path, overrides) -> tuple[DictConfig, dict[str, str]]:
     """With ``init_weights=hf:DIR`` the architecture comes from ``DIR/config.json``: its fields
-    (``moe_rl/weights/hf_config.py``) replace the defaults, and a ``model.*`` key the file or an
+    (``moe_rl/config/hf_model.py``) replace the defaults, and a ``model.*`` key the file or an
     override sets to another value is refused, naming both values. Returns the merged tree and
     which keys came from where (for the errors of validation)."""
     init = OmegaConf.select(merged, "init_weights", default="")
@@ -139,9 +139,9 @@ def _model_from_hf(merged, file_model_keys: set[str], path, overrides) -> tuple[
     hf_path = hf_dir / HF_CONFIG
     derived = load_hf_config(hf_dir)  # CheckpointError naming the file and the key
     given = file_model_keys | {
-        _renamed_key(item.split("=", 1)[0].strip())[len("model.") :]
+        renamed_key(item.split("=", 1)[0].strip())[len("model.") :]
         for item in overrides
-        if _renamed_key(item.split("=", 1)[0].strip()).startswith("model.")
+        if renamed_key(item.split("=", 1)[0].strip()).startswith("model.")
     }
     for name, value in derived.items():
         if name in given and OmegaConf.select(merged, f"model.{name}") != value:
@@ -168,7 +168,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     try:
         if path is not None:
             where = str(path)
-            tree = _rename_tree(OmegaConf.to_container(_read_yaml(path)), legacy_rs, where)
+            tree = rename_tree(OmegaConf.to_container(_read_yaml(path)), legacy_rs, where)
             if isinstance(tree.get("model"), dict):
                 file_model_keys = set(tree["model"])
             merged = _writable(OmegaConf.merge(merged, _check_rules(OmegaConf.create(tree))))
@@ -180,7 +180,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             merged = merged if layer is None else _writable(OmegaConf.merge(merged, layer))
         if legacy_rs:  # the input that set rs or rs_bounds last is named in an error
             where = legacy_rs["where"]
-            layer = OmegaConf.create({"correction": {"rejection": _legacy_rejection(legacy_rs)}})
+            layer = OmegaConf.create({"correction": {"rejection": legacy_rejection(legacy_rs)}})
             merged = _writable(OmegaConf.merge(merged, layer))
         where = "init_weights"
         merged, origin = _model_from_hf(merged, file_model_keys, path, overrides)
@@ -220,7 +220,7 @@ def resume_base(overrides: list[str] | tuple[str, ...]) -> Path | None:
     or its default), else None. The two keys are read through ``load_config`` on the defaults, so a
     bad value (``resume=maybe``) gets the error it gets anywhere. RunDirError when that run has no
     saved config: nothing to resume, or a checkpoint whose model and layout are unknown."""
-    flags = [i for i in overrides if _renamed_key(i.split("=", 1)[0].strip()) in ("resume", "run_dir")]
+    flags = [i for i in overrides if renamed_key(i.split("=", 1)[0].strip()) in ("resume", "run_dir")]
     cfg = load_config(None, flags)
     if not cfg.resume:
         return None

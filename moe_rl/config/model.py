@@ -65,7 +65,7 @@ class ModelConfig:
     max_seq_len: int = 64
     router_aux_loss_coeff: float = 0.0  # switch load-balancing loss; 0 = off
     recompute: bool = False  # full activation recomputation in the learner (routes are replayed again)
-    # HF model family of import/export (moe_rl/weights/hf_config.py FAMILIES): qwen3_moe | mixtral |
+    # HF model family of import/export (moe_rl/config/hf_model.py FAMILIES): qwen3_moe | mixtral |
     # deepseek_v3 (also Kimi-K2) | glm4_moe | qwen2_moe; derived from config.json with init_weights=hf:DIR
     hf_family: str = "qwen3_moe"
     # Learner kernels and precision (moe_rl/learner/te_spec.py). te and fp8 need CUDA and Transformer

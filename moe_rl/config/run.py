@@ -1,6 +1,6 @@
 """The rest of the tree and its root: optimizer, rollout (and vLLM), routing, task, algorithm and
-logging configs, and ``RunConfig``, whose cross-field checks span the subtrees (layout: ``moe_rl.layout``;
-what vLLM cannot do: ``moe_rl.rollout.vllm_rules``)."""
+logging configs, and ``RunConfig``, whose cross-field checks span the subtrees (layout: ``layout.py``;
+what vLLM cannot do: ``vllm_rules.py``)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from typing import Any
 
 from moe_rl.checks import check, check_finite, one_of
 from moe_rl.config.correction import CorrectionConfig
+from moe_rl.config.layout import check_layout, data_parallel_size
 from moe_rl.config.model import ModelConfig, ParallelConfig
-from moe_rl.layout import check_layout, data_parallel_size
+from moe_rl.config.vllm_rules import check_vllm
 from moe_rl.names import ADVANTAGE_NAMES, GROUP_ADVANTAGE_NAMES, KL_ESTIMATOR_NAMES
-from moe_rl.rollout.vllm_rules import check_vllm
 
 
 @dataclass(frozen=True)

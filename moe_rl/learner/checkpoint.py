@@ -25,7 +25,7 @@ from moe_rl.dist import barrier
 from moe_rl.errors import CheckpointError, DiskFullError, disk_full_named
 from moe_rl.fsutil import fsync_path
 from moe_rl.fsutil import write_atomic as _write_atomic  # a test replaces it (a full disk)
-from moe_rl.learner.setup import OPTIM_CKPT_METADATA
+from moe_rl.learner.build import OPTIM_CKPT_METADATA
 
 log = logging.getLogger(__name__)
 KEEP_LAST = 2

@@ -1,7 +1,7 @@
 """The megatron-core learner: log-prob passes and policy updates over micro-batches.
 
 Inputs are ``TrainBatch``es (moe_rl/types.py), moved to the model's device once per pass and
-split with ``TrainBatch.micro_batches``; a ``PassPlan`` (moe_rl/routing/plan.py) says how the
+split with ``TrainBatch.micro_batches``; a ``PassPlan`` (moe_rl/routing/replay_plan.py) says how the
 pass routes. Outputs are ``LogprobOutput`` / ``UpdateOutput`` with the pass's ``RoutingOutcome``.
 Ranks, sizes and groups come from the ``ParallelDims`` given at construction.
 
@@ -47,11 +47,11 @@ from moe_rl.config import (
     OptimConfig,
     ParallelConfig,
 )
+from moe_rl.config.layout import pipeline_stage_layers
 from moe_rl.corrections.dvp import restricted_logprobs
 from moe_rl.corrections.trm import exact_kl_tokens
 from moe_rl.dist import ParallelDims, comm_device
-from moe_rl.layout import pipeline_stage_layers
-from moe_rl.learner import setup
+from moe_rl.learner import build
 from moe_rl.learner.logprobs import (
     exact_kl_tokens_vocab_parallel,
     restricted_logprobs_vocab_parallel,
@@ -61,9 +61,9 @@ from moe_rl.learner.logprobs import (
 from moe_rl.learner.te_spec import FP8_TOKEN_MULTIPLE, rename_to_local, te_name_map
 from moe_rl.monitor.router_grad import RouterGradMonitor, expert_load_LE
 from moe_rl.routing.gating import RouterSpec
-from moe_rl.routing.plan import PassPlan
 from moe_rl.routing.record import RouteHeader
 from moe_rl.routing.replay import RouteReplay, RoutingOutcome, SeqShard
+from moe_rl.routing.replay_plan import PassPlan
 from moe_rl.types import TokenStats, TrainBatch
 from moe_rl.weights.megatron_shards import Shard, canonical_to_megatron
 from moe_rl.weights.stream import stream_canonical
@@ -180,7 +180,7 @@ class Learner:
             else None
         )
         sp = dims.tp_size > 1  # megatron refuses MoE + TP training without sequence parallelism
-        self.gpt, self.tcfg = setup.build_model(model_cfg, par, sequence_parallel=sp)
+        self.gpt, self.tcfg = build.build_model(model_cfg, par, sequence_parallel=sp)
         self.token_multiple = FP8_TOKEN_MULTIPLE if model_cfg.precision == "fp8" else 1
         if init_weights is not None:
             self.load_canonical(init_weights)
@@ -220,14 +220,14 @@ class Learner:
         # The reference policy is a frozen copy of the initial weights (for the KL term).
         self.ref, self.ref_replay = None, None
         if with_reference:
-            self.ref, _ = setup.build_model(model_cfg, par, sequence_parallel=sp)
+            self.ref, _ = build.build_model(model_cfg, par, sequence_parallel=sp)
             self.ref.load_state_dict(self.gpt.state_dict())
             self.ref.requires_grad_(False).eval()
             self.ref_replay = RouteReplay(
                 self.ref, self.route_header, dims.ep_size, model_cfg.recompute, seq_shard, dims.pp_group
             )
-        self.ddp = setup.wrap_ddp(self.gpt, self.tcfg, par)
-        self.optimizer = setup.build_optimizer(self.ddp, optim, par)
+        self.ddp = build.wrap_ddp(self.gpt, self.tcfg, par)
+        self.optimizer = build.build_optimizer(self.ddp, optim, par)
 
     @property
     def device(self) -> torch.device:
@@ -260,7 +260,7 @@ class Learner:
 
     def _named_weights(self) -> dict[str, torch.Tensor]:
         """Parameters plus the routers' expert-bias buffers (canonical weights without a gradient:
-        ``e_score_correction_bias``, frozen or moved by megatron, moe_rl/learner/setup.py)."""
+        ``e_score_correction_bias``, frozen or moved by megatron, moe_rl/learner/build.py)."""
         out = dict(self.gpt.named_parameters())
         out.update({n: b for n, b in self.gpt.named_buffers() if n.endswith("mlp.router.expert_bias")})
         return out

@@ -28,8 +28,8 @@ import torch.distributed as dist
 
 from moe_rl.dist import all_gather_rows, all_reduce_sum, comm_device
 from moe_rl.metrics import Mean
-from moe_rl.routing.layout import unlayout
 from moe_rl.routing.record import RouteBatch, RouteHeader
+from moe_rl.routing.row_layout import unlayout
 from moe_rl.routing.server import ReplayError
 from moe_rl.routing.topk_overlap import topk_agreement
 

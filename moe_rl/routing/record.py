@@ -6,7 +6,7 @@ sampled token never went through the model and has no row). L counts MoE layers 
 order of ``RouteHeader.layer_ids`` (global 0-based decoder-layer numbers). Ids are logical
 expert ids. The dtype is the narrowest unsigned type that holds E ids plus a MISSING sentinel
 (its max value): uint8 for E <= 255, else uint16. Records stay jagged; they are widened to
-int64 per layer only when a micro-batch is laid out for replay (``routing/layout.py``).
+int64 per layer only when a micro-batch is laid out for replay (``routing/row_layout.py``).
 
 Ingest (``validate``) is strict and names sample, layer and row: wrong shape or dtype, a row
 count that does not match the sample's tokens, ids out of range, repeated ids in a row, an

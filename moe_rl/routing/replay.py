@@ -4,7 +4,7 @@ Built on megatron-core's own ``RouterReplay`` (``moe_enable_routing_replay``): e
 owns one instance, and ``megatron_patches.router_replay_hook`` lets an instance delegate its
 top-k choice to a per-layer hook installed here. ``RouteReplay`` drives the routers of one model
 (policy or reference: each has its own) through one pass at a time, in the mode of a
-``PassPlan`` (moe_rl/routing/plan.py):
+``PassPlan`` (moe_rl/routing/replay_plan.py):
 
 - ``observe``: route natively, compare with the given routes (routing agreement, replay off);
 - ``record``:  route natively and keep the routes (R2: the old-policy pass records them);
@@ -16,7 +16,7 @@ Three jobs, three parts: the ``RouteServer`` (routing/server.py) serves targets 
 and checks they were all consumed; the ``AgreementCollector`` (routing/agreement.py) keeps the
 native routes and computes agreement once per pass; the router-gradient monitor, given at
 construction, observes the update passes' routing. The controller lays each micro-batch's routes
-out like its tokens (routing/layout.py) and knows, by itself, whether a router call is the
+out like its tokens (routing/row_layout.py) and knows, by itself, whether a router call is the
 micro-batch's forward or a recompute in its backward (``micro_batch``). A fused router (which
 bypasses replay) is refused when the controller is built.
 
@@ -34,9 +34,9 @@ import torch
 
 from moe_rl.routing.agreement import AgreementCollector, RoutingOutcome, SeqShard
 from moe_rl.routing.gating import RouterSpec, group_violations
-from moe_rl.routing.layout import layout
-from moe_rl.routing.plan import PassMode, PassPlan
 from moe_rl.routing.record import RouteBatch, RouteHeader
+from moe_rl.routing.replay_plan import PassMode, PassPlan
+from moe_rl.routing.row_layout import layout
 from moe_rl.routing.server import ReplayError, RouteServer
 
 __all__ = ["ReplayError", "RouteReplay", "RoutingOutcome", "SeqShard"]

@@ -13,7 +13,7 @@ from moe_rl.advantages import AdvantageFn, get_advantage
 from moe_rl.config import AlgoConfig, CorrectionConfig, OptimConfig, RunConfig
 from moe_rl.learner.learner import LossFn
 from moe_rl.rollout.factory import sampling_params
-from moe_rl.routing.plan import ReplayPlan
+from moe_rl.routing.replay_plan import ReplayPlan
 from moe_rl.step.correction import CorrectionPlan, TrmPlan, bypass_loss, decoupled_loss
 from moe_rl.types import SamplingParams
 

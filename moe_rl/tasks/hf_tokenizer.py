@@ -25,7 +25,7 @@ from moe_rl.tasks.tokenizer import CharTokenizer
 
 BUILTIN_CHAR = "builtin:char"
 HF_PREFIX = "hf:"
-_TOKENIZER_FILES = (
+TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
@@ -131,7 +131,7 @@ class HFTokenizer:
     def save(self, out_dir: str | Path) -> list[str]:
         """Copy the tokenizer's files (and generation_config.json) into ``out_dir``; their names."""
         copied = []
-        for name in _TOKENIZER_FILES:
+        for name in TOKENIZER_FILES:
             src = self.directory / name
             if src.is_file():
                 (Path(out_dir) / name).write_bytes(src.read_bytes())

@@ -4,13 +4,13 @@ Mixtral, DeepSeek-V3 (and Kimi-K2), GLM-4.5 and Qwen2-MoE families.
 Canonical weight names are HF Qwen3-MoE's plus DeepSeek-V3's (``weights/canonical.py``;
 ``weights/megatron_shards.py`` maps them to megatron and back for every EP/TP/PP layout). Other
 families are renamed here, at the file boundary only, by one small table per family
-(``weights/hf_config.py`` ``FAMILIES``, keyed by ``model_type`` == ``ModelConfig.hf_family``, which
+(``config/hf_model.py`` ``FAMILIES``, keyed by ``model_type`` == ``ModelConfig.hf_family``, which
 also maps config.json onto the typed fields): Mixtral's ``block_sparse_moe.gate`` is ``mlp.gate``
 and its experts' ``w1``/``w3``/``w2`` are ``gate_proj``/``up_proj``/``down_proj``; Qwen2-MoE's
 ``mlp.shared_expert.*`` are ``mlp.shared_experts.*``. This module owns the file formats and the
 strict checks (docs/design.md 9; issue 7).
 
-- ``load_hf_config`` (hf_config.py): config.json -> ModelConfig fields; anything the learner cannot
+- ``load_hf_config`` (config/hf_model.py): config.json -> ModelConfig fields; anything the learner cannot
   represent exactly is refused, naming the key and the file.
 - ``read_hf_weights``: one tensor at a time per shard (``safe_open``); every expected tensor must be
   present with its shape and nothing else may be there, except a DeepSeek-V3 / GLM-4.5 checkpoint's
@@ -22,7 +22,7 @@ strict checks (docs/design.md 9; issue 7).
   DeepSeek-V3 hub stores it so: its entries differ by less than a bf16 step).
 
 File formats only: no learner, no launcher, so the vLLM engine imports it freely. Exporting a run
-(``moe-rl export-hf``: a run's dist checkpoint loaded by the learner -> HF) is ``weights/export.py``.
+(``moe-rl export-hf``: a run's dist checkpoint loaded by the learner -> HF) is ``moe_rl/export.py``.
 """
 
 from __future__ import annotations
@@ -39,11 +39,8 @@ import torch
 from safetensors.torch import save_file
 
 from moe_rl.config import ARCH_FIELDS, ModelConfig
-from moe_rl.errors import CheckpointError
-from moe_rl.fsutil import fsync_path, open_safetensors, read_json
-from moe_rl.weights.canonical import canonical_param_shapes
-from moe_rl.weights.hf_config import (  # noqa: F401 (re-exported: the HF format's one module)
-    CONFIG,
+from moe_rl.config.hf_json import CONFIG
+from moe_rl.config.hf_model import (  # noqa: F401 (re-exported: the HF format's one module)
     FAMILIES,
     MODEL_TYPE_ALIASES,
     SUPPORTED_MODEL_TYPES,
@@ -53,6 +50,9 @@ from moe_rl.weights.hf_config import (  # noqa: F401 (re-exported: the HF format
     model_fields_from_hf,
     mtp_layers,
 )
+from moe_rl.errors import CheckpointError
+from moe_rl.fsutil import fsync_path, open_safetensors, read_json
+from moe_rl.weights.canonical import canonical_param_shapes
 from moe_rl.weights.hf_config import hf_config_dict as _hf_config_dict
 
 log = logging.getLogger(__name__)

@@ -48,7 +48,7 @@ _SIMPLE_LAYER = {  # megatron suffix -> canonical suffix (within one layer)
     "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
     "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
     "mlp.router.weight": "mlp.gate.weight",
-    # the router's expert_bias is a buffer (moe_rl/learner/setup.py): it travels with the weights
+    # the router's expert_bias is a buffer (moe_rl/learner/build.py): it travels with the weights
     "mlp.router.expert_bias": "mlp.gate.e_score_correction_bias",
     "mlp.shared_experts.linear_fc2.weight": "mlp.shared_experts.down_proj.weight",
     "mlp.shared_experts.gate_weight": "mlp.shared_expert_gate.weight",
@@ -58,7 +58,7 @@ _SIMPLE_LAYER = {  # megatron suffix -> canonical suffix (within one layer)
 # identical: linear_kv_down_proj rows are [latent C | shared rope key R] like kv_a_proj_with_mqa,
 # linear_q_up_proj / linear_kv_up_proj rows are per head [nope | rope] / [k_nope | v] like q_b_proj /
 # kv_b_proj, and megatron's MLA RoPE reads the rope dims interleaved as the hub checkpoints store them
-# (learner/setup.py _attention): every tensor is a plain copy. The local spec's down projections are
+# (learner/build.py _attention): every tensor is a plain copy. The local spec's down projections are
 # column-parallel (split on their output rows under TP, gathered inside MLA).
 _MLA_LAYER = {
     "self_attention.linear_q_proj.weight": "self_attn.q_proj.weight",

@@ -22,7 +22,7 @@ from click.testing import CliRunner
 
 from moe_rl import cli
 from moe_rl.config import load_config, to_yaml
-from moe_rl.tasks.setup import resolve_vocab as resolve
+from moe_rl.tasks.task import resolve_vocab as resolve
 from moe_rl.tasks.tokenizer import CharTokenizer
 from moe_rl.weights.warmstart import builtin_path
 

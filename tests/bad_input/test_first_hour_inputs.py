@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from moe_rl.config import hf_model as hfc
 from moe_rl.config import load_config
 from moe_rl.errors import CheckpointError
-from moe_rl.weights import hf_config as hfc
+from moe_rl.weights.hf_config import hf_config_dict
 from tests.bad_input.test_cli_errors import (  # noqa: F401 (hf_dir: a fixture)
     ROOT,
     _fake_run,
@@ -54,7 +55,7 @@ FAMILIES = {
     **HF_FAMILY_TINY,
 }
 # the keys of a family's exported config.json the learner does not read (the docstring of
-# hf_config.model_fields_from_hf): the common ones, and per family: transformers' aux-loss switch
+# hf_model.model_fields_from_hf): the common ones, and per family: transformers' aux-loss switch
 # (Mixtral), a window size without use_sliding_window (Qwen3-MoE), the MTP layers (read by
 # mtp_layers, checked below), topk_group (read only with groups, n_group > 1; this GLM model has none)
 NOT_READ = {"architectures", "attention_dropout", "dtype", "max_position_embeddings", "router_aux_loss_coef"}
@@ -72,7 +73,7 @@ NOT_READ_BY_FAMILY = {
 def test_every_config_json_value_of_the_wrong_type_is_named(family):
     """Each key (and rope_parameters.KEY) of a family's config.json, one at a time given a value of
     another JSON type, is refused naming the key; what is left untouched is exactly what is not read."""
-    good = hfc.hf_config_dict(FAMILIES[family]())
+    good = hf_config_dict(FAMILIES[family]())
     keys = [(k,) for k, v in good.items() if not isinstance(v, dict)]
     keys += [(k, sub) for k, v in good.items() if isinstance(v, dict) for sub in v]
     unread = set()
@@ -92,11 +93,11 @@ def test_every_config_json_value_of_the_wrong_type_is_named(family):
 
 @pytest.mark.bad_input
 def test_mtp_layers_and_lists_are_read_by_type(tmp_path):
-    qwen3 = {**hfc.hf_config_dict(hf_tiny()), "mlp_only_layers": [0, 1.0]}
+    qwen3 = {**hf_config_dict(hf_tiny()), "mlp_only_layers": [0, 1.0]}
     with pytest.raises(CheckpointError) as e:
         hfc.model_fields_from_hf(qwen3, Path("/ckpt/config.json"))
     assert str(e.value) == "/ckpt/config.json: key 'mlp_only_layers' = [0, 1.0]: expected a list of integers"
-    hf = hfc.hf_config_dict(deepseek_v3_tiny())
+    hf = hf_config_dict(deepseek_v3_tiny())
     write(tmp_path / "config.json", json.dumps({**hf, "num_nextn_predict_layers": 1.5}))
     with pytest.raises(CheckpointError) as e:
         hfc.mtp_layers(tmp_path)
@@ -145,7 +146,7 @@ def test_train_on_a_config_json_with_a_wrong_type(tmp_path, hf_dir, key, value, 
 )
 def test_train_on_a_deepseek_v3_config_json(tmp_path, key, value, why):
     ckpt = tmp_path / "ds"
-    write(ckpt / "config.json", json.dumps({**hfc.hf_config_dict(deepseek_v3_tiny()), key: value}))
+    write(ckpt / "config.json", json.dumps({**hf_config_dict(deepseek_v3_tiny()), key: value}))
     fails_with(
         tmp_path,
         f"{ckpt / 'config.json'}: key '{key}' = {value!r}: {why}",

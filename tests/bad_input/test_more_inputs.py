@@ -198,10 +198,10 @@ def test_hf_export_on_a_full_disk_leaves_nothing(tmp_path, monkeypatch):
     a full disk as its own error ('... (os error 28)'), which is named like an OSError."""
     from safetensors import SafetensorError
 
+    from moe_rl import export
     from moe_rl.config import load_config
-    from moe_rl.tasks.setup import resolve_vocab
+    from moe_rl.tasks.task import resolve_vocab
     from moe_rl.tasks.tokenizer import CharTokenizer
-    from moe_rl.weights import export
     from moe_rl.weights.warmstart import load_init_weights
 
     cfg = resolve_vocab(load_config(None), CharTokenizer())

@@ -66,12 +66,12 @@ def single_rank():
 @pytest.mark.gpu
 def test_te_bf16_forward_matches_local_spec(single_rank):
     pytest.importorskip("transformer_engine.pytorch")
-    from moe_rl.learner import setup
+    from moe_rl.learner import build
     from moe_rl.learner.te_spec import te_name_map
 
     par = ParallelConfig(nproc=1, expert_parallel=1, backend="nccl")
-    local, _ = setup.build_model(dataclasses.replace(TINY, precision="bf16"), par)
-    te, tcfg = setup.build_model(dataclasses.replace(TINY, transformer_impl="te", precision="bf16"), par)
+    local, _ = build.build_model(dataclasses.replace(TINY, precision="bf16"), par)
+    te, tcfg = build.build_model(dataclasses.replace(TINY, transformer_impl="te", precision="bf16"), par)
     assert tcfg.moe_router_fusion is False and tcfg.transformer_impl == "transformer_engine"
     local_params = dict(local.named_parameters())
     with torch.no_grad():

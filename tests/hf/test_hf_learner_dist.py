@@ -77,9 +77,9 @@ def _reinit(**sizes):
 
 def _ep2(rank, canon, out_root: Path, mixtral_canon):
     from moe_rl import dist
+    from moe_rl.export import export_from_checkpoint
     from moe_rl.learner import checkpoint
     from moe_rl.learner.learner import Learner
-    from moe_rl.weights.export import export_from_checkpoint
     from moe_rl.weights.hf import write_hf_checkpoint
 
     par = ParallelConfig(nproc=2, expert_parallel=2, distributed_optimizer=False)
@@ -124,7 +124,7 @@ def _tp2(rank, canon):
     import torch.distributed as tdist
     from megatron.core import parallel_state as ps
 
-    from moe_rl.learner import setup
+    from moe_rl.learner import build
     from moe_rl.weights.megatron_shards import (
         Shard,
         megatron_to_canonical,
@@ -132,7 +132,7 @@ def _tp2(rank, canon):
     )
 
     _reinit(tensor_model_parallel_size=2)
-    gpt, _ = setup.build_model(CFG, ParallelConfig(nproc=2, tensor_parallel=2, expert_parallel=1))
+    gpt, _ = build.build_model(CFG, ParallelConfig(nproc=2, tensor_parallel=2, expert_parallel=1))
     shard = Shard(
         ps.get_tensor_model_parallel_rank(),
         2,
@@ -164,13 +164,13 @@ def _pp2(rank, canon):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    from moe_rl.learner import setup
+    from moe_rl.learner import build
     from moe_rl.weights.megatron_shards import Shard
 
     _reinit(pipeline_model_parallel_size=2)
-    # setup.py does not build PP models yet (the learner refuses PP): add what megatron needs here
+    # build.py does not build PP models yet (the learner refuses PP): add what megatron needs here
     tcfg = dataclasses.replace(
-        setup.transformer_config(CFG, ParallelConfig(nproc=2, expert_parallel=1)),
+        build.transformer_config(CFG, ParallelConfig(nproc=2, expert_parallel=1)),
         pipeline_model_parallel_size=2,
         pipeline_dtype=torch.float32,
     )

@@ -11,7 +11,7 @@ import torch
 
 from moe_rl.config import OptimConfig
 from moe_rl.metrics import Mean
-from moe_rl.routing.plan import PassMode, PassPlan
+from moe_rl.routing.replay_plan import PassMode, PassPlan
 
 LOGP_TOL = 1e-5
 GRAD_RTOL = 1e-5

@@ -87,8 +87,8 @@ def _worker(rank: int):
 
     from moe_rl import dist
     from moe_rl.learner.learner import Learner
-    from moe_rl.routing.plan import PassMode, PassPlan
     from moe_rl.routing.record import RouteBatch
+    from moe_rl.routing.replay_plan import PassMode, PassPlan
     from moe_rl.types import TrainBatch
     from moe_rl.weights.canonical import random_canonical_weights
 

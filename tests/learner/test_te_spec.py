@@ -158,7 +158,7 @@ def test_fp8_recipe_names_are_megatron_fp8recipe_values():
 @pytest.mark.unit
 def test_transformer_config_takes_the_precision_fields_and_never_fuses_the_router():
     from moe_rl.config import ParallelConfig
-    from moe_rl.learner.setup import transformer_config
+    from moe_rl.learner.build import transformer_config
 
     par = ParallelConfig(expert_parallel=1, nproc=1)
     tc = transformer_config(dataclasses.replace(CFG, precision="bf16"), par)

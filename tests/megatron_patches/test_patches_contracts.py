@@ -16,8 +16,8 @@ import pytest
 from packaging.specifiers import SpecifierSet
 
 import megatron_patches
-from megatron_patches import _compat
-from megatron_patches._compat import PatchError
+from megatron_patches import compat
+from megatron_patches.compat import PatchError
 
 pytestmark = pytest.mark.unit
 
@@ -41,7 +41,10 @@ def test_no_patch_is_applied_in_the_test_process() -> None:
 
 
 def test_patch_lists_cover_every_patch_module_once() -> None:
-    modules = {p.stem for p in PACKAGE_DIR.glob("*.py") if not p.stem.startswith("_")}
+    helpers = {"compat", "torch_proxy"}  # the guards and the scoped torch proxy the patches use
+    stems = {p.stem for p in PACKAGE_DIR.glob("*.py") if not p.stem.startswith("_")}
+    assert helpers <= stems
+    modules = stems - helpers
     assert sorted(megatron_patches.ALL_PATCHES) == sorted(modules)
     assert len(set(megatron_patches.ALL_PATCHES)) == len(megatron_patches.ALL_PATCHES)
     assert megatron_patches.ALWAYS_PATCHES == ("distopt_step_alias", "router_replay_hook")
@@ -75,10 +78,10 @@ def test_unsupported_megatron_version_fails_loudly(name: str, monkeypatch: pytes
     if not getattr(patch, "needed", lambda: (True, ""))()[0]:
         # te_names on megatron-core >= 0.17 (fixed upstream) or with TE: nothing to patch, so
         # no version to check; on 0.16.x without TE (CI) it is checked like the others
-        monkeypatch.setattr(_compat, "MCORE_VERSION", "0.20.0")
+        monkeypatch.setattr(compat, "MCORE_VERSION", "0.20.0")
         patch.check_preconditions()
         return
-    monkeypatch.setattr(_compat, "MCORE_VERSION", "0.20.0")
+    monkeypatch.setattr(compat, "MCORE_VERSION", "0.20.0")
     with pytest.raises(PatchError, match=r"megatron-core 0\.20\.0 is installed"):
         patch.check_preconditions()
 

@@ -26,8 +26,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from moe_rl.config.vllm_rules import logprobs_mode
 from moe_rl.rollout.vllm import env as ve
-from moe_rl.rollout.vllm_rules import logprobs_mode
 from moe_rl.routing.record import vllm_route_dtype
 from tests.rollout.vllm_format import (
     FINISH_REASONS,

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from moe_rl.config import ModelConfig
-from moe_rl.routing.layout import layout, pad_routes, unlayout
 from moe_rl.routing.record import (
     RouteBatch,
     RouteError,
@@ -23,6 +22,7 @@ from moe_rl.routing.record import (
     save_records,
     validate,
 )
+from moe_rl.routing.row_layout import layout, pad_routes, unlayout
 from moe_rl.routing.topk_overlap import topk_agreement
 
 CFG = ModelConfig(vocab_size=50, num_layers=4, first_k_dense=1, num_experts=8, moe_router_topk=2)

@@ -101,9 +101,9 @@ def _worker(rank: int):
 
     from moe_rl import dist
     from moe_rl.learner.learner import Learner
-    from moe_rl.routing.layout import pad_routes
-    from moe_rl.routing.plan import PassMode, PassPlan
     from moe_rl.routing.replay import ReplayError
+    from moe_rl.routing.replay_plan import PassMode, PassPlan
+    from moe_rl.routing.row_layout import pad_routes
     from moe_rl.types import TrainBatch
     from moe_rl.weights.canonical import random_canonical_weights
 

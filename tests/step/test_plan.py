@@ -15,7 +15,7 @@ from moe_rl.config import AlgoConfig, CorrectionConfig, RunConfig, load_config
 from moe_rl.learner.learner import UpdateOutput
 from moe_rl.rollout.factory import sampling_params
 from moe_rl.routing.agreement import RoutingOutcome
-from moe_rl.routing.plan import ReplayMode, ReplayPlan
+from moe_rl.routing.replay_plan import ReplayMode, ReplayPlan
 from moe_rl.step import correction
 from moe_rl.step.correction import CorrectionPlan, TrmPlan
 from moe_rl.step.plan import StepPlan

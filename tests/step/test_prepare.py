@@ -15,8 +15,8 @@ import torch
 from moe_rl.config import load_config
 from moe_rl.learner.learner import LogprobOutput, UpdateOutput
 from moe_rl.routing.agreement import RoutingOutcome
-from moe_rl.routing.plan import PassMode, PassPlan, ReplayMode, ReplayPlan
 from moe_rl.routing.record import RouteBatch, RouteHeader
+from moe_rl.routing.replay_plan import PassMode, PassPlan, ReplayMode, ReplayPlan
 from moe_rl.step.plan import StepPlan
 from moe_rl.step.prepare import old_logprobs, prepare_batch, reference_logprobs
 from moe_rl.step.update import update_policy

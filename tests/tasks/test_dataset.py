@@ -12,7 +12,7 @@ import torch
 
 from moe_rl.tasks.dataset import GeneratedTasks, PromptSource
 from moe_rl.tasks.rows import RowDataset
-from moe_rl.tasks.setup import build_prompt_source
+from moe_rl.tasks.task import build_prompt_source
 from moe_rl.tasks.tokenizer import CharTokenizer
 from moe_rl.types import Prompt
 

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from moe_rl.config import RunConfig, load_config
+from moe_rl.export import export_dtype, tokenizer_files
 from moe_rl.tasks.dataset import GeneratedTasks
 from moe_rl.tasks.hf_tokenizer import HFTokenizer, TokenizerError
-from moe_rl.tasks.setup import build_task, resolve_vocab, row_spec
+from moe_rl.tasks.task import build_task, resolve_vocab, row_spec
 from moe_rl.tasks.tokenizer import CharTokenizer
-from moe_rl.weights.export import export_dtype, tokenizer_files
 from moe_rl.weights.hf_config import hf_config_dict
 from tests.models import hf_tiny
 

@@ -38,7 +38,7 @@ def learner_side(rank: int, model: ModelConfig, weights, tokens_BS, lens_B, mask
     after one update) and logp_new (native, T=1)."""
     from moe_rl import dist
     from moe_rl.learner.learner import Learner
-    from moe_rl.routing.plan import PassMode, PassPlan
+    from moe_rl.routing.replay_plan import PassMode, PassPlan
     from moe_rl.types import TrainBatch
 
     par = ParallelConfig(nproc=1, expert_parallel=1, distributed_optimizer=False)

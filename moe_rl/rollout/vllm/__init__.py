@@ -7,5 +7,5 @@ package imports without it:
 - transfer.py: weight sync (vLLM's weight-transfer API on GPU, the worker's reload on CPU);
 - engine.py: ``VllmEngine``, the one module that imports vllm (tests/test_style.py).
 
-The pure config rules (what vLLM cannot give the learner) are ``moe_rl/rollout/vllm_rules.py``.
+The pure config rules (what vLLM cannot give the learner) are ``moe_rl/config/vllm_rules.py``.
 """

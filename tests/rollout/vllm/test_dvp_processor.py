@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from moe_rl.config import load_config
+from moe_rl.config.vllm_rules import logprobs_mode
 from moe_rl.rollout.vllm import engine, env
 from moe_rl.rollout.vllm.dvp_processor import (
     DVP_ARG,
@@ -25,7 +26,6 @@ from moe_rl.rollout.vllm.dvp_processor import (
     dvp_safe_sets,
 )
 from moe_rl.rollout.vllm.requests import build_requests, engine_kwargs, to_rollout_batch
-from moe_rl.rollout.vllm_rules import logprobs_mode
 from moe_rl.routing.record import RouteHeader
 from moe_rl.types import SamplingParams
 from tests.rollout.vllm.fakes import PAD_ID, VLLM, as_vllm

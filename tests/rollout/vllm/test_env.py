@@ -1,6 +1,6 @@
 """moe_rl/rollout/vllm/env.py: which vLLM build each machine runs, what the CPU build's kernels
 refuse (refused at launch naming the field), and what the CPU engine chooses over vLLM's own
-choices (docs/gpu_stack.md 1.6, 1.7); plus the config refusals of moe_rl/rollout/vllm_rules.py."""
+choices (docs/gpu_stack.md 1.6, 1.7); plus the config refusals of moe_rl/config/vllm_rules.py."""
 
 from __future__ import annotations
 

@@ -20,9 +20,9 @@ import pytest
 import torch
 
 from moe_rl.config import load_config
+from moe_rl.config.vllm_rules import logprobs_mode
 from moe_rl.rollout.vllm.requests import build_requests, engine_kwargs, to_rollout_batch
 from moe_rl.rollout.vllm.transfer import TRANSFER_BACKEND
-from moe_rl.rollout.vllm_rules import logprobs_mode
 from moe_rl.routing.record import RouteError, RouteHeader
 from moe_rl.types import SamplingParams
 from tests.rollout.vllm.fakes import PAD_ID, VLLM, as_vllm, decode

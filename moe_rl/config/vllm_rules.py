@@ -1,5 +1,5 @@
 """What the vLLM engine can and cannot give the learner, as rules on a config (pure: no vllm
-import, so the config loader refuses a vLLM run on any machine; ``vllm_engine.py`` uses
+import, so the config loader refuses a vLLM run on any machine; ``moe_rl/rollout/vllm/`` uses
 ``logprobs_mode`` to build the engine). What needs the machine (CUDA, vllm installed) is checked
 when a run starts, in ``moe_rl/preflight.py``."""
 
@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 def logprobs_mode(temperature: float, top_k: int, top_p: float, dvp: bool = False) -> str:
     """vLLM's ``logprobs_mode`` whose sampled-token log-prob equals the learner's
     log softmax(logits / temperature) over the full vocabulary (with ``dvp``: over the DVP safe
-    set); ValueError when none does. (Used by ``moe_rl/rollout/vllm_engine.py``; see its docstring.)"""
+    set); ValueError when none does. (Used by ``moe_rl/rollout/vllm/requests.py``.)"""
     if top_k == 0 and top_p >= 1.0:
         return "processed_logprobs"  # temperature (and the DVP mask) are the only processors
     if dvp:

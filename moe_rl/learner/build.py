@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_rl.config import ConfigError, ModelConfig, OptimConfig, ParallelConfig
-from moe_rl.layout import check_tied_embeddings
+from moe_rl.config.layout import check_tied_embeddings
 
 # 'fully_reshardable' gathers optimizer shards over NCCL by default; the mem-efficient variant
 # gathers over the (gloo on CPU) DP group. No "chained_N." prefix so dense+expert optimizers
@@ -289,7 +289,7 @@ def mla_core_attention() -> type:
     if params != _DPA_PARAMS:
         raise RuntimeError(
             f"megatron-core's DotProductAttention.__init__{params} is not the 0.16.1 signature the MLA "
-            f"wrapper (moe_rl/learner/setup.py mla_core_attention) was written for: {_DPA_PARAMS}"
+            f"wrapper (moe_rl/learner/build.py mla_core_attention) was written for: {_DPA_PARAMS}"
         )
 
     class MLADotProductAttention(DotProductAttention):

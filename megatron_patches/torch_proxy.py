@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from megatron_patches import _compat
+from megatron_patches import compat
 
 # torch tensor factories that take a ``device=`` keyword
 FACTORIES = (
@@ -74,7 +74,7 @@ class TorchProxy(types.ModuleType):
         super().__init__(name)
         self._moe_rl_base = base
         self.__dict__.update(overrides)
-        _compat.mark(self, patch_name)
+        compat.mark(self, patch_name)
 
     def __getattr__(self, name: str) -> Any:
         # only called for names not set on the proxy itself
@@ -85,7 +85,7 @@ def find(module: types.ModuleType, patch_name: str) -> TorchProxy | None:
     """The proxy that ``patch_name`` installed as ``module.torch``, if any (walks nesting)."""
     current = module.__dict__.get("torch")
     while isinstance(current, TorchProxy):
-        if current.__dict__.get(_compat.MARKER) == patch_name:
+        if current.__dict__.get(compat.MARKER) == patch_name:
             return current
         current = current._moe_rl_base
     return None
@@ -93,11 +93,11 @@ def find(module: types.ModuleType, patch_name: str) -> TorchProxy | None:
 
 def check_module_uses_torch(module: types.ModuleType) -> None:
     """Precondition: ``module`` reads tensor factories through a global named ``torch``."""
-    current = _compat.check_attr(module, "torch")
+    current = compat.check_attr(module, "torch")
     while isinstance(current, TorchProxy):
         current = current._moe_rl_base
     if current is not torch:
-        raise _compat.PatchError(
+        raise compat.PatchError(
             f"{module.__name__}.torch is {current!r}, not the torch module; the shim would miss it"
         )
 

@@ -3,8 +3,8 @@ own parallel layout.
 
 The run's ranks (started as for training, ``moe_rl/launch.py``) build the learner, load the model
 part of the checkpoint, gather the canonical weights and write them from rank 0 with
-``moe_rl.weights.hf.write_hf_checkpoint`` (the file format lives there; this module is the glue
-next to the CLI).
+``moe_rl.weights.hf.write_hf_checkpoint`` (the file format lives there; this module is an entry
+point beside ``cli.py``).
 """
 
 from __future__ import annotations
@@ -116,14 +116,12 @@ def export_dtype(name: str, init_weights: str) -> torch.dtype:
 
 def tokenizer_files(cfg) -> dict[str, bytes]:
     """The run's HF tokenizer files (and generation_config.json), {} for the built-in tokenizer."""
-    from moe_rl.tasks.hf_tokenizer import _TOKENIZER_FILES, tokenizer_dir
+    from moe_rl.tasks.hf_tokenizer import TOKENIZER_FILES, tokenizer_dir
 
     directory = tokenizer_dir(cfg.task.tokenizer, cfg.init_weights)
     if not directory:
         return {}
-    return {
-        n: (Path(directory) / n).read_bytes() for n in _TOKENIZER_FILES if (Path(directory) / n).is_file()
-    }
+    return {n: (Path(directory) / n).read_bytes() for n in TOKENIZER_FILES if (Path(directory) / n).is_file()}
 
 
 def export_run(

@@ -1,9 +1,9 @@
-"""Layout arithmetic of a parallel config, next to ``moe_rl.dist.ParallelDims`` (which holds the
-groups built from it) but pure: no torch import, so the config loader validates a layout on any
+"""Layout arithmetic of a parallel config, the pure half of ``moe_rl.dist.ParallelDims`` (which holds
+the groups built from it): no torch import, so the config loader validates a layout on any
 machine. World = TP x PP x DP; experts live on EP x expert-TP ranks of every stage
 (expert-DP = world / (EP x ETP x PP)); under TP the vocab-parallel output, the attention heads and
 the MLPs split over TP, the experts' MLPs over expert-TP. Takes ``ModelConfig`` /
-``ParallelConfig`` (duck-typed: this module is below ``moe_rl.config``)."""
+``ParallelConfig`` (duck-typed: ``moe_rl.config.run`` imports this module)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from moe_rl.checks import check
 from moe_rl.errors import ConfigError
 
 if TYPE_CHECKING:
-    from moe_rl.config import ModelConfig, ParallelConfig
+    from moe_rl.config.model import ModelConfig, ParallelConfig
 
 
 def data_parallel_size(par: ParallelConfig) -> int:

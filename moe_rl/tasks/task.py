@@ -1,5 +1,6 @@
 """A run's task side, built from the config: tokenizer, prompt sources, reward pool; and the
-step's scoring (rewards, the overlong penalty, the dataset's dropped-prompt count) and validation.
+step's scoring (rewards, the overlong penalty, the dataset's dropped-prompt count). The validation
+pass, an engine pass over the validation prompts, is the step's: ``moe_rl/step/validation.py``.
 
 ``build_task`` is what ``trainer.preflight`` runs before any rank starts (every bad input of the
 task side fails there, naming file, row and key) and what every rank runs to train.
@@ -9,13 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from moe_rl.config import RunConfig
+from moe_rl.config.hf_json import CONFIG as HF_CONFIG
+from moe_rl.config.hf_json import hf_keys
 from moe_rl.errors import ConfigError, DataError
 from moe_rl.tasks.dataset import GeneratedTasks, PromptSource
 from moe_rl.tasks.hf_tokenizer import HFTokenizer, TokenizerError, check_vocab_fits, load_tokenizer
@@ -23,8 +25,6 @@ from moe_rl.tasks.rewards import overlong_penalty, score, uses_token_reward
 from moe_rl.tasks.rows import RowDataset, RowSpec
 from moe_rl.tasks.text_rewards import RewardPool
 from moe_rl.tasks.tokenizer import CharTokenizer
-from moe_rl.weights.hf_config import CONFIG as HF_CONFIG
-from moe_rl.weights.hf_config import hf_keys
 
 log = logging.getLogger(__name__)
 
@@ -163,35 +163,3 @@ def score_step(cfg: RunConfig, task: Task, prompts: list, batch) -> tuple[torch.
 
 
 __all__ = ["Task", "TokenizerError", "build_task", "resolve_vocab", "row_spec", "score_step"]
-
-
-def validate(cfg: RunConfig, task: Task, engine, step: int, dp_rank: int, dp_size: int) -> dict:
-    """Validation reward on the fixed validation prompts (this rank's share: every dp_size-th),
-    one greedy (top-k 1) and one sampled response each: ``val/reward/mean[/<source>]`` and
-    ``val/reward_sampled/mean[/<source>]``. Empty unless ``log.val_every`` divides ``step``."""
-    from moe_rl.rollout.factory import sampling_params
-    from moe_rl.seeding import VALIDATE, step_seed
-
-    every = cfg.log.val_every
-    if task.val_source is None or not every or step % every:
-        return {}
-    t0 = time.perf_counter()
-    rows = task.val_source.prompts[: cfg.task.val_max_prompts or None]
-    prompts = rows[dp_rank::dp_size]
-    sampled = sampling_params(cfg, task.tokenizer.eos_ids)
-    greedy = dataclasses.replace(sampled, top_k=1, return_dist=False, dvp_threshold=0.0)
-    out = {}
-    for prefix, params in (("val/reward", greedy), ("val/reward_sampled", sampled)):
-        batch = engine.generate(
-            [p.prompt_ids for p in prompts], 1, params, seed=step_seed(cfg.seed, step, dp_rank, VALIDATE)
-        )
-        _, m = score(
-            prompts,
-            batch.response_ids(task.tokenizer.pad_id),
-            task.tokenizer,
-            1,
-            task_names=task.val_source.task_names,
-            pool=task.pool,
-        )
-        out.update({prefix + k[len("reward") :]: v for k, v in m.items() if k.startswith("reward/mean")})
-    return {**out, "time/validate_s": time.perf_counter() - t0}
