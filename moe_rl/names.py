@@ -5,7 +5,7 @@ these lists."""
 
 from __future__ import annotations
 
-ADVANTAGE_NAMES = ("grpo", "rloo", "otb", "otb_multiturn")  # moe_rl.advantages.ADVANTAGES
+ADVANTAGE_NAMES = ("grpo", "rloo", "otb", "otb_multiturn")  # moe_rl.maths.advantages.ADVANTAGES
 # every advantage above is a per-group baseline: each needs >= 2 samples per prompt
 GROUP_ADVANTAGE_NAMES = ADVANTAGE_NAMES
 IS_LEVEL_NAMES = ("token", "sequence", "geometric")  # moe_rl.corrections.importance.IS_LEVELS ("none": off)

@@ -30,7 +30,7 @@ def _measure(args) -> list[dict]:
     from moe_rl import dist
     from moe_rl.config import ParallelConfig, RunConfig
     from moe_rl.learner.learner import Learner
-    from moe_rl.losses import kl_estimate
+    from moe_rl.maths.losses import kl_estimate
     from moe_rl.rollout.builtin import BuiltinEngine
     from moe_rl.rollout.factory import sampling_params
     from moe_rl.routing.plan import PassMode, PassPlan

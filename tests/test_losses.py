@@ -1,4 +1,4 @@
-"""moe_rl.losses: hand-computed PPO values, clip direction (asymmetric, dual), gradient flow, normaliser,
+"""moe_rl.maths.losses: hand-computed PPO values, clip direction (asymmetric, dual), gradient flow, normaliser,
 KL forms, decoupled PPO (IS outside the clip, keep masks) and the bypass losses."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from moe_rl.corrections.importance import is_weights, rejection_mask
-from moe_rl.losses import (
+from moe_rl.maths.losses import (
     bypass_loss,
     clipped_surrogate,
     decoupled_ppo_loss,
@@ -17,7 +17,7 @@ from moe_rl.losses import (
     ppo_clip_loss,
 )
 from moe_rl.metrics import merge_metrics, reduce_metrics
-from moe_rl.ratios import SAFETY_BOUND, kl_from_log_ratio, log_ratio
+from moe_rl.maths.ratios import SAFETY_BOUND, kl_from_log_ratio, log_ratio
 
 # (ratio, advantage, expected per-token loss, clipped branch active)
 CASES = [

@@ -183,7 +183,7 @@ def test_config_imports_only_pure_modules():
         "moe_rl.errors",
         "moe_rl.checks",
         "moe_rl.names",
-        "moe_rl.rejection",
+        "moe_rl.corrections.specs",
         "moe_rl.layout",
         "moe_rl.rollout",
         "moe_rl.rollout.vllm_rules",
@@ -239,11 +239,9 @@ def test_only_rollout_imports_the_builtin_engines_model():
 def test_import_graph_builder_resolves_submodules_packages_and_lazy_imports():
     graph = import_graph()
     assert "moe_rl.learner.checkpoint" in graph["moe_rl.preflight"]  # from moe_rl.learner import checkpoint
-    assert "moe_rl.step.correction" in graph["moe_rl.step.prepare"]  # from moe_rl.step import correction
-    assert (
-        "moe_rl.corrections" in graph["moe_rl.step.finalize"]
-    )  # from moe_rl.corrections import ... (an __init__)
-    assert "moe_rl.corrections.derived" in graph["moe_rl.corrections"]  # ... whose re-exports carry on
+    assert "moe_rl.step.drift" in graph["moe_rl.step.prepare"]  # from moe_rl.step import drift
+    assert "moe_rl.config" in graph["moe_rl.health"]  # from moe_rl.config import ... (an __init__)
+    assert "moe_rl.config.run" in graph["moe_rl.config"]  # ... whose re-exports carry on
     assert "moe_rl.trainer" in graph["moe_rl.launch"]  # an import inside a function
     assert "megatron_patches" in graph["moe_rl.routing.replay"]  # a package's __init__ runs first
     assert "megatron_patches" not in graph["megatron_patches.a2a_splits"]  # but not for its own modules

@@ -19,7 +19,7 @@ The package, one job per module; everything public is re-exported here, so calle
 
 Near the bottom of the package: imports only pure modules (no torch, no megatron;
 tests/test_style.py): the names configs validate against (``moe_rl.names``), the rejection-option
-grammar (``moe_rl.rejection``), the layout arithmetic (``moe_rl.layout``) and what the vLLM engine
+grammar (``moe_rl.corrections.specs``), the layout arithmetic (``moe_rl.layout``) and what the vLLM engine
 cannot do (``moe_rl.rollout.vllm_rules``). What depends on the machine (CUDA, Transformer Engine,
 vllm installed) is checked when a run starts, in ``moe_rl/preflight.py``.
 """

@@ -1,5 +1,5 @@
 """Rollout correction: ``CorrectionConfig`` with its nested ``TrmConfig`` and typed rejection rules
-(``RejectionSpec``, grammar in ``moe_rl.rejection``)."""
+(``RejectionSpec``, grammar in ``moe_rl.corrections.specs``)."""
 
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ from moe_rl.names import (
     TRM_KL_SOURCE_NAMES,
     TRM_REFERENCE_NAMES,
 )
-from moe_rl.rejection import parse_rs_spec
+from moe_rl.corrections.specs import parse_rs_spec
 
 
 @dataclass(frozen=True)
 class RejectionSpec:
-    """One rejection rule of ``correction.rejection`` (AND-combined; grammar: ``moe_rl.rejection``).
+    """One rejection rule of ``correction.rejection`` (AND-combined; grammar: ``moe_rl.corrections.specs``).
 
     ``option`` is ``<agg>_<k1|k2|k3>`` (token_k1, seq_mean_k3, ...). k1 bounds rho: kept iff
     lower <= rho <= upper, and ``lower: 0`` means 1/upper (then upper >= 1); k2/k3 bound the

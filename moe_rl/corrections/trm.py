@@ -21,7 +21,7 @@ care: pass the log-probs / logits of the policy chosen.
 
 Loss normaliser: masked sequences contribute zero and the loss is still divided by the TOTAL
 batch (docs/math.md 3.3, "not the accepted count"): pass ``normalizer`` counted before masking to
-``moe_rl.losses.decoupled_ppo_loss`` / ``bypass_loss`` with ``keep=keep_B``.
+``moe_rl.maths.losses.decoupled_ppo_loss`` / ``bypass_loss`` with ``keep=keep_B``.
 """
 
 from __future__ import annotations
@@ -30,14 +30,15 @@ import math
 
 import torch
 
-from moe_rl.corrections._masked import masked_max, masked_mean, seq_valid
+from moe_rl.corrections.masked import masked_max, masked_mean, seq_valid
 from moe_rl.metrics import MetricValue
-from moe_rl.names import LENGTH_NEUTRAL_NAMES, TRM_REFERENCE_NAMES
-from moe_rl.ratios import SAFETY_BOUND, kl_from_log_ratio
+from moe_rl.names import LENGTH_NEUTRAL_NAMES, TRM_KL_SOURCE_NAMES, TRM_REFERENCE_NAMES
+from moe_rl.maths.ratios import SAFETY_BOUND, kl_from_log_ratio
 
 __all__ = [
     "ACCEPT_ALARM_BELOW",
     "LENGTH_NEUTRAL",
+    "TRM_KL_SOURCES",
     "TRM_REFERENCES",
     "exact_kl_tokens",
     "sample_kl_tokens",
@@ -47,6 +48,7 @@ __all__ = [
 
 TRM_REFERENCES = TRM_REFERENCE_NAMES  # the names the config accepts (moe_rl.names)
 LENGTH_NEUTRAL = LENGTH_NEUTRAL_NAMES
+TRM_KL_SOURCES = TRM_KL_SOURCE_NAMES  # exact: full rollout distributions (built-in engine); sample: k2/k3
 ACCEPT_ALARM_BELOW = 0.7  # docs/math.md 3.3: monitor the acceptance rate; above 70% is recommended
 
 

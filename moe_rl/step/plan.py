@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from moe_rl.advantages import AdvantageFn, get_advantage
+from moe_rl.maths.advantages import AdvantageFn, get_advantage
 from moe_rl.config import AlgoConfig, CorrectionConfig, OptimConfig, RunConfig
 from moe_rl.learner.learner import LossFn
 from moe_rl.rollout.factory import sampling_params

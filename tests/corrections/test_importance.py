@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
-from moe_rl import losses, ratios
-from moe_rl.corrections import derive_metrics, importance
+from moe_rl.maths import losses, ratios
+from moe_rl.corrections import importance
+from moe_rl.corrections.derived import derive_metrics
 from moe_rl.corrections.importance import (
     is_batch_mean_parts,
     is_weights,
@@ -383,13 +384,13 @@ def test_k1_kl_averages_the_exact_token_log_ratios():
 @pytest.mark.unit
 def test_glue_and_bypass_paths_weight_sequences_exactly():
     from moe_rl.config import load_config
-    from moe_rl.step import correction
+    from moe_rl.step import drift
     from moe_rl.step.plan import StepPlan
 
     train, roll, mask = _extreme()
     train, roll, mask = train[:1].float(), roll[:1].float(), mask[:1]
     plan = StepPlan.from_config(load_config(None, ["correction.is_level=sequence", "correction.is_clip=1e6"]))
-    corr, _ = correction.drift_tensors(plan.correction, train, roll, mask, None)
+    corr, _ = drift.drift_tensors(plan.correction, train, roll, mask, None)
     assert corr.is_weights_BS[0, :2].tolist() == pytest.approx([math.exp(0.5)] * 2, rel=1e-6)
     logp = train.clone().requires_grad_(True)
     _, metrics = losses.bypass_loss(

@@ -8,10 +8,10 @@ import math
 import pytest
 import torch
 
-from moe_rl.corrections import derive_metrics
+from moe_rl.corrections.derived import derive_metrics
 from moe_rl.corrections.importance import log_ratio, rejection_mask
 from moe_rl.corrections.trm import exact_kl_tokens, sample_kl_tokens, trm_bounds, trm_mask
-from moe_rl.losses import decoupled_ppo_loss
+from moe_rl.maths.losses import decoupled_ppo_loss
 from moe_rl.metrics import reduce_metrics
 
 F64 = torch.float64

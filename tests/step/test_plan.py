@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from moe_rl import advantages
+from moe_rl.maths import advantages
 from moe_rl.config import AlgoConfig, CorrectionConfig, RunConfig, load_config
 from moe_rl.learner.learner import UpdateOutput
 from moe_rl.rollout.factory import sampling_params

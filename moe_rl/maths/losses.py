@@ -25,7 +25,7 @@ the global token-mean, however the minibatch was split.
 Metrics follow ``moe_rl.metrics``: local ``Mean(sum, count)`` over loss tokens, ``Max``/``Min``.
 
 Layering: the log-ratio and KL-estimator helpers (``log_ratio``, ``kl_from_log_ratio``,
-``SAFETY_BOUND``) live in ``moe_rl.ratios``, below this module and ``moe_rl.corrections``; this
+``SAFETY_BOUND``) live in ``moe_rl.maths.ratios``, below this module and ``moe_rl.corrections``; this
 module uses the corrections' IS weights and rejection masks (bypass mode), so it sits above them.
 """
 
@@ -35,7 +35,7 @@ import torch
 
 from moe_rl.corrections.importance import is_weights, rejection_mask
 from moe_rl.metrics import Max, Mean, MetricValue, Min
-from moe_rl.ratios import exact_log_ratio, kl_from_log_ratio, log_ratio
+from moe_rl.maths.ratios import exact_log_ratio, kl_from_log_ratio, log_ratio
 
 
 def kl_estimate(logp_BS: torch.Tensor, ref_logp_BS: torch.Tensor, kind: str = "k3") -> torch.Tensor:
@@ -63,18 +63,18 @@ def _check_normalizer(normalizer: float | torch.Tensor) -> None:
 
 
 def _ppo_metrics(
-    pg_sum: torch.Tensor, lr_BS: torch.Tensor, clipped_BS: torch.Tensor, loss_mask_BS: torch.Tensor
+    pg_sum: torch.Tensor, log_ratio_BS: torch.Tensor, clipped_BS: torch.Tensor, loss_mask_BS: torch.Tensor
 ) -> dict[str, MetricValue]:
     """Local sums/counts over loss tokens (all inputs detached; clipped_BS bool)."""
     keep_BS = loss_mask_BS.bool()
-    mask_BS = keep_BS.to(lr_BS.dtype)
+    mask_BS = keep_BS.to(log_ratio_BS.dtype)
     num_tokens = mask_BS.sum()
-    ratio_BS = torch.exp(lr_BS)
+    ratio_BS = torch.exp(log_ratio_BS)
     inf = torch.tensor(float("inf"), dtype=ratio_BS.dtype, device=ratio_BS.device)
     return {
         "train/pg_loss": Mean(pg_sum, num_tokens),
         "train/pg_clipfrac": Mean((clipped_BS.to(mask_BS.dtype) * mask_BS).sum(), num_tokens),
-        "train/ppo_kl": Mean((-lr_BS * mask_BS).sum(), num_tokens),
+        "train/ppo_kl": Mean((-log_ratio_BS * mask_BS).sum(), num_tokens),
         "train/ratio_mean": Mean((ratio_BS * mask_BS).sum(), num_tokens),
         "train/ratio_max": Max(torch.where(keep_BS, ratio_BS, -inf).amax()),
         "train/ratio_min": Min(torch.where(keep_BS, ratio_BS, inf).amin()),
@@ -82,7 +82,7 @@ def _ppo_metrics(
 
 
 def clipped_surrogate(
-    lr_BS: torch.Tensor,
+    log_ratio_BS: torch.Tensor,
     adv_BS: torch.Tensor,
     *,
     clip_low: float,
@@ -98,7 +98,7 @@ def clipped_surrogate(
     (e.g. an MoE routing flip); that branch is a constant, so it carries no gradient.
 
     Args:
-        lr_BS: float [B, S] log ratio (log pi_theta - log pi_old), gradients flow.
+        log_ratio_BS: float [B, S] log ratio (log pi_theta - log pi_old), gradients flow.
         adv_BS: float [B, S] advantages (detached by the caller).
     Returns:
         pg_BS: per-token loss; clipped_BS: bool, the clipped branch is strictly larger (no
@@ -106,7 +106,7 @@ def clipped_surrogate(
     """
     if clip_ratio_c is not None and not clip_ratio_c > 1.0:
         raise ValueError(f"clip_ratio_c must be > 1, got {clip_ratio_c}")
-    ratio_BS = torch.exp(lr_BS)
+    ratio_BS = torch.exp(log_ratio_BS)
     pg_unclipped_BS = -adv_BS * ratio_BS
     pg_clipped_BS = -adv_BS * ratio_BS.clamp(1.0 - clip_low, 1.0 + clip_high)
     pg_BS = torch.maximum(pg_unclipped_BS, pg_clipped_BS)
@@ -187,14 +187,14 @@ def ppo_clip_loss(
     _check_normalizer(normalizer)
     mask_BS = loss_mask_BS.to(logp_BS.dtype)
     adv_BS = advantages_BS.detach().to(logp_BS.dtype)
-    lr_BS = log_ratio(logp_BS, old_logp_BS.detach())
+    log_ratio_BS = log_ratio(logp_BS, old_logp_BS.detach())
     pg_BS, clipped_BS, dual_BS = clipped_surrogate(
-        lr_BS, adv_BS, clip_low=clip_low, clip_high=clip_high, clip_ratio_c=clip_ratio_c
+        log_ratio_BS, adv_BS, clip_low=clip_low, clip_high=clip_high, clip_ratio_c=clip_ratio_c
     )
     weighted_pg_BS = pg_BS if is_weights_BS is None else pg_BS * is_weights_BS.detach()
     loss_sum = (weighted_pg_BS * mask_BS).sum()
 
-    metrics = _ppo_metrics(loss_sum.detach(), lr_BS.detach(), clipped_BS, loss_mask_BS)
+    metrics = _ppo_metrics(loss_sum.detach(), log_ratio_BS.detach(), clipped_BS, loss_mask_BS)
     if clip_ratio_c is not None:
         metrics["train/pg_clipfrac_lower"] = Mean(
             (dual_BS.to(mask_BS.dtype) * mask_BS).sum(), metrics["train/pg_loss"].count
@@ -314,7 +314,7 @@ def bypass_loss(
             "would double-count; set is_level=None"
         )
     _check_normalizer(normalizer)
-    lr_det_BS = log_ratio(logp_BS.detach(), rollout_logp_BS.detach())
+    log_ratio_det_BS = log_ratio(logp_BS.detach(), rollout_logp_BS.detach())
     exact_BS = exact_log_ratio(logp_BS.detach(), rollout_logp_BS.detach())  # clamped after any sum
     base_mask_BS = loss_mask_BS.bool()  # IS weights and RS statistics see every response token
     mask_BS = _apply_keep(base_mask_BS, keep)
@@ -337,13 +337,13 @@ def bypass_loss(
             clip_ratio_c=clip_ratio_c,
         )
         return loss, {**corr_metrics, **metrics}
-    w_BS = torch.ones_like(lr_det_BS)
+    w_BS = torch.ones_like(log_ratio_det_BS)
     if is_level is not None:
         w_BS, is_metrics = is_weights(exact_BS, base_mask_BS, is_level, is_clip_max)
         corr_metrics.update(is_metrics)
     maskf_BS = mask_BS.to(logp_BS.dtype)
     adv_BS = advantages_BS.detach().to(logp_BS.dtype)
     loss_sum = (-w_BS.detach() * adv_BS * logp_BS * maskf_BS).sum()
-    metrics = _ppo_metrics(loss_sum.detach(), lr_det_BS, torch.zeros_like(mask_BS), mask_BS)
+    metrics = _ppo_metrics(loss_sum.detach(), log_ratio_det_BS, torch.zeros_like(mask_BS), mask_BS)
     loss_sum = _add_kl_term(loss_sum, metrics, logp_BS, ref_logp_BS, maskf_BS, kl_coef, kl_kind)
     return loss_sum / normalizer, {**corr_metrics, **metrics}

@@ -16,11 +16,11 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from moe_rl import losses
+from moe_rl.maths import losses
 from moe_rl.corrections.dvp import RestrictedLogprobs, dvp_metrics, restricted_logprobs
 from moe_rl.corrections.importance import is_batch_mean_parts, is_weights, rejection_mask
 from moe_rl.corrections.trm import sample_kl_tokens, trm_mask
-from moe_rl.ratios import exact_log_ratio, log_ratio
+from moe_rl.maths.ratios import exact_log_ratio, log_ratio
 from moe_rl.types import RolloutBatch, TokenStats, TrainBatch
 
 
@@ -45,10 +45,10 @@ class TrmPlan:
     ) -> tuple[torch.Tensor, dict]:
         """TRM sequence keep mask (docs/math.md 3.3): the exact per-token KL(pi_rollout || pi_train) from
         full distributions, or the sample-based k2 (max criterion) and k3 (average criterion)."""
-        lr_BS = log_ratio(train_logp_BS.detach(), rollout_logp_BS.detach())
+        log_ratio_BS = log_ratio(train_logp_BS.detach(), rollout_logp_BS.detach())
         ln = {
             "length_neutral": self.length_neutral,
-            "log_ratio_BS": lr_BS,
+            "log_ratio_BS": log_ratio_BS,
             "ln_threshold": self.ln_threshold,
             "ln_eps": self.ln_eps,
             "ln_delta": self.ln_delta,
@@ -60,11 +60,11 @@ class TrmPlan:
                 exact_kl_BS.detach(), mask_BS, max_delta=self.max_delta, avg_delta=self.avg_delta, **ln
             )
         return trm_mask(
-            sample_kl_tokens(lr_BS, "k2"),
+            sample_kl_tokens(log_ratio_BS, "k2"),
             mask_BS,
             max_delta=self.max_delta,
             avg_delta=self.avg_delta,
-            avg_kl_tok_BS=sample_kl_tokens(lr_BS, "k3"),
+            avg_kl_tok_BS=sample_kl_tokens(log_ratio_BS, "k3"),
             **ln,
         )
 
@@ -165,17 +165,17 @@ def drift_tensors(
     is_weights_BS = None
     if not plan.decoupled:
         return CorrectionTensors(None, None), metrics
-    lr_BS = exact_log_ratio(old_logp_BS, rollout_logp_BS)  # is_weights / rejection_mask clamp after summing
+    log_ratio_BS = exact_log_ratio(old_logp_BS, rollout_logp_BS)  # is_weights / rejection_mask clamp after summing
     if plan.is_level is not None:
         norm_mean = None
         if plan.is_batch_normalize:  # the global mean, so every rank divides by the same number
-            w_BS, _ = is_weights(lr_BS, mask_BS, plan.is_level, plan.is_clip)
+            w_BS, _ = is_weights(log_ratio_BS, mask_BS, plan.is_level, plan.is_clip)
             parts = torch.stack(is_batch_mean_parts(w_BS, mask_BS, plan.is_level)).double()
             if dist.is_initialized():
                 dist.all_reduce(parts, group=dp_group)
             norm_mean = float(parts[0] / parts[1].clamp(min=1))
         is_weights_BS, m = is_weights(
-            lr_BS,
+            log_ratio_BS,
             mask_BS,
             plan.is_level,
             plan.is_clip,
@@ -185,7 +185,7 @@ def drift_tensors(
         metrics.update(m)
     keep_BS = mask_BS.bool()
     if plan.rs:
-        rs_keep_BS, m = rejection_mask(lr_BS, mask_BS, list(plan.rs), list(plan.rs_bounds))
+        rs_keep_BS, m = rejection_mask(log_ratio_BS, mask_BS, list(plan.rs), list(plan.rs_bounds))
         keep_BS = keep_BS & rs_keep_BS
         metrics.update(m)
     if plan.trm_old is not None:
