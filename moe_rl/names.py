@@ -27,3 +27,4 @@ TRM_KL_SOURCE_NAMES = (
     "sample",
 )  # exact: full rollout distributions (built-in engine); sample: k2/k3
 LENGTH_NEUTRAL_NAMES = ("none", "ln", "ser")
+BYPASS_LOSS_NAMES = ("ppo_clip", "reinforce")  # moe_rl.maths.losses.BYPASS_MODES (correction.bypass_loss)

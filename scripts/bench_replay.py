@@ -32,8 +32,8 @@ def _measure(args) -> list[dict]:
     from moe_rl.learner.learner import Learner
     from moe_rl.maths.losses import kl_estimate
     from moe_rl.rollout.builtin import BuiltinEngine
-    from moe_rl.rollout.factory import sampling_params
     from moe_rl.routing.plan import PassMode, PassPlan
+    from moe_rl.step.plan import sampling_params
     from moe_rl.step.prepare import rollout_routes
     from moe_rl.tasks.setup import build_prompt_source
     from moe_rl.tasks.setup import resolve_vocab as resolve

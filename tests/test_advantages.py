@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from moe_rl.learner.logprobs import token_logprobs_energy
 from moe_rl.maths import advantages
 from moe_rl.maths.advantages import (
     ADVANTAGES,
@@ -18,7 +19,6 @@ from moe_rl.maths.advantages import (
     register_advantage,
     rloo,
 )
-from moe_rl.learner.logprobs import token_logprobs_energy
 from moe_rl.metrics import reduce_metrics
 from moe_rl.names import ADVANTAGE_NAMES
 

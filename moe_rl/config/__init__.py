@@ -10,21 +10,22 @@ Megatron's own argument names appear only in ``moe_rl/learner/setup.py``.
 The package, one job per module; everything public is re-exported here, so callers import from
 ``moe_rl.config``:
 - ``model``: ``ModelConfig``, ``ParallelConfig``, ``ARCH_FIELDS``;
-- ``correction``: ``CorrectionConfig``, ``TrmConfig``, ``RejectionSpec``;
 - ``run``: the other subtrees (optim, rollout, routing, task, algo, log) and the root ``RunConfig``;
+  ``correction`` is ``CorrectionSpec`` (with ``TrmSpec``, ``RejectionSpec``), owned next to its maths
+  in ``moe_rl.corrections.specs`` and re-exported here;
 - ``deprecations``: ``DEPRECATED_KEYS`` and the legacy-key renames;
 - ``loader``: ``load_config``, ``load_run_config`` (resume's base: the run's saved config),
   ``to_dict``, ``to_yaml``;
 - ``checks``: the ``__post_init__`` helpers.
 
 Near the bottom of the package: imports only pure modules (no torch, no megatron;
-tests/test_style.py): the names configs validate against (``moe_rl.names``), the rejection-option
-grammar (``moe_rl.corrections.specs``), the layout arithmetic (``moe_rl.layout``) and what the vLLM engine
+tests/test_style.py): the names configs validate against (``moe_rl.names``), the feature specs
+(``moe_rl.corrections.specs``, ``moe_rl.maths.specs``), the layout arithmetic (``moe_rl.layout``)
+and what the vLLM engine
 cannot do (``moe_rl.rollout.vllm_rules``). What depends on the machine (CUDA, Transformer Engine,
 vllm installed) is checked when a run starts, in ``moe_rl/preflight.py``.
 """
 
-from moe_rl.config.correction import CorrectionConfig, RejectionSpec, TrmConfig
 from moe_rl.config.deprecations import DEPRECATED_KEYS
 from moe_rl.config.loader import SAVED_CONFIG, load_config, load_run_config, to_dict, to_yaml
 from moe_rl.config.model import ARCH_FIELDS, ModelConfig, ParallelConfig
@@ -40,6 +41,7 @@ from moe_rl.config.run import (
     TaskConfig,
     VllmConfig,
 )
+from moe_rl.corrections.specs import CorrectionSpec, RejectionSpec, TrmSpec
 from moe_rl.errors import ConfigError
 
 __all__ = [
@@ -47,7 +49,7 @@ __all__ = [
     "DEPRECATED_KEYS",
     "AlgoConfig",
     "ConfigError",
-    "CorrectionConfig",
+    "CorrectionSpec",
     "HealthConfig",
     "LengthLRConfig",
     "LogConfig",
@@ -59,7 +61,7 @@ __all__ = [
     "RoutingConfig",
     "RunConfig",
     "TaskConfig",
-    "TrmConfig",
+    "TrmSpec",
     "VllmConfig",
     "SAVED_CONFIG",
     "load_config",

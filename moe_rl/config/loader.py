@@ -11,7 +11,6 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from moe_rl.checks import check
-from moe_rl.config.correction import RejectionSpec
 from moe_rl.config.deprecations import (
     _RS_KEYS,
     DEPRECATED_KEYS,
@@ -22,6 +21,7 @@ from moe_rl.config.deprecations import (
     refuse_old_and_new_overrides,
 )
 from moe_rl.config.run import RunConfig
+from moe_rl.corrections.specs import RejectionSpec
 from moe_rl.errors import ConfigError, RunDirError
 from moe_rl.weights.hf_config import CONFIG as HF_CONFIG
 from moe_rl.weights.hf_config import load_hf_config

@@ -51,10 +51,10 @@ from collections.abc import Callable, Sequence
 import torch
 
 from moe_rl.corrections.masked import inf_like, masked_max, masked_mean, masked_min, seq_valid, stats
-from moe_rl.metrics import MetricValue
+from moe_rl.corrections.specs import RejectionRule
 from moe_rl.maths.ratios import SAFETY_BOUND, exact_log_ratio, kl_from_log_ratio, log_ratio
+from moe_rl.metrics import MetricValue
 from moe_rl.registry import Registry
-from moe_rl.corrections.specs import Bound, parse_rs_spec
 
 __all__ = [
     "IS_LEVELS",
@@ -64,7 +64,6 @@ __all__ = [
     "is_weights",
     "log_ratio",
     "offpolicy_metrics",
-    "parse_rs_spec",
     "rejection_mask",
 ]
 
@@ -159,7 +158,9 @@ def is_weights(
     log_ratio_BS = log_ratio_BS.detach()
     mask_BS = mask_BS.bool()
     maskf_BS = mask_BS.to(log_ratio_BS.dtype)
-    log_w_BS = torch.where(mask_BS, IS_LEVELS.lookup(level)(log_ratio_BS, maskf_BS), torch.zeros_like(log_ratio_BS))
+    log_w_BS = torch.where(
+        mask_BS, IS_LEVELS.lookup(level)(log_ratio_BS, maskf_BS), torch.zeros_like(log_ratio_BS)
+    )
     w_BS = torch.exp(log_w_BS)
     if clip_max is not None:
         w_BS = w_BS.clamp(max=clip_max)
@@ -226,8 +227,7 @@ def _agg_seq_max(stat_BS: torch.Tensor, mask_BS: torch.Tensor) -> torch.Tensor:
 def rejection_mask(
     log_ratio_BS: torch.Tensor,
     mask_BS: torch.Tensor,
-    options: Sequence[str],
-    bounds: Sequence[Bound] | Bound,
+    rules: Sequence[RejectionRule],
 ) -> tuple[torch.Tensor, dict[str, MetricValue]]:
     """Rejection sampling masks (docs/math.md 2.3), several options AND-combined.
 
@@ -242,7 +242,7 @@ def rejection_mask(
             (``exact_log_ratio``); detached here. k1 aggregates it exactly; k2 / k3 are computed
             per token from its +-20 clamp.
         mask_BS: bool or 0/1 [B, S] response tokens.
-        options, bounds: see ``parse_rs_spec``.
+        rules: the parsed rules (``CorrectionSpec.rules``; grammar: ``corrections.specs.parse_rs_spec``).
     Returns:
         keep_BS: bool [B, S] = mask AND every option's keep. metrics per option opt:
         ``corr/rs_{opt}_{mean,max,min}`` of the aggregated k statistic (over tokens for token
@@ -250,14 +250,14 @@ def rejection_mask(
         ``corr/rs_{opt}_seq_masked_fraction`` (sequences with a rejected token); overall
         ``corr/rs_masked_fraction`` and ``corr/rs_seq_masked_fraction``.
     """
-    specs = parse_rs_spec(options, bounds)
     mask_BS = mask_BS.bool()
     exact_BS = torch.where(mask_BS, log_ratio_BS.detach().to(torch.float64), 0.0)
     clamped_BS = exact_BS.clamp(-SAFETY_BOUND, SAFETY_BOUND)
     valid_B = seq_valid(mask_BS)
     keep_BS = mask_BS.clone()
     metrics: dict[str, MetricValue] = {}
-    for option, (agg, kind, lo, hi) in zip(options, specs):
+    for rule in rules:
+        option, (agg, kind, lo, hi) = rule.option, rule
         k_BS = kl_from_log_ratio(exact_BS if kind == "k1" else clamped_BS, kind)
         stat = RS_AGGREGATIONS[agg](k_BS, mask_BS)  # [B, S] for "token", else [B]
         test = -stat if kind == "k1" else stat  # k1 bounds act on agg(log rho) = -agg(k1)

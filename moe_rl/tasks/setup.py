@@ -169,8 +169,8 @@ def validate(cfg: RunConfig, task: Task, engine, step: int, dp_rank: int, dp_siz
     """Validation reward on the fixed validation prompts (this rank's share: every dp_size-th),
     one greedy (top-k 1) and one sampled response each: ``val/reward/mean[/<source>]`` and
     ``val/reward_sampled/mean[/<source>]``. Empty unless ``log.val_every`` divides ``step``."""
-    from moe_rl.rollout.factory import sampling_params
     from moe_rl.seeding import VALIDATE, step_seed
+    from moe_rl.step.plan import sampling_params
 
     every = cfg.log.val_every
     if task.val_source is None or not every or step % every:

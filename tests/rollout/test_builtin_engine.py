@@ -361,9 +361,7 @@ def test_dvp_metrics_without_the_rollout_distribution(fp32_engine: BuiltinEngine
     }
     partial = {
         k: float(v.sum / v.count) if hasattr(v, "count") else float(v.value)
-        for k, v in drift.dvp_batch_metrics(
-            cp, dataclasses.replace(out, dist_logp_BSV=None), old
-        ).items()
+        for k, v in drift.dvp_batch_metrics(cp, dataclasses.replace(out, dist_logp_BSV=None), old).items()
     }
     assert set(full) - set(partial) == set(drift.ROLLOUT_DIST_METRICS)
     # (the engine reports its fp32 log-prob; the recomputation differs by ~1e-7, k3 is second order)

@@ -103,7 +103,7 @@ def test_learner_refuses_a_log_prob_support_mismatch():
     from moe_rl.types import RolloutBatch
 
     plan = _plan(None, "correction.dvp_threshold=0.05")
-    assert plan.correction.support == "dvp:relative:0.05"  # the engine's sampling params say so
+    assert plan.support == "dvp:relative:0.05"  # the engine's sampling params say so
     z = torch.zeros(1, 3)
     batch = RolloutBatch(
         z.long(),
@@ -119,7 +119,7 @@ def test_learner_refuses_a_log_prob_support_mismatch():
     with pytest.raises(
         ValueError, match="support 'full' but the learner computes them over 'dvp:relative:0.05'"
     ):
-        drift.token_inputs(plan.correction, batch)
+        drift.token_inputs(plan.correction, plan.support, batch)
     batch.logprob_support = "dvp:relative:0.05"
     with pytest.raises(ValueError, match="returned no safe sets"):
-        drift.token_inputs(plan.correction, batch)
+        drift.token_inputs(plan.correction, plan.support, batch)
