@@ -170,9 +170,13 @@ def test_rejection_spec_parses_into_options_and_bounds():
         ],
     )
     c = cfg.correction
-    assert c.rs_options == ("token_k1", "seq_max_k2", "seq_sum_k1")
-    assert c.rs_bounds == ((0.6, 1.6), 2.5, 4.0)
-    assert load_config(None).correction.rejection == [] and load_config(None).correction.rs_bounds == ()
+    assert tuple(r.option for r in c.rules) == ("token_k1", "seq_max_k2", "seq_sum_k1")
+    assert tuple(s.bound for s in c.rejection) == ((0.6, 1.6), 2.5, 4.0)
+    # parsed once, into typed rules (k1: log bounds on rho; a bare k1 upper U means (1/U, U))
+    assert c.rules[0] == ("token", "k1", math.log(0.6), math.log(1.6))
+    assert c.rules[1] == ("seq_max", "k2", -math.inf, 2.5)
+    assert c.rules[2] == ("seq_sum", "k1", math.log(0.25), math.log(4.0))
+    assert load_config(None).correction.rejection == [] and load_config(None).correction.rules == ()
 
 
 @pytest.mark.parametrize(
