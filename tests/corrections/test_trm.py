@@ -10,8 +10,8 @@ import torch
 
 from moe_rl.corrections.derived import derive_metrics
 from moe_rl.corrections.importance import log_ratio, rejection_mask
-from moe_rl.corrections.specs import parse_rs_spec
-from moe_rl.corrections.trm import exact_kl_tokens, sample_kl_tokens, trm_bounds, trm_keep
+from moe_rl.corrections.specs import TrmSpec, parse_rs_spec
+from moe_rl.corrections.trm import exact_kl_tokens, sample_kl_tokens, trm_bounds, trm_keep, trm_mask
 from moe_rl.maths.losses import decoupled_ppo_loss
 from moe_rl.maths.specs import PolicyLossSpec
 from moe_rl.metrics import reduce_metrics
@@ -99,6 +99,36 @@ def test_max_avg_and_combined_criteria():
         trm_keep(kl, mask)
     with pytest.raises(ValueError, match="length_neutral"):
         trm_keep(kl, mask, length_neutral="avg")
+
+
+@pytest.mark.unit
+def test_trm_mask_from_a_spec_reads_k2_for_max_k3_for_avg_or_the_exact_kl():
+    """The spec says the criteria; ``trm_mask`` decides their statistics (docs/math.md 3.3): sample
+    TRM = rollout_rs "seq_max_k2,seq_mean_k3" (verl mapping, a different code path), exact TRM
+    reads only the exact per-token KL it is handed."""
+    # log rho -0.4: k2 0.08 > 0.075 (max rejects), k3 0.0703; log rho 0.3: k2 0.045, k3 0.0499 > 0.047
+    # (avg rejects); with the statistics swapped both sequences would be kept
+    rollout = torch.full((3, 2), -1.0, dtype=F64)
+    train = rollout + torch.tensor([[-0.4, -0.4], [0.3, 0.3], [0.0, 0.0]], dtype=F64)
+    keep_B, m = trm_mask(TrmSpec(max=0.075, avg=0.047), train, rollout, torch.ones(3, 2, dtype=torch.bool))
+    assert keep_B.tolist() == [False, False, True]
+    assert reduce_metrics(m)["corr/trm_max_kl"] == pytest.approx(0.08)
+    gen = torch.Generator().manual_seed(2)
+    rollout = -torch.rand(16, 12, generator=gen, dtype=F64)
+    train = rollout + torch.randn(16, 12, generator=gen, dtype=F64) * 0.2
+    mask = torch.rand(16, 12, generator=gen) > 0.2
+    keep_B, _ = trm_mask(TrmSpec(max=0.05, avg=0.02), train, rollout, mask)
+    rules = parse_rs_spec(["seq_max_k2", "seq_mean_k3"], [0.05, 0.02])
+    keep_BS, _ = rejection_mask(log_ratio(train, rollout), mask, rules)
+    assert 0 < keep_B.sum() < 16
+    assert torch.equal(keep_BS, mask & keep_B[:, None])
+    # exact: a KL of 0.1 on sequence 3 only rejects it alone, whatever the log-ratios say
+    exact_BS = torch.zeros(16, 12, dtype=F64)
+    exact_BS[3] = 0.1
+    keep_B, _ = trm_mask(TrmSpec(max=0.05, avg=0.02, kl="exact"), train, rollout, mask, exact_BS)
+    assert keep_B.tolist() == [i != 3 for i in range(16)]
+    with pytest.raises(ValueError, match="full distributions"):
+        trm_mask(TrmSpec(max=0.05, kl="exact"), train, rollout, mask)
 
 
 @pytest.mark.unit
