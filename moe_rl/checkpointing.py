@@ -18,7 +18,7 @@ from moe_rl.config import RunConfig
 from moe_rl.errors import DiskFullError, RunDirError, disk_full_named
 from moe_rl.learner import checkpoint
 from moe_rl.learner.learner import Learner
-from moe_rl.lr import LengthLRScheduler
+from moe_rl.maths.lr import LengthLRScheduler
 from moe_rl.rollout.staleness import StaleWeights
 
 log = logging.getLogger(__name__)

@@ -5,7 +5,7 @@ these lists."""
 
 from __future__ import annotations
 
-ADVANTAGE_NAMES = ("grpo", "rloo", "otb", "otb_multiturn")  # moe_rl.advantages.ADVANTAGES
+ADVANTAGE_NAMES = ("grpo", "rloo", "otb", "otb_multiturn")  # moe_rl.maths.advantages.ADVANTAGES
 # every advantage above is a per-group baseline: each needs >= 2 samples per prompt
 GROUP_ADVANTAGE_NAMES = ADVANTAGE_NAMES
 IS_LEVEL_NAMES = ("token", "sequence", "geometric")  # moe_rl.corrections.importance.IS_LEVELS ("none": off)
@@ -27,3 +27,4 @@ TRM_KL_SOURCE_NAMES = (
     "sample",
 )  # exact: full rollout distributions (built-in engine); sample: k2/k3
 LENGTH_NEUTRAL_NAMES = ("none", "ln", "ser")
+BYPASS_LOSS_NAMES = ("ppo_clip", "reinforce")  # moe_rl.maths.losses.BYPASS_MODES (correction.bypass_loss)

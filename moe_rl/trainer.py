@@ -15,7 +15,7 @@ from moe_rl.dist import ParallelDims
 from moe_rl.fsutil import write_atomic
 from moe_rl.health import HealthMonitor
 from moe_rl.learner.learner import Learner
-from moe_rl.lr import LengthLRScheduler
+from moe_rl.maths.lr import LengthLRScheduler
 from moe_rl.metrics import MetricsWriter
 from moe_rl.preflight import check_launch
 from moe_rl.preflight import check_run_dir as check_run_directory

@@ -65,7 +65,7 @@ def correction_cost_s(preset: list[str], reps: int = 20, pairs: int = 10) -> lis
     import torch
 
     from moe_rl.config import load_config
-    from moe_rl.step import correction
+    from moe_rl.step import drift
     from moe_rl.step.plan import StepPlan
     from moe_rl.types import TokenStats, TrainBatch
 
@@ -88,7 +88,7 @@ def correction_cost_s(preset: list[str], reps: int = 20, pairs: int = 10) -> lis
         plan = StepPlan.from_config(c)  # the loss is built once per run, not per step
         t0 = time.perf_counter()
         for _ in range(reps):
-            corr, _ = correction.drift_tensors(plan.correction, old, rollout, mask, None)
+            corr, _ = drift.drift_tensors(plan.correction, old, rollout, mask, None)
             logp = old.clone().requires_grad_(True)
             st = TokenStats(logp, torch.zeros_like(logp), torch.zeros_like(logp))
             loss, _ = plan.loss(

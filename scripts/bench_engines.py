@@ -46,7 +46,8 @@ def worker(engine_name: str, prompts_n: int, samples: int) -> None:
     import torch
 
     from moe_rl.config import load_config
-    from moe_rl.rollout.factory import build_engine, sampling_params
+    from moe_rl.rollout.factory import build_engine
+    from moe_rl.step.plan import sampling_params
     from moe_rl.tasks.hf_tokenizer import load_tokenizer
     from moe_rl.tasks.task import build_prompt_source, resolve_vocab
     from moe_rl.weights.warmstart import load_init_weights

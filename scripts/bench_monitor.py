@@ -28,8 +28,8 @@ def _measure(args) -> list[dict]:
     from moe_rl import dist
     from moe_rl.config import LogConfig, RunConfig
     from moe_rl.learner.learner import Learner
-    from moe_rl.rollout.factory import build_engine, sampling_params
-    from moe_rl.step.plan import StepPlan
+    from moe_rl.rollout.factory import build_engine
+    from moe_rl.step.plan import StepPlan, sampling_params
     from moe_rl.step.prepare import old_logprobs, prepare_batch
     from moe_rl.step.update import update_policy
     from moe_rl.tasks.rewards import score

@@ -30,10 +30,10 @@ def _measure(args) -> list[dict]:
     from moe_rl import dist
     from moe_rl.config import ParallelConfig, RunConfig
     from moe_rl.learner.learner import Learner
-    from moe_rl.losses import kl_estimate
+    from moe_rl.maths.losses import kl_estimate
     from moe_rl.rollout.builtin import BuiltinEngine
-    from moe_rl.rollout.factory import sampling_params
     from moe_rl.routing.replay_plan import PassMode, PassPlan
+    from moe_rl.step.plan import sampling_params
     from moe_rl.step.prepare import rollout_routes
     from moe_rl.tasks.task import build_prompt_source
     from moe_rl.tasks.task import resolve_vocab as resolve

@@ -60,7 +60,7 @@ def main() -> None:
     from moe_rl.config import ParallelConfig, RunConfig
     from moe_rl.learner.learner import Learner
     from moe_rl.rollout.builtin import BuiltinEngine
-    from moe_rl.rollout.factory import sampling_params
+    from moe_rl.step.plan import sampling_params
     from moe_rl.tasks.rewards import score
     from moe_rl.tasks.task import build_prompt_source
     from moe_rl.tasks.task import resolve_vocab as resolve

@@ -1,4 +1,4 @@
-"""moe_rl.advantages: closed forms, reference-loop equivalence, registry."""
+"""moe_rl.maths.advantages: closed forms, reference-loop equivalence, registry."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
-from moe_rl import advantages
-from moe_rl.advantages import (
+from moe_rl.learner.logprobs import token_logprobs_energy
+from moe_rl.maths import advantages
+from moe_rl.maths.advantages import (
     ADVANTAGES,
     extra_inputs,
     get_advantage,
@@ -18,7 +19,6 @@ from moe_rl.advantages import (
     register_advantage,
     rloo,
 )
-from moe_rl.learner.logprobs import token_logprobs_energy
 from moe_rl.metrics import reduce_metrics
 from moe_rl.names import ADVANTAGE_NAMES
 

@@ -170,9 +170,13 @@ def test_rejection_spec_parses_into_options_and_bounds():
         ],
     )
     c = cfg.correction
-    assert c.rs_options == ("token_k1", "seq_max_k2", "seq_sum_k1")
-    assert c.rs_bounds == ((0.6, 1.6), 2.5, 4.0)
-    assert load_config(None).correction.rejection == [] and load_config(None).correction.rs_bounds == ()
+    assert tuple(r.option for r in c.rules) == ("token_k1", "seq_max_k2", "seq_sum_k1")
+    assert tuple(s.bound for s in c.rejection) == ((0.6, 1.6), 2.5, 4.0)
+    # parsed once, into typed rules (k1: log bounds on rho; a bare k1 upper U means (1/U, U))
+    assert c.rules[0] == ("token", "k1", math.log(0.6), math.log(1.6))
+    assert c.rules[1] == ("seq_max", "k2", -math.inf, 2.5)
+    assert c.rules[2] == ("seq_sum", "k1", math.log(0.25), math.log(4.0))
+    assert load_config(None).correction.rejection == [] and load_config(None).correction.rules == ()
 
 
 @pytest.mark.parametrize(
@@ -236,7 +240,7 @@ def test_bad_rejection_spec_in_a_file_names_the_file(tmp_path):
 def test_rejection_spec_bound_is_what_the_grammar_takes():
     assert RejectionSpec("token_k1", upper=2.0).bound == 2.0
     assert RejectionSpec("token_k1", upper=2.0, lower=0.25).bound == (0.25, 2.0)
-    from moe_rl.rejection import parse_rs_spec
+    from moe_rl.corrections.correction_specs import parse_rs_spec
 
     assert parse_rs_spec(["token_k1"], [RejectionSpec("token_k1", upper=2.0).bound]) == [
         ("token", "k1", math.log(0.5), math.log(2.0))
@@ -330,15 +334,16 @@ def test_layout_sizes():
 
 
 def test_registries_hold_the_names_configs_accept():
-    from moe_rl import corrections, names
-    from moe_rl.advantages import ADVANTAGES
+    from moe_rl import names
+    from moe_rl.corrections import dvp, importance, trm
+    from moe_rl.maths.advantages import ADVANTAGES
     from moe_rl.weights.hf import FAMILIES
 
     assert set(ADVANTAGES) == set(names.ADVANTAGE_NAMES)
-    assert set(corrections.IS_LEVELS) == set(names.IS_LEVEL_NAMES)
-    assert set(corrections.RS_AGGREGATIONS) == set(names.RS_AGGREGATION_NAMES)
-    assert set(corrections.SAFE_SET_RULES) == set(names.SAFE_SET_RULE_NAMES)
+    assert set(importance.IS_LEVELS) == set(names.IS_LEVEL_NAMES)
+    assert set(importance.RS_AGGREGATIONS) == set(names.RS_AGGREGATION_NAMES)
+    assert set(dvp.SAFE_SET_RULES) == set(names.SAFE_SET_RULE_NAMES)
     assert set(FAMILIES) == set(names.HF_FAMILY_NAMES)
-    assert corrections.TRM_REFERENCES is names.TRM_REFERENCE_NAMES
-    assert corrections.LENGTH_NEUTRAL is names.LENGTH_NEUTRAL_NAMES
-    assert corrections.TRM_KL_SOURCES is names.TRM_KL_SOURCE_NAMES
+    assert trm.TRM_REFERENCES is names.TRM_REFERENCE_NAMES
+    assert trm.LENGTH_NEUTRAL is names.LENGTH_NEUTRAL_NAMES
+    assert trm.TRM_KL_SOURCES is names.TRM_KL_SOURCE_NAMES

@@ -10,7 +10,7 @@ import pytest
 
 from moe_rl.checkpointing import CheckpointManager
 from moe_rl.config import load_config
-from moe_rl.lr import LengthLRScheduler
+from moe_rl.maths.lr import LengthLRScheduler
 from moe_rl.memory import summarize_run
 from moe_rl.seeding import GENERATE, PROMPTS, step_seed
 from moe_rl.timing import StepTimer

@@ -1,5 +1,5 @@
-"""moe_rl.losses: hand-computed PPO values, clip direction (asymmetric, dual), gradient flow, normaliser,
-KL forms, decoupled PPO (IS outside the clip, keep masks) and the bypass losses."""
+"""moe_rl.maths.losses: hand-computed PPO values, clip direction (asymmetric, dual), gradient flow,
+normaliser, KL forms, decoupled PPO (IS outside the clip, keep masks) and the bypass losses."""
 
 from __future__ import annotations
 
@@ -8,16 +8,18 @@ import math
 import pytest
 import torch
 
+from moe_rl.corrections.correction_specs import CorrectionSpec, RejectionSpec, parse_rs_spec
 from moe_rl.corrections.importance import is_weights, rejection_mask
-from moe_rl.losses import (
+from moe_rl.maths.losses import (
     bypass_loss,
     clipped_surrogate,
     decoupled_ppo_loss,
     kl_estimate,
     ppo_clip_loss,
 )
+from moe_rl.maths.policy_specs import PolicyLossSpec
+from moe_rl.maths.ratios import SAFETY_BOUND, kl_from_log_ratio, log_ratio
 from moe_rl.metrics import merge_metrics, reduce_metrics
-from moe_rl.ratios import SAFETY_BOUND, kl_from_log_ratio, log_ratio
 
 # (ratio, advantage, expected per-token loss, clipped branch active)
 CASES = [
@@ -271,7 +273,7 @@ def test_decoupled_is_weights_multiply_outside_the_clip():
     w = torch.tensor([[2.0, 0.5, 3.0, 1.0, 1.5, 0.25]], dtype=torch.float64)
     mask = torch.ones_like(adv, dtype=torch.bool)
     loss, _ = decoupled_ppo_loss(
-        logp, old, adv, mask, clip_low=0.2, clip_high=0.28, normalizer=6, is_weights_BS=w
+        PolicyLossSpec(clip_low=0.2, clip_high=0.28), logp, old, adv, mask, normalizer=6, is_weights_BS=w
     )
     assert loss.item() == pytest.approx(sum(wi * c[2] for wi, c in zip(w[0].tolist(), CASES)) / 6)
     loss.backward()
@@ -289,9 +291,12 @@ def test_decoupled_keep_mask_token_and_sequence_with_explicit_normalizer():
     adv = torch.randn(3, 4, generator=gen, dtype=torch.float64)
     mask = torch.ones(3, 4, dtype=torch.bool)
     kw = {"clip_low": 0.2, "clip_high": 0.28, "normalizer": 12}
+    spec = PolicyLossSpec(clip_low=0.2, clip_high=0.28)
     keep_B = torch.tensor([True, False, True])
-    loss_seq, _ = decoupled_ppo_loss(logp, old, adv, mask, keep=keep_B, **kw)
-    loss_tok, _ = decoupled_ppo_loss(logp, old, adv, mask, keep=keep_B[:, None].expand(3, 4), **kw)
+    loss_seq, _ = decoupled_ppo_loss(spec, logp, old, adv, mask, keep=keep_B, normalizer=12)
+    loss_tok, _ = decoupled_ppo_loss(
+        spec, logp, old, adv, mask, keep=keep_B[:, None].expand(3, 4), normalizer=12
+    )
     loss_ref, _ = ppo_clip_loss(logp, old, adv, mask & keep_B[:, None], **kw)
     assert loss_seq.item() == pytest.approx(loss_ref.item()) and loss_tok.item() == pytest.approx(
         loss_ref.item()
@@ -305,24 +310,27 @@ def test_decoupled_keep_mask_token_and_sequence_with_explicit_normalizer():
 
 # ----------------------------------------------------------------------------- bypass
 
+BYPASS_CLIP = CorrectionSpec(mode="bypass", bypass_loss="ppo_clip")
+
 
 @pytest.mark.unit
 def test_bypass_ppo_clip_is_ppo_on_rollout_ratio_without_is():
     logp, roll, adv = _inputs()
     mask = torch.ones_like(adv, dtype=torch.bool)
     kw = {"clip_low": 0.2, "clip_high": 0.28, "normalizer": 6}
-    loss, m = bypass_loss(logp, roll, adv, mask, mode="ppo_clip", **kw)
+    spec = PolicyLossSpec(clip_low=0.2, clip_high=0.28)
+    loss, m = bypass_loss(spec, BYPASS_CLIP, logp, roll, adv, mask, normalizer=6)
     ref, _ = ppo_clip_loss(logp, roll, adv, mask, **kw)
     assert loss.item() == pytest.approx(ref.item())
     assert not any(k.startswith("corr/is") for k in m)
-    with pytest.raises(ValueError, match="double-count"):
-        bypass_loss(logp, roll, adv, mask, mode="ppo_clip", is_level="token", **kw)
-    with pytest.raises(ValueError, match="bypass mode"):
-        bypass_loss(logp, roll, adv, mask, mode="grpo", **kw)
+    # the spec refuses an IS weight in bypass ppo_clip (it would double-count) and unknown modes
+    with pytest.raises(ValueError, match="applies no IS weight"):
+        CorrectionSpec(mode="bypass", bypass_loss="ppo_clip", is_level="token")
+    with pytest.raises(ValueError, match="correction.bypass_loss"):
+        CorrectionSpec(mode="bypass", bypass_loss="grpo")
     # RS recomputed from the current pi_theta: token_k1 in [0.8, 1.3] drops ratios 1.5, 0.5, 0.5, 1.5
-    loss, m = bypass_loss(
-        logp, roll, adv, mask, mode="ppo_clip", rs_options=["token_k1"], rs_bounds=[(0.8, 1.3)], **kw
-    )
+    rs = CorrectionSpec(mode="bypass", rejection=[RejectionSpec("token_k1", upper=1.3, lower=0.8)])
+    loss, m = bypass_loss(spec, rs, logp, roll, adv, mask, normalizer=6)
     assert loss.item() == pytest.approx((-2.2 - 1.25) / 6)
     assert reduce_metrics(m)["corr/rs_masked_fraction"] == pytest.approx(4 / 6)
 
@@ -337,9 +345,8 @@ def test_bypass_reinforce_gradient_is_w_times_a_times_grad_logp():
     mask = torch.rand(B, S, generator=gen) > 0.2
     n = mask.sum()
     for level in (None, "token", "sequence"):
-        loss, m = bypass_loss(
-            logp, roll, adv, mask, mode="reinforce", is_level=level, is_clip_max=1.5, normalizer=n
-        )
+        c = CorrectionSpec(mode="bypass", bypass_loss="reinforce", is_level=level or "none", is_clip=1.5)
+        loss, m = bypass_loss(PolicyLossSpec(), c, logp, roll, adv, mask, normalizer=n)
         w = (
             torch.ones(B, S, dtype=torch.float64)
             if level is None
@@ -357,20 +364,18 @@ def test_bypass_reinforce_rejection_and_keep():
     logp, roll, adv = _inputs()
     logp = logp.detach().requires_grad_(True)
     mask = torch.ones_like(adv, dtype=torch.bool)
-    keep_rs, _ = rejection_mask(log_ratio(logp.detach(), roll), mask, ["token_k2"], [0.05])
+    keep_rs, _ = rejection_mask(log_ratio(logp.detach(), roll), mask, parse_rs_spec(["token_k2"], [0.05]))
+    rs = CorrectionSpec(
+        mode="bypass", bypass_loss="reinforce", rejection=[RejectionSpec("token_k2", upper=0.05)]
+    )
     loss, _ = bypass_loss(
-        logp,
-        roll,
-        adv,
-        mask,
-        mode="reinforce",
-        rs_options=["token_k2"],
-        rs_bounds=[0.05],
-        keep=torch.tensor([True]),
-        normalizer=6,
+        PolicyLossSpec(), rs, logp, roll, adv, mask, keep=torch.tensor([True]), normalizer=6
     )
     assert loss.item() == pytest.approx((-adv * logp.detach() * keep_rs).sum().item() / 6)
-    loss, _ = bypass_loss(logp, roll, adv, mask, mode="reinforce", keep=torch.tensor([False]), normalizer=6)
+    reinforce = CorrectionSpec(mode="bypass", bypass_loss="reinforce")
+    loss, _ = bypass_loss(
+        PolicyLossSpec(), reinforce, logp, roll, adv, mask, keep=torch.tensor([False]), normalizer=6
+    )
     assert loss.item() == 0.0
 
 

@@ -1,4 +1,4 @@
-"""moe_rl.lr: lr_at, and the response-length LR decay on deterministic synthetic length series."""
+"""moe_rl.maths.lr: lr_at, and the response-length LR decay on deterministic synthetic length series."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 import pytest
 
 from moe_rl.config import OptimConfig
-from moe_rl.lr import LengthLRConfig, LengthLRScheduler, lr_at, scheduled_lr
+from moe_rl.maths.lr import LengthLRConfig, LengthLRScheduler, lr_at, scheduled_lr
 
 SURGE = [100.0] * 20 + [200.0] * 60  # a step surge at step 20
 

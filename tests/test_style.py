@@ -202,7 +202,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         ),
     ),
     # the torch-free specs the config composes
-    ("specs", ("moe_rl.rejection", "moe_rl.corrections.specs", "moe_rl.maths.specs")),
+    ("specs", ("moe_rl.corrections.correction_specs", "moe_rl.maths.policy_specs")),
     ("config", ("moe_rl.config",)),
     # pure maths and the data every room shares: typed batches (with the route record they carry),
     # metrics, timers, the process groups, memory arithmetic
@@ -211,11 +211,6 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         (
             "moe_rl.maths",
             "moe_rl.corrections",
-            "moe_rl.ratios",
-            "moe_rl.losses",
-            "moe_rl.advantages",
-            "moe_rl.variance",
-            "moe_rl.lr",
             "moe_rl.types",
             "moe_rl.routing.record",
             "moe_rl.metrics",
@@ -289,7 +284,7 @@ def test_layer_rules_resolve_prefixes_and_find_an_upward_import():
     names = [n for _, ns in LAYERS for n in ns]
     assert len(names) == len(set(names))  # a name sits on one layer
     layer = {name: i for i, (name, _) in enumerate(LAYERS)}
-    assert layer_of("moe_rl.maths.specs") == layer["specs"] < layer_of("moe_rl.config.loader")
+    assert layer_of("moe_rl.maths.policy_specs") == layer["specs"] < layer_of("moe_rl.config.loader")
     assert layer_of("moe_rl.maths.ratios") == layer["maths"] == layer_of("moe_rl.routing.record")
     assert layer_of("moe_rl.routing.replay") == layer["rooms"] > layer["maths"]
     assert layer_of("moe_rl.launch") == layer["entry points"] > layer_of("moe_rl.trainer")
@@ -298,10 +293,7 @@ def test_layer_rules_resolve_prefixes_and_find_an_upward_import():
     assert layer_violations(graph) == ["moe_rl.config.run (config) -> moe_rl.trainer (loop)"]
 
 
-# Names that explain themselves (issue 31). What the parallel `specs` branch renames is listed
-# here until it lands: an entry that no longer matches fails, so the merge drops it.
-SPECS_BRANCH_RENAMES = {"correction.py"}  # config/correction.py, step/correction.py
-SPECS_BRANCH_PRIVATE = {"moe_rl.corrections._masked"}  # imported by dvp.py, importance.py, trm.py
+# Names that explain themselves (issue 31)
 
 
 def _private(name: str) -> bool:
@@ -316,15 +308,14 @@ def test_one_module_per_name():
         if path.name != "__init__.py":
             seen.setdefault(path.name, []).append(path.relative_to(ROOT).as_posix())
     twice = {name: paths for name, paths in seen.items() if len(paths) > 1}
-    assert set(twice) >= SPECS_BRANCH_RENAMES, "renamed: drop it from SPECS_BRANCH_RENAMES"
-    assert {n: p for n, p in twice.items() if n not in SPECS_BRANCH_RENAMES} == {}
+    assert twice == {}
 
 
 @pytest.mark.unit
 def test_no_private_name_is_imported_from_another_module():
     # a name another module needs is public (issue 31): ``from m import _x``, ``from m._y import x``
     # and ``import m._y`` all reach into another module's privates
-    bad, pending = [], set()
+    bad = []
     for path in SOURCES:
         name = _module_name(path)
         for node in _import_nodes(ast.parse(path.read_text()), type_checking=True):
@@ -332,9 +323,6 @@ def test_no_private_name_is_imported_from_another_module():
                 parts = target.split(".")
                 first = next((i for i, part in enumerate(parts) if i and _private(part)), None)
                 if first is not None:
-                    if ".".join(parts[: first + 1]) in SPECS_BRANCH_PRIVATE:
-                        pending.add(".".join(parts[: first + 1]))
-                        continue
                     bad.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {target}")
             if isinstance(node, ast.ImportFrom):
                 bad += [
@@ -342,7 +330,6 @@ def test_no_private_name_is_imported_from_another_module():
                     for a in node.names
                     if _private(a.name)
                 ]
-    assert pending == SPECS_BRANCH_PRIVATE, "made public: drop it from SPECS_BRANCH_PRIVATE"
     assert bad == []
 
 
@@ -351,14 +338,23 @@ def test_config_imports_only_pure_modules():
     # config loading stays light (no torch, megatron, vllm): it owns the pure rules it validates
     # with (the layout arithmetic, the vLLM rules, the HF config.json reader: init_weights=hf:DIR
     # derives the model: section, issue 25) and reaches outside only the error types (issue 14),
-    # the checks, the names, the rejection grammar and the file helpers (issue 31: nothing in
-    # rollout/ or weights/)
+    # the checks, the names, the feature specs it composes and the file helpers (issue 31: nothing
+    # in rollout/ or weights/)
     graph = import_graph()
     own = {m for m in graph if _inside(m, "moe_rl.config")}  # the package and its modules
     assert {"moe_rl.config", "moe_rl.config.model", "moe_rl.config.loader"} <= own
     assert {"moe_rl.config.layout", "moe_rl.config.vllm_rules", "moe_rl.config.hf_model"} <= own
     outside = set().union(*(graph[m] for m in own)) - own
-    assert outside == {"moe_rl.errors", "moe_rl.checks", "moe_rl.names", "moe_rl.rejection", "moe_rl.fsutil"}
+    assert outside == {
+        "moe_rl.errors",
+        "moe_rl.checks",
+        "moe_rl.names",
+        "moe_rl.corrections",  # a package __init__ that imports nothing
+        "moe_rl.corrections.correction_specs",  # the correction's specs, composed by the config
+        "moe_rl.maths",  # a package __init__ that imports nothing
+        "moe_rl.maths.policy_specs",  # the advantage and policy-loss specs
+        "moe_rl.fsutil",
+    }
     reached, todo = set(), sorted(outside)
     while todo:
         for w in graph[todo.pop()] - reached:
@@ -408,11 +404,9 @@ def test_only_rollout_imports_the_builtin_engines_model():
 def test_import_graph_builder_resolves_submodules_packages_and_lazy_imports():
     graph = import_graph()
     assert "moe_rl.learner.checkpoint" in graph["moe_rl.preflight"]  # from moe_rl.learner import checkpoint
-    assert "moe_rl.step.correction" in graph["moe_rl.step.prepare"]  # from moe_rl.step import correction
-    assert (
-        "moe_rl.corrections" in graph["moe_rl.step.finalize"]
-    )  # from moe_rl.corrections import ... (an __init__)
-    assert "moe_rl.corrections.derived" in graph["moe_rl.corrections"]  # ... whose re-exports carry on
+    assert "moe_rl.step.drift" in graph["moe_rl.step.prepare"]  # from moe_rl.step import drift
+    assert "moe_rl.config" in graph["moe_rl.health"]  # from moe_rl.config import ... (an __init__)
+    assert "moe_rl.config.run" in graph["moe_rl.config"]  # ... whose re-exports carry on
     assert "moe_rl.trainer" in graph["moe_rl.launch"]  # an import inside a function
     assert "megatron_patches" in graph["moe_rl.routing.replay"]  # a package's __init__ runs first
     assert "megatron_patches" not in graph["megatron_patches.a2a_splits"]  # but not for its own modules
@@ -463,7 +457,7 @@ def test_config_modules_stay_small():
     # issue 23: the config package holds the tree and the loader, one job per module, none over
     # MAX_CONFIG_MODULE_LINES (the single config.py had grown to 1045 lines doing five jobs)
     sizes = {p.name: len(p.read_text().splitlines()) for p in (ROOT / "moe_rl" / "config").glob("*.py")}
-    assert {"__init__.py", "model.py", "run.py", "correction.py", "loader.py"} <= set(sizes)
+    assert {"__init__.py", "model.py", "run.py", "loader.py"} <= set(sizes)  # correction.*: its spec module
     assert not (ROOT / "moe_rl" / "config.py").exists()  # a stale module beside the package: ignored
     assert {n: s for n, s in sizes.items() if s > MAX_CONFIG_MODULE_LINES} == {}
 

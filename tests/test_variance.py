@@ -1,4 +1,5 @@
-"""moe_rl.variance: the docs/math.md 6.4 proxies on hand-computed batches, and exact cross-rank pooling."""
+"""moe_rl.maths.variance: the docs/math.md 6.4 proxies on hand-computed batches, and exact cross-rank
+pooling."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ import math
 import pytest
 import torch
 
+from moe_rl.maths.variance import finalize_variance_proxies, variance_proxies
 from moe_rl.metrics import merge_metrics, reduce_metrics
-from moe_rl.variance import finalize_variance_proxies, variance_proxies
 
 HALF = math.log(0.5)
 

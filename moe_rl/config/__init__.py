@@ -10,8 +10,9 @@ Megatron's own argument names appear only in ``moe_rl/learner/build.py``.
 The package, one job per module; everything public is re-exported here, so callers import from
 ``moe_rl.config``:
 - ``model``: ``ModelConfig``, ``ParallelConfig``, ``ARCH_FIELDS``;
-- ``correction``: ``CorrectionConfig``, ``TrmConfig``, ``RejectionSpec``;
 - ``run``: the other subtrees (optim, rollout, routing, task, algo, log) and the root ``RunConfig``;
+  ``correction`` is ``CorrectionSpec`` (with ``TrmSpec``, ``RejectionSpec``), owned next to its maths
+  in ``moe_rl.corrections.correction_specs`` and re-exported here;
 - ``deprecations``: ``DEPRECATED_KEYS`` and the legacy-key renames;
 - ``loader``: ``load_config``, ``load_run_config`` (resume's base: the run's saved config),
   ``to_dict``, ``to_yaml``;
@@ -21,12 +22,12 @@ The package, one job per module; everything public is re-exported here, so calle
 
 Near the bottom of the package: imports only pure modules (no torch, no megatron;
 tests/test_style.py): the checks (``moe_rl.checks``), the names configs validate against
-(``moe_rl.names``) and the rejection-option grammar (``moe_rl.rejection``). What depends on the
-machine (CUDA, Transformer Engine, vllm installed) is checked when a run starts, in
-``moe_rl/preflight.py``.
+(``moe_rl.names``) and the feature specs (``moe_rl.corrections.correction_specs``,
+``moe_rl.maths.policy_specs``).
+What depends on the machine (CUDA, Transformer Engine, vllm installed) is checked when a run
+starts, in ``moe_rl/preflight.py``.
 """
 
-from moe_rl.config.correction import CorrectionConfig, RejectionSpec, TrmConfig
 from moe_rl.config.deprecations import DEPRECATED_KEYS
 from moe_rl.config.loader import SAVED_CONFIG, load_config, load_run_config, to_dict, to_yaml
 from moe_rl.config.model import ARCH_FIELDS, ModelConfig, ParallelConfig
@@ -42,6 +43,7 @@ from moe_rl.config.run import (
     TaskConfig,
     VllmConfig,
 )
+from moe_rl.corrections.correction_specs import CorrectionSpec, RejectionSpec, TrmSpec
 from moe_rl.errors import ConfigError
 
 __all__ = [
@@ -49,7 +51,7 @@ __all__ = [
     "DEPRECATED_KEYS",
     "AlgoConfig",
     "ConfigError",
-    "CorrectionConfig",
+    "CorrectionSpec",
     "HealthConfig",
     "LengthLRConfig",
     "LogConfig",
@@ -61,7 +63,7 @@ __all__ = [
     "RoutingConfig",
     "RunConfig",
     "TaskConfig",
-    "TrmConfig",
+    "TrmSpec",
     "VllmConfig",
     "SAVED_CONFIG",
     "load_config",

@@ -7,8 +7,8 @@ import math
 import sys
 
 from moe_rl.checks import check
+from moe_rl.corrections.correction_specs import parse_rs_spec
 from moe_rl.errors import ConfigError
-from moe_rl.rejection import parse_rs_spec
 
 # Renamed keys, kept for one release: old dotted key -> new key (None: removed, the value is
 # ignored). correction.rs + correction.rs_bounds (strings such as '0.5_2.0') together become

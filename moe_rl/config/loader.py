@@ -11,7 +11,6 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from moe_rl.checks import check
-from moe_rl.config.correction import RejectionSpec
 from moe_rl.config.deprecations import (
     DEPRECATED_KEYS,
     LEGACY_RS_KEYS,
@@ -24,6 +23,7 @@ from moe_rl.config.deprecations import (
 from moe_rl.config.hf_json import CONFIG as HF_CONFIG
 from moe_rl.config.hf_model import load_hf_config
 from moe_rl.config.run import RunConfig
+from moe_rl.corrections.correction_specs import RejectionSpec
 from moe_rl.errors import ConfigError, RunDirError
 
 

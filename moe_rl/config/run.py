@@ -1,18 +1,22 @@
 """The rest of the tree and its root: optimizer, rollout (and vLLM), routing, task, algorithm and
 logging configs, and ``RunConfig``, whose cross-field checks span the subtrees (layout: ``layout.py``;
-what vLLM cannot do: ``vllm_rules.py``)."""
+what vLLM cannot do: ``vllm_rules.py``). The algorithm's features are specs owned next to their
+maths: ``correction`` is a ``moe_rl.corrections.correction_specs.CorrectionSpec``; ``AlgoConfig.estimator``
+and ``RunConfig.policy_loss`` are ``moe_rl.maths.policy_specs``'s."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
 from moe_rl.checks import check, check_finite, one_of
-from moe_rl.config.correction import CorrectionConfig
 from moe_rl.config.layout import check_layout, data_parallel_size
 from moe_rl.config.model import ModelConfig, ParallelConfig
 from moe_rl.config.vllm_rules import check_vllm
-from moe_rl.names import ADVANTAGE_NAMES, GROUP_ADVANTAGE_NAMES, KL_ESTIMATOR_NAMES
+from moe_rl.corrections.correction_specs import CorrectionSpec
+from moe_rl.maths.policy_specs import AdvantageSpec, PolicyLossSpec
+from moe_rl.names import GROUP_ADVANTAGE_NAMES
 
 
 @dataclass(frozen=True)
@@ -252,13 +256,17 @@ class AlgoConfig:
 
     def __post_init__(self) -> None:
         check_finite(self, "algo")
-        one_of(self.advantage, "algo.advantage", ADVANTAGE_NAMES)
-        check(self.clip_low >= 0 and self.clip_high >= 0, "algo.clip_low", "clips must be >= 0")
-        one_of(self.kl_estimator, "algo.kl_estimator", KL_ESTIMATOR_NAMES)
-        check(self.kl_coef >= 0, "algo.kl_coef", "must be >= 0")
+        _ = self.estimator  # validates algo.advantage
+        # the loss's rules are its spec's (the dual clip, a correction.* key, is added by RunConfig)
+        PolicyLossSpec(self.clip_low, self.clip_high, 0.0, self.kl_coef, self.kl_estimator)
         check(self.num_minibatches >= 1, "algo.num_minibatches", "must be >= 1")
         check(self.micro_batch_size >= 1, "algo.micro_batch_size", "must be >= 1")
         check(self.max_tokens_per_micro_batch >= 0, "algo.max_tokens_per_micro_batch", "must be >= 0")
+
+    @functools.cached_property
+    def estimator(self) -> AdvantageSpec:
+        """The advantage estimator's spec (``moe_rl.maths.policy_specs``)."""
+        return AdvantageSpec(self.advantage, self.grpo_std_norm)
 
 
 @dataclass(frozen=True)
@@ -311,7 +319,7 @@ class RunConfig:
     task: TaskConfig = field(default_factory=TaskConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
-    correction: CorrectionConfig = field(default_factory=CorrectionConfig)
+    correction: CorrectionSpec = field(default_factory=CorrectionSpec)
     log: LogConfig = field(default_factory=LogConfig)
 
     def __post_init__(self) -> None:
@@ -380,3 +388,9 @@ class RunConfig:
     @property
     def data_parallel(self) -> int:
         return data_parallel_size(self.parallel)
+
+    @property
+    def policy_loss(self) -> PolicyLossSpec:
+        """The policy loss's spec: ``algo``'s clip and KL term, ``correction.dual_clip_c``."""
+        a = self.algo
+        return PolicyLossSpec(a.clip_low, a.clip_high, self.correction.dual_clip_c, a.kl_coef, a.kl_estimator)

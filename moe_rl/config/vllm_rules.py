@@ -44,12 +44,12 @@ def check_vllm(cfg: RunConfig) -> None:
         raise ConfigError(f"config key '{key}': {why} (rollout.engine=vllm)")
 
     try:
-        logprobs_mode(r.temperature, r.top_k, r.top_p, dvp=c.dvp_threshold > 0)
+        logprobs_mode(r.temperature, r.top_k, r.top_p, dvp=c.dvp.on)
     except ValueError as e:
         refuse("rollout.top_p", str(e))
     if r.router_noise > 0:
         refuse("rollout.router_noise", "router-logit noise exists only in the built-in engine")
-    if c.trm.on and c.trm.kl == "exact":
+    if c.needs_full_dists:
         refuse(
             "correction.trm.kl",
             "exact TRM needs the rollout's full distributions; vLLM returns top-k "

@@ -24,9 +24,9 @@ from typing import NamedTuple
 
 import torch
 
-from moe_rl.corrections._masked import masked_max, masked_mean, masked_min
+from moe_rl.corrections.masked import masked_max, masked_mean, masked_min
+from moe_rl.maths.ratios import kl_from_log_ratio, log_ratio
 from moe_rl.metrics import MetricValue
-from moe_rl.ratios import kl_from_log_ratio, log_ratio
 from moe_rl.registry import Registry
 
 __all__ = [

@@ -26,7 +26,7 @@ Clamping (``SAFETY_BOUND`` = 20) happens where the math allows, after any aggreg
 statistics are exact for any finite input whose result is within the bound: a token weight clamps
 its own log rho; a sequence weight clamps sum_t log rho_t and a geometric weight mean_t log rho_t
 (not each term: +30 and -29.5 sum to 0.5); k1 rejection aggregates the exact log rho; chi^2_seq
-clamps the sum. The per-token k2 = lr^2 / 2 and k3 = e^lr - 1 - lr (``moe_rl.ratios.
+clamps the sum. The per-token k2 = lr^2 / 2 and k3 = e^lr - 1 - lr (``moe_rl.maths.ratios.
 kl_from_log_ratio``; estimators of KL(pi_rollout || pi_train) for tokens sampled from pi_rollout)
 use lr = clamp(log rho, +-20) so e^lr stays finite; ``corr/k1_kl`` averages the exact log rho.
 
@@ -50,11 +50,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from moe_rl.corrections._masked import inf_like, masked_max, masked_mean, masked_min, seq_valid, stats
+from moe_rl.corrections.correction_specs import RejectionRule
+from moe_rl.corrections.masked import inf_like, masked_max, masked_mean, masked_min, seq_valid, stats
+from moe_rl.maths.ratios import SAFETY_BOUND, exact_log_ratio, kl_from_log_ratio, log_ratio
 from moe_rl.metrics import MetricValue
-from moe_rl.ratios import SAFETY_BOUND, exact_log_ratio, kl_from_log_ratio, log_ratio
 from moe_rl.registry import Registry
-from moe_rl.rejection import Bound, parse_rs_spec
 
 __all__ = [
     "IS_LEVELS",
@@ -64,7 +64,6 @@ __all__ = [
     "is_weights",
     "log_ratio",
     "offpolicy_metrics",
-    "parse_rs_spec",
     "rejection_mask",
 ]
 
@@ -75,29 +74,29 @@ LogWeightFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 IS_LEVELS: Registry[LogWeightFn] = Registry("IS weight level")
 
 
-def _masked_sum(lr_BS: torch.Tensor, maskf_BS: torch.Tensor) -> torch.Tensor:
+def _masked_sum(log_ratio_BS: torch.Tensor, maskf_BS: torch.Tensor) -> torch.Tensor:
     """sum_t log rho_t over response tokens, [B, 1] (padding may hold anything, even inf)."""
-    return torch.where(maskf_BS > 0, lr_BS, torch.zeros_like(lr_BS)).sum(-1, keepdim=True)
+    return torch.where(maskf_BS > 0, log_ratio_BS, torch.zeros_like(log_ratio_BS)).sum(-1, keepdim=True)
 
 
 @IS_LEVELS.register("token")
-def _token_log_weight(lr_BS: torch.Tensor, maskf_BS: torch.Tensor) -> torch.Tensor:
+def _token_log_weight(log_ratio_BS: torch.Tensor, maskf_BS: torch.Tensor) -> torch.Tensor:
     """log w_t = clamp(log rho_t, +-20)."""
-    return lr_BS.clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    return log_ratio_BS.clamp(-SAFETY_BOUND, SAFETY_BOUND)
 
 
 @IS_LEVELS.register("sequence")
-def _sequence_log_weight(lr_BS: torch.Tensor, maskf_BS: torch.Tensor) -> torch.Tensor:
+def _sequence_log_weight(log_ratio_BS: torch.Tensor, maskf_BS: torch.Tensor) -> torch.Tensor:
     """log w = clamp(sum_t log rho_t, +-20) of the exact token terms, broadcast to the tokens."""
-    total_B1 = _masked_sum(lr_BS, maskf_BS).clamp(-SAFETY_BOUND, SAFETY_BOUND)
-    return total_B1.expand_as(lr_BS)
+    total_B1 = _masked_sum(log_ratio_BS, maskf_BS).clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    return total_B1.expand_as(log_ratio_BS)
 
 
 @IS_LEVELS.register("geometric")
-def _geometric_log_weight(lr_BS: torch.Tensor, maskf_BS: torch.Tensor) -> torch.Tensor:
+def _geometric_log_weight(log_ratio_BS: torch.Tensor, maskf_BS: torch.Tensor) -> torch.Tensor:
     """log w = clamp(mean_t log rho_t, +-20) (log of rho_geo = rho(y)^(1/T)), broadcast."""
-    mean_B1 = _masked_sum(lr_BS, maskf_BS) / maskf_BS.sum(-1, keepdim=True).clamp(min=1)
-    return mean_B1.clamp(-SAFETY_BOUND, SAFETY_BOUND).expand_as(lr_BS)
+    mean_B1 = _masked_sum(log_ratio_BS, maskf_BS) / maskf_BS.sum(-1, keepdim=True).clamp(min=1)
+    return mean_B1.clamp(-SAFETY_BOUND, SAFETY_BOUND).expand_as(log_ratio_BS)
 
 
 def is_batch_mean_parts(
@@ -156,10 +155,12 @@ def is_weights(
     """
     if clip_max is not None and not clip_max > 0:
         raise ValueError(f"clip_max must be > 0 or None, got {clip_max}")
-    lr_BS = log_ratio_BS.detach()
+    log_ratio_BS = log_ratio_BS.detach()
     mask_BS = mask_BS.bool()
-    maskf_BS = mask_BS.to(lr_BS.dtype)
-    log_w_BS = torch.where(mask_BS, IS_LEVELS.lookup(level)(lr_BS, maskf_BS), torch.zeros_like(lr_BS))
+    maskf_BS = mask_BS.to(log_ratio_BS.dtype)
+    log_w_BS = torch.where(
+        mask_BS, IS_LEVELS.lookup(level)(log_ratio_BS, maskf_BS), torch.zeros_like(log_ratio_BS)
+    )
     w_BS = torch.exp(log_w_BS)
     if clip_max is not None:
         w_BS = w_BS.clamp(max=clip_max)
@@ -226,8 +227,7 @@ def _agg_seq_max(stat_BS: torch.Tensor, mask_BS: torch.Tensor) -> torch.Tensor:
 def rejection_mask(
     log_ratio_BS: torch.Tensor,
     mask_BS: torch.Tensor,
-    options: Sequence[str],
-    bounds: Sequence[Bound] | Bound,
+    rules: Sequence[RejectionRule],
 ) -> tuple[torch.Tensor, dict[str, MetricValue]]:
     """Rejection sampling masks (docs/math.md 2.3), several options AND-combined.
 
@@ -242,7 +242,8 @@ def rejection_mask(
             (``exact_log_ratio``); detached here. k1 aggregates it exactly; k2 / k3 are computed
             per token from its +-20 clamp.
         mask_BS: bool or 0/1 [B, S] response tokens.
-        options, bounds: see ``parse_rs_spec``.
+        rules: the parsed rules (``CorrectionSpec.rules``; grammar:
+            ``corrections.correction_specs.parse_rs_spec``).
     Returns:
         keep_BS: bool [B, S] = mask AND every option's keep. metrics per option opt:
         ``corr/rs_{opt}_{mean,max,min}`` of the aggregated k statistic (over tokens for token
@@ -250,15 +251,15 @@ def rejection_mask(
         ``corr/rs_{opt}_seq_masked_fraction`` (sequences with a rejected token); overall
         ``corr/rs_masked_fraction`` and ``corr/rs_seq_masked_fraction``.
     """
-    specs = parse_rs_spec(options, bounds)
     mask_BS = mask_BS.bool()
     exact_BS = torch.where(mask_BS, log_ratio_BS.detach().to(torch.float64), 0.0)
-    lr_BS = exact_BS.clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    clamped_BS = exact_BS.clamp(-SAFETY_BOUND, SAFETY_BOUND)
     valid_B = seq_valid(mask_BS)
     keep_BS = mask_BS.clone()
     metrics: dict[str, MetricValue] = {}
-    for option, (agg, kind, lo, hi) in zip(options, specs):
-        k_BS = kl_from_log_ratio(exact_BS if kind == "k1" else lr_BS, kind)
+    for rule in rules:
+        option, (agg, kind, lo, hi) = rule.option, rule
+        k_BS = kl_from_log_ratio(exact_BS if kind == "k1" else clamped_BS, kind)
         stat = RS_AGGREGATIONS[agg](k_BS, mask_BS)  # [B, S] for "token", else [B]
         test = -stat if kind == "k1" else stat  # k1 bounds act on agg(log rho) = -agg(k1)
         opt_keep = (test >= lo) & (test <= hi)
@@ -314,19 +315,19 @@ def offpolicy_metrics(
     maskf_BS = mask_BS.to(f64)
     train_BS, roll_BS = train_logp_BS.detach().to(f64), rollout_logp_BS.detach().to(f64)
     exact_BS = torch.where(mask_BS, exact_log_ratio(train_BS, roll_BS), 0.0)
-    lr_BS = exact_BS.clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    log_ratio_BS = exact_BS.clamp(-SAFETY_BOUND, SAFETY_BOUND)
     valid_B = seq_valid(mask_BS)
     len_B = maskf_BS.sum(-1).clamp(min=1)
     train_mean_B = (train_BS * maskf_BS).sum(-1) / len_B
     roll_mean_B = (roll_BS * maskf_BS).sum(-1) / len_B
     diff_B = roll_mean_B - train_mean_B
-    seq_lr_B = exact_BS.sum(-1).clamp(-SAFETY_BOUND, SAFETY_BOUND)  # the exact sum, then the clamp
+    seq_log_ratio_B = exact_BS.sum(-1).clamp(-SAFETY_BOUND, SAFETY_BOUND)  # the exact sum, then the clamp
     return {
         # exact: a mean of log-ratios needs no exp, so no clamp (like the sequence sums above)
         "corr/k1_kl": masked_mean(kl_from_log_ratio(exact_BS, "k1"), mask_BS),
-        "corr/k3_kl": masked_mean(kl_from_log_ratio(lr_BS, "k3"), mask_BS),
-        "corr/chi2_token": masked_mean(torch.expm1(2 * lr_BS), mask_BS),
-        "corr/chi2_seq": masked_mean(torch.expm1(2 * seq_lr_B), valid_B),
+        "corr/k3_kl": masked_mean(kl_from_log_ratio(log_ratio_BS, "k3"), mask_BS),
+        "corr/chi2_token": masked_mean(torch.expm1(2 * log_ratio_BS), mask_BS),
+        "corr/chi2_seq": masked_mean(torch.expm1(2 * seq_log_ratio_B), valid_B),
         "corr/training_log_ppl": masked_mean(-train_mean_B, valid_B),
         "corr/rollout_log_ppl": masked_mean(-roll_mean_B, valid_B),
         "corr/training_ppl": masked_mean(torch.exp(-train_mean_B), valid_B),

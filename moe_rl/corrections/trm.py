@@ -21,7 +21,7 @@ care: pass the log-probs / logits of the policy chosen.
 
 Loss normaliser: masked sequences contribute zero and the loss is still divided by the TOTAL
 batch (docs/math.md 3.3, "not the accepted count"): pass ``normalizer`` counted before masking to
-``moe_rl.losses.decoupled_ppo_loss`` / ``bypass_loss`` with ``keep=keep_B``.
+``moe_rl.maths.losses.decoupled_ppo_loss`` / ``bypass_loss`` with ``keep=keep_B``.
 """
 
 from __future__ import annotations
@@ -30,23 +30,27 @@ import math
 
 import torch
 
-from moe_rl.corrections._masked import masked_max, masked_mean, seq_valid
+from moe_rl.corrections.correction_specs import TrmSpec
+from moe_rl.corrections.masked import masked_max, masked_mean, seq_valid
+from moe_rl.maths.ratios import SAFETY_BOUND, kl_from_log_ratio, log_ratio
 from moe_rl.metrics import MetricValue
-from moe_rl.names import LENGTH_NEUTRAL_NAMES, TRM_REFERENCE_NAMES
-from moe_rl.ratios import SAFETY_BOUND, kl_from_log_ratio
+from moe_rl.names import LENGTH_NEUTRAL_NAMES, TRM_KL_SOURCE_NAMES, TRM_REFERENCE_NAMES
 
 __all__ = [
     "ACCEPT_ALARM_BELOW",
     "LENGTH_NEUTRAL",
+    "TRM_KL_SOURCES",
     "TRM_REFERENCES",
     "exact_kl_tokens",
     "sample_kl_tokens",
     "trm_bounds",
+    "trm_keep",
     "trm_mask",
 ]
 
 TRM_REFERENCES = TRM_REFERENCE_NAMES  # the names the config accepts (moe_rl.names)
 LENGTH_NEUTRAL = LENGTH_NEUTRAL_NAMES
+TRM_KL_SOURCES = TRM_KL_SOURCE_NAMES  # exact: full rollout distributions (built-in engine); sample: k2/k3
 ACCEPT_ALARM_BELOW = 0.7  # docs/math.md 3.3: monitor the acceptance rate; above 70% is recommended
 
 
@@ -123,6 +127,49 @@ def sample_kl_tokens(log_ratio_BS: torch.Tensor, kind: str) -> torch.Tensor:
 # --------------------------------------------------------------------------- the mask
 
 
+def trm_mask(
+    spec: TrmSpec,
+    train_logp_BS: torch.Tensor,
+    rollout_logp_BS: torch.Tensor,
+    mask_BS: torch.Tensor,
+    exact_kl_BS: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, MetricValue]]:
+    """The TRM sequence keep mask of ``spec`` (docs/math.md 3.3): what each criterion bounds is
+    decided here. ``spec.kl`` "exact": every criterion reads the exact per-token KL(pi_rollout ||
+    pi_train) (``exact_kl_BS``, from the engine's full distributions; ``exact_kl_tokens``);
+    "sample": the max criterion reads k2 and the average criterion k3 of log rho
+    (``sample_kl_tokens``). The length-neutral criteria read log rho itself.
+
+    Args:
+        spec: the TRM spec (``spec.on``: at least one criterion).
+        train_logp_BS, rollout_logp_BS: float [B, S] log-probs of the sampled tokens under the
+            policy TRM is evaluated against (pi_old or pi_theta, ``spec.reference``) and the rollout's.
+        mask_BS: bool or 0/1 [B, S] response tokens.
+        exact_kl_BS: float [B, S] the exact per-token KL; needed when ``spec.kl`` is "exact".
+    Returns:
+        (keep_B, metrics) as ``trm_keep``.
+    """
+    log_ratio_BS = log_ratio(train_logp_BS.detach(), rollout_logp_BS.detach())
+    if spec.kl == "exact":
+        if exact_kl_BS is None:
+            raise ValueError("correction.trm.kl=exact needs the rollout engine's full distributions")
+        max_kl_BS, avg_kl_BS = exact_kl_BS.detach(), None
+    else:
+        max_kl_BS, avg_kl_BS = sample_kl_tokens(log_ratio_BS, "k2"), sample_kl_tokens(log_ratio_BS, "k3")
+    return trm_keep(
+        max_kl_BS,
+        mask_BS,
+        max_delta=spec.max or None,
+        avg_delta=spec.avg or None,
+        avg_kl_tok_BS=avg_kl_BS,
+        length_neutral=spec.length_neutral,
+        log_ratio_BS=log_ratio_BS,
+        ln_threshold=spec.ln_threshold,
+        ln_eps=spec.ln_eps,
+        ln_delta=spec.ln_delta,
+    )
+
+
 def _ln_weights(mask_BS: torch.Tensor, eps: float, delta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """LN-TRM weights w_t = min(1, (T-t) eps, sqrt((T-t) delta / 2)) and Z(T) = sum_t w_t.
 
@@ -156,7 +203,7 @@ def _length_neutral_score(
     return torch.where(z_B > 0, score_B / z_B.clamp(min=torch.finfo(z_B.dtype).tiny), torch.zeros_like(z_B))
 
 
-def trm_mask(
+def trm_keep(
     kl_tok_BS: torch.Tensor | None,
     mask_BS: torch.Tensor,
     *,
@@ -169,7 +216,8 @@ def trm_mask(
     ln_eps: float | None = None,
     ln_delta: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, MetricValue]]:
-    """TRM sequence mask, docs/math.md 3.3 (paper Algorithm 1 and Appendix "Length-Neutral TRM").
+    """TRM sequence mask over given per-token statistics, docs/math.md 3.3 (paper Algorithm 1 and
+    Appendix "Length-Neutral TRM"); ``trm_mask`` runs it from a spec.
 
     Every criterion given is applied and they are AND-combined:
     - max:  M = 1[max_t D_KL(c_t) <= max_delta]                     (``max_delta``)
@@ -203,7 +251,7 @@ def trm_mask(
     if length_neutral not in LENGTH_NEUTRAL:
         raise ValueError(f"unknown length_neutral {length_neutral!r}; known: {list(LENGTH_NEUTRAL)}")
     if max_delta is None and avg_delta is None and length_neutral == "none":
-        raise ValueError("trm_mask needs at least one criterion (max_delta, avg_delta, length_neutral)")
+        raise ValueError("trm_keep needs at least one criterion (max_delta, avg_delta, length_neutral)")
     if (max_delta is not None or (avg_delta is not None and avg_kl_tok_BS is None)) and kl_tok_BS is None:
         raise ValueError("max/avg criteria need kl_tok_BS")
     mask_BS = mask_BS.bool()

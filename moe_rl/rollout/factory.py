@@ -1,4 +1,5 @@
-"""The rollout engine ``rollout.engine`` names, and the sampling parameters of ``rollout.*``."""
+"""The rollout engine ``rollout.engine`` names (what it samples with:
+``moe_rl.step.plan.sampling_params``)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,6 @@ import torch
 
 from moe_rl.config import RunConfig
 from moe_rl.rollout.base import RolloutEngine
-from moe_rl.types import SamplingParams
 
 
 def build_engine(cfg: RunConfig, pad_id: int, device: torch.device | str = "cpu") -> RolloutEngine:
@@ -23,20 +23,4 @@ def build_engine(cfg: RunConfig, pad_id: int, device: torch.device | str = "cpu"
         pad_id=pad_id,
         device=device,
         router_logit_noise=cfg.rollout.router_noise,
-    )
-
-
-def sampling_params(cfg: RunConfig, stop_token_ids: tuple[int, ...] = ()) -> SamplingParams:
-    """What the engine samples with; the full distributions are returned when a correction needs them."""
-    r, c = cfg.rollout, cfg.correction
-    exact_trm = c.trm.on and c.trm.kl == "exact"
-    return SamplingParams(
-        max_new_tokens=r.max_new_tokens,
-        temperature=r.temperature,
-        top_p=r.top_p,
-        top_k=r.top_k,
-        stop_token_ids=tuple(stop_token_ids),
-        dvp_threshold=c.dvp_threshold,
-        dvp_rule=c.dvp_rule,
-        return_dist=exact_trm or c.dvp_threshold > 0,
     )

@@ -3,9 +3,9 @@ functions of reduced ones (variance proxies over the grad norm, derived correcti
 
 from __future__ import annotations
 
-from moe_rl.corrections import derive_metrics
+from moe_rl.corrections.derived import derive_metrics
+from moe_rl.maths.variance import finalize_variance_proxies
 from moe_rl.metrics import reduce_metrics
-from moe_rl.variance import finalize_variance_proxies
 
 
 def finalize(local: dict, group=None) -> dict[str, float]:

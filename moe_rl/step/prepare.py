@@ -18,16 +18,16 @@ from typing import NamedTuple
 
 import torch
 
-from moe_rl.advantages import extra_inputs
 from moe_rl.corrections.importance import offpolicy_metrics
 from moe_rl.learner.learner import Learner, LogprobOutput
+from moe_rl.maths.advantages import estimate_advantages
+from moe_rl.maths.variance import variance_proxies
 from moe_rl.metrics import Max, Mean, Sum
 from moe_rl.monitor.router_grad import rollout_flip_aliases
 from moe_rl.routing.record import RouteBatch, RouteHeader, validate
-from moe_rl.step import correction
+from moe_rl.step import drift
 from moe_rl.step.plan import StepPlan
 from moe_rl.types import RolloutBatch, TrainBatch
-from moe_rl.variance import variance_proxies
 
 
 def rollout_routes(batch: RolloutBatch, header: RouteHeader) -> RouteBatch:
@@ -58,7 +58,7 @@ def old_logprobs(plan: StepPlan, learner: Learner, batch: RolloutBatch) -> OldPa
     """The learner's pass over the rollout, on the learner's device (an engine may hand its batch
     over on another: vLLM's is on the host)."""
     batch = batch.to(learner.device)
-    inputs = correction.token_inputs(plan.correction, batch)
+    inputs = drift.token_inputs(plan.correction, plan.support, batch)
     tb = TrainBatch(
         batch.tokens_BS,
         batch.prompt_lens_B + batch.response_lens_B,
@@ -76,19 +76,17 @@ def prepare_batch(
     """Correction tensors and advantages: the batch the update consumes, and the step's metrics."""
     batch, st, routing = old.batch, old.out.stats, old.out.routing
     rewards_B, mask_BS = rewards_B.to(learner.device), batch.response_mask_BS
-    corr, corr_metrics = correction.drift_tensors(
+    corr, corr_metrics = drift.drift_tensors(
         plan.correction, st.logp_BS, batch.logprobs_BS, mask_BS, learner.dims.dp_group, st.exact_kl_BS
     )
     # OTB weights its energies by the squared rollout IS weights when rollout IS is on (docs/math.md 6.2)
     adv_inputs = {"logp_BS": st.logp_BS, "sum_pi_sq_BS": st.sum_pi_sq_BS, "is_weights_BS": corr.is_weights_BS}
-    adv_BS, metrics = plan.advantage(
-        rewards_B, batch.group_B, mask_BS, std_norm=plan.std_norm, **extra_inputs(plan.advantage, adv_inputs)
-    )
+    adv_BS, metrics = estimate_advantages(plan.advantage, rewards_B, batch.group_B, mask_BS, adv_inputs)
     metrics.update(routing.metrics)
     if plan.replay.monitor:
         metrics.update(rollout_flip_aliases(routing.metrics))
     metrics.update(variance_proxies(adv_BS, mask_BS, st.sum_pi_sq_BS, st.logp_BS, corr.is_weights_BS))
-    metrics.update({**corr_metrics, **correction.dvp_batch_metrics(plan.correction, batch, st)})
+    metrics.update({**corr_metrics, **drift.dvp_batch_metrics(plan.correction, batch, st)})
     tb = old.tb.replace(
         loss_mask_BS=mask_BS,
         old_logp_BS=st.logp_BS,

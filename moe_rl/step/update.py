@@ -7,7 +7,7 @@ import torch
 
 from moe_rl.dist import all_reduce_sum, comm_device
 from moe_rl.learner.learner import Learner
-from moe_rl.lr import LengthLRScheduler, scheduled_lr
+from moe_rl.maths.lr import LengthLRScheduler, scheduled_lr
 from moe_rl.metrics import merge_metrics
 from moe_rl.step.plan import StepPlan
 from moe_rl.types import RolloutBatch, TrainBatch

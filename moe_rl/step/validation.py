@@ -7,8 +7,8 @@ import dataclasses
 import time
 
 from moe_rl.config import RunConfig
-from moe_rl.rollout.factory import sampling_params
 from moe_rl.seeding import VALIDATE, step_seed
+from moe_rl.step.plan import sampling_params
 from moe_rl.tasks.rewards import score
 from moe_rl.tasks.task import Task
 

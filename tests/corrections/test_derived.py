@@ -7,8 +7,10 @@ import math
 import pytest
 import torch
 
-from moe_rl import corrections, losses
-from moe_rl.corrections import derive_metrics, is_weights
+from moe_rl.corrections import dvp, importance, trm
+from moe_rl.corrections.derived import derive_metrics
+from moe_rl.corrections.importance import is_weights
+from moe_rl.maths import losses
 from moe_rl.metrics import merge_metrics, reduce_metrics
 from moe_rl.names import RS_AGGREGATION_NAMES
 
@@ -42,11 +44,12 @@ def test_trm_alarm_threshold_and_passthrough():
 
 @pytest.mark.unit
 def test_package_surface():
-    for name in corrections.__all__:
-        assert hasattr(corrections, name), name
-    assert set(corrections.IS_LEVELS) == {"token", "sequence", "geometric"}
-    assert set(corrections.RS_AGGREGATIONS) == {"token", "seq_sum", "seq_mean", "seq_max"}
-    assert set(corrections.RS_AGGREGATIONS) == set(RS_AGGREGATION_NAMES)  # the names moe_rl.config checks
-    assert corrections.LENGTH_NEUTRAL == ("none", "ln", "ser")
-    assert corrections.TRM_REFERENCES == ("theta", "old")
+    for module in (dvp, importance, trm):
+        for name in module.__all__:
+            assert hasattr(module, name), name
+    assert set(importance.IS_LEVELS) == {"token", "sequence", "geometric"}
+    assert set(importance.RS_AGGREGATIONS) == {"token", "seq_sum", "seq_mean", "seq_max"}
+    assert set(importance.RS_AGGREGATIONS) == set(RS_AGGREGATION_NAMES)  # the names moe_rl.config checks
+    assert trm.LENGTH_NEUTRAL == ("none", "ln", "ser")
+    assert trm.TRM_REFERENCES == ("theta", "old")
     assert losses.BYPASS_MODES == ("ppo_clip", "reinforce")

@@ -7,16 +7,18 @@ import math
 import pytest
 import torch
 
-from moe_rl import losses, ratios
-from moe_rl.corrections import derive_metrics, importance
+from moe_rl.corrections import importance
+from moe_rl.corrections.correction_specs import CorrectionSpec, parse_rs_spec
+from moe_rl.corrections.derived import derive_metrics
 from moe_rl.corrections.importance import (
     is_batch_mean_parts,
     is_weights,
     log_ratio,
     offpolicy_metrics,
-    parse_rs_spec,
     rejection_mask,
 )
+from moe_rl.maths import losses, ratios
+from moe_rl.maths.policy_specs import PolicyLossSpec
 from moe_rl.metrics import merge_metrics, reduce_metrics
 
 F64 = torch.float64
@@ -120,21 +122,27 @@ def test_k1_direction_with_asymmetric_bound():
     """Bounds are on rho = pi_train / pi_rollout, NOT verl's mirrored pi_rollout / pi_train."""
     bound = [(0.6, 1.6)]
     lr, mask = _lr([[1.62], [0.61], [1.65], [0.59]])
-    keep, _ = rejection_mask(lr, mask, ["token_k1"], bound)
+    keep, _ = rejection_mask(lr, mask, parse_rs_spec(["token_k1"], bound))
     # ours: rho in [0.6, 1.6]; verl's reading would keep rho in [0.625, 1.667]: [True, False, True, False]
     assert keep[:, 0].tolist() == [False, True, False, False]
     # build the ratio from log-probs explicitly: train more likely than rollout -> rho > 1
     train = torch.log(torch.tensor([[0.81]], dtype=F64))
     roll = torch.log(torch.tensor([[0.50]], dtype=F64))  # rho = 1.62
-    keep, _ = rejection_mask(log_ratio(train, roll), torch.ones(1, 1, dtype=torch.bool), ["token_k1"], bound)
+    keep, _ = rejection_mask(
+        log_ratio(train, roll), torch.ones(1, 1, dtype=torch.bool), parse_rs_spec(["token_k1"], bound)
+    )
     assert not keep.item()
-    keep, _ = rejection_mask(log_ratio(roll, train), torch.ones(1, 1, dtype=torch.bool), ["token_k1"], bound)
+    keep, _ = rejection_mask(
+        log_ratio(roll, train), torch.ones(1, 1, dtype=torch.bool), parse_rs_spec(["token_k1"], bound)
+    )
     assert keep.item()  # rho = 1/1.62 = 0.617 is inside [0.6, 1.6]
     # sequence-level k1: seq_sum bounds rho(y), seq_mean bounds rho_geo
     lr, mask = _lr([[1.5, 1.1], [0.7, 0.8]])  # rho(y) = 1.65, 0.56
-    keep, _ = rejection_mask(lr, mask, ["seq_sum_k1"], [(0.5, 1.6)])
+    keep, _ = rejection_mask(lr, mask, parse_rs_spec(["seq_sum_k1"], [(0.5, 1.6)]))
     assert keep.tolist() == [[False, False], [True, True]]
-    keep, _ = rejection_mask(lr, mask, ["seq_mean_k1"], [(0.76, 1.3)])  # rho_geo = 1.285, 0.748
+    keep, _ = rejection_mask(
+        lr, mask, parse_rs_spec(["seq_mean_k1"], [(0.76, 1.3)])
+    )  # rho_geo = 1.285, 0.748
     assert keep.tolist() == [[True, True], [False, False]]
 
 
@@ -144,31 +152,31 @@ def test_each_option_hand_computed():
     lr, mask = _lr([[2.0, 1.0, None], [1.0, 1.1, 0.9]])
     k2_tok = 0.5 * math.log(2.0) ** 2  # 0.240
     k3_tok = 2.0 - 1 - math.log(2.0)  # 0.307
-    keep, m = rejection_mask(lr, mask, ["token_k2"], [0.2])
+    keep, m = rejection_mask(lr, mask, parse_rs_spec(["token_k2"], [0.2]))
     assert keep.tolist() == [[False, True, False], [True, True, True]]
     got = reduce_metrics(m)
     assert got["corr/rs_token_k2_max"] == pytest.approx(k2_tok)
     assert got["corr/rs_token_k2_masked_fraction"] == pytest.approx(1 / 5)
     assert got["corr/rs_token_k2_seq_masked_fraction"] == pytest.approx(1 / 2)
-    keep, _ = rejection_mask(lr, mask, ["seq_max_k3"], 0.3)
+    keep, _ = rejection_mask(lr, mask, parse_rs_spec(["seq_max_k3"], 0.3))
     assert keep.tolist() == [[False, False, False], [True, True, True]]
-    keep, m = rejection_mask(lr, mask, ["seq_mean_k3"], [k3_tok / 2 + 1e-9])
+    keep, m = rejection_mask(lr, mask, parse_rs_spec(["seq_mean_k3"], [k3_tok / 2 + 1e-9]))
     assert keep[0].tolist() == [True, True, False]  # mean k3 of seq 0 == k3_tok / 2, kept (<=)
     assert reduce_metrics(m)["corr/rs_seq_mean_k3_mean"] == pytest.approx(
         (k3_tok / 2 + (1.1 - 1 - math.log(1.1) + 0.9 - 1 - math.log(0.9)) / 3) / 2
     )
-    keep, _ = rejection_mask(lr, mask, ["seq_sum_k2"], [0.2])
+    keep, _ = rejection_mask(lr, mask, parse_rs_spec(["seq_sum_k2"], [0.2]))
     assert keep.tolist() == [[False, False, False], [True, True, True]]
-    keep, _ = rejection_mask(lr, mask, ["token_k1"], 1.5)  # float U -> (1/U, U)
+    keep, _ = rejection_mask(lr, mask, parse_rs_spec(["token_k1"], 1.5))  # float U -> (1/U, U)
     assert keep.tolist() == [[False, True, False], [True, True, True]]
 
 
 @pytest.mark.unit
 def test_options_are_and_combined():
     lr, mask = _lr([[2.0, 1.0], [1.0, 1.3], [1.05, 1.05]])
-    keep_a, _ = rejection_mask(lr, mask, ["token_k1"], [(0.5, 1.5)])
-    keep_b, _ = rejection_mask(lr, mask, ["seq_sum_k1"], [(0.8, 1.2)])
-    keep, m = rejection_mask(lr, mask, ["token_k1", "seq_sum_k1"], [(0.5, 1.5), (0.8, 1.2)])
+    keep_a, _ = rejection_mask(lr, mask, parse_rs_spec(["token_k1"], [(0.5, 1.5)]))
+    keep_b, _ = rejection_mask(lr, mask, parse_rs_spec(["seq_sum_k1"], [(0.8, 1.2)]))
+    keep, m = rejection_mask(lr, mask, parse_rs_spec(["token_k1", "seq_sum_k1"], [(0.5, 1.5), (0.8, 1.2)]))
     assert torch.equal(keep, keep_a & keep_b)
     assert keep.tolist() == [[False, False], [False, False], [True, True]]
     got = reduce_metrics(m)
@@ -243,7 +251,7 @@ def test_rejection_matches_loop_reference(seed):
         ("seq_mean_k3", 0.1),
         ("seq_max_k3", 0.3),
     ]:
-        keep, _ = rejection_mask(lr, mask, [option], [bound])
+        keep, _ = rejection_mask(lr, mask, parse_rs_spec([option], [bound]))
         assert torch.equal(keep, _loop_rejection(lr, mask, option, bound)), option
 
 
@@ -286,7 +294,9 @@ def test_metrics_split_across_microbatches_equal_whole_batch():
     def all_metrics(sl):
         out = dict(offpolicy_metrics(train[sl], roll[sl], mask[sl]))
         out.update(is_weights(lr[sl], mask[sl], "sequence", 2.0)[1])
-        out.update(rejection_mask(lr[sl], mask[sl], ["token_k1", "seq_max_k2"], [(0.5, 2.0), 0.3])[1])
+        out.update(
+            rejection_mask(lr[sl], mask[sl], parse_rs_spec(["token_k1", "seq_max_k2"], [(0.5, 2.0), 0.3]))[1]
+        )
         return out
 
     whole = reduce_metrics(all_metrics(slice(None)))
@@ -356,9 +366,9 @@ def test_chi2_seq_and_seq_k1_rejection_use_the_exact_sum():
     assert got == pytest.approx(want, rel=1e-12)
     lr = ratios.exact_log_ratio(train, roll)
     # keep sequences with rho(y) in [e^-1, e^1]: only sequence 0 (sum 0.5)
-    keep, _ = rejection_mask(lr, mask, ["seq_sum_k1"], [(math.exp(-1), math.exp(1))])
+    keep, _ = rejection_mask(lr, mask, parse_rs_spec(["seq_sum_k1"], [(math.exp(-1), math.exp(1))]))
     assert keep.any(-1).tolist() == [True, False, False]
-    keep, _ = rejection_mask(lr, mask, ["seq_mean_k1"], [(math.exp(0.2), math.exp(0.3))])
+    keep, _ = rejection_mask(lr, mask, parse_rs_spec(["seq_mean_k1"], [(math.exp(0.2), math.exp(0.3))]))
     assert keep.any(-1).tolist() == [True, False, False]  # mean 0.25
 
 
@@ -383,24 +393,18 @@ def test_k1_kl_averages_the_exact_token_log_ratios():
 @pytest.mark.unit
 def test_glue_and_bypass_paths_weight_sequences_exactly():
     from moe_rl.config import load_config
-    from moe_rl.step import correction
+    from moe_rl.step import drift
     from moe_rl.step.plan import StepPlan
 
     train, roll, mask = _extreme()
     train, roll, mask = train[:1].float(), roll[:1].float(), mask[:1]
     plan = StepPlan.from_config(load_config(None, ["correction.is_level=sequence", "correction.is_clip=1e6"]))
-    corr, _ = correction.drift_tensors(plan.correction, train, roll, mask, None)
+    corr, _ = drift.drift_tensors(plan.correction, train, roll, mask, None)
     assert corr.is_weights_BS[0, :2].tolist() == pytest.approx([math.exp(0.5)] * 2, rel=1e-6)
     logp = train.clone().requires_grad_(True)
+    bypass = CorrectionSpec(mode="bypass", bypass_loss="reinforce", is_level="sequence", is_clip=1e6)
     _, metrics = losses.bypass_loss(
-        logp,
-        roll,
-        torch.ones(1, 3),
-        mask,
-        mode="reinforce",
-        normalizer=2.0,
-        is_level="sequence",
-        is_clip_max=None,
+        PolicyLossSpec(), bypass, logp, roll, torch.ones(1, 3), mask, normalizer=2.0
     )
     assert float(metrics["corr/is_max"].value) == pytest.approx(math.exp(0.5), rel=1e-6)
 

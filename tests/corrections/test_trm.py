@@ -8,10 +8,12 @@ import math
 import pytest
 import torch
 
-from moe_rl.corrections import derive_metrics
+from moe_rl.corrections.correction_specs import TrmSpec, parse_rs_spec
+from moe_rl.corrections.derived import derive_metrics
 from moe_rl.corrections.importance import log_ratio, rejection_mask
-from moe_rl.corrections.trm import exact_kl_tokens, sample_kl_tokens, trm_bounds, trm_mask
-from moe_rl.losses import decoupled_ppo_loss
+from moe_rl.corrections.trm import exact_kl_tokens, sample_kl_tokens, trm_bounds, trm_keep, trm_mask
+from moe_rl.maths.losses import decoupled_ppo_loss
+from moe_rl.maths.policy_specs import PolicyLossSpec
 from moe_rl.metrics import reduce_metrics
 
 F64 = torch.float64
@@ -71,7 +73,7 @@ def _batch():
 @pytest.mark.unit
 def test_max_avg_and_combined_criteria():
     kl, mask = _batch()
-    keep, m = trm_mask(kl, mask, max_delta=0.05)
+    keep, m = trm_keep(kl, mask, max_delta=0.05)
     assert keep.tolist() == [False, True, True, True]  # the empty sequence is kept (no loss)
     got = derive_metrics(reduce_metrics(m))
     assert got["corr/trm_accept_rate"] == pytest.approx(2 / 3)
@@ -82,21 +84,51 @@ def test_max_avg_and_combined_criteria():
     assert got["corr/trm_len_accepted"] == pytest.approx(2.5) and got["corr/trm_len_all"] == pytest.approx(
         7 / 3
     )
-    keep, m = trm_mask(kl, mask, avg_delta=0.015)  # averages 0.105, 0.01, 0.02005
+    keep, m = trm_keep(kl, mask, avg_delta=0.015)  # averages 0.105, 0.01, 0.02005
     assert keep.tolist() == [False, True, False, True]
     assert reduce_metrics(m)["corr/trm_avg_kl"] == pytest.approx((0.105 + 0.01 + 0.02005) / 3)
-    keep, m = trm_mask(kl, mask, max_delta=0.05, avg_delta=0.015)
+    keep, m = trm_keep(kl, mask, max_delta=0.05, avg_delta=0.015)
     assert keep.tolist() == [False, True, False, True]
-    keep, m = trm_mask(kl, mask, max_delta=0.3, avg_delta=0.1)  # max alone accepts all; avg rejects seq 0
+    keep, m = trm_keep(kl, mask, max_delta=0.3, avg_delta=0.1)  # max alone accepts all; avg rejects seq 0
     assert keep.tolist() == [False, True, True, True]
     got = derive_metrics(reduce_metrics(m))
     assert got["corr/trm_max_reject_frac"] == 0.0 and got["corr/trm_avg_reject_frac"] == pytest.approx(1 / 3)
-    keep, m = trm_mask(kl, mask, max_delta=0.3)
+    keep, m = trm_keep(kl, mask, max_delta=0.3)
     assert derive_metrics(reduce_metrics(m))["corr/trm_alarm"] == 0.0
     with pytest.raises(ValueError, match="at least one criterion"):
-        trm_mask(kl, mask)
+        trm_keep(kl, mask)
     with pytest.raises(ValueError, match="length_neutral"):
-        trm_mask(kl, mask, length_neutral="avg")
+        trm_keep(kl, mask, length_neutral="avg")
+
+
+@pytest.mark.unit
+def test_trm_mask_from_a_spec_reads_k2_for_max_k3_for_avg_or_the_exact_kl():
+    """The spec says the criteria; ``trm_mask`` decides their statistics (docs/math.md 3.3): sample
+    TRM = rollout_rs "seq_max_k2,seq_mean_k3" (verl mapping, a different code path), exact TRM
+    reads only the exact per-token KL it is handed."""
+    # log rho -0.4: k2 0.08 > 0.075 (max rejects), k3 0.0703; log rho 0.3: k2 0.045, k3 0.0499 > 0.047
+    # (avg rejects); with the statistics swapped both sequences would be kept
+    rollout = torch.full((3, 2), -1.0, dtype=F64)
+    train = rollout + torch.tensor([[-0.4, -0.4], [0.3, 0.3], [0.0, 0.0]], dtype=F64)
+    keep_B, m = trm_mask(TrmSpec(max=0.075, avg=0.047), train, rollout, torch.ones(3, 2, dtype=torch.bool))
+    assert keep_B.tolist() == [False, False, True]
+    assert reduce_metrics(m)["corr/trm_max_kl"] == pytest.approx(0.08)
+    gen = torch.Generator().manual_seed(2)
+    rollout = -torch.rand(16, 12, generator=gen, dtype=F64)
+    train = rollout + torch.randn(16, 12, generator=gen, dtype=F64) * 0.2
+    mask = torch.rand(16, 12, generator=gen) > 0.2
+    keep_B, _ = trm_mask(TrmSpec(max=0.05, avg=0.02), train, rollout, mask)
+    rules = parse_rs_spec(["seq_max_k2", "seq_mean_k3"], [0.05, 0.02])
+    keep_BS, _ = rejection_mask(log_ratio(train, rollout), mask, rules)
+    assert 0 < keep_B.sum() < 16
+    assert torch.equal(keep_BS, mask & keep_B[:, None])
+    # exact: a KL of 0.1 on sequence 3 only rejects it alone, whatever the log-ratios say
+    exact_BS = torch.zeros(16, 12, dtype=F64)
+    exact_BS[3] = 0.1
+    keep_B, _ = trm_mask(TrmSpec(max=0.05, avg=0.02, kl="exact"), train, rollout, mask, exact_BS)
+    assert keep_B.tolist() == [i != 3 for i in range(16)]
+    with pytest.raises(ValueError, match="full distributions"):
+        trm_mask(TrmSpec(max=0.05, kl="exact"), train, rollout, mask)
 
 
 @pytest.mark.unit
@@ -105,14 +137,14 @@ def test_sample_based_form_equals_rs_options():
     gen = torch.Generator().manual_seed(2)
     lr = torch.randn(16, 12, generator=gen, dtype=F64) * 0.2
     mask = torch.rand(16, 12, generator=gen) > 0.2
-    keep_B, _ = trm_mask(
+    keep_B, _ = trm_keep(
         sample_kl_tokens(lr, "k2"),
         mask,
         max_delta=0.05,
         avg_delta=0.02,
         avg_kl_tok_BS=sample_kl_tokens(lr, "k3"),
     )
-    keep_BS, _ = rejection_mask(lr, mask, ["seq_max_k2", "seq_mean_k3"], [0.05, 0.02])
+    keep_BS, _ = rejection_mask(lr, mask, parse_rs_spec(["seq_max_k2", "seq_mean_k3"], [0.05, 0.02]))
     assert 0 < keep_B.sum() < 16
     assert torch.equal(keep_BS, mask & keep_B[:, None])
 
@@ -122,15 +154,15 @@ def test_length_neutral_variants_hand_computed():
     rho = torch.tensor([[1.1, 0.8, 1.0, 1.2]], dtype=F64)
     lr, mask = rho.log(), torch.ones(1, 4, dtype=torch.bool)
     dev = [0.1, 0.2, 0.0, 0.2]
-    keep, m = trm_mask(None, mask, length_neutral="ser", log_ratio_BS=lr, ln_threshold=0.126)
+    keep, m = trm_keep(None, mask, length_neutral="ser", log_ratio_BS=lr, ln_threshold=0.126)
     assert keep.tolist() == [True]
     assert reduce_metrics(m)["corr/trm_ser_score"] == pytest.approx(sum(dev) / 4)  # 0.125
-    keep, _ = trm_mask(None, mask, length_neutral="ser", log_ratio_BS=lr, ln_threshold=0.124)
+    keep, _ = trm_keep(None, mask, length_neutral="ser", log_ratio_BS=lr, ln_threshold=0.124)
     assert keep.tolist() == [False]
     eps, delta = 0.5, 0.08
     w = [min(1, (4 - t) * eps, math.sqrt((4 - t) * delta / 2)) for t in range(1, 5)]  # [0.346, 0.283, 0.2, 0]
     score = sum(d * wt for d, wt in zip(dev, w)) / sum(w)
-    keep, m = trm_mask(
+    keep, m = trm_keep(
         None,
         mask,
         length_neutral="ln",
@@ -141,7 +173,7 @@ def test_length_neutral_variants_hand_computed():
     )
     assert keep.tolist() == [True]
     assert reduce_metrics(m)["corr/trm_ln_score"] == pytest.approx(score)
-    keep, _ = trm_mask(
+    keep, _ = trm_keep(
         None,
         mask,
         length_neutral="ln",
@@ -152,11 +184,11 @@ def test_length_neutral_variants_hand_computed():
     )
     assert keep.tolist() == [False]
     with pytest.raises(ValueError, match="ln_eps"):
-        trm_mask(None, mask, length_neutral="ln", log_ratio_BS=lr, ln_threshold=0.1)
+        trm_keep(None, mask, length_neutral="ln", log_ratio_BS=lr, ln_threshold=0.1)
     # LN uses response-token positions: interleaved padding / tool tokens do not change the score
     lr_gap = torch.tensor([[lr[0, 0], 5.0, lr[0, 1], lr[0, 2], 5.0, lr[0, 3]]], dtype=F64)
     mask_gap = torch.tensor([[True, False, True, True, False, True]])
-    _, m_gap = trm_mask(
+    _, m_gap = trm_keep(
         None, mask_gap, length_neutral="ln", log_ratio_BS=lr_gap, ln_threshold=1.0, ln_eps=eps, ln_delta=delta
     )
     assert reduce_metrics(m_gap)["corr/trm_ln_score"] == pytest.approx(score)
@@ -172,7 +204,7 @@ def test_vectorised_mask_matches_loop_reference():
     mask = torch.rand(B, S, generator=gen) > 0.25
     eps, delta = 0.05, 0.01
     for ln in ("none", "ln", "ser"):
-        keep, _ = trm_mask(
+        keep, _ = trm_keep(
             kl,
             mask,
             max_delta=0.05,
@@ -207,14 +239,20 @@ def test_vectorised_mask_matches_loop_reference():
 def test_normaliser_is_total_batch_not_accepted_count():
     """Masked sequences contribute zero; the others keep weight 1 / N_total (docs/math.md 3.3)."""
     kl, mask = _batch()
-    keep_B, _ = trm_mask(kl, mask, max_delta=0.05)  # rejects sequence 0
+    keep_B, _ = trm_keep(kl, mask, max_delta=0.05)  # rejects sequence 0
     gen = torch.Generator().manual_seed(4)
     logp = (torch.randn(4, 3, generator=gen, dtype=F64) * 0.1 - 1).requires_grad_(True)
     old = logp.detach().clone()  # ratio 1: loss_t = -A_t
     adv = torch.tensor([[1.0], [2.0], [-1.0], [5.0]], dtype=F64).expand(4, 3)
     total_tokens = mask.sum()  # counted BEFORE masking: 7
     loss, _ = decoupled_ppo_loss(
-        logp, old, adv, mask, clip_low=0.2, clip_high=0.2, normalizer=total_tokens, keep=keep_B
+        PolicyLossSpec(clip_low=0.2, clip_high=0.2),
+        logp,
+        old,
+        adv,
+        mask,
+        normalizer=total_tokens,
+        keep=keep_B,
     )
     assert loss.item() == pytest.approx((-2.0 * 3 + 1.0 * 2) / 7)  # not / 5 (accepted tokens)
     loss.backward()

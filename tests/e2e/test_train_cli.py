@@ -124,7 +124,7 @@ def test_resume_reproduces_uninterrupted_run(tmp_path):
     flips = [r[f"routing/flip_router_frac/layer{i}"] for i in range(4)]  # replay off: still measured
     assert all(0 <= f <= 1 for f in flips) and r["routing/flip_router_frac"] == pytest.approx(sum(flips) / 4)
     # OTB ran with its energies; the variance proxies follow from the step's grad norm and power
-    # (moe_rl/variance.py); the LR decayed on a length surge
+    # (moe_rl/maths/variance.py); the LR decayed on a length surge
     assert r["adv/proxy_signal"] == pytest.approx(r["train/grad_norm"] ** 2)
     n, power = r["adv/proxy_num_seqs"], r["adv/proxy_total_power"]
     assert n == 32.0 and power > 0

@@ -338,7 +338,7 @@ def test_dvp_metrics_without_the_rollout_distribution(fp32_engine: BuiltinEngine
 
     from moe_rl.config import load_config
     from moe_rl.corrections.dvp import restricted_logprobs
-    from moe_rl.step import correction
+    from moe_rl.step import drift
     from moe_rl.step.plan import StepPlan
     from moe_rl.types import TokenStats
 
@@ -357,15 +357,13 @@ def test_dvp_metrics_without_the_rollout_distribution(fp32_engine: BuiltinEngine
     cp = StepPlan.from_config(load_config(None, ["correction.dvp_threshold=0.2"])).correction
     full = {
         k: float(v.sum / v.count) if hasattr(v, "count") else float(v.value)
-        for k, v in correction.dvp_batch_metrics(cp, out, old).items()
+        for k, v in drift.dvp_batch_metrics(cp, out, old).items()
     }
     partial = {
         k: float(v.sum / v.count) if hasattr(v, "count") else float(v.value)
-        for k, v in correction.dvp_batch_metrics(
-            cp, dataclasses.replace(out, dist_logp_BSV=None), old
-        ).items()
+        for k, v in drift.dvp_batch_metrics(cp, dataclasses.replace(out, dist_logp_BSV=None), old).items()
     }
-    assert set(full) - set(partial) == set(correction.ROLLOUT_DIST_METRICS)
+    assert set(full) - set(partial) == set(drift.ROLLOUT_DIST_METRICS)
     # (the engine reports its fp32 log-prob; the recomputation differs by ~1e-7, k3 is second order)
     assert partial == pytest.approx({k: full[k] for k in partial}, rel=1e-4)
     assert partial["corr/dvp_k3_after"] > 0 and partial["corr/dvp_outside_frac"] == 0.0

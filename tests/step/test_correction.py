@@ -1,4 +1,4 @@
-"""unit tier: moe_rl/step/correction.py, run from the plan moe_rl/step/plan.py resolves from
+"""unit tier: moe_rl/step/drift.py, run from the plan moe_rl/step/plan.py resolves from
 correction.*: masks, weights and the loss."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from moe_rl.config import load_config
-from moe_rl.step import correction
+from moe_rl.step import drift
 from moe_rl.step.plan import StepPlan
 from moe_rl.types import TokenStats, TrainBatch
 
@@ -47,7 +47,7 @@ def _stats(logp):
 def test_default_config_keeps_everything_and_has_no_weights():
     plan = _plan()
     mask, rollout, old = _batch()
-    corr, metrics = correction.drift_tensors(plan.correction, old, rollout, mask, None)
+    corr, metrics = drift.drift_tensors(plan.correction, old, rollout, mask, None)
     assert torch.equal(corr.keep_BS, mask) and corr.is_weights_BS is None and metrics == {}
 
 
@@ -55,7 +55,7 @@ def test_default_config_keeps_everything_and_has_no_weights():
 def test_seq_mis_weights_and_rejects_the_drifted_sequence():
     plan = _plan("configs/corrections/seq_mis.yaml")
     mask, rollout, old = _batch()
-    corr, metrics = correction.drift_tensors(plan.correction, old, rollout, mask, None)
+    corr, metrics = drift.drift_tensors(plan.correction, old, rollout, mask, None)
     # sum_t log rho of sequence 1 = 1.0 > log 2: rejected; the others (log rho = 0) kept
     assert corr.keep_BS.any(-1).tolist() == [True, False, True]
     w = corr.is_weights_BS
@@ -70,7 +70,7 @@ def test_seq_mis_weights_and_rejects_the_drifted_sequence():
 def test_trm_against_old_masks_whole_sequences_and_keeps_the_normaliser():
     plan = _plan(None, "correction.trm.max=0.05")
     mask, rollout, old = _batch()
-    corr, _ = correction.drift_tensors(plan.correction, old, rollout, mask, None)
+    corr, _ = drift.drift_tensors(plan.correction, old, rollout, mask, None)
     assert corr.keep_BS.any(-1).tolist() == [True, False, True]  # k2 = 0.125 > 0.05 in sequence 1
     loss = plan.loss
     adv = torch.ones(3, 4)
@@ -103,7 +103,7 @@ def test_learner_refuses_a_log_prob_support_mismatch():
     from moe_rl.types import RolloutBatch
 
     plan = _plan(None, "correction.dvp_threshold=0.05")
-    assert plan.correction.support == "dvp:relative:0.05"  # the engine's sampling params say so
+    assert plan.support == "dvp:relative:0.05"  # the engine's sampling params say so
     z = torch.zeros(1, 3)
     batch = RolloutBatch(
         z.long(),
@@ -119,7 +119,7 @@ def test_learner_refuses_a_log_prob_support_mismatch():
     with pytest.raises(
         ValueError, match="support 'full' but the learner computes them over 'dvp:relative:0.05'"
     ):
-        correction.token_inputs(plan.correction, batch)
+        drift.token_inputs(plan.correction, plan.support, batch)
     batch.logprob_support = "dvp:relative:0.05"
     with pytest.raises(ValueError, match="returned no safe sets"):
-        correction.token_inputs(plan.correction, batch)
+        drift.token_inputs(plan.correction, plan.support, batch)

@@ -10,29 +10,19 @@ import math
 import pytest
 import torch
 
-from moe_rl import advantages
-from moe_rl.config import AlgoConfig, CorrectionConfig, RunConfig, load_config
+from moe_rl.config import AlgoConfig, RunConfig, load_config
+from moe_rl.corrections.correction_specs import ImportanceSpec, TrmSpec
 from moe_rl.learner.learner import UpdateOutput
-from moe_rl.rollout.factory import sampling_params
+from moe_rl.maths import advantages
+from moe_rl.maths.losses import PolicyLoss
+from moe_rl.maths.policy_specs import AdvantageSpec, PolicyLossSpec
 from moe_rl.routing.agreement import RoutingOutcome
 from moe_rl.routing.replay_plan import ReplayMode, ReplayPlan
-from moe_rl.step import correction
-from moe_rl.step.correction import CorrectionPlan, TrmPlan
-from moe_rl.step.plan import StepPlan
+from moe_rl.step.plan import StepPlan, sampling_params
 from moe_rl.step.prepare import old_logprobs, prepare_batch, reference_logprobs
 from moe_rl.step.update import update_policy
 from moe_rl.types import TokenStats
 from tests.step.test_prepare import OLD_LOGP, _Learner, _rollout
-
-TRM_MAX = TrmPlan(
-    exact=False,
-    max_delta=0.05,
-    avg_delta=None,
-    length_neutral="none",
-    ln_threshold=0.05,
-    ln_eps=0.05,
-    ln_delta=0.001,
-)
 
 
 @pytest.mark.unit
@@ -50,29 +40,20 @@ def test_trm_and_token_is_resolve_into_the_plan_and_the_decoupled_loss():
         ],
     )
     plan = StepPlan.from_config(cfg, (7,))
-    assert plan.correction == CorrectionPlan(
-        "full",
-        safe_sets=False,
-        full_dists=False,
-        decoupled=True,
-        is_level="token",
-        is_clip=3.0,
-        is_batch_normalize=False,
-        rs=(),
-        rs_bounds=(),
-        trm_old=TRM_MAX,
+    # the step carries the correction spec as loaded: its typed parts are what the maths reads
+    assert plan.correction is cfg.correction and plan.support == "full"
+    assert plan.correction.importance == ImportanceSpec("token", 3.0, False)
+    assert plan.correction.trm_old == TrmSpec(max=0.05) and plan.correction.trm_theta is None
+    assert plan.correction.decoupled and not plan.correction.needs_full_dists and not plan.correction.dvp.on
+    assert plan.correction.rules == ()
+    assert plan.loss == PolicyLoss(
+        PolicyLossSpec(clip_low=0.2, clip_high=0.28, dual_clip_c=3.0, kl_coef=0.1, kl_estimator="k3"),
+        cfg.correction,
     )
-    assert plan.loss.func is correction.decoupled_loss
-    assert plan.loss.keywords == {
-        "trm_theta": None,
-        "clip_low": 0.2,
-        "clip_high": 0.28,
-        "clip_ratio_c": 3.0,
-        "kl_coef": 0.1,
-        "kl_kind": "k3",
-    }
+    assert plan.loss.spec.clip_ratio_c == 3.0
     assert plan.replay == ReplayPlan(ReplayMode.R3, True, False)
-    assert plan.advantage is advantages.grpo and plan.std_norm is True and plan.reference is True
+    assert plan.advantage == AdvantageSpec("grpo", True) and plan.reference is True
+    assert advantages.get_advantage(plan.advantage.name) is advantages.grpo
     assert plan.sampling == sampling_params(cfg, (7,)) and plan.sampling.stop_token_ids == (7,)
     assert (plan.micro_batch_size, plan.num_minibatches, plan.steps) == (
         cfg.algo.micro_batch_size,
@@ -97,34 +78,18 @@ def test_bypass_theta_trm_exact_kl_and_dvp_pick_the_bypass_loss():
         ],
     )
     plan = StepPlan.from_config(cfg)
-    exact = dataclasses.replace(TRM_MAX, exact=True)
+    c = plan.correction
     # bypass mode corrects in the loss: no per-batch tensors, TRM against pi_theta lives in the loss
-    assert plan.correction == CorrectionPlan(
-        "dvp:relative:0.1",
-        safe_sets=True,
-        full_dists=True,
-        decoupled=False,
-        is_level="sequence",
-        is_clip=2.0,
-        rs=("seq_sum_k1",),
-        rs_bounds=((0.5, 2.0),),
-        trm_old=None,
+    assert c is cfg.correction and plan.support == "dvp:relative:0.1"
+    assert not c.decoupled and c.dvp.on and c.needs_full_dists and plan.sampling.return_dist
+    assert c.importance == ImportanceSpec("sequence", 2.0, False)
+    assert c.rules == (("seq_sum", "k1", math.log(0.5), math.log(2.0)),)
+    assert c.trm_old is None and c.trm_theta == TrmSpec(max=0.05, reference="theta", kl="exact")
+    assert plan.loss == PolicyLoss(
+        PolicyLossSpec(clip_low=0.2, clip_high=0.28, dual_clip_c=0.0, kl_coef=0.0, kl_estimator="k3"), c
     )
-    assert plan.loss.func is correction.bypass_loss
-    assert plan.loss.keywords == {
-        "trm_theta": exact,
-        "mode": "reinforce",
-        "is_clip_max": 2.0,
-        "is_level": "sequence",
-        "rs_options": ("seq_sum_k1",),
-        "rs_bounds": ((0.5, 2.0),),
-        "clip_low": 0.2,
-        "clip_high": 0.28,
-        "clip_ratio_c": None,
-        "kl_coef": 0.0,
-        "kl_kind": "k3",
-    }
-    assert plan.advantage is advantages.rloo and plan.reference is False
+    assert c.bypass_loss == "reinforce" and plan.loss.spec.clip_ratio_c is None
+    assert plan.advantage == AdvantageSpec("rloo", True) and plan.reference is False
 
 
 class _LossLearner(_Learner):
@@ -146,12 +111,13 @@ class _LossLearner(_Learner):
 
 
 def _no_config_reads(monkeypatch) -> None:
-    """Any attribute read of a run, algo or correction config raises from here on."""
+    """Any attribute read of a run or algo config raises from here on (the step reads the specs
+    it carries, ``plan.correction`` among them, never the config tree around them)."""
 
     def refuse(obj, name):
         raise AssertionError(f"{type(obj).__name__}.{name} read during a step")
 
-    for cls in (RunConfig, AlgoConfig, CorrectionConfig):
+    for cls in (RunConfig, AlgoConfig):
         monkeypatch.setattr(cls, "__getattribute__", refuse)
 
 
@@ -172,10 +138,10 @@ def test_a_step_runs_from_the_plan_alone(monkeypatch):
     learner, rollout = _LossLearner(), _rollout()
     # sequence 1 drifted further from the engine: log rho 0.5, k2 0.125 > 0.05 (the others 0.25, k2 0.03125)
     rollout.logprobs_BS[1] = torch.where(rollout.response_mask_BS[1], -1.0, 0.0)
-    cc = cfg.correction
+    algo = cfg.algo
     _no_config_reads(monkeypatch)
-    with pytest.raises(AssertionError, match="CorrectionConfig.mode read during a step"):
-        _ = cc.mode  # the trap is armed
+    with pytest.raises(AssertionError, match="AlgoConfig.clip_low read during a step"):
+        _ = algo.clip_low  # the trap is armed
     old = old_logprobs(plan, learner, rollout)
     tb, m_prep = prepare_batch(plan, learner, old, torch.tensor([1.0, 0.0, 0.5, 0.5]))
     tb = reference_logprobs(plan, learner, tb)

@@ -1,5 +1,5 @@
 """Log-ratios and the KL estimators built on them: the one home of the helpers shared by the losses
-(``moe_rl.losses``) and the rollout corrections (``moe_rl.corrections``), below both.
+(``moe_rl.maths.losses``) and the rollout corrections (``moe_rl.corrections``), below both.
 
 Pure tensor functions (docs/math.md 1; verl ``SAFETY_BOUND``): no torch.distributed, no
 ``.item()``, no config objects.

@@ -24,6 +24,9 @@ passed, not None) and ``fn.OPTIONAL`` (names that may be passed). The caller com
     fn = get_advantage(name)
     adv_BS, metrics = fn(rewards_B, group_B, mask_BS, std_norm=..., **extra_inputs(fn, available))
 
+(``estimate_advantages(spec, ...)`` does exactly this from an ``AdvantageSpec``,
+``moe_rl.maths.policy_specs``.)
+
 Known extra inputs (all [B, S], aligned with ``response_mask_BS``; column t describes token t):
 - ``logp_BS``: old log-probs log pi_old(y_t | y_<t) of the taken tokens (the learner's log-prob
   pass, ``moe_rl.learner.logprobs.token_logprobs_energy``).
@@ -41,6 +44,7 @@ from typing import Any
 
 import torch
 
+from moe_rl.maths.policy_specs import AdvantageSpec
 from moe_rl.metrics import Mean, MetricValue, Std
 from moe_rl.registry import Registry
 
@@ -76,6 +80,19 @@ def extra_inputs(fn: AdvantageFn, available: Mapping[str, Any]) -> dict[str, Any
     out = {k: available[k] for k in fn.REQUIRES}
     out.update({k: available[k] for k in fn.OPTIONAL if available.get(k) is not None})
     return out
+
+
+def estimate_advantages(
+    spec: AdvantageSpec,
+    rewards_B: torch.Tensor,
+    group_B: torch.Tensor,
+    response_mask_BS: torch.Tensor,
+    available: Mapping[str, Any],
+) -> tuple[torch.Tensor, dict[str, MetricValue]]:
+    """The advantages of ``spec``'s estimator, handed the extra inputs it asks for from
+    ``available`` (``extra_inputs``)."""
+    fn = get_advantage(spec.name)
+    return fn(rewards_B, group_B, response_mask_BS, std_norm=spec.std_norm, **extra_inputs(fn, available))
 
 
 def _group_stats(rewards_B: torch.Tensor, group_B: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -2,8 +2,9 @@
 losses, KL estimators, and token-sum aggregation.
 
 Pure tensor functions (docs/math.md 2.1; verl ``compute_policy_loss_vanilla`` and
-``compute_policy_loss_bypass_mode``): no torch.distributed, no ``.item()``, no config objects.
-The cross-rank normaliser is an argument.
+``compute_policy_loss_bypass_mode``): no torch.distributed, no ``.item()``. The losses take their
+specs (``moe_rl.maths.policy_specs.PolicyLossSpec``; the bypass loss also the ``CorrectionSpec``) and
+tensors; ``PolicyLoss`` is the micro-batch loss a step runs. The cross-rank normaliser is an argument.
 
 Modes (docs/math.md 2.1):
 - decoupled (3 policies): ``decoupled_ppo_loss``. Drift rollout -> old is corrected by IS weights
@@ -25,17 +26,24 @@ the global token-mean, however the minibatch was split.
 Metrics follow ``moe_rl.metrics``: local ``Mean(sum, count)`` over loss tokens, ``Max``/``Min``.
 
 Layering: the log-ratio and KL-estimator helpers (``log_ratio``, ``kl_from_log_ratio``,
-``SAFETY_BOUND``) live in ``moe_rl.ratios``, below this module and ``moe_rl.corrections``; this
+``SAFETY_BOUND``) live in ``moe_rl.maths.ratios``, below this module and ``moe_rl.corrections``; this
 module uses the corrections' IS weights and rejection masks (bypass mode), so it sits above them.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from moe_rl.corrections.correction_specs import CorrectionSpec
 from moe_rl.corrections.importance import is_weights, rejection_mask
+from moe_rl.corrections.trm import trm_mask
+from moe_rl.maths.policy_specs import PolicyLossSpec
+from moe_rl.maths.ratios import exact_log_ratio, kl_from_log_ratio, log_ratio
 from moe_rl.metrics import Max, Mean, MetricValue, Min
-from moe_rl.ratios import exact_log_ratio, kl_from_log_ratio, log_ratio
+from moe_rl.names import BYPASS_LOSS_NAMES
+from moe_rl.types import TokenStats, TrainBatch
 
 
 def kl_estimate(logp_BS: torch.Tensor, ref_logp_BS: torch.Tensor, kind: str = "k3") -> torch.Tensor:
@@ -63,18 +71,18 @@ def _check_normalizer(normalizer: float | torch.Tensor) -> None:
 
 
 def _ppo_metrics(
-    pg_sum: torch.Tensor, lr_BS: torch.Tensor, clipped_BS: torch.Tensor, loss_mask_BS: torch.Tensor
+    pg_sum: torch.Tensor, log_ratio_BS: torch.Tensor, clipped_BS: torch.Tensor, loss_mask_BS: torch.Tensor
 ) -> dict[str, MetricValue]:
     """Local sums/counts over loss tokens (all inputs detached; clipped_BS bool)."""
     keep_BS = loss_mask_BS.bool()
-    mask_BS = keep_BS.to(lr_BS.dtype)
+    mask_BS = keep_BS.to(log_ratio_BS.dtype)
     num_tokens = mask_BS.sum()
-    ratio_BS = torch.exp(lr_BS)
+    ratio_BS = torch.exp(log_ratio_BS)
     inf = torch.tensor(float("inf"), dtype=ratio_BS.dtype, device=ratio_BS.device)
     return {
         "train/pg_loss": Mean(pg_sum, num_tokens),
         "train/pg_clipfrac": Mean((clipped_BS.to(mask_BS.dtype) * mask_BS).sum(), num_tokens),
-        "train/ppo_kl": Mean((-lr_BS * mask_BS).sum(), num_tokens),
+        "train/ppo_kl": Mean((-log_ratio_BS * mask_BS).sum(), num_tokens),
         "train/ratio_mean": Mean((ratio_BS * mask_BS).sum(), num_tokens),
         "train/ratio_max": Max(torch.where(keep_BS, ratio_BS, -inf).amax()),
         "train/ratio_min": Min(torch.where(keep_BS, ratio_BS, inf).amin()),
@@ -82,7 +90,7 @@ def _ppo_metrics(
 
 
 def clipped_surrogate(
-    lr_BS: torch.Tensor,
+    log_ratio_BS: torch.Tensor,
     adv_BS: torch.Tensor,
     *,
     clip_low: float,
@@ -98,7 +106,7 @@ def clipped_surrogate(
     (e.g. an MoE routing flip); that branch is a constant, so it carries no gradient.
 
     Args:
-        lr_BS: float [B, S] log ratio (log pi_theta - log pi_old), gradients flow.
+        log_ratio_BS: float [B, S] log ratio (log pi_theta - log pi_old), gradients flow.
         adv_BS: float [B, S] advantages (detached by the caller).
     Returns:
         pg_BS: per-token loss; clipped_BS: bool, the clipped branch is strictly larger (no
@@ -106,7 +114,7 @@ def clipped_surrogate(
     """
     if clip_ratio_c is not None and not clip_ratio_c > 1.0:
         raise ValueError(f"clip_ratio_c must be > 1, got {clip_ratio_c}")
-    ratio_BS = torch.exp(lr_BS)
+    ratio_BS = torch.exp(log_ratio_BS)
     pg_unclipped_BS = -adv_BS * ratio_BS
     pg_clipped_BS = -adv_BS * ratio_BS.clamp(1.0 - clip_low, 1.0 + clip_high)
     pg_BS = torch.maximum(pg_unclipped_BS, pg_clipped_BS)
@@ -187,14 +195,14 @@ def ppo_clip_loss(
     _check_normalizer(normalizer)
     mask_BS = loss_mask_BS.to(logp_BS.dtype)
     adv_BS = advantages_BS.detach().to(logp_BS.dtype)
-    lr_BS = log_ratio(logp_BS, old_logp_BS.detach())
+    log_ratio_BS = log_ratio(logp_BS, old_logp_BS.detach())
     pg_BS, clipped_BS, dual_BS = clipped_surrogate(
-        lr_BS, adv_BS, clip_low=clip_low, clip_high=clip_high, clip_ratio_c=clip_ratio_c
+        log_ratio_BS, adv_BS, clip_low=clip_low, clip_high=clip_high, clip_ratio_c=clip_ratio_c
     )
     weighted_pg_BS = pg_BS if is_weights_BS is None else pg_BS * is_weights_BS.detach()
     loss_sum = (weighted_pg_BS * mask_BS).sum()
 
-    metrics = _ppo_metrics(loss_sum.detach(), lr_BS.detach(), clipped_BS, loss_mask_BS)
+    metrics = _ppo_metrics(loss_sum.detach(), log_ratio_BS.detach(), clipped_BS, loss_mask_BS)
     if clip_ratio_c is not None:
         metrics["train/pg_clipfrac_lower"] = Mean(
             (dual_BS.to(mask_BS.dtype) * mask_BS).sum(), metrics["train/pg_loss"].count
@@ -215,20 +223,16 @@ def _apply_keep(loss_mask_BS: torch.Tensor, keep: torch.Tensor | None) -> torch.
 
 
 def decoupled_ppo_loss(
+    spec: PolicyLossSpec,
     logp_BS: torch.Tensor,
     old_logp_BS: torch.Tensor,
     advantages_BS: torch.Tensor,
     loss_mask_BS: torch.Tensor,
     *,
-    clip_low: float,
-    clip_high: float,
     normalizer: float | torch.Tensor,
     is_weights_BS: torch.Tensor | None = None,
     keep: torch.Tensor | None = None,
-    clip_ratio_c: float | None = None,
     ref_logp_BS: torch.Tensor | None = None,
-    kl_coef: float = 0.0,
-    kl_kind: str = "k3",
 ) -> tuple[torch.Tensor, dict[str, MetricValue]]:
     """Decoupled PPO (Hilton et al. 2021; docs/math.md 2.1): L = -E_mu[w_t * min(r_t A_t, clip(r_t) A_t)].
 
@@ -236,15 +240,16 @@ def decoupled_ppo_loss(
     - rollout -> old: ``is_weights_BS`` (w_t, from pi_old / pi_rollout, computed once per batch by
       ``moe_rl.corrections.importance.is_weights``) multiply each token's clipped loss OUTSIDE the
       clip, detached; ``keep`` (from ``rejection_mask`` or ``trm_mask``) is ANDed into the loss mask.
-    - old -> theta: the PPO clip on r_t = pi_theta / pi_old (asymmetric; dual clip if clip_ratio_c).
+    - old -> theta: the PPO clip on r_t = pi_theta / pi_old (``spec``: asymmetric; dual clip if
+      ``spec.dual_clip_c``), plus ``spec``'s KL term.
 
     Normaliser: an explicit argument, NOT recomputed after rejection. Pass the global number of loss
     tokens BEFORE rejection (TRM, docs/math.md 3.3: normalise by the total batch, not the accepted
     count): rejected tokens / sequences contribute zero and the others are not re-weighted.
 
     Args:
-        logp_BS, old_logp_BS, advantages_BS, loss_mask_BS, clip_low, clip_high, normalizer,
-        clip_ratio_c, ref_logp_BS, kl_coef, kl_kind: as ``ppo_clip_loss``.
+        spec: the policy loss's clip and KL term.
+        logp_BS, old_logp_BS, advantages_BS, loss_mask_BS, normalizer, ref_logp_BS: as ``ppo_clip_loss``.
         is_weights_BS: float [B, S] IS weights (stop-gradient applied here); None = 1.
         keep: bool [B, S] token keep mask or bool [B] sequence keep mask; None = keep all.
     Returns:
@@ -255,95 +260,130 @@ def decoupled_ppo_loss(
         old_logp_BS,
         advantages_BS,
         _apply_keep(loss_mask_BS, keep),
-        clip_low=clip_low,
-        clip_high=clip_high,
+        clip_low=spec.clip_low,
+        clip_high=spec.clip_high,
         normalizer=normalizer,
         ref_logp_BS=ref_logp_BS,
-        kl_coef=kl_coef,
-        kl_kind=kl_kind,
+        kl_coef=spec.kl_coef,
+        kl_kind=spec.kl_estimator,
         is_weights_BS=is_weights_BS,
-        clip_ratio_c=clip_ratio_c,
+        clip_ratio_c=spec.clip_ratio_c,
     )
 
 
-BYPASS_MODES = ("ppo_clip", "reinforce")
+BYPASS_MODES = BYPASS_LOSS_NAMES
 
 
 def bypass_loss(
+    spec: PolicyLossSpec,
+    correction: CorrectionSpec,
     logp_BS: torch.Tensor,
     rollout_logp_BS: torch.Tensor,
     advantages_BS: torch.Tensor,
     loss_mask_BS: torch.Tensor,
     *,
-    mode: str,
     normalizer: float | torch.Tensor,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    clip_ratio_c: float | None = None,
-    is_level: str | None = None,
-    is_clip_max: float | None = 2.0,
-    rs_options: tuple[str, ...] | list[str] = (),
-    rs_bounds: tuple | list = (),
     keep: torch.Tensor | None = None,
     ref_logp_BS: torch.Tensor | None = None,
-    kl_coef: float = 0.0,
-    kl_kind: str = "k3",
 ) -> tuple[torch.Tensor, dict[str, MetricValue]]:
     """Bypass mode (docs/math.md 2.1; verl ``compute_policy_loss_bypass_mode``): pi_old := pi_rollout.
 
-    The rejection mask (``rs_options`` / ``rs_bounds``, see ``corrections.importance.rejection_mask``)
-    is recomputed here from the CURRENT pi_theta (rho = pi_theta / pi_rollout, detached) and ANDed
+    The rejection mask (``correction.rules``, see ``corrections.importance.rejection_mask``) is
+    recomputed here from the CURRENT pi_theta (rho = pi_theta / pi_rollout, detached) and ANDed
     with ``keep`` (e.g. a TRM mask the caller evaluated against pi_theta) into the loss mask.
 
-    - mode "ppo_clip": per-token ``clipped_surrogate`` on r = pi_theta / pi_rollout; no IS weight
-      (``is_level`` must be None: the ratio already is the IS ratio, a weight would double-count).
-    - mode "reinforce": loss_t = -stopgrad(w_t) * A_t * log pi_theta(y_t), with w from
-      ``is_weights(log rho, level=is_level, clip_max=is_clip_max)`` on the fly (w = 1 when
-      is_level is None). Its gradient is -w_t A_t grad log pi_theta: no log pi * grad w term.
+    - ``correction.bypass_loss`` "ppo_clip": per-token ``clipped_surrogate`` (``spec``) on
+      r = pi_theta / pi_rollout; no IS weight (the spec refuses one: the ratio already is the IS
+      ratio, a weight would double-count).
+    - "reinforce": loss_t = -stopgrad(w_t) * A_t * log pi_theta(y_t), with w from
+      ``is_weights(log rho, correction.importance)`` on the fly (w = 1 when IS is off). Its gradient
+      is -w_t A_t grad log pi_theta: no log pi * grad w term.
 
     Normaliser: as ``decoupled_ppo_loss`` (explicit; count loss tokens before rejection).
     Returns:
         (loss, metrics): the ``ppo_clip_loss`` train/ metrics (ratio = pi_theta / pi_rollout) plus the
         corr/ metrics of the IS weights and rejection computed here.
     """
-    if mode not in BYPASS_MODES:
-        raise ValueError(f"unknown bypass mode {mode!r}; known: {list(BYPASS_MODES)}")
-    if mode == "ppo_clip" and is_level is not None:
-        raise ValueError(
-            "bypass ppo_clip applies no IS weights: the ratio is pi_theta/pi_rollout, a weight "
-            "would double-count; set is_level=None"
-        )
     _check_normalizer(normalizer)
-    lr_det_BS = log_ratio(logp_BS.detach(), rollout_logp_BS.detach())
+    log_ratio_det_BS = log_ratio(logp_BS.detach(), rollout_logp_BS.detach())
     exact_BS = exact_log_ratio(logp_BS.detach(), rollout_logp_BS.detach())  # clamped after any sum
     base_mask_BS = loss_mask_BS.bool()  # IS weights and RS statistics see every response token
     mask_BS = _apply_keep(base_mask_BS, keep)
     corr_metrics: dict[str, MetricValue] = {}
-    if rs_options:
-        rs_keep_BS, corr_metrics = rejection_mask(exact_BS, base_mask_BS, rs_options, rs_bounds)
+    if correction.rules:
+        rs_keep_BS, corr_metrics = rejection_mask(exact_BS, base_mask_BS, correction.rules)
         mask_BS = mask_BS & rs_keep_BS
-    if mode == "ppo_clip":
+    if correction.bypass_loss == "ppo_clip":
         loss, metrics = ppo_clip_loss(
             logp_BS,
             rollout_logp_BS,
             advantages_BS,
             mask_BS,
-            clip_low=clip_low,
-            clip_high=clip_high,
+            clip_low=spec.clip_low,
+            clip_high=spec.clip_high,
             normalizer=normalizer,
             ref_logp_BS=ref_logp_BS,
-            kl_coef=kl_coef,
-            kl_kind=kl_kind,
-            clip_ratio_c=clip_ratio_c,
+            kl_coef=spec.kl_coef,
+            kl_kind=spec.kl_estimator,
+            clip_ratio_c=spec.clip_ratio_c,
         )
         return loss, {**corr_metrics, **metrics}
-    w_BS = torch.ones_like(lr_det_BS)
-    if is_level is not None:
-        w_BS, is_metrics = is_weights(exact_BS, base_mask_BS, is_level, is_clip_max)
+    w_BS = torch.ones_like(log_ratio_det_BS)
+    imp = correction.importance
+    if imp.on:
+        w_BS, is_metrics = is_weights(exact_BS, base_mask_BS, imp.level, imp.clip)
         corr_metrics.update(is_metrics)
     maskf_BS = mask_BS.to(logp_BS.dtype)
     adv_BS = advantages_BS.detach().to(logp_BS.dtype)
     loss_sum = (-w_BS.detach() * adv_BS * logp_BS * maskf_BS).sum()
-    metrics = _ppo_metrics(loss_sum.detach(), lr_det_BS, torch.zeros_like(mask_BS), mask_BS)
-    loss_sum = _add_kl_term(loss_sum, metrics, logp_BS, ref_logp_BS, maskf_BS, kl_coef, kl_kind)
+    metrics = _ppo_metrics(loss_sum.detach(), log_ratio_det_BS, torch.zeros_like(mask_BS), mask_BS)
+    loss_sum = _add_kl_term(
+        loss_sum, metrics, logp_BS, ref_logp_BS, maskf_BS, spec.kl_coef, spec.kl_estimator
+    )
     return loss_sum / normalizer, {**corr_metrics, **metrics}
+
+
+@dataclass(frozen=True)
+class PolicyLoss:
+    """The policy loss of every micro-batch, ``loss(mb, st, normalizer) -> (value, metrics)`` (the
+    learner's ``LossFn``): decoupled PPO or the bypass loss, as ``correction.mode`` says, with the
+    TRM mask evaluated against pi_theta here when ``correction.trm.reference`` is "theta" (the
+    paper's guarantee). The normaliser (global loss tokens before any rejection, as TRM requires)
+    comes from the learner."""
+
+    spec: PolicyLossSpec
+    correction: CorrectionSpec
+
+    def __call__(
+        self, mb: TrainBatch, st: TokenStats, normalizer: float | torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, MetricValue]]:
+        keep_B, metrics = None, {}
+        trm = self.correction.trm_theta
+        if trm is not None:
+            keep_B, metrics = trm_mask(trm, st.logp_BS, mb.rollout_logp_BS, mb.loss_mask_BS, st.exact_kl_BS)
+        if self.correction.decoupled:
+            keep_BS = mb.keep_BS if keep_B is None else mb.keep_BS & keep_B[:, None]
+            value, m = decoupled_ppo_loss(
+                self.spec,
+                st.logp_BS,
+                mb.old_logp_BS,
+                mb.advantages_BS,
+                mb.loss_mask_BS,
+                normalizer=normalizer,
+                is_weights_BS=mb.is_weights_BS,
+                keep=keep_BS,
+                ref_logp_BS=mb.ref_logp_BS,
+            )
+        else:
+            value, m = bypass_loss(
+                self.spec,
+                self.correction,
+                st.logp_BS,
+                mb.rollout_logp_BS,
+                mb.advantages_BS,
+                mb.loss_mask_BS,
+                normalizer=normalizer,
+                keep=keep_B,
+                ref_logp_BS=mb.ref_logp_BS,
+            )
+        return value, {**metrics, **m}
