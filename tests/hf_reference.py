@@ -1,5 +1,6 @@
 """Hugging Face transformers' Qwen3-MoE as the independent reference implementation in tests:
-the config for one of our ModelConfigs, and our canonical weights in HF v5's in-memory layout."""
+the config for one of our ModelConfigs, our canonical weights in HF v5's in-memory layout, and a
+forward pass that captures the routers' Top-K ids."""
 
 from __future__ import annotations
 
@@ -47,3 +48,22 @@ def canonical_to_hf_memory(named: dict[str, torch.Tensor], cfg: ModelConfig) -> 
         out[p + "gate_up_proj"] = torch.cat([gate_EFH, up_EFH], dim=1)
         out[p + "down_proj"] = torch.stack([named[f"{p}{e}.down_proj.weight"] for e in rng])
     return out
+
+
+def hf_forward(
+    model: object, cfg: ModelConfig, tokens_BS: torch.Tensor, valid_BS: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF logits [B, S, V] and captured Top-K ids [B, S, L_moe, K] of a right-padded batch."""
+    captured: list[torch.Tensor] = []
+    hooks = [
+        model.model.layers[i].mlp.gate.register_forward_hook(lambda _m, _inp, out: captured.append(out[2]))
+        for i in cfg.moe_layers
+    ]
+    try:
+        with torch.no_grad():
+            logits = model(input_ids=tokens_BS, attention_mask=valid_BS.long()).logits
+    finally:
+        for h in hooks:
+            h.remove()
+    B, S = tokens_BS.shape
+    return logits.float(), torch.stack([c.view(B, S, -1) for c in captured], dim=2)

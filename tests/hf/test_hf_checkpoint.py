@@ -19,7 +19,7 @@ from moe_rl.rollout.builtin import BuiltinEngine
 from moe_rl.tasks.tokenizer import CharTokenizer
 from moe_rl.weights import hf as hfc
 from moe_rl.weights.warmstart import load_init_weights
-from tests.rollout.test_hf_parity import hf_forward
+from tests.hf_reference import hf_forward
 
 transformers = pytest.importorskip("transformers")
 LOGITS_ATOL = 1e-4

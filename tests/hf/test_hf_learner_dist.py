@@ -18,7 +18,7 @@ from moe_rl.config import OptimConfig, ParallelConfig
 from tests.dist_harness import run_ranks
 from tests.hf.conftest import CFG, MIXTRAL_CFG
 from tests.hf.layouts import megatron_names
-from tests.rollout.test_hf_parity import hf_forward
+from tests.hf_reference import hf_forward
 
 transformers = pytest.importorskip("transformers")
 LOGITS_ATOL = 1e-4

@@ -21,7 +21,7 @@ from moe_rl.rollout.builtin import BuiltinEngine
 from moe_rl.weights import hf as hfc
 from moe_rl.weights.canonical import random_canonical_weights
 from tests.hf.conftest import CFG, MIXTRAL_CFG
-from tests.rollout.test_hf_parity import hf_forward
+from tests.hf_reference import hf_forward
 
 transformers = pytest.importorskip("transformers")
 LOGITS_ATOL = 1e-4
