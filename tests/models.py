@@ -74,17 +74,34 @@ def hf_tiny(**overrides: object) -> ModelConfig:
 # DeepSeek-V3 / GLM-4.5-shaped router on TINY_MOE_L3's widths: sigmoid scores with an expert bias,
 # 12 experts in 4 groups of 3, 3 groups per token, top-6 (not a power of two; 6 // 3 = 2 as HF's
 # group score needs), routed scaling 2.5, a shared expert; layer 0 dense.
-TINY_SIGMOID_L3 = dataclasses.replace(
-    TINY_MOE_L3,
-    num_experts=12,
-    moe_router_topk=6,
-    moe_ffn_hidden_size=16,
+DEEPSEEK_V3_ROUTER: dict[str, object] = dict(
     moe_router_score_function="sigmoid",
     moe_router_expert_bias=True,
     moe_router_num_groups=4,
     moe_router_group_topk=3,
     moe_router_scaling_factor=2.5,
+)
+TINY_SIGMOID_L3 = dataclasses.replace(
+    TINY_MOE_L3,
+    num_experts=12,
+    moe_router_topk=6,
+    moe_ffn_hidden_size=16,
+    **DEEPSEEK_V3_ROUTER,
     moe_shared_expert_ffn_hidden_size=24,
+)
+# DeepSeek-V3-shaped multi-latent attention with odd dims on purpose (nope 12, rope 8, v 10, latent
+# 20, q rank 24) and YaRN x4 with mscale_all_dim (the softmax-scale correction): the engine's
+# attention against transformers' (tests/rollout) and the learner's against the engine (tests/learner).
+ODD_MLA_YARN: dict[str, object] = dict(
+    kv_lora_rank=20,
+    q_lora_rank=24,
+    qk_nope_head_dim=12,
+    qk_rope_head_dim=8,
+    v_head_dim=10,
+    rope_scaling_type="yarn",
+    rope_scaling_factor=4.0,
+    rope_mscale=0.9,
+    rope_mscale_all_dim=0.7,
 )
 # Qwen2-MoE-shaped: softmax without renormalisation (norm_topk_prob false), top-3 of 6, a shared
 # expert behind its sigmoid gate.
@@ -131,11 +148,7 @@ FAMILY_DELTAS: dict[str, dict[str, object]] = {
         rope_beta_slow=1.0,
         rope_mscale=1.0,
         rope_mscale_all_dim=1.0,
-        moe_router_score_function="sigmoid",
-        moe_router_expert_bias=True,
-        moe_router_num_groups=4,
-        moe_router_group_topk=3,
-        moe_router_scaling_factor=2.5,
+        **DEEPSEEK_V3_ROUTER,
         moe_shared_expert_ffn_hidden_size=16,
     ),
     "glm4_moe": dict(
