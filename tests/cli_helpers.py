@@ -1,6 +1,7 @@
 """The in-process CLI checks of the bad_input tier (and any test that runs ``moe-rl`` through
 click's runner): run a command and check the disk did not change, expect one ``error:`` line
-with exit code 2, write a file, and fake a run directory as training leaves it."""
+with exit code 2, write a file, fake a run directory as training leaves it, and the options of a
+tiny real run."""
 
 from __future__ import annotations
 
@@ -16,6 +17,14 @@ from moe_rl.tasks.setup import resolve_vocab
 from moe_rl.tasks.tokenizer import CharTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
+# a training run of a few seconds a step, for the tests that start real ranks
+TINY = [
+    "rollout.prompts_per_step=8",
+    "rollout.samples_per_prompt=4",
+    "rollout.max_new_tokens=8",
+    "log.progress_bar=false",
+    "log.wandb_mode=disabled",
+]
 
 
 def snapshot(root: Path) -> dict[str, str]:

@@ -317,39 +317,25 @@ def test_init_weights_that_are_not_safetensors_or_cut(tmp_path):
     )
 
 
+def _train_from(tmp_path, hf_dir) -> tuple[str, ...]:
+    """``moe-rl train`` warm-started from the HF directory, its tokenizer the built-in one."""
+    run_dir = f"run_dir={tmp_path / 'run'}"
+    return ("train", run_dir, f"init_weights=hf:{hf_dir}", "task.tokenizer=builtin:char")
+
+
 @pytest.mark.bad_input
 def test_hf_checkpoint_json_errors_name_the_file(tmp_path, hf_dir):
     config = hf_dir / "config.json"
     good = config.read_text()
     config.write_text(good + "{}\n")
     n = good.count("\n") + 1
-    fails_with(
-        tmp_path,
-        f"{config}:{n}:1: not valid JSON (Extra data)",
-        "train",
-        f"run_dir={tmp_path / 'run'}",
-        f"init_weights=hf:{hf_dir}",
-        "task.tokenizer=builtin:char",
-    )
+    fails_with(tmp_path, f"{config}:{n}:1: not valid JSON (Extra data)", *_train_from(tmp_path, hf_dir))
     config.write_text("[1, 2]")
-    fails_with(
-        tmp_path,
-        f"{config}: expected a JSON object, got a list",
-        "train",
-        f"run_dir={tmp_path / 'run'}",
-        f"init_weights=hf:{hf_dir}",
-        "task.tokenizer=builtin:char",
-    )
+    fails_with(tmp_path, f"{config}: expected a JSON object, got a list", *_train_from(tmp_path, hf_dir))
     config.write_text(good)
     index = hf_dir / "model.safetensors.index.json"
     index.write_text(index.read_text()[:-40])
-    code, _, err = run_cli(
-        tmp_path,
-        "train",
-        f"run_dir={tmp_path / 'run'}",
-        f"init_weights=hf:{hf_dir}",
-        "task.tokenizer=builtin:char",
-    )
+    code, _, err = run_cli(tmp_path, *_train_from(tmp_path, hf_dir))
     assert (
         code == 2 and err.startswith(f"error: {index}:") and "not valid JSON" in err and err.count("\n") == 1
     )
@@ -359,13 +345,7 @@ def test_hf_checkpoint_json_errors_name_the_file(tmp_path, hf_dir):
 def test_truncated_hf_shard_names_the_shard(tmp_path, hf_dir):
     shard = sorted(hf_dir.glob("model-*.safetensors"))[-1]
     shard.write_bytes(shard.read_bytes()[:-1000])
-    code, _, err = run_cli(
-        tmp_path,
-        "train",
-        f"run_dir={tmp_path / 'run'}",
-        f"init_weights=hf:{hf_dir}",
-        "task.tokenizer=builtin:char",
-    )
+    code, _, err = run_cli(tmp_path, *_train_from(tmp_path, hf_dir))
     assert code == 2 and err.startswith(
         f"error: {shard}: not a readable safetensors file, or a truncated one ("
     )
