@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from moe_rl.config import ModelConfig
+from tests.models import hf_tiny
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -57,19 +58,8 @@ def make_tokenizer(out_dir: Path, vocab_size: int = TOKENIZER_VOCAB) -> Path:
 
 
 def tiny_model(vocab_size: int) -> ModelConfig:
-    return ModelConfig(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        num_layers=2,
-        num_attention_heads=4,
-        num_query_groups=2,
-        head_dim=16,
-        ffn_hidden_size=96,
-        moe_ffn_hidden_size=32,
-        num_experts=4,
-        moe_router_topk=2,
-        max_seq_len=128,
-    )
+    """The HF-parity widths (tests/models.py ``hf_tiny``) at 2 layers, all MoE, 4 experts."""
+    return hf_tiny(vocab_size=vocab_size, num_layers=2, first_k_dense=0, num_experts=4, max_seq_len=128)
 
 
 def model_overrides(cfg: ModelConfig) -> list[str]:

@@ -46,42 +46,62 @@ MICRO_MOE = ModelConfig(
 DEFAULT_WIDTH_L3 = ModelConfig(vocab_size=50, num_layers=3, first_k_dense=1, num_experts=4, moe_router_topk=2)
 
 
+# The HF-parity widths (built-in engine, HF checkpoints) that every HF tiny starts from.
+HF_TINY_BASE: dict[str, object] = dict(
+    vocab_size=40,
+    hidden_size=64,
+    num_layers=3,
+    num_attention_heads=4,
+    num_query_groups=2,
+    head_dim=16,
+    ffn_hidden_size=96,
+    moe_ffn_hidden_size=32,
+    num_experts=8,
+    moe_router_topk=2,
+    first_k_dense=1,
+    rope_theta=10000.0,
+    norm_eps=1e-6,
+    max_seq_len=64,
+)
+
+
 def hf_tiny(**overrides: object) -> ModelConfig:
     """The HF-parity models (built-in engine, HF checkpoints): vocab 40, hidden 64, 3 layers (layer
     0 dense), 4 heads / 2 kv groups, 8 experts top-2; ``overrides`` replace fields."""
-    base = ModelConfig(
-        vocab_size=40,
-        hidden_size=64,
-        num_layers=3,
-        num_attention_heads=4,
-        num_query_groups=2,
-        head_dim=16,
-        ffn_hidden_size=96,
-        moe_ffn_hidden_size=32,
-        num_experts=8,
-        moe_router_topk=2,
-        first_k_dense=1,
-        rope_theta=10000.0,
-        norm_eps=1e-6,
-        max_seq_len=64,
-    )
-    return dataclasses.replace(base, **overrides)
+    return dataclasses.replace(ModelConfig(**HF_TINY_BASE), **overrides)
 
 
 # DeepSeek-V3 / GLM-4.5-shaped router on TINY_MOE_L3's widths: sigmoid scores with an expert bias,
 # 12 experts in 4 groups of 3, 3 groups per token, top-6 (not a power of two; 6 // 3 = 2 as HF's
 # group score needs), routed scaling 2.5, a shared expert; layer 0 dense.
-TINY_SIGMOID_L3 = dataclasses.replace(
-    TINY_MOE_L3,
-    num_experts=12,
-    moe_router_topk=6,
-    moe_ffn_hidden_size=16,
+DEEPSEEK_V3_ROUTER: dict[str, object] = dict(
     moe_router_score_function="sigmoid",
     moe_router_expert_bias=True,
     moe_router_num_groups=4,
     moe_router_group_topk=3,
     moe_router_scaling_factor=2.5,
+)
+TINY_SIGMOID_L3 = dataclasses.replace(
+    TINY_MOE_L3,
+    num_experts=12,
+    moe_router_topk=6,
+    moe_ffn_hidden_size=16,
+    **DEEPSEEK_V3_ROUTER,
     moe_shared_expert_ffn_hidden_size=24,
+)
+# DeepSeek-V3-shaped multi-latent attention with odd dims on purpose (nope 12, rope 8, v 10, latent
+# 20, q rank 24) and YaRN x4 with mscale_all_dim (the softmax-scale correction): the engine's
+# attention against transformers' (tests/rollout) and the learner's against the engine (tests/learner).
+ODD_MLA_YARN: dict[str, object] = dict(
+    kv_lora_rank=20,
+    q_lora_rank=24,
+    qk_nope_head_dim=12,
+    qk_rope_head_dim=8,
+    v_head_dim=10,
+    rope_scaling_type="yarn",
+    rope_scaling_factor=4.0,
+    rope_mscale=0.9,
+    rope_mscale_all_dim=0.7,
 )
 # Qwen2-MoE-shaped: softmax without renormalisation (norm_topk_prob false), top-3 of 6, a shared
 # expert behind its sigmoid gate.
@@ -100,24 +120,22 @@ TINY_QWEN2_L3 = dataclasses.replace(
 # Each is odd on purpose: K not a power of two, dense first layers, tied and untied embeddings.
 
 
-def deepseek_v3_tiny(**overrides: object) -> ModelConfig:
-    """MLA (q LoRA 24, kv LoRA 16, nope 8 + rope 4, v 12), YaRN x4 from 16 positions, 12 experts
-    in 4 groups of 3 (3 groups per token: 6 // 3 = 2, the best-2 group score of HF and megatron),
-    top-6 sigmoid + expert bias, renormalised, times 2.5,
-    one shared expert, layer 0 dense, untied; 4 layers."""
-    base = dict(
-        vocab_size=40,
-        hidden_size=64,
+# What the three families share: HF_TINY_BASE with 6 experts top-3 of width 16, no q/k norms.
+FAMILY_BASE: dict[str, object] = {
+    **HF_TINY_BASE,
+    "moe_ffn_hidden_size": 16,
+    "num_experts": 6,
+    "moe_router_topk": 3,
+    "qk_layernorm": False,
+}
+# What each family changes on FAMILY_BASE (the docstrings below say it in words).
+FAMILY_DELTAS: dict[str, dict[str, object]] = {
+    "deepseek_v3": dict(
         num_layers=4,
-        num_attention_heads=4,
         num_query_groups=4,
         head_dim=12,  # unused by MLA (qk_nope_head_dim + qk_rope_head_dim)
-        ffn_hidden_size=96,
-        moe_ffn_hidden_size=16,
         num_experts=12,
         moe_router_topk=6,
-        first_k_dense=1,
-        qk_layernorm=False,
         kv_lora_rank=16,
         q_lora_rank=24,
         qk_nope_head_dim=8,
@@ -130,80 +148,54 @@ def deepseek_v3_tiny(**overrides: object) -> ModelConfig:
         rope_beta_slow=1.0,
         rope_mscale=1.0,
         rope_mscale_all_dim=1.0,
-        moe_router_score_function="sigmoid",
-        norm_topk_prob=True,
-        moe_router_expert_bias=True,
-        moe_router_num_groups=4,
-        moe_router_group_topk=3,
-        moe_router_scaling_factor=2.5,
+        **DEEPSEEK_V3_ROUTER,
         moe_shared_expert_ffn_hidden_size=16,
-        rope_theta=10000.0,
-        norm_eps=1e-6,
-        max_seq_len=64,
-        hf_family="deepseek_v3",
-    )
-    return ModelConfig(**{**base, **overrides})  # overrides first: ModelConfig checks the result
+    ),
+    "glm4_moe": dict(
+        qk_layernorm=True,
+        attention_bias=True,
+        partial_rotary_factor=0.5,
+        moe_router_score_function="sigmoid",
+        moe_router_expert_bias=True,
+        moe_router_scaling_factor=1.5,
+        moe_shared_expert_ffn_hidden_size=32,
+        tie_word_embeddings=True,
+        norm_eps=1e-5,
+    ),
+    "qwen2_moe": dict(
+        first_k_dense=0,
+        attention_bias=True,
+        norm_topk_prob=False,
+        moe_shared_expert_ffn_hidden_size=48,
+        moe_shared_expert_gate=True,
+    ),
+}
+
+
+def _family_tiny(family: str, overrides: dict[str, object]) -> ModelConfig:
+    # overrides first: ModelConfig checks the result, not an intermediate config
+    return ModelConfig(**{**FAMILY_BASE, **FAMILY_DELTAS[family], "hf_family": family, **overrides})
+
+
+def deepseek_v3_tiny(**overrides: object) -> ModelConfig:
+    """MLA (q LoRA 24, kv LoRA 16, nope 8 + rope 4, v 12), YaRN x4 from 16 positions, 12 experts
+    in 4 groups of 3 (3 groups per token: 6 // 3 = 2, the best-2 group score of HF and megatron),
+    top-6 sigmoid + expert bias, renormalised, times 2.5,
+    one shared expert, layer 0 dense, untied; 4 layers."""
+    return _family_tiny("deepseek_v3", overrides)
 
 
 def glm4_moe_tiny(**overrides: object) -> ModelConfig:
     """GQA with q/k/v biases, q/k norms and partial RoPE (half of head_dim 16), 6 experts top-3
     (sigmoid + bias, no groups, renormalised, times 1.5), two shared experts' width, layer 0
     dense, tied embeddings; 3 layers."""
-    base = dict(
-        vocab_size=40,
-        hidden_size=64,
-        num_layers=3,
-        num_attention_heads=4,
-        num_query_groups=2,
-        head_dim=16,
-        ffn_hidden_size=96,
-        moe_ffn_hidden_size=16,
-        num_experts=6,
-        moe_router_topk=3,
-        first_k_dense=1,
-        qk_layernorm=True,
-        attention_bias=True,
-        partial_rotary_factor=0.5,
-        moe_router_score_function="sigmoid",
-        norm_topk_prob=True,
-        moe_router_expert_bias=True,
-        moe_router_scaling_factor=1.5,
-        moe_shared_expert_ffn_hidden_size=32,
-        tie_word_embeddings=True,
-        rope_theta=10000.0,
-        norm_eps=1e-5,
-        max_seq_len=64,
-        hf_family="glm4_moe",
-    )
-    return ModelConfig(**{**base, **overrides})  # overrides first: ModelConfig checks the result
+    return _family_tiny("glm4_moe", overrides)
 
 
 def qwen2_moe_tiny(**overrides: object) -> ModelConfig:
     """q/k/v biases, 6 experts top-3 softmax not renormalised, a gated shared expert of 48, every
     layer MoE, untied; 3 layers."""
-    base = dict(
-        vocab_size=40,
-        hidden_size=64,
-        num_layers=3,
-        num_attention_heads=4,
-        num_query_groups=2,
-        head_dim=16,
-        ffn_hidden_size=96,
-        moe_ffn_hidden_size=16,
-        num_experts=6,
-        moe_router_topk=3,
-        first_k_dense=0,
-        qk_layernorm=False,
-        attention_bias=True,
-        norm_topk_prob=False,
-        moe_shared_expert_ffn_hidden_size=48,
-        moe_shared_expert_gate=True,
-        rope_theta=10000.0,
-        norm_eps=1e-6,
-        max_seq_len=64,
-        hf_family="qwen2_moe",
-    )
-    return ModelConfig(**{**base, **overrides})  # overrides first: ModelConfig checks the result
+    return _family_tiny("qwen2_moe", overrides)
 
 
 HF_FAMILY_TINY = {"deepseek_v3": deepseek_v3_tiny, "glm4_moe": glm4_moe_tiny, "qwen2_moe": qwen2_moe_tiny}

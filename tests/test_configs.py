@@ -616,48 +616,16 @@ def test_family_recipe_layout_and_every_number_of_its_comment(name):
     assert est["vllm_kv_tokens"] >= m.max_seq_len
 
 
-# zai-org/GLM-4.5's config.json as published (the keys the importer reads)
-GLM45_HUB = {
-    "architectures": ["Glm4MoeForCausalLM"],
-    "model_type": "glm4_moe",
-    "attention_bias": True,
-    "head_dim": 128,
-    "hidden_act": "silu",
-    "hidden_size": 5120,
-    "intermediate_size": 12288,
-    "max_position_embeddings": 131072,
-    "moe_intermediate_size": 1536,
-    "n_group": 1,
-    "n_routed_experts": 160,
-    "n_shared_experts": 1,
-    "norm_topk_prob": True,
-    "num_attention_heads": 96,
-    "num_experts_per_tok": 8,
-    "first_k_dense_replace": 3,
-    "num_hidden_layers": 92,
-    "num_key_value_heads": 8,
-    "num_nextn_predict_layers": 1,
-    "partial_rotary_factor": 0.5,
-    "rms_norm_eps": 1e-05,
-    "rope_theta": 1000000,
-    "routed_scaling_factor": 2.5,
-    "tie_word_embeddings": False,
-    "topk_group": 1,
-    "use_qk_norm": True,
-    "vocab_size": 151552,
-}
-
-
 @pytest.mark.unit
 @pytest.mark.parametrize("name", sorted(FAMILY_RECIPES))
 def test_family_recipe_model_is_what_its_hub_config_json_derives(name, tmp_path):
     """The recipe's model section agrees with what ``init_weights=hf:DIR`` derives from the hub
-    config.json (DeepSeek-V3's as pinned in tests/hf/test_families.py, GLM-4.5's above): every
-    derived field, so the run starts with no contradiction."""
+    config.json (as pinned in tests/hub_configs.py): every derived field, so the run starts with no
+    contradiction."""
     import json
 
     from moe_rl.config import hf_model as hfc
-    from tests.hf.test_families import DEEPSEEK_V3_HUB
+    from tests.hub_configs import DEEPSEEK_V3_HUB, GLM45_HUB
 
     hub = {"deepseek_v3": DEEPSEEK_V3_HUB, "glm4_moe": GLM45_HUB}[FAMILY_RECIPES[name]["arch"]["hf_family"]]
     (tmp_path / hfc.CONFIG).write_text(

@@ -156,32 +156,25 @@ def test_kl_term_added_with_coef():
     ref = torch.log(torch.tensor([[0.25, 0.5]], dtype=torch.float64))
     adv = torch.zeros_like(logp)
     mask = torch.ones_like(logp)
-    loss, m = ppo_clip_loss(
-        logp,
-        logp.detach(),
-        adv,
-        mask,
-        clip_low=0.2,
-        clip_high=0.2,
-        normalizer=2,
-        ref_logp_BS=ref,
-        kl_coef=0.5,
-        kl_kind="k1",
-    )
+
+    def loss_with(kl_kind: str):
+        return ppo_clip_loss(
+            logp,
+            logp.detach(),
+            adv,
+            mask,
+            clip_low=0.2,
+            clip_high=0.2,
+            normalizer=2,
+            ref_logp_BS=ref,
+            kl_coef=0.5,
+            kl_kind=kl_kind,
+        )
+
+    loss, m = loss_with("k1")
     # k1 = logp - ref = [log 2, -log 2]: sums to 0
     assert loss.item() == pytest.approx(0.0, abs=1e-12)
-    loss, m = ppo_clip_loss(
-        logp,
-        logp.detach(),
-        adv,
-        mask,
-        clip_low=0.2,
-        clip_high=0.2,
-        normalizer=2,
-        ref_logp_BS=ref,
-        kl_coef=0.5,
-        kl_kind="k2",
-    )
+    loss, m = loss_with("k2")
     assert loss.item() == pytest.approx(0.5 * math.log(2) ** 2 / 2)
     assert reduce_metrics(m)["train/kl_ref"] == pytest.approx(math.log(2) ** 2 / 2)
     with pytest.raises(ValueError, match="ref_logp_BS"):

@@ -12,6 +12,10 @@ from moe_rl.maths.lr import LengthLRConfig, LengthLRScheduler, lr_at, scheduled_
 
 SURGE = [100.0] * 20 + [200.0] * 60  # a step surge at step 20
 
+# the decay rule both SURGE tests run: EMA 0.5, 3 steps above the ratio after 5 observations, halve,
+# then 5 steps of cooldown
+DECAY = dict(enabled=True, ema_alpha=0.5, patience=3, min_observations=5, decay_factor=0.5, cooldown_steps=5)
+
 
 def _run(cfg: LengthLRConfig, lengths: list[float], sched: LengthLRScheduler | None = None, start: int = 0):
     sched = sched or LengthLRScheduler(cfg)
@@ -58,15 +62,7 @@ def test_flat_and_disabled_never_trigger():
 
 @pytest.mark.unit
 def test_surge_triggers_after_patience():
-    cfg = LengthLRConfig(
-        enabled=True,
-        ema_alpha=0.5,
-        surge_ratio=1.2,
-        patience=3,
-        min_observations=5,
-        decay_factor=0.5,
-        cooldown_steps=5,
-    )
+    cfg = LengthLRConfig(**DECAY, surge_ratio=1.2)
     mults, events, sched = _run(cfg, SURGE)
     # EMA after the surge: 150 (ratio 1.5), 175, 187.5 -> the 3rd step above 1.2 is step 22
     assert [e["step"] for e in events] == [22]  # rebase_after_trigger: 200 / 187.5 < 1.2 afterwards
@@ -87,16 +83,7 @@ def test_surge_triggers_after_patience():
 
 @pytest.mark.unit
 def test_cooldown_and_floor_without_rebase():
-    cfg = LengthLRConfig(
-        enabled=True,
-        ema_alpha=0.5,
-        patience=3,
-        min_observations=5,
-        decay_factor=0.5,
-        cooldown_steps=5,
-        min_multiplier=0.2,
-        rebase_after_trigger=False,
-    )
+    cfg = LengthLRConfig(**DECAY, min_multiplier=0.2, rebase_after_trigger=False)
     mults, events, _ = _run(cfg, SURGE)
     # trigger at 22; steps 23..27 are cooldown; 28, 29, 30 count -> 30; then 38; then the floor
     assert [e["step"] for e in events] == [22, 30, 38]

@@ -50,17 +50,15 @@ def test_mfu_by_hand():
     assert got == pytest.approx((6 * n * 1000 + 2 * n * 2000) / (2.0 * 4 * 1e12))
 
 
+def _small_run():
+    """8 sequences a step (4 prompts x 2 samples) in one minibatch, vocabulary 50."""
+    sizes = ["rollout.prompts_per_step=4", "rollout.samples_per_prompt=2", "algo.num_minibatches=1"]
+    return load_config(None, ["model.vocab_size=50", *sizes])
+
+
 @pytest.mark.unit
 def test_summarize_run_skips_warmup_and_reports_agreement():
-    cfg = load_config(
-        None,
-        [
-            "model.vocab_size=50",
-            "rollout.prompts_per_step=4",
-            "rollout.samples_per_prompt=2",
-            "algo.num_minibatches=1",
-        ],
-    )
+    cfg = _small_run()
     rows = [
         {"time/step_s": 100.0, "rollout/response_len_mean": 1.0},
         {"time/step_s": 2.0, "rollout/response_len_mean": 4.0, "routing/flip_router_frac": 0.1},
@@ -77,15 +75,7 @@ def test_summarize_run_skips_warmup_and_reports_agreement():
 
 @pytest.mark.unit
 def test_summarize_run_learner_mfu_peak_memory_and_reward_trend():
-    cfg = load_config(
-        None,
-        [
-            "model.vocab_size=50",
-            "rollout.prompts_per_step=4",
-            "rollout.samples_per_prompt=2",
-            "algo.num_minibatches=1",
-        ],
-    )
+    cfg = _small_run()
     rows = [
         {
             "time/step_s": 9.0,

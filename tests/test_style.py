@@ -467,3 +467,40 @@ def test_training_loop_fits_on_one_screen():
     tree = ast.parse((ROOT / "moe_rl" / "trainer.py").read_text())
     train = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "train")
     assert train.end_lineno - train.lineno + 1 <= 60
+
+
+# --------------------------------------------------------------------------------------------
+# Test helpers live in helper modules (issue 31: tests/cli_helpers.py, tests/e2e/helpers.py,
+# tests/hf_reference.py ...): a test module imported by another runs its module-level code twice
+# and cannot be moved, split or deselected alone.
+
+
+def _imported_test_modules(path: Path) -> list[str]:
+    """``file:line imports MODULE`` for each import in ``path`` of a ``test_*`` module (absolute,
+    relative, or a module named in ``from PACKAGE import test_x``)."""
+    package = path.relative_to(ROOT).parent.parts
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            modules = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) + 1 - node.level] if node.level else ()
+            module = ".".join([*base, *(node.module.split(".") if node.module else [])])
+            # a name in the import list is a module when a file of that name is beside it
+            names = [f"{module}.{a.name}" for a in node.names]
+            modules = [module, *(n for n in names if (ROOT / (n.replace(".", "/") + ".py")).is_file())]
+        else:
+            continue
+        found += [
+            f"{path.relative_to(ROOT)}:{node.lineno} imports {m}"
+            for m in modules
+            if m.rsplit(".", 1)[-1].startswith("test_")
+        ]
+    return found
+
+
+@pytest.mark.unit
+def test_no_test_module_imports_another_test_module():
+    paths = sorted((ROOT / "tests").rglob("*.py"))
+    hits = [hit for path in paths for hit in _imported_test_modules(path)]
+    assert hits == [], "move what they share into a helper module:\n" + "\n".join(hits)

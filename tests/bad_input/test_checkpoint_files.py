@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from moe_rl.config import load_config, to_yaml
-from tests.bad_input.test_cli_errors import fails_with
+from tests.cli_helpers import fails_with
 from tests.dist_harness import run_ranks
 from tests.hf_assets import model_overrides
 from tests.models import TINY_MOE_L2_ALL_MOE as MODEL

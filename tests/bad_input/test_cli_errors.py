@@ -8,54 +8,19 @@ contract on a real ``python -m moe_rl.cli`` process.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
 from moe_rl import cli
 from moe_rl.config import load_config, to_yaml
-from moe_rl.tasks.task import resolve_vocab as resolve
-from moe_rl.tasks.tokenizer import CharTokenizer
 from moe_rl.weights.warmstart import builtin_path
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def snapshot(root: Path) -> dict[str, str]:
-    """Every path under root with its content hash (directories: 'dir')."""
-    out = {}
-    for p in sorted(root.rglob("*")):
-        out[str(p.relative_to(root))] = "dir" if p.is_dir() else hashlib.sha256(p.read_bytes()).hexdigest()
-    return out
-
-
-def run_cli(tmp_path: Path, *args: str) -> tuple[int, str, str]:
-    """(exit code, stdout, stderr) of `moe-rl ARGS`, asserting nothing under tmp_path changed."""
-    before = snapshot(tmp_path)
-    result = CliRunner().invoke(cli.main, list(args))
-    assert snapshot(tmp_path) == before, "a failed command changed files"
-    return result.exit_code, result.stdout, result.stderr
-
-
-def fails_with(tmp_path: Path, line: str, *args: str) -> None:
-    code, out, err = run_cli(tmp_path, *args)
-    assert (code, err) == (2, f"error: {line}\n"), err
-    assert out == ""
-
-
-def write(path: Path, text: str | bytes) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(text if isinstance(text, bytes) else text.encode())
-    return path
-
+from tests.cli_helpers import ROOT, fails_with, fake_run, run_cli, snapshot, write
 
 # ------------------------------------------------------------------ config files and overrides
 
@@ -183,18 +148,6 @@ def test_empty_values_are_the_empty_string_as_documented(tmp_path):
 # ------------------------------------------------------------------ the run directory
 
 
-def _fake_run(run: Path, step: int, **changes) -> None:
-    """A run directory as training leaves it: config.yaml and a complete checkpoint at ``step``."""
-    cfg = resolve(
-        load_config(None, [f"run_dir={run}", "steps=30", *[f"{k}={v}" for k, v in changes.items()]]),
-        CharTokenizer(),
-    )
-    write(run / "config.yaml", to_yaml(cfg))
-    write(run / "metrics.jsonl", "")
-    write(run / "checkpoints" / f"step_{step:06d}" / "trainer_state.json", json.dumps({"step": step}))
-    write(run / "checkpoints" / "latest", f"step_{step:06d}\n")
-
-
 @pytest.mark.bad_input
 def test_run_dir_that_is_a_file_or_under_one(tmp_path):
     f = write(tmp_path / "file", "x")
@@ -215,7 +168,7 @@ def test_run_dir_that_is_a_file_or_under_one(tmp_path):
 @pytest.mark.bad_input
 def test_existing_run_without_resume(tmp_path):
     run = tmp_path / "run"
-    _fake_run(run, 30)
+    fake_run(run, 30)
     fails_with(
         tmp_path,
         f"config key 'run_dir': {run} already holds a run; pass resume=true to continue it, or "
@@ -261,7 +214,7 @@ def test_existing_run_without_resume(tmp_path):
 )
 def test_resume_refuses_changed_fields_and_past_steps(tmp_path, args, line):
     run = tmp_path / "run"
-    _fake_run(run, 30)
+    fake_run(run, 30)
     fails_with(tmp_path, line.format(run=run), "train", f"run_dir={run}", "resume=true", "steps=40", *args)
 
 
@@ -275,7 +228,7 @@ def test_resume_without_a_checkpoint_or_with_a_dangling_pointer(tmp_path):
         f"run_dir={run}",
         "resume=true",
     )
-    _fake_run(run, 30)
+    fake_run(run, 30)
     write(run / "checkpoints" / "latest", "step_000040\n")
     fails_with(
         tmp_path,
@@ -305,7 +258,7 @@ def test_resume_takes_the_saved_config_as_its_base(tmp_path):
     """resume=true without a config file: the run's config.yaml, then the overrides; with a file,
     the file (the command that started the run, re-run with resume=true, means what it said)."""
     run = tmp_path / "run"
-    _fake_run(run, 30, **{"model.num_experts": 4, "optim.lr": 0.001})
+    fake_run(run, 30, **{"model.num_experts": 4, "optim.lr": 0.001})
     code, out, err = run_cli(tmp_path, "config", f"run_dir={run}", "resume=true", "steps=50")
     assert (code, err) == (0, "")
     want = load_config(run / "config.yaml", ["resume=true", "steps=50"])
@@ -325,19 +278,6 @@ def test_resume_takes_the_saved_config_as_its_base(tmp_path):
 
 
 # ------------------------------------------------------------------ weights files
-
-
-@pytest.fixture()
-def hf_dir(tmp_path):
-    """A real sharded HF checkpoint of the default model (index + 3 shards)."""
-    from moe_rl.weights.hf import write_hf_checkpoint
-    from moe_rl.weights.warmstart import load_init_weights
-
-    cfg = resolve(load_config(None), CharTokenizer())
-    weights = load_init_weights("builtin:warmstart", cfg.model, CharTokenizer())
-    out = tmp_path / "hf"
-    write_hf_checkpoint(out, weights, cfg.model, 400_000)
-    return out
 
 
 @pytest.mark.bad_input
@@ -377,39 +317,25 @@ def test_init_weights_that_are_not_safetensors_or_cut(tmp_path):
     )
 
 
+def _train_from(tmp_path, hf_dir) -> tuple[str, ...]:
+    """``moe-rl train`` warm-started from the HF directory, its tokenizer the built-in one."""
+    run_dir = f"run_dir={tmp_path / 'run'}"
+    return ("train", run_dir, f"init_weights=hf:{hf_dir}", "task.tokenizer=builtin:char")
+
+
 @pytest.mark.bad_input
 def test_hf_checkpoint_json_errors_name_the_file(tmp_path, hf_dir):
     config = hf_dir / "config.json"
     good = config.read_text()
     config.write_text(good + "{}\n")
     n = good.count("\n") + 1
-    fails_with(
-        tmp_path,
-        f"{config}:{n}:1: not valid JSON (Extra data)",
-        "train",
-        f"run_dir={tmp_path / 'run'}",
-        f"init_weights=hf:{hf_dir}",
-        "task.tokenizer=builtin:char",
-    )
+    fails_with(tmp_path, f"{config}:{n}:1: not valid JSON (Extra data)", *_train_from(tmp_path, hf_dir))
     config.write_text("[1, 2]")
-    fails_with(
-        tmp_path,
-        f"{config}: expected a JSON object, got a list",
-        "train",
-        f"run_dir={tmp_path / 'run'}",
-        f"init_weights=hf:{hf_dir}",
-        "task.tokenizer=builtin:char",
-    )
+    fails_with(tmp_path, f"{config}: expected a JSON object, got a list", *_train_from(tmp_path, hf_dir))
     config.write_text(good)
     index = hf_dir / "model.safetensors.index.json"
     index.write_text(index.read_text()[:-40])
-    code, _, err = run_cli(
-        tmp_path,
-        "train",
-        f"run_dir={tmp_path / 'run'}",
-        f"init_weights=hf:{hf_dir}",
-        "task.tokenizer=builtin:char",
-    )
+    code, _, err = run_cli(tmp_path, *_train_from(tmp_path, hf_dir))
     assert (
         code == 2 and err.startswith(f"error: {index}:") and "not valid JSON" in err and err.count("\n") == 1
     )
@@ -419,13 +345,7 @@ def test_hf_checkpoint_json_errors_name_the_file(tmp_path, hf_dir):
 def test_truncated_hf_shard_names_the_shard(tmp_path, hf_dir):
     shard = sorted(hf_dir.glob("model-*.safetensors"))[-1]
     shard.write_bytes(shard.read_bytes()[:-1000])
-    code, _, err = run_cli(
-        tmp_path,
-        "train",
-        f"run_dir={tmp_path / 'run'}",
-        f"init_weights=hf:{hf_dir}",
-        "task.tokenizer=builtin:char",
-    )
+    code, _, err = run_cli(tmp_path, *_train_from(tmp_path, hf_dir))
     assert code == 2 and err.startswith(
         f"error: {shard}: not a readable safetensors file, or a truncated one ("
     )
@@ -530,7 +450,7 @@ def test_report_and_export_of_a_directory_that_is_no_run(tmp_path):
         str(tmp_path / "empty" / "r"),
     )
     run = tmp_path / "run"
-    _fake_run(run, 30)
+    fake_run(run, 30)
     shutil.rmtree(run / "checkpoints" / "step_000030")
     fails_with(
         tmp_path,
@@ -599,7 +519,7 @@ def test_real_process_exit_code_and_one_line(tmp_path):
 @pytest.mark.bad_input
 def test_resume_with_a_corrupt_saved_config_or_trainer_state(tmp_path):
     run = tmp_path / "run"
-    _fake_run(run, 30)
+    fake_run(run, 30)
     state = run / "checkpoints" / "step_000030" / "trainer_state.json"
     state.write_text('{"step": 30')
     fails_with(
@@ -624,7 +544,7 @@ def test_resume_with_a_corrupt_saved_config_or_trainer_state(tmp_path):
 @pytest.mark.bad_input
 def test_export_never_overwrites_and_unknown_reward(tmp_path):
     run = tmp_path / "run"
-    _fake_run(run, 30)
+    fake_run(run, 30)
     (tmp_path / "out").mkdir()
     fails_with(
         tmp_path,

@@ -15,14 +15,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-TINY = [
-    "rollout.prompts_per_step=8",
-    "rollout.samples_per_prompt=4",
-    "rollout.max_new_tokens=8",
-    "log.progress_bar=false",
-    "log.wandb_mode=disabled",
-]
+from tests.cli_helpers import ROOT, TINY
+
 FAIL_FAST_S = 30.0  # from the fault to the end of the job (the elastic agent polls every 0.1 s)
 
 

@@ -18,15 +18,7 @@ from moe_rl.config import hf_model as hfc
 from moe_rl.config import load_config
 from moe_rl.errors import CheckpointError
 from moe_rl.weights.hf_config import hf_config_dict
-from tests.bad_input.test_cli_errors import (  # noqa: F401 (hf_dir: a fixture)
-    ROOT,
-    _fake_run,
-    fails_with,
-    hf_dir,
-    run_cli,
-    snapshot,
-    write,
-)
+from tests.cli_helpers import fails_with, fake_run, run_cli, snapshot, write
 from tests.models import HF_FAMILY_TINY, deepseek_v3_tiny, hf_tiny
 from tests.script_module import script_module
 
@@ -122,7 +114,7 @@ def _edit(config: Path, **changes) -> None:
         ("num_hidden_layers", True, "expected an integer, got a JSON boolean"),
     ],
 )
-def test_train_on_a_config_json_with_a_wrong_type(tmp_path, hf_dir, key, value, why):  # noqa: F811
+def test_train_on_a_config_json_with_a_wrong_type(tmp_path, hf_dir, key, value, why):
     """Through `moe-rl train` on a real HF checkpoint (the tokenizer elsewhere, so nothing but
     config.json is read for the model), before anything is written."""
     _edit(hf_dir / "config.json", **{key: value})
@@ -224,7 +216,7 @@ def test_a_deprecated_key_with_its_new_name(tmp_path):
 )
 def test_click_usage_errors_are_one_line(tmp_path, args, line):
     run = tmp_path / "run"
-    _fake_run(run, 30)
+    fake_run(run, 30)
     args = [a.format(tmp=tmp_path, run=run) for a in args]
     command = line.split(":")[0]
     fails_with(tmp_path, f"{line.format(tmp=tmp_path)} (see '{command} --help')", *args)

@@ -24,15 +24,8 @@ import pytest
 from click.testing import CliRunner
 
 from moe_rl import cli
+from tests.cli_helpers import ROOT, TINY
 
-ROOT = Path(__file__).resolve().parents[2]
-TINY = [
-    "rollout.prompts_per_step=8",
-    "rollout.samples_per_prompt=4",
-    "rollout.max_new_tokens=8",
-    "log.progress_bar=false",
-    "log.wandb_mode=disabled",
-]
 LONG = ["steps=50", "checkpoint_every=1", *TINY]  # long enough to be stopped mid-run
 MATH = ["task.reward=math", "task.reward_workers=1"]  # text rewards: a reward worker per rank
 

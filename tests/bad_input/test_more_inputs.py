@@ -20,13 +20,7 @@ import torch
 from click.testing import CliRunner
 
 from moe_rl import cli
-from tests.bad_input.test_cli_errors import (
-    _fake_run,
-    fails_with,
-    run_cli,
-    snapshot,
-    write,
-)
+from tests.cli_helpers import fails_with, fake_run, run_cli, snapshot, write
 
 
 @pytest.mark.bad_input
@@ -108,7 +102,7 @@ def test_reward_file_that_exits_on_import(tmp_path):
 )
 def test_report_of_a_run_with_a_corrupt_config(tmp_path, text, line):
     run = tmp_path / "run"
-    _fake_run(run, 30)
+    fake_run(run, 30)
     cfg = write(run / "config.yaml", text)
     fails_with(tmp_path, line.format(p=cfg), "report", str(run))
 
@@ -132,7 +126,7 @@ def test_estimate_flags(tmp_path, args, line):
 @pytest.mark.parametrize("size", ["0", "-1", "nan"])
 def test_export_shard_size(tmp_path, size):
     run = tmp_path / "run"
-    _fake_run(run, 30)
+    fake_run(run, 30)
     fails_with(
         tmp_path,
         f"--max-shard-gb must be a finite number > 0, got {size}",
@@ -172,7 +166,7 @@ def test_make_math_on_a_full_disk(tmp_path, monkeypatch, name):
 @pytest.mark.bad_input
 def test_report_on_a_full_disk(tmp_path, monkeypatch):
     run = tmp_path / "run"
-    _fake_run(run, 30)
+    fake_run(run, 30)
     write(run / "metrics.jsonl", "".join(f'{{"step": {s}, "reward/mean": 0.5}}\n' for s in range(3)))
     monkeypatch.setattr(
         "moe_rl.report.render.build", lambda runs: {"figures": []}

@@ -13,13 +13,13 @@ import socket
 import pytest
 
 from moe_rl import run_lock
-from tests.bad_input.test_cli_errors import _fake_run, fails_with, run_cli, write
+from tests.cli_helpers import fails_with, fake_run, run_cli, write
 
 
 @pytest.mark.bad_input
 def test_a_held_lock_refuses_train_and_resume_naming_the_owner(tmp_path):
     run = tmp_path / "run"
-    _fake_run(run, 30)
+    fake_run(run, 30)
     fd = run_lock.acquire(run)  # as a live job holds it (flock conflicts across open files)
     try:
         owner = json.loads((run / ".lock").read_text())

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from moe_rl.rollout.vllm.env import installed_vllm
-from tests.bad_input.test_cli_errors import ROOT, fails_with, snapshot, write
+from tests.cli_helpers import ROOT, fails_with, snapshot, write
 
 pytestmark = [
     pytest.mark.bad_input,

@@ -14,8 +14,7 @@ import numpy as np
 import pytest
 
 from moe_rl.metrics import read_metrics
-from tests.e2e.test_hf_families_run import _checkpoint
-from tests.e2e.test_train_cli import metrics, moe_rl
+from tests.e2e.helpers import family_checkpoint, metrics, moe_rl
 from tests.models import deepseek_v3_tiny
 
 transformers = pytest.importorskip("transformers")
@@ -23,7 +22,7 @@ transformers = pytest.importorskip("transformers")
 
 @pytest.mark.e2e
 def test_deepseek_v3_run_monitor_and_report_know_dense_layers_and_the_shared_expert(tmp_path: Path) -> None:
-    model_dir, _ = _checkpoint(tmp_path, "deepseek_v3")
+    model_dir, _ = family_checkpoint(tmp_path, "deepseek_v3")
     cfg = deepseek_v3_tiny()
     moe_layers, E, K = cfg.moe_layers, cfg.num_experts, cfg.moe_router_topk
     assert cfg.first_k_dense == 1 and moe_layers == [1, 2, 3]

@@ -16,14 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_rl.weights.canonical import random_canonical_weights
-from moe_rl.weights.hf import write_hf_checkpoint
-from tests.e2e.test_train_cli import _deterministic, metrics, moe_rl
-from tests.hf_assets import make_tokenizer
+from tests.e2e.helpers import VOCAB, deterministic, family_checkpoint, metrics, moe_rl
 from tests.models import HF_FAMILY_TINY
 
 transformers = pytest.importorskip("transformers")
-VOCAB = 512  # the trained tokenizer has 460 tokens: padded embeddings, as hub checkpoints have
 # the tiny tied GLM-4.5 checkpoint's policy is collapsed (train/entropy ~1e-5 nats: its tied
 # embedding makes one token dominate), so its samples never differ and it cannot step; its
 # resume check covers the unstepped optimizer state (step 0, zero moments) instead
@@ -31,18 +27,6 @@ COLLAPSED = {"glm4_moe"}
 REWARD = """def score(prompt, response, ground_truth, extra):
     return min(len(response), 40) / 40
 """
-
-
-def _checkpoint(root: Path, family: str) -> tuple[Path, dict[str, torch.Tensor]]:
-    """A random checkpoint of ``family`` as transformers writes it: our config.json and weights
-    loaded by AutoModelForCausalLM and saved again by it (bf16, its own tensor names)."""
-    cfg = HF_FAMILY_TINY[family](vocab_size=VOCAB, max_seq_len=128)  # GLM-4.5's is tied
-    ours = write_hf_checkpoint(root / "ours", random_canonical_weights(cfg, seed=3), cfg)
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(ours), torch_dtype=torch.float32)
-    out = root / family
-    model.to(torch.bfloat16).save_pretrained(str(out))
-    make_tokenizer(out)
-    return out, {k: v.clone() for k, v in model.state_dict().items()}
 
 
 def _optimizer_state(step_dir: Path) -> dict[str, torch.Tensor]:
@@ -74,7 +58,7 @@ def _optimizer_state(step_dir: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.e2e
 @pytest.mark.parametrize("family", sorted(HF_FAMILY_TINY))
 def test_family_checkpoint_trains_with_r3_resumes_and_exports(tmp_path: Path, family: str) -> None:
-    model_dir, before = _checkpoint(tmp_path, family)
+    model_dir, before = family_checkpoint(tmp_path, family)
     moe_layers = HF_FAMILY_TINY[family]().moe_layers
     data = tmp_path / "train.jsonl"
     moe_rl("data", "make-math", str(data), "--num", "24", "--seed", "1")
@@ -107,7 +91,7 @@ def test_family_checkpoint_trains_with_r3_resumes_and_exports(tmp_path: Path, fa
     a, b = metrics(full), metrics(part)
     assert sorted(a) == sorted(b) == [0, 1]
     for step in (0, 1):
-        same = _deterministic(a[step]) == _deterministic(b[step])
+        same = deterministic(a[step]) == deterministic(b[step])
         assert same, f"{family}: step {step} differs after resume"
         # R3: every response token's route present, one per MoE layer (dense layers carry none)
         assert a[step]["routing/missing_frac"] == 0.0

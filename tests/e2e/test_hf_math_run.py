@@ -13,7 +13,7 @@ import pytest
 
 from moe_rl.tasks.hf_tokenizer import HFTokenizer
 from moe_rl.tasks.rows import RowDataset, RowSpec
-from tests.e2e.test_train_cli import _deterministic, assert_run_end, metrics, moe_rl
+from tests.e2e.helpers import assert_run_end, deterministic, metrics, moe_rl
 from tests.hf_assets import make_checkpoint, make_tokenizer, model_overrides, tiny_model
 
 transformers = pytest.importorskip("transformers")
@@ -86,7 +86,7 @@ def test_train_resume_export_hf_math(tmp_path: Path, model_dir: Path) -> None:
     a, b = metrics(full), metrics(part)
     assert sorted(a) == sorted(b) == [0, 1, 2, 3]
     for step in range(4):
-        assert _deterministic(a[step]) == _deterministic(b[step]), f"step {step} differs after resume"
+        assert deterministic(a[step]) == deterministic(b[step]), f"step {step} differs after resume"
     for step in range(4):
         rec = a[step]
         assert rec["rollout/prompts_dropped_too_long"] == kept.num_dropped

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import subprocess
 import sys
@@ -15,6 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.e2e.helpers import assert_run_end, deterministic, metrics, moe_rl
+
 TINY = [
     "rollout.prompts_per_step=8",
     "rollout.samples_per_prompt=4",
@@ -22,64 +23,6 @@ TINY = [
     "log.progress_bar=false",
     "log.wandb_mode=offline",
 ]
-
-
-def moe_rl(*args: str, check: bool = True, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "moe_rl.cli", *args], capture_output=True, text=True, timeout=timeout, env=env
-    )
-    if check and proc.returncode != 0:
-        raise AssertionError(f"moe-rl {' '.join(args)} exited {proc.returncode}:\n{proc.stderr[-4000:]}")
-    return proc
-
-
-def metrics(run_dir: Path) -> dict[int, dict]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return {r["step"]: r for r in map(json.loads, lines)}
-
-
-# what `moe-rl train` must no longer print (moe_rl/quiet.py, the checkpoint's common state, wandb)
-SILENCED = (
-    "common state dict differs",
-    "Transformer Engine and Apex are not installed",
-    "Apex is not installed",
-    "is deprecated",  # torch's all_gather_into_tensor / reduce_scatter_tensor, megatron's "full scope"
-    "deprecating ShardedTensor",  # a resume's checkpoint load
-    "Tensor that is not a leaf Tensor",
-    "Rerun State Machine",
-    "RerunStateMachine",
-    "wandb:",
-)
-
-
-def assert_run_end(proc: subprocess.CompletedProcess, run_dir: Path, resumed_from: int | None = None) -> None:
-    """The run's end lines (stdout), each value read back from the run directory; and none of the
-    silenced warnings anywhere in the output."""
-    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    ckpt = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
-    ck_step = json.loads((ckpt / "trainer_state.json").read_text())["step"]
-    wandb_runs = sorted((run_dir / "wandb").glob("offline-run-*"))
-    first, last = recs[0], recs[-1]
-    final = sum(r["reward/mean"] for r in recs[-10:]) / len(recs[-10:])
-    resumed = "" if resumed_from is None else f" (resumed from step {resumed_from})"
-    assert proc.stdout.splitlines() == [
-        f"run finished: {last['step'] + 1} steps in {run_dir}{resumed}",
-        f"last checkpoint: step {ck_step}, {ckpt}",
-        f"reward/mean: start {first['reward/mean']:.4f} (the first logged step), "
-        f"final {final:.4f} (the mean of the last 10 logged steps)",
-        f"wandb (offline): {wandb_runs[-1]}; upload with: wandb sync {run_dir}/wandb/offline-run-*",
-        "next:",
-        f"  moe-rl report {run_dir}",
-        f"  moe-rl train run_dir={run_dir} resume=true steps={2 * (last['step'] + 1)}",
-        f"  moe-rl export-hf {run_dir} {run_dir}-hf",
-    ]
-    for needle in SILENCED:
-        assert needle not in proc.stdout + proc.stderr, needle
-
-
-def _deterministic(rec: dict) -> dict:
-    return {k: v for k, v in rec.items() if not k.startswith(("time/", "perf/"))}
 
 
 # a response-length LR decay that triggers at almost any length change, so its state matters
@@ -108,7 +51,7 @@ def test_resume_reproduces_uninterrupted_run(tmp_path):
     a, b = metrics(full), metrics(part)
     assert sorted(a) == sorted(b) == [0, 1, 2, 3]
     for step in range(4):
-        assert _deterministic(a[step]) == _deterministic(b[step]), f"step {step} differs after resume"
+        assert deterministic(a[step]) == deterministic(b[step]), f"step {step} differs after resume"
     r = a[3]
     assert r["train/grad_norm"] > 0 and 0 <= r["reward/mean"] <= 1
     assert r["router_grad/zero_frac"] == pytest.approx(6 / 8)  # E=8, K=2, no aux loss: (E-K)/E
@@ -228,7 +171,7 @@ def test_zero_signal_run_checkpoints_and_resumes(tmp_path):
     for step in range(3):
         assert a[step]["reward/mean"] == 0.0 and a[step]["train/grad_norm"] == 0.0
         assert a[step]["train/skipped_minibatches"] == 4  # algo.num_minibatches, every one skipped
-        assert _deterministic(a[step]) == _deterministic(b[step]), f"step {step} differs after resume"
+        assert deterministic(a[step]) == deterministic(b[step]), f"step {step} differs after resume"
     assert sorted(p.name for p in (full / "checkpoints").iterdir()) == [
         "latest",
         "step_000002",
@@ -422,6 +365,6 @@ def test_pipeline_parallel_run_has_every_stage_metric(tmp_path):
     flips = sum(m[1][f"routing/flip_router_frac/layer{layer}"] for layer in range(4))
     assert m[1]["routing/flip_router_frac"] == pytest.approx(flips / 4)  # both stages' layers joined
     for s in (0, 1):  # and they are the single-process run's metrics (summation order aside)
-        got, want = _deterministic(m[s]), _deterministic(ref[s])
+        got, want = deterministic(m[s]), deterministic(ref[s])
         assert sorted(got) == sorted(want)
         assert got == pytest.approx(want, rel=1e-3, abs=1e-6, nan_ok=True)

@@ -12,17 +12,10 @@ import os
 import pytest
 import torch
 
-from moe_rl.config import ModelConfig, ParallelConfig, load_config
+from moe_rl.config import ParallelConfig, load_config
+from tests.models import DEFAULT_WIDTH_L3
 
-TINY = ModelConfig(
-    vocab_size=64,
-    hidden_size=128,
-    num_layers=3,
-    first_k_dense=1,
-    num_experts=8,
-    moe_router_topk=2,
-    max_seq_len=64,
-)
+TINY = dataclasses.replace(DEFAULT_WIDTH_L3, vocab_size=64, num_experts=8)
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -3,13 +3,17 @@ MixtralForCausalLM built by transformers, each saved with save_pretrained in sev
 
 from __future__ import annotations
 
+import json
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from moe_rl.config import ModelConfig
+from moe_rl.weights import hf as hfc
 from moe_rl.weights.canonical import random_canonical_weights
 from tests.hf_reference import canonical_to_hf_memory, hf_config
 from tests.models import hf_tiny
@@ -20,21 +24,13 @@ transformers = pytest.importorskip("transformers")
 # 8 experts top-2
 CFG = hf_tiny(num_layers=4)
 # Mixtral: every layer MoE, no q/k norm, head_dim not in the HF config (hidden / heads = 16)
-MIXTRAL_CFG = ModelConfig(
-    vocab_size=40,
-    hidden_size=64,
+MIXTRAL_CFG = hf_tiny(
     num_layers=4,
-    num_attention_heads=4,
-    num_query_groups=2,
-    head_dim=16,
-    moe_ffn_hidden_size=32,
-    num_experts=8,
-    moe_router_topk=2,
     first_k_dense=0,
+    ffn_hidden_size=ModelConfig.ffn_hidden_size,  # no dense layer reads it: ModelConfig's default
     qk_layernorm=False,
     rope_theta=1e6,
     norm_eps=1e-5,
-    max_seq_len=64,
     hf_family="mixtral",
 )
 SHARD_SIZE = "100KB"  # the model is ~0.9 MB in fp32: about 10 shards
@@ -59,39 +55,53 @@ def weights() -> dict[str, torch.Tensor]:
     return random_canonical_weights(CFG, seed=1234)
 
 
-@pytest.fixture(scope="session")
-def hf_model(weights: dict[str, torch.Tensor]) -> object:
-    model = transformers.Qwen3MoeForCausalLM(hf_config(CFG)).eval()
-    model.load_state_dict(canonical_to_hf_memory(weights, CFG), strict=True)
+def _loaded(model_cls: type, hf_cfg: object, weights: dict[str, torch.Tensor], cfg: ModelConfig) -> object:
+    model = model_cls(hf_cfg).eval()
+    model.load_state_dict(canonical_to_hf_memory(weights, cfg), strict=True)
     return model
 
 
-@pytest.fixture(scope="session")
-def hf_dir(hf_model: object, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("hf") / "qwen3_moe_tiny"
-    hf_model.save_pretrained(path, max_shard_size=SHARD_SIZE)
+def _saved(model: object, tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
+    path = tmp_path_factory.mktemp("hf") / name
+    model.save_pretrained(path, max_shard_size=SHARD_SIZE)
     assert len(list(path.glob("model-*.safetensors"))) >= 2
     return path
 
 
-def mixtral_hf_config(cfg: ModelConfig) -> object:
-    hf_cfg = transformers.MixtralConfig(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.moe_ffn_hidden_size,
-        num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_query_groups,
-        num_local_experts=cfg.num_experts,
-        num_experts_per_tok=cfg.moe_router_topk,
-        rms_norm_eps=cfg.norm_eps,
-        max_position_embeddings=cfg.max_seq_len,
-        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
-        sliding_window=None,
-    )
-    hf_cfg._attn_implementation = "eager"
-    hf_cfg._experts_implementation = "eager"
-    return hf_cfg
+def assert_config_refused(src_dir: Path, tmp_path: Path, key: str, value: object, match: str) -> None:
+    """``src_dir``'s config.json with ``key`` set to ``value``: the loader refuses it naming the key
+    (a rope type as ``rope_parameters.rope_type``) and saying why (``match``)."""
+    hf = json.loads((src_dir / hfc.CONFIG).read_text())
+    hf[key] = value
+    (tmp_path / hfc.CONFIG).write_text(json.dumps(hf))
+    key_shown = "rope_parameters.rope_type" if key == "rope_parameters" else key
+    with pytest.raises(hfc.CheckpointError, match=rf"config.json: key '{key_shown}'.*{match}"):
+        hfc.load_hf_config(tmp_path)
+
+
+def assert_missing_tensor_named(src_dir: Path, ckpt: Path, name: str, cfg: ModelConfig) -> None:
+    """A copy of ``src_dir`` at ``ckpt`` whose shard lacks tensor ``name``: the reader names the
+    shard while the index lists it, and the index once it does not."""
+    shutil.copytree(src_dir, ckpt)
+    shard = ckpt / json.loads((ckpt / hfc.INDEX).read_text())["weight_map"][name]
+    save_file({k: v for k, v in load_file(str(shard)).items() if k != name}, str(shard))
+    with pytest.raises(hfc.CheckpointError, match=rf"{shard.name}: missing tensor '{name}'"):
+        hfc.read_hf_weights(ckpt, cfg)
+    index = json.loads((ckpt / hfc.INDEX).read_text())
+    del index["weight_map"][name]
+    (ckpt / hfc.INDEX).write_text(json.dumps(index))
+    with pytest.raises(hfc.CheckpointError, match=rf"{hfc.INDEX}: missing tensor '{name}'"):
+        hfc.read_hf_weights(ckpt, cfg)
+
+
+@pytest.fixture(scope="session")
+def hf_model(weights: dict[str, torch.Tensor]) -> object:
+    return _loaded(transformers.Qwen3MoeForCausalLM, hf_config(CFG), weights, CFG)
+
+
+@pytest.fixture(scope="session")
+def hf_dir(hf_model: object, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _saved(hf_model, tmp_path_factory, "qwen3_moe_tiny")
 
 
 @pytest.fixture(scope="session")
@@ -102,14 +112,9 @@ def mixtral_weights() -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="session")
 def mixtral_model(mixtral_weights: dict[str, torch.Tensor]) -> object:
     """In memory transformers 5 holds Mixtral like Qwen3-MoE (``mlp.gate``, fused ``mlp.experts``)."""
-    model = transformers.MixtralForCausalLM(mixtral_hf_config(MIXTRAL_CFG)).eval()
-    model.load_state_dict(canonical_to_hf_memory(mixtral_weights, MIXTRAL_CFG), strict=True)
-    return model
+    return _loaded(transformers.MixtralForCausalLM, hf_config(MIXTRAL_CFG), mixtral_weights, MIXTRAL_CFG)
 
 
 @pytest.fixture(scope="session")
 def mixtral_dir(mixtral_model: object, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("hf") / "mixtral_tiny"
-    mixtral_model.save_pretrained(path, max_shard_size=SHARD_SIZE)
-    assert len(list(path.glob("model-*.safetensors"))) >= 2
-    return path
+    return _saved(mixtral_model, tmp_path_factory, "mixtral_tiny")

@@ -17,6 +17,7 @@ from moe_rl.config import ConfigError, ModelConfig, load_config
 from moe_rl.errors import CheckpointError
 from moe_rl.weights import hf as hfc
 from moe_rl.weights.canonical import random_canonical_weights
+from tests.hub_configs import DEEPSEEK_V3_HUB, KIMI_K2_HUB
 from tests.models import HF_FAMILY_TINY, deepseek_v3_tiny, hf_tiny
 
 transformers = pytest.importorskip("transformers")
@@ -121,77 +122,6 @@ def test_transformers_default_configs_are_the_published_architectures(tmp_path: 
     qw = hfc.model_fields_from_hf(transformers.Qwen2MoeConfig().to_dict(), tmp_path)
     assert qw["moe_shared_expert_ffn_hidden_size"] == 5632 and qw["moe_shared_expert_gate"]
     assert qw["norm_topk_prob"] is False and qw["attention_bias"] and qw["num_experts"] == 60
-
-
-# DeepSeek-V3's and Kimi-K2-Instruct-0905's config.json as published (the keys that matter here;
-# hub configs spell rope_scaling with "type" and a top-level rope_theta)
-DEEPSEEK_V3_HUB = {
-    "architectures": ["DeepseekV3ForCausalLM"],
-    "model_type": "deepseek_v3",
-    "vocab_size": 129280,
-    "hidden_size": 7168,
-    "intermediate_size": 18432,
-    "moe_intermediate_size": 2048,
-    "num_hidden_layers": 61,
-    "num_nextn_predict_layers": 1,
-    "num_attention_heads": 128,
-    "num_key_value_heads": 128,
-    "n_shared_experts": 1,
-    "n_routed_experts": 256,
-    "routed_scaling_factor": 2.5,
-    "kv_lora_rank": 512,
-    "q_lora_rank": 1536,
-    "qk_rope_head_dim": 64,
-    "v_head_dim": 128,
-    "qk_nope_head_dim": 128,
-    "topk_method": "noaux_tc",
-    "n_group": 8,
-    "topk_group": 4,
-    "num_experts_per_tok": 8,
-    "moe_layer_freq": 1,
-    "first_k_dense_replace": 3,
-    "norm_topk_prob": True,
-    "scoring_func": "sigmoid",
-    "hidden_act": "silu",
-    "max_position_embeddings": 163840,
-    "rms_norm_eps": 1e-06,
-    "rope_theta": 10000,
-    "rope_scaling": {
-        "beta_fast": 32,
-        "beta_slow": 1,
-        "factor": 40,
-        "mscale": 1.0,
-        "mscale_all_dim": 1.0,
-        "original_max_position_embeddings": 4096,
-        "type": "yarn",
-    },
-    "tie_word_embeddings": False,
-    "attention_bias": False,
-    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8"},
-}
-KIMI_K2_HUB = {
-    **DEEPSEEK_V3_HUB,
-    "model_type": "kimi_k2",
-    "vocab_size": 163840,
-    "num_attention_heads": 64,
-    "num_key_value_heads": 64,
-    "n_routed_experts": 384,
-    "routed_scaling_factor": 2.827,
-    "n_group": 1,
-    "topk_group": 1,
-    "first_k_dense_replace": 1,
-    "num_nextn_predict_layers": 0,
-    "rope_theta": 50000.0,
-    "rope_scaling": {
-        "beta_fast": 1.0,
-        "beta_slow": 1.0,
-        "factor": 64.0,
-        "mscale": 1.0,
-        "mscale_all_dim": 1.0,
-        "original_max_position_embeddings": 4096,
-        "type": "yarn",
-    },
-}
 
 
 @pytest.mark.unit

@@ -30,8 +30,8 @@ import torch
 from moe_rl.config import ModelConfig, OptimConfig, ParallelConfig, load_config
 from moe_rl.weights import hf as hfc
 from tests.dist_harness import run_ranks
+from tests.hf_reference import hf_forward
 from tests.models import deepseek_v3_tiny, glm4_moe_tiny, qwen2_moe_tiny
-from tests.rollout.test_hf_parity import hf_forward
 
 transformers = pytest.importorskip("transformers")
 

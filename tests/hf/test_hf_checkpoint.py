@@ -19,7 +19,8 @@ from moe_rl.rollout.builtin import BuiltinEngine
 from moe_rl.tasks.tokenizer import CharTokenizer
 from moe_rl.weights import hf as hfc
 from moe_rl.weights.warmstart import load_init_weights
-from tests.rollout.test_hf_parity import hf_forward
+from tests.hf.conftest import assert_config_refused, assert_missing_tensor_named
+from tests.hf_reference import hf_forward
 
 transformers = pytest.importorskip("transformers")
 LOGITS_ATOL = 1e-4
@@ -107,19 +108,8 @@ def test_partial_or_wrong_checkpoints_name_tensor_and_file(
     tmp_path: Path, hf_dir: Path, cfg: ModelConfig
 ) -> None:
     name = "model.layers.2.mlp.experts.5.up_proj.weight"
-    # 1. the shard lacks a tensor the index lists
-    ckpt = shutil.copytree(hf_dir, tmp_path / "a")
-    shard = _shard_of(ckpt, name)
-    tensors = load_file(str(shard))
-    save_file({k: v for k, v in tensors.items() if k != name}, str(shard))
-    with pytest.raises(hfc.CheckpointError, match=rf"{shard.name}: missing tensor '{name}'"):
-        hfc.read_hf_weights(ckpt, cfg)
-    # 2. the index does not list it either
-    index = json.loads((ckpt / hfc.INDEX).read_text())
-    del index["weight_map"][name]
-    (ckpt / hfc.INDEX).write_text(json.dumps(index))
-    with pytest.raises(hfc.CheckpointError, match=rf"{hfc.INDEX}: missing tensor '{name}'"):
-        hfc.read_hf_weights(ckpt, cfg)
+    # 1. the shard lacks a tensor the index lists; 2. the index does not list it either
+    assert_missing_tensor_named(hf_dir, tmp_path / "a", name, cfg)
     # 3. wrong shape
     ckpt = shutil.copytree(hf_dir, tmp_path / "b")
     shard = _shard_of(ckpt, name)
@@ -159,12 +149,7 @@ def test_partial_or_wrong_checkpoints_name_tensor_and_file(
 def test_unsupported_config_names_key_and_file(
     tmp_path: Path, hf_dir: Path, key: str, value: object, match: str
 ) -> None:
-    hf = json.loads((hf_dir / hfc.CONFIG).read_text())
-    hf[key] = value
-    (tmp_path / hfc.CONFIG).write_text(json.dumps(hf))
-    key_shown = "rope_parameters.rope_type" if key == "rope_parameters" else key
-    with pytest.raises(hfc.CheckpointError, match=rf"config.json: key '{key_shown}'.*{match}"):
-        hfc.load_hf_config(tmp_path)
+    assert_config_refused(hf_dir, tmp_path, key, value, match)
     hf = json.loads((hf_dir / hfc.CONFIG).read_text())
     del hf["num_hidden_layers"]
     (tmp_path / hfc.CONFIG).write_text(json.dumps(hf))

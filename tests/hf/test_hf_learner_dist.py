@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_rl.config import OptimConfig, ParallelConfig
+from moe_rl.config import ModelConfig, OptimConfig, ParallelConfig
 from tests.dist_harness import run_ranks
 from tests.hf.conftest import CFG, MIXTRAL_CFG
 from tests.hf.layouts import megatron_names
-from tests.rollout.test_hf_parity import hf_forward
+from tests.hf_reference import hf_forward
 
 transformers = pytest.importorskip("transformers")
 LOGITS_ATOL = 1e-4
@@ -238,12 +238,24 @@ def spawned(
     return run_ranks(_worker, 2, str(hf_dir), str(out_root), str(mixtral_dir)), out_root
 
 
+def _hf_on_tokens(model: object, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' logits and routes on the test's batch (every position valid)."""
+    return hf_forward(model, cfg, _tokens(), torch.ones(B, S, dtype=torch.bool))
+
+
+def _reloaded(path: Path) -> object:
+    """An exported directory loaded back by transformers, on its plainest code paths, in eval mode."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")
+    model.config._experts_implementation = "eager"
+    return model.eval()
+
+
 @pytest.mark.dist
 def test_learner_matches_transformers_on_every_layout(
     spawned: tuple[list[dict], Path], hf_model: object
 ) -> None:
     ranks, tmp_path = spawned
-    hf_logits, hf_ids = hf_forward(hf_model, CFG, _tokens(), torch.ones(B, S, dtype=torch.bool))
+    hf_logits, hf_ids = _hf_on_tokens(hf_model, CFG)
     hf_maps = _routes_map(hf_ids)
     diffs = {}
     for rank, r in enumerate(ranks):
@@ -265,13 +277,10 @@ def test_learner_matches_transformers_on_every_layout(
 
     ref_sd = hf_model.state_dict()
     for name in ("from_learner", "from_ckpt"):
-        reloaded = transformers.AutoModelForCausalLM.from_pretrained(
-            tmp_path / name, attn_implementation="eager"
-        )
-        reloaded.config._experts_implementation = "eager"
-        sd = reloaded.eval().state_dict()
+        reloaded = _reloaded(tmp_path / name)
+        sd = reloaded.state_dict()
         assert sorted(sd) == sorted(ref_sd) and all(torch.equal(sd[k], ref_sd[k]) for k in ref_sd), name
-        logits, ids = hf_forward(reloaded, CFG, _tokens(), torch.ones(B, S, dtype=torch.bool))
+        logits, ids = _hf_on_tokens(reloaded, CFG)
         assert torch.equal(logits, hf_logits) and torch.equal(ids, hf_ids), name
 
 
@@ -281,7 +290,7 @@ def test_learner_matches_transformers_on_mixtral(
 ) -> None:
     """A Mixtral checkpoint in the learner (EP=2): transformers' logits and routes; its export reloads."""
     ranks, tmp_path = spawned
-    hf_logits, hf_ids = hf_forward(mixtral_model, MIXTRAL_CFG, _tokens(), torch.ones(B, S, dtype=torch.bool))
+    hf_logits, hf_ids = _hf_on_tokens(mixtral_model, MIXTRAL_CFG)
     hf_maps = _routes_map(hf_ids, MIXTRAL_CFG)
     diffs = []
     for rank in range(len(ranks)):
@@ -294,14 +303,11 @@ def test_learner_matches_transformers_on_mixtral(
         assert out["names"] == megatron_names(MIXTRAL_CFG, 2)  # no q/k layernorm, no dense MLP
     print("mixtral max |logits - transformers|:", [f"{d:.2e}" for d in diffs])
     assert max(diffs) < LOGITS_ATOL, diffs
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(
-        tmp_path / "mixtral_from_learner", attn_implementation="eager"
-    )
-    reloaded.config._experts_implementation = "eager"
-    sd, ref_sd = reloaded.eval().state_dict(), mixtral_model.state_dict()
+    reloaded = _reloaded(tmp_path / "mixtral_from_learner")
+    sd, ref_sd = reloaded.state_dict(), mixtral_model.state_dict()
     assert type(reloaded).__name__ == "MixtralForCausalLM"
     assert sorted(sd) == sorted(ref_sd) and all(torch.equal(sd[k], ref_sd[k]) for k in ref_sd)
-    logits, ids = hf_forward(reloaded, MIXTRAL_CFG, _tokens(), torch.ones(B, S, dtype=torch.bool))
+    logits, ids = _hf_on_tokens(reloaded, MIXTRAL_CFG)
     assert torch.equal(logits, hf_logits) and torch.equal(ids, hf_ids)
 
 

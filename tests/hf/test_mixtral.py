@@ -9,19 +9,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from moe_rl.config import ConfigError, ModelConfig
 from moe_rl.rollout.builtin import BuiltinEngine
 from moe_rl.weights import hf as hfc
 from moe_rl.weights.canonical import random_canonical_weights
-from tests.hf.conftest import CFG, MIXTRAL_CFG
-from tests.rollout.test_hf_parity import hf_forward
+from tests.hf.conftest import CFG, MIXTRAL_CFG, assert_config_refused, assert_missing_tensor_named
+from tests.hf_reference import hf_forward
 
 transformers = pytest.importorskip("transformers")
 LOGITS_ATOL = 1e-4
@@ -113,16 +111,7 @@ def test_mixtral_export_round_trip_reloads_in_transformers_bitwise(
 @pytest.mark.unit
 def test_missing_mixtral_expert_names_tensor_and_file(tmp_path: Path, mixtral_dir: Path) -> None:
     name = "model.layers.2.block_sparse_moe.experts.5.w3.weight"
-    ckpt = shutil.copytree(mixtral_dir, tmp_path / "a")
-    shard = ckpt / json.loads((ckpt / hfc.INDEX).read_text())["weight_map"][name]
-    save_file({k: v for k, v in load_file(str(shard)).items() if k != name}, str(shard))
-    with pytest.raises(hfc.CheckpointError, match=rf"{shard.name}: missing tensor '{name}'"):
-        hfc.read_hf_weights(ckpt, MIXTRAL_CFG)
-    index = json.loads((ckpt / hfc.INDEX).read_text())
-    del index["weight_map"][name]
-    (ckpt / hfc.INDEX).write_text(json.dumps(index))
-    with pytest.raises(hfc.CheckpointError, match=rf"{hfc.INDEX}: missing tensor '{name}'"):
-        hfc.read_hf_weights(ckpt, MIXTRAL_CFG)
+    assert_missing_tensor_named(mixtral_dir, tmp_path / "a", name, MIXTRAL_CFG)
 
 
 @pytest.mark.unit
@@ -137,12 +126,7 @@ def test_missing_mixtral_expert_names_tensor_and_file(tmp_path: Path, mixtral_di
 def test_unsupported_mixtral_config_names_key(
     tmp_path: Path, mixtral_dir: Path, key: str, value: object, match: str
 ) -> None:
-    hf = json.loads((mixtral_dir / hfc.CONFIG).read_text())
-    hf[key] = value
-    (tmp_path / hfc.CONFIG).write_text(json.dumps(hf))
-    key_shown = "rope_parameters.rope_type" if key == "rope_parameters" else key
-    with pytest.raises(hfc.CheckpointError, match=rf"config.json: key '{key_shown}'.*{match}"):
-        hfc.load_hf_config(tmp_path)
+    assert_config_refused(mixtral_dir, tmp_path, key, value, match)
 
 
 @pytest.mark.unit

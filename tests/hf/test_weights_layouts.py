@@ -20,20 +20,10 @@ from moe_rl.weights.megatron_shards import (
     merge_tensor_parallel,
 )
 from tests.hf.layouts import megatron_names
+from tests.models import hf_tiny
 
-CFG = ModelConfig(
-    vocab_size=40,
-    hidden_size=32,
-    num_layers=4,
-    num_attention_heads=4,
-    num_query_groups=2,
-    head_dim=8,
-    ffn_hidden_size=48,
-    moe_ffn_hidden_size=16,
-    num_experts=8,
-    moe_router_topk=2,
-    first_k_dense=1,
-)
+# the HF-parity model at half its widths, 4 layers
+CFG = hf_tiny(num_layers=4, hidden_size=32, head_dim=8, ffn_hidden_size=48, moe_ffn_hidden_size=16)
 LAYOUTS = [
     (ep, tp, pp, etp) for ep, tp, pp in itertools.product((1, 2, 4), (1, 2), (1, 2)) for etp in {1, tp}
 ]

@@ -15,24 +15,13 @@ import torch
 from moe_rl.config import OptimConfig, ParallelConfig
 from moe_rl.types import TrainBatch
 from tests.dist_harness import run_ranks
-from tests.models import TINY_MOE_L3
+from tests.models import ODD_MLA_YARN, TINY_MOE_L3
 
 LOGITS_TOL = 1e-5
 GRAD_RTOL = 1e-5
 
 CONFIGS = {
-    "mla_yarn": dict(
-        kv_lora_rank=20,
-        q_lora_rank=24,
-        qk_nope_head_dim=12,
-        qk_rope_head_dim=8,
-        v_head_dim=10,
-        rope_scaling_type="yarn",
-        rope_scaling_factor=4.0,
-        rope_original_max_position=8,
-        rope_mscale=0.9,
-        rope_mscale_all_dim=0.7,
-    ),
+    "mla_yarn": dict(ODD_MLA_YARN, rope_original_max_position=8),
     "mla_direct_q": dict(
         kv_lora_rank=16, q_lora_rank=0, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=12
     ),

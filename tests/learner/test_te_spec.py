@@ -4,6 +4,7 @@ parameter names (lists written down from megatron-core 0.16.1's TE and local spe
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -16,63 +17,59 @@ from moe_rl.weights.canonical import canonical_param_shapes
 from moe_rl.weights.megatron_shards import megatron_to_canonical
 from tests.models import DEFAULT_WIDTH_L3 as CFG
 
+ATTENTION = ("linear_qkv.weight", "linear_proj.weight", "q_layernorm.weight", "k_layernorm.weight")
+
+
+def _names(cfg: ModelConfig, layer: Callable[[int], list[str]]) -> list[str]:
+    """The model's parameter names: embedding, final norm, output layer, then ``layer(i)``'s
+    names under ``decoder.layers.{i}.`` for each layer."""
+    names = ["embedding.word_embeddings.weight", "decoder.final_layernorm.weight", "output_layer.weight"]
+    for i in range(cfg.num_layers):
+        names += [f"decoder.layers.{i}.{s}" for s in layer(i)]
+    return names
+
 
 def _local_names(cfg: ModelConfig) -> list[str]:
     """Parameter names of megatron's local-spec GPTModel (what weights/megatron_shards.py maps)."""
-    names = ["embedding.word_embeddings.weight", "decoder.final_layernorm.weight", "output_layer.weight"]
-    for i in range(cfg.num_layers):
-        p = f"decoder.layers.{i}."
-        names += [
-            p + s
-            for s in (
-                "input_layernorm.weight",
-                "self_attention.linear_qkv.weight",
-                "self_attention.linear_proj.weight",
-                "self_attention.q_layernorm.weight",
-                "self_attention.k_layernorm.weight",
-                "pre_mlp_layernorm.weight",
-            )
+
+    def layer(i: int) -> list[str]:
+        names = [
+            "input_layernorm.weight",
+            *(f"self_attention.{s}" for s in ATTENTION),
+            "pre_mlp_layernorm.weight",
         ]
         if i < cfg.first_k_dense:
-            names += [p + "mlp.linear_fc1.weight", p + "mlp.linear_fc2.weight"]
-        else:
-            names.append(p + "mlp.router.weight")
-            names += [
-                f"{p}mlp.experts.local_experts.{j}.linear_fc{k}.weight"
-                for j in range(cfg.num_experts)
-                for k in (1, 2)
-            ]
-    return names
+            return names + ["mlp.linear_fc1.weight", "mlp.linear_fc2.weight"]
+        experts = range(cfg.num_experts)
+        return (
+            names
+            + ["mlp.router.weight"]
+            + [f"mlp.experts.local_experts.{j}.linear_fc{k}.weight" for j in experts for k in (1, 2)]
+        )
+
+    return _names(cfg, layer)
 
 
 def _te_names(cfg: ModelConfig) -> list[str]:
     """The same model on the TE spec with moe_grouped_gemm (TELayerNormColumnParallelLinear fuses
     the input norm into linear_qkv and, on dense layers, the pre-MLP norm into linear_fc1)."""
-    names = ["embedding.word_embeddings.weight", "decoder.final_layernorm.weight", "output_layer.weight"]
-    for i in range(cfg.num_layers):
-        p = f"decoder.layers.{i}."
-        names += [
-            p + s
-            for s in (
-                "self_attention.linear_qkv.layer_norm_weight",
-                "self_attention.linear_qkv.weight",
-                "self_attention.linear_proj.weight",
-                "self_attention.q_layernorm.weight",
-                "self_attention.k_layernorm.weight",
-            )
-        ]
+
+    def layer(i: int) -> list[str]:
+        names = ["self_attention.linear_qkv.layer_norm_weight", *(f"self_attention.{s}" for s in ATTENTION)]
         if i < cfg.first_k_dense:
-            names += [
-                p + "mlp.linear_fc1.layer_norm_weight",
-                p + "mlp.linear_fc1.weight",
-                p + "mlp.linear_fc2.weight",
+            return names + [
+                "mlp.linear_fc1.layer_norm_weight",
+                "mlp.linear_fc1.weight",
+                "mlp.linear_fc2.weight",
             ]
-        else:
-            names += [p + "pre_mlp_layernorm.weight", p + "mlp.router.weight"]
-            names += [
-                f"{p}mlp.experts.linear_fc{k}.weight{j}" for j in range(cfg.num_experts) for k in (1, 2)
-            ]
-    return names
+        experts = range(cfg.num_experts)
+        return (
+            names
+            + ["pre_mlp_layernorm.weight", "mlp.router.weight"]
+            + [f"mlp.experts.linear_fc{k}.weight{j}" for j in experts for k in (1, 2)]
+        )
+
+    return _names(cfg, layer)
 
 
 def _local_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -514,7 +514,7 @@ def test_a_full_disk_leaves_no_partial_report(tmp_path, monkeypatch):
     on a second."""
     import errno
 
-    from tests.bad_input.test_cli_errors import snapshot
+    from tests.cli_helpers import snapshot
 
     run_dir = _small_run(tmp_path / "run")
     real_fdopen, calls = os.fdopen, []

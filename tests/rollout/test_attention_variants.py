@@ -19,29 +19,21 @@ from moe_rl.rollout.builtin_model import (
     softmax_scale,
 )
 from moe_rl.weights.canonical import random_canonical_weights
-from tests.models import hf_tiny
+from tests.hf_reference import hf_common
+from tests.models import ODD_MLA_YARN, hf_tiny
 
 transformers = pytest.importorskip("transformers")
 
 ATOL = 1e-5
 LAYER = 1  # an MoE layer's attention (layer 0 is dense; attention is the same module everywhere)
 
-# DeepSeek-V3-shaped: odd dims on purpose (nope 12, rope 8, v 10, latent 20, q rank 24), YaRN x4 with
-# mscale_all_dim (the softmax-scale correction) and a correction ramp inside the rope dims.
+# YaRN from 16 positions: a correction ramp inside the rope dims.
 MLA = dict(
-    kv_lora_rank=20,
-    q_lora_rank=24,
-    qk_nope_head_dim=12,
-    qk_rope_head_dim=8,
-    v_head_dim=10,
+    ODD_MLA_YARN,
     qk_layernorm=False,
-    rope_scaling_type="yarn",
-    rope_scaling_factor=4.0,
     rope_original_max_position=16,
     rope_beta_fast=32.0,
     rope_beta_slow=1.0,
-    rope_mscale=0.9,
-    rope_mscale_all_dim=0.7,
 )
 GLM = dict(partial_rotary_factor=0.5, attention_bias=True, qk_layernorm=False, head_dim=16)
 QWEN2 = dict(attention_bias=True, qk_layernorm=False)
@@ -54,15 +46,7 @@ def _layer_weights(w: dict[str, torch.Tensor], layer: int) -> dict[str, torch.Te
 
 def _hf_attention(family: str, cfg: ModelConfig) -> tuple[torch.nn.Module, torch.nn.Module]:
     """(attention module, rotary embedding) of transformers for ``family``, fp32, eager."""
-    common = dict(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden_size,
-        num_attention_heads=cfg.num_attention_heads,
-        rms_norm_eps=cfg.norm_eps,
-        max_position_embeddings=cfg.max_seq_len,
-        num_hidden_layers=cfg.num_layers,
-        attention_dropout=0.0,
-    )
+    common = dict(hf_common(cfg), attention_dropout=0.0)
     if family == "deepseek_v3":
         from transformers.models.deepseek_v3 import modeling_deepseek_v3 as m
 
@@ -79,14 +63,13 @@ def _hf_attention(family: str, cfg: ModelConfig) -> tuple[torch.nn.Module, torch
                 "mscale_all_dim": cfg.rope_mscale_all_dim,
             }
         hf_cfg = transformers.DeepseekV3Config(
-            **common,
-            num_key_value_heads=cfg.num_attention_heads,  # MLA has no kv groups (eager repeat_kv)
+            # MLA has no kv groups (eager repeat_kv)
+            **{**common, "num_key_value_heads": cfg.num_attention_heads, "rope_parameters": rope},
             kv_lora_rank=cfg.kv_lora_rank,
             q_lora_rank=cfg.q_lora_rank or None,
             qk_nope_head_dim=cfg.qk_nope_head_dim,
             qk_rope_head_dim=cfg.qk_rope_head_dim,
             v_head_dim=cfg.v_head_dim,
-            rope_parameters=rope,
             rope_interleave=True,
             attention_bias=False,
         )
@@ -96,12 +79,10 @@ def _hf_attention(family: str, cfg: ModelConfig) -> tuple[torch.nn.Module, torch
 
         hf_cfg = transformers.Glm4MoeConfig(
             **common,
-            num_key_value_heads=cfg.num_query_groups,
             head_dim=cfg.head_dim,
             partial_rotary_factor=cfg.partial_rotary_factor,
             attention_bias=cfg.attention_bias,
             use_qk_norm=cfg.qk_layernorm,
-            rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
         )
         attn, rot = m.Glm4MoeAttention(hf_cfg, LAYER), m.Glm4MoeRotaryEmbedding(hf_cfg)
     else:
@@ -109,9 +90,7 @@ def _hf_attention(family: str, cfg: ModelConfig) -> tuple[torch.nn.Module, torch
 
         hf_cfg = transformers.Qwen2MoeConfig(
             **common,
-            num_key_value_heads=cfg.num_query_groups,
             qkv_bias=cfg.attention_bias,
-            rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
         )
         attn, rot = m.Qwen2MoeAttention(hf_cfg, LAYER), m.Qwen2MoeRotaryEmbedding(hf_cfg)
         assert cfg.head_dim == cfg.hidden_size // cfg.num_attention_heads  # qwen2_moe derives head_dim

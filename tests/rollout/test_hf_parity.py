@@ -17,7 +17,7 @@ import torch
 from moe_rl.config import ModelConfig
 from moe_rl.rollout.builtin import BuiltinEngine
 from moe_rl.types import SamplingParams
-from tests.hf_reference import canonical_to_hf_memory, hf_config
+from tests.hf_reference import canonical_to_hf_memory, hf_config, hf_forward
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -33,25 +33,6 @@ def hf_model(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> object:
     model = transformers.Qwen3MoeForCausalLM(hf_config(cfg)).eval()
     model.load_state_dict(canonical_to_hf_memory(weights, cfg), strict=True)
     return model
-
-
-def hf_forward(
-    model: object, cfg: ModelConfig, tokens_BS: torch.Tensor, valid_BS: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """HF logits [B, S, V] and captured Top-K ids [B, S, L_moe, K] of a right-padded batch."""
-    captured: list[torch.Tensor] = []
-    hooks = [
-        model.model.layers[i].mlp.gate.register_forward_hook(lambda _m, _inp, out: captured.append(out[2]))
-        for i in cfg.moe_layers
-    ]
-    try:
-        with torch.no_grad():
-            logits = model(input_ids=tokens_BS, attention_mask=valid_BS.long()).logits
-    finally:
-        for h in hooks:
-            h.remove()
-    B, S = tokens_BS.shape
-    return logits.float(), torch.stack([c.view(B, S, -1) for c in captured], dim=2)
 
 
 @pytest.mark.unit

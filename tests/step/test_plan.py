@@ -22,7 +22,7 @@ from moe_rl.step.plan import StepPlan, sampling_params
 from moe_rl.step.prepare import old_logprobs, prepare_batch, reference_logprobs
 from moe_rl.step.update import update_policy
 from moe_rl.types import TokenStats
-from tests.step.test_prepare import OLD_LOGP, _Learner, _rollout
+from tests.step.stand_ins import OLD_LOGP, StandInLearner, small_rollout
 
 
 @pytest.mark.unit
@@ -92,7 +92,7 @@ def test_bypass_theta_trm_exact_kl_and_dvp_pick_the_bypass_loss():
     assert plan.advantage == AdvantageSpec("rloo", True) and plan.reference is False
 
 
-class _LossLearner(_Learner):
+class _LossLearner(StandInLearner):
     """The stand-in learner, whose update runs the plan's loss at theta = old (ratio 1)."""
 
     def __init__(self) -> None:
@@ -135,7 +135,7 @@ def test_a_step_runs_from_the_plan_alone(monkeypatch):
         ],
     )
     plan = StepPlan.from_config(cfg)
-    learner, rollout = _LossLearner(), _rollout()
+    learner, rollout = _LossLearner(), small_rollout()
     # sequence 1 drifted further from the engine: log rho 0.5, k2 0.125 > 0.05 (the others 0.25, k2 0.03125)
     rollout.logprobs_BS[1] = torch.where(rollout.response_mask_BS[1], -1.0, 0.0)
     algo = cfg.algo

@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 
 from moe_rl.rollout.vllm import env as ve
-from tests.rollout.test_vllm_format import CPU_SPEC
-from tests.rollout.vllm_format import pin_script
+from tests.rollout.vllm_format import CPU_SPEC, pin_script
 from tests.vllm.conftest import require_vllm
 
 pytestmark = pytest.mark.vllm

@@ -1,0 +1,92 @@
+"""What the e2e tests share: ``moe-rl`` as a real process, a run's metrics and its end lines, and
+a random checkpoint of an HF family as transformers writes it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from moe_rl.weights.canonical import random_canonical_weights
+from moe_rl.weights.hf import write_hf_checkpoint
+from tests.hf_assets import make_tokenizer
+from tests.models import HF_FAMILY_TINY
+
+VOCAB = 512  # the trained tokenizer has 460 tokens: padded embeddings, as hub checkpoints have
+
+
+def moe_rl(*args: str, check: bool = True, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "moe_rl.cli", *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"moe-rl {' '.join(args)} exited {proc.returncode}:\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def metrics(run_dir: Path) -> dict[int, dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r for r in map(json.loads, lines)}
+
+
+# what `moe-rl train` must no longer print (moe_rl/quiet.py, the checkpoint's common state, wandb)
+SILENCED = (
+    "common state dict differs",
+    "Transformer Engine and Apex are not installed",
+    "Apex is not installed",
+    "is deprecated",  # torch's all_gather_into_tensor / reduce_scatter_tensor, megatron's "full scope"
+    "deprecating ShardedTensor",  # a resume's checkpoint load
+    "Tensor that is not a leaf Tensor",
+    "Rerun State Machine",
+    "RerunStateMachine",
+    "wandb:",
+)
+
+
+def assert_run_end(proc: subprocess.CompletedProcess, run_dir: Path, resumed_from: int | None = None) -> None:
+    """The run's end lines (stdout), each value read back from the run directory; and none of the
+    silenced warnings anywhere in the output."""
+    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    ckpt = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
+    ck_step = json.loads((ckpt / "trainer_state.json").read_text())["step"]
+    wandb_runs = sorted((run_dir / "wandb").glob("offline-run-*"))
+    first, last = recs[0], recs[-1]
+    final = sum(r["reward/mean"] for r in recs[-10:]) / len(recs[-10:])
+    resumed = "" if resumed_from is None else f" (resumed from step {resumed_from})"
+    assert proc.stdout.splitlines() == [
+        f"run finished: {last['step'] + 1} steps in {run_dir}{resumed}",
+        f"last checkpoint: step {ck_step}, {ckpt}",
+        f"reward/mean: start {first['reward/mean']:.4f} (the first logged step), "
+        f"final {final:.4f} (the mean of the last 10 logged steps)",
+        f"wandb (offline): {wandb_runs[-1]}; upload with: wandb sync {run_dir}/wandb/offline-run-*",
+        "next:",
+        f"  moe-rl report {run_dir}",
+        f"  moe-rl train run_dir={run_dir} resume=true steps={2 * (last['step'] + 1)}",
+        f"  moe-rl export-hf {run_dir} {run_dir}-hf",
+    ]
+    for needle in SILENCED:
+        assert needle not in proc.stdout + proc.stderr, needle
+
+
+def deterministic(rec: dict) -> dict:
+    """A metrics record without its timings: what a resumed run must reproduce exactly."""
+    return {k: v for k, v in rec.items() if not k.startswith(("time/", "perf/"))}
+
+
+def family_checkpoint(root: Path, family: str) -> tuple[Path, dict[str, torch.Tensor]]:
+    """A random checkpoint of ``family`` as transformers writes it: our config.json and weights
+    loaded by AutoModelForCausalLM and saved again by it (bf16, its own tensor names)."""
+    import transformers  # the callers importorskip it
+
+    cfg = HF_FAMILY_TINY[family](vocab_size=VOCAB, max_seq_len=128)  # GLM-4.5's is tied
+    ours = write_hf_checkpoint(root / "ours", random_canonical_weights(cfg, seed=3), cfg)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(ours), torch_dtype=torch.float32)
+    out = root / family
+    model.to(torch.bfloat16).save_pretrained(str(out))
+    make_tokenizer(out)
+    return out, {k: v.clone() for k, v in model.state_dict().items()}
