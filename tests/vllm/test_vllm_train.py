@@ -21,16 +21,13 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from vllm_resume import diffs, rewind  # noqa: E402 (scripts/ is not a package)
 
 
+def _vllm_train(*args: str) -> list[str]:
+    """The command line of `moe-rl train rollout.engine=vllm ARGS` in this interpreter."""
+    return [sys.executable, "-m", "moe_rl.cli", "train", "rollout.engine=vllm", *args]
+
+
 def _train(run: Path, *extra: str) -> list[dict]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "moe_rl.cli",
-        "train",
-        "rollout.engine=vllm",
-        "steps=4",
-        "checkpoint_every=2",
-    ]
+    cmd = _vllm_train("steps=4", "checkpoint_every=2")
     cmd += ["parallel.nproc=2", "parallel.expert_parallel=2", "routing.replay=r3", f"run_dir={run}"]
     cmd += ["log.progress_bar=false", "log.wandb_mode=disabled", *extra]
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0|1")  # one CPU core per rank's engine
@@ -71,15 +68,7 @@ def test_deepseek_v3_mla_trains_on_vllm_fp32_with_r3_and_synced_weights(tmp_path
 
     model = VLLM_CPU_FAMILY["deepseek_v3"](vocab_size=50)  # the built-in tasks' character vocabulary
     hf_dir = write_hf_checkpoint(tmp_path / "hf", random_canonical_weights(model, seed=3), model)
-    cmd = [
-        sys.executable,
-        "-m",
-        "moe_rl.cli",
-        "train",
-        "rollout.engine=vllm",
-        "steps=2",
-        "rollout.dtype=fp32",
-    ]
+    cmd = _vllm_train("steps=2", "rollout.dtype=fp32")
     cmd += [f"init_weights=hf:{hf_dir}", "task.tokenizer=builtin:char", "task.reward=char_accuracy"]
     cmd += [
         "parallel.nproc=2",

@@ -12,12 +12,13 @@ import types
 from unittest import mock
 
 import numpy as np
+import pytest
 import torch
 
 from moe_rl.rollout.vllm.engine import register_transfer_backend
 from moe_rl.rollout.vllm.requests import to_rollout_batch
 from moe_rl.rollout.vllm.transfer import TRANSFER_BACKEND
-from moe_rl.routing.record import RouteHeader
+from moe_rl.routing.record import RouteError, RouteHeader
 from tests.rollout.vllm_format import (
     CompletionOutput,
     Logprob,
@@ -65,6 +66,13 @@ def as_vllm(batch, cfg, b: int) -> RequestOutput:
 
 def decode(outs, cfg, **kw):
     return to_rollout_batch(outs, 3, PAD_ID, RouteHeader.for_model(cfg), num_layers=cfg.num_layers, **kw)
+
+
+def refused(outs: list, cfg) -> str:
+    """The one-line RouteError that decoding ``outs`` raises (it must raise)."""
+    with pytest.raises(RouteError) as e:
+        decode(outs, cfg)
+    return str(e.value)
 
 
 VLLM = ["rollout.engine=vllm"]

@@ -151,17 +151,15 @@ def test_vllm_dvp_outputs_round_trip_to_the_builtin_safe_sets(dvp_rollout, cfg):
     batch, sp = dvp_rollout
     sizes = batch.safe_BSV.sum(-1)[batch.response_mask_BS]
     assert 1 <= int(sizes.min()) and int(sizes.max()) < cfg.vocab_size  # some pruning happened
-    k = dvp_num_logprobs(int(sizes.max()), cfg.vocab_size)
-    outs = [as_vllm_dvp(batch, cfg, b, k) for b in range(batch.num_seqs)]
-    got = to_rollout_batch(
-        outs,
-        3,
-        PAD_ID,
-        RouteHeader.for_model(cfg),
-        sp.logprob_support,
-        vocab_size=cfg.vocab_size,
-        dvp_logprobs=k,
-    )
+
+    def round_trip(k: int):  # vLLM's outputs when k log-probs per position were requested, decoded
+        outs = [as_vllm_dvp(batch, cfg, b, k) for b in range(batch.num_seqs)]
+        header = RouteHeader.for_model(cfg)
+        return to_rollout_batch(
+            outs, 3, PAD_ID, header, sp.logprob_support, vocab_size=cfg.vocab_size, dvp_logprobs=k
+        )
+
+    got = round_trip(dvp_num_logprobs(int(sizes.max()), cfg.vocab_size))
     for f in ("tokens_BS", "response_mask_BS", "logprobs_BS", "safe_BSV"):
         assert torch.equal(getattr(got, f), getattr(batch, f)), f
     assert (
@@ -170,16 +168,7 @@ def test_vllm_dvp_outputs_round_trip_to_the_builtin_safe_sets(dvp_rollout, cfg):
     )
     assert got.dist_logp_BSV is None  # vLLM has no full distribution next to the restricted one
     # the whole vocabulary requested: never ambiguous, same sets
-    outs = [as_vllm_dvp(batch, cfg, b, cfg.vocab_size) for b in range(batch.num_seqs)]
-    full = to_rollout_batch(
-        outs,
-        3,
-        PAD_ID,
-        RouteHeader.for_model(cfg),
-        sp.logprob_support,
-        vocab_size=cfg.vocab_size,
-        dvp_logprobs=cfg.vocab_size,
-    )
+    full = round_trip(cfg.vocab_size)
     assert torch.equal(full.safe_BSV, batch.safe_BSV)
 
 

