@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from moe_rl.corrections.correction_specs import DvpSpec
 from moe_rl.routing.record import RouteBatch
 
 
@@ -48,18 +49,15 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     stop_token_ids: tuple[int, ...] = ()
-    # Dynamic Vocabulary Pruning: sample only from the safe set of ``dvp_rule`` and report
-    # log-probs renormalised over it; 0 = off (full vocabulary).
-    dvp_threshold: float = 0.0
-    dvp_rule: str = (
-        "relative"  # relative (p >= threshold * max p) | top_p (smallest set of mass >= threshold)
-    )
+    # Dynamic Vocabulary Pruning (``correction.dvp``, carried unchanged): sample only from the
+    # spec's safe set and report log-probs renormalised over it; DvpSpec() = off (full vocabulary)
+    dvp: DvpSpec = field(default_factory=DvpSpec)
     return_dist: bool = False  # also return the full rollout distribution per generated token
 
     @property
     def logprob_support(self) -> str:
         """The support the reported log-probs are normalised over; the learner must match it."""
-        return f"dvp:{self.dvp_rule}:{self.dvp_threshold:g}" if self.dvp_threshold > 0 else "full"
+        return f"dvp:{self.dvp.rule}:{self.dvp.threshold:g}" if self.dvp.on else "full"
 
 
 @dataclass
@@ -85,7 +83,7 @@ class RolloutBatch:
     group_B: torch.Tensor
     finished_B: torch.Tensor
     logprob_support: str = "full"
-    # with SamplingParams.return_dist / dvp_threshold, at every generated position (0 elsewhere):
+    # with SamplingParams.return_dist / dvp, at every generated position (0 elsewhere):
     dist_logp_BSV: torch.Tensor | None = None  # float32 log softmax(logits / T) over the vocabulary
     safe_BSV: torch.Tensor | None = None  # bool, the DVP safe set the token was sampled from
 

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from moe_rl.corrections.correction_specs import CorrectionSpec, RejectionSpec, parse_rs_spec
+from moe_rl.corrections.correction_specs import CorrectionSpec, ImportanceSpec, RejectionSpec, parse_rs_spec
 from moe_rl.corrections.importance import is_weights, rejection_mask
 from moe_rl.maths.losses import (
     bypass_loss,
@@ -343,7 +343,7 @@ def test_bypass_reinforce_gradient_is_w_times_a_times_grad_logp():
         w = (
             torch.ones(B, S, dtype=torch.float64)
             if level is None
-            else is_weights(log_ratio(logp.detach(), roll), mask, level, 1.5)[0]
+            else is_weights(log_ratio(logp.detach(), roll), mask, ImportanceSpec(level, 1.5))[0]
         )
         assert loss.item() == pytest.approx((-w * adv * logp.detach() * mask).sum().item() / n.item())
         (g,) = torch.autograd.grad(loss, logp)

@@ -5,9 +5,10 @@ Trust Region Masking (``TrmSpec``), Dynamic Vocabulary Pruning (``DvpSpec``), an
 a whole (``CorrectionSpec``: ``correction.*`` of a config, and what a step carries unchanged).
 
 Each spec validates itself in ``__post_init__``, naming the config key (``moe_rl.checks``). The
-maths next to this module takes them directly: ``importance.rejection_mask`` the parsed rules,
-``trm.trm_mask`` the ``TrmSpec`` (which statistic each criterion reads is decided there),
-``moe_rl.maths.losses`` the whole ``CorrectionSpec`` in bypass mode.
+maths next to this module takes them directly: ``importance.is_weights`` the ``ImportanceSpec``,
+``importance.rejection_mask`` the parsed rules, ``trm.trm_mask`` the ``TrmSpec`` (which statistic
+each criterion reads is decided there), ``dvp.safe_set`` the ``DvpSpec``, ``moe_rl.maths.losses``
+the whole ``CorrectionSpec`` in bypass mode.
 """
 
 from __future__ import annotations
@@ -131,15 +132,22 @@ class RejectionSpec:
 @dataclass(frozen=True)
 class ImportanceSpec:
     """Truncated importance weights w = min(rho_level, clip) (docs/math.md 2.2); ``level`` "none" = off.
-    YAML: the flat ``correction.is_level``, ``is_clip``, ``is_batch_normalize``."""
+    YAML: the flat ``correction.is_level``, ``is_clip``, ``is_batch_normalize``. The maths,
+    ``moe_rl.corrections.importance.is_weights``, takes this spec."""
 
     level: str = "none"  # none | token | sequence | geometric
-    clip: float = 2.0  # one-sided truncation of the weights
+    # one-sided truncation of the weights; None = none (plain IS: the maths and its tests only, the
+    # config's is_clip is a float)
+    clip: float | None = 2.0
     batch_normalize: bool = False  # divide the weights by their global batch mean
 
     def __post_init__(self) -> None:
         one_of(self.level, "correction.is_level", ("none", *IS_LEVEL_NAMES))
-        check(math.isfinite(self.clip) and self.clip >= 1, "correction.is_clip", "must be >= 1")
+        check(
+            self.clip is None or (math.isfinite(self.clip) and self.clip >= 1),
+            "correction.is_clip",
+            "must be >= 1",
+        )
 
     @property
     def on(self) -> bool:

@@ -24,6 +24,7 @@ from typing import NamedTuple
 
 import torch
 
+from moe_rl.corrections.correction_specs import DvpSpec
 from moe_rl.corrections.masked import masked_max, masked_mean, masked_min
 from moe_rl.maths.ratios import kl_from_log_ratio, log_ratio
 from moe_rl.metrics import MetricValue
@@ -36,6 +37,7 @@ __all__ = [
     "dvp_metrics",
     "restricted_logprobs",
     "safe_set",
+    "safe_set_for",
 ]
 
 DEFAULT_RHO_MIN = 1e-3  # [I] docs/math.md 4.1 is a GAP: no threshold from the paper
@@ -81,6 +83,14 @@ def safe_set(
         safe_BSV: bool [B, S, V]; always contains the most likely token.
     """
     return SAFE_SET_RULES.lookup(rule)(logits_BSV.detach(), threshold)
+
+
+def safe_set_for(spec: DvpSpec, logits_BSV: torch.Tensor) -> torch.Tensor:
+    """The safe vocabulary ``spec`` (``correction.dvp``) defines at every position: its rule at its
+    threshold (``safe_set``); what the engines call. ValueError when the spec is off (no set)."""
+    if not spec.on:
+        raise ValueError("DVP is off (threshold 0): there is no safe set")
+    return safe_set(logits_BSV, rule=spec.rule, threshold=spec.threshold)
 
 
 class RestrictedLogprobs(NamedTuple):

@@ -50,7 +50,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from moe_rl.corrections.correction_specs import RejectionRule
+from moe_rl.corrections.correction_specs import ImportanceSpec, RejectionRule
 from moe_rl.corrections.masked import inf_like, masked_max, masked_mean, masked_min, seq_valid, stats
 from moe_rl.maths.ratios import SAFETY_BOUND, exact_log_ratio, kl_from_log_ratio, log_ratio
 from moe_rl.metrics import MetricValue
@@ -100,17 +100,17 @@ def _geometric_log_weight(log_ratio_BS: torch.Tensor, maskf_BS: torch.Tensor) ->
 
 
 def is_batch_mean_parts(
-    weights_BS: torch.Tensor, mask_BS: torch.Tensor, level: str
+    weights_BS: torch.Tensor, mask_BS: torch.Tensor, spec: ImportanceSpec
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Local (sum, count) whose global ratio is the batch-normalisation mean of ``is_weights``.
 
-    token level: over response tokens; sequence / geometric: over sequences (one weight each).
-    A caller with several ranks all-reduces both and passes sum / count as ``norm_mean``.
+    ``spec.level`` token: over response tokens; sequence / geometric: over sequences (one weight
+    each). A caller with several ranks all-reduces both and passes sum / count as ``norm_mean``.
     """
-    IS_LEVELS.check(level)
+    IS_LEVELS.check(spec.level)
     mask_BS = mask_BS.bool()
     w_BS = weights_BS.detach()
-    if level == "token":
+    if spec.level == "token":
         keepf = mask_BS.to(w_BS.dtype)
         return (w_BS * keepf).sum(), keepf.sum()
     valid_B = seq_valid(mask_BS)
@@ -121,40 +121,37 @@ def is_batch_mean_parts(
 def is_weights(
     log_ratio_BS: torch.Tensor,
     mask_BS: torch.Tensor,
-    level: str = "token",
-    clip_max: float | None = 2.0,
+    spec: ImportanceSpec,
     *,
-    batch_normalize: bool = False,
     norm_mean: float | torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, MetricValue]]:
-    """Truncated importance weights w = min(rho_level, clip_max) (docs/math.md 2.2), detached.
+    """Truncated importance weights w = min(rho_level, C) (docs/math.md 2.2), detached.
 
-    Levels (``IS_LEVELS``): "token" rho_t = exp(clamp(log rho_t, +-20)); "sequence"
+    Levels (``spec.level``, ``IS_LEVELS``): "token" rho_t = exp(clamp(log rho_t, +-20)); "sequence"
     rho(y) = exp(clamp(sum_t log rho_t, +-20)); "geometric" rho_geo = exp(clamp(mean_t log rho_t,
     +-20)); the sum and mean are of the exact token terms (module docstring); sequence levels
     broadcast to every token.
-    Truncation is one-sided (no lower clamp); 1/clip_max is used only in the metrics. Weights are
-    0 on padding. With ``batch_normalize`` the truncated weights are divided by their batch mean
-    (tokens for "token", sequences otherwise): the local mean, or ``norm_mean`` when the caller
-    passes the global one (see ``is_batch_mean_parts``).
+    Truncation at C = ``spec.clip`` is one-sided (no lower clamp; None = no truncation, plain IS);
+    1/C is used only in the metrics. Weights are 0 on padding. With ``spec.batch_normalize`` the
+    truncated weights are divided by their batch mean (tokens for "token", sequences otherwise):
+    the local mean, or ``norm_mean`` when the caller passes the global one (see
+    ``is_batch_mean_parts``).
 
     Args:
         log_ratio_BS: float [B, S] log rho = log pi_train - log pi_rollout, unclamped
             (``exact_log_ratio``; a per-token clamped input gives clamped-term sums); detached here.
         mask_BS: bool or 0/1 [B, S] response tokens.
-        level: "token" | "sequence" | "geometric".
-        clip_max: truncation C > 0; None = no truncation (plain IS).
+        spec: the level, the truncation C and the batch normalisation (``correction.importance``).
     Returns:
         weights_BS: float [B, S], no gradient. metrics (IS weights, after truncation and
         normalisation): ``corr/is_{mean,std,max,min}`` over tokens, ``corr/is_seq_{mean,std,max,min}``
         over sequences (per-sequence mean weight), ``corr/is_ratio_fraction_{high,low}`` (untruncated
-        rho_level above C / below 1/C; tokens for "token", sequences otherwise) when clip_max is set,
-        and ``corr/is_batch_norm_factor`` (the mean divided by; local unless norm_mean is given)
-        when batch_normalize. ESS follows from is_mean and is_std after reduction
+        rho_level above C / below 1/C; tokens for "token", sequences otherwise) when C is set, and
+        ``corr/is_batch_norm_factor`` (the mean divided by; local unless norm_mean is given) when
+        batch_normalize. ESS follows from is_mean and is_std after reduction
         (``moe_rl.corrections.derive_metrics``).
     """
-    if clip_max is not None and not clip_max > 0:
-        raise ValueError(f"clip_max must be > 0 or None, got {clip_max}")
+    level, clip_max = spec.level, spec.clip
     log_ratio_BS = log_ratio_BS.detach()
     mask_BS = mask_BS.bool()
     maskf_BS = mask_BS.to(log_ratio_BS.dtype)
@@ -166,9 +163,9 @@ def is_weights(
         w_BS = w_BS.clamp(max=clip_max)
     w_BS = w_BS * maskf_BS
     metrics: dict[str, MetricValue] = {}
-    if batch_normalize:
+    if spec.batch_normalize:
         if norm_mean is None:
-            total, count = is_batch_mean_parts(w_BS, mask_BS, level)
+            total, count = is_batch_mean_parts(w_BS, mask_BS, spec)
             norm_mean = total / count.clamp(min=1)
         norm_mean = torch.as_tensor(norm_mean, dtype=w_BS.dtype, device=w_BS.device)
         w_BS = w_BS / norm_mean.clamp(min=torch.finfo(w_BS.dtype).tiny)

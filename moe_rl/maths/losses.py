@@ -32,7 +32,7 @@ module uses the corrections' IS weights and rejection masks (bypass mode), so it
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -331,7 +331,8 @@ def bypass_loss(
     w_BS = torch.ones_like(log_ratio_det_BS)
     imp = correction.importance
     if imp.on:
-        w_BS, is_metrics = is_weights(exact_BS, base_mask_BS, imp.level, imp.clip)
+        # per micro-batch and against pi_theta: no batch normalisation here (it is decoupled mode's)
+        w_BS, is_metrics = is_weights(exact_BS, base_mask_BS, replace(imp, batch_normalize=False))
         corr_metrics.update(is_metrics)
     maskf_BS = mask_BS.to(logp_BS.dtype)
     adv_BS = advantages_BS.detach().to(logp_BS.dtype)

@@ -31,7 +31,8 @@ from dataclasses import dataclass
 import torch
 
 from moe_rl.config import ModelConfig
-from moe_rl.corrections.dvp import safe_set
+from moe_rl.corrections.correction_specs import DvpSpec
+from moe_rl.corrections.dvp import safe_set_for
 from moe_rl.errors import RouteError
 from moe_rl.rollout.base import Weights
 from moe_rl.rollout.builtin_model import DTYPES, BuiltinMoEModel, KVCache, RouterNoise
@@ -74,15 +75,14 @@ def sample_next(
     top_k: int,
     top_p: float,
     generator: torch.Generator,
-    dvp_threshold: float = 0.0,
-    dvp_rule: str = "relative",
+    dvp: DvpSpec = DvpSpec(),
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Sample one token per row; return (tokens_B int64, logprobs_B float32, the full log-probs
     [B, V], and the DVP safe set [B, V] or None).
 
     The sample comes from softmax(filter(logits / temperature)); the log-prob is that of the
     chosen token under log softmax(logits / temperature) over the full vocabulary (see the
-    module docstring), or, with ``dvp_threshold``, over the DVP safe set it was sampled from.
+    module docstring), or, with ``dvp`` on, over the DVP safe set it was sampled from.
     Sampling uses the exponential-race trick argmax(p / Exp(1)) (as vLLM does): one vectorized
     draw per step, and a token with p = 0 can never win.
     """
@@ -91,8 +91,8 @@ def sample_next(
     filtered_BV = filter_logits(scaled_BV, top_k, top_p)
     safe_BV = None
     reported_BV = logprobs_BV
-    if dvp_threshold > 0:  # DVP: sample from the safe set only, report log-probs renormalised over it
-        safe_BV = safe_set(scaled_BV[:, None, :], rule=dvp_rule, threshold=dvp_threshold)[:, 0]
+    if dvp.on:  # DVP: sample from the safe set only, report log-probs renormalised over it
+        safe_BV = safe_set_for(dvp, scaled_BV[:, None, :])[:, 0]
         filtered_BV = filtered_BV.masked_fill(~safe_BV, float("-inf"))
         reported_BV = torch.log_softmax(scaled_BV.masked_fill(~safe_BV, float("-inf")), dim=-1)
     probs_BV = torch.softmax(filtered_BV, dim=-1)
@@ -265,7 +265,7 @@ class BuiltinEngine:
         V = self.cfg.vocab_size
         if sampling.return_dist:
             st.gen_dist_BGV = torch.zeros((B, max_new, V), dtype=torch.float32, device=self.device)
-        if sampling.dvp_threshold > 0:
+        if sampling.dvp.on:
             st.gen_safe_BGV = torch.zeros((B, max_new, V), dtype=torch.bool, device=self.device)
         for g in range(max_new):
             tok_B, lp_B, dist_BV, safe_BV = sample_next(
@@ -274,8 +274,7 @@ class BuiltinEngine:
                 sampling.top_k,
                 sampling.top_p,
                 gen,
-                sampling.dvp_threshold,
-                sampling.dvp_rule,
+                sampling.dvp,
             )
             if st.gen_dist_BGV is not None:
                 st.gen_dist_BGV[:, g] = dist_BV

@@ -10,6 +10,7 @@ Shape suffixes: B sequences, S positions, V vocabulary.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import NamedTuple
 
 import torch
@@ -102,19 +103,12 @@ def drift_tensors(
     if imp.on:
         norm_mean = None
         if imp.batch_normalize:  # the global mean, so every rank divides by the same number
-            w_BS, _ = is_weights(log_ratio_BS, mask_BS, imp.level, imp.clip)
-            parts = torch.stack(is_batch_mean_parts(w_BS, mask_BS, imp.level)).double()
+            w_BS, _ = is_weights(log_ratio_BS, mask_BS, replace(imp, batch_normalize=False))
+            parts = torch.stack(is_batch_mean_parts(w_BS, mask_BS, imp)).double()
             if dist.is_initialized():
                 dist.all_reduce(parts, group=dp_group)
             norm_mean = float(parts[0] / parts[1].clamp(min=1))
-        is_weights_BS, m = is_weights(
-            log_ratio_BS,
-            mask_BS,
-            imp.level,
-            imp.clip,
-            batch_normalize=imp.batch_normalize,
-            norm_mean=norm_mean,
-        )
+        is_weights_BS, m = is_weights(log_ratio_BS, mask_BS, imp, norm_mean=norm_mean)
         metrics.update(m)
     keep_BS = mask_BS.bool()
     if correction.rules:

@@ -28,8 +28,7 @@ def sampling_params(cfg: RunConfig, stop_token_ids: tuple[int, ...] = ()) -> Sam
         top_p=r.top_p,
         top_k=r.top_k,
         stop_token_ids=tuple(stop_token_ids),
-        dvp_threshold=c.dvp.threshold,
-        dvp_rule=c.dvp.rule,
+        dvp=c.dvp,
         return_dist=c.needs_full_dists or c.dvp.on,
     )
 

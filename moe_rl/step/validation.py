@@ -7,6 +7,7 @@ import dataclasses
 import time
 
 from moe_rl.config import RunConfig
+from moe_rl.corrections.correction_specs import DvpSpec
 from moe_rl.seeding import VALIDATE, step_seed
 from moe_rl.step.plan import sampling_params
 from moe_rl.tasks.rewards import score
@@ -24,7 +25,7 @@ def validation_rewards(cfg: RunConfig, task: Task, engine, step: int, dp_rank: i
     rows = task.val_source.prompts[: cfg.task.val_max_prompts or None]
     prompts = rows[dp_rank::dp_size]
     sampled = sampling_params(cfg, task.tokenizer.eos_ids)
-    greedy = dataclasses.replace(sampled, top_k=1, return_dist=False, dvp_threshold=0.0)
+    greedy = dataclasses.replace(sampled, top_k=1, return_dist=False, dvp=DvpSpec())  # DVP off
     out = {}
     for prefix, params in (("val/reward", greedy), ("val/reward_sampled", sampled)):
         batch = engine.generate(

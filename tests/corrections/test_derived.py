@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from moe_rl.corrections import dvp, importance, trm
+from moe_rl.corrections.correction_specs import ImportanceSpec
 from moe_rl.corrections.derived import derive_metrics
 from moe_rl.corrections.importance import is_weights
 from moe_rl.maths import losses
@@ -20,10 +21,11 @@ def test_ess_derived_exactly_from_reduced_mean_and_std():
     gen = torch.Generator().manual_seed(0)
     lr = torch.randn(8, 6, generator=gen, dtype=torch.float64) * 0.5
     mask = torch.rand(8, 6, generator=gen) > 0.3
-    w, _ = is_weights(lr, mask, "token", 2.0)
+    w, _ = is_weights(lr, mask, ImportanceSpec("token", 2.0))
     # two "ranks" / micro-batches: the derived ESS equals the whole-batch formula 1 / mean(wbar^2)
     parts = merge_metrics(
-        is_weights(lr[:3], mask[:3], "token", 2.0)[1], is_weights(lr[3:], mask[3:], "token", 2.0)[1]
+        is_weights(lr[:3], mask[:3], ImportanceSpec("token", 2.0))[1],
+        is_weights(lr[3:], mask[3:], ImportanceSpec("token", 2.0))[1],
     )
     got = derive_metrics(reduce_metrics(parts))
     w_valid = w[mask]

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from moe_rl.corrections.dvp import SAFE_SET_RULES, dvp_metrics, restricted_logprobs, safe_set
+from moe_rl.corrections.correction_specs import DvpSpec
+from moe_rl.corrections.dvp import SAFE_SET_RULES, dvp_metrics, restricted_logprobs, safe_set, safe_set_for
 from moe_rl.metrics import reduce_metrics
 
 F64 = torch.float64
@@ -122,3 +123,12 @@ def test_dvp_metrics_hand_computed():
     assert got["corr/dvp_k3_before"] == pytest.approx((k3(0.4 / 0.3) + k3(0.1 / 0.05)) / 2)
     assert got["corr/dvp_k3_after"] == pytest.approx(k3((0.4 / 0.9) / (0.3 / 0.95)))
     assert all(math.isfinite(v) for v in got.values())
+
+
+@pytest.mark.unit
+def test_safe_set_for_reads_the_rule_and_threshold_from_the_spec():
+    hand = torch.log(torch.tensor([[[0.15, 0.5, 0.05, 0.3]]], dtype=F64))
+    assert safe_set_for(DvpSpec(0.25), hand).tolist() == [[[True, True, False, True]]]  # 0.15 >= 0.125
+    assert safe_set_for(DvpSpec(0.7, "top_p"), hand).tolist() == [[[False, True, False, True]]]
+    with pytest.raises(ValueError, match="DVP is off"):
+        safe_set_for(DvpSpec(), hand)

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
 import torch
 
 from moe_rl.corrections import importance
-from moe_rl.corrections.correction_specs import CorrectionSpec, parse_rs_spec
+from moe_rl.corrections.correction_specs import CorrectionSpec, ImportanceSpec, parse_rs_spec
 from moe_rl.corrections.derived import derive_metrics
 from moe_rl.corrections.importance import (
     is_batch_mean_parts,
@@ -45,6 +46,14 @@ def _random_batch(seed, B=6, S=9, scale=0.5):
     return train, roll, mask
 
 
+def _unchecked(spec, **fields):
+    """A copy of a frozen spec with fields set past its validation (to reach the maths' own check)."""
+    out = copy.copy(spec)
+    for name, value in fields.items():
+        object.__setattr__(out, name, value)
+    return out
+
+
 @pytest.mark.unit
 def test_log_ratio_is_reused_not_duplicated():
     assert importance.log_ratio is losses.log_ratio is ratios.log_ratio
@@ -54,7 +63,7 @@ def test_log_ratio_is_reused_not_duplicated():
 @pytest.mark.unit
 def test_token_is_weights_truncated_and_zero_on_padding():
     lr, mask = _lr([[0.5, 1.5, 4.0], [3.0, None, None]])
-    w, m = is_weights(lr, mask, "token", clip_max=2.0)
+    w, m = is_weights(lr, mask, ImportanceSpec("token", clip=2.0))
     torch.testing.assert_close(w, torch.tensor([[0.5, 1.5, 2.0], [2.0, 0.0, 0.0]], dtype=F64))
     got = reduce_metrics(m)
     assert got["corr/is_mean"] == pytest.approx((0.5 + 1.5 + 2 + 2) / 4)
@@ -70,47 +79,53 @@ def test_token_is_weights_truncated_and_zero_on_padding():
 @pytest.mark.unit
 def test_sequence_and_geometric_weights():
     lr, mask = _lr([[1.2, 1.5, None], [0.5, 0.5, 0.5]])
-    w, m = is_weights(lr, mask, "sequence", clip_max=2.0)
+    w, m = is_weights(lr, mask, ImportanceSpec("sequence", clip=2.0))
     # rho(y) = 1.8 (kept) and 0.125 (below 1/C: counted low, not clamped)
     torch.testing.assert_close(w, torch.tensor([[1.8, 1.8, 0.0], [0.125] * 3], dtype=F64))
     got = reduce_metrics(m)
     assert got["corr/is_ratio_fraction_low"] == pytest.approx(0.5)  # per sequence
     assert got["corr/is_seq_mean"] == pytest.approx((1.8 + 0.125) / 2)
-    w, _ = is_weights(lr, mask, "sequence", clip_max=1.5)
+    w, _ = is_weights(lr, mask, ImportanceSpec("sequence", clip=1.5))
     assert w[0, 0].item() == pytest.approx(1.5)
-    w, _ = is_weights(lr, mask, "geometric", clip_max=None)
+    w, _ = is_weights(lr, mask, ImportanceSpec("geometric", clip=None))
     torch.testing.assert_close(w, torch.tensor([[1.8**0.5] * 2 + [0.0], [0.5] * 3], dtype=F64))
     # the sum is clamped to +-20 before exp
     w, _ = is_weights(
-        torch.full((1, 3), 15.0, dtype=F64), torch.ones(1, 3, dtype=torch.bool), "sequence", clip_max=None
+        torch.full((1, 3), 15.0, dtype=F64),
+        torch.ones(1, 3, dtype=torch.bool),
+        ImportanceSpec("sequence", clip=None),
     )
     assert w[0, 0].item() == pytest.approx(math.exp(20.0))
     with pytest.raises(ValueError, match="IS weight level"):
-        is_weights(lr, mask, "tokens", 2.0)
+        is_weights(lr, mask, _unchecked(ImportanceSpec("token", 2.0), level="tokens"))
+    with pytest.raises(ValueError, match="correction.is_level"):  # the spec refuses it first
+        ImportanceSpec("tokens", 2.0)
 
 
 @pytest.mark.unit
 def test_is_weights_never_carry_gradient():
     lr = torch.randn(3, 4, dtype=F64, requires_grad=True)
     for level in ("token", "sequence", "geometric"):
-        w, _ = is_weights(lr, torch.ones(3, 4, dtype=torch.bool), level, 2.0, batch_normalize=True)
+        w, _ = is_weights(
+            lr, torch.ones(3, 4, dtype=torch.bool), ImportanceSpec(level, 2.0, batch_normalize=True)
+        )
         assert not w.requires_grad and w.grad_fn is None
 
 
 @pytest.mark.unit
 def test_batch_normalisation():
     lr, mask = _lr([[0.5, 1.5, 4.0], [3.0, None, None]])
-    w, m = is_weights(lr, mask, "token", 2.0, batch_normalize=True)
+    w, m = is_weights(lr, mask, ImportanceSpec("token", 2.0, batch_normalize=True))
     assert (w[mask].mean()).item() == pytest.approx(1.0)
     assert reduce_metrics(m)["corr/is_batch_norm_factor"] == pytest.approx(6.0 / 4)
     lr, mask = _lr([[1.2, 1.5, None], [0.5, 0.5, 0.5]])
-    w, _ = is_weights(lr, mask, "sequence", 2.0, batch_normalize=True)
+    w, _ = is_weights(lr, mask, ImportanceSpec("sequence", 2.0, batch_normalize=True))
     mean_seq = (1.8 + 0.125) / 2  # per sequence, not per token
     torch.testing.assert_close(w[:, 0], torch.tensor([1.8, 0.125], dtype=F64) / mean_seq)
-    w_raw, _ = is_weights(lr, mask, "sequence", 2.0)
-    total, count = is_batch_mean_parts(w_raw, mask, "sequence")
+    w_raw, _ = is_weights(lr, mask, ImportanceSpec("sequence", 2.0))
+    total, count = is_batch_mean_parts(w_raw, mask, ImportanceSpec("sequence"))
     assert (total / count).item() == pytest.approx(mean_seq)
-    w_global, _ = is_weights(lr, mask, "sequence", 2.0, batch_normalize=True, norm_mean=4.0)
+    w_global, _ = is_weights(lr, mask, ImportanceSpec("sequence", 2.0, batch_normalize=True), norm_mean=4.0)
     torch.testing.assert_close(w_global, w_raw / 4.0)
 
 
@@ -293,7 +308,7 @@ def test_metrics_split_across_microbatches_equal_whole_batch():
 
     def all_metrics(sl):
         out = dict(offpolicy_metrics(train[sl], roll[sl], mask[sl]))
-        out.update(is_weights(lr[sl], mask[sl], "sequence", 2.0)[1])
+        out.update(is_weights(lr[sl], mask[sl], ImportanceSpec("sequence", 2.0))[1])
         out.update(
             rejection_mask(lr[sl], mask[sl], parse_rs_spec(["token_k1", "seq_max_k2"], [(0.5, 2.0), 0.3]))[1]
         )
@@ -312,7 +327,7 @@ def test_is_weights_match_loop_reference():
     train, roll, mask = _random_batch(5)
     lr = log_ratio(train, roll)
     for level in ("token", "sequence", "geometric"):
-        w, _ = is_weights(lr, mask, level, 1.7)
+        w, _ = is_weights(lr, mask, ImportanceSpec(level, 1.7))
         for b in range(lr.shape[0]):
             idx = [s for s in range(lr.shape[1]) if mask[b, s]]
             for s in range(lr.shape[1]):
@@ -344,9 +359,9 @@ def _extreme():
 def test_sequence_and_geometric_weights_are_exact_on_extreme_token_ratios():
     train, roll, mask = _extreme()
     lr = ratios.exact_log_ratio(train, roll)
-    seq, _ = is_weights(lr, mask, "sequence", None)
-    geo, _ = is_weights(lr, mask, "geometric", None)
-    tok, _ = is_weights(lr, mask, "token", None)
+    seq, _ = is_weights(lr, mask, ImportanceSpec("sequence", None))
+    geo, _ = is_weights(lr, mask, ImportanceSpec("geometric", None))
+    tok, _ = is_weights(lr, mask, ImportanceSpec("token", None))
     assert seq[0, :2].tolist() == [math.exp(0.5)] * 2  # e^(30 - 29.5), not e^(20 - 29.5) = e^-9.5
     assert seq[1, :2].tolist() == [math.exp(20.0)] * 2  # the sum 30 is clamped, after summing
     assert seq[2, 0].item() == math.exp(-20.0)

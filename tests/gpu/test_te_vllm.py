@@ -182,6 +182,7 @@ def test_vllm_dvp_safe_sets_match_the_learner_recomputation(tmp_path, rule, thre
     set (``dvp_safe_mask`` on its logits) agrees with vLLM's at nearly every position (bf16 engine
     vs fp32 recomputation differ only at the cut)."""
     pytest.importorskip("vllm")
+    from moe_rl.corrections.correction_specs import DvpSpec
     from moe_rl.corrections.dvp import restricted_logprobs
     from moe_rl.rollout.builtin_model import BuiltinMoEModel
     from moe_rl.rollout.vllm.dvp_processor import dvp_safe_mask
@@ -215,8 +216,7 @@ def test_vllm_dvp_safe_sets_match_the_learner_recomputation(tmp_path, rule, thre
         max_new_tokens=8,
         temperature=T,
         stop_token_ids=(3,),
-        dvp_threshold=threshold,
-        dvp_rule=rule,
+        dvp=DvpSpec(threshold, rule),
         return_dist=True,
     )
     batch = engine.generate([[5, 6, 7], [8, 9]], 4, sp, seed=1)

@@ -75,6 +75,7 @@ def _worker(rank: int):
     from megatron.core import parallel_state as ps
 
     from moe_rl import dist
+    from moe_rl.corrections.correction_specs import DvpSpec
     from moe_rl.learner.learner import Learner
     from moe_rl.rollout.builtin import BuiltinEngine
     from moe_rl.types import SamplingParams
@@ -111,7 +112,7 @@ def _worker(rank: int):
     dvp = engine.generate(
         [[1, 5, 6, 7], [1, 9, 8]],
         4,
-        SamplingParams(max_new_tokens=5, temperature=1.5, dvp_threshold=0.2, return_dist=True),
+        SamplingParams(max_new_tokens=5, temperature=1.5, dvp=DvpSpec(0.2), return_dist=True),
         seed=4,
     )
     dvp_lens_B = dvp.prompt_lens_B + dvp.response_lens_B

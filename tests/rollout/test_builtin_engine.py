@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from moe_rl.config import ModelConfig
+from moe_rl.corrections.correction_specs import DvpSpec
 from moe_rl.rollout.base import RolloutEngine
 from moe_rl.rollout.builtin import BuiltinEngine, filter_logits, sample_next
 from moe_rl.rollout.builtin_model import ForwardOut
@@ -284,7 +285,7 @@ def test_bad_requests_are_rejected(fp32_engine: BuiltinEngine, cfg: ModelConfig)
 @pytest.mark.unit
 def test_dvp_samples_inside_the_safe_set_and_renormalises(fp32_engine: BuiltinEngine) -> None:
     thr = 0.2
-    sp = SamplingParams(max_new_tokens=6, temperature=1.3, dvp_threshold=thr, return_dist=True)
+    sp = SamplingParams(max_new_tokens=6, temperature=1.3, dvp=DvpSpec(thr), return_dist=True)
     out = fp32_engine.generate([[1, 5, 6, 7], [1, 9]], 16, sp, seed=11)
     assert out.logprob_support == "dvp:relative:0.2" and out.safe_BSV is not None
     m = out.response_mask_BS
@@ -316,9 +317,7 @@ def test_dvp_samples_inside_the_safe_set_and_renormalises(fp32_engine: BuiltinEn
 
 @pytest.mark.unit
 def test_dvp_top_p_rule_keeps_the_smallest_set_reaching_the_mass(fp32_engine: BuiltinEngine) -> None:
-    sp = SamplingParams(
-        max_new_tokens=4, temperature=1.5, dvp_threshold=0.5, dvp_rule="top_p", return_dist=True
-    )
+    sp = SamplingParams(max_new_tokens=4, temperature=1.5, dvp=DvpSpec(0.5, "top_p"), return_dist=True)
     out = fp32_engine.generate([[1, 5, 6, 7]], 8, sp, seed=5)
     m = out.response_mask_BS
     probs_NV = out.dist_logp_BSV[m].exp()
@@ -342,7 +341,7 @@ def test_dvp_metrics_without_the_rollout_distribution(fp32_engine: BuiltinEngine
     from moe_rl.step.plan import StepPlan
     from moe_rl.types import TokenStats
 
-    sp = SamplingParams(max_new_tokens=6, temperature=1.0, dvp_threshold=0.2, return_dist=True)
+    sp = SamplingParams(max_new_tokens=6, temperature=1.0, dvp=DvpSpec(0.2), return_dist=True)
     out = fp32_engine.generate([[1, 5, 6, 7], [1, 9]], 8, sp, seed=3)
     m = out.response_mask_BS
     r = restricted_logprobs(out.dist_logp_BSV, out.safe_BSV | ~m[..., None], out.tokens_BS)

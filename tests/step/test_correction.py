@@ -123,3 +123,14 @@ def test_learner_refuses_a_log_prob_support_mismatch():
     batch.logprob_support = "dvp:relative:0.05"
     with pytest.raises(ValueError, match="returned no safe sets"):
         drift.token_inputs(plan.correction, plan.support, batch)
+
+
+@pytest.mark.unit
+def test_batch_normalised_sequence_weights_are_divided_by_their_mean_over_sequences():
+    plan = _plan(None, "correction.is_level=sequence", "correction.is_batch_normalize=true")
+    mask, rollout, old = _batch()
+    corr, metrics = drift.drift_tensors(plan.correction, old, rollout, mask, None)
+    # rho(y) = 1, min(e^1.0, 2) = 2, 1: the mean over sequences is 4/3, not the token mean 5/4
+    w = corr.is_weights_BS
+    assert [w[b, 1].item() for b in range(3)] == pytest.approx([0.75, 1.5, 0.75])
+    assert float(metrics["corr/is_batch_norm_factor"]) == pytest.approx(4 / 3)

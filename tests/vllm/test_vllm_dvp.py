@@ -30,6 +30,7 @@ LOGP_ATOL = 1e-4  # fp32: the decode step vs the prefill that scores the sequenc
 def dvp_run():
     require_vllm()
     from moe_rl.config import load_config
+    from moe_rl.corrections.correction_specs import DvpSpec
     from moe_rl.rollout.vllm import engine as ve
     from moe_rl.rollout.vllm.dvp_processor import DVP_PROCESSOR
     from moe_rl.rollout.vllm.requests import engine_kwargs
@@ -58,7 +59,7 @@ def dvp_run():
     out = {}
     for rule, threshold in RULES:
         sp = SamplingParams(
-            max_new_tokens=8, temperature=T, stop_token_ids=(3,), dvp_threshold=threshold, dvp_rule=rule
+            max_new_tokens=8, temperature=T, stop_token_ids=(3,), dvp=DvpSpec(threshold, rule)
         )
         out[rule] = (engine.generate(PROMPTS, N, sp, seed=7), sp)
     return engine, cfg, out
@@ -98,7 +99,7 @@ def test_dvp_samples_inside_the_builtin_rules_safe_set_with_renormalised_logprob
     assert int(sizes.min()) >= 1 and int(sizes.max()) < VOCAB  # the sets do restrict
     for b, z_GV in enumerate(_unmasked_logp(engine, batch)):
         P, G = int(batch.prompt_lens_B[b]), int(batch.response_lens_B[b])
-        safe_GV = dvp_safe_mask(z_GV, T, sp.dvp_rule, sp.dvp_threshold)
+        safe_GV = dvp_safe_mask(z_GV, T, sp.dvp.rule, sp.dvp.threshold)
         assert torch.equal(safe_GV, batch.safe_BSV[b, P : P + G]), f"sample {b}: safe set differs"
         want_GV = torch.log_softmax((z_GV / T).masked_fill(~safe_GV, -math.inf), -1)
         got_G = batch.logprobs_BS[b, P : P + G]

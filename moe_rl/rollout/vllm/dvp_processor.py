@@ -29,15 +29,17 @@ from typing import Any
 
 import torch
 
+from moe_rl.corrections.correction_specs import DvpSpec
 from moe_rl.corrections.dvp import SAFE_SET_RULES, safe_set
 
 DVP_ARG = "moe_rl_dvp"  # SamplingParams.extra_args key: {"rule": str, "threshold": float}
 DVP_PROCESSOR = "moe_rl.rollout.vllm.engine:DvpLogitsProcessor"  # the FQCN vLLM's loader resolves
 
 
-def dvp_request_args(rule: str, threshold: float) -> dict[str, Any]:
-    """``SamplingParams.extra_args`` asking ``DvpLogitsProcessor`` for DVP on one request."""
-    return {DVP_ARG: {"rule": rule, "threshold": float(threshold)}}
+def dvp_request_args(spec: DvpSpec) -> dict[str, Any]:
+    """``SamplingParams.extra_args`` asking ``DvpLogitsProcessor`` for ``spec``'s DVP on one request
+    (vLLM's request format: the rule and threshold as plain values)."""
+    return {DVP_ARG: {"rule": spec.rule, "threshold": float(spec.threshold)}}
 
 
 def dvp_params(extra_args: dict[str, Any] | None, temperature: float) -> tuple[str, float, float] | None:

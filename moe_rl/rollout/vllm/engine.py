@@ -253,7 +253,7 @@ class VllmEngine:
             self.llm.wake_up()  # the KV cache (weights were woken by load_weights)
             self.asleep = False
         dvp_logprobs = 0
-        if sampling.dvp_threshold > 0:
+        if sampling.dvp.on:
             dvp_logprobs = dvp_num_logprobs(self.cfg.rollout.vllm.dvp_max_safe, self.model_cfg.vocab_size)
             if sampling.return_dist and not self._warned_dist:
                 log.warning(

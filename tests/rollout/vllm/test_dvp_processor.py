@@ -14,6 +14,7 @@ import torch
 
 from moe_rl.config import load_config
 from moe_rl.config.vllm_rules import logprobs_mode
+from moe_rl.corrections.correction_specs import DvpSpec
 from moe_rl.rollout.vllm import engine, env
 from moe_rl.rollout.vllm.dvp_processor import (
     DVP_ARG,
@@ -44,6 +45,14 @@ DVP_CASES = [
 ]
 
 
+def _dvp_spec(rule: str, threshold: float) -> DvpSpec:
+    """A case's DvpSpec; relative 1.0 (the top token alone) lies past the config's [0, 1), so the
+    threshold is set past the spec's validation: the maths takes it."""
+    spec = DvpSpec(rule=rule)
+    object.__setattr__(spec, "threshold", threshold)
+    return spec
+
+
 def _dvp_logits(rows: int, vocab: int, seed: int) -> torch.Tensor:
     """Random logits with ties: half the rows rounded to 0.25 (ties at the relative cut and in
     the top-p sort), a few rows constant (every token tied with the top)."""
@@ -63,7 +72,7 @@ def test_dvp_safe_mask_equals_the_builtin_engine(rule, threshold, temperature):
     for vocab, seed in ((40, 0), (997, 1)):
         z_RV = _dvp_logits(256, vocab, seed)
         g = torch.Generator().manual_seed(0)
-        want = sample_next(z_RV, temperature, 0, 1.0, g, dvp_threshold=threshold, dvp_rule=rule)[3]
+        want = sample_next(z_RV, temperature, 0, 1.0, g, _dvp_spec(rule, threshold))[3]
         got = dvp_safe_mask(z_RV, temperature, rule, threshold)
         assert got.dtype == torch.bool and torch.equal(got, want)
         assert got.sum(-1).min() >= 1  # the top token always
@@ -96,7 +105,9 @@ def test_processed_logprob_after_the_mask_is_the_builtin_safe_set_logprob(rule, 
 
     T = 0.8
     z_RV = _dvp_logits(128, 64, 5)
-    tok_R, lp_R, _, safe_RV = sample_next(z_RV, T, 0, 1.0, torch.Generator().manual_seed(1), threshold, rule)
+    tok_R, lp_R, _, safe_RV = sample_next(
+        z_RV, T, 0, 1.0, torch.Generator().manual_seed(1), _dvp_spec(rule, threshold)
+    )
     processed_RV = apply_dvp(z_RV.clone(), [(rule, threshold, T)] * 128) / T
     assert safe_RV.gather(-1, tok_R[:, None]).all()
     got_R = torch.log_softmax(processed_RV, -1).gather(-1, tok_R[:, None])[:, 0]
@@ -122,8 +133,7 @@ def dvp_rollout(request, fp32_engine):
         max_new_tokens=6,
         temperature=0.9,
         stop_token_ids=(3,),
-        dvp_threshold=threshold,
-        dvp_rule=rule,
+        dvp=DvpSpec(threshold, rule),
         return_dist=True,
     )
     return fp32_engine.generate([[5, 6, 7], [8, 9], [10, 11, 12, 13]], 3, sp, seed=11), sp
@@ -218,7 +228,7 @@ def test_dvp_safe_sets_reject_malformed_outputs():
 
 @pytest.mark.unit
 def test_dvp_request_args_and_their_validation():
-    args = dvp_request_args("top_p", 0.9)
+    args = dvp_request_args(DvpSpec(0.9, "top_p"))
     assert dvp_params(args, 0.7) == ("top_p", 0.9, 0.7)
     assert dvp_params(None, 0.7) is None and dvp_params({"other": 1}, 0.7) is None
     for bad, needle in [
@@ -230,9 +240,7 @@ def test_dvp_request_args_and_their_validation():
             dvp_params(bad, 1.0)
     with pytest.raises(ValueError, match="temperature > 0"):
         dvp_params(args, 0.0)
-    sp = SamplingParams(
-        max_new_tokens=4, temperature=0.8, dvp_threshold=0.05, dvp_rule="relative", return_dist=True
-    )
+    sp = SamplingParams(max_new_tokens=4, temperature=0.8, dvp=DvpSpec(0.05, "relative"), return_dist=True)
     reqs = build_requests([[4, 5]], 2, sp, seed=3, dvp_logprobs=17)
     for _, kw in reqs:
         assert kw["logprobs"] == 17 and dvp_params(kw["extra_args"], kw["temperature"]) == (
@@ -296,7 +304,7 @@ def test_dvp_processor_class_through_the_v2_interface(monkeypatch):
         assert (cls.__module__, cls.__qualname__) == (module, qualname)  # picklable by reference
         proc = cls(None, types.SimpleNamespace(max_num_reqs=4))
         sp = types.SimpleNamespace
-        dvp = sp(extra_args=dvp_request_args("relative", 0.3), temperature=0.5)
+        dvp = sp(extra_args=dvp_request_args(DvpSpec(0.3, "relative")), temperature=0.5)
         assert proc.add_request(2, dvp) and not proc.add_request(0, sp(extra_args=None, temperature=1.0))
         assert proc.add_request(1, dvp) and not proc.add_request(
             1, sp(extra_args={}, temperature=1.0)

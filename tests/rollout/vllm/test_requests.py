@@ -21,6 +21,7 @@ import torch
 
 from moe_rl.config import load_config
 from moe_rl.config.vllm_rules import logprobs_mode
+from moe_rl.corrections.correction_specs import DvpSpec
 from moe_rl.rollout.vllm.requests import build_requests, engine_kwargs, to_rollout_batch
 from moe_rl.rollout.vllm.transfer import TRANSFER_BACKEND
 from moe_rl.routing.record import RouteError, RouteHeader
@@ -274,7 +275,7 @@ def test_build_requests_sets_only_pinned_sampling_params_fields():
         top_k=4,
         top_p=0.9,
         stop_token_ids=(2,),
-        dvp_threshold=0.1,
+        dvp=DvpSpec(0.1),
         return_dist=True,
     )
     kws = [kw for _, kw in build_requests([[4, 5]], 1, sp, seed=3, dvp_logprobs=5)]
@@ -307,7 +308,7 @@ def test_build_requests_one_seeded_request_per_sample():
     assert len({k["seed"] for k in kws}) == 6
     assert [k["seed"] for k in kws] == [k["seed"] for _, k in build_requests([[4, 5], [6]], 3, sp, 11)]
     with pytest.raises(ValueError, match="DVP"):
-        build_requests([[4]], 1, dataclasses.replace(sp, dvp_threshold=0.1), 0)  # no dvp_logprobs
+        build_requests([[4]], 1, dataclasses.replace(sp, dvp=DvpSpec(0.1)), 0)  # no dvp_logprobs
     with pytest.raises(ValueError, match="no full distributions"):
         build_requests([[4]], 1, dataclasses.replace(sp, return_dist=True), 0)
 
