@@ -321,6 +321,17 @@ def test_bypass_ppo_clip_is_ppo_on_rollout_ratio_without_is():
         CorrectionSpec(mode="bypass", bypass_loss="ppo_clip", is_level="token")
     with pytest.raises(ValueError, match="correction.bypass_loss"):
         CorrectionSpec(mode="bypass", bypass_loss="grpo")
+    # and batch normalisation, which only decoupled mode applies (bypass would ignore it silently)
+    with pytest.raises(ValueError) as e:
+        CorrectionSpec(mode="bypass", bypass_loss="reinforce", is_level="sequence", is_batch_normalize=True)
+    assert str(e.value) == (
+        "config key 'correction.is_batch_normalize': batch normalisation is decoupled mode's (bypass "
+        "applies its IS weights per micro-batch, in the loss); use correction.mode=decoupled or leave "
+        "it false"
+    )
+    assert CorrectionSpec(
+        mode="decoupled", is_level="sequence", is_batch_normalize=True
+    ).importance.batch_normalize
     # RS recomputed from the current pi_theta: token_k1 in [0.8, 1.3] drops ratios 1.5, 0.5, 0.5, 1.5
     rs = CorrectionSpec(mode="bypass", rejection=[RejectionSpec("token_k1", upper=1.3, lower=0.8)])
     loss, m = bypass_loss(spec, rs, logp, roll, adv, mask, normalizer=6)

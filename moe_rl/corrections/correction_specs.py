@@ -243,6 +243,12 @@ class CorrectionSpec:
             "correction.is_level",
             "bypass ppo_clip applies no IS weight (the ratio already is one)",
         )
+        check(
+            not (self.mode == "bypass" and self.is_batch_normalize),
+            "correction.is_batch_normalize",
+            "batch normalisation is decoupled mode's (bypass applies its IS weights per micro-batch, "
+            "in the loss); use correction.mode=decoupled or leave it false",
+        )
         for i, spec in enumerate(self.rejection):
             check_finite(spec, f"correction.rejection[{i}]")
             try:
