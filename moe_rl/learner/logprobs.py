@@ -237,7 +237,7 @@ def exact_kl_tokens_vocab_parallel(
     same columns: KL(pi_roll || pi_train) = sum over ranks of sum_local p_roll (log p_roll - log
     p_train), both log-probs normalised over the whole vocabulary. Three [tokens]-sized
     collectives per chunk of ``chunk_tokens`` masked positions (the two maxima, the two partition
-    sums, the KL terms). No gradient: TRM only masks with it (``step.drift.TrmPlan.mask``
+    sums, the KL terms). No gradient: TRM only masks with it (``corrections.trm.trm_mask``
     detaches it). ``mask_BS`` must be the same on every rank of ``group`` (the chunks' collectives
     pair up); the result is the same on every rank.
     """
