@@ -199,6 +199,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "moe_rl.seeding",
             "moe_rl.quiet",
             "moe_rl.run_lock",
+            "moe_rl.stale_shm",
             "megatron_patches",
         ),
     ),
