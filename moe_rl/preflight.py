@@ -61,6 +61,12 @@ def check_devices(cfg: RunConfig, num_gpus: int) -> None:
             "config key 'parallel.backend': nccl needs CUDA, and this machine has no GPU; "
             "use parallel.backend=gloo (or auto)"
         )
+    if cfg.optim.cpu_adam and (num_gpus == 0 or p.backend == "gloo"):
+        raise ConfigError(
+            "config key 'optim.cpu_adam': megatron-core's CPU-offloaded Adam (HybridDeviceOptimizer) "
+            "needs CUDA (it builds CUDA streams); without GPUs the optimizer step already runs on the "
+            "host: use optim.cpu_adam=false"
+        )
     if num_gpus == 0 or p.backend == "gloo":
         return
     external = "LOCAL_WORLD_SIZE" in os.environ  # torchrun/Slurm: this node's share of the ranks
