@@ -1,6 +1,7 @@
 """dist tier: the learner's state off the device while the engine generates
 (``parallel.offload_during_rollout``, moe_rl/learner/offload.py), over gloo on 2 ranks with the
-distributed optimizer: EP=2 (DP=2) and TP=2 (sequence parallel, DP=1), one spawn.
+distributed optimizer: EP=2 (DP=2; fp32, and bf16 with fp32 main params) and TP=2 (sequence
+parallel, DP=1), one spawn.
 
 Checked: 3 optimizer steps with the learner offloaded and reloaded before each are bitwise equal
 (weights and Adam state) to 3 steps without; across a checkpoint saved by the offloaded learner
@@ -11,6 +12,8 @@ those buffers, padded as megatron pads). The process RSS before and while offloa
 (``pytest -s``), not asserted: the allocator decides when freed pages return."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -45,12 +48,25 @@ def _buffers(learner) -> list:
     return [*learner.ddp.buffers, *learner.ddp.expert_parallel_buffers]
 
 
+def _main_params(learner) -> list[torch.Tensor]:
+    """The optimizer's fp32 main params that are not views of a DDP param buffer (bf16 models; the
+    shards of fp32 parameters, e.g. the routers', are views and move as ``params``)."""
+    ptrs = {b.param_data.untyped_storage().data_ptr() for b in _buffers(learner)}
+    return [
+        p
+        for o in learner.optimizer.chained_optimizers
+        for group in o.optimizer.param_groups
+        for p in group["params"]
+        if p.untyped_storage().data_ptr() not in ptrs
+    ]
+
+
 def _counted(learner) -> dict[str, int]:
     """What must move, from megatron's buffers and the optimizer's state: numel x element size."""
     bufs = _buffers(learner)
     return {
         "params": sum(b.param_data.numel() * b.param_data.element_size() for b in bufs),
-        "main_params": 0,  # fp32: the optimizer steps views of the param buffers
+        "main_params": sum(p.numel() * p.element_size() for p in _main_params(learner)),
         "grads": sum(b.grad_data.numel() * b.grad_data.element_size() for b in bufs),
         "optimizer": sum(v.numel() * v.element_size() for v in _adam_states(learner)),
     }
@@ -63,6 +79,7 @@ def _resident(learner) -> dict[str, int]:
         "params": sum(b.param_data.untyped_storage().nbytes() for b in bufs),
         "grads": sum(b.grad_data.untyped_storage().nbytes() for b in bufs),
         "optimizer": sum(v.untyped_storage().nbytes() for v in _adam_states(learner)),
+        "main_params": sum(p.untyped_storage().nbytes() for p in _main_params(learner)),
     }
 
 
@@ -74,9 +91,10 @@ def _layout_facts(learner) -> dict:
     params = list(learner.ddp.parameters())
     return {
         "params_in_buffers": all(p.untyped_storage().data_ptr() in ptrs for p in params),
-        "padding_bytes": sum(b.param_data.numel() for b in _buffers(learner)) * 4
-        - sum(p.numel() for p in params) * 4,
-        "padding_bound": 4 * (64 * len(params) + 2 * 128 * len(_buffers(learner))),
+        "padding_elements": sum(b.param_data.numel() for b in _buffers(learner))
+        - sum(p.numel() for p in params),
+        "padding_bound": 64 * len(params) + 2 * 128 * len(_buffers(learner)),
+        "param_elements": sum(b.param_data.numel() for b in _buffers(learner)),
     }
 
 
@@ -110,15 +128,15 @@ def _same(a, b) -> bool:
     )
 
 
-def _layout(par: ParallelConfig, ctx, weights, ckpt_dir: str | None) -> dict:
+def _layout(model, par: ParallelConfig, ctx, weights, ckpt_dir: str | None) -> dict:
     from moe_rl.learner import checkpoint
     from moe_rl.learner.learner import Learner
 
-    tokens_BS, lens_B, mask_BS = batch_data(MODEL.vocab_size, EVEN_LENS)
+    tokens_BS, lens_B, mask_BS = batch_data(model.vocab_size, EVEN_LENS)
     batch = TrainBatch(tokens_BS, lens_B, loss_mask_BS=mask_BS)
     optim = OptimConfig(lr=LR, adam_eps=1e-4)
-    plain = Learner(MODEL, par, optim, ctx, weights, monitor=False)
-    off = Learner(MODEL, par, optim, ctx, weights, monitor=False)
+    plain = Learner(model, par, optim, ctx, weights, monitor=False)
+    off = Learner(model, par, optim, ctx, weights, monitor=False)
     seen: list = []
     for _ in range(STEPS - 1):
         _step(plain, batch, False, seen)
@@ -126,7 +144,7 @@ def _layout(par: ParallelConfig, ctx, weights, ckpt_dir: str | None) -> dict:
     out = {"seen": seen, **_layout_facts(off)}
     if ckpt_dir is not None:
         path = checkpoint.save(off, ckpt_dir, STEPS - 1, {"seed": 0})
-        resumed = Learner(MODEL, par, optim, ctx, weights, monitor=False)
+        resumed = Learner(model, par, optim, ctx, weights, monitor=False)
         checkpoint.load(resumed, path)
         _step(resumed, batch, True, seen)
     _step(plain, batch, False, seen)
@@ -149,12 +167,14 @@ def _worker(rank: int, ckpt_dir: str) -> dict:
     weights = random_canonical_weights(MODEL, seed=0)
     ep2 = ParallelConfig(nproc=2, expert_parallel=2, distributed_optimizer=True)
     ctx = dist.init_distributed(ep2, seed=7)
-    results = {"ep2": _layout(ep2, ctx, weights, ckpt_dir)}
+    results = {"ep2": _layout(MODEL, ep2, ctx, weights, ckpt_dir)}
+    # bf16 compute params: the fp32 main params are the optimizer's own storage
+    results["ep2_bf16"] = _layout(dataclasses.replace(MODEL, precision="bf16"), ep2, ctx, weights, None)
     ps.destroy_model_parallel()
     RouterReplay.clear_global_router_replay_instances()
     tp2 = ParallelConfig(nproc=2, tensor_parallel=2, expert_parallel=1, distributed_optimizer=True)
     ps.initialize_model_parallel(2, 1, expert_model_parallel_size=1)
-    results["tp2"] = _layout(tp2, dist.ParallelDims.from_parallel_state(), weights, None)
+    results["tp2"] = _layout(MODEL, tp2, dist.ParallelDims.from_parallel_state(), weights, None)
     dist.shutdown()
     return results
 
@@ -167,7 +187,7 @@ def test_offloaded_training_is_bitwise_equal_and_frees_every_counted_byte(tmp_pa
             assert r["offload_equal"], (rank, name)
             assert r["resume_equal"] in ((True,) if name == "ep2" else (None,)), (rank, name)
             assert r["plain_moved"], (rank, name)  # the steps did train
-            assert r["params_in_buffers"] and 0 <= r["padding_bytes"] < r["padding_bound"], (rank, name)
+            assert r["params_in_buffers"] and 0 <= r["padding_elements"] < r["padding_bound"], (rank, name)
             steps = r["seen"]
             assert len(steps) == STEPS + (name == "ep2"), (rank, name)
             for i, s in enumerate(steps):
@@ -178,7 +198,10 @@ def test_offloaded_training_is_bitwise_equal_and_frees_every_counted_byte(tmp_pa
                 )
                 assert {k: getattr(moved, k) for k in counted} == counted, (rank, name, i)
                 assert s["before"] == {k: counted[k] for k in s["before"]}, (rank, name, i)
-                assert s["during"] == {"params": 0, "grads": 0, "optimizer": 0}, (rank, name, i)
-                assert moved.params > 0 and moved.grads == moved.params  # fp32 grads of fp32 params
+                assert s["during"] == dict.fromkeys(s["before"], 0), (rank, name, i)
+                # fp32 grads (grad_reduce_in_fp32) for every param element; fp32 main params of
+                # their own only with bf16 params
+                assert moved.params > 0 and moved.grads == 4 * r["param_elements"], (rank, name, i)
+                assert (moved.main_params > 0) == name.endswith("bf16"), (rank, name, i)
                 # Adam's state exists from the first step on: 2 fp32 tensors per stepped element
                 assert (moved.optimizer > 0) == (i > 0)
