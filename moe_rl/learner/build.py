@@ -419,9 +419,11 @@ def cpu_adam_fields(opt: OptimConfig, optimizer_config: type) -> dict:
     """``optim.cpu_adam``: megatron-core's HybridDeviceOptimizer (optimizer/cpu_offloading) holds
     the fp32 main params and Adam's state on the host and steps them there (torch's AdamW).
 
-    CUDA only (untested on GPU): its constructor builds CUDA streams (``torch.cuda.current_stream``
-    in ``_init_sub_optimizers``) and offloads only ``is_cuda`` parameters, so on CPU-only torch it
-    fails with "Torch not compiled with CUDA enabled"; preflight refuses the key there
+    CUDA and Transformer Engine only (untested on GPU): its constructor builds CUDA streams
+    (``torch.cuda.current_stream`` in ``_init_sub_optimizers``) and offloads only ``is_cuda``
+    parameters, so on CPU-only torch it fails with "Torch not compiled with CUDA enabled"; and
+    OptimizerConfig's check of ``use_precision_aware_optimizer`` (which peers set with it) compares
+    TE's version, a TypeError without TE. Preflight refuses the key in both cases
     (moe_rl/preflight.py check_devices). The fields are checked to exist in this megatron-core."""
     if not opt.cpu_adam:
         return {}
