@@ -424,7 +424,8 @@ def cpu_adam_fields(opt: OptimConfig, optimizer_config: type) -> dict:
     parameters, so on CPU-only torch it fails with "Torch not compiled with CUDA enabled"; and
     OptimizerConfig's check of ``use_precision_aware_optimizer`` (which peers set with it) compares
     TE's version, a TypeError without TE. Preflight refuses the key in both cases
-    (moe_rl/preflight.py check_devices). The fields are checked to exist in this megatron-core."""
+    (moe_rl/preflight.py check_devices; docs/gpu_stack.md 7.2). The fields are checked to exist in
+    this megatron-core."""
     if not opt.cpu_adam:
         return {}
     known = {f.name for f in dataclasses.fields(optimizer_config)}

@@ -1,5 +1,5 @@
 """The learner's state off the device while the rollout engine generates
-(``parallel.offload_during_rollout``; docs/design.md 15).
+(``parallel.offload_during_rollout``; docs/gpu_stack.md 7.1).
 
 What moves, per rank, each storage once (views share it):
 

@@ -17,8 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.bad_input.test_job_end import last_lines, left_in_session
-from tests.cli_helpers import ROOT, TINY
+from tests.cli_helpers import ROOT, TINY, last_lines, left_in_session
 from tests.e2e.helpers import deterministic, metrics, moe_rl
 
 ARGS = ["steps=3", "checkpoint_every=1", "parallel.offload_during_rollout=true", *TINY]
