@@ -1,7 +1,7 @@
 """dist tier: the learner's state off the device while the engine generates
 (``parallel.offload_during_rollout``, moe_rl/learner/offload.py), over gloo on 2 ranks with the
 distributed optimizer: EP=2 (DP=2; fp32, and bf16 with fp32 main params) and TP=2 (sequence
-parallel, DP=1), one spawn.
+parallel, DP=1); and EP=2 without it (fp32: each parameter its own storage), one spawn.
 
 Checked: 3 optimizer steps with the learner offloaded and reloaded before each are bitwise equal
 (weights and Adam state) to 3 steps without; across a checkpoint saved by the offloaded learner
@@ -48,10 +48,15 @@ def _buffers(learner) -> list:
     return [*learner.ddp.buffers, *learner.ddp.expert_parallel_buffers]
 
 
+def _distributed(learner) -> bool:
+    return learner.par.distributed_optimizer  # megatron's DDP has param buffers only then
+
+
 def _main_params(learner) -> list[torch.Tensor]:
-    """The optimizer's fp32 main params that are not views of a DDP param buffer (bf16 models; the
-    shards of fp32 parameters, e.g. the routers', are views and move as ``params``)."""
-    ptrs = {b.param_data.untyped_storage().data_ptr() for b in _buffers(learner)}
+    """The optimizer's fp32 main params that are not the model's parameters or views of a DDP
+    param buffer (bf16 models; the shards of fp32 parameters, e.g. the routers', are views and move
+    as ``params``)."""
+    ptrs = {p.untyped_storage().data_ptr() for p in learner.ddp.parameters()}
     return [
         p
         for o in learner.optimizer.chained_optimizers
@@ -63,9 +68,11 @@ def _main_params(learner) -> list[torch.Tensor]:
 
 def _counted(learner) -> dict[str, int]:
     """What must move, from megatron's buffers and the optimizer's state: numel x element size."""
-    bufs = _buffers(learner)
+    bufs, params = _buffers(learner), list(learner.ddp.parameters())
     return {
-        "params": sum(b.param_data.numel() * b.param_data.element_size() for b in bufs),
+        "params": sum(b.param_data.numel() * b.param_data.element_size() for b in bufs)
+        if _distributed(learner)
+        else sum(p.numel() * p.element_size() for p in params),
         "main_params": sum(p.numel() * p.element_size() for p in _main_params(learner)),
         "grads": sum(b.grad_data.numel() * b.grad_data.element_size() for b in bufs),
         "optimizer": sum(v.numel() * v.element_size() for v in _adam_states(learner)),
@@ -74,9 +81,11 @@ def _counted(learner) -> dict[str, int]:
 
 def _resident(learner) -> dict[str, int]:
     """The bytes those storages hold right now."""
-    bufs = _buffers(learner)
+    bufs, params = _buffers(learner), list(learner.ddp.parameters())
     return {
-        "params": sum(b.param_data.untyped_storage().nbytes() for b in bufs),
+        "params": sum(b.param_data.untyped_storage().nbytes() for b in bufs)
+        if _distributed(learner)
+        else sum(p.untyped_storage().nbytes() for p in params),
         "grads": sum(b.grad_data.untyped_storage().nbytes() for b in bufs),
         "optimizer": sum(v.untyped_storage().nbytes() for v in _adam_states(learner)),
         "main_params": sum(p.untyped_storage().nbytes() for p in _main_params(learner)),
@@ -87,8 +96,10 @@ def _layout_facts(learner) -> dict:
     """Every parameter is a view of a DDP param buffer; the buffers' padding, and its bound:
     megatron starts each parameter on a 64-element boundary and pads each buffer to a multiple
     of 128 x DP elements (DP <= 2 here)."""
-    ptrs = {b.param_data.untyped_storage().data_ptr() for b in _buffers(learner)}
     params = list(learner.ddp.parameters())
+    if not _distributed(learner):  # each parameter is its own storage, counted once
+        return {"own_storage": all(p.untyped_storage().nbytes() == p.numel() * 4 for p in params)}
+    ptrs = {b.param_data.untyped_storage().data_ptr() for b in _buffers(learner)}
     return {
         "params_in_buffers": all(p.untyped_storage().data_ptr() in ptrs for p in params),
         "padding_elements": sum(b.param_data.numel() for b in _buffers(learner))
@@ -170,6 +181,9 @@ def _worker(rank: int, ckpt_dir: str) -> dict:
     results = {"ep2": _layout(MODEL, ep2, ctx, weights, ckpt_dir)}
     # bf16 compute params: the fp32 main params are the optimizer's own storage
     results["ep2_bf16"] = _layout(dataclasses.replace(MODEL, precision="bf16"), ep2, ctx, weights, None)
+    # without the distributed optimizer: each parameter its own storage, Adam's state unsharded
+    ep2_ddp = dataclasses.replace(ep2, distributed_optimizer=False)
+    results["ep2_ddp"] = _layout(MODEL, ep2_ddp, ctx, weights, None)
     ps.destroy_model_parallel()
     RouterReplay.clear_global_router_replay_instances()
     tp2 = ParallelConfig(nproc=2, tensor_parallel=2, expert_parallel=1, distributed_optimizer=True)
@@ -187,7 +201,13 @@ def test_offloaded_training_is_bitwise_equal_and_frees_every_counted_byte(tmp_pa
             assert r["offload_equal"], (rank, name)
             assert r["resume_equal"] in ((True,) if name == "ep2" else (None,)), (rank, name)
             assert r["plain_moved"], (rank, name)  # the steps did train
-            assert r["params_in_buffers"] and 0 <= r["padding_elements"] < r["padding_bound"], (rank, name)
+            if name == "ep2_ddp":
+                assert r["own_storage"], rank
+            else:
+                assert r["params_in_buffers"] and 0 <= r["padding_elements"] < r["padding_bound"], (
+                    rank,
+                    name,
+                )
             steps = r["seen"]
             assert len(steps) == STEPS + (name == "ep2"), (rank, name)
             for i, s in enumerate(steps):
@@ -201,7 +221,7 @@ def test_offloaded_training_is_bitwise_equal_and_frees_every_counted_byte(tmp_pa
                 assert s["during"] == dict.fromkeys(s["before"], 0), (rank, name, i)
                 # fp32 grads (grad_reduce_in_fp32) for every param element; fp32 main params of
                 # their own only with bf16 params
-                assert moved.params > 0 and moved.grads == 4 * r["param_elements"], (rank, name, i)
+                assert moved.params > 0 and moved.grads == 4 * r.get("param_elements", moved.params // 4)
                 assert (moved.main_params > 0) == name.endswith("bf16"), (rank, name, i)
                 # Adam's state exists from the first step on: 2 fp32 tensors per stepped element
                 assert (moved.optimizer > 0) == (i > 0)
