@@ -56,8 +56,23 @@ def check_devices(cfg: RunConfig, num_gpus: int) -> None:
             "config key 'parallel.backend': nccl needs CUDA, and this machine has no GPU; "
             "use parallel.backend=gloo (or auto)"
         )
+    if cfg.optim.cpu_adam and (num_gpus == 0 or p.backend == "gloo"):
+        raise ConfigError(
+            "config key 'optim.cpu_adam': megatron-core's CPU-offloaded Adam (HybridDeviceOptimizer) "
+            "needs CUDA (it builds CUDA streams); without GPUs the optimizer step already runs on the "
+            "host: use optim.cpu_adam=false"
+        )
     if num_gpus == 0 or p.backend == "gloo":
         return
+    if cfg.optim.cpu_adam:
+        from moe_rl.learner.te_spec import te_import_error
+
+        te_error = te_import_error()
+        if te_error is not None:  # megatron-core 0.16.1's precision-aware optimizer checks TE's version
+            raise ConfigError(
+                f"config key 'optim.cpu_adam': megatron-core's CPU-offloaded Adam needs Transformer "
+                f"Engine ({te_error}); install moe-rl[te] or use optim.cpu_adam=false"
+            )
     external = "LOCAL_WORLD_SIZE" in os.environ  # torchrun/Slurm: this node's share of the ranks
     if not external and p.expert_parallel > num_gpus:
         raise ConfigError(

@@ -15,6 +15,7 @@ from moe_rl.dist import ParallelDims
 from moe_rl.fsutil import write_atomic
 from moe_rl.health import HealthMonitor
 from moe_rl.learner.learner import Learner
+from moe_rl.learner.offload import offloaded
 from moe_rl.maths.lr import LengthLRScheduler
 from moe_rl.metrics import MetricsWriter
 from moe_rl.preflight import check_launch
@@ -115,17 +116,19 @@ def train(cfg: RunConfig, dims: ParallelDims) -> None:
     writer, bar = open_run_dir(cfg, dims, start), progress(cfg, start, dims)
     health = HealthMonitor(cfg.log.health, cfg.model.vocab_size, active=dims.is_main)
     for step in range(start, cfg.steps):
-        m_val = validation_rewards(cfg, task, engine, step, dims.dp_rank, dims.dp_size)  # every val_every
-        timer = StepTimer()
-        with timer.phase("rollout"):
-            prompts = task.source.sample_step(
-                step, r.prompts_per_step // dims.dp_size, dims.dp_rank, dims.dp_size, cfg.seed
-            )
-            seed = step_seed(cfg.seed, step, dims.dp_rank, GENERATE)
-            batch = engine.generate(
-                [p.prompt_ids for p in prompts], r.samples_per_prompt, plan.sampling, seed=seed
-            )
-            m_stale = stale.metrics()
+        # the learner's state is off the device while the engine generates (parallel.offload_during_rollout)
+        with offloaded(learner, cfg.parallel.offload_during_rollout) as moved:
+            m_val = validation_rewards(cfg, task, engine, step, dims.dp_rank, dims.dp_size)  # every val_every
+            timer = StepTimer()
+            with timer.phase("rollout"):
+                prompts = task.source.sample_step(
+                    step, r.prompts_per_step // dims.dp_size, dims.dp_rank, dims.dp_size, cfg.seed
+                )
+                seed = step_seed(cfg.seed, step, dims.dp_rank, GENERATE)
+                batch = engine.generate(
+                    [p.prompt_ids for p in prompts], r.samples_per_prompt, plan.sampling, seed=seed
+                )
+                m_stale = stale.metrics()
         with timer.phase("score"):
             rewards_B, m_reward = score_step(cfg, task, prompts, batch)
         with timer.phase("old_logprob"):
@@ -140,7 +143,8 @@ def train(cfg: RunConfig, dims: ParallelDims) -> None:
         with timer.phase("sync"):
             sync_weights(engine, learner, stale)  # weight sync learner -> engine
         local = {**m_val, **m_reward, **m_prep, **m_update, **m_lr, **m_stale, **rollout_metrics(batch)}
-        metrics = finalize({**local, **timer.metrics(), **memory_metrics(learner.device)}, dims.dp_group)
+        mem = {**memory_metrics(learner.device), **moved.metrics()}
+        metrics = finalize({**local, **timer.metrics(), **mem}, dims.dp_group)
         writer.log(step, metrics)
         writer.log_expert_load(step, learner.expert_load())  # run_dir/expert_load.jsonl
         writer.log_events(events + health.observe(step, metrics))  # LR decays, health alarms

@@ -1,12 +1,14 @@
 """The in-process CLI checks of the bad_input tier (and any test that runs ``moe-rl`` through
 click's runner): run a command and check the disk did not change, expect one ``error:`` line
 with exit code 2, write a file, fake a run directory as training leaves it, and the options of a
-tiny real run."""
+tiny real run; the processes a job's session left and its stderr lines with a prefix."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import subprocess
+import time
 from pathlib import Path
 
 from click.testing import CliRunner
@@ -65,3 +67,23 @@ def fake_run(run: Path, step: int, **changes) -> None:
     write(run / "metrics.jsonl", "")
     write(run / "checkpoints" / f"step_{step:06d}" / "trainer_state.json", json.dumps({"step": step}))
     write(run / "checkpoints" / "latest", f"step_{step:06d}\n")
+
+
+def left_in_session(sid: int) -> list[str]:
+    """The session's processes that still run (a few seconds for them to go)."""
+    deadline = time.time() + 10
+    while True:
+        ps = subprocess.run(
+            ["ps", "-ww", "-o", "pid=,stat=,args=", "-s", str(sid)],
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout.splitlines()
+        alive = [x for x in ps if x.split()[1][0] != "Z"]
+        if not alive or time.time() > deadline:
+            return alive
+        time.sleep(0.2)
+
+
+def last_lines(err: str, prefix: str) -> list[str]:
+    return [x for x in err.splitlines() if x.startswith(prefix)]

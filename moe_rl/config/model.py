@@ -306,6 +306,10 @@ class ParallelConfig:
     distributed_optimizer: bool = True
     token_dispatcher: str = "alltoall"  # alltoall (production-like) | allgather
     backend: str = "auto"  # auto: nccl on CUDA, gloo on CPU
+    # the learner's optimizer state, fp32 main params, gradient buffers and parameters leave
+    # device memory while the engine generates, and come back before the learner's next pass
+    # (moe_rl/learner/offload.py)
+    offload_during_rollout: bool = False
 
     def __post_init__(self) -> None:
         check_finite(self, "parallel")

@@ -87,6 +87,9 @@ class OptimConfig:
     # Megatron-LM do
     skip_zero_grad: bool = True
     length_lr: LengthLRConfig = field(default_factory=LengthLRConfig)  # decay on response-length surges
+    # the Adam step on the host: megatron-core's HybridDeviceOptimizer (CUDA only: it builds CUDA
+    # streams; refused on the CPU, where the whole step already runs on the host)
+    cpu_adam: bool = False
 
     def __post_init__(self) -> None:
         check_finite(self, "optim")
@@ -332,6 +335,12 @@ class RunConfig:
             f"{r.max_new_tokens} leaves no room for a prompt within model.max_seq_len={m.max_seq_len}",
         )
         check_layout(m, p)
+        check(
+            not self.optim.cpu_adam or p.distributed_optimizer,
+            "optim.cpu_adam",
+            "needs parallel.distributed_optimizer=true (megatron-core steps on the host only as the "
+            "distributed optimizer's precision-aware inner optimizer)",
+        )
         dp = self.data_parallel
         check(
             r.prompts_per_step % dp == 0,

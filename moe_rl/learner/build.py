@@ -401,5 +401,35 @@ def build_optimizer(ddp_model, opt: OptimConfig, par: ParallelConfig, *, bf16: b
         bf16=bf16,
         fp16=False,
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        **cpu_adam_fields(opt, OptimizerConfig),
     )
     return get_megatron_optimizer(ocfg, [ddp_model])
+
+
+# megatron-core's CPU-offloaded optimizer, as slime and verl run it for the largest models
+_CPU_ADAM = {
+    "optimizer_cpu_offload": True,
+    "optimizer_offload_fraction": 1.0,  # every parameter's Adam step on the host
+    "overlap_cpu_optimizer_d2h_h2d": True,
+    "use_precision_aware_optimizer": True,
+}
+
+
+def cpu_adam_fields(opt: OptimConfig, optimizer_config: type) -> dict:
+    """``optim.cpu_adam``: megatron-core's HybridDeviceOptimizer (optimizer/cpu_offloading) holds
+    the fp32 main params and Adam's state on the host and steps them there (torch's AdamW).
+
+    CUDA and Transformer Engine only (untested on GPU): its constructor builds CUDA streams
+    (``torch.cuda.current_stream`` in ``_init_sub_optimizers``) and offloads only ``is_cuda``
+    parameters, so on CPU-only torch it fails with "Torch not compiled with CUDA enabled"; and
+    OptimizerConfig's check of ``use_precision_aware_optimizer`` (which peers set with it) compares
+    TE's version, a TypeError without TE. Preflight refuses the key in both cases
+    (moe_rl/preflight.py check_devices; docs/gpu_stack.md 7.2). The fields are checked to exist in
+    this megatron-core."""
+    if not opt.cpu_adam:
+        return {}
+    known = {f.name for f in dataclasses.fields(optimizer_config)}
+    missing = sorted(set(_CPU_ADAM) - known)
+    if missing:
+        raise RuntimeError(f"optim.cpu_adam: this megatron-core's OptimizerConfig lacks {missing}")
+    return dict(_CPU_ADAM)

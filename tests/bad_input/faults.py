@@ -7,15 +7,20 @@ the other rank goes on into its collectives.
     startup  the learner's construction (the other rank builds its model and waits in a collective)
     step     the policy update (the other rank is inside the update's collectives)
     save     the checkpoint save (the other rank is inside the save's collectives)
+    generate the rank's second ``engine.generate`` of the process (the built-in engine; with
+             ``parallel.offload_during_rollout`` the learner is offloaded around it)
 
 KIND: ``bug`` raises RuntimeError (a bug: the CLI shows the rank's traceback), ``user`` raises
-RouteError (a user error: one line, exit code 2). The time of the fault (time.time()) is written
+RouteError (a user error: one line, exit code 2), ``sigint`` sends SIGINT to the process group of
+the job's session leader (Ctrl-C as a terminal sends it; start the job in its own session) and
+waits inside the call for the launcher to stop the ranks. The time of the fault (time.time()) is written
 to the file named by ``MOE_RL_FAULT_STAMP`` when set, so a test can time the job's end from it.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 
@@ -30,6 +35,9 @@ def _fault(where: str, kind: str):
         if stamp:
             with open(stamp, "w") as f:
                 f.write(repr(time.time()))
+        if kind == "sigint":
+            os.killpg(os.getsid(0), signal.SIGINT)  # the job's leader's group (ranks have their own)
+            time.sleep(60)  # the KeyboardInterrupt arrives here, inside the offloaded generation
         if kind == "user":
             raise RouteError(f"sample 3, layer 1, row 7: {MESSAGE} at {where}")
         raise RuntimeError(f"{MESSAGE} at {where}")
@@ -39,18 +47,33 @@ def _fault(where: str, kind: str):
 
 def _inject(where: str, kind: str) -> None:
     from moe_rl import checkpointing, trainer
+    from moe_rl.rollout.builtin import BuiltinEngine
 
     places = {
         "startup": (trainer, "Learner"),
         "step": (trainer, "update_policy"),
         "save": (checkpointing.checkpoint, "save"),
+        "generate": (BuiltinEngine, "generate"),
     }
     if where not in places:
         raise ValueError(f"unknown fault place {where!r}")
     module, name = places[where]
     if not hasattr(module, name):  # a rename must fail here, not as a fault that never fires
         raise AttributeError(f"{module.__name__} has no {name!r} to inject a fault into")
+    if where == "generate":
+        setattr(module, name, _on_second_call(getattr(module, name), _fault(where, kind)))
+        return
     setattr(module, name, _fault(where, kind))
+
+
+def _on_second_call(real, fail):
+    calls = []
+
+    def generate(*args, **kwargs):
+        calls.append(1)
+        return fail(*args, **kwargs) if len(calls) == 2 else real(*args, **kwargs)
+
+    return generate
 
 
 def faulty_worker(cfg, where: str, rank: int, kind: str) -> None:

@@ -24,7 +24,7 @@ import pytest
 from click.testing import CliRunner
 
 from moe_rl import cli
-from tests.cli_helpers import ROOT, TINY
+from tests.cli_helpers import ROOT, TINY, last_lines, left_in_session
 
 LONG = ["steps=50", "checkpoint_every=1", *TINY]  # long enough to be stopped mid-run
 MATH = ["task.reward=math", "task.reward_workers=1"]  # text rewards: a reward worker per rank
@@ -90,26 +90,6 @@ class Job:
         assert ck in (done - 1, done)  # checkpoint_every=1
         again = shlex.join(["moe-rl", "train", *self.args, "resume=true"])
         return f"at step {done}; resume with: {again}  (from the checkpoint of step {ck})"
-
-
-def left_in_session(sid: int) -> list[str]:
-    """The session's processes that still run (a few seconds for them to go)."""
-    deadline = time.time() + 10
-    while True:
-        ps = subprocess.run(
-            ["ps", "-ww", "-o", "pid=,stat=,args=", "-s", str(sid)],
-            capture_output=True,
-            text=True,
-            check=False,
-        ).stdout.splitlines()
-        alive = [x for x in ps if x.split()[1][0] != "Z"]
-        if not alive or time.time() > deadline:
-            return alive
-        time.sleep(0.2)
-
-
-def last_lines(err: str, prefix: str) -> list[str]:
-    return [x for x in err.splitlines() if x.startswith(prefix)]
 
 
 @pytest.mark.bad_input
