@@ -306,6 +306,9 @@ class ParallelConfig:
     distributed_optimizer: bool = True
     token_dispatcher: str = "alltoall"  # alltoall (production-like) | allgather
     backend: str = "auto"  # auto: nccl on CUDA, gloo on CPU
+    # the learner's optimizer state, fp32 main params and grad buffers (and, beside vLLM, its
+    # compute params) leave device memory while the engine generates (docs/design.md)
+    offload_during_rollout: bool = False
 
     def __post_init__(self) -> None:
         check_finite(self, "parallel")

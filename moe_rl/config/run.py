@@ -86,6 +86,8 @@ class OptimConfig:
     # momentum alone (counted in train/skipped_minibatches); false: step anyway, as verl and
     # Megatron-LM do
     skip_zero_grad: bool = True
+    # the optimizer step on the host: Adam state and fp32 main params live in host memory
+    cpu_adam: bool = False
     length_lr: LengthLRConfig = field(default_factory=LengthLRConfig)  # decay on response-length surges
 
     def __post_init__(self) -> None:
