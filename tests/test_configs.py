@@ -131,6 +131,15 @@ def test_h100_recipe_layout_and_every_number_of_its_header(name):
     without, with_ = rollout_peaks(cfg)
     assert with_ == est["rollout_peak_gib"] and without > room
     assert _header_number(text, r"The rollout peak without it: ([\d.]+) GiB") == round(without, 1)
+    # the README's recipe table row: nodes, both rollout peaks, host memory, the sync
+    readme = (QWEN3_RECIPE.parents[1] / "README.md").read_text()
+    row = next(line for line in readme.splitlines() if line.startswith(f"| `configs/{name}` |"))
+    assert row.endswith(
+        f"| {nodes} x 8 | {row.split(' | ')[3]} | {est['train_peak_gib']:.1f} | "
+        f"{without:.1f} / {with_:.1f} | {est['host_gib_per_node']:,.0f} GiB | "
+        f"{est['sync_gb_per_rank']:,.0f} GB, {est['sync_s']:.1f} s |"
+    ), row
+    assert row.split(" | ")[3].startswith(f"TP {lay.tp} x EP {lay.ep}" if lay.tp > 1 else f"EP {lay.ep}")
     if cfg.optim.cpu_adam:
         gpu_adam = estimate(replace(cfg, optim=replace(cfg.optim, cpu_adam=False)))["train_peak_gib"]
         assert gpu_adam > room
