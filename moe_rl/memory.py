@@ -585,7 +585,8 @@ def summarize_run(
     sequence's prompt (``prompt_tokens``, mean per sequence: metrics.jsonl logs response lengths
     only) plus its response. Each token is trained once (6N) and goes through forward-only passes
     2N each: the rollout, the old-log-prob pass, and the reference pass when algo.kl_coef > 0.
-    ``learner_mfu`` counts the learner's passes only (old log-probs, reference, update) over their
+    ``sync_s`` is the mean weight-sync seconds (``time/sync_s``). ``learner_mfu`` counts the learner's
+    passes only (old log-probs, reference, update) over their
     own time (``time/old_logprob_s`` + ``time/reference_s`` + ``time/update_s``); ``peak_gib`` is the largest
     ``mem/peak_gib`` (CUDA runs) and ``reward_first``/``reward_last`` the mean reward of the first
     and last quarter of the steps (warm-up included)."""
@@ -633,6 +634,9 @@ def summarize_run(
             num_gpus=num_gpus,
             peak_tflops=peak_tflops,
         )
+    syncs = [r["time/sync_s"] for r in rows if "time/sync_s" in r]
+    if syncs:
+        out["sync_s"] = sum(syncs) / len(syncs)
     peaks = [r["mem/peak_gib"] for r in all_rows if "mem/peak_gib" in r]
     if peaks:
         out["peak_gib"] = max(peaks)

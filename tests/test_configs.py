@@ -175,7 +175,8 @@ def test_gpu_recipes_load_here_but_only_launch_on_gpu(monkeypatch):
 
     from moe_rl.preflight import check_launch
 
-    recipes = [load_config(p) for p in (QWEN3_RECIPE, QWEN3_RECIPE.with_name("gpu_smoke.yaml"))]
+    names = ("gpu_smoke.yaml", "gpu_smoke_30b_slice.yaml")
+    recipes = [load_config(p) for p in (QWEN3_RECIPE, *(QWEN3_RECIPE.with_name(n) for n in names))]
     if torch.cuda.is_available():
         # a GPU machine refuses only for what it lacks (TE, vllm, an FP8-capable GPU), never for CUDA
         for cfg in recipes:
@@ -190,6 +191,53 @@ def test_gpu_recipes_load_here_but_only_launch_on_gpu(monkeypatch):
             ConfigError, match=r"config key 'model\.(precision|transformer_impl)'.*no CUDA device"
         ):
             check_launch(cfg)
+
+
+@pytest.mark.unit
+def test_gpu_smoke_30b_slice_has_the_recipes_layer_shapes_and_fits_one_gpu_both_ways(tmp_path, capsys):
+    """configs/gpu_smoke_30b_slice.yaml (scripts/gpu_smoke.sh): Qwen3-30B-A3B's layer shapes in a
+    few layers on the TE spec, vLLM with sleep level 1 and R3; its estimate fits one 80 GiB GPU
+    with offload on and off; the smoke's summary prints the device peak, the estimate and the sync
+    seconds of a run dir (a synthetic one here)."""
+    import json
+    import sys
+
+    from moe_rl.config import to_yaml
+    from moe_rl.memory import estimate
+    from tests.script_module import script_module
+
+    path = QWEN3_RECIPE.with_name("gpu_smoke_30b_slice.yaml")
+    cfg, full = load_config(path), load_config(QWEN3_RECIPE).model
+    shape = ("hidden_size", "num_attention_heads", "num_query_groups", "head_dim", "num_experts")
+    shape += ("moe_ffn_hidden_size", "moe_router_topk", "vocab_size", "qk_layernorm", "first_k_dense")
+    assert {k: getattr(cfg.model, k) for k in shape} == {k: getattr(full, k) for k in shape}
+    assert 2 <= cfg.model.num_layers <= 8 and cfg.model.transformer_impl == "te"
+    assert (cfg.rollout.engine, cfg.rollout.vllm.sleep_level, cfg.routing.replay) == ("vllm", 1, "r3")
+    assert (cfg.parallel.nproc, cfg.parallel.offload_during_rollout) == (1, True)
+    peaks = {}
+    for on in (True, False):
+        est = estimate(load_config(path, [f"parallel.offload_during_rollout={str(on).lower()}"]))
+        assert max(est["train_peak_gib"], est["rollout_peak_gib"]) <= 80 - 4
+        peaks[on] = max(est["train_peak_gib"], est["rollout_peak_gib"])
+    assert peaks[False] > peaks[True]  # the rollout peak decides without offload
+    run = tmp_path / "slice30b_offload"
+    run.mkdir()
+    (run / "config.yaml").write_text(to_yaml(cfg))
+    rows = [
+        {"time/step_s": 9.0, "time/sync_s": 0.25 * (i + 1), "rollout/response_len_mean": 10.0}
+        for i in range(3)
+    ]
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    (run / "device_peak_mib").write_text("40960\n")
+    summary = script_module("gpu_smoke_summary")
+    old, sys.argv = sys.argv, ["gpu_smoke_summary.py", "--gpu-gib", "80", str(run)]
+    try:
+        summary.main()
+    finally:
+        sys.argv = old
+    header, line = capsys.readouterr().out.splitlines()[:2]
+    cells = dict(zip(header.split(), line.split()))
+    assert (cells["device_GiB"], cells["est_GiB"], cells["sync_s"]) == ("40.0", f"{peaks[True]:.1f}", "0.62")
 
 
 @pytest.mark.unit

@@ -84,6 +84,7 @@ def test_summarize_run_learner_mfu_peak_memory_and_reward_trend():
             "rollout/response_len_mean": 5.0,
             "reward/mean": 0.1 * i,
             "mem/peak_gib": 3.0 + i % 3,
+            "time/sync_s": 0.5 + i,
         }
         for i in range(8)
     ]
@@ -94,6 +95,7 @@ def test_summarize_run_learner_mfu_peak_memory_and_reward_trend():
     # the learner trains every token once (6N) and runs one forward-only pass (old log-probs, 2N)
     assert s["learner_mfu"] == pytest.approx((6 * n * tokens + 2 * n * tokens) / (3.0 * 989e12))
     assert s["peak_gib"] == 5.0
+    assert s["sync_s"] == pytest.approx(sum(0.5 + i for i in range(1, 8)) / 7)  # the warm-up step left out
     assert (s["reward_first"], s["reward_last"]) == (pytest.approx(0.05), pytest.approx(0.65))
 
 
