@@ -36,6 +36,13 @@ def check_launch(cfg: RunConfig) -> None:
     shape its CPU kernels take). Raises ConfigError naming the key and why."""
     from moe_rl.learner.te_spec import check_te_environment
 
+    if cfg.optim.cpu_adam and not cfg.parallel.distributed_optimizer:
+        # megatron-core's CPU-offloaded optimizer runs as the precision-aware distributed
+        # optimizer; moe_rl/memory.py shards its host state over DP the same way
+        raise ConfigError(
+            "config key 'optim.cpu_adam': needs parallel.distributed_optimizer=true (megatron-core's "
+            "CPU-offloaded Adam is built on the distributed optimizer)"
+        )
     check_te_environment(cfg.model)
     check_devices(cfg, torch.cuda.device_count() if torch.cuda.is_available() else 0)
     if torch.cuda.is_available() and cfg.parallel.backend != "gloo":

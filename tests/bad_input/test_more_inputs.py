@@ -309,3 +309,16 @@ def test_stale_weight_sets_on_a_full_disk(tmp_path, monkeypatch):
         == f"no space left on device: {tmp_path / 'checkpoints' / 'stale_weights_step_000002.pt'}"
     )
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == []
+
+
+@pytest.mark.bad_input
+def test_cpu_adam_without_the_distributed_optimizer_stops_before_any_rank(tmp_path):
+    fails_with(
+        tmp_path,
+        "config key 'optim.cpu_adam': needs parallel.distributed_optimizer=true (megatron-core's "
+        "CPU-offloaded Adam is built on the distributed optimizer)",
+        "train",
+        f"run_dir={tmp_path / 'run'}",
+        "optim.cpu_adam=true",
+        "parallel.distributed_optimizer=false",
+    )
