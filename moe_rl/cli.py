@@ -236,6 +236,8 @@ def show_estimate(args: tuple[str, ...], gpu_gib: float, gpus_per_node: int, top
     --rank N: the N best layouts for parallel.nproc GPUs instead:
     moe-rl estimate [CONFIG.yaml] [key=value ...]."""
     from moe_rl.memory import (
+        IB_GBS,
+        NVLINK_GBS,
         GiB,
         Layout,
         Ranked,
@@ -243,7 +245,9 @@ def show_estimate(args: tuple[str, ...], gpu_gib: float, gpus_per_node: int, top
         fits,
         format_estimate,
         layout_table,
+        peer_sync_range,
         rank_layouts,
+        rollout_peaks,
         stage_memory,
     )
 
@@ -255,7 +259,7 @@ def show_estimate(args: tuple[str, ...], gpu_gib: float, gpus_per_node: int, top
     cfg = _load(args)
     lay = Layout.of(cfg.parallel)
     click.echo(f"{lay.describe(cfg.model.num_layers)} on {lay.world} GPUs of {gpu_gib:g} GiB")
-    est = estimate(cfg, gpu_gib)
+    est = estimate(cfg, gpu_gib, gpus_per_node=gpus_per_node)
     click.echo(format_estimate(est))
     if lay.pp > 1:
         for s in range(lay.pp):
@@ -264,6 +268,21 @@ def show_estimate(args: tuple[str, ...], gpu_gib: float, gpus_per_node: int, top
                 f"stage {s}: {st['layers']:.0f} layers, static {st['static'] / GiB:.1f} GiB, "
                 f"train peak {st['train_peak'] / GiB:.1f} GiB"
             )
+    without, with_ = rollout_peaks(cfg, gpu_gib)
+    click.echo(
+        f"rollout peak: {without:.1f} GiB without parallel.offload_during_rollout, {with_:.1f} GiB with it"
+    )
+    click.echo(
+        f"host memory per node: {est['host_gib_per_node']:,.0f} GiB ({min(gpus_per_node, lay.world)} GPUs: "
+        "CPU Adam state, the offloaded learner state, vLLM's sleeping weights)"
+    )
+    peer, lo, hi = peer_sync_range(est["params_total_b"] * 1e9)
+    click.echo(
+        f"weight sync: {est['sync_gb_per_rank']:.1f} GB received per rank "
+        f"({est['sync_expert_gather_gb']:.1f} GB of experts gathered over EP), modelled "
+        f"{est['sync_s']:.1f} s at NVLink {NVLINK_GBS:g} / InfiniBand {IB_GBS:g} GB/s per GPU; "
+        f"peers measured {lo:g}-{hi:g} s for a {peer}"
+    )
     rows = [Ranked(lay, est, fits(cfg, est))]
     if top > 0:
         nodes, per_node = max(1, lay.world // gpus_per_node), min(gpus_per_node, lay.world)

@@ -181,9 +181,12 @@ class Layout:
         if (self.world // self.pp) % (self.ep * etp):
             out.append(f"EP*ETP = {self.ep * etp} does not divide DP*TP = {self.world // self.pp}")
         try:
-            self.stage_layers(m.num_layers)
+            stages = self.stage_layers(m.num_layers)
         except ValueError as e:
             out.append(str(e))
+        else:  # routing replay and the router monitor run per stage (moe_rl/config/layout.py)
+            if m.first_k_dense >= stages[0]:
+                out.append(f"{m.first_k_dense} dense layers leave pipeline stage 0 without a MoE layer")
         return out
 
     def describe(self, num_layers: int) -> str:
@@ -257,13 +260,18 @@ def micro_batches(cfg: RunConfig, lay: Layout) -> int:
 
 
 def stage_memory(cfg: RunConfig, lay: Layout, stage: int) -> dict[str, float]:
-    """Bytes on one GPU of pipeline stage ``stage`` while it trains.
+    """Bytes on one GPU of pipeline stage ``stage`` while it trains, and while the engine generates.
 
     State: bf16 (fp32) weights 2 (4) B per param, fp32 grads 4 B (grad_reduce_in_fp32, not
     sharded), Adam m, v (+ fp32 main params with bf16 weights) 12 (8) B, sharded by the
     distributed optimizer over DP (dense) and expert-DP (experts); a frozen reference copy of the
     weights when algo.kl_coef > 0; with rollout.staleness=k > 0, the k + 1 full canonical weight
-    sets the rollout keeps on every rank (every expert, in the weights' dtype). Activations:
+    sets the rollout keeps on every rank (every expert, in the weights' dtype). With
+    ``optim.cpu_adam`` the optimizer's bytes live on the host for the whole run (``host_optim``),
+    none on the device. With ``parallel.offload_during_rollout`` the device optimizer bytes, the
+    grads and, beside vLLM (which holds its own copy), the weights leave the GPU while the engine
+    generates (``offloaded``): ``rollout_resident`` is what the learner keeps then (the reference
+    and the stale sets stay). Activations:
     micro_batch_size x max_seq_len tokens per micro-batch (``layer_activations``, bf16: 2 B, fp32:
     4 B); 1F1B keeps up to PP - stage micro-batches in flight (stage 0: PP). Full recomputation
     keeps only each in-flight
@@ -277,7 +285,9 @@ def stage_memory(cfg: RunConfig, lay: Layout, stage: int) -> dict[str, float]:
     w_bytes, opt_bytes, act_bytes = (2, 12, 2) if m.precision in ("bf16", "fp8") else (4, 8, 4)
     shard_d, shard_e = (lay.dp, lay.expert_dp) if cfg.parallel.distributed_optimizer else (1, 1)
     weights, grads = (dense + expert) * w_bytes, (dense + expert) * 4
-    optim = opt_bytes * (dense / shard_d + expert / shard_e)
+    host_optim = opt_bytes * (dense / shard_d + expert / shard_e)
+    optim = 0.0 if cfg.optim.cpu_adam else host_optim
+    host_optim = host_optim if cfg.optim.cpu_adam else 0.0
     reference = weights if cfg.algo.kl_coef > 0 else 0.0
     k = cfg.rollout.staleness
     stale = (k + 1) * param_counts(m)["total"] * w_bytes if k > 0 else 0.0  # moe_rl/rollout/staleness.py
@@ -296,6 +306,9 @@ def stage_memory(cfg: RunConfig, lay: Layout, stage: int) -> dict[str, float]:
     saved = 3 if lay.tp > 1 else 2
     logits = tokens * m.vocab_size / lay.tp * (act_bytes + 4 * (saved + 1)) if stage == lay.pp - 1 else 0.0
     static = weights + grads + optim + reference + stale
+    offloaded = 0.0
+    if cfg.parallel.offload_during_rollout:
+        offloaded = optim + grads + (weights if cfg.rollout.engine == "vllm" else 0.0)
     return {
         "layers": n,
         "in_flight": in_flight,
@@ -304,24 +317,93 @@ def stage_memory(cfg: RunConfig, lay: Layout, stage: int) -> dict[str, float]:
         "weights": weights,
         "grads": grads,
         "optimizer": optim,
+        "host_optim": host_optim,
         "reference": reference,
         "stale": stale,
         "static": static,
         "activations": acts,
         "logits": logits,
         "train_peak": static + acts + logits,
+        "offloaded": offloaded,
+        "rollout_resident": static - offloaded,
     }
 
 
-def estimate(cfg: RunConfig, gpu_gib: float = 80.0, layout: Layout | None = None) -> dict[str, float]:
-    """Per-GPU memory (GiB) of a run: learner state, training peak, rollout peak, vLLM KV tokens.
+# Link bandwidths the sync and offload model assumes, GB/s one way per GPU (stated, not measured):
+NVLINK_GBS = 450.0  # H100 SXM NVLink 4: 900 GB/s both ways per GPU
+IB_GBS = 50.0  # one 400 Gb/s NDR InfiniBand NIC per GPU (8 per node)
+PCIE_GBS = 55.0  # PCIe Gen5 x16: 64 GB/s nominal, ~55 achieved host <-> device
+
+
+# Weight-sync seconds peers report per step (docs/design.md 14.3): about 1-7 s for a 30B MoE,
+# 6-24 s from 235B to 1T parameters
+PEER_SYNC_S = ((100e9, "30B-class MoE", 1.0, 7.0), (float("inf"), "235B-1T MoE", 6.0, 24.0))
+
+
+def peer_sync_range(total_params: float) -> tuple[str, float, float]:
+    """The peers' measured sync seconds for a model of ``total_params`` parameters."""
+    return next((name, lo, hi) for limit, name, lo, hi in PEER_SYNC_S if total_params < limit)
+
+
+def sync_traffic(cfg: RunConfig, lay: Layout, gpus_per_node: int = 8) -> dict[str, float]:
+    """Bytes one learner rank receives in one weight sync, and the seconds the stated links take.
+
+    The sync (moe_rl/weights/stream.py) walks the model a chunk (one decoder layer) at a time:
+    the ranks of the owning pipeline stage join the chunk's TP pieces and all-gather its experts
+    over EP (expert weights that live on other EP ranks reach every rank this way: each rank
+    receives the (EP - 1) / EP of the stage's experts it does not hold), then the owning stage
+    broadcasts the chunk over the pipeline group. So every rank receives the whole model in the
+    rollout dtype and the engine (vLLM: each of its TP ranks) keeps its own slice. ``gather``:
+    the own stage's bytes less the rank's shard (over NVLink when the TP x EP x ETP group is inside
+    a node, else InfiniBand); ``broadcast``: the other stages' bytes (InfiniBand when the stages
+    are on different nodes). Seconds: bytes / link bandwidth, the two phases in sequence, no
+    overlap or protocol overhead: a lower bound."""
+    m = cfg.model
+    wb = 2 if cfg.rollout.dtype == "bf16" else 4
+    layers = lay.stage_layers(m.num_layers)
+    whole = Layout(world=lay.pp, pp=lay.pp, first=lay.first, last=lay.last)  # unsharded stages
+    stage_full = [sum(_stage_params(m, whole, s, layers)) for s in range(lay.pp)]
+    total = param_counts(m)["total"]
+    worst: dict[str, float] = {}
+    for s in range(lay.pp):
+        dense, expert = _stage_params(m, lay, s, layers)
+        gather = (stage_full[s] - dense - expert) * wb
+        full_e = expert * lay.ep * lay.expert_tp
+        experts_gathered = (full_e - expert) * wb
+        broadcast = (total - stage_full[s]) * wb
+        inside = max(lay.tp, lay.ep * lay.expert_tp) <= gpus_per_node
+        across = lay.pp > 1 and lay.world > gpus_per_node
+        seconds = gather / ((NVLINK_GBS if inside else IB_GBS) * 1e9) + broadcast / (
+            (IB_GBS if across else NVLINK_GBS) * 1e9
+        )
+        row = {
+            "sync_bytes": gather + broadcast,
+            "sync_expert_gather_bytes": experts_gathered,
+            "sync_gather_bytes": gather,
+            "sync_broadcast_bytes": broadcast,
+            "sync_s": seconds,
+        }
+        if not worst or row["sync_s"] > worst["sync_s"]:
+            worst = row
+    return worst
+
+
+def estimate(
+    cfg: RunConfig, gpu_gib: float = 80.0, layout: Layout | None = None, gpus_per_node: int = 8
+) -> dict[str, float]:
+    """Per-GPU memory (GiB) of a run: learner state, training peak, rollout peak, vLLM KV tokens,
+    host memory per node, weight-sync bytes and seconds.
 
     ``layout`` (default: the config's) places the learner (``stage_memory`` per pipeline stage);
     the learner keys below are those of the stage with the highest training peak (``peak_stage``),
     so they add up to ``train_peak_gib``. Rollout adds vLLM's whole budget (gpu_memory_utilization
     x GPU: bf16 weights over the vLLM TP group, ~2 GiB activations / CUDA graphs, the rest KV
-    cache) while the learner's state stays resident (the largest stage's, ``learner_static_max_gib``);
-    vLLM sleeps during training."""
+    cache) to what the learner keeps resident then (the largest stage's
+    ``learner_rollout_gib``: its whole state, or with parallel.offload_during_rollout only what is
+    not offloaded); vLLM sleeps during training (sleep level 1: its weights wait in host memory).
+    Host memory per node (``host_gib_per_node``): gpus_per_node x the largest stage's host bytes
+    (CPU Adam's state, the offloaded state, vLLM's sleeping weights), beyond each process's own
+    baseline."""
     m, v = cfg.model, cfg.rollout.vllm
     lay = layout or Layout.of(cfg.parallel)
     c = param_counts(m)
@@ -329,12 +411,17 @@ def estimate(cfg: RunConfig, gpu_gib: float = 80.0, layout: Layout | None = None
     peak_stage = max(range(lay.pp), key=lambda s: stages[s]["train_peak"])
     top = stages[peak_stage]
     static_max = max(s["static"] for s in stages)
+    resident_max = max(s["rollout_resident"] for s in stages)
     vllm = cfg.rollout.engine == "vllm"
     vllm_budget = v.gpu_memory_utilization * gpu_gib * GiB if vllm else 0.0
     vllm_weights = c["total"] * (2 if cfg.rollout.dtype == "bf16" else 4) / v.tensor_parallel
     kv_per_token = kv_cache_bytes_per_token(m, v.tensor_parallel)  # bf16
     kv_bytes = max(0.0, vllm_budget - vllm_weights - 2 * GiB)
+    asleep = vllm_weights if vllm and v.sleep_level == 1 else 0.0
+    host = max(s["host_optim"] + s["offloaded"] for s in stages) + asleep
+    per_node = min(gpus_per_node, lay.world)
     stale = {"stale_weights_gib": top["stale"] / GiB} if cfg.rollout.staleness else {}  # k + 1 weight sets
+    sync = sync_traffic(cfg, lay, gpus_per_node)
     return {
         "params_total_b": c["total"] / 1e9,
         "params_active_b": c["active"] / 1e9,
@@ -352,12 +439,30 @@ def estimate(cfg: RunConfig, gpu_gib: float = 80.0, layout: Layout | None = None
         "train_peak_gib": top["train_peak"] / GiB,
         "peak_stage": float(peak_stage),
         "learner_static_max_gib": static_max / GiB,
+        "learner_rollout_gib": resident_max / GiB,
         "vllm_budget_gib": vllm_budget / GiB,
         "vllm_weights_gib": vllm_weights / GiB,
         "vllm_kv_tokens": kv_bytes / kv_per_token if vllm else 0.0,
-        "rollout_peak_gib": (static_max + vllm_budget) / GiB,
+        "rollout_peak_gib": (resident_max + vllm_budget) / GiB,
+        "host_gib_per_node": host * per_node / GiB,
+        "sync_gb_per_rank": sync["sync_bytes"] / 1e9,
+        "sync_expert_gather_gb": sync["sync_expert_gather_bytes"] / 1e9,
+        "sync_s": sync["sync_s"],
+        "offload_s": 2 * max(s["offloaded"] for s in stages) / (PCIE_GBS * 1e9),
         "gpu_gib": gpu_gib,
     }
+
+
+def rollout_peaks(cfg: RunConfig, gpu_gib: float = 80.0, layout: Layout | None = None) -> tuple[float, float]:
+    """(without, with) parallel.offload_during_rollout: the rollout peak (GiB) of ``cfg`` otherwise
+    unchanged."""
+    from dataclasses import replace
+
+    def peak(on: bool) -> float:
+        run = replace(cfg, parallel=replace(cfg.parallel, offload_during_rollout=on))
+        return estimate(run, gpu_gib, layout)["rollout_peak_gib"]
+
+    return peak(False), peak(True)
 
 
 def fits(cfg: RunConfig, est: dict[str, float], margin_gib: float = MARGIN_GIB) -> bool:
@@ -480,7 +585,8 @@ def summarize_run(
     sequence's prompt (``prompt_tokens``, mean per sequence: metrics.jsonl logs response lengths
     only) plus its response. Each token is trained once (6N) and goes through forward-only passes
     2N each: the rollout, the old-log-prob pass, and the reference pass when algo.kl_coef > 0.
-    ``learner_mfu`` counts the learner's passes only (old log-probs, reference, update) over their
+    ``sync_s`` is the mean weight-sync seconds (``time/sync_s``). ``learner_mfu`` counts the learner's
+    passes only (old log-probs, reference, update) over their
     own time (``time/old_logprob_s`` + ``time/reference_s`` + ``time/update_s``); ``peak_gib`` is the largest
     ``mem/peak_gib`` (CUDA runs) and ``reward_first``/``reward_last`` the mean reward of the first
     and last quarter of the steps (warm-up included)."""
@@ -528,6 +634,9 @@ def summarize_run(
             num_gpus=num_gpus,
             peak_tflops=peak_tflops,
         )
+    syncs = [r["time/sync_s"] for r in rows if "time/sync_s" in r]
+    if syncs:
+        out["sync_s"] = sum(syncs) / len(syncs)
     peaks = [r["mem/peak_gib"] for r in all_rows if "mem/peak_gib" in r]
     if peaks:
         out["peak_gib"] = max(peaks)

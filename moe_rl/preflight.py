@@ -38,6 +38,8 @@ def check_launch(cfg: RunConfig) -> None:
 
     check_te_environment(cfg.model)
     check_devices(cfg, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    if torch.cuda.is_available() and cfg.parallel.backend != "gloo":
+        check_fit(cfg, torch.cuda.get_device_properties(0).total_memory / 2**30)
     if cfg.rollout.engine == "vllm":
         from moe_rl.rollout.vllm.env import check_vllm_cpu_model, check_vllm_environment
 
@@ -85,6 +87,36 @@ def check_devices(cfg: RunConfig, num_gpus: int) -> None:
         raise ConfigError(
             f"config key 'parallel.nproc': {what} but this machine has {num_gpus} GPU(s): one rank per GPU"
         )
+
+
+def check_fit(cfg: RunConfig, gpu_gib: float) -> None:
+    """The config's layout fits GPUs of ``gpu_gib`` by moe_rl/memory.py's estimate (both peaks
+    within the GPU less its margin for the CUDA context, and vLLM's KV cache holding one sequence):
+    a recipe on fewer GPUs than it needs, or without the offload / CPU Adam it was sized with,
+    stops here, before any rank starts, naming the key and the numbers."""
+    from moe_rl.memory import MARGIN_GIB, estimate, fits
+
+    est = estimate(cfg, gpu_gib)
+    if fits(cfg, est):
+        return
+    p = cfg.parallel
+    hints = []
+    if not p.offload_during_rollout:
+        hints.append("parallel.offload_during_rollout=true")
+    if not cfg.optim.cpu_adam:
+        hints.append("optim.cpu_adam=true")
+    kv = ""
+    if cfg.rollout.engine == "vllm" and est["vllm_kv_tokens"] < cfg.model.max_seq_len:
+        kv = (
+            f", vLLM KV cache {est['vllm_kv_tokens']:,.0f} tokens < model.max_seq_len {cfg.model.max_seq_len}"
+        )
+    raise ConfigError(
+        f"config key 'parallel.nproc': {p.nproc} GPUs of {gpu_gib:.0f} GiB do not fit this run "
+        f"(train peak {est['train_peak_gib']:.1f} GiB, rollout peak {est['rollout_peak_gib']:.1f} GiB "
+        f"against {gpu_gib - MARGIN_GIB:.0f} GiB{kv}); "
+        + (f"try {' / '.join(hints)}, or " if hints else "")
+        + "more GPUs: `moe-rl estimate CONFIG --rank 5` ranks the layouts"
+    )
 
 
 # Fields a resumed run must share with the run it continues: the checkpoint's tensor shapes and

@@ -12,7 +12,13 @@
 #                        responses), 5 steps: learner MFU, tokens/s, peak memory, r3/off step time
 #   te_bf16, te_fp8_*    Transformer Engine, if it imports (skipped otherwise)
 #   vllm_r3              vLLM rollouts with R3, if vllm imports (skipped otherwise)
-# Then one summary table (scripts/gpu_smoke_summary.py).
+#   slice30b_offload / slice30b_resident
+#                        a one-GPU slice of the Qwen3-30B-A3B recipe (configs/gpu_smoke_30b_slice.yaml:
+#                        its layer shapes in 4 layers, TE bf16, vLLM sleep level 1, R3), 4 steps with
+#                        parallel.offload_during_rollout on and off, if TE and vllm both import: the
+#                        device's peak memory (nvidia-smi, sampled every 200 ms) against `moe-rl
+#                        estimate` on this GPU's memory, step time, MFU, sync seconds
+# Then one summary table (scripts/gpu_smoke_summary.py). Untested on GPU: no GPU was lent yet.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=${1:-}
@@ -31,13 +37,20 @@ mkdir -p "$OUT"
 
 declare -a RUNS FAILED
 run() {  # run LABEL CONFIG [overrides...]
-  local label=$1 config=$2; shift 2
+  local label=$1 config=$2 rc; shift 2
   echo "=== $label: $config $*"
-  if timeout "$PER_RUN_TIMEOUT" $PY -m moe_rl.cli train "$config" run_dir="$OUT/$label" "$@" \
-      > "$OUT/$label.log" 2>&1; then
+  # the device's used memory every 200 ms (vLLM's own pool included, which torch's counters miss)
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -i 0 -lms 200 > "$OUT/$label.mem" &
+  local sampler=$!
+  timeout "$PER_RUN_TIMEOUT" $PY -m moe_rl.cli train "$config" run_dir="$OUT/$label" "$@" \
+    > "$OUT/$label.log" 2>&1
+  rc=$?
+  kill "$sampler" 2>/dev/null; wait "$sampler" 2>/dev/null
+  if [[ $rc -eq 0 ]]; then
+    sort -n "$OUT/$label.mem" | tail -n 1 > "$OUT/$label/device_peak_mib"
     RUNS+=("$OUT/$label")
   else
-    FAILED+=("$label (rc $?): $(grep -E 'Error|error' "$OUT/$label.log" | tail -n 1 | cut -c1-300)")
+    FAILED+=("$label (rc $rc): $(grep -E 'Error|error' "$OUT/$label.log" | tail -n 1 | cut -c1-300)")
   fi
 }
 TINY=(model.transformer_impl=local model.precision=bf16 steps=20)
@@ -60,8 +73,17 @@ else
   echo "=== vllm_r3: skipped (vllm does not import)"
 fi
 
-echo; echo "=== summary ($OUT)"
-[[ ${#RUNS[@]} -gt 0 ]] && $PY scripts/gpu_smoke_summary.py "${RUNS[@]}"
+if $PY -c "import transformer_engine.pytorch, vllm" 2>/dev/null; then
+  SLICE=configs/gpu_smoke_30b_slice.yaml
+  run slice30b_offload "$SLICE" parallel.offload_during_rollout=true
+  run slice30b_resident "$SLICE" parallel.offload_during_rollout=false
+else
+  echo "=== slice30b_*: skipped (transformer_engine and vllm must both import)"
+fi
+
+GPU_GIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i 0 | awk '{print $1 / 1024}')
+echo; echo "=== summary ($OUT; estimates for a GPU of $GPU_GIB GiB)"
+[[ ${#RUNS[@]} -gt 0 ]] && $PY scripts/gpu_smoke_summary.py --gpu-gib "$GPU_GIB" "${RUNS[@]}"
 if [[ ${#FAILED[@]} -gt 0 ]]; then
   echo "=== failed"; printf '%s\n' "${FAILED[@]}"; exit 1
 fi

@@ -1,7 +1,10 @@
 """One table for the GPU smoke's runs: python scripts/gpu_smoke_summary.py RUN_DIR [RUN_DIR ...].
 
 Per run: steps, step time, tokens/s, MFU of the whole step and of the learner alone, peak device
-memory, routing agreement (1 - routing/flip_router_frac), rollout-vs-learner k3 KL, and the mean
+memory (torch's allocator; and the device's own, from nvidia-smi, where the run dir has a
+``device_peak_mib`` file: vLLM's memory pool included) against ``moe-rl estimate``'s larger peak
+for this GPU (``--gpu-gib``), the weight sync's seconds, routing agreement (1 - routing/flip_router_frac),
+rollout-vs-learner k3 KL, and the mean
 reward of the first and last quarter of the steps. Pairs named X_off / X_r3 also get the r3/off
 step-time ratio. Exit 1 if a ``tiny_*`` run's reward did not rise. The arithmetic is
 moe_rl.memory.summarize_run (unit-tested on CPU)."""
@@ -14,7 +17,7 @@ import sys
 from pathlib import Path
 
 from moe_rl.config import load_config
-from moe_rl.memory import H100_BF16_DENSE_TFLOPS, summarize_run
+from moe_rl.memory import H100_BF16_DENSE_TFLOPS, estimate, summarize_run
 
 COLUMNS = (
     "run",
@@ -24,17 +27,24 @@ COLUMNS = (
     "MFU%",
     "learner_MFU%",
     "peak_GiB",
+    "device_GiB",
+    "est_GiB",
+    "sync_s",
     "agree",
     "k3_kl",
     "reward first->last",
 )
 
 
-def row(run: Path, prompt_tokens: float, peak_tflops: float) -> tuple[dict, list[str]]:
+def row(run: Path, prompt_tokens: float, peak_tflops: float, gpu_gib: float) -> tuple[dict, list[str]]:
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    s = summarize_run(
-        rows, load_config(run / "config.yaml"), prompt_tokens=prompt_tokens, peak_tflops=peak_tflops
-    )
+    cfg = load_config(run / "config.yaml")
+    s = summarize_run(rows, cfg, prompt_tokens=prompt_tokens, peak_tflops=peak_tflops)
+    est = estimate(cfg, gpu_gib)
+    s["est_gib"] = max(est["train_peak_gib"], est["rollout_peak_gib"])
+    device = run / "device_peak_mib"
+    if device.is_file() and device.read_text().strip():
+        s["device_gib"] = float(device.read_text()) / 1024
 
     def fmt(key, spec, scale=1.0):
         return format(s[key] * scale, spec) if key in s else "n/a"
@@ -47,6 +57,9 @@ def row(run: Path, prompt_tokens: float, peak_tflops: float) -> tuple[dict, list
         fmt("mfu", ".2f", 100),
         fmt("learner_mfu", ".2f", 100),
         fmt("peak_gib", ".1f"),
+        fmt("device_gib", ".1f"),
+        fmt("est_gib", ".1f"),
+        fmt("sync_s", ".2f"),
         fmt("routing_agreement", ".4f"),
         fmt("corr/k3_kl", ".2e"),
         f"{fmt('reward_first', '.3f')}->{fmt('reward_last', '.3f')}",
@@ -58,10 +71,11 @@ def main() -> None:
     ap.add_argument("run_dirs", nargs="+", type=Path)
     ap.add_argument("--prompt-tokens", type=float, default=6.0, help="mean prompt length (char tasks: ~6)")
     ap.add_argument("--peak-tflops", type=float, default=H100_BF16_DENSE_TFLOPS)
+    ap.add_argument("--gpu-gib", type=float, default=80.0, help="this GPU's memory, for the estimate")
     a = ap.parse_args()
     summaries, table = {}, [list(COLUMNS)]
     for run in a.run_dirs:
-        summaries[run.name], cells = row(run, a.prompt_tokens, a.peak_tflops)
+        summaries[run.name], cells = row(run, a.prompt_tokens, a.peak_tflops, a.gpu_gib)
         table.append(cells)
     widths = [max(len(r[i]) for r in table) for i in range(len(COLUMNS))]
     for r in table:

@@ -2,8 +2,8 @@
 # Multi-node training by hand: run this on EVERY node, same arguments except NODE_RANK.
 #
 #   bash scripts/torchrun_multinode.sh NNODES NODE_RANK MASTER_ADDR CONFIG.yaml [key=value ...]
-#   e.g. node 0: bash scripts/torchrun_multinode.sh 2 0 10.0.0.1 configs/qwen3_30b_a3b_2x8h100.yaml
-#        node 1: bash scripts/torchrun_multinode.sh 2 1 10.0.0.1 configs/qwen3_30b_a3b_2x8h100.yaml
+#   e.g. node 0: bash scripts/torchrun_multinode.sh 4 0 10.0.0.1 configs/qwen3_235b_a22b_4x8h100.yaml
+#        nodes 1-3: the same with NODE_RANK 1, 2, 3
 #
 # torchrun starts GPUS_PER_NODE ranks per node and sets RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR, so
 # `python -m moe_rl.cli train` runs as that rank (moe_rl/launch.py: external-torchrun mode) instead

@@ -84,6 +84,7 @@ def test_summarize_run_learner_mfu_peak_memory_and_reward_trend():
             "rollout/response_len_mean": 5.0,
             "reward/mean": 0.1 * i,
             "mem/peak_gib": 3.0 + i % 3,
+            "time/sync_s": 0.5 + i,
         }
         for i in range(8)
     ]
@@ -94,6 +95,7 @@ def test_summarize_run_learner_mfu_peak_memory_and_reward_trend():
     # the learner trains every token once (6N) and runs one forward-only pass (old log-probs, 2N)
     assert s["learner_mfu"] == pytest.approx((6 * n * tokens + 2 * n * tokens) / (3.0 * 989e12))
     assert s["peak_gib"] == 5.0
+    assert s["sync_s"] == pytest.approx(sum(0.5 + i for i in range(1, 8)) / 7)  # the warm-up step left out
     assert (s["reward_first"], s["reward_last"]) == (pytest.approx(0.05), pytest.approx(0.65))
 
 
@@ -332,18 +334,26 @@ def test_choose_layout_ranks_the_fitting_ones_by_the_stated_rule():
 
 
 @pytest.mark.unit
-def test_estimate_command_prints_the_layouts_row():
+def test_estimate_command_prints_the_layouts_row_both_peaks_host_memory_and_sync():
     from pathlib import Path
 
     from click.testing import CliRunner
 
     from moe_rl.cli import main
 
-    recipe = str(Path(__file__).resolve().parents[1] / "configs" / "qwen3_30b_a3b_2x8h100.yaml")
-    out = CliRunner().invoke(main, ["estimate", recipe, "parallel.expert_parallel=8"])
+    recipe = str(Path(__file__).resolve().parents[1] / "configs" / "qwen3_30b_a3b_1x8h100.yaml")
+    out = CliRunner().invoke(main, ["estimate", recipe, "parallel.expert_parallel=4"])
     assert out.exit_code == 0, out.output
-    assert out.output.splitlines()[0] == "TP 1 x EP 8 x ETP 1 x PP 1 on 16 GPUs of 80 GiB"
-    assert out.output.splitlines()[-1] == "| TP 1 x EP 8 x ETP 1 x PP 1 | 50.2 | 59.5 | 78.2 | 825,369 | no |"
+    lines = out.output.splitlines()
+    assert lines[0] == "TP 2 x EP 4 x ETP 1 x PP 1 on 8 GPUs of 80 GiB"
+    assert lines[-1] == "| TP 2 x EP 4 x ETP 1 x PP 1 | 87.5 | 93.3 | 68.0 | 2,572,995 | no |"
+    assert "rollout peak: 155.5 GiB without parallel.offload_during_rollout, 68.0 GiB with it" in lines
+    assert any(line.startswith("host memory per node: 757 GiB (8 GPUs") for line in lines)
+    assert any(
+        line.startswith("weight sync: 45.0 GB received per rank (43.5 GB of experts gathered over EP)")
+        and line.endswith("peers measured 1-7 s for a 30B-class MoE")
+        for line in lines
+    )
 
 
 @pytest.mark.unit
@@ -375,3 +385,96 @@ def test_mla_kv_cache_is_the_latent_on_every_rank():
     # GQA: K and V of the rank's KV heads (2 groups over TP 2: one each; over TP 4: replicated)
     gqa = 2 * 3 * 1 * CFG.head_dim * 2
     assert kv_cache_bytes_per_token(CFG, 2) == kv_cache_bytes_per_token(CFG, 4) == gqa
+
+
+# ---- offload during rollouts, CPU Adam, host memory and the weight sync (issue 32.5 / 32.6) -------
+
+VLLM_TINY = ("rollout.engine=vllm", "rollout.top_k=0", "parallel.expert_parallel=4")
+
+
+@pytest.mark.unit
+def test_offload_and_cpu_adam_move_the_stated_bytes_off_the_device():
+    lay = Layout(world=8, tp=2, ep=4, etp=1)
+    plain = stage_memory(_tiny(*VLLM_TINY), lay, 0)
+    dense, expert = plain["dense"], plain["expert"]
+    w, g, o = 2 * (dense + expert), 4 * (dense + expert), 12 * (dense / 4 + expert / 2)  # DP 4, expert-DP 2
+    assert (plain["weights"], plain["grads"], plain["optimizer"]) == (w, g, o)
+    assert plain["offloaded"] == 0 and plain["rollout_resident"] == plain["static"] == w + g + o
+    # beside vLLM (its own weight copy) the weights leave too; the built-in engine generates with them
+    vllm = stage_memory(_tiny(*VLLM_TINY, "parallel.offload_during_rollout=true"), lay, 0)
+    assert vllm["offloaded"] == w + g + o and vllm["rollout_resident"] == 0
+    builtin = stage_memory(
+        _tiny("parallel.offload_during_rollout=true", "parallel.expert_parallel=4"), lay, 0
+    )
+    assert builtin["offloaded"] == g + o and builtin["rollout_resident"] == w
+    kl = stage_memory(_tiny(*VLLM_TINY, "parallel.offload_during_rollout=true", "algo.kl_coef=0.1"), lay, 0)
+    assert kl["rollout_resident"] == w  # the frozen reference stays
+    # CPU Adam: the 12 B per (sharded) parameter live on the host for the whole run
+    cpu = stage_memory(_tiny(*VLLM_TINY, "optim.cpu_adam=true"), lay, 0)
+    assert (cpu["optimizer"], cpu["host_optim"]) == (0, o) and cpu["train_peak"] == plain["train_peak"] - o
+    both = _tiny(*VLLM_TINY, "optim.cpu_adam=true", "parallel.offload_during_rollout=true")
+    assert stage_memory(both, lay, 0)["offloaded"] == w + g
+    # host memory per node: every GPU's host bytes, plus vLLM's weights asleep at level 1
+    est = estimate(both, gpu_gib=8.0, layout=lay, gpus_per_node=4)
+    vllm_w = 2 * param_counts(both.model)["total"]  # vLLM TP 1: the whole model per engine GPU
+    assert est["host_gib_per_node"] == pytest.approx(4 * (o + w + g + vllm_w) / GiB)
+    assert est["rollout_peak_gib"] == both.rollout.vllm.gpu_memory_utilization * 8.0  # nothing resident
+    assert est["offload_s"] == pytest.approx(2 * (w + g) / 55e9)
+
+
+@pytest.mark.unit
+def test_weight_sync_bytes_every_rank_receives_the_model_less_its_shard():
+    """Counted from the canonical shapes: each rank receives its stage's tensors it does not hold
+    (its experts' other (EP - 1) / EP among them, over NVLink inside a node) and every other
+    stage's tensors (the pipeline broadcast, over InfiniBand across nodes)."""
+    from moe_rl.memory import sync_traffic
+
+    cfg = _tiny("parallel.expert_parallel=4")
+    m, lay = cfg.model, Layout(world=8, pp=2, ep=4, first=2, last=4)  # layers 0-1 | 2-5
+    shapes = canonical_param_shapes(m)
+
+    def stage_of(name: str) -> int:
+        if name.startswith("model.layers."):
+            return int(name.split(".")[2]) >= 2
+        return 0 if "embed" in name else 1
+
+    full = [sum(math.prod(s) for k, s in shapes.items() if stage_of(k) == st) for st in (0, 1)]
+    experts = [
+        sum(math.prod(s) for k, s in shapes.items() if stage_of(k) == st and ".experts." in k)
+        for st in (0, 1)
+    ]
+    own = [sum(_stage_params(m, lay, st, [2, 4])) for st in (0, 1)]
+    rows = []
+    for st in (0, 1):
+        gather, bcast = 2 * (full[st] - own[st]), 2 * full[1 - st]
+        rows.append((gather + bcast, 2 * experts[st] * 3 / 4, gather / 450e9 + bcast / 50e9))
+    worst = max(rows, key=lambda r: r[2])
+    got = sync_traffic(cfg, lay, gpus_per_node=4)
+    assert got["sync_bytes"] == pytest.approx(worst[0]) and got["sync_s"] == pytest.approx(worst[2])
+    assert got["sync_expert_gather_bytes"] == pytest.approx(worst[1])
+    assert got["sync_bytes"] == pytest.approx(2 * (param_counts(m)["total"] - own[rows.index(worst)]))
+    # one node (8 GPUs): the broadcast runs over NVLink too
+    one_node = sync_traffic(cfg, lay, gpus_per_node=8)
+    assert one_node["sync_s"] == pytest.approx(max(r[0] / 450e9 for r in rows))
+
+
+@pytest.mark.bad_input
+def test_a_run_that_does_not_fit_its_gpus_stops_before_any_rank_names_the_key():
+    from pathlib import Path
+
+    from moe_rl.config import ConfigError
+    from moe_rl.preflight import check_fit
+
+    recipe = Path(__file__).resolve().parents[1] / "configs" / "qwen3_30b_a3b_1x8h100.yaml"
+    check_fit(load_config(recipe), 80.0)  # the recipe fits its H100s
+    with pytest.raises(ConfigError) as e:
+        check_fit(load_config(recipe, ["parallel.offload_during_rollout=false"]), 80.0)
+    assert str(e.value) == (
+        "config key 'parallel.nproc': 8 GPUs of 80 GiB do not fit this run (train peak 73.1 GiB, "
+        "rollout peak 135.3 GiB against 76 GiB); try parallel.offload_during_rollout=true / "
+        "optim.cpu_adam=true, or more GPUs: `moe-rl estimate CONFIG --rank 5` ranks the layouts"
+    )
+    with pytest.raises(
+        ConfigError, match=r"^config key 'parallel.nproc': 8 GPUs of 40 GiB .*train peak 73.1"
+    ):
+        check_fit(load_config(recipe), 40.0)

@@ -227,17 +227,17 @@ def test_staleness_cost_is_said(tmp_path, caplog):
     from moe_rl.rollout.staleness import StaleWeights
 
     code, out, err = run_cli(
-        tmp_path, "estimate", "configs/qwen3_30b_a3b_2x8h100.yaml", "rollout.staleness=2"
+        tmp_path, "estimate", "configs/qwen3_30b_a3b_1x8h100.yaml", "rollout.staleness=2"
     )
     assert (code, err) == (0, "")
     lines = out.splitlines()
     assert lines[lines.index("reference_gib              0.0") + 1] == "stale_weights_gib          170.6"
-    assert "learner_static_gib         210.7" in lines
-    code, out0, _ = run_cli(tmp_path, "estimate", "configs/qwen3_30b_a3b_2x8h100.yaml")
+    assert "learner_static_gib         237.9" in lines
+    code, out0, _ = run_cli(tmp_path, "estimate", "configs/qwen3_30b_a3b_1x8h100.yaml")
     assert (
         code == 0
         and "stale_weights_gib" not in out0
-        and "learner_static_gib         40.1" in out0.splitlines()
+        and "learner_static_gib         67.3" in out0.splitlines()
     )
     stale = StaleWeights(3)
     with caplog.at_level(logging.INFO, logger="moe_rl.rollout.staleness"):
@@ -309,3 +309,16 @@ def test_stale_weight_sets_on_a_full_disk(tmp_path, monkeypatch):
         == f"no space left on device: {tmp_path / 'checkpoints' / 'stale_weights_step_000002.pt'}"
     )
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == []
+
+
+@pytest.mark.bad_input
+def test_cpu_adam_without_the_distributed_optimizer_stops_before_any_rank(tmp_path):
+    fails_with(
+        tmp_path,
+        "config key 'optim.cpu_adam': needs parallel.distributed_optimizer=true (megatron-core steps "
+        "on the host only as the distributed optimizer's precision-aware inner optimizer)",
+        "train",
+        f"run_dir={tmp_path / 'run'}",
+        "optim.cpu_adam=true",
+        "parallel.distributed_optimizer=false",
+    )

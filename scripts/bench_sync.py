@@ -1,0 +1,122 @@
+"""The weight sync (learner -> colocated built-in engine), measured against a plain copy of the same
+bytes, on the tiny model and a larger CPU model, in one run (EP=2 over 2 local gloo ranks).
+
+    python scripts/bench_sync.py [--reps 8] [--hidden 256] [--layers 6] [--experts 32]
+
+Each rank, for each model: ``moe_rl.trainer.sync_weights`` (the learner's stream of canonical
+layers, EP all-gathers and all, into the engine's weights: docs/design.md 14.3) and a plain
+``Tensor.copy_`` of as many bytes as the engine receives (the physical limit on this machine: one
+memory-to-memory copy), interleaved (sync/copy, copy/sync, ...) with a barrier around each, the
+first round a warm-up. Prints per model the bytes, the median seconds of each, and the median of
+the per-repetition ratios sync / copy with its 95% interval (scripts/bench_stats.py), then the
+machine's load. Numbers and the command: docs/measurements.md 6.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+
+from bench_stats import MachineLoad, paired_ratios, ratio_line
+
+
+def _overrides(args) -> dict[str, list[str]]:
+    par = ["parallel.nproc=2", "parallel.expert_parallel=2"]
+    larger = [
+        "init_weights=",  # random init: the sync moves bytes, whatever they hold
+        f"model.hidden_size={args.hidden}",
+        f"model.num_layers={args.layers}",
+        f"model.num_experts={args.experts}",
+        f"model.moe_ffn_hidden_size={args.hidden}",
+        f"model.ffn_hidden_size={4 * args.hidden}",
+        "model.num_attention_heads=4",
+        "model.num_query_groups=2",
+        f"model.head_dim={args.hidden // 4}",
+    ]
+    return {"tiny": par, "larger": par + larger}
+
+
+def _measure(args) -> list[dict]:
+    import torch
+
+    import megatron_patches
+    from moe_rl import dist
+    from moe_rl.config import load_config
+    from moe_rl.learner.learner import Learner
+    from moe_rl.rollout.builtin import BuiltinEngine
+    from moe_rl.rollout.staleness import StaleWeights
+    from moe_rl.tasks.task import resolve_vocab
+    from moe_rl.tasks.tokenizer import CharTokenizer
+    from moe_rl.trainer import sync_weights
+    from moe_rl.weights.canonical import canonical_param_shapes
+    from moe_rl.weights.warmstart import load_init_weights
+
+    torch.set_num_threads(1)
+    megatron_patches.apply_all()
+    tok = CharTokenizer()
+    ctx, res = None, {}
+    for name, overrides in _overrides(args).items():
+        cfg = resolve_vocab(load_config(None, overrides), tok)
+        if ctx is None:
+            ctx = dist.init_distributed(cfg.parallel, seed=0)
+        init = load_init_weights(cfg.init_weights, cfg.model, tok)
+        learner = Learner(cfg.model, cfg.parallel, cfg.optim, ctx, init)
+        engine = BuiltinEngine(cfg.model, dtype=cfg.rollout.dtype, pad_id=tok.pad_id)
+        stale = StaleWeights(0)
+        sync_weights(engine, learner, stale)  # the engine's weights exist from here on
+        per_value = 2 if cfg.rollout.dtype == "bf16" else 4  # the engine's weights, canonical shapes
+        nbytes = per_value * sum(math.prod(s) for s in canonical_param_shapes(cfg.model).values())
+        src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+        times: dict[str, list[float]] = {"sync": [], "copy": []}
+        for rep in range(args.reps + 1):
+            for what in ("sync", "copy") if rep % 2 == 0 else ("copy", "sync"):
+                torch.distributed.barrier()
+                t0 = time.perf_counter()
+                if what == "sync":
+                    sync_weights(engine, learner, stale)
+                else:
+                    dst.copy_(src)
+                torch.distributed.barrier()
+                if rep:  # the first round warms up
+                    times[what].append(time.perf_counter() - t0)
+        res[name] = {"bytes": nbytes, **times}
+        del learner, engine, src, dst
+    gathered = [None] * ctx.world_size
+    torch.distributed.all_gather_object(gathered, res)
+    dist.shutdown()
+    return gathered
+
+
+def _report(ranks: list[dict]) -> None:
+    for name in ranks[0]:
+
+        def per_rep(what: str, name: str = name) -> list[float]:
+            return [statistics.fmean(ts) for ts in zip(*(r[name][what] for r in ranks))]
+
+        sync, copy = per_rep("sync"), per_rep("copy")
+        nbytes, sync_s, copy_s = ranks[0][name]["bytes"], statistics.median(sync), statistics.median(copy)
+        print(
+            f"{name}: {nbytes / 1e6:.1f} MB into each rank's engine; sync {sync_s * 1e3:.1f} ms, "
+            f"plain copy {copy_s * 1e3:.2f} ms ({nbytes / copy_s / 1e9:.1f} GB/s)"
+        )
+        print(f"    {ratio_line('ratio sync/copy', paired_ratios(sync, copy))}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--reps", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--experts", type=int, default=32)
+    args = p.parse_args()
+    from moe_rl.launch import spawn_local
+
+    load = MachineLoad()
+    _report(spawn_local(_measure, 2, args)[0])
+    print(load.line(2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""dist tier: moe_rl/memory.py's per-rank bytes held against the real megatron learner on 2 gloo
+ranks (distributed optimizer), for EP=2, TP=2 (bf16) and PP=2.
+
+Measured on each rank, never from the estimator's own code: the parameters' bytes (every
+``gpt.parameters()`` tensor), the gradient buffers' bytes (megatron DDP's ``grad_data`` of every
+buffer, dense and expert), and after one optimizer step the optimizer's state tensors (Adam's
+exp_avg / exp_avg_sq of every shard) plus the fp32 main-param shards (bf16). Held against
+``stage_memory`` of the rank's stage:
+
+- weights: equal; with bf16 the learner keeps its norm weights in fp32 here, so those count 4 B
+  (the check counts them from the learner and asserts they are all norms);
+- grads: equal up to megatron's bucket padding (at most 1 KiB a buffer here);
+- optimizer: the ranks' mean equals the estimate (the distributed optimizer's shards differ by the
+  padding only), less 4 B per fp32 norm weight with bf16 (no separate main copy);
+- activations: the peak of live CPU bytes during one forward + backward of a micro-batch
+  (torch.profiler's memory events) is within a factor of 4 either way (measured 1.1-2.7) of the estimate's
+  activations + logits for those tokens (the estimate counts what the backward keeps; the
+  profiler also sees temporaries, and the tiny widths make fixed costs weigh more).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.dist_harness import run_ranks
+from tests.models import DEFAULT_WIDTH_L3
+
+MODEL = dataclasses.replace(DEFAULT_WIDTH_L3, num_layers=4)
+B, S = 6, 14  # the micro-batch: tests/learner/parallel_cases.py's batch
+LAYOUTS = {"ep2": (1, 1, 2, "fp32"), "tp2_bf16": (2, 1, 1, "bf16"), "pp2": (1, 2, 1, "fp32")}
+
+
+def _peak_live_bytes(fn, trace: str) -> int:
+    """Peak live CPU bytes above the start while ``fn`` runs, from torch.profiler's [memory]
+    events replayed in time order (a reuse of an address proves an unrecorded free)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    prof.export_chrome_trace(trace)
+    events = json.loads(Path(trace).read_text())["traceEvents"]
+    live, peak, alive = 0, 0, {}
+    for e in sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: e["ts"]):
+        addr, n = e["args"]["Addr"], e["args"]["Bytes"]
+        live -= alive.pop(addr, 0)
+        if n > 0:
+            alive[addr] = n
+            live += n
+        peak = max(peak, live)
+    return peak
+
+
+def _worker(rank: int, tmp: str, tp: int, pp: int, ep: int, precision: str) -> dict:
+    from moe_rl import dist
+    from moe_rl.config import OptimConfig, ParallelConfig
+    from moe_rl.learner.learner import Learner
+    from moe_rl.types import TrainBatch
+    from moe_rl.weights.canonical import random_canonical_weights
+    from tests.learner.parallel_cases import batch_data, nll_entropy_loss
+
+    model = dataclasses.replace(MODEL, precision=precision)
+    par = ParallelConfig(nproc=2, tensor_parallel=tp, pipeline_parallel=pp, expert_parallel=ep)
+    ctx = dist.init_distributed(par, seed=0)
+    learner = Learner(model, par, OptimConfig(), ctx, random_canonical_weights(model, seed=0))
+    params = list(learner.gpt.named_parameters())
+    fp32_names = [n for n, p in params if precision == "bf16" and p.dtype == torch.float32]
+    out = {
+        "stage": ctx.pp_rank,
+        "params": sum(p.numel() * p.element_size() for _, p in params),
+        "fp32_names": fp32_names,
+        "fp32_numel": sum(p.numel() for n, p in params if n in fp32_names),
+        "grads": sum(
+            b.grad_data.numel() * b.grad_data.element_size()
+            for b in [*learner.ddp.buffers, *learner.ddp.expert_parallel_buffers]
+        ),
+    }
+    tokens_BS, lens_B, mask_BS = batch_data(model.vocab_size)
+    full = torch.full_like(lens_B, S)  # every position real: the estimate's micro_batch x max_seq_len
+    batch = TrainBatch(tokens_BS, full, loss_mask_BS=torch.ones_like(mask_BS))
+    out["activations"] = _peak_live_bytes(
+        lambda: learner.forward_backward(batch, nll_entropy_loss, 1.0, B, None), f"{tmp}/trace{rank}.json"
+    )
+    learner.ddp.zero_grad_buffer()
+    learner.optimizer.zero_grad()
+    learner.optimizer.step()  # Adam's state exists from its first step
+    optimizers = getattr(learner.optimizer, "chained_optimizers", [learner.optimizer])
+    state = sum(
+        t.numel() * t.element_size()
+        for o in optimizers
+        for s in o.optimizer.state.values()
+        for t in s.values()
+        if torch.is_tensor(t) and t.dim() > 0
+    )
+    mains = sum(
+        t.numel() * t.element_size()
+        for o in optimizers
+        for group in getattr(o, "shard_fp32_from_float16_groups", [])
+        for t in group
+    )
+    out["optimizer"] = state + mains
+    dist.shutdown()
+    return out
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_estimate_equals_the_learners_storages(tmp_path, name):
+    from moe_rl.config import AlgoConfig, RunConfig
+    from moe_rl.memory import Layout, stage_memory
+
+    tp, pp, ep, precision = LAYOUTS[name]
+    ranks = run_ranks(_worker, 2, str(tmp_path), tp, pp, ep, precision)
+    model = dataclasses.replace(MODEL, precision=precision, max_seq_len=S)
+    cfg = dataclasses.replace(RunConfig(), model=model, algo=AlgoConfig(micro_batch_size=B))
+    lay = Layout(world=2, tp=tp, pp=pp, ep=ep)
+    for r in ranks:
+        est = stage_memory(cfg, lay, r["stage"])
+        n32 = r["fp32_numel"]
+        assert all("layernorm" in n for n in r["fp32_names"]), r["fp32_names"]
+        assert r["params"] == est["weights"] + 2 * n32, (name, r, est)
+        assert 0 <= r["grads"] - est["grads"] <= 1024 * 2, (name, r, est)
+        measured = r["activations"] / (est["activations"] + est["logits"])
+        print(name, r["stage"], "activations measured / estimated", round(measured, 2))
+        assert 1 / 4 <= measured <= 4, (name, r["activations"], est["activations"], est["logits"])
+    for stage in range(pp):
+        same = [r for r in ranks if r["stage"] == stage]  # the ranks sharing the stage's shards
+        est = stage_memory(cfg, lay, stage)
+        mean = sum(r["optimizer"] for r in same) / len(same)
+        assert mean == est["optimizer"] - 4 * same[0]["fp32_numel"], (name, same, est)
