@@ -70,6 +70,19 @@ def sync_weights(engine, learner: Learner, stale: StaleWeights, resumed: bool = 
     engine.load_weights(stale.resume_push(exported) if resumed else stale.push(exported))
 
 
+def start_engine(engine, learner: Learner, offload: bool) -> None:
+    """vLLM reserves its share of the device as it starts and refuses to start where that much is
+    not free: with ``parallel.offload_during_rollout`` it starts while the learner's state is on
+    the host (docs/design.md 14.2). Engines without ``start`` (built-in) start at the first sync."""
+    if not offload or not hasattr(engine, "start"):
+        return
+    named = None  # vLLM reads a named HF dir; else host copies (small models: the smoke test)
+    if not engine.starts_from_dir():
+        named = {k: t.detach().to("cpu", copy=True) for k, t in learner.export_canonical().items()}
+    with offloaded(learner, True):
+        engine.start(named)
+
+
 def build_learner(cfg: RunConfig, plan: StepPlan, dims: ParallelDims, tok) -> Learner:
     """The megatron learner of ``cfg``, from its warm start (checked in preflight)."""
     init = load_init_weights(cfg.init_weights, cfg.model, tok)
@@ -112,6 +125,7 @@ def train(cfg: RunConfig, dims: ParallelDims) -> None:
     stale = StaleWeights(r.staleness)  # rollout.staleness: the engine runs k updates behind
     ckpt = CheckpointManager(cfg, learner, lr_sched, stale)
     start = ckpt.resume()
+    start_engine(engine, learner, cfg.parallel.offload_during_rollout)
     sync_weights(engine, learner, stale, resumed=start > 0)
     writer, bar = open_run_dir(cfg, dims, start), progress(cfg, start, dims)
     health = HealthMonitor(cfg.log.health, cfg.model.vocab_size, active=dims.is_main)

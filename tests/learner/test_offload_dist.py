@@ -139,6 +139,35 @@ def _same(a, b) -> bool:
     )
 
 
+class _StartingEngine:
+    """vLLM's start as the trainer sees it: it records what the learner holds while it starts."""
+
+    def __init__(self, learner) -> None:
+        self.learner, self.seen = learner, None
+
+    def starts_from_dir(self) -> bool:
+        return False  # the learner's weights are handed over, as without an hf: init
+
+    def start(self, named) -> None:
+        self.seen = {"resident": sum(_resident(self.learner).values()), "named": named}
+
+
+def _engine_start(learner) -> dict:
+    """trainer.start_engine with offload: the engine starts while every offloaded storage holds 0
+    bytes, gets the learner's weights as host copies, and the learner is whole again after."""
+    from moe_rl.trainer import start_engine
+
+    engine, want = _StartingEngine(learner), learner.export_canonical()
+    before = sum(_resident(learner).values())
+    start_engine(engine, learner, True)
+    named = engine.seen["named"]
+    return {
+        "resident_during": engine.seen["resident"],
+        "resident_before_after": (before, sum(_resident(learner).values())),
+        "weights_equal": sorted(named) == sorted(want) and all(torch.equal(named[k], want[k]) for k in want),
+    }
+
+
 def _layout(model, par: ParallelConfig, ctx, weights, ckpt_dir: str | None) -> dict:
     from moe_rl.learner import checkpoint
     from moe_rl.learner.learner import Learner
@@ -154,6 +183,7 @@ def _layout(model, par: ParallelConfig, ctx, weights, ckpt_dir: str | None) -> d
         _step(off, batch, True, seen)
     out = {"seen": seen, **_layout_facts(off)}
     if ckpt_dir is not None:
+        out["engine_start"] = _engine_start(off)
         path = checkpoint.save(off, ckpt_dir, STEPS - 1, {"seed": 0})
         resumed = Learner(model, par, optim, ctx, weights, monitor=False)
         checkpoint.load(resumed, path)
@@ -201,6 +231,10 @@ def test_offloaded_training_is_bitwise_equal_and_frees_every_counted_byte(tmp_pa
             assert r["offload_equal"], (rank, name)
             assert r["resume_equal"] in ((True,) if name == "ep2" else (None,)), (rank, name)
             assert r["plain_moved"], (rank, name)  # the steps did train
+            if name == "ep2":
+                e = r["engine_start"]
+                assert e["resident_during"] == 0 and e["weights_equal"], (rank, e)
+                assert e["resident_before_after"][0] == e["resident_before_after"][1] > 0, (rank, e)
             if name == "ep2_ddp":
                 assert r["own_storage"], rank
             else:

@@ -230,6 +230,31 @@ class VllmEngine:
         self.llm = vllm.LLM(**kw)
         self.llm.init_weight_transfer_engine({"init_info": {}})  # in-process: no rendezvous
 
+    def _sleep(self) -> None:
+        """Give the device back to the learner between rollouts (``rollout.vllm.sleep_level``)."""
+        if self.cfg.rollout.vllm.sleep_level > 0 and not self.cpu:  # no sleep mode on CPU
+            self.llm.sleep(level=self.cfg.rollout.vllm.sleep_level)
+            self.asleep = True
+
+    def starts_from_dir(self) -> bool:
+        """True when vLLM starts from a named HF dir; else from weights the learner gives it."""
+        return self._source_dir() is not None
+
+    def start(self, weights: Mapping[str, torch.Tensor] | None) -> None:
+        """Create the LLM now rather than at the first ``load_weights``, then sleep. vLLM reserves
+        ``rollout.vllm.gpu_memory_utilization`` of the device as it starts and refuses to start
+        where that much is not free, so with ``parallel.offload_during_rollout`` the trainer calls
+        this while the learner's state is on the host (docs/design.md 14.2). ``weights``: the
+        learner's, only where no HF dir is named (``starts_from_dir``)."""
+        if self.llm is not None:
+            return
+        if weights is None and not self.starts_from_dir():
+            raise ValueError("VllmEngine.start: no HF dir is named, so the learner's weights are needed")
+        if weights is not None:
+            sync_items(untied(weights, self.untie), self.expected)
+        self._start(None if self.starts_from_dir() else weights)
+        self._sleep()
+
     def load_weights(self, weights: Weights) -> None:
         """Weight sync: wake the weights, send the canonical tensors (a dict, or the learner's
         stream, chunk by chunk) through vLLM's weight-transfer API, reset the prefix cache (its KV
@@ -282,9 +307,7 @@ class VllmEngine:
         routes = self._my_routes(outputs, counts) if scatter else None
         mine = sum(counts[: self.group_rank])
         outputs = outputs[mine : mine + counts[self.group_rank]]
-        if self.cfg.rollout.vllm.sleep_level > 0 and not self.cpu:  # no sleep mode on CPU
-            self.llm.sleep(level=self.cfg.rollout.vllm.sleep_level)
-            self.asleep = True
+        self._sleep()
         return to_rollout_batch(
             outputs,
             n,
