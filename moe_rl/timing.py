@@ -1,29 +1,103 @@
 """Per-step wall-clock phases, as ``time/<phase>_s`` metrics (plain numbers: rank-local timings),
-and the step's peak device memory (``mem/peak_gib``, the maximum over ranks)."""
+the step's peak device memory (``mem/peak_gib``, the maximum over ranks), and the process's peak
+host memory per phase (``MemoryTimeline``: ``run_dir/memory_timeline.jsonl``, docs/design.md 2.1)."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
 
 import torch
 
 from moe_rl.metrics import Max
 
 
+def host_memory() -> tuple[int, int]:
+    """(peak RSS since the last ``reset_peak_rss``, current RSS) of this process in bytes, from
+    /proc/self/status (VmHWM, VmRSS); (0, 0) where there is none (not Linux)."""
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        return 0, 0
+    kb = {
+        k: int(v.split()[0])
+        for k, v in (ln.split(":", 1) for ln in status.splitlines())
+        if k in ("VmHWM", "VmRSS")
+    }
+    return kb.get("VmHWM", 0) * 1024, kb.get("VmRSS", 0) * 1024
+
+
+def reset_peak_rss() -> None:
+    """Start a new peak: writing 5 to /proc/self/clear_refs sets VmHWM to the current RSS (Linux)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass  # then VmHWM is the peak since the process started: an upper bound
+
+
+class MemoryTimeline:
+    """Peak and end RSS of each named phase of this process: the peak is reset at each phase's
+    start, so it is that phase's own. Records are kept until ``attach`` names the file (the run
+    directory exists only after start-up), then appended to it as they come, one JSON line each
+    (every rank appends its own lines to the one file)."""
+
+    def __init__(self, rank: int | str = 0) -> None:
+        self.rank = rank
+        self.records: list[dict] = []
+        self.path: Path | None = None
+
+    @contextmanager
+    def phase(self, name: str, step: int | None = None) -> Iterator[None]:
+        reset_peak_rss()
+        try:
+            yield
+        finally:
+            peak, rss = host_memory()
+            self.records.append(
+                {
+                    "rank": self.rank,
+                    "step": step,
+                    "phase": name,
+                    "peak_rss_gib": peak / 2**30,
+                    "rss_gib": rss / 2**30,
+                }
+            )
+            self._flush()
+
+    def attach(self, path: Path) -> None:
+        """From now on the records go to ``path`` (those kept so far first)."""
+        self.path = Path(path)
+        self._flush()
+
+    def _flush(self) -> None:
+        if self.path is None or not self.records:
+            return
+        with open(self.path, "a", encoding="utf-8") as f:  # lines < 4 KiB: O_APPEND keeps them whole
+            f.write("".join(json.dumps(r) + "\n" for r in self.records))
+        self.records = []
+
+
 class StepTimer:
-    def __init__(self) -> None:
+    """A step's phases in seconds (``time/<phase>_s``); with a ``MemoryTimeline``, each phase's peak
+    host RSS goes to it too."""
+
+    def __init__(self, memory: MemoryTimeline | None = None, step: int | None = None) -> None:
         self.start = time.perf_counter()
         self.seconds: dict[str, float] = {}
+        self.memory, self.step = memory, step
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
         t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+        with self.memory.phase(name, self.step) if self.memory is not None else nullcontext():
+            try:
+                yield
+            finally:
+                self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
 
     def metrics(self) -> dict[str, float]:
         """Every phase, and the whole step so far."""
