@@ -56,7 +56,9 @@ def prepare(cfg: RunConfig, check_run_dir: bool = True) -> Prepared:
     The init weights are checked from their file headers alone (no tensor data is read), and not
     at all on a resume, whose checkpoint holds every weight, unless the reference model (algo.kl_coef
     > 0), which no checkpoint holds, is built from them (``needs_init_weights``)."""
-    memory = MemoryTimeline(os.environ.get("RANK", "launcher"))  # under torchrun: this rank
+    memory = MemoryTimeline(
+        int(os.environ["RANK"]) if "RANK" in os.environ else "launcher"
+    )  # under torchrun: this rank
     with memory.phase("preflight"):
         cfg, task = build_task(cfg, start_pool=False)  # tokenizer, datasets (read in full), reward names
         check_launch(cfg)  # CUDA / Transformer Engine / vLLM where the config asks for them
