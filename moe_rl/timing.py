@@ -16,34 +16,26 @@ from moe_rl.metrics import Max
 
 
 def host_memory() -> tuple[int, int]:
-    """(peak RSS since the last ``reset_peak_rss``, current RSS) of this process in bytes, from
-    /proc/self/status (VmHWM, VmRSS); (0, 0) where there is none (not Linux)."""
+    """(peak RSS so far, current RSS) of this process in bytes, from /proc/self/status (VmHWM,
+    VmRSS); (0, 0) where there is none (not Linux)."""
     try:
         status = Path("/proc/self/status").read_text()
     except OSError:
         return 0, 0
     kb = {
         k: int(v.split()[0])
-        for k, v in (ln.split(":", 1) for ln in status.splitlines())
+        for k, v in (ln.split(":", 1) for ln in status.splitlines() if ":" in ln)
         if k in ("VmHWM", "VmRSS")
     }
     return kb.get("VmHWM", 0) * 1024, kb.get("VmRSS", 0) * 1024
 
 
-def reset_peak_rss() -> None:
-    """Start a new peak: writing 5 to /proc/self/clear_refs sets VmHWM to the current RSS (Linux)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass  # then VmHWM is the peak since the process started: an upper bound
-
-
 class MemoryTimeline:
-    """Peak and end RSS of each named phase of this process: the peak is reset at each phase's
-    start, so it is that phase's own. Records are kept until ``attach`` names the file (the run
-    directory exists only after start-up), then appended to it as they come, one JSON line each
-    (every rank appends its own lines to the one file)."""
+    """This process's RSS at the end of each named phase, and its peak so far (VmHWM, sampled: the
+    phase after which it has risen is the one that reached it; nothing is reset, so the process's
+    own peak, and ``getrusage``'s, stay whole for other tools). Records are kept until ``attach``
+    names the file (the run directory exists only after start-up), then appended to it as they
+    come, one JSON line each (every rank appends its own lines to the one file)."""
 
     def __init__(self, rank: int | str = 0) -> None:
         self.rank = rank
@@ -52,7 +44,6 @@ class MemoryTimeline:
 
     @contextmanager
     def phase(self, name: str, step: int | None = None) -> Iterator[None]:
-        reset_peak_rss()
         try:
             yield
         finally:
@@ -62,8 +53,8 @@ class MemoryTimeline:
                     "rank": self.rank,
                     "step": step,
                     "phase": name,
-                    "peak_rss_gib": peak / 2**30,
-                    "rss_gib": rss / 2**30,
+                    "peak_rss_gib": round(peak / 2**30, 4),
+                    "rss_gib": round(rss / 2**30, 4),
                 }
             )
             self._flush()

@@ -196,7 +196,8 @@ def train(cfg: RunConfig, dims: ParallelDims, prepared: Prepared | None = None) 
         bar.update(1)
         bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", step_s=f"{metrics['time/step_s']:.2f}")
         if ckpt.due(step):
-            ckpt.save(step)
+            with mem.phase("checkpoint", step):
+                ckpt.save(step)
     bar.close()
     writer.close()
     task.pool.close()
