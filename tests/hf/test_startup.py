@@ -119,9 +119,10 @@ def counted(*a, **k):
 task_mod.build_task = counted
 from moe_rl import cli
 try:
-    cli.main(sys.argv[1:], standalone_mode=False)
+    code = cli.main(sys.argv[1:], standalone_mode=False)  # click returns an Exit's code here
 finally:
     print("BUILD_TASK_CALLS", len(calls))
+sys.exit(code if isinstance(code, int) else 0)
 """
 
 
