@@ -43,7 +43,7 @@ class MemoryTimeline:
         self.path: Path | None = None
 
     @contextmanager
-    def phase(self, name: str, step: int | None = None) -> Iterator[None]:
+    def span(self, name: str, step: int | None = None) -> Iterator[None]:
         try:
             yield
         finally:
@@ -84,7 +84,7 @@ class StepTimer:
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
         t0 = time.perf_counter()
-        with self.memory.phase(name, self.step) if self.memory is not None else nullcontext():
+        with self.memory.span(name, self.step) if self.memory is not None else nullcontext():
             try:
                 yield
             finally:

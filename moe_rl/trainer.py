@@ -59,7 +59,7 @@ def prepare(cfg: RunConfig, check_run_dir: bool = True) -> Prepared:
     memory = MemoryTimeline(
         int(os.environ["RANK"]) if "RANK" in os.environ else "launcher"
     )  # under torchrun: this rank
-    with memory.phase("preflight"):
+    with memory.span("preflight"):
         cfg, task = build_task(cfg, start_pool=False)  # tokenizer, datasets (read in full), reward names
         check_launch(cfg)  # CUDA / Transformer Engine / vLLM where the config asks for them
         if check_run_dir:
@@ -138,27 +138,32 @@ def open_run_dir(cfg: RunConfig, dims: ParallelDims, start: int) -> MetricsWrite
     )
 
 
-def train(cfg: RunConfig, dims: ParallelDims, prepared: Prepared | None = None) -> None:
-    """``prepared``: preflight's config and task when it ran in this process (an external
-    torchrun), else both are built here."""
+def rank_task(cfg: RunConfig, dims: ParallelDims, prepared: Prepared | None) -> Prepared:
+    """The rank's config, task (reward pool started) and memory timeline: ``prepared`` when
+    preflight ran in this process (an external torchrun), else built here (once per process)."""
     if prepared is None:
         mem = MemoryTimeline(dims.rank)  # run_dir/memory_timeline.jsonl (docs/design.md 2.1)
-        with mem.phase("task"):
-            cfg, task = build_task(cfg)
-    else:
-        cfg, task, mem = prepared.cfg, prepared.task, prepared.memory
-        task.pool.start()
+        with mem.span("task"):
+            cfg, task = build_task(cfg, start_pool=False)
+        prepared = Prepared(cfg, task, mem)
+    prepared.task.pool.start()
+    return prepared
+
+
+def train(cfg: RunConfig, dims: ParallelDims, prepared: Prepared | None = None) -> None:
+    ready = rank_task(cfg, dims, prepared)
+    cfg, task, mem = ready.cfg, ready.task, ready.memory
     r, tok = cfg.rollout, task.tokenizer
     plan = StepPlan.from_config(cfg, tok.eos_ids)  # the step's every choice, made once
     learner = build_learner(cfg, plan, dims, tok, mem)
-    with mem.phase("engine build"):
+    with mem.span("engine build"):
         engine = build_engine(cfg, tok.pad_id, learner.device)
     lr_sched = LengthLRScheduler(cfg.optim.length_lr)
     stale = StaleWeights(r.staleness)  # rollout.staleness: the engine runs k updates behind
     ckpt = CheckpointManager(cfg, learner, lr_sched, stale)
-    with mem.phase("resume"):
+    with mem.span("resume"):
         start = ckpt.resume()
-    with mem.phase("first sync"):
+    with mem.span("first sync"):
         sync_weights(engine, learner, stale, resumed=start > 0)
     writer, bar = open_run_dir(cfg, dims, start), progress(cfg, start, dims)
     mem.attach(Path(cfg.run_dir) / MEMORY_TIMELINE)
@@ -196,7 +201,7 @@ def train(cfg: RunConfig, dims: ParallelDims, prepared: Prepared | None = None) 
         bar.update(1)
         bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", step_s=f"{metrics['time/step_s']:.2f}")
         if ckpt.due(step):
-            with mem.phase("checkpoint", step):
+            with mem.span("checkpoint", step):
                 ckpt.save(step)
     bar.close()
     writer.close()

@@ -14,7 +14,7 @@ whole bf16 copy; the launcher holds no model. With the run's ``memory_timeline.j
 code writes one) it also prints each rank's peak per phase.
 
 Run from any checkout (the one whose code is measured is the one on PYTHONPATH / this file's
-repository): docs/measurements.md 14 has the before/after numbers and commands.
+repository): docs/measurements.md 6 has the before/after numbers and commands.
 """
 
 from __future__ import annotations

@@ -167,7 +167,7 @@ class Learner:
         max_tokens_per_micro_batch: int = 0,
         memory: MemoryTimeline | None = None,
     ):
-        phase = memory.phase if memory is not None else (lambda name: nullcontext())
+        span = memory.span if memory is not None else (lambda name: nullcontext())
         self.model_cfg, self.par, self.dims = model_cfg, par, dims
         self.skip_zero_grad = optim.skip_zero_grad
         self.max_tokens_per_micro_batch = max_tokens_per_micro_batch  # > 0: token-budget micro-batches
@@ -185,11 +185,11 @@ class Learner:
             else None
         )
         sp = dims.tp_size > 1  # megatron refuses MoE + TP training without sequence parallelism
-        with phase("learner model"):
+        with span("learner model"):
             self.gpt, self.tcfg = build.build_model(model_cfg, par, sequence_parallel=sp)
         self.token_multiple = FP8_TOKEN_MULTIPLE if model_cfg.precision == "fp8" else 1
         if init_weights is not None:
-            with phase("init load"):
+            with span("init load"):
                 self.load_canonical(init_weights)
         self.last_expert_load: dict[int, list[float]] = {}  # set by router_monitor_metrics
         # per-layer router-gradient monitor of the update passes (moe_rl/monitor/router_grad.py)
@@ -233,7 +233,7 @@ class Learner:
             self.ref_replay = RouteReplay(
                 self.ref, self.route_header, dims.ep_size, model_cfg.recompute, seq_shard, dims.pp_group
             )
-        with phase("learner optimizer"):  # grad buffers, the optimizer's main params and state
+        with span("learner optimizer"):  # grad buffers, the optimizer's main params and state
             self.ddp = build.wrap_ddp(self.gpt, self.tcfg, par)
             self.optimizer = build.build_optimizer(self.ddp, optim, par)
 
