@@ -67,6 +67,7 @@ class MemoryTimeline:
     def _flush(self) -> None:
         if self.path is None or not self.records:
             return
+        self.path.parent.mkdir(parents=True, exist_ok=True)  # rank 0 may not have made run_dir yet
         with open(self.path, "a", encoding="utf-8") as f:  # lines < 4 KiB: O_APPEND keeps them whole
             f.write("".join(json.dumps(r) + "\n" for r in self.records))
         self.records = []
