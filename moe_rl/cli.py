@@ -137,20 +137,22 @@ def _train(cfg: RunConfig) -> None:
     from moe_rl import run_lock
     from moe_rl.launch import launch, under_torchrun
     from moe_rl.preflight import check_run_dir, check_tokenizer_files
-    from moe_rl.trainer import preflight
+    from moe_rl.trainer import MEMORY_TIMELINE, prepare
 
     lead = not under_torchrun() or os.environ.get("RANK") == "0"
     if lead:
         run_lock.check_free(cfg.run_dir)  # a live job's lock first: its files say "already holds a run"
     check_tokenizer_files(cfg)
-    # data, weights and run dir are checked here, before any rank starts
-    resolved = preflight(cfg, check_run_dir=lead)  # e.g. model.vocab_size from the tokenizer
+    # data, weights (headers) and run dir are checked here, before any rank starts
+    prepared = prepare(cfg, check_run_dir=lead)  # e.g. model.vocab_size from the tokenizer
     if not lead:
-        launch(cfg)
+        launch(cfg, prepared)
         return
     with run_lock.hold(cfg.run_dir, fresh=not cfg.resume):
-        check_run_dir(resolved)  # again, now that no other start can race this one
-        launch(cfg)
+        check_run_dir(prepared.cfg)  # again, now that no other start can race this one
+        launch(cfg, prepared)
+    if not under_torchrun():  # the launcher's own preflight, next to its ranks' phases
+        prepared.memory.attach(Path(cfg.run_dir) / MEMORY_TIMELINE)
 
 
 def _checkpoint_step(run_dir: Path) -> int | None:

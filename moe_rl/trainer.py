@@ -5,6 +5,8 @@ components (the step's in ``moe_rl/step``, resolved once into a ``StepPlan``), n
 from __future__ import annotations
 
 import logging
+import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm import tqdm
@@ -28,24 +30,56 @@ from moe_rl.step.plan import StepPlan
 from moe_rl.step.prepare import old_logprobs, prepare_batch, reference_logprobs, rollout_metrics
 from moe_rl.step.update import learning_rate, update_policy
 from moe_rl.step.validation import validation_rewards
-from moe_rl.tasks.task import build_task, score_step
-from moe_rl.timing import StepTimer, memory_metrics
-from moe_rl.weights.warmstart import load_init_weights
+from moe_rl.tasks.task import Task, build_task, score_step
+from moe_rl.timing import MemoryTimeline, StepTimer, memory_metrics
+from moe_rl.weights.warmstart import open_init_weights
 
 log = logging.getLogger(__name__)
 
+MEMORY_TIMELINE = "memory_timeline.jsonl"  # each phase's peak RSS, per rank (docs/design.md 2.2)
 
-def preflight(cfg: RunConfig, check_run_dir: bool = True) -> RunConfig:
+
+@dataclass
+class Prepared:
+    """What preflight built: the resolved config and its task (tokenizer, prompt sources, reward
+    pool not yet started). ``train`` in the same process reuses it rather than building it again."""
+
+    cfg: RunConfig
+    task: Task
+    memory: MemoryTimeline  # the "preflight" phase's peak RSS (of the launcher, or of this rank)
+
+
+def prepare(cfg: RunConfig, check_run_dir: bool = True) -> Prepared:
     """Everything that can fail on bad input, checked before any rank starts.
 
-    Under an external torchrun every rank runs this; only rank 0 checks the run directory, which
-    another rank could otherwise see half-written by rank 0."""
-    cfg, task = build_task(cfg, start_pool=False)  # tokenizer, datasets (read in full), reward names
-    check_launch(cfg)  # CUDA / Transformer Engine / vLLM where the config asks for them
-    if check_run_dir:
-        check_run_directory(cfg)  # a directory or absent; not taken; on resume: same model, layout, steps
-    load_init_weights(cfg.init_weights, cfg.model, task.tokenizer)  # checks names, shapes, architecture
-    return cfg
+    Under an external torchrun every rank runs this (and passes the result on to ``train``); only
+    rank 0 checks the run directory, which another rank could otherwise see half-written by rank 0.
+    The init weights are checked from their file headers alone (no tensor data is read), and not
+    at all on a resume, whose checkpoint holds every weight, unless the reference model (algo.kl_coef
+    > 0), which no checkpoint holds, is built from them (``needs_init_weights``)."""
+    memory = MemoryTimeline(
+        int(os.environ["RANK"]) if "RANK" in os.environ else "launcher"
+    )  # under torchrun: this rank
+    with memory.span("preflight"):
+        cfg, task = build_task(cfg, start_pool=False)  # tokenizer, datasets (read in full), reward names
+        check_launch(cfg)  # CUDA / Transformer Engine / vLLM where the config asks for them
+        if check_run_dir:
+            check_run_directory(cfg)  # a directory or absent; not taken; on resume: same model, layout, steps
+        if needs_init_weights(cfg):
+            open_init_weights(cfg.init_weights, cfg.model, task.tokenizer)  # names, shapes, dtypes, arch
+    return Prepared(cfg, task, memory)
+
+
+def preflight(cfg: RunConfig, check_run_dir: bool = True) -> RunConfig:
+    """``prepare``'s checks; the resolved config (e.g. model.vocab_size from the tokenizer)."""
+    return prepare(cfg, check_run_dir).cfg
+
+
+def needs_init_weights(cfg: RunConfig) -> bool:
+    """A new run starts from its init weights; a resume loads every learner weight from its
+    checkpoint, so it reads them only for the reference model (algo.kl_coef > 0: a frozen copy of
+    the initial weights, not checkpointed)."""
+    return not cfg.resume or StepPlan.from_config(cfg).reference
 
 
 def progress(cfg: RunConfig, start: int, dims: ParallelDims) -> tqdm:
@@ -83,9 +117,10 @@ def start_engine(engine, learner: Learner, offload: bool) -> None:
         engine.start(named)
 
 
-def build_learner(cfg: RunConfig, plan: StepPlan, dims: ParallelDims, tok) -> Learner:
-    """The megatron learner of ``cfg``, from its warm start (checked in preflight)."""
-    init = load_init_weights(cfg.init_weights, cfg.model, tok)
+def build_learner(cfg: RunConfig, plan: StepPlan, dims: ParallelDims, tok, memory=None) -> Learner:
+    """The megatron learner of ``cfg``: each rank reads only its shard of the warm start (checked
+    in preflight), and none on a resume that needs no reference model."""
+    init = open_init_weights(cfg.init_weights, cfg.model, tok) if needs_init_weights(cfg) else None
     return Learner(
         cfg.model,
         cfg.parallel,
@@ -96,6 +131,7 @@ def build_learner(cfg: RunConfig, plan: StepPlan, dims: ParallelDims, tok) -> Le
         monitor=cfg.log.router_monitor,
         monitor_margin_eps=cfg.log.router_margin_eps,
         max_tokens_per_micro_batch=cfg.algo.max_tokens_per_micro_batch,
+        memory=memory,
     )
 
 
@@ -116,24 +152,42 @@ def open_run_dir(cfg: RunConfig, dims: ParallelDims, start: int) -> MetricsWrite
     )
 
 
-def train(cfg: RunConfig, dims: ParallelDims) -> None:
-    cfg, task = build_task(cfg)
+def rank_task(cfg: RunConfig, dims: ParallelDims, prepared: Prepared | None) -> Prepared:
+    """The rank's config, task (reward pool started) and memory timeline: ``prepared`` when
+    preflight ran in this process (an external torchrun), else built here (once per process)."""
+    if prepared is None:
+        mem = MemoryTimeline(dims.rank)  # run_dir/memory_timeline.jsonl (docs/design.md 2.2)
+        with mem.span("task"):
+            cfg, task = build_task(cfg, start_pool=False)
+        prepared = Prepared(cfg, task, mem)
+    prepared.task.pool.start()
+    return prepared
+
+
+def train(cfg: RunConfig, dims: ParallelDims, prepared: Prepared | None = None) -> None:
+    ready = rank_task(cfg, dims, prepared)
+    cfg, task, mem = ready.cfg, ready.task, ready.memory
     r, tok = cfg.rollout, task.tokenizer
     plan = StepPlan.from_config(cfg, tok.eos_ids)  # the step's every choice, made once
-    learner = build_learner(cfg, plan, dims, tok)
-    engine, lr_sched = build_engine(cfg, tok.pad_id, learner.device), LengthLRScheduler(cfg.optim.length_lr)
+    learner = build_learner(cfg, plan, dims, tok, mem)
+    with mem.span("engine build"):
+        engine = build_engine(cfg, tok.pad_id, learner.device)
+        start_engine(engine, learner, cfg.parallel.offload_during_rollout)  # vLLM: beside no learner
+    lr_sched = LengthLRScheduler(cfg.optim.length_lr)
     stale = StaleWeights(r.staleness)  # rollout.staleness: the engine runs k updates behind
     ckpt = CheckpointManager(cfg, learner, lr_sched, stale)
-    start = ckpt.resume()
-    start_engine(engine, learner, cfg.parallel.offload_during_rollout)
-    sync_weights(engine, learner, stale, resumed=start > 0)
+    with mem.span("resume"):
+        start = ckpt.resume()
+    with mem.span("first sync"):
+        sync_weights(engine, learner, stale, resumed=start > 0)
     writer, bar = open_run_dir(cfg, dims, start), progress(cfg, start, dims)
+    mem.attach(Path(cfg.run_dir) / MEMORY_TIMELINE)
     health = HealthMonitor(cfg.log.health, cfg.model.vocab_size, active=dims.is_main)
     for step in range(start, cfg.steps):
         # the learner's state is off the device while the engine generates (parallel.offload_during_rollout)
         with offloaded(learner, cfg.parallel.offload_during_rollout) as moved:
             m_val = validation_rewards(cfg, task, engine, step, dims.dp_rank, dims.dp_size)  # every val_every
-            timer = StepTimer()
+            timer = StepTimer(mem, step)  # each phase's peak RSS: run_dir/memory_timeline.jsonl
             with timer.phase("rollout"):
                 prompts = task.source.sample_step(
                     step, r.prompts_per_step // dims.dp_size, dims.dp_rank, dims.dp_size, cfg.seed
@@ -157,15 +211,16 @@ def train(cfg: RunConfig, dims: ParallelDims) -> None:
         with timer.phase("sync"):
             sync_weights(engine, learner, stale)  # weight sync learner -> engine
         local = {**m_val, **m_reward, **m_prep, **m_update, **m_lr, **m_stale, **rollout_metrics(batch)}
-        mem = {**memory_metrics(learner.device), **moved.metrics()}
-        metrics = finalize({**local, **timer.metrics(), **mem}, dims.dp_group)
+        m_mem = {**memory_metrics(learner.device), **moved.metrics()}
+        metrics = finalize({**local, **timer.metrics(), **m_mem}, dims.dp_group)
         writer.log(step, metrics)
         writer.log_expert_load(step, learner.expert_load())  # run_dir/expert_load.jsonl
         writer.log_events(events + health.observe(step, metrics))  # LR decays, health alarms
         bar.update(1)
         bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", step_s=f"{metrics['time/step_s']:.2f}")
         if ckpt.due(step):
-            ckpt.save(step)
+            with mem.span("checkpoint", step):
+                ckpt.save(step)
     bar.close()
     writer.close()
     task.pool.close()

@@ -34,7 +34,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, NamedTuple
@@ -64,8 +65,10 @@ from moe_rl.routing.gating import RouterSpec
 from moe_rl.routing.record import RouteHeader
 from moe_rl.routing.replay import RouteReplay, RoutingOutcome, SeqShard
 from moe_rl.routing.replay_plan import PassPlan
+from moe_rl.timing import MemoryTimeline
 from moe_rl.types import TokenStats, TrainBatch
 from moe_rl.weights.megatron_shards import Shard, canonical_to_megatron
+from moe_rl.weights.stored import StoredWeights
 from moe_rl.weights.stream import stream_canonical
 
 log = logging.getLogger(__name__)
@@ -157,12 +160,14 @@ class Learner:
         par: ParallelConfig,
         optim: OptimConfig,
         dims: ParallelDims,
-        init_weights: dict[str, torch.Tensor] | None = None,
+        init_weights: Mapping[str, torch.Tensor] | StoredWeights | None = None,
         with_reference: bool = False,
         monitor: bool = True,
         monitor_margin_eps: float = 0.1,
         max_tokens_per_micro_batch: int = 0,
+        memory: MemoryTimeline | None = None,
     ):
+        span = memory.span if memory is not None else (lambda name: nullcontext())
         self.model_cfg, self.par, self.dims = model_cfg, par, dims
         self.skip_zero_grad = optim.skip_zero_grad
         self.max_tokens_per_micro_batch = max_tokens_per_micro_batch  # > 0: token-budget micro-batches
@@ -180,10 +185,12 @@ class Learner:
             else None
         )
         sp = dims.tp_size > 1  # megatron refuses MoE + TP training without sequence parallelism
-        self.gpt, self.tcfg = build.build_model(model_cfg, par, sequence_parallel=sp)
+        with span("learner model"):
+            self.gpt, self.tcfg = build.build_model(model_cfg, par, sequence_parallel=sp)
         self.token_multiple = FP8_TOKEN_MULTIPLE if model_cfg.precision == "fp8" else 1
         if init_weights is not None:
-            self.load_canonical(init_weights)
+            with span("init load"):
+                self.load_canonical(init_weights)
         self.last_expert_load: dict[int, list[float]] = {}  # set by router_monitor_metrics
         # per-layer router-gradient monitor of the update passes (moe_rl/monitor/router_grad.py)
         # (its structural blackout expectation follows the gating megatron actually built)
@@ -226,8 +233,9 @@ class Learner:
             self.ref_replay = RouteReplay(
                 self.ref, self.route_header, dims.ep_size, model_cfg.recompute, seq_shard, dims.pp_group
             )
-        self.ddp = build.wrap_ddp(self.gpt, self.tcfg, par)
-        self.optimizer = build.build_optimizer(self.ddp, optim, par)
+        with span("learner optimizer"):  # grad buffers, the optimizer's main params and state
+            self.ddp = build.wrap_ddp(self.gpt, self.tcfg, par)
+            self.optimizer = build.build_optimizer(self.ddp, optim, par)
 
     @property
     def device(self) -> torch.device:
@@ -235,16 +243,18 @@ class Learner:
         return next(self.gpt.parameters()).device
 
     # ---- weights -------------------------------------------------------------------------
-    def load_canonical(self, full: dict[str, torch.Tensor]) -> None:
-        """Copy full canonical weights into this rank's shard; errors name the tensor."""
+    def load_canonical(self, full: Mapping[str, torch.Tensor] | StoredWeights) -> None:
+        """Copy canonical weights into this rank's shard; errors name the tensor. From
+        ``StoredWeights`` only this rank's tensors and TP slices are read, one parameter at a
+        time, in the stored dtype (converted by the copy): the rank never holds more than its
+        shard and one parameter's piece (docs/design.md 2.2)."""
         params = self._named_weights()
         local = te_name_map(list(params))  # TE fuses norms into linears: its names -> the local spec's
-        tensors = canonical_to_megatron(
-            full, [local[n] for n in params], self.model_cfg, self.dims.ep_rank, self.dims.ep_size, self.shard
-        )
-        with torch.no_grad():
+        m, ep_rank, ep_size = self.model_cfg, self.dims.ep_rank, self.dims.ep_size
+        opened = full if isinstance(full, StoredWeights) else nullcontext()
+        with torch.no_grad(), opened:
             for name, p in params.items():
-                t = tensors[local[name]]
+                t = canonical_to_megatron(full, [local[name]], m, ep_rank, ep_size, self.shard)[local[name]]
                 if tuple(t.shape) != tuple(p.shape):
                     raise ValueError(
                         f"weight for {name} has shape {tuple(t.shape)}, the model expects {tuple(p.shape)}"

@@ -9,6 +9,7 @@ they are given against it.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -94,8 +95,9 @@ def _attention_shapes(cfg: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def check_canonical_weights(named: Mapping[str, torch.Tensor], cfg: ModelConfig) -> None:
-    """Raise ValueError naming the first missing, unexpected or mis-shaped tensor (strict ingest)."""
+def check_canonical_weights(named: Mapping[str, Any], cfg: ModelConfig) -> None:
+    """Raise ValueError naming the first missing, unexpected or mis-shaped tensor (strict ingest).
+    ``named`` holds tensors, or what a file's header says of them (``weights/stored.py``)."""
     expected = canonical_param_shapes(cfg)
     missing = [k for k in expected if k not in named]
     if missing:
@@ -115,7 +117,7 @@ class CanonicalCheck:
         self.expected = canonical_param_shapes(cfg) if expected is None else expected
         self.seen: set[str] = set()
 
-    def chunk(self, named: Mapping[str, torch.Tensor]) -> None:
+    def chunk(self, named: Mapping[str, Any]) -> None:
         """Check one chunk before anything of it is used."""
         unexpected = [k for k in named if k not in self.expected]
         if unexpected:
@@ -130,7 +132,7 @@ class CanonicalCheck:
             got, shape = tuple(t.shape), self.expected[name]
             if got != shape:
                 raise ValueError(f"load_weights: tensor {name!r} has shape {got}, expected {shape}")
-            if not t.is_floating_point():
+            if not t.dtype.is_floating_point:  # a tensor, or a header's StoredTensor (weights/stored.py)
                 raise ValueError(
                     f"load_weights: tensor {name!r} has dtype {t.dtype}, expected a floating point dtype"
                 )

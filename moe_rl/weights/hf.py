@@ -12,7 +12,8 @@ strict checks (docs/design.md 9; issue 7).
 
 - ``load_hf_config`` (config/hf_model.py): config.json -> ModelConfig fields; anything the learner cannot
   represent exactly is refused, naming the key and the file.
-- ``read_hf_weights``: one tensor at a time per shard (``safe_open``); every expected tensor must be
+- ``hf_weight_index``: the index and the shard headers (``weights/stored.py``, no tensor data read);
+  ``read_hf_weights`` reads what it lists, one tensor at a time; every expected tensor must be
   present with its shape and nothing else may be there, except a DeepSeek-V3 / GLM-4.5 checkpoint's
   MTP layers (``num_nextn_predict_layers``), skipped with one log line; errors name the tensor and
   the file.
@@ -54,6 +55,7 @@ from moe_rl.errors import CheckpointError
 from moe_rl.fsutil import fsync_path, open_safetensors, read_json
 from moe_rl.weights.canonical import canonical_param_shapes
 from moe_rl.weights.hf_config import hf_config_dict as _hf_config_dict
+from moe_rl.weights.stored import StoredTensor, StoredWeights, read_header
 
 log = logging.getLogger(__name__)
 
@@ -134,12 +136,11 @@ def _without_mtp(ckpt_dir: Path, weight_map: dict[str, str], cfg: ModelConfig) -
     return {k: v for k, v in weight_map.items() if not is_mtp(k)}
 
 
-def read_hf_weights(ckpt_dir: str | Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Every canonical tensor of ``cfg`` from an HF checkpoint of ``cfg.hf_family``, as stored
-    (dtype unchanged).
+def hf_weight_index(ckpt_dir: str | Path, cfg: ModelConfig) -> StoredWeights:
+    """Where every canonical tensor of ``cfg`` lies in an HF checkpoint of ``cfg.hf_family``, checked
+    from the index and the shard headers alone (no tensor data is read).
 
-    Reads one shard at a time and checks each tensor's shape before loading it. CheckpointError
-    names the tensor and the file for a missing, unexpected or mis-shaped tensor."""
+    CheckpointError names the tensor and the file for a missing, unexpected or mis-shaped tensor."""
     ckpt_dir = Path(ckpt_dir)
     file_names = hf_names(cfg)
     expected = {file_names[k]: shape for k, shape in canonical_param_shapes(cfg).items()}
@@ -157,32 +158,33 @@ def read_hf_weights(ckpt_dir: str | Path, cfg: ModelConfig) -> dict[str, torch.T
     by_file: dict[str, list[str]] = {}
     for name, file in weight_map.items():
         by_file.setdefault(file, []).append(name)
-    out: dict[str, torch.Tensor] = {}
+    found: dict[str, StoredTensor] = {}
     for file, names in by_file.items():
         path = ckpt_dir / file
         if not path.is_file():
             raise CheckpointError(
                 f"{listed_in} lists shard {file} for tensor {names[0]!r}, but {path} does not exist"
             )
-        with open_safetensors(path) as f:
-            present = set(f.keys())
-            for name in names:
-                if name not in present:
-                    raise CheckpointError(
-                        f"{path}: missing tensor {name!r} (listed there by {listed_in.name})"
-                    )
-                shape = tuple(f.get_slice(name).get_shape())
-                if shape != expected[name]:
-                    raise CheckpointError(
-                        f"{path}: tensor {name!r} has shape {shape}, expected {expected[name]}"
-                    )
-                out[name] = f.get_tensor(name)
-    return {canonical: out[name] for canonical, name in file_names.items()}
+        present, _ = read_header(path)
+        for name in names:
+            if name not in present:
+                raise CheckpointError(f"{path}: missing tensor {name!r} (listed there by {listed_in.name})")
+            shape = present[name].shape
+            if shape != expected[name]:
+                raise CheckpointError(f"{path}: tensor {name!r} has shape {shape}, expected {expected[name]}")
+            found[name] = present[name]
+    return StoredWeights({canonical: found[name] for canonical, name in file_names.items()})
 
 
-def load_hf_checkpoint(ckpt_dir: str | Path, model: ModelConfig) -> dict[str, torch.Tensor]:
-    """Canonical fp32 weights of an HF checkpoint made for ``model``; a differing architecture
-    field is refused, naming it."""
+def read_hf_weights(ckpt_dir: str | Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Every canonical tensor of ``cfg`` from an HF checkpoint of ``cfg.hf_family``, as stored
+    (dtype unchanged): the whole model (``hf_weight_index`` checks it first)."""
+    return hf_weight_index(ckpt_dir, cfg).read_all()
+
+
+def open_hf_checkpoint(ckpt_dir: str | Path, model: ModelConfig) -> StoredWeights:
+    """An HF checkpoint made for ``model``, checked from config.json, the index and the shard
+    headers (a differing architecture field is refused, naming it); read on demand."""
     fields = load_hf_config(ckpt_dir)
     for key in ("hf_family", *ARCH_FIELDS):
         if key in fields and fields[key] != getattr(model, key):
@@ -190,7 +192,13 @@ def load_hf_checkpoint(ckpt_dir: str | Path, model: ModelConfig) -> dict[str, to
                 f"{Path(ckpt_dir) / CONFIG} describes model.{key}={fields[key]}, "
                 f"but the config has model.{key}={getattr(model, key)}"
             )
-    return {k: v.float() for k, v in read_hf_weights(ckpt_dir, model).items()}
+    return hf_weight_index(ckpt_dir, model)
+
+
+def load_hf_checkpoint(ckpt_dir: str | Path, model: ModelConfig) -> dict[str, torch.Tensor]:
+    """Canonical fp32 weights of an HF checkpoint made for ``model`` (the whole model: tools and
+    tests; a training rank reads its shard from ``open_hf_checkpoint``)."""
+    return {k: v.float() for k, v in open_hf_checkpoint(ckpt_dir, model).read_all().items()}
 
 
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}

@@ -32,11 +32,13 @@ are asked for).
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
 from moe_rl.config import ModelConfig
+from moe_rl.weights.stored import StoredWeights
 
 _MG_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _MG_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
@@ -114,10 +116,29 @@ def tp_split_dim(canonical: str) -> int | None:
     return 0  # column-parallel q/k/v, gate/up; vocab-parallel embedding and lm_head
 
 
-def _chunk(t: torch.Tensor, dim: int, rank: int, size: int, name: str) -> torch.Tensor:
-    if t.shape[dim] % size:
-        raise ValueError(f"tensor {name!r} dim {dim} of size {t.shape[dim]} does not split over {size} ranks")
-    return t.chunk(size, dim=dim)[rank]
+def _bounds(shape: tuple[int, ...], dim: int, rank: int, size: int, name: str) -> tuple[int, int]:
+    """[start, stop) of TP rank ``rank``'s equal piece along ``dim``."""
+    if shape[dim] % size:
+        raise ValueError(f"tensor {name!r} dim {dim} of size {shape[dim]} does not split over {size} ranks")
+    step = shape[dim] // size
+    return rank * step, (rank + 1) * step
+
+
+def canonical_piece(
+    full: Mapping[str, torch.Tensor] | StoredWeights, key: str, dim: int | None, rank: int, size: int
+) -> torch.Tensor:
+    """TP rank ``rank``'s piece of canonical tensor ``key`` (all of it when ``dim`` is None or
+    ``size`` 1): a view of an in-memory tensor, or only those rows/columns read from a file
+    (``StoredWeights``, in the stored dtype)."""
+    if isinstance(full, StoredWeights):
+        if dim is None or size == 1:
+            return full.read(key)
+        return full.read(key, dim, *_bounds(full[key].shape, dim, rank, size, key))
+    t = full[key]
+    if dim is None or size == 1:
+        return t
+    start, stop = _bounds(tuple(t.shape), dim, rank, size, key)
+    return t.narrow(dim, start, stop - start)
 
 
 def _split_qkv(w: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -215,23 +236,22 @@ def merge_tensor_parallel(
 
 
 def canonical_to_megatron(
-    full: dict[str, torch.Tensor],
+    full: Mapping[str, torch.Tensor] | StoredWeights,
     megatron_names: list[str],
     cfg: ModelConfig,
     ep_rank: int,
     ep_size: int,
     shard: Shard = NO_SHARD,
 ) -> dict[str, torch.Tensor]:
-    """Build this rank's megatron tensors (by name) from a full canonical dict.
+    """Build this rank's megatron tensors (by name) from a full canonical dict, or from the files
+    of ``StoredWeights`` (then only this rank's tensors and TP slices are read).
 
     Raises KeyError naming the first canonical tensor that is missing."""
 
     def get(key: str) -> torch.Tensor:
         if key not in full:
             raise KeyError(f"canonical weights lack tensor {key!r}")
-        dim = tp_split_dim(key)
-        rank, size = _tp(key, shard)
-        return full[key] if dim is None or size == 1 else _chunk(full[key], dim, rank, size, key)
+        return canonical_piece(full, key, tp_split_dim(key), *_tp(key, shard))
 
     out: dict[str, torch.Tensor] = {}
     for name in megatron_names:

@@ -20,9 +20,9 @@ from safetensors.torch import save_file
 
 from moe_rl.config import ARCH_FIELDS, ModelConfig
 from moe_rl.errors import CheckpointError, ConfigError
-from moe_rl.fsutil import open_safetensors
 from moe_rl.tasks.tokenizer import CharTokenizer
 from moe_rl.weights.canonical import check_canonical_weights
+from moe_rl.weights.stored import StoredWeights, read_header
 
 BUILTIN = "builtin:warmstart"
 HF_PREFIX = "hf:"
@@ -47,16 +47,19 @@ def save_init_weights(
     save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(path), metadata=meta)
 
 
-def load_init_weights(spec: str, model: ModelConfig, tok: CharTokenizer) -> dict[str, torch.Tensor] | None:
+def open_init_weights(spec: str, model: ModelConfig, tok: CharTokenizer) -> StoredWeights | None:
+    """The init weights of ``spec``, checked from the file headers alone (names, shapes, dtypes,
+    the architecture and tokenizer they were made for; no tensor data is read): preflight's check,
+    and what each rank reads its shard from (``StoredWeights.read``, docs/design.md 2.2)."""
     if not spec:
         return None
     if spec.startswith(HF_PREFIX):
-        from moe_rl.weights.hf import load_hf_checkpoint
+        from moe_rl.weights.hf import open_hf_checkpoint
 
         ckpt = Path(spec[len(HF_PREFIX) :])
         if not ckpt.is_dir():
             raise ConfigError(f"config key 'init_weights': {ckpt} is not a directory")
-        return load_hf_checkpoint(ckpt, model)
+        return open_hf_checkpoint(ckpt, model)
     path = builtin_path() if spec == BUILTIN else Path(spec)
     if not path.is_file():
         what = (
@@ -65,20 +68,19 @@ def load_init_weights(spec: str, model: ModelConfig, tok: CharTokenizer) -> dict
             else "does not exist"
         )
         raise ConfigError(f"config key 'init_weights': {path} {what}")
-    with open_safetensors(path, "config key 'init_weights': ") as f:
-        meta = f.metadata() or {}
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    key = "config key 'init_weights': "
+    tensors, meta = read_header(path, key)
     if "model" in meta:
         try:
             made_for = json.loads(meta["model"])
         except json.JSONDecodeError:
             raise CheckpointError(f"init_weights {path}: its 'model' metadata is not JSON") from None
-        for key in ARCH_FIELDS:
+        for field in ARCH_FIELDS:
             # a field newer than the file: the file was made with that field's default
-            if made_for.get(key, ModelConfig.__dataclass_fields__[key].default) != getattr(model, key):
+            if made_for.get(field, ModelConfig.__dataclass_fields__[field].default) != getattr(model, field):
                 raise CheckpointError(
-                    f"init_weights {path} was made for model.{key}={made_for.get(key)}, "
-                    f"but the config has model.{key}={getattr(model, key)}"
+                    f"init_weights {path} was made for model.{field}={made_for.get(field)}, "
+                    f"but the config has model.{field}={getattr(model, field)}"
                 )
     if "tokenizer" in meta and meta["tokenizer"] != tok.fingerprint():
         raise CheckpointError(
@@ -89,7 +91,14 @@ def load_init_weights(spec: str, model: ModelConfig, tok: CharTokenizer) -> dict
         check_canonical_weights(tensors, model)
     except ValueError as e:
         raise CheckpointError(f"init_weights {path}: {e}") from None
-    return {k: v.float() for k, v in tensors.items()}
+    return StoredWeights(tensors, key)
+
+
+def load_init_weights(spec: str, model: ModelConfig, tok: CharTokenizer) -> dict[str, torch.Tensor] | None:
+    """The whole model of ``spec`` in fp32 (tools, tests and benchmarks; a training rank reads only
+    its shard, ``open_init_weights``)."""
+    stored = open_init_weights(spec, model, tok)
+    return None if stored is None else {k: v.float() for k, v in stored.read_all().items()}
 
 
 def info(path: str | Path) -> dict:
