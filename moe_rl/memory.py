@@ -269,9 +269,9 @@ def stage_memory(cfg: RunConfig, lay: Layout, stage: int) -> dict[str, float]:
     sets the rollout keeps on every rank (every expert, in the weights' dtype). With
     ``optim.cpu_adam`` the optimizer's bytes live on the host for the whole run (``host_optim``),
     none on the device. With ``parallel.offload_during_rollout`` the device optimizer bytes, the
-    grads and, beside vLLM (which holds its own copy), the weights leave the GPU while the engine
-    generates (``offloaded``): ``rollout_resident`` is what the learner keeps then (the reference
-    and the stale sets stay). Activations:
+    grads and the weights (either engine holds its own copy) leave the GPU while the engine
+    generates (``offloaded``, moe_rl/learner/offload.py): ``rollout_resident`` is what the learner
+    keeps then (the reference and the stale sets stay). Activations:
     micro_batch_size x max_seq_len tokens per micro-batch (``layer_activations``, bf16: 2 B, fp32:
     4 B); 1F1B keeps up to PP - stage micro-batches in flight (stage 0: PP). Full recomputation
     keeps only each in-flight
@@ -308,7 +308,7 @@ def stage_memory(cfg: RunConfig, lay: Layout, stage: int) -> dict[str, float]:
     static = weights + grads + optim + reference + stale
     offloaded = 0.0
     if cfg.parallel.offload_during_rollout:
-        offloaded = optim + grads + (weights if cfg.rollout.engine == "vllm" else 0.0)
+        offloaded = optim + grads + weights  # learner/offload.py moves these four kinds
     return {
         "layers": n,
         "in_flight": in_flight,
