@@ -88,7 +88,9 @@ def main() -> None:
     from moe_rl import cli, launch
 
     where, rank, kind = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-    launch.launch = lambda cfg: launch.spawn_local(faulty_worker, cfg.parallel.nproc, cfg, where, rank, kind)
+    launch.launch = lambda cfg, prepared=None: launch.spawn_local(  # launch's own signature
+        faulty_worker, cfg.parallel.nproc, cfg, where, rank, kind
+    )
     sys.argv = ["moe-rl", *sys.argv[4:]]
     cli.main()
 

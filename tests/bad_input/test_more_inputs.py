@@ -315,7 +315,8 @@ def test_stale_weight_sets_on_a_full_disk(tmp_path, monkeypatch):
 def test_cpu_adam_without_the_distributed_optimizer_stops_before_any_rank(tmp_path):
     fails_with(
         tmp_path,
-        "config key 'optim.cpu_adam': needs parallel.distributed_optimizer=true (megatron-core steps "
+        "override 'optim.cpu_adam=true': config key 'optim.cpu_adam': needs "
+        "parallel.distributed_optimizer=true (megatron-core steps "
         "on the host only as the distributed optimizer's precision-aware inner optimizer)",
         "train",
         f"run_dir={tmp_path / 'run'}",
