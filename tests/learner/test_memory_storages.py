@@ -23,38 +23,17 @@ exp_avg / exp_avg_sq of every shard) plus the fp32 main-param shards (bf16). Hel
 from __future__ import annotations
 
 import dataclasses
-import json
-from pathlib import Path
 
 import pytest
 import torch
 
 from tests.dist_harness import run_ranks
 from tests.models import DEFAULT_WIDTH_L3
+from tests.profiled_memory import profiled_peak
 
 MODEL = dataclasses.replace(DEFAULT_WIDTH_L3, num_layers=4)
 B, S = 6, 14  # the micro-batch: tests/learner/parallel_cases.py's batch
 LAYOUTS = {"ep2": (1, 1, 2, "fp32"), "tp2_bf16": (2, 1, 1, "bf16"), "pp2": (1, 2, 1, "fp32")}
-
-
-def _peak_live_bytes(fn, trace: str) -> int:
-    """Peak live CPU bytes above the start while ``fn`` runs, from torch.profiler's [memory]
-    events replayed in time order (a reuse of an address proves an unrecorded free)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    prof.export_chrome_trace(trace)
-    events = json.loads(Path(trace).read_text())["traceEvents"]
-    live, peak, alive = 0, 0, {}
-    for e in sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: e["ts"]):
-        addr, n = e["args"]["Addr"], e["args"]["Bytes"]
-        live -= alive.pop(addr, 0)
-        if n > 0:
-            alive[addr] = n
-            live += n
-        peak = max(peak, live)
-    return peak
 
 
 def _worker(rank: int, tmp: str, tp: int, pp: int, ep: int, precision: str) -> dict:
@@ -84,7 +63,7 @@ def _worker(rank: int, tmp: str, tp: int, pp: int, ep: int, precision: str) -> d
     tokens_BS, lens_B, mask_BS = batch_data(model.vocab_size)
     full = torch.full_like(lens_B, S)  # every position real: the estimate's micro_batch x max_seq_len
     batch = TrainBatch(tokens_BS, full, loss_mask_BS=torch.ones_like(mask_BS))
-    out["activations"] = _peak_live_bytes(
+    out["activations"], _ = profiled_peak(
         lambda: learner.forward_backward(batch, nll_entropy_loss, 1.0, B, None), f"{tmp}/trace{rank}.json"
     )
     learner.ddp.zero_grad_buffer()

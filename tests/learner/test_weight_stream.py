@@ -23,9 +23,7 @@ Checked on every rank:
 
 from __future__ import annotations
 
-import json
 import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -33,6 +31,7 @@ import torch
 from moe_rl.config import OptimConfig, ParallelConfig
 from tests.dist_harness import run_ranks
 from tests.models import TINY_MOE_L6 as MODEL
+from tests.profiled_memory import profiled_peak
 
 WORLD, TP, PP, EP = 8, 2, 2, 2
 
@@ -47,21 +46,8 @@ def _profiled(fn, trace: str) -> tuple[int, dict[str, int]]:
     later allocation at the same address proves the block was freed by then, and a block never
     seen again counts as live to the end. A measurement can thus only overstate, by a few such
     buffers at random; the test keeps the least of five runs of the same sync (the sync itself
-    is deterministic) and bounds every run by half the model."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    prof.export_chrome_trace(trace)
-    events = json.loads(Path(trace).read_text())["traceEvents"]
-    live_bytes, peak, alive = 0, 0, {}
-    for e in sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: e["ts"]):
-        addr, n = e["args"]["Addr"], e["args"]["Bytes"]
-        live_bytes -= alive.pop(addr, 0)  # a free, or a reuse that proves an unrecorded free
-        if n > 0:
-            alive[addr] = n
-            live_bytes += n
-        peak = max(peak, live_bytes)
+    is deterministic) and bounds every run by half the model (tests/profiled_memory.py)."""
+    peak, events = profiled_peak(fn, trace)
     ops: dict[str, int] = {}
     for e in events:
         if e.get("name", "").startswith("c10d::"):
