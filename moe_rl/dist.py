@@ -3,6 +3,7 @@ megatron-core's parallel state. Everything else receives groups as arguments."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import os
@@ -14,6 +15,7 @@ import torch.distributed as dist
 
 from moe_rl.config import ParallelConfig
 from moe_rl.errors import ConfigError
+from moe_rl.placement import init_placement
 
 log = logging.getLogger(__name__)
 
@@ -53,10 +55,19 @@ class ParallelDims:
     edp_group: Any = None
     tp_dp_group: Any = None
     mp_group: Any = None
+    # the roles' ranks and the groups that link them (moe_rl/placement.py); None: colocated, as
+    # code that builds a learner directly (tests, export) has it
+    placement: Any = None
 
     @property
     def is_main(self) -> bool:
-        return self.rank == 0
+        """The rank that writes the run directory: learner rank 0."""
+        return self.rank == 0 and (self.placement is None or self.placement.is_learner)
+
+    @property
+    def is_rollout(self) -> bool:
+        """A rank that only runs an engine (``parallel.rollout_ranks``): no megatron state."""
+        return self.placement is not None and self.placement.is_rollout
 
     @property
     def is_last_stage(self) -> bool:
@@ -115,9 +126,7 @@ def init_distributed(par: ParallelConfig, seed: int) -> ParallelDims:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if backend == "nccl":  # one GPU per rank; a gloo run on a GPU machine asks for no device
         torch.cuda.set_device(local_rank)
-    if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
-    world = dist.get_world_size()
+    world = int(os.environ.get("WORLD_SIZE", dist.get_world_size() if dist.is_initialized() else 1))
     if world != par.nproc:
         # Under an external torchrun the launcher decides the world size; the config must agree,
         # since batch splits and EP layout were validated against parallel.nproc.
@@ -125,6 +134,12 @@ def init_distributed(par: ParallelConfig, seed: int) -> ParallelDims:
             f"config key 'parallel.nproc' is {par.nproc} but the launcher started "
             f"{world} ranks; set parallel.nproc={world}"
         )
+    # colocated: the default group is the whole world; split: each role's own (moe_rl/placement.py)
+    placement = init_placement(par.nproc, par.rollout_ranks, backend, datetime.timedelta(minutes=10))
+    if placement.is_rollout:
+        torch.manual_seed(seed)
+        device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+        return ParallelDims(dist.get_rank(), dist.get_world_size(), local_rank, device, placement=placement)
     ps.initialize_model_parallel(
         tensor_model_parallel_size=par.tensor_parallel,
         pipeline_model_parallel_size=par.pipeline_parallel,
@@ -135,7 +150,7 @@ def init_distributed(par: ParallelConfig, seed: int) -> ParallelDims:
     # forks per-rank expert and tensor-parallel streams from the same seed.
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
-    return ParallelDims.from_parallel_state()
+    return dataclasses.replace(ParallelDims.from_parallel_state(), placement=placement)
 
 
 def shutdown(clean: bool = True) -> None:
@@ -146,7 +161,8 @@ def shutdown(clean: bool = True) -> None:
 
     if dist.is_initialized() and clean:
         dist.barrier()
-        ps.destroy_model_parallel()
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
         dist.destroy_process_group()
 
 

@@ -220,6 +220,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "moe_rl.health",
             "moe_rl.memory",
             "moe_rl.dist",
+            "moe_rl.placement",
         ),
     ),
     (

@@ -17,8 +17,8 @@ if TYPE_CHECKING:
 
 
 def data_parallel_size(par: ParallelConfig) -> int:
-    """DP = world / (TP x PP)."""
-    return par.nproc // (par.tensor_parallel * par.pipeline_parallel)
+    """DP = learner ranks / (TP x PP)."""
+    return par.learner_ranks // (par.tensor_parallel * par.pipeline_parallel)
 
 
 def pipeline_stage_layers(num_layers: int, par: ParallelConfig) -> tuple[int, ...]:
@@ -78,16 +78,26 @@ def check_layout(m: ModelConfig, p: ParallelConfig) -> None:
         "parallel.expert_tensor_parallel",
         f"{etp} does not divide model.moe_ffn_hidden_size {m.moe_ffn_hidden_size}",
     )
-    check(
-        p.nproc % (tp * pp) == 0,
-        "parallel.nproc",
-        f"{p.nproc} ranks are not a multiple of tensor_parallel x pipeline_parallel = {tp} x {pp}",
+    n = p.learner_ranks
+    # with parallel.rollout_ranks the layout divides the learner ranks, not the world
+    ranks, world = (
+        (f"{n} ranks", f"parallel.nproc {n}")
+        if not p.rollout_ranks
+        else (
+            f"{n} learner ranks",
+            f"the {n} learner ranks (parallel.nproc {p.nproc} - parallel.rollout_ranks {p.rollout_ranks})",
+        )
     )
     check(
-        p.nproc % (ep * etp * pp) == 0,
+        n % (tp * pp) == 0,
+        "parallel.nproc" if not p.rollout_ranks else "parallel.rollout_ranks",
+        f"{ranks} are not a multiple of tensor_parallel x pipeline_parallel = {tp} x {pp}",
+    )
+    check(
+        n % (ep * etp * pp) == 0,
         "parallel.expert_parallel",
         f"expert_parallel x expert_tensor_parallel x pipeline_parallel = {ep} x {etp} x {pp} "
-        f"does not divide parallel.nproc {p.nproc}",
+        f"does not divide {world}",
     )
     check_tied_embeddings(m, p)
     if pp > 1:

@@ -310,9 +310,18 @@ class ParallelConfig:
     # device memory while the engine generates, and come back before the learner's next pass
     # (moe_rl/learner/offload.py)
     offload_during_rollout: bool = False
+    # ranks that only run rollout engines (the last N of the world; moe_rl/placement.py): the other
+    # nproc - N ranks run the megatron learner with the layout above. 0: every rank runs both (colocated)
+    rollout_ranks: int = 0
 
     def __post_init__(self) -> None:
         check_finite(self, "parallel")
+        check(self.rollout_ranks >= 0, "parallel.rollout_ranks", f"must be >= 0 (got {self.rollout_ranks})")
+        check(
+            self.rollout_ranks < self.nproc,
+            "parallel.rollout_ranks",
+            f"{self.rollout_ranks} of parallel.nproc={self.nproc} ranks leaves no learner rank",
+        )
         for name in ("nproc", "tensor_parallel", "pipeline_parallel", "expert_parallel", "virtual_pipeline"):
             check(getattr(self, name) >= 1, f"parallel.{name}", "must be >= 1")
         for name in ("expert_tensor_parallel", "layers_in_first_stage", "layers_in_last_stage"):
@@ -332,6 +341,11 @@ class ParallelConfig:
         )
         one_of(self.token_dispatcher, "parallel.token_dispatcher", ("alltoall", "allgather"))
         one_of(self.backend, "parallel.backend", ("auto", "gloo", "nccl"))
+
+    @property
+    def learner_ranks(self) -> int:
+        """Ranks that run the megatron learner: the world the layout (TP x PP x DP) divides."""
+        return self.nproc - self.rollout_ranks
 
     @property
     def expert_tp(self) -> int:

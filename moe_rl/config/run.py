@@ -140,6 +140,13 @@ class RolloutConfig:
         0.0  # std of Gaussian noise on the engine's router logits: dialled-in routing mismatch
     )
     staleness: int = 0  # generate with the policy of k updates ago (asynchronous pipelines); 0 = synced
+    # with parallel.rollout_ranks > 0 (moe_rl/placement.py): sync (the engines wait for each update) |
+    # one_step_off (step t+1's batch is generated while the learner trains step t: exactly one update
+    # stale) | async (the engines fill a bounded buffer continuously; weights reach them between decode steps)
+    mode: str = "sync"
+    # async: a sample with a token more than this many weight versions older than the learner's is
+    # dropped (counted in rollout/dropped_stale)
+    max_staleness: int = 1
     vllm: VllmConfig = field(default_factory=VllmConfig)
 
     def __post_init__(self) -> None:
@@ -153,6 +160,8 @@ class RolloutConfig:
         check(self.top_k >= 0, "rollout.top_k", "must be >= 0")
         check(self.router_noise >= 0, "rollout.router_noise", "must be >= 0")
         check(self.staleness >= 0, "rollout.staleness", f"must be >= 0 (got {self.staleness})")
+        one_of(self.mode, "rollout.mode", ("sync", "one_step_off", "async"))
+        check(self.max_staleness >= 0, "rollout.max_staleness", f"must be >= 0 (got {self.max_staleness})")
 
 
 @dataclass(frozen=True)
@@ -335,6 +344,16 @@ class RunConfig:
             f"{r.max_new_tokens} leaves no room for a prompt within model.max_seq_len={m.max_seq_len}",
         )
         check_layout(m, p)
+        check(
+            r.mode == "sync" or p.rollout_ranks > 0,
+            "rollout.mode",
+            f"{r.mode} overlaps rollouts with training on separate ranks: needs parallel.rollout_ranks > 0",
+        )
+        check(
+            not (p.rollout_ranks and r.staleness),
+            "rollout.staleness",
+            "delays the weights of colocated engines; with parallel.rollout_ranks use rollout.mode",
+        )
         check(
             not self.optim.cpu_adam or p.distributed_optimizer,
             "optim.cpu_adam",
