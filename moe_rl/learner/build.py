@@ -12,10 +12,20 @@ import torch.nn.functional as F
 from moe_rl.config import ConfigError, ModelConfig, OptimConfig, ParallelConfig
 from moe_rl.config.layout import check_tied_embeddings
 
-# 'fully_reshardable' gathers optimizer shards over NCCL by default; the mem-efficient variant
-# gathers over the (gloo on CPU) DP group. No "chained_N." prefix so dense+expert optimizers
-# keep stable keys.
+# The distributed optimizer's checkpoint format: 'dp_reshardable' writes each data-parallel rank's
+# flat shard of the fp32 main params and Adam state as it is. 'fully_reshardable' (the format
+# before) first unflattened them into model-shaped fp32 copies, which made the save the whole run's
+# peak (2.9x what a rank holds; docs/measurements.md 8); a resume already requires the same layout
+# (preflight check_resume), which is all dp_reshardable needs. No "chained_N." prefix so dense+expert
+# optimizers keep stable keys. The format is saved in the checkpoint's content metadata and read
+# back on load (moe_rl/learner/checkpoint.py), so checkpoints written before still load.
 OPTIM_CKPT_METADATA = {
+    "distrib_optim_sharding_type": "dp_reshardable",
+    "chained_optim_avoid_prefix": True,
+}
+# what a checkpoint without content metadata (written before the switch) was saved with: it gathers
+# the optimizer shards over the (gloo on CPU) DP group in its mem-efficient variant
+LEGACY_OPTIM_CKPT_METADATA = {
     "distrib_optim_sharding_type": "fully_reshardable",
     "distrib_optim_fully_reshardable_mem_efficient": True,
     "chained_optim_avoid_prefix": True,

@@ -25,7 +25,7 @@ from moe_rl.dist import barrier
 from moe_rl.errors import CheckpointError, DiskFullError, disk_full_named
 from moe_rl.fsutil import fsync_path
 from moe_rl.fsutil import write_atomic as _write_atomic  # a test replaces it (a full disk)
-from moe_rl.learner.build import OPTIM_CKPT_METADATA
+from moe_rl.learner.build import LEGACY_OPTIM_CKPT_METADATA, OPTIM_CKPT_METADATA
 
 log = logging.getLogger(__name__)
 KEEP_LAST = 2
@@ -88,7 +88,7 @@ def _optimizer_state_dicts(opt_sd: Any, optimizer) -> list[tuple[Any, Any]]:
 def _drop_unsaved_param_state(opt_sd: Any, optimizer) -> None:
     """Remove a DistributedOptimizer's ``param_state`` where it is None.
 
-    With the memory-efficient ``fully_reshardable`` format (``OPTIM_CKPT_METADATA``) megatron
+    With the memory-efficient ``fully_reshardable`` format (``LEGACY_OPTIM_CKPT_METADATA``) megatron
     gathers the optimizer state on data-parallel rank 0, and the other ranks of the group get
     ``param_state = None`` (distrib_optimizer.py, sharded_param_state_fully_reshardable). That None
     stays in their common state dict, which rank 0 alone writes, so it carries nothing; but
@@ -102,13 +102,15 @@ def _drop_unsaved_param_state(opt_sd: Any, optimizer) -> None:
             del sd["param_state"]
 
 
-def _sharded_state(learner, is_loading: bool) -> dict[str, Any]:
+def _sharded_state(
+    learner, is_loading: bool, metadata: dict[str, Any] = OPTIM_CKPT_METADATA
+) -> dict[str, Any]:
+    """The model's and optimizer's sharded state; ``metadata``: the optimizer format (the one a
+    checkpoint was saved in, when loading)."""
     if not is_loading:
         init_unstepped_state(learner.optimizer)
     model_sd = learner.gpt.sharded_state_dict(prefix="")
-    opt_sd = learner.optimizer.sharded_state_dict(
-        model_sd, is_loading=is_loading, metadata=OPTIM_CKPT_METADATA
-    )
+    opt_sd = learner.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
     if not is_loading:
         _keep_zero_step(opt_sd, learner.optimizer)
         _drop_unsaved_param_state(opt_sd, learner.optimizer)
@@ -160,7 +162,9 @@ def _save_state(learner, tmp: Path) -> None:
 
     try:
         with disk_full_named(tmp):
-            dist_checkpointing.save(_sharded_state(learner, is_loading=False), str(tmp))
+            dist_checkpointing.save(
+                _sharded_state(learner, is_loading=False), str(tmp), content_metadata=OPTIM_CKPT_METADATA
+            )
     except (Exception, CheckpointException) as e:  # torch's CheckpointException is a BaseException
         if isinstance(e, DiskFullError) or disk_is_full(tmp.parent):
             shutil.rmtree(tmp, ignore_errors=True)  # frees the space; `latest` is untouched
@@ -244,9 +248,22 @@ def load_sharded(sharded_state: dict[str, Any], path: Path) -> dict[str, Any]:
         ) from None
 
 
+def saved_format(path: Path) -> dict[str, Any]:
+    """The optimizer format a checkpoint was saved in: its content metadata, or (none: written
+    before the format was recorded) the format of that time."""
+    from megatron.core import dist_checkpointing
+
+    check_files(path)
+    return dist_checkpointing.load_content_metadata(str(path)) or LEGACY_OPTIM_CKPT_METADATA
+
+
 def load(learner, path: Path) -> dict[str, Any]:
     """Collective: load model + optimizer state in place; returns trainer_state.json."""
-    state = load_sharded(_sharded_state(learner, is_loading=True), path)
+    state = load_sharded(_sharded_state(learner, is_loading=True, metadata=saved_format(path)), path)
     learner.gpt.load_state_dict(state["model"], strict=True)
-    learner.optimizer.load_state_dict(state["optimizer"])
+    # no_grad: megatron-core's dp_reshardable loader (unlike its other formats' loaders) copies into
+    # the fp32 main params without it, and where those are views of the model's parameters (fp32
+    # models; the routers of bf16 ones) torch refuses the in-place copy into a leaf that requires grad
+    with torch.no_grad():
+        learner.optimizer.load_state_dict(state["optimizer"])
     return json.loads((Path(path) / "trainer_state.json").read_text())
