@@ -8,9 +8,13 @@ Why: (i) ``sharded_state_dict(..., is_loading=True)`` on a fresh optimizer raise
     ``step`` over a still-empty torch-Adam state. (ii) ``load_state_dict`` ->
     ``load_parameter_state_from_fully_reshardable`` / ``_fs_model_space`` ->
     ``_set_main_param_and_optimizer_states`` raises ``KeyError: 'step'``: it copies every
-    torch-Adam state key, but the loaders leave ``step`` out (it is restored separately).
+    torch-Adam state key, but the loaders leave ``step`` out (it is restored separately). (iii)
+    ``load_parameter_state_from_dp_reshardable`` passes a ``step``, but not the checkpoint's: its
+    sharded state keeps ``step`` as a non-persistent object, i.e. the load-time template's tensor
+    (1 after the dummy step of (i)), and copying it over the step that ``load_state_dict`` just
+    restored from the param groups silently resets Adam's bias correction on every resume.
 Remove when: megatron-core initialises the torch-Adam state before ``state_dict()`` and skips
-    ``step`` when copying (both unchanged in 0.19.2).
+    ``step`` when copying (both unchanged in 0.19.2; (iii) read in 0.16.1).
 
 Both wrappers act only when ``HAVE_APEX_OR_TE`` is False (as upstream's own torch-Adam branches
 do) and otherwise call upstream untouched, so the patch is harmless on a CUDA build with fused
@@ -76,13 +80,10 @@ def _wrap_sharded_state_dict(dopt: types.ModuleType, upstream: Callable[..., Any
 def _wrap_set_states(dopt: types.ModuleType, upstream: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(upstream)
     def _set_main_param_and_optimizer_states(self: Any, model_param: Any, tensors: dict) -> Any:
-        if (
-            "step" not in tensors
-            and _torch_adam(dopt)
-            and not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
-        ):
-            # (ii) the loaders leave out torch Adam's "step"; supply the destination's own
-            # tensor, so upstream's copy_ of it is a self-copy (a no-op) and the rest runs as is
+        if _torch_adam(dopt) and not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            # (ii) the loaders leave out torch Adam's "step", (iii) or pass the template's: the
+            # step was restored from the param groups already, so supply the destination's own
+            # tensor; upstream's copy_ of it is a self-copy (a no-op) and the rest runs as is
             dst = self._get_main_param_and_optimizer_states(model_param)
             if "step" in dst:
                 tensors = {**tensors, "step": dst["step"]}

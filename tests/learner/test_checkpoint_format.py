@@ -1,7 +1,7 @@
 """dist tier: the distributed optimizer's checkpoint format (moe_rl/learner/build.py
 ``OPTIM_CKPT_METADATA``: ``dp_reshardable``, each data-parallel rank's flat shard written as it is).
 
-2 ranks, EP=2 (DP=2 for the dense parameters), distributed optimizer, one real Adam step before the
+2 ranks, EP=2 (DP=2 for the dense parameters), distributed optimizer, three real Adam steps before the
 save. Checked: a checkpoint records its format in megatron's content metadata; it loads into a
 learner built from other weights with the weights and every Adam moment bitwise equal to the
 saver's, and the next step after the load is bitwise equal to the saver's next step. A checkpoint
@@ -19,6 +19,13 @@ from tests.learner.test_checkpoint_unstepped import _batch, _nll
 from tests.models import TINY_MOE_L2_ALL_MOE as MODEL
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
+SAVED_STEPS = 3
+
+
+def _steps(learner) -> list[float]:
+    """Each parameter's Adam step (torch Adam keeps one per parameter)."""
+    opts = getattr(learner.optimizer, "chained_optimizers", [learner.optimizer])
+    return [float(st["step"]) for o in opts for st in o.optimizer.state.values()]
 
 
 def _moments(learner) -> list[torch.Tensor]:
@@ -65,11 +72,12 @@ def _worker(rank: int, root: str):
     par = ParallelConfig(nproc=2, expert_parallel=2, distributed_optimizer=True)
     ctx = dist.init_distributed(par, seed=7)
     a = Learner(MODEL, par, optim, ctx, weights)
-    assert not a.update(_batch(rank), _nll, 1.0, 4, lr=1e-2).skipped
+    for i in range(SAVED_STEPS):  # not 1: the step megatron's load-time dummy step leaves
+        assert not a.update(_batch(rank + 4 * i), _nll, 1.0, 4, lr=1e-2).skipped
     new = checkpoint.save(a, Path(root) / "new", 1, {})
     legacy = Path(root) / "legacy" / "step_000001"
     _legacy_save(a, legacy)
-    saved_w, saved_m = a.export_canonical(), _moments(a)
+    saved_w, saved_m, saved_steps = a.export_canonical(), _moments(a), _steps(a)
     assert not a.update(_batch(rank + 2), _nll, 1.0, 4, lr=1e-2).skipped
     next_w = a.export_canonical()
     out = {
@@ -79,7 +87,7 @@ def _worker(rank: int, root: str):
     for name, path in (("new", new), ("legacy", legacy)):
         b = Learner(MODEL, par, optim, ctx, other)
         checkpoint.load(b, path)
-        w, m = b.export_canonical(), _moments(b)
+        w, m, steps = b.export_canonical(), _moments(b), _steps(b)
         assert not b.update(_batch(rank + 2), _nll, 1.0, 4, lr=1e-2).skipped
         w2 = b.export_canonical()
         out[name] = {
@@ -87,6 +95,8 @@ def _worker(rank: int, root: str):
             "moments": len(m),
             "moments_equal": len(m) == len(saved_m) and all(torch.equal(x, y) for x, y in zip(m, saved_m)),
             "moments_nonzero": all(float(x.abs().max()) > 0 for x in m),
+            "steps": steps,
+            "saved_steps": saved_steps,
             "next_step_diff": max(float((w2[k] - next_w[k]).abs().max()) for k in next_w),
         }
     dist.shutdown()
@@ -106,4 +116,5 @@ def test_checkpoint_format_recorded_and_both_formats_load_exactly(tmp_path):
             where = f"rank {rank}, {name} format"
             assert r["weights_equal"] and r["moments"] > 0, where
             assert r["moments_equal"] and r["moments_nonzero"], where
+            assert r["steps"] == r["saved_steps"] == [float(SAVED_STEPS)] * len(r["steps"]), where
             assert r["next_step_diff"] == 0.0, where
