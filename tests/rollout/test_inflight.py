@@ -229,3 +229,9 @@ def test_inflight_kv_config_key() -> None:
         load_config(None, ["rollout.inflight_kv=redo"])
     with pytest.raises(ConfigError, match="config key 'rollout.inflight_kv': recompute acts on in-flight"):
         load_config(None, ["rollout.inflight_kv=recompute"])
+    async_split = ["rollout.mode=async", "parallel.nproc=3", "parallel.rollout_ranks=1"]
+    assert (
+        load_config(None, [*async_split, "rollout.inflight_kv=recompute"]).rollout.inflight_kv == "recompute"
+    )
+    with pytest.raises(ConfigError, match="in-flight weight updates exist only in the built-in engine"):
+        load_config(None, [*async_split, "rollout.inflight_kv=recompute", "rollout.engine=vllm"])
