@@ -13,6 +13,7 @@ from moe_rl.rollout.builtin import BuiltinEngine
 from moe_rl.rollout.builtin_model import BuiltinMoEModel, KVCache
 from moe_rl.types import RolloutBatch, SamplingParams
 from moe_rl.weights.canonical import random_canonical_weights
+from tests.models import ODD_MLA_YARN, hf_tiny
 
 pytestmark = pytest.mark.unit
 
@@ -23,6 +24,20 @@ SAMPLING = SamplingParams(max_new_tokens=8, temperature=TEMP, stop_token_ids=(4,
 LOGP_ATOL = 2e-5  # fp32 engine vs an fp32 no-cache forward of another batch shape
 
 
+# MLA's cache holds the latent, so its re-prefill and mixed cache are a different code path
+MLA = dict(ODD_MLA_YARN, qk_layernorm=False, rope_original_max_position=16)
+
+
+@pytest.fixture(scope="module", params=["gqa", "mla"])
+def arch(request, cfg: ModelConfig) -> ModelConfig:
+    return cfg if request.param == "gqa" else hf_tiny(**MLA)
+
+
+@pytest.fixture(scope="module")
+def arch_versions(arch: ModelConfig) -> dict[int, dict[str, torch.Tensor]]:
+    return {v: random_canonical_weights(arch, seed=1234 + 17 * v) for v in (1, 2, 3)}
+
+
 @pytest.fixture(scope="module")
 def versions(cfg: ModelConfig) -> dict[int, dict[str, torch.Tensor]]:
     """Weight versions 1..3: unrelated random weights, so a wrong version shows in every token."""
@@ -30,10 +45,10 @@ def versions(cfg: ModelConfig) -> dict[int, dict[str, torch.Tensor]]:
 
 
 @pytest.fixture(scope="module")
-def models(cfg: ModelConfig, versions) -> dict[int, BuiltinMoEModel]:
+def models(arch: ModelConfig, arch_versions) -> dict[int, BuiltinMoEModel]:
     out = {}
-    for v, w in versions.items():
-        out[v] = BuiltinMoEModel(cfg, torch.float32)
+    for v, w in arch_versions.items():
+        out[v] = BuiltinMoEModel(arch, torch.float32)
         out[v].load_canonical(w)
     return out
 
@@ -81,19 +96,19 @@ def expected_versions(batch: RolloutBatch, schedule: dict[int, int]) -> torch.Te
 
 
 def test_recompute_logprobs_and_routes_of_each_version_equal_that_versions_full_forward(
-    cfg: ModelConfig, versions, models
+    arch: ModelConfig, arch_versions, models
 ) -> None:
     """inflight_kv=recompute, updates at polls 3 and 5: every generated token's log-prob and route
     row equal a no-cache forward of the whole sequence at the version version_BS names; the
     re-prefill's routes of earlier tokens (which a later version routes differently) were not kept."""
     schedule = {3: 2, 5: 3}
-    eng = engine(cfg, versions, "recompute")
+    eng = engine(arch, arch_versions, "recompute")
     batch = eng.generate(
         PROMPTS,
         2,
         SAMPLING,
         seed=5,
-        updates=ScheduledUpdates({k: (v, versions[v]) for k, v in schedule.items()}),
+        updates=ScheduledUpdates({k: (v, arch_versions[v]) for k, v in schedule.items()}),
     )
     assert eng.version == 3 and batch.version_BS.dtype == torch.int32
     assert torch.equal(batch.version_BS, expected_versions(batch, schedule))
@@ -114,14 +129,14 @@ def test_recompute_logprobs_and_routes_of_each_version_equal_that_versions_full_
 
 
 def test_keep_mixes_caches_and_recorded_values_are_the_mixed_forwards(
-    cfg: ModelConfig, versions, models
+    arch: ModelConfig, arch_versions, models
 ) -> None:
     """inflight_kv=keep, update at poll 3: version-1 tokens equal the version-1 full forward; the
     version-2 tokens equal neither full forward, but a forward at version 2 over a cache of the
     prefix built at version 1 (slots fed before the update), computed here one sequence at a time."""
     k = 3
-    eng = engine(cfg, versions, "keep")
-    batch = eng.generate(PROMPTS, 2, SAMPLING, seed=5, updates=ScheduledUpdates({k: (2, versions[2])}))
+    eng = engine(arch, arch_versions, "keep")
+    batch = eng.generate(PROMPTS, 2, SAMPLING, seed=5, updates=ScheduledUpdates({k: (2, arch_versions[2])}))
     assert torch.equal(batch.version_BS, expected_versions(batch, {k: 2}))
     gaps = {1: [], 2: []}  # max |recorded - full forward at v| over the version-2 tokens
     n_new = 0
@@ -138,7 +153,7 @@ def test_keep_mixes_caches_and_recorded_values_are_the_mixed_forwards(
             gaps[v].append(float((logp_T[new] - full_forward(models[v], tokens_T)[0][new]).abs().max()))
         # the mixed reference: forward k (the first at version 2) feeds slot p + k - 1
         T, cut = tokens_T.shape[0], int(batch.prompt_lens_B[b]) + k - 1
-        cache = KVCache.allocate(cfg, 1, T, torch.float32, "cpu")
+        cache = KVCache.allocate(arch, 1, T, torch.float32, "cpu")
         ones = torch.ones((1, T), dtype=torch.bool)
         models[1].forward(tokens_T[None, :cut], torch.arange(cut)[None], ones[:, :cut], cache)
         out = models[2].forward(tokens_T[None, cut:], torch.arange(cut, T)[None], ones, cache)
