@@ -72,6 +72,9 @@ class RolloutBatch:
         row t is the Top-K expert ids chosen when token t was the input. Jagged (T_b differs).
     group_B: int64 [B], index of the prompt each sequence answers.
     finished_B: bool [B], the sequence ended with a stop token (else it hit max_new_tokens).
+    version_BS: int32 [B, S], the weight version of the forward pass that produced each generated
+        token's log-prob and its route row; 0 on prompt/pad positions. None: the engine does not
+        record versions.
     """
 
     tokens_BS: torch.Tensor
@@ -83,6 +86,7 @@ class RolloutBatch:
     group_B: torch.Tensor
     finished_B: torch.Tensor
     logprob_support: str = "full"
+    version_BS: torch.Tensor | None = None
     # with SamplingParams.return_dist / dvp, at every generated position (0 elsewhere):
     dist_logp_BSV: torch.Tensor | None = None  # float32 log softmax(logits / T) over the vocabulary
     safe_BSV: torch.Tensor | None = None  # bool, the DVP safe set the token was sampled from

@@ -147,6 +147,10 @@ class RolloutConfig:
     # async: a sample with a token more than this many weight versions older than the learner's is
     # dropped (counted in rollout/dropped_stale)
     max_staleness: int = 1
+    # async, built-in engine: the KV cache when a weight update lands between decode steps (docs/design.md
+    # 15.1): keep (PipelineRL: earlier tokens keep the old weights' keys/values; no extra compute) |
+    # recompute (re-prefill the prefix under the new weights; its routes never overwrite recorded ones)
+    inflight_kv: str = "keep"
     vllm: VllmConfig = field(default_factory=VllmConfig)
 
     def __post_init__(self) -> None:
@@ -162,6 +166,12 @@ class RolloutConfig:
         check(self.staleness >= 0, "rollout.staleness", f"must be >= 0 (got {self.staleness})")
         one_of(self.mode, "rollout.mode", ("sync", "one_step_off", "async"))
         check(self.max_staleness >= 0, "rollout.max_staleness", f"must be >= 0 (got {self.max_staleness})")
+        one_of(self.inflight_kv, "rollout.inflight_kv", ("keep", "recompute"))
+        check(
+            self.inflight_kv == "keep" or self.mode == "async",
+            "rollout.inflight_kv",
+            f"{self.inflight_kv} acts on in-flight weight updates, which only rollout.mode=async makes",
+        )
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,8 @@ def check_vllm(cfg: RunConfig) -> None:
         refuse("rollout.top_p", str(e))
     if r.router_noise > 0:
         refuse("rollout.router_noise", "router-logit noise exists only in the built-in engine")
+    if r.inflight_kv != "keep":
+        refuse("rollout.inflight_kv", "in-flight weight updates exist only in the built-in engine")
     if c.needs_full_dists:
         refuse(
             "correction.trm.kl",

@@ -20,6 +20,17 @@ from moe_rl.types import RolloutBatch, SamplingParams
 Weights = Mapping[str, torch.Tensor] | Iterable[Mapping[str, torch.Tensor]]
 
 
+@runtime_checkable
+class UpdateSource(Protocol):
+    """Where in-flight weight updates come from (docs/design.md 15.1): an engine that accepts them
+    polls once before each forward pass of a generate call and applies what it gets whole, between
+    two forwards, never during one."""
+
+    def poll(self) -> tuple[int, Weights] | None:
+        """The next update as (weight version, canonical weights), or None when none is ready."""
+        ...
+
+
 def weight_chunks(weights: Weights) -> Iterator[Mapping[str, torch.Tensor]]:
     """The chunks of ``weights``: a single dict is one chunk."""
     if isinstance(weights, Mapping):
@@ -42,3 +53,17 @@ class RolloutEngine(Protocol):
         """Replace all weights with the canonical named tensors, a dict or a stream of chunks
         consumed chunk by chunk (strict over all chunks: names, shapes, each tensor once)."""
         ...
+
+
+class ScheduledUpdates:
+    """An ``UpdateSource`` that hands out fixed updates at fixed polls: ``at[i] = (version, weights)``
+    is returned by poll i (0-based, counted over this source's life), None by every other poll.
+    A deterministic schedule, for tests and for experiments that place an update at a chosen step."""
+
+    def __init__(self, at: Mapping[int, tuple[int, Weights]]) -> None:
+        self.at = dict(at)
+        self.polls = 0
+
+    def poll(self) -> tuple[int, Weights] | None:
+        i, self.polls = self.polls, self.polls + 1
+        return self.at.get(i)

@@ -13,6 +13,15 @@ Implements :class:`moe_rl.rollout.base.RolloutEngine` on CPU (and small models o
   ``routed_experts`` (docs/gpu_stack.md 1.2): [T_b - 1, L_moe, K], prompt rows included, the
   last sampled token has no row, ids in torch.topk order, uint8 (uint16 for E > 255).
 
+In-flight weight updates (docs/design.md 15.1): ``generate(..., updates=source)`` polls the source
+once before each forward pass (poll i precedes forward i; forward 0 is the prefill, forward i >= 1
+feeds generated token i - 1 and yields generated token i's logits) and applies an update whole
+between two forwards. Generated token i's log-prob and the route row of its input (slot P - 1 + i)
+come from forward i, and ``version_BS`` records that forward's weight version. On an update the KV
+cache is kept (``inflight_kv="keep"``: earlier slots keep the old weights' keys/values) or rebuilt
+by re-prefilling the whole prefix under the new weights (``"recompute"``); the re-prefill's routes of
+already-sampled tokens are discarded, never written over the rows that produced their log-probs.
+
 Log-probs: the reported log-prob of a token is always log softmax(logits / temperature) over the
 full vocabulary (``logprob_support = "full"``), computed in fp32 from the engine's logits. top-k and
 top-p only shape the distribution that is *sampled from*; they never renormalise the reported
@@ -34,13 +43,14 @@ from moe_rl.config import ModelConfig
 from moe_rl.corrections.correction_specs import DvpSpec
 from moe_rl.corrections.dvp import safe_set_for
 from moe_rl.errors import RouteError
-from moe_rl.rollout.base import Weights
-from moe_rl.rollout.builtin_model import DTYPES, BuiltinMoEModel, KVCache, RouterNoise
+from moe_rl.rollout.base import UpdateSource, Weights
+from moe_rl.rollout.builtin_model import DTYPES, BuiltinMoEModel, ForwardOut, KVCache, RouterNoise
 from moe_rl.routing.record import route_dtype
 from moe_rl.types import RolloutBatch, SamplingParams
 
 _NOISE_SEED_MUL = 6364136223846793005  # decorrelates the router-noise stream from sampling
 _NOISE_SEED_ADD = 1442695040888963407
+INFLIGHT_KV = ("keep", "recompute")  # rollout.inflight_kv: the KV cache on an in-flight update
 
 
 # --------------------------------------------------------------------------------------------
@@ -129,11 +139,14 @@ class _Rollout:
     prompt_BP: torch.Tensor  # int64, left-padded prompts (already fanned out to B rows)
     prompt_valid_BP: torch.Tensor  # bool
     prompt_lens_B: torch.Tensor  # int64
+    prompt_positions_BP: torch.Tensor  # int64 RoPE positions of the prompt slots (re-prefill)
     cache: KVCache
     routes_BSLK: torch.Tensor  # int32, row j = ids computed when slot j was the input
     logits_BV: torch.Tensor  # fp32, next-token logits
+    logits_version: int  # the weight version of the forward that computed logits_BV
     gen_tokens_BG: torch.Tensor  # int64
     gen_logprobs_BG: torch.Tensor  # fp32
+    gen_version_BG: torch.Tensor  # int32, weight version of the forward behind each log-prob (0: none)
     gen_valid_BG: torch.Tensor  # bool, true on emitted tokens (a prefix of each row)
     finished_B: torch.Tensor  # bool, emitted a stop token
     num_steps: int = 0
@@ -151,6 +164,11 @@ class BuiltinEngine:
         device: torch device of weights, cache and sampling.
         router_logit_noise: std of Gaussian noise added to the fp32 router logits, drawn from
             the call's seed: a dialled-in routing mismatch for experiments; 0 = off.
+        inflight_kv: what an in-flight update does to the KV cache: "keep" | "recompute"
+            (module docstring; ``rollout.inflight_kv``).
+
+    ``version`` is the weight version of the loaded weights: 0 before the first load, then set by
+    every load (``load_weights``, or an in-flight update).
     """
 
     def __init__(
@@ -161,6 +179,7 @@ class BuiltinEngine:
         pad_id: int,
         device: torch.device | str = "cpu",
         router_logit_noise: float = 0.0,
+        inflight_kv: str = "keep",
     ) -> None:
         if dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
@@ -170,27 +189,51 @@ class BuiltinEngine:
             raise ValueError(f"pad_id {pad_id} is outside the vocabulary [0, {model_cfg.vocab_size})")
         if router_logit_noise < 0:
             raise ValueError(f"router_logit_noise must be >= 0, got {router_logit_noise}")
+        if inflight_kv not in INFLIGHT_KV:
+            raise ValueError(f"inflight_kv {inflight_kv!r} is not one of {INFLIGHT_KV}")
         self.cfg = model_cfg
         self.pad_id = pad_id
         self.device = torch.device(device)
         self.router_logit_noise = float(router_logit_noise)
         self.model = BuiltinMoEModel(model_cfg, DTYPES[dtype], self.device)
         self.route_dtype = route_dtype(model_cfg.num_experts)
+        self.inflight_kv = inflight_kv
+        self.version = 0
 
-    def load_weights(self, weights: Weights) -> None:
+    def load_weights(self, weights: Weights, version: int | None = None) -> None:
         """Replace all weights in place from a dict or a stream of chunks (one chunk held at a
-        time); names/shapes over all chunks must be exactly ``canonical_param_shapes(cfg)``."""
+        time); names/shapes over all chunks must be exactly ``canonical_param_shapes(cfg)``.
+
+        ``version``: the weight version they are (>= 1); default: the current version + 1. It is
+        set only once the load completed (a dict is checked whole before any copy)."""
+        new = self.version + 1 if version is None else int(version)
+        if new < 1:
+            raise ValueError(f"weight version must be >= 1 (0 marks prompt/pad tokens), got {new}")
         self.model.load_canonical(weights)
+        self.version = new
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams, seed: int) -> RolloutBatch:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        n: int,
+        sampling: SamplingParams,
+        seed: int,
+        updates: UpdateSource | None = None,
+    ) -> RolloutBatch:
         """Sample n responses per prompt, all B = len(prompts) * n sequences in one batch.
 
-        Sequence b answers prompt b // n. Deterministic given ``seed`` (local generators only).
+        Sequence b answers prompt b // n. Deterministic given ``seed`` (local generators only)
+        and the polls at which ``updates`` delivers (the update schedule).
         A sequence stops after emitting a stop token (kept, counted in its response length) or
         after ``max_new_tokens``; generation ends early once every sequence has stopped.
+
+        ``updates``: polled once before each forward pass (never after the last one, so an update
+        that no forward would use stays with the source); an update is applied whole between two
+        forwards (module docstring). None: no polls, the weights stay as loaded.
         """
         self._check_request(prompts, n, sampling)
+        self._apply_update(updates)
         sample_gen = torch.Generator(device=self.device).manual_seed(seed)
         noise = None
         if self.router_logit_noise > 0:
@@ -199,8 +242,22 @@ class BuiltinEngine:
                 self.router_logit_noise, torch.Generator(device=self.device).manual_seed(noise_seed)
             )
         state = self._prefill(prompts, n, sampling.max_new_tokens, noise)
-        self._decode(state, sampling, sample_gen, noise)
+        self._decode(state, sampling, sample_gen, noise, updates)
         return self._assemble(state, n, sampling)
+
+    def _apply_update(self, updates: UpdateSource | None) -> bool:
+        """Poll ``updates`` once; load what it delivers (whole, before the next forward starts)."""
+        update = updates.poll() if updates is not None else None
+        if update is None:
+            return False
+        version, weights = update
+        if version <= self.version:  # a source replaying or reordering versions is a bug upstream
+            raise ValueError(
+                f"in-flight update to weight version {version}: the engine is at version "
+                f"{self.version} (versions must increase)"
+            )
+        self.load_weights(weights, version=version)
+        return True
 
     # -- steps ----------------------------------------------------------------------------------
     def _check_request(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> None:
@@ -243,19 +300,28 @@ class BuiltinEngine:
             prompt_BP=prompt_UP.repeat_interleave(n, dim=0),
             prompt_valid_BP=valid_UP.repeat_interleave(n, dim=0),
             prompt_lens_B=lens_U.repeat_interleave(n),
+            prompt_positions_BP=positions_UP.repeat_interleave(n, dim=0),
             cache=cache_U.repeat_rows(n),
             routes_BSLK=routes_BSLK,
             logits_BV=out.logits[:, -1].repeat_interleave(n, dim=0),
+            logits_version=self.version,
             gen_tokens_BG=torch.full((B, max_new), self.pad_id, dtype=torch.long, device=dev),
             gen_logprobs_BG=torch.zeros((B, max_new), dtype=torch.float32, device=dev),
+            gen_version_BG=torch.zeros((B, max_new), dtype=torch.int32, device=dev),
             gen_valid_BG=torch.zeros((B, max_new), dtype=torch.bool, device=dev),
             finished_B=torch.zeros(B, dtype=torch.bool, device=dev),
         )
 
     def _decode(
-        self, st: _Rollout, sampling: SamplingParams, gen: torch.Generator, noise: RouterNoise | None
+        self,
+        st: _Rollout,
+        sampling: SamplingParams,
+        gen: torch.Generator,
+        noise: RouterNoise | None,
+        updates: UpdateSource | None = None,
     ) -> None:
-        """Sample, record, feed back; one token for every row per step, finished rows feed pad."""
+        """Sample, record, feed back; one token for every row per step, finished rows feed pad.
+        Before each forward, ``updates`` is polled (``_apply_update``)."""
         B, P = st.prompt_BP.shape
         max_new = sampling.max_new_tokens
         stop_ids = torch.tensor(sampling.stop_token_ids, dtype=torch.long, device=self.device)
@@ -283,21 +349,41 @@ class BuiltinEngine:
             active_B = ~st.finished_B
             st.gen_tokens_BG[:, g] = torch.where(active_B, tok_B, self.pad_id)
             st.gen_logprobs_BG[:, g] = torch.where(active_B, lp_B, 0.0)
+            st.gen_version_BG[:, g] = torch.where(active_B, st.logits_version, 0)
             st.gen_valid_BG[:, g] = active_B
             st.finished_B |= active_B & torch.isin(tok_B, stop_ids)
             st.num_steps = g + 1
             if g == max_new - 1 or bool(st.finished_B.all()):
                 break
             slot = P + g
-            out = self.model.forward(
-                st.gen_tokens_BG[:, g : g + 1],
-                (st.prompt_lens_B + g)[:, None],
-                key_valid_BS[:, : slot + 1],
-                st.cache,
-                noise=noise,
-            )
-            st.routes_BSLK[:, slot] = out.expert_ids_BTLK[:, 0]
+            if self._apply_update(updates) and self.inflight_kv == "recompute":
+                out = self._reprefill(st, g, key_valid_BS[:, : slot + 1], noise)
+            else:
+                out = self.model.forward(
+                    st.gen_tokens_BG[:, g : g + 1],
+                    (st.prompt_lens_B + g)[:, None],
+                    key_valid_BS[:, : slot + 1],
+                    st.cache,
+                    noise=noise,
+                )
+            # Only the row of the token fed now: the re-prefill's rows of earlier slots are dropped,
+            # so each earlier row stays from the forward that produced the next token's log-prob.
+            st.routes_BSLK[:, slot] = out.expert_ids_BTLK[:, -1]
             st.logits_BV = out.logits[:, -1]
+            st.logits_version = self.version
+
+    def _reprefill(
+        self, st: _Rollout, g: int, key_valid_BS: torch.Tensor, noise: RouterNoise | None
+    ) -> ForwardOut:
+        """Rebuild the whole KV cache under the current weights: one forward over every slot up to
+        and including generated token g (the one the decode step would feed), all rows at once."""
+        tokens_BS = torch.cat([st.prompt_BP, st.gen_tokens_BG[:, : g + 1]], 1)
+        gen_positions_BG = st.prompt_lens_B[:, None] + torch.arange(g + 1, device=self.device)
+        positions_BS = torch.cat([st.prompt_positions_BP, gen_positions_BG], 1)
+        st.cache.length = 0  # overwritten from slot 0
+        return self.model.forward(
+            tokens_BS, positions_BS, key_valid_BS, st.cache, last_logits_only=True, noise=noise
+        )
 
     def _per_position(
         self, gen_BGV: torch.Tensor | None, src_BS: torch.Tensor, P: int, response_mask_BS: torch.Tensor
@@ -325,6 +411,9 @@ class BuiltinEngine:
         logprobs_int = torch.cat(
             [torch.zeros_like(st.prompt_BP, dtype=torch.float32), st.gen_logprobs_BG[:, :G]], 1
         )
+        versions_int = torch.cat(
+            [torch.zeros_like(st.prompt_BP, dtype=torch.int32), st.gen_version_BG[:, :G]], 1
+        )
         shift_B = P - st.prompt_lens_B  # output position s <- internal slot s + shift
         s_S = torch.arange(S, device=self.device)
         src_BS = (s_S[None, :] + shift_B[:, None]).clamp(max=P + G - 1)
@@ -332,6 +421,7 @@ class BuiltinEngine:
         response_mask_BS = in_seq_BS & (s_S[None, :] >= st.prompt_lens_B[:, None])
         tokens_BS = torch.where(in_seq_BS, tokens_int.gather(1, src_BS), self.pad_id)
         logprobs_BS = torch.where(response_mask_BS, logprobs_int.gather(1, src_BS), 0.0)
+        version_BS = torch.where(response_mask_BS, versions_int.gather(1, src_BS), 0)
         routes_all = _to_route_dtype(st.routes_BSLK, shift_B, self.cfg, self.route_dtype)
         starts, totals = shift_B.tolist(), total_B.tolist()
         routes = [routes_all[b, starts[b] : starts[b] + totals[b] - 1].clone() for b in range(B)]
@@ -342,6 +432,7 @@ class BuiltinEngine:
             response_mask_BS=response_mask_BS,
             logprobs_BS=logprobs_BS.float(),
             routes=routes,
+            version_BS=version_BS.to(torch.int32),
             group_B=torch.arange(B, device=self.device) // n,
             finished_B=st.finished_B.clone(),
             logprob_support=sampling.logprob_support,
