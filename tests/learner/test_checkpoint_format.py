@@ -15,7 +15,7 @@ import torch
 
 from moe_rl.config import OptimConfig, ParallelConfig
 from tests.dist_harness import run_ranks
-from tests.learner.test_checkpoint_unstepped import _batch, _nll
+from tests.learner.checkpoint_cases import batch, nll
 from tests.models import TINY_MOE_L2_ALL_MOE as MODEL
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -73,12 +73,12 @@ def _worker(rank: int, root: str):
     ctx = dist.init_distributed(par, seed=7)
     a = Learner(MODEL, par, optim, ctx, weights)
     for i in range(SAVED_STEPS):  # not 1: the step megatron's load-time dummy step leaves
-        assert not a.update(_batch(rank + 4 * i), _nll, 1.0, 4, lr=1e-2).skipped
+        assert not a.update(batch(rank + 4 * i), nll, 1.0, 4, lr=1e-2).skipped
     new = checkpoint.save(a, Path(root) / "new", 1, {})
     legacy = Path(root) / "legacy" / "step_000001"
     _legacy_save(a, legacy)
     saved_w, saved_m, saved_steps = a.export_canonical(), _moments(a), _steps(a)
-    assert not a.update(_batch(rank + 2), _nll, 1.0, 4, lr=1e-2).skipped
+    assert not a.update(batch(rank + 2), nll, 1.0, 4, lr=1e-2).skipped
     next_w = a.export_canonical()
     out = {
         "recorded": dist_checkpointing.load_content_metadata(str(new)),
@@ -88,7 +88,7 @@ def _worker(rank: int, root: str):
         b = Learner(MODEL, par, optim, ctx, other)
         checkpoint.load(b, path)
         w, m, steps = b.export_canonical(), _moments(b), _steps(b)
-        assert not b.update(_batch(rank + 2), _nll, 1.0, 4, lr=1e-2).skipped
+        assert not b.update(batch(rank + 2), nll, 1.0, 4, lr=1e-2).skipped
         w2 = b.export_canonical()
         out[name] = {
             "weights_equal": all(torch.equal(w[k], saved_w[k]) for k in saved_w),

@@ -11,25 +11,9 @@ import pytest
 import torch
 
 from moe_rl.config import OptimConfig, ParallelConfig
-from moe_rl.types import TrainBatch
 from tests.dist_harness import run_ranks
+from tests.learner.checkpoint_cases import batch, nll, zero_signal
 from tests.models import TINY_MOE_L2_ALL_MOE as MODEL
-
-
-def _batch(rank: int) -> TrainBatch:
-    g = torch.Generator().manual_seed(100 + rank)
-    tokens_BS = torch.randint(3, MODEL.vocab_size, (4, 12), generator=g)
-    lens_B = torch.tensor([12, 9, 7, 12])
-    pos_S = torch.arange(12)
-    return TrainBatch(tokens_BS, lens_B, loss_mask_BS=(pos_S[None] >= 3) & (pos_S[None] < lens_B[:, None]))
-
-
-def _nll(mb, st, normalizer):
-    return -(st.logp_BS * mb.loss_mask_BS).sum() / normalizer, {}
-
-
-def _zero_signal(mb, st, normalizer):
-    return (st.logp_BS * (mb.loss_mask_BS & False)).sum() / normalizer, {}
 
 
 def _worker(rank: int, root: str):
@@ -48,7 +32,7 @@ def _worker(rank: int, root: str):
         par = ParallelConfig(nproc=2, expert_parallel=2, distributed_optimizer=distopt)
         ctx = ctx or dist.init_distributed(par, seed=7)
         a = Learner(MODEL, par, optim, ctx, weights)
-        skipped = a.update(_batch(rank), _zero_signal, 1.0, 4, lr=1e-2).skipped
+        skipped = a.update(batch(rank), zero_signal, 1.0, 4, lr=1e-2).skipped
         path = checkpoint.save(a, Path(root) / f"distopt_{distopt}", 1, {})
         saved_unchanged = all(torch.equal(v, weights[k]) for k, v in a.export_canonical().items())
         b = Learner(MODEL, par, optim, ctx, other)  # other weights: the load must overwrite them
@@ -56,7 +40,7 @@ def _worker(rank: int, root: str):
         loaded_equal = all(torch.equal(v, weights[k]) for k, v in b.export_canonical().items())
         c = Learner(MODEL, par, optim, ctx, weights)  # never saved: the uninterrupted run
         for learner in (a, b, c):
-            assert not learner.update(_batch(rank), _nll, 1.0, 4, lr=1e-2).skipped
+            assert not learner.update(batch(rank), nll, 1.0, 4, lr=1e-2).skipped
         wa, wb, wc = (x.export_canonical() for x in (a, b, c))
         out[distopt] = {
             "skipped": skipped,
