@@ -20,6 +20,7 @@ from collections import deque
 import torch
 
 from moe_rl.errors import CheckpointError
+from moe_rl.types import RolloutBatch, with_version
 
 Named = dict[str, torch.Tensor]
 logger = logging.getLogger(__name__)
@@ -63,6 +64,16 @@ class StaleWeights:
                 "with the checkpoint's weights: they belong to another checkpoint"
             )
         return self.sets[0]
+
+    def engine_version(self, step: int) -> int:
+        """The version of the weights the engine holds during step ``step``'s rollout: W_max(0, t-k)
+        (W_v: the weights after v updates; the learner holds W_t)."""
+        return max(0, step - self.k)
+
+    def versioned(self, batch: RolloutBatch, step: int) -> tuple[RolloutBatch, dict]:
+        """Step ``step``'s rollout with the version of the weights it was sampled with on every
+        generated token (the built-in and vLLM engines do not track versions), and ``metrics``."""
+        return with_version(batch, self.engine_version(step)), self.metrics()
 
     def metrics(self) -> dict:
         """Before the step's update: how many updates the engine's weights are behind the
