@@ -145,6 +145,9 @@ def test_k3_by_lag_is_the_k3_of_each_lags_tokens():
     assert _mean(m["mismatch/k3_lag1"]) == pytest.approx((k3(0.1) + k3(0.3)) / 2, rel=1e-12)
     assert _mean(m["mismatch/k3_lag2"]) == pytest.approx((k3(-0.2) + 2 * k3(0.4)) / 3, rel=1e-12)
     assert _mean(m["mismatch/k3_lag3"]) == pytest.approx(k3(0.5), rel=1e-12)
+    # lags outside the response never count, whatever they hold
+    junk = k3_by_lag(rollout_BS + d_BS, rollout_BS, LAG_BS + ~MASK_BS * 9, MASK_BS, 4)
+    assert all(float(junk[k].sum) == float(m[k].sum) and float(junk[k].count) == float(m[k].count) for k in m)
     # with one lag it is corr/k3_kl, the same sum over the same tokens
     one = k3_by_lag(rollout_BS + d_BS, rollout_BS, torch.zeros_like(LAG_BS), MASK_BS, 1)["mismatch/k3_lag0"]
     ref = offpolicy_metrics(rollout_BS + d_BS, rollout_BS, MASK_BS)["corr/k3_kl"]

@@ -24,8 +24,8 @@ from moe_rl.corrections.importance import offpolicy_metrics
 from moe_rl.dist import comm_device
 from moe_rl.learner.learner import Learner, LogprobOutput
 from moe_rl.maths.advantages import estimate_advantages
-from moe_rl.maths.versions import check_versions, k3_by_lag, lag_BS, lag_metrics, route_lag_BS
 from moe_rl.maths.variance import variance_proxies
+from moe_rl.maths.versions import check_versions, k3_by_lag, lag_BS, lag_metrics, route_lag_BS
 from moe_rl.metrics import Max, Mean, Sum
 from moe_rl.monitor.router_grad import rollout_flip_aliases
 from moe_rl.routing.record import RouteBatch, RouteHeader, validate
