@@ -61,7 +61,7 @@ def test_lag_is_learner_version_minus_token_version_on_generated_tokens():
         ((1, 5, 7), 5, "1 prompt/pad positions"),  # padding after the response
         ((2, 3, 6), 5, "1 generated tokens newer than the learner's version 5"),
         ((0, 4, 3), 5, "1 generated tokens older than a token before them"),  # 4 4 3 5: the 3
-        ((3, 2, -1), 5, "1 generated tokens with a negative version"),
+        ((3, 2, 0), 5, "1 generated tokens with a version below 1"),
     ],
 )
 def test_impossible_versions_are_refused_with_what_is_wrong(edit, learner, needle):
@@ -235,3 +235,19 @@ def test_with_version_sets_the_generated_tokens_and_moves_with_the_batch():
     assert v.version_BS.dtype == torch.int32 and torch.equal(v.version_BS, torch.where(MASK_BS, 7, 0).int())
     assert with_version(batch, 7) is batch  # a batch that tracks its versions keeps them
     assert batch.to("meta").version_BS.device.type == "meta"
+
+
+@pytest.mark.unit
+def test_the_colocated_loop_stamps_the_version_of_the_weight_set_it_synced():
+    from moe_rl.maths.versions import weight_version
+    from moe_rl.rollout.staleness import StaleWeights
+
+    assert [weight_version(u) for u in (0, 1, 5)] == [1, 2, 6]  # W_u is version u + 1; 0: no token
+    # step t's rollout: W_max(0, t-k); the learner holds W_t (version t + 1)
+    assert [StaleWeights(1).engine_version(t) for t in range(4)] == [1, 1, 2, 3]
+    assert [StaleWeights(0).engine_version(t) for t in range(3)] == [1, 2, 3]
+    # the built-in engine's own counter (it counts loads) is replaced by the synced set's version
+    batch, m = StaleWeights(2).versioned(_batch(), 3)
+    assert torch.equal(batch.version_BS, torch.where(MASK_BS, 2, 0).int()) and "rollout/policy_lag" in m
+    lags = lag_BS(batch.version_BS, MASK_BS, weight_version(3))
+    assert torch.equal(lags, torch.where(MASK_BS, 2, 0))  # k = 2 updates behind

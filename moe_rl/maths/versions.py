@@ -5,11 +5,14 @@ lag. Pure tensor functions (``check_versions`` aside, which syncs once to raise)
 
 Shape suffixes: B sequences, S positions, K lags (0 .. num_lags - 1), N rows.
 
-Versions count learner updates: W_v is the weights after v updates (W_0 the start), and a token's
-version is that of the forward pass that produced its log-prob (``RolloutBatch.version_BS``). At
-step t the learner holds W_t, so a token's lag is t - version >= 0. Route row t of a sequence is
-the input side of the pass that produced token t + 1's log-prob: it carries token t + 1's version,
-and the prompt rows are the prefill's, the pass of the first response token (``route_lag_BS``).
+Versions count learner updates from 1 (0 marks prompt/pad positions, the engines' convention,
+docs/design.md 15.1): W_u, the weights after u updates (W_0 the start), is version u + 1
+(``weight_version``), and a token's version is that of the forward pass that produced its log-prob
+(``RolloutBatch.version_BS``). At step t the learner holds W_t, version t + 1, so a token's lag is
+the number of updates between its weights and the learner's: t + 1 - version >= 0. Route row t of
+a sequence is the input side of the pass that produced token t + 1's log-prob: it carries token
+t + 1's version, and the prompt rows are the prefill's, the pass of the first response token
+(``route_lag_BS``).
 """
 
 from __future__ import annotations
@@ -20,6 +23,11 @@ from moe_rl.maths.ratios import SAFETY_BOUND, exact_log_ratio, kl_from_log_ratio
 from moe_rl.metrics import Max, Mean, MetricValue, Sum
 
 
+def weight_version(updates: int) -> int:
+    """The version of W_u, the weights after ``updates`` learner updates: u + 1 (0 marks no token)."""
+    return updates + 1
+
+
 def lag_BS(version_BS: torch.Tensor, response_mask_BS: torch.Tensor, learner_version: int) -> torch.Tensor:
     """int64 [B, S]: learner_version - version on generated tokens, 0 elsewhere."""
     return torch.where(response_mask_BS.bool(), learner_version - version_BS.long(), 0)
@@ -27,27 +35,27 @@ def lag_BS(version_BS: torch.Tensor, response_mask_BS: torch.Tensor, learner_ver
 
 def check_versions(version_BS: torch.Tensor, response_mask_BS: torch.Tensor, learner_version: int) -> None:
     """Raise ValueError unless the versions can be true: 0 on prompt/pad positions, within
-    [0, learner_version] on generated tokens (no weights from the future) and non-decreasing along
+    [1, learner_version] on generated tokens (no weights from the future) and non-decreasing along
     a response (a sync only moves an engine forward). One host sync."""
     v_BS, m_BS = version_BS.long(), response_mask_BS.bool()
     floor = torch.iinfo(torch.int64).min
     running_BS = torch.where(m_BS, v_BS, floor).cummax(1).values  # the newest version so far
-    off, future, negative, older = (
+    off, future, unset, older = (
         x.sum()
         for x in (
             ~m_BS & (v_BS != 0),
             m_BS & (v_BS > learner_version),
-            m_BS & (v_BS < 0),
+            m_BS & (v_BS < 1),
             m_BS & (v_BS < running_BS),
         )
     )
-    off, future, negative, older = torch.stack([off, future, negative, older]).tolist()
+    off, future, unset, older = torch.stack([off, future, unset, older]).tolist()
     problems = [
         f"{n} {what}"
         for n, what in (
             (off, "prompt/pad positions with a version other than 0"),
             (future, f"generated tokens newer than the learner's version {learner_version}"),
-            (negative, "generated tokens with a negative version"),
+            (unset, "generated tokens with a version below 1 (0 marks prompt/pad positions)"),
             (older, "generated tokens older than a token before them in their response"),
         )
         if n

@@ -77,10 +77,11 @@ def version_lags(batch: RolloutBatch, learner_version: int, dp_group) -> tuple[t
     return lags_BS, int(top) + 1
 
 
-def old_logprobs(plan: StepPlan, learner: Learner, batch: RolloutBatch, learner_version: int = 0) -> OldPass:
+def old_logprobs(plan: StepPlan, learner: Learner, batch: RolloutBatch, learner_version: int = 1) -> OldPass:
     """The learner's pass over the rollout, on the learner's device (an engine may hand its batch
-    over on another: vLLM's is on the host). ``learner_version``: the updates the learner's
-    weights have had (the step), against which ``batch.version_BS`` gives each token's lag."""
+    over on another: vLLM's is on the host). ``learner_version``: the version of the learner's
+    weights (step t: ``weight_version(t)`` = t + 1), against which ``batch.version_BS`` gives
+    each token's lag."""
     batch = batch.to(learner.device)
     inputs = drift.token_inputs(plan.correction, plan.support, batch)
     lags_BS, num_lags = version_lags(batch, learner_version, learner.dims.dp_group)
