@@ -19,6 +19,7 @@ from moe_rl.health import HealthMonitor
 from moe_rl.learner.learner import Learner
 from moe_rl.learner.offload import offloaded
 from moe_rl.maths.lr import LengthLRScheduler
+from moe_rl.maths.versions import weight_version
 from moe_rl.metrics import MetricsWriter
 from moe_rl.preflight import check_launch
 from moe_rl.preflight import check_run_dir as check_run_directory
@@ -196,11 +197,11 @@ def train(cfg: RunConfig, dims: ParallelDims, prepared: Prepared | None = None) 
                 batch = engine.generate(
                     [p.prompt_ids for p in prompts], r.samples_per_prompt, plan.sampling, seed=seed
                 )
-                m_stale = stale.metrics()
+                batch, m_stale = stale.versioned(batch, step)  # version_BS: the weights it sampled with
         with timer.phase("score"):
             rewards_B, m_reward = score_step(cfg, task, prompts, batch)
         with timer.phase("old_logprob"):
-            old = old_logprobs(plan, learner, batch)
+            old = old_logprobs(plan, learner, batch, learner_version=weight_version(step))
         with timer.phase("prepare"):  # corrections, advantages, this step's LR
             train_batch, m_prep = prepare_batch(plan, learner, old, rewards_B)
             lr, m_lr, events = learning_rate(plan, lr_sched, step, batch, dims.dp_group)

@@ -72,9 +72,13 @@ class RolloutBatch:
         row t is the Top-K expert ids chosen when token t was the input. Jagged (T_b differs).
     group_B: int64 [B], index of the prompt each sequence answers.
     finished_B: bool [B], the sequence ended with a stop token (else it hit max_new_tokens).
-    version_BS: int32 [B, S], the weight version of the forward pass that produced each generated
-        token's log-prob and its route row; 0 on prompt/pad positions. None: the engine does not
-        record versions.
+    version_BS: int32 [B, S] or None: the weight version of the forward pass that produced each
+        generated token's log-prob and its route row; 0 on prompt/pad positions (versions are
+        >= 1: W_u, the weights after u learner updates, is version u + 1; docs/math.md 2.7). Route
+        row t is the input side of the pass that produced token t + 1's log-prob, so it carries
+        token t + 1's version; the prompt rows are the prefill's, i.e. the first response token's
+        (``moe_rl.maths.versions.route_lag_BS``). None: the engine does not record versions (the
+        trainer stamps the weights it synced with, ``with_version``).
     """
 
     tokens_BS: torch.Tensor
@@ -95,6 +99,19 @@ class RolloutBatch:
     def num_seqs(self) -> int:
         return int(self.tokens_BS.shape[0])
 
+    def select(self, idx_B: torch.Tensor) -> RolloutBatch:
+        """The sequences ``idx_B`` (int64 indices, or a bool [B] keep mask), in that order: every
+        per-sequence and per-token field (``dist_*`` and ``safe_*`` included), and their route
+        records. ``group_B`` keeps its ids: GRPO groups are whatever ids remain (the caller keeps
+        groups whole, ``moe_rl.maths.versions.staleness_filter``)."""
+        idx_B = idx_B.nonzero().squeeze(1) if idx_B.dtype == torch.bool else idx_B
+        picked = {
+            f.name: getattr(self, f.name)[idx_B.to(getattr(self, f.name).device)]
+            for f in dataclasses.fields(self)
+            if isinstance(getattr(self, f.name), torch.Tensor)
+        }
+        return dataclasses.replace(self, routes=[self.routes[i] for i in idx_B.tolist()], **picked)
+
     def response_ids(self, pad_id: int) -> torch.Tensor:
         """The generated tokens of each sequence, left-aligned and right-padded: int64 [B, R]
         (R the longest response)."""
@@ -113,6 +130,18 @@ class RolloutBatch:
             if isinstance(getattr(self, f.name), torch.Tensor)
         }
         return dataclasses.replace(self, **moved)
+
+
+def with_version(batch: RolloutBatch, version: int) -> RolloutBatch:
+    """``batch`` with every generated token at weight ``version`` (an engine that does not track
+    versions: all its tokens come from the weights it was last synced with); a batch that already
+    carries versions is returned as it is."""
+    if batch.version_BS is not None:
+        return batch
+    version_BS = torch.where(
+        batch.response_mask_BS, torch.tensor(version, dtype=torch.int32, device=batch.tokens_BS.device), 0
+    ).to(torch.int32)
+    return dataclasses.replace(batch, version_BS=version_BS)
 
 
 @dataclass(frozen=True)
@@ -143,6 +172,8 @@ class TrainBatch:
     rollout_dist_BSV: torch.Tensor | None = None  # rollout log-probs over the vocabulary (exact-KL TRM)
     routes: RouteBatch | None = None
     old_routes: RouteBatch | None = None
+    # int64, column t: the version lag of route row t (the old pass's router flips by lag)
+    route_lag_BS: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -14,12 +14,15 @@ per rank: sized for small models). The sets are part of the resume state (``stat
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import deque
 
 import torch
 
 from moe_rl.errors import CheckpointError
+from moe_rl.maths.versions import weight_version
+from moe_rl.types import RolloutBatch, with_version
 
 Named = dict[str, torch.Tensor]
 logger = logging.getLogger(__name__)
@@ -63,6 +66,20 @@ class StaleWeights:
                 "with the checkpoint's weights: they belong to another checkpoint"
             )
         return self.sets[0]
+
+    def engine_version(self, step: int) -> int:
+        """The version of the weights the engine holds during step ``step``'s rollout: that of
+        W_max(0, t-k) (``weight_version``: W_u is version u + 1; the learner holds W_t)."""
+        return weight_version(max(0, step - self.k))
+
+    def versioned(self, batch: RolloutBatch, step: int) -> tuple[RolloutBatch, dict]:
+        """Step ``step``'s rollout with the version of the weights it was sampled with on every
+        generated token, and ``metrics``. The colocated engine holds one weight set for the whole
+        call, the one this queue synced; an engine's own version (the built-in's counts its loads:
+        it restarts on resume and goes up when a stale set is loaded again) is replaced."""
+        return with_version(
+            dataclasses.replace(batch, version_BS=None), self.engine_version(step)
+        ), self.metrics()
 
     def metrics(self) -> dict:
         """Before the step's update: how many updates the engine's weights are behind the

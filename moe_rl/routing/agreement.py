@@ -4,8 +4,9 @@ pass ends, over all its micro-batches and layers in a few vectorized ops.
 
 On rows whose target came from a record: per layer, the fraction whose native expert set differs
 from the given one (``flip_router_frac``) and overlap@K; per token, whether any layer differs and
-how many (``flip_token_frac``, ``flip_layers_per_token``). The same comparison against the old
-pass's native routes is the router monitor's update-induced flip rate
+how many (``flip_token_frac``, ``flip_layers_per_token``); with ``num_lags`` the (token, layer)
+flip rate split by each row's version lag (``flip_frac_lag<k>``, docs/math.md 2.7). The same
+comparison against the old pass's native routes is the router monitor's update-induced flip rate
 (``router_grad/update_flip_*``).
 
 Sequence parallelism (TP > 1): TP rank r routes rows [r N / TP, (r + 1) N / TP) of a micro-batch
@@ -27,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from moe_rl.dist import all_gather_rows, all_reduce_sum, comm_device
+from moe_rl.maths.versions import sum_by_lag
 from moe_rl.metrics import Mean
 from moe_rl.routing.record import RouteBatch, RouteHeader
 from moe_rl.routing.row_layout import unlayout
@@ -74,8 +76,14 @@ class AgreementCollector:
         self.pos = [header.layer_ids.index(lid) for lid in layer_ids]  # positions in the full record
         self.begin_pass("routing/", False)
 
-    def begin_pass(self, prefix: str, keep_native: bool, old_prefix: str = "router_grad/update_") -> None:
+    def begin_pass(
+        self, prefix: str, keep_native: bool, old_prefix: str = "router_grad/update_", num_lags: int = 0
+    ) -> None:
+        """``num_lags`` > 0: every micro-batch with targets comes with its rows' version lags
+        (each < num_lags) and the flips against the targets are also split by lag."""
         self.prefix, self.old_prefix, self.keep_native = prefix, old_prefix, keep_native
+        self.num_lags = num_lags
+        self._target_lags: list[torch.Tensor] = []
         self._native: list[tuple[torch.Tensor, torch.Tensor]] = []  # (native [N, L, K], seq_lens_B)
         self._vs_target: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # native, target, rec_N
         self._vs_old: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
@@ -84,13 +92,20 @@ class AgreementCollector:
         self._counted_missing = False
         self._group_violations: list[tuple[torch.Tensor, torch.Tensor]] = []  # (violating, replayed)
 
-    def add(self, native_NLK: torch.Tensor, seq_lens_B: torch.Tensor, target=None, old=None) -> None:
+    def add(
+        self, native_NLK: torch.Tensor, seq_lens_B: torch.Tensor, target=None, old=None, target_lag=None
+    ) -> None:
         """One micro-batch: this rank's native routes, and (target_NLK, recorded_N) pairs to
-        compare them with (both already this rank's rows)."""
+        compare them with (both already this rank's rows); ``target_lag``: int [N] the rows'
+        version lags (with ``num_lags``)."""
         if self.keep_native:
             self._native.append((native_NLK, seq_lens_B))
         if target is not None:
             self._vs_target.append((native_NLK, *target))
+            if self.num_lags:
+                if target_lag is None:
+                    raise ReplayError("flips by version lag: a micro-batch came without its rows' lags")
+                self._target_lags.append(target_lag)
         if old is not None:
             self._vs_old.append((native_NLK, *old))
 
@@ -134,8 +149,21 @@ class AgreementCollector:
             n = torch.tensor(float(differs_NL.shape[0]), device=differs_NL.device)
             sharded[f"{prefix}flip_token_frac"] = Mean(differs_NL.any(1).float().sum(), n)
             sharded[f"{prefix}flip_layers_per_token"] = Mean(differs_NL.float().sum(), n)
+        if self.num_lags and self._vs_target:  # tokens[0]: the targets', joined over the stages
+            sharded.update(self._flips_by_lag(tokens[0][1]))
         metrics.update(self._sum_sequence_shards(sharded))
         return RoutingOutcome(metrics, self._recorded(natives) if self.keep_native else None)
+
+    def _flips_by_lag(self, differs_NL: torch.Tensor) -> dict:
+        """(token, layer) pairs that differ from the targets, over the recorded rows of each lag
+        (every MoE layer of the model: ``differs_NL`` is joined over the stages)."""
+        rec_N = torch.cat([r for _, _, r in self._vs_target]).cpu()
+        lag_N = torch.cat(self._target_lags).cpu()[rec_N]
+        flips_K = sum_by_lag(differs_NL.sum(1), lag_N, self.num_lags)
+        pairs_K = sum_by_lag(torch.full_like(lag_N, differs_NL.shape[1]), lag_N, self.num_lags).to(
+            flips_K.device
+        )
+        return {f"{self.prefix}flip_frac_lag{k}": Mean(flips_K[k], pairs_K[k]) for k in range(self.num_lags)}
 
     def _compare(self, parts, name: str, out: dict, overlap_name: str | None = None) -> torch.Tensor:
         """Per-layer flip rates (and overlap@K) on recorded rows of every micro-batch; returns

@@ -36,7 +36,7 @@ from moe_rl.routing.agreement import AgreementCollector, RoutingOutcome, SeqShar
 from moe_rl.routing.gating import RouterSpec, group_violations
 from moe_rl.routing.record import RouteBatch, RouteHeader
 from moe_rl.routing.replay_plan import PassMode, PassPlan
-from moe_rl.routing.row_layout import layout
+from moe_rl.routing.row_layout import layout, token_rows
 from moe_rl.routing.server import ReplayError, RouteServer
 
 __all__ = ["ReplayError", "RouteReplay", "RoutingOutcome", "SeqShard"]
@@ -120,6 +120,7 @@ class RouteReplay:
         self._pass: _Pass | None = None
         self._in_forward = False
         self._targets = self._old = None  # this micro-batch's (targets_NLK, recorded_N) for comparison
+        self._target_lag: torch.Tensor | None = None  # its rows' version lags (flips by lag)
         self._native: list[torch.Tensor | None] = []
         self._real_N: torch.Tensor | None = None  # this micro-batch's rows that are real tokens (monitor)
         self._shared_out: dict[int, torch.Tensor] = {}  # a layer's shared-expert output, until its MoE output
@@ -132,7 +133,7 @@ class RouteReplay:
         p = _Pass(plan, monitor and self.monitor is not None)
         if plan is not None:
             self.server.begin_pass(self.recompute and with_backward and plan.mode is PassMode.REPLAY)
-            self.collector.begin_pass(plan.prefix, plan.records)
+            self.collector.begin_pass(plan.prefix, plan.records, num_lags=plan.num_lags)
         self._pass = p
         try:
             yield p
@@ -155,6 +156,8 @@ class RouteReplay:
             self._real_N = self.sp.local_rows(real_N).to(self.device, non_blocking=True)
         if p is not None and p.plan is not None:
             self._begin_micro_batch(p.plan, mb.routes, mb.old_routes, mb.seq_lens_B, seq_len)
+            if p.plan.num_lags and self._targets is not None:
+                self._target_lag = self._row_lags(mb.route_lag_BS, seq_len)
         try:
             yield
             if p is not None and p.plan is not None:
@@ -172,7 +175,7 @@ class RouteReplay:
     ) -> None:
         B = int(seq_lens_B.shape[0])
         self._native = [None] * len(self.layer_ids)
-        self._targets = self._old = None
+        self._targets = self._old = self._target_lag = None
         lens_B = seq_lens_B.cpu()  # the layout is index arithmetic on the CPU, moved once below
         if old_routes is not None:
             if old_routes.num_samples != B:
@@ -195,6 +198,13 @@ class RouteReplay:
         self._targets = (targets_NLK, self.sp.local_rows(rec_N))
         self.collector.add_missing(counts)
 
+    def _row_lags(self, route_lag_BS: torch.Tensor | None, seq_len: int) -> torch.Tensor:
+        """This rank's rows' version lags, laid out like the targets (row s * B + b: token s of
+        sequence b)."""
+        if route_lag_BS is None or route_lag_BS.shape[1] != seq_len:
+            raise ReplayError("flips by version lag were asked for but the micro-batch has no route_lag_BS")
+        return self.sp.local_rows(token_rows(route_lag_BS.cpu()))
+
     def _local(self, t_NLK: torch.Tensor) -> torch.Tensor:
         """This rank's rows and this stage's layers, on the router's device."""
         t_NLK = self.sp.local_rows(t_NLK)
@@ -210,7 +220,13 @@ class RouteReplay:
         unrouted = [lid for lid, n in zip(self.layer_ids, self._native) if n is None]
         if unrouted:
             raise ReplayError(f"layers {unrouted}: never routed this micro-batch")
-        self.collector.add(torch.stack(self._native, 1), seq_lens_B.cpu(), self._targets, self._old)
+        self.collector.add(
+            torch.stack(self._native, 1),
+            seq_lens_B.cpu(),
+            self._targets,
+            self._old,
+            target_lag=self._target_lag,
+        )
         self._native = [None] * len(self.layer_ids)
 
     @property

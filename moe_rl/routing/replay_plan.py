@@ -35,11 +35,14 @@ class PassMode(str, Enum):
 class PassPlan:
     """One pass's routing. ``keep_native`` keeps the native routes in any mode (the monitor's
     update-induced flips compare the update passes with the old pass's); metrics are filed
-    under ``prefix``."""
+    under ``prefix``. ``num_lags`` > 0 also splits the flips against the given routes by the
+    version lag of each row (``{prefix}flip_frac_lag<k>``, k < num_lags; the batch carries
+    ``route_lag_BS``)."""
 
     mode: PassMode
     keep_native: bool = False
     prefix: str = "routing/"
+    num_lags: int = 0
 
     @property
     def records(self) -> bool:

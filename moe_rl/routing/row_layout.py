@@ -33,6 +33,11 @@ def pad_routes(
     return (m_NK % ep_size) * per_rank + (m_NK // ep_size) % per_rank
 
 
+def token_rows(x_BS: torch.Tensor) -> torch.Tensor:
+    """A per-token [B, S] tensor as the router's rows [S * B] (row s * B + b: token s of sequence b)."""
+    return x_BS.t().reshape(-1)
+
+
 def layout(
     routes: RouteBatch, seq_lens_B: torch.Tensor, seq_len: int, ep_size: int
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:

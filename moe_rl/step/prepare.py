@@ -14,14 +14,18 @@ Shape suffixes: B sequences, S positions.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 
 from moe_rl.corrections.importance import offpolicy_metrics
+from moe_rl.dist import comm_device
 from moe_rl.learner.learner import Learner, LogprobOutput
 from moe_rl.maths.advantages import estimate_advantages
 from moe_rl.maths.variance import variance_proxies
+from moe_rl.maths.versions import check_versions, k3_by_lag, lag_BS, lag_metrics, route_lag_BS
 from moe_rl.metrics import Max, Mean, Sum
 from moe_rl.monitor.router_grad import rollout_flip_aliases
 from moe_rl.routing.record import RouteBatch, RouteHeader, validate
@@ -52,22 +56,47 @@ class OldPass(NamedTuple):
     batch: RolloutBatch
     tb: TrainBatch  # tokens, lengths, DVP / exact-KL inputs and the rollout's routes
     out: LogprobOutput
+    lag_BS: torch.Tensor  # int64 [B, S], each generated token's version lag (0 elsewhere)
+    num_lags: int  # 1 + the largest lag over the data-parallel ranks: the per-lag metrics' keys
 
 
-def old_logprobs(plan: StepPlan, learner: Learner, batch: RolloutBatch) -> OldPass:
+def version_lags(batch: RolloutBatch, learner_version: int, dp_group) -> tuple[torch.Tensor, int]:
+    """Each generated token's lag behind ``learner_version`` (0 without ``version_BS``: the engine
+    holds the learner's weights), and 1 + the largest lag over the data-parallel ranks (one tiny
+    MAX all-reduce), so every rank files the same per-lag keys."""
+    mask_BS = batch.response_mask_BS
+    if batch.version_BS is None:
+        lags_BS = torch.zeros_like(mask_BS, dtype=torch.int64)
+    else:
+        check_versions(batch.version_BS, mask_BS, learner_version)
+        lags_BS = lag_BS(batch.version_BS, mask_BS, learner_version)
+    top = lags_BS.max().reshape(1) if lags_BS.numel() else torch.zeros(1, dtype=torch.int64)
+    if dist.is_initialized():
+        top = top.to(comm_device(dp_group))
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=dp_group)
+    return lags_BS, int(top) + 1
+
+
+def old_logprobs(plan: StepPlan, learner: Learner, batch: RolloutBatch, learner_version: int = 1) -> OldPass:
     """The learner's pass over the rollout, on the learner's device (an engine may hand its batch
-    over on another: vLLM's is on the host)."""
+    over on another: vLLM's is on the host). ``learner_version``: the version of the learner's
+    weights (step t: ``weight_version(t)`` = t + 1), against which ``batch.version_BS`` gives
+    each token's lag."""
     batch = batch.to(learner.device)
     inputs = drift.token_inputs(plan.correction, plan.support, batch)
+    lags_BS, num_lags = version_lags(batch, learner_version, learner.dims.dp_group)
+    seq_lens_B = batch.prompt_lens_B + batch.response_lens_B
     tb = TrainBatch(
         batch.tokens_BS,
-        batch.prompt_lens_B + batch.response_lens_B,
+        seq_lens_B,
         safe_BSV=inputs.safe_BSV,
         rollout_dist_BSV=inputs.rollout_dist_BSV,
         routes=rollout_routes(batch, learner.route_header),
+        route_lag_BS=route_lag_BS(lags_BS, batch.prompt_lens_B, seq_lens_B),
     )
-    out = learner.forward_logprobs(tb, plan.sampling.temperature, plan.micro_batch_size, plan.replay.old_pass)
-    return OldPass(batch, tb, out)
+    old_plan = dataclasses.replace(plan.replay.old_pass, num_lags=num_lags)  # router flips by lag
+    out = learner.forward_logprobs(tb, plan.sampling.temperature, plan.micro_batch_size, old_plan)
+    return OldPass(batch, tb, out, lags_BS, num_lags)
 
 
 def prepare_batch(
@@ -97,8 +126,12 @@ def prepare_batch(
         routes=plan.replay.update_routes(old.tb.routes, routing.recorded),
         # the update passes compare their routing with the old pass's (update-induced flips)
         old_routes=routing.recorded if plan.replay.monitor else None,
+        route_lag_BS=None,  # the old pass's flips by lag are measured; the update's are not split
     )
     metrics.update(mismatch_metrics(st.logp_BS, batch.logprobs_BS, st.entropy_BS, mask_BS))
+    # by version lag (docs/math.md 2.7): the staleness histogram and the rollout -> old k3 per lag
+    metrics.update(lag_metrics(old.lag_BS, mask_BS, old.num_lags))
+    metrics.update(k3_by_lag(st.logp_BS, batch.logprobs_BS, old.lag_BS, mask_BS, old.num_lags))
     return tb, metrics
 
 

@@ -368,3 +368,22 @@ def test_pipeline_parallel_run_has_every_stage_metric(tmp_path):
         got, want = deterministic(m[s]), deterministic(ref[s])
         assert sorted(got) == sorted(want)
         assert got == pytest.approx(want, rel=1e-3, abs=1e-6, nan_ok=True)
+
+
+@pytest.mark.e2e
+def test_stale_rollouts_log_the_version_lag_histogram(tmp_path):
+    run = tmp_path / "stale1"
+    moe_rl("train", f"run_dir={run}", "steps=3", "checkpoint_every=0", "rollout.staleness=1", *TINY)
+    recs = metrics(run)
+    # step 0 samples with W_0, the learner's own weights: lag 0; from step 1 on W_{t-1}: lag 1
+    assert recs[0]["rollout/lag_frac/0"] == 1.0 and "rollout/lag_frac/1" not in recs[0]
+    assert recs[0]["mismatch/k3_lag0"] == pytest.approx(recs[0]["corr/k3_kl"], rel=1e-9, abs=1e-15)
+    assert recs[0]["routing/flip_frac_lag0"] == pytest.approx(recs[0]["routing/flip_router_frac"], rel=1e-9)
+    for t in (1, 2):
+        r = recs[t]
+        assert (r["rollout/lag_frac/0"], r["rollout/lag_frac/1"]) == (0.0, 1.0), t
+        assert (r["rollout/lag_mean"], r["rollout/lag_max"], r["rollout/policy_lag"]) == (1.0, 1.0, 1.0)
+        assert r["mismatch/k3_lag0"] is None  # no token of lag 0: NaN, written as null
+        assert r["mismatch/k3_lag1"] == pytest.approx(r["corr/k3_kl"], rel=1e-9) and r["corr/k3_kl"] > 0
+        assert r["routing/flip_frac_lag0"] is None
+        assert r["routing/flip_frac_lag1"] == pytest.approx(r["routing/flip_router_frac"], rel=1e-9)

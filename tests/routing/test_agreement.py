@@ -116,3 +116,42 @@ def test_route_server_fails_closed():
     assert (server.served_forward, server.served_backward) == ([1, 1], [1, 1])
     with pytest.raises(ReplayError, match="recompute asked for routes but none are queued"):
         server.serve(0, 4, recompute=True)
+
+
+@pytest.mark.unit
+def test_flips_by_version_lag_split_the_router_flips_by_each_rows_lag():
+    c = AgreementCollector(HEADER, [0, 1], SeqShard())
+    c.begin_pass("routing/", keep_native=False, num_lags=3)
+    # the micro-batches of the hand-count test above; recorded rows (mb1, 0) lag 0, (mb1, 1) and
+    # (mb2, 0) lag 1 (unrecorded rows carry any lag: never counted)
+    native1 = _nlk([[0, 1], [2, 3], [0, 1]], [[0, 1], [0, 1], [2, 3]])
+    target1 = _nlk([[1, 0], [2, 1], [3, 2]], [[0, 1], [2, 3], [0, 1]])
+    c.add(
+        native1,
+        torch.tensor([3]),
+        target=(target1, torch.tensor([True, True, False])),
+        target_lag=torch.tensor([0, 1, 2]),
+    )
+    native2 = _nlk([[1, 2], [0, 3]], [[3, 2], [0, 1]])
+    target2 = _nlk([[1, 3], [0, 1]], [[2, 3], [0, 2]])
+    c.add(
+        native2,
+        torch.tensor([2]),
+        target=(target2, torch.tensor([True, False])),
+        target_lag=torch.tensor([1, 2]),
+    )
+    m = c.finish().metrics
+    # lag 0: row (mb1, 0) agrees in both layers; lag 1: (mb1, 1) flips in 2 layers, (mb2, 0) in 1
+    assert (float(m["routing/flip_frac_lag0"].sum), float(m["routing/flip_frac_lag0"].count)) == (0.0, 2.0)
+    assert (float(m["routing/flip_frac_lag1"].sum), float(m["routing/flip_frac_lag1"].count)) == (3.0, 4.0)
+    assert (float(m["routing/flip_frac_lag2"].sum), float(m["routing/flip_frac_lag2"].count)) == (0.0, 0.0)
+    # the lags partition the step's (token, layer) pairs: together they are flip_router_frac
+    total = m["routing/flip_router_frac"]
+    assert (float(total.sum), float(total.count)) == (3.0, 6.0)
+    # without num_lags nothing is split; a micro-batch without its lags is refused
+    c.begin_pass("routing/", keep_native=False)
+    c.add(native2, torch.tensor([2]), target=(target2, torch.tensor([True, False])))
+    assert not [k for k in c.finish().metrics if "_lag" in k]
+    c.begin_pass("routing/", keep_native=False, num_lags=2)
+    with pytest.raises(ReplayError, match="without its rows' lags"):
+        c.add(native2, torch.tensor([2]), target=(target2, torch.tensor([True, False])))

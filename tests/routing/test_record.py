@@ -22,7 +22,7 @@ from moe_rl.routing.record import (
     save_records,
     validate,
 )
-from moe_rl.routing.row_layout import layout, pad_routes, unlayout
+from moe_rl.routing.row_layout import layout, pad_routes, token_rows, unlayout
 from moe_rl.routing.topk_overlap import topk_agreement
 
 CFG = ModelConfig(vocab_size=50, num_layers=4, first_k_dense=1, num_experts=8, moe_router_topk=2)
@@ -193,6 +193,12 @@ def test_layout_is_sequence_major_with_native_last_row_and_pads():
     assert float(counts["rows_missing"]) == 0.0 and float(counts["rows_expected"]) == 4.0
     back = unlayout(torch.where(targets_NLK < 0, 0, targets_NLK), seq_lens_B, routes.prompt_len_B, HEADER)
     assert torch.equal(back.ids_NLK, routes.ids_NLK)
+    # a per-token tensor laid out as rows lines up with the targets (the route rows' lags use it)
+    marker_BS = torch.full((B, 5), -7, dtype=torch.int64)
+    for b, rec in enumerate(recs):
+        marker_BS[b, : rec.num_rows] = rec.ids_TLK[:, 0, 0].long()
+    rows_N = token_rows(marker_BS)
+    assert torch.equal(rows_N[recorded_N], targets_NLK[recorded_N, 0, 0])
 
 
 @pytest.mark.unit

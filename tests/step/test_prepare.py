@@ -89,7 +89,9 @@ def test_prepare_routes_each_pass_as_the_plan_says(mode):
     tb, replay = reference_logprobs(plan, learner, tb), plan.replay
     (kind0, old_batch, old_plan), (kind1, ref_batch, ref_plan) = learner.passes
     assert (kind0, kind1) == ("old", "ref")
-    assert old_plan == replay.old_pass and old_plan.keep_native  # the monitor keeps the old routes
+    # the monitor keeps the old routes; the flips are split by version lag (all 0 here: one lag)
+    assert old_plan == dataclasses.replace(replay.old_pass, num_lags=1) and old_plan.keep_native
+    assert old_batch.route_lag_BS.eq(0).all() and tb.route_lag_BS is None
     assert torch.equal(old_batch.routes.rows_B, torch.tensor([4, 2, 3, 3]))  # the rollout's, T - 1 rows each
     expected = {"off": None, "r2": learner.recorded, "r3": old_batch.routes}[mode]
     assert tb.routes is expected and tb.old_routes is learner.recorded
@@ -130,3 +132,42 @@ def test_update_splits_by_minibatch_and_averages_grad_norms():
 def test_response_ids_left_aligns_the_responses():
     rollout = small_rollout()
     assert rollout.response_ids(pad_id=0).tolist() == [[5, 6, 7], [5, 0, 0], [5, 6, 0], [5, 6, 0]]
+
+
+@pytest.mark.unit
+def test_prepare_splits_the_mismatch_by_each_tokens_version_lag():
+    plan = StepPlan.from_config(load_config(None, ["routing.replay=r3", "log.router_monitor=false"]))
+    learner, rollout = StandInLearner(), small_rollout()
+    # responses (prompt 2): 3, 1, 2, 2 tokens; the learner is at version 6
+    version_BS = torch.tensor(
+        [[0, 0, 4, 5, 5], [0, 0, 6, 0, 0], [0, 0, 4, 4, 0], [0, 0, 6, 6, 0]], dtype=torch.int32
+    )
+    rollout = dataclasses.replace(rollout, version_BS=version_BS)
+    old = old_logprobs(plan, learner, rollout, learner_version=6)
+    _, metrics = prepare_batch(plan, learner, old, torch.tensor([1.0, 0.0, 0.5, 0.5]))
+    ((_, old_batch, old_plan),) = learner.passes
+    assert old_plan.num_lags == 3  # lags 0 .. 2
+    # route row t has token max(t + 1, 2)'s lag; rows 0 .. T - 2
+    assert old_batch.route_lag_BS.tolist() == [
+        [2, 2, 1, 1, 0],
+        [0, 0, 0, 0, 0],
+        [2, 2, 2, 0, 0],
+        [0, 0, 0, 0, 0],
+    ]
+    m = {k: float(v.sum) / float(v.count) for k, v in metrics.items() if "lag" in k and hasattr(v, "count")}
+    # 8 tokens: lag 0 on 1 + 2, lag 1 on 2, lag 2 on 1 + 2
+    assert m == pytest.approx(
+        {
+            "rollout/lag_frac/0": 3 / 8,
+            "rollout/lag_frac/1": 2 / 8,
+            "rollout/lag_frac/2": 3 / 8,
+            "rollout/lag_mean": 8 / 8,
+            # the stand-in's old log-prob is -0.5 and the rollout's -0.75 on every token
+            "mismatch/k3_lag0": math.exp(0.25) - 1.25,
+            "mismatch/k3_lag1": math.exp(0.25) - 1.25,
+            "mismatch/k3_lag2": math.exp(0.25) - 1.25,
+        }
+    )
+    assert float(metrics["rollout/lag_max"].value) == 2.0
+    with pytest.raises(ValueError, match="newer than the learner's version 5"):  # weights from the future
+        old_logprobs(plan, learner, rollout, learner_version=5)
