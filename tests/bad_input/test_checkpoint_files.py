@@ -138,10 +138,11 @@ def test_checkpoint_disk_full_and_damaged_files_are_named(tmp_path):
     )
     (run / "config.yaml").write_text(to_yaml(cfg))
     shard = run / "checkpoints" / "step_000001" / "__0_1.distcp"
+    size = shard.stat().st_size  # its own: the writer's two files differ in length
     shard.write_bytes(shard.read_bytes()[:-1])
     fails_with(
         tmp_path,
-        f"{shard} has {out['size'] - 1} bytes, its metadata needs {out['size']}: the checkpoint in "
+        f"{shard} has {size - 1} bytes, its metadata needs {size}: the checkpoint in "
         f"{shard.parent} is truncated or corrupt; resume from another step (point "
         f"{run / 'checkpoints' / 'latest'} at it)",
         "export-hf",
