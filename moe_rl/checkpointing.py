@@ -106,20 +106,21 @@ class CheckpointManager:
             msg = self.remote.take_in_flight()  # every learner rank receives it: its next batch
             dims = self.learner.dims
             if dims.tp_rank == 0 and dims.pp_rank == 0:
-                self._write(self.in_flight_path(name), msg.state_dict(), "in_flight_")
+                self._write(self.in_flight_path(name), msg.state_dict())
         checkpoint.save(
             self.learner,
             self.root,
             step + 1,
             {"seed": self.cfg.seed, "length_lr": self.lr_sched.state_dict()},
         )
+        if not dist.is_initialized() or dist.get_rank() == 0:  # after the save's last barrier
+            self._prune()
 
     def _save_stale(self, step_dir_name: str) -> None:
-        self._write(self.stale_path(step_dir_name), self.stale.state_dict(), "stale_weights_")
+        self._write(self.stale_path(step_dir_name), self.stale.state_dict())
 
-    def _write(self, path: Path, state: dict, prefix: str) -> None:
-        """``state`` to ``path`` atomically (the step's checkpoint is renamed into place after it),
-        and the files of ``prefix`` whose checkpoints were pruned removed."""
+    def _write(self, path: Path, state: dict) -> None:
+        """``state`` to ``path`` atomically (the step's checkpoint is renamed into place after it)."""
         self.root.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
         try:
@@ -133,9 +134,11 @@ class CheckpointManager:
                 raise DiskFullError(f"no space left on device: {path}") from None
             raise
         os.replace(tmp, path)
-        kept = {p.name for p in self.root.glob("step_*") if p.is_dir()} | {
-            path.stem.removeprefix(prefix)[:11]
-        }
-        for old in self.root.glob(f"{prefix}step_*.pt"):  # the checkpoints pruned since
-            if old.name.removeprefix(prefix)[:11] not in kept:
-                old.unlink(missing_ok=True)
+
+    def _prune(self) -> None:
+        """The stale weight sets and in-flight batches of checkpoints the last save pruned."""
+        kept = {p.name for p in self.root.glob("step_*") if p.is_dir()}
+        for prefix in ("stale_weights_", "in_flight_"):
+            for old in self.root.glob(f"{prefix}step_*.pt"):
+                if old.name.removeprefix(prefix)[:11] not in kept:
+                    old.unlink(missing_ok=True)
