@@ -80,6 +80,7 @@ def _worker(rank: int, root: str) -> dict:
     out["good"] = checkpoint.load(learner, path)
     shutil.copytree(path, root_p / "run" / "checkpoints" / path.name)  # for export-hf in the parent
     (root_p / "run" / "checkpoints" / "latest").write_text(path.name + "\n")
+    out["sizes"] = {p.name: p.stat().st_size for p in path.glob("*.distcp")}
     shard = min(path.glob("*.distcp"))
     blob = shard.read_bytes()
     out["size"] = len(blob)
@@ -141,7 +142,8 @@ def test_checkpoint_disk_full_and_damaged_files_are_named(tmp_path):
     shard.write_bytes(shard.read_bytes()[:-1])
     fails_with(
         tmp_path,
-        f"{shard} has {out['size'] - 1} bytes, its metadata needs {out['size']}: the checkpoint in "
+        f"{shard} has {out['sizes'][shard.name] - 1} bytes, its metadata needs {out['sizes'][shard.name]}: "
+        f"the checkpoint in "
         f"{shard.parent} is truncated or corrupt; resume from another step (point "
         f"{run / 'checkpoints' / 'latest'} at it)",
         "export-hf",
