@@ -7,7 +7,6 @@ one clear error each, and a root that stops mid-sync fails the receiver at the g
 from __future__ import annotations
 
 import datetime
-import io
 import math
 import time
 
@@ -15,6 +14,7 @@ import pytest
 import torch
 
 from tests.dist_harness import run_ranks
+from tests.rollout.rank_results import packed, unpacked
 
 TIMEOUT_S = 2.0
 # bucket sizes: smaller than one tensor (and not a multiple of any element size), between, larger
@@ -56,18 +56,6 @@ class Boom(RuntimeError):
 def _raising(chunks, after: int):
     yield from chunks[:after]
     raise Boom("the learner's stream raised")
-
-
-def packed(obj) -> bytes:
-    """A rank's result as bytes: tensors put on the harness queue travel as shared-memory handles
-    that die with the rank."""
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
-
-
-def unpacked(data: bytes):
-    return torch.load(io.BytesIO(data), weights_only=True)
 
 
 def _worker(rank: int):

@@ -10,8 +10,6 @@ received in the background changes nothing the engine computes until ``apply``."
 
 from __future__ import annotations
 
-import hashlib
-
 import pytest
 import torch
 
@@ -19,7 +17,7 @@ from moe_rl.config import OptimConfig, ParallelConfig
 from moe_rl.types import TrainBatch
 from tests.dist_harness import run_ranks
 from tests.models import TINY_MOE_L3 as MODEL
-from tests.rollout.test_weight_broadcast import packed, unpacked
+from tests.rollout.rank_results import digests, packed, unpacked
 
 LOGP_TOL = 1e-5
 SMALL_BUCKET = 1000  # bytes: smaller than most tensors of the model; the default is larger than a layer
@@ -40,15 +38,6 @@ def engine_logprobs(engine, tokens_BS: torch.Tensor) -> torch.Tensor:
     logits_BSV = engine.model.forward(tokens_BS, pos_BS, torch.ones(B, S, dtype=torch.bool)).logits
     logp_BS = torch.log_softmax(logits_BSV[:, :-1], -1).gather(-1, tokens_BS[:, 1:, None])[..., 0]
     return torch.cat([logp_BS.new_zeros(B, 1), logp_BS], 1)
-
-
-def digests(named: dict[str, torch.Tensor]) -> dict[str, tuple[str, tuple[int, ...], str]]:
-    """Per tensor its dtype, shape and the SHA-256 of its bytes: equal bits, compared where the
-    tensors cannot travel (the harness's result queue holds 64 KiB)."""
-    return {
-        n: (str(t.dtype), tuple(t.shape), hashlib.sha256(t.reshape(-1).view(torch.uint8).numpy()).hexdigest())
-        for n, t in named.items()
-    }
 
 
 def _nll(mb, st, normalizer):
