@@ -3,7 +3,13 @@
 
 With ``rollout.staleness=k > 0`` the engine's k stale weight sets are resume state too: rank 0
 writes them to ``checkpoints/stale_weights_step_N.pt`` (atomically, before the step's checkpoint,
-so a complete checkpoint always has its file) and every rank reads them back on resume."""
+so a complete checkpoint always has its file) and every rank reads them back on resume.
+
+With ``rollout.mode=one_step_off`` the batch in flight (the next step's, generated with weights the
+checkpoint no longer holds) is resume state too: the learner receives it before saving, and the
+first rank of each data-parallel rank (TP and PP rank 0) writes it to
+``checkpoints/in_flight_step_N_dp{d}.pt`` the same way; a resume takes its first batch from there
+(docs/design.md 15)."""
 
 from __future__ import annotations
 
@@ -19,6 +25,7 @@ from moe_rl.errors import DiskFullError, RunDirError, disk_full_named
 from moe_rl.learner import checkpoint
 from moe_rl.learner.learner import Learner
 from moe_rl.maths.lr import LengthLRScheduler
+from moe_rl.rollout.remote import RemoteEngine, RolloutMessage
 from moe_rl.rollout.staleness import StaleWeights
 
 log = logging.getLogger(__name__)
@@ -26,19 +33,47 @@ log = logging.getLogger(__name__)
 
 class CheckpointManager:
     def __init__(
-        self, cfg: RunConfig, learner: Learner, lr_sched: LengthLRScheduler, stale: StaleWeights | None = None
+        self,
+        cfg: RunConfig,
+        learner: Learner,
+        lr_sched: LengthLRScheduler,
+        stale: StaleWeights | None = None,
+        engine=None,
     ) -> None:
         self.cfg, self.learner, self.lr_sched, self.stale = cfg, learner, lr_sched, stale
         self.root = Path(cfg.run_dir) / "checkpoints"
+        # the rollout ranks' stand-in (parallel.rollout_ranks); one-step-off keeps a batch in flight
+        self.remote = engine if isinstance(engine, RemoteEngine) else None
+        self.in_flight = self.remote is not None and cfg.rollout.mode == "one_step_off"
 
     def stale_path(self, step_dir_name: str) -> Path:
         return self.root / f"stale_weights_{step_dir_name}.pt"
+
+    def in_flight_path(self, step_dir_name: str) -> Path:
+        return self.root / f"in_flight_{step_dir_name}_dp{self.learner.dims.dp_rank}.pt"
 
     def resume(self) -> int:
         """The first step to run: 0, or the step after the last checkpoint when resuming (with the
         stale weight sets restored into ``self.stale``)."""
         if not self.cfg.resume:
             return 0
+        start = self._resume()
+        if self.remote is not None:
+            batch = None
+            if self.in_flight:
+                path = self.in_flight_path(f"step_{start:06d}")
+                if not path.is_file():
+                    raise RunDirError(
+                        f"resume=true with rollout.mode=one_step_off but {path} (the batch in flight "
+                        f"when the checkpoint was saved) is missing"
+                    )
+                batch = RolloutMessage.from_state_dict(
+                    torch.load(path, map_location="cpu", weights_only=True)
+                )
+            self.remote.resume(start, batch)
+        return start
+
+    def _resume(self) -> int:
         path = checkpoint.latest(self.root)
         if path is None:
             raise RunDirError(f"resume=true but {self.root} has no checkpoint")
@@ -64,22 +99,33 @@ class CheckpointManager:
 
     def save(self, step: int) -> None:
         """The state after step ``step`` (0-based): a resumed run starts at ``step + 1``."""
+        name = f"step_{step + 1:06d}"
         if self.stale is not None and self.stale.k and (not dist.is_initialized() or dist.get_rank() == 0):
-            self._save_stale(f"step_{step + 1:06d}")
+            self._save_stale(name)
+        if self.in_flight:
+            msg = self.remote.take_in_flight()  # every learner rank receives it: its next batch
+            dims = self.learner.dims
+            if dims.tp_rank == 0 and dims.pp_rank == 0:
+                self._write(self.in_flight_path(name), msg.state_dict())
         checkpoint.save(
             self.learner,
             self.root,
             step + 1,
             {"seed": self.cfg.seed, "length_lr": self.lr_sched.state_dict()},
         )
+        if not dist.is_initialized() or dist.get_rank() == 0:  # after the save's last barrier
+            self._prune()
 
     def _save_stale(self, step_dir_name: str) -> None:
+        self._write(self.stale_path(step_dir_name), self.stale.state_dict())
+
+    def _write(self, path: Path, state: dict) -> None:
+        """``state`` to ``path`` atomically (the step's checkpoint is renamed into place after it)."""
         self.root.mkdir(parents=True, exist_ok=True)
-        path = self.stale_path(step_dir_name)
         tmp = path.with_name(path.name + ".tmp")
         try:
             with disk_full_named(path), open(tmp, "wb") as f:
-                torch.save(self.stale.state_dict(), f)
+                torch.save(state, f)
                 f.flush()
                 os.fsync(f.fileno())
         except (DiskFullError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
@@ -88,7 +134,11 @@ class CheckpointManager:
                 raise DiskFullError(f"no space left on device: {path}") from None
             raise
         os.replace(tmp, path)
-        kept = {p.name for p in self.root.glob("step_*") if p.is_dir()} | {step_dir_name}
-        for old in self.root.glob("stale_weights_step_*.pt"):  # the checkpoints pruned since
-            if old.name.removeprefix("stale_weights_").removesuffix(".pt") not in kept:
-                old.unlink(missing_ok=True)
+
+    def _prune(self) -> None:
+        """The stale weight sets and in-flight batches of checkpoints the last save pruned."""
+        kept = {p.name for p in self.root.glob("step_*") if p.is_dir()}
+        for prefix in ("stale_weights_", "in_flight_"):
+            for old in self.root.glob(f"{prefix}step_*.pt"):
+                if old.name.removeprefix(prefix)[:11] not in kept:
+                    old.unlink(missing_ok=True)

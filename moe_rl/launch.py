@@ -107,12 +107,18 @@ def run_worker(cfg: RunConfig, prepared=None) -> None:
     dist.setup_logging(int(os.environ.get("RANK", "0")))
     megatron_patches.apply_all()
     dims = dist.init_distributed(cfg.parallel, cfg.seed)
+    global _role
+    if not dims.placement.colocated:  # a failure names the rank's role (docs/design.md 15)
+        _role = f"{dims.placement.role} rank {dims.placement.split.role_rank(dims.placement.rank)}"
     finished = False
     try:
         trainer.train(cfg, dims, prepared)
         finished = True
     finally:
         dist.shutdown(clean=finished)  # after an exception: no barrier, a peer may never arrive
+
+
+_role: str | None = None  # this rank's role in a split world ("rollout rank 1"); None: colocated
 
 
 @dataclass
@@ -123,12 +129,14 @@ class _RankFailure:
     kind: str
     message: str
     traceback: str
+    role: str | None = None
 
     def reraise(self) -> None:
+        who = f"rank {self.rank}" + (f" ({self.role})" if self.role else "")
         if isinstance(self.exc, UserError):
-            raise type(self.exc)(f"rank {self.rank}: {self.exc}") from None
+            raise type(self.exc)(f"{who}: {self.exc}") from None
         raise RankFailedError(
-            f"rank {self.rank} failed with {self.kind}: {self.message}\n"
+            f"{who} failed with {self.kind}: {self.message}\n"
             f"--- rank {self.rank} traceback ---\n{self.traceback}"
         ) from None
 
@@ -162,7 +170,7 @@ def _record_and_exit(report_dir: str, e: BaseException) -> None:
         exc = pickle.loads(pickle.dumps(e))
     except Exception:  # noqa: BLE001
         exc = None
-    failure = _RankFailure(rank, when, exc, type(e).__name__, str(e), traceback.format_exc())
+    failure = _RankFailure(rank, when, exc, type(e).__name__, str(e), traceback.format_exc(), _role)
     tmp = Path(report_dir) / f".rank{rank}.tmp"
     tmp.write_bytes(pickle.dumps(failure))
     tmp.rename(Path(report_dir) / f"rank{rank}.pkl")

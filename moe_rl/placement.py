@@ -54,6 +54,15 @@ class Split:
         """The rank within its role's world."""
         return rank - (self.nproc - self.rollout_ranks) if self.role(rank) == ROLLOUT else rank
 
+    def engines(self, engine_tp: int = 1) -> int:
+        """Rollout engines: each spans ``engine_tp`` consecutive rollout ranks."""
+        return self.rollout_ranks // engine_tp
+
+    def server(self, dp_rank: int, engine_tp: int = 1) -> int:
+        """The world rank that sends learner data-parallel rank ``dp_rank`` its batches: the first
+        rank of engine ``dp_rank % engines`` (so each engine serves whole dp ranks)."""
+        return self.rollouts[(dp_rank % self.engines(engine_tp)) * engine_tp]
+
     @property
     def sync_members(self) -> tuple[int, ...]:
         """The weight broadcast's group: learner rank 0 (its root, rank 0 in the group), then the
@@ -91,6 +100,12 @@ class Group:
 
     def barrier(self) -> None:
         self.pg.barrier().wait()
+
+    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """Every member's equally shaped ``t``, in group-rank order."""
+        out = [torch.empty_like(t) for _ in self.members]
+        self.pg.allgather([out], [t]).wait()
+        return out
 
     # Python objects (a step's batch and its metadata): pickled into a uint8 tensor, length first
     def send_object(self, obj: Any, dst: int, tag: int = 0) -> list:
@@ -131,6 +146,13 @@ class Placement:
     @property
     def is_rollout(self) -> bool:
         return self.role == ROLLOUT
+
+
+def exchange_dp_ranks(bridge: Group, dp_rank: int) -> list[int]:
+    """Every world rank's learner data-parallel rank (-1 on rollout ranks), over the bridge: a
+    rollout rank learns which learner ranks a dp rank's batch goes to without megatron's rank order.
+    Collective over the whole world, once at start."""
+    return [int(t) for t in bridge.all_gather(torch.tensor([dp_rank], dtype=torch.int64))]
 
 
 def _new_group(backend: str, store, prefix: str, members: tuple[int, ...], rank: int, timeout) -> Group:

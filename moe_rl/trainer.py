@@ -25,6 +25,7 @@ from moe_rl.preflight import check_launch
 from moe_rl.preflight import check_run_dir as check_run_directory
 from moe_rl.rollout.factory import build_engine
 from moe_rl.rollout.staleness import StaleWeights
+from moe_rl.rollout_loop import serve_rollouts
 from moe_rl.seeding import GENERATE, step_seed
 from moe_rl.step.finalize import finalize
 from moe_rl.step.plan import StepPlan
@@ -118,6 +119,15 @@ def start_engine(engine, learner: Learner, offload: bool) -> None:
         engine.start(named)
 
 
+def engine_of(cfg: RunConfig, dims: ParallelDims, learner: Learner, pad_id: int, mem: MemoryTimeline):
+    """The learner rank's engine, started (vLLM: beside no learner state); in a split world the
+    stand-in for the rollout ranks' engines (moe_rl/rollout/remote.py)."""
+    with mem.span("engine build"):
+        engine = build_engine(cfg, pad_id, learner.device, dims)
+        start_engine(engine, learner, cfg.parallel.offload_during_rollout)
+    return engine
+
+
 def build_learner(cfg: RunConfig, plan: StepPlan, dims: ParallelDims, tok, memory=None) -> Learner:
     """The megatron learner of ``cfg``: each rank reads only its shard of the warm start (checked
     in preflight), and none on a resume that needs no reference model."""
@@ -166,17 +176,17 @@ def rank_task(cfg: RunConfig, dims: ParallelDims, prepared: Prepared | None) -> 
 
 
 def train(cfg: RunConfig, dims: ParallelDims, prepared: Prepared | None = None) -> None:
+    if dims.is_rollout:  # parallel.rollout_ranks: this rank only generates (docs/design.md 15)
+        return serve_rollouts(cfg, dims, prepared.task if prepared else None)
     ready = rank_task(cfg, dims, prepared)
     cfg, task, mem = ready.cfg, ready.task, ready.memory
     r, tok = cfg.rollout, task.tokenizer
     plan = StepPlan.from_config(cfg, tok.eos_ids)  # the step's every choice, made once
     learner = build_learner(cfg, plan, dims, tok, mem)
-    with mem.span("engine build"):
-        engine = build_engine(cfg, tok.pad_id, learner.device)
-        start_engine(engine, learner, cfg.parallel.offload_during_rollout)  # vLLM: beside no learner
+    engine = engine_of(cfg, dims, learner, tok.pad_id, mem)
     lr_sched = LengthLRScheduler(cfg.optim.length_lr)
-    stale = StaleWeights(r.staleness)  # rollout.staleness: the engine runs k updates behind
-    ckpt = CheckpointManager(cfg, learner, lr_sched, stale)
+    stale = StaleWeights(r.staleness, remote=cfg.parallel.rollout_ranks > 0)  # k updates behind
+    ckpt = CheckpointManager(cfg, learner, lr_sched, stale, engine)
     with mem.span("resume"):
         start = ckpt.resume()
     with mem.span("first sync"):

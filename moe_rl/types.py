@@ -94,6 +94,9 @@ class RolloutBatch:
     # with SamplingParams.return_dist / dvp, at every generated position (0 elsewhere):
     dist_logp_BSV: torch.Tensor | None = None  # float32 log softmax(logits / T) over the vocabulary
     safe_BSV: torch.Tensor | None = None  # bool, the DVP safe set the token was sampled from
+    # what a remote engine reports with the batch (moe_rl/rollout/remote.py: the weight version
+    # lag, the waits of both roles), logged with the step's rollout metrics; {} for a local engine
+    engine_metrics: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:

@@ -236,7 +236,16 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ),
     ("learner", ("moe_rl.learner",)),
     ("step", ("moe_rl.step",)),
-    ("loop", ("moe_rl.trainer", "moe_rl.checkpointing", "moe_rl.preflight", "moe_rl.run_end")),
+    (
+        "loop",
+        (
+            "moe_rl.trainer",
+            "moe_rl.rollout_loop",
+            "moe_rl.checkpointing",
+            "moe_rl.preflight",
+            "moe_rl.run_end",
+        ),
+    ),
     ("entry points", ("moe_rl.launch", "moe_rl.export", "moe_rl.cli")),
 )
 

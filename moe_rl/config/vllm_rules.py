@@ -57,11 +57,15 @@ def check_vllm(cfg: RunConfig) -> None:
             "exact TRM needs the rollout's full distributions; vLLM returns top-k "
             "log-probs only: use correction.trm.kl=sample",
         )
-    if cfg.parallel.nproc % v.tensor_parallel:
+    p = cfg.parallel
+    engine_ranks, which = (
+        (p.rollout_ranks, "parallel.rollout_ranks") if p.rollout_ranks else (p.nproc, "parallel.nproc")
+    )
+    if engine_ranks % v.tensor_parallel:
         refuse(
             "rollout.vllm.tensor_parallel",
-            f"{v.tensor_parallel} does not divide parallel.nproc "
-            f"{cfg.parallel.nproc} (each engine spans consecutive ranks)",
+            f"{v.tensor_parallel} does not divide {which} {engine_ranks} "
+            f"(each engine spans consecutive ranks)",
         )
     if cfg.model.num_attention_heads % v.tensor_parallel:
         refuse(

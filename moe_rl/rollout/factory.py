@@ -9,8 +9,20 @@ from moe_rl.config import RunConfig
 from moe_rl.rollout.base import RolloutEngine
 
 
-def build_engine(cfg: RunConfig, pad_id: int, device: torch.device | str = "cpu") -> RolloutEngine:
-    """builtin (CPU or small GPU models, on ``device``: the learner's) or vllm (CUDA, its own)."""
+def engine_tp(cfg: RunConfig) -> int:
+    """Ranks per engine: vLLM's tensor parallel, 1 for the built-in engine."""
+    return cfg.rollout.vllm.tensor_parallel if cfg.rollout.engine == "vllm" else 1
+
+
+def build_engine(cfg: RunConfig, pad_id: int, device: torch.device | str = "cpu", dims=None) -> RolloutEngine:
+    """builtin (CPU or small GPU models, on ``device``: the learner's) or vllm (CUDA, its own); on
+    a learner rank of a split world (``dims.placement``, parallel.rollout_ranks > 0) the stand-in
+    for the rollout ranks' engines (moe_rl/rollout/remote.py)."""
+    placement = getattr(dims, "placement", None)
+    if placement is not None and not placement.colocated:
+        from moe_rl.rollout.remote import RemoteEngine
+
+        return RemoteEngine(dims, engine_tp(cfg), ahead=cfg.rollout.mode == "one_step_off")
     if cfg.rollout.engine == "vllm":
         from moe_rl.rollout.vllm.engine import VllmEngine  # vllm imports only where it is asked for
 

@@ -29,10 +29,13 @@ logger = logging.getLogger(__name__)
 
 
 class StaleWeights:
-    def __init__(self, staleness: int) -> None:
+    def __init__(self, staleness: int, remote: bool = False) -> None:
         if staleness < 0:
             raise ValueError(f"rollout.staleness must be >= 0, got {staleness}")
         self.k = staleness
+        # parallel.rollout_ranks: the rollout ranks stamp each batch with the version of the weights
+        # they generated it with (moe_rl/rollout/remote.py); k is 0 there
+        self.remote = remote
         self.sets: deque[Named] = deque(maxlen=staleness + 1)  # oldest first; the newest is the learner's
 
     def push(self, named: Named) -> Named:
@@ -77,6 +80,8 @@ class StaleWeights:
         generated token, and ``metrics``. The colocated engine holds one weight set for the whole
         call, the one this queue synced; an engine's own version (the built-in's counts its loads:
         it restarts on resume and goes up when a stale set is loaded again) is replaced."""
+        if self.remote:
+            return batch, self.metrics()
         return with_version(
             dataclasses.replace(batch, version_BS=None), self.engine_version(step)
         ), self.metrics()

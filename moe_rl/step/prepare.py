@@ -174,4 +174,5 @@ def rollout_metrics(batch: RolloutBatch) -> dict:
         "rollout/truncated_frac": Mean((~batch.finished_B).float().sum(), n),  # hit rollout.max_new_tokens
         "rollout/num_seqs": Sum(n),
         "rollout/num_response_tokens": Sum(lens_B.sum()),
+        **batch.engine_metrics,
     }

@@ -80,6 +80,7 @@ def _worker(rank: int, root: str) -> dict:
     out["good"] = checkpoint.load(learner, path)
     shutil.copytree(path, root_p / "run" / "checkpoints" / path.name)  # for export-hf in the parent
     (root_p / "run" / "checkpoints" / "latest").write_text(path.name + "\n")
+    out["sizes"] = {p.name: p.stat().st_size for p in path.glob("*.distcp")}
     shard = min(path.glob("*.distcp"))
     blob = shard.read_bytes()
     out["size"] = len(blob)
@@ -138,11 +139,11 @@ def test_checkpoint_disk_full_and_damaged_files_are_named(tmp_path):
     )
     (run / "config.yaml").write_text(to_yaml(cfg))
     shard = run / "checkpoints" / "step_000001" / "__0_1.distcp"
-    size = shard.stat().st_size  # its own: the writer's two files differ in length
     shard.write_bytes(shard.read_bytes()[:-1])
     fails_with(
         tmp_path,
-        f"{shard} has {size - 1} bytes, its metadata needs {size}: the checkpoint in "
+        f"{shard} has {out['sizes'][shard.name] - 1} bytes, its metadata needs {out['sizes'][shard.name]}: "
+        f"the checkpoint in "
         f"{shard.parent} is truncated or corrupt; resume from another step (point "
         f"{run / 'checkpoints' / 'latest'} at it)",
         "export-hf",

@@ -1,0 +1,392 @@
+"""The weight broadcast learner -> rollout ranks (``parallel.rollout_ranks``): the learner's
+canonical stream, a chunk (decoder layer) at a time, over the sync group (learner rank 0 is its
+root, group rank 0; moe_rl/placement.py). docs/design.md 15.2.
+
+Wire format of one sync, every message a broadcast from the root (host tensors over gloo, device
+tensors over NCCL: untested on GPU):
+
+- per chunk: a **frame** int64[5] = (MAGIC, version, CHUNK, chunk index, header bytes); the
+  **header**, a uint8 tensor of that many bytes holding JSON: ``{"tensors": [[name, dtype,
+  shape, offset], ...], "buckets": [[dtype, start, numel], ...]}``; then each **bucket** in header
+  order. The chunk's tensors of one dtype are laid end to end (``offset`` in elements, in header
+  order) and that run is cut into buckets of at most ``bucket_bytes`` (at least one element), so
+  a bucket may hold many small tensors or part of a large one; each travels as its bytes (uint8).
+- after the last chunk: the **end marker**, a frame (MAGIC, version, END, chunk count, 0).
+- when the root's stream raises between chunks: a frame (MAGIC, version, ABORT, chunk index, 0)
+  before the root re-raises, so receivers fail with one line instead of waiting for the timeout.
+
+JSON, not pickle: a receiver never unpickles bytes it was sent. The version rides in every frame,
+so a receiver can tell which weights it holds (``receive_weights`` returns it) and a frame of
+another sync is an error. A stream that stops without its end marker (the root died or stopped)
+raises ``WeightSyncError`` on the receiver when the group's timeout expires, naming the version
+and the chunks received; a receiver that stopped reading a stream before its end marker is refused
+its next one on that group.
+
+Memory: the root packs one bucket at a time (a bucket that is one whole contiguous tensor is sent
+without a copy), a receiver holds the chunk it receives (one flat tensor per dtype; the yielded
+tensors are views of it). Neither holds more than a chunk beyond its weights.
+
+``PendingWeights`` is the engine side: it receives a whole sync into host buffers (a second copy
+of the weights beside the engine's: the double buffer), in the caller's thread or a background
+one, and applies it with one ``engine.load_weights`` of a complete, checked dict when its owner
+says the engine is at a safe point (between generate calls, or between decode steps). A sync is
+never applied half-way: until ``apply`` the engine samples with the weights it had.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import weakref
+from bisect import bisect_right
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from moe_rl.errors import one_line
+from moe_rl.placement import Group
+from moe_rl.rollout.base import RolloutEngine
+
+MAGIC = 0x4D4F4557  # "MOEW": a frame, not bytes of something else
+CHUNK, END, ABORT = 1, 2, 3
+FRAME_LEN = 5
+_DTYPES = {
+    str(d).removeprefix("torch."): d
+    for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32)
+}
+# a stream a receiver stopped reading before its end marker, per group: its next one is refused
+_OPEN: weakref.WeakKeyDictionary[Group, WeightStream] = weakref.WeakKeyDictionary()
+
+
+class WeightSyncError(RuntimeError):
+    """A weight broadcast that broke off, came out of step, or carried another version."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor of a chunk: where its elements lie in the chunk's run of its dtype."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int  # elements
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """One broadcast: elements [start, start + numel) of the chunk's run of ``dtype``."""
+
+    dtype: str
+    start: int
+    numel: int
+
+
+@dataclass(frozen=True)
+class Header:
+    entries: tuple[Entry, ...]
+    buckets: tuple[Bucket, ...]
+
+    def encode(self) -> bytes:
+        return json.dumps(
+            {
+                "tensors": [[e.name, e.dtype, list(e.shape), e.offset] for e in self.entries],
+                "buckets": [[b.dtype, b.start, b.numel] for b in self.buckets],
+            },
+            separators=(",", ":"),
+        ).encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> Header:
+        raw = json.loads(data)
+        return cls(
+            tuple(Entry(n, _dtype_name(d), tuple(s), int(o)) for n, d, s, o in raw["tensors"]),
+            tuple(Bucket(_dtype_name(d), int(s), int(n)) for d, s, n in raw["buckets"]),
+        )
+
+    def totals(self) -> dict[str, int]:
+        """Elements of each dtype's run."""
+        out: dict[str, int] = {}
+        for b in self.buckets:
+            out[b.dtype] = max(out.get(b.dtype, 0), b.start + b.numel)
+        return out
+
+
+def _dtype_name(name: str) -> str:
+    if name not in _DTYPES:
+        raise WeightSyncError(f"weight broadcast header names dtype {name!r}, not one of {sorted(_DTYPES)}")
+    return name
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def plan_chunk(chunk: Mapping[str, torch.Tensor], bucket_bytes: int) -> Header:
+    """The header of a chunk: its tensors end to end per dtype (dtypes by name, tensors in the
+    chunk's order), each dtype's run cut into buckets of at most ``bucket_bytes``."""
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+    entries, totals = [], {}
+    for name, t in chunk.items():
+        dtype = _dtype_name(str(t.dtype).removeprefix("torch."))
+        entries.append(Entry(name, dtype, tuple(t.shape), totals.get(dtype, 0)))
+        totals[dtype] = totals.get(dtype, 0) + t.numel()
+    buckets = []
+    for dtype in sorted(totals):
+        cap = max(1, bucket_bytes // _DTYPES[dtype].itemsize)
+        buckets += [Bucket(dtype, s, min(cap, totals[dtype] - s)) for s in range(0, totals[dtype], cap)]
+    return Header(tuple(entries), tuple(buckets))
+
+
+def _wire_device(group: Group) -> torch.device:
+    if group.pg.name() == "nccl":  # untested on GPU
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _recv_frame(group: Group, device: torch.device) -> torch.Tensor:
+    return group.broadcast(torch.empty(FRAME_LEN, dtype=torch.int64, device=device)).cpu()
+
+
+def _frame(version: int, kind: int, index: int, nbytes: int, device: torch.device) -> torch.Tensor:
+    return torch.tensor([MAGIC, version, kind, index, nbytes], dtype=torch.int64, device=device)
+
+
+class WeightSender:
+    """The root's side of one sync: ``send`` each chunk, then ``finish`` (the end marker) or
+    ``abort``. ``broadcast_weights`` drives it; a caller that stops without either leaves the
+    receivers to time out (what a dead root does)."""
+
+    def __init__(self, group: Group, version: int, bucket_bytes: int = 64 << 20) -> None:
+        if group.rank != 0:
+            raise ValueError(f"the weight broadcast's root is sync-group rank 0, not {group.rank}")
+        self.group, self.version, self.bucket_bytes = group, version, bucket_bytes
+        self.device = _wire_device(group)
+        self.chunks = self.buckets = self.nbytes = 0
+
+    def send(self, chunk: Mapping[str, torch.Tensor]) -> None:
+        header = plan_chunk(chunk, self.bucket_bytes)
+        data = header.encode()
+        self.group.broadcast(_frame(self.version, CHUNK, self.chunks, len(data), self.device))
+        self.group.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device))
+        flat = [chunk[e.name].detach().reshape(-1) for e in header.entries]
+        for dtype in sorted({e.dtype for e in header.entries}):
+            idx = [i for i, e in enumerate(header.entries) if e.dtype == dtype]
+            starts = [header.entries[i].offset for i in idx]
+            for b in (b for b in header.buckets if b.dtype == dtype):
+                bucket = _pack([flat[i] for i in idx], starts, b.start, b.start + b.numel)
+                self.group.broadcast(bucket.to(self.device).view(torch.uint8))
+                self.buckets += 1
+                self.nbytes += bucket.numel() * bucket.element_size()
+        self.chunks += 1
+
+    def finish(self) -> None:
+        self.group.broadcast(_frame(self.version, END, self.chunks, 0, self.device))
+
+    def abort(self) -> None:
+        self.group.broadcast(_frame(self.version, ABORT, self.chunks, 0, self.device))
+
+
+def _pack(flat: list[torch.Tensor], starts: list[int], lo: int, hi: int) -> torch.Tensor:
+    """Elements [lo, hi) of the run ``flat`` laid end to end (``starts``: each piece's offset):
+    the piece itself when one contiguous piece is the whole bucket, else one copy."""
+    first = bisect_right(starts, lo) - 1
+    pieces = []
+    for i in range(first, len(flat)):
+        s = starts[i]
+        if s >= hi:
+            break
+        pieces.append(flat[i][max(lo - s, 0) : min(hi - s, flat[i].numel())])
+    if len(pieces) == 1 and pieces[0].is_contiguous():
+        return pieces[0]
+    return torch.cat(pieces)
+
+
+def broadcast_weights(
+    chunks: Iterable[Mapping[str, torch.Tensor]], group: Group, version: int, bucket_bytes: int = 64 << 20
+) -> dict[str, float]:
+    """On the root (sync-group rank 0 = learner rank 0): send every chunk of ``chunks``
+    (``learner.iter_canonical_layers()``, which the other learner ranks consume too) as weight
+    version ``version``, then the end marker. If the stream raises, the receivers are told
+    (ABORT) before the error goes on. Returns the sync's metrics (docs/design.md 15.2)."""
+    t0 = time.perf_counter()
+    sender = WeightSender(group, version, bucket_bytes)
+    it = iter(chunks)
+    while True:
+        try:
+            chunk = next(it)
+        except StopIteration:
+            break
+        except Exception:
+            sender.abort()
+            raise
+        try:
+            sender.send(chunk)
+        except RuntimeError as e:  # the group's error: a receiver is gone or stopped reading
+            raise WeightSyncError(
+                f"weight broadcast of version {version} failed at chunk {sender.chunks}: a rollout "
+                f"rank stopped receiving ({one_line(e)})"
+            ) from e
+        del chunk
+    sender.finish()
+    return {
+        "weight_sync/version": float(version),
+        "weight_sync/bytes": float(sender.nbytes),
+        "weight_sync/chunks": float(sender.chunks),
+        "weight_sync/buckets": float(sender.buckets),
+        "time/weight_broadcast_s": time.perf_counter() - t0,
+    }
+
+
+class WeightStream:
+    """A receiver's chunks of one sync, in step with the root; must be read to its end marker."""
+
+    def __init__(self, group: Group, version: int, first: torch.Tensor) -> None:
+        self.group, self.version, self.device = group, version, _wire_device(group)
+        self.received, self.done = 0, False
+        self._next: torch.Tensor | None = first  # the frame receive_weights read to learn the version
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        if self.done:
+            raise StopIteration
+        frame = self._next if self._next is not None else self._recv_frame()
+        self._next = None
+        magic, version, kind, index, nbytes = (int(x) for x in frame.tolist())
+        where = f"weight broadcast of version {self.version}"
+        if magic != MAGIC or version != self.version or index != self.received:
+            raise WeightSyncError(
+                f"{where} out of step after {self.received} chunks: got a frame of version {version}, "
+                f"chunk {index} (magic {magic:#x})"
+            )
+        if kind == END:
+            self.done = True
+            _OPEN.pop(self.group, None)
+            raise StopIteration
+        if kind == ABORT:
+            _OPEN.pop(self.group, None)
+            raise WeightSyncError(f"{where} aborted by the learner after {self.received} chunks")
+        chunk = self._guarded(lambda: self._recv_chunk(nbytes))
+        self.received += 1
+        return chunk
+
+    def _recv_frame(self) -> torch.Tensor:
+        return self._guarded(lambda: _recv_frame(self.group, self.device))
+
+    def _guarded(self, fn):
+        try:
+            return fn()
+        except RuntimeError as e:  # the group's timeout, or the root's connection closed
+            _OPEN.pop(self.group, None)
+            raise WeightSyncError(
+                f"weight broadcast of version {self.version} broke off after {self.received} chunks, "
+                f"before its end marker ({one_line(e)})"
+            ) from e
+
+    def _recv_chunk(self, nbytes: int) -> dict[str, torch.Tensor]:
+        raw = self.group.broadcast(torch.empty(nbytes, dtype=torch.uint8, device=self.device))
+        header = Header.decode(raw.cpu().numpy().tobytes())
+        runs = {d: torch.empty(n, dtype=_DTYPES[d], device=self.device) for d, n in header.totals().items()}
+        for b in header.buckets:
+            self.group.broadcast(runs[b.dtype][b.start : b.start + b.numel].view(torch.uint8))
+        return {
+            e.name: runs[e.dtype][e.offset : e.offset + _numel(e.shape)].view(e.shape) for e in header.entries
+        }
+
+
+def receive_weights(group: Group) -> tuple[int, Iterator[dict[str, torch.Tensor]]]:
+    """On every sync-group member but the root: wait for the next sync and return its version and
+    its chunks, to be read to the end in step with the root (``engine.load_weights`` takes the
+    iterator as it is; ``PendingWeights`` stages it)."""
+    if group.rank == 0:
+        raise ValueError("receive_weights runs on the rollout ranks; sync-group rank 0 is the root")
+    left = _OPEN.get(group)
+    if left is not None:
+        raise WeightSyncError(
+            f"the weight stream of version {left.version} was left after {left.received} chunks, "
+            "before its end marker: read every stream to its end"
+        )
+    try:
+        first = _recv_frame(group, _wire_device(group))
+    except RuntimeError as e:  # the group's timeout: no sync began
+        raise WeightSyncError(f"no weight broadcast began within the group's timeout ({one_line(e)})") from e
+    stream = WeightStream(group, int(first[1]), first)
+    _OPEN[group] = stream
+    return stream.version, stream
+
+
+class PendingWeights:
+    """Receive now, apply at the next safe point (the double buffer of a rollout rank).
+
+    ``receive`` (blocking) or ``receive_in_background`` (a thread) stages a whole sync on the host;
+    ``apply`` at a safe point loads the newest complete one into the engine in one
+    ``load_weights`` of a dict (checked whole before any weight changes) and returns its version,
+    or None with nothing staged. A receive error surfaces at the next ``apply`` or ``wait``."""
+
+    def __init__(self) -> None:
+        self.version: int | None = None  # the version the engine holds (None: none applied yet)
+        self._staged: tuple[int, dict[str, torch.Tensor]] | None = None
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def receive(self, group: Group, expect: int | None = None) -> int:
+        """Receive one sync into host buffers (the whole stream is read, in step with the root,
+        before a wrong version is refused)."""
+        version, chunks = receive_weights(group)
+        named = {n: t.cpu() for chunk in chunks for n, t in chunk.items()}
+        if expect is not None and version != expect:
+            raise WeightSyncError(f"weight broadcast carried version {version}, this rank expected {expect}")
+        with self._lock:
+            self._staged = (version, named)
+        return version
+
+    def receive_in_background(self, group: Group, expect: int | None = None) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            raise RuntimeError("PendingWeights: a receive is already running")
+
+        def run() -> None:
+            try:
+                self.receive(group, expect)
+            except BaseException as e:  # handed to the owner's thread at apply / wait
+                self._error = e
+
+        self._thread = threading.Thread(target=run, name="weight-receive", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Block until the background receive (if any) has finished; re-raise its error."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._raise()
+
+    @property
+    def ready(self) -> bool:
+        """A complete sync is staged (the engine does not hold it yet)."""
+        return self._staged is not None
+
+    def apply(self, engine: RolloutEngine) -> int | None:
+        """At a safe point (the engine is between generate calls or decode steps): load the
+        staged sync, if one is complete, and return its version; else None."""
+        self._raise()
+        with self._lock:
+            staged, self._staged = self._staged, None
+        if staged is None:
+            return None
+        version, named = staged
+        engine.load_weights(named)
+        self.version = version
+        return version
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            e, self._error = self._error, None
+            raise e

@@ -1,0 +1,66 @@
+"""bad_input tier, issue 33 point 8: in a split world (``parallel.rollout_ranks``) a fault on a
+rollout rank or on a learner rank ends the whole job within seconds (the peers wait in a bridge
+receive or a weight broadcast), with one line naming the rank and its role, and nothing of the job
+left running (tests/bad_input/faults.py injects the fault)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.cli_helpers import ROOT, TINY, left_in_session
+
+FAIL_FAST_S = 30.0
+SPLIT = ["steps=2", "parallel.nproc=4", "parallel.rollout_ranks=2", "parallel.expert_parallel=2", *TINY]
+
+
+def _faulted(tmp_path: Path, where: str, rank: int, kind: str) -> tuple[int, str, float, int]:
+    """(exit code, stderr, seconds from the fault to the job's end, the job's session id)."""
+    stamp = tmp_path / "fault_time"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "MOE_RL_FAULT_STAMP": str(stamp), "PYTHONPATH": str(ROOT)}
+    env.pop("MOE_RL_DEBUG", None)
+    args = [where, str(rank), kind, "train", f"run_dir={tmp_path / 'run'}", *SPLIT]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.bad_input.faults", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        start_new_session=True,
+    )
+    try:
+        _, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    end = time.time()
+    assert stamp.is_file(), f"the fault never fired:\n{err[-3000:]}"
+    return proc.returncode, err, end - float(stamp.read_text()), proc.pid
+
+
+@pytest.mark.bad_input
+def test_a_rollout_rank_that_raises_ends_the_job_naming_rank_and_role(tmp_path):
+    # rank 3 = rollout rank 1; its second generate is step 1's (the learners wait for its batch)
+    code, err, after_s, sid = _faulted(tmp_path, "generate", 3, "bug")
+    assert code == 1, err[-3000:]
+    assert after_s < FAIL_FAST_S
+    line = "RankFailedError: rank 3 (rollout rank 1) failed with RuntimeError: injected fault at generate"
+    assert err.count(line) == 1, err[-3000:]
+    assert left_in_session(sid) == []
+
+
+@pytest.mark.bad_input
+def test_a_learner_rank_that_raises_ends_the_job_naming_rank_and_role(tmp_path):
+    # the rollout ranks wait in the weight broadcast after step 0's batch
+    code, err, after_s, sid = _faulted(tmp_path, "step", 1, "user")
+    assert code == 2, err[-3000:]
+    assert after_s < FAIL_FAST_S
+    lines = [x for x in err.splitlines() if "injected fault" in x]
+    assert lines == ["error: rank 1 (learner rank 1): sample 3, layer 1, row 7: injected fault at step"]
+    assert "Traceback" not in err
+    assert left_in_session(sid) == []
