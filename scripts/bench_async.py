@@ -179,13 +179,13 @@ def report(runs: dict[str, list[dict[str, float]]]) -> tuple[float, float]:
         ratio = median_interval(paired_ratios([m["steps_per_s"] for m in runs[best]], colocated))[0]
         print(
             f"on these {os.cpu_count()} cores the best overlapping mode, {best}, runs at {ratio:.2f}x "
-            f"colocated sync's steps/s. Why: colocated sync (2 ranks, DP=2) keeps both cores busy in "
-            f"every phase, each rank generating and training half the batch, so its step is about "
-            f"(t_rollout + t_update) / 2 of one core's work; the split gives each role one core, so "
-            f"its best is max(t_rollout, t_update): the same when the roles are balanced, never "
-            f"better, and it also pays the weight broadcast to another process and the batch "
-            f"transfer. Overlap wins over colocation only where a role cannot use the other's "
-            f"devices (a cluster's long-tailed rollouts: the model below)."
+            f"colocated sync's steps/s ({'faster' if ratio > 1 else 'slower'}). Why: in principle "
+            f"they tie when the roles are balanced: colocated sync (2 ranks, DP=2) puts both cores "
+            f"on every phase, (t_rollout + t_update) / 2 of one core's work per step, the split one "
+            f"core per role, max(t_rollout, t_update). What differs is overhead: colocated EP=2 "
+            f"runs its collectives (expert all-to-all, gradient all-reduce, a weight sync into each "
+            f"rank's engine) in lockstep, so other work on either core stalls both ranks; the split "
+            f"pays the broadcast and the batch transfer, and a pinned role cannot leave a busy core."
         )
     return t_r, t_u
 
