@@ -191,7 +191,10 @@ def exact_storage(t: torch.Tensor) -> torch.Tensor:
         return t
     start = t.storage_offset() * t.element_size()
     with torch.no_grad():
-        return torch.empty(0, dtype=t.dtype).set_(t.untyped_storage()[start : start + nbytes], 0, t.shape)
+        # device= too: under a default device of meta (tests/device) a bare empty() is a meta tensor
+        return torch.empty(0, dtype=t.dtype, device=t.device).set_(
+            t.untyped_storage()[start : start + nbytes], 0, t.shape
+        )
 
 
 @functools.cache
