@@ -71,6 +71,11 @@ class CheckpointManager:
                         f"batches in flight when the checkpoint was saved) is missing"
                     )
                 state = torch.load(path, map_location="cpu", weights_only=True)
+                if ("buffered" in state) != self.buffered:  # async saves a list, one_step_off a batch
+                    raise RunDirError(
+                        f"resume=true with rollout.mode={self.cfg.rollout.mode} but {path} was saved by "
+                        f"a run with another rollout.mode: resume with the mode it was saved with"
+                    )
             if self.buffered:
                 self.remote.resume(start, None, state)
             else:

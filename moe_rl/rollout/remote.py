@@ -86,6 +86,7 @@ class RemoteEngine:
         self.taken: tuple[RolloutMessage, dict, float] | None = None
         self.restored: dict = {}
         self.delay_s = float(os.environ.get(DELAY_ENV, "0"))
+        self.resume_works: list = []
 
     def resume(self, start: int, in_flight: RolloutMessage | None, buffered: dict | None = None) -> None:
         """Continue at step ``start`` (its weights are synced next), with the batch a one-step-off
@@ -109,8 +110,9 @@ class RemoteEngine:
                 "rollout/restored_batches": Sum(torch.tensor(float(len(self.buffered)), dtype=f64)),
                 "rollout/restored_samples": Sum(torch.tensor(float(n), dtype=f64)),
             }
-            # the rollout rank's first request index; it receives it after the first sync
-            self.bridge.send_object(self.next_request, self.src, RESUME_TAG)
+            # the rollout rank's first request index; it receives it after the first sync (the
+            # works are kept: a gloo send whose work is dropped never arrives)
+            self.resume_works = self.bridge.send_object(self.next_request, self.src, RESUME_TAG)
 
     def load_weights(self, weights: Weights) -> None:
         chunks = weight_chunks(weights)
@@ -168,6 +170,9 @@ class RemoteEngine:
         if self.mode != "async":
             return step
         t0 = time.perf_counter()
+        for w in self.resume_works:  # the rollout rank took it after the first sync
+            w.wait()
+        self.resume_works = []
         limit = drop_limit(self.max_staleness, len(self.buffered))
         msg, metrics = take_fresh(
             self._next_request, weight_version(self.version), self.max_staleness, limit, self.dp_rank
