@@ -92,6 +92,27 @@ def under_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"))
 
 
+# MOE_RL_PIN_ROLES=1: each local rank on its own core, one thread (scripts/bench_async.py). The
+# learner ranks come first and the rollout ranks last, so on 2 cores a split world of 1 + 1 ranks
+# puts the learner on core 0 and the rollout rank on core 1: each role has its own core.
+PIN_ROLES_ENV = "MOE_RL_PIN_ROLES"
+
+
+def pinned_core(local_rank: int, cores: list[int]) -> int:
+    """The core local rank ``local_rank`` is pinned to: the allowed cores in order, round-robin."""
+    return sorted(cores)[local_rank % len(cores)]
+
+
+def pin_to_core(local_rank: int) -> int:
+    """Pin every thread of this process (torch's pool may exist already) to ``pinned_core`` and
+    run torch on one thread; the core."""
+    core = pinned_core(local_rank, list(os.sched_getaffinity(0)))
+    for tid in os.listdir("/proc/self/task"):  # sched_setaffinity(0) would pin this thread only
+        os.sched_setaffinity(int(tid), {core})
+    torch.set_num_threads(1)
+    return core
+
+
 def run_worker(cfg: RunConfig, prepared=None) -> None:
     """One rank's whole life: patches, process groups, the training loop, teardown."""
     from moe_rl.quiet import silence_known_noise
@@ -101,7 +122,9 @@ def run_worker(cfg: RunConfig, prepared=None) -> None:
     from moe_rl import dist, trainer
 
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if not torch.cuda.is_available():
+    if os.environ.get(PIN_ROLES_ENV, "") not in ("", "0"):
+        pin_to_core(int(os.environ.get("LOCAL_RANK", "0")))
+    elif not torch.cuda.is_available():
         # share the CPU cores between local ranks instead of oversubscribing them
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     dist.setup_logging(int(os.environ.get("RANK", "0")))

@@ -10,6 +10,7 @@ with os.replace. A crash at any point leaves the previous checkpoint and ``lates
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -163,13 +164,71 @@ def _save_state(learner, tmp: Path) -> None:
     try:
         with disk_full_named(tmp):
             dist_checkpointing.save(
-                _sharded_state(learner, is_loading=False), str(tmp), content_metadata=OPTIM_CKPT_METADATA
+                _sharded_state(learner, is_loading=False),
+                str(tmp),
+                sharded_strategy=uncloned_save_strategy(),
+                content_metadata=OPTIM_CKPT_METADATA,
             )
     except (Exception, CheckpointException) as e:  # torch's CheckpointException is a BaseException
         if isinstance(e, DiskFullError) or disk_is_full(tmp.parent):
             shutil.rmtree(tmp, ignore_errors=True)  # frees the space; `latest` is untouched
             raise DiskFullError(f"no space left on device: {tmp}") from None
         raise
+
+
+def exact_storage(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself where its storage is exactly its bytes; else (a contiguous CPU view into a
+    larger storage) a tensor over the same memory whose storage is only its slice: no copy.
+
+    Why: megatron's writer (``FileSystemWriterAsync.prepare_write_data``, its ``_clone_if_needed``,
+    megatron-core 0.16.1 to 0.19.2) clones every CPU tensor whose storage is larger than the tensor,
+    all of them before it writes the first byte (torch.save of a view would write the whole storage).
+    The model's weights are views into DDP's parameter buffer and the distributed optimizer's fp32
+    main params views into them, so the save held a second copy of both (docs/measurements.md 8).
+    The bytes written are the same; the slice keeps the storage it is cut from alive."""
+    nbytes = t.numel() * t.element_size()
+    if t.device.type != "cpu" or not t.is_contiguous() or t.untyped_storage().nbytes() == nbytes:
+        return t
+    start = t.storage_offset() * t.element_size()
+    with torch.no_grad():
+        return torch.empty(0, dtype=t.dtype).set_(t.untyped_storage()[start : start + nbytes], 0, t.shape)
+
+
+@functools.cache
+def _uncloned_strategy_class() -> type:
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.base import SaveShardedStrategy
+
+    class UnclonedSave(SaveShardedStrategy):
+        """megatron's default save strategy, handed each ShardedTensor's data as ``exact_storage``
+        (after megatron has built the factories' tensors, which are views too)."""
+
+        def __init__(self) -> None:
+            self.inner = get_default_save_sharded_strategy()
+            super().__init__(self.inner.backend, self.inner.version)
+
+        @property
+        def can_handle_sharded_objects(self) -> bool:
+            return self.inner.can_handle_sharded_objects
+
+        def save(self, sharded_state_dict, checkpoint_dir) -> None:
+            from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+
+            def uncloned(x):
+                if isinstance(x, ShardedTensor) and x.data is not None:
+                    x.data = exact_storage(x.data)
+                return x
+
+            dict_list_map_inplace(uncloned, sharded_state_dict)
+            self.inner.save(sharded_state_dict, checkpoint_dir)
+
+    return UnclonedSave
+
+
+def uncloned_save_strategy():
+    """The save strategy ``save`` uses: megatron's default, without its copy of every view."""
+    return _uncloned_strategy_class()()
 
 
 def disk_is_full(path: Path) -> bool:

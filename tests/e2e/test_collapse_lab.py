@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -40,6 +41,33 @@ def test_lab_defaults_are_the_documented_setting_and_all_means_every_arm():
     assert lab.parse(["--arms", "all"]).arm_list == list(lab.ARMS) and len(lab.ARMS) == 10
     with pytest.raises(SystemExit):
         lab.parse(["--arms", "none,bogus"])
+
+
+@pytest.mark.unit
+def test_lab_mode_runs_every_arm_split_with_more_seeds_for_none_and_r3():
+    lab = _lab()
+    args = lab.parse(["--mode", "one_step_off"])
+    assert args.arm_list == ["none", "r3", "token_tis", "seq_mis", "trm_max", "r3_trm"]
+    assert args.arm_seeds == {
+        **{arm: [0, 1, 2, 3, 4] for arm in ("none", "r3")},
+        **{arm: [0, 1, 2] for arm in ("token_tis", "seq_mis", "trm_max", "r3_trm")},
+    }
+    split = ["parallel.nproc=2", "parallel.rollout_ranks=1", "parallel.expert_parallel=1"]
+    assert lab.arm_overrides("r3", args)[:5] == ["routing.replay=r3", *split, "rollout.mode=one_step_off"]
+    asy = lab.parse(["--mode", "async", "--max-staleness", "3", "--arms", "none,onpolicy", "--seeds", "7"])
+    assert asy.arm_seeds == {"none": [7], "onpolicy": [7]}  # --seeds sets every arm's
+    assert lab.arm_overrides("none", asy)[:5] == [*split, "rollout.mode=async", "rollout.max_staleness=3"]
+    # the control stays colocated and in sync
+    assert lab.arm_overrides("onpolicy", asy)[-2:] == ["parallel.rollout_ranks=0", "rollout.mode=sync"]
+    assert lab.parse([]).arm_seeds == {arm: [0, 1, 2] for arm in ("none", "r3", "onpolicy")}
+
+
+@pytest.mark.unit
+def test_collapsed_count_is_k_of_n():
+    lab = _lab()
+    judged = [SimpleNamespace(judged=True, collapsed=c) for c in (True, False, True)]
+    assert lab.collapsed_count(judged) == "2 of 3"
+    assert lab.collapsed_count([*judged, SimpleNamespace(judged=False, collapsed=False)]) == "n/a"
 
 
 @pytest.mark.unit
@@ -179,6 +207,11 @@ def test_lab_refuses_an_unfinished_run(tmp_path, capsys):
         ),
         (["--steps", "x"], "argument --steps: invalid int value: 'x'"),
         (
+            ["--mode", "one_step_off", "--max-staleness", "2"],
+            "--max-staleness: only with --mode async (one_step_off is exactly one update stale)",
+        ),
+        (["--mode", "async", "--max-staleness", "-1"], "--max-staleness: must be >= 0 (got -1)"),
+        (
             ["--engine", "vllm", "--router-noise", "0.5"],
             "--router-noise/--map-noise: router-logit noise exists only in the built-in engine; "
             "with --engine vllm the mismatch is vLLM's own numerics (use --dtype, --staleness)",
@@ -246,3 +279,33 @@ def test_collapse_lab_ci_grid_runs_and_reports(tmp_path):
     html = (out / "report" / "report.html").read_text()
     assert "Router stability report: none_s0 vs r3_s0" in html and html.count('<table class="verdicts">') == 2
     assert '<table id="outcome">' in html
+
+
+@pytest.mark.e2e
+def test_collapse_lab_one_step_off_runs_split_and_tables_k_of_n(tmp_path):
+    out = tmp_path / "lab"
+    batch = [f"--set={x}" for x in script_module("collapse_lab").CI_BATCH]
+    cmd = ["--mode", "one_step_off", "--arms", "none", "--seeds", "0", "--steps", "2", "--out", str(out)]
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "collapse_lab.py"), *cmd, *batch],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rs = [json.loads(x) for x in (out / "none_s0" / "metrics.jsonl").read_text().splitlines()]
+    # really split and one update stale: batch 0 from W_0, batch 1 from W_0 while W_1 trains
+    assert [(r["step"], r["rollout/version_lag"]) for r in rs] == [(0, 0.0), (1, 1.0)]
+    cfg = yaml.safe_load((out / "none_s0" / "config.yaml").read_text())
+    assert (cfg["parallel"]["rollout_ranks"], cfg["rollout"]["mode"], cfg["rollout"]["staleness"]) == (
+        1,
+        "one_step_off",
+        0,
+    )
+    table = (out / "table.md").read_text()
+    assert table.startswith("# Collapse lab: 1 arms (none 1 seeds), 2 steps, rollout.mode=one_step_off\n")
+    row = next(line for line in table.splitlines() if line.startswith("| none |"))
+    cells = [c.strip() for c in row.strip().strip("|").split("|")]
+    assert cells[1:3] == ["1", f"{rs[0]['reward/mean']:.3g}"] and cells[4] == "n/a"  # 2 steps: not judged

@@ -248,6 +248,6 @@ def test_inflight_kv_config_key() -> None:
     assert (
         load_config(None, [*async_split, "rollout.inflight_kv=recompute"]).rollout.inflight_kv == "recompute"
     )
-    # vLLM: async itself is refused first (no in-flight updates), then recompute in one_step_off
+    # with vLLM, async itself is refused (it has no in-flight updates), naming rollout.mode
     with pytest.raises(ConfigError, match="config key 'rollout.mode': async needs in-flight weight updates"):
         load_config(None, [*async_split, "rollout.inflight_kv=recompute", "rollout.engine=vllm"])

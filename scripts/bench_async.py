@@ -1,0 +1,278 @@
+"""Colocated sync vs rollout/learner split sync vs one-step-off (vs fully async, once the config
+loader accepts `rollout.mode=async`): the same work, in one run, interleaved, each role pinned to
+its own core; then a model of what each mode gives on a 16-GPU and a 128-GPU cluster.
+
+    python scripts/bench_async.py [--reps 3] [--steps 6] [--max-new-tokens 48] [--out DIR] [--quick]
+
+Arms (each a real `moe-rl train` subprocess; docs/design.md 15): colocated sync (2 ranks, EP=2,
+DP=2), and, with `parallel.nproc=2 parallel.rollout_ranks=1` (1 learner rank + 1 rollout rank),
+split sync, split one_step_off and split async. Every arm runs the same work: the tiny model from
+a random init (`init_weights=`: responses run to about max_new_tokens, so rollout and update times
+are comparable), the same steps, prompts, samples and max_new_tokens. `MOE_RL_PIN_ROLES=1` pins
+each rank to its own core with one thread (moe_rl/launch.py: the learner rank on core 0, the
+rollout rank on core 1). The repetitions are interleaved (A B C A B C ...), so drift and the
+machine's other load hit every arm alike.
+
+Per run, from its metrics.jsonl (step 0 is a warm-up and left out when there are more steps):
+steps/s and generated tokens/s over the learner's `time/step_s`, and the mean of each phase and
+wait: the learner's `time/wait_batch_s` and phases `time/*_s`, the rollout rank's
+`time/rollout_generate_s` and `time/rollout_wait_weights_s` (its wait for the weights, their load
+included). From the split sync run of the same repetition: t_rollout = rollout_generate_s,
+t_update = step_s - wait_batch_s (everything the learner does but wait), and the ideal overlap
+speedup (t_rollout + t_update) / max(t_rollout, t_update). Printed per overlapping mode: its
+speedup over split sync, that speedup as a fraction of the ideal (goal >= 0.8), and the slower
+role's waiting fraction (goal < 10%; the learner's wait_batch_s + sync_s, or the rollout rank's
+rollout_wait_weights_s, over step_s: ``slower_wait``); each ratio as the median over the paired
+repetitions with its interval (scripts/bench_stats.py). --quick: 1 repetition of 2 steps (the test's).
+
+The cluster model (``cluster_model``): numbers and the command in docs/measurements.md 9.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))  # bench_stats, also when a test imports this file
+
+from bench_stats import MachineLoad, median_interval, paired_ratios, ratio_line  # noqa: E402
+
+SPLIT = ["parallel.nproc=2", "parallel.rollout_ranks=1", "parallel.expert_parallel=1"]
+# (name, overrides): an overlapping mode is one more entry; async joins when the loader accepts it
+ARMS = [
+    ("colocated_sync", ["parallel.nproc=2", "parallel.expert_parallel=2"]),
+    ("split_sync", [*SPLIT, "rollout.mode=sync"]),
+    ("split_one_step_off", [*SPLIT, "rollout.mode=one_step_off"]),
+    ("split_async", [*SPLIT, "rollout.mode=async", "rollout.max_staleness=1"]),
+]
+BASE = "split_sync"  # the overlapping modes' reference
+PHASES = (
+    "time/step_s",
+    "time/wait_batch_s",
+    "time/rollout_generate_s",
+    "time/rollout_wait_weights_s",
+    "time/old_logprob_s",
+    "time/update_s",
+    "time/sync_s",
+)
+GOAL_FRAC, GOAL_WAIT = 0.8, 0.10
+
+
+def work(args) -> list[str]:
+    """The work every arm does."""
+    return [
+        "init_weights=",
+        f"steps={args.steps}",
+        f"rollout.prompts_per_step={args.prompts}",
+        f"rollout.samples_per_prompt={args.samples}",
+        f"rollout.max_new_tokens={args.max_new_tokens}",
+        "checkpoint_every=0",
+        "log.progress_bar=false",
+        "log.wandb_mode=disabled",
+    ]
+
+
+def accepted(overrides: list[str]) -> str | None:
+    """None when the config loader takes these overrides, else its one-line reason."""
+    sys.path.insert(0, str(ROOT))
+    from moe_rl.config import load_config
+    from moe_rl.errors import ConfigError, one_line
+
+    try:
+        load_config(None, overrides)
+    except ConfigError as e:
+        return one_line(e)
+    return None
+
+
+def run_metrics(run_dir: Path) -> dict[str, float]:
+    """One run's figures: steps/s, tokens/s and the mean of each phase (step 0 left out when there
+    are more)."""
+    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    recs = recs[1:] if len(recs) > 1 else recs
+    total = sum(r["time/step_s"] for r in recs)
+    out = {
+        "steps_per_s": len(recs) / total,
+        "tokens_per_s": sum(r["rollout/num_response_tokens"] for r in recs) / total,
+    }
+    for k in PHASES:
+        if all(k in r for r in recs):
+            out[k] = statistics.fmean(r[k] for r in recs)
+    return out
+
+
+def overlap(split_sync: dict[str, float]) -> tuple[float, float, float]:
+    """(t_rollout, t_update, ideal speedup) of a split sync run."""
+    t_r = split_sync["time/rollout_generate_s"]
+    t_u = split_sync["time/step_s"] - split_sync["time/wait_batch_s"]
+    return t_r, t_u, (t_r + t_u) / max(t_r, t_u)
+
+
+def slower_wait(run: dict[str, float], learner_slower: bool) -> float:
+    """The slower role's waiting time as a fraction of the step: the rollout rank's wait for the
+    weights (their load included), or the learner's wait for its batch plus its weight broadcast
+    (an upper bound: in one_step_off the broadcast also waits for the rollout rank to finish the
+    batch it is generating before it joins)."""
+    if learner_slower:
+        wait = run["time/wait_batch_s"] + run["time/sync_s"]
+    else:
+        wait = run["time/rollout_wait_weights_s"]
+    return wait / run["time/step_s"]
+
+
+def train(name: str, overrides: list[str], run_dir: Path) -> dict[str, float]:
+    shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run each time, never a resume
+    cmd = [sys.executable, "-m", "moe_rl.cli", "train", f"run_dir={run_dir}", *overrides]
+    env = {**os.environ, "MOE_RL_PIN_ROLES": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, check=False)
+    if proc.returncode != 0:
+        raise SystemExit(f"[{name}] moe-rl train exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+    return run_metrics(run_dir)
+
+
+def figures(name: str, m: dict[str, float]) -> str:
+    phases = " ".join(f"{k[5:-2]} {m[k]:.4f}" for k in PHASES if k in m)
+    return f"{name}: steps/s {m['steps_per_s']:.4f} tokens/s {m['tokens_per_s']:.1f} | s: {phases}"
+
+
+def report(runs: dict[str, list[dict[str, float]]]) -> tuple[float, float]:
+    """The ratios, each from the per-repetition figures printed above them; (t_rollout, t_update)."""
+    base = runs[BASE]
+    ov = [overlap(m) for m in base]
+    t_r, t_u = statistics.median(o[0] for o in ov), statistics.median(o[1] for o in ov)
+    learner_slower = t_u >= t_r
+    ideal = [o[2] for o in ov]
+    print(
+        f"split sync: t_rollout {t_r:.4f} s, t_update {t_u:.4f} s (medians): the "
+        f"{'learner' if learner_slower else 'rollout rank'} is the slower role; ideal overlap "
+        f"speedup (t_rollout + t_update) / max: {median_interval(ideal)[0]:.3f} (median)"
+    )
+    colocated = [m["steps_per_s"] for m in runs["colocated_sync"]]
+    for name, ms in runs.items():
+        steps = [m["steps_per_s"] for m in ms]
+        print(f"  {ratio_line(f'{name} steps/s over colocated_sync', paired_ratios(steps, colocated))}")
+        if name in (BASE, "colocated_sync"):
+            continue
+        speedup = paired_ratios(steps, [m["steps_per_s"] for m in base])
+        frac = paired_ratios(speedup, ideal)
+        wait = [slower_wait(m, learner_slower) for m in ms]
+        print(f"  {ratio_line(f'{name} speedup over split_sync', speedup)}")
+        f_med, w_med = median_interval(frac)[0], median_interval(wait)[0]
+        print(
+            f"  {ratio_line(f'{name} fraction of ideal overlap', frac)}; goal >= {GOAL_FRAC}: "
+            f"{'met' if f_med >= GOAL_FRAC else 'not met'}"
+        )
+        print(
+            f"  {ratio_line(f'{name} slower role waiting fraction', wait)}; goal < {GOAL_WAIT:.0%}: "
+            f"{'met' if w_med < GOAL_WAIT else 'not met'}"
+        )
+    overlapping = [n for n in runs if n not in (BASE, "colocated_sync")]
+    if overlapping:
+        best = max(overlapping, key=lambda n: statistics.median(m["steps_per_s"] for m in runs[n]))
+        ratio = median_interval(paired_ratios([m["steps_per_s"] for m in runs[best]], colocated))[0]
+        print(
+            f"on these {os.cpu_count()} cores the best overlapping mode, {best}, runs at {ratio:.2f}x "
+            f"colocated sync's steps/s ({'faster' if ratio > 1 else 'slower'}). Why: in principle "
+            f"they tie when the roles are balanced: colocated sync (2 ranks, DP=2) puts both cores "
+            f"on every phase, (t_rollout + t_update) / 2 of one core's work per step, the split one "
+            f"core per role, max(t_rollout, t_update). What differs is overhead: colocated EP=2 "
+            f"runs its collectives (expert all-to-all, gradient all-reduce, a weight sync into each "
+            f"rank's engine) in lockstep, so other work on either core stalls both ranks; the split "
+            f"pays the broadcast and the batch transfer, and a pinned role cannot leave a busy core."
+        )
+    return t_r, t_u
+
+
+def cluster_model(t_r: float, t_u: float, sigma: float, cap: float, alpha: float, n: int, trials: int = 200):
+    """Modelled step time of each mode on 16 and 128 engines, from the measured role times.
+
+    Response lengths ~ LogNormal(mu, sigma) with mean 1 (mu = -sigma^2/2), clipped at ``cap`` x
+    the mean (max_new_tokens); each engine decodes ``n`` of them per step. An engine's rollout time
+    is t_rollout x (alpha x its longest + (1 - alpha) x its mean length): alpha is the part of a
+    decode step that costs the same however many sequences are still running (memory-bound
+    decoding: the tail runs at the full batch's price), 1 - alpha the part that scales with them.
+    The update costs t_update x the batch's mean length (tokens). sync: the slowest engine, then
+    the update; one_step_off: max(the slowest engine, update) per step (the rollout of step t + 1
+    overlaps the update of step t); async: max(t_rollout x the mean length, update): engines refill
+    finished slots at once, so the tail is absorbed by the buffer and only throughput counts."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    for engines in (16, 128):
+        z = torch.randn(trials, engines, n, generator=g, dtype=torch.float64)
+        len_TEN = torch.exp(sigma * z - sigma**2 / 2).clamp(max=cap)
+        engine_TE = t_r * (alpha * len_TEN.amax(-1) + (1 - alpha) * len_TEN.mean(-1))
+        slowest_T, update_T = engine_TE.amax(-1), t_u * len_TEN.mean((-1, -2))
+        step = {
+            "sync": (slowest_T + update_T).mean().item(),
+            "one_step_off": torch.maximum(slowest_T, update_T).mean().item(),
+            "async": torch.maximum(t_r * len_TEN.mean((-1, -2)), update_T).mean().item(),
+        }
+        out[engines] = step
+    return out
+
+
+def print_model(t_r: float, t_u: float, args) -> None:
+    print(
+        f"cluster model (one engine per GPU, {args.model_n} responses per engine per step, lengths "
+        f"LogNormal(sigma={args.model_sigma}) with mean 1, clipped at {args.model_cap} x the mean, "
+        f"alpha={args.model_alpha}; t_rollout {t_r:.4f} s and t_update {t_u:.4f} s measured above):"
+    )
+    for engines, step in cluster_model(
+        t_r, t_u, args.model_sigma, args.model_cap, args.model_alpha, args.model_n
+    ).items():
+        line = ", ".join(f"{mode} {s:.3f} s/step ({step['sync'] / s:.2f}x sync)" for mode, s in step.items())
+        print(f"  {engines} GPUs: {line}")
+
+
+def parse(argv: list[str] | None = None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--samples", type=int, default=4)
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--out", default="runs/bench_async")
+    p.add_argument("--quick", action="store_true", help="1 repetition of 2 steps (the test's)")
+    p.add_argument("--model-sigma", type=float, default=0.6)
+    p.add_argument("--model-cap", type=float, default=4.0)
+    p.add_argument("--model-alpha", type=float, default=0.5)
+    p.add_argument("--model-n", type=int, default=32)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.reps, args.steps = 1, 2
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
+    arms = []
+    for name, overrides in ARMS:
+        why = accepted([*overrides, *work(args)])
+        if why is None:
+            arms.append((name, overrides))
+        else:
+            print(f"{name}: not run, the config loader refuses it: {why}")
+    out = Path(args.out).resolve()
+    load = MachineLoad()
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name, _ in arms}
+    for rep in range(args.reps):
+        for name, overrides in arms:
+            m = train(name, [*overrides, *work(args)], out / f"{name}_r{rep}")
+            runs[name].append(m)
+            print(f"rep {rep} {figures(name, m)}", flush=True)
+    t_r, t_u = report(runs)
+    print_model(t_r, t_u, args)
+    print(load.line(2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""e2e tier: scripts/bench_async.py --quick runs every arm the config loader accepts (colocated
+sync, split sync, one-step-off; async once accepted) as real pinned `moe-rl train` runs, prints
+each arm's figures, and computes its ratios from the figures it printed. Nothing about times is
+asserted."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.script_module import script_module
+
+ROOT = Path(__file__).resolve().parents[2]
+NUM = r"([0-9.]+)"
+
+
+def _figures(text: str) -> dict[str, dict[str, float]]:
+    """Each arm's printed figures: 'rep 0 NAME: steps/s X tokens/s Y | s: phase v phase v ...'."""
+    out = {}
+    for name, steps, tokens, phases in re.findall(
+        rf"^rep 0 (\w+): steps/s {NUM} tokens/s {NUM} \| s: (.*)$", text, re.M
+    ):
+        words = phases.split()
+        out[name] = {"steps_per_s": float(steps), "tokens_per_s": float(tokens)}
+        out[name].update({k: float(v) for k, v in zip(words[::2], words[1::2])})
+    return out
+
+
+def _ratio(text: str, label: str) -> float:
+    return float(re.search(rf"{re.escape(label)} {NUM} \(median\)", text).group(1))
+
+
+@pytest.mark.e2e
+def test_bench_async_quick_prints_every_arm_and_ratios_of_its_figures(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_async.py"), "--quick", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    text = proc.stdout
+    bench = script_module("bench_async")
+    async_ok = bench.accepted([*dict(bench.ARMS)["split_async"], "init_weights="]) is None
+    arms = ["colocated_sync", "split_sync", "split_one_step_off"] + (["split_async"] if async_ok else [])
+    figs = _figures(text)
+    assert sorted(figs) == sorted(arms)
+    if not async_ok:
+        assert "split_async: not run, the config loader refuses it: " in text
+    for name in arms[1:]:  # the split runs report both roles' times
+        assert {"wait_batch", "rollout_generate", "rollout_wait_weights", "update"} <= set(figs[name])
+    # 1 repetition: each ratio is the one from the printed figures (to their rounding)
+    base, coloc = figs["split_sync"], figs["colocated_sync"]
+    t_r, t_u = (float(x) for x in re.search(rf"t_rollout {NUM} s, t_update {NUM} s", text).groups())
+    assert t_r == base["rollout_generate"] and t_u == pytest.approx(
+        base["step"] - base["wait_batch"], abs=2e-4
+    )
+    ideal = (t_r + t_u) / max(t_r, t_u)
+    assert _ratio(text, "ideal overlap speedup (t_rollout + t_update) / max:") == pytest.approx(
+        ideal, abs=2e-3
+    )
+    assert ("the learner is" if t_u >= t_r else "the rollout rank is") in text
+    for name in arms:
+        got = _ratio(text, f"{name} steps/s over colocated_sync")
+        assert got == pytest.approx(figs[name]["steps_per_s"] / coloc["steps_per_s"], abs=2e-3)
+    for name in arms[2:]:
+        speedup = figs[name]["steps_per_s"] / base["steps_per_s"]
+        assert _ratio(text, f"{name} speedup over split_sync") == pytest.approx(speedup, abs=2e-3)
+        assert _ratio(text, f"{name} fraction of ideal overlap") == pytest.approx(speedup / ideal, abs=3e-3)
+        f = figs[name]
+        wait = (f["wait_batch"] + f["sync"] if t_u >= t_r else f["rollout_wait_weights"]) / f["step"]
+        assert _ratio(text, f"{name} slower role waiting fraction") == pytest.approx(wait, abs=2e-3)
+    assert re.search(
+        r"^on these \d+ cores the best overlapping mode, split_\w+, runs at [0-9.]+x colocated", text, re.M
+    )
+    assert re.search(r"^  16 GPUs: sync .* one_step_off .* async ", text, re.M)
+    assert re.search(r"^  128 GPUs: sync .* one_step_off .* async ", text, re.M)
+
+
+@pytest.mark.unit
+def test_cluster_model_orders_the_modes_and_the_tail_costs_sync_only():
+    bench = script_module("bench_async")
+    # no tail (sigma -> 0): every length is the mean, so sync = t_r + t_u, the others max(t_r, t_u)
+    flat = bench.cluster_model(0.5, 0.75, sigma=1e-9, cap=4.0, alpha=0.5, n=8, trials=4)
+    for step in flat.values():
+        assert step["sync"] == pytest.approx(1.25) and step["one_step_off"] == pytest.approx(0.75)
+        assert step["async"] == pytest.approx(0.75)
+    # a long tail: the slowest engine grows with the engine count, async keeps the mean's throughput
+    tail = bench.cluster_model(1.0, 1.0, sigma=1.0, cap=8.0, alpha=1.0, n=32, trials=50)
+    assert tail[128]["sync"] > tail[16]["sync"] > 2.0 + 1.0
+    assert tail[16]["sync"] > tail[16]["one_step_off"] > tail[16]["async"]
+    assert tail[16]["async"] == pytest.approx(1.0, abs=0.05)
