@@ -9,7 +9,8 @@ With ``rollout.mode=one_step_off`` the batch in flight (the next step's, generat
 checkpoint no longer holds) is resume state too: the learner receives it before saving, and the
 first rank of each data-parallel rank (TP and PP rank 0) writes it to
 ``checkpoints/in_flight_step_N_dp{d}.pt`` the same way; a resume takes its first batch from there
-(docs/design.md 15)."""
+(docs/design.md 15). With ``rollout.mode=async`` that file holds every finished request buffered
+for the dp rank at the checkpoint and the index of the next one (docs/design.md 15.3)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from moe_rl.errors import DiskFullError, RunDirError, disk_full_named
 from moe_rl.learner import checkpoint
 from moe_rl.learner.learner import Learner
 from moe_rl.maths.lr import LengthLRScheduler
+from moe_rl.rollout.asynchronous import checkpoint_due
 from moe_rl.rollout.remote import RemoteEngine, RolloutMessage
 from moe_rl.rollout.staleness import StaleWeights
 
@@ -44,7 +46,8 @@ class CheckpointManager:
         self.root = Path(cfg.run_dir) / "checkpoints"
         # the rollout ranks' stand-in (parallel.rollout_ranks); one-step-off keeps a batch in flight
         self.remote = engine if isinstance(engine, RemoteEngine) else None
-        self.in_flight = self.remote is not None and cfg.rollout.mode == "one_step_off"
+        self.in_flight = self.remote is not None and cfg.rollout.mode in ("one_step_off", "async")
+        self.buffered = self.remote is not None and cfg.rollout.mode == "async"
 
     def stale_path(self, step_dir_name: str) -> Path:
         return self.root / f"stale_weights_{step_dir_name}.pt"
@@ -59,18 +62,24 @@ class CheckpointManager:
             return 0
         start = self._resume()
         if self.remote is not None:
-            batch = None
+            state = None
             if self.in_flight:
                 path = self.in_flight_path(f"step_{start:06d}")
                 if not path.is_file():
                     raise RunDirError(
-                        f"resume=true with rollout.mode=one_step_off but {path} (the batch in flight "
-                        f"when the checkpoint was saved) is missing"
+                        f"resume=true with rollout.mode={self.cfg.rollout.mode} but {path} (the "
+                        f"batches in flight when the checkpoint was saved) is missing"
                     )
-                batch = RolloutMessage.from_state_dict(
-                    torch.load(path, map_location="cpu", weights_only=True)
-                )
-            self.remote.resume(start, batch)
+                state = torch.load(path, map_location="cpu", weights_only=True)
+                if ("buffered" in state) != self.buffered:  # async saves a list, one_step_off a batch
+                    raise RunDirError(
+                        f"resume=true with rollout.mode={self.cfg.rollout.mode} but {path} was saved by "
+                        f"a run with another rollout.mode: resume with the mode it was saved with"
+                    )
+            if self.buffered:
+                self.remote.resume(start, None, state)
+            else:
+                self.remote.resume(start, RolloutMessage.from_state_dict(state) if state else None)
         return start
 
     def _resume(self) -> int:
@@ -94,19 +103,20 @@ class CheckpointManager:
 
     def due(self, step: int) -> bool:
         """After step ``step`` (0-based): every ``checkpoint_every`` steps, and after the last."""
-        every, done = self.cfg.checkpoint_every, step + 1
-        return bool(every and done % every == 0) or done == self.cfg.steps
+        return checkpoint_due(step, self.cfg.checkpoint_every, self.cfg.steps)
 
     def save(self, step: int) -> None:
         """The state after step ``step`` (0-based): a resumed run starts at ``step + 1``."""
         name = f"step_{step + 1:06d}"
         if self.stale is not None and self.stale.k and (not dist.is_initialized() or dist.get_rank() == 0):
             self._save_stale(name)
-        if self.in_flight:
-            msg = self.remote.take_in_flight()  # every learner rank receives it: its next batch
+        if self.in_flight:  # every learner rank receives them: its next batches
+            state = (
+                self.remote.take_buffered() if self.buffered else self.remote.take_in_flight().state_dict()
+            )
             dims = self.learner.dims
             if dims.tp_rank == 0 and dims.pp_rank == 0:
-                self._write(self.in_flight_path(name), msg.state_dict())
+                self._write(self.in_flight_path(name), state)
         checkpoint.save(
             self.learner,
             self.root,

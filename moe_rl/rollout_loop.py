@@ -13,16 +13,23 @@ schedule is ``rollout.mode``'s:
   also past the last step: the learner takes that batch into its last checkpoint, so a resumed run
   (with more steps) starts from it, exactly as the uninterrupted run would have.
 
+- async: request after request with in-flight weight updates, a bounded number unreceived per dp
+  rank (moe_rl/rollout/asynchronous.py; docs/design.md 15.3).
+
 The step a run starts at is the version of the first weight sync (a resume's checkpoint step)."""
 
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 import time
 
 from moe_rl.config import RunConfig
 from moe_rl.dist import ParallelDims
+from moe_rl.maths.versions import weight_version
 from moe_rl.placement import exchange_dp_ranks
+from moe_rl.rollout.asynchronous import RESUME_TAG, BackgroundWeights, Fence, buffer_bound, checkpoint_due
 from moe_rl.rollout.factory import build_engine, engine_tp
 from moe_rl.rollout.remote import BATCH_TAG, RolloutMessage
 from moe_rl.seeding import GENERATE, step_seed
@@ -56,42 +63,50 @@ class _Server:
             raise RuntimeError(
                 f"weight sync of version {version} after version {self.version}: one was missed"
             )
-        self.engine.load_weights(chunks)
+        if self.cfg.rollout.mode == "async":  # the built-in engine stamps its tokens with it
+            self.engine.load_weights(chunks, version=weight_version(version))
+        else:
+            self.engine.load_weights(chunks)
         self.version = version
         return time.perf_counter() - t0
 
     def generate(self, step: int, waited_s: float) -> list[RolloutMessage]:
         """Step ``step``'s batch of every served dp rank, with the weights loaded now."""
-        r, out = self.cfg.rollout, []
-        for d in self.served:
-            t0 = time.perf_counter()
-            prompts = [
-                p.prompt_ids
-                for p in self.task.source.sample_step(
-                    step, r.prompts_per_step // self.dp, d, self.dp, self.cfg.seed
-                )
-            ]
-            seed = step_seed(self.cfg.seed, step, d, GENERATE)
-            batch = self.engine.generate(prompts, r.samples_per_prompt, self.sampling, seed=seed)
-            waits = {
-                "time/rollout_wait_weights_s": waited_s,
-                "time/rollout_generate_s": time.perf_counter() - t0,
-            }
-            out.append(
-                RolloutMessage(step, d, seed, prompts, r.samples_per_prompt, self.version, batch, waits)
+        return [self.request(d, step, {"time/rollout_wait_weights_s": waited_s}) for d in self.served]
+
+    def request(self, d: int, step: int, waits: dict[str, float], updates=None) -> RolloutMessage:
+        """Step ``step``'s batch of dp rank ``d`` (its prompts and seed); async: with in-flight
+        updates from ``updates``, stamped with the update count its prefill ran with."""
+        r, t0 = self.cfg.rollout, time.perf_counter()
+        prompts = [
+            p.prompt_ids
+            for p in self.task.source.sample_step(
+                step, r.prompts_per_step // self.dp, d, self.dp, self.cfg.seed
             )
-        return out
+        ]
+        seed = step_seed(self.cfg.seed, step, d, GENERATE)
+        version = self.version
+        if updates is None:
+            batch = self.engine.generate(prompts, r.samples_per_prompt, self.sampling, seed=seed)
+        else:
+            batch = self.engine.generate(
+                prompts, r.samples_per_prompt, self.sampling, seed=seed, updates=updates
+            )
+            # every sequence's first token comes from the prefill: the oldest version of the request
+            version = int(batch.version_BS[batch.response_mask_BS].min()) - 1
+            self.version = updates.applied
+        waits = {**waits, "time/rollout_generate_s": time.perf_counter() - t0}
+        return RolloutMessage(step, d, seed, prompts, r.samples_per_prompt, version, batch, waits)
 
     def send(self, msgs: list[RolloutMessage]) -> list:
         """Start sending each message to every learner rank of its dp rank; the works to wait on."""
+        return [w for m in msgs for w in self.send_to(m.dp_rank, m)]
+
+    def send_to(self, d: int, obj) -> list:
+        """Start sending ``obj`` to every learner rank of dp rank ``d``; the works to wait on."""
         if not self.sends:
             return []
-        return [
-            w
-            for m in msgs
-            for dst in self.dests[m.dp_rank]
-            for w in self.bridge.send_object(m, dst, BATCH_TAG)
-        ]
+        return [w for dst in self.dests[d] for w in self.bridge.send_object(obj, dst, BATCH_TAG)]
 
 
 def _wait(works: list) -> float:
@@ -99,6 +114,102 @@ def _wait(works: list) -> float:
     for w in works:
         w.wait()
     return time.perf_counter() - t0
+
+
+class _Outbox:
+    """One served dp rank's sends (async): started by the main thread, waited in order by a thread
+    of their own (a gloo send completes when its peer receives, and can only be waited on), which
+    counts the requests not yet received."""
+
+    def __init__(self) -> None:
+        self.works: queue.Queue = queue.Queue()
+        self.unreceived, self.error = 0, None
+        self.lock = threading.Lock()
+        self.thread = threading.Thread(target=self._run, name="rollout-send", daemon=True)
+        self.thread.start()
+
+    def put(self, works: list, request: bool) -> None:
+        with self.lock:
+            self.unreceived += request
+        self.works.put((works, request))
+
+    def _run(self) -> None:
+        while (item := self.works.get()) is not None:
+            works, request = item
+            try:
+                _wait(works)
+            except BaseException as e:  # raised in the main thread at its next look
+                self.error = e
+                return
+            with self.lock:
+                self.unreceived -= request
+
+    def room(self, bound: int) -> bool:
+        if self.error is not None:
+            raise self.error
+        return self.unreceived < bound
+
+    def close(self) -> None:
+        """Wait until the learner received everything sent."""
+        self.works.put(None)
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+
+
+def _room(
+    out: dict[int, _Outbox], bound: int, order: list[int], updates: BackgroundWeights
+) -> tuple[int, float]:
+    """The first served dp rank in ``order`` with fewer than ``bound`` unreceived requests (waiting,
+    and keeping the background weight receive going, until one has room); seconds waited."""
+    t0 = time.perf_counter()
+    while True:
+        for d in order:
+            if out[d].room(bound):
+                return d, time.perf_counter() - t0
+        updates.tick()
+        time.sleep(0.002)
+
+
+def _serve_async(s: _Server) -> None:
+    """rollout.mode=async (moe_rl/rollout/asynchronous.py): request after request, round robin over
+    the served dp ranks that have buffer room, weights applied between decode steps; a fence to
+    every served dp rank after the sync that precedes a checkpoint; stop at the final weights."""
+    cfg, start = s.cfg, s.version
+    nxt = {d: 0 for d in s.served}
+    if start > 0:  # a resume: each dp rank's learner says which request comes after its saved ones
+        for d in s.served:
+            got = {s.bridge.recv_object(dst, RESUME_TAG) for dst in s.dests[d]}
+            if len(got) != 1:
+                raise RuntimeError(
+                    f"the learner ranks of data-parallel rank {d} resume at requests {sorted(got)}"
+                )
+            nxt[d] = got.pop()
+    updates = BackgroundWeights(s.sync, start, cfg.steps)
+    bound, out = buffer_bound(cfg.rollout.max_staleness), {d: _Outbox() for d in s.served}
+    turn = 0
+    while True:
+        order = s.served[turn:] + s.served[:turn]
+        d, waited = _room(out, bound, order, updates)
+        turn = (s.served.index(d) + 1) % len(s.served)
+        before = updates.applied
+        msg = s.request(d, nxt[d], {"time/rollout_wait_send_s": waited}, updates)
+        nxt[d] += 1
+        for c in range(before, updates.applied):  # the syncs this request crossed
+            if checkpoint_due(c, cfg.checkpoint_every, cfg.steps):
+                for e in s.served:
+                    out[e].put(s.send_to(e, Fence(c)), request=False)
+        if updates.final:  # the learner trains no more: it takes nothing after the last fence
+            log.info(
+                "rollout rank: final weights applied; request %d of dp rank %d (%d samples) dropped",
+                msg.step,
+                d,
+                msg.batch.num_seqs,
+            )
+            break
+        out[d].put(s.send_to(d, msg), request=True)
+    for o in out.values():
+        o.close()
 
 
 def serve_rollouts(cfg: RunConfig, dims: ParallelDims, task: Task | None = None) -> None:
@@ -109,6 +220,8 @@ def serve_rollouts(cfg: RunConfig, dims: ParallelDims, task: Task | None = None)
     s = _Server(cfg, dims, task)
     waited = s.load()
     start = s.version
+    if cfg.rollout.mode == "async":
+        return _serve_async(s)
     if cfg.rollout.mode == "sync":
         for step in range(start, cfg.steps):
             works = s.send(s.generate(step, waited))

@@ -24,6 +24,7 @@ from moe_rl.metrics import MetricsWriter
 from moe_rl.preflight import check_launch
 from moe_rl.preflight import check_run_dir as check_run_directory
 from moe_rl.rollout.factory import build_engine
+from moe_rl.rollout.remote import RemoteEngine
 from moe_rl.rollout.staleness import StaleWeights
 from moe_rl.rollout_loop import serve_rollouts
 from moe_rl.seeding import GENERATE, step_seed
@@ -175,6 +176,19 @@ def rank_task(cfg: RunConfig, dims: ParallelDims, prepared: Prepared | None) -> 
     return prepared
 
 
+def rollout_step(cfg: RunConfig, task: Task, engine, plan: StepPlan, step: int, dims: ParallelDims):
+    """The step's prompts and their batch: those of step ``step``, or (rollout.mode=async) of the
+    request the rollout ranks' buffer hands this dp rank (``RemoteEngine.request_for``)."""
+    r = cfg.rollout
+    at = engine.request_for(step) if isinstance(engine, RemoteEngine) else step
+    prompts = task.source.sample_step(
+        at, r.prompts_per_step // dims.dp_size, dims.dp_rank, dims.dp_size, cfg.seed
+    )
+    seed = step_seed(cfg.seed, at, dims.dp_rank, GENERATE)
+    batch = engine.generate([p.prompt_ids for p in prompts], r.samples_per_prompt, plan.sampling, seed=seed)
+    return prompts, batch
+
+
 def train(cfg: RunConfig, dims: ParallelDims, prepared: Prepared | None = None) -> None:
     if dims.is_rollout:  # parallel.rollout_ranks: this rank only generates (docs/design.md 15)
         return serve_rollouts(cfg, dims, prepared.task if prepared else None)
@@ -200,13 +214,7 @@ def train(cfg: RunConfig, dims: ParallelDims, prepared: Prepared | None = None) 
             m_val = validation_rewards(cfg, task, engine, step, dims.dp_rank, dims.dp_size)  # every val_every
             timer = StepTimer(mem, step)  # each phase's peak RSS: run_dir/memory_timeline.jsonl
             with timer.phase("rollout"):
-                prompts = task.source.sample_step(
-                    step, r.prompts_per_step // dims.dp_size, dims.dp_rank, dims.dp_size, cfg.seed
-                )
-                seed = step_seed(cfg.seed, step, dims.dp_rank, GENERATE)
-                batch = engine.generate(
-                    [p.prompt_ids for p in prompts], r.samples_per_prompt, plan.sampling, seed=seed
-                )
+                prompts, batch = rollout_step(cfg, task, engine, plan, step, dims)
                 batch, m_stale = stale.versioned(batch, step)  # version_BS: the weights it sampled with
         with timer.phase("score"):
             rewards_B, m_reward = score_step(cfg, task, prompts, batch)

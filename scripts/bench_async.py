@@ -58,6 +58,7 @@ PHASES = (
     "time/wait_batch_s",
     "time/rollout_generate_s",
     "time/rollout_wait_weights_s",
+    "time/rollout_wait_send_s",
     "time/old_logprob_s",
     "time/update_s",
     "time/sync_s",
@@ -117,13 +118,14 @@ def overlap(split_sync: dict[str, float]) -> tuple[float, float, float]:
 
 def slower_wait(run: dict[str, float], learner_slower: bool) -> float:
     """The slower role's waiting time as a fraction of the step: the rollout rank's wait for the
-    weights (their load included), or the learner's wait for its batch plus its weight broadcast
-    (an upper bound: in one_step_off the broadcast also waits for the rollout rank to finish the
-    batch it is generating before it joins)."""
+    weights (their load included; async: for room in its buffer, it never waits for weights), or
+    the learner's wait for its batch plus its weight broadcast (an upper bound: in one_step_off the
+    broadcast also waits for the rollout rank to finish the batch it is generating before it
+    joins)."""
     if learner_slower:
         wait = run["time/wait_batch_s"] + run["time/sync_s"]
     else:
-        wait = run["time/rollout_wait_weights_s"]
+        wait = run.get("time/rollout_wait_weights_s", 0.0) + run.get("time/rollout_wait_send_s", 0.0)
     return wait / run["time/step_s"]
 
 

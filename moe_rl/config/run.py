@@ -441,9 +441,10 @@ def check_split(cfg: RunConfig) -> None:
     naming its key."""
     p, r, c = cfg.parallel, cfg.rollout, cfg.correction
     check(
-        r.mode != "async",
+        r.mode != "async" or r.engine == "builtin",
         "rollout.mode",
-        "not yet: async (a bounded buffer, in-flight weight updates); use sync or one_step_off",
+        "async needs in-flight weight updates, which vLLM's engine does not have here (docs/design.md "
+        "15.1); use rollout.engine=builtin or rollout.mode=one_step_off",
     )
     tp = r.vllm.tensor_parallel if r.engine == "vllm" else 1
     engines, dp = p.rollout_ranks // tp, cfg.data_parallel

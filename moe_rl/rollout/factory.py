@@ -22,7 +22,7 @@ def build_engine(cfg: RunConfig, pad_id: int, device: torch.device | str = "cpu"
     if placement is not None and not placement.colocated:
         from moe_rl.rollout.remote import RemoteEngine
 
-        return RemoteEngine(dims, engine_tp(cfg), ahead=cfg.rollout.mode == "one_step_off")
+        return RemoteEngine(dims, engine_tp(cfg), cfg.rollout.mode, cfg.rollout.max_staleness)
     if cfg.rollout.engine == "vllm":
         from moe_rl.rollout.vllm.engine import VllmEngine  # vllm imports only where it is asked for
 

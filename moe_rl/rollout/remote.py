@@ -8,24 +8,37 @@ collective over the learner ranks). The rollout ranks' loop is ``moe_rl/rollout_
 One-step-off: the batch of step t + 1 is generated while the learner trains step t, so it is in
 flight at a checkpoint; ``take_in_flight`` receives it so the checkpoint can hold it, and
 ``resume`` hands the saved one back as the first step's batch (it was generated with weights the
-checkpoint no longer has)."""
+checkpoint no longer has).
+
+Async (``moe_rl/rollout/asynchronous.py``): ``request_for`` takes the dp rank's next request the
+staleness filter keeps (the step trains on that request's prompts and seed), ``generate`` hands it
+on with the engine's per-token versions; ``take_buffered`` receives, at a checkpoint, every
+finished request up to the rollout rank's fence, and ``resume`` queues the saved ones first and
+tells the rollout rank which request index to generate next."""
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
 import time
 from dataclasses import dataclass
 
 import torch
 
 from moe_rl.maths.versions import weight_version
-from moe_rl.metrics import Max
+from moe_rl.metrics import Max, Sum
 from moe_rl.placement import exchange_dp_ranks
+from moe_rl.rollout.asynchronous import RESUME_TAG, Fence, drop_limit, take_fresh
 from moe_rl.rollout.base import Weights, weight_chunks
 from moe_rl.types import RolloutBatch, SamplingParams, with_version
 from moe_rl.weights.broadcast import broadcast_weights
 
 BATCH_TAG = 1  # the bridge's tag for batches (rollout -> learner)
+# tests only: seconds the learner sleeps before each weight sync (async: lets the rollout ranks run
+# ahead deterministically enough that batches arrive stale)
+DELAY_ENV = "MOE_RL_TEST_LEARNER_DELAY_S"
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -56,23 +69,55 @@ class RolloutMessage:
 class RemoteEngine:
     """``RolloutEngine`` on a learner rank of a split world (see the module docstring)."""
 
-    def __init__(self, dims, engine_tp: int = 1, ahead: bool = False) -> None:
+    def __init__(self, dims, engine_tp: int = 1, mode: str = "sync", max_staleness: int = 0) -> None:
         p = dims.placement
-        self.ahead = ahead  # one-step-off: the next step's batch is in flight at a checkpoint
+        self.mode, self.max_staleness = mode, max_staleness
+        self.ahead = mode == "one_step_off"  # the next step's batch is in flight at a checkpoint
         self.bridge, self.sync, self.dp_rank = p.bridge, p.sync, dims.dp_rank
         exchange_dp_ranks(self.bridge, dims.dp_rank)  # the rollout ranks learn where batches go
         self.src = self.bridge.members.index(p.split.server(dims.dp_rank, engine_tp))
         self.version = -1  # the weight version last synced (= the step the learner is at)
         self.next_version = 0  # the next sync's
         self.pending: RolloutMessage | None = None  # received ahead of its step (a checkpoint)
+        # async: finished requests received at a checkpoint (or restored), taken before new ones;
+        # the index of the next request the rollout rank sends; the request this step trains on
+        self.buffered: list[RolloutMessage] = []
+        self.next_request = 0
+        self.taken: tuple[RolloutMessage, dict, float] | None = None
+        self.restored: dict = {}
+        self.delay_s = float(os.environ.get(DELAY_ENV, "0"))
+        self.resume_works: list = []
 
-    def resume(self, start: int, in_flight: RolloutMessage | None) -> None:
+    def resume(self, start: int, in_flight: RolloutMessage | None, buffered: dict | None = None) -> None:
         """Continue at step ``start`` (its weights are synced next), with the batch a one-step-off
-        run had in flight when it saved (None: the rollout ranks generate step ``start``'s)."""
+        run had in flight when it saved (None: the rollout ranks generate step ``start``'s), or
+        (async) the saved ``{"buffered": [...], "next_request": n}``."""
         self.next_version, self.pending = start, in_flight
+        if buffered is not None:
+            self.buffered = [RolloutMessage.from_state_dict(m) for m in buffered["buffered"]]
+            self.next_request = int(buffered["next_request"])
+            n = sum(m.batch.num_seqs for m in self.buffered)
+            log.info(
+                "data-parallel rank %d: restored %d buffered requests (%d samples); the rollout rank "
+                "generates from request %d (what it was generating at the checkpoint is generated again)",
+                self.dp_rank,
+                len(self.buffered),
+                n,
+                self.next_request,
+            )
+            f64 = torch.float64
+            self.restored = {
+                "rollout/restored_batches": Sum(torch.tensor(float(len(self.buffered)), dtype=f64)),
+                "rollout/restored_samples": Sum(torch.tensor(float(n), dtype=f64)),
+            }
+            # the rollout rank's first request index; it receives it after the first sync (the
+            # works are kept: a gloo send whose work is dropped never arrives)
+            self.resume_works = self.bridge.send_object(self.next_request, self.src, RESUME_TAG)
 
     def load_weights(self, weights: Weights) -> None:
         chunks = weight_chunks(weights)
+        if self.delay_s and self.next_version > 0:
+            time.sleep(self.delay_s)
         if self.sync is not None:  # learner rank 0: the broadcast's root
             broadcast_weights(chunks, self.sync, self.next_version)
         else:
@@ -90,23 +135,78 @@ class RemoteEngine:
             self.pending = self._receive()
         return self.pending
 
+    def take_buffered(self) -> dict:
+        """Async, at the checkpoint after the step just trained: every finished request the
+        rollout rank sent before its fence (they stay queued for the next steps), and the index of
+        the request after them; tensors, lists and numbers only."""
+        while True:
+            msg = self._receive()
+            if isinstance(msg, Fence):
+                break
+            self.buffered.append(msg)
+            self.next_request = msg.step + 1
+        if msg.step != self.version - 1:
+            raise RuntimeError(
+                f"data-parallel rank {self.dp_rank}: the rollout rank's checkpoint fence is for step "
+                f"{msg.step}, the learner saves after step {self.version - 1}"
+            )
+        return {"buffered": [m.state_dict() for m in self.buffered], "next_request": self.next_request}
+
+    def _next_request(self) -> RolloutMessage:
+        if self.buffered:
+            return self.buffered.pop(0)
+        msg = self._receive()
+        if isinstance(msg, Fence):
+            raise RuntimeError(
+                f"data-parallel rank {self.dp_rank}: a checkpoint fence (step {msg.step}) outside a "
+                "checkpoint"
+            )
+        self.next_request = msg.step + 1
+        return msg
+
+    def request_for(self, step: int) -> int:
+        """The step index whose prompts and seed step ``step`` trains on: ``step``, or (async) that
+        of the dp rank's next request the staleness filter keeps (stale ones are dropped)."""
+        if self.mode != "async":
+            return step
+        t0 = time.perf_counter()
+        for w in self.resume_works:  # the rollout rank took it after the first sync
+            w.wait()
+        self.resume_works = []
+        limit = drop_limit(self.max_staleness, len(self.buffered))
+        msg, metrics = take_fresh(
+            self._next_request, weight_version(self.version), self.max_staleness, limit, self.dp_rank
+        )
+        self.taken = (msg, metrics, time.perf_counter() - t0)
+        return msg.step
+
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams, seed: int) -> RolloutBatch:
         t0 = time.perf_counter()
-        msg, self.pending = self.pending or self._receive(), None
-        waited = time.perf_counter() - t0
+        extra: dict = {}
+        if self.mode == "async":
+            (msg, extra, waited), self.taken = self.taken, None
+            extra, self.restored = {**extra, **self.restored}, {}
+        else:
+            msg, self.pending = self.pending or self._receive(), None
+            waited = time.perf_counter() - t0
+        expected = msg.step if self.mode == "async" else self.version
         got = (msg.step, msg.dp_rank, msg.seed, msg.n, msg.prompts)
-        if got != (self.version, self.dp_rank, seed, n, prompts):
+        if got != (expected, self.dp_rank, seed, n, prompts):
             raise RuntimeError(
                 f"rollout batch mismatch on data-parallel rank {self.dp_rank}: got step {msg.step}, "
-                f"dp rank {msg.dp_rank}, seed {msg.seed}, n {msg.n}; expected step {self.version}, "
+                f"dp rank {msg.dp_rank}, seed {msg.seed}, n {msg.n}; expected step {expected}, "
                 f"seed {seed}, n {n}" + ("" if msg.prompts == prompts else " (other prompts)")
             )
         lag = self.version - msg.version
         metrics = {
-            "rollout/version_lag": float(lag),
+            # async: the lag of the request's prefill, the most over the dp ranks (they differ)
+            "rollout/version_lag": Max(torch.tensor(float(lag))) if self.mode == "async" else float(lag),
             "time/wait_batch_s": Max(torch.tensor(waited)),
             **{k: Max(torch.tensor(v)) for k, v in msg.waits.items()},
+            **extra,
         }
+        if self.mode == "async":  # the engine's per-token versions (in-flight updates move them)
+            return dataclasses.replace(msg.batch, engine_metrics=metrics)
         # version_BS: the weights the batch was generated with (W_u is version u + 1, docs/math.md 2.7)
         batch = with_version(dataclasses.replace(msg.batch, version_BS=None), weight_version(msg.version))
         return dataclasses.replace(batch, engine_metrics=metrics)

@@ -369,6 +369,11 @@ class PendingWeights:
         self._raise()
 
     @property
+    def receiving(self) -> bool:
+        """A background receive is running."""
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
     def ready(self) -> bool:
         """A complete sync is staged (the engine does not hold it yet)."""
         return self._staged is not None
@@ -376,15 +381,22 @@ class PendingWeights:
     def apply(self, engine: RolloutEngine) -> int | None:
         """At a safe point (the engine is between generate calls or decode steps): load the
         staged sync, if one is complete, and return its version; else None."""
-        self._raise()
-        with self._lock:
-            staged, self._staged = self._staged, None
+        staged = self.take()
         if staged is None:
             return None
         version, named = staged
         engine.load_weights(named)
         self.version = version
         return version
+
+    def take(self) -> tuple[int, dict[str, torch.Tensor]] | None:
+        """The staged sync as (version, named tensors), handed over whole (an ``UpdateSource``
+        passes it to the engine between decode steps); None with nothing staged. The caller
+        applies it: ``version`` is not updated here."""
+        self._raise()
+        with self._lock:
+            staged, self._staged = self._staged, None
+        return staged
 
     def _raise(self) -> None:
         if self._error is not None:

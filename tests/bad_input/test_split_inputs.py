@@ -66,10 +66,29 @@ def test_vllm_tensor_parallel_must_divide_the_rollout_ranks(tmp_path):
 def test_settings_the_split_cannot_hold(tmp_path):
     _fails(
         tmp_path,
-        "override 'rollout.mode=async': config key 'rollout.mode': not yet: async (a bounded buffer, "
-        "in-flight weight updates); use sync or one_step_off",
+        "override 'rollout.mode=async': config key 'rollout.mode': async needs in-flight weight updates, "
+        "which vLLM's engine does not have here (docs/design.md 15.1); use rollout.engine=builtin or "
+        "rollout.mode=one_step_off",
+        *SPLIT,
+        "rollout.engine=vllm",
+        "rollout.mode=async",
+    )
+    _fails(
+        tmp_path,
+        "override 'correction.bypass_loss=reinforce': config key 'correction.bypass_loss': reinforce has "
+        "no ratio: it assumes samples from the current policy, and rollout.mode=async samples from "
+        "an older one; use correction.bypass_loss=ppo_clip or correction.mode=decoupled",
         *SPLIT,
         "rollout.mode=async",
+        "correction.mode=bypass",
+        "correction.bypass_loss=reinforce",
+    )
+    _fails(
+        tmp_path,
+        "override 'rollout.max_staleness=-1': config key 'rollout.max_staleness': must be >= 0 (got -1)",
+        *SPLIT,
+        "rollout.mode=async",
+        "rollout.max_staleness=-1",
     )
     _fails(
         tmp_path,

@@ -244,7 +244,10 @@ def test_inflight_kv_config_key() -> None:
         load_config(None, ["rollout.inflight_kv=redo"])
     with pytest.raises(ConfigError, match="config key 'rollout.inflight_kv': recompute acts on in-flight"):
         load_config(None, ["rollout.inflight_kv=recompute"])
-    # rollout.mode=async itself is refused until the asynchronous loop lands (docs/design.md 15)
     async_split = ["rollout.mode=async", "parallel.nproc=3", "parallel.rollout_ranks=1"]
-    with pytest.raises(ConfigError, match="config key 'rollout.mode': not yet: async"):
-        load_config(None, [*async_split, "rollout.inflight_kv=recompute"])
+    assert (
+        load_config(None, [*async_split, "rollout.inflight_kv=recompute"]).rollout.inflight_kv == "recompute"
+    )
+    # with vLLM, async itself is refused (it has no in-flight updates), naming rollout.mode
+    with pytest.raises(ConfigError, match="config key 'rollout.mode': async needs in-flight weight updates"):
+        load_config(None, [*async_split, "rollout.inflight_kv=recompute", "rollout.engine=vllm"])

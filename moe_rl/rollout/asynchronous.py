@@ -1,0 +1,140 @@
+"""``rollout.mode=async`` (docs/design.md 15.3): the pieces both roles share.
+
+Rollout ranks generate request after request (a request: one data-parallel rank's prompts and seed
+of one step index, numbered per dp rank from 0) with ``BackgroundWeights`` as the engine's
+``UpdateSource``: the learner's syncs are received in a background thread and applied between
+decode steps, so the tokens after a sync carry its version. Each finished request is sent to its
+learner ranks at once; at most ``buffer_bound`` sends per dp rank are unreceived (the buffer).
+
+The learner takes its dp rank's next request each step (``take_fresh``) and keeps it only if the
+staleness filter keeps all of it; a request with any stale group is dropped whole and the next one
+taken. With the built-in engine every sequence of a request starts at the same prefill, so a
+request's oldest token version is shared by all of its sequences and the filter keeps or drops it
+whole anyway; dropping whole requests keeps every dp rank at a full step's worth of groups, so
+``algo.num_minibatches`` splits every step's batch as the config check guarantees and the ranks run
+the same number of optimizer steps.
+
+Checkpoints: when a rollout rank applies the sync that precedes a checkpoint it sends a ``Fence``
+to every learner rank it serves; the learner receives up to the fence and saves those finished
+requests beside the checkpoint. The request being generated at that moment is not saved: a resumed
+run generates it again (with other weights: async is not bit-for-bit deterministic).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from moe_rl.maths.versions import staleness_filter, weight_version
+from moe_rl.metrics import Mean, Sum
+from moe_rl.placement import Group
+from moe_rl.weights.broadcast import PendingWeights
+
+RESUME_TAG = 2  # the bridge's tag for a resumed learner's next request index (learner -> rollout)
+
+
+def buffer_bound(max_staleness: int) -> int:
+    """Unreceived requests per dp rank a rollout rank may have sent: ``max_staleness + 1``. A request
+    taken from a full buffer was generated while the learner made about that many updates, so a
+    deeper buffer would only hold requests the filter drops."""
+    return max_staleness + 1
+
+
+def drop_limit(max_staleness: int, queued: int = 0) -> int:
+    """Requests a learner step may drop before it fails: the buffer, the request being generated
+    and the one waiting to be sent (all may predate the learner's last sync), plus ``queued``
+    restored from a checkpoint. After those the rollout rank generates with the learner's weights."""
+    return buffer_bound(max_staleness) + 2 + queued
+
+
+def checkpoint_due(step: int, every: int, steps: int) -> bool:
+    """A checkpoint follows learner step ``step`` (0-based): every ``every`` steps, and after the last."""
+    done = step + 1
+    return bool(every and done % every == 0) or done == steps
+
+
+@dataclass(frozen=True)
+class Fence:
+    """In a dp rank's request stream: the requests before it were finished when the rollout rank
+    applied the sync that precedes the checkpoint after learner step ``step``."""
+
+    step: int
+
+
+class StaleRequests(RuntimeError):
+    """More consecutive stale requests than ``drop_limit`` allows."""
+
+
+def take_fresh(
+    receive: Callable[[], object],
+    learner_version: int,
+    max_staleness: int,
+    limit: int,
+    dp_rank: int = 0,
+) -> tuple[object, dict]:
+    """The first request from ``receive()`` that the staleness filter keeps whole (its groups by
+    ``group_B``) against ``learner_version``; requests with a stale group are dropped. ``receive``
+    returns objects with ``.batch`` (a RolloutBatch with ``version_BS``). Metrics:
+    ``rollout/dropped_stale`` (samples dropped), ``rollout/dropped_stale_batches`` and
+    ``rollout/dropped_stale_frac`` (of the samples received this step)."""
+    dropped_batches = dropped = 0
+    for _ in range(limit + 1):
+        msg = receive()
+        b = msg.batch
+        keep_B, _ = staleness_filter(
+            b.version_BS, b.response_mask_BS, learner_version, max_staleness, b.group_B
+        )
+        if bool(keep_B.all()):
+            f64 = torch.float64
+            total = torch.tensor(float(dropped + b.num_seqs), dtype=f64)
+            return msg, {
+                "rollout/dropped_stale": Sum(torch.tensor(float(dropped), dtype=f64)),
+                "rollout/dropped_stale_batches": Sum(torch.tensor(float(dropped_batches), dtype=f64)),
+                "rollout/dropped_stale_frac": Mean(torch.tensor(float(dropped), dtype=f64), total),
+            }
+        dropped_batches, dropped = dropped_batches + 1, dropped + b.num_seqs
+    raise StaleRequests(
+        f"rollout.max_staleness={max_staleness}: data-parallel rank {dp_rank} dropped {limit + 1} stale "
+        f"requests in a row at learner version {learner_version} (at most {limit} can predate its last sync)"
+    )
+
+
+class BackgroundWeights:
+    """A rollout rank's ``UpdateSource`` (async): ``PendingWeights`` receives each sync over the sync
+    group in a background thread; ``poll`` (the engine's, between decode steps) hands over the
+    newest complete one as (weight version, named tensors). ``tick`` restarts the receive when the
+    last ended, so the learner's next broadcast finds a receiver while this rank generates or waits
+    for buffer room. Nothing is received past update ``last`` (the run's final weights)."""
+
+    def __init__(self, sync: Group, applied: int, last: int) -> None:
+        self.sync, self.applied, self.last = sync, applied, last  # applied: updates the engine holds
+        self.pending = PendingWeights()
+        self.staged: tuple[int, dict] | None = None
+        self.tick()
+
+    def tick(self) -> None:
+        if self.pending.receiving:
+            return
+        staged = self.pending.take()  # raises the receive's error in this thread
+        if staged is not None:
+            self.staged = staged  # newest wins: an engine may skip a version, never go back
+        newest = self.staged[0] if self.staged is not None else self.applied
+        if newest < self.last:
+            self.pending.receive_in_background(self.sync)
+
+    def poll(self) -> tuple[int, dict] | None:
+        self.tick()
+        if self.staged is None:
+            return None
+        (updates, named), self.staged = self.staged, None
+        if updates <= self.applied:
+            raise RuntimeError(f"weight sync of update {updates} after update {self.applied}: out of order")
+        self.applied = updates
+        return weight_version(updates), named
+
+    @property
+    def final(self) -> bool:
+        """The engine holds the run's final weights (the learner trains no more)."""
+        return self.applied >= self.last
