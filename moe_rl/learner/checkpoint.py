@@ -115,7 +115,31 @@ def _sharded_state(
     if not is_loading:
         _keep_zero_step(opt_sd, learner.optimizer)
         _drop_unsaved_param_state(opt_sd, learner.optimizer)
+        _zero_padding(opt_sd)
     return {"model": model_sd, "optimizer": opt_sd}
+
+
+def _zero_padding(sd: Any) -> int:
+    """Zero the padding pieces of a dp_reshardable optimizer state (returns how many).
+
+    Megatron writes each bucket whole, with the gaps between parameters as padding pieces it
+    allocates with ``torch.empty`` (distrib_optimizer.py ``sharded_param_state_dp_reshardable``),
+    so the checkpoint's bytes there are whatever memory held: two saves of the same state differ,
+    and a resumed run's checkpoint cannot be compared with the uninterrupted run's. The padding is
+    never loaded into a parameter."""
+    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedTensor
+
+    if isinstance(sd, list | tuple):
+        return sum(_zero_padding(v) for v in sd)
+    if not isinstance(sd, dict):
+        return 0
+    pad = sd.get("padding")
+    if isinstance(pad, LocalNonpersistentObject) and pad.unwrap() is True:
+        pieces = [v for v in sd.values() if isinstance(v, ShardedTensor)]
+        for v in pieces:
+            v.data.zero_()
+        return len(pieces)
+    return sum(_zero_padding(v) for v in sd.values())
 
 
 def save(learner, ckpt_root: Path, step: int, trainer_state: dict[str, Any]) -> Path:

@@ -31,26 +31,32 @@ REWARD = """def score(prompt, response, ground_truth, extra):
 
 def _optimizer_state(step_dir: Path) -> dict[str, torch.Tensor]:
     """A megatron dist checkpoint's optimizer state, read with torch's own DCP reader and
-    ``torch.load`` (not the learner's loader): every tensor under ``optimizer`` (Adam's exp_avg,
-    exp_avg_sq and fp32 params, by flattened key) and each param group's Adam ``step`` from
-    ``common.pt``, as ``steps/N``."""
+    ``torch.load`` (not the learner's loader): every tensor under an ``optimizer`` key (Adam's
+    exp_avg, exp_avg_sq and fp32 params, by flattened key) and each param group's Adam ``step``, as
+    ``steps/N``, wherever the format keeps the param groups (``common.pt`` in fully_reshardable, a
+    sharded object per optimizer in dp_reshardable, the format written now)."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     out = step_dir.parent / f"{step_dir.name}.pt"
     dcp_to_torch_save(str(step_dir), str(out))
     flat: dict[str, torch.Tensor] = {}
+    groups: list[dict] = []
 
     def walk(prefix: str, v) -> None:
         if isinstance(v, dict):
+            groups.extend(v.get("param_groups", []))
             for k, x in v.items():
                 walk(f"{prefix}.{k}" if prefix else str(k), x)
-        elif isinstance(v, torch.Tensor) and prefix.startswith("optimizer"):
+        elif isinstance(v, list | tuple):
+            for x in v:
+                if isinstance(x, dict):
+                    walk(prefix, x)
+        elif isinstance(v, torch.Tensor) and "optimizer" in prefix:
             flat[prefix] = v
 
     walk("", torch.load(out, weights_only=False))
     out.unlink()
-    common = torch.load(step_dir / "common.pt", weights_only=False)["optimizer"]
-    groups = [g for opt in common.values() for g in opt["optimizer"]["param_groups"]]
+    walk("", {"common": torch.load(step_dir / "common.pt", weights_only=False)})
     flat.update({f"steps/{i}": torch.tensor(float(g["step"])) for i, g in enumerate(groups)})
     return flat
 
@@ -120,7 +126,11 @@ def test_family_checkpoint_trains_with_r3_resumes_and_exports(tmp_path: Path, fa
     assert sorted(ours) == sorted(theirs), (sorted(ours)[:5], sorted(theirs)[:5])
     differ = [k for k in ours if not torch.equal(ours[k], theirs[k])]
     assert differ == [], f"{family}: resumed optimizer state differs in {differ[:3]}"
-    moments = [v for k, v in ours.items() if k.startswith("optimizer.state.exp_avg.")]
+    # Adam's first moments, by key: optimizer.state.exp_avg.<param> (fully_reshardable) or
+    # optimizer.distributed.<bucket>.exp_avg (dp_reshardable, the format now written)
+    moments = [
+        v for k, v in ours.items() if k.startswith("optimizer.state.exp_avg.") or k.endswith(".exp_avg")
+    ]
     assert moments and any(bool(v.any()) for v in moments) == (stepped > 0), family
     assert {float(v) for k, v in ours.items() if k.startswith("steps/")} == {float(stepped)}
     ids = torch.tensor([[5, 17, 42, 99, 230]])
