@@ -3,7 +3,9 @@
 that arrives mid-generation is applied between two decode steps, so the tokens after it carry the
 new version. The rollout rank signals the learner at its 4th poll (over the bridge) and waits there
 until the sync is staged, so the update lands before forward 3 whatever the timing; the batch must
-equal, bit for bit, one generated with the same update scheduled at poll 3 (``ScheduledUpdates``)."""
+equal, bit for bit, one generated with the same update scheduled at poll 3 (``ScheduledUpdates``).
+The learner sends the next sync only after that call ends (a second signal): sent earlier, it could
+land in the same call under load, at a poll that depends on timing."""
 
 from __future__ import annotations
 
@@ -58,6 +60,7 @@ def _rollout(place) -> dict:
     engine.load_weights(chunks, version=weight_version(u))
     src = BackgroundWeights(place.sync, u, last=2)
     batch = engine.generate(PROMPTS, 2, sampling, seed=5, updates=_Gate(src, place.bridge))
+    place.bridge.send(torch.ones(1), 0)  # generated: only now may the next sync come (else it races)
     out = {
         "first": u,
         "applied_mid": src.applied,
@@ -90,6 +93,7 @@ def _worker(rank: int):
     broadcast_weights([_weights(0)], place.sync, 0)
     place.bridge.recv(torch.empty(1), 1)  # the rollout rank is at poll AT, mid-generation
     broadcast_weights([_weights(1)], place.sync, 1)
+    place.bridge.recv(torch.empty(1), 1)  # that generate call is over
     broadcast_weights([_weights(2)], place.sync, 2)
     return packed({})
 
