@@ -87,3 +87,28 @@ def left_in_session(sid: int) -> list[str]:
 
 def last_lines(err: str, prefix: str) -> list[str]:
     return [x for x in err.splitlines() if x.startswith(prefix)]
+
+
+def run_faulted(args: list[str], extra_env: dict[str, str] | None = None) -> tuple[int, str, int]:
+    """``python -m tests.bad_input.faults ARGS`` in its own session (the fault tests' launcher):
+    its exit code, stderr and pid (the session to check for leftovers)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT), **(extra_env or {})}
+    env.pop("MOE_RL_DEBUG", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.bad_input.faults", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        start_new_session=True,
+    )
+    try:
+        _, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    return proc.returncode, err, proc.pid

@@ -10,14 +10,11 @@ logged metric but timings equals the uninterrupted run's, the offloaded bytes in
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.cli_helpers import ROOT, TINY, last_lines, left_in_session
+from tests.cli_helpers import TINY, last_lines, left_in_session, run_faulted
 from tests.e2e.helpers import deterministic, metrics, moe_rl
 
 ARGS = ["steps=3", "checkpoint_every=1", "parallel.offload_during_rollout=true", *TINY]
@@ -25,23 +22,7 @@ ARGS = ["steps=3", "checkpoint_every=1", "parallel.offload_during_rollout=true",
 
 def _faulted(tmp_path: Path, kind: str, *args: str) -> tuple[int, str, int]:
     """`moe-rl train ARGS` with rank 1's second generation faulted; (exit code, stderr, session)."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}
-    env.pop("MOE_RL_DEBUG", None)
-    cmd = [sys.executable, "-m", "tests.bad_input.faults", "generate", "1", kind, "train", *args]
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        start_new_session=True,
-    )
-    try:
-        _, err = proc.communicate(timeout=300)
-    finally:
-        proc.kill()
-    return proc.returncode, err, proc.pid
+    return run_faulted(["generate", "1", kind, "train", *args])
 
 
 def _latest(run: Path) -> str:

@@ -5,15 +5,12 @@ left running (tests/bad_input/faults.py injects the fault)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.cli_helpers import ROOT, TINY, left_in_session
+from tests.cli_helpers import TINY, left_in_session, run_faulted
 
 FAIL_FAST_S = 30.0
 SPLIT = ["steps=2", "parallel.nproc=4", "parallel.rollout_ranks=2", "parallel.expert_parallel=2", *TINY]
@@ -22,25 +19,11 @@ SPLIT = ["steps=2", "parallel.nproc=4", "parallel.rollout_ranks=2", "parallel.ex
 def _faulted(tmp_path: Path, where: str, rank: int, kind: str) -> tuple[int, str, float, int]:
     """(exit code, stderr, seconds from the fault to the job's end, the job's session id)."""
     stamp = tmp_path / "fault_time"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "MOE_RL_FAULT_STAMP": str(stamp), "PYTHONPATH": str(ROOT)}
-    env.pop("MOE_RL_DEBUG", None)
     args = [where, str(rank), kind, "train", f"run_dir={tmp_path / 'run'}", *SPLIT]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.bad_input.faults", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        start_new_session=True,
-    )
-    try:
-        _, err = proc.communicate(timeout=300)
-    finally:
-        proc.kill()
+    code, err, pid = run_faulted(args, {"MOE_RL_FAULT_STAMP": str(stamp)})
     end = time.time()
     assert stamp.is_file(), f"the fault never fired:\n{err[-3000:]}"
-    return proc.returncode, err, end - float(stamp.read_text()), proc.pid
+    return code, err, end - float(stamp.read_text()), pid
 
 
 @pytest.mark.bad_input
