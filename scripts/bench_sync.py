@@ -17,7 +17,9 @@ machine's load. Numbers and the command: docs/measurements.md 6.
 The broadcast (``moe_rl.weights.broadcast``, docs/design.md 15.2), timed the same way with a barrier
 over every rank: learner rank 0 streams its canonical layers (EP all-gathers with learner rank 1)
 into ``broadcast_weights``; the rollout rank receives the whole sync into host buffers
-(``PendingWeights.receive``) and applies it to its built-in engine (``apply``). Also timed on the
+(``PendingWeights.receive``) and applies it to its built-in engine (``apply``). Two wires, each
+repetition running both and the copy in a rotating order: the engine's dtype (what a run sends:
+bf16, the router fp32) and the learner's fp32 as it is (what runs sent before). Also timed on the
 rollout rank alone: the ``apply``, the only part an engine has to pause for. Numbers:
 docs/measurements.md 6.1.
 """
@@ -101,8 +103,9 @@ def _measure(args) -> list[dict]:
     return gathered
 
 
-def _broadcast_once(learner, engine, pending, place, version: int, bucket_bytes: int) -> float:
-    """One sync on this rank of the split world; on the rollout rank, returns the apply's seconds."""
+def _broadcast_once(learner, engine, pending, place, version: int, bucket_bytes: int, wire=None) -> float:
+    """One sync on this rank of the split world, sent in the engine dtype ``wire`` (None: the
+    learner's fp32); on the rollout rank, returns the apply's seconds."""
     from moe_rl.weights.broadcast import broadcast_weights
 
     if learner is None:
@@ -112,7 +115,7 @@ def _broadcast_once(learner, engine, pending, place, version: int, bucket_bytes:
         return time.perf_counter() - t0
     chunks = learner.iter_canonical_layers()
     if place.sync is not None:
-        broadcast_weights(chunks, place.sync, version, bucket_bytes)
+        broadcast_weights(chunks, place.sync, version, bucket_bytes, engine=wire)
     else:  # the other learner rank takes part in the stream's gathers
         for _ in chunks:
             pass
@@ -127,6 +130,7 @@ def _measure_broadcast(args) -> dict:
     from moe_rl import dist
     from moe_rl.config import load_config
     from moe_rl.learner.learner import Learner
+    from moe_rl.rollout.base import ENGINE_DTYPES, engine_dtype
     from moe_rl.rollout.builtin import BuiltinEngine
     from moe_rl.tasks.task import resolve_vocab
     from moe_rl.tasks.tokenizer import CharTokenizer
@@ -157,26 +161,32 @@ def _measure_broadcast(args) -> dict:
 
         bucket_bytes = args.bucket_mb << 20
         _broadcast_once(learner, engine, pending, place, version, bucket_bytes)  # the engine's weights exist
-        # the bytes on the wire: the learner's canonical weights (fp32; the engine casts on apply)
+        # the bytes on each wire: the learner's fp32 canonical weights, or each in the engine's dtype
         assert cfg.model.precision == "fp32", cfg.model.precision
-        per_value = 4
-        nbytes = per_value * sum(math.prod(s) for s in canonical_param_shapes(cfg.model).values())
-        src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
-        times: dict[str, list[float]] = {"sync": [], "copy": [], "apply": []}
+        held = ENGINE_DTYPES[cfg.rollout.dtype]
+        shapes = canonical_param_shapes(cfg.model)
+        nbytes = {
+            "sync": sum(engine_dtype(n, held).itemsize * math.prod(s) for n, s in shapes.items()),
+            "sync_fp32": 4 * sum(math.prod(s) for s in shapes.values()),
+        }
+        src, dst = (torch.ones(nbytes["sync"], dtype=torch.uint8) for _ in range(2))
+        times: dict[str, list[float]] = {k: [] for k in ("sync", "sync_fp32", "copy", "apply", "apply_fp32")}
+        arms = ("sync", "sync_fp32", "copy")
         for rep in range(args.reps + 1):
-            for what in ("sync", "copy") if rep % 2 == 0 else ("copy", "sync"):
+            for what in arms[rep % 3 :] + arms[: rep % 3]:
                 place.bridge.barrier()
                 t0 = time.perf_counter()
-                if what == "sync":
+                if what != "copy":
                     version += 1
-                    apply_s = _broadcast_once(learner, engine, pending, place, version, bucket_bytes)
+                    wire = held if what == "sync" else None
+                    apply_s = _broadcast_once(learner, engine, pending, place, version, bucket_bytes, wire)
                 else:
                     dst.copy_(src)
                 place.bridge.barrier()
                 if rep:  # the first round warms up
                     times[what].append(time.perf_counter() - t0)
-                    if what == "sync":
-                        times["apply"].append(apply_s)
+                    if what != "copy":
+                        times[what.replace("sync", "apply")].append(apply_s)
         res[name] = {"bytes": nbytes, "rollout": dims.is_rollout, **times}
         del learner, engine, src, dst
     place.bridge.barrier()
@@ -188,14 +198,21 @@ def _report_broadcast(ranks: list[dict]) -> None:
     for name in ranks[0]:
         sync = [statistics.fmean(ts) for ts in zip(*(r[name]["sync"] for r in ranks))]
         copy = [statistics.fmean(ts) for ts in zip(*(r[name]["copy"] for r in ranks))]
-        apply = rollout[name]["apply"]
-        nbytes, sync_s, copy_s = ranks[0][name]["bytes"], statistics.median(sync), statistics.median(copy)
+        fp32 = [statistics.fmean(ts) for ts in zip(*(r[name]["sync_fp32"] for r in ranks))]
+        apply, nbytes = rollout[name]["apply"], ranks[0][name]["bytes"]
+        copy_s = statistics.median(copy)
+        for wire, ts, key in (("engine dtype", sync, "apply"), ("fp32", fp32, "apply_fp32")):
+            n = nbytes["sync" if wire == "engine dtype" else "sync_fp32"]
+            print(
+                f"{name}, {wire} wire: {n / 1e6:.1f} MB broadcast to the rollout rank's engine; "
+                f"broadcast {statistics.median(ts) * 1e3:.1f} ms "
+                f"(of which the engine's apply {statistics.median(rollout[name][key]) * 1e3:.1f} ms)"
+            )
         print(
-            f"{name}: {nbytes / 1e6:.1f} MB broadcast (fp32) to the rollout rank's engine; "
-            f"broadcast {sync_s * 1e3:.1f} ms "
-            f"(of which the engine's apply {statistics.median(apply) * 1e3:.1f} ms), plain copy "
-            f"{copy_s * 1e3:.2f} ms ({nbytes / copy_s / 1e9:.1f} GB/s)"
+            f"    plain copy of the engine-dtype bytes {copy_s * 1e3:.2f} ms "
+            f"({nbytes['sync'] / copy_s / 1e9:.1f} GB/s)"
         )
+        print(f"    {ratio_line('ratio broadcast engine dtype/fp32', paired_ratios(sync, fp32))}")
         print(f"    {ratio_line('ratio broadcast/copy', paired_ratios(sync, copy))}")
         print(f"    {ratio_line('ratio apply/copy', paired_ratios(apply, rollout[name]['copy']))}")
 

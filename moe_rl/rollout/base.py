@@ -19,6 +19,18 @@ from moe_rl.types import RolloutBatch, SamplingParams
 # One dict of canonical tensors, or an iterable of dicts (chunks) that together hold each once.
 Weights = Mapping[str, torch.Tensor] | Iterable[Mapping[str, torch.Tensor]]
 
+ENGINE_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}  # rollout.dtype
+# Canonical tensors an engine may keep in fp32 whatever ``rollout.dtype``: the router weight (the
+# built-in engine always, routing is precision-sensitive; vLLM for a model whose router runs in
+# fp32, else it casts it on load) and the expert bias (both engines).
+FP32_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
+
+
+def engine_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype an engine of ``dtype`` (``ENGINE_DTYPES[rollout.dtype]``) holds canonical tensor
+    ``name`` in: the weight broadcast casts to it on the learner (docs/design.md 15.2)."""
+    return torch.float32 if name.endswith(FP32_SUFFIXES) else dtype
+
 
 @runtime_checkable
 class UpdateSource(Protocol):

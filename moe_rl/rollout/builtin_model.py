@@ -32,11 +32,11 @@ import torch
 import torch.nn.functional as F
 
 from moe_rl.config import ModelConfig
-from moe_rl.rollout.base import Weights, weight_chunks
+from moe_rl.rollout.base import ENGINE_DTYPES, Weights, engine_dtype, weight_chunks
 from moe_rl.routing.gating import RouterSpec, route
 from moe_rl.weights.canonical import CanonicalCheck, check_canonical_weights
 
-DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}
+DTYPES = ENGINE_DTYPES
 # eps of the q_a / kv_a RMSNorms of MLA: transformers' DeepseekV3RMSNorm default (not rms_norm_eps)
 MLA_EPS = 1e-6
 
@@ -352,9 +352,8 @@ class BuiltinMoEModel:
         for name, shape in shapes.items():
             if ".mlp.experts." not in name:
                 # The router (and its expert bias) is tiny and routing is precision-sensitive:
-                # keep it fp32 (like megatron's moe_router_dtype=fp32); the rest: engine dtype.
-                fp32 = name.endswith(("mlp.gate.weight", "mlp.gate.e_score_correction_bias"))
-                dtype = torch.float32 if fp32 else self.dtype
+                # kept fp32 (like megatron's moe_router_dtype=fp32); the rest: engine dtype.
+                dtype = engine_dtype(name, self.dtype)
                 w[name] = torch.empty(shape, dtype=dtype, device=self.device)
         slots = dict(w)
         for i in self.moe_layers:

@@ -20,9 +20,11 @@ def build_engine(cfg: RunConfig, pad_id: int, device: torch.device | str = "cpu"
     for the rollout ranks' engines (moe_rl/rollout/remote.py)."""
     placement = getattr(dims, "placement", None)
     if placement is not None and not placement.colocated:
+        from moe_rl.rollout.base import ENGINE_DTYPES
         from moe_rl.rollout.remote import RemoteEngine
 
-        return RemoteEngine(dims, engine_tp(cfg), cfg.rollout.mode, cfg.rollout.max_staleness)
+        r = cfg.rollout
+        return RemoteEngine(dims, engine_tp(cfg), r.mode, r.max_staleness, ENGINE_DTYPES[r.dtype])
     if cfg.rollout.engine == "vllm":
         from moe_rl.rollout.vllm.engine import VllmEngine  # vllm imports only where it is asked for
 

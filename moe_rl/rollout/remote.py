@@ -69,9 +69,17 @@ class RolloutMessage:
 class RemoteEngine:
     """``RolloutEngine`` on a learner rank of a split world (see the module docstring)."""
 
-    def __init__(self, dims, engine_tp: int = 1, mode: str = "sync", max_staleness: int = 0) -> None:
+    def __init__(
+        self,
+        dims,
+        engine_tp: int = 1,
+        mode: str = "sync",
+        max_staleness: int = 0,
+        engine_dtype: torch.dtype | None = None,
+    ) -> None:
         p = dims.placement
         self.mode, self.max_staleness = mode, max_staleness
+        self.engine_dtype = engine_dtype  # the rollout engines' (rollout.dtype): the wire's
         self.ahead = mode == "one_step_off"  # the next step's batch is in flight at a checkpoint
         self.bridge, self.sync, self.dp_rank = p.bridge, p.sync, dims.dp_rank
         exchange_dp_ranks(self.bridge, dims.dp_rank)  # the rollout ranks learn where batches go
@@ -119,7 +127,7 @@ class RemoteEngine:
         if self.delay_s and self.next_version > 0:
             time.sleep(self.delay_s)
         if self.sync is not None:  # learner rank 0: the broadcast's root
-            broadcast_weights(chunks, self.sync, self.next_version)
+            broadcast_weights(chunks, self.sync, self.next_version, engine=self.engine_dtype)
         else:
             for _ in chunks:  # the gather is collective over the learner ranks
                 pass

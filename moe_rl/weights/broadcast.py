@@ -11,6 +11,8 @@ tensors over NCCL: untested on GPU):
   order. The chunk's tensors of one dtype are laid end to end (``offset`` in elements, in header
   order) and that run is cut into buckets of at most ``bucket_bytes`` (at least one element), so
   a bucket may hold many small tensors or part of a large one; each travels as its bytes (uint8).
+  A tensor travels in the dtype the rollout engine holds it in (``engine_dtype``; the root casts
+  each bucket as it packs it), so the bytes are the engine's, not the learner's fp32.
 - after the last chunk: the **end marker**, a frame (MAGIC, version, END, chunk count, 0).
 - when the root's stream raises between chunks: a frame (MAGIC, version, ABORT, chunk index, 0)
   before the root re-raises, so receivers fail with one line instead of waiting for the timeout.
@@ -22,9 +24,10 @@ raises ``WeightSyncError`` on the receiver when the group's timeout expires, nam
 and the chunks received; a receiver that stopped reading a stream before its end marker is refused
 its next one on that group.
 
-Memory: the root packs one bucket at a time (a bucket that is one whole contiguous tensor is sent
-without a copy), a receiver holds the chunk it receives (one flat tensor per dtype; the yielded
-tensors are views of it). Neither holds more than a chunk beyond its weights.
+Memory: the root packs (and casts) one bucket at a time (a bucket that is one whole contiguous
+tensor already in its wire dtype is sent without a copy), a receiver holds the chunk it receives
+(one flat tensor per dtype; the yielded tensors are views of it). Neither holds more than a chunk
+beyond its weights.
 
 ``PendingWeights`` is the engine side: it receives a whole sync into host buffers (a second copy
 of the weights beside the engine's: the double buffer), in the caller's thread or a background
@@ -47,7 +50,7 @@ import torch
 
 from moe_rl.errors import one_line
 from moe_rl.placement import Group
-from moe_rl.rollout.base import RolloutEngine
+from moe_rl.rollout.base import RolloutEngine, engine_dtype
 
 MAGIC = 0x4D4F4557  # "MOEW": a frame, not bytes of something else
 CHUNK, END, ABORT = 1, 2, 3
@@ -126,14 +129,27 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def plan_chunk(chunk: Mapping[str, torch.Tensor], bucket_bytes: int) -> Header:
-    """The header of a chunk: its tensors end to end per dtype (dtypes by name, tensors in the
-    chunk's order), each dtype's run cut into buckets of at most ``bucket_bytes``."""
+def wire_dtype(name: str, dtype: torch.dtype, engine: torch.dtype | None) -> torch.dtype:
+    """The dtype canonical tensor ``name`` (of ``dtype`` on the learner) travels in to an engine
+    holding weights in ``engine`` (None: as it is): the engine's dtype for it, never wider than
+    the learner's, so the receiver's copy into the engine casts exactly as a colocated load."""
+    if engine is None or not dtype.is_floating_point:
+        return dtype
+    held = engine_dtype(name, engine)
+    return held if held.itemsize < dtype.itemsize else dtype
+
+
+def plan_chunk(
+    chunk: Mapping[str, torch.Tensor], bucket_bytes: int, engine: torch.dtype | None = None
+) -> Header:
+    """The header of a chunk: its tensors in their wire dtypes (``wire_dtype``) end to end per
+    dtype (dtypes by name, tensors in the chunk's order), each dtype's run cut into buckets of at
+    most ``bucket_bytes``."""
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
     entries, totals = [], {}
     for name, t in chunk.items():
-        dtype = _dtype_name(str(t.dtype).removeprefix("torch."))
+        dtype = _dtype_name(str(wire_dtype(name, t.dtype, engine)).removeprefix("torch."))
         entries.append(Entry(name, dtype, tuple(t.shape), totals.get(dtype, 0)))
         totals[dtype] = totals.get(dtype, 0) + t.numel()
     buckets = []
@@ -160,17 +176,21 @@ def _frame(version: int, kind: int, index: int, nbytes: int, device: torch.devic
 class WeightSender:
     """The root's side of one sync: ``send`` each chunk, then ``finish`` (the end marker) or
     ``abort``. ``broadcast_weights`` drives it; a caller that stops without either leaves the
-    receivers to time out (what a dead root does)."""
+    receivers to time out (what a dead root does). ``engine``: the rollout engine's dtype
+    (``ENGINE_DTYPES[rollout.dtype]``), the tensors' wire dtypes follow it; None sends them as
+    they are."""
 
-    def __init__(self, group: Group, version: int, bucket_bytes: int = 64 << 20) -> None:
+    def __init__(
+        self, group: Group, version: int, bucket_bytes: int = 64 << 20, engine: torch.dtype | None = None
+    ) -> None:
         if group.rank != 0:
             raise ValueError(f"the weight broadcast's root is sync-group rank 0, not {group.rank}")
-        self.group, self.version, self.bucket_bytes = group, version, bucket_bytes
+        self.group, self.version, self.bucket_bytes, self.engine = group, version, bucket_bytes, engine
         self.device = _wire_device(group)
         self.chunks = self.buckets = self.nbytes = 0
 
     def send(self, chunk: Mapping[str, torch.Tensor]) -> None:
-        header = plan_chunk(chunk, self.bucket_bytes)
+        header = plan_chunk(chunk, self.bucket_bytes, self.engine)
         data = header.encode()
         self.group.broadcast(_frame(self.version, CHUNK, self.chunks, len(data), self.device))
         self.group.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device))
@@ -179,7 +199,7 @@ class WeightSender:
             idx = [i for i, e in enumerate(header.entries) if e.dtype == dtype]
             starts = [header.entries[i].offset for i in idx]
             for b in (b for b in header.buckets if b.dtype == dtype):
-                bucket = _pack([flat[i] for i in idx], starts, b.start, b.start + b.numel)
+                bucket = _pack([flat[i] for i in idx], starts, b.start, b.start + b.numel, _DTYPES[dtype])
                 self.group.broadcast(bucket.to(self.device).view(torch.uint8))
                 self.buckets += 1
                 self.nbytes += bucket.numel() * bucket.element_size()
@@ -192,9 +212,10 @@ class WeightSender:
         self.group.broadcast(_frame(self.version, ABORT, self.chunks, 0, self.device))
 
 
-def _pack(flat: list[torch.Tensor], starts: list[int], lo: int, hi: int) -> torch.Tensor:
-    """Elements [lo, hi) of the run ``flat`` laid end to end (``starts``: each piece's offset):
-    the piece itself when one contiguous piece is the whole bucket, else one copy."""
+def _pack(flat: list[torch.Tensor], starts: list[int], lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
+    """Elements [lo, hi) of the run ``flat`` laid end to end (``starts``: each piece's offset) in
+    ``dtype``: the piece itself when one contiguous piece of that dtype is the whole bucket, else
+    one bucket-sized tensor (the cast happens in the copy)."""
     first = bisect_right(starts, lo) - 1
     pieces = []
     for i in range(first, len(flat)):
@@ -202,20 +223,25 @@ def _pack(flat: list[torch.Tensor], starts: list[int], lo: int, hi: int) -> torc
         if s >= hi:
             break
         pieces.append(flat[i][max(lo - s, 0) : min(hi - s, flat[i].numel())])
-    if len(pieces) == 1 and pieces[0].is_contiguous():
+    if len(pieces) == 1 and pieces[0].is_contiguous() and pieces[0].dtype == dtype:
         return pieces[0]
-    return torch.cat(pieces)
+    return torch.cat(pieces, out=torch.empty(hi - lo, dtype=dtype, device=pieces[0].device))
 
 
 def broadcast_weights(
-    chunks: Iterable[Mapping[str, torch.Tensor]], group: Group, version: int, bucket_bytes: int = 64 << 20
+    chunks: Iterable[Mapping[str, torch.Tensor]],
+    group: Group,
+    version: int,
+    bucket_bytes: int = 64 << 20,
+    engine: torch.dtype | None = None,
 ) -> dict[str, float]:
     """On the root (sync-group rank 0 = learner rank 0): send every chunk of ``chunks``
     (``learner.iter_canonical_layers()``, which the other learner ranks consume too) as weight
-    version ``version``, then the end marker. If the stream raises, the receivers are told
-    (ABORT) before the error goes on. Returns the sync's metrics (docs/design.md 15.2)."""
+    version ``version``, each tensor in its wire dtype for an engine of dtype ``engine``
+    (``wire_dtype``), then the end marker. If the stream raises, the receivers are told (ABORT)
+    before the error goes on. Returns the sync's metrics (docs/design.md 15.2)."""
     t0 = time.perf_counter()
-    sender = WeightSender(group, version, bucket_bytes)
+    sender = WeightSender(group, version, bucket_bytes, engine)
     it = iter(chunks)
     while True:
         try:

@@ -1,7 +1,8 @@
 """e2e tier, issue 33: ``rollout.mode=async`` through the real CLI (2 learner ranks EP=2 + 2 rollout
-ranks, docs/design.md 15.3). The learner sleeps before each weight sync (``MOE_RL_TEST_LEARNER_DELAY_S``,
-tests only) so the rollout ranks fill their buffer during step 0 with W_0's requests: step 1 trains
-on one of them (lag 1) whatever the machine's load. Async is not bit-for-bit deterministic: the
+ranks, and 2 learner ranks TP=2 + 1 rollout rank; docs/design.md 15.3). The learner sleeps before
+each weight sync (``MOE_RL_TEST_LEARNER_DELAY_S``, tests only) so the rollout ranks fill their
+buffer during step 0 with W_0's requests: step 1 trains on one of them (lag 1) whatever the
+machine's load. Async is not bit-for-bit deterministic: the
 tests check bounds and counts, not values."""
 
 from __future__ import annotations
@@ -16,14 +17,8 @@ from moe_rl.rollout.remote import DELAY_ENV
 from tests.cli_helpers import TINY
 from tests.e2e.helpers import metrics, moe_rl
 
-ASYNC = [
-    "rollout.mode=async",
-    "parallel.nproc=4",
-    "parallel.rollout_ranks=2",
-    "parallel.expert_parallel=2",
-    "checkpoint_every=0",
-    *TINY,
-]
+MODE = ["rollout.mode=async", "checkpoint_every=0", *TINY]
+ASYNC = ["parallel.nproc=4", "parallel.rollout_ranks=2", "parallel.expert_parallel=2", *MODE]
 PER_REQUEST = 16  # 8 prompts over 2 dp ranks x 4 samples
 
 
@@ -37,13 +32,15 @@ def _run(run: Path, *args: str) -> dict[int, dict]:
     return metrics(run)
 
 
-def _within_max_staleness(m: dict[int, dict], max_staleness: int) -> None:
+def _within_max_staleness(
+    m: dict[int, dict], max_staleness: int, per_request: int = PER_REQUEST, dp: int = 2
+):
     for step, r in m.items():
         # the learner's check_versions refuses any token newer than its version; after the filter
         # no token is more than max_staleness versions older
         assert 0 <= r["rollout/lag_max"] <= max_staleness, step
-        assert r["rollout/dropped_stale"] == PER_REQUEST * r["rollout/dropped_stale_batches"], step
-        assert r["rollout/num_seqs"] == 2 * PER_REQUEST  # every dp rank trains a whole request
+        assert r["rollout/dropped_stale"] == per_request * r["rollout/dropped_stale_batches"], step
+        assert r["rollout/num_seqs"] == dp * per_request  # every dp rank trains a whole request
 
 
 @pytest.mark.e2e
@@ -73,3 +70,19 @@ def test_async_with_max_staleness_zero_drops_and_counts_every_stale_request(tmp_
     _within_max_staleness(m, 0)
     # request 1 (and the one finished behind it) were generated with W_0; step 1 holds W_1
     assert m[1]["rollout/dropped_stale"] >= 2 * PER_REQUEST
+
+
+@pytest.mark.e2e
+def test_async_with_a_tp2_learner_serves_both_tp_ranks_one_request(tmp_path):
+    # 1 rollout rank serves the one dp rank; both TP ranks receive each request and check its step,
+    # seed and prompts against their own (a mismatch fails the run)
+    tp2 = [
+        "parallel.nproc=3",
+        "parallel.rollout_ranks=1",
+        "parallel.tensor_parallel=2",
+        "parallel.expert_parallel=1",
+    ]
+    m = _run(tmp_path / "run", "steps=2", "rollout.max_staleness=1", *tp2, *MODE)
+    assert sorted(m) == [0, 1]
+    assert [m[t]["rollout/lag_max"] for t in (0, 1)] == [0.0, 1.0]  # request 1: W_0, during step 0
+    _within_max_staleness(m, 1, per_request=8 * 4, dp=1)  # all 8 prompts x 4 samples per request

@@ -2,7 +2,10 @@
 (learner rank 0 the root, rollout rank 1), no megatron: bucketing gives the same bits at any
 bucket size with the bucket count the chunk sizes give, a wrong version and an aborted stream are
 one clear error each, and a root that stops mid-sync fails the receiver at the group's timeout
-(2 s here), not a hang. The learner -> engine sync itself: test_weight_broadcast_dist.py."""
+(2 s here), not a hang. In the engine's dtype: a bf16 engine is sent bf16 (the router and expert
+bias fp32), exactly the bytes that gives, and its weights equal those of a load of the fp32 dict
+bit for bit; an fp32 engine is sent fp32. The learner -> engine sync itself:
+test_weight_broadcast_dist.py."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import pytest
 import torch
 
 from tests.dist_harness import run_ranks
+from tests.models import TINY_SIGMOID_L3 as MODEL
 from tests.rollout.rank_results import packed, unpacked
 
 TIMEOUT_S = 2.0
@@ -36,6 +40,60 @@ def _chunks() -> list[dict[str, torch.Tensor]]:
         },
         {"lm_head": torch.randn(11, 7, generator=g)},
     ]
+
+
+ROUTER = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")  # the tensors engines keep in fp32
+
+
+def _canonical_by_layer() -> list[dict[str, torch.Tensor]]:
+    """The model's fp32 canonical weights, one chunk per decoder layer (and one for the rest), as
+    the learner's stream cuts them."""
+    from moe_rl.weights.canonical import random_canonical_weights
+
+    chunks: dict[str, dict[str, torch.Tensor]] = {}
+    for n, t in random_canonical_weights(MODEL, seed=3).items():
+        key = n.split(".")[2] if n.startswith("model.layers.") else "rest"
+        chunks.setdefault(key, {})[n] = t
+    return list(chunks.values())
+
+
+def _engine_dtype_wire(rank: int, sync) -> dict:
+    """Root: the canonical model to a bf16 and to an fp32 engine. Receiver: a bf16 engine loaded
+    from the stream against one loaded from the fp32 dict; what arrived for the fp32 engine."""
+    from moe_rl.rollout.builtin import BuiltinEngine
+    from moe_rl.weights.broadcast import broadcast_weights, receive_weights
+
+    chunks = _canonical_by_layer()
+    if rank == 0:
+        return {
+            dt: broadcast_weights(chunks, sync, version=1, engine=d, bucket_bytes=4096)
+            for dt, d in (("bf16", torch.bfloat16), ("fp32", torch.float32))
+        }
+    colocated, split = (BuiltinEngine(MODEL, dtype="bf16", pad_id=0) for _ in range(2))
+    colocated.load_weights({n: t for c in chunks for n, t in c.items()})
+    _, stream = receive_weights(sync)
+    wire_dtypes: dict[str, str] = {}
+
+    def seen(stream):
+        for c in stream:
+            wire_dtypes.update({n: str(t.dtype) for n, t in c.items()})
+            yield c
+
+    split.load_weights(seen(stream))
+    _, stream = receive_weights(sync)
+    fp32 = {n: t.clone() for c in stream for n, t in c.items()}
+    sent = {n: t for c in chunks for n, t in c.items()}
+    return {
+        "bf16_wire_dtypes": wire_dtypes,
+        "engine_tensors": sorted(colocated.model.w),
+        "engine_differs": [n for n, t in colocated.model.w.items() if not torch.equal(t, split.model.w[n])],
+        "engine_dtypes": {n: str(t.dtype) for n, t in split.model.w.items()},
+        "fp32_differs": [n for n, t in sent.items() if not _same(fp32[n], t)],
+    }
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and torch.equal(a, b)
 
 
 def expected_buckets(chunks: list[dict[str, torch.Tensor]], bucket_bytes: int) -> int:
@@ -72,7 +130,7 @@ def _worker(rank: int):
     place = init_placement(2, 1, "gloo", datetime.timedelta(seconds=120))
     place.sync.pg.set_timeout(datetime.timedelta(seconds=TIMEOUT_S))
     sync, chunks = place.sync, _chunks()
-    out: dict = {}
+    out: dict = {"engine_dtype": _engine_dtype_wire(rank, sync)}
     if rank == 0:
         out["metrics"] = [
             broadcast_weights(chunks, sync, version=10 + i, bucket_bytes=b) for i, b in enumerate(BUCKETS)
@@ -167,3 +225,22 @@ def test_a_stream_left_early_or_cut_short_fails_not_hangs(ranks):
     assert err.startswith("weight broadcast of version 6 broke off after 2 chunks, before its end marker (")
     assert "\n" not in err
     assert recv["truncated_s"] < TIMEOUT_S + 3  # the group's timeout, not a hang
+
+
+@pytest.mark.dist
+def test_the_wire_carries_the_engines_dtype_and_loads_the_same_bits(ranks):
+    from moe_rl.weights.canonical import canonical_param_shapes
+
+    root, recv = (r["engine_dtype"] for r in ranks)
+    shapes = canonical_param_shapes(MODEL)
+    router = [n for n in shapes if n.endswith(ROUTER)]
+    assert len(router) == 2 * len(MODEL.moe_layers)  # the model has both: the test covers them
+    numel = {n: math.prod(s) for n, s in shapes.items()}
+    assert root["bf16"]["weight_sync/bytes"] == sum(numel[n] * (4 if n in router else 2) for n in shapes)
+    assert root["fp32"]["weight_sync/bytes"] == 4 * sum(numel.values())
+    wire = {n: "torch.float32" if n in router else "torch.bfloat16" for n in shapes}
+    assert recv["bf16_wire_dtypes"] == wire
+    # the split engine equals the one loaded from the fp32 dict, every tensor bit for bit
+    assert recv["engine_differs"] == [] and len(recv["engine_tensors"]) > 10
+    assert {d for n, d in recv["engine_dtypes"].items() if not n.endswith(ROUTER)} == {"torch.bfloat16"}
+    assert recv["fp32_differs"] == []
