@@ -96,15 +96,15 @@ def progress(cfg: RunConfig, start: int, dims: ParallelDims) -> tqdm:
     )
 
 
-def sync_weights(engine, learner: Learner, stale: StaleWeights, resumed: bool = False) -> None:
+def sync_weights(engine, learner: Learner, stale: StaleWeights, resumed: bool = False) -> dict:
     """Learner -> engine. On policy (staleness 0) streamed, one layer gathered at a time; with
     rollout.staleness=k the engine gets the kept weight set of k updates ago, which needs the
-    full export (the sets are copies)."""
+    full export (the sets are copies). Returns the sync's metrics: a split run's broadcast
+    (``RemoteEngine``), none from an engine in this process."""
     if not stale.k:
-        engine.load_weights(learner.iter_canonical_layers())
-        return
+        return engine.load_weights(learner.iter_canonical_layers()) or {}
     exported = learner.export_canonical()
-    engine.load_weights(stale.resume_push(exported) if resumed else stale.push(exported))
+    return engine.load_weights(stale.resume_push(exported) if resumed else stale.push(exported)) or {}
 
 
 def start_engine(engine, learner: Learner, offload: bool) -> None:
@@ -228,8 +228,9 @@ def train(cfg: RunConfig, dims: ParallelDims, prepared: Prepared | None = None) 
         with timer.phase("update"):
             m_update = update_policy(plan, learner, train_batch, lr)
         with timer.phase("sync"):
-            sync_weights(engine, learner, stale)  # weight sync learner -> engine
-        local = {**m_val, **m_reward, **m_prep, **m_update, **m_lr, **m_stale, **rollout_metrics(batch)}
+            m_sync = sync_weights(engine, learner, stale)  # weight sync learner -> engine
+        local = {**m_val, **m_reward, **m_prep, **m_update, **m_lr, **m_stale, **m_sync}
+        local |= rollout_metrics(batch)
         m_mem = {**memory_metrics(learner.device), **moved.metrics()}
         metrics = finalize({**local, **timer.metrics(), **m_mem}, dims.dp_group)
         writer.log(step, metrics)

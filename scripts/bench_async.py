@@ -21,8 +21,8 @@ included). From the split sync run of the same repetition: t_rollout = rollout_g
 t_update = step_s - wait_batch_s (everything the learner does but wait), and the ideal overlap
 speedup (t_rollout + t_update) / max(t_rollout, t_update). Printed per overlapping mode: its
 speedup over split sync, that speedup as a fraction of the ideal (goal >= 0.8), and the slower
-role's waiting fraction (goal < 10%; the learner's wait_batch_s + sync_s, or the rollout rank's
-rollout_wait_weights_s, over step_s: ``slower_wait``); each ratio as the median over the paired
+role's waiting fraction (goal < 10%; the learner's wait_batch_s + weight_broadcast_wait_s, or the
+rollout rank's rollout_wait_weights_s, over step_s: ``slower_wait``); each ratio as the median over the paired
 repetitions with its interval (scripts/bench_stats.py). --quick: 1 repetition of 2 steps (the test's).
 
 The cluster model (``cluster_model``): numbers and the command in docs/measurements.md 9.
@@ -62,6 +62,8 @@ PHASES = (
     "time/old_logprob_s",
     "time/update_s",
     "time/sync_s",
+    "time/weight_broadcast_s",
+    "time/weight_broadcast_wait_s",
 )
 GOAL_FRAC, GOAL_WAIT = 0.8, 0.10
 
@@ -119,11 +121,11 @@ def overlap(split_sync: dict[str, float]) -> tuple[float, float, float]:
 def slower_wait(run: dict[str, float], learner_slower: bool) -> float:
     """The slower role's waiting time as a fraction of the step: the rollout rank's wait for the
     weights (their load included; async: for room in its buffer, it never waits for weights), or
-    the learner's wait for its batch plus its weight broadcast (an upper bound: in one_step_off the
-    broadcast also waits for the rollout rank to finish the batch it is generating before it
-    joins)."""
+    the learner's wait for its batch plus its broadcast's wait for the rollout rank to join
+    (``time/weight_broadcast_wait_s``: in one_step_off the rank finishes the batch it is generating
+    first; the transfer itself is work, not waiting)."""
     if learner_slower:
-        wait = run["time/wait_batch_s"] + run["time/sync_s"]
+        wait = run["time/wait_batch_s"] + run["time/weight_broadcast_wait_s"]
     else:
         wait = run.get("time/rollout_wait_weights_s", 0.0) + run.get("time/rollout_wait_send_s", 0.0)
     return wait / run["time/step_s"]

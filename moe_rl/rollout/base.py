@@ -61,9 +61,10 @@ class RolloutEngine(Protocol):
         """Sample n responses per prompt; B = len(prompts) * n, sequence b answers prompt b // n."""
         ...
 
-    def load_weights(self, weights: Weights) -> None:
+    def load_weights(self, weights: Weights) -> dict | None:
         """Replace all weights with the canonical named tensors, a dict or a stream of chunks
-        consumed chunk by chunk (strict over all chunks: names, shapes, each tensor once)."""
+        consumed chunk by chunk (strict over all chunks: names, shapes, each tensor once). An
+        engine elsewhere (``RemoteEngine``) returns the sync's metrics; one in this process None."""
         ...
 
 

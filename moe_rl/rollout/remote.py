@@ -32,7 +32,7 @@ from moe_rl.placement import exchange_dp_ranks
 from moe_rl.rollout.asynchronous import RESUME_TAG, Fence, drop_limit, take_fresh
 from moe_rl.rollout.base import Weights, weight_chunks
 from moe_rl.types import RolloutBatch, SamplingParams, with_version
-from moe_rl.weights.broadcast import broadcast_weights
+from moe_rl.weights.broadcast import SYNC_METRICS, broadcast_weights
 
 BATCH_TAG = 1  # the bridge's tag for batches (rollout -> learner)
 # tests only: seconds the learner sleeps before each weight sync (async: lets the rollout ranks run
@@ -122,16 +122,21 @@ class RemoteEngine:
             # works are kept: a gloo send whose work is dropped never arrives)
             self.resume_works = self.bridge.send_object(self.next_request, self.src, RESUME_TAG)
 
-    def load_weights(self, weights: Weights) -> None:
+    def load_weights(self, weights: Weights) -> dict[str, Max]:
+        """The weight broadcast (learner rank 0 its root); returns the sync's metrics
+        (docs/design.md 15.2) as maxima over the data-parallel ranks: the root's values, zeros on
+        the other learner ranks, which only feed the stream's gathers."""
         chunks = weight_chunks(weights)
         if self.delay_s and self.next_version > 0:
             time.sleep(self.delay_s)
         if self.sync is not None:  # learner rank 0: the broadcast's root
-            broadcast_weights(chunks, self.sync, self.next_version, engine=self.engine_dtype)
+            m = broadcast_weights(chunks, self.sync, self.next_version, engine=self.engine_dtype)
         else:
             for _ in chunks:  # the gather is collective over the learner ranks
                 pass
+            m = dict.fromkeys(SYNC_METRICS, 0.0)
         self.version, self.next_version = self.next_version, self.next_version + 1
+        return {k: Max(torch.tensor(float(m[k]), dtype=torch.float64)) for k in SYNC_METRICS}
 
     def _receive(self) -> RolloutMessage:
         return self.bridge.recv_object(self.src, BATCH_TAG)

@@ -55,6 +55,15 @@ from moe_rl.rollout.base import RolloutEngine, engine_dtype
 MAGIC = 0x4D4F4557  # "MOEW": a frame, not bytes of something else
 CHUNK, END, ABORT = 1, 2, 3
 FRAME_LEN = 5
+# what broadcast_weights returns, the keys of a split run's sync metrics (docs/design.md 15.2)
+SYNC_METRICS = (
+    "weight_sync/version",
+    "weight_sync/bytes",
+    "weight_sync/chunks",
+    "weight_sync/buckets",
+    "time/weight_broadcast_s",
+    "time/weight_broadcast_wait_s",
+)
 _DTYPES = {
     str(d).removeprefix("torch."): d
     for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32)
@@ -188,11 +197,17 @@ class WeightSender:
         self.group, self.version, self.bucket_bytes, self.engine = group, version, bucket_bytes, engine
         self.device = _wire_device(group)
         self.chunks = self.buckets = self.nbytes = 0
+        self.wait_s = 0.0  # the first frame's broadcast: until every receiver has joined the sync
 
     def send(self, chunk: Mapping[str, torch.Tensor]) -> None:
         header = plan_chunk(chunk, self.bucket_bytes, self.engine)
         data = header.encode()
+        t0 = time.perf_counter()
+        # a gloo broadcast moves data only once every receiver posted its receive: the first
+        # frame's time is the root's wait for the rollout ranks, not transfer
         self.group.broadcast(_frame(self.version, CHUNK, self.chunks, len(data), self.device))
+        if self.chunks == 0:
+            self.wait_s = time.perf_counter() - t0
         self.group.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device))
         flat = [chunk[e.name].detach().reshape(-1) for e in header.entries]
         for dtype in sorted({e.dtype for e in header.entries}):
@@ -266,6 +281,7 @@ def broadcast_weights(
         "weight_sync/chunks": float(sender.chunks),
         "weight_sync/buckets": float(sender.buckets),
         "time/weight_broadcast_s": time.perf_counter() - t0,
+        "time/weight_broadcast_wait_s": sender.wait_s,
     }
 
 

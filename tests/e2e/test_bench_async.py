@@ -75,7 +75,7 @@ def test_bench_async_quick_prints_every_arm_and_ratios_of_its_figures(tmp_path):
         assert _ratio(text, f"{name} fraction of ideal overlap") == pytest.approx(speedup / ideal, abs=3e-3)
         f = figs[name]
         rollout_wait = f.get("rollout_wait_weights", 0.0) + f.get("rollout_wait_send", 0.0)
-        wait = (f["wait_batch"] + f["sync"] if t_u >= t_r else rollout_wait) / f["step"]
+        wait = (f["wait_batch"] + f["weight_broadcast_wait"] if t_u >= t_r else rollout_wait) / f["step"]
         assert _ratio(text, f"{name} slower role waiting fraction") == pytest.approx(wait, abs=2e-3)
     assert re.search(
         r"^on these \d+ cores the best overlapping mode, split_\w+, runs at [0-9.]+x colocated", text, re.M

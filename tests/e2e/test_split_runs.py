@@ -5,10 +5,13 @@ its second step, and resumes exactly from a checkpoint that holds the batch in f
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
 
+from moe_rl.config import load_config
+from moe_rl.weights.canonical import canonical_param_shapes
 from tests.cli_helpers import TINY
 from tests.e2e.helpers import deterministic, metrics, moe_rl
 
@@ -30,7 +33,21 @@ def colocated_ep2(tmp_path_factory) -> dict[int, dict]:
 def _same_as_colocated(split: dict, colocated: dict, lag: float) -> None:
     s, c = deterministic(split), deterministic(colocated)
     assert s.pop("rollout/version_lag") == lag
+    for k in [k for k in s if k.startswith("weight_sync/")]:  # the broadcast's own (a split's only)
+        del s[k]
     assert s == c
+
+
+def _wire(run: Path) -> tuple[int, int]:
+    """(bytes, chunks) of one sync of the run's model, counted here: bf16 (rollout.dtype), the
+    router weight and expert bias fp32 (what the built-in engine holds them in); a chunk for the
+    embedding, one per decoder layer, one for the final norm and lm_head."""
+    cfg = load_config(str(run / "config.yaml"), [])
+    assert cfg.rollout.dtype == "bf16"
+    fp32 = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
+    shapes = canonical_param_shapes(cfg.model)
+    nbytes = sum(math.prod(s) * (4 if n.endswith(fp32) else 2) for n, s in shapes.items())
+    return nbytes, cfg.model.num_layers + 2
 
 
 @pytest.mark.e2e
@@ -40,6 +57,12 @@ def test_split_sync_is_the_colocated_run_bit_for_bit(tmp_path, colocated_ep2):
     for step in (0, 1):
         _same_as_colocated(split[step], colocated_ep2[step], lag=0.0)
         assert all(split[step][k] >= 0 for k in ROLLOUT_TIMES)
+        # the step's sync (W_step+1) as learner rank 0 sent it; the other dp rank adds zeros
+        rec = split[step]
+        assert rec["weight_sync/version"] == step + 1
+        assert (rec["weight_sync/bytes"], rec["weight_sync/chunks"]) == _wire(tmp_path / "split")
+        times = ("time/weight_broadcast_wait_s", "time/weight_broadcast_s", "time/sync_s")
+        assert 0 <= rec[times[0]] <= rec[times[1]] <= rec[times[2]]
     assert split[1]["time/rollout_generate_s"] > 0
 
 
