@@ -22,12 +22,12 @@ SMALL = ["rollout.prompts_per_step=8", "rollout.samples_per_prompt=4", "rollout.
 TIMES = ("time/", "perf/", "mem/")
 
 
-def _train(run: Path, nproc: int, *extra: str) -> dict[int, dict]:
+def _train(run: Path, nproc: int, *extra: str, env: dict | None = None) -> dict[int, dict]:
     cmd = [sys.executable, "-m", "moe_rl.cli", "train", "rollout.engine=vllm", "steps=2", f"run_dir={run}"]
     cmd += [f"parallel.nproc={nproc}", "parallel.expert_parallel=1", "checkpoint_every=0", *SMALL]
     cmd += ["log.progress_bar=false", "log.wandb_mode=disabled", *extra]
     bind = "|".join(str(r) for r in range(nproc))  # vLLM's OpenMP threads on the rank's pinned core
-    env = dict(os.environ, MOE_RL_PIN_ROLES="1", VLLM_CPU_OMP_THREADS_BIND=bind)
+    env = dict(os.environ, MOE_RL_PIN_ROLES="1", VLLM_CPU_OMP_THREADS_BIND=bind, **(env or {}))
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -53,3 +53,40 @@ def test_split_vllm_sync_is_the_colocated_run_and_one_step_off_lags_one_update(t
     assert stale[0] == colocated[0]
     assert stale[1]["rollout/num_seqs"] == colocated[1]["rollout/num_seqs"] == 32.0
     assert stale[1]["corr/k3_kl"] > 10 * colocated[1]["corr/k3_kl"]
+
+
+def test_async_split_vllm_trains_within_max_staleness_on_the_engines_token_versions(tmp_path):
+    """rollout.mode=async with vLLM (its step loop, BackgroundWeights as the update source): the
+    learner sleeps before each sync (``MOE_RL_TEST_LEARNER_DELAY_S``), so the rollout rank fills
+    its buffer with W_0's requests during step 0 and step 1 trains on one (lag 1). Every step
+    trains a whole request and no token lags more than max_staleness=1. The requests saved in the
+    final checkpoint carry vLLM's per-token versions: 0 off the response, 1 or 2 (W_0, W_1) on it
+    (the request that met the final weights W_2 is dropped, never sent), never decreasing along a
+    sequence or from one request to the next, and both: the first saved request started while the
+    learner trained step 0 (W_0), the last after the learner had sent W_1 and taken request 1."""
+    require_vllm()
+    import torch
+
+    from moe_rl.rollout.remote import DELAY_ENV
+
+    run = tmp_path / "async"
+    args = ["parallel.rollout_ranks=1", "rollout.mode=async", "rollout.max_staleness=1"]
+    m = _train(run, 2, *args, env={DELAY_ENV: "0.5"})
+    assert sorted(m) == [0, 1]
+    assert [m[t]["rollout/lag_max"] for t in (0, 1)] == [0.0, 1.0]
+    for r in m.values():
+        assert r["rollout/num_seqs"] == 32.0 and r["routing/missing_frac"] == 0.0
+        assert r["rollout/lag_frac/0"] + r.get("rollout/lag_frac/1", 0.0) == 1.0
+        assert r["rollout/dropped_stale"] == 32.0 * r["rollout/dropped_stale_batches"]
+    saved = torch.load(run / "checkpoints" / "in_flight_step_000002_dp0.pt", weights_only=True)
+    assert saved["buffered"], "the rollout rank ran ahead: requests wait in the buffer"
+    seen = []
+    for msg in saved["buffered"]:
+        mask_BS, version_BS = msg["batch"]["response_mask_BS"], msg["batch"]["version_BS"]
+        assert version_BS.dtype == torch.int32 and (version_BS[~mask_BS] == 0).all()
+        assert ((version_BS[mask_BS] >= 1) & (version_BS[mask_BS] <= 2)).all()
+        for v_G in (row[m] for row, m in zip(version_BS, mask_BS)):  # each sample's response
+            assert (v_G[1:] >= v_G[:-1]).all()
+        seen.append(version_BS[mask_BS].unique().tolist())
+    assert all(a[-1] <= b[0] for a, b in zip(seen, seen[1:])), seen
+    assert seen[0][0] == 1 and seen[-1][-1] == 2, seen
