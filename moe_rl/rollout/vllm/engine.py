@@ -13,7 +13,8 @@ every rank, and takes the same path when ``env.FIRST_RANK_ROUTES_ENV`` is set (t
 Between rollouts the engine sleeps (``LLM.sleep``) so the learner gets the GPU memory back;
 ``load_weights`` wakes the weights, hands vLLM the learner's tensors in-process (no copy through a
 socket; docs/gpu_stack.md 1.3; transfer.py), and resets the prefix cache, whose KV blocks and
-cached routes came from the old weights.
+cached routes came from the old weights. ``generate(..., updates=)`` (async): our step loop takes
+in-flight updates between engine steps (inflight.py, docs/design.md 15.1).
 """
 
 from __future__ import annotations
