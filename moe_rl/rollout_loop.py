@@ -63,7 +63,7 @@ class _Server:
             raise RuntimeError(
                 f"weight sync of version {version} after version {self.version}: one was missed"
             )
-        if self.cfg.rollout.mode == "async":  # the built-in engine stamps its tokens with it
+        if self.cfg.rollout.mode == "async":  # the engine stamps its tokens with it
             self.engine.load_weights(chunks, version=weight_version(version))
         else:
             self.engine.load_weights(chunks)

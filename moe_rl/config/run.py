@@ -147,9 +147,10 @@ class RolloutConfig:
     # async: a sample with a token more than this many weight versions older than the learner's is
     # dropped (counted in rollout/dropped_stale)
     max_staleness: int = 1
-    # async, built-in engine: the KV cache when a weight update lands between decode steps (docs/design.md
-    # 15.1): keep (PipelineRL: earlier tokens keep the old weights' keys/values; no extra compute) |
-    # recompute (re-prefill the prefix under the new weights; its routes never overwrite recorded ones)
+    # async: the KV cache when a weight update lands between decode steps (docs/design.md 15.1): keep
+    # (PipelineRL: earlier tokens keep the old weights' keys/values; no extra compute; vLLM: keep only) |
+    # recompute (built-in engine: re-prefill the prefix under the new weights; its routes never
+    # overwrite recorded ones)
     inflight_kv: str = "keep"
     vllm: VllmConfig = field(default_factory=VllmConfig)
 
@@ -440,13 +441,14 @@ def check_split(cfg: RunConfig) -> None:
     """parallel.rollout_ranks > 0 (docs/design.md 15): what the split loop cannot run, each refused
     naming its key."""
     p, r, c = cfg.parallel, cfg.rollout, cfg.correction
-    check(
-        r.mode != "async" or r.engine == "builtin",
-        "rollout.mode",
-        "async needs in-flight weight updates, which vLLM's engine does not have here (docs/design.md "
-        "15.1); use rollout.engine=builtin or rollout.mode=one_step_off",
-    )
     tp = r.vllm.tensor_parallel if r.engine == "vllm" else 1
+    check(
+        r.mode != "async" or tp == 1,
+        "rollout.vllm.tensor_parallel",
+        f"{tp} with rollout.mode=async: every TP rank of an engine would have to take an in-flight "
+        f"update at the same engine step, which the vLLM step loop does not agree on (docs/design.md "
+        f"15.1); use tensor_parallel=1 or rollout.mode=one_step_off",
+    )
     engines, dp = p.rollout_ranks // tp, cfg.data_parallel
     if not (r.engine == "vllm" and p.rollout_ranks % tp):  # else the vLLM rule names it
         check(

@@ -50,7 +50,11 @@ def check_vllm(cfg: RunConfig) -> None:
     if r.router_noise > 0:
         refuse("rollout.router_noise", "router-logit noise exists only in the built-in engine")
     if r.inflight_kv != "keep":
-        refuse("rollout.inflight_kv", "in-flight weight updates exist only in the built-in engine")
+        refuse(
+            "rollout.inflight_kv",
+            f"{r.inflight_kv}: vLLM's in-flight updates keep the running requests' KV cache (keep); "
+            f"the re-prefill is built for the built-in engine only",
+        )
     if c.needs_full_dists:
         refuse(
             "correction.trm.kl",

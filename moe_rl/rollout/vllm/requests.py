@@ -272,4 +272,6 @@ def engine_kwargs(
             kw["attention_backend"] = backend
         return kw
     kw["weight_transfer_config"] = {"backend": TRANSFER_BACKEND}  # EngineArgs makes a WeightTransferConfig
+    if r.mode == "async":  # the step loop loads updates between steps: no forward may still be in flight
+        kw["async_scheduling"] = False  # (the CPU build never schedules ahead); untested on GPU
     return kw

@@ -20,6 +20,7 @@ def _fake_engine(cfg) -> VllmEngine:
     engine.cfg = load_config(None, VLLM)
     engine.expected, engine.llm, engine.asleep = list(canonical_param_shapes(cfg)), FakeTransferLLM(), False
     engine.versions, engine.model_cfg = WeightVersions(), cfg
+    engine.version, engine.cache_stale = 0, False  # the weight version tokens carry
     engine.untie, engine.vllm_model_cfg = False, cfg
     engine.cpu = False  # the GPU path (vllm 0.33's weight-transfer API)
     return engine

