@@ -36,10 +36,14 @@ RESUME_TAG = 2  # the bridge's tag for a resumed learner's next request index (l
 
 
 def buffer_bound(max_staleness: int) -> int:
-    """Unreceived requests per dp rank a rollout rank may have sent: ``max_staleness + 1``. A request
-    taken from a full buffer was generated while the learner made about that many updates, so a
-    deeper buffer would only hold requests the filter drops."""
-    return max_staleness + 1
+    """Unreceived requests per dp rank a rollout rank may have sent: ``max(max_staleness, 1)``. A
+    rollout rank faster than the learner keeps its buffer full, starting a request each time the
+    learner takes one (after the sync of that step's weights), so the request the learner takes
+    from a full buffer of b waited b steps: lag b. A deeper buffer than ``max_staleness`` would only
+    hold requests the filter drops (with ``max_staleness + 1``, one in three of the collapse lab's
+    async requests were, docs/collapse_lab.md); at 0 no buffer keeps a request fresh, and one is
+    the least that lets the engine run at all."""
+    return max(max_staleness, 1)
 
 
 def drop_limit(max_staleness: int, queued: int = 0) -> int:

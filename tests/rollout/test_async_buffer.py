@@ -82,8 +82,8 @@ def test_more_stale_requests_than_the_limit_fail_with_one_line():
 
 
 def test_buffer_bound_drop_limit_and_checkpoint_schedule():
-    assert [buffer_bound(m) for m in (0, 1, 3)] == [1, 2, 4]
-    assert drop_limit(1) == 4 and drop_limit(1, queued=3) == 7
+    assert [buffer_bound(m) for m in (0, 1, 3)] == [1, 1, 3]
+    assert drop_limit(1) == 3 and drop_limit(1, queued=3) == 6
     # checkpoint_every=2 over 5 steps: after steps 1 and 3, and after the last (4); 0: the last only
     assert [s for s in range(5) if checkpoint_due(s, 2, 5)] == [1, 3, 4]
     assert [s for s in range(5) if checkpoint_due(s, 0, 5)] == [4]

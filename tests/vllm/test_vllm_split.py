@@ -58,8 +58,9 @@ def test_split_vllm_sync_is_the_colocated_run_and_one_step_off_lags_one_update(t
 def test_async_split_vllm_trains_within_max_staleness_on_the_engines_token_versions(tmp_path):
     """rollout.mode=async with vLLM (its step loop, BackgroundWeights as the update source): the
     learner sleeps before each sync (``MOE_RL_TEST_LEARNER_DELAY_S``), so the rollout rank fills
-    its buffer with W_0's requests during step 0 and step 1 trains on one (lag 1). Every step
-    trains a whole request and no token lags more than max_staleness=1. The requests saved in the
+    its buffer (max_staleness=2: two requests) with W_0's requests during step 0 and step 1 trains
+    on one (lag 1). Every step trains a whole request and no token lags more than 1 (only W_0 and
+    W_1 ever reach the engine before the last step's sync). The requests saved in the
     final checkpoint carry vLLM's per-token versions: 0 off the response, 1 or 2 (W_0, W_1) on it
     (the request that met the final weights W_2 is dropped, never sent), never decreasing along a
     sequence or from one request to the next, and both: the first saved request started while the
@@ -70,7 +71,7 @@ def test_async_split_vllm_trains_within_max_staleness_on_the_engines_token_versi
     from moe_rl.rollout.remote import DELAY_ENV
 
     run = tmp_path / "async"
-    args = ["parallel.rollout_ranks=1", "rollout.mode=async", "rollout.max_staleness=1"]
+    args = ["parallel.rollout_ranks=1", "rollout.mode=async", "rollout.max_staleness=2"]
     m = _train(run, 2, *args, env={DELAY_ENV: "0.5"})
     assert sorted(m) == [0, 1]
     assert [m[t]["rollout/lag_max"] for t in (0, 1)] == [0.0, 1.0]
