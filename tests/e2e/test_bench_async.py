@@ -80,6 +80,10 @@ def test_bench_async_quick_prints_every_arm_and_ratios_of_its_figures(tmp_path):
     assert re.search(
         r"^on these \d+ cores the best overlapping mode, split_\w+, runs at [0-9.]+x colocated", text, re.M
     )
+    # why, from the figures: colocated's half-batch phases against the split's whole batch on one core
+    got = re.search(rf"rollout {NUM} s vs {NUM} s .* update {NUM} s vs {NUM} s", text).groups()
+    want = (coloc["rollout"], base["rollout_generate"], coloc["update"], base["update"])
+    assert tuple(map(float, got)) == want
     assert re.search(r"^  16 GPUs: sync .* one_step_off .* async ", text, re.M)
     assert re.search(r"^  128 GPUs: sync .* one_step_off .* async ", text, re.M)
 
