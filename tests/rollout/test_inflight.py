@@ -248,6 +248,8 @@ def test_inflight_kv_config_key() -> None:
     assert (
         load_config(None, [*async_split, "rollout.inflight_kv=recompute"]).rollout.inflight_kv == "recompute"
     )
-    # with vLLM, async itself is refused (it has no in-flight updates), naming rollout.mode
-    with pytest.raises(ConfigError, match="config key 'rollout.mode': async needs in-flight weight updates"):
-        load_config(None, [*async_split, "rollout.inflight_kv=recompute", "rollout.engine=vllm"])
+    # vLLM takes in-flight updates keeping the KV (keep, the default); its re-prefill is not built
+    vllm_async = [*async_split, "rollout.engine=vllm"]
+    assert load_config(None, vllm_async).rollout.inflight_kv == "keep"
+    with pytest.raises(ConfigError, match="config key 'rollout.inflight_kv': recompute: vLLM's in-flight"):
+        load_config(None, [*vllm_async, "rollout.inflight_kv=recompute"])
