@@ -65,10 +65,13 @@ class RankFailedError(RuntimeError):
 
 
 class RankDiedError(RuntimeError):
-    """A rank of a local job ended without a Python exception: killed by a signal, or exited."""
+    """A rank of a local job ended without a Python exception: killed by a signal, or exited.
+    ``exitcode``: multiprocessing's (-N: signal N); None when it was not seen (``_peers_dead``)."""
 
-    def __init__(self, rank: int, exitcode: int) -> None:
-        if exitcode < 0:
+    def __init__(self, rank: int, exitcode: int | None) -> None:
+        if exitcode is None:
+            how = "its exit status was not seen"
+        elif exitcode < 0:
             name = signal.Signals(-exitcode).name if -exitcode in signal.valid_signals() else "?"
             how = f"signal {-exitcode}, {name}"
             if -exitcode == signal.SIGKILL:
@@ -153,6 +156,9 @@ class _RankFailure:
     message: str
     traceback: str
     role: str | None = None
+    # the ranks that were dead, without a record of their own, when this one failed: the cause
+    # (rank -> exit code as multiprocessing gives it, None if already reaped); ``_peers_dead``
+    peers_dead: dict[int, int | None] | None = None
 
     def reraise(self) -> None:
         who = f"rank {self.rank}" + (f" ({self.role})" if self.role else "")
@@ -174,6 +180,9 @@ def _guarded(fn, report_dir: str, launcher_pid: int, *args):
         os.setpgid(0, 0)
     except OSError:
         pass
+    pid_file = Path(report_dir) / f"rank{os.environ.get('RANK', '0')}.pid"  # for its peers (``_peers_dead``)
+    pid_file.with_suffix(".tmp").write_text(str(os.getpid()))
+    pid_file.with_suffix(".tmp").rename(pid_file)
     try:
         end_with_launcher(launcher_pid)  # kill -9 of the launcher takes the ranks and their children along
         return fn(*args)
@@ -193,13 +202,38 @@ def _record_and_exit(report_dir: str, e: BaseException) -> None:
         exc = pickle.loads(pickle.dumps(e))
     except Exception:  # noqa: BLE001
         exc = None
-    failure = _RankFailure(rank, when, exc, type(e).__name__, str(e), traceback.format_exc(), _role)
+    dead = _peers_dead(report_dir, rank)
+    failure = _RankFailure(rank, when, exc, type(e).__name__, str(e), traceback.format_exc(), _role, dead)
     tmp = Path(report_dir) / f".rank{rank}.tmp"
     tmp.write_bytes(pickle.dumps(failure))
     tmp.rename(Path(report_dir) / f"rank{rank}.pkl")
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(1)
+
+
+def _peers_dead(report_dir: str, rank: int) -> dict[int, int | None]:
+    """The other ranks that are dead now without having recorded a failure, with their exit code
+    (-N: signal N), read from /proc as a zombie's (not yet reaped by the launcher), None when
+    already reaped. Why: a rank killed by a signal leaves no record, and its peer fails at its next
+    collective; when both are dead before torch's agent polls (every ``monitor_interval``), the
+    agent reports one of them only, the lower rank, which may be the peer. The peer saw it dead."""
+    dead: dict[int, int | None] = {}
+    for path in Path(report_dir).glob("rank*.pid"):
+        peer = int(path.stem.removeprefix("rank"))
+        if peer == rank or (Path(report_dir) / f"rank{peer}.pkl").exists():
+            continue
+        try:
+            state = Path(f"/proc/{int(path.read_text())}/stat").read_text().rsplit(")", 1)[1].split()
+        except FileNotFoundError:
+            dead[peer] = None  # reaped already: the agent saw it first
+            continue
+        except (OSError, ValueError):  # no /proc (not Linux)
+            continue
+        status = int(state[-1])  # "exit_code" (proc(5)), in waitpid(2)'s form
+        if state[0] == "Z" and status != 0:
+            dead[peer] = -(status & 0x7F) if status & 0x7F else status >> 8
+    return dead
 
 
 def _first_failure(report_dir: Path) -> _RankFailure | None:
@@ -368,6 +402,9 @@ def spawn_local(fn, nproc: int, *args):
         failure = _first_failure(report_dir)
         if failure is None:
             raise
+        if failure.peers_dead:  # it failed because a peer had died (``_peers_dead``)
+            rank = min(failure.peers_dead)
+            raise RankDiedError(rank, failure.peers_dead[rank]) from None
         failure.reraise()
     finally:
         for log, level in zip(elastic_logs, levels):
