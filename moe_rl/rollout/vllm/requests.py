@@ -275,3 +275,14 @@ def engine_kwargs(
     if r.mode == "async":  # the step loop loads updates between steps: no forward may still be in flight
         kw["async_scheduling"] = False  # (the CPU build never schedules ahead); untested on GPU
     return kw
+
+
+def unique_calls(calls: list[tuple[list[list[int]], int]]) -> tuple[list[tuple], list[int]]:
+    """The distinct (prompts, seed) calls of an engine group, in first-asked order, and which of
+    them each rank asked. The ranks of one learner data-parallel rank (its TP and PP ranks, or the
+    TP ranks of a rollout engine) ask the same prompts with the same seed: generated once, each
+    gets the same samples (docs/design.md 2.1), not one copy per rank."""
+    index: dict[tuple, int] = {}
+    of_rank = [index.setdefault((tuple(map(tuple, p)), s), len(index)) for p, s in calls]
+    firsts = {c: r for r, c in reversed(list(enumerate(of_rank)))}
+    return [calls[firsts[c]] for c in range(len(index))], of_rank

@@ -1,9 +1,11 @@
-"""The routes of a vLLM tensor-parallel group, sent from the group's first rank to each rank
-(docs/design.md 2.1). vLLM 0.31+ (0.33 on GPUs) returns ``routed_experts`` on the first rank of
-each TP group only (its aux-output connector, ``aux_output_connector/worker.py``); every rank of
-the group trains on its own samples and needs their routes. The first rank decodes the routes of
-the whole group's samples (it generated them) and ``scatter_routes`` hands each rank exactly its
-own share over the group's process group: no other rank ever holds routes it did not ask for.
+"""The collectives of a vLLM tensor-parallel group (an engine over consecutive ranks): the group
+itself, the calls its ranks ask (``gather_calls``), and the routes, sent from the group's first rank
+to each rank (docs/design.md 2.1). vLLM 0.31+ (0.33 on GPUs) returns ``routed_experts`` on the first
+rank of each TP group only (its aux-output connector, ``aux_output_connector/worker.py``); every
+rank of the group trains on its own samples and needs their routes. The first rank decodes the
+routes of the whole group's samples (it generated them) and ``scatter_routes`` hands each rank
+exactly its own share over the group's process group: no other rank ever holds routes it did not ask
+for.
 
 Two scatters, shapes first: an int64 header per rank (the padded row count, then the row count of
 each of its samples), then the rows themselves, each rank's samples concatenated and padded to the
@@ -29,6 +31,28 @@ def _device(group) -> torch.device:
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def engine_group(size: int):
+    """(group, rank in it, size): the ``size`` consecutive ranks sharing this rank's engine (every
+    rank creates every group); (None, 0, 1) for an engine of one rank."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or size == 1:
+        return None, 0, 1
+    group, _ = dist.new_subgroups(group_size=size)
+    return group, dist.get_rank(group), size
+
+
+def gather_calls(group, call: tuple) -> list[tuple]:
+    """Every rank's ``call`` ((prompts, seed)) of the engine group, in group-rank order."""
+    if group is None:
+        return [call]
+    import torch.distributed as dist
+
+    calls: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(calls, call, group=group)
+    return calls
 
 
 def split_by_rank(

@@ -142,7 +142,7 @@ def test_ranks_that_ask_the_same_call_share_it():
     """``unique_calls``: an engine group of 4 ranks where ranks 0 and 1 (one learner dp rank's TP
     ranks) ask the same prompts and seed, rank 2 the same prompts with another seed, rank 3 what rank
     0 asked: 2 distinct calls, in first-asked order, and each rank's index into them."""
-    from moe_rl.rollout.vllm.engine import unique_calls
+    from moe_rl.rollout.vllm.requests import unique_calls
 
     a, b = [[5, 6, 7], [8, 9]], [[10, 11]]
     calls, of_rank = unique_calls([(a, 3), ([list(p) for p in a], 3), (a, 4), (a, 3)])
