@@ -29,7 +29,14 @@ from moe_rl.config import RunConfig
 from moe_rl.dist import ParallelDims
 from moe_rl.maths.versions import weight_version
 from moe_rl.placement import exchange_dp_ranks
-from moe_rl.rollout.asynchronous import RESUME_TAG, BackgroundWeights, Fence, buffer_bound, checkpoint_due
+from moe_rl.rollout.asynchronous import (
+    CHOICE_TAG,
+    RESUME_TAG,
+    BackgroundWeights,
+    Fence,
+    buffer_bound,
+    checkpoint_due,
+)
 from moe_rl.rollout.factory import build_engine, engine_tp
 from moe_rl.rollout.remote import BATCH_TAG, RolloutMessage
 from moe_rl.seeding import GENERATE, step_seed
@@ -49,10 +56,15 @@ class _Server:
         dp_of = exchange_dp_ranks(self.bridge, -1)  # every world rank's learner dp rank
         me, engines, self.dp = p.split.role_rank(p.rank), p.split.engines(tp), cfg.data_parallel
         self.sends = me % tp == 0  # an engine's first rank sends; its TP peers only generate
+        self.peers = [p.rank + i for i in range(1, tp)] if self.sends else []  # world ranks
+        self.first = p.rank - me % tp  # the world rank of this engine's first rank
         self.served = [d for d in range(self.dp) if d % engines == me // tp]
         self.dests = {d: [r for r, x in enumerate(dp_of) if x == d] for d in self.served}
         self.sampling = StepPlan.from_config(cfg, task.tokenizer.eos_ids).sampling
         self.engine = build_engine(cfg, task.tokenizer.pad_id, dims.device)
+        self.engine_group = (
+            self.engine.group if tp > 1 else None
+        )  # vLLM's TP group (its ranks agree on updates)
         self.version = -1
 
     def load(self) -> float:
@@ -177,7 +189,9 @@ def _serve_async(s: _Server) -> None:
     every served dp rank after the sync that precedes a checkpoint; stop at the final weights."""
     cfg, start = s.cfg, s.version
     nxt = {d: 0 for d in s.served}
-    if start > 0:  # a resume: each dp rank's learner says which request comes after its saved ones
+    if (
+        start > 0 and s.sends
+    ):  # a resume: each dp rank's learner says which request comes after its saved ones
         for d in s.served:
             got = {s.bridge.recv_object(dst, RESUME_TAG) for dst in s.dests[d]}
             if len(got) != 1:
@@ -185,13 +199,18 @@ def _serve_async(s: _Server) -> None:
                     f"the learner ranks of data-parallel rank {d} resume at requests {sorted(got)}"
                 )
             nxt[d] = got.pop()
-    updates = BackgroundWeights(s.sync, start, cfg.steps)
+    updates = BackgroundWeights(s.sync, start, cfg.steps, group=s.engine_group)
     bound, out = buffer_bound(cfg.rollout.max_staleness), {d: _Outbox() for d in s.served}
     turn = 0
     while True:
-        order = s.served[turn:] + s.served[:turn]
-        d, waited = _room(out, bound, order, updates)
-        turn = (s.served.index(d) + 1) % len(s.served)
+        if s.sends:  # the engine's first rank picks the request; its TP peers generate it with it
+            order = s.served[turn:] + s.served[:turn]
+            d, waited = _room(out, bound, order, updates)
+            turn = (s.served.index(d) + 1) % len(s.served)
+            for peer in s.peers:
+                _wait(s.bridge.send_object((d, nxt[d]), peer, CHOICE_TAG))
+        else:
+            (d, nxt[d]), waited = s.bridge.recv_object(s.first, CHOICE_TAG), 0.0
         before = updates.applied
         msg = s.request(d, nxt[d], {"time/rollout_wait_send_s": waited}, updates)
         nxt[d] += 1

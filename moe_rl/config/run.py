@@ -442,13 +442,6 @@ def check_split(cfg: RunConfig) -> None:
     naming its key."""
     p, r, c = cfg.parallel, cfg.rollout, cfg.correction
     tp = r.vllm.tensor_parallel if r.engine == "vllm" else 1
-    check(
-        r.mode != "async" or tp == 1,
-        "rollout.vllm.tensor_parallel",
-        f"{tp} with rollout.mode=async: every TP rank of an engine would have to take an in-flight "
-        f"update at the same engine step, which the vLLM step loop does not agree on (docs/design.md "
-        f"15.1); use tensor_parallel=1 or rollout.mode=one_step_off",
-    )
     engines, dp = p.rollout_ranks // tp, cfg.data_parallel
     if not (r.engine == "vllm" and p.rollout_ranks % tp):  # else the vLLM rule names it
         check(

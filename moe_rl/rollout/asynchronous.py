@@ -22,10 +22,12 @@ run generates it again (with other weights: async is not bit-for-bit determinist
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from moe_rl.maths.versions import staleness_filter, weight_version
 from moe_rl.metrics import Mean, Sum
@@ -33,6 +35,9 @@ from moe_rl.placement import Group
 from moe_rl.weights.broadcast import PendingWeights
 
 RESUME_TAG = 2  # the bridge's tag for a resumed learner's next request index (learner -> rollout)
+CHOICE_TAG = (
+    3  # the bridge's tag for the next request (dp rank, index): an engine's first rank -> its TP peers
+)
 
 
 def buffer_bound(max_staleness: int) -> int:
@@ -106,30 +111,50 @@ def take_fresh(
 
 
 class BackgroundWeights:
-    """A rollout rank's ``UpdateSource`` (async): ``PendingWeights`` receives each sync over the sync
-    group in a background thread; ``poll`` (the engine's, between decode steps) hands over the
-    newest complete one as (weight version, named tensors). ``tick`` restarts the receive when the
-    last ended, so the learner's next broadcast finds a receiver while this rank generates or waits
-    for buffer room. Nothing is received past update ``last`` (the run's final weights)."""
+    """A rollout rank's ``UpdateSource`` (async): a thread of its own receives sync after sync over
+    the sync group into ``PendingWeights`` until update ``last`` (the run's final weights), so the
+    learner's next broadcast finds a receiver whatever this rank's main thread is doing (generating,
+    waiting for buffer room, or for its engine's first rank). ``poll`` (the engine's, between decode
+    steps) hands over the newest complete one as (weight version, named tensors); ``tick`` moves a
+    completed receive into ``staged`` and raises the thread's error.
 
-    def __init__(self, sync: Group, applied: int, last: int) -> None:
+    ``group``: the ranks of one tensor-parallel engine (vLLM TP > 1), each with its own receive.
+    Each shard must take an update at the same engine step, so their polls (made at the same steps:
+    the ranks run one schedule) hand an update over only when every rank of the group has the same
+    newest one staged (``_all_hold``); until then each keeps what it has staged. A rank can be at
+    most one sync ahead (a broadcast ends only once every receiver has taken the one before), so
+    they meet at a later poll."""
+
+    def __init__(self, sync: Group, applied: int, last: int, group=None) -> None:
         self.sync, self.applied, self.last = sync, applied, last  # applied: updates the engine holds
+        self.group = group
         self.pending = PendingWeights()
         self.staged: tuple[int, dict] | None = None
-        self.tick()
+        self.error: BaseException | None = None
+        self.thread = None
+        if applied < last:
+            self.thread = threading.Thread(target=self._receive, name="weight-receive", daemon=True)
+            self.thread.start()
+
+    def _receive(self) -> None:
+        try:
+            while self.pending.receive(self.sync) < self.last:
+                pass
+        except BaseException as e:  # raised in the main thread at its next tick
+            self.error = e
 
     def tick(self) -> None:
-        if self.pending.receiving:
-            return
-        staged = self.pending.take()  # raises the receive's error in this thread
+        if self.error is not None:
+            raise self.error
+        staged = self.pending.take()
         if staged is not None:
             self.staged = staged  # newest wins: an engine may skip a version, never go back
-        newest = self.staged[0] if self.staged is not None else self.applied
-        if newest < self.last:
-            self.pending.receive_in_background(self.sync)
 
     def poll(self) -> tuple[int, dict] | None:
         self.tick()
+        newest = self.staged[0] if self.staged is not None else self.applied
+        if self.group is not None and not _all_hold(self.group, newest):
+            return None
         if self.staged is None:
             return None
         (updates, named), self.staged = self.staged, None
@@ -142,3 +167,11 @@ class BackgroundWeights:
     def final(self) -> bool:
         """The engine holds the run's final weights (the learner trains no more)."""
         return self.applied >= self.last
+
+
+def _all_hold(group, newest: int) -> bool:
+    """Every rank of ``group`` has ``newest`` as its newest update (min == max over the group)."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
+    both = torch.tensor([newest, -newest], dtype=torch.int64, device=device)
+    dist.all_reduce(both, op=dist.ReduceOp.MIN, group=group)
+    return int(both[0]) == -int(both[1])

@@ -66,17 +66,6 @@ def test_vllm_tensor_parallel_must_divide_the_rollout_ranks(tmp_path):
 def test_settings_the_split_cannot_hold(tmp_path):
     _fails(
         tmp_path,
-        "override 'rollout.vllm.tensor_parallel=2': config key 'rollout.vllm.tensor_parallel': 2 with "
-        "rollout.mode=async: every TP rank of an engine would have to take an in-flight update at the "
-        "same engine step, which the vLLM step loop does not agree on (docs/design.md 15.1); use "
-        "tensor_parallel=1 or rollout.mode=one_step_off",
-        *SPLIT,
-        "rollout.engine=vllm",
-        "rollout.mode=async",
-        "rollout.vllm.tensor_parallel=2",
-    )
-    _fails(
-        tmp_path,
         "override 'rollout.inflight_kv=recompute': config key 'rollout.inflight_kv': recompute: vLLM's "
         "in-flight updates keep the running requests' KV cache (keep); the re-prefill is built for the "
         "built-in engine only (rollout.engine=vllm)",

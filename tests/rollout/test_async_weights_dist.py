@@ -78,7 +78,7 @@ def _rollout(place) -> dict:
         src.tick()
         time.sleep(0.002)
     last = engine.generate(PROMPTS, 2, sampling, seed=6, updates=src)
-    out["final"], out["receiving"] = src.final, src.pending.receiving
+    out["final"], out["receiving"] = src.final, src.thread.is_alive()
     out["last_versions"] = sorted(set(last.version_BS[last.response_mask_BS].tolist()))
     return out
 

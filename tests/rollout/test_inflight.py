@@ -253,3 +253,6 @@ def test_inflight_kv_config_key() -> None:
     assert load_config(None, vllm_async).rollout.inflight_kv == "keep"
     with pytest.raises(ConfigError, match="config key 'rollout.inflight_kv': recompute: vLLM's in-flight"):
         load_config(None, [*vllm_async, "rollout.inflight_kv=recompute"])
+    # and with an engine of 2 TP ranks, whose ranks agree on each update (docs/design.md 15.1)
+    tp2 = [*vllm_async, "parallel.rollout_ranks=2", "parallel.expert_parallel=1"]
+    assert load_config(None, [*tp2, "rollout.vllm.tensor_parallel=2"]).rollout.vllm.tensor_parallel == 2

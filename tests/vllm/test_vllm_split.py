@@ -80,7 +80,8 @@ def test_split_vllm_tp2_engine_on_two_rollout_ranks_samples_the_colocated_tp1_to
         assert s["corr/k3_kl"] == pytest.approx(c["corr/k3_kl"], abs=1e-6), f"step {step}"
 
 
-def test_async_split_vllm_trains_within_max_staleness_on_the_engines_token_versions(tmp_path):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_async_split_vllm_trains_within_max_staleness_on_the_engines_token_versions(tmp_path, tp):
     """rollout.mode=async with vLLM (its step loop, BackgroundWeights as the update source): the
     learner sleeps before each sync (``MOE_RL_TEST_LEARNER_DELAY_S``), so the rollout rank fills
     its buffer (max_staleness=2: two requests) with W_0's requests during step 0 and step 1 trains
@@ -89,15 +90,22 @@ def test_async_split_vllm_trains_within_max_staleness_on_the_engines_token_versi
     final checkpoint carry vLLM's per-token versions: 0 off the response, 1 or 2 (W_0, W_1) on it
     (the request that met the final weights W_2 is dropped, never sent), never decreasing along a
     sequence or from one request to the next, and both: the first saved request started while the
-    learner trained step 0 (W_0), the last after the learner had sent W_1 and taken request 1."""
+    learner trained step 0 (W_0), the last after the learner had sent W_1 and taken request 1.
+    tp=2: one engine of TP=2 on 2 rollout ranks, whose first rank picks each request and hands it to
+    the other, and whose ranks take each in-flight update at the same engine step
+    (tests/rollout/test_async_tp_agree.py); the routes scattered from the first rank (vllm 0.33's
+    way, ``FIRST_RANK_ROUTES_ENV``). Its learner waits longer before each sync (3 ranks, 2 cores)."""
     require_vllm()
     import torch
 
     from moe_rl.rollout.remote import DELAY_ENV
+    from moe_rl.rollout.vllm.env import FIRST_RANK_ROUTES_ENV
 
     run = tmp_path / "async"
-    args = ["parallel.rollout_ranks=1", "rollout.mode=async", "rollout.max_staleness=2"]
-    m = _train(run, 2, *args, env={DELAY_ENV: "0.5"})
+    args = [f"parallel.rollout_ranks={tp}", "rollout.mode=async", "rollout.max_staleness=2"]
+    args += [f"rollout.vllm.tensor_parallel={tp}"]
+    env = {DELAY_ENV: "0.5"} if tp == 1 else {DELAY_ENV: "2.0", FIRST_RANK_ROUTES_ENV: "1"}
+    m = _train(run, 1 + tp, *args, env=env)
     assert sorted(m) == [0, 1]
     assert [m[t]["rollout/lag_max"] for t in (0, 1)] == [0.0, 1.0]
     for r in m.values():

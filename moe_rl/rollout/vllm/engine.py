@@ -317,8 +317,6 @@ class VllmEngine:
             )
         import vllm
 
-        if updates is not None and self.group is not None:
-            raise ValueError("VllmEngine: in-flight updates need rollout.vllm.tensor_parallel=1")
         if self.asleep:
             self.llm.wake_up()  # the KV cache (weights were woken by load_weights)
             self.asleep = False
