@@ -45,8 +45,9 @@ def _rollout(place, rank: int) -> list[tuple[int, int]]:
         update = src.poll()  # a collective over the two rollout ranks
         if update is not None:
             handed.append((polls, update[0]))
-            if update[1]["w"].item() != update[0] - 1:
-                raise AssertionError(f"poll {polls}: version {update[0]} carried update {update[1]['w'].item()}")
+            carried = int(update[1]["w"].item())  # the update number the learner sent
+            if carried != update[0] - 1:
+                raise AssertionError(f"poll {polls}: version {update[0]} carried update {carried}")
         polls += 1
         time.sleep(0.005)
     return handed
