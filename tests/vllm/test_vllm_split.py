@@ -94,7 +94,10 @@ def test_async_split_vllm_trains_within_max_staleness_on_the_engines_token_versi
     tp=2: one engine of TP=2 on 2 rollout ranks, whose first rank picks each request and hands it to
     the other, and whose ranks take each in-flight update at the same engine step
     (tests/rollout/test_async_tp_agree.py); the routes scattered from the first rank (vllm 0.33's
-    way, ``FIRST_RANK_ROUTES_ENV``). Its learner waits longer before each sync (3 ranks, 2 cores)."""
+    way, ``FIRST_RANK_ROUTES_ENV``). Its learner waits longer before each sync (3 ranks, 2 cores).
+    tp=1 replays the engine's routes (R3): every pass forces each token's route row, whatever
+    version computed it, and the learner's own routes (the monitor keeps them) disagree more with
+    step 1's rows, one update stale, than with step 0's."""
     require_vllm()
     import torch
 
@@ -103,7 +106,7 @@ def test_async_split_vllm_trains_within_max_staleness_on_the_engines_token_versi
 
     run = tmp_path / "async"
     args = [f"parallel.rollout_ranks={tp}", "rollout.mode=async", "rollout.max_staleness=2"]
-    args += [f"rollout.vllm.tensor_parallel={tp}"]
+    args += [f"rollout.vllm.tensor_parallel={tp}", f"routing.replay={'r3' if tp == 1 else 'off'}"]
     env = {DELAY_ENV: "0.5"} if tp == 1 else {DELAY_ENV: "2.0", FIRST_RANK_ROUTES_ENV: "1"}
     m = _train(run, 1 + tp, *args, env=env)
     assert sorted(m) == [0, 1]
@@ -112,6 +115,8 @@ def test_async_split_vllm_trains_within_max_staleness_on_the_engines_token_versi
         assert r["rollout/num_seqs"] == 32.0 and r["routing/missing_frac"] == 0.0
         assert r["rollout/lag_frac/0"] + r.get("rollout/lag_frac/1", 0.0) == 1.0
         assert r["rollout/dropped_stale"] == 32.0 * r["rollout/dropped_stale_batches"]
+    if tp == 1:
+        assert m[1]["routing/flip_frac_lag1"] > m[0]["routing/flip_frac_lag0"]
     saved = torch.load(run / "checkpoints" / "in_flight_step_000002_dp0.pt", weights_only=True)
     assert saved["buffered"], "the rollout rank ran ahead: requests wait in the buffer"
     seen = []
