@@ -28,7 +28,8 @@ def build_engine(cfg: RunConfig, pad_id: int, device: torch.device | str = "cpu"
     if cfg.rollout.engine == "vllm":
         from moe_rl.rollout.vllm.engine import VllmEngine  # vllm imports only where it is asked for
 
-        return VllmEngine(cfg, cfg.model, pad_id=pad_id)
+        # the trainer's ranks all generate at once (SPMD): a call several engines ask is shared out
+        return VllmEngine(cfg, cfg.model, pad_id=pad_id, colocated=dims is not None)
     from moe_rl.rollout.builtin import BuiltinEngine
 
     return BuiltinEngine(

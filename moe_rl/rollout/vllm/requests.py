@@ -36,9 +36,16 @@ def request_seeds(seed: int, num_requests: int) -> list[int]:
 
 
 def build_requests(
-    prompts: list[list[int]], n: int, sampling: SamplingParams, seed: int, dvp_logprobs: int = 0
+    prompts: list[list[int]],
+    n: int,
+    sampling: SamplingParams,
+    seed: int,
+    dvp_logprobs: int = 0,
+    first: int = 0,
 ) -> list[tuple[dict, dict[str, Any]]]:
-    """(prompt, SamplingParams kwargs) per sample b = u * n + i, answering prompt u.
+    """(prompt, SamplingParams kwargs) per sample b = u * n + i, answering prompt u. ``first``: the
+    call's sample these prompts start at (an engine generating a share of a call, ``share_bounds``),
+    so each sample keeps the seed it has in the whole call.
 
     One request per sample (n=1) with its own seed, so the batch is reproducible without relying
     on how vLLM derives the seeds of parallel samples. Prefix caching shares the prompt prefill.
@@ -49,7 +56,7 @@ def build_requests(
         raise ValueError("the vLLM engine returns no full distributions (exact-KL TRM)")
     if dvp and dvp_logprobs < 1:
         raise ValueError("DVP with vLLM needs dvp_logprobs >= 1 top log-probs to rebuild the safe sets")
-    seeds = request_seeds(seed, len(prompts) * n)
+    seeds = request_seeds(seed, first + len(prompts) * n)[first:]
     out = []
     for b, s in enumerate(seeds):
         kw: dict[str, Any] = {
@@ -277,12 +284,19 @@ def engine_kwargs(
     return kw
 
 
-def unique_calls(calls: list[tuple[list[list[int]], int]]) -> tuple[list[tuple], list[int]]:
-    """The distinct (prompts, seed) calls of an engine group, in first-asked order, and which of
-    them each rank asked. The ranks of one learner data-parallel rank (its TP and PP ranks, or the
+def unique_calls(calls: list[tuple]) -> tuple[list[tuple], list[int]]:
+    """The distinct (prompts, seed, first sample) calls of an engine group, in first-asked order, and
+    which of them each rank asked. The ranks of one learner data-parallel rank (its TP and PP ranks, or the
     TP ranks of a rollout engine) ask the same prompts with the same seed: generated once, each
     gets the same samples (docs/design.md 2.1), not one copy per rank."""
     index: dict[tuple, int] = {}
-    of_rank = [index.setdefault((tuple(map(tuple, p)), s), len(index)) for p, s in calls]
+    of_rank = [index.setdefault((tuple(map(tuple, p)), *rest), len(index)) for p, *rest in calls]
     firsts = {c: r for r, c in reversed(list(enumerate(of_rank)))}
     return [calls[firsts[c]] for c in range(len(index))], of_rank
+
+
+def share_bounds(num_prompts: int, share: int, shares: int) -> tuple[int, int]:
+    """The prompts [lo, hi) that engine ``share`` of ``shares`` generates of a call that many
+    engines ask (tp_routes.CrossEngine): contiguous, sizes differing by at most one, each prompt's
+    samples together (a GRPO group and its prefix-cache hits stay in one engine)."""
+    return num_prompts * share // shares, num_prompts * (share + 1) // shares

@@ -1,11 +1,12 @@
-"""The collectives of a vLLM tensor-parallel group (an engine over consecutive ranks): the group
-itself, the calls its ranks ask (``gather_calls``), and the routes, sent from the group's first rank
-to each rank (docs/design.md 2.1). vLLM 0.31+ (0.33 on GPUs) returns ``routed_experts`` on the first
-rank of each TP group only (its aux-output connector, ``aux_output_connector/worker.py``); every
-rank of the group trains on its own samples and needs their routes. The first rank decodes the
-routes of the whole group's samples (it generated them) and ``scatter_routes`` hands each rank
-exactly its own share over the group's process group: no other rank ever holds routes it did not ask
-for.
+"""The collectives of vLLM engines: those of one engine's tensor-parallel group (consecutive ranks):
+the group itself, the calls its ranks ask (``gather_calls``), and the routes, sent from the group's
+first rank to each rank (docs/design.md 2.1); and, colocated, those of ranks that ask the same call
+from several engines (``CrossEngine``: each engine generates a share). vLLM 0.31+ (0.33 on GPUs)
+returns ``routed_experts`` on the first rank of each TP group only (its aux-output connector,
+``aux_output_connector/worker.py``); every rank of the group trains on its own samples and needs
+their routes. The first rank decodes the routes of the whole group's samples (it generated them) and
+``scatter_routes`` hands each rank exactly its own share over the group's process group: no other
+rank ever holds routes it did not ask for.
 
 Two scatters, shapes first: an int64 header per rank (the padded row count, then the row count of
 each of its samples), then the rows themselves, each rank's samples concatenated and padded to the
@@ -19,7 +20,10 @@ Shape suffixes: N rows of all samples, R rows of one rank (padded), L MoE layers
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -45,7 +49,7 @@ def engine_group(size: int):
 
 
 def gather_calls(group, call: tuple) -> list[tuple]:
-    """Every rank's ``call`` ((prompts, seed)) of the engine group, in group-rank order."""
+    """Every rank's ``call`` ((prompts, seed, first sample)) of the engine group, in group-rank order."""
     if group is None:
         return [call]
     import torch.distributed as dist
@@ -114,3 +118,104 @@ def scatter_routes(
     dist.scatter(mine_RLK, scatter_list, group=group, group_src=0)
     lens = header_H[1 : 1 + counts[rank]]
     return list(mine_RLK.cpu()[: int(lens.sum())].split(lens.tolist()))
+
+
+def call_digest(prompts: Sequence[Sequence[int]], seed: int) -> int:
+    """A signed 64-bit digest of a call (its prompts and seed): equal calls, equal digests."""
+    text = repr((int(seed), [list(p) for p in prompts])).encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little", signed=True)
+
+
+def engine_shares(
+    digest_R: Sequence[int], engine_R: Sequence[int]
+) -> list[tuple[tuple[int, ...], list[int]]]:
+    """The calls asked from more than one engine: for each, the ranks asking it (ascending) and
+    their engines (ascending, each once), ordered by first rank. ``digest_R``: every rank's call
+    digest; ``engine_R``: every rank's engine. Pure."""
+    ranks: dict[int, list[int]] = {}
+    for r, d in enumerate(digest_R):
+        ranks.setdefault(d, []).append(r)
+    shared = [(tuple(rs), sorted({engine_R[r] for r in rs})) for rs in ranks.values()]
+    return [(rs, es) for rs, es in shared if len(es) > 1]
+
+
+def rank_share(
+    shared: list[tuple[tuple[int, ...], list[int]]], engine_R: Sequence[int], rank: int
+) -> tuple[tuple[int, ...], int, int, bool] | None:
+    """``rank``'s part in ``shared`` (``engine_shares``): (the ranks asking its call, its engine's
+    share index, the share count, whether it sends its engine's share: the first rank asking the
+    call in that engine), or None where its call is one engine's. Pure."""
+    for ranks, engines in shared:
+        if rank in ranks:
+            first = min(r for r in ranks if engine_R[r] == engine_R[rank])
+            return ranks, engines.index(engine_R[rank]), len(engines), first == rank
+    return None
+
+
+@dataclass(frozen=True)
+class Share:
+    """This rank's part of a call several engines ask: its engine generates share ``index`` of
+    ``count`` (``requests.share_bounds``); ``group``: the ranks asking the call; ``sends``: this
+    rank hands its engine's share to the others (the first rank asking it in its engine)."""
+
+    index: int
+    count: int
+    group: Any
+    sends: bool
+
+
+class CrossEngine:
+    """Colocated ranks that ask the same call from several engines: a learner data-parallel rank
+    whose TP and PP ranks fall into more than one engine (the DeepSeek-V3 and Kimi K2 recipes) got
+    every prompt generated once per engine. Each engine now generates one contiguous share of the
+    call and the ranks asking it gather the shares (docs/design.md 2.1). Every rank calls ``plan``
+    at each generate (an all-gather of one 64-bit digest per rank); the groups of ranks sharing a
+    call are made once, by every rank in one order (the learner's layout fixes them)."""
+
+    def __init__(self, rank: int, world: int, engine_size: int) -> None:
+        self.rank = rank
+        self.engine_R = [r // engine_size for r in range(world)]
+        self.groups: dict[tuple[int, ...], Any] = {}
+
+    @classmethod
+    def of_world(cls, engine_size: int) -> CrossEngine | None:
+        """For this rank of the default group, or None where the world holds one engine."""
+        import torch.distributed as dist
+
+        if not dist.is_initialized() or dist.get_world_size() <= engine_size:
+            return None
+        return cls(dist.get_rank(), dist.get_world_size(), engine_size)
+
+    def plan(self, prompts: Sequence[Sequence[int]], seed: int) -> Share | None:
+        """This rank's share of its call, or None where one engine alone asks it."""
+        import torch.distributed as dist
+
+        mine_1 = torch.tensor([call_digest(prompts, seed)], dtype=torch.int64, device=_device(None))
+        every = [torch.empty_like(mine_1) for _ in self.engine_R]
+        dist.all_gather(every, mine_1)
+        shared = engine_shares([int(t) for t in every], self.engine_R)
+        for ranks, _ in shared:  # collective over the world: every rank makes every group
+            if ranks not in self.groups:
+                self.groups[ranks] = dist.new_group(list(ranks))
+        mine = rank_share(shared, self.engine_R, self.rank)
+        return None if mine is None else Share(mine[1], mine[2], self.groups[mine[0]], mine[3])
+
+
+def gather_shares(share: Share, outputs: list, routes: list[torch.Tensor]) -> tuple[list, list[torch.Tensor]]:
+    """The whole call's outputs (vLLM ``RequestOutput``s, request order) and their routes, from this
+    engine's share (``outputs``, ``routes``) and every other engine's, each sent by its engine's
+    sending rank over the group of the ranks asking the call. The routes travel decoded, beside
+    the outputs, whose ``routed_experts`` are dropped (every rank then reads them the same way)."""
+    import torch.distributed as dist
+
+    for c in (c for out in outputs for c in out.outputs):
+        c.routed_experts = None
+    got: list = [None] * dist.get_world_size(share.group)
+    part = (share.index, outputs, routes) if share.sends else None
+    dist.all_gather_object(got, part, group=share.group)
+    parts = {g[0]: g[1:] for g in got if g is not None}
+    if sorted(parts) != list(range(share.count)):
+        raise RuntimeError(f"shares {sorted(parts)} received of a call {share.count} engines generate")
+    return [o for k in range(share.count) for o in parts[k][0]], [
+        r for k in range(share.count) for r in parts[k][1]
+    ]

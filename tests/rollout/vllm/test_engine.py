@@ -151,3 +151,53 @@ def test_ranks_that_ask_the_same_call_share_it():
     assert calls == [(b, 1), (a, 1)] and of_rank == [0, 1]
     calls, of_rank = unique_calls([(a, 1)])
     assert calls == [(a, 1)] and of_rank == [0]
+    calls, of_rank = unique_calls([(a, 1, 0), (a, 1, 4), (a, 1, 0)])  # two shares of one call
+    assert calls == [(a, 1, 0), (a, 1, 4)] and of_rank == [0, 1, 0]
+
+
+@pytest.mark.unit
+def test_calls_several_engines_ask_are_shared_out_by_layout():
+    """``engine_shares`` / ``rank_share`` on the recipes' layouts (megatron's rank order: TP
+    innermost, PP outermost; engines of consecutive ranks). DeepSeek-V3-like (8 ranks: TP 2 x PP 4,
+    DP 1, engines of 4): one call from both engines, halves; rank 4 sends engine 1's, rank 5 does
+    not. Kimi-K2-like (TP 1, DP 2, PP 4, engines of 2, each one stage): each dp rank's call from all
+    4 engines, quarters. Qwen3-like (learner TP 2 under engines of 8): every call one engine's."""
+    from moe_rl.rollout.vllm.tp_routes import call_digest, engine_shares, rank_share
+
+    x, y = call_digest([[5, 6]], 1), call_digest([[5, 6]], 2)
+    assert x == call_digest([(5, 6)], 1) and x != y and x != call_digest([[5, 7]], 1)
+    engine_R = [r // 4 for r in range(8)]
+    shared = engine_shares([x] * 8, engine_R)
+    assert shared == [(tuple(range(8)), [0, 1])]
+    assert [rank_share(shared, engine_R, r)[1:] for r in (0, 3, 4, 5)] == [
+        (0, 2, True),
+        (0, 2, False),
+        (1, 2, True),
+        (1, 2, False),
+    ]
+    engine_R = [r // 2 for r in range(8)]
+    shared = engine_shares([x, y] * 4, engine_R)  # rank = dp + 2 * pp
+    assert shared == [((0, 2, 4, 6), [0, 1, 2, 3]), ((1, 3, 5, 7), [0, 1, 2, 3])]
+    assert rank_share(shared, engine_R, 3) == ((1, 3, 5, 7), 1, 4, True)
+    engine_R = [r // 8 for r in range(16)]
+    digests = [call_digest([[d]], 0) for d in range(8) for _ in range(2)]  # DP 8 x TP 2
+    assert engine_shares(digests, engine_R) == [] and rank_share([], engine_R, 5) is None
+
+
+@pytest.mark.unit
+def test_a_share_of_a_call_keeps_each_samples_seed():
+    """``share_bounds`` cuts a call's prompts into contiguous shares differing by at most one;
+    the requests of a share (``build_requests(..., first=)``) are the whole call's requests at
+    those samples, seeds included."""
+    from moe_rl.rollout.vllm.requests import build_requests, share_bounds
+
+    assert [share_bounds(7, k, 3) for k in range(3)] == [(0, 2), (2, 4), (4, 7)]
+    assert [share_bounds(2, k, 4) for k in range(4)] == [(0, 0), (0, 1), (1, 1), (1, 2)]
+    prompts, n = [[5 + u, 6] for u in range(5)], 3
+    sp = SamplingParams(max_new_tokens=4, temperature=1.0, stop_token_ids=())
+    whole = build_requests(prompts, n, sp, seed=11)
+    parts = []
+    for k in range(2):
+        lo, hi = share_bounds(len(prompts), k, 2)
+        parts += build_requests(prompts[lo:hi], n, sp, seed=11, first=lo * n)
+    assert parts == whole and len({kw["seed"] for _, kw in whole}) == len(prompts) * n
