@@ -50,7 +50,7 @@ CPU_PATCHES: tuple[str, ...] = (
     "tensor_type_strings",
     "distopt_ckpt",
 )
-ALWAYS_PATCHES: tuple[str, ...] = ("distopt_step_alias", "router_replay_hook")
+ALWAYS_PATCHES: tuple[str, ...] = ("distopt_step_alias", "router_replay_hook", "save_results_queue")
 ALL_PATCHES: tuple[str, ...] = CPU_PATCHES + ALWAYS_PATCHES
 
 

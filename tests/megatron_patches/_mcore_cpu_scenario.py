@@ -6,7 +6,8 @@
 Each mode runs in its own process so that the pytest process is never patched, and groups
 many checks to pay the ~10 s megatron import once. The entry point is guarded by
 ``if __name__ == "__main__"`` because dist_checkpointing.save spawns a multiprocessing Manager,
-which re-imports __main__; module-level imports are stdlib only, so that re-import is cheap.
+which re-imports __main__ (upstream; moe-rl's save_results_queue patch removes it): module-level
+imports are stdlib only, so that re-import is cheap.
 Results go to OUT.json; test_patches_behaviour.py asserts on them.
 """
 
@@ -257,6 +258,7 @@ def load_fresh(ckpt: Path) -> tuple[Any, Any, Any, Any]:
 def checkpoint_roundtrip(result: Result, model: Any, ddp: Any, opt: Any, tmp: Path) -> None:
     result["steps_at_save"] = step_report(opt)
     save(model, opt, tmp / "ckpt")
+    result["save_results_queue"] = results_queue_after_save()
     model2, ddp2, opt2, loaded_opt_sd = load_fresh(tmp / "ckpt")
     result["steps_after_load"] = step_report(opt2)
     result["exp_avg_max_diff_after_load"] = max_diff(
@@ -272,6 +274,35 @@ def checkpoint_roundtrip(result: Result, model: Any, ddp: Any, opt: Any, tmp: Pa
     result["param_max_diff_after_next_step"] = max_diff(list(model.parameters()), list(model2.parameters()))
     result["steps_after_next_step"] = step_report(opt2)
     result["upstream_still_broken"] = upstream_still_broken(opt2, loaded_opt_sd)
+
+
+def results_queue_after_save() -> Result:
+    """save_results_queue: the queue the save used, the processes it left (upstream's spawn
+    Manager would be one), and the guards: pickling it, a put from a forked process."""
+    import multiprocessing as mp
+    import pickle
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    q = filesystem_async._results_queue
+    left = [p.name for p in mp.active_children()]
+    ctx = mp.get_context("fork")
+    recv, send = ctx.Pipe(duplex=False)
+
+    def put_from_child() -> None:
+        send.send(expect_error(lambda: q.put({})))
+
+    child = ctx.Process(target=put_from_child)
+    child.start()
+    from_child = recv.recv()
+    child.join()
+    return {
+        "type": type(q).__name__,
+        "children_left": left,
+        "pickle": expect_error(lambda: pickle.dumps(q)),
+        "put_from_child": from_child,
+        "empty_after_child": q.empty(),
+    }
 
 
 def upstream_still_broken(opt: Any, loaded_opt_sd: Any) -> Result:

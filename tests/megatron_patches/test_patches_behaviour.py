@@ -160,6 +160,15 @@ def test_adam_step_advances_by_one_after_load(patched: dict[str, Any]) -> None:
     assert after["num_distinct_tensors"] == after["num"]
 
 
+def test_save_results_stay_in_the_rank_process(patched: dict[str, Any]) -> None:
+    # upstream's spawn Manager would be a live child process after the save
+    q = patched["save_results_queue"]
+    assert (q["type"], q["children_left"]) == ("InProcessResults", [])
+    assert q["pickle"]["type"] == q["put_from_child"]["type"] == "PatchError"
+    assert "asynchronous" in q["pickle"]["message"] and "asynchronous" in q["put_from_child"]["message"]
+    assert q["empty_after_child"]  # nothing from another process reached the queue
+
+
 # ------------------------------------------------------------------ upstream bugs still there
 # Tripwires for "Remove when": each calls the upstream callable under our wrapper. When one
 # fails after a megatron-core upgrade, upstream fixed that bug: delete the patch (or part).

@@ -47,7 +47,11 @@ def test_patch_lists_cover_every_patch_module_once() -> None:
     modules = stems - helpers
     assert sorted(megatron_patches.ALL_PATCHES) == sorted(modules)
     assert len(set(megatron_patches.ALL_PATCHES)) == len(megatron_patches.ALL_PATCHES)
-    assert megatron_patches.ALWAYS_PATCHES == ("distopt_step_alias", "router_replay_hook")
+    assert megatron_patches.ALWAYS_PATCHES == (
+        "distopt_step_alias",
+        "router_replay_hook",
+        "save_results_queue",
+    )
 
 
 @pytest.mark.parametrize("name", megatron_patches.ALL_PATCHES)
