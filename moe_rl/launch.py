@@ -118,9 +118,11 @@ def pin_to_core(local_rank: int) -> int:
 
 def run_worker(cfg: RunConfig, prepared=None) -> None:
     """One rank's whole life: patches, process groups, the training loop, teardown."""
+    from moe_rl.lazy_imports import defer_wandb
     from moe_rl.quiet import silence_known_noise
 
     silence_known_noise()  # before megatron is imported: some of its warnings come at import
+    defer_wandb()  # megatron imports wandb and never uses it; rank 0's metrics import it for real
     import megatron_patches
     from moe_rl import dist, trainer
 

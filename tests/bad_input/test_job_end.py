@@ -186,13 +186,15 @@ def test_a_rank_ends_what_it_started_when_its_launcher_dies(tmp_path):
 @pytest.mark.bad_input
 def test_kill_9_of_the_leader_leaves_no_process(tmp_path):
     """The leader cannot clean up after itself here: each rank ends its own descendants (its reward
-    worker and megatron's checkpoint worker, whose end also ends the shared resource tracker)."""
+    worker, and megatron's checkpoint writers during a save), whose end also ends the shared
+    resource tracker. No rank keeps a Manager process of megatron's saver any more
+    (megatron_patches/save_results_queue.py): a rank's only lasting child is its reward worker."""
     job = Job(tmp_path, *LONG, *MATH)
     try:
         job.wait_for_first_checkpoint()
         for rank in job.ranks():  # what outlived the leader before: started by the ranks, not by it
             kids = [" ".join(c.cmdline()) for c in rank.children()]
-            assert len(kids) >= 2, kids  # a reward worker, megatron's checkpoint worker (+ writers)
+            assert len(kids) >= 1, kids  # its reward worker (+ megatron's writers during a save)
         assert any("resource_tracker" in x for x in job.session()), job.session()
         os.kill(job.proc.pid, signal.SIGKILL)
         code = job.end("kill -9 of the leader")
