@@ -234,7 +234,7 @@ def show_config(args: tuple[str, ...]) -> None:
 )
 @click.option("--rank", "top", type=int, default=0, help="also rank the N best layouts for the config's GPUs")
 def show_estimate(args: tuple[str, ...], gpu_gib: float, gpus_per_node: int, top: int) -> None:
-    """Per-GPU memory of a config's layout (moe_rl/memory.py), per pipeline stage, and its table row;
+    """Per-GPU memory of a config's layout (moe_rl/memory/), per pipeline stage, and its table row;
     --rank N: the N best layouts for parallel.nproc GPUs instead:
     moe-rl estimate [CONFIG.yaml] [key=value ...]."""
     from moe_rl.memory import (

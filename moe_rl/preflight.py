@@ -90,7 +90,7 @@ def check_devices(cfg: RunConfig, num_gpus: int) -> None:
 
 
 def check_fit(cfg: RunConfig, gpu_gib: float) -> None:
-    """The config's layout fits GPUs of ``gpu_gib`` by moe_rl/memory.py's estimate (both peaks
+    """The config's layout fits GPUs of ``gpu_gib`` by moe_rl/memory/'s estimate (both peaks
     within the GPU less its margin for the CUDA context, and vLLM's KV cache holding one sequence):
     a recipe on fewer GPUs than it needs, or without the offload / CPU Adam it was sized with,
     stops here, before any rank starts, naming the key and the numbers."""

@@ -1,4 +1,4 @@
-"""Sizing arithmetic (moe_rl/memory.py): parameter counts against canonical shapes, FLOPs/MFU by
+"""Sizing arithmetic (moe_rl/memory/): parameter counts against canonical shapes, FLOPs/MFU by
 hand, and the smoke-test summary on a synthetic metrics.jsonl."""
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from moe_rl.config import load_config
 from moe_rl.memory import (
     GiB,
     Layout,
-    _stage_params,
     candidate_layouts,
     choose_layout,
     estimate,
@@ -24,6 +23,7 @@ from moe_rl.memory import (
     param_counts,
     rank_layouts,
     stage_memory,
+    stage_params,
     summarize_run,
     train_flops_per_token,
 )
@@ -125,19 +125,19 @@ def _tiny(*extra: str):
 
 
 @pytest.mark.unit
-def test_stage_params_by_hand():
+def teststage_params_by_hand():
     m = _tiny().model
     # H=32, D=8, Q=4, G=2, V=64, E=8, expert F=16; per layer: q,o,k,v 2*32*(4+2)*8 = 3072 (split
     # over TP), norms 2*32 + q/k norms 2*8 = 80 and router 8*32 = 256 (replicated)
     lay = Layout(world=8, tp=2, pp=2, ep=2, etp=1)
     assert lay.stage_layers(6) == [3, 3] and (lay.dp, lay.expert_dp) == (2, 2)
     # stage 0: 3 * (3072/2 + 80 + 256) + embedding 64*32/2; stage 1: the output layer and final norm
-    assert _stage_params(m, lay, 0, [3, 3]) == (3 * 1872 + 1024, 3 * 8 * 3 * 32 * 16 / 2)
-    assert _stage_params(m, lay, 1, [3, 3]) == (3 * 1872 + 1024 + 32, 3 * 8 * 3 * 32 * 16 / 2)
+    assert stage_params(m, lay, 0, [3, 3]) == (3 * 1872 + 1024, 3 * 8 * 3 * 32 * 16 / 2)
+    assert stage_params(m, lay, 1, [3, 3]) == (3 * 1872 + 1024 + 32, 3 * 8 * 3 * 32 * 16 / 2)
     # one GPU of a 1-rank layout holds the whole model; two stages hold it between them
-    whole = _stage_params(m, Layout(world=1), 0, [6])
+    whole = stage_params(m, Layout(world=1), 0, [6])
     assert sum(whole) == param_counts(m)["total"]
-    halves = [_stage_params(m, Layout(world=2, pp=2), s, [2, 4]) for s in (0, 1)]
+    halves = [stage_params(m, Layout(world=2, pp=2), s, [2, 4]) for s in (0, 1)]
     assert sum(map(sum, halves)) == param_counts(m)["total"]
 
 
@@ -146,9 +146,9 @@ def test_doubling_tp_halves_the_split_dense_params():
     m = _tiny("model.num_query_groups=4").model
     replicated = 6 * (80 + 256) + 32  # norms, routers and the final norm stay whole on every TP rank
     assert not Layout(world=8, tp=4, ep=2).problems(m)
-    d1, _ = _stage_params(m, Layout(world=8, tp=1, ep=8), 0, [6])
-    d2, _ = _stage_params(m, Layout(world=8, tp=2, ep=4), 0, [6])
-    d4, _ = _stage_params(m, Layout(world=8, tp=4, ep=2), 0, [6])
+    d1, _ = stage_params(m, Layout(world=8, tp=1, ep=8), 0, [6])
+    d2, _ = stage_params(m, Layout(world=8, tp=2, ep=4), 0, [6])
+    d4, _ = stage_params(m, Layout(world=8, tp=4, ep=2), 0, [6])
     assert d1 - replicated == 2 * (d2 - replicated) == 4 * (d4 - replicated)
 
 
@@ -443,7 +443,7 @@ def test_weight_sync_bytes_every_rank_receives_the_model_less_its_shard():
         sum(math.prod(s) for k, s in shapes.items() if stage_of(k) == st and ".experts." in k)
         for st in (0, 1)
     ]
-    own = [sum(_stage_params(m, lay, st, [2, 4])) for st in (0, 1)]
+    own = [sum(stage_params(m, lay, st, [2, 4])) for st in (0, 1)]
     rows = []
     for st in (0, 1):
         gather, bcast = 2 * (full[st] - own[st]), 2 * full[1 - st]

@@ -1,4 +1,4 @@
-"""dist tier: moe_rl/memory.py's per-rank bytes held against the real megatron learner on 2 gloo
+"""dist tier: moe_rl/memory/'s per-rank bytes held against the real megatron learner on 2 gloo
 ranks (distributed optimizer), for EP=2, TP=2 (bf16) and PP=2.
 
 Measured on each rank, never from the estimator's own code: the parameters' bytes (every
