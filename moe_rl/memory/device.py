@@ -55,8 +55,9 @@ def stage_memory(cfg: RunConfig, lay: Layout, stage: int) -> dict[str, float]:
     distributed optimizer over DP (dense) and expert-DP (experts); a frozen reference copy of the
     weights when algo.kl_coef > 0; with rollout.staleness=k > 0, the k + 1 full canonical weight
     sets the rollout keeps on every rank (every expert, in the weights' dtype). With
-    ``optim.cpu_adam`` the optimizer's bytes live on the host for the whole run (``host_optim``),
-    none on the device. With ``parallel.offload_during_rollout`` the device optimizer bytes, the
+    ``optim.cpu_adam`` the optimizer lives on the host for the whole run (its bytes per element of
+    the shard ``host_optim_elems``: moe_rl/memory/host.py), none on the device. With
+    ``parallel.offload_during_rollout`` the device optimizer bytes, the
     grads and the weights (either engine holds its own copy) leave the GPU while the engine
     generates (``offloaded``, moe_rl/learner/offload.py): ``rollout_resident`` is what the learner
     keeps then (the reference and the stale sets stay). Activations:
@@ -73,9 +74,8 @@ def stage_memory(cfg: RunConfig, lay: Layout, stage: int) -> dict[str, float]:
     w_bytes, opt_bytes, act_bytes = (2, 12, 2) if m.precision in ("bf16", "fp8") else (4, 8, 4)
     shard_d, shard_e = (lay.dp, lay.expert_dp) if cfg.parallel.distributed_optimizer else (1, 1)
     weights, grads = (dense + expert) * w_bytes, (dense + expert) * 4
-    host_optim = opt_bytes * (dense / shard_d + expert / shard_e)
-    optim = 0.0 if cfg.optim.cpu_adam else host_optim
-    host_optim = host_optim if cfg.optim.cpu_adam else 0.0
+    opt_elems = dense / shard_d + expert / shard_e  # the rank's optimizer shard
+    optim = 0.0 if cfg.optim.cpu_adam else opt_bytes * opt_elems
     reference = weights if cfg.algo.kl_coef > 0 else 0.0
     k = cfg.rollout.staleness
     stale = (k + 1) * param_counts(m)["total"] * w_bytes if k > 0 else 0.0  # moe_rl/rollout/staleness.py
@@ -105,7 +105,7 @@ def stage_memory(cfg: RunConfig, lay: Layout, stage: int) -> dict[str, float]:
         "weights": weights,
         "grads": grads,
         "optimizer": optim,
-        "host_optim": host_optim,
+        "host_optim_elems": opt_elems,
         "reference": reference,
         "stale": stale,
         "static": static,

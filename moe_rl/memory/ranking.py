@@ -7,8 +7,9 @@ from dataclasses import dataclass
 
 from moe_rl.config import ModelConfig, RunConfig
 from moe_rl.memory.device import MARGIN_GIB
-from moe_rl.memory.estimate import estimate, fits
+from moe_rl.memory.estimate import estimate, fits, phase_peak_gib
 from moe_rl.memory.learner_layout import Layout
+from moe_rl.memory.phases import PEAK_PHASES
 
 
 def _splits(num_layers: int, pp: int):
@@ -85,7 +86,7 @@ def choose_layout(
 
 
 def _peak(est: dict[str, float]) -> float:
-    return max(est["train_peak_gib"], est["rollout_peak_gib"])
+    return max(phase_peak_gib(est, p) for p in PEAK_PHASES)
 
 
 def format_estimate(est: dict[str, float]) -> str:

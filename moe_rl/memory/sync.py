@@ -23,43 +23,29 @@ def peer_sync_range(total_params: float) -> tuple[str, float, float]:
 
 
 def sync_traffic(cfg: RunConfig, lay: Layout, gpus_per_node: int = 8) -> dict[str, float]:
-    """Bytes one learner rank receives in one weight sync, and the seconds the stated links take.
+    """Bytes one engine rank receives in one weight sync, and the seconds at line rate.
 
-    The sync (moe_rl/weights/stream.py) walks the model a chunk (one decoder layer) at a time:
-    the ranks of the owning pipeline stage join the chunk's TP pieces and all-gather its experts
-    over EP (expert weights that live on other EP ranks reach every rank this way: each rank
-    receives the (EP - 1) / EP of the stage's experts it does not hold), then the owning stage
-    broadcasts the chunk over the pipeline group. So every rank receives the whole model in the
-    rollout dtype and the engine (vLLM: each of its TP ranks) keeps its own slice. ``gather``:
-    the own stage's bytes less the rank's shard (over NVLink when the TP x EP x ETP group is inside
-    a node, else InfiniBand); ``broadcast``: the other stages' bytes (InfiniBand when the stages
-    are on different nodes). Seconds: bytes / link bandwidth, the two phases in sequence, no
-    overlap or protocol overhead: a lower bound."""
+    The sync streams from the learner's bf16 weights (moe_rl/memory/phases.py's order): the
+    gathered unit is bounded by ``parallel.sync_bucket_mib`` and each engine rank receives only
+    the tensors and slices its shard holds, from the learner ranks that hold them: a vLLM rank its
+    TP slice of every tensor (the whole model / vLLM TP in the rollout dtype; replicated norms and
+    routers counted once over TP, so a slight undercount), the built-in engine (unsharded) the
+    whole model less what its own learner rank holds of the rank's stage. Seconds: bytes / link
+    bandwidth (InfiniBand when the learner spans more than a node: the slices come from every EP
+    and pipeline rank; NVLink inside one node), no overlap or protocol overhead: a lower bound.
+    ``peer_sync_range`` gives the peers' measured seconds beside it."""
     m = cfg.model
     wb = 2 if cfg.rollout.dtype == "bf16" else 4
-    layers = lay.stage_layers(m.num_layers)
-    whole = Layout(world=lay.pp, pp=lay.pp, first=lay.first, last=lay.last)  # unsharded stages
-    stage_full = [sum(stage_params(m, whole, s, layers)) for s in range(lay.pp)]
     total = param_counts(m)["total"]
-    worst: dict[str, float] = {}
-    for s in range(lay.pp):
-        dense, expert = stage_params(m, lay, s, layers)
-        gather = (stage_full[s] - dense - expert) * wb
-        full_e = expert * lay.ep * lay.expert_tp
-        experts_gathered = (full_e - expert) * wb
-        broadcast = (total - stage_full[s]) * wb
-        inside = max(lay.tp, lay.ep * lay.expert_tp) <= gpus_per_node
-        across = lay.pp > 1 and lay.world > gpus_per_node
-        seconds = gather / ((NVLINK_GBS if inside else IB_GBS) * 1e9) + broadcast / (
-            (IB_GBS if across else NVLINK_GBS) * 1e9
-        )
-        row = {
-            "sync_bytes": gather + broadcast,
-            "sync_expert_gather_bytes": experts_gathered,
-            "sync_gather_bytes": gather,
-            "sync_broadcast_bytes": broadcast,
-            "sync_s": seconds,
-        }
-        if not worst or row["sync_s"] > worst["sync_s"]:
-            worst = row
-    return worst
+    layers = lay.stage_layers(m.num_layers)
+    if cfg.rollout.engine == "vllm":
+        receive = total * wb / cfg.rollout.vllm.tensor_parallel
+    else:
+        own = min(sum(stage_params(m, lay, s, layers)) for s in range(lay.pp))
+        receive = (total - own) * wb if cfg.parallel.rollout_ranks == 0 else total * wb
+    link = IB_GBS if lay.world + cfg.parallel.rollout_ranks > gpus_per_node else NVLINK_GBS
+    return {
+        "sync_bytes": receive,
+        "sync_bucket_bytes": float(cfg.parallel.sync_bucket_mib * 2**20),
+        "sync_s": receive / (link * 1e9),
+    }
