@@ -270,6 +270,8 @@ def show_estimate(
     )
 
     _positive("--gpu-gib", gpu_gib)
+    if cpu_adam_gelems is not None:
+        _positive("--cpu-adam-gelems-per-s", cpu_adam_gelems)
     if gpus_per_node < 1:
         raise ConfigError(f"--gpus-per-node must be >= 1, got {gpus_per_node}")
     if top < 0:
@@ -277,8 +279,6 @@ def show_estimate(
     cfg = _load(args)
     lay = Layout.of(cfg.parallel)
     click.echo(f"{lay.describe(cfg.model.num_layers)} on {lay.world} GPUs of {gpu_gib:g} GiB")
-    if cpu_adam_gelems is not None:
-        _positive("--cpu-adam-gelems-per-s", cpu_adam_gelems)
     rate = cpu_adam_gelems * 1e9 if cpu_adam_gelems else None
     est = estimate(cfg, gpu_gib, gpus_per_node=gpus_per_node, cpu_adam_elems_per_s=rate)
     click.echo(format_estimate(est))
