@@ -233,13 +233,27 @@ def show_config(args: tuple[str, ...]) -> None:
     "--gpus-per-node", type=int, default=8, show_default=True, help="for --rank: TP stays within a node"
 )
 @click.option("--rank", "top", type=int, default=0, help="also rank the N best layouts for the config's GPUs")
-def show_estimate(args: tuple[str, ...], gpu_gib: float, gpus_per_node: int, top: int) -> None:
-    """Per-GPU memory of a config's layout (moe_rl/memory.py), per pipeline stage, and its table row;
+@click.option(
+    "--cpu-adam-gelems-per-s",
+    "cpu_adam_gelems",
+    type=float,
+    default=None,
+    help="CPU Adam's throughput a rank, G elements/s (default: the measured one-core figure x 12 cores)",
+)
+def show_estimate(
+    args: tuple[str, ...], gpu_gib: float, gpus_per_node: int, top: int, cpu_adam_gelems: float | None
+) -> None:
+    """Per-GPU memory of a config's layout (moe_rl/memory/), per pipeline stage, and its table row;
     --rank N: the N best layouts for parallel.nproc GPUs instead:
     moe-rl estimate [CONFIG.yaml] [key=value ...]."""
     from moe_rl.memory import (
+        COLOCATED_ORDER,
+        CPU_ADAM_ELEMS_PER_S_PER_CORE,
+        HOST_CORES_PER_RANK,
         IB_GBS,
+        MARGIN_GIB,
         NVLINK_GBS,
+        PEAK_PHASES,
         GiB,
         Layout,
         Ranked,
@@ -248,12 +262,16 @@ def show_estimate(args: tuple[str, ...], gpu_gib: float, gpus_per_node: int, top
         format_estimate,
         layout_table,
         peer_sync_range,
+        phase_peak_gib,
         rank_layouts,
         rollout_peaks,
         stage_memory,
+        unfit_phase,
     )
 
     _positive("--gpu-gib", gpu_gib)
+    if cpu_adam_gelems is not None:
+        _positive("--cpu-adam-gelems-per-s", cpu_adam_gelems)
     if gpus_per_node < 1:
         raise ConfigError(f"--gpus-per-node must be >= 1, got {gpus_per_node}")
     if top < 0:
@@ -261,7 +279,8 @@ def show_estimate(args: tuple[str, ...], gpu_gib: float, gpus_per_node: int, top
     cfg = _load(args)
     lay = Layout.of(cfg.parallel)
     click.echo(f"{lay.describe(cfg.model.num_layers)} on {lay.world} GPUs of {gpu_gib:g} GiB")
-    est = estimate(cfg, gpu_gib, gpus_per_node=gpus_per_node)
+    rate = cpu_adam_gelems * 1e9 if cpu_adam_gelems else None
+    est = estimate(cfg, gpu_gib, gpus_per_node=gpus_per_node, cpu_adam_elems_per_s=rate)
     click.echo(format_estimate(est))
     if lay.pp > 1:
         for s in range(lay.pp):
@@ -275,15 +294,34 @@ def show_estimate(args: tuple[str, ...], gpu_gib: float, gpus_per_node: int, top
         f"rollout peak: {without:.1f} GiB without parallel.offload_during_rollout, {with_:.1f} GiB with it"
     )
     click.echo(
+        "device peak per phase (GiB a GPU; "
+        + " -> ".join(COLOCATED_ORDER)
+        + "): "
+        + ", ".join(f"{p} {phase_peak_gib(est, p):.1f}" for p in PEAK_PHASES)
+        + f" of {gpu_gib - MARGIN_GIB:g} usable: "
+        + (f"{phase} does not fit" if (phase := unfit_phase(cfg, est)) else "fits")
+    )
+    click.echo(
+        f"host memory per rank: {est['host_gib_per_rank']:,.1f} GiB (CPU Adam "
+        f"{est['host_cpu_adam_gib_per_rank']:,.1f}, offloaded learner "
+        f"{est['host_offload_gib_per_rank']:,.1f}, "
+        f"vLLM asleep {est['host_vllm_asleep_gib_per_rank']:,.1f}; pinned buffers rounded to powers of two)"
+    )
+    click.echo(
         f"host memory per node: {est['host_gib_per_node']:,.0f} GiB ({min(gpus_per_node, lay.world)} GPUs: "
         "CPU Adam state, the offloaded learner state, vLLM's sleeping weights)"
     )
+    if cfg.optim.cpu_adam:
+        click.echo(
+            f"CPU Adam: {est['cpu_adam_s']:.1f} s a step (the rank's shard at "
+            f"{(cpu_adam_gelems or 0) or CPU_ADAM_ELEMS_PER_S_PER_CORE * HOST_CORES_PER_RANK / 1e9:g} "
+            "G elements/s; --cpu-adam-gelems-per-s overrides)"
+        )
     peer, lo, hi = peer_sync_range(est["params_total_b"] * 1e9)
     click.echo(
-        f"weight sync: {est['sync_gb_per_rank']:.1f} GB received per rank "
-        f"({est['sync_expert_gather_gb']:.1f} GB of experts gathered over EP), modelled "
-        f"{est['sync_s']:.1f} s at NVLink {NVLINK_GBS:g} / InfiniBand {IB_GBS:g} GB/s per GPU; "
-        f"peers measured {lo:g}-{hi:g} s for a {peer}"
+        f"weight sync: {est['sync_gb_per_rank']:.1f} GB received per engine rank (its shard); "
+        f"{est['sync_s']:.2f} s at line rate (NVLink {NVLINK_GBS:g} / InfiniBand {IB_GBS:g} GB/s per GPU, "
+        f"a lower bound) to {lo:g}-{hi:g} s at the peers' measured efficiency (a {peer})"
     )
     rows = [Ranked(lay, est, fits(cfg, est))]
     if top > 0:

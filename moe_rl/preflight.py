@@ -90,14 +90,17 @@ def check_devices(cfg: RunConfig, num_gpus: int) -> None:
 
 
 def check_fit(cfg: RunConfig, gpu_gib: float) -> None:
-    """The config's layout fits GPUs of ``gpu_gib`` by moe_rl/memory.py's estimate (both peaks
-    within the GPU less its margin for the CUDA context, and vLLM's KV cache holding one sequence):
-    a recipe on fewer GPUs than it needs, or without the offload / CPU Adam it was sized with,
-    stops here, before any rank starts, naming the key and the numbers."""
-    from moe_rl.memory import MARGIN_GIB, estimate, fits
+    """The config's layout fits GPUs of ``gpu_gib`` at every phase of the step by moe_rl/memory/'s
+    estimate (train, sync, generate, async: moe_rl/memory/phases.py; each within the GPU less its
+    margin for the CUDA context, and vLLM's KV cache holding one sequence): a recipe on fewer GPUs
+    than it needs, or without the offload / CPU Adam it was sized with, stops here, before any rank
+    starts, naming the phase, its bytes and the device's. GPU runs only (preflight's caller): a
+    CPU run has no device memory to compare with."""
+    from moe_rl.memory import MARGIN_GIB, estimate, phase_peak_gib, unfit_phase
 
     est = estimate(cfg, gpu_gib)
-    if fits(cfg, est):
+    phase = unfit_phase(cfg, est)
+    if phase is None:
         return
     p = cfg.parallel
     hints = []
@@ -105,15 +108,16 @@ def check_fit(cfg: RunConfig, gpu_gib: float) -> None:
         hints.append("parallel.offload_during_rollout=true")
     if not cfg.optim.cpu_adam:
         hints.append("optim.cpu_adam=true")
-    kv = ""
-    if cfg.rollout.engine == "vllm" and est["vllm_kv_tokens"] < cfg.model.max_seq_len:
-        kv = (
-            f", vLLM KV cache {est['vllm_kv_tokens']:,.0f} tokens < model.max_seq_len {cfg.model.max_seq_len}"
+    if phase == "kv_cache":
+        what = (
+            f"vLLM's KV cache holds {est['vllm_kv_tokens']:,.0f} tokens < model.max_seq_len "
+            f"{cfg.model.max_seq_len}"
         )
+    else:
+        what = f"the {phase} phase needs {phase_peak_gib(est, phase):.1f} GiB per GPU"
     raise ConfigError(
-        f"config key 'parallel.nproc': {p.nproc} GPUs of {gpu_gib:.0f} GiB do not fit this run "
-        f"(train peak {est['train_peak_gib']:.1f} GiB, rollout peak {est['rollout_peak_gib']:.1f} GiB "
-        f"against {gpu_gib - MARGIN_GIB:.0f} GiB{kv}); "
+        f"config key 'parallel.nproc': {p.nproc} GPUs of {gpu_gib:.0f} GiB do not fit this run: {what} "
+        f"against {gpu_gib - MARGIN_GIB:.0f} GiB usable (the GPU less {MARGIN_GIB:g}); "
         + (f"try {' / '.join(hints)}, or " if hints else "")
         + "more GPUs: `moe-rl estimate CONFIG --rank 5` ranks the layouts"
     )

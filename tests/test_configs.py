@@ -81,10 +81,10 @@ def _stated_estimate(path: Path) -> dict[str, str]:
 # there (world, TP, PP, EP, expert-TP, DP, expert-DP), whether it needs CPU Adam, vLLM's TP
 H100_RECIPES = {
     "qwen3_30b_a3b_1x8h100.yaml": dict(layout=(8, 2, 1, 8, 1, 4, 1), cpu_adam=False, vtp=8),
-    "qwen3_235b_a22b_4x8h100.yaml": dict(layout=(32, 2, 1, 32, 1, 16, 1), cpu_adam=True, vtp=8),
+    "qwen3_235b_a22b_4x8h100.yaml": dict(layout=(32, 4, 1, 32, 1, 8, 1), cpu_adam=True, vtp=8),
     "glm45_355b_4x8h100.yaml": dict(layout=(32, 8, 1, 32, 1, 4, 1), cpu_adam=True, vtp=16),
     "deepseek_v3_671b_8x8h100.yaml": dict(layout=(64, 1, 16, 4, 1, 4, 1), cpu_adam=True, vtp=32),
-    "kimi_k2_1t_16x8h100.yaml": dict(layout=(128, 1, 4, 32, 1, 32, 1), cpu_adam=True, vtp=32),
+    "kimi_k2_1t_16x8h100.yaml": dict(layout=(128, 1, 4, 32, 1, 32, 1), cpu_adam=True, vtp=64),
 }
 
 
@@ -123,22 +123,24 @@ def test_h100_recipe_layout_and_every_number_of_its_header(name):
     assert f"{lay.describe(cfg.model.num_layers)}, DP={lay.dp}, expert-DP={lay.expert_dp}" in text
     est = estimate(cfg)
     stated = _stated_estimate(path)
-    assert len(stated) == 17
+    assert len(stated) == 19
     for key, value in stated.items():
         assert abs(est[key] - float(value)) <= (1.0 if key == "vllm_kv_tokens" else 0.05), key
     room = 80 - MARGIN_GIB
-    assert est["train_peak_gib"] <= room and est["rollout_peak_gib"] <= room
+    assert est["train_peak_gib"] <= room and est["rollout_peak_gib"] <= room and est["sync_peak_gib"] <= room
     assert est["vllm_kv_tokens"] >= cfg.model.max_seq_len
     without, with_ = rollout_peaks(cfg)
     assert with_ == est["rollout_peak_gib"] and without > room
     assert _header_number(text, r"The rollout peak without it: ([\d.]+) GiB") == round(without, 1)
-    # the README's recipe table row: nodes, both rollout peaks, host memory, the sync
+    # the README's recipe table row: nodes, the train and sync peaks, both rollout peaks, host
+    # memory, the sync's bytes per engine rank and its seconds (line rate, the peers' range)
     readme = (QWEN3_RECIPE.parents[1] / "README.md").read_text()
     row = next(line for line in readme.splitlines() if line.startswith(f"| `configs/{name}` |"))
     assert row.endswith(
-        f"| {nodes} x 8 | {row.split(' | ')[3]} | {est['train_peak_gib']:.1f} | "
+        f"| {nodes} x 8 | {row.split(' | ')[3]} | {est['train_peak_gib']:.1f} | {est['sync_peak_gib']:.1f} | "
         f"{without:.1f} / {with_:.1f} | {est['host_gib_per_node']:,.0f} GiB | "
-        f"{est['sync_gb_per_rank']:,.0f} GB, {est['sync_s']:.1f} s |"
+        f"{est['sync_gb_per_rank']:,.0f} GB, {est['sync_s']:.2f} s line rate, "
+        f"{est['sync_s_peers_lo']:g}-{est['sync_s_peers_hi']:g} s at the peers' |"
     ), row
     assert row.split(" | ")[3].startswith(f"TP {lay.tp} x EP {lay.ep}" if lay.tp > 1 else f"EP {lay.ep}")
     if cfg.optim.cpu_adam:
@@ -165,7 +167,7 @@ def test_h100_recipe_on_half_the_nodes_fits_nothing(name):
     free += [f"rollout.prompts_per_step={fewer * 32}", f"rollout.vllm.tensor_parallel={vtp}"]
     best = rank_layouts(load_config(path, free), fewer, 8)[0]
     assert not best.fits
-    peak = max(best.est["train_peak_gib"], best.est["rollout_peak_gib"])
+    peak = max(best.est["train_peak_gib"], best.est["sync_peak_gib"], best.est["rollout_peak_gib"])
     assert f"on {fewer} nodes no layout fits: the best peaks at {peak:.1f} GiB per GPU" in text
     assert f"with {best.est['vllm_kv_tokens']:,.0f} vLLM KV tokens" in text and f"vLLM TP {vtp})" in text
 

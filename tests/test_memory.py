@@ -1,4 +1,4 @@
-"""Sizing arithmetic (moe_rl/memory.py): parameter counts against canonical shapes, FLOPs/MFU by
+"""Sizing arithmetic (moe_rl/memory/): parameter counts against canonical shapes, FLOPs/MFU by
 hand, and the smoke-test summary on a synthetic metrics.jsonl."""
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from moe_rl.config import load_config
 from moe_rl.memory import (
     GiB,
     Layout,
-    _stage_params,
     candidate_layouts,
     choose_layout,
     estimate,
@@ -24,6 +23,7 @@ from moe_rl.memory import (
     param_counts,
     rank_layouts,
     stage_memory,
+    stage_params,
     summarize_run,
     train_flops_per_token,
 )
@@ -124,6 +124,11 @@ def _tiny(*extra: str):
     return load_config(None, TINY + list(extra))
 
 
+def _peak(est: dict) -> float:
+    """The largest phase peak: train, sync, generate (rollout), async."""
+    return max(est[k] for k in ("train_peak_gib", "sync_peak_gib", "rollout_peak_gib", "async_peak_gib"))
+
+
 @pytest.mark.unit
 def test_stage_params_by_hand():
     m = _tiny().model
@@ -132,12 +137,12 @@ def test_stage_params_by_hand():
     lay = Layout(world=8, tp=2, pp=2, ep=2, etp=1)
     assert lay.stage_layers(6) == [3, 3] and (lay.dp, lay.expert_dp) == (2, 2)
     # stage 0: 3 * (3072/2 + 80 + 256) + embedding 64*32/2; stage 1: the output layer and final norm
-    assert _stage_params(m, lay, 0, [3, 3]) == (3 * 1872 + 1024, 3 * 8 * 3 * 32 * 16 / 2)
-    assert _stage_params(m, lay, 1, [3, 3]) == (3 * 1872 + 1024 + 32, 3 * 8 * 3 * 32 * 16 / 2)
+    assert stage_params(m, lay, 0, [3, 3]) == (3 * 1872 + 1024, 3 * 8 * 3 * 32 * 16 / 2)
+    assert stage_params(m, lay, 1, [3, 3]) == (3 * 1872 + 1024 + 32, 3 * 8 * 3 * 32 * 16 / 2)
     # one GPU of a 1-rank layout holds the whole model; two stages hold it between them
-    whole = _stage_params(m, Layout(world=1), 0, [6])
+    whole = stage_params(m, Layout(world=1), 0, [6])
     assert sum(whole) == param_counts(m)["total"]
-    halves = [_stage_params(m, Layout(world=2, pp=2), s, [2, 4]) for s in (0, 1)]
+    halves = [stage_params(m, Layout(world=2, pp=2), s, [2, 4]) for s in (0, 1)]
     assert sum(map(sum, halves)) == param_counts(m)["total"]
 
 
@@ -146,9 +151,9 @@ def test_doubling_tp_halves_the_split_dense_params():
     m = _tiny("model.num_query_groups=4").model
     replicated = 6 * (80 + 256) + 32  # norms, routers and the final norm stay whole on every TP rank
     assert not Layout(world=8, tp=4, ep=2).problems(m)
-    d1, _ = _stage_params(m, Layout(world=8, tp=1, ep=8), 0, [6])
-    d2, _ = _stage_params(m, Layout(world=8, tp=2, ep=4), 0, [6])
-    d4, _ = _stage_params(m, Layout(world=8, tp=4, ep=2), 0, [6])
+    d1, _ = stage_params(m, Layout(world=8, tp=1, ep=8), 0, [6])
+    d2, _ = stage_params(m, Layout(world=8, tp=2, ep=4), 0, [6])
+    d4, _ = stage_params(m, Layout(world=8, tp=4, ep=2), 0, [6])
     assert d1 - replicated == 2 * (d2 - replicated) == 4 * (d4 - replicated)
 
 
@@ -298,14 +303,12 @@ def test_choose_layout_ranks_the_fitting_ones_by_the_stated_rule():
     cfg = _tiny("model.num_layers=8")
     ranked = rank_layouts(cfg, 2, 4)
     assert len({(r.layout.tp, r.layout.ep, r.layout.expert_tp, r.layout.pp) for r in ranked}) == len(ranked)
-    peaks = sorted(max(r.est["train_peak_gib"], r.est["rollout_peak_gib"]) for r in ranked)
+    peaks = sorted(_peak(r.est) for r in ranked)
     gpu_gib = peaks[len(peaks) // 2] + 0.1  # a GPU that holds about half of them, less 0.1 GiB margin
     chosen = choose_layout(cfg, 2, 4, gpu_gib=gpu_gib, margin_gib=0.1)
     assert 0 < len(chosen) < len(ranked)
     assert {r.layout for r in chosen} == {
-        r.layout
-        for r in rank_layouts(cfg, 2, 4, gpu_gib)
-        if max(r.est["train_peak_gib"], r.est["rollout_peak_gib"]) <= gpu_gib - 0.1
+        r.layout for r in rank_layouts(cfg, 2, 4, gpu_gib) if _peak(r.est) <= gpu_gib - 0.1
     }
     keys = [(r.layout.pp, r.layout.tp, r.layout.expert_tp, r.layout.ep) for r in chosen]
     assert keys == sorted(keys) and keys[0][0] == 1  # fewest pipeline stages first
@@ -318,12 +321,7 @@ def test_choose_layout_ranks_the_fitting_ones_by_the_stated_rule():
             if (lay.tp, lay.ep, lay.expert_tp, lay.pp)
             == (r.layout.tp, r.layout.ep, r.layout.expert_tp, r.layout.pp)
         ]
-        assert min(
-            max(
-                estimate(cfg, gpu_gib, lay)["train_peak_gib"], estimate(cfg, gpu_gib, lay)["rollout_peak_gib"]
-            )
-            for lay in splits
-        ) == max(r.est["train_peak_gib"], r.est["rollout_peak_gib"])
+        assert min(_peak(estimate(cfg, gpu_gib, lay)) for lay in splits) == _peak(r.est)
     # vLLM: its ~2 GiB of activations / CUDA graphs leave no KV cache in a 1.25 GiB budget
     vllm = _tiny("model.num_layers=8", "rollout.engine=vllm", "rollout.top_k=0")
     assert (
@@ -348,12 +346,21 @@ def test_estimate_command_prints_the_layouts_row_both_peaks_host_memory_and_sync
     assert lines[0] == "TP 2 x EP 4 x ETP 1 x PP 1 on 8 GPUs of 80 GiB"
     assert lines[-1] == "| TP 2 x EP 4 x ETP 1 x PP 1 | 87.5 | 93.3 | 68.0 | 2,572,995 | no |"
     assert "rollout peak: 155.5 GiB without parallel.offload_during_rollout, 68.0 GiB with it" in lines
-    assert any(line.startswith("host memory per node: 757 GiB (8 GPUs") for line in lines)
+    assert (
+        "device peak per phase (GiB a GPU; train -> offload -> engine_wake -> sync -> learner_out -> "
+        "kv_wake -> generate): train 93.3, sync 23.1, generate 68.0, async 0.0 of 76 usable: "
+        "train does not fit"
+    ) in lines
     assert any(
-        line.startswith("weight sync: 45.0 GB received per rank (43.5 GB of experts gathered over EP)")
-        and line.endswith("peers measured 1-7 s for a 30B-class MoE")
+        line.startswith("host memory per rank: 102.6 GiB (CPU Adam 0.0, offloaded learner 93.0, ")
         for line in lines
     )
+    assert any(line.startswith("host memory per node: 821 GiB (8 GPUs") for line in lines)
+    assert (
+        "weight sync: 7.6 GB received per engine rank (its shard); 0.02 s at line rate (NVLink 450 / "
+        "InfiniBand 50 GB/s per GPU, a lower bound) to 1-7 s at the peers' measured efficiency "
+        "(a 30B-class MoE)"
+    ) in lines
 
 
 @pytest.mark.unit
@@ -409,53 +416,124 @@ def test_offload_and_cpu_adam_move_the_stated_bytes_off_the_device():
     assert builtin["offloaded"] == w + g + o and builtin["rollout_resident"] == 0
     kl = stage_memory(_tiny(*VLLM_TINY, "parallel.offload_during_rollout=true", "algo.kl_coef=0.1"), lay, 0)
     assert kl["rollout_resident"] == w  # the frozen reference stays
-    # CPU Adam: the 12 B per (sharded) parameter live on the host for the whole run
+    # CPU Adam: none of it on the device; its state lives on the host for the whole run
     cpu = stage_memory(_tiny(*VLLM_TINY, "optim.cpu_adam=true"), lay, 0)
-    assert (cpu["optimizer"], cpu["host_optim"]) == (0, o) and cpu["train_peak"] == plain["train_peak"] - o
+    assert (cpu["optimizer"], cpu["host_optim_elems"]) == (0, dense / 4 + expert / 2)
+    assert cpu["train_peak"] == plain["train_peak"] - o
     both = _tiny(*VLLM_TINY, "optim.cpu_adam=true", "parallel.offload_during_rollout=true")
     assert stage_memory(both, lay, 0)["offloaded"] == w + g
-    # host memory per node: every GPU's host bytes, plus vLLM's weights asleep at level 1
     est = estimate(both, gpu_gib=8.0, layout=lay, gpus_per_node=4)
-    vllm_w = 2 * param_counts(both.model)["total"]  # vLLM TP 1: the whole model per engine GPU
-    assert est["host_gib_per_node"] == pytest.approx(4 * (o + w + g + vllm_w) / GiB)
     assert est["rollout_peak_gib"] == both.rollout.vllm.gpu_memory_utilization * 8.0  # nothing resident
     assert est["offload_s"] == pytest.approx(2 * (w + g) / 55e9)
 
 
+def _pow2(n: float) -> int:
+    return 1 << math.ceil(math.log2(n))
+
+
 @pytest.mark.unit
-def test_weight_sync_bytes_every_rank_receives_the_model_less_its_shard():
-    """Counted from the canonical shapes: each rank receives its stage's tensors it does not hold
-    (its experts' other (EP - 1) / EP among them, over NVLink inside a node) and every other
-    stage's tensors (the pipeline broadcast, over InfiniBand across nodes)."""
+def test_host_bytes_per_rank_cpu_adam_at_megatrons_18_bytes_offload_without_grads_pinned_rounded():
+    """By hand for the tiny model (H 32, expert F 16, 8 experts over EP 4: 2 a rank in each of the 6
+    MoE layers, expert-DP 2, DP 4): CPU Adam 12 B pageable (fp32 main param, m, v) per element of
+    the rank's shard + 6 B pinned (the fp32 grad copy, the cached bf16 host copy) per shard tensor,
+    rounded up to a power of two; offload: the two DDP param buffers (dense, expert) pinned, the
+    grads dropped (no host bytes); vLLM asleep: one pinned backup per fused tensor."""
+    from moe_rl.memory import pinned
+
+    assert [pinned(x) for x in (0, 1, 3, 4, 5, 1000, 1024, 1025)] == [0, 1, 4, 4, 8, 1024, 1024, 2048]
+    lay = Layout(world=8, tp=2, ep=4, etp=1)
+    both = _tiny(*VLLM_TINY, "optim.cpu_adam=true", "parallel.offload_during_rollout=true")
+    st = stage_memory(both, lay, 0)
+    dense, expert = st["dense"], st["expert"]
+    fc1, fc2 = 2 * 16 * 32 / 2, 16 * 32 / 2  # an expert's fc1 / fc2 shard over expert-DP 2
+    local = 6 * 2  # experts of the rank, all layers
+    adam = 12 * (dense / 4 + expert / 2) + local * (_pow2(6 * fc1) + _pow2(6 * fc2))
+    adam += 6 * _pow2(6 * dense / 4 / 6)  # the dense shard: one block a layer
+    offload = _pow2(2 * dense) + _pow2(2 * expert)  # bf16 weights; grads dropped; CPU Adam's on the host
+    m = both.model
+    embed = 64 * 32 * 2
+    dense_layer = (param_counts(m)["dense"] * 2 - 2 * embed) / 6
+    asleep = 6 * (_pow2(8 * 2 * 16 * 32 * 2) + _pow2(8 * 16 * 32 * 2) + _pow2(dense_layer)) + 2 * _pow2(embed)
+    est = estimate(both, gpu_gib=8.0, layout=lay, gpus_per_node=4)
+    assert est["host_cpu_adam_gib_per_rank"] * GiB == pytest.approx(adam)
+    assert est["host_offload_gib_per_rank"] * GiB == pytest.approx(offload)
+    assert est["host_vllm_asleep_gib_per_rank"] * GiB == pytest.approx(asleep)
+    assert est["host_gib_per_node"] == pytest.approx(4 * (adam + offload + asleep) / GiB)
+    # GPU Adam with offload: m, v and the fp32 main params (12 B) per shard tensor, pinned
+    gpu = estimate(_tiny(*VLLM_TINY, "parallel.offload_during_rollout=true"), gpu_gib=8.0, layout=lay)
+    opt = local * (_pow2(12 * fc1) + _pow2(12 * fc2)) + 6 * _pow2(12 * dense / 4 / 6)
+    assert gpu["host_offload_gib_per_rank"] * GiB == pytest.approx(offload + opt)
+    assert gpu["host_cpu_adam_gib_per_rank"] == gpu["cpu_adam_s"] == 0
+    # CPU Adam's step: the rank's shard at the measured rate (or the one given)
+    assert est["cpu_adam_s"] == pytest.approx((dense / 4 + expert / 2) / (0.35e9 * 12))
+    fast = estimate(both, gpu_gib=8.0, layout=lay, cpu_adam_elems_per_s=1e6)
+    assert fast["cpu_adam_s"] == pytest.approx((dense / 4 + expert / 2) / 1e6)
+
+
+@pytest.mark.unit
+def test_phase_peaks_follow_the_colocated_order_by_hand():
+    """train -> offload -> engine_wake -> sync -> learner_out -> kv_wake -> generate: with offload
+    the sync holds the learner's weights (optimizer and grads gone), vLLM's TP shard and two
+    gathered units of parallel.sync_bucket_mib; generate holds vLLM's budget; without offload the
+    learner's whole state stays through every phase."""
+    from moe_rl.memory import COLOCATED_ORDER, phase_bytes
+
+    assert COLOCATED_ORDER == (
+        "train", "offload", "engine_wake", "sync", "learner_out", "kv_wake", "generate"
+    )  # fmt: skip
+    lay = Layout(world=8, tp=2, ep=4, etp=1)
+    cfg = _tiny(*VLLM_TINY, "parallel.offload_during_rollout=true", "parallel.sync_bucket_mib=3")
+    st = stage_memory(cfg, lay, 0)
+    engine = 2 * param_counts(cfg.model)["total"] / 1  # vLLM TP 1: the whole model in bf16
+    budget = 0.35 * 8 * GiB
+    ph = phase_bytes(cfg, st, budget)
+    assert ph["train"] == st["train_peak"] and ph["offload"] == st["static"]
+    assert ph["engine_wake"] == st["weights"] + engine
+    assert ph["sync"] == st["weights"] + engine + 2 * 3 * 2**20
+    assert ph["learner_out"] == engine and ph["kv_wake"] == ph["generate"] == budget
+    assert ph["async"] == 0
+    est = estimate(cfg, 8.0, lay)
+    assert est["sync_peak_gib"] * GiB == pytest.approx(ph["sync"])
+    kept = phase_bytes(
+        _tiny(*VLLM_TINY, "parallel.sync_bucket_mib=3"), stage_memory(_tiny(*VLLM_TINY), lay, 0), budget
+    )
+    assert kept["sync"] == st["static"] + engine + 2 * 3 * 2**20 and kept["generate"] == st["static"] + budget
+    # rollout ranks (async): the learner ranks hold no engine; a rollout rank the budget and one
+    # staged copy of the next weights
+    split = _tiny(
+        *VLLM_TINY, "parallel.nproc=9", "parallel.rollout_ranks=1", "rollout.mode=async",
+        "rollout.inflight_kv=keep", "parallel.sync_bucket_mib=3",
+    )  # fmt: skip
+    sp = phase_bytes(split, stage_memory(split, lay, 0), budget)
+    assert (
+        sp["sync"] == stage_memory(split, lay, 0)["static"] + 2 * 3 * 2**20 and sp["async"] == budget + engine
+    )
+
+
+@pytest.mark.unit
+def test_weight_sync_bytes_each_engine_rank_receives_only_its_shard():
+    """vLLM: each engine rank receives its TP slice (the model / vLLM TP in the rollout dtype), not
+    the whole model; the built-in engine (unsharded) the model less what its own learner rank
+    holds. Line rate: InfiniBand when the learner spans nodes, NVLink inside one."""
     from moe_rl.memory import sync_traffic
 
-    cfg = _tiny("parallel.expert_parallel=4")
+    cfg = _tiny("parallel.expert_parallel=4", "rollout.engine=vllm", "rollout.top_k=0")
     m, lay = cfg.model, Layout(world=8, pp=2, ep=4, first=2, last=4)  # layers 0-1 | 2-5
-    shapes = canonical_param_shapes(m)
-
-    def stage_of(name: str) -> int:
-        if name.startswith("model.layers."):
-            return int(name.split(".")[2]) >= 2
-        return 0 if "embed" in name else 1
-
-    full = [sum(math.prod(s) for k, s in shapes.items() if stage_of(k) == st) for st in (0, 1)]
-    experts = [
-        sum(math.prod(s) for k, s in shapes.items() if stage_of(k) == st and ".experts." in k)
-        for st in (0, 1)
-    ]
-    own = [sum(_stage_params(m, lay, st, [2, 4])) for st in (0, 1)]
-    rows = []
-    for st in (0, 1):
-        gather, bcast = 2 * (full[st] - own[st]), 2 * full[1 - st]
-        rows.append((gather + bcast, 2 * experts[st] * 3 / 4, gather / 450e9 + bcast / 50e9))
-    worst = max(rows, key=lambda r: r[2])
-    got = sync_traffic(cfg, lay, gpus_per_node=4)
-    assert got["sync_bytes"] == pytest.approx(worst[0]) and got["sync_s"] == pytest.approx(worst[2])
-    assert got["sync_expert_gather_bytes"] == pytest.approx(worst[1])
-    assert got["sync_bytes"] == pytest.approx(2 * (param_counts(m)["total"] - own[rows.index(worst)]))
-    # one node (8 GPUs): the broadcast runs over NVLink too
-    one_node = sync_traffic(cfg, lay, gpus_per_node=8)
-    assert one_node["sync_s"] == pytest.approx(max(r[0] / 450e9 for r in rows))
+    total = sum(math.prod(s) for s in canonical_param_shapes(m).values())
+    for vtp in (1, 2, 4):
+        run = _tiny("parallel.expert_parallel=4", "rollout.engine=vllm", "rollout.top_k=0",
+                    f"rollout.vllm.tensor_parallel={vtp}")  # fmt: skip
+        got = sync_traffic(run, lay, gpus_per_node=4)
+        assert got["sync_bytes"] == 2 * total / vtp and got["sync_s"] == pytest.approx(2 * total / vtp / 50e9)
+        assert sync_traffic(run, lay, gpus_per_node=8)["sync_s"] == pytest.approx(2 * total / vtp / 450e9)
+    assert got["sync_bucket_bytes"] == 512 * 2**20
+    builtin = _tiny("parallel.expert_parallel=4")
+    own = min(sum(stage_params(m, lay, st, [2, 4])) for st in (0, 1))
+    assert sync_traffic(builtin, lay, 8)["sync_bytes"] == 2 * (total - own)
+    # the estimate prints the line rate beside the peers' range for the model's size
+    est = estimate(cfg, 8.0, lay, gpus_per_node=4)
+    assert (est["sync_s_peers_lo"], est["sync_s_peers_hi"]) == (1.0, 7.0)
+    assert est["sync_gb_per_rank"] == 2 * total / 1e9
 
 
 @pytest.mark.bad_input
@@ -470,11 +548,21 @@ def test_a_run_that_does_not_fit_its_gpus_stops_before_any_rank_names_the_key():
     with pytest.raises(ConfigError) as e:
         check_fit(load_config(recipe, ["parallel.offload_during_rollout=false"]), 80.0)
     assert str(e.value) == (
-        "config key 'parallel.nproc': 8 GPUs of 80 GiB do not fit this run (train peak 73.1 GiB, "
-        "rollout peak 135.3 GiB against 76 GiB); try parallel.offload_during_rollout=true / "
-        "optim.cpu_adam=true, or more GPUs: `moe-rl estimate CONFIG --rank 5` ranks the layouts"
+        "config key 'parallel.nproc': 8 GPUs of 80 GiB do not fit this run: the generate phase needs "
+        "135.3 GiB per GPU against 76 GiB usable (the GPU less 4); try "
+        "parallel.offload_during_rollout=true / optim.cpu_adam=true, or more GPUs: "
+        "`moe-rl estimate CONFIG --rank 5` ranks the layouts"
     )
-    with pytest.raises(
-        ConfigError, match=r"^config key 'parallel.nproc': 8 GPUs of 40 GiB .*train peak 73.1"
-    ):
+    with pytest.raises(ConfigError) as e:
         check_fit(load_config(recipe), 40.0)
+    assert str(e.value).startswith(
+        "config key 'parallel.nproc': 8 GPUs of 40 GiB do not fit this run: the train phase needs 73.1 GiB"
+    )
+    # the sync phase: vLLM TP 1 wakes the whole model (56.9 GiB) beside the learner's weights and two
+    # gathered units of 8 GiB
+    bad = ["rollout.vllm.tensor_parallel=1", "parallel.sync_bucket_mib=8192"]
+    with pytest.raises(ConfigError) as e:
+        check_fit(load_config(recipe, bad), 80.0)
+    assert str(e.value).startswith(
+        "config key 'parallel.nproc': 8 GPUs of 80 GiB do not fit this run: the sync phase needs 81.1 GiB"
+    )

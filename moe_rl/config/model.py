@@ -313,9 +313,17 @@ class ParallelConfig:
     # ranks that only run rollout engines (the last N of the world; moe_rl/placement.py): the other
     # nproc - N ranks run the megatron learner with the layout above. 0: every rank runs both (colocated)
     rollout_ranks: int = 0
+    # the weight sync's gathered unit, MiB: a layer's experts travel in pieces of at most this many
+    # bytes, never a whole MoE layer at once (moe_rl/memory/phases.py counts it at the sync phase)
+    sync_bucket_mib: int = 512
 
     def __post_init__(self) -> None:
         check_finite(self, "parallel")
+        check(
+            self.sync_bucket_mib >= 1,
+            "parallel.sync_bucket_mib",
+            f"must be >= 1 (got {self.sync_bucket_mib})",
+        )
         check(self.rollout_ranks >= 0, "parallel.rollout_ranks", f"must be >= 0 (got {self.rollout_ranks})")
         check(
             self.rollout_ranks < self.nproc,

@@ -116,6 +116,13 @@ def test_report_of_a_run_with_a_corrupt_config(tmp_path, text, line):
         (["--gpu-gib", "-8"], "--gpu-gib must be a finite number > 0, got -8"),
         (["--gpu-gib", "nan"], "--gpu-gib must be a finite number > 0, got nan"),
         (["--gpu-gib", "inf"], "--gpu-gib must be a finite number > 0, got inf"),
+        (["--cpu-adam-gelems-per-s", "0"], "--cpu-adam-gelems-per-s must be a finite number > 0, got 0"),
+        (["--cpu-adam-gelems-per-s", "nan"], "--cpu-adam-gelems-per-s must be a finite number > 0, got nan"),
+        (
+            ["parallel.sync_bucket_mib=0"],
+            "override 'parallel.sync_bucket_mib=0': "
+            "config key 'parallel.sync_bucket_mib': must be >= 1 (got 0)",
+        ),
     ],
 )
 def test_estimate_flags(tmp_path, args, line):

@@ -1,4 +1,4 @@
-"""dist tier: moe_rl/memory.py's per-rank bytes held against the real megatron learner on 2 gloo
+"""dist tier: moe_rl/memory/'s per-rank bytes held against the real megatron learner on 2 gloo
 ranks (distributed optimizer), for EP=2, TP=2 (bf16) and PP=2.
 
 Measured on each rank, never from the estimator's own code: the parameters' bytes (every
@@ -14,6 +14,14 @@ exp_avg / exp_avg_sq of every shard) plus the fp32 main-param shards (bf16). Hel
   padding only), less 4 B per fp32 norm weight with bf16 (no separate main copy);
 - offloaded (``parallel.offload_during_rollout``, what moe_rl/learner/offload.py frees): the
   ranks' mean within 1% of the estimate (megatron's buffer and shard padding);
+- the colocated step's phases (moe_rl/memory/phases.py): the storages offload moves before the
+  engine wakes (Adam's state and the fp32 main params: the optimizer's bytes, as above; the grad
+  buffers: the grads, up to padding), the weights it keeps until the sync is done (every parameter
+  storage), the built-in engine's weights (equal to ``engine_weight_bytes`` in the rollout dtype,
+  plus 2 B per router weight the engine keeps in fp32 with bf16), and the sync phase: those
+  weights + the engine's + two ``parallel.sync_bucket_mib`` units, equal to ``phase_bytes``'
+  ``sync`` up to the fp32 norms and routers counted from the learner and the engine and
+  megatron's param-buffer padding (at most 2 KiB);
 - activations: the peak of live CPU bytes during one forward + backward of a micro-batch
   (torch.profiler's memory events) is within a factor of 4 either way (measured 1.1-2.7) of the estimate's
   activations + logits for those tokens (the estimate counts what the backward keeps; the
@@ -88,6 +96,19 @@ def _worker(rank: int, tmp: str, tp: int, pp: int, ep: int, precision: str) -> d
 
     with offloaded(learner, True) as moved:  # what parallel.offload_during_rollout frees
         out["offloaded"] = moved.total
+        out["moved"] = {k: getattr(moved, k) for k in ("params", "main_params", "grads", "optimizer")}
+    # the engine's weights (the built-in engine, in the rollout dtype; routers kept fp32)
+    from moe_rl.rollout.builtin import BuiltinEngine
+
+    engine = BuiltinEngine(model, dtype=precision, pad_id=0)
+    engine.load_weights(random_canonical_weights(model, seed=0))
+    out["engine"] = sum(t.numel() * t.element_size() for t in engine.model.w.values())
+    out["engine_fp32_numel"] = sum(
+        t.numel() for n, t in engine.model.w.items() if precision == "bf16" and t.dtype == torch.float32
+    )
+    out["engine_fp32_names"] = [
+        n for n, t in engine.model.w.items() if out["engine_fp32_numel"] and t.dtype == torch.float32
+    ]
     dist.shutdown()
     return out
 
@@ -95,14 +116,20 @@ def _worker(rank: int, tmp: str, tp: int, pp: int, ep: int, precision: str) -> d
 @pytest.mark.dist
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_estimate_equals_the_learners_storages(tmp_path, name):
-    from moe_rl.config import AlgoConfig, RunConfig
-    from moe_rl.memory import Layout, stage_memory
+    from moe_rl.config import AlgoConfig, RolloutConfig, RunConfig
+    from moe_rl.memory import Layout, engine_weight_bytes, phase_bytes, stage_memory
 
     tp, pp, ep, precision = LAYOUTS[name]
     ranks = run_ranks(_worker, 2, str(tmp_path), tp, pp, ep, precision)
     model = dataclasses.replace(MODEL, precision=precision, max_seq_len=S)
     par = dataclasses.replace(RunConfig().parallel, offload_during_rollout=True)
-    cfg = dataclasses.replace(RunConfig(), model=model, parallel=par, algo=AlgoConfig(micro_batch_size=B))
+    cfg = dataclasses.replace(
+        RunConfig(),
+        model=model,
+        parallel=par,
+        algo=AlgoConfig(micro_batch_size=B),
+        rollout=RolloutConfig(dtype=precision),
+    )
     lay = Layout(world=2, tp=tp, pp=pp, ep=ep)
     for r in ranks:
         est = stage_memory(cfg, lay, r["stage"])
@@ -110,6 +137,24 @@ def test_estimate_equals_the_learners_storages(tmp_path, name):
         assert all("layernorm" in n for n in r["fp32_names"]), r["fp32_names"]
         assert r["params"] == est["weights"] + 2 * n32, (name, r, est)
         assert 0 <= r["grads"] - est["grads"] <= 1024 * 2, (name, r, est)
+        # the colocated step's phases (moe_rl/memory/phases.py), storage by storage: what offload
+        # moves before the engine wakes (optimizer state, fp32 main params, grads) and what it
+        # keeps until the sync is done (the weights), the engine's weights, the sync's two units
+        moved = r["moved"]
+        # the param buffers hold every parameter, up to megatron's bucket padding (1 KiB here)
+        assert 0 <= moved["params"] - r["params"] <= 1024 * 2, (name, moved, r["params"])
+        assert 0 <= moved["grads"] - est["grads"] <= 1024 * 2, (name, moved, est)
+        e32 = r["engine_fp32_numel"]  # bf16: the engine keeps its routers in fp32 (2 B more each)
+        assert all(".mlp.gate." in n for n in r["engine_fp32_names"]), r["engine_fp32_names"]
+        assert r["engine"] == engine_weight_bytes(cfg) + 2 * e32, (
+            name,
+            r["engine"],
+            engine_weight_bytes(cfg),
+        )
+        ph = phase_bytes(cfg, est, 0.0)
+        sync = moved["params"] + r["engine"] + 2 * cfg.parallel.sync_bucket_mib * 2**20
+        assert 0 <= sync - (ph["sync"] + 2 * n32 + 2 * e32) <= 1024 * 2, (name, sync, ph["sync"])
+        assert ph["generate"] == ph["learner_out"] == engine_weight_bytes(cfg)  # the learner all gone
         measured = r["activations"] / (est["activations"] + est["logits"])
         print(name, r["stage"], "activations measured / estimated", round(measured, 2))
         assert 1 / 4 <= measured <= 4, (name, r["activations"], est["activations"], est["logits"])
@@ -118,6 +163,9 @@ def test_estimate_equals_the_learners_storages(tmp_path, name):
         est = stage_memory(cfg, lay, stage)
         mean = sum(r["optimizer"] for r in same) / len(same)
         assert mean == est["optimizer"] - 4 * same[0]["fp32_numel"], (name, same, est)
+        # what leaves before the engine wakes (the optimizer and main-param storages offload moves)
+        left = sum(r["moved"]["optimizer"] + r["moved"]["main_params"] for r in same) / len(same)
+        assert left == est["optimizer"] - 4 * same[0]["fp32_numel"], (name, same, est)
         # the bytes offload frees while the engine generates: the estimate's, up to megatron's
         # padding of its param / grad buffers and shards (under 1% at these widths)
         moved = sum(r["offloaded"] for r in same) / len(same)

@@ -1,0 +1,84 @@
+"""A run's measured summary from its metrics.jsonl: step time, tokens/s, MFU, routing agreement
+(scripts/gpu_smoke_summary.py)."""
+
+from __future__ import annotations
+
+from moe_rl.config import RunConfig
+from moe_rl.memory.sizes import H100_BF16_DENSE_TFLOPS, mfu
+
+
+def summarize_run(
+    rows: list[dict],
+    cfg: RunConfig,
+    *,
+    prompt_tokens: float,
+    num_gpus: int = 1,
+    peak_tflops: float = H100_BF16_DENSE_TFLOPS,
+    skip: int = 1,
+) -> dict[str, float]:
+    """Step time, tokens/s, MFU and routing agreement from a run's metrics.jsonl rows.
+
+    The first ``skip`` steps (compilation, allocator warm-up) are left out. Tokens per step: every
+    sequence's prompt (``prompt_tokens``, mean per sequence: metrics.jsonl logs response lengths
+    only) plus its response. Each token is trained once (6N) and goes through forward-only passes
+    2N each: the rollout, the old-log-prob pass, and the reference pass when algo.kl_coef > 0.
+    ``sync_s`` is the mean weight-sync seconds (``time/sync_s``). ``learner_mfu`` counts the learner's
+    passes only (old log-probs, reference, update) over their
+    own time (``time/old_logprob_s`` + ``time/reference_s`` + ``time/update_s``); ``peak_gib`` is the largest
+    ``mem/peak_gib`` (CUDA runs) and ``reward_first``/``reward_last`` the mean reward of the first
+    and last quarter of the steps (warm-up included)."""
+    all_rows = rows
+    rows = rows[skip:] if len(rows) > skip else rows
+    if not rows:
+        raise ValueError("no metrics rows to summarize")
+    n = len(rows)
+    step_s = sum(r["time/step_s"] for r in rows) / n
+    seqs = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
+    tokens = seqs * (prompt_tokens + sum(r["rollout/response_len_mean"] for r in rows) / n)
+    forward_passes = 2 + (cfg.algo.kl_coef > 0)
+    out = {
+        "steps": float(n),
+        "step_s": step_s,
+        "tokens_per_step": tokens,
+        "tokens_per_s": tokens / step_s,
+        "mfu": mfu(
+            cfg.model,
+            trained_tokens=tokens,
+            forward_tokens=forward_passes * tokens,
+            seconds=step_s,
+            num_gpus=num_gpus,
+            peak_tflops=peak_tflops,
+        ),
+    }
+    for key in ("routing/flip_router_frac", "routing/flip_token_frac", "corr/k3_kl", "reward/mean"):
+        vals = [r[key] for r in rows if key in r]
+        if vals:
+            out[key] = sum(vals) / len(vals)
+    if "routing/flip_router_frac" in out:
+        out["routing_agreement"] = 1.0 - out["routing/flip_router_frac"]
+    if all("time/update_s" in r for r in rows):
+        # time/reference_s: the reference pass, timed apart from the old one since the step package
+        learner_s = (
+            sum(r["time/old_logprob_s"] + r.get("time/reference_s", 0.0) + r["time/update_s"] for r in rows)
+            / n
+        )
+        out["learner_s"] = learner_s
+        out["learner_mfu"] = mfu(
+            cfg.model,
+            trained_tokens=tokens,
+            forward_tokens=(forward_passes - 1) * tokens,
+            seconds=learner_s,
+            num_gpus=num_gpus,
+            peak_tflops=peak_tflops,
+        )
+    syncs = [r["time/sync_s"] for r in rows if "time/sync_s" in r]
+    if syncs:
+        out["sync_s"] = sum(syncs) / len(syncs)
+    peaks = [r["mem/peak_gib"] for r in all_rows if "mem/peak_gib" in r]
+    if peaks:
+        out["peak_gib"] = max(peaks)
+    rewards = [r["reward/mean"] for r in all_rows if "reward/mean" in r]
+    if rewards:
+        q = max(1, len(rewards) // 4)
+        out["reward_first"], out["reward_last"] = sum(rewards[:q]) / q, sum(rewards[-q:]) / q
+    return out
