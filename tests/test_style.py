@@ -204,7 +204,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         ),
     ),
     # the torch-free specs the config composes
-    ("specs", ("moe_rl.corrections.correction_specs", "moe_rl.maths.policy_specs")),
+    ("specs", ("moe_rl.corrections.correction_specs", "moe_rl.maths.policy_specs", "moe_rl.maths.lr_specs")),
     ("config", ("moe_rl.config",)),
     # pure maths and the data every room shares: typed batches (with the route record they carry),
     # metrics, timers, the process groups, memory arithmetic
@@ -365,6 +365,7 @@ def test_config_imports_only_pure_modules():
         "moe_rl.corrections.correction_specs",  # the correction's specs, composed by the config
         "moe_rl.maths",  # a package __init__ that imports nothing
         "moe_rl.maths.policy_specs",  # the advantage and policy-loss specs
+        "moe_rl.maths.lr_specs",  # the response-length LR decay's knobs
         "moe_rl.fsutil",
     }
     reached, todo = set(), sorted(outside)
@@ -516,3 +517,19 @@ def test_no_test_module_imports_another_test_module():
     paths = sorted((ROOT / "tests").rglob("*.py"))
     hits = [hit for path in paths for hit in _imported_test_modules(path)]
     assert hits == [], "move what they share into a helper module:\n" + "\n".join(hits)
+
+
+@pytest.mark.unit
+def test_maths_imports_neither_corrections_nor_config():
+    # issue 41: maths/ sits below corrections/ (which use its ratios) and takes plain values or
+    # the specs layer's dataclasses, never the config tree; the correction-applying losses live in
+    # moe_rl/corrections/corrected_loss.py
+    graph = import_graph(type_checking=True)
+    bad = [
+        f"{m} -> {t}"
+        for m in sorted(graph)
+        if _inside(m, "moe_rl.maths")
+        for t in sorted(graph[m])
+        if _inside(t, "moe_rl.corrections") or _inside(t, "moe_rl.config")
+    ]
+    assert bad == []

@@ -23,7 +23,7 @@ The package, one job per module; everything public is re-exported here, so calle
 Near the bottom of the package: imports only pure modules (no torch, no megatron;
 tests/test_style.py): the checks (``moe_rl.checks``), the names configs validate against
 (``moe_rl.names``) and the feature specs (``moe_rl.corrections.correction_specs``,
-``moe_rl.maths.policy_specs``).
+``moe_rl.maths.policy_specs``, ``moe_rl.maths.lr_specs``).
 What depends on the machine (CUDA, Transformer Engine, vllm installed) is checked when a run
 starts, in ``moe_rl/preflight.py``.
 """
@@ -34,7 +34,6 @@ from moe_rl.config.model import ARCH_FIELDS, ModelConfig, ParallelConfig
 from moe_rl.config.run import (
     AlgoConfig,
     HealthConfig,
-    LengthLRConfig,
     LogConfig,
     OptimConfig,
     RolloutConfig,
@@ -45,6 +44,7 @@ from moe_rl.config.run import (
 )
 from moe_rl.corrections.correction_specs import CorrectionSpec, RejectionSpec, TrmSpec
 from moe_rl.errors import ConfigError
+from moe_rl.maths.lr_specs import LengthLRConfig
 
 __all__ = [
     "ARCH_FIELDS",
