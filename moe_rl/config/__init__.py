@@ -13,6 +13,8 @@ The package, one job per module; everything public is re-exported here, so calle
 - ``run``: the other subtrees (optim, rollout, routing, task, algo, log) and the root ``RunConfig``;
   ``correction`` is ``CorrectionSpec`` (with ``TrmSpec``, ``RejectionSpec``), owned next to its maths
   in ``moe_rl.corrections.correction_specs`` and re-exported here;
+- ``schedule``: ``Schedule`` (colocated sync, split sync, one_step_off, async), built once from the
+  tree; the one place ``rollout.mode`` is compared;
 - ``deprecations``: ``DEPRECATED_KEYS`` and the legacy-key renames;
 - ``loader``: ``load_config``, ``load_run_config`` (resume's base: the run's saved config),
   ``to_dict``, ``to_yaml``;
@@ -42,6 +44,7 @@ from moe_rl.config.run import (
     TaskConfig,
     VllmConfig,
 )
+from moe_rl.config.schedule import Schedule, ScheduleKind
 from moe_rl.corrections.correction_specs import CorrectionSpec, RejectionSpec, TrmSpec
 from moe_rl.errors import ConfigError
 from moe_rl.maths.lr_specs import LengthLRConfig
@@ -62,6 +65,8 @@ __all__ = [
     "RolloutConfig",
     "RoutingConfig",
     "RunConfig",
+    "Schedule",
+    "ScheduleKind",
     "TaskConfig",
     "TrmSpec",
     "VllmConfig",

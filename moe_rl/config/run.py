@@ -90,7 +90,8 @@ class RolloutConfig:
         0.0  # std of Gaussian noise on the engine's router logits: dialled-in routing mismatch
     )
     staleness: int = 0  # generate with the policy of k updates ago (asynchronous pipelines); 0 = synced
-    # with parallel.rollout_ranks > 0 (moe_rl/placement.py): sync (the engines wait for each update) |
+    # with parallel.rollout_ranks > 0 (moe_rl/pipeline/placement.py; the Schedule, config/schedule.py):
+    # sync (the engines wait for each update) |
     # one_step_off (step t+1's batch is generated while the learner trains step t: exactly one update
     # stale) | async (the engines fill a bounded buffer continuously; weights reach them between decode steps)
     mode: str = "sync"
