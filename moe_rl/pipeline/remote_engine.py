@@ -63,7 +63,8 @@ class RolloutMessage:
 
 
 class RemoteEngine:
-    """``RolloutEngine`` on a learner rank of a split world (see the module docstring)."""
+    """``generate`` on a learner rank of a split world (see the module docstring); its weights
+    are ``WeightSync``'s to send."""
 
     def __init__(self, dims, schedule: Schedule, engine_tp: int = 1) -> None:
         p = dims.placement
