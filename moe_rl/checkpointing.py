@@ -21,14 +21,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from moe_rl.config import RunConfig
+from moe_rl.config import RunConfig, Schedule
 from moe_rl.errors import DiskFullError, RunDirError, disk_full_named
 from moe_rl.learner import checkpoint
 from moe_rl.learner.learner import Learner
 from moe_rl.maths.lr import LengthLRScheduler
-from moe_rl.rollout.asynchronous import checkpoint_due
-from moe_rl.rollout.remote import RemoteEngine, RolloutMessage
-from moe_rl.rollout.staleness import StaleWeights
+from moe_rl.pipeline.remote_engine import RolloutMessage
+from moe_rl.pipeline.request_buffer import checkpoint_due
+from moe_rl.pipeline.simulated_staleness import SimulatedStaleness
 
 log = logging.getLogger(__name__)
 
@@ -39,15 +39,17 @@ class CheckpointManager:
         cfg: RunConfig,
         learner: Learner,
         lr_sched: LengthLRScheduler,
-        stale: StaleWeights | None = None,
+        stale: SimulatedStaleness | None = None,
         engine=None,
     ) -> None:
         self.cfg, self.learner, self.lr_sched, self.stale = cfg, learner, lr_sched, stale
         self.root = Path(cfg.run_dir) / "checkpoints"
-        # the rollout ranks' stand-in (parallel.rollout_ranks); one-step-off keeps a batch in flight
-        self.remote = engine if isinstance(engine, RemoteEngine) else None
-        self.in_flight = self.remote is not None and cfg.rollout.mode in ("one_step_off", "async")
-        self.buffered = self.remote is not None and cfg.rollout.mode == "async"
+        # split: ``engine`` is the rollout ranks' stand-in (a RemoteEngine), and one_step_off / async
+        # keep batches in flight at a checkpoint (async: a buffer of requests)
+        schedule = Schedule.from_config(cfg)
+        self.remote = engine if schedule.split and engine is not None else None
+        self.in_flight = self.remote is not None and schedule.keeps_in_flight
+        self.buffered = self.remote is not None and schedule.buffers_requests
 
     def stale_path(self, step_dir_name: str) -> Path:
         return self.root / f"stale_weights_{step_dir_name}.pt"

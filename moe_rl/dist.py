@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from moe_rl.config import ParallelConfig
 from moe_rl.errors import ConfigError
-from moe_rl.placement import init_placement
+from moe_rl.pipeline.placement import init_placement
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class ParallelDims:
     edp_group: Any = None
     tp_dp_group: Any = None
     mp_group: Any = None
-    # the roles' ranks and the groups that link them (moe_rl/placement.py); None: colocated, as
+    # the roles' ranks and the groups that link them (moe_rl/pipeline/placement.py); None: colocated, as
     # code that builds a learner directly (tests, export) has it
     placement: Any = None
 
@@ -134,7 +134,7 @@ def init_distributed(par: ParallelConfig, seed: int) -> ParallelDims:
             f"config key 'parallel.nproc' is {par.nproc} but the launcher started "
             f"{world} ranks; set parallel.nproc={world}"
         )
-    # colocated: the default group is the whole world; split: each role's own (moe_rl/placement.py)
+    # colocated: the default group is the whole world; split: each role's own (moe_rl/pipeline/placement.py)
     placement = init_placement(par.nproc, par.rollout_ranks, backend, datetime.timedelta(minutes=10))
     if placement.is_rollout:
         torch.manual_seed(seed)

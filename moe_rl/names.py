@@ -27,4 +27,7 @@ TRM_KL_SOURCE_NAMES = (
     "sample",
 )  # exact: full rollout distributions (built-in engine); sample: k2/k3
 LENGTH_NEUTRAL_NAMES = ("none", "ln", "ser")
-BYPASS_LOSS_NAMES = ("ppo_clip", "reinforce")  # moe_rl.maths.losses.BYPASS_MODES (correction.bypass_loss)
+BYPASS_LOSS_NAMES = (
+    "ppo_clip",
+    "reinforce",
+)  # moe_rl.corrections.corrected_loss.BYPASS_MODES (correction.bypass_loss)

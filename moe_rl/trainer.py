@@ -1,6 +1,7 @@
 """THE training loop: rollout -> reward -> old log-probs -> corrections and advantages -> reference
 log-probs -> update -> weight sync -> metrics -> checkpoint. Features live inside the called
-components (the step's in ``moe_rl/step``, resolved once into a ``StepPlan``), not as branches here."""
+components (the step's in ``moe_rl/step``, resolved once into a ``StepPlan``; the timeline's in
+``moe_rl/pipeline``: the ``Schedule``, the offload timeline and the weight sync), not as branches here."""
 
 from __future__ import annotations
 
@@ -12,21 +13,20 @@ from pathlib import Path
 from tqdm import tqdm
 
 from moe_rl.checkpointing import CheckpointManager
-from moe_rl.config import SAVED_CONFIG, RunConfig, to_dict, to_yaml
+from moe_rl.config import SAVED_CONFIG, RunConfig, Schedule, to_dict, to_yaml
 from moe_rl.dist import ParallelDims
 from moe_rl.fsutil import write_atomic
 from moe_rl.health import HealthMonitor
 from moe_rl.learner.learner import Learner
-from moe_rl.learner.offload import offloaded
 from moe_rl.maths.lr import LengthLRScheduler
 from moe_rl.maths.versions import weight_version
 from moe_rl.metrics import MetricsWriter
+from moe_rl.pipeline.engines import build_rank_engine
+from moe_rl.pipeline.offload_timeline import OffloadTimeline
+from moe_rl.pipeline.rollout_ranks import serve_rollouts
+from moe_rl.pipeline.weight_sync import WeightSync
 from moe_rl.preflight import check_launch
 from moe_rl.preflight import check_run_dir as check_run_directory
-from moe_rl.rollout.factory import build_engine
-from moe_rl.rollout.remote import RemoteEngine
-from moe_rl.rollout.staleness import StaleWeights
-from moe_rl.rollout_loop import serve_rollouts
 from moe_rl.seeding import GENERATE, step_seed
 from moe_rl.step.finalize import finalize
 from moe_rl.step.plan import StepPlan
@@ -96,37 +96,28 @@ def progress(cfg: RunConfig, start: int, dims: ParallelDims) -> tqdm:
     )
 
 
-def sync_weights(engine, learner: Learner, stale: StaleWeights, resumed: bool = False) -> dict:
-    """Learner -> engine. On policy (staleness 0) streamed, one layer gathered at a time; with
-    rollout.staleness=k the engine gets the kept weight set of k updates ago, which needs the
-    full export (the sets are copies). Returns the sync's metrics: a split run's broadcast
-    (``RemoteEngine``), none from an engine in this process."""
-    if not stale.k:
-        return engine.load_weights(learner.iter_canonical_layers()) or {}
-    exported = learner.export_canonical()
-    return engine.load_weights(stale.resume_push(exported) if resumed else stale.push(exported)) or {}
+@dataclass
+class RankPipeline:
+    """A learner rank's side of the step's timeline (moe_rl/pipeline/): the schedule, the engine
+    (or the rollout ranks' stand-in), what is on the device at each phase, and the weight sync."""
+
+    schedule: Schedule
+    engine: object
+    offload: OffloadTimeline
+    sync: WeightSync
 
 
-def start_engine(engine, learner: Learner, offload: bool) -> None:
-    """vLLM reserves its share of the device as it starts and refuses to start where that much is
-    not free: with ``parallel.offload_during_rollout`` it starts while the learner's state is on
-    the host (docs/design.md 14.2). Engines without ``start`` (built-in) start at the first sync."""
-    if not offload or not hasattr(engine, "start"):
-        return
-    named = None  # vLLM reads a named HF dir; else host copies (small models: the smoke test)
-    if not engine.starts_from_dir():
-        named = {k: t.detach().to("cpu", copy=True) for k, t in learner.export_canonical().items()}
-    with offloaded(learner, True):
-        engine.start(named)
-
-
-def engine_of(cfg: RunConfig, dims: ParallelDims, learner: Learner, pad_id: int, mem: MemoryTimeline):
-    """The learner rank's engine, started (vLLM: beside no learner state); in a split world the
-    stand-in for the rollout ranks' engines (moe_rl/rollout/remote.py)."""
+def pipeline_of(cfg: RunConfig, dims: ParallelDims, learner: Learner, pad_id: int, mem: MemoryTimeline):
+    """The learner rank's engine, started (vLLM: beside no learner state), and the owners of its
+    offload timeline and weight sync; in a split world the engine is the stand-in for the rollout
+    ranks' engines (moe_rl/pipeline/remote_engine.py)."""
+    schedule = Schedule.from_config(cfg)  # the schedule's every choice, made once
     with mem.span("engine build"):
-        engine = build_engine(cfg, pad_id, learner.device, dims)
-        start_engine(engine, learner, cfg.parallel.offload_during_rollout)
-    return engine
+        engine = build_rank_engine(cfg, schedule, pad_id, learner.device, dims)
+        offload = OffloadTimeline(engine, learner, cfg.parallel.offload_during_rollout)
+        offload.start_engine()
+    sync = WeightSync.from_config(cfg, schedule, engine, learner, dims, offload)
+    return RankPipeline(schedule, engine, offload, sync)
 
 
 def build_learner(cfg: RunConfig, plan: StepPlan, dims: ParallelDims, tok, memory=None) -> Learner:
@@ -176,11 +167,13 @@ def rank_task(cfg: RunConfig, dims: ParallelDims, prepared: Prepared | None) -> 
     return prepared
 
 
-def rollout_step(cfg: RunConfig, task: Task, engine, plan: StepPlan, step: int, dims: ParallelDims):
+def rollout_step(
+    cfg: RunConfig, task: Task, pipe: RankPipeline, plan: StepPlan, step: int, dims: ParallelDims
+):
     """The step's prompts and their batch: those of step ``step``, or (rollout.mode=async) of the
     request the rollout ranks' buffer hands this dp rank (``RemoteEngine.request_for``)."""
-    r = cfg.rollout
-    at = engine.request_for(step) if isinstance(engine, RemoteEngine) else step
+    r, engine = cfg.rollout, pipe.engine
+    at = engine.request_for(step) if pipe.schedule.picks_requests else step
     prompts = task.source.sample_step(
         at, r.prompts_per_step // dims.dp_size, dims.dp_rank, dims.dp_size, cfg.seed
     )
@@ -194,27 +187,27 @@ def train(cfg: RunConfig, dims: ParallelDims, prepared: Prepared | None = None) 
         return serve_rollouts(cfg, dims, prepared.task if prepared else None)
     ready = rank_task(cfg, dims, prepared)
     cfg, task, mem = ready.cfg, ready.task, ready.memory
-    r, tok = cfg.rollout, task.tokenizer
+    tok = task.tokenizer
     plan = StepPlan.from_config(cfg, tok.eos_ids)  # the step's every choice, made once
     learner = build_learner(cfg, plan, dims, tok, mem)
-    engine = engine_of(cfg, dims, learner, tok.pad_id, mem)
+    pipe = pipeline_of(cfg, dims, learner, tok.pad_id, mem)  # engine, offload timeline, weight sync
     lr_sched = LengthLRScheduler(cfg.optim.length_lr)
-    stale = StaleWeights(r.staleness, remote=cfg.parallel.rollout_ranks > 0)  # k updates behind
-    ckpt = CheckpointManager(cfg, learner, lr_sched, stale, engine)
+    stale = pipe.sync.stale  # rollout.staleness=k: the engine's weights k updates behind
+    ckpt = CheckpointManager(cfg, learner, lr_sched, stale, pipe.engine)
     with mem.span("resume"):
         start = ckpt.resume()
     with mem.span("first sync"):
-        sync_weights(engine, learner, stale, resumed=start > 0)
+        pipe.sync.first_sync(resumed=start > 0)
     writer, bar = open_run_dir(cfg, dims, start), progress(cfg, start, dims)
     mem.attach(Path(cfg.run_dir) / MEMORY_TIMELINE)
     health = HealthMonitor(cfg.log.health, cfg.model.vocab_size, active=dims.is_main)
     for step in range(start, cfg.steps):
         # the learner's state is off the device while the engine generates (parallel.offload_during_rollout)
-        with offloaded(learner, cfg.parallel.offload_during_rollout) as moved:
-            m_val = validation_rewards(cfg, task, engine, step, dims.dp_rank, dims.dp_size)  # every val_every
+        with pipe.offload.generating() as moved:
+            m_val = validation_rewards(cfg, task, pipe.engine, step, dims.dp_rank, dims.dp_size)  # val_every
             timer = StepTimer(mem, step)  # each phase's peak RSS: run_dir/memory_timeline.jsonl
             with timer.phase("rollout"):
-                prompts, batch = rollout_step(cfg, task, engine, plan, step, dims)
+                prompts, batch = rollout_step(cfg, task, pipe, plan, step, dims)
                 batch, m_stale = stale.versioned(batch, step)  # version_BS: the weights it sampled with
         with timer.phase("score"):
             rewards_B, m_reward = score_step(cfg, task, prompts, batch)
@@ -228,7 +221,7 @@ def train(cfg: RunConfig, dims: ParallelDims, prepared: Prepared | None = None) 
         with timer.phase("update"):
             m_update = update_policy(plan, learner, train_batch, lr)
         with timer.phase("sync"):
-            m_sync = sync_weights(engine, learner, stale)  # weight sync learner -> engine
+            m_sync = pipe.sync.sync()  # weight sync learner -> engine
         local = {**m_val, **m_reward, **m_prep, **m_update, **m_lr, **m_stale, **m_sync}
         local |= rollout_metrics(batch)
         m_mem = {**memory_metrics(learner.device), **moved.metrics()}

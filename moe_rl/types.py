@@ -94,7 +94,7 @@ class RolloutBatch:
     # with SamplingParams.return_dist / dvp, at every generated position (0 elsewhere):
     dist_logp_BSV: torch.Tensor | None = None  # float32 log softmax(logits / T) over the vocabulary
     safe_BSV: torch.Tensor | None = None  # bool, the DVP safe set the token was sampled from
-    # what a remote engine reports with the batch (moe_rl/rollout/remote.py: the weight version
+    # what a remote engine reports with the batch (moe_rl/pipeline/remote_engine.py: the weight version
     # lag, the waits of both roles), logged with the step's rollout metrics; {} for a local engine
     engine_metrics: dict[str, Any] = field(default_factory=dict)
 
@@ -106,7 +106,7 @@ class RolloutBatch:
         """The sequences ``idx_B`` (int64 indices, or a bool [B] keep mask), in that order: every
         per-sequence and per-token field (``dist_*`` and ``safe_*`` included), and their route
         records. ``group_B`` keeps its ids: GRPO groups are whatever ids remain (the caller keeps
-        groups whole, ``moe_rl.maths.versions.staleness_filter``)."""
+        groups whole, ``moe_rl.pipeline.request_buffer.staleness_filter``)."""
         idx_B = idx_B.nonzero().squeeze(1) if idx_B.dtype == torch.bool else idx_B
         picked = {
             f.name: getattr(self, f.name)[idx_B.to(getattr(self, f.name).device)]

@@ -6,7 +6,7 @@ the weight broadcast learner -> rollout rank (3 local gloo ranks: 2 learner rank
     python scripts/bench_sync.py [--reps 8] [--hidden 256] [--layers 6] [--experts 32]
                                  [--only colocated|broadcast] [--bucket-mb 64]
 
-Each rank, for each model: ``moe_rl.trainer.sync_weights`` (the learner's stream of canonical
+Each rank, for each model: ``moe_rl.pipeline.weight_sync.WeightSync.sync`` (the learner's stream of canonical
 layers, EP all-gathers and all, into the engine's weights: docs/design.md 14.3) and a plain
 ``Tensor.copy_`` of as many bytes as the engine receives (the physical limit on this machine: one
 memory-to-memory copy), interleaved (sync/copy, copy/sync, ...) with a barrier around each, the
@@ -14,7 +14,7 @@ first round a warm-up. Prints per model the bytes, the median seconds of each, a
 the per-repetition ratios sync / copy with its 95% interval (scripts/bench_stats.py), then the
 machine's load. Numbers and the command: docs/measurements.md 6.
 
-The broadcast (``moe_rl.weights.broadcast``, docs/design.md 15.2), timed the same way with a barrier
+The broadcast (``moe_rl.pipeline.weight_broadcast``, docs/design.md 15.2), timed the same way with a barrier
 over every rank: learner rank 0 streams its canonical layers (EP all-gathers with learner rank 1)
 into ``broadcast_weights``; the rollout rank receives the whole sync into host buffers
 (``PendingWeights.receive``) and applies it to its built-in engine (``apply``). Two wires, each
@@ -57,13 +57,13 @@ def _measure(args) -> list[dict]:
 
     import megatron_patches
     from moe_rl import dist
-    from moe_rl.config import load_config
+    from moe_rl.config import Schedule, load_config
     from moe_rl.learner.learner import Learner
+    from moe_rl.pipeline.simulated_staleness import SimulatedStaleness
+    from moe_rl.pipeline.weight_sync import WeightSync
     from moe_rl.rollout.builtin import BuiltinEngine
-    from moe_rl.rollout.staleness import StaleWeights
     from moe_rl.tasks.task import resolve_vocab
     from moe_rl.tasks.tokenizer import CharTokenizer
-    from moe_rl.trainer import sync_weights
     from moe_rl.weights.canonical import canonical_param_shapes
     from moe_rl.weights.warmstart import load_init_weights
 
@@ -78,8 +78,8 @@ def _measure(args) -> list[dict]:
         init = load_init_weights(cfg.init_weights, cfg.model, tok)
         learner = Learner(cfg.model, cfg.parallel, cfg.optim, ctx, init)
         engine = BuiltinEngine(cfg.model, dtype=cfg.rollout.dtype, pad_id=tok.pad_id)
-        stale = StaleWeights(0)
-        sync_weights(engine, learner, stale)  # the engine's weights exist from here on
+        sync = WeightSync(Schedule.from_config(cfg), engine, learner, SimulatedStaleness(0))
+        sync.sync()  # the engine's weights exist from here on
         per_value = 2 if cfg.rollout.dtype == "bf16" else 4  # the engine's weights, canonical shapes
         nbytes = per_value * sum(math.prod(s) for s in canonical_param_shapes(cfg.model).values())
         src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
@@ -89,7 +89,7 @@ def _measure(args) -> list[dict]:
                 torch.distributed.barrier()
                 t0 = time.perf_counter()
                 if what == "sync":
-                    sync_weights(engine, learner, stale)
+                    sync.sync()
                 else:
                     dst.copy_(src)
                 torch.distributed.barrier()
@@ -106,7 +106,7 @@ def _measure(args) -> list[dict]:
 def _broadcast_once(learner, engine, pending, place, version: int, bucket_bytes: int, wire=None) -> float:
     """One sync on this rank of the split world, sent in the engine dtype ``wire`` (None: the
     learner's fp32); on the rollout rank, returns the apply's seconds."""
-    from moe_rl.weights.broadcast import broadcast_weights
+    from moe_rl.pipeline.weight_broadcast import broadcast_weights
 
     if learner is None:
         pending.receive(place.sync, expect=version)
@@ -130,11 +130,11 @@ def _measure_broadcast(args) -> dict:
     from moe_rl import dist
     from moe_rl.config import load_config
     from moe_rl.learner.learner import Learner
+    from moe_rl.pipeline.weight_broadcast import PendingWeights
     from moe_rl.rollout.base import ENGINE_DTYPES, engine_dtype
     from moe_rl.rollout.builtin import BuiltinEngine
     from moe_rl.tasks.task import resolve_vocab
     from moe_rl.tasks.tokenizer import CharTokenizer
-    from moe_rl.weights.broadcast import PendingWeights
     from moe_rl.weights.canonical import canonical_param_shapes
     from moe_rl.weights.warmstart import load_init_weights
 

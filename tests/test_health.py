@@ -9,7 +9,7 @@ import pytest
 
 from moe_rl.config import HealthConfig, load_config
 from moe_rl.health import HealthMonitor
-from moe_rl.report.data import health_warnings
+from moe_rl.report.run_files import health_warnings
 
 UNIFORM_50 = math.log(50)
 

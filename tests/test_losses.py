@@ -8,10 +8,10 @@ import math
 import pytest
 import torch
 
+from moe_rl.corrections.corrected_loss import bypass_loss
 from moe_rl.corrections.correction_specs import CorrectionSpec, ImportanceSpec, RejectionSpec, parse_rs_spec
 from moe_rl.corrections.importance import is_weights, rejection_mask
 from moe_rl.maths.losses import (
-    bypass_loss,
     clipped_surrogate,
     decoupled_ppo_loss,
     kl_estimate,

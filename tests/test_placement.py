@@ -9,8 +9,8 @@ import datetime
 import pytest
 import torch
 
-from moe_rl.placement import LEARNER, ROLLOUT, Split, exchange_dp_ranks, init_placement
-from moe_rl.weights.broadcast import broadcast_weights, receive_weights
+from moe_rl.pipeline.placement import LEARNER, ROLLOUT, Split, exchange_dp_ranks, init_placement
+from moe_rl.pipeline.weight_broadcast import broadcast_weights, receive_weights
 from tests.dist_harness import run_ranks
 
 

@@ -17,9 +17,9 @@ from moe_rl.maths.versions import (
     lag_BS,
     lag_metrics,
     route_lag_BS,
-    staleness_filter,
     sum_by_lag,
 )
+from moe_rl.pipeline.request_buffer import staleness_filter
 from moe_rl.types import RolloutBatch, with_version
 
 # 4 sequences, prompt 2, responses of 4, 3, 4, 2 tokens (S = 6); the learner is at version 5
@@ -240,14 +240,14 @@ def test_with_version_sets_the_generated_tokens_and_moves_with_the_batch():
 @pytest.mark.unit
 def test_the_colocated_loop_stamps_the_version_of_the_weight_set_it_synced():
     from moe_rl.maths.versions import weight_version
-    from moe_rl.rollout.staleness import StaleWeights
+    from moe_rl.pipeline.simulated_staleness import SimulatedStaleness
 
     assert [weight_version(u) for u in (0, 1, 5)] == [1, 2, 6]  # W_u is version u + 1; 0: no token
     # step t's rollout: W_max(0, t-k); the learner holds W_t (version t + 1)
-    assert [StaleWeights(1).engine_version(t) for t in range(4)] == [1, 1, 2, 3]
-    assert [StaleWeights(0).engine_version(t) for t in range(3)] == [1, 2, 3]
+    assert [SimulatedStaleness(1).engine_version(t) for t in range(4)] == [1, 1, 2, 3]
+    assert [SimulatedStaleness(0).engine_version(t) for t in range(3)] == [1, 2, 3]
     # the built-in engine's own counter (it counts loads) is replaced by the synced set's version
-    batch, m = StaleWeights(2).versioned(_batch(), 3)
+    batch, m = SimulatedStaleness(2).versioned(_batch(), 3)
     assert torch.equal(batch.version_BS, torch.where(MASK_BS, 2, 0).int()) and "rollout/policy_lag" in m
     lags = lag_BS(batch.version_BS, MASK_BS, weight_version(3))
     assert torch.equal(lags, torch.where(MASK_BS, 2, 0))  # k = 2 updates behind

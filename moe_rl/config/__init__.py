@@ -13,6 +13,8 @@ The package, one job per module; everything public is re-exported here, so calle
 - ``run``: the other subtrees (optim, rollout, routing, task, algo, log) and the root ``RunConfig``;
   ``correction`` is ``CorrectionSpec`` (with ``TrmSpec``, ``RejectionSpec``), owned next to its maths
   in ``moe_rl.corrections.correction_specs`` and re-exported here;
+- ``schedule``: ``Schedule`` (colocated sync, split sync, one_step_off, async), built once from the
+  tree; the one place ``rollout.mode`` is compared;
 - ``deprecations``: ``DEPRECATED_KEYS`` and the legacy-key renames;
 - ``loader``: ``load_config``, ``load_run_config`` (resume's base: the run's saved config),
   ``to_dict``, ``to_yaml``;
@@ -23,7 +25,7 @@ The package, one job per module; everything public is re-exported here, so calle
 Near the bottom of the package: imports only pure modules (no torch, no megatron;
 tests/test_style.py): the checks (``moe_rl.checks``), the names configs validate against
 (``moe_rl.names``) and the feature specs (``moe_rl.corrections.correction_specs``,
-``moe_rl.maths.policy_specs``).
+``moe_rl.maths.policy_specs``, ``moe_rl.maths.lr_specs``).
 What depends on the machine (CUDA, Transformer Engine, vllm installed) is checked when a run
 starts, in ``moe_rl/preflight.py``.
 """
@@ -34,7 +36,6 @@ from moe_rl.config.model import ARCH_FIELDS, ModelConfig, ParallelConfig
 from moe_rl.config.run import (
     AlgoConfig,
     HealthConfig,
-    LengthLRConfig,
     LogConfig,
     OptimConfig,
     RolloutConfig,
@@ -43,8 +44,10 @@ from moe_rl.config.run import (
     TaskConfig,
     VllmConfig,
 )
+from moe_rl.config.schedule import Schedule, ScheduleKind
 from moe_rl.corrections.correction_specs import CorrectionSpec, RejectionSpec, TrmSpec
 from moe_rl.errors import ConfigError
+from moe_rl.maths.lr_specs import LengthLRConfig
 
 __all__ = [
     "ARCH_FIELDS",
@@ -62,6 +65,8 @@ __all__ = [
     "RolloutConfig",
     "RoutingConfig",
     "RunConfig",
+    "Schedule",
+    "ScheduleKind",
     "TaskConfig",
     "TrmSpec",
     "VllmConfig",

@@ -310,7 +310,7 @@ class ParallelConfig:
     # device memory while the engine generates, and come back before the learner's next pass
     # (moe_rl/learner/offload.py)
     offload_during_rollout: bool = False
-    # ranks that only run rollout engines (the last N of the world; moe_rl/placement.py): the other
+    # ranks that only run rollout engines (the last N of the world; moe_rl/pipeline/placement.py): the other
     # nproc - N ranks run the megatron learner with the layout above. 0: every rank runs both (colocated)
     rollout_ranks: int = 0
     # the weight sync's gathered unit, MiB: a layer's experts travel in pieces of at most this many

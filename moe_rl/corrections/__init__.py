@@ -5,9 +5,10 @@ post-reduction metrics (``derived``) and the masked reductions they share (``mas
 
 The maths is pure tensor functions, tensors and specs in and ``(tensor, metrics)`` out, no
 collectives (docs/design.md 11.1). One direction convention: every ratio bound is on
-rho = pi_train / pi_rollout (``importance`` module docstring). The losses that consume the weights
-and masks live in ``moe_rl.maths.losses``, above this package; the log-ratio and KL-estimator
-helpers both use live in ``moe_rl.maths.ratios``, below both.
+rho = pi_train / pi_rollout (``importance`` module docstring). The pure surrogates live in
+``moe_rl.maths.losses``, below this package; the losses that apply corrections inside the loss
+(bypass, ``PolicyLoss``) in ``corrected_loss`` here; the log-ratio and KL-estimator helpers both
+use live in ``moe_rl.maths.ratios``. maths/ never imports this package (issue 41).
 
 This ``__init__`` imports nothing, so ``moe_rl.config`` composes ``specs`` without torch; callers
 import the module they use. Names a config may use are the tuples of ``moe_rl.names``; tests keep

@@ -21,7 +21,7 @@ care: pass the log-probs / logits of the policy chosen.
 
 Loss normaliser: masked sequences contribute zero and the loss is still divided by the TOTAL
 batch (docs/math.md 3.3, "not the accepted count"): pass ``normalizer`` counted before masking to
-``moe_rl.maths.losses.decoupled_ppo_loss`` / ``bypass_loss`` with ``keep=keep_B``.
+``moe_rl.maths.losses.decoupled_ppo_loss`` / ``corrected_loss.bypass_loss`` with ``keep=keep_B``.
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -49,17 +49,11 @@ from moe_rl.config import (
     ParallelConfig,
 )
 from moe_rl.config.layout import pipeline_stage_layers
-from moe_rl.corrections.dvp import restricted_logprobs
-from moe_rl.corrections.trm import exact_kl_tokens
 from moe_rl.dist import ParallelDims, comm_device
 from moe_rl.learner import build
-from moe_rl.learner.logprobs import (
-    exact_kl_tokens_vocab_parallel,
-    restricted_logprobs_vocab_parallel,
-    token_logprobs_energy,
-    token_logprobs_energy_vocab_parallel,
-)
+from moe_rl.learner.stage_broadcast import broadcast_metrics, broadcast_stats
 from moe_rl.learner.te_spec import FP8_TOKEN_MULTIPLE, rename_to_local, te_name_map
+from moe_rl.learner.token_stats import VocabShard, token_stats
 from moe_rl.monitor.router_grad import RouterGradMonitor, expert_load_LE
 from moe_rl.routing.gating import RouterSpec
 from moe_rl.routing.record import RouteHeader
@@ -95,60 +89,6 @@ class UpdateOutput:
 
 # loss_fn(micro_batch, token_stats, normalizer) -> (loss, metrics)
 LossFn = Callable[[TrainBatch, TokenStats, torch.Tensor], tuple[torch.Tensor, dict[str, Any]]]
-
-
-class VocabShard(NamedTuple):
-    """This rank's slice [start, start + V / TP) of the vocab-parallel logits, and its TP group."""
-
-    start: int
-    group: Any
-
-
-def token_stats(
-    mb: TrainBatch, logits_BSV: torch.Tensor, temperature: float, vocab_shard: VocabShard | None = None
-) -> TokenStats:
-    """What the loss and the old-log-prob pass need from a micro-batch's logits.
-
-    ``mb.safe_BSV`` (the engine's DVP safe sets) restricts log-probs to the same support the
-    engine reported; ``mb.rollout_dist_BSV`` (rollout log-probs) adds the exact per-token
-    KL(pi_rollout || pi_learner) that TRM's exact form uses. With ``vocab_shard`` (TP > 1)
-    ``logits_BSV`` is the rank's vocabulary slice: each rank takes the same columns of the
-    batch's full-vocabulary ``safe_BSV`` / ``rollout_dist_BSV`` and the vocab-parallel functions
-    (``learner/logprobs.py``) all-reduce [B, S]-sized terms over the TP group."""
-    if vocab_shard is None:
-        logp_BS, ent_BS, spi_BS = token_logprobs_energy(logits_BSV, mb.tokens_BS, temperature)
-    else:
-        logp_BS, ent_BS, spi_BS = token_logprobs_energy_vocab_parallel(
-            logits_BSV, mb.tokens_BS, temperature, vocab_shard.start, vocab_shard.group
-        )
-    if mb.safe_BSV is None and mb.rollout_dist_BSV is None:
-        return TokenStats(logp_BS, ent_BS, spi_BS)
-    z_BSV = logits_BSV[:, :-1].float() / temperature
-    cols = (
-        slice(None) if vocab_shard is None else slice(vocab_shard.start, vocab_shard.start + z_BSV.shape[-1])
-    )
-    pad = logp_BS.new_zeros((logp_BS.shape[0], 1))
-    full_logp_BS = log_safe_mass_BS = exact_kl_BS = None
-    if mb.safe_BSV is not None:
-        safe_BSV = mb.safe_BSV[:, 1:, cols]
-        r = (
-            restricted_logprobs(z_BSV, safe_BSV, mb.tokens_BS[:, 1:])
-            if vocab_shard is None
-            else restricted_logprobs_vocab_parallel(z_BSV, safe_BSV, mb.tokens_BS[:, 1:], *vocab_shard)
-        )
-        full_logp_BS, log_safe_mass_BS = logp_BS, torch.cat([pad, r.log_safe_mass_BS], 1)
-        logp_BS = torch.cat([pad, torch.where(r.inside_BS, r.logp_BS, torch.zeros_like(r.logp_BS))], 1)
-    if mb.rollout_dist_BSV is not None:
-        # generated positions carry a distribution (from the full vocabulary: the same on every TP rank)
-        mask_BS = mb.rollout_dist_BSV[:, 1:].ne(0).any(-1)
-        dist_BSV = mb.rollout_dist_BSV[:, 1:, cols]
-        kl_BS = (
-            exact_kl_tokens(dist_BSV, z_BSV, mask_BS)
-            if vocab_shard is None
-            else exact_kl_tokens_vocab_parallel(dist_BSV, z_BSV, vocab_shard.group, mask_BS)
-        )
-        exact_kl_BS = torch.cat([pad, kl_BS], 1)
-    return TokenStats(logp_BS, ent_BS, spi_BS, full_logp_BS, log_safe_mass_BS, exact_kl_BS)
 
 
 class Learner:
@@ -397,43 +337,8 @@ class Learner:
             if routing.recorded is not None:
                 routing = dataclasses.replace(routing, recorded=routing.recorded.select(undo_B))
         if self.dims.pp_size > 1:
-            stats = self._broadcast_stats(stats)
+            stats = broadcast_stats(stats, self.dims)
         return LogprobOutput(TokenStats(**stats), routing)
-
-    def _last_stage_rank(self) -> int:
-        return dist.get_process_group_ranks(self.dims.pp_group)[-1]
-
-    def _broadcast_stats(self, stats: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
-        """PP: the last stage's [B, S] statistics on every stage (keys and dtypes, then one tensor)."""
-        meta = [sorted((k, v.dtype, tuple(v.shape)) for k, v in stats.items()) if stats is not None else None]
-        dist.broadcast_object_list(meta, src=self._last_stage_rank(), group=self.dims.pp_group)
-        keys = [k for k, _, _ in meta[0]]
-        dtype, shape = meta[0][0][1], meta[0][0][2]
-        device = comm_device(self.dims.pp_group)
-        if stats is not None:
-            packed = torch.stack([stats[k].to(device, dtype) for k in keys])
-        else:
-            packed = torch.empty((len(keys), *shape), dtype=dtype, device=device)
-        dist.broadcast(packed, src=self._last_stage_rank(), group=self.dims.pp_group)
-        return {
-            k: (stats[k] if stats is not None else packed[i].to(meta[0][i][1])) for i, k in enumerate(keys)
-        }
-
-    def _broadcast_metrics(self, metrics: list) -> list:
-        """PP: the last stage's per-micro-batch loss metrics on every stage (values moved to the CPU)."""
-
-        def cpu(v):
-            if isinstance(v, torch.Tensor):
-                return v.detach().cpu()
-            if dataclasses.is_dataclass(v) and not isinstance(v, type):
-                return dataclasses.replace(
-                    v, **{f.name: cpu(getattr(v, f.name)) for f in dataclasses.fields(v)}
-                )
-            return v
-
-        box = [[{k: cpu(v) for k, v in m.items()} for m in metrics] if self.dims.is_last_stage else None]
-        dist.broadcast_object_list(box, src=self._last_stage_rank(), group=self.dims.pp_group)
-        return metrics if self.dims.is_last_stage else box[0]
 
     def forward_backward(
         self,
@@ -480,7 +385,9 @@ class Learner:
         ):  # local sums: with the distributed optimizer only a shard survives finalize
             self.monitor.add_router_grads(self._router_grads_LEH())
         finalize_model_grads([self.ddp])  # sum over DP (scaling 1.0: the loss is already global)
-        return (self._broadcast_metrics(loss_metrics) if self.dims.pp_size > 1 else loss_metrics), routing
+        return (
+            broadcast_metrics(loss_metrics, self.dims) if self.dims.pp_size > 1 else loss_metrics
+        ), routing
 
     def _router_grads_LEH(self) -> torch.Tensor:
         """Router-weight gradients of every MoE layer; zero for layers of other pipeline stages."""

@@ -1,19 +1,18 @@
-"""Policy losses: the PPO clipped surrogate (asymmetric and dual clip), decoupled PPO, the bypass
-losses, KL estimators, and token-sum aggregation.
+"""Policy losses: the PPO clipped surrogate (asymmetric and dual clip), decoupled PPO, KL
+estimators, and token-sum aggregation.
 
-Pure tensor functions (docs/math.md 2.1; verl ``compute_policy_loss_vanilla`` and
-``compute_policy_loss_bypass_mode``): no torch.distributed, no ``.item()``. The losses take their
-specs (``moe_rl.maths.policy_specs.PolicyLossSpec``; the bypass loss also the ``CorrectionSpec``) and
-tensors; ``PolicyLoss`` is the micro-batch loss a step runs. The cross-rank normaliser is an argument.
+Pure tensor functions (docs/math.md 2.1; verl ``compute_policy_loss_vanilla``): no
+torch.distributed, no ``.item()``. The losses take their spec
+(``moe_rl.maths.policy_specs.PolicyLossSpec``) and tensors; the cross-rank normaliser is an argument.
+The losses that apply a rollout correction inside the loss (the bypass loss, and ``PolicyLoss``,
+the micro-batch loss a step runs) live in ``moe_rl/corrections/corrected_loss.py``, above both.
 
 Modes (docs/math.md 2.1):
 - decoupled (3 policies): ``decoupled_ppo_loss``. Drift rollout -> old is corrected by IS weights
-  and rejection masks computed once per batch from pi_old / pi_rollout (``moe_rl.corrections``);
-  drift old -> theta by the PPO clip on r = pi_theta / pi_old. IS weights multiply OUTSIDE the clip.
-- bypass (2 policies, pi_old := pi_rollout): ``bypass_loss``. "ppo_clip" clips r = pi_theta /
-  pi_rollout and applies NO IS weight (it would double-count); "reinforce" is
-  -stopgrad(w) * log pi_theta * A with w from pi_theta / pi_rollout computed on the fly.
-  Rejection masks are recomputed from pi_theta inside every call.
+  and rejection masks computed once per batch from pi_old / pi_rollout (``moe_rl.corrections``),
+  handed in as tensors; drift old -> theta by the PPO clip on r = pi_theta / pi_old. IS weights
+  multiply OUTSIDE the clip.
+- bypass (2 policies, pi_old := pi_rollout): ``moe_rl.corrections.corrected_loss.bypass_loss``.
 
 Shape suffixes: B sequences, S padded sequence length.
 
@@ -25,25 +24,18 @@ the global token-mean, however the minibatch was split.
 
 Metrics follow ``moe_rl.metrics``: local ``Mean(sum, count)`` over loss tokens, ``Max``/``Min``.
 
-Layering: the log-ratio and KL-estimator helpers (``log_ratio``, ``kl_from_log_ratio``,
-``SAFETY_BOUND``) live in ``moe_rl.maths.ratios``, below this module and ``moe_rl.corrections``; this
-module uses the corrections' IS weights and rejection masks (bypass mode), so it sits above them.
+Layering (issue 41): maths/ imports neither ``moe_rl.corrections`` nor the config; the log-ratio
+and KL-estimator helpers (``log_ratio``, ``kl_from_log_ratio``, ``SAFETY_BOUND``) live in
+``moe_rl.maths.ratios``, which the corrections use too.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-
 import torch
 
-from moe_rl.corrections.correction_specs import CorrectionSpec
-from moe_rl.corrections.importance import is_weights, rejection_mask
-from moe_rl.corrections.trm import trm_mask
 from moe_rl.maths.policy_specs import PolicyLossSpec
-from moe_rl.maths.ratios import exact_log_ratio, kl_from_log_ratio, log_ratio
+from moe_rl.maths.ratios import kl_from_log_ratio, log_ratio
 from moe_rl.metrics import Max, Mean, MetricValue, Min
-from moe_rl.names import BYPASS_LOSS_NAMES
-from moe_rl.types import TokenStats, TrainBatch
 
 
 def kl_estimate(logp_BS: torch.Tensor, ref_logp_BS: torch.Tensor, kind: str = "k3") -> torch.Tensor:
@@ -65,12 +57,12 @@ def kl_estimate(logp_BS: torch.Tensor, ref_logp_BS: torch.Tensor, kind: str = "k
     return kl_from_log_ratio(log_ratio(ref_logp_BS.detach(), logp_BS), kind)
 
 
-def _check_normalizer(normalizer: float | torch.Tensor) -> None:
+def check_normalizer(normalizer: float | torch.Tensor) -> None:
     if not isinstance(normalizer, torch.Tensor) and not normalizer > 0:
         raise ValueError(f"normalizer must be > 0, got {normalizer}")
 
 
-def _ppo_metrics(
+def ppo_metrics(
     pg_sum: torch.Tensor, log_ratio_BS: torch.Tensor, clipped_BS: torch.Tensor, loss_mask_BS: torch.Tensor
 ) -> dict[str, MetricValue]:
     """Local sums/counts over loss tokens (all inputs detached; clipped_BS bool)."""
@@ -126,7 +118,7 @@ def clipped_surrogate(
     return torch.where(dual_BS, pg_dual_BS, pg_BS), clipped_BS, dual_BS
 
 
-def _add_kl_term(
+def add_kl_term(
     loss_sum: torch.Tensor,
     metrics: dict[str, MetricValue],
     logp_BS: torch.Tensor,
@@ -192,7 +184,7 @@ def ppo_clip_loss(
         ``train/pg_clipfrac_lower`` (share of loss tokens where the dual clip binds) when
         clip_ratio_c is set.
     """
-    _check_normalizer(normalizer)
+    check_normalizer(normalizer)
     mask_BS = loss_mask_BS.to(logp_BS.dtype)
     adv_BS = advantages_BS.detach().to(logp_BS.dtype)
     log_ratio_BS = log_ratio(logp_BS, old_logp_BS.detach())
@@ -202,16 +194,16 @@ def ppo_clip_loss(
     weighted_pg_BS = pg_BS if is_weights_BS is None else pg_BS * is_weights_BS.detach()
     loss_sum = (weighted_pg_BS * mask_BS).sum()
 
-    metrics = _ppo_metrics(loss_sum.detach(), log_ratio_BS.detach(), clipped_BS, loss_mask_BS)
+    metrics = ppo_metrics(loss_sum.detach(), log_ratio_BS.detach(), clipped_BS, loss_mask_BS)
     if clip_ratio_c is not None:
         metrics["train/pg_clipfrac_lower"] = Mean(
             (dual_BS.to(mask_BS.dtype) * mask_BS).sum(), metrics["train/pg_loss"].count
         )
-    loss_sum = _add_kl_term(loss_sum, metrics, logp_BS, ref_logp_BS, mask_BS, kl_coef, kl_kind)
+    loss_sum = add_kl_term(loss_sum, metrics, logp_BS, ref_logp_BS, mask_BS, kl_coef, kl_kind)
     return loss_sum / normalizer, metrics
 
 
-def _apply_keep(loss_mask_BS: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+def apply_keep(loss_mask_BS: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
     """loss_mask AND keep, where keep is a token mask [B, S] or a sequence mask [B] (broadcast)."""
     mask_BS = loss_mask_BS.bool()
     if keep is None:
@@ -259,7 +251,7 @@ def decoupled_ppo_loss(
         logp_BS,
         old_logp_BS,
         advantages_BS,
-        _apply_keep(loss_mask_BS, keep),
+        apply_keep(loss_mask_BS, keep),
         clip_low=spec.clip_low,
         clip_high=spec.clip_high,
         normalizer=normalizer,
@@ -269,122 +261,3 @@ def decoupled_ppo_loss(
         is_weights_BS=is_weights_BS,
         clip_ratio_c=spec.clip_ratio_c,
     )
-
-
-BYPASS_MODES = BYPASS_LOSS_NAMES
-
-
-def bypass_loss(
-    spec: PolicyLossSpec,
-    correction: CorrectionSpec,
-    logp_BS: torch.Tensor,
-    rollout_logp_BS: torch.Tensor,
-    advantages_BS: torch.Tensor,
-    loss_mask_BS: torch.Tensor,
-    *,
-    normalizer: float | torch.Tensor,
-    keep: torch.Tensor | None = None,
-    ref_logp_BS: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, MetricValue]]:
-    """Bypass mode (docs/math.md 2.1; verl ``compute_policy_loss_bypass_mode``): pi_old := pi_rollout.
-
-    The rejection mask (``correction.rules``, see ``corrections.importance.rejection_mask``) is
-    recomputed here from the CURRENT pi_theta (rho = pi_theta / pi_rollout, detached) and ANDed
-    with ``keep`` (e.g. a TRM mask the caller evaluated against pi_theta) into the loss mask.
-
-    - ``correction.bypass_loss`` "ppo_clip": per-token ``clipped_surrogate`` (``spec``) on
-      r = pi_theta / pi_rollout; no IS weight (the spec refuses one: the ratio already is the IS
-      ratio, a weight would double-count).
-    - "reinforce": loss_t = -stopgrad(w_t) * A_t * log pi_theta(y_t), with w from
-      ``is_weights(log rho, correction.importance)`` on the fly (w = 1 when IS is off). Its gradient
-      is -w_t A_t grad log pi_theta: no log pi * grad w term.
-
-    Normaliser: as ``decoupled_ppo_loss`` (explicit; count loss tokens before rejection).
-    Returns:
-        (loss, metrics): the ``ppo_clip_loss`` train/ metrics (ratio = pi_theta / pi_rollout) plus the
-        corr/ metrics of the IS weights and rejection computed here.
-    """
-    _check_normalizer(normalizer)
-    log_ratio_det_BS = log_ratio(logp_BS.detach(), rollout_logp_BS.detach())
-    exact_BS = exact_log_ratio(logp_BS.detach(), rollout_logp_BS.detach())  # clamped after any sum
-    base_mask_BS = loss_mask_BS.bool()  # IS weights and RS statistics see every response token
-    mask_BS = _apply_keep(base_mask_BS, keep)
-    corr_metrics: dict[str, MetricValue] = {}
-    if correction.rules:
-        rs_keep_BS, corr_metrics = rejection_mask(exact_BS, base_mask_BS, correction.rules)
-        mask_BS = mask_BS & rs_keep_BS
-    if correction.bypass_loss == "ppo_clip":
-        loss, metrics = ppo_clip_loss(
-            logp_BS,
-            rollout_logp_BS,
-            advantages_BS,
-            mask_BS,
-            clip_low=spec.clip_low,
-            clip_high=spec.clip_high,
-            normalizer=normalizer,
-            ref_logp_BS=ref_logp_BS,
-            kl_coef=spec.kl_coef,
-            kl_kind=spec.kl_estimator,
-            clip_ratio_c=spec.clip_ratio_c,
-        )
-        return loss, {**corr_metrics, **metrics}
-    w_BS = torch.ones_like(log_ratio_det_BS)
-    imp = correction.importance
-    if imp.on:
-        # per micro-batch and against pi_theta: no batch normalisation here (it is decoupled mode's)
-        w_BS, is_metrics = is_weights(exact_BS, base_mask_BS, replace(imp, batch_normalize=False))
-        corr_metrics.update(is_metrics)
-    maskf_BS = mask_BS.to(logp_BS.dtype)
-    adv_BS = advantages_BS.detach().to(logp_BS.dtype)
-    loss_sum = (-w_BS.detach() * adv_BS * logp_BS * maskf_BS).sum()
-    metrics = _ppo_metrics(loss_sum.detach(), log_ratio_det_BS, torch.zeros_like(mask_BS), mask_BS)
-    loss_sum = _add_kl_term(
-        loss_sum, metrics, logp_BS, ref_logp_BS, maskf_BS, spec.kl_coef, spec.kl_estimator
-    )
-    return loss_sum / normalizer, {**corr_metrics, **metrics}
-
-
-@dataclass(frozen=True)
-class PolicyLoss:
-    """The policy loss of every micro-batch, ``loss(mb, st, normalizer) -> (value, metrics)`` (the
-    learner's ``LossFn``): decoupled PPO or the bypass loss, as ``correction.mode`` says, with the
-    TRM mask evaluated against pi_theta here when ``correction.trm.reference`` is "theta" (the
-    paper's guarantee). The normaliser (global loss tokens before any rejection, as TRM requires)
-    comes from the learner."""
-
-    spec: PolicyLossSpec
-    correction: CorrectionSpec
-
-    def __call__(
-        self, mb: TrainBatch, st: TokenStats, normalizer: float | torch.Tensor
-    ) -> tuple[torch.Tensor, dict[str, MetricValue]]:
-        keep_B, metrics = None, {}
-        trm = self.correction.trm_theta
-        if trm is not None:
-            keep_B, metrics = trm_mask(trm, st.logp_BS, mb.rollout_logp_BS, mb.loss_mask_BS, st.exact_kl_BS)
-        if self.correction.decoupled:
-            keep_BS = mb.keep_BS if keep_B is None else mb.keep_BS & keep_B[:, None]
-            value, m = decoupled_ppo_loss(
-                self.spec,
-                st.logp_BS,
-                mb.old_logp_BS,
-                mb.advantages_BS,
-                mb.loss_mask_BS,
-                normalizer=normalizer,
-                is_weights_BS=mb.is_weights_BS,
-                keep=keep_BS,
-                ref_logp_BS=mb.ref_logp_BS,
-            )
-        else:
-            value, m = bypass_loss(
-                self.spec,
-                self.correction,
-                st.logp_BS,
-                mb.rollout_logp_BS,
-                mb.advantages_BS,
-                mb.loss_mask_BS,
-                normalizer=normalizer,
-                keep=keep_B,
-                ref_logp_BS=mb.ref_logp_BS,
-            )
-        return value, {**metrics, **m}

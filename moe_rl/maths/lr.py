@@ -9,11 +9,24 @@ Composition: ``lr = scheduled_lr(step, total_steps, opt, multiplier, cfg.min_lr)
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
-from moe_rl.config import LengthLRConfig, OptimConfig
+from moe_rl.maths.lr_specs import LengthLRConfig
+
+__all__ = ["BaseSchedule", "LengthLRConfig", "LengthLRScheduler", "lr_at", "scheduled_lr"]
 
 
-def lr_at(step: int, total_steps: int, opt: OptimConfig) -> float:
+class BaseSchedule(Protocol):
+    """The base schedule's values (``moe_rl.config.OptimConfig`` has them): plain values in, so
+    maths/ never imports the config (issue 41)."""
+
+    lr: float
+    min_lr: float
+    warmup_steps: int
+    lr_schedule: str  # constant | cosine
+
+
+def lr_at(step: int, total_steps: int, opt: BaseSchedule) -> float:
     """Linear warmup to opt.lr, then constant or cosine decay to opt.min_lr at total_steps."""
     if opt.warmup_steps and step < opt.warmup_steps:
         return opt.lr * (step + 1) / opt.warmup_steps
@@ -32,7 +45,7 @@ def lr_at(step: int, total_steps: int, opt: OptimConfig) -> float:
 
 
 def scheduled_lr(
-    step: int, total_steps: int, opt: OptimConfig, multiplier: float = 1.0, min_lr: float = 0.0
+    step: int, total_steps: int, opt: BaseSchedule, multiplier: float = 1.0, min_lr: float = 0.0
 ) -> float:
     """The LR of ``step``: lr_at(step) * multiplier, floored at min(lr_at(step), min_lr).
 

@@ -1,7 +1,7 @@
 """The specs of the advantage estimator and the policy loss: frozen, torch-free dataclasses (the
 config composes them without the maths), each validating itself in ``__post_init__`` and naming
 the config key. ``moe_rl.maths.advantages.estimate_advantages`` and
-``moe_rl.maths.losses.PolicyLoss`` take them directly."""
+``moe_rl.corrections.corrected_loss.PolicyLoss`` take them directly."""
 
 from __future__ import annotations
 

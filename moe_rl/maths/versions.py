@@ -1,7 +1,8 @@
 """Policy versions and lag (docs/math.md 2.7): which weights produced each generated token, how
-many updates behind the learner that is, the staleness filter, and the step's metrics split by
-lag. Pure tensor functions (``check_versions`` aside, which syncs once to raise); metrics follow
-``moe_rl.metrics`` (local Mean/Sum/Max).
+many updates behind the learner that is, and the step's metrics split by lag. Pure tensor
+functions (``check_versions`` aside, which syncs once to raise); metrics follow ``moe_rl.metrics``
+(local Mean/Sum/Max). The staleness filter built on them belongs to the async request buffer
+(``moe_rl/pipeline/request_buffer.py``).
 
 Shape suffixes: B sequences, S positions, K lags (0 .. num_lags - 1), N rows.
 
@@ -20,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from moe_rl.maths.ratios import SAFETY_BOUND, exact_log_ratio, kl_from_log_ratio
-from moe_rl.metrics import Max, Mean, MetricValue, Sum
+from moe_rl.metrics import Max, Mean, MetricValue
 
 
 def weight_version(updates: int) -> int:
@@ -62,37 +63,6 @@ def check_versions(version_BS: torch.Tensor, response_mask_BS: torch.Tensor, lea
     ]
     if problems:
         raise ValueError("RolloutBatch.version_BS: " + "; ".join(problems))
-
-
-def staleness_filter(
-    version_BS: torch.Tensor,
-    response_mask_BS: torch.Tensor,
-    learner_version: int,
-    max_staleness: int,
-    group_B: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, MetricValue]]:
-    """Which samples a learner at ``learner_version`` may train on (``rollout.max_staleness``).
-
-    A sample with ANY generated token more than ``max_staleness`` versions old is stale. With
-    ``group_B`` (GRPO / RLOO / OTB groups) a group with a stale member is dropped whole: the
-    advantage estimators normalise over complete groups (``moe_rl.maths.advantages``), and a
-    group cut down to its fresh members would get another baseline than the one it was sampled for
-    (a group of one gets advantage 0).
-
-    Returns:
-        keep_B: bool [B]. metrics: ``rollout/dropped_stale`` (Sum, samples dropped, group-mates
-        included) and ``rollout/dropped_stale_frac`` (Mean over samples).
-    """
-    if max_staleness < 0:
-        raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
-    stale_B = (lag_BS(version_BS, response_mask_BS, learner_version) > max_staleness).any(1)
-    if group_B is not None:
-        _, index_B = torch.unique(group_B, return_inverse=True)
-        stale_G = torch.zeros(int(index_B.max()) + 1 if index_B.numel() else 0, device=stale_B.device)
-        stale_B = stale_G.index_add_(0, index_B, stale_B.float())[index_B] > 0
-    dropped = stale_B.double().sum()
-    n = torch.tensor(float(stale_B.shape[0]), dtype=torch.float64, device=stale_B.device)
-    return ~stale_B, {"rollout/dropped_stale": Sum(dropped), "rollout/dropped_stale_frac": Mean(dropped, n)}
 
 
 def sum_by_lag(x_N: torch.Tensor, lag_N: torch.Tensor, num_lags: int) -> torch.Tensor:

@@ -78,7 +78,9 @@ def stage_memory(cfg: RunConfig, lay: Layout, stage: int) -> dict[str, float]:
     optim = 0.0 if cfg.optim.cpu_adam else opt_bytes * opt_elems
     reference = weights if cfg.algo.kl_coef > 0 else 0.0
     k = cfg.rollout.staleness
-    stale = (k + 1) * param_counts(m)["total"] * w_bytes if k > 0 else 0.0  # moe_rl/rollout/staleness.py
+    stale = (
+        (k + 1) * param_counts(m)["total"] * w_bytes if k > 0 else 0.0
+    )  # moe_rl/pipeline/simulated_staleness.py
     start, n = sum(layers[:stage]), layers[stage]
     n_dense = max(0, min(start + n, m.first_k_dense) - start)
     per_dense, per_moe = layer_activations(m, lay, True), layer_activations(m, lay, False)

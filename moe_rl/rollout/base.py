@@ -63,8 +63,9 @@ class RolloutEngine(Protocol):
 
     def load_weights(self, weights: Weights) -> dict | None:
         """Replace all weights with the canonical named tensors, a dict or a stream of chunks
-        consumed chunk by chunk (strict over all chunks: names, shapes, each tensor once). An
-        engine elsewhere (``RemoteEngine``) returns the sync's metrics; one in this process None."""
+        consumed chunk by chunk (strict over all chunks: names, shapes, each tensor once); None,
+        or the sync's metrics. The engines of a split world are loaded by the pipeline's sync
+        owner (``moe_rl/pipeline/weight_sync.py``)."""
         ...
 
 

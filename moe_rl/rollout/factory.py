@@ -15,16 +15,9 @@ def engine_tp(cfg: RunConfig) -> int:
 
 
 def build_engine(cfg: RunConfig, pad_id: int, device: torch.device | str = "cpu", dims=None) -> RolloutEngine:
-    """builtin (CPU or small GPU models, on ``device``: the learner's) or vllm (CUDA, its own); on
-    a learner rank of a split world (``dims.placement``, parallel.rollout_ranks > 0) the stand-in
-    for the rollout ranks' engines (moe_rl/rollout/remote.py)."""
-    placement = getattr(dims, "placement", None)
-    if placement is not None and not placement.colocated:
-        from moe_rl.rollout.base import ENGINE_DTYPES
-        from moe_rl.rollout.remote import RemoteEngine
-
-        r = cfg.rollout
-        return RemoteEngine(dims, engine_tp(cfg), r.mode, r.max_staleness, ENGINE_DTYPES[r.dtype])
+    """builtin (CPU or small GPU models, on ``device``: the learner's) or vllm (CUDA, its own);
+    ``dims``: the trainer's ranks (colocated: they generate at once). A learner rank of a split
+    world talks to a stand-in instead (``moe_rl/pipeline/engines.py``)."""
     if cfg.rollout.engine == "vllm":
         from moe_rl.rollout.vllm.engine import VllmEngine  # vllm imports only where it is asked for
 

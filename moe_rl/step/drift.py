@@ -1,8 +1,8 @@
 """The rollout -> learner drift as a step handles it, from the ``CorrectionSpec`` the plan
 carries unchanged (``moe_rl/step/plan.py``): the engine inputs the corrections need, what is
 computed once per batch (decoupled mode: IS weights, rejection and a TRM mask against pi_old) and
-the DVP metrics. The maths is ``moe_rl/corrections`` (the policy loss: ``moe_rl.maths.losses.
-PolicyLoss``); nothing here reads the config.
+the DVP metrics. The maths is ``moe_rl/corrections`` (the policy loss: ``moe_rl.corrections.
+corrected_loss.PolicyLoss``); nothing here reads the config.
 
 Shape suffixes: B sequences, S positions, V vocabulary.
 """

@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moe_rl.config import OptimConfig, RunConfig
+from moe_rl.corrections.corrected_loss import PolicyLoss
 from moe_rl.corrections.correction_specs import CorrectionSpec
 from moe_rl.learner.learner import LossFn
-from moe_rl.maths.losses import PolicyLoss
 from moe_rl.maths.policy_specs import AdvantageSpec
 from moe_rl.routing.replay_plan import ReplayPlan
 from moe_rl.types import SamplingParams

@@ -231,7 +231,7 @@ def test_hf_export_on_a_full_disk_leaves_nothing(tmp_path, monkeypatch):
 
 @pytest.mark.bad_input
 def test_staleness_cost_is_said(tmp_path, caplog):
-    from moe_rl.rollout.staleness import StaleWeights
+    from moe_rl.pipeline.simulated_staleness import SimulatedStaleness
 
     code, out, err = run_cli(
         tmp_path, "estimate", "configs/qwen3_30b_a3b_1x8h100.yaml", "rollout.staleness=2"
@@ -246,8 +246,8 @@ def test_staleness_cost_is_said(tmp_path, caplog):
         and "stale_weights_gib" not in out0
         and "learner_static_gib         67.3" in out0.splitlines()
     )
-    stale = StaleWeights(3)
-    with caplog.at_level(logging.INFO, logger="moe_rl.rollout.staleness"):
+    stale = SimulatedStaleness(3)
+    with caplog.at_level(logging.INFO, logger="moe_rl.pipeline.simulated_staleness"):
         stale.push({"w": torch.zeros(2**27)})  # 0.5 GiB of fp32
         stale.push({"w": torch.ones(2**27)})
     assert [r.getMessage() for r in caplog.records] == [
@@ -293,9 +293,9 @@ def test_stale_weight_sets_on_a_full_disk(tmp_path, monkeypatch):
     from moe_rl.checkpointing import CheckpointManager
     from moe_rl.config import load_config
     from moe_rl.errors import DiskFullError
-    from moe_rl.rollout.staleness import StaleWeights
+    from moe_rl.pipeline.simulated_staleness import SimulatedStaleness
 
-    stale = StaleWeights(1)
+    stale = SimulatedStaleness(1)
     stale.push({"w": torch.zeros(4)})
     manager = CheckpointManager(
         load_config(None, [f"run_dir={tmp_path}", "rollout.staleness=1"]), None, None, stale

@@ -7,11 +7,10 @@ import math
 import pytest
 import torch
 
-from moe_rl.corrections import dvp, importance, trm
+from moe_rl.corrections import corrected_loss, dvp, importance, trm
 from moe_rl.corrections.correction_specs import ImportanceSpec
 from moe_rl.corrections.derived import derive_metrics
 from moe_rl.corrections.importance import is_weights
-from moe_rl.maths import losses
 from moe_rl.metrics import merge_metrics, reduce_metrics
 from moe_rl.names import RS_AGGREGATION_NAMES
 
@@ -54,4 +53,4 @@ def test_package_surface():
     assert set(importance.RS_AGGREGATIONS) == set(RS_AGGREGATION_NAMES)  # the names moe_rl.config checks
     assert trm.LENGTH_NEUTRAL == ("none", "ln", "ser")
     assert trm.TRM_REFERENCES == ("theta", "old")
-    assert losses.BYPASS_MODES == ("ppo_clip", "reinforce")
+    assert corrected_loss.BYPASS_MODES == ("ppo_clip", "reinforce")

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from moe_rl.corrections import importance
+from moe_rl.corrections import corrected_loss, importance
 from moe_rl.corrections.correction_specs import CorrectionSpec, ImportanceSpec, parse_rs_spec
 from moe_rl.corrections.derived import derive_metrics
 from moe_rl.corrections.importance import (
@@ -18,7 +18,7 @@ from moe_rl.corrections.importance import (
     offpolicy_metrics,
     rejection_mask,
 )
-from moe_rl.maths import losses, ratios
+from moe_rl.maths import ratios
 from moe_rl.maths.policy_specs import PolicyLossSpec
 from moe_rl.metrics import merge_metrics, reduce_metrics
 
@@ -56,7 +56,7 @@ def _unchecked(spec, **fields):
 
 @pytest.mark.unit
 def test_log_ratio_is_reused_not_duplicated():
-    assert importance.log_ratio is losses.log_ratio is ratios.log_ratio
+    assert importance.log_ratio is corrected_loss.log_ratio is ratios.log_ratio
     assert importance.SAFETY_BOUND == ratios.SAFETY_BOUND == 20.0
 
 
@@ -418,7 +418,7 @@ def test_glue_and_bypass_paths_weight_sequences_exactly():
     assert corr.is_weights_BS[0, :2].tolist() == pytest.approx([math.exp(0.5)] * 2, rel=1e-6)
     logp = train.clone().requires_grad_(True)
     bypass = CorrectionSpec(mode="bypass", bypass_loss="reinforce", is_level="sequence", is_clip=1e6)
-    _, metrics = losses.bypass_loss(
+    _, metrics = corrected_loss.bypass_loss(
         PolicyLossSpec(), bypass, logp, roll, torch.ones(1, 3), mask, normalizer=2.0
     )
     assert float(metrics["corr/is_max"].value) == pytest.approx(math.exp(0.5), rel=1e-6)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_rl.rollout.remote import DELAY_ENV
+from moe_rl.pipeline.weight_sync import DELAY_ENV
 from tests.cli_helpers import TINY
 from tests.e2e.helpers import metrics, moe_rl
 

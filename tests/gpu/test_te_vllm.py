@@ -117,6 +117,7 @@ def test_vllm_generate_routes_pass_ingest(tmp_path):
     assert batch.num_seqs == 8 and torch.isfinite(batch.logprobs_BS).all()
     assert (batch.logprobs_BS[batch.response_mask_BS] <= 0).all()
     rollout_routes(batch, RouteHeader.for_model(model))  # strict ingest: shapes, ids, no all-zero layer
+    engine.sleep()  # as the offload timeline's after_generate does; generate wakes what it needs
     again = engine.generate(
         [[5, 6, 7], [8, 9]], 4, SamplingParams(max_new_tokens=8, stop_token_ids=(3,)), seed=1
     )

@@ -153,13 +153,13 @@ class _StartingEngine:
 
 
 def _engine_start(learner) -> dict:
-    """trainer.start_engine with offload: the engine starts while every offloaded storage holds 0
-    bytes, gets the learner's weights as host copies, and the learner is whole again after."""
-    from moe_rl.trainer import start_engine
+    """OffloadTimeline.start_engine with offload: the engine starts while every offloaded storage
+    holds 0 bytes, gets the learner's weights as host copies, and the learner is whole again after."""
+    from moe_rl.pipeline.offload_timeline import OffloadTimeline
 
     engine, want = _StartingEngine(learner), learner.export_canonical()
     before = sum(_resident(learner).values())
-    start_engine(engine, learner, True)
+    OffloadTimeline(engine, learner, True).start_engine()
     named = engine.seen["named"]
     return {
         "resident_during": engine.seen["resident"],

@@ -20,8 +20,9 @@ from click.testing import CliRunner
 from moe_rl.cli import main
 from moe_rl.config import RoutingConfig, RunConfig, to_yaml
 from moe_rl.report import data
-from moe_rl.report.data import ReportError, load_run
+from moe_rl.report.data import load_run
 from moe_rl.report.render import write_report
+from moe_rl.report.run_files import ReportError
 
 LAYERS = (0, 1, 2)
 # the start / final reward definitions, as the report prints them

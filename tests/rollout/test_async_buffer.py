@@ -1,4 +1,4 @@
-"""rollout.mode=async, the learner side (moe_rl/rollout/asynchronous.py): which request a step
+"""rollout.mode=async, the learner side (moe_rl/pipeline/request_buffer.py): which request a step
 trains on (the first the staleness filter keeps whole), what is dropped and counted, where it
 gives up; the buffer bound and the checkpoint schedule both roles share."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from moe_rl.metrics import reduce_metrics
-from moe_rl.rollout.asynchronous import StaleRequests, buffer_bound, checkpoint_due, drop_limit, take_fresh
+from moe_rl.pipeline.request_buffer import StaleRequests, buffer_bound, checkpoint_due, drop_limit, take_fresh
 
 pytestmark = pytest.mark.unit
 

@@ -24,7 +24,7 @@ HOLD_S = 0.2  # rank 2 stages each sync this late
 def _rollout(place, rank: int) -> list[tuple[int, int]]:
     import torch.distributed as dist
 
-    from moe_rl.rollout.asynchronous import BackgroundWeights
+    from moe_rl.pipeline.weight_sync import BackgroundWeights
 
     src = BackgroundWeights(place.sync, 0, LAST, group=dist.group.WORLD)  # the rollout ranks' world
     if rank == 2:
@@ -54,8 +54,8 @@ def _rollout(place, rank: int) -> list[tuple[int, int]]:
 
 
 def _worker(rank: int):
-    from moe_rl.placement import init_placement
-    from moe_rl.weights.broadcast import broadcast_weights
+    from moe_rl.pipeline.placement import init_placement
+    from moe_rl.pipeline.weight_broadcast import broadcast_weights
 
     place = init_placement(3, 2, "gloo", datetime.timedelta(seconds=120))
     if rank > 0:

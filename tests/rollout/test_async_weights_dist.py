@@ -48,11 +48,11 @@ class _Gate:
 
 def _rollout(place) -> dict:
     from moe_rl.maths.versions import weight_version
-    from moe_rl.rollout.asynchronous import BackgroundWeights
+    from moe_rl.pipeline.weight_broadcast import receive_weights
+    from moe_rl.pipeline.weight_sync import BackgroundWeights
     from moe_rl.rollout.base import ScheduledUpdates
     from moe_rl.rollout.builtin import BuiltinEngine
     from moe_rl.types import SamplingParams
-    from moe_rl.weights.broadcast import receive_weights
 
     sampling = SamplingParams(max_new_tokens=8)
     engine = BuiltinEngine(MODEL, dtype="fp32", pad_id=0)
@@ -84,8 +84,8 @@ def _rollout(place) -> dict:
 
 
 def _worker(rank: int):
-    from moe_rl.placement import init_placement
-    from moe_rl.weights.broadcast import broadcast_weights
+    from moe_rl.pipeline.placement import init_placement
+    from moe_rl.pipeline.weight_broadcast import broadcast_weights
 
     place = init_placement(2, 1, "gloo", datetime.timedelta(seconds=120))
     if rank == 1:

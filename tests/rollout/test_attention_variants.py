@@ -11,13 +11,8 @@ import pytest
 import torch
 
 from moe_rl.config import ConfigError, ModelConfig
-from moe_rl.rollout.builtin_model import (
-    BuiltinMoEModel,
-    KVCache,
-    rope_frequencies,
-    rope_tables,
-    softmax_scale,
-)
+from moe_rl.rollout.builtin_model import BuiltinMoEModel, KVCache
+from moe_rl.rollout.builtin_rope import rope_frequencies, rope_tables, softmax_scale
 from moe_rl.weights.canonical import random_canonical_weights
 from tests.hf_reference import hf_common
 from tests.models import ODD_MLA_YARN, hf_tiny

@@ -12,7 +12,7 @@ import torch
 
 from moe_rl.config import load_config
 from moe_rl.errors import ConfigError
-from moe_rl.rollout.staleness import StaleWeights
+from moe_rl.pipeline.simulated_staleness import SimulatedStaleness
 from tests.dist_harness import run_ranks
 
 
@@ -22,7 +22,7 @@ def _set(v: float) -> dict[str, torch.Tensor]:
 
 @pytest.mark.unit
 def test_queue_serves_the_weights_of_k_steps_ago_and_the_first_k_steps_the_initial_ones():
-    stale = StaleWeights(2)
+    stale = SimulatedStaleness(2)
     served = [stale.push(_set(0.0))["a"][0].item()]  # W_0
     lags = []
     for t in range(5):
@@ -34,18 +34,18 @@ def test_queue_serves_the_weights_of_k_steps_ago_and_the_first_k_steps_the_initi
     assert served == [0.0, 0.0, 0.0, 1.0, 2.0, 3.0]
     assert lags == [0.0, 1.0, 2.0, 2.0, 2.0]
     # resume state: a fresh queue restored from it serves the same set next
-    again = StaleWeights(2)
+    again = SimulatedStaleness(2)
     again.load_state_dict(stale.state_dict(), torch.device("cpu"))
     assert again.resume_push(_set(5.0))["a"][0].item() == 3.0
     with pytest.raises(ValueError, match="do not end with the checkpoint's weights"):
         again.resume_push(_set(4.0))
     with pytest.raises(ValueError, match="rollout.staleness=2, this run has rollout.staleness=1"):
-        StaleWeights(1).load_state_dict(stale.state_dict(), torch.device("cpu"))
+        SimulatedStaleness(1).load_state_dict(stale.state_dict(), torch.device("cpu"))
 
 
 @pytest.mark.unit
 def test_staleness_zero_is_the_synced_path_without_copies():
-    stale, w = StaleWeights(0), _set(1.0)
+    stale, w = SimulatedStaleness(0), _set(1.0)
     assert stale.push(w) is w and stale.push(_set(2.0)) is not w  # the export itself, as before
     assert stale.metrics() == {} and stale.state_dict()["sets"] == []
     assert load_config(None).rollout.staleness == 0
@@ -66,7 +66,7 @@ def test_resume_without_the_stale_weight_sets_names_the_file(tmp_path):
     with pytest.raises(
         RunDirError, match=r"rollout.staleness=2 but .*stale_weights_step_000002.pt \(the engine's"
     ):
-        CheckpointManager(cfg, None, None, StaleWeights(2)).resume()
+        CheckpointManager(cfg, None, None, SimulatedStaleness(2)).resume()
 
 
 COMMON = [
@@ -100,12 +100,13 @@ def _worker(rank: int, root: str) -> list[dict]:
 
     from moe_rl import dist, trainer
     from moe_rl.learner.learner import Learner
+    from moe_rl.pipeline import engines  # where the trainer's engine is built
 
     dims, out = None, []
     real_export, real_stream, real_build = (
         Learner.export_canonical,
         Learner.iter_canonical_layers,
-        trainer.build_engine,
+        engines.build_engine,
     )
     for name, overrides in RUNS:
         exports, loads = [], []
@@ -139,11 +140,11 @@ def _worker(rank: int, root: str) -> list[dict]:
         if dims is None:
             dims = dist.init_distributed(cfg.parallel, cfg.seed)
         RouterReplay.clear_global_router_replay_instances()
-        Learner.export_canonical, Learner.iter_canonical_layers, trainer.build_engine = export, stream, build
+        Learner.export_canonical, Learner.iter_canonical_layers, engines.build_engine = export, stream, build
         try:
             trainer.train(cfg, dims)
         finally:
-            Learner.export_canonical, Learner.iter_canonical_layers, trainer.build_engine = (
+            Learner.export_canonical, Learner.iter_canonical_layers, engines.build_engine = (
                 real_export,
                 real_stream,
                 real_build,

@@ -1,4 +1,4 @@
-"""The weight broadcast's wire (moe_rl/weights/broadcast.py) on a split world of 2 gloo ranks
+"""The weight broadcast's wire (moe_rl/pipeline/weight_broadcast.py) on a split world of 2 gloo ranks
 (learner rank 0 the root, rollout rank 1), no megatron: bucketing gives the same bits at any
 bucket size with the bucket count the chunk sizes give, a wrong version and an aborted stream are
 one clear error each, and a root that stops mid-sync fails the receiver at the group's timeout
@@ -60,8 +60,8 @@ def _canonical_by_layer() -> list[dict[str, torch.Tensor]]:
 def _engine_dtype_wire(rank: int, sync) -> dict:
     """Root: the canonical model to a bf16 and to an fp32 engine. Receiver: a bf16 engine loaded
     from the stream against one loaded from the fp32 dict; what arrived for the fp32 engine."""
+    from moe_rl.pipeline.weight_broadcast import broadcast_weights, receive_weights
     from moe_rl.rollout.builtin import BuiltinEngine
-    from moe_rl.weights.broadcast import broadcast_weights, receive_weights
 
     chunks = _canonical_by_layer()
     if rank == 0:
@@ -117,8 +117,8 @@ def _raising(chunks, after: int):
 
 
 def _worker(rank: int):
-    from moe_rl.placement import init_placement
-    from moe_rl.weights.broadcast import (
+    from moe_rl.pipeline.placement import init_placement
+    from moe_rl.pipeline.weight_broadcast import (
         PendingWeights,
         WeightSender,
         WeightSyncError,

@@ -46,7 +46,7 @@ def _nll(mb, st, normalizer):
 
 def _learner_rank(dims, rank: int) -> dict:
     from moe_rl.learner.learner import Learner
-    from moe_rl.weights.broadcast import broadcast_weights
+    from moe_rl.pipeline.weight_broadcast import broadcast_weights
     from moe_rl.weights.canonical import random_canonical_weights
 
     learner = Learner(MODEL, PAR, OptimConfig(lr=1e-2), dims, random_canonical_weights(MODEL, seed=0))
@@ -83,8 +83,8 @@ def _learner_rank(dims, rank: int) -> dict:
 
 
 def _rollout_rank(dims) -> dict:
+    from moe_rl.pipeline.weight_broadcast import PendingWeights, WeightSyncError
     from moe_rl.rollout.builtin import BuiltinEngine
-    from moe_rl.weights.broadcast import PendingWeights, WeightSyncError
 
     engine = BuiltinEngine(MODEL, dtype="fp32", pad_id=0)
     pending = PendingWeights()

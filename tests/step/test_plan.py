@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from moe_rl.config import AlgoConfig, RunConfig, load_config
+from moe_rl.corrections.corrected_loss import PolicyLoss
 from moe_rl.corrections.correction_specs import ImportanceSpec, TrmSpec
 from moe_rl.learner.learner import UpdateOutput
 from moe_rl.maths import advantages
-from moe_rl.maths.losses import PolicyLoss
 from moe_rl.maths.policy_specs import AdvantageSpec, PolicyLossSpec
 from moe_rl.routing.agreement import RoutingOutcome
 from moe_rl.routing.replay_plan import ReplayMode, ReplayPlan

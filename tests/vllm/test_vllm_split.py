@@ -101,7 +101,7 @@ def test_async_split_vllm_trains_within_max_staleness_on_the_engines_token_versi
     require_vllm()
     import torch
 
-    from moe_rl.rollout.remote import DELAY_ENV
+    from moe_rl.pipeline.weight_sync import DELAY_ENV
     from moe_rl.rollout.vllm.env import FIRST_RANK_ROUTES_ENV
 
     run = tmp_path / "async"

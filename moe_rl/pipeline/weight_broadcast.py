@@ -1,6 +1,6 @@
 """The weight broadcast learner -> rollout ranks (``parallel.rollout_ranks``): the learner's
 canonical stream, a chunk (decoder layer) at a time, over the sync group (learner rank 0 is its
-root, group rank 0; moe_rl/placement.py). docs/design.md 15.2.
+root, group rank 0; moe_rl/pipeline/placement.py). docs/design.md 15.2.
 
 Wire format of one sync, every message a broadcast from the root (host tensors over gloo, device
 tensors over NCCL: untested on GPU):
@@ -49,7 +49,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_rl.errors import one_line
-from moe_rl.placement import Group
+from moe_rl.pipeline.placement import Group
 from moe_rl.rollout.base import RolloutEngine, engine_dtype
 
 MAGIC = 0x4D4F4557  # "MOEW": a frame, not bytes of something else

@@ -1,7 +1,9 @@
-"""``rollout.mode=async`` (docs/design.md 15.3): the pieces both roles share.
+"""The async request buffer and its staleness filter (``rollout.mode=async``, docs/design.md 15.3):
+the pieces both roles share.
 
 Rollout ranks generate request after request (a request: one data-parallel rank's prompts and seed
-of one step index, numbered per dp rank from 0) with ``BackgroundWeights`` as the engine's
+of one step index, numbered per dp rank from 0) with ``BackgroundWeights`` (``weight_sync.py``) as
+the engine's
 ``UpdateSource``: the learner's syncs are received in a background thread and applied between
 decode steps, so the tokens after a sync carry its version. Each finished request is sent to its
 learner ranks at once; at most ``buffer_bound`` sends per dp rank are unreceived (the buffer).
@@ -12,7 +14,8 @@ taken. With the built-in engine every sequence of a request starts at the same p
 request's oldest token version is shared by all of its sequences and the filter keeps or drops it
 whole anyway; dropping whole requests keeps every dp rank at a full step's worth of groups, so
 ``algo.num_minibatches`` splits every step's batch as the config check guarantees and the ranks run
-the same number of optimizer steps.
+the same number of optimizer steps. The filter (``staleness_filter``) is built on the pure
+version maths of ``moe_rl/maths/versions.py``.
 
 Checkpoints: when a rollout rank applies the sync that precedes a checkpoint it sends a ``Fence``
 to every learner rank it serves; the learner receives up to the fence and saves those finished
@@ -22,17 +25,13 @@ run generates it again (with other weights: async is not bit-for-bit determinist
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
-from moe_rl.maths.versions import staleness_filter, weight_version
-from moe_rl.metrics import Mean, Sum
-from moe_rl.placement import Group
-from moe_rl.weights.broadcast import PendingWeights
+from moe_rl.maths.versions import lag_BS
+from moe_rl.metrics import Mean, MetricValue, Sum
 
 RESUME_TAG = 2  # the bridge's tag for a resumed learner's next request index (learner -> rollout)
 CHOICE_TAG = (
@@ -72,6 +71,37 @@ class Fence:
     step: int
 
 
+def staleness_filter(
+    version_BS: torch.Tensor,
+    response_mask_BS: torch.Tensor,
+    learner_version: int,
+    max_staleness: int,
+    group_B: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, MetricValue]]:
+    """Which samples a learner at ``learner_version`` may train on (``rollout.max_staleness``).
+
+    A sample with ANY generated token more than ``max_staleness`` versions old is stale. With
+    ``group_B`` (GRPO / RLOO / OTB groups) a group with a stale member is dropped whole: the
+    advantage estimators normalise over complete groups (``moe_rl.maths.advantages``), and a
+    group cut down to its fresh members would get another baseline than the one it was sampled for
+    (a group of one gets advantage 0).
+
+    Returns:
+        keep_B: bool [B]. metrics: ``rollout/dropped_stale`` (Sum, samples dropped, group-mates
+        included) and ``rollout/dropped_stale_frac`` (Mean over samples).
+    """
+    if max_staleness < 0:
+        raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
+    stale_B = (lag_BS(version_BS, response_mask_BS, learner_version) > max_staleness).any(1)
+    if group_B is not None:
+        _, index_B = torch.unique(group_B, return_inverse=True)
+        stale_G = torch.zeros(int(index_B.max()) + 1 if index_B.numel() else 0, device=stale_B.device)
+        stale_B = stale_G.index_add_(0, index_B, stale_B.float())[index_B] > 0
+    dropped = stale_B.double().sum()
+    n = torch.tensor(float(stale_B.shape[0]), dtype=torch.float64, device=stale_B.device)
+    return ~stale_B, {"rollout/dropped_stale": Sum(dropped), "rollout/dropped_stale_frac": Mean(dropped, n)}
+
+
 class StaleRequests(RuntimeError):
     """More consecutive stale requests than ``drop_limit`` allows."""
 
@@ -108,70 +138,3 @@ def take_fresh(
         f"rollout.max_staleness={max_staleness}: data-parallel rank {dp_rank} dropped {limit + 1} stale "
         f"requests in a row at learner version {learner_version} (at most {limit} can predate its last sync)"
     )
-
-
-class BackgroundWeights:
-    """A rollout rank's ``UpdateSource`` (async): a thread of its own receives sync after sync over
-    the sync group into ``PendingWeights`` until update ``last`` (the run's final weights), so the
-    learner's next broadcast finds a receiver whatever this rank's main thread is doing (generating,
-    waiting for buffer room, or for its engine's first rank). ``poll`` (the engine's, between decode
-    steps) hands over the newest complete one as (weight version, named tensors); ``tick`` moves a
-    completed receive into ``staged`` and raises the thread's error.
-
-    ``group``: the ranks of one tensor-parallel engine (vLLM TP > 1), each with its own receive.
-    Each shard must take an update at the same engine step, so their polls (made at the same steps:
-    the ranks run one schedule) hand an update over only when every rank of the group has the same
-    newest one staged (``_all_hold``); until then each keeps what it has staged. A rank can be at
-    most one sync ahead (a broadcast ends only once every receiver has taken the one before), so
-    they meet at a later poll."""
-
-    def __init__(self, sync: Group, applied: int, last: int, group=None) -> None:
-        self.sync, self.applied, self.last = sync, applied, last  # applied: updates the engine holds
-        self.group = group
-        self.pending = PendingWeights()
-        self.staged: tuple[int, dict] | None = None
-        self.error: BaseException | None = None
-        self.thread = None
-        if applied < last:
-            self.thread = threading.Thread(target=self._receive, name="weight-receive", daemon=True)
-            self.thread.start()
-
-    def _receive(self) -> None:
-        try:
-            while self.pending.receive(self.sync) < self.last:
-                pass
-        except BaseException as e:  # raised in the main thread at its next tick
-            self.error = e
-
-    def tick(self) -> None:
-        if self.error is not None:
-            raise self.error
-        staged = self.pending.take()
-        if staged is not None:
-            self.staged = staged  # newest wins: an engine may skip a version, never go back
-
-    def poll(self) -> tuple[int, dict] | None:
-        self.tick()
-        newest = self.staged[0] if self.staged is not None else self.applied
-        if self.group is not None and not _all_hold(self.group, newest):
-            return None
-        if self.staged is None:
-            return None
-        (updates, named), self.staged = self.staged, None
-        if updates <= self.applied:
-            raise RuntimeError(f"weight sync of update {updates} after update {self.applied}: out of order")
-        self.applied = updates
-        return weight_version(updates), named
-
-    @property
-    def final(self) -> bool:
-        """The engine holds the run's final weights (the learner trains no more)."""
-        return self.applied >= self.last
-
-
-def _all_hold(group, newest: int) -> bool:
-    """Every rank of ``group`` has ``newest`` as its newest update (min == max over the group)."""
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
-    both = torch.tensor([newest, -newest], dtype=torch.int64, device=device)
-    dist.all_reduce(both, op=dist.ReduceOp.MIN, group=group)
-    return int(both[0]) == -int(both[1])

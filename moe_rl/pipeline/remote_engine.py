@@ -1,16 +1,17 @@
 """The learner side of ``parallel.rollout_ranks`` (docs/design.md 15): ``RemoteEngine`` stands in
 for the engine on learner ranks, so the training loop runs unchanged. ``generate`` receives this
 data-parallel rank's batch from the rollout rank that serves it (over the bridge), checks it
-answers this step's prompts and seed, and hands it on; ``load_weights`` broadcasts the learner's
-canonical chunks to the rollout ranks (learner rank 0) or consumes them in step (the gather is
-collective over the learner ranks). The rollout ranks' loop is ``moe_rl/rollout_loop.py``.
+answers this step's prompts and seed, and hands it on. The weight broadcast to the rollout ranks
+is the sync owner's (``moe_rl/pipeline/weight_sync.py``), which tells this engine each version it
+synced (``synced``). The rollout ranks' loop is ``moe_rl/pipeline/rollout_ranks.py``. What the
+schedule asks (one batch ahead, a request buffer, per-token versions) is the ``Schedule``'s.
 
 One-step-off: the batch of step t + 1 is generated while the learner trains step t, so it is in
 flight at a checkpoint; ``take_in_flight`` receives it so the checkpoint can hold it, and
 ``resume`` hands the saved one back as the first step's batch (it was generated with weights the
 checkpoint no longer has).
 
-Async (``moe_rl/rollout/asynchronous.py``): ``request_for`` takes the dp rank's next request the
+Async (``moe_rl/pipeline/request_buffer.py``): ``request_for`` takes the dp rank's next request the
 staleness filter keeps (the step trains on that request's prompts and seed), ``generate`` hands it
 on with the engine's per-token versions; ``take_buffered`` receives, at a checkpoint, every
 finished request up to the rollout rank's fence, and ``resume`` queues the saved ones first and
@@ -20,24 +21,19 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 from dataclasses import dataclass
 
 import torch
 
+from moe_rl.config import Schedule
 from moe_rl.maths.versions import weight_version
 from moe_rl.metrics import Max, Sum
-from moe_rl.placement import exchange_dp_ranks
-from moe_rl.rollout.asynchronous import RESUME_TAG, Fence, drop_limit, take_fresh
-from moe_rl.rollout.base import Weights, weight_chunks
+from moe_rl.pipeline.placement import exchange_dp_ranks
+from moe_rl.pipeline.request_buffer import RESUME_TAG, Fence, drop_limit, take_fresh
 from moe_rl.types import RolloutBatch, SamplingParams, with_version
-from moe_rl.weights.broadcast import SYNC_METRICS, broadcast_weights
 
 BATCH_TAG = 1  # the bridge's tag for batches (rollout -> learner)
-# tests only: seconds the learner sleeps before each weight sync (async: lets the rollout ranks run
-# ahead deterministically enough that batches arrive stale)
-DELAY_ENV = "MOE_RL_TEST_LEARNER_DELAY_S"
 log = logging.getLogger(__name__)
 
 
@@ -67,21 +63,13 @@ class RolloutMessage:
 
 
 class RemoteEngine:
-    """``RolloutEngine`` on a learner rank of a split world (see the module docstring)."""
+    """``generate`` on a learner rank of a split world (see the module docstring); its weights
+    are ``WeightSync``'s to send."""
 
-    def __init__(
-        self,
-        dims,
-        engine_tp: int = 1,
-        mode: str = "sync",
-        max_staleness: int = 0,
-        engine_dtype: torch.dtype | None = None,
-    ) -> None:
+    def __init__(self, dims, schedule: Schedule, engine_tp: int = 1) -> None:
         p = dims.placement
-        self.mode, self.max_staleness = mode, max_staleness
-        self.engine_dtype = engine_dtype  # the rollout engines' (rollout.dtype): the wire's
-        self.ahead = mode == "one_step_off"  # the next step's batch is in flight at a checkpoint
-        self.bridge, self.sync, self.dp_rank = p.bridge, p.sync, dims.dp_rank
+        self.schedule, self.max_staleness = schedule, schedule.max_staleness
+        self.bridge, self.dp_rank = p.bridge, dims.dp_rank
         exchange_dp_ranks(self.bridge, dims.dp_rank)  # the rollout ranks learn where batches go
         self.src = self.bridge.members.index(p.split.server(dims.dp_rank, engine_tp))
         self.version = -1  # the weight version last synced (= the step the learner is at)
@@ -93,7 +81,6 @@ class RemoteEngine:
         self.next_request = 0
         self.taken: tuple[RolloutMessage, dict, float] | None = None
         self.restored: dict = {}
-        self.delay_s = float(os.environ.get(DELAY_ENV, "0"))
         self.resume_works: list = []
 
     def resume(self, start: int, in_flight: RolloutMessage | None, buffered: dict | None = None) -> None:
@@ -122,21 +109,9 @@ class RemoteEngine:
             # works are kept: a gloo send whose work is dropped never arrives)
             self.resume_works = self.bridge.send_object(self.next_request, self.src, RESUME_TAG)
 
-    def load_weights(self, weights: Weights) -> dict[str, Max]:
-        """The weight broadcast (learner rank 0 its root); returns the sync's metrics
-        (docs/design.md 15.2) as maxima over the data-parallel ranks: the root's values, zeros on
-        the other learner ranks, which only feed the stream's gathers."""
-        chunks = weight_chunks(weights)
-        if self.delay_s and self.next_version > 0:
-            time.sleep(self.delay_s)
-        if self.sync is not None:  # learner rank 0: the broadcast's root
-            m = broadcast_weights(chunks, self.sync, self.next_version, engine=self.engine_dtype)
-        else:
-            for _ in chunks:  # the gather is collective over the learner ranks
-                pass
-            m = dict.fromkeys(SYNC_METRICS, 0.0)
+    def synced(self) -> None:
+        """The sync owner broadcast the next version (``moe_rl/pipeline/weight_sync.py``)."""
         self.version, self.next_version = self.next_version, self.next_version + 1
-        return {k: Max(torch.tensor(float(m[k]), dtype=torch.float64)) for k in SYNC_METRICS}
 
     def _receive(self) -> RolloutMessage:
         return self.bridge.recv_object(self.src, BATCH_TAG)
@@ -144,7 +119,7 @@ class RemoteEngine:
     def take_in_flight(self) -> RolloutMessage | None:
         """The next step's batch, received now (one-step-off: the rollout rank has sent it); None
         when nothing is in flight (sync)."""
-        if self.ahead and self.pending is None:
+        if self.schedule.runs_ahead and self.pending is None:
             self.pending = self._receive()
         return self.pending
 
@@ -180,7 +155,7 @@ class RemoteEngine:
     def request_for(self, step: int) -> int:
         """The step index whose prompts and seed step ``step`` trains on: ``step``, or (async) that
         of the dp rank's next request the staleness filter keeps (stale ones are dropped)."""
-        if self.mode != "async":
+        if not self.schedule.picks_requests:
             return step
         t0 = time.perf_counter()
         for w in self.resume_works:  # the rollout rank took it after the first sync
@@ -196,13 +171,14 @@ class RemoteEngine:
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams, seed: int) -> RolloutBatch:
         t0 = time.perf_counter()
         extra: dict = {}
-        if self.mode == "async":
+        buffered = self.schedule.buffers_requests
+        if buffered:
             (msg, extra, waited), self.taken = self.taken, None
             extra, self.restored = {**extra, **self.restored}, {}
         else:
             msg, self.pending = self.pending or self._receive(), None
             waited = time.perf_counter() - t0
-        expected = msg.step if self.mode == "async" else self.version
+        expected = msg.step if buffered else self.version
         got = (msg.step, msg.dp_rank, msg.seed, msg.n, msg.prompts)
         if got != (expected, self.dp_rank, seed, n, prompts):
             raise RuntimeError(
@@ -213,12 +189,12 @@ class RemoteEngine:
         lag = self.version - msg.version
         metrics = {
             # async: the lag of the request's prefill, the most over the dp ranks (they differ)
-            "rollout/version_lag": Max(torch.tensor(float(lag))) if self.mode == "async" else float(lag),
+            "rollout/version_lag": Max(torch.tensor(float(lag))) if buffered else float(lag),
             "time/wait_batch_s": Max(torch.tensor(waited)),
             **{k: Max(torch.tensor(v)) for k, v in msg.waits.items()},
             **extra,
         }
-        if self.mode == "async":  # the engine's per-token versions (in-flight updates move them)
+        if self.schedule.engine_stamps_versions:  # in-flight updates move them
             return dataclasses.replace(msg.batch, engine_metrics=metrics)
         # version_BS: the weights the batch was generated with (W_u is version u + 1, docs/math.md 2.7)
         batch = with_version(dataclasses.replace(msg.batch, version_BS=None), weight_version(msg.version))

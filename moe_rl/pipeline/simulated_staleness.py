@@ -28,13 +28,13 @@ Named = dict[str, torch.Tensor]
 logger = logging.getLogger(__name__)
 
 
-class StaleWeights:
+class SimulatedStaleness:
     def __init__(self, staleness: int, remote: bool = False) -> None:
         if staleness < 0:
             raise ValueError(f"rollout.staleness must be >= 0, got {staleness}")
         self.k = staleness
         # parallel.rollout_ranks: the rollout ranks stamp each batch with the version of the weights
-        # they generated it with (moe_rl/rollout/remote.py); k is 0 there
+        # they generated it with (moe_rl/pipeline/remote_engine.py); k is 0 there
         self.remote = remote
         self.sets: deque[Named] = deque(maxlen=staleness + 1)  # oldest first; the newest is the learner's
 

@@ -2,8 +2,9 @@
 generate each served data-parallel rank's batch exactly as a colocated engine would (the same
 prompts and seed), send it to every learner rank of that dp rank, repeat.
 
-Rollout rank j serves the learner dp ranks d with d % engines == j (``Split.server``). The loop's
-schedule is ``rollout.mode``'s:
+Rollout rank j serves the learner dp ranks d with d % engines == j (``Split.server``). The loop
+follows the run's ``Schedule`` (``moe_rl/config/schedule.py``); the weights come through
+``RolloutRankWeights`` (``weight_sync.py``):
 
 - sync: batch t is generated with W_t, after the learner's sync of W_t;
 - one_step_off: batch t + 1 is generated with W_t while the learner trains step t (batch 0 with
@@ -14,7 +15,7 @@ schedule is ``rollout.mode``'s:
   (with more steps) starts from it, exactly as the uninterrupted run would have.
 
 - async: request after request with in-flight weight updates, a bounded number unreceived per dp
-  rank (moe_rl/rollout/asynchronous.py; docs/design.md 15.3).
+  rank (request_buffer.py; docs/design.md 15.3).
 
 The step a run starts at is the version of the first weight sync (a resume's checkpoint step)."""
 
@@ -25,24 +26,17 @@ import queue
 import threading
 import time
 
-from moe_rl.config import RunConfig
+from moe_rl.config import RunConfig, Schedule
 from moe_rl.dist import ParallelDims
-from moe_rl.maths.versions import weight_version
-from moe_rl.placement import exchange_dp_ranks
-from moe_rl.rollout.asynchronous import (
-    CHOICE_TAG,
-    RESUME_TAG,
-    BackgroundWeights,
-    Fence,
-    buffer_bound,
-    checkpoint_due,
-)
+from moe_rl.pipeline.offload_timeline import OffloadTimeline
+from moe_rl.pipeline.placement import exchange_dp_ranks
+from moe_rl.pipeline.remote_engine import BATCH_TAG, RolloutMessage
+from moe_rl.pipeline.request_buffer import CHOICE_TAG, RESUME_TAG, Fence, buffer_bound, checkpoint_due
+from moe_rl.pipeline.weight_sync import BackgroundWeights, RolloutRankWeights
 from moe_rl.rollout.factory import build_engine, engine_tp
-from moe_rl.rollout.remote import BATCH_TAG, RolloutMessage
 from moe_rl.seeding import GENERATE, step_seed
 from moe_rl.step.plan import StepPlan
 from moe_rl.tasks.task import Task, build_task
-from moe_rl.weights.broadcast import receive_weights
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +46,8 @@ class _Server:
 
     def __init__(self, cfg: RunConfig, dims: ParallelDims, task: Task) -> None:
         p, tp = dims.placement, engine_tp(cfg)
-        self.cfg, self.task, self.bridge, self.sync = cfg, task, p.bridge, p.sync
+        self.cfg, self.task, self.bridge = cfg, task, p.bridge
+        self.schedule = Schedule.from_config(cfg)
         dp_of = exchange_dp_ranks(self.bridge, -1)  # every world rank's learner dp rank
         me, engines, self.dp = p.split.role_rank(p.rank), p.split.engines(tp), cfg.data_parallel
         self.sends = me % tp == 0  # an engine's first rank sends; its TP peers only generate
@@ -62,25 +57,18 @@ class _Server:
         self.dests = {d: [r for r, x in enumerate(dp_of) if x == d] for d in self.served}
         self.sampling = StepPlan.from_config(cfg, task.tokenizer.eos_ids).sampling
         self.engine = build_engine(cfg, task.tokenizer.pad_id, dims.device)
-        self.engine_group = (
-            self.engine.group if tp > 1 else None
-        )  # vLLM's TP group (its ranks agree on updates)
-        self.version = -1
+        engine_group = self.engine.group if tp > 1 else None  # vLLM's TP group (its ranks agree on updates)
+        self.weights = RolloutRankWeights(self.schedule, p.sync, self.engine, engine_group)
+        self.timeline = OffloadTimeline(self.engine)  # no learner here: the engine sleeps between calls
+
+    @property
+    def version(self) -> int:
+        """The learner update the engine holds (the step a run starts at, after the first sync)."""
+        return self.weights.version
 
     def load(self) -> float:
         """Join the next weight sync and apply it (never while sampling); seconds waited + applied."""
-        t0 = time.perf_counter()
-        version, chunks = receive_weights(self.sync)
-        if self.version >= 0 and version != self.version + 1:
-            raise RuntimeError(
-                f"weight sync of version {version} after version {self.version}: one was missed"
-            )
-        if self.cfg.rollout.mode == "async":  # the engine stamps its tokens with it
-            self.engine.load_weights(chunks, version=weight_version(version))
-        else:
-            self.engine.load_weights(chunks)
-        self.version = version
-        return time.perf_counter() - t0
+        return self.weights.receive()
 
     def generate(self, step: int, waited_s: float) -> list[RolloutMessage]:
         """Step ``step``'s batch of every served dp rank, with the weights loaded now."""
@@ -106,7 +94,8 @@ class _Server:
             )
             # every sequence's first token comes from the prefill: the oldest version of the request
             version = int(batch.version_BS[batch.response_mask_BS].min()) - 1
-            self.version = updates.applied
+            self.weights.version = updates.applied
+        self.timeline.after_generate()
         waits = {**waits, "time/rollout_generate_s": time.perf_counter() - t0}
         return RolloutMessage(step, d, seed, prompts, r.samples_per_prompt, version, batch, waits)
 
@@ -184,7 +173,7 @@ def _room(
 
 
 def _serve_async(s: _Server) -> None:
-    """rollout.mode=async (moe_rl/rollout/asynchronous.py): request after request, round robin over
+    """rollout.mode=async (moe_rl/pipeline/request_buffer.py): request after request, round robin over
     the served dp ranks that have buffer room, weights applied between decode steps; a fence to
     every served dp rank after the sync that precedes a checkpoint; stop at the final weights."""
     cfg, start = s.cfg, s.version
@@ -199,7 +188,7 @@ def _serve_async(s: _Server) -> None:
                     f"the learner ranks of data-parallel rank {d} resume at requests {sorted(got)}"
                 )
             nxt[d] = got.pop()
-    updates = BackgroundWeights(s.sync, start, cfg.steps, group=s.engine_group)
+    updates = s.weights.background(cfg.steps)
     bound, out = buffer_bound(cfg.rollout.max_staleness), {d: _Outbox() for d in s.served}
     turn = 0
     while True:
@@ -239,9 +228,9 @@ def serve_rollouts(cfg: RunConfig, dims: ParallelDims, task: Task | None = None)
     s = _Server(cfg, dims, task)
     waited = s.load()
     start = s.version
-    if cfg.rollout.mode == "async":
+    if s.schedule.buffers_requests:
         return _serve_async(s)
-    if cfg.rollout.mode == "sync":
+    if not s.schedule.runs_ahead:
         for step in range(start, cfg.steps):
             works = s.send(s.generate(step, waited))
             waited = s.load()  # the learner broadcasts W_{step+1} after it took the batch and updated

@@ -1,0 +1,212 @@
+"""The learner -> engine weight sync, one owner per side (issue 41; docs/design.md 14.3, 15.2).
+
+``WeightSync`` (learner ranks) decides what is sent and how, for every schedule: colocated, the
+engine in this process loads the learner's canonical stream (one layer gathered at a time;
+``moe_rl/weights/stream.py``), or with ``rollout.staleness=k`` the kept weight set of k updates
+ago (``SimulatedStaleness``: whole exports, the sets are copies); split, learner rank 0 broadcasts
+the stream to the rollout ranks (``weight_broadcast.py``) while the other learner ranks feed its
+gathers, and the ``RemoteEngine`` is told the version it synced.
+
+``RolloutRankWeights`` (rollout ranks) receives them: between generate calls (sync,
+one_step_off), or (async) in a background thread whose syncs the engine takes between decode
+steps (``BackgroundWeights``, the engine's ``UpdateSource``).
+
+The phases are methods (``first_sync``, ``sync``) so the step's order is changed in the loop and
+the offload timeline (``offload_timeline.py``), not here.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from moe_rl.config import RunConfig, Schedule
+from moe_rl.maths.versions import weight_version
+from moe_rl.metrics import Max
+from moe_rl.pipeline.offload_timeline import OffloadTimeline
+from moe_rl.pipeline.placement import Group
+from moe_rl.pipeline.simulated_staleness import SimulatedStaleness
+from moe_rl.pipeline.weight_broadcast import SYNC_METRICS, PendingWeights, broadcast_weights, receive_weights
+from moe_rl.rollout.base import ENGINE_DTYPES, Weights, weight_chunks
+
+# tests only: seconds the learner sleeps before each weight sync but the first (async: lets the
+# rollout ranks run ahead deterministically enough that batches arrive stale)
+DELAY_ENV = "MOE_RL_TEST_LEARNER_DELAY_S"
+
+
+class WeightSync:
+    """A learner rank's side of the sync (see the module docstring). ``engine``: the rank's
+    engine, or its ``RemoteEngine`` when split; ``learner``: anything with
+    ``iter_canonical_layers()`` and ``export_canonical()``."""
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        engine,
+        learner,
+        stale: SimulatedStaleness,
+        group: Group | None = None,
+        engine_dtype: torch.dtype | None = None,
+        timeline: OffloadTimeline | None = None,
+    ) -> None:
+        self.schedule, self.engine, self.learner, self.stale = schedule, engine, learner, stale
+        self.timeline = timeline or OffloadTimeline(engine)  # what wakes before the sync
+        self.group = group  # split: the sync group (learner rank 0 only; None on the others)
+        self.engine_dtype = engine_dtype  # split: the rollout engines' (rollout.dtype), the wire's
+        self.delay_s = float(os.environ.get(DELAY_ENV, "0")) if schedule.split else 0.0
+
+    @classmethod
+    def from_config(
+        cls,
+        cfg: RunConfig,
+        schedule: Schedule,
+        engine,
+        learner,
+        dims,
+        timeline: OffloadTimeline | None = None,
+    ) -> WeightSync:
+        stale = SimulatedStaleness(schedule.simulated_staleness, remote=schedule.split)
+        group = dims.placement.sync if schedule.split else None
+        return cls(schedule, engine, learner, stale, group, ENGINE_DTYPES[cfg.rollout.dtype], timeline)
+
+    def first_sync(self, resumed: bool) -> dict:
+        """Before the first rollout: the engine gets the start's (or the resumed step's) weights."""
+        return self.sync(resumed=resumed)
+
+    def sync(self, resumed: bool = False) -> dict:
+        """After the update: the engine gets the weights of the next rollout. Returns the sync's
+        metrics: a split run's broadcast (maxima over the dp ranks), none from an engine in this
+        process."""
+        self.timeline.before_sync()
+        weights = self.weights(resumed)
+        if self.schedule.split:
+            metrics = self.broadcast(weights)
+        else:
+            metrics = self.engine.load_weights(weights) or {}
+        self.timeline.after_sync()
+        return metrics
+
+    def weights(self, resumed: bool = False) -> Weights:
+        """On policy the learner's stream; with rollout.staleness=k the kept set of k updates ago
+        (the full export: the sets are copies)."""
+        if not self.stale.k:
+            return self.learner.iter_canonical_layers()
+        exported = self.learner.export_canonical()
+        return self.stale.resume_push(exported) if resumed else self.stale.push(exported)
+
+    def broadcast(self, weights: Weights) -> dict[str, Max]:
+        """Split: the weight broadcast (learner rank 0 its root); metrics (docs/design.md 15.2)
+        as maxima over the data-parallel ranks: the root's values, zeros on the other learner
+        ranks, which only feed the stream's gathers."""
+        remote = self.engine
+        chunks = weight_chunks(weights)
+        if self.delay_s and remote.next_version > 0:
+            time.sleep(self.delay_s)
+        if self.group is not None:  # learner rank 0: the broadcast's root
+            m = broadcast_weights(chunks, self.group, remote.next_version, engine=self.engine_dtype)
+        else:
+            for _ in chunks:  # the gather is collective over the learner ranks
+                pass
+            m = dict.fromkeys(SYNC_METRICS, 0.0)
+        remote.synced()
+        return {k: Max(torch.tensor(float(m[k]), dtype=torch.float64)) for k in SYNC_METRICS}
+
+
+class RolloutRankWeights:
+    """A rollout rank's side of the sync: ``receive`` joins the next broadcast and loads it into
+    ``engine`` (never while it samples); ``background`` starts the async receiver."""
+
+    def __init__(self, schedule: Schedule, group: Group, engine, engine_group=None) -> None:
+        self.schedule, self.group, self.engine, self.engine_group = schedule, group, engine, engine_group
+        self.version = -1  # the learner update the engine holds (-1: none yet)
+
+    def receive(self) -> float:
+        """Join the next weight sync and apply it; seconds waited + applied."""
+        t0 = time.perf_counter()
+        version, chunks = receive_weights(self.group)
+        if self.version >= 0 and version != self.version + 1:
+            raise RuntimeError(
+                f"weight sync of version {version} after version {self.version}: one was missed"
+            )
+        if self.schedule.engine_stamps_versions:  # the engine stamps its tokens with it
+            self.engine.load_weights(chunks, version=weight_version(version))
+        else:
+            self.engine.load_weights(chunks)
+        self.version = version
+        return time.perf_counter() - t0
+
+    def background(self, last: int) -> BackgroundWeights:
+        """Async: every sync after the one the engine holds, up to update ``last``, received in a
+        thread of its own and handed to the engine between decode steps."""
+        return BackgroundWeights(self.group, self.version, last, group=self.engine_group)
+
+
+class BackgroundWeights:
+    """A rollout rank's ``UpdateSource`` (async): a thread of its own receives sync after sync over
+    the sync group into ``PendingWeights`` until update ``last`` (the run's final weights), so the
+    learner's next broadcast finds a receiver whatever this rank's main thread is doing (generating,
+    waiting for buffer room, or for its engine's first rank). ``poll`` (the engine's, between decode
+    steps) hands over the newest complete one as (weight version, named tensors); ``tick`` moves a
+    completed receive into ``staged`` and raises the thread's error.
+
+    ``group``: the ranks of one tensor-parallel engine (vLLM TP > 1), each with its own receive.
+    Each shard must take an update at the same engine step, so their polls (made at the same steps:
+    the ranks run one schedule) hand an update over only when every rank of the group has the same
+    newest one staged (``_all_hold``); until then each keeps what it has staged. A rank can be at
+    most one sync ahead (a broadcast ends only once every receiver has taken the one before), so
+    they meet at a later poll."""
+
+    def __init__(self, sync: Group, applied: int, last: int, group=None) -> None:
+        self.sync, self.applied, self.last = sync, applied, last  # applied: updates the engine holds
+        self.group = group
+        self.pending = PendingWeights()
+        self.staged: tuple[int, dict] | None = None
+        self.error: BaseException | None = None
+        self.thread = None
+        if applied < last:
+            self.thread = threading.Thread(target=self._receive, name="weight-receive", daemon=True)
+            self.thread.start()
+
+    def _receive(self) -> None:
+        try:
+            while self.pending.receive(self.sync) < self.last:
+                pass
+        except BaseException as e:  # raised in the main thread at its next tick
+            self.error = e
+
+    def tick(self) -> None:
+        if self.error is not None:
+            raise self.error
+        staged = self.pending.take()
+        if staged is not None:
+            self.staged = staged  # newest wins: an engine may skip a version, never go back
+
+    def poll(self) -> tuple[int, dict] | None:
+        self.tick()
+        newest = self.staged[0] if self.staged is not None else self.applied
+        if self.group is not None and not _all_hold(self.group, newest):
+            return None
+        if self.staged is None:
+            return None
+        (updates, named), self.staged = self.staged, None
+        if updates <= self.applied:
+            raise RuntimeError(f"weight sync of update {updates} after update {self.applied}: out of order")
+        self.applied = updates
+        return weight_version(updates), named
+
+    @property
+    def final(self) -> bool:
+        """The engine holds the run's final weights (the learner trains no more)."""
+        return self.applied >= self.last
+
+
+def _all_hold(group, newest: int) -> bool:
+    """Every rank of ``group`` has ``newest`` as its newest update (min == max over the group)."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
+    both = torch.tensor([newest, -newest], dtype=torch.int64, device=device)
+    dist.all_reduce(both, op=dist.ReduceOp.MIN, group=group)
+    return int(both[0]) == -int(both[1])

@@ -1,0 +1,38 @@
+"""The step's schedule (moe_rl/config/schedule.py, issue 41): one typed object per run, built once
+from the config, answering every question the pipeline asks about it."""
+
+from __future__ import annotations
+
+import pytest
+
+from moe_rl.config import Schedule, ScheduleKind, load_config
+
+SPLIT = ["parallel.nproc=3", "parallel.rollout_ranks=1"]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("overrides", "kind", "answers"),
+    [
+        ([], ScheduleKind.COLOCATED_SYNC, (False, False, False, False, False)),
+        (SPLIT, ScheduleKind.SPLIT_SYNC, (True, False, False, False, False)),
+        ([*SPLIT, "rollout.mode=one_step_off"], ScheduleKind.ONE_STEP_OFF, (True, True, False, True, False)),
+        ([*SPLIT, "rollout.mode=async"], ScheduleKind.ASYNC, (True, False, True, True, True)),
+    ],
+)
+def test_schedule_answers_from_the_config(overrides, kind, answers):
+    s = Schedule.from_config(load_config(None, overrides))
+    assert s.kind is kind
+    got = (s.split, s.runs_ahead, s.buffers_requests, s.keeps_in_flight, s.updates_in_flight)
+    assert got == answers
+    # async alone: the engine stamps per-token versions and a step trains on the buffer's request
+    assert s.engine_stamps_versions == s.picks_requests == (kind is ScheduleKind.ASYNC)
+    assert s.mode == load_config(None, overrides).rollout.mode
+
+
+@pytest.mark.unit
+def test_schedule_carries_the_staleness_knobs_it_uses():
+    assert Schedule.from_config(load_config(None, ["rollout.staleness=2"])).simulated_staleness == 2
+    a = Schedule.from_config(load_config(None, [*SPLIT, "rollout.mode=async", "rollout.max_staleness=3"]))
+    assert a.max_staleness == 3
+    assert Schedule.from_config(load_config(None, [*SPLIT, "rollout.max_staleness=3"])).max_staleness == 0
