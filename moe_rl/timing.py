@@ -44,6 +44,7 @@ class MemoryTimeline:
 
     @contextmanager
     def span(self, name: str, step: int | None = None) -> Iterator[None]:
+        t0 = time.time()  # wall clock: scripts/gpu_smoke.sh's device samples are matched by time
         try:
             yield
         finally:
@@ -55,6 +56,8 @@ class MemoryTimeline:
                     "phase": name,
                     "peak_rss_gib": round(peak / 2**30, 4),
                     "rss_gib": round(rss / 2**30, 4),
+                    "t0": round(t0, 3),
+                    "t1": round(time.time(), 3),
                 }
             )
             self._flush()

@@ -18,7 +18,9 @@
 #                        parallel.offload_during_rollout on and off, if TE and vllm both import: the
 #                        device's peak memory (nvidia-smi, sampled every 200 ms) against `moe-rl
 #                        estimate` on this GPU's memory, step time, MFU, sync seconds
-# Then one summary table (scripts/gpu_smoke_summary.py). Untested on GPU: no GPU was lent yet.
+# Then one summary table (scripts/gpu_smoke_summary.py), and per run the device's peak in each phase
+# (train, sync, generate; nvidia-smi's samples inside the run's memory-timeline spans) beside the
+# estimate's (issue 41.6). Untested on GPU: no GPU was lent yet.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=${1:-}
@@ -40,14 +42,16 @@ run() {  # run LABEL CONFIG [overrides...]
   local label=$1 config=$2 rc; shift 2
   echo "=== $label: $config $*"
   # the device's used memory every 200 ms (vLLM's own pool included, which torch's counters miss)
-  nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -i 0 -lms 200 > "$OUT/$label.mem" &
+  # with its time, so the summary can match each sample to the run's phases (memory_timeline.jsonl)
+  nvidia-smi --query-gpu=timestamp,memory.used --format=csv,noheader,nounits -i 0 -lms 200 > "$OUT/$label.mem" &
   local sampler=$!
   timeout "$PER_RUN_TIMEOUT" $PY -m moe_rl.cli train "$config" run_dir="$OUT/$label" "$@" \
     > "$OUT/$label.log" 2>&1
   rc=$?
   kill "$sampler" 2>/dev/null; wait "$sampler" 2>/dev/null
   if [[ $rc -eq 0 ]]; then
-    sort -n "$OUT/$label.mem" | tail -n 1 > "$OUT/$label/device_peak_mib"
+    cut -d, -f2 "$OUT/$label.mem" | sort -n | tail -n 1 > "$OUT/$label/device_peak_mib"
+    cp "$OUT/$label.mem" "$OUT/$label/device_samples.csv"
     RUNS+=("$OUT/$label")
   else
     FAILED+=("$label (rc $rc): $(grep -E 'Error|error' "$OUT/$label.log" | tail -n 1 | cut -c1-300)")

@@ -5,8 +5,11 @@ memory (torch's allocator; and the device's own, from nvidia-smi, where the run 
 ``device_peak_mib`` file: vLLM's memory pool included) against ``moe-rl estimate``'s larger peak
 for this GPU (``--gpu-gib``), the weight sync's seconds, routing agreement (1 - routing/flip_router_frac),
 rollout-vs-learner k3 KL, and the mean
-reward of the first and last quarter of the steps. Pairs named X_off / X_r3 also get the r3/off
-step-time ratio. Exit 1 if a ``tiny_*`` run's reward did not rise. The arithmetic is
+reward of the first and last quarter of the steps. Then, per run with the device's samples
+(``device_samples.csv``: nvidia-smi's time and used MiB every 200 ms), each phase's device peak
+(train, sync, generate: the highest sample inside the run's memory-timeline spans of that phase)
+beside the estimate's peak of the phase (docs/design.md 14.2). Pairs named X_off / X_r3 also get
+the r3/off step-time ratio. Exit 1 if a ``tiny_*`` run's reward did not rise. The arithmetic is
 moe_rl.memory.summarize_run (unit-tested on CPU)."""
 
 from __future__ import annotations
@@ -14,10 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from datetime import datetime
 from pathlib import Path
 
 from moe_rl.config import load_config
 from moe_rl.memory import H100_BF16_DENSE_TFLOPS, estimate, summarize_run
+from moe_rl.memory.estimate import phase_peak_gib
+from moe_rl.memory.runs import SPANS_OF_PHASE, phase_device_peaks
 
 COLUMNS = (
     "run",
@@ -66,6 +72,31 @@ def row(run: Path, prompt_tokens: float, peak_tflops: float, gpu_gib: float) -> 
     ]
 
 
+def device_samples(path: Path) -> list[tuple[float, float]]:
+    """nvidia-smi's ``timestamp, memory.used`` CSV lines (local time, MiB) as (unix time, MiB)."""
+    out = []
+    for line in path.read_text().splitlines():
+        stamp, _, mib = line.rpartition(",")
+        if stamp.strip() and mib.strip():
+            out.append((datetime.strptime(stamp.strip(), "%Y/%m/%d %H:%M:%S.%f").timestamp(), float(mib)))
+    return out
+
+
+def phase_lines(run: Path, gpu_gib: float) -> str:
+    """``train 12.3 / 14.0, sync ...``: the device's peak per phase against the estimate's (GiB)."""
+    samples, timeline = run / "device_samples.csv", run / "memory_timeline.jsonl"
+    if not (samples.is_file() and timeline.is_file()):
+        return f"{run.name}: no device samples or memory timeline"
+    recs = [json.loads(x) for x in timeline.read_text().splitlines() if x.strip()]
+    measured = phase_device_peaks(recs, device_samples(samples))
+    est = estimate(load_config(run / "config.yaml"), gpu_gib)
+    cells = [
+        f"{p} {measured[p]:.1f} / {phase_peak_gib(est, p):.1f}" if p in measured else f"{p} n/a"
+        for p in SPANS_OF_PHASE
+    ]
+    return f"{run.name}: device peak / estimate per phase (GiB): {', '.join(cells)}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("run_dirs", nargs="+", type=Path)
@@ -80,6 +111,8 @@ def main() -> None:
     widths = [max(len(r[i]) for r in table) for i in range(len(COLUMNS))]
     for r in table:
         print("  ".join(c.rjust(w) for c, w in zip(r, widths)))
+    for run in a.run_dirs:
+        print(phase_lines(run, a.gpu_gib))
     for name, s in summaries.items():
         if name.endswith("_r3") and name[:-3] + "_off" in summaries:
             off = summaries[name[:-3] + "_off"]

@@ -201,9 +201,10 @@ def test_gpu_smoke_30b_slice_has_the_recipes_layer_shapes_and_fits_one_gpu_both_
     """configs/gpu_smoke_30b_slice.yaml (scripts/gpu_smoke.sh): Qwen3-30B-A3B's layer shapes in a
     few layers on the TE spec, vLLM with sleep level 1 and R3; its estimate fits one 80 GiB GPU
     with offload on and off; the smoke's summary prints the device peak, the estimate and the sync
-    seconds of a run dir (a synthetic one here)."""
+    seconds of a run dir (a synthetic one here), and each phase's device peak against the estimate's."""
     import json
     import sys
+    from datetime import datetime
 
     from moe_rl.config import to_yaml
     from moe_rl.memory import estimate
@@ -232,15 +233,42 @@ def test_gpu_smoke_30b_slice_has_the_recipes_layer_shapes_and_fits_one_gpu_both_
     ]
     (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     (run / "device_peak_mib").write_text("40960\n")
+    # per phase: nvidia-smi's samples (local time, MiB) matched to the memory timeline's spans; the
+    # last sample lies outside every span, the first inside the first sync's
+    spans = [
+        ("first sync", 99.0, 99.5),
+        ("rollout", 100.0, 101.0),
+        ("update", 101.0, 102.0),
+        ("sync", 102.0, 102.5),
+    ]
+    (run / "memory_timeline.jsonl").write_text(
+        "".join(json.dumps({"rank": 0, "phase": n, "t0": t0, "t1": t1}) + "\n" for n, t0, t1 in spans)
+    )
+    t_base = 1_780_000_000.0
+    samples = [(99.2, 30000), (100.5, 20480), (101.5, 51200), (102.2, 40960), (103.0, 61440)]
+    stamp = [datetime.fromtimestamp(t_base + t).strftime("%Y/%m/%d %H:%M:%S.%f")[:-3] for t, _ in samples]
+    (run / "device_samples.csv").write_text("".join(f"{x}, {mib}\n" for x, (_, mib) in zip(stamp, samples)))
+    timeline = [json.loads(x) for x in (run / "memory_timeline.jsonl").read_text().splitlines()]
+    for r in timeline:
+        r["t0"], r["t1"] = r["t0"] + t_base, r["t1"] + t_base
+    (run / "memory_timeline.jsonl").write_text("".join(json.dumps(r) + "\n" for r in timeline))
     summary = script_module("gpu_smoke_summary")
     old, sys.argv = sys.argv, ["gpu_smoke_summary.py", "--gpu-gib", "80", str(run)]
     try:
         summary.main()
     finally:
         sys.argv = old
-    header, line = capsys.readouterr().out.splitlines()[:2]
+    capsys_out = capsys.readouterr().out
+    header, line = capsys_out.splitlines()[:2]
     cells = dict(zip(header.split(), line.split()))
     assert (cells["device_GiB"], cells["est_GiB"], cells["sync_s"]) == ("40.0", f"{peaks[True]:.1f}", "0.62")
+    est = estimate(cfg, 80.0)
+    [phases] = [x for x in capsys_out.splitlines() if "per phase" in x]
+    assert phases == (
+        "slice30b_offload: device peak / estimate per phase (GiB): "
+        f"train 50.0 / {est['train_peak_gib']:.1f}, sync 40.0 / {est['sync_peak_gib']:.1f}, "
+        f"generate 20.0 / {est['rollout_peak_gib']:.1f}"
+    )
 
 
 @pytest.mark.unit

@@ -82,3 +82,37 @@ def summarize_run(
         q = max(1, len(rewards) // 4)
         out["reward_first"], out["reward_last"] = sum(rewards[:q]) / q, sum(rewards[-q:]) / q
     return out
+
+
+# the trainer's memory-timeline spans (moe_rl/timing.py) behind each device phase of the estimate
+# (moe_rl/memory/phases.py PEAK_PHASES; a colocated run has no async phase)
+SPANS_OF_PHASE = {
+    "train": ("old_logprob", "prepare", "reference", "update"),
+    "sync": ("first sync", "sync"),
+    "generate": ("rollout",),
+}
+
+
+def phase_device_peaks(timeline: list[dict], samples: list[tuple[float, float]]) -> dict[str, float]:
+    """The device's highest sampled use (GiB) inside each phase's spans, over every step and rank.
+
+    ``timeline``: a run's memory_timeline.jsonl records (``t0``, ``t1``: a span's wall-clock
+    bounds); ``samples``: (unix time, used MiB) pairs, nvidia-smi's every 200 ms in
+    scripts/gpu_smoke.sh (every pool on the device: vLLM's too). A phase without a sample inside
+    any of its spans is left out (a span shorter than the sampling period can fall between two)."""
+    import numpy as np
+
+    if not samples:
+        return {}
+    t, used = (np.asarray(x, dtype=np.float64) for x in zip(*sorted(samples)))
+    out = {}
+    for phase, names in SPANS_OF_PHASE.items():
+        spans = [(r["t0"], r["t1"]) for r in timeline if r["phase"] in names and "t0" in r]
+        if not spans:
+            continue
+        t0, t1 = np.asarray(spans, dtype=np.float64).T
+        lo, hi = np.searchsorted(t, t0, "left"), np.searchsorted(t, t1, "right")
+        inside = [used[a:b].max() for a, b in zip(lo, hi) if b > a]
+        if inside:
+            out[phase] = max(inside) / 1024
+    return out

@@ -170,3 +170,4 @@ def test_resume_never_opens_the_init_weights_and_the_task_is_built_once(tmp_path
     assert "init load" not in two and two[:6] == [x for x in startup if x != "init load"] + ["first sync"]
     assert {"rollout", "update", "sync"} <= set(one) and {"rollout", "update", "sync"} <= set(two)
     assert all(r["peak_rss_gib"] >= r["rss_gib"] > 0 for r in recs)
+    assert all(r["t0"] <= r["t1"] for r in recs)  # a span's wall-clock bounds (gpu_smoke's phase peaks)
