@@ -30,6 +30,7 @@ the two gathered units, their generate phase what offload leaves.
 from __future__ import annotations
 
 from moe_rl.config import RunConfig
+from moe_rl.config.schedule import Schedule
 from moe_rl.memory.sizes import GiB, param_counts
 
 COLOCATED_ORDER = ("train", "offload", "engine_wake", "sync", "learner_out", "kv_wake", "generate")
@@ -66,7 +67,9 @@ def phase_bytes(cfg: RunConfig, st: dict, vllm_budget: float) -> dict[str, float
         "generate": kept + budget,
     }
     own = engine_weight_bytes(cfg)  # a rollout rank's engine, and the staged next weights beside it
-    out["async"] = 0.0 if colocated or cfg.rollout.mode == "sync" else (vllm_budget if vllm else own) + own
+    # the next weights arrive while it generates (one_step_off, async): batches in flight
+    overlaps = Schedule.from_config(cfg).keeps_in_flight
+    out["async"] = (vllm_budget if vllm else own) + own if overlaps else 0.0
     return out
 
 
