@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from moe_rl.config import RunConfig
 from moe_rl.memory.sizes import H100_BF16_DENSE_TFLOPS, mfu
 
@@ -100,8 +102,6 @@ def phase_device_peaks(timeline: list[dict], samples: list[tuple[float, float]])
     bounds); ``samples``: (unix time, used MiB) pairs, nvidia-smi's every 200 ms in
     scripts/gpu_smoke.sh (every pool on the device: vLLM's too). A phase without a sample inside
     any of its spans is left out (a span shorter than the sampling period can fall between two)."""
-    import numpy as np
-
     if not samples:
         return {}
     t, used = (np.asarray(x, dtype=np.float64) for x in zip(*sorted(samples)))
