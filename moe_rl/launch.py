@@ -118,11 +118,12 @@ def pin_to_core(local_rank: int) -> int:
 
 def run_worker(cfg: RunConfig, prepared=None) -> None:
     """One rank's whole life: patches, process groups, the training loop, teardown."""
-    from moe_rl.lazy_imports import defer_wandb
+    from moe_rl.lazy_imports import defer_megatron_compile, defer_wandb
     from moe_rl.quiet import silence_known_noise
 
     silence_known_noise()  # before megatron is imported: some of its warnings come at import
     defer_wandb()  # megatron imports wandb and never uses it; rank 0's metrics import it for real
+    defer_megatron_compile()  # its fused functions: eager on the CPU, compiled at first call on CUDA
     import megatron_patches
     from moe_rl import dist, trainer
 
@@ -182,6 +183,9 @@ def _guarded(fn, report_dir: str, launcher_pid: int, *args):
         os.setpgid(0, 0)
     except OSError:
         pass
+    from moe_rl.lazy_imports import defer_megatron_compile
+
+    defer_megatron_compile()  # every rank (export's, the benchmarks'): before megatron is imported
     pid_file = Path(report_dir) / f"rank{os.environ.get('RANK', '0')}.pid"  # for its peers (``_peers_dead``)
     pid_file.with_suffix(".tmp").write_text(str(os.getpid()))
     pid_file.with_suffix(".tmp").rename(pid_file)
