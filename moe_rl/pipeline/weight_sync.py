@@ -11,8 +11,9 @@ gathers, and the ``RemoteEngine`` is told the version it synced.
 one_step_off), or (async) in a background thread whose syncs the engine takes between decode
 steps (``BackgroundWeights``, the engine's ``UpdateSource``).
 
-The phases are methods (``first_sync``, ``sync``) so the step's order is changed in the loop and
-the offload timeline (``offload_timeline.py``), not here.
+The phases are methods (``first_sync``, ``sync``), each run inside the offload timeline's
+``syncing`` (``offload_timeline.py``: what leaves the device before and after), so the step's
+order is changed there, not here.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch.distributed as dist
 from moe_rl.config import RunConfig, Schedule
 from moe_rl.maths.versions import weight_version
 from moe_rl.metrics import Max
-from moe_rl.pipeline.offload_timeline import OffloadTimeline
+from moe_rl.pipeline.offload_timeline import OffloadTimeline, Phase
 from moe_rl.pipeline.placement import Group
 from moe_rl.pipeline.simulated_staleness import SimulatedStaleness
 from moe_rl.pipeline.weight_broadcast import SYNC_METRICS, PendingWeights, broadcast_weights, receive_weights
@@ -54,7 +55,7 @@ class WeightSync:
         timeline: OffloadTimeline | None = None,
     ) -> None:
         self.schedule, self.engine, self.learner, self.stale = schedule, engine, learner, stale
-        self.timeline = timeline or OffloadTimeline(engine)  # what wakes before the sync
+        self.timeline = timeline or OffloadTimeline(engine)  # what leaves and wakes around the sync
         self.group = group  # split: the sync group (learner rank 0 only; None on the others)
         self.engine_dtype = engine_dtype  # split: the rollout engines' (rollout.dtype), the wire's
         self.delay_s = float(os.environ.get(DELAY_ENV, "0")) if schedule.split else 0.0
@@ -77,18 +78,16 @@ class WeightSync:
         """Before the first rollout: the engine gets the start's (or the resumed step's) weights."""
         return self.sync(resumed=resumed)
 
-    def sync(self, resumed: bool = False) -> dict:
-        """After the update: the engine gets the weights of the next rollout. Returns the sync's
-        metrics: a split run's broadcast (maxima over the dp ranks), none from an engine in this
-        process."""
-        self.timeline.before_sync()
-        weights = self.weights(resumed)
-        if self.schedule.split:
-            metrics = self.broadcast(weights)
-        else:
-            metrics = self.engine.load_weights(weights) or {}
-        self.timeline.after_sync()
-        return metrics
+    def sync(self, phase: Phase | None = None, resumed: bool = False) -> dict:
+        """After the update: the engine gets the weights of the next rollout, inside the offload
+        timeline's sync phases (``phase``: the step's recorder, ``StepTimer.phase``). Returns the
+        sync's metrics: a split run's broadcast (maxima over the dp ranks), none from an engine in
+        this process."""
+        with self.timeline.syncing(phase):
+            weights = self.weights(resumed)
+            if self.schedule.split:
+                return self.broadcast(weights)
+            return self.engine.load_weights(weights) or {}
 
     def weights(self, resumed: bool = False) -> Weights:
         """On policy the learner's stream; with rollout.staleness=k the kept set of k updates ago
