@@ -114,7 +114,7 @@ def pipeline_of(cfg: RunConfig, dims: ParallelDims, learner: Learner, pad_id: in
     schedule = Schedule.from_config(cfg)  # the schedule's every choice, made once
     with mem.span("engine build"):
         engine = build_rank_engine(cfg, schedule, pad_id, learner.device, dims)
-        offload = OffloadTimeline(engine, learner, cfg.parallel.offload_during_rollout)
+        offload = OffloadTimeline(engine, learner, cfg.parallel.offload_during_rollout, mem)
         offload.start_engine()
     sync = WeightSync.from_config(cfg, schedule, engine, learner, dims, offload)
     return RankPipeline(schedule, engine, offload, sync)
@@ -202,8 +202,8 @@ def train(cfg: RunConfig, dims: ParallelDims, prepared: Prepared | None = None) 
     mem.attach(Path(cfg.run_dir) / MEMORY_TIMELINE)
     health = HealthMonitor(cfg.log.health, cfg.model.vocab_size, active=dims.is_main)
     for step in range(start, cfg.steps):
-        # the learner's state is off the device while the engine generates (parallel.offload_during_rollout)
-        with pipe.offload.generating() as moved:
+        # none of the learner's state is on the device while the engine generates (the sync left it off)
+        with pipe.offload.generating(step) as moved:
             m_val = validation_rewards(cfg, task, pipe.engine, step, dims.dp_rank, dims.dp_size)  # val_every
             timer = StepTimer(mem, step)  # each phase's peak RSS: run_dir/memory_timeline.jsonl
             with timer.phase("rollout"):
@@ -220,8 +220,7 @@ def train(cfg: RunConfig, dims: ParallelDims, prepared: Prepared | None = None) 
             train_batch = reference_logprobs(plan, learner, train_batch)
         with timer.phase("update"):
             m_update = update_policy(plan, learner, train_batch, lr)
-        with timer.phase("sync"):
-            m_sync = pipe.sync.sync()  # weight sync learner -> engine
+        m_sync = pipe.sync.sync(timer.phase)  # learner -> engine: offload, sync, learner_out (14.2)
         local = {**m_val, **m_reward, **m_prep, **m_update, **m_lr, **m_stale, **m_sync}
         local |= rollout_metrics(batch)
         m_mem = {**memory_metrics(learner.device), **moved.metrics()}
@@ -232,8 +231,9 @@ def train(cfg: RunConfig, dims: ParallelDims, prepared: Prepared | None = None) 
         bar.update(1)
         bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", step_s=f"{metrics['time/step_s']:.2f}")
         if ckpt.due(step):
-            with mem.span("checkpoint", step):
+            with mem.span("checkpoint", step), pipe.offload.resident():  # weights, Adam state back
                 ckpt.save(step)
+    pipe.offload.finish()
     bar.close()
     writer.close()
     task.pool.close()

@@ -11,7 +11,8 @@ import pytest
 from moe_rl.checkpointing import CheckpointManager
 from moe_rl.config import load_config
 from moe_rl.maths.lr import LengthLRScheduler
-from moe_rl.memory import summarize_run
+from moe_rl.memory import COLOCATED_ORDER, summarize_run
+from moe_rl.pipeline.offload_timeline import OffloadTimeline
 from moe_rl.seeding import GENERATE, PROMPTS, step_seed
 from moe_rl.timing import StepTimer
 
@@ -57,8 +58,22 @@ def test_the_loop_times_each_stage_apart_and_the_learner_time_counts_its_passes(
         "prepare",
         "reference",
         "update",
-        "sync",
     ]
+    # the sync's phases are timed by the offload timeline (WeightSync.sync runs it in ``syncing``)
+    syncs = [
+        n
+        for n in ast.walk(train)
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "sync"
+    ]
+    assert [ast.unparse(a) for n in syncs for a in n.args] == ["timer.phase"]
+    timer = StepTimer()  # offload off: the sync phase alone, as before
+    with OffloadTimeline(None).syncing(timer.phase):
+        pass
+    assert set(timer.metrics()) == {"time/sync_s", "time/step_s"}
+    # offload on (tests/learner/test_offload_dist.py records them): the estimate's phase names,
+    # in its order (moe_rl/memory/phases.py), so the memory timeline and the estimate line up
+    on = ["offload", "sync", "learner_out"]
+    assert [p for p in COLOCATED_ORDER if p in on] == on
     cfg = load_config(
         None,
         [

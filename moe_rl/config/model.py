@@ -313,8 +313,9 @@ class ParallelConfig:
     # ranks that only run rollout engines (the last N of the world; moe_rl/pipeline/placement.py): the other
     # nproc - N ranks run the megatron learner with the layout above. 0: every rank runs both (colocated)
     rollout_ranks: int = 0
-    # the weight sync's gathered unit, MiB: a layer's experts travel in pieces of at most this many
-    # bytes, never a whole MoE layer at once (moe_rl/memory/phases.py counts it at the sync phase)
+    # the weight sync's gathered unit, MiB: a layer within it travels whole, a larger one as its
+    # other tensors, then its experts in pieces of at most this many bytes, never a whole MoE layer
+    # at once (moe_rl/weights/stream.py; moe_rl/memory/phases.py counts it at the sync phase)
     sync_bucket_mib: int = 512
 
     def __post_init__(self) -> None:

@@ -201,12 +201,14 @@ class Learner:
                     )
                 p.copy_(t)
 
-    def iter_canonical_layers(self) -> Iterator[dict[str, torch.Tensor]]:
-        """The canonical weights (every expert) one chunk at a time, identical on every rank: the
-        embedding, each decoder layer, then the final norm and lm_head (``weights/stream.py``).
-        The weight sync source; a rank never holds more than one gathered chunk. Collective: every
+    def iter_canonical_layers(self, bound_bytes: int | None = None) -> Iterator[dict[str, torch.Tensor]]:
+        """The canonical weights (every expert) one piece at a time, identical on every rank: the
+        embedding, each decoder layer (its experts in pieces of at most ``bound_bytes``, default
+        ``parallel.sync_bucket_mib``), then the final norm and lm_head (``weights/stream.py``).
+        The weight sync source; a rank never holds more than one gathered piece. Collective: every
         rank must consume the whole iterator, in step."""
-        return self._stream({n: p.detach() for n, p in self._named_weights().items()})
+        bound = self.par.sync_bucket_mib << 20 if bound_bytes is None else bound_bytes
+        return self._stream({n: p.detach() for n, p in self._named_weights().items()}, bound)
 
     def _named_weights(self) -> dict[str, torch.Tensor]:
         """Parameters plus the routers' expert-bias buffers (canonical weights without a gradient:
@@ -224,10 +226,13 @@ class Learner:
         """This rank's megatron tensors (by parameter name) -> full canonical dict on every rank."""
         return {k: v for chunk in self._stream(tensors) for k, v in chunk.items()}
 
-    def _stream(self, tensors: dict[str, torch.Tensor]) -> Iterator[dict[str, torch.Tensor]]:
+    def _stream(
+        self, tensors: dict[str, torch.Tensor], bound_bytes: int | None = None
+    ) -> Iterator[dict[str, torch.Tensor]]:
         """The canonical stream of this rank's tensors (by parameter name); TE names are renamed
         to the local spec's first (same tensors), the names the stream's mapping knows."""
-        return stream_canonical(rename_to_local(tensors), self.model_cfg, self.dims, self.shard)
+        bound = self.par.sync_bucket_mib << 20 if bound_bytes is None else bound_bytes
+        return stream_canonical(rename_to_local(tensors), self.model_cfg, self.dims, self.shard, bound)
 
     # ---- passes --------------------------------------------------------------------------
     def _check_replicated(self, tokens_BS: torch.Tensor) -> None:

@@ -1,5 +1,7 @@
 """The learner's state off the device while the rollout engine generates
-(``parallel.offload_during_rollout``; docs/gpu_stack.md 7.1).
+(``parallel.offload_during_rollout``; docs/gpu_stack.md 7.1): the mechanism, storages moved by kind
+(``ParkedState``; ``offloaded`` moves every kind at once). When each kind moves is the offload
+timeline's (``moe_rl/pipeline/offload_timeline.py``, docs/design.md 14.2).
 
 What moves, per rank, each storage once (views share it):
 
@@ -41,6 +43,8 @@ import torch
 from moe_rl.metrics import Max
 
 KINDS = ("params", "main_params", "grads", "optimizer")
+TRAIN_STATE = ("optimizer", "main_params", "grads")  # what the weight sync does not read
+RESIDENT = ("params", "main_params", "optimizer")  # what a checkpoint reads (grads it does not)
 OPTIMIZER_STATE = ("exp_avg", "exp_avg_sq")
 
 
@@ -79,9 +83,12 @@ def _inner_optimizers(optimizer) -> list:
     return [m.optimizer for m in megatron_opts if getattr(m, "optimizer", None) is not None]
 
 
-def learner_storages(ddp, optimizer, device: torch.device) -> list[tuple[str, torch.UntypedStorage]]:
-    """(kind, storage) of everything offload moves: each storage once, only those on ``device``
-    (with ``optim.cpu_adam`` the optimizer's own tensors already live on the host)."""
+def learner_storages(
+    ddp, optimizer, device: torch.device, kinds: tuple[str, ...] = KINDS
+) -> list[tuple[str, torch.UntypedStorage]]:
+    """(kind, storage) of everything offload moves, only of ``kinds``: each storage once, only
+    those on ``device`` (with ``optim.cpu_adam`` the optimizer's own tensors already live on the
+    host) and holding bytes (an offloaded one holds none)."""
     seen: set[int] = set()
     out: list[tuple[str, torch.UntypedStorage]] = []
 
@@ -110,7 +117,7 @@ def learner_storages(ddp, optimizer, device: torch.device) -> list[tuple[str, to
         add("params", p)
     for buf in [*ddp.buffers, *ddp.expert_parallel_buffers]:
         add("grads", buf.grad_data)
-    return out
+    return [(kind, st) for kind, st in out if kind in kinds]
 
 
 def _byte_view(storage: torch.UntypedStorage) -> torch.Tensor:
@@ -161,8 +168,42 @@ def offloaded(learner, enabled: bool) -> Iterator[OffloadedBytes]:
     if not enabled:
         yield OffloadedBytes()
         return
-    parked = offload(learner_storages(learner.ddp, learner.optimizer, learner.device))
+    state = ParkedState(learner)
+    moved = state.offload()
     try:
-        yield moved_bytes(parked)
+        yield moved
     finally:
-        reload(parked)
+        state.reload()
+
+
+class ParkedState:
+    """One learner's storages off the device, moved by kind (``KINDS``) in any order:
+    ``offload(kinds)`` parks those of ``kinds`` still on the device, ``reload(kinds)`` brings
+    those back, ``moved`` says what is off now. The order is the caller's (the offload timeline)."""
+
+    def __init__(self, learner) -> None:
+        self.learner = learner
+        self.parked: list[_Parked] = []
+
+    def offload(self, kinds: tuple[str, ...] = KINDS) -> OffloadedBytes:
+        """Move the storages of ``kinds`` still on the device to the host; the bytes moved now."""
+        lr = self.learner
+        now = offload(learner_storages(lr.ddp, lr.optimizer, lr.device, kinds))
+        self.parked += now
+        return moved_bytes(now)
+
+    def reload(self, kinds: tuple[str, ...] = KINDS) -> None:
+        """Bring back every parked storage of ``kinds``."""
+        back = [p for p in self.parked if p.kind in kinds]
+        self.parked = [p for p in self.parked if p.kind not in kinds]
+        reload(back)
+
+    @property
+    def moved(self) -> OffloadedBytes:
+        """The bytes off the device now, per kind."""
+        return moved_bytes(self.parked)
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The kinds with a storage off the device now."""
+        return tuple(k for k in KINDS if any(p.kind == k for p in self.parked))

@@ -1,12 +1,14 @@
 """Device bytes of one rank at every phase of a step, in the order the colocated step runs.
 
-``COLOCATED_ORDER`` is the order the product moves to (issue 41.2; verl's and slime's colocated
+``COLOCATED_ORDER`` is the order the colocated step runs (issue 41.2; verl's and slime's colocated
 loop): the learner trains; with ``parallel.offload_during_rollout`` its optimizer state and grads
 leave the device; the engine's weights wake; the sync streams from the learner's bf16 weights, one
 gathered unit of at most ``parallel.sync_bucket_mib`` at a time (a layer's experts in pieces, not a
-whole MoE layer), each engine rank receiving only its shard (vLLM: its TP slice); the learner's
-weights leave; the KV cache wakes; the engine generates. Without offload nothing of the learner
-leaves, so every phase after ``train`` holds its whole state.
+whole MoE layer), each engine rank receiving only its shard (vLLM: its TP slice; the split sync
+sends that, the colocated one still gathers each piece whole: docs/design.md 14.3); the learner's
+weights leave; the KV cache wakes; the engine generates (moe_rl/pipeline/offload_timeline.py runs
+this order). Without offload nothing of the learner leaves, so every phase after ``train`` holds
+its whole state.
 
 What a phase holds on the heaviest stage's rank (the learner's bytes from ``stage_memory``):
 

@@ -57,8 +57,8 @@ class _Server:
         self.dests = {d: [r for r, x in enumerate(dp_of) if x == d] for d in self.served}
         self.sampling = StepPlan.from_config(cfg, task.tokenizer.eos_ids).sampling
         self.engine = build_engine(cfg, task.tokenizer.pad_id, dims.device)
-        engine_group = self.engine.group if tp > 1 else None  # vLLM's TP group (its ranks agree on updates)
-        self.weights = RolloutRankWeights(self.schedule, p.sync, self.engine, engine_group)
+        # what the sync sends this rank: the whole model, or (vLLM TP > 1) its engine shard's slices
+        self.weights = RolloutRankWeights.from_config(cfg, self.schedule, dims, self.engine)
         self.timeline = OffloadTimeline(self.engine)  # no learner here: the engine sleeps between calls
 
     @property

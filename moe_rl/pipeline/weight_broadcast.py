@@ -1,9 +1,12 @@
 """The weight broadcast learner -> rollout ranks (``parallel.rollout_ranks``): the learner's
-canonical stream, a chunk (decoder layer) at a time, over the sync group (learner rank 0 is its
-root, group rank 0; moe_rl/pipeline/placement.py). docs/design.md 15.2.
+canonical stream, a piece (a decoder layer; over ``parallel.sync_bucket_mib`` its tensors or a
+group of its experts) at a time, over the sync group (learner rank 0 is its root, group rank 0;
+moe_rl/pipeline/placement.py). docs/design.md 15.2.
 
-Wire format of one sync, every message a broadcast from the root (host tensors over gloo, device
-tensors over NCCL: untested on GPU):
+Wire format of one sync, every message a broadcast from the root or, where engine ranks hold
+slices (vLLM TP > 1, ``Sliced``), sent point to point: each rollout rank its own frames, headers
+and buckets, of its engine shard's slices alone (moe_rl/weights/engine_shard.py). Host tensors
+over gloo, device tensors over NCCL (untested on GPU).
 
 - per chunk: a **frame** int64[5] = (MAGIC, version, CHUNK, chunk index, header bytes); the
   **header**, a uint8 tensor of that many bytes holding JSON: ``{"tensors": [[name, dtype,
@@ -17,23 +20,18 @@ tensors over NCCL: untested on GPU):
 - when the root's stream raises between chunks: a frame (MAGIC, version, ABORT, chunk index, 0)
   before the root re-raises, so receivers fail with one line instead of waiting for the timeout.
 
-JSON, not pickle: a receiver never unpickles bytes it was sent. The version rides in every frame,
-so a receiver can tell which weights it holds (``receive_weights`` returns it) and a frame of
-another sync is an error. A stream that stops without its end marker (the root died or stopped)
-raises ``WeightSyncError`` on the receiver when the group's timeout expires, naming the version
-and the chunks received; a receiver that stopped reading a stream before its end marker is refused
-its next one on that group.
+JSON, not pickle: a receiver never unpickles bytes it was sent. The version rides in every frame
+(``receive_weights`` returns it; a frame of another sync is an error). A stream that stops without
+its end marker (the root died or stopped) raises ``WeightSyncError`` on the receiver at the group's
+timeout, naming the version and the chunks received; a receiver that left a stream before its end
+marker is refused its next one on that group.
 
-Memory: the root packs (and casts) one bucket at a time (a bucket that is one whole contiguous
-tensor already in its wire dtype is sent without a copy), a receiver holds the chunk it receives
-(one flat tensor per dtype; the yielded tensors are views of it). Neither holds more than a chunk
-beyond its weights.
+Memory: the root packs (and casts) one bucket at a time (one whole contiguous tensor already in
+its wire dtype goes without a copy), a receiver holds the chunk it receives (one flat tensor per
+dtype, yielded as views): neither holds more than a chunk beyond its weights.
 
-``PendingWeights`` is the engine side: it receives a whole sync into host buffers (a second copy
-of the weights beside the engine's: the double buffer), in the caller's thread or a background
-one, and applies it with one ``engine.load_weights`` of a complete, checked dict when its owner
-says the engine is at a safe point (between generate calls, or between decode steps). A sync is
-never applied half-way: until ``apply`` the engine samples with the weights it had.
+``PendingWeights`` is the engine side, the double buffer: a whole sync staged on the host, applied
+at a safe point in one checked ``engine.load_weights``, never half-way.
 """
 
 from __future__ import annotations
@@ -48,9 +46,11 @@ from dataclasses import dataclass
 
 import torch
 
+from moe_rl.config import ModelConfig
 from moe_rl.errors import one_line
 from moe_rl.pipeline.placement import Group
 from moe_rl.rollout.base import RolloutEngine, engine_dtype
+from moe_rl.weights.engine_shard import EngineShard, engine_slice
 
 MAGIC = 0x4D4F4557  # "MOEW": a frame, not bytes of something else
 CHUNK, END, ABORT = 1, 2, 3
@@ -174,57 +174,107 @@ def _wire_device(group: Group) -> torch.device:
     return torch.device("cpu")
 
 
-def _recv_frame(group: Group, device: torch.device) -> torch.Tensor:
-    return group.broadcast(torch.empty(FRAME_LEN, dtype=torch.int64, device=device)).cpu()
+def _take(group: Group, t: torch.Tensor, p2p: bool) -> torch.Tensor:
+    """Receive ``t`` from the root: its broadcast, or (``p2p``) a message to this rank alone."""
+    return group.recv(t, 0) if p2p else group.broadcast(t)
+
+
+def _recv_frame(group: Group, device: torch.device, p2p: bool = False) -> torch.Tensor:
+    return _take(group, torch.empty(FRAME_LEN, dtype=torch.int64, device=device), p2p).cpu()
 
 
 def _frame(version: int, kind: int, index: int, nbytes: int, device: torch.device) -> torch.Tensor:
     return torch.tensor([MAGIC, version, kind, index, nbytes], dtype=torch.int64, device=device)
 
 
+@dataclass(frozen=True)
+class Sliced:
+    """The split sync's layout when engine ranks hold slices (vLLM TP > 1): each rollout rank's
+    ``EngineShard`` in sync-group order (group rank i + 1 holds ``shards[i]``), and the model, whose
+    KV heads and vocabulary the slices follow (moe_rl/weights/engine_shard.py)."""
+
+    shards: tuple[EngineShard, ...]
+    model: ModelConfig
+
+    def of(self, dst: int) -> tuple[EngineShard, ModelConfig]:
+        """Sync-group rank ``dst``'s shard and the model (``engine_slice``'s arguments)."""
+        return self.shards[dst - 1], self.model
+
+
 class WeightSender:
     """The root's side of one sync: ``send`` each chunk, then ``finish`` (the end marker) or
-    ``abort``. ``broadcast_weights`` drives it; a caller that stops without either leaves the
-    receivers to time out (what a dead root does). ``engine``: the rollout engine's dtype
-    (``ENGINE_DTYPES[rollout.dtype]``), the tensors' wire dtypes follow it; None sends them as
-    they are."""
+    ``abort``; a caller that stops without either leaves the receivers to time out (what a dead
+    root does). ``engine``: the rollout engine's dtype (``ENGINE_DTYPES[rollout.dtype]``), which
+    the wire dtypes follow (None: as they are). ``sliced``: each rollout rank is sent only its
+    engine shard's slices, every message point to point; None: every message a broadcast."""
 
     def __init__(
-        self, group: Group, version: int, bucket_bytes: int = 64 << 20, engine: torch.dtype | None = None
+        self,
+        group: Group,
+        version: int,
+        bucket_bytes: int = 64 << 20,
+        engine: torch.dtype | None = None,
+        sliced: Sliced | None = None,
     ) -> None:
         if group.rank != 0:
             raise ValueError(f"the weight broadcast's root is sync-group rank 0, not {group.rank}")
+        if sliced is not None and len(sliced.shards) != group.size - 1:
+            raise ValueError(f"{len(sliced.shards)} engine shards for {group.size - 1} rollout ranks")
         self.group, self.version, self.bucket_bytes, self.engine = group, version, bucket_bytes, engine
+        self.sliced = sliced
         self.device = _wire_device(group)
-        self.chunks = self.buckets = self.nbytes = 0
+        self.chunks = self.buckets = 0
+        self.received = [0] * (group.size - 1)  # bytes each rollout rank was sent
         self.wait_s = 0.0  # the first frame's broadcast: until every receiver has joined the sync
 
+    @property
+    def nbytes(self) -> int:
+        """The bytes of the sync one rollout rank received (the most any did)."""
+        return max(self.received, default=0)
+
+    def _put(self, t: torch.Tensor, dst: int | None) -> None:
+        self.group.broadcast(t) if dst is None else self.group.send(t, dst)
+
+    def _targets(self) -> list[int | None]:
+        return [None] if self.sliced is None else list(range(1, self.group.size))
+
     def send(self, chunk: Mapping[str, torch.Tensor]) -> None:
+        for dst in self._targets():
+            part = chunk if dst is None else engine_slice(chunk, *self.sliced.of(dst))
+            nbytes = self._send_to(part, dst)
+            for r in range(len(self.received)) if dst is None else [dst - 1]:
+                self.received[r] += nbytes
+        self.chunks += 1
+
+    def _send_to(self, chunk: Mapping[str, torch.Tensor], dst: int | None) -> int:
+        """Frame, header and buckets of one chunk to ``dst`` (None: everyone); its bytes."""
         header = plan_chunk(chunk, self.bucket_bytes, self.engine)
         data = header.encode()
         t0 = time.perf_counter()
         # a gloo broadcast moves data only once every receiver posted its receive: the first
-        # frame's time is the root's wait for the rollout ranks, not transfer
-        self.group.broadcast(_frame(self.version, CHUNK, self.chunks, len(data), self.device))
-        if self.chunks == 0:
+        # frame's time is the root's wait for the rollout ranks (the first one's, sliced), not transfer
+        self._put(_frame(self.version, CHUNK, self.chunks, len(data), self.device), dst)
+        if self.chunks == 0 and dst in (None, 1):
             self.wait_s = time.perf_counter() - t0
-        self.group.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device))
+        self._put(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device), dst)
         flat = [chunk[e.name].detach().reshape(-1) for e in header.entries]
+        nbytes = 0
         for dtype in sorted({e.dtype for e in header.entries}):
             idx = [i for i, e in enumerate(header.entries) if e.dtype == dtype]
             starts = [header.entries[i].offset for i in idx]
             for b in (b for b in header.buckets if b.dtype == dtype):
                 bucket = _pack([flat[i] for i in idx], starts, b.start, b.start + b.numel, _DTYPES[dtype])
-                self.group.broadcast(bucket.to(self.device).view(torch.uint8))
+                self._put(bucket.to(self.device).view(torch.uint8), dst)
                 self.buckets += 1
-                self.nbytes += bucket.numel() * bucket.element_size()
-        self.chunks += 1
+                nbytes += bucket.numel() * bucket.element_size()
+        return nbytes
 
-    def finish(self) -> None:
-        self.group.broadcast(_frame(self.version, END, self.chunks, 0, self.device))
+    def finish(self, kind: int = END) -> None:
+        for dst in self._targets():
+            self._put(_frame(self.version, kind, self.chunks, 0, self.device), dst)
 
     def abort(self) -> None:
-        self.group.broadcast(_frame(self.version, ABORT, self.chunks, 0, self.device))
+        self.finish(ABORT)
 
 
 def _pack(flat: list[torch.Tensor], starts: list[int], lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
@@ -249,14 +299,16 @@ def broadcast_weights(
     version: int,
     bucket_bytes: int = 64 << 20,
     engine: torch.dtype | None = None,
+    sliced: Sliced | None = None,
 ) -> dict[str, float]:
     """On the root (sync-group rank 0 = learner rank 0): send every chunk of ``chunks``
     (``learner.iter_canonical_layers()``, which the other learner ranks consume too) as weight
     version ``version``, each tensor in its wire dtype for an engine of dtype ``engine``
-    (``wire_dtype``), then the end marker. If the stream raises, the receivers are told (ABORT)
-    before the error goes on. Returns the sync's metrics (docs/design.md 15.2)."""
+    (``wire_dtype``), then the end marker; ``sliced``: each rollout rank only its engine shard's
+    slices (``WeightSender``). If the stream raises, the receivers are told (ABORT) before the
+    error goes on. Returns the sync's metrics (docs/design.md 15.2)."""
     t0 = time.perf_counter()
-    sender = WeightSender(group, version, bucket_bytes, engine)
+    sender = WeightSender(group, version, bucket_bytes, engine, sliced)
     it = iter(chunks)
     while True:
         try:
@@ -288,9 +340,9 @@ def broadcast_weights(
 class WeightStream:
     """A receiver's chunks of one sync, in step with the root; must be read to its end marker."""
 
-    def __init__(self, group: Group, version: int, first: torch.Tensor) -> None:
-        self.group, self.version, self.device = group, version, _wire_device(group)
-        self.received, self.done = 0, False
+    def __init__(self, group: Group, version: int, first: torch.Tensor, p2p: bool = False) -> None:
+        self.group, self.version, self.device, self.p2p = group, version, _wire_device(group), p2p
+        self.received, self.done, self.nbytes = 0, False, 0  # nbytes: bucket bytes received so far
         self._next: torch.Tensor | None = first  # the frame receive_weights read to learn the version
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
@@ -320,7 +372,7 @@ class WeightStream:
         return chunk
 
     def _recv_frame(self) -> torch.Tensor:
-        return self._guarded(lambda: _recv_frame(self.group, self.device))
+        return self._guarded(lambda: _recv_frame(self.group, self.device, self.p2p))
 
     def _guarded(self, fn):
         try:
@@ -333,20 +385,22 @@ class WeightStream:
             ) from e
 
     def _recv_chunk(self, nbytes: int) -> dict[str, torch.Tensor]:
-        raw = self.group.broadcast(torch.empty(nbytes, dtype=torch.uint8, device=self.device))
+        raw = _take(self.group, torch.empty(nbytes, dtype=torch.uint8, device=self.device), self.p2p)
         header = Header.decode(raw.cpu().numpy().tobytes())
         runs = {d: torch.empty(n, dtype=_DTYPES[d], device=self.device) for d, n in header.totals().items()}
         for b in header.buckets:
-            self.group.broadcast(runs[b.dtype][b.start : b.start + b.numel].view(torch.uint8))
+            _take(self.group, runs[b.dtype][b.start : b.start + b.numel].view(torch.uint8), self.p2p)
+        self.nbytes += sum(b.numel * _DTYPES[b.dtype].itemsize for b in header.buckets)
         return {
             e.name: runs[e.dtype][e.offset : e.offset + _numel(e.shape)].view(e.shape) for e in header.entries
         }
 
 
-def receive_weights(group: Group) -> tuple[int, Iterator[dict[str, torch.Tensor]]]:
+def receive_weights(group: Group, sliced: bool = False) -> tuple[int, Iterator[dict[str, torch.Tensor]]]:
     """On every sync-group member but the root: wait for the next sync and return its version and
     its chunks, to be read to the end in step with the root (``engine.load_weights`` takes the
-    iterator as it is; ``PendingWeights`` stages it)."""
+    iterator as it is; ``PendingWeights`` stages it). ``sliced``: the root sends this rank its
+    engine shard's slices point to point (``Sliced``), not broadcasts."""
     if group.rank == 0:
         raise ValueError("receive_weights runs on the rollout ranks; sync-group rank 0 is the root")
     left = _OPEN.get(group)
@@ -356,10 +410,10 @@ def receive_weights(group: Group) -> tuple[int, Iterator[dict[str, torch.Tensor]
             "before its end marker: read every stream to its end"
         )
     try:
-        first = _recv_frame(group, _wire_device(group))
+        first = _recv_frame(group, _wire_device(group), sliced)
     except RuntimeError as e:  # the group's timeout: no sync began
         raise WeightSyncError(f"no weight broadcast began within the group's timeout ({one_line(e)})") from e
-    stream = WeightStream(group, int(first[1]), first)
+    stream = WeightStream(group, int(first[1]), first, sliced)
     _OPEN[group] = stream
     return stream.version, stream
 
@@ -379,10 +433,10 @@ class PendingWeights:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
-    def receive(self, group: Group, expect: int | None = None) -> int:
+    def receive(self, group: Group, expect: int | None = None, sliced: bool = False) -> int:
         """Receive one sync into host buffers (the whole stream is read, in step with the root,
-        before a wrong version is refused)."""
-        version, chunks = receive_weights(group)
+        before a wrong version is refused); ``sliced``: as ``receive_weights``."""
+        version, chunks = receive_weights(group, sliced)
         named = {n: t.cpu() for chunk in chunks for n, t in chunk.items()}
         if expect is not None and version != expect:
             raise WeightSyncError(f"weight broadcast carried version {version}, this rank expected {expect}")
@@ -390,13 +444,13 @@ class PendingWeights:
             self._staged = (version, named)
         return version
 
-    def receive_in_background(self, group: Group, expect: int | None = None) -> None:
+    def receive_in_background(self, group: Group, expect: int | None = None, sliced: bool = False) -> None:
         if self._thread is not None and self._thread.is_alive():
             raise RuntimeError("PendingWeights: a receive is already running")
 
         def run() -> None:
             try:
-                self.receive(group, expect)
+                self.receive(group, expect, sliced)
             except BaseException as e:  # handed to the owner's thread at apply / wait
                 self._error = e
 

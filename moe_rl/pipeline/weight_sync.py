@@ -7,12 +7,20 @@ ago (``SimulatedStaleness``: whole exports, the sets are copies); split, learner
 the stream to the rollout ranks (``weight_broadcast.py``) while the other learner ranks feed its
 gathers, and the ``RemoteEngine`` is told the version it synced.
 
+Where the engines' ranks hold slices (vLLM TP > 1) the split sync sends each rollout rank only
+its engine shard's slices, point to point (``split_slices``: a ``Sliced`` layout from
+``moe_rl/weights/engine_shard.py``), so rollout rank i receives ``sync_receive_bytes(cfg, i)``
+bytes, not the model. Colocated, every learner rank gathers each whole piece and its engine
+narrows it to its own shard (a gather of the slice alone is not built yet).
+
 ``RolloutRankWeights`` (rollout ranks) receives them: between generate calls (sync,
 one_step_off), or (async) in a background thread whose syncs the engine takes between decode
-steps (``BackgroundWeights``, the engine's ``UpdateSource``).
+steps (``BackgroundWeights``, the engine's ``UpdateSource``); a sliced sync is handed to the
+engine with each slice inside a tensor of its full shape (``placed``), as vLLM's loaders read it.
 
-The phases are methods (``first_sync``, ``sync``) so the step's order is changed in the loop and
-the offload timeline (``offload_timeline.py``), not here.
+The phases are methods (``first_sync``, ``sync``), each run inside the offload timeline's
+``syncing`` (``offload_timeline.py``: what leaves the device before and after), so the step's
+order is changed there, not here.
 """
 
 from __future__ import annotations
@@ -24,18 +32,33 @@ import time
 import torch
 import torch.distributed as dist
 
-from moe_rl.config import RunConfig, Schedule
+from moe_rl.config import ModelConfig, RunConfig, Schedule
 from moe_rl.maths.versions import weight_version
 from moe_rl.metrics import Max
-from moe_rl.pipeline.offload_timeline import OffloadTimeline
+from moe_rl.pipeline.offload_timeline import OffloadTimeline, Phase
 from moe_rl.pipeline.placement import Group
 from moe_rl.pipeline.simulated_staleness import SimulatedStaleness
-from moe_rl.pipeline.weight_broadcast import SYNC_METRICS, PendingWeights, broadcast_weights, receive_weights
+from moe_rl.pipeline.weight_broadcast import (
+    SYNC_METRICS,
+    PendingWeights,
+    Sliced,
+    broadcast_weights,
+    receive_weights,
+)
 from moe_rl.rollout.base import ENGINE_DTYPES, Weights, weight_chunks
+from moe_rl.rollout.factory import engine_tp
+from moe_rl.weights.engine_shard import EngineShard, engine_shard, placed
 
 # tests only: seconds the learner sleeps before each weight sync but the first (async: lets the
 # rollout ranks run ahead deterministically enough that batches arrive stale)
 DELAY_ENV = "MOE_RL_TEST_LEARNER_DELAY_S"
+
+
+def split_slices(cfg: RunConfig, rollout_ranks: int) -> Sliced | None:
+    """The split sync's per-rollout-rank slices when the engines' ranks hold slices (vLLM TP > 1);
+    None when every rank holds every tensor whole (a broadcast)."""
+    shards = tuple(engine_shard(cfg, i) for i in range(rollout_ranks))
+    return None if all(s.whole for s in shards) else Sliced(shards, cfg.model)
 
 
 class WeightSync:
@@ -52,11 +75,13 @@ class WeightSync:
         group: Group | None = None,
         engine_dtype: torch.dtype | None = None,
         timeline: OffloadTimeline | None = None,
+        sliced: Sliced | None = None,
     ) -> None:
         self.schedule, self.engine, self.learner, self.stale = schedule, engine, learner, stale
-        self.timeline = timeline or OffloadTimeline(engine)  # what wakes before the sync
+        self.timeline = timeline or OffloadTimeline(engine)  # what leaves and wakes around the sync
         self.group = group  # split: the sync group (learner rank 0 only; None on the others)
         self.engine_dtype = engine_dtype  # split: the rollout engines' (rollout.dtype), the wire's
+        self.sliced = sliced  # split: each rollout rank sent only its shard's slices (vLLM TP > 1)
         self.delay_s = float(os.environ.get(DELAY_ENV, "0")) if schedule.split else 0.0
 
     @classmethod
@@ -71,24 +96,24 @@ class WeightSync:
     ) -> WeightSync:
         stale = SimulatedStaleness(schedule.simulated_staleness, remote=schedule.split)
         group = dims.placement.sync if schedule.split else None
-        return cls(schedule, engine, learner, stale, group, ENGINE_DTYPES[cfg.rollout.dtype], timeline)
+        sliced = split_slices(cfg, dims.placement.split.rollout_ranks) if schedule.split else None
+        dtype = ENGINE_DTYPES[cfg.rollout.dtype]
+        return cls(schedule, engine, learner, stale, group, dtype, timeline, sliced)
 
     def first_sync(self, resumed: bool) -> dict:
         """Before the first rollout: the engine gets the start's (or the resumed step's) weights."""
         return self.sync(resumed=resumed)
 
-    def sync(self, resumed: bool = False) -> dict:
-        """After the update: the engine gets the weights of the next rollout. Returns the sync's
-        metrics: a split run's broadcast (maxima over the dp ranks), none from an engine in this
-        process."""
-        self.timeline.before_sync()
-        weights = self.weights(resumed)
-        if self.schedule.split:
-            metrics = self.broadcast(weights)
-        else:
-            metrics = self.engine.load_weights(weights) or {}
-        self.timeline.after_sync()
-        return metrics
+    def sync(self, phase: Phase | None = None, resumed: bool = False) -> dict:
+        """After the update: the engine gets the weights of the next rollout, inside the offload
+        timeline's sync phases (``phase``: the step's recorder, ``StepTimer.phase``). Returns the
+        sync's metrics: a split run's broadcast (maxima over the dp ranks), none from an engine in
+        this process."""
+        with self.timeline.syncing(phase):
+            weights = self.weights(resumed)
+            if self.schedule.split:
+                return self.broadcast(weights)
+            return self.engine.load_weights(weights) or {}
 
     def weights(self, resumed: bool = False) -> Weights:
         """On policy the learner's stream; with rollout.staleness=k the kept set of k updates ago
@@ -107,7 +132,9 @@ class WeightSync:
         if self.delay_s and remote.next_version > 0:
             time.sleep(self.delay_s)
         if self.group is not None:  # learner rank 0: the broadcast's root
-            m = broadcast_weights(chunks, self.group, remote.next_version, engine=self.engine_dtype)
+            m = broadcast_weights(
+                chunks, self.group, remote.next_version, engine=self.engine_dtype, sliced=self.sliced
+            )
         else:
             for _ in chunks:  # the gather is collective over the learner ranks
                 pass
@@ -118,16 +145,39 @@ class WeightSync:
 
 class RolloutRankWeights:
     """A rollout rank's side of the sync: ``receive`` joins the next broadcast and loads it into
-    ``engine`` (never while it samples); ``background`` starts the async receiver."""
+    ``engine`` (never while it samples); ``background`` starts the async receiver. ``shard``: what
+    this rank's engine holds (``engine_shard``): one that is not whole (vLLM TP > 1) is sent its
+    slices alone, point to point."""
 
-    def __init__(self, schedule: Schedule, group: Group, engine, engine_group=None) -> None:
+    def __init__(
+        self,
+        schedule: Schedule,
+        group: Group,
+        engine,
+        engine_group=None,
+        shard: EngineShard | None = None,
+        model: ModelConfig | None = None,
+    ) -> None:
         self.schedule, self.group, self.engine, self.engine_group = schedule, group, engine, engine_group
+        self.shard = shard if shard is not None and not shard.whole else None
+        self.model = model
         self.version = -1  # the learner update the engine holds (-1: none yet)
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig, schedule: Schedule, dims, engine) -> RolloutRankWeights:
+        """This rollout rank's receiver: its engine's TP group (its ranks agree on updates) and
+        its shard, from its index among the rollout ranks."""
+        p = dims.placement
+        engine_group = engine.group if engine_tp(cfg) > 1 else None
+        shard = engine_shard(cfg, p.split.role_rank(p.rank))
+        return cls(schedule, p.sync, engine, engine_group, shard, cfg.model)
 
     def receive(self) -> float:
         """Join the next weight sync and apply it; seconds waited + applied."""
         t0 = time.perf_counter()
-        version, chunks = receive_weights(self.group)
+        version, chunks = receive_weights(self.group, sliced=self.shard is not None)
+        if self.shard is not None:
+            chunks = (placed(c, self.shard, self.model) for c in chunks)
         if self.version >= 0 and version != self.version + 1:
             raise RuntimeError(
                 f"weight sync of version {version} after version {self.version}: one was missed"
@@ -142,7 +192,9 @@ class RolloutRankWeights:
     def background(self, last: int) -> BackgroundWeights:
         """Async: every sync after the one the engine holds, up to update ``last``, received in a
         thread of its own and handed to the engine between decode steps."""
-        return BackgroundWeights(self.group, self.version, last, group=self.engine_group)
+        return BackgroundWeights(
+            self.group, self.version, last, group=self.engine_group, shard=self.shard, model=self.model
+        )
 
 
 class BackgroundWeights:
@@ -158,11 +210,21 @@ class BackgroundWeights:
     the ranks run one schedule) hand an update over only when every rank of the group has the same
     newest one staged (``_all_hold``); until then each keeps what it has staged. A rank can be at
     most one sync ahead (a broadcast ends only once every receiver has taken the one before), so
-    they meet at a later poll."""
+    they meet at a later poll. ``shard``: a sliced sync's (``RolloutRankWeights``), handed over
+    ``placed``."""
 
-    def __init__(self, sync: Group, applied: int, last: int, group=None) -> None:
+    def __init__(
+        self,
+        sync: Group,
+        applied: int,
+        last: int,
+        group=None,
+        shard: EngineShard | None = None,
+        model: ModelConfig | None = None,
+    ) -> None:
         self.sync, self.applied, self.last = sync, applied, last  # applied: updates the engine holds
         self.group = group
+        self.shard, self.model = (shard, model) if shard is not None and not shard.whole else (None, None)
         self.pending = PendingWeights()
         self.staged: tuple[int, dict] | None = None
         self.error: BaseException | None = None
@@ -173,7 +235,7 @@ class BackgroundWeights:
 
     def _receive(self) -> None:
         try:
-            while self.pending.receive(self.sync) < self.last:
+            while self.pending.receive(self.sync, sliced=self.shard is not None) < self.last:
                 pass
         except BaseException as e:  # raised in the main thread at its next tick
             self.error = e
@@ -196,6 +258,8 @@ class BackgroundWeights:
         if updates <= self.applied:
             raise RuntimeError(f"weight sync of update {updates} after update {self.applied}: out of order")
         self.applied = updates
+        if self.shard is not None:
+            named = placed(named, self.shard, self.model)
         return weight_version(updates), named
 
     @property

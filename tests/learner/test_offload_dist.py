@@ -8,8 +8,14 @@ Checked: 3 optimizer steps with the learner offloaded and reloaded before each a
 after step 2 and loaded into a fresh one, its step 3 is bitwise equal too. While offloaded every
 moved storage holds 0 bytes, and the bytes moved per kind equal numel x element size counted from
 megatron's DDP buffers and the optimizer's state directly (and the model's parameters are views of
-those buffers, padded as megatron pads). The process RSS before and while offloaded is printed
-(``pytest -s``), not asserted: the allocator decides when freed pages return."""
+those buffers, padded as megatron pads). The offload runs in the loop's phases
+(moe_rl/pipeline/offload_timeline.py's ``OffloadTimeline``): the optimizer state, main params and
+grads leave first and the weights the sync reads meanwhile are exactly the learner's, with only the
+weights' bytes on the device; then the weights leave; the memory timeline records offload, sync,
+learner_out and reload, in the estimate's order (``COLOCATED_ORDER``, moe_rl/memory/phases.py).
+The checkpoint is saved between the sync and the rollout (``resident``: weights and Adam state
+back, grads not), and everything is parked again after it. The process RSS before and while
+offloaded is printed (``pytest -s``), not asserted: the allocator decides when freed pages return."""
 
 from __future__ import annotations
 
@@ -110,21 +116,36 @@ def _layout_facts(learner) -> dict:
 
 
 def _step(learner, batch, offload: bool, seen: list) -> None:
-    """One rollout (offloaded or not) then one update, as the loop does."""
-    from moe_rl.learner.offload import offloaded
+    """The loop's offload phases (a sync, then a rollout; offloaded or not) then one update."""
+    from moe_rl.pipeline.offload_timeline import OffloadTimeline
+    from moe_rl.timing import MemoryTimeline, StepTimer
 
     if offload:
         counted, before, rss0 = _counted(learner), _resident(learner), _rss_mib()
-        with offloaded(learner, True) as moved:
+        want, mem = learner.export_canonical(), MemoryTimeline()
+        timeline, sync = OffloadTimeline(None, learner, True, mem), {}
+
+        def fake_sync() -> dict:  # what the engine would take: the weights, while the rest is off
+            got = learner.export_canonical()
+            sync["equal"] = sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+            sync["resident"] = _resident(learner)
+            return {}
+
+        with timeline.syncing(StepTimer(mem).phase):
+            fake_sync()
+        with timeline.generating() as moved:
             seen.append(
                 {
                     "moved": moved,
                     "counted": counted,
                     "before": before,
                     "during": _resident(learner),
+                    "during_sync": sync,
                     "rss_mib": (rss0, _rss_mib()),
                 }
             )
+        seen[-1]["phases"] = [r["phase"] for r in mem.records]
+        seen[-1]["after"] = _resident(learner)
     learner.update(batch, nll_entropy_loss, 0.8, 4, lr=LR)
 
 
@@ -168,6 +189,23 @@ def _engine_start(learner) -> dict:
     }
 
 
+def _save_between_sync_and_rollout(learner, ckpt_dir: str):
+    """The loop's checkpoint: after the sync's offloads, inside ``resident`` (weights and Adam
+    state back, grads not); what is resident during the save and after, and the checkpoint."""
+    from moe_rl.learner import checkpoint
+    from moe_rl.pipeline.offload_timeline import OffloadTimeline
+
+    timeline = OffloadTimeline(None, learner, True)
+    with timeline.syncing():
+        pass
+    with timeline.resident():
+        during = _resident(learner)
+        path = checkpoint.save(learner, ckpt_dir, STEPS - 1, {"seed": 0})
+    after = _resident(learner)
+    timeline.finish()
+    return {"during": during, "after": after, "back": _resident(learner)}, path
+
+
 def _layout(model, par: ParallelConfig, ctx, weights, ckpt_dir: str | None) -> dict:
     from moe_rl.learner import checkpoint
     from moe_rl.learner.learner import Learner
@@ -184,7 +222,7 @@ def _layout(model, par: ParallelConfig, ctx, weights, ckpt_dir: str | None) -> d
     out = {"seen": seen, **_layout_facts(off)}
     if ckpt_dir is not None:
         out["engine_start"] = _engine_start(off)
-        path = checkpoint.save(off, ckpt_dir, STEPS - 1, {"seed": 0})
+        out["resident_in_save"], path = _save_between_sync_and_rollout(off, ckpt_dir)
         resumed = Learner(model, par, optim, ctx, weights, monitor=False)
         checkpoint.load(resumed, path)
         _step(resumed, batch, True, seen)
@@ -232,6 +270,11 @@ def test_offloaded_training_is_bitwise_equal_and_frees_every_counted_byte(tmp_pa
             assert r["resume_equal"] in ((True,) if name == "ep2" else (None,)), (rank, name)
             assert r["plain_moved"], (rank, name)  # the steps did train
             if name == "ep2":
+                saved = r["resident_in_save"]
+                full = saved["back"]  # every storage, Adam state included (after 2 steps)
+                assert full["optimizer"] > 0 and full["params"] > 0, (rank, full)
+                assert saved["during"] == full | {"grads": 0}, (rank, saved)  # the checkpoint's state
+                assert saved["after"] == dict.fromkeys(full, 0) and saved["back"] == full, (rank, saved)
                 e = r["engine_start"]
                 assert e["resident_during"] == 0 and e["weights_equal"], (rank, e)
                 assert e["resident_before_after"][0] == e["resident_before_after"][1] > 0, (rank, e)
@@ -253,6 +296,11 @@ def test_offloaded_training_is_bitwise_equal_and_frees_every_counted_byte(tmp_pa
                 assert {k: getattr(moved, k) for k in counted} == counted, (rank, name, i)
                 assert s["before"] == {k: counted[k] for k in s["before"]}, (rank, name, i)
                 assert s["during"] == dict.fromkeys(s["before"], 0), (rank, name, i)
+                assert s["after"] == s["before"], (rank, name, i)
+                # the sync ran with the weights alone on the device, and read them exactly
+                sync_resident = dict.fromkeys(s["before"], 0) | {"params": counted["params"]}
+                assert s["during_sync"] == {"equal": True, "resident": sync_resident}, (rank, name, i)
+                assert s["phases"] == ["offload", "sync", "learner_out", "reload"], (rank, name, i)
                 # fp32 grads (grad_reduce_in_fp32) for every param element; fp32 main params of
                 # their own only with bf16 params
                 assert moved.params > 0 and moved.grads == 4 * r.get("param_elements", moved.params // 4)

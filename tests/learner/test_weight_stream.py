@@ -1,24 +1,36 @@
 """dist tier: the streaming weight sync (moe_rl/weights/stream.py) on PP=2 x TP=2 x DP=2 with
-EP=2 (expert-TP = TP = 2, megatron's default): 8 ranks, each stage 2 TP x 2 EP ranks.
+EP=2 (expert-TP = TP = 2, megatron's default): 8 ranks, each stage 2 TP x 2 EP ranks. The stream
+runs with a piece bound (``parallel.sync_bucket_mib``, here in bytes) of one local expert per EP
+rank, below a MoE layer's bytes, so each MoE layer's 4 experts travel in 2 pieces of 2.
 
 Checked on every rank:
-(a) exactness: the chunks of ``Learner.iter_canonical_layers`` are the embedding, each decoder
-    layer (every tensor of ``model.layers.<i>.``, all experts) and the final norm + lm_head, in that
-    order, each tensor once; joined they equal ``export_canonical()`` and the canonical weights the
-    learner was loaded with, exactly; a built-in fp32 engine fed the stream holds exactly them.
+(a) exactness: the pieces of ``Learner.iter_canonical_layers`` are the embedding, each decoder
+    layer (a MoE layer as its other tensors, then experts {0, 2}, then {1, 3}: local expert j of
+    each EP rank) and the final norm + lm_head, in that order, each tensor once, every expert
+    piece within the bound; joined they equal ``export_canonical()`` (the default bound: each
+    layer whole) and the canonical weights the learner was loaded with, exactly; a
+    built-in fp32 engine fed the stream holds exactly them.
 (b) memory: the peak of the live CPU bytes during one streamed sync into a built-in engine
     whose weights already exist, above the start (torch.profiler's ``[memory]`` events: every
     allocation and free with its address, gloo's own buffers included; see ``_profiled``), is at
-    most the largest chunk's canonical bytes plus a stated slack, and a fraction of the full
-    model. The slack: while a stacked expert projection [E, F, H] is gathered over EP the rank
-    also holds its input [E / EP, F, H], and gloo gathers into a flat temporary of the output's
-    size and copies out (ProcessGroupGloo; NCCL writes in place): slack = (1 + 1 / EP) x the
-    largest projection. ``export_canonical`` (the whole model on every rank), measured the
-    same way, holds several times more.
+    most the largest piece's canonical bytes plus a stated slack, and a fraction of the full
+    model. The slack: while a stacked expert projection [P, F, H] of a piece is gathered over EP
+    the rank also holds its input [P / EP, F, H], and gloo gathers into a flat temporary of the
+    output's size and copies out (ProcessGroupGloo; NCCL writes in place): slack = (1 + 1 / EP) x
+    the largest projection piece. ``export_canonical`` (the whole model on every rank), measured
+    the same way, holds several times more.
 (c) vectorized collectives, counted from the profiler's c10d ops: one broadcast over PP per
-    tensor kind of every chunk (a layer's 3 x E expert tensors are 3 kinds, whatever E), and on
+    tensor kind of every piece (a piece's 3 x P expert tensors are 3 kinds, whatever P), and on
     each rank one all-gather per TP-split tensor of its stage's chunks plus two (expert-TP, EP)
-    per stacked expert projection: none per expert.
+    per stacked expert projection and piece: none per expert.
+(d) each engine rank receives only its slice (moe_rl/weights/engine_shard.py), for engines of
+    vLLM TP 2: colocated, the slices a learner rank hands its engine rank (rank r is TP rank r % 2;
+    the learner rank still gathers the whole piece); split, over a sync group of rank 0 (the root)
+    and ranks 1-4 standing for 4 rollout ranks (2 engines of TP 2) with a bf16 wire, each rank sent
+    its slices alone, point to point. The bytes counted on arrival equal ``sync_receive_bytes(cfg,
+    engine rank)`` and every received tensor equals the learner's slice bit for bit (bf16: its
+    cast), and no rank receives a tensor whole that TP splits (the vocabulary unevenly: 32 / 18
+    rows of 50, vLLM's padding).
 """
 
 from __future__ import annotations
@@ -34,6 +46,7 @@ from tests.models import TINY_MOE_L6 as MODEL
 from tests.profiled_memory import profiled_peak
 
 WORLD, TP, PP, EP = 8, 2, 2, 2
+ENGINE_TP, SPLIT_RECEIVERS = 2, 4  # vLLM TP 2; the split sync's rollout ranks: world ranks 1..4
 
 
 def _profiled(fn, trace: str) -> tuple[int, dict[str, int]]:
@@ -60,6 +73,100 @@ def _kinds(chunk: list[str]) -> set[str]:
     return {re.sub(r"experts\.\d+\.", "experts.", k) for k in chunk}
 
 
+def _layer(name: str) -> int | None:
+    return int(name.split(".")[2]) if name.startswith("model.layers.") else None
+
+
+def _expected_pieces(weights: dict) -> list[list[str]]:
+    """The stream's pieces under a bound of one local expert per EP rank: the embedding; per
+    layer its tensors but the experts, then local expert j of every EP rank (experts j and
+    j + E / EP); the final norm and lm_head."""
+    per = MODEL.num_experts // EP
+    out = [["model.embed_tokens.weight"]]
+    for i in range(MODEL.num_layers):
+        layer = [k for k in weights if _layer(k) == i]
+        out.append([k for k in layer if ".experts." not in k])
+        for j in range(per):
+            ids = {f".experts.{r * per + j}." for r in range(EP)}
+            piece = [k for k in layer if any(e in k for e in ids)]
+            out += [piece] if piece else []
+    return out + [["model.norm.weight", "lm_head.weight"]]
+
+
+def _cfg(dtype: str):
+    import dataclasses
+
+    from moe_rl.config import load_config
+
+    keys = {"parallel.nproc": WORLD, "rollout.engine": "vllm", "rollout.vllm.tensor_parallel": ENGINE_TP}
+    cfg = load_config(None, [f"{k}={v}" for k, v in {**keys, "rollout.dtype": dtype}.items()])
+    return dataclasses.replace(cfg, model=MODEL)
+
+
+def _received(got: dict, want: dict, wire) -> dict:
+    """(bytes counted, every tensor equal bit for bit to the learner's slice in its wire dtype)."""
+    same = sorted(got) == sorted(want) and all(
+        got[n].dtype == wire(n, want[n].dtype) and torch.equal(got[n], want[n].to(got[n].dtype)) for n in want
+    )
+    return {"bytes": sum(t.numel() * t.element_size() for t in got.values()), "equal": same}
+
+
+def _engine_slices(learner, weights: dict, rank: int, bound: int) -> dict:
+    """(d): what engine ranks of vLLM TP 2 receive, colocated and split, against the count."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from moe_rl.pipeline.placement import Group
+    from moe_rl.pipeline.weight_broadcast import broadcast_weights, receive_weights, wire_dtype
+    from moe_rl.pipeline.weight_sync import split_slices
+    from moe_rl.rollout.base import ENGINE_DTYPES
+    from moe_rl.weights.engine_shard import engine_shard, engine_slice, sync_receive_bytes
+
+    out: dict = {}
+    colocated = _cfg("fp32")  # a colocated engine is handed the learner's fp32 tensors
+    shard = engine_shard(colocated, rank)
+    got = {
+        n: t for c in learner.iter_canonical_layers(bound) for n, t in engine_slice(c, shard, MODEL).items()
+    }
+    want = engine_slice(weights, shard, MODEL)
+    out["colocated"] = _received(got, want, lambda n, d: d) | {
+        "expected": sync_receive_bytes(colocated, rank)
+    }
+    out["colocated_vocab_rows"] = got["model.embed_tokens.weight"].shape[0]
+
+    split, members = _cfg("bf16"), tuple(range(SPLIT_RECEIVERS + 1))
+    sync = None
+    if rank in members:  # the sync group of a split world: built on the store, as placement.py does
+        store = dist.PrefixStore("sync_test", dist.distributed_c10d._get_default_store())
+        pg = dist.ProcessGroupGloo(store, rank, len(members), datetime.timedelta(seconds=120))
+        sync = Group(pg, members, rank)
+    stream = learner.iter_canonical_layers(bound)
+    engine = ENGINE_DTYPES[split.rollout.dtype]
+    if rank == 0:
+        sliced = split_slices(split, SPLIT_RECEIVERS)  # what WeightSync sends the rollout ranks
+        m = broadcast_weights(stream, sync, version=1, engine=engine, sliced=sliced)
+        out["split_root_bytes"] = m["weight_sync/bytes"]
+        out["split_expected"] = [sync_receive_bytes(split, i) for i in range(SPLIT_RECEIVERS)]
+    elif sync is not None:  # rollout rank rank - 1 of the split layout, in step with the stream
+        shard, pieces = engine_shard(split, rank - 1), iter(stream)
+        next(pieces)  # the root sends a piece once the stream (collective) has made it
+        _, received = receive_weights(sync, sliced=True)
+        named = dict(next(received))
+        for _ in pieces:
+            named.update(next(received))
+        assert next(received, None) is None  # the end marker
+        wire = lambda n, d: wire_dtype(n, d, engine)  # noqa: E731
+        out["split"] = _received(named, engine_slice(weights, shard, MODEL), wire) | {
+            "counted": received.nbytes,
+            "expected": sync_receive_bytes(split, rank - 1),
+        }
+    else:
+        for _ in stream:
+            pass
+    return out
+
+
 def _worker(rank: int, tmp: str) -> dict:
     from moe_rl import dist
     from moe_rl.learner.learner import Learner
@@ -75,13 +182,11 @@ def _worker(rank: int, tmp: str) -> dict:
     learner = Learner(MODEL, par, OptimConfig(lr=1e-3), ctx, weights, monitor=False)
     layout = (ctx.pp_rank, ctx.tp_rank, ctx.ep_rank, ctx.etp_size, ctx.dp_size)
 
-    chunks = [dict(c) for c in learner.iter_canonical_layers()]
+    nbytes = {k: t.numel() * t.element_size() for k, t in weights.items()}
+    bound = 3 * nbytes["model.layers.1.mlp.experts.0.up_proj.weight"] * EP  # one local expert a rank
+    chunks = [dict(c) for c in learner.iter_canonical_layers(bound)]
     joined = {k: v for c in chunks for k, v in c.items()}
-    expected_chunks = [["model.embed_tokens.weight"]]
-    expected_chunks += [
-        [k for k in weights if k.startswith(f"model.layers.{i}.")] for i in range(MODEL.num_layers)
-    ]
-    expected_chunks += [["model.norm.weight", "lm_head.weight"]]
+    expected_chunks = _expected_pieces(weights)
     exported = learner.export_canonical()
     exact = {
         "chunks": [sorted(c) for c in chunks] == [sorted(c) for c in expected_chunks],
@@ -89,15 +194,19 @@ def _worker(rank: int, tmp: str) -> dict:
         "weights": all(torch.equal(joined[k], weights[k]) for k in weights),
         "export": sorted(exported) == sorted(weights)
         and all(torch.equal(exported[k], joined[k]) for k in weights),
+        "bound": all(
+            sum(nbytes[k] for k in c) <= bound for c in expected_chunks if any(".experts." in k for k in c)
+        ),
     }
     del chunks, joined, exported
+    slices = _engine_slices(learner, weights, ctx.rank, bound)
 
     engine = BuiltinEngine(MODEL, dtype="fp32", pad_id=0)
     engine.load_weights(random_canonical_weights(MODEL, seed=1))  # its own tensors exist from here on
     before = engine.model.w["model.layers.3.mlp.experts.gate_proj"].clone()
     peaks_ops = [
         _profiled(
-            lambda: engine.load_weights(learner.iter_canonical_layers()), f"{tmp}/stream_{rank}_{i}.json"
+            lambda: engine.load_weights(learner.iter_canonical_layers(bound)), f"{tmp}/stream_{rank}_{i}.json"
         )
         for i in range(5)
     ]  # the same sync five times: a missed free can only overstate, keep the least
@@ -110,11 +219,11 @@ def _worker(rank: int, tmp: str) -> dict:
     )
     export_peak, _ = _profiled(lambda: learner.export_canonical(), f"{tmp}/export_{rank}.json")
 
-    nbytes = {k: t.numel() * t.element_size() for k, t in weights.items()}
     chunk_bytes = [sum(nbytes[k] for k in c) for c in expected_chunks]
-    projection = max(v for k, v in nbytes.items() if ".mlp.experts." in k) * MODEL.num_experts
+    projection = max(v for k, v in nbytes.items() if ".mlp.experts." in k) * EP  # a piece's
     first, n_local = learner.shard.layer_offset, len(learner.gpt.decoder.layers)
-    owned = expected_chunks[first + 1 : first + n_local + 1] + (
+    stage_layers = range(first, first + n_local)
+    owned = [c for c in expected_chunks if _layer(c[0]) in stage_layers] + (
         [expected_chunks[0]] if ctx.pp_rank == 0 else [expected_chunks[-1]] if ctx.pp_rank == PP - 1 else []
     )
     gathers = sum(
@@ -138,6 +247,7 @@ def _worker(rank: int, tmp: str) -> dict:
         "allgathers": stream_ops.get("c10d::_allgather_base_", 0),
         "expected_allgathers": gathers,
         "ops": stream_ops,
+        "slices": slices,
     }
     dist.shutdown()
     return result
@@ -165,10 +275,51 @@ def test_streamed_sync_is_exact_and_holds_one_layer(tmp_path, capsys):
         assert 0 < r["stream_peak"] <= r["max_chunk"] + r["slack"], (rank, r)
         assert max(r["stream_peaks"]) < r["full"] / 2, (rank, r)
         assert r["export_peak"] > 2 * r["stream_peak"], (rank, r)  # what streaming saves, really measured
-        # one broadcast per kind: 3 per MoE layer for its 3 x E expert tensors
+        # one broadcast per kind: 3 per expert piece (2 a MoE layer) for its 3 x E / 2 expert tensors
         assert (
             r["broadcasts"]
             == r["num_kinds"]
-            == r["num_tensors"] - 3 * (MODEL.num_experts - 1) * len(MODEL.moe_layers)
+            == r["num_tensors"] - 3 * (MODEL.num_experts - MODEL.num_experts // EP) * len(MODEL.moe_layers)
         ), (rank, r)
         assert r["allgathers"] == r["expected_allgathers"] > 0, (rank, r)
+    _check_slices([r["slices"] for r in results], r0["full"])
+
+
+def _check_slices(slices: list[dict], full_fp32: int) -> None:
+    """(d): the bytes each engine rank received are what sync_receive_bytes says, the tensors the
+    learner's slices; TP 2 halves what a rank gets (bar the replicated norms and router)."""
+    for rank, s in enumerate(slices):
+        c = s["colocated"]
+        assert c["equal"] and c["bytes"] == c["expected"], (rank, c)
+        assert c["bytes"] < 0.6 * full_fp32, (rank, c)  # a slice, not the model
+        assert s["colocated_vocab_rows"] == (32 if rank % ENGINE_TP == 0 else 18), rank
+    root = slices[0]
+    for i in range(SPLIT_RECEIVERS):
+        got = slices[i + 1]["split"]
+        print(f"split rollout rank {i}: received {got['counted']} B, sync_receive_bytes {got['expected']} B")
+        assert (
+            got["equal"] and got["counted"] == got["bytes"] == got["expected"] == root["split_expected"][i]
+        ), (i, got)
+        assert got["counted"] < 0.6 * full_fp32 / 2, (i, got)  # bf16, and a TP slice
+    assert root["split_root_bytes"] == max(root["split_expected"])
+
+
+@pytest.mark.unit
+def test_pieces_keep_a_chunk_whole_within_the_bound_and_else_split_its_experts():
+    from moe_rl.weights.stream import EXPERT_SLOT, Chunk, Kind, pieces
+
+    f32 = torch.float32
+    plain = Kind("model.layers.1.self_attn.q_proj.weight", (64, 64), f32)
+    stacked = tuple(
+        Kind(f"model.layers.1.mlp.experts.{EXPERT_SLOT}.{p}.weight", (8, 16, 32), f32)
+        for p in ("down_proj", "gate_proj", "up_proj")
+    )
+    chunk = Chunk((1, 1), 0, (plain, *stacked))
+    per_expert = 3 * 16 * 32 * 4
+    assert [p.local for p in pieces(chunk, chunk.nbytes, ep_size=2)] == [(0, 4)]  # fits: whole
+    split = pieces(chunk, 2 * 2 * per_expert, ep_size=2)  # 2 local experts of each of 2 EP ranks
+    assert [p.local for p in split] == [None, (0, 2), (2, 4)]
+    assert [p.expert_ids(8, 2) for p in split] == [[], [0, 1, 4, 5], [2, 3, 6, 7]]
+    assert split[0].kinds == (plain,) and all(p.nbytes <= 2 * 2 * per_expert for p in split[1:])
+    assert all(k.shape == (4, 16, 32) for p in split[1:] for k in p.kinds)  # one kind per projection
+    assert [p.local for p in pieces(chunk, 1, ep_size=2)] == [None, (0, 1), (1, 2), (2, 3), (3, 4)]

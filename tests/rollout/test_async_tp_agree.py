@@ -30,8 +30,8 @@ def _rollout(place, rank: int) -> list[tuple[int, int]]:
     if rank == 2:
         receive = src.pending.receive
 
-        def late(group, expect=None):  # the sync is here; rank 2 stages it HOLD_S later
-            got = receive(group, expect)
+        def late(group, expect=None, sliced=False):  # the sync is here; rank 2 stages it HOLD_S later
+            got = receive(group, expect, sliced)
             staged = src.pending.take()
             time.sleep(HOLD_S)
             with src.pending._lock:
