@@ -65,7 +65,7 @@ class Kind:
 
     @property
     def nbytes(self) -> int:
-        return _numel(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+        return _numel(self.shape) * self.dtype.itemsize
 
 
 @dataclass(frozen=True)
