@@ -108,9 +108,12 @@ def main(debug: bool) -> None:
 def train(args: tuple[str, ...]) -> None:
     """Train: moe-rl train [CONFIG.yaml] [key=value ...]  (no config: the embedded tiny CPU default).
     Resume: moe-rl train run_dir=RUN resume=true [steps=N]  (RUN/config.yaml is the base)."""
+    from moe_rl import rank_server
     from moe_rl.launch import JobInterrupted, RankDiedError, under_torchrun
 
     cfg = _load(args)
+    if not under_torchrun():
+        rank_server.start()  # it imports what a rank imports while this process runs preflight
     # under an external torchrun its agent stops the ranks: SIGTERM keeps its default there (a
     # rank inside a collective would run no Python handler until the agent's SIGKILL)
     previous = {} if under_torchrun() else _stop_signals_raise()

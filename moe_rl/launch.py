@@ -46,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from moe_rl import stale_shm
+from moe_rl import rank_server, stale_shm
 from moe_rl.config import RunConfig
 from moe_rl.errors import UserError
 
@@ -173,9 +173,11 @@ class _RankFailure:
         ) from None
 
 
-def _guarded(fn, report_dir: str, launcher_pid: int, *args):
+def _guarded(fn, report_dir: str, launcher_pid: int, parent_pid: int, env: tuple, *args):
     """A rank's ``fn(*args)``; on any exception: record it for the launcher, then exit at once
-    (no teardown that could wait for a peer)."""
+    (no teardown that could wait for a peer). ``parent_pid``: the launcher, or the rank server it
+    was forked from (moe_rl/rank_server.py), whose environment ``env`` brings up to date."""
+    rank_server.apply_env_changes(*env)
     try:
         # its own process group: a terminal's Ctrl-C reaches the launcher alone, which stops the
         # ranks itself; the rank's children (reward workers, megatron's forked checkpoint writers)
@@ -190,7 +192,7 @@ def _guarded(fn, report_dir: str, launcher_pid: int, *args):
     pid_file.with_suffix(".tmp").write_text(str(os.getpid()))
     pid_file.with_suffix(".tmp").rename(pid_file)
     try:
-        end_with_launcher(launcher_pid)  # kill -9 of the launcher takes the ranks and their children along
+        end_with_launcher(launcher_pid, parent_pid)  # kill -9 of the launcher takes the ranks along
         return fn(*args)
     except SystemExit as e:
         if e.code in (0, None):
@@ -220,9 +222,9 @@ def _record_and_exit(report_dir: str, e: BaseException) -> None:
 
 def _peers_dead(report_dir: str, rank: int) -> dict[int, int | None]:
     """The other ranks that are dead now without having recorded a failure, with their exit code
-    (-N: signal N), read from /proc as a zombie's (not yet reaped by the launcher), None when
-    already reaped. Why: a rank killed by a signal leaves no record, and its peer fails at its next
-    collective; when both are dead before torch's agent polls (every ``monitor_interval``), the
+    (-N: signal N), read from /proc as a zombie's (not yet reaped by the launcher), or as the rank
+    server kept it (moe_rl/rank_server.py), None when not seen. Why: a rank killed by a signal
+    leaves no record, and its peer fails at its next collective; when both are dead before torch's agent polls (every ``monitor_interval``), the
     agent reports one of them only, the lower rank, which may be the peer. The peer saw it dead."""
     dead: dict[int, int | None] = {}
     for path in Path(report_dir).glob("rank*.pid"):
@@ -231,8 +233,8 @@ def _peers_dead(report_dir: str, rank: int) -> dict[int, int | None]:
             continue
         try:
             state = Path(f"/proc/{int(path.read_text())}/stat").read_text().rsplit(")", 1)[1].split()
-        except FileNotFoundError:
-            dead[peer] = None  # reaped already: the agent saw it first
+        except FileNotFoundError:  # reaped already: by the agent, or by the rank server, which kept it
+            dead[peer] = rank_server.reaped_exit_code(int(path.read_text()))
             continue
         except (OSError, ValueError):  # no /proc (not Linux)
             continue
@@ -273,17 +275,17 @@ def _become_subreaper() -> None:
         _prctl(_PR_SET_CHILD_SUBREAPER, 1)
 
 
-def end_with_launcher(launcher_pid: int) -> None:
-    """A rank (a child of ``launcher_pid``) ends, with everything it started, when the launcher
-    dies, as after kill -9 of it, which cannot stop anything itself. Linux only (prctl); a no-op
-    elsewhere, where docs/reliability.md 5 says what is left. Must run in the rank's main thread (a
-    handler)."""
+def end_with_launcher(launcher_pid: int, parent_pid: int | None = None) -> None:
+    """A rank (a child of ``parent_pid``: the launcher ``launcher_pid``, or the rank server, which
+    dies with the launcher) ends, with everything it started, when the launcher dies, as after kill
+    -9 of it, which cannot stop anything itself. Linux only (prctl); a no-op elsewhere, where
+    docs/reliability.md 5 says what is left. Must run in the rank's main thread (a handler)."""
     if not sys.platform.startswith("linux"):
         return
     _become_subreaper()  # a killed child's own children come here, not to init: all are found
     signal.signal(LAUNCHER_DIED, functools.partial(_on_launcher_died, launcher_pid))
     _prctl(_PR_SET_PDEATHSIG, int(LAUNCHER_DIED))
-    if os.getppid() != launcher_pid:  # it died before the prctl: no signal will come
+    if os.getppid() != (launcher_pid if parent_pid is None else parent_pid):  # died before the prctl
         _on_launcher_died(launcher_pid, int(LAUNCHER_DIED), None)
 
 
@@ -372,6 +374,7 @@ def spawn_local(fn, nproc: int, *args):
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    forked = rank_server.start()  # before ``before``: the server outlives the job, for the next one
     lc = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -380,11 +383,13 @@ def spawn_local(fn, nproc: int, *args):
         rdzv_backend="c10d",
         rdzv_endpoint="127.0.0.1:0",
         max_restarts=0,
-        start_method="spawn",
+        start_method="forkserver" if forked else "spawn",
         monitor_interval=0.1,
     )
     from torch.distributed.elastic.multiprocessing import SignalException
 
+    parent = rank_server.server_pid() if forked else os.getpid()
+    env = rank_server.env_changes() if forked else ({}, [])
     report_dir = Path(tempfile.mkdtemp(prefix="moe_rl_ranks_"))
     elastic_logs = [
         logging.getLogger(name)
@@ -398,7 +403,7 @@ def spawn_local(fn, nproc: int, *args):
     try:
         for log in elastic_logs:  # its failure and signal reports would repeat ours, worse
             log.setLevel(logging.CRITICAL)
-        return elastic_launch(lc, _guarded)(fn, str(report_dir), os.getpid(), *args)
+        return elastic_launch(lc, _guarded)(fn, str(report_dir), os.getpid(), parent, env, *args)
     except SignalException as e:  # the agent has stopped the ranks
         raise JobInterrupted(e.sigval) from None
     except ChildFailedError as e:

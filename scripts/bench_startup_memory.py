@@ -105,12 +105,16 @@ def _status(pid: int) -> dict[str, int]:
 
 
 def _ranks(launcher: int) -> list[int]:
-    """The launcher's rank processes: its direct children that multiprocessing spawned (not its
+    """The launcher's rank processes: the children of its rank server on a CPU machine
+    (moe_rl/rank_server.py), else its direct children that multiprocessing spawned (not its
     resource tracker); their own children (reward workers) are not ranks."""
     import psutil
 
     try:
         children = psutil.Process(launcher).children()
+        servers = [p for p in children if "multiprocessing.forkserver" in " ".join(p.cmdline())]
+        if servers:
+            return sorted(p.pid for s in servers for p in s.children())
         return sorted(
             p.pid
             for p in children

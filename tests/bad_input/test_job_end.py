@@ -60,10 +60,11 @@ class Job:
         return code
 
     def ranks(self) -> list[psutil.Process]:
-        ranks = sorted(
-            (c for c in psutil.Process(self.proc.pid).children() if "spawn_main" in " ".join(c.cmdline())),
-            key=lambda c: c.pid,
-        )  # started in rank order
+        # a CPU job's ranks are children of its rank server (moe_rl/rank_server.py), the launcher's
+        # child; without that server they would be the launcher's own (spawn)
+        kids = psutil.Process(self.proc.pid).children()
+        (server,) = [c for c in kids if "forkserver" in " ".join(c.cmdline())]
+        ranks = sorted(server.children(), key=lambda c: c.pid)  # started in rank order
         assert len(ranks) == 2
         return ranks
 
