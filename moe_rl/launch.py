@@ -224,8 +224,9 @@ def _peers_dead(report_dir: str, rank: int) -> dict[int, int | None]:
     """The other ranks that are dead now without having recorded a failure, with their exit code
     (-N: signal N), read from /proc as a zombie's (not yet reaped by the launcher), or as the rank
     server kept it (moe_rl/rank_server.py), None when not seen. Why: a rank killed by a signal
-    leaves no record, and its peer fails at its next collective; when both are dead before torch's agent polls (every ``monitor_interval``), the
-    agent reports one of them only, the lower rank, which may be the peer. The peer saw it dead."""
+    leaves no record, and its peer fails at its next collective; when both are dead before torch's
+    agent polls (every ``monitor_interval``), the agent reports one of them only, the lower rank,
+    which may be the peer. The peer saw it dead."""
     dead: dict[int, int | None] = {}
     for path in Path(report_dir).glob("rank*.pid"):
         peer = int(path.stem.removeprefix("rank"))
