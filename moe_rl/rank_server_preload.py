@@ -74,7 +74,11 @@ defer_wandb()
 defer_megatron_compile()
 
 import megatron.core  # noqa: E402, F401
-import torch._dynamo  # noqa: E402, F401  (torch.optim imports it at the optimizer's first param group)
+import torch  # noqa: E402
 
 import megatron_patches  # noqa: E402, F401
 from moe_rl import dist, trainer  # noqa: E402, F401
+
+# torch.optim imports torch._dynamo at an optimizer's first param group (about 1 s of CPU): a
+# throwaway optimizer here imports it once for every rank. One tiny tensor, no thread pool started.
+torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)

@@ -18,6 +18,7 @@ def _rank() -> dict:
     return {
         "parent": os.getppid(),
         "megatron_imported_before_the_rank_ran": "megatron.core" in sys.modules,
+        "dynamo_too": "torch._dynamo" in sys.modules,
         "set": os.environ.get("MOE_RL_TEST_SET"),
         "changed": os.environ.get("MOE_RL_TEST_CHANGED"),
         "unset": os.environ.get("MOE_RL_TEST_UNSET"),
@@ -41,6 +42,7 @@ def test_cpu_ranks_are_forked_from_the_server_with_the_launchers_environment_now
         assert out[rank] == {
             "parent": server,
             "megatron_imported_before_the_rank_ran": True,
+            "dynamo_too": True,
             "set": "after",
             "changed": "after",
             "unset": None,

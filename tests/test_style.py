@@ -201,6 +201,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "moe_rl.run_lock",
             "moe_rl.stale_shm",
             "moe_rl.lazy_imports",
+            "moe_rl.rank_server",
             "megatron_patches",
         ),
     ),
@@ -251,7 +252,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "moe_rl.run_end",
         ),
     ),
-    ("entry points", ("moe_rl.launch", "moe_rl.export", "moe_rl.cli")),
+    # the rank server's preload imports what a rank runs (the loop) before any rank exists
+    ("entry points", ("moe_rl.launch", "moe_rl.export", "moe_rl.cli", "moe_rl.rank_server_preload")),
 )
 
 
