@@ -127,7 +127,7 @@ def defer_megatron_compile() -> bool:
     dispatcher's preprocessing, the norm), which imports torch._dynamo and torch._inductor (about
     3.5 s of CPU per rank on the 2-core CI machine), and every rank of every CPU run then traced and
     compiled them with inductor (a C++ build when its cache is cold) for element-wise ops on tiny
-    tensors: 0.85x the CPU of a 6-step run without it (docs/testing.md 6)."""
+    tensors: 0.85x the CPU of a 6-step run (docs/megatron_cpu.md 5)."""
     if MEGATRON_JIT in sys.modules or any(isinstance(f, _FindJit) for f in sys.meta_path):
         return False
     sys.meta_path.insert(0, _FindJit())
