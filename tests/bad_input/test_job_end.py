@@ -32,9 +32,10 @@ MATH = ["task.reward=math", "task.reward_workers=1"]  # text rewards: a reward w
 
 class Job:
     def __init__(self, tmp_path: Path, *args: str) -> None:
-        self.run, self.err_path = tmp_path / "run", tmp_path / "stderr"
+        self.run, self.err_path, self.tmp = tmp_path / "run", tmp_path / "stderr", tmp_path / "tmp"
         self.args = [f"run_dir={self.run}", *args]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}
+        self.tmp.mkdir()  # the job's temp dir: what it leaves there is seen (``tmp_left``)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT), "TMPDIR": str(self.tmp)}
         env.pop("MOE_RL_DEBUG", None)
         with open(self.err_path, "w") as err, open(tmp_path / "stdout", "w") as out:
             self.proc = subprocess.Popen(
@@ -73,6 +74,15 @@ class Job:
 
     def left(self) -> list[str]:
         return left_in_session(self.proc.pid)
+
+    def tmp_left(self, within_s: float = 5.0) -> list[str]:
+        """The job's folders (moe_rl/job_tmp.py) still in its temp dir after up to ``within_s``."""
+        deadline = time.time() + within_s
+        while True:
+            left = sorted(p.name for p in self.tmp.iterdir() if p.name.startswith("moe_rl_"))
+            if not left or time.time() > deadline:
+                return left
+            time.sleep(0.1)
 
     def session(self) -> list[str]:
         ps = subprocess.run(
@@ -122,6 +132,7 @@ def test_second_start_is_refused_and_a_signal_ends_the_job_cleanly(tmp_path, sig
     assert last_lines(err, "interrupted") == [f"interrupted ({sig.name}) {job.hint()}"]
     assert "Traceback" not in err and "error:" not in err
     assert job.left() == []
+    assert job.tmp_left() == []
 
 
 @pytest.mark.bad_input
@@ -143,6 +154,7 @@ def test_a_killed_rank_is_named_and_leaves_no_process(tmp_path):
     ]
     assert "Traceback" not in err and "Connection closed by peer" not in err
     assert job.left() == []
+    assert job.tmp_left() == []
 
 
 @pytest.mark.bad_input
@@ -197,15 +209,26 @@ def test_kill_9_of_the_leader_leaves_no_process(tmp_path):
             kids = [" ".join(c.cmdline()) for c in rank.children()]
             assert len(kids) >= 1, kids  # its reward worker (+ megatron's writers during a save)
         assert any("resource_tracker" in x for x in job.session()), job.session()
+        server = [
+            c.pid for c in psutil.Process(job.proc.pid).children() if "forkserver" in " ".join(c.cmdline())
+        ]
+        folders = {f"moe_rl_rank_exits_{server[0]}"} | {
+            p.name for p in job.tmp.glob(f"moe_rl_ranks_{job.proc.pid}_*")
+        }
+        assert len(folders) == 2 and folders <= set(job.tmp_left(0)), job.tmp_left(
+            0
+        )  # the job's, named by owner
         os.kill(job.proc.pid, signal.SIGKILL)
         code = job.end("kill -9 of the leader")
         t0 = time.time()
         left = job.left()
         print(f"kill -9 of the leader: the job's last process ended {time.time() - t0:.2f} s later")
+        tmp_left = job.tmp_left()  # removed by the ranks as they end (moe_rl/job_tmp.py)
     finally:
         job.proc.kill()
     assert code == -signal.SIGKILL
     assert left == []
+    assert tmp_left == []
     assert "Traceback" not in job.stderr()
 
 
@@ -215,6 +238,7 @@ def test_a_normal_end_leaves_no_process_and_frees_the_run_dir(tmp_path):
     code = job.end("normal end", timeout_s=600)  # the whole run: 190 s at a load average of 40
     assert code == 0, job.stderr()[-3000:]
     assert job.left() == []
+    assert job.tmp_left() == []
     assert len((job.run / "metrics.jsonl").read_text().splitlines()) == 2
     # the lock went with the job: the next start gets the run's own refusal, not "in use"
     result = CliRunner().invoke(cli.main, ["train", f"run_dir={job.run}", *TINY])

@@ -23,7 +23,6 @@ import functools
 import json
 import logging
 import os
-import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -31,6 +30,7 @@ from typing import Any
 
 import torch
 
+from moe_rl import job_tmp
 from moe_rl.config import ConfigError, ModelConfig, RunConfig
 from moe_rl.rollout.base import UpdateSource, Weights, weight_chunks
 from moe_rl.rollout.vllm.dvp_processor import dvp_num_logprobs, dvp_processor_mrv2, dvp_processor_v1
@@ -194,7 +194,7 @@ class VllmEngine:
             return source
         from moe_rl.weights.hf import write_hf_checkpoint
 
-        out = Path(tempfile.mkdtemp(prefix="moe_rl_vllm_")) / "model"
+        out = job_tmp.make_dir(job_tmp.VLLM) / "model"  # removed at this process's end (moe_rl/job_tmp.py)
         tensors = {k: t.detach().cpu() for k, t in untied(named, self.untie).items()}
         if self.untie:  # safetensors refuses two names on one storage
             tensors["lm_head.weight"] = tensors["lm_head.weight"].clone()
