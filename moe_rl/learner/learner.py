@@ -216,8 +216,8 @@ class Learner:
         tensors = {n: p.detach() for n, p in self._named_weights().items()}
         if engines is None:
             return self._stream(tensors, bound)
-        local, d = rename_to_local(tensors), self.dims
-        return stream_engine_slices(local, self.model_cfg, d, self.shard, engines, d.etp_ep_group, bound)
+        local = rename_to_local(tensors)
+        return stream_engine_slices(local, self.model_cfg, self.dims, self.shard, engines, bound)
 
     def _named_weights(self) -> dict[str, torch.Tensor]:
         """Parameters plus the routers' expert-bias buffers (canonical weights without a gradient:

@@ -1,34 +1,33 @@
 """The colocated weight sync where engine ranks hold slices: each learner rank gathers only what its
-own engine rank holds (docs/design.md 14.3).
+own engine rank holds, from the learner ranks that hold it (docs/design.md 14.3).
 
 Colocated, learner world rank r hosts engine rank r (``shard_of(r)``, ``engine_shard``). Where
-that shard is a slice (vLLM TP > 1), ``stream_engine_slices`` yields per piece of
-``stream.pieces`` what the shard holds of it (``engine_slice``'s names and shapes: its TP slice
-of each split tensor, whole tensors for those it holds whole, only the experts it holds), and no
-rank ever builds a whole gathered piece.
+that shard is a slice (vLLM TP > 1), ``stream_engine_slices`` yields, per piece of the canonical
+stream (``stream.pieces``: the same pieces, in the same order), what the shard holds of it, as
+``engine_slice`` of the whole piece would: its TP slice of each split tensor, the tensors it holds
+whole, only the experts it holds. No rank builds a whole gathered piece.
 
-Per tensor kind and piece (a canonical tensor, or one projection of a piece's experts stacked),
-every tensor is a box in the full (gathered) tensor: a [lo, hi) range per dim. A rank of the
-owning stage holds one box (``held``: its megatron TP piece; a stacked kind also its EP rank's
-experts and its expert-TP piece) and needs one (``needed``: its engine shard's slice, experts
-included). One ``all_to_all_single`` over the owner's group (TP for a kind, expert-TP x EP for a
-stacked one) sends each rank the intersections of the others' held boxes with its needed one
-(its own part copied locally, no wire); where no rank needs a part it does not hold (engine TP
-= learner TP, or a multiple of it) there is no collective and the slice is a view of the rank's
-own tensor. The stage then broadcasts each rank's slice over the pipeline group, as the whole
-stream does: one collective per tensor kind and piece and group, never one per expert.
+Each tensor kind of a piece (a canonical tensor, or one projection of the piece's experts
+stacked) is cut in boxes, a [lo, hi) range per dim of the full tensor. A rank of the owning stage
+holds one box (``held_box``: its megatron TP piece; a stacked kind: its expert-TP piece of its EP
+rank's experts); every rank needs one (``needed_box``: its engine shard's slice and experts).
+``routes`` says which part of each needed box each rank sends (a rank's own part from itself,
+each other part from its first holder), and one ``all_to_all_single`` over the group that holds
+the kind between its stages moves them: TP x PP (megatron's model-parallel group) for a tensor,
+expert-TP x EP x PP for a stacked projection. So one collective per tensor kind and piece, never
+one per expert, and none where every rank holds what it needs (engine TP = learner TP, PP 1:
+the TP slices are views of the rank's own tensors). The parts land in the result directly when
+they are its consecutive slabs along dim 0 (column-parallel slices, experts), else through one
+receive buffer.
 
-The broadcast needs every rank of a pipeline group to host the same engine shard (engine TP
-divides world / PP, always so where an engine fits in a stage's data-parallel block); otherwise
-the stream falls back to the whole stream narrowed (``engine_slice`` of each gathered piece).
-
-Memory beyond the rank's shard, per kind: its needed slice, the flat receive buffer of the parts
-from its peers, and its send buffer (the parts of its held box others need: at most the engine
-slice's size when the engine TP divides the group). Shape suffixes as in stream.py.
+Memory beyond the rank's shard, per kind: its slice, the parts it sends (its held box, once per
+rank that needs each part: about a slice where the engine TP divides the group), and for a slice
+not cut along dim 0 the receive buffer (at most the slice). Shape suffixes as in stream.py.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -37,7 +36,8 @@ import torch.distributed as dist
 
 from moe_rl.config import ModelConfig
 from moe_rl.dist import ParallelDims, comm_device
-from moe_rl.weights.engine_shard import EngineShard, engine_slice, held, slice_bounds
+from moe_rl.weights.engine_shard import EngineShard, slice_bounds
+from moe_rl.weights.engine_shard import held as holds
 from moe_rl.weights.megatron_shards import Shard, megatron_to_canonical, tp_split_dim
 from moe_rl.weights.stream import (
     DEFAULT_BOUND_BYTES,
@@ -48,7 +48,6 @@ from moe_rl.weights.stream import (
     plan,
     split_by_chunk,
     stack_experts,
-    stream_canonical,
 )
 
 Box = tuple[tuple[int, int], ...]  # [lo, hi) per dim of the full tensor
@@ -111,7 +110,9 @@ def needed_box(kind: Kind, ids: list[int], shard: EngineShard, model: ModelConfi
         return box if b is None else narrowed(box, b[0], b[1], b[2])
     name = kind.name.replace(EXPERT_SLOT, str(ids[0]))
     rows = [
-        i for i, e in enumerate(ids) if held(kind.name.replace(EXPERT_SLOT, str(e)), shard, model.num_experts)
+        i
+        for i, e in enumerate(ids)
+        if holds(kind.name.replace(EXPERT_SLOT, str(e)), shard, model.num_experts)
     ]
     if not rows:
         return None
@@ -122,22 +123,31 @@ def needed_box(kind: Kind, ids: list[int], shard: EngineShard, model: ModelConfi
     return box if b is None else narrowed(box, b[0] + 1, b[1], b[2])
 
 
-def routes(held: list[Box], needed: list[Box | None]) -> list[list[Box | None]]:
+@functools.lru_cache(maxsize=4096)
+def routes(
+    held: tuple[Box | None, ...], needed: tuple[Box | None, ...]
+) -> tuple[tuple[Box | None, ...], ...]:
     """``routes[j][k]``: the part of rank k's needed box that rank j sends it (None: nothing).
-    Held boxes are equal (a replicated tensor) or disjoint (TP, EP pieces): rank k takes what it
-    holds itself from itself, and each other box from its first holder."""
+    Held boxes are None (a rank of another stage), equal (a replicated tensor) or disjoint (TP,
+    EP pieces): rank k takes what it holds itself from itself, each other box from its first
+    holder in group order."""
     n = len(held)
     out: list[list[Box | None]] = [[None] * n for _ in range(n)]
     for k, want in enumerate(needed):
         if want is None:
             continue
-        out[k][k] = intersect(held[k], want)
-        seen = {held[k]}
-        for j in range(n):
+        seen = {None}
+        for j in [k, *range(n)]:
             if held[j] not in seen:
                 seen.add(held[j])
                 out[j][k] = intersect(held[j], want)
-    return out
+    return tuple(map(tuple, out))
+
+
+@functools.lru_cache(maxsize=4096)
+def _remote(route: tuple[tuple[Box | None, ...], ...]) -> bool:
+    """Some rank needs a part another rank holds (else no collective)."""
+    return any(b is not None for j, row in enumerate(route) for k, b in enumerate(row) if j != k)
 
 
 def placed_parts(mine: Box, parts: list[tuple[Box, torch.Tensor]], like: torch.Tensor) -> torch.Tensor:
@@ -148,54 +158,99 @@ def placed_parts(mine: Box, parts: list[tuple[Box, torch.Tensor]], like: torch.T
     return out
 
 
-def exchange(local: torch.Tensor, held: list[Box], needed: list[Box | None], me: int, group) -> torch.Tensor:
-    """This rank's needed box from the group's held ones (group rank order; ``local`` holds
-    ``held[me]``): one all_to_all_single of the parts others hold, none when every rank holds
-    what it needs (then a view of ``local``)."""
-    mine, route = needed[me], routes(held, needed)
-    n = len(held)
-    if not any(route[j][k] for j in range(n) for k in range(n) if j != k):
-        return within(local, mine, held[me]) if mine is not None else local.new_empty(0)
-    send = [within(local, route[me][k], held[me]).reshape(-1) for k in range(n) if k != me and route[me][k]]
-    send_sizes = [box_numel(route[me][k]) if k != me else 0 for k in range(n)]
-    recv_sizes = [box_numel(route[j][me]) if j != me else 0 for j in range(n)]
-    recv = local.new_empty(sum(recv_sizes))
-    flat = torch.cat(send) if send else local.new_empty(0)
+def _in_order(boxes: list[Box], mine: Box) -> bool:
+    """The boxes, in this order, are consecutive slabs of ``mine`` along dim 0, each whole in the
+    other dims: their flat concatenation is ``mine``'s memory, so they can land in it directly."""
+    at = mine[0][0]
+    for b in boxes:
+        if b[1:] != mine[1:] or b[0][0] != at:
+            return False
+        at = b[0][1]
+    return at == mine[0][1]
+
+
+def exchange(
+    local: torch.Tensor | None,
+    held: list[Box | None],
+    needed: list[Box | None],
+    me: int,
+    group,
+    like: torch.Tensor,
+) -> torch.Tensor | None:
+    """This rank's needed box, from the group's held ones (group rank order; ``local`` holds
+    ``held[me]``, None on a rank that holds nothing): one all_to_all_single of the parts each
+    rank sends each other, none when every rank holds what it needs (then a view of ``local``).
+    ``like``: dtype and device of a received tensor. Where the parts are slabs of the result in
+    rank order, they land in it directly (the rank's own part through the collective too)."""
+    mine, route, n = needed[me], routes(tuple(held), tuple(needed)), len(held)
+    if not _remote(route):  # what this rank needs it holds
+        if mine is None or not box_numel(mine):
+            return None if mine is None else like.new_empty(box_shape(mine))
+        return within(local, mine, held[me])
+    boxes = [route[j][me] for j in range(n) if route[j][me] is not None]
+    direct = mine is not None and _in_order(boxes, mine)
+    send_to = [route[me][k] if (k != me or direct) else None for k in range(n)]
+    send = [within(local, b, held[me]).reshape(-1) for b in send_to if b is not None]
+    recv_from = [route[j][me] if (j != me or direct) else None for j in range(n)]
+    recv_sizes = [box_numel(b) if b is not None else 0 for b in recv_from]
+    out = like.new_empty(box_shape(mine)) if mine is not None else like.new_empty(0)
+    recv = out.view(-1) if direct else like.new_empty(sum(recv_sizes))
+    flat = torch.cat(send) if send else like.new_empty(0)
+    send_sizes = [box_numel(b) if b is not None else 0 for b in send_to]
     dist.all_to_all_single(recv, flat, recv_sizes, send_sizes, group=group)
     del flat, send
-    if mine is None:
-        return local.new_empty(0)
+    if direct or mine is None:
+        return out
     parts, offset = [], 0
-    for j in range(n):
-        box = route[j][me]
-        if box is not None:
-            t = within(local, box, held[me]) if j == me else recv[offset : offset + recv_sizes[j]]
-            parts.append((box, t.view(box_shape(box)) if j != me else t))
+    for j, b in enumerate(recv_from):
+        if b is not None:
+            parts.append((b, recv[offset : offset + recv_sizes[j]].view(box_shape(b))))
         offset += recv_sizes[j]
-    return placed_parts(mine, parts, local)
+    if route[me][me] is not None:
+        parts.append((route[me][me], within(local, route[me][me], held[me])))
+    return placed_parts(mine, parts, like)
 
 
-def _members(group, size: int) -> list[int]:
-    return [dist.get_global_rank(group, i) for i in range(size)] if group is not None else [dist.get_rank()]
+@dataclass(frozen=True)
+class Peers:
+    """A group the slices are exchanged over (TP x PP for a chunk's tensors, expert-TP x EP x PP
+    for its stacked experts), with each rank's engine shard and learner coordinates (group rank
+    order): (TP rank, 0, PP rank), or (expert-TP rank, EP rank, PP rank)."""
 
+    group: object
+    me: int
+    shards: tuple[EngineShard, ...]
+    coords: tuple[tuple[int, int, int], ...]
 
-def _expert_coords(dims: ParallelDims, group) -> list[tuple[int, int]]:
-    """(expert-TP rank, EP rank) of every rank of the expert group, in group rank order."""
-    if group is None or dist.get_world_size(group) == 1:
-        if dims.ep_size * dims.etp_size > 1:
-            raise ValueError("stream_engine_slices: expert parallelism needs the expert-TP x EP group")
-        return [(dims.etp_rank, dims.ep_rank)]
-    mine = torch.tensor([dims.etp_rank, dims.ep_rank], dtype=torch.int64, device=comm_device(group))
-    out = mine.new_empty(2 * dist.get_world_size(group))
-    dist.all_gather_into_tensor(out, mine, group=group)
-    return [tuple(p) for p in out.view(-1, 2).tolist()]
+    @classmethod
+    def of(cls, group, mine: tuple[int, int, int], shard_of: ShardOf) -> Peers:
+        """One all-gather of the ranks' coordinates (once per stream)."""
+        if group is None or dist.get_world_size(group) == 1:
+            return cls(None, 0, (shard_of(dist.get_rank()),), (mine,))
+        size = dist.get_world_size(group)
+        t = torch.tensor(mine, dtype=torch.int64, device=comm_device(group))
+        every = t.new_empty(3 * size)
+        dist.all_gather_into_tensor(every, t, group=group)
+        coords = tuple(tuple(c) for c in every.view(size, 3).tolist())
+        shards = tuple(shard_of(dist.get_global_rank(group, i)) for i in range(size))
+        return cls(group, dist.get_rank(group), shards, coords)
 
-
-def aligned(dims: ParallelDims, shard_of: ShardOf) -> bool:
-    """Every rank of this rank's pipeline group hosts the same engine shard (see the module)."""
-    if dims.pp_size == 1:
-        return True
-    return len({shard_of(r) for r in _members(dims.pp_group, dims.pp_size)}) == 1
+    def slice(
+        self,
+        kind: Kind,
+        local: torch.Tensor | None,
+        owner: int,
+        tp: int,
+        ep: int,
+        ids: list[int],
+        cfg: ModelConfig,
+    ) -> torch.Tensor | None:
+        """This rank's slice of one kind of a piece of stage ``owner`` (``local``: what this
+        rank holds of it, None off that stage); ``tp``: its TP (expert-TP) size, ``ep``: EP."""
+        held = [held_box(kind, (t, tp), (e, ep)) if p == owner else None for t, e, p in self.coords]
+        needed = [needed_box(kind, ids, s, cfg) for s in self.shards]
+        like = torch.empty(0, dtype=kind.dtype, device=comm_device(self.group) if self.group else "cpu")
+        return exchange(local, held, needed, self.me, self.group, like if local is None else local)
 
 
 def stream_engine_slices(
@@ -204,22 +259,18 @@ def stream_engine_slices(
     dims: ParallelDims,
     shard: Shard,
     shard_of: ShardOf,
-    expert_group=None,
     bound_bytes: int = DEFAULT_BOUND_BYTES,
 ) -> Iterator[dict[str, torch.Tensor]]:
     """Per piece of the canonical stream, what this rank's engine shard (``shard_of(rank)``)
-    holds of it (see the module docstring). ``expert_group``: megatron's expert-TP x EP group.
-    Collective: every learner rank must consume all of it."""
-    mine_shard = shard_of(dims.rank)
-    if not aligned(dims, shard_of):
-        for piece in stream_canonical(tensors, cfg, dims, shard, bound_bytes):
-            yield engine_slice(piece, mine_shard, cfg)
-        return
+    holds of it (see the module docstring). Collective: every learner rank must consume all of
+    it, in step."""
+    if dims.ep_size * dims.etp_size * dims.pp_size > 1 and dims.expert_mp_group is None:
+        raise ValueError("stream_engine_slices: needs the expert-TP x EP x PP group (ParallelDims)")
     chunks = plan(tensors, cfg, dims, shard)
     local = split_by_chunk(tensors, shard.layer_offset)
-    peers = Peers.of(dims, shard, shard_of, expert_group)
-    if dims.pp_size > 1:
-        pp_ranks, device = dist.get_process_group_ranks(dims.pp_group), comm_device(dims.pp_group)
+    mine_shard = shard_of(dims.rank)
+    dense = Peers.of(dims.mp_group, (shard.tp_rank, 0, dims.pp_rank), shard_of)
+    experts = Peers.of(dims.expert_mp_group, (shard.etp_rank, dims.ep_rank, dims.pp_rank), shard_of)
     for chunk in chunks:
         owner = chunk.owner == dims.pp_rank
         if owner:
@@ -229,17 +280,16 @@ def stream_engine_slices(
             out: dict[str, torch.Tensor] = {}
             ids = piece.expert_ids(cfg.num_experts, dims.ep_size)
             for kind in piece.kinds:
-                box = needed_box(kind, ids, mine_shard, cfg)
-                if owner:
-                    t = peers.slice(kind, piece, canon, stacked, ids, cfg)
-                elif box is not None:
-                    t = torch.empty(box_shape(box), dtype=kind.dtype, device=device)
-                if box is None:
-                    continue
-                if dims.pp_size > 1:
-                    t = t.contiguous() if owner else t
-                    dist.broadcast(t, src=pp_ranks[chunk.owner], group=dims.pp_group)
-                out.update(_expand(kind, t, ids[box[0][0] : box[0][1]] if kind.stacked else ids))
+                if not kind.stacked:
+                    mine = canon[kind.name] if owner else None
+                    t = dense.slice(kind, mine, chunk.owner, shard.tp_size, 1, ids, cfg)
+                else:
+                    mine = _local_experts(stacked[kind.name], piece) if owner else None
+                    t = experts.slice(kind, mine, chunk.owner, shard.etp_size, dims.ep_size, ids, cfg)
+                del mine
+                if t is not None:
+                    rows = needed_box(kind, ids, mine_shard, cfg)[0] if kind.stacked else None
+                    out.update(_expand(kind, t, ids[rows[0] : rows[1]] if rows else ids))
                 del t
             yield out
             del out
@@ -247,45 +297,10 @@ def stream_engine_slices(
             del canon, stacked
 
 
-@dataclass(frozen=True)
-class Peers:
-    """The owner-stage groups a rank exchanges in, and the engine shard and learner coordinates
-    of each of their ranks (group rank order)."""
-
-    shard: Shard
-    tp_group: object
-    tp: list[EngineShard]  # the engine shard of each TP rank
-    expert_group: object  # megatron's expert-TP x EP group
-    experts: list[EngineShard]
-    coords: list[tuple[int, int]]  # (expert-TP rank, EP rank) of each of its ranks
-    me: int  # this rank in expert_group
-    ep_size: int
-
-    @classmethod
-    def of(cls, dims: ParallelDims, shard: Shard, shard_of: ShardOf, expert_group) -> Peers:
-        coords = _expert_coords(dims, expert_group)
-        group = expert_group if len(coords) > 1 else None
-        me = dist.get_rank(group) if group is not None else 0
-        tp = [shard_of(r) for r in _members(dims.tp_group, shard.tp_size)]
-        experts = [shard_of(r) for r in _members(group, len(coords))]
-        return cls(shard, dims.tp_group, tp, group, experts, coords, me, dims.ep_size)
-
-    def slice(
-        self, kind: Kind, piece: Piece, canon: dict, stacked: dict, ids: list[int], cfg: ModelConfig
-    ) -> torch.Tensor:
-        """This rank's slice of one kind of a piece its stage owns, exchanged over its TP group
-        (a canonical kind) or its expert-TP x EP group (a stacked one)."""
-        if not kind.stacked:
-            tp = self.shard.tp_size
-            held = [held_box(kind, (i, tp)) for i in range(tp)]
-            needed = [needed_box(kind, ids, s, cfg) for s in self.tp]
-            return exchange(canon[kind.name], held, needed, self.shard.tp_rank, self.tp_group)
-        lo, hi = piece.local
-        local_NXY = torch.stack([t for _, t in sorted(stacked[kind.name], key=lambda p: p[0])[lo:hi]])
-        etp = self.shard.etp_size
-        held = [held_box(kind, (r, etp), (ep, self.ep_size)) for r, ep in self.coords]
-        needed = [needed_box(kind, ids, s, cfg) for s in self.experts]
-        return exchange(local_NXY, held, needed, self.me, self.expert_group)
+def _local_experts(rows: list[tuple[int, torch.Tensor]], piece: Piece) -> torch.Tensor:
+    """This rank's local experts [lo, hi) of a piece, stacked [P / EP, X, Y]."""
+    lo, hi = piece.local
+    return torch.stack([t for _, t in sorted(rows, key=lambda p: p[0])[lo:hi]])
 
 
 def _expand(kind: Kind, t: torch.Tensor, ids: list[int]) -> dict[str, torch.Tensor]:

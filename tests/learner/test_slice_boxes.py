@@ -41,11 +41,13 @@ def _kinds() -> list[Kind]:
 
 
 def _assembled(kind: Kind, full: torch.Tensor, holders: list, shards: list[EngineShard]) -> list:
+    """``holders``: per rank of the group (TP x PP, or expert-TP x EP x PP) its (TP, EP) pieces
+    held, None on a rank of another stage."""
     ids = list(range(E)) if kind.stacked else []
-    held = [held_box(kind, tp, ep) for tp, ep in holders]
+    held = [held_box(kind, *h) if h is not None else None for h in holders]
     needed = [needed_box(kind, ids, s, MODEL) for s in shards]
-    route, whole = routes(held, needed), tuple((0, d) for d in kind.shape)
-    local = [within(full, h, whole).clone() for h in held]  # what each learner rank has
+    route, whole = routes(tuple(held), tuple(needed)), tuple((0, d) for d in kind.shape)
+    local = [within(full, h, whole).clone() if h is not None else None for h in held]
     out = []
     for k, box in enumerate(needed):
         parts = [
@@ -64,22 +66,26 @@ def _want(kind: Kind, full: torch.Tensor, shard: EngineShard) -> torch.Tensor | 
     return torch.stack(rows) if rows else None
 
 
-LAYOUTS = [  # (learner TP = expert-TP, EP, engine TP, engine EP)
-    (2, 2, 2, 1),  # engine TP = learner TP: each rank holds its TP slice already (experts: EP)
-    (2, 2, 4, 1),  # engine TP 4: KV heads replicated, the vocabulary 16 / 16 / 16 / 2 rows
-    (1, 2, 2, 1),  # learner TP 1, engine TP 2: slices of whole tensors
-    (2, 1, 1, 1),  # an engine rank holding everything: whole tensors from TP pieces
-    (2, 2, 2, 2),  # an engine of TP 2 x EP 2: its experts only, whole
+LAYOUTS = [  # (learner TP = expert-TP, EP, PP, engine TP, engine EP)
+    (2, 2, 1, 2, 1),  # engine TP = learner TP: each rank holds its TP slice already (experts: EP)
+    (2, 2, 1, 4, 1),  # engine TP 4: KV heads replicated, the vocabulary 16 / 16 / 16 / 2 rows
+    (1, 2, 1, 2, 1),  # learner TP 1, engine TP 2: slices of whole tensors
+    (2, 1, 1, 1, 1),  # an engine rank holding everything: whole tensors from TP pieces
+    (2, 2, 1, 2, 2),  # an engine of TP 2 x EP 2: its experts only, whole
+    (2, 2, 2, 2, 1),  # PP 2: the other stage's ranks hold nothing of the piece
+    (1, 2, 2, 4, 1),  # PP 2, engine TP 4: a pipeline peer hosts another slice than its peer
 ]
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("tp,ep,engine_tp,engine_ep", LAYOUTS)
-def test_routed_parts_tile_each_engine_slice_exactly(tp, ep, engine_tp, engine_ep):
+@pytest.mark.parametrize("tp,ep,pp,engine_tp,engine_ep", LAYOUTS)
+def test_routed_parts_tile_each_engine_slice_exactly(tp, ep, pp, engine_tp, engine_ep):
     gen = torch.Generator().manual_seed(0)
-    holders_tp = [((t, tp), (0, 1)) for t in range(tp)]
-    holders_ex = [((t, tp), (r, ep)) for r in range(ep) for t in range(tp)]  # expert-TP fastest
-    n = max(tp, tp * ep, engine_tp * engine_ep)
+    stage = [((t, tp), (0, 1)) for t in range(tp)]
+    stage_ex = [((t, tp), (r, ep)) for r in range(ep) for t in range(tp)]  # expert-TP fastest
+    holders_tp = stage + [None] * len(stage) * (pp - 1)  # group ranks: stage 0 (the owner) first
+    holders_ex = stage_ex + [None] * len(stage_ex) * (pp - 1)
+    n = max(len(holders_ex), engine_tp * engine_ep)
     engine = [EngineShard(engine_tp, r % engine_tp, engine_ep, r // engine_tp % engine_ep) for r in range(n)]
     for kind in _kinds():
         full = torch.randn(kind.shape, generator=gen)
@@ -93,7 +99,7 @@ def test_routed_parts_tile_each_engine_slice_exactly(tp, ep, engine_tp, engine_e
                 continue
             assert g is not None and torch.equal(g[1], want), (kind.name, shard)
         remote = any(route[j][k] for j in range(len(holders)) for k in range(len(holders)) if j != k)
-        if (tp, ep, engine_tp, engine_ep) == (2, 2, 2, 1):  # engine TP = learner TP: no wire but
+        if (tp, ep, pp, engine_tp, engine_ep) == (2, 2, 1, 2, 1):  # engine TP = learner TP: no wire but
             assert remote == (kind.stacked or kind.name in ("model.embed_tokens.weight", "lm_head.weight")), (
                 kind
             )
