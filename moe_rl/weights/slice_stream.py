@@ -181,26 +181,32 @@ def exchange(
     ``held[me]``, None on a rank that holds nothing): one all_to_all_single of the parts each
     rank sends each other, none when every rank holds what it needs (then a view of ``local``).
     ``like``: dtype and device of a received tensor. Where the parts are slabs of the result in
-    rank order, they land in it directly (the rank's own part through the collective too)."""
+    rank order, they land in it directly (the rank's own part through the collective too); a
+    rank that needs only what it holds sends and keeps a view of ``local``."""
     mine, route, n = needed[me], routes(tuple(held), tuple(needed)), len(held)
     if not _remote(route):  # what this rank needs it holds
         if mine is None or not box_numel(mine):
             return None if mine is None else like.new_empty(box_shape(mine))
         return within(local, mine, held[me])
     boxes = [route[j][me] for j in range(n) if route[j][me] is not None]
-    direct = mine is not None and _in_order(boxes, mine)
+    own_only = all(route[j][me] is None for j in range(n) if j != me)  # it only sends
+    direct = mine is not None and not own_only and _in_order(boxes, mine)
     send_to = [route[me][k] if (k != me or direct) else None for k in range(n)]
     send = [within(local, b, held[me]).reshape(-1) for b in send_to if b is not None]
     recv_from = [route[j][me] if (j != me or direct) else None for j in range(n)]
     recv_sizes = [box_numel(b) if b is not None else 0 for b in recv_from]
-    out = like.new_empty(box_shape(mine)) if mine is not None else like.new_empty(0)
+    out = like.new_empty(box_shape(mine)) if direct else None
     recv = out.view(-1) if direct else like.new_empty(sum(recv_sizes))
-    flat = torch.cat(send) if send else like.new_empty(0)
+    flat = send[0] if len(send) == 1 else torch.cat(send) if send else like.new_empty(0)
     send_sizes = [box_numel(b) if b is not None else 0 for b in send_to]
     dist.all_to_all_single(recv, flat, recv_sizes, send_sizes, group=group)
     del flat, send
-    if direct or mine is None:
+    if direct:
         return out
+    if mine is None or not box_numel(mine):
+        return None if mine is None else like.new_empty(box_shape(mine))
+    if own_only:
+        return within(local, mine, held[me])
     parts, offset = [], 0
     for j, b in enumerate(recv_from):
         if b is not None:
