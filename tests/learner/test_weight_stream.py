@@ -33,13 +33,14 @@ Checked on every rank:
     rows of 50, vLLM's padding).
 (e) the colocated sliced sync (moe_rl/weights/slice_stream.py, ``WeightSync.load_slices``) for
     engines of vLLM TP 2 (= learner TP: the TP slices are local, experts come over EP, a stage's
-    pieces over PP), TP 4 (each rank of a stage a different slice: KV heads replicated, the
-    vocabulary in 16 / 16 / 16 / 2 rows, experts from every expert-TP x EP rank) and TP 8 (the
-    two ranks of a pipeline group host different slices too; rank 7's vocabulary slice is empty):
+    pieces over PP) and TP 4 (each rank of a stage a different slice: KV heads replicated, the
+    vocabulary in 16 / 16 / 16 / 2 rows, experts from every expert-TP x EP rank):
     ``weight_sync/bytes`` equals ``sync_receive_bytes(cfg, rank)``, and a test engine that
     narrows what it is handed as vLLM's loaders do holds, after the sync, exactly what it holds
-    after the whole stream narrowed (``engine_slice``): the learner's slices. The live bytes while
-    the sliced stream (engine TP 2) is consumed stay below the whole stream's.
+    after the whole stream narrowed (``engine_slice``): the learner's slices. With engines of TP
+    2, the live bytes while the sliced stream is consumed, and the bytes a rank receives from
+    other ranks, stay below the whole stream's. (Pipeline peers hosting different slices:
+    test_colocated_slices.py.)
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ from tests.profiled_memory import profiled_peak
 
 WORLD, TP, PP, EP = 8, 2, 2, 2
 ENGINE_TP, SPLIT_RECEIVERS = 2, 4  # vLLM TP 2; the split sync's rollout ranks: world ranks 1..4
+ENGINE_TPS = (2, 4)  # the colocated sliced sync's engines (e)
 
 
 def _profiled(fn, trace: str) -> tuple[int, dict[str, int]]:
@@ -200,14 +202,42 @@ class _Bounded:
         return self.learner.iter_canonical_layers(self.bound, engines=engines)
 
 
+def _wire_bytes(fn) -> int:
+    """Bytes this rank receives from other ranks while ``fn`` runs: the outputs of its all-gathers
+    less its own input, the broadcasts it does not send, the all-to-all parts from others."""
+    import torch.distributed as tdist
+
+    got, real = [0], (tdist.all_gather_into_tensor, tdist.broadcast, tdist.all_to_all_single)
+
+    def gather(out, inp, group=None, **kw):
+        got[0] += (out.numel() - inp.numel()) * out.element_size()
+        return real[0](out, inp, group=group, **kw)
+
+    def broadcast(t, src, group=None, **kw):
+        got[0] += 0 if tdist.get_rank() == src else t.numel() * t.element_size()
+        return real[1](t, src, group=group, **kw)
+
+    def all_to_all(out, inp, out_sizes=None, in_sizes=None, group=None, **kw):
+        mine = out_sizes[tdist.get_rank(group)]
+        got[0] += (sum(out_sizes) - mine) * out.element_size()
+        return real[2](out, inp, out_sizes, in_sizes, group=group, **kw)
+
+    tdist.all_gather_into_tensor, tdist.broadcast, tdist.all_to_all_single = gather, broadcast, all_to_all
+    try:
+        fn()
+    finally:
+        tdist.all_gather_into_tensor, tdist.broadcast, tdist.all_to_all_single = real
+    return got[0]
+
+
 def _colocated_slices(learner, weights: dict, rank: int, bound: int, tmp: str) -> dict:
-    """(e): the colocated sliced sync for engines of TP 2, 4 and 8 against the whole stream."""
+    """(e): the colocated sliced sync for engines of TP 2 and 4 against the whole stream."""
     from moe_rl.config import Schedule
     from moe_rl.pipeline.weight_sync import WeightSync, colocated_slices
     from moe_rl.weights.engine_shard import engine_shard, engine_slice, placed, sync_receive_bytes
 
     out: dict = {}
-    for engine_tp in (2, 4, 8):
+    for engine_tp in ENGINE_TPS:
         cfg = _cfg("fp32", engine_tp)
         shard, engines = engine_shard(cfg, rank), colocated_slices(cfg)
         sliced, whole = _NarrowingEngine(shard), _NarrowingEngine(shard)
@@ -229,6 +259,8 @@ def _colocated_slices(learner, weights: dict, rank: int, bound: int, tmp: str) -
         }
     engines = colocated_slices(_cfg("fp32", 2))
     consume = lambda it: [None for _ in it]  # noqa: E731
+    out["sliced_wire"] = _wire_bytes(lambda: consume(learner.iter_canonical_layers(bound, engines=engines)))
+    out["whole_wire"] = _wire_bytes(lambda: consume(learner.iter_canonical_layers(bound)))
     out["sliced_peak"] = min(
         _profiled(
             lambda: consume(learner.iter_canonical_layers(bound, engines=engines)),
@@ -371,15 +403,18 @@ def _check_colocated(colocated: list[dict], full_fp32: int) -> None:
         print(
             f"colocated rank {rank}: "
             + ", ".join(
-                f"engine TP {tp}: {c[tp]['counted']:.0f} B (expected {c[tp]['expected']})" for tp in (2, 4, 8)
+                f"engine TP {tp}: {c[tp]['counted']:.0f} B (expected {c[tp]['expected']})"
+                for tp in ENGINE_TPS
             )
             + f"; stream peak sliced {c['sliced_peak']} B, whole {c['whole_peak']} B"
+            + f"; from other ranks (engine TP 2) sliced {c['sliced_wire']} B, whole {c['whole_wire']} B"
         )
-        for tp in (2, 4, 8):
+        for tp in ENGINE_TPS:
             assert c[tp]["counted"] == c[tp]["expected"], (rank, tp, c[tp])
             assert c[tp]["same_as_whole"] and c[tp]["learner"], (rank, tp, c[tp])
         assert c[2]["counted"] < 0.6 * full_fp32 and c[4]["counted"] < c[2]["counted"], (rank, c)
         assert 0 < c["sliced_peak"] < c["whole_peak"], (rank, c)
+        assert 0 < c["sliced_wire"] < c["whole_wire"], (rank, c)
 
 
 def _check_slices(slices: list[dict], full_fp32: int) -> None:
