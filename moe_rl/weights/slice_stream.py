@@ -20,9 +20,10 @@ the TP slices are views of the rank's own tensors). The parts land in the result
 they are its consecutive slabs along dim 0 (column-parallel slices, experts), else through one
 receive buffer.
 
-Memory beyond the rank's shard, per kind: its slice, the parts it sends (its held box, once per
-rank that needs each part: about a slice where the engine TP divides the group), and for a slice
-not cut along dim 0 the receive buffer (at most the slice). Shape suffixes as in stream.py.
+Memory beyond the rank's shard, per kind: its slice, the parts it sends (each part of its held
+box once per rank that needs it, packed in one buffer unless it is one contiguous part), and,
+where the parts are not slabs along dim 0, one receive buffer (at most the slice). The stream
+keeps a piece's slices until it yields the piece. Shape suffixes as in stream.py.
 """
 
 from __future__ import annotations
