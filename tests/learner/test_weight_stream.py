@@ -414,7 +414,7 @@ def _check_colocated(colocated: list[dict], full_fp32: int) -> None:
             assert c[tp]["same_as_whole"] and c[tp]["learner"], (rank, tp, c[tp])
         assert c[2]["counted"] < 0.6 * full_fp32 and c[4]["counted"] < c[2]["counted"], (rank, c)
         assert 0 < c["sliced_peak"] < c["whole_peak"], (rank, c)
-        assert 0 < c["sliced_wire"] < c["whole_wire"], (rank, c)
+        assert 0 < c["sliced_wire"] < c["whole_wire"] / 2, (rank, c)  # deterministic: 0.41 measured
 
 
 def _check_slices(slices: list[dict], full_fp32: int) -> None:
