@@ -34,6 +34,7 @@ PRELOAD = "moe_rl.rank_server_preload"
 PARENT_ENV = "MOE_RL_RANK_SERVER_PARENT"  # the launcher's pid: the preload module's parent-death check
 
 _server_env: dict[str, str] | None = None  # the environment the running server started with
+_started_pid: int | None = None  # that server's pid
 
 
 def wanted() -> bool:
@@ -45,32 +46,22 @@ def wanted() -> bool:
 
 def start() -> bool:
     """Start the server (it imports in the background); True when ranks will be forked from it.
-    Idempotent; a server that died is started again. Call from the launcher's main thread: the
-    server's parent-death signal fires when the thread that started it ends."""
-    global _server_env
+    Idempotent; a server that died is started again (multiprocessing's ``ensure_running`` checks,
+    and reaps it). Call from the launcher's main thread: the server's parent-death signal fires
+    when the thread that started it ends."""
+    global _server_env, _started_pid
     if not wanted():
         return False
-    server = multiprocessing.forkserver._forkserver
-    if _server_env is None or not _alive(server):
-        os.environ[PARENT_ENV] = str(os.getpid())
-        multiprocessing.set_forkserver_preload([PRELOAD])
-        server.ensure_running()
-        _server_env = dict(os.environ)
+    os.environ[PARENT_ENV] = str(os.getpid())
+    multiprocessing.set_forkserver_preload([PRELOAD])
+    multiprocessing.forkserver._forkserver.ensure_running()
+    if server_pid() != _started_pid:  # a new server: its environment is this process's now
+        _started_pid, _server_env = server_pid(), dict(os.environ)
         # the server keeps the ranks' exit statuses there (rank_server_preload.EXITS); it dies with
         # this process, SIGKILLed, and removes nothing
-        exits = Path(tempfile.gettempdir()) / f"moe_rl_rank_exits_{server_pid()}"
+        exits = Path(tempfile.gettempdir()) / f"moe_rl_rank_exits_{_started_pid}"
         atexit.register(shutil.rmtree, exits, ignore_errors=True)
     return True
-
-
-def _alive(server) -> bool:
-    pid = getattr(server, "_forkserver_pid", None)
-    if pid is None:
-        return False
-    try:
-        return os.waitpid(pid, os.WNOHANG)[0] == 0
-    except ChildProcessError:
-        return False
 
 
 def reaped_exit_code(pid: int) -> int | None:
