@@ -53,6 +53,8 @@ class ParallelDims:
     ep_group: Any = None
     etp_group: Any = None
     edp_group: Any = None
+    # expert-TP x EP x PP: the ranks that hold the experts of every stage between them
+    expert_mp_group: Any = None
     tp_dp_group: Any = None
     mp_group: Any = None
     # the roles' ranks and the groups that link them (moe_rl/pipeline/placement.py); None: colocated, as
@@ -102,6 +104,7 @@ class ParallelDims:
             ep_group=ps.get_expert_model_parallel_group(),
             etp_group=ps.get_expert_tensor_parallel_group(),
             edp_group=ps.get_expert_data_parallel_group(),
+            expert_mp_group=ps.get_expert_tensor_model_pipeline_parallel_group(check_initialized=False),
             tp_dp_group=ps.get_tensor_and_data_parallel_group(),
             mp_group=ps.get_model_parallel_group() if tp * pp > 1 else None,
         )

@@ -62,6 +62,7 @@ from moe_rl.routing.replay_plan import PassPlan
 from moe_rl.timing import MemoryTimeline
 from moe_rl.types import TokenStats, TrainBatch
 from moe_rl.weights.megatron_shards import Shard, canonical_to_megatron
+from moe_rl.weights.slice_stream import ShardOf, stream_engine_slices
 from moe_rl.weights.stored import StoredWeights
 from moe_rl.weights.stream import stream_canonical
 
@@ -201,14 +202,22 @@ class Learner:
                     )
                 p.copy_(t)
 
-    def iter_canonical_layers(self, bound_bytes: int | None = None) -> Iterator[dict[str, torch.Tensor]]:
+    def iter_canonical_layers(
+        self, bound_bytes: int | None = None, engines: ShardOf | None = None
+    ) -> Iterator[dict[str, torch.Tensor]]:
         """The canonical weights (every expert) one piece at a time, identical on every rank: the
         embedding, each decoder layer (its experts in pieces of at most ``bound_bytes``, default
         ``parallel.sync_bucket_mib``), then the final norm and lm_head (``weights/stream.py``).
         The weight sync source; a rank never holds more than one gathered piece. Collective: every
-        rank must consume the whole iterator, in step."""
+        rank must consume the whole iterator, in step. ``engines`` (world rank -> the engine
+        shard it hosts, colocated): each rank gets only its engine shard's part of each piece,
+        from the ranks that hold it (``weights/slice_stream.py``)."""
         bound = self.par.sync_bucket_mib << 20 if bound_bytes is None else bound_bytes
-        return self._stream({n: p.detach() for n, p in self._named_weights().items()}, bound)
+        tensors = {n: p.detach() for n, p in self._named_weights().items()}
+        if engines is None:
+            return self._stream(tensors, bound)
+        local = rename_to_local(tensors)
+        return stream_engine_slices(local, self.model_cfg, self.dims, self.shard, engines, bound)
 
     def _named_weights(self) -> dict[str, torch.Tensor]:
         """Parameters plus the routers' expert-bias buffers (canonical weights without a gradient:

@@ -4,8 +4,8 @@
 loop): the learner trains; with ``parallel.offload_during_rollout`` its optimizer state and grads
 leave the device; the engine's weights wake; the sync streams from the learner's bf16 weights, one
 gathered unit of at most ``parallel.sync_bucket_mib`` at a time (a layer's experts in pieces, not a
-whole MoE layer), each engine rank receiving only its shard (vLLM: its TP slice; the split sync
-sends that, the colocated one still gathers each piece whole: docs/design.md 14.3); the learner's
+whole MoE layer), each engine rank receiving only its shard (vLLM: its TP slice; split or
+colocated: docs/design.md 14.3); the learner's
 weights leave; the KV cache wakes; the engine generates (moe_rl/pipeline/offload_timeline.py runs
 this order). Without offload nothing of the learner leaves, so every phase after ``train`` holds
 its whole state.

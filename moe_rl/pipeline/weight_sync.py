@@ -10,8 +10,11 @@ gathers, and the ``RemoteEngine`` is told the version it synced.
 Where the engines' ranks hold slices (vLLM TP > 1) the split sync sends each rollout rank only
 its engine shard's slices, point to point (``split_slices``: a ``Sliced`` layout from
 ``moe_rl/weights/engine_shard.py``), so rollout rank i receives ``sync_receive_bytes(cfg, i)``
-bytes, not the model. Colocated, every learner rank gathers each whole piece and its engine
-narrows it to its own shard (a gather of the slice alone is not built yet).
+bytes, not the model. Colocated with such engines (``colocated_slices``), each learner rank
+gathers only its own engine rank's slices of each piece, from the learner ranks that hold them
+(``moe_rl/weights/slice_stream.py``), and hands them to its engine ``placed``; the bytes handed
+are the sync's ``weight_sync/bytes``. Where the engine rank holds everything whole (built-in
+engine, vLLM TP 1) it loads the whole stream, as before.
 
 ``RolloutRankWeights`` (rollout ranks) receives them: between generate calls (sync,
 one_step_off), or (async) in a background thread whose syncs the engine takes between decode
@@ -48,6 +51,7 @@ from moe_rl.pipeline.weight_broadcast import (
 from moe_rl.rollout.base import ENGINE_DTYPES, Weights, weight_chunks
 from moe_rl.rollout.factory import engine_tp
 from moe_rl.weights.engine_shard import EngineShard, engine_shard, placed
+from moe_rl.weights.slice_stream import ShardOf
 
 # tests only: seconds the learner sleeps before each weight sync but the first (async: lets the
 # rollout ranks run ahead deterministically enough that batches arrive stale)
@@ -59,6 +63,14 @@ def split_slices(cfg: RunConfig, rollout_ranks: int) -> Sliced | None:
     None when every rank holds every tensor whole (a broadcast)."""
     shards = tuple(engine_shard(cfg, i) for i in range(rollout_ranks))
     return None if all(s.whole for s in shards) else Sliced(shards, cfg.model)
+
+
+def colocated_slices(cfg: RunConfig) -> ShardOf | None:
+    """Colocated: world rank -> the engine shard it hosts, when engine ranks hold slices (vLLM
+    TP > 1); None when every rank holds every tensor whole (the whole stream)."""
+    if engine_shard(cfg, 0).whole:
+        return None
+    return lambda rank: engine_shard(cfg, rank)
 
 
 class WeightSync:
@@ -76,12 +88,15 @@ class WeightSync:
         engine_dtype: torch.dtype | None = None,
         timeline: OffloadTimeline | None = None,
         sliced: Sliced | None = None,
+        engines: ShardOf | None = None,
+        model: ModelConfig | None = None,
     ) -> None:
         self.schedule, self.engine, self.learner, self.stale = schedule, engine, learner, stale
         self.timeline = timeline or OffloadTimeline(engine)  # what leaves and wakes around the sync
         self.group = group  # split: the sync group (learner rank 0 only; None on the others)
         self.engine_dtype = engine_dtype  # split: the rollout engines' (rollout.dtype), the wire's
         self.sliced = sliced  # split: each rollout rank sent only its shard's slices (vLLM TP > 1)
+        self.engines, self.model = engines, model  # colocated: each rank's engine shard (colocated_slices)
         self.delay_s = float(os.environ.get(DELAY_ENV, "0")) if schedule.split else 0.0
 
     @classmethod
@@ -98,7 +113,8 @@ class WeightSync:
         group = dims.placement.sync if schedule.split else None
         sliced = split_slices(cfg, dims.placement.split.rollout_ranks) if schedule.split else None
         dtype = ENGINE_DTYPES[cfg.rollout.dtype]
-        return cls(schedule, engine, learner, stale, group, dtype, timeline, sliced)
+        engines = None if schedule.split else colocated_slices(cfg)
+        return cls(schedule, engine, learner, stale, group, dtype, timeline, sliced, engines, cfg.model)
 
     def first_sync(self, resumed: bool) -> dict:
         """Before the first rollout: the engine gets the start's (or the resumed step's) weights."""
@@ -110,6 +126,8 @@ class WeightSync:
         sync's metrics: a split run's broadcast (maxima over the dp ranks), none from an engine in
         this process."""
         with self.timeline.syncing(phase):
+            if self.engines is not None and not self.stale.k and not self.schedule.split:
+                return self.load_slices()
             weights = self.weights(resumed)
             if self.schedule.split:
                 return self.broadcast(weights)
@@ -122,6 +140,21 @@ class WeightSync:
             return self.learner.iter_canonical_layers()
         exported = self.learner.export_canonical()
         return self.stale.resume_push(exported) if resumed else self.stale.push(exported)
+
+    def load_slices(self) -> dict[str, Max]:
+        """Colocated, engine ranks holding slices: the engine loads only its shard's slices of the
+        learner's stream, each inside a tensor of its full shape (``placed``), as vLLM's loaders
+        read it. ``weight_sync/bytes``: the slices' bytes (``sync_receive_bytes`` in the
+        learner's dtype), as maxima over the data-parallel ranks."""
+        shard, counted = self.engines(dist.get_rank()), [0]
+
+        def handed():
+            for piece in self.learner.iter_canonical_layers(engines=self.engines):
+                counted[0] += sum(t.numel() * t.element_size() for t in piece.values())
+                yield placed(piece, shard, self.model)
+
+        self.engine.load_weights(handed())
+        return {"weight_sync/bytes": Max(torch.tensor(float(counted[0]), dtype=torch.float64))}
 
     def broadcast(self, weights: Weights) -> dict[str, Max]:
         """Split: the weight broadcast (learner rank 0 its root); metrics (docs/design.md 15.2)

@@ -22,9 +22,11 @@ The slices follow vLLM's own loaders, so a TP rank's slice is the rows or column
 
 ``sync_receive_bytes(cfg, engine_rank)`` is the bytes one engine rank receives per sync: its
 slices in their wire dtypes (the engine's dtype, never wider than the learner's; weights/
-broadcast.py's ``wire_dtype``). A pure function of the config: the estimate imports it. Matching
-vLLM's loaders is by reading them, untested on GPU; the CPU tests check the slices and the counted
-bytes against this module.
+broadcast.py's ``wire_dtype``). A pure function of the config: the estimate imports it. The
+split sync sends each rollout rank these slices; colocated, ``slice_stream.py`` gathers each
+learner rank its own engine rank's (in the learner's dtype). Matching vLLM's loaders is by
+reading them, untested on GPU; the CPU tests check the slices and the counted bytes against this
+module.
 """
 
 from __future__ import annotations

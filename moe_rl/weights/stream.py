@@ -11,7 +11,8 @@ over EP, then the owner broadcasts it over the pipeline group; a rank therefore 
 gathered piece beyond its own shard, never a whole MoE layer (21-32 GiB for the largest recipes)
 nor the full model (Qwen3-235B is ~470 GB in bf16). ``Learner.export_canonical`` is a dict over
 the same stream. The stream knows megatron names of the local spec only (``megatron_shards.py``);
-the learner renames a TE model's names first (``learner/te_spec.py``).
+the learner renames a TE model's names first (``learner/te_spec.py``). Where colocated engine
+ranks hold slices, ``slice_stream.py`` cuts the same pieces into each rank's slices instead.
 
 Collectives: one per tensor kind and piece, never one per expert. A piece's experts travel
 stacked per projection ([P, F, H] gate/up, [P, H, F] down): one all_gather over expert-TP, one

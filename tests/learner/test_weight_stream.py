@@ -24,13 +24,23 @@ Checked on every rank:
     each rank one all-gather per TP-split tensor of its stage's chunks plus two (expert-TP, EP)
     per stacked expert projection and piece: none per expert.
 (d) each engine rank receives only its slice (moe_rl/weights/engine_shard.py), for engines of
-    vLLM TP 2: colocated, the slices a learner rank hands its engine rank (rank r is TP rank r % 2;
-    the learner rank still gathers the whole piece); split, over a sync group of rank 0 (the root)
+    vLLM TP 2: colocated, the slices a learner rank hands its engine rank (rank r is TP rank r % 2),
+    the whole stream narrowed; split, over a sync group of rank 0 (the root)
     and ranks 1-4 standing for 4 rollout ranks (2 engines of TP 2) with a bf16 wire, each rank sent
     its slices alone, point to point. The bytes counted on arrival equal ``sync_receive_bytes(cfg,
     engine rank)`` and every received tensor equals the learner's slice bit for bit (bf16: its
     cast), and no rank receives a tensor whole that TP splits (the vocabulary unevenly: 32 / 18
     rows of 50, vLLM's padding).
+(e) the colocated sliced sync (moe_rl/weights/slice_stream.py, ``WeightSync.load_slices``) for
+    engines of vLLM TP 2 (= learner TP: the TP slices are local, experts come over EP, a stage's
+    pieces over PP) and TP 4 (each rank of a stage a different slice: KV heads replicated, the
+    vocabulary in 16 / 16 / 16 / 2 rows, experts from every expert-TP x EP rank):
+    ``weight_sync/bytes`` equals ``sync_receive_bytes(cfg, rank)``, and a test engine that
+    narrows what it is handed as vLLM's loaders do holds, after the sync, exactly what it holds
+    after the whole stream narrowed (``engine_slice``): the learner's slices. With engines of TP
+    2, the live bytes while the sliced stream is consumed, and the bytes a rank receives from
+    other ranks, stay below the whole stream's. (Pipeline peers hosting different slices:
+    test_colocated_slices.py.)
 """
 
 from __future__ import annotations
@@ -47,6 +57,7 @@ from tests.profiled_memory import profiled_peak
 
 WORLD, TP, PP, EP = 8, 2, 2, 2
 ENGINE_TP, SPLIT_RECEIVERS = 2, 4  # vLLM TP 2; the split sync's rollout ranks: world ranks 1..4
+ENGINE_TPS = (2, 4)  # the colocated sliced sync's engines (e)
 
 
 def _profiled(fn, trace: str) -> tuple[int, dict[str, int]]:
@@ -93,12 +104,12 @@ def _expected_pieces(weights: dict) -> list[list[str]]:
     return out + [["model.norm.weight", "lm_head.weight"]]
 
 
-def _cfg(dtype: str):
+def _cfg(dtype: str, engine_tp: int = ENGINE_TP):
     import dataclasses
 
     from moe_rl.config import load_config
 
-    keys = {"parallel.nproc": WORLD, "rollout.engine": "vllm", "rollout.vllm.tensor_parallel": ENGINE_TP}
+    keys = {"parallel.nproc": WORLD, "rollout.engine": "vllm", "rollout.vllm.tensor_parallel": engine_tp}
     cfg = load_config(None, [f"{k}={v}" for k, v in {**keys, "rollout.dtype": dtype}.items()])
     return dataclasses.replace(cfg, model=MODEL)
 
@@ -167,6 +178,103 @@ def _engine_slices(learner, weights: dict, rank: int, bound: int) -> dict:
     return out
 
 
+class _NarrowingEngine:
+    """A colocated engine of one shard that loads as vLLM's loaders do: each tensor handed (full
+    shape, ``placed``) narrowed to the shard's slice, kept."""
+
+    def __init__(self, shard) -> None:
+        self.shard, self.w = shard, {}
+
+    def load_weights(self, weights) -> None:
+        from moe_rl.weights.engine_shard import engine_slice
+
+        for chunk in weights:
+            self.w.update({n: t.clone() for n, t in engine_slice(chunk, self.shard, MODEL).items()})
+
+
+class _Bounded:
+    """The learner with the test's piece bound (WeightSync streams at the configured one)."""
+
+    def __init__(self, learner, bound: int) -> None:
+        self.learner, self.bound = learner, bound
+
+    def iter_canonical_layers(self, bound_bytes=None, engines=None):
+        return self.learner.iter_canonical_layers(self.bound, engines=engines)
+
+
+def _wire_bytes(fn) -> int:
+    """Bytes this rank receives from other ranks while ``fn`` runs: the outputs of its all-gathers
+    less its own input, the broadcasts it does not send, the all-to-all parts from others."""
+    import torch.distributed as tdist
+
+    got, real = [0], (tdist.all_gather_into_tensor, tdist.broadcast, tdist.all_to_all_single)
+
+    def gather(out, inp, group=None, **kw):
+        got[0] += (out.numel() - inp.numel()) * out.element_size()
+        return real[0](out, inp, group=group, **kw)
+
+    def broadcast(t, src, group=None, **kw):
+        got[0] += 0 if tdist.get_rank() == src else t.numel() * t.element_size()
+        return real[1](t, src, group=group, **kw)
+
+    def all_to_all(out, inp, out_sizes=None, in_sizes=None, group=None, **kw):
+        mine = out_sizes[tdist.get_rank(group)]
+        got[0] += (sum(out_sizes) - mine) * out.element_size()
+        return real[2](out, inp, out_sizes, in_sizes, group=group, **kw)
+
+    tdist.all_gather_into_tensor, tdist.broadcast, tdist.all_to_all_single = gather, broadcast, all_to_all
+    try:
+        fn()
+    finally:
+        tdist.all_gather_into_tensor, tdist.broadcast, tdist.all_to_all_single = real
+    return got[0]
+
+
+def _colocated_slices(learner, weights: dict, rank: int, bound: int, tmp: str) -> dict:
+    """(e): the colocated sliced sync for engines of TP 2 and 4 against the whole stream."""
+    from moe_rl.config import Schedule
+    from moe_rl.pipeline.weight_sync import WeightSync, colocated_slices
+    from moe_rl.weights.engine_shard import engine_shard, engine_slice, placed, sync_receive_bytes
+
+    out: dict = {}
+    for engine_tp in ENGINE_TPS:
+        cfg = _cfg("fp32", engine_tp)
+        shard, engines = engine_shard(cfg, rank), colocated_slices(cfg)
+        sliced, whole = _NarrowingEngine(shard), _NarrowingEngine(shard)
+        sync = WeightSync.from_config(
+            cfg, Schedule.from_config(cfg), sliced, _Bounded(learner, bound), learner.dims
+        )
+        counted = sync.sync()["weight_sync/bytes"].value.item()
+        whole.load_weights(
+            placed(engine_slice(c, shard, MODEL), shard, MODEL) for c in learner.iter_canonical_layers(bound)
+        )
+        want = engine_slice(weights, shard, MODEL)
+        out[engine_tp] = {
+            "counted": counted,
+            "expected": sync_receive_bytes(cfg, rank),
+            "same_as_whole": sorted(sliced.w) == sorted(whole.w)
+            and all(torch.equal(sliced.w[n], whole.w[n]) for n in whole.w),
+            "learner": sorted(sliced.w) == sorted(want)
+            and all(torch.equal(sliced.w[n], want[n]) for n in want),
+        }
+    engines = colocated_slices(_cfg("fp32", 2))
+    consume = lambda it: [None for _ in it]  # noqa: E731
+    out["sliced_wire"] = _wire_bytes(lambda: consume(learner.iter_canonical_layers(bound, engines=engines)))
+    out["whole_wire"] = _wire_bytes(lambda: consume(learner.iter_canonical_layers(bound)))
+    out["sliced_peak"] = min(
+        _profiled(
+            lambda: consume(learner.iter_canonical_layers(bound, engines=engines)),
+            f"{tmp}/sl_{rank}_{i}.json",
+        )[0]
+        for i in range(3)
+    )
+    out["whole_peak"] = min(
+        _profiled(lambda: consume(learner.iter_canonical_layers(bound)), f"{tmp}/wh_{rank}_{i}.json")[0]
+        for i in range(3)
+    )
+    return out
+
+
 def _worker(rank: int, tmp: str) -> dict:
     from moe_rl import dist
     from moe_rl.learner.learner import Learner
@@ -200,6 +308,7 @@ def _worker(rank: int, tmp: str) -> dict:
     }
     del chunks, joined, exported
     slices = _engine_slices(learner, weights, ctx.rank, bound)
+    colocated = _colocated_slices(learner, weights, ctx.rank, bound, tmp)
 
     engine = BuiltinEngine(MODEL, dtype="fp32", pad_id=0)
     engine.load_weights(random_canonical_weights(MODEL, seed=1))  # its own tensors exist from here on
@@ -248,6 +357,7 @@ def _worker(rank: int, tmp: str) -> dict:
         "expected_allgathers": gathers,
         "ops": stream_ops,
         "slices": slices,
+        "colocated": colocated,
     }
     dist.shutdown()
     return result
@@ -283,6 +393,28 @@ def test_streamed_sync_is_exact_and_holds_one_layer(tmp_path, capsys):
         ), (rank, r)
         assert r["allgathers"] == r["expected_allgathers"] > 0, (rank, r)
     _check_slices([r["slices"] for r in results], r0["full"])
+    _check_colocated([r["colocated"] for r in results], r0["full"])
+
+
+def _check_colocated(colocated: list[dict], full_fp32: int) -> None:
+    """(e): each rank's counted bytes are sync_receive_bytes; the engine holds exactly what the
+    whole stream gives it; consuming the sliced stream holds less than the whole one."""
+    for rank, c in enumerate(colocated):
+        print(
+            f"colocated rank {rank}: "
+            + ", ".join(
+                f"engine TP {tp}: {c[tp]['counted']:.0f} B (expected {c[tp]['expected']})"
+                for tp in ENGINE_TPS
+            )
+            + f"; stream peak sliced {c['sliced_peak']} B, whole {c['whole_peak']} B"
+            + f"; from other ranks (engine TP 2) sliced {c['sliced_wire']} B, whole {c['whole_wire']} B"
+        )
+        for tp in ENGINE_TPS:
+            assert c[tp]["counted"] == c[tp]["expected"], (rank, tp, c[tp])
+            assert c[tp]["same_as_whole"] and c[tp]["learner"], (rank, tp, c[tp])
+        assert c[2]["counted"] < 0.6 * full_fp32 and c[4]["counted"] < c[2]["counted"], (rank, c)
+        assert 0 < c["sliced_peak"] < c["whole_peak"], (rank, c)
+        assert 0 < c["sliced_wire"] < c["whole_wire"] / 2, (rank, c)  # deterministic: 0.41 measured
 
 
 def _check_slices(slices: list[dict], full_fp32: int) -> None:
