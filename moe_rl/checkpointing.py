@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from moe_rl.config import RunConfig, Schedule
-from moe_rl.errors import DiskFullError, RunDirError, disk_full_named
+from moe_rl.errors import CheckpointError, DiskFullError, RunDirError, disk_full_named
 from moe_rl.learner import checkpoint
 from moe_rl.learner.learner import Learner
 from moe_rl.maths.lr import LengthLRScheduler
@@ -31,6 +32,18 @@ from moe_rl.pipeline.request_buffer import checkpoint_due
 from moe_rl.pipeline.simulated_staleness import SimulatedStaleness
 
 log = logging.getLogger(__name__)
+
+
+def _load_named(path: Path) -> dict:
+    """torch.load of a resume file; a damaged one (preflight's check reads its zip directory only)
+    is a CheckpointError naming it."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (RuntimeError, EOFError, OSError, pickle.UnpicklingError) as e:
+        raise CheckpointError(
+            f"{path} is truncated or corrupt ({type(e).__name__}): the checkpoint in {path.parent} "
+            f"cannot be resumed; resume from another step"
+        ) from None
 
 
 class CheckpointManager:
@@ -52,10 +65,10 @@ class CheckpointManager:
         self.buffered = self.remote is not None and schedule.buffers_requests
 
     def stale_path(self, step_dir_name: str) -> Path:
-        return self.root / f"stale_weights_{step_dir_name}.pt"
+        return checkpoint.stale_weights_file(self.root / step_dir_name)
 
     def in_flight_path(self, step_dir_name: str) -> Path:
-        return self.root / f"in_flight_{step_dir_name}_dp{self.learner.dims.dp_rank}.pt"
+        return checkpoint.in_flight_file(self.root / step_dir_name, self.learner.dims.dp_rank)
 
     def resume(self) -> int:
         """The first step to run: 0, or the step after the last checkpoint when resuming (with the
@@ -72,7 +85,7 @@ class CheckpointManager:
                         f"resume=true with rollout.mode={self.cfg.rollout.mode} but {path} (the "
                         f"batches in flight when the checkpoint was saved) is missing"
                     )
-                state = torch.load(path, map_location="cpu", weights_only=True)
+                state = _load_named(path)
                 if ("buffered" in state) != self.buffered:  # async saves a list, one_step_off a batch
                     raise RunDirError(
                         f"resume=true with rollout.mode={self.cfg.rollout.mode} but {path} was saved by "
@@ -97,9 +110,7 @@ class CheckpointManager:
         state = checkpoint.load(self.learner, path)
         self.lr_sched.load_state_dict(state["length_lr"])
         if self.stale is not None and self.stale.k:
-            self.stale.load_state_dict(
-                torch.load(stale, map_location="cpu", weights_only=True), self.learner.device
-            )
+            self.stale.load_state_dict(_load_named(stale), self.learner.device)
         log.info("resumed from %s (step %d)", path, state["step"])
         return int(state["step"])
 

@@ -271,8 +271,14 @@ def show_estimate(
         stage_memory,
         unfit_phase,
     )
+    from moe_rl.preflight import unfit_reason
 
     _positive("--gpu-gib", gpu_gib)
+    if gpu_gib <= MARGIN_GIB:  # nothing left: every phase would "not fit" against a negative size
+        raise ConfigError(
+            f"--gpu-gib must be more than the {MARGIN_GIB:g} GiB each GPU keeps for the CUDA context "
+            f"(moe_rl/memory/), got {gpu_gib:g}"
+        )
     if cpu_adam_gelems is not None:
         _positive("--cpu-adam-gelems-per-s", cpu_adam_gelems)
     if gpus_per_node < 1:
@@ -293,8 +299,10 @@ def show_estimate(
                 f"train peak {st['train_peak'] / GiB:.1f} GiB"
             )
     without, with_ = rollout_peaks(cfg, gpu_gib)
+    unloadable = cfg.rollout.engine == "vllm" and est["vllm_weights_gib"] > est["vllm_budget_gib"]
     click.echo(
         f"rollout peak: {without:.1f} GiB without parallel.offload_during_rollout, {with_:.1f} GiB with it"
+        + (f" (vLLM's share; its weights alone need {est['vllm_weights_gib']:.1f})" if unloadable else "")
     )
     click.echo(
         "device peak per phase (GiB a GPU; "
@@ -331,6 +339,9 @@ def show_estimate(
         nodes, per_node = max(1, lay.world // gpus_per_node), min(gpus_per_node, lay.world)
         rows = rank_layouts(cfg, nodes, per_node, gpu_gib)[:top]
     click.echo(layout_table(cfg, rows))
+    why = unfit_reason(cfg, est)
+    verdict = f"does not fit: {why}" if why else "fits"
+    click.echo(f"verdict for {lay.describe(cfg.model.num_layers)}: {verdict}")
 
 
 @main.command("export-hf")

@@ -14,11 +14,12 @@ directory ``task.tokenizer`` resolves to holds tokenizer files (``check_tokenize
 from __future__ import annotations
 
 import os
+import zipfile
 from pathlib import Path
 
 import torch
 
-from moe_rl.config import ARCH_FIELDS, SAVED_CONFIG, RunConfig, load_config, to_dict
+from moe_rl.config import ARCH_FIELDS, SAVED_CONFIG, RunConfig, Schedule, load_config, to_dict
 from moe_rl.config.loader import saved_config_missing
 from moe_rl.errors import CheckpointError, ConfigError, RunDirError
 from moe_rl.fsutil import read_json
@@ -37,7 +38,7 @@ def check_launch(cfg: RunConfig) -> None:
     from moe_rl.learner.te_spec import check_te_environment
 
     check_te_environment(cfg.model)
-    check_devices(cfg, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    check_gpus(cfg)
     if torch.cuda.is_available() and cfg.parallel.backend != "gloo":
         check_fit(cfg, torch.cuda.get_device_properties(0).total_memory / 2**30)
     if cfg.rollout.engine == "vllm":
@@ -48,6 +49,12 @@ def check_launch(cfg: RunConfig) -> None:
             check_vllm_cpu_model(cfg)
 
 
+def check_gpus(cfg: RunConfig) -> None:
+    """``check_devices`` on this machine's GPUs: the first check of a start (``trainer.prepare``),
+    so a GPU recipe on a CPU machine says what it needs before its paths (/path/to/...) are read."""
+    check_devices(cfg, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+
+
 def check_devices(cfg: RunConfig, num_gpus: int) -> None:
     """The ranks this machine starts fit its GPUs (one each), and NCCL has CUDA. ``num_gpus`` is
     what this machine has (0 without CUDA); under torchrun/Slurm each node starts LOCAL_WORLD_SIZE
@@ -55,8 +62,9 @@ def check_devices(cfg: RunConfig, num_gpus: int) -> None:
     p = cfg.parallel
     if p.backend == "nccl" and num_gpus == 0:
         raise ConfigError(
-            "config key 'parallel.backend': nccl needs CUDA, and this machine has no GPU; "
-            "use parallel.backend=gloo (or auto)"
+            f"config key 'parallel.backend': nccl needs CUDA: this config needs {p.nproc} GPU(s) "
+            f"(parallel.nproc={p.nproc}, one rank a GPU) and this machine has none; run it on "
+            f"{p.nproc} GPU(s), or use parallel.backend=gloo (or auto) for a model the CPU can train"
         )
     if cfg.optim.cpu_adam and (num_gpus == 0 or p.backend == "gloo"):
         raise ConfigError(
@@ -91,16 +99,13 @@ def check_devices(cfg: RunConfig, num_gpus: int) -> None:
 
 def check_fit(cfg: RunConfig, gpu_gib: float) -> None:
     """The config's layout fits GPUs of ``gpu_gib`` at every phase of the step by moe_rl/memory/'s
-    estimate (train, sync, generate, async: moe_rl/memory/phases.py; each within the GPU less its
-    margin for the CUDA context, and vLLM's KV cache holding one sequence): a recipe on fewer GPUs
-    than it needs, or without the offload / CPU Adam it was sized with, stops here, before any rank
-    starts, naming the phase, its bytes and the device's. GPU runs only (preflight's caller): a
-    CPU run has no device memory to compare with."""
-    from moe_rl.memory import MARGIN_GIB, estimate, phase_peak_gib, unfit_phase
+    estimate (``unfit_reason``): a recipe on fewer GPUs than it needs, or without the offload / CPU
+    Adam it was sized with, stops here, before any rank starts, naming the phase, its bytes and the
+    device's. GPU runs only (preflight's caller): a CPU run has no device memory to compare with."""
+    from moe_rl.memory import estimate
 
-    est = estimate(cfg, gpu_gib)
-    phase = unfit_phase(cfg, est)
-    if phase is None:
+    why = unfit_reason(cfg, estimate(cfg, gpu_gib))
+    if why is None:
         return
     p = cfg.parallel
     hints = []
@@ -108,18 +113,39 @@ def check_fit(cfg: RunConfig, gpu_gib: float) -> None:
         hints.append("parallel.offload_during_rollout=true")
     if not cfg.optim.cpu_adam:
         hints.append("optim.cpu_adam=true")
+    raise ConfigError(
+        f"config key 'parallel.nproc': {p.nproc} GPUs of {gpu_gib:.0f} GiB do not fit this run: {why}; "
+        + (f"try {' / '.join(hints)}, or " if hints else "")
+        + "more GPUs: `moe-rl estimate CONFIG --rank 5` ranks the layouts"
+    )
+
+
+def unfit_reason(cfg: RunConfig, est: dict[str, float]) -> str | None:
+    """Why the estimate ``est`` (``moe_rl.memory.estimate``) of ``cfg`` does not fit its GPUs, or
+    None: vLLM's weights alone above its share of the GPU first (nothing else matters then), else
+    the first phase over the GPU less its margin (train, sync, generate, async:
+    moe_rl/memory/phases.py), else vLLM's KV cache holding less than one sequence. What
+    ``check_fit`` refuses and ``moe-rl estimate`` prints as its verdict."""
+    from moe_rl.memory import MARGIN_GIB, phase_peak_gib, unfit_phase
+
+    gpu_gib, usable = est["gpu_gib"], est["gpu_gib"] - MARGIN_GIB
+    if cfg.rollout.engine == "vllm" and est["vllm_weights_gib"] > est["vllm_budget_gib"]:
+        return (
+            f"vLLM's weights alone need {est['vllm_weights_gib']:.1f} GiB per GPU, more than its share "
+            f"rollout.vllm.gpu_memory_utilization={cfg.rollout.vllm.gpu_memory_utilization:g} x "
+            f"{gpu_gib:g} GiB = {est['vllm_budget_gib']:.1f} GiB"
+        )
+    phase = unfit_phase(cfg, est)
+    if phase is None:
+        return None
     if phase == "kv_cache":
-        what = (
+        return (
             f"vLLM's KV cache holds {est['vllm_kv_tokens']:,.0f} tokens < model.max_seq_len "
             f"{cfg.model.max_seq_len}"
         )
-    else:
-        what = f"the {phase} phase needs {phase_peak_gib(est, phase):.1f} GiB per GPU"
-    raise ConfigError(
-        f"config key 'parallel.nproc': {p.nproc} GPUs of {gpu_gib:.0f} GiB do not fit this run: {what} "
-        f"against {gpu_gib - MARGIN_GIB:.0f} GiB usable (the GPU less {MARGIN_GIB:g}); "
-        + (f"try {' / '.join(hints)}, or " if hints else "")
-        + "more GPUs: `moe-rl estimate CONFIG --rank 5` ranks the layouts"
+    return (
+        f"the {phase} phase needs {phase_peak_gib(est, phase):.1f} GiB per GPU against {usable:.0f} GiB "
+        f"usable (the GPU less {MARGIN_GIB:g})"
     )
 
 
@@ -136,8 +162,12 @@ RESUME_FIELDS = tuple(f"model.{k}" for k in ARCH_FIELDS) + (
     "parallel.layers_in_first_stage",
     "parallel.layers_in_last_stage",
     "parallel.distributed_optimizer",
+    "parallel.rollout_ranks",  # the learner ranks are parallel.nproc less these
     "rollout.staleness",
+    "rollout.mode",  # one_step_off / async save the batches in flight; sync has none to resume from
 )
+# and with a batch in flight (one_step_off, async): the shape it was generated in
+IN_FLIGHT_FIELDS = ("rollout.prompts_per_step", "rollout.samples_per_prompt")
 
 
 def check_run_dir(cfg: RunConfig) -> None:
@@ -195,9 +225,10 @@ def check_resume(cfg: RunConfig) -> None:
     saved_path = run_dir / SAVED_CONFIG
     if not saved_path.is_file():  # a config file given with resume=true; else the loader said so
         raise saved_config_missing(run_dir)
-    saved = to_dict(load_config(saved_path))
-    new = to_dict(cfg)
-    for key in RESUME_FIELDS:
+    saved_cfg = load_config(saved_path)
+    saved, new = to_dict(saved_cfg), to_dict(cfg)
+    fields = RESUME_FIELDS + (IN_FLIGHT_FIELDS if _keeps_in_flight(saved_cfg) else ())
+    for key in fields:
         section, name = key.split(".")
         was, now = saved[section][name], new[section][name]
         if was != now:
@@ -211,6 +242,50 @@ def check_resume(cfg: RunConfig) -> None:
         raise ConfigError(
             f"config key 'steps': {cfg.steps}, but the run in {run_dir} is at step {step} "
             f"({latest.name}); pass steps > {step} to train on"
+        )
+    check_resume_files(cfg, latest)
+
+
+def _keeps_in_flight(cfg: RunConfig) -> bool:
+    schedule = Schedule.from_config(cfg)
+    return schedule.split and schedule.keeps_in_flight
+
+
+def check_resume_files(cfg: RunConfig, latest: Path) -> None:
+    """Every file the resume reads is there and whole, before any rank starts: the stale weight
+    sets (``rollout.staleness > 0``) and the batches in flight (one_step_off / async: one file a
+    data-parallel rank) by their zip directory (``check_torch_file``), then the dist checkpoint's
+    files by its metadata (``checkpoint.check_files``, as ``export-hf`` checks them). Names of
+    these files: ``moe_rl/checkpointing.py``."""
+    if cfg.rollout.staleness:
+        stale = checkpoint.stale_weights_file(latest)
+        check_torch_file(stale, f"the engine's stale weight sets, rollout.staleness={cfg.rollout.staleness}")
+    if _keeps_in_flight(cfg):
+        for d in range(cfg.data_parallel):
+            path = checkpoint.in_flight_file(latest, d)
+            check_torch_file(path, f"the batches in flight, rollout.mode={cfg.rollout.mode}")
+    checkpoint.check_files(latest)
+
+
+def check_torch_file(path: Path, what: str) -> None:
+    """``path`` (a ``torch.save`` file, ``what`` it holds) exists and its zip directory is whole,
+    and every entry lies within the file: a truncated file loses the directory at its end. Reads the
+    directory only, no tensor. CheckpointError naming the file otherwise."""
+    if not path.is_file():
+        raise CheckpointError(
+            f"resume=true but {path} ({what}) is missing: the checkpoint in {path.parent} is "
+            f"incomplete; resume from another step (point {path.parent / 'latest'} at it)"
+        )
+    try:
+        size = path.stat().st_size
+        with zipfile.ZipFile(path) as z:
+            whole = all(i.header_offset + i.compress_size <= size for i in z.infolist())
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError):
+        whole = False
+    if not whole:
+        raise CheckpointError(
+            f"{path} ({what}) is truncated or corrupt: the checkpoint in {path.parent} cannot be "
+            f"resumed; resume from another step (point {path.parent / 'latest'} at it)"
         )
 
 

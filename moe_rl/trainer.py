@@ -25,7 +25,7 @@ from moe_rl.pipeline.engines import build_rank_engine
 from moe_rl.pipeline.offload_timeline import OffloadTimeline
 from moe_rl.pipeline.rollout_ranks import serve_rollouts
 from moe_rl.pipeline.weight_sync import WeightSync
-from moe_rl.preflight import check_launch
+from moe_rl.preflight import check_gpus, check_launch
 from moe_rl.preflight import check_run_dir as check_run_directory
 from moe_rl.seeding import GENERATE, step_seed
 from moe_rl.step.finalize import finalize
@@ -64,6 +64,7 @@ def prepare(cfg: RunConfig, check_run_dir: bool = True) -> Prepared:
         int(os.environ["RANK"]) if "RANK" in os.environ else "launcher"
     )  # under torchrun: this rank
     with memory.span("preflight"):
+        check_gpus(cfg)  # first: a GPU recipe on a CPU machine says what it needs before any path
         cfg, task = build_task(cfg, start_pool=False)  # tokenizer, datasets (read in full), reward names
         check_launch(cfg)  # CUDA / Transformer Engine / vLLM where the config asks for them
         if check_run_dir:

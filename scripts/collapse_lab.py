@@ -117,7 +117,8 @@ def arm_overrides(arm: str, args) -> list[str]:
     ]
     control = (
         ["rollout.engine=builtin", "rollout.router_noise=0.0", "rollout.dtype=fp32", "rollout.staleness=0"]
-        + (["parallel.rollout_ranks=0", "rollout.mode=sync"] if args.mode else [])
+        # max_staleness back to its default: with sync it is refused (the config loader)
+        + (["parallel.rollout_ranks=0", "rollout.mode=sync", "rollout.max_staleness=1"] if args.mode else [])
         if arm == CONTROL
         else []
     )

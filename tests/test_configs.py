@@ -463,10 +463,13 @@ def test_launch_refuses_more_ranks_or_experts_than_gpus_and_nccl_without_cuda(mo
     from moe_rl.preflight import check_devices
 
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    with pytest.raises(
-        ConfigError, match=r"'parallel.backend': nccl needs CUDA, and this machine has no GPU"
-    ):
+    with pytest.raises(ConfigError) as e:
         check_devices(load_config(None, ["parallel.backend=nccl"]), num_gpus=0)
+    assert str(e.value) == (
+        "config key 'parallel.backend': nccl needs CUDA: this config needs 2 GPU(s) (parallel.nproc=2, "
+        "one rank a GPU) and this machine has none; run it on 2 GPU(s), or use parallel.backend=gloo "
+        "(or auto) for a model the CPU can train"
+    )
     check_devices(load_config(None), num_gpus=0)  # the CPU default: gloo
     with pytest.raises(ConfigError, match=r"'parallel.nproc': 2 local ranks but this machine has 1 GPU\(s\)"):
         check_devices(load_config(None, ["parallel.expert_parallel=1"]), num_gpus=1)

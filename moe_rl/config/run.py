@@ -7,7 +7,7 @@ and ``RunConfig.policy_loss`` are ``moe_rl.maths.policy_specs``'s."""
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from moe_rl.checks import check, check_finite, one_of
@@ -18,6 +18,12 @@ from moe_rl.corrections.correction_specs import CorrectionSpec
 from moe_rl.maths.lr_specs import LengthLRConfig
 from moe_rl.maths.policy_specs import AdvantageSpec, PolicyLossSpec
 from moe_rl.names import GROUP_ADVANTAGE_NAMES
+
+# rollout.max_staleness's bound: a rollout rank runs up to that many requests (one dp rank's batch
+# each) ahead of the learner and holds them (pipeline/request_buffer.py buffer_bound), and the peers
+# run single digits; above it the buffer is a memory leak, not a setting (and past int64 the first
+# step's filter overflowed)
+MAX_STALENESS = 64
 
 
 @dataclass(frozen=True)
@@ -76,6 +82,19 @@ class VllmConfig:
         check(self.dvp_max_safe >= 1, "rollout.vllm.dvp_max_safe", "must be >= 1")
 
 
+def vllm_keys_set(v: VllmConfig) -> dict[str, str]:
+    """The ``rollout.vllm.*`` keys that differ from their defaults, as key -> key=value (a value
+    equal to the default is what any engine runs with, so a saved config.yaml, which writes every
+    key, passes)."""
+    out = {}
+    for f in fields(VllmConfig):
+        value = getattr(v, f.name)
+        if value != f.default:
+            text = str(value).lower() if isinstance(value, bool) else str(value)
+            out[f"rollout.vllm.{f.name}"] = f"rollout.vllm.{f.name}={text}"
+    return out
+
+
 @dataclass(frozen=True)
 class RolloutConfig:
     engine: str = "builtin"  # builtin (CPU or small GPU models) | vllm (CUDA; rollout.vllm)
@@ -96,7 +115,7 @@ class RolloutConfig:
     # stale) | async (the engines fill a bounded buffer continuously; weights reach them between decode steps)
     mode: str = "sync"
     # async: a sample with a token more than this many weight versions older than the learner's is
-    # dropped (counted in rollout/dropped_stale)
+    # dropped (counted in rollout/dropped_stale); at most MAX_STALENESS (64); refused with another mode
     max_staleness: int = 1
     # async: the KV cache when a weight update lands between decode steps (docs/design.md 15.1): keep
     # (PipelineRL: earlier tokens keep the old weights' keys/values; no extra compute; vLLM: keep only) |
@@ -118,6 +137,25 @@ class RolloutConfig:
         check(self.staleness >= 0, "rollout.staleness", f"must be >= 0 (got {self.staleness})")
         one_of(self.mode, "rollout.mode", ("sync", "one_step_off", "async"))
         check(self.max_staleness >= 0, "rollout.max_staleness", f"must be >= 0 (got {self.max_staleness})")
+        check(
+            self.max_staleness <= MAX_STALENESS,
+            "rollout.max_staleness",
+            f"must be <= {MAX_STALENESS} (got {self.max_staleness}): a rollout rank buffers up to that "
+            f"many requests ahead of the learner",
+        )
+        check(
+            self.mode == "async" or self.max_staleness == RolloutConfig.max_staleness,
+            "rollout.max_staleness",
+            f"{self.max_staleness} acts only with rollout.mode=async (the staleness filter), and "
+            f"rollout.mode={self.mode} has none: drop the key, or use rollout.mode=async",
+        )
+        changed = vllm_keys_set(self.vllm)
+        check(
+            self.engine == "vllm" or not changed,
+            next(iter(changed), ""),
+            f"rollout.engine={self.engine} ignores the vLLM settings {' '.join(changed.values())} "
+            f"(vLLM does not run): use rollout.engine=vllm, or drop them",
+        )
         one_of(self.inflight_kv, "rollout.inflight_kv", ("keep", "recompute"))
         check(
             self.inflight_kv == "keep" or self.mode == "async",

@@ -287,6 +287,16 @@ def latest(ckpt_root: Path) -> Path | None:
     return path
 
 
+def stale_weights_file(step_dir: Path) -> Path:
+    """Beside checkpoint ``step_dir``: the engine's stale weight sets (``moe_rl/checkpointing.py``)."""
+    return step_dir.parent / f"stale_weights_{step_dir.name}.pt"
+
+
+def in_flight_file(step_dir: Path, dp_rank: int) -> Path:
+    """Beside checkpoint ``step_dir``: data-parallel rank ``dp_rank``'s batches in flight."""
+    return step_dir.parent / f"in_flight_{step_dir.name}_dp{dp_rank}.pt"
+
+
 def check_files(path: Path) -> None:
     """Every ``.distcp`` file the checkpoint's metadata names exists and is long enough for its
     items; CheckpointError naming the file otherwise (megatron's own error is deep and unnamed)."""

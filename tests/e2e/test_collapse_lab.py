@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
+from moe_rl.config import load_config
 from tests.script_module import script_module
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,7 +59,9 @@ def test_lab_mode_runs_every_arm_split_with_more_seeds_for_none_and_r3():
     assert asy.arm_seeds == {"none": [7], "onpolicy": [7]}  # --seeds sets every arm's
     assert lab.arm_overrides("none", asy)[:5] == [*split, "rollout.mode=async", "rollout.max_staleness=3"]
     # the control stays colocated and in sync
-    assert lab.arm_overrides("onpolicy", asy)[-2:] == ["parallel.rollout_ranks=0", "rollout.mode=sync"]
+    control = lab.arm_overrides("onpolicy", asy)
+    assert control[-3:] == ["parallel.rollout_ranks=0", "rollout.mode=sync", "rollout.max_staleness=1"]
+    assert load_config(None, control).rollout.max_staleness == 1  # loads: async's bound is dropped
     assert lab.parse([]).arm_seeds == {arm: [0, 1, 2] for arm in ("none", "r3", "onpolicy")}
 
 

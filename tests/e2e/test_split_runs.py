@@ -12,7 +12,7 @@ import pytest
 
 from moe_rl.config import load_config
 from moe_rl.weights.canonical import canonical_param_shapes
-from tests.cli_helpers import TINY
+from tests.cli_helpers import TINY, fails_with
 from tests.e2e.helpers import deterministic, metrics, moe_rl
 
 EP2 = ["parallel.expert_parallel=2", "checkpoint_every=0", *TINY]  # 2 learner ranks, DP 2
@@ -79,6 +79,7 @@ def test_one_step_off_is_deterministic_one_update_stale_and_resumes_exactly(tmp_
         "latest",
         "step_000002",
     ]
+    _refused_before_any_rank(tmp_path, ckpts)
     part = _run(tmp_path / "part", "steps=3", "resume=true")
     assert sorted(full) == sorted(part) == [0, 1, 2]
     for step in range(3):
@@ -89,6 +90,31 @@ def test_one_step_off_is_deterministic_one_update_stale_and_resumes_exactly(tmp_
     _same_as_colocated(full[0], colocated_ep2[0], lag=0.0)
     assert full[1]["rollout/num_seqs"] == colocated_ep2[1]["rollout/num_seqs"] == 32.0
     assert full[1]["corr/k3_kl"] > 10 * colocated_ep2[1]["corr/k3_kl"]
+
+
+def _refused_before_any_rank(tmp_path: Path, ckpts: Path) -> None:
+    """Issue 42.3 on the real checkpoint: the launcher's preflight refuses another rollout.mode and
+    a truncated in-flight file, in-process (no rank starts), the disk unchanged (the rest of the
+    refusals: tests/bad_input/test_resume_refusals.py)."""
+    run, resume = ckpts.parent, ("train", f"run_dir={ckpts.parent}", "steps=3", "resume=true")
+    fails_with(
+        tmp_path,
+        f"resume=true: rollout.mode=sync but the run in {run} was made with rollout.mode=one_step_off "
+        f"({run}/config.yaml); a checkpoint cannot change it: use rollout.mode=one_step_off or a new "
+        f"run_dir=",
+        *resume,
+        "rollout.mode=sync",
+    )
+    dp1 = ckpts / "in_flight_step_000002_dp1.pt"
+    whole = dp1.read_bytes()
+    dp1.write_bytes(whole[:-100])
+    fails_with(
+        tmp_path,
+        f"{dp1} (the batches in flight, rollout.mode=one_step_off) is truncated or corrupt: the checkpoint "
+        f"in {ckpts} cannot be resumed; resume from another step (point {ckpts / 'latest'} at it)",
+        *resume,
+    )
+    dp1.write_bytes(whole)
 
 
 @pytest.mark.e2e

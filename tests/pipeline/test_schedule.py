@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from moe_rl.config import Schedule, ScheduleKind, load_config
+from moe_rl.config import ConfigError, Schedule, ScheduleKind, load_config
 
 SPLIT = ["parallel.nproc=3", "parallel.rollout_ranks=1"]
 
@@ -35,4 +35,7 @@ def test_schedule_carries_the_staleness_knobs_it_uses():
     assert Schedule.from_config(load_config(None, ["rollout.staleness=2"])).simulated_staleness == 2
     a = Schedule.from_config(load_config(None, [*SPLIT, "rollout.mode=async", "rollout.max_staleness=3"]))
     assert a.max_staleness == 3
-    assert Schedule.from_config(load_config(None, [*SPLIT, "rollout.max_staleness=3"])).max_staleness == 0
+    # the default bound (1) is no filter outside async; a value set with another mode is refused
+    assert Schedule.from_config(load_config(None, SPLIT)).max_staleness == 0
+    with pytest.raises(ConfigError, match="'rollout.max_staleness': 3 acts only with rollout.mode=async"):
+        load_config(None, [*SPLIT, "rollout.max_staleness=3"])
