@@ -388,10 +388,11 @@ def make_math(out: str, num: int, seed: int, style: str) -> None:
 def report(run_dirs: tuple[str, ...], out: str | None) -> None:
     """Router stability report: moe-rl report RUN_DIR [RUN_DIR ...]  (HTML + markdown; several
     runs share every axis and colour scale)."""
-    from moe_rl.report.render import write_report
+    from moe_rl.report.render import report_runs
 
     with disk_full_named(out or f"{run_dirs[0]}/report"):
-        html = write_report(list(run_dirs), out)
+        html, verdicts = report_runs(list(run_dirs), out)
+    click.echo("\n".join(verdicts))  # the run's one verdict first (docs/report.md 5)
     click.echo(f"wrote {html} and {html.with_name('report.md')}")
 
 
