@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import psutil
 import torch
 
 from moe_rl.config import ARCH_FIELDS, SAVED_CONFIG, RunConfig, load_config, to_dict
@@ -37,9 +38,12 @@ def check_launch(cfg: RunConfig) -> None:
     from moe_rl.learner.te_spec import check_te_environment
 
     check_te_environment(cfg.model)
-    check_devices(cfg, torch.cuda.device_count() if torch.cuda.is_available() else 0)
-    if torch.cuda.is_available() and cfg.parallel.backend != "gloo":
+    num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    check_devices(cfg, num_gpus)
+    on_gpu = num_gpus > 0 and cfg.parallel.backend != "gloo"
+    if on_gpu:
         check_fit(cfg, torch.cuda.get_device_properties(0).total_memory / 2**30)
+    check_host_memory(cfg, psutil.virtual_memory().available, ranks_on_node(cfg), on_gpu)
     if cfg.rollout.engine == "vllm":
         from moe_rl.rollout.vllm.env import check_vllm_cpu_model, check_vllm_environment
 
@@ -120,6 +124,40 @@ def check_fit(cfg: RunConfig, gpu_gib: float) -> None:
         f"against {gpu_gib - MARGIN_GIB:.0f} GiB usable (the GPU less {MARGIN_GIB:g}); "
         + (f"try {' / '.join(hints)}, or " if hints else "")
         + "more GPUs: `moe-rl estimate CONFIG --rank 5` ranks the layouts"
+    )
+
+
+def ranks_on_node(cfg: RunConfig) -> int:
+    """The ranks this node starts: LOCAL_WORLD_SIZE under torchrun/Slurm, else parallel.nproc."""
+    return int(os.environ["LOCAL_WORLD_SIZE"]) if "LOCAL_WORLD_SIZE" in os.environ else cfg.parallel.nproc
+
+
+def check_host_memory(cfg: RunConfig, available_bytes: float, ranks: int, on_gpu: bool) -> None:
+    """What the ``ranks`` of this node hold on the host by the estimate
+    (``moe_rl.memory.host_bytes_per_rank``: CPU Adam, offload and vLLM asleep on GPU ranks, the
+    whole learner and engine on CPU ranks) fits ``available_bytes`` (the caller reads
+    psutil.virtual_memory().available once); otherwise one error naming both numbers and what to
+    change, before any rank starts and loads weights (the kernel's OOM killer would end the job
+    minutes later, without a Python error)."""
+    from moe_rl.memory import GiB, host_bytes_per_rank
+
+    per_rank, what = host_bytes_per_rank(cfg, on_gpu)
+    need = per_rank * ranks
+    if need <= available_bytes:
+        return
+    if on_gpu:
+        hints = ["fewer ranks per node"]
+        hints += ["optim.cpu_adam=false"] if cfg.optim.cpu_adam else []
+        hints += ["parallel.offload_during_rollout=false"] if cfg.parallel.offload_during_rollout else []
+        hints += ["rollout.vllm.sleep_level=2"] if cfg.rollout.engine == "vllm" else []
+    else:
+        hints = ["fewer ranks per node (parallel.nproc)", "a smaller model", "GPU ranks"]
+    who = f"the {ranks} ranks of this node need" if ranks != 1 else "the 1 rank of this node needs"
+    raise ConfigError(
+        f"host memory: {who} {need / GiB:,.1f} GiB by the estimate "
+        f"({per_rank / GiB:,.1f} GiB each: {what}) but this node has {available_bytes / GiB:,.1f} GiB "
+        f"available; try {', '.join(hints)} (`moe-rl estimate CONFIG` prints the host memory per rank "
+        "and, on CPU ranks, each phase's peak)"
     )
 
 
