@@ -10,14 +10,16 @@ Severity: ``act`` (the run is learning from something it should not: change a kn
 (a cost or a risk, not yet damage: look at the curves), ``info`` (expected at this scale or
 dialled in by the config: nothing to do). The run's verdict is ``healthy`` when no problem is
 ``act`` or ``watch``; otherwise it names the first problem of the most severe level present, first
-by the step it started at (ties: the lower layer, then ``ADVICE``'s order). Why the most severe
+by the step it started at (ties: the whole run's before a layer's, the lower layer, then
+``ADVICE``'s order). Why the most severe
 level first: the verdict is what to do, and the earliest ``act`` problem is the likely cause of
 what follows it; within a level, a later problem is often a consequence of an earlier one.
 
 Start step of a flagged finding: the first logged step whose value crosses the threshold and from
 which the mean over every later logged step (that step included) crosses it too, so a single early
 spike followed by healthy steps does not date it. A finding flagged over the verdict window always
-has one (the window's mean crosses, so does the mean from its first crossing step on).
+has one (the window's mean crosses, so does the mean from its first crossing step on). A blackout
+of dead experts is dated the same way by ``never_selected_frac``: from when no token chose them.
 
 Shape suffixes: T logged steps.
 """
@@ -228,16 +230,22 @@ def severity_of(run: Run, check: str, lid: int) -> tuple[str, str]:
 
 
 def problems(run: Run) -> list[Problem]:
-    """Every flagged finding of the run's per-layer verdicts, and a reward collapse, in verdict
-    order: the most severe level first, then the start step, the layer, ADVICE's order."""
+    """Every flagged finding of the run's per-layer verdicts, a reward collapse and the health
+    alarms, in verdict order: the most severe level first, then the start step, the whole run's
+    before a layer's, the lower layer, ADVICE's order."""
     steps_T = run.steps_T
     out = []
     for v in data.layer_verdicts(run):
         for (text, bad), check in zip(v.findings, v.checks):
             if not bad or check not in ADVICE:
                 continue
-            step = start_step(steps_T, _excess_T(run, check, v.layer))
             severity, why = severity_of(run, check, v.layer)
+            excess_T = _excess_T(run, check, v.layer)
+            if (
+                check == "no_grad_expert_frac" and severity == "act"
+            ):  # dead experts: since no token chose them
+                excess_T = run.series(f"router_grad/never_selected_frac/layer{v.layer}") - THRESHOLDS[check]
+            step = start_step(steps_T, excess_T)
             first = int(steps_T[-min(data.WINDOW, len(steps_T))])  # not reached: see module docstring
             out.append(Problem(check, v.layer, first if step is None else step, severity, text, why))
     res = outcome.outcome(steps_T, run.series)

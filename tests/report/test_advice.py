@@ -98,13 +98,15 @@ def test_a_blackout_at_step_25_in_layer_2(tmp_path):
         "verdict: watch: gradient blackout in layer 2 from step 25 (19% of experts got no router gradient "
         f"per step (mean over the last 40 steps)); {BLACKOUT_TRY}"
     )
-    # the same with the experts chosen by no token at all: dead experts, act
+    # the same with half the experts chosen by no token from step 30: dead experts, act, dated by
+    # when no token chose them
     dead = _run(
-        tmp_path / "dead", (key, 25, 0.5), tokens, ("router_grad/never_selected_frac/layer2", 25, 0.5)
+        tmp_path / "dead", (key, 25, 0.5), tokens, ("router_grad/never_selected_frac/layer2", 30, 0.5)
     )
     (p,) = advice.problems(load_run(dead))
-    assert (p.severity, p.why) == ("act", "19% of the layer's experts were chosen by no token: dead experts")
-    assert _verdict(dead).startswith("verdict: act: gradient blackout in layer 2 from step 25 (")
+    assert (p.severity, p.step) == ("act", 30)
+    assert p.why == "12% of the layer's experts were chosen by no token: dead experts"  # 10 x 0.5 / 40
+    assert _verdict(dead).startswith("verdict: act: gradient blackout in layer 2 from step 30 (")
 
 
 def test_a_blackout_at_the_quickstarts_scale_is_informational(tmp_path):
