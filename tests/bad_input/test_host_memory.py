@@ -124,3 +124,27 @@ def test_vllm_on_cpu_ranks_counts_its_weights_and_kv_space_not_a_gpu_share():
     assert what.startswith("the generate phase's peak")
     assert per_rank / GiB == pytest.approx(est["learner_rollout_gib"] + est["vllm_weights_gib"] + 8.0)
     assert host_bytes_per_rank(cfg, on_gpu=False)[0] < 1.1 * GiB  # 1 GiB of KV space: the sync phase leads
+
+
+def test_after_a_sigkill_the_line_never_says_run_the_same_command_again(tmp_path):
+    """Without a checkpoint (test_job_end.py kills a rank of a run that has one): before the first
+    step and after some steps, what to change first, where another end says to run it again."""
+    from moe_rl import cli
+
+    run = tmp_path / "run"
+    cfg = load_config(None, [f"run_dir={run}"])
+    less = (
+        "give each rank less host memory (fewer ranks per node, optim.cpu_adam=false, "
+        "parallel.offload_during_rollout=false, a smaller model; `moe-rl estimate CONFIG` prints the host "
+        "memory per rank) or free host memory on this node"
+    )
+    assert cli._resume_hint(cfg, ()).endswith("run the same command again")
+    assert cli._after_sigkill_hint(cfg, ()) == (
+        f" before the first step; the same command would likely be killed again: {less}"
+    )
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1}\n')
+    assert cli._after_sigkill_hint(cfg, ()) == (
+        f" at step 2; no checkpoint was saved: {less}, then delete {run} or pass another run_dir= "
+        "to start over"
+    )
