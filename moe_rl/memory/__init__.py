@@ -14,13 +14,20 @@ One job a module, imports pointing down this list:
                pinned rounding; CPU Adam's seconds a step
     phases     device bytes at each phase of the colocated step (``COLOCATED_ORDER``)
     sync       the weight sync's bytes per engine rank and its seconds (line rate, the peers' range)
-    estimate   a run's estimate (``estimate``), the rollout peaks, ``fits``
+    estimate   a run's estimate (``estimate``), the rollout peaks, ``fits``, a rank's host bytes
     ranking    the layouts ranked for a node count, and the table of them
     runs       a run's measured summary (``summarize_run``)
 """
 
 from moe_rl.memory.device import MARGIN_GIB, layer_activations, micro_batches, stage_memory
-from moe_rl.memory.estimate import estimate, fits, phase_peak_gib, rollout_peaks, unfit_phase
+from moe_rl.memory.estimate import (
+    estimate,
+    fits,
+    host_bytes_per_rank,
+    phase_peak_gib,
+    rollout_peaks,
+    unfit_phase,
+)
 from moe_rl.memory.host import CPU_ADAM_ELEMS_PER_S_PER_CORE, HOST_CORES_PER_RANK, cpu_adam_seconds, pinned
 from moe_rl.memory.learner_layout import Layout, stage_params
 from moe_rl.memory.phases import COLOCATED_ORDER, PEAK_PHASES, engine_weight_bytes, phase_bytes
@@ -51,6 +58,7 @@ __all__ = [
     "HOST_CORES_PER_RANK",
     "PEAK_PHASES",
     "cpu_adam_seconds",
+    "host_bytes_per_rank",
     "engine_weight_bytes",
     "phase_bytes",
     "phase_peak_gib",

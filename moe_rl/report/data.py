@@ -285,6 +285,7 @@ class Verdict:
     layer: int
     level: str  # "ok" | "warn" | "dense" (a dense layer: no router, nothing to judge)
     findings: list[tuple[str, bool]]  # (finding, whether it crosses its threshold)
+    checks: list[str] = field(default_factory=list)  # each finding's THRESHOLDS key ("" for none)
 
     @property
     def texts(self) -> list[str]:
@@ -324,78 +325,94 @@ def layer_verdicts(run: Run, window: int = WINDOW) -> list[Verdict]:
     for i, lid in enumerate(run.layers):
         if lid in dense:
             text = f"an MLP without router (model.first_k_dense = {len(dense)}): no routing metrics"
-            out.append(Verdict(lid, "dense", [(text, False)]))
+            out.append(Verdict(lid, "dense", [(text, False)], [""]))
             continue
         m = {k: float(v[i]) for k, v in mean.items()}
-        found: list[tuple[str, bool]] = []  # (finding, whether it crosses a threshold)
-        if math.isfinite(m["no_grad_expert_frac"]):
-            blackout = m["no_grad_expert_frac"] > THRESHOLDS["no_grad_expert_frac"]
-            found.append(
-                (
-                    (
-                        f"{m['no_grad_expert_frac']:.0%} of experts got no router gradient per step "
-                        f"(mean over {span})" + (": gradient blackout" if blackout else "")
-                    ),
-                    blackout,
-                )
-            )
-        if math.isfinite(m["zero_frac"]) and math.isfinite(expected):
-            gap = abs(m["zero_frac"] - expected) > THRESHOLDS["zero_frac_gap"]
-            found.append(
-                (
-                    f"zero-gradient fraction {m['zero_frac']:.3f} vs structural {expected:.3f}"
-                    + (
-                        ": the live gating is not the configured one (aux loss? pre-softmax?)"
-                        if gap
-                        else " (as the gating implies)"
-                    ),
-                    gap,
-                )
-            )
-        if math.isfinite(m["rollout_flip_frac"]):
-            found.append(
-                (
-                    f"{m['rollout_flip_frac']:.1%} of routes differ between rollout and learner"
-                    + (" (R3 trains on the rollout's routes)" if r3 else ""),
-                    m["rollout_flip_frac"] > THRESHOLDS["rollout_flip_frac"] and not r3,
-                )
-            )
-        if math.isfinite(m["update_flip_frac"]):
-            found.append(
-                (
-                    f"{m['update_flip_frac']:.1%} of routes flip within a step's update",
-                    m["update_flip_frac"] > THRESHOLDS["update_flip_frac"],
-                )
-            )
-        if math.isfinite(m["load_entropy"]):
-            found.append(
-                (
-                    f"load entropy {m['load_entropy']:.2f} "
-                    f"(busiest expert {m['load_max_frac']:.0%} of routes)",
-                    m["load_entropy"] < THRESHOLDS["load_entropy"],
-                )
-            )
-        if math.isfinite(m["margin_p50"]):
-            found.append(
-                (
-                    (
-                        f"median Top-K margin {m['margin_p50']:.3g}; {m['near_boundary_bf16_frac']:.1%} of "
-                        f"tokens within bf16 resolution of the boundary"
-                    ),
-                    m["near_boundary_bf16_frac"] > THRESHOLDS["near_boundary_bf16_frac"],
-                )
-            )
-        if math.isfinite(m["shared_expert_share"]):
-            found.append(
-                (
-                    f"shared expert {m['shared_expert_share']:.1%} of the MoE output norm"
-                    + (f" ({flop_share:.1%} of its expert FLOPs)" if math.isfinite(flop_share) else ""),
-                    False,  # a property of the model, not an alarm
-                )
-            )
+        found, checks = _findings(m, expected, span, r3, flop_share)
         warn = any(bad for _, bad in found)
-        out.append(Verdict(lid, "warn" if warn else "ok", found))
+        out.append(Verdict(lid, "warn" if warn else "ok", found, checks))
     return out
+
+
+def _findings(
+    m: dict[str, float], expected: float, span: str, r3: bool, flop_share: float
+) -> tuple[list[tuple[str, bool]], list[str]]:
+    """One MoE layer's findings from its window means ``m``: (finding, whether it crosses its
+    threshold) and, alongside, each one's THRESHOLDS key ("" for none) for moe_rl/report/advice.py."""
+    found: list[tuple[str, bool]] = []  # (finding, whether it crosses a threshold)
+    checks: list[str] = []  # the THRESHOLDS key of each finding, for moe_rl/report/advice.py
+    if math.isfinite(m["no_grad_expert_frac"]):
+        blackout = m["no_grad_expert_frac"] > THRESHOLDS["no_grad_expert_frac"]
+        checks.append("no_grad_expert_frac")
+        found.append(
+            (
+                (
+                    f"{m['no_grad_expert_frac']:.0%} of experts got no router gradient per step "
+                    f"(mean over {span})" + (": gradient blackout" if blackout else "")
+                ),
+                blackout,
+            )
+        )
+    if math.isfinite(m["zero_frac"]) and math.isfinite(expected):
+        gap = abs(m["zero_frac"] - expected) > THRESHOLDS["zero_frac_gap"]
+        checks.append("zero_frac_gap")
+        found.append(
+            (
+                f"zero-gradient fraction {m['zero_frac']:.3f} vs structural {expected:.3f}"
+                + (
+                    ": the live gating is not the configured one (aux loss? pre-softmax?)"
+                    if gap
+                    else " (as the gating implies)"
+                ),
+                gap,
+            )
+        )
+    if math.isfinite(m["rollout_flip_frac"]):
+        checks.append("rollout_flip_frac")
+        found.append(
+            (
+                f"{m['rollout_flip_frac']:.1%} of routes differ between rollout and learner"
+                + (" (R3 trains on the rollout's routes)" if r3 else ""),
+                m["rollout_flip_frac"] > THRESHOLDS["rollout_flip_frac"] and not r3,
+            )
+        )
+    if math.isfinite(m["update_flip_frac"]):
+        checks.append("update_flip_frac")
+        found.append(
+            (
+                f"{m['update_flip_frac']:.1%} of routes flip within a step's update",
+                m["update_flip_frac"] > THRESHOLDS["update_flip_frac"],
+            )
+        )
+    if math.isfinite(m["load_entropy"]):
+        checks.append("load_entropy")
+        found.append(
+            (
+                f"load entropy {m['load_entropy']:.2f} (busiest expert {m['load_max_frac']:.0%} of routes)",
+                m["load_entropy"] < THRESHOLDS["load_entropy"],
+            )
+        )
+    if math.isfinite(m["margin_p50"]):
+        checks.append("near_boundary_bf16_frac")
+        found.append(
+            (
+                (
+                    f"median Top-K margin {m['margin_p50']:.3g}; {m['near_boundary_bf16_frac']:.1%} of "
+                    f"tokens within bf16 resolution of the boundary"
+                ),
+                m["near_boundary_bf16_frac"] > THRESHOLDS["near_boundary_bf16_frac"],
+            )
+        )
+    if math.isfinite(m["shared_expert_share"]):
+        checks.append("")
+        found.append(
+            (
+                f"shared expert {m['shared_expert_share']:.1%} of the MoE output norm"
+                + (f" ({flop_share:.1%} of its expert FLOPs)" if math.isfinite(flop_share) else ""),
+                False,  # a property of the model, not an alarm
+            )
+        )
+    return found, checks
 
 
 def flat_config(cfg: dict, prefix: str = "") -> dict[str, object]:

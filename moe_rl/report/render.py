@@ -12,7 +12,7 @@ from pathlib import Path
 import jinja2
 
 from moe_rl.errors import disk_full_named
-from moe_rl.report import data, figures, outcome
+from moe_rl.report import advice, data, figures, outcome
 from moe_rl.report.data import Run
 
 _ENV = jinja2.Environment(
@@ -106,6 +106,7 @@ def build(runs: list[Run]) -> dict:
             }
         )
     heads = [dict(data.headline(r)) for r in runs]
+    verdicts = advice.run_verdicts(runs)
     labels = list(dict.fromkeys(label for h in heads for label in h))  # rows some runs lack: NaN there
     return {
         "outcomes": [outcome.outcome(r.steps_T, r.series) for r in runs],
@@ -113,6 +114,8 @@ def build(runs: list[Run]) -> dict:
         "runs": runs,
         "headline": [(label, [h.get(label, math.nan) for h in heads]) for label in labels],
         "verdicts": [data.layer_verdicts(r) for r in runs],
+        "verdict_lines": verdict_lines(runs, verdicts),
+        "problems": [found for _, found in verdicts],
         "figures": [f for f in figs if f["png"] is not None],
         "missing": [f["title"] for f in figs if f["png"] is None],
         "warnings": [w for r in runs for w in r.warnings],
@@ -120,6 +123,13 @@ def build(runs: list[Run]) -> dict:
         "thresholds": data.THRESHOLDS,
         "window": data.WINDOW,
     }
+
+
+def verdict_lines(runs: list[Run], verdicts: list[tuple[str, list]]) -> list[str]:
+    """The run's verdict line; with several runs, one per run, after its name."""
+    if len(runs) == 1:
+        return [verdicts[0][0]]
+    return [f"{r.name}: {line}" for r, (line, _) in zip(runs, verdicts)]
 
 
 def default_out(run_dirs: list[str | Path], runs: list[Run]) -> Path:
@@ -133,6 +143,11 @@ def default_out(run_dirs: list[str | Path], runs: list[Run]) -> Path:
 def write_report(run_dirs: list[str | Path], out_dir: str | Path | None = None) -> Path:
     """Render the report of one run, or a comparison of any number, into ``out_dir`` (default:
     ``default_out``); returns the HTML path."""
+    return report_runs(run_dirs, out_dir)[0]
+
+
+def report_runs(run_dirs: list[str | Path], out_dir: str | Path | None = None) -> tuple[Path, list[str]]:
+    """``write_report``, and the verdict lines it put at the top (one per run: ``verdict_lines``)."""
     runs = data.unique_names([data.load_run(p) for p in run_dirs])
     if out_dir is None:
         out_dir = default_out(run_dirs, runs)
@@ -148,4 +163,4 @@ def write_report(run_dirs: list[str | Path], out_dir: str | Path | None = None) 
     payloads[out / "report.md"] = _ENV.get_template("report.md.j2").render(title=title, **ctx).encode()
     payloads[out / "report.html"] = _ENV.get_template("report.html.j2").render(title=title, **ctx).encode()
     _write_all(out, payloads)
-    return out / "report.html"
+    return out / "report.html", ctx["verdict_lines"]

@@ -105,8 +105,9 @@ def read_run_config(cfg_path: Path) -> tuple[str, dict]:
     return text, config
 
 
-def health_warnings(events_path: Path) -> list[str]:
-    """The run's health alarms (moe_rl/health.py) from events.jsonl, one warning line each."""
+def health_events(events_path: Path) -> list[dict]:
+    """The run's health alarms (moe_rl/health.py) from events.jsonl: dicts with ``alarm``, ``step``
+    and ``cause``."""
     if not events_path.is_file():
         return []
     out = []
@@ -116,8 +117,14 @@ def health_warnings(events_path: Path) -> list[str]:
         except json.JSONDecodeError:
             continue  # a line cut by a kill mid-write
         if isinstance(ev, dict) and ev.get("event") == "health":
-            out.append(
-                f"{events_path.parent.name}: health alarm {ev.get('alarm')} at step {ev.get('step')}: "
-                f"{ev.get('cause')}"
-            )
+            out.append(ev)
     return out
+
+
+def health_warnings(events_path: Path) -> list[str]:
+    """The run's health alarms, one warning line each."""
+    return [
+        f"{events_path.parent.name}: health alarm {ev.get('alarm')} at step {ev.get('step')}: "
+        f"{ev.get('cause')}"
+        for ev in health_events(events_path)
+    ]

@@ -115,5 +115,10 @@ def test_learning_rate_that_flattens_the_policy_raises_health_alarms(tmp_path):
         cwd=ROOT,
     )
     assert rep.returncode == 0, rep.stderr[-3000:]
+    # the report's verdict names the first alarm's start (patience 2: step 1) and what to try
+    assert rep.stdout.splitlines()[0].startswith(
+        f"verdict: act: health alarm from step 1 (entropy_uniform: {events[0]['cause']}); "
+        "try a lower optim.lr, "
+    )
     md = (run / "report" / "report.md").read_text()
     assert "- run: health alarm grad_norm_zero at step 2: gradient norm exactly 0 in every minibatch" in md

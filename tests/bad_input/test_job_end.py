@@ -146,10 +146,16 @@ def test_a_killed_rank_is_named_and_leaves_no_process(tmp_path):
         job.proc.kill()
     err = job.stderr()
     assert code == 1
+    # a SIGKILL is most often the OOM killer's: the line says so, and that a resume needs as much
+    # host memory, not "run the same command again"
+    ck_hint = job.hint().replace(
+        "; resume with:",
+        "; a resume holds as much host memory: free some on this node first, then resume with:",
+    )
     assert last_lines(err, "error:") == [
         (
-            f"error: rank 1 died (signal 9, SIGKILL: kill -9 or the out-of-memory "
-            f"killer); the job stopped {job.hint()}"
+            "error: rank 1 was killed by SIGKILL, likely the kernel's out-of-memory killer: host memory ran "
+            f"out (or a kill -9 from outside); the job stopped {ck_hint}"
         )
     ]
     assert "Traceback" not in err and "Connection closed by peer" not in err

@@ -53,5 +53,6 @@ def test_the_killed_rank_is_the_cause_not_the_peer_that_noticed(tmp_path):
             spawn_local(_rank, 2, str(where))
         assert (e.value.rank, e.value.exitcode) == (1, -signal.SIGKILL)
         assert str(e.value) == (
-            "rank 1 died (signal 9, SIGKILL: kill -9 or the out-of-memory killer); the job stopped"
+            "rank 1 was killed by SIGKILL, likely the kernel's out-of-memory killer: host memory ran out "
+            "(or a kill -9 from outside); the job stopped"
         )
