@@ -344,7 +344,11 @@ def test_estimate_command_prints_the_layouts_row_both_peaks_host_memory_and_sync
     assert out.exit_code == 0, out.output
     lines = out.output.splitlines()
     assert lines[0] == "TP 2 x EP 4 x ETP 1 x PP 1 on 8 GPUs of 80 GiB"
-    assert lines[-1] == "| TP 2 x EP 4 x ETP 1 x PP 1 | 87.5 | 93.3 | 68.0 | 2,572,995 | no |"
+    assert lines[-2] == "| TP 2 x EP 4 x ETP 1 x PP 1 | 87.5 | 93.3 | 68.0 | 2,572,995 | no |"
+    assert lines[-1] == (  # the verdict for the config's own layout ends the output
+        "verdict for TP 2 x EP 4 x ETP 1 x PP 1: does not fit: the train phase needs 93.3 GiB per GPU "
+        "against 76 GiB usable (the GPU less 4)"
+    )
     assert "rollout peak: 155.5 GiB without parallel.offload_during_rollout, 68.0 GiB with it" in lines
     assert (
         "device peak per phase (GiB a GPU; train -> offload -> engine_wake -> sync -> learner_out -> "
