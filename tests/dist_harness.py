@@ -8,6 +8,11 @@ The ranks always run on the CPU over gloo, also on a machine with GPUs: they sta
 hidden (``CUDA_VISIBLE_DEVICES=""``), so ``init_distributed`` picks gloo, the CPU patches apply,
 and no rank asks for ``cuda:<local rank>`` (on a 1-GPU machine rank 1 failed with
 ``invalid device ordinal``). Tests of the CUDA path are in tests/gpu.
+
+On a machine without CUDA the ranks are forked from the rank server (``moe_rl/rank_server.py``),
+as ``moe-rl train`` forks its ranks: it imported torch, megatron-core and moe-rl once for the
+session, where each spawned rank imported them again (about 5 s of CPU a rank, a minute of CI per
+dozen 4-rank tests). A rank first applies the environment the test set since the server started.
 """
 
 from __future__ import annotations
@@ -41,7 +46,10 @@ def _cuda_hidden() -> Iterator[None]:
             os.environ["CUDA_VISIBLE_DEVICES"] = old
 
 
-def _entry(rank: int, fn, world: int, port: int, queue, args: tuple) -> None:
+def _entry(rank: int, fn, world: int, port: int, queue, args: tuple, env: tuple) -> None:
+    from moe_rl import rank_server
+
+    rank_server.apply_env_changes(*env)  # forked from the server: the test's environment now
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -60,11 +68,19 @@ def _entry(rank: int, fn, world: int, port: int, queue, args: tuple) -> None:
 
 
 def run_ranks(fn, world: int, *args):
-    ctx = mp.get_context("spawn")
+    from moe_rl import rank_server
+
+    method = "forkserver" if rank_server.start() else "spawn"  # start: False where CUDA is
+    ctx = mp.get_context(method)
     queue = ctx.SimpleQueue()
     with _cuda_hidden():
+        env = rank_server.env_changes() if method == "forkserver" else ({}, [])
         mp.start_processes(
-            _entry, args=(fn, world, free_port(), queue, args), nprocs=world, join=True, start_method="spawn"
+            _entry,
+            args=(fn, world, free_port(), queue, args, env),
+            nprocs=world,
+            join=True,
+            start_method=method,
         )
     results = dict(queue.get() for _ in range(world))
     return [results[r] for r in range(world)]

@@ -37,3 +37,24 @@ def test_ranks_run_on_cpu_over_gloo_even_with_a_gpu_visible(monkeypatch: pytest.
         {"cuda": False, "visible": "", "backend": "gloo", "device": "cpu", "rank": r} for r in range(2)
     ]
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "0"  # the caller's environment is restored
+
+
+def _parent_and_env(rank: int) -> tuple[int, str | None, bool]:
+    import sys
+
+    return os.getppid(), os.environ.get("MOE_RL_HARNESS_PROBE"), "megatron.core" in sys.modules
+
+
+def test_without_cuda_ranks_are_forked_from_the_rank_server_with_the_tests_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch
+
+    from moe_rl import rank_server
+
+    if torch.cuda.is_available():
+        pytest.skip("with CUDA the harness spawns its ranks (the rank server is for CPU machines)")
+    rank_server.start()  # the server may already run: the variable is set after it started
+    monkeypatch.setenv("MOE_RL_HARNESS_PROBE", "set-after-the-server-started")
+    results = run_ranks(_parent_and_env, 2)
+    assert results == [(rank_server.server_pid(), "set-after-the-server-started", True)] * 2

@@ -1,8 +1,10 @@
 """e2e of issue 25 point 8: a user brings a checkpoint directory of another family and a dataset,
 nothing else. A tiny random DeepSeek-V3 / GLM-4.5 / Qwen2-MoE saved by transformers
-(``save_pretrained``, bf16) beside a trained tokenizer; ``moe-rl train init_weights=hf:DIR`` with
-no ``model.*`` key but the sequence budget, 2 ranks EP=2, R3 and a user reward; a checkpoint, an
-exact resume (metrics and optimizer state), ``export-hf`` and transformers loading the export.
+(``save_pretrained``, bf16) beside a trained tokenizer; the arguments of ``moe-rl train
+init_weights=hf:DIR`` with no ``model.*`` key but the sequence budget, 2 ranks EP=2, R3 and a user
+reward, through the loader the CLI uses and the real training loop (every family in one 2-rank
+spawn; the CLI's own launch of an HF directory is test_hf_math_run.py's); a checkpoint, an exact
+resume (metrics and optimizer state), ``moe-rl export-hf`` and transformers loading the export.
 
 The reward is the response's length in characters (a user ``python:`` reward): a random model
 rarely solves a math prompt, so with the math reward every group could score 0, no optimizer
@@ -16,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.dist_harness import run_ranks
 from tests.e2e.helpers import VOCAB, deterministic, family_checkpoint, metrics, moe_rl, stopped_copy
 from tests.models import HF_FAMILY_TINY
 
@@ -61,16 +64,8 @@ def _optimizer_state(step_dir: Path) -> dict[str, torch.Tensor]:
     return flat
 
 
-@pytest.mark.e2e
-@pytest.mark.parametrize("family", sorted(HF_FAMILY_TINY))
-def test_family_checkpoint_trains_with_r3_resumes_and_exports(tmp_path: Path, family: str) -> None:
-    model_dir, before = family_checkpoint(tmp_path, family)
-    moe_layers = HF_FAMILY_TINY[family]().moe_layers
-    data = tmp_path / "train.jsonl"
-    moe_rl("data", "make-math", str(data), "--num", "24", "--seed", "1")
-    reward = tmp_path / "length_reward.py"
-    reward.write_text(REWARD)
-    args = [
+def _args(model_dir: str, data: str, reward: str) -> list[str]:
+    return [
         f"init_weights=hf:{model_dir}",
         "model.max_seq_len=128",  # the run's sequence budget, not an architecture field
         f"task.dataset={data}",
@@ -90,10 +85,63 @@ def test_family_checkpoint_trains_with_r3_resumes_and_exports(tmp_path: Path, fa
         "log.progress_bar=false",
         "log.wandb_mode=disabled",
     ]
-    full, part = tmp_path / "full", tmp_path / "part"
-    moe_rl("train", f"run_dir={full}", "steps=2", *args)
-    stopped_copy(full, part, step=1)  # as a run stopped after its step-1 checkpoint leaves it
-    moe_rl("train", f"run_dir={part}", "steps=2", "resume=true", *args)
+
+
+def _train_and_resume_each(rank: int, jobs: list[tuple[list[str], str, str]]) -> None:
+    """Per family: the 2-step run, then (rank 0 copies it as stopped after step 1) its resume, each
+    through the loader ``moe-rl train`` uses and the real training loop, in one process group."""
+    import torch.distributed as tdist
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from moe_rl import dist, trainer
+    from moe_rl.config.loader import load_run_config
+
+    dims = None
+    for args, full, part in jobs:
+        for overrides in (
+            [f"run_dir={full}", "steps=2", *args],
+            [f"run_dir={part}", "steps=2", "resume=true", *args],
+        ):
+            cfg = load_run_config(None, overrides)
+            if dims is None:  # every family runs EP=2 on the 2 ranks: one process group for all
+                dims = dist.init_distributed(cfg.parallel, cfg.seed)
+            torch.manual_seed(cfg.seed)  # each run starts from the seeds a fresh launch sets
+            model_parallel_cuda_manual_seed(cfg.seed)
+            trainer.train(cfg, dims)
+            if not cfg.resume:
+                if rank == 0:  # as a run stopped after its step-1 checkpoint leaves it
+                    stopped_copy(Path(full), Path(part), step=1)
+                tdist.barrier()
+    dist.shutdown(clean=True)
+
+
+@pytest.fixture(scope="module")
+def family_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, dict, Path, Path]]:
+    """family -> (its HF checkpoint dir, transformers' state dict of it, the full run, the resumed
+    copy). One spawn of 2 ranks trains and resumes every family (a `moe-rl train` launch each cost
+    about 15 s more, docs/testing.md 6; the CLI's HF start is test_hf_math_run.py's)."""
+    root = tmp_path_factory.mktemp("families")
+    data = root / "train.jsonl"
+    moe_rl("data", "make-math", str(data), "--num", "24", "--seed", "1")
+    reward = root / "length_reward.py"
+    reward.write_text(REWARD)
+    out, jobs = {}, []
+    for family in sorted(HF_FAMILY_TINY):
+        model_dir, before = family_checkpoint(root / family, family)
+        full, part = root / family / "full", root / family / "part"
+        out[family] = (model_dir, before, full, part)
+        jobs.append((_args(str(model_dir), str(data), str(reward)), str(full), str(part)))
+    run_ranks(_train_and_resume_each, 2, jobs)
+    return out
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("family", sorted(HF_FAMILY_TINY))
+def test_family_checkpoint_trains_with_r3_resumes_and_exports(
+    tmp_path: Path, family: str, family_runs: dict
+) -> None:
+    model_dir, before, full, part = family_runs[family]
+    moe_layers = HF_FAMILY_TINY[family]().moe_layers
     a, b = metrics(full), metrics(part)
     assert sorted(a) == sorted(b) == [0, 1]
     for step in (0, 1):
