@@ -209,6 +209,10 @@ class VllmEngine:
     def _start(self, named: Mapping[str, torch.Tensor] | None) -> None:
         for k, val in (VLLM_CPU_ENV if self.cpu else VLLM_ENV).items():
             os.environ.setdefault(k, val)
+        # vLLM's CPU worker sets VLLM_DIST_IDENT itself at start (cpu_worker.py) without declaring it,
+        # so one inherited from an earlier engine only makes vLLM warn "Unknown vLLM environment
+        # variable"; the worker writes its own value over it anyway
+        os.environ.pop("VLLM_DIST_IDENT", None)
         import torch.distributed as dist
         import vllm
 
