@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.e2e.helpers import assert_run_end, deterministic, metrics, moe_rl, stopped_copy
+from tests.e2e.helpers import assert_run_end, deterministic, metrics, moe_rl, signalled, stopped_copy
 
 TINY = [
     "rollout.prompts_per_step=8",
@@ -42,11 +42,18 @@ def test_resume_reproduces_uninterrupted_run(tmp_path):
     full, part = tmp_path / "full", tmp_path / "part"
     args = ["checkpoint_every=2", "algo.advantage=otb", "correction.is_level=token", *EAGER_LENGTH_LR, *TINY]
     assert_run_end(moe_rl("train", f"run_dir={full}", "steps=4", *args), full)
-    # as a run stopped after its step-2 checkpoint leaves it: the resume drops the later metrics,
-    # events and expert-load lines and must log them again, equal
-    stopped_copy(full, part, step=2)
+    # Ctrl-C while step 0 runs (issue 42): the job finishes the step, saves a checkpoint no
+    # checkpoint_every asked for, prints the command that resumes it and exits 130
+    code, err = signalled(part, "steps=4", *args, after=0)
+    again = f"moe-rl train run_dir={part} steps=4 {' '.join(args)} resume=true"
+    assert (code, err.splitlines()[-1]) == (
+        130,
+        f"stopped (SIGINT) after the step in progress, checkpoint saved at step 1; resume with: {again}  "
+        "(from the checkpoint of step 1)",
+    )
+    assert sorted(p.name for p in (part / "checkpoints").iterdir()) == ["latest", "step_000001"]
     # one command: the run's saved config.yaml is the base (OTB, the LR decay, the layout ...)
-    assert_run_end(moe_rl("train", f"run_dir={part}", "steps=4", "resume=true"), part, resumed_from=2)
+    assert_run_end(moe_rl("train", f"run_dir={part}", "steps=4", "resume=true"), part, resumed_from=1)
 
     a, b = metrics(full), metrics(part)
     assert sorted(a) == sorted(b) == [0, 1, 2, 3]
