@@ -1,5 +1,5 @@
 """A stop request (issue 42): the first SIGINT, SIGTERM or SIGHUP of a job finishes the step in
-progress and saves a checkpoint; a second one stops at once (docs/reliability.md 2.1).
+progress and saves a checkpoint; a second one stops at once (docs/reliability.md 9).
 
 Where a rank learns of it: under `moe-rl train`'s own launcher, from the file ``STOP_FILE`` that
 the launcher's handler writes in the job's report directory (``moe_rl.launch``), looked for at each
@@ -36,8 +36,8 @@ class Stopped:
     signum: int
 
 
-def watch(path: Path) -> None:
-    """A rank of the local launcher: the launcher's request is the file ``path``."""
+def watch(path: Path | None) -> None:
+    """A rank of the local launcher: the launcher's request is the file ``path`` (None: none)."""
     global _watched
     _watched = path
 

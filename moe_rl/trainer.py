@@ -184,8 +184,8 @@ def rollout_step(
     return prompts, batch
 
 
+# the run, to cfg.steps, or (``Stopped``) to the checkpoint a stop request ended it with
 def train(cfg: RunConfig, dims: ParallelDims, prepared: Prepared | None = None) -> Stopped | None:
-    """The run, to ``cfg.steps``, or (``Stopped``) to the checkpoint a stop request ended it with."""
     if dims.is_rollout:  # parallel.rollout_ranks: this rank only generates (docs/design.md 15)
         return serve_rollouts(cfg, dims, prepared.task if prepared else None)
     ready = rank_task(cfg, dims, prepared)
@@ -224,9 +224,8 @@ def train(cfg: RunConfig, dims: ParallelDims, prepared: Prepared | None = None) 
             train_batch = reference_logprobs(plan, learner, train_batch)
         with timer.phase("update"):
             m_update = update_policy(plan, learner, train_batch, lr)
-        stop = agreed()  # a stop signal on any learner rank: this step is the last (moe_rl/stop.py)
-        last = step + 1 if stop else cfg.steps  # the rollout ranks learn it with the sync
-        m_sync = pipe.sync.sync(timer.phase, last)  # learner -> engine: offload, sync, learner_out (14.2)
+        stop = agreed()  # a stop signal on any learner rank: this step is the last (rollout ranks too)
+        m_sync = pipe.sync.sync(timer.phase, step + 1 if stop else cfg.steps)  # learner -> engine (14.2)
         local = {**m_val, **m_reward, **m_prep, **m_update, **m_lr, **m_stale, **m_sync}
         local |= rollout_metrics(batch)
         m_mem = {**memory_metrics(learner.device), **moved.metrics()}
