@@ -224,7 +224,7 @@ def train(cfg: RunConfig, dims: ParallelDims, prepared: Prepared | None = None) 
             train_batch = reference_logprobs(plan, learner, train_batch)
         with timer.phase("update"):
             m_update = update_policy(plan, learner, train_batch, lr)
-        stop = agreed()  # a stop signal on any learner rank: this step is the last (rollout ranks too)
+        stop = agreed() if step + 1 < cfg.steps else 0  # a stop signal on any learner rank: the last step
         m_sync = pipe.sync.sync(timer.phase, step + 1 if stop else cfg.steps)  # learner -> engine (14.2)
         local = {**m_val, **m_reward, **m_prep, **m_update, **m_lr, **m_stale, **m_sync}
         local |= rollout_metrics(batch)
