@@ -7,8 +7,11 @@ from __future__ import annotations
 import json
 import math
 import re
+import shlex
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -261,14 +264,31 @@ def test_external_torchrun_with_kl_to_reference(tmp_path):
         "moe_rl.cli",
         "train",
         f"run_dir={run}",
-        "steps=2",
+        "steps=3",
         "checkpoint_every=0",
         "algo.kl_coef=0.05",
         "algo.num_minibatches=1",
         *TINY,
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    # SIGTERM to torchrun's agent while step 1 runs, as Slurm's --signal sends it (issue 42): the
+    # agent passes it on, and the ranks finish the step and save its checkpoint before they end
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        while not (run / "metrics.jsonl").is_file() or not (run / "metrics.jsonl").read_text():
+            assert proc.poll() is None, proc.stderr.read()[-4000:]
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1  # torchrun's own SignalException
+    stopped = [x for x in err.splitlines() if x.startswith("stopped")]  # rank 0's line alone
+    assert stopped == [
+        f"stopped (SIGTERM) after the step in progress, checkpoint saved at step 2; resume with: "
+        f"{shlex.join(['moe-rl', 'train', *cmd[cmd.index('train') + 1 :], 'resume=true'])}  "
+        "(from the checkpoint of step 2)"
+    ], err[-4000:]
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_000002"
     recs = metrics(run)
     assert sorted(recs) == [0, 1]
     # step 0 updates from the reference weights themselves: KL(pi || ref) is exactly 0 there,
