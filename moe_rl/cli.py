@@ -205,15 +205,18 @@ def _stopped(signum: int, e: BaseException) -> str:
     return f"interrupted ({name})"
 
 
+def _resume_command(args: tuple[str, ...]) -> str:
+    """The command line that resumes the run ``args`` started."""
+    return shlex.join(["moe-rl", "train", *[a for a in args if not a.startswith("resume=")], "resume=true"])
+
+
 def _resume_hint(cfg: RunConfig, args: tuple[str, ...]) -> str:
     """Where the run stopped and the command that continues it (or what to do instead)."""
     run_dir = Path(cfg.run_dir)
     done = _steps_logged(run_dir / "metrics.jsonl")
     ck = _checkpoint_step(run_dir)
     if ck is not None:
-        again = shlex.join(
-            ["moe-rl", "train", *[a for a in args if not a.startswith("resume=")], "resume=true"]
-        )
+        again = _resume_command(args)
         return f" at step {done}; resume with: {again}  (from the checkpoint of step {ck})"
     if done == 0 and not run_dir.exists():
         return " before the first step; nothing was kept: run the same command again"
@@ -240,9 +243,7 @@ def _after_sigkill_hint(cfg: RunConfig, args: tuple[str, ...]) -> str:
     done = _steps_logged(run_dir / "metrics.jsonl")
     ck = _checkpoint_step(run_dir)
     if ck is not None:
-        again = shlex.join(
-            ["moe-rl", "train", *[a for a in args if not a.startswith("resume=")], "resume=true"]
-        )
+        again = _resume_command(args)
         return (
             f" at step {done}; a resume holds as much host memory: free some on this node first, then "
             f"resume with: {again}  (from the checkpoint of step {ck})"
