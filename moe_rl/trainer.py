@@ -33,6 +33,7 @@ from moe_rl.step.plan import StepPlan
 from moe_rl.step.prepare import old_logprobs, prepare_batch, reference_logprobs, rollout_metrics
 from moe_rl.step.update import learning_rate, update_policy
 from moe_rl.step.validation import validation_rewards
+from moe_rl.stop import Stopped, agreed
 from moe_rl.tasks.task import Task, build_task, score_step
 from moe_rl.timing import MemoryTimeline, StepTimer, memory_metrics
 from moe_rl.weights.warmstart import open_init_weights
@@ -183,7 +184,8 @@ def rollout_step(
     return prompts, batch
 
 
-def train(cfg: RunConfig, dims: ParallelDims, prepared: Prepared | None = None) -> None:
+# the run, to cfg.steps, or (``Stopped``) to the checkpoint a stop request ended it with
+def train(cfg: RunConfig, dims: ParallelDims, prepared: Prepared | None = None) -> Stopped | None:
     if dims.is_rollout:  # parallel.rollout_ranks: this rank only generates (docs/design.md 15)
         return serve_rollouts(cfg, dims, prepared.task if prepared else None)
     ready = rank_task(cfg, dims, prepared)
@@ -202,6 +204,7 @@ def train(cfg: RunConfig, dims: ParallelDims, prepared: Prepared | None = None) 
     writer, bar = open_run_dir(cfg, dims, start), progress(cfg, start, dims)
     mem.attach(Path(cfg.run_dir) / MEMORY_TIMELINE)
     health = HealthMonitor(cfg.log.health, cfg.model.vocab_size, active=dims.is_main)
+    stop = 0  # the signal of a stop request, once the learner ranks agreed on one
     for step in range(start, cfg.steps):
         # none of the learner's state is on the device while the engine generates (the sync left it off)
         with pipe.offload.generating(step) as moved:
@@ -221,7 +224,8 @@ def train(cfg: RunConfig, dims: ParallelDims, prepared: Prepared | None = None) 
             train_batch = reference_logprobs(plan, learner, train_batch)
         with timer.phase("update"):
             m_update = update_policy(plan, learner, train_batch, lr)
-        m_sync = pipe.sync.sync(timer.phase)  # learner -> engine: offload, sync, learner_out (14.2)
+        stop = agreed() if step + 1 < cfg.steps else 0  # a stop signal on any learner rank: the last step
+        m_sync = pipe.sync.sync(timer.phase, step + 1 if stop else cfg.steps)  # learner -> engine (14.2)
         local = {**m_val, **m_reward, **m_prep, **m_update, **m_lr, **m_stale, **m_sync}
         local |= rollout_metrics(batch)
         m_mem = {**memory_metrics(learner.device), **moved.metrics()}
@@ -231,10 +235,13 @@ def train(cfg: RunConfig, dims: ParallelDims, prepared: Prepared | None = None) 
         writer.log_events(events + health.observe(step, metrics))  # LR decays, health alarms
         bar.update(1)
         bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", step_s=f"{metrics['time/step_s']:.2f}")
-        if ckpt.due(step):
+        if ckpt.due(step) or stop:
             with mem.span("checkpoint", step), pipe.offload.resident():  # weights, Adam state back
                 ckpt.save(step)
+        if stop:
+            break
     pipe.offload.finish()
     bar.close()
     writer.close()
     task.pool.close()
+    return Stopped(step + 1, stop) if stop else None

@@ -13,11 +13,12 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+import textwrap
 from dataclasses import replace
 from pathlib import Path
 
 from moe_rl.config import load_config
-from moe_rl.memory import Layout, estimate, rank_layouts, rollout_peaks
+from moe_rl.memory import DGX_H100_USABLE_HOST_GIB, Layout, estimate, rank_layouts, rollout_peaks
 
 ROOT = Path(__file__).resolve().parents[1]
 # the estimate keys each header states, in order
@@ -35,15 +36,39 @@ def _value(key: str, v: float) -> str:
     return f"{v:.0f}" if key == "vllm_kv_tokens" else f"{v:.1f}"
 
 
-def half_nodes(path: Path, nodes: int):
-    """The best layout on half the nodes (tests/test_configs.py's 'Why N nodes'), and vLLM's TP."""
-    base, fewer = load_config(path), nodes // 2
-    vtp = min(base.rollout.vllm.tensor_parallel, fewer * 8)
+def fewer_nodes(path: Path, fewer: int, vtp: int):
+    """The layouts ``rank_layouts`` lists on ``fewer`` nodes with vLLM TP ``vtp`` (the header's
+    'Why N nodes'; tests/test_configs.py checks it): the layout keys free, the rest the recipe's."""
     free = [f"parallel.nproc={fewer * 8}", "parallel.pipeline_parallel=1", "parallel.tensor_parallel=1"]
     free += ["parallel.expert_parallel=1", "parallel.expert_tensor_parallel=0", "algo.num_minibatches=1"]
     free += ["parallel.layers_in_first_stage=0", "parallel.layers_in_last_stage=0"]
     free += [f"rollout.prompts_per_step={fewer * 32}", f"rollout.vllm.tensor_parallel={vtp}"]
-    return rank_layouts(load_config(path, free), fewer, 8)[0], vtp
+    return rank_layouts(load_config(path, free), fewer, 8)
+
+
+def why_text(ranked) -> str:
+    """Why the fewer nodes do not do: no layout fits the GPU (the best one's peak), or every one
+    that does needs more host memory per node than DGX_H100_USABLE_HOST_GIB (the least of them)."""
+    fit = [r for r in ranked if r.fits]
+    if not fit:
+        e = ranked[0].est
+        peak = max(e[k] for k in ("train_peak_gib", "sync_peak_gib", "rollout_peak_gib"))
+        return (
+            f"no layout fits: the best peaks at {peak:.1f} GiB per GPU with {e['vllm_kv_tokens']:,.0f} "
+            "vLLM KV tokens (the same offload and CPU Adam)."
+        )
+    host = min(r.est["host_gib_per_node"] for r in fit)
+    return (
+        f"the layouts that fit the GPU need {host:,.0f} GiB or more of host memory per node, above "
+        f"the {DGX_H100_USABLE_HOST_GIB:,} GiB a 2 TB node has for them (docs/design.md 14.1)."
+    )
+
+
+def _comment(text: str) -> str:
+    return "".join(f"# {line}\n" for line in textwrap.wrap(text, 98))
+
+
+WHY = re.compile(r"# Why (\d+) nodes: on (\d+) nodes \(vLLM TP (\d+)\) (?:.|\n)*?(?=#\n)")
 
 
 def header(path: Path, text: str) -> tuple[str, dict]:
@@ -65,14 +90,12 @@ def header(path: Path, text: str) -> tuple[str, dict]:
     if cfg.optim.cpu_adam:
         gpu = estimate(replace(cfg, optim=replace(cfg.optim, cpu_adam=False)))["train_peak_gib"]
         text = re.sub(r"(this layout's training peak is )[\d.]+", lambda m: f"{m.group(1)}{gpu:.1f}", text)
-    if nodes > 1:
-        best, hvtp = half_nodes(path, nodes)
-        peak = max(best.est[k] for k in ("train_peak_gib", "sync_peak_gib", "rollout_peak_gib"))
-        text = re.sub(r"(the best peaks at )[\d.]+", lambda m: f"{m.group(1)}{peak:.1f}", text)
-        text = re.sub(
-            r"with [\d,]+ vLLM KV tokens", f"with {best.est['vllm_kv_tokens']:,.0f} vLLM KV tokens", text
-        )
-        text = re.sub(r"(CPU Adam; vLLM TP )\d+", lambda m: f"{m.group(1)}{hvtp}", text)
+    why = WHY.search(text)
+    if why:
+        n, fewer, fvtp = (int(g) for g in why.groups())
+        assert n == nodes, (path.name, n)
+        said = f"Why {n} nodes: on {fewer} nodes (vLLM TP {fvtp}) " + why_text(fewer_nodes(path, fewer, fvtp))
+        text = text[: why.start()] + _comment(said) + text[why.end() :]
     return text, {"cfg": cfg, "est": est, "nodes": nodes, "lay": lay, "without": without}
 
 

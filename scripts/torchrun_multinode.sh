@@ -21,6 +21,9 @@ export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}  # 
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}  # megatron's comm/compute overlap order
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
 export WANDB_MODE=${WANDB_MODE:-offline}
+# a first SIGTERM/Ctrl-C: the ranks finish their step and save a checkpoint; torchrun's agent
+# SIGKILLs them after this many seconds (docs/reliability.md 9: torchrun's --shutdown-timeout)
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${STOP_GRACE_S:-120}
 exec torchrun --nnodes "$NNODES" --node_rank "$NODE_RANK" --nproc_per_node "$GPUS_PER_NODE" \
   --rdzv_backend c10d --rdzv_endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv_id "moe-rl-$MASTER_ADDR" \
   --max_restarts 0 \

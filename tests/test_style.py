@@ -223,6 +223,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "moe_rl.health",
             "moe_rl.memory",
             "moe_rl.dist",
+            "moe_rl.stop",  # a stop request (issue 42): the launcher's and the ranks' side, one all-reduce
             # the roles' process groups: dist.init_distributed starts them, below every room
             "moe_rl.pipeline.placement",
         ),

@@ -7,6 +7,7 @@ and ``RunConfig.policy_loss`` are ``moe_rl.maths.policy_specs``'s."""
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -323,6 +324,9 @@ class RunConfig:
     seed: int = 1234
     steps: int = 300
     checkpoint_every: int = 100  # 0 = only at the end
+    # seconds a first SIGINT/SIGTERM/SIGHUP gives the job to finish its step and save a checkpoint
+    # before it is stopped without one; 0 = stop at once (docs/reliability.md 9)
+    stop_grace_s: float = 120.0
     init_weights: str = "builtin:warmstart"  # safetensors file, "builtin:warmstart", "hf:DIR" or "" (random)
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -337,6 +341,8 @@ class RunConfig:
     def __post_init__(self) -> None:
         check(self.steps >= 1, "steps", "must be >= 1")
         check(self.checkpoint_every >= 0, "checkpoint_every", "must be >= 0")
+        g = self.stop_grace_s
+        check(math.isfinite(g) and g >= 0, "stop_grace_s", f"must be a finite number >= 0 (got {g})")
         m, p, r = self.model, self.parallel, self.rollout
         check(
             r.max_new_tokens < m.max_seq_len,

@@ -28,7 +28,13 @@ from moe_rl.memory.estimate import (
     rollout_peaks,
     unfit_phase,
 )
-from moe_rl.memory.host import CPU_ADAM_ELEMS_PER_S_PER_CORE, HOST_CORES_PER_RANK, cpu_adam_seconds, pinned
+from moe_rl.memory.host import (
+    CPU_ADAM_ELEMS_PER_S_PER_CORE,
+    DGX_H100_USABLE_HOST_GIB,
+    HOST_CORES_PER_RANK,
+    cpu_adam_seconds,
+    pinned,
+)
 from moe_rl.memory.learner_layout import Layout, stage_params
 from moe_rl.memory.phases import COLOCATED_ORDER, PEAK_PHASES, engine_weight_bytes, phase_bytes
 from moe_rl.memory.ranking import (
@@ -55,6 +61,7 @@ from moe_rl.memory.sync import IB_GBS, NVLINK_GBS, PCIE_GBS, PEER_SYNC_S, peer_s
 __all__ = [
     "COLOCATED_ORDER",
     "CPU_ADAM_ELEMS_PER_S_PER_CORE",
+    "DGX_H100_USABLE_HOST_GIB",
     "HOST_CORES_PER_RANK",
     "PEAK_PHASES",
     "cpu_adam_seconds",

@@ -48,6 +48,10 @@ CPU_ADAM_PINNED_B = 6  # fp32 grad copy (4) + the cached bf16 host copy (2)
 # --cpu-adam-gelems-per-s` overrides the per-rank figure
 CPU_ADAM_ELEMS_PER_S_PER_CORE = 0.35e9
 HOST_CORES_PER_RANK = 12  # an 8-GPU H100 node with 2 x 56 cores, some left to data and the launcher
+# What the recipes may plan to use of a DGX H100's 2 TB (2,048 GB = 1,907 GiB; docs/design.md 14.1):
+# the rest is the kernel's and firmware's reserve, each rank's own process (Python, torch, CUDA
+# context, NCCL), the reward workers and the page cache that checkpoint reads and writes go through
+DGX_H100_USABLE_HOST_GIB = 1700
 
 
 def pinned(nbytes: float) -> float:

@@ -17,7 +17,10 @@ follows the run's ``Schedule`` (``moe_rl/config/schedule.py``); the weights come
 - async: request after request with in-flight weight updates, a bounded number unreceived per dp
   rank (request_buffer.py; docs/design.md 15.3).
 
-The step a run starts at is the version of the first weight sync (a resume's checkpoint step)."""
+The step a run starts at is the version of the first weight sync (a resume's checkpoint step); the
+run ends at the update the learner tells with each sync (``tell_last``: ``steps``, or sooner after a
+stop request, moe_rl/stop.py), where the rank ends as at the run's end: its checkpoint takes what a
+one-step-off or async rank has in flight."""
 
 from __future__ import annotations
 
@@ -188,7 +191,7 @@ def _serve_async(s: _Server) -> None:
                     f"the learner ranks of data-parallel rank {d} resume at requests {sorted(got)}"
                 )
             nxt[d] = got.pop()
-    updates = s.weights.background(cfg.steps)
+    updates = s.weights.background()
     bound, out = buffer_bound(cfg.rollout.max_staleness), {d: _Outbox() for d in s.served}
     turn = 0
     while True:
@@ -204,7 +207,7 @@ def _serve_async(s: _Server) -> None:
         msg = s.request(d, nxt[d], {"time/rollout_wait_send_s": waited}, updates)
         nxt[d] += 1
         for c in range(before, updates.applied):  # the syncs this request crossed
-            if checkpoint_due(c, cfg.checkpoint_every, cfg.steps):
+            if checkpoint_due(c, cfg.checkpoint_every, updates.last):  # last: a stop's too
                 for e in s.served:
                     out[e].put(s.send_to(e, Fence(c)), request=False)
         if updates.final:  # the learner trains no more: it takes nothing after the last fence
@@ -231,14 +234,14 @@ def serve_rollouts(cfg: RunConfig, dims: ParallelDims, task: Task | None = None)
     if s.schedule.buffers_requests:
         return _serve_async(s)
     if not s.schedule.runs_ahead:
-        for step in range(start, cfg.steps):
+        while (step := s.version) < s.weights.last:  # the engine holds W_step
             works = s.send(s.generate(step, waited))
             waited = s.load()  # the learner broadcasts W_{step+1} after it took the batch and updated
             _wait(works)
         return
     # one_step_off: batch `start` is W_0's (a new run) or in the learner's checkpoint (a resume)
     works = s.send(s.generate(start, waited)) if start == 0 else []
-    for step in range(start, cfg.steps):
+    while (step := s.version) < s.weights.last:
         msgs = s.generate(step + 1, waited)  # with W_step, while the learner trains step `step`
         _wait(works)  # batch `step`: the learner took it at the start of its step
         works = s.send(msgs)

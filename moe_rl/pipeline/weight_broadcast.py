@@ -168,7 +168,7 @@ def plan_chunk(
     return Header(tuple(entries), tuple(buckets))
 
 
-def _wire_device(group: Group) -> torch.device:
+def wire_device(group: Group) -> torch.device:
     if group.pg.name() == "nccl":  # untested on GPU
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -222,7 +222,7 @@ class WeightSender:
             raise ValueError(f"{len(sliced.shards)} engine shards for {group.size - 1} rollout ranks")
         self.group, self.version, self.bucket_bytes, self.engine = group, version, bucket_bytes, engine
         self.sliced = sliced
-        self.device = _wire_device(group)
+        self.device = wire_device(group)
         self.chunks = self.buckets = 0
         self.received = [0] * (group.size - 1)  # bytes each rollout rank was sent
         self.wait_s = 0.0  # the first frame's broadcast: until every receiver has joined the sync
@@ -341,7 +341,7 @@ class WeightStream:
     """A receiver's chunks of one sync, in step with the root; must be read to its end marker."""
 
     def __init__(self, group: Group, version: int, first: torch.Tensor, p2p: bool = False) -> None:
-        self.group, self.version, self.device, self.p2p = group, version, _wire_device(group), p2p
+        self.group, self.version, self.device, self.p2p = group, version, wire_device(group), p2p
         self.received, self.done, self.nbytes = 0, False, 0  # nbytes: bucket bytes received so far
         self._next: torch.Tensor | None = first  # the frame receive_weights read to learn the version
 
@@ -410,7 +410,7 @@ def receive_weights(group: Group, sliced: bool = False) -> tuple[int, Iterator[d
             "before its end marker: read every stream to its end"
         )
     try:
-        first = _recv_frame(group, _wire_device(group), sliced)
+        first = _recv_frame(group, wire_device(group), sliced)
     except RuntimeError as e:  # the group's timeout: no sync began
         raise WeightSyncError(f"no weight broadcast began within the group's timeout ({one_line(e)})") from e
     stream = WeightStream(group, int(first[1]), first, sliced)

@@ -21,6 +21,10 @@ one_step_off), or (async) in a background thread whose syncs the engine takes be
 steps (``BackgroundWeights``, the engine's ``UpdateSource``); a sliced sync is handed to the
 engine with each slice inside a tensor of its full shape (``placed``), as vLLM's loaders read it.
 
+With every split sync learner rank 0 first tells the rollout ranks the update the run ends at
+(``tell_last``: ``steps``, or the step after which a stop request ends it, moe_rl/stop.py), so they
+stop with the learner: after that update they generate nothing more the learner would not take.
+
 The phases are methods (``first_sync``, ``sync``), each run inside the offload timeline's
 ``syncing`` (``offload_timeline.py``: what leaves the device before and after), so the step's
 order is changed there, not here.
@@ -47,6 +51,7 @@ from moe_rl.pipeline.weight_broadcast import (
     Sliced,
     broadcast_weights,
     receive_weights,
+    wire_device,
 )
 from moe_rl.rollout.base import ENGINE_DTYPES, Weights, weight_chunks
 from moe_rl.rollout.factory import engine_tp
@@ -73,6 +78,13 @@ def colocated_slices(cfg: RunConfig) -> ShardOf | None:
     return lambda rank: engine_shard(cfg, rank)
 
 
+def tell_last(group: Group, last: int | None = None) -> int:
+    """Before each sync, over the sync group: the update the run ends at (``last``, from the root,
+    sync-group rank 0); what the root told, on every member."""
+    t = torch.tensor([-1 if last is None else last], dtype=torch.int64, device=wire_device(group))
+    return int(group.broadcast(t)[0])
+
+
 class WeightSync:
     """A learner rank's side of the sync (see the module docstring). ``engine``: the rank's
     engine, or its ``RemoteEngine`` when split; ``learner``: anything with
@@ -90,8 +102,10 @@ class WeightSync:
         sliced: Sliced | None = None,
         engines: ShardOf | None = None,
         model: ModelConfig | None = None,
+        steps: int | None = None,
     ) -> None:
         self.schedule, self.engine, self.learner, self.stale = schedule, engine, learner, stale
+        self.steps = steps  # split: the run's last update, told to the rollout ranks (``tell_last``)
         self.timeline = timeline or OffloadTimeline(engine)  # what leaves and wakes around the sync
         self.group = group  # split: the sync group (learner rank 0 only; None on the others)
         self.engine_dtype = engine_dtype  # split: the rollout engines' (rollout.dtype), the wire's
@@ -114,23 +128,26 @@ class WeightSync:
         sliced = split_slices(cfg, dims.placement.split.rollout_ranks) if schedule.split else None
         dtype = ENGINE_DTYPES[cfg.rollout.dtype]
         engines = None if schedule.split else colocated_slices(cfg)
-        return cls(schedule, engine, learner, stale, group, dtype, timeline, sliced, engines, cfg.model)
+        return cls(
+            schedule, engine, learner, stale, group, dtype, timeline, sliced, engines, cfg.model, cfg.steps
+        )
 
     def first_sync(self, resumed: bool) -> dict:
         """Before the first rollout: the engine gets the start's (or the resumed step's) weights."""
         return self.sync(resumed=resumed)
 
-    def sync(self, phase: Phase | None = None, resumed: bool = False) -> dict:
+    def sync(self, phase: Phase | None = None, last: int | None = None, resumed: bool = False) -> dict:
         """After the update: the engine gets the weights of the next rollout, inside the offload
-        timeline's sync phases (``phase``: the step's recorder, ``StepTimer.phase``). Returns the
-        sync's metrics: a split run's broadcast (maxima over the dp ranks), none from an engine in
-        this process."""
+        timeline's sync phases (``phase``: the step's recorder, ``StepTimer.phase``; ``last``: the
+        update the run ends at, ``steps`` unless a stop request ends it sooner). Returns the sync's
+        metrics: a split run's broadcast (maxima over the dp ranks), none from an engine in this
+        process."""
         with self.timeline.syncing(phase):
             if self.engines is not None and not self.stale.k and not self.schedule.split:
                 return self.load_slices()
             weights = self.weights(resumed)
             if self.schedule.split:
-                return self.broadcast(weights)
+                return self.broadcast(weights, self.steps if last is None else last)
             return self.engine.load_weights(weights) or {}
 
     def weights(self, resumed: bool = False) -> Weights:
@@ -156,7 +173,7 @@ class WeightSync:
         self.engine.load_weights(handed())
         return {"weight_sync/bytes": Max(torch.tensor(float(counted[0]), dtype=torch.float64))}
 
-    def broadcast(self, weights: Weights) -> dict[str, Max]:
+    def broadcast(self, weights: Weights, last: int | None = None) -> dict[str, Max]:
         """Split: the weight broadcast (learner rank 0 its root); metrics (docs/design.md 15.2)
         as maxima over the data-parallel ranks: the root's values, zeros on the other learner
         ranks, which only feed the stream's gathers."""
@@ -165,6 +182,7 @@ class WeightSync:
         if self.delay_s and remote.next_version > 0:
             time.sleep(self.delay_s)
         if self.group is not None:  # learner rank 0: the broadcast's root
+            tell_last(self.group, last)
             m = broadcast_weights(
                 chunks, self.group, remote.next_version, engine=self.engine_dtype, sliced=self.sliced
             )
@@ -195,6 +213,7 @@ class RolloutRankWeights:
         self.shard = shard if shard is not None and not shard.whole else None
         self.model = model
         self.version = -1  # the learner update the engine holds (-1: none yet)
+        self.last = -1  # the update the run ends at, as the learner told it with the last sync
 
     @classmethod
     def from_config(cls, cfg: RunConfig, schedule: Schedule, dims, engine) -> RolloutRankWeights:
@@ -208,6 +227,7 @@ class RolloutRankWeights:
     def receive(self) -> float:
         """Join the next weight sync and apply it; seconds waited + applied."""
         t0 = time.perf_counter()
+        self.last = tell_last(self.group)
         version, chunks = receive_weights(self.group, sliced=self.shard is not None)
         if self.shard is not None:
             chunks = (placed(c, self.shard, self.model) for c in chunks)
@@ -222,11 +242,17 @@ class RolloutRankWeights:
         self.version = version
         return time.perf_counter() - t0
 
-    def background(self, last: int) -> BackgroundWeights:
-        """Async: every sync after the one the engine holds, up to update ``last``, received in a
-        thread of its own and handed to the engine between decode steps."""
+    def background(self) -> BackgroundWeights:
+        """Async: every sync after the one the engine holds, up to the run's last update (told with
+        each sync), received in a thread of its own and handed to the engine between decode steps."""
         return BackgroundWeights(
-            self.group, self.version, last, group=self.engine_group, shard=self.shard, model=self.model
+            self.group,
+            self.version,
+            self.last,
+            group=self.engine_group,
+            shard=self.shard,
+            model=self.model,
+            told=True,
         )
 
 
@@ -244,7 +270,8 @@ class BackgroundWeights:
     newest one staged (``_all_hold``); until then each keeps what it has staged. A rank can be at
     most one sync ahead (a broadcast ends only once every receiver has taken the one before), so
     they meet at a later poll. ``shard``: a sliced sync's (``RolloutRankWeights``), handed over
-    ``placed``."""
+    ``placed``. ``told``: each sync is preceded by the run's last update (``tell_last``), which
+    replaces ``last`` before that sync can be handed over (a stop request ends the run sooner)."""
 
     def __init__(
         self,
@@ -254,8 +281,10 @@ class BackgroundWeights:
         group=None,
         shard: EngineShard | None = None,
         model: ModelConfig | None = None,
+        told: bool = False,
     ) -> None:
         self.sync, self.applied, self.last = sync, applied, last  # applied: updates the engine holds
+        self.told = told
         self.group = group
         self.shard, self.model = (shard, model) if shard is not None and not shard.whole else (None, None)
         self.pending = PendingWeights()
@@ -268,8 +297,11 @@ class BackgroundWeights:
 
     def _receive(self) -> None:
         try:
-            while self.pending.receive(self.sync, sliced=self.shard is not None) < self.last:
-                pass
+            while True:
+                if self.told:
+                    self.last = tell_last(self.sync)
+                if self.pending.receive(self.sync, sliced=self.shard is not None) >= self.last:
+                    break
         except BaseException as e:  # raised in the main thread at its next tick
             self.error = e
 

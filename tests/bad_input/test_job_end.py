@@ -3,7 +3,8 @@
 tracker, megatron's checkpoint workers) can be listed afterwards: after Ctrl-C, SIGTERM, kill -9 of
 rank 1, kill -9 of the leader and a normal end, none is left (zombies, which a container's init may
 never reap, are not processes that run). A second start on the live run dir is refused naming the job; a
-signal ends the job with one line that says how to resume; a killed rank is named.
+signal ends the job with one line that says how to resume (a first SIGTERM after the step in
+progress and its checkpoint, a second SIGINT at once, issue 42); a killed rank is named.
 
 The time from the signal to the job's end is printed (``pytest -s``), not asserted."""
 
@@ -26,7 +27,8 @@ from click.testing import CliRunner
 from moe_rl import cli
 from tests.cli_helpers import ROOT, TINY, last_lines, left_in_session
 
-LONG = ["steps=50", "checkpoint_every=1", *TINY]  # long enough to be stopped mid-run
+LONG = ["steps=50", *TINY]  # long enough to be stopped mid-run
+EVERY = "checkpoint_every=1"
 MATH = ["task.reward=math", "task.reward_workers=1"]  # text rewards: a reward worker per rank
 
 
@@ -53,6 +55,13 @@ class Job:
             assert self.proc.poll() is None, self.stderr()[-3000:]
             assert time.time() < deadline
             time.sleep(0.2)
+
+    def wait_for_steps(self, n: int) -> None:
+        metrics, deadline = self.run / "metrics.jsonl", time.time() + 300
+        while not metrics.is_file() or len(metrics.read_text().splitlines()) < n:
+            assert self.proc.poll() is None, self.stderr()[-3000:]
+            assert time.time() < deadline
+            time.sleep(0.05)
 
     def end(self, what: str, timeout_s: float = 120) -> int:
         t0 = time.time()
@@ -93,12 +102,13 @@ class Job:
         )  # -ww: whole command lines (80 columns without a tty); ps exits 1 on an empty session
         return ps.stdout.splitlines()
 
-    def hint(self) -> str:
-        """What the job's last line says after ``at step``: from the run dir it left."""
+    def hint(self, checkpointed: bool = False) -> str:
+        """What the job's last line says after ``at step``: from the run dir it left
+        (``checkpointed``: its last step has its checkpoint)."""
         lines = (self.run / "metrics.jsonl").read_text().splitlines()
         done = json.loads(lines[-1])["step"] + 1
         ck = int((self.run / "checkpoints" / "latest").read_text().strip().removeprefix("step_"))
-        assert ck in (done - 1, done)  # checkpoint_every=1
+        assert ck == done if checkpointed else ck in (done - 1, done)  # checkpoint_every=1
         again = shlex.join(["moe-rl", "train", *self.args, "resume=true"])
         return f"at step {done}; resume with: {again}  (from the checkpoint of step {ck})"
 
@@ -106,10 +116,13 @@ class Job:
 @pytest.mark.bad_input
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_second_start_is_refused_and_a_signal_ends_the_job_cleanly(tmp_path, sig):
-    """SIGINT as Ctrl-C sends it (to the whole process group), SIGTERM to the leader alone."""
-    job = Job(tmp_path, *LONG, *(MATH if sig == signal.SIGINT else []))
+    """SIGINT as Ctrl-C sends it (to the whole process group), twice: the second stops the job at
+    once; SIGTERM to the leader alone, once: the job ends after the step in progress, with its
+    checkpoint (checkpoint_every=100: none before)."""
+    every = EVERY if sig == signal.SIGINT else "checkpoint_every=100"
+    job = Job(tmp_path, *LONG, every, *(MATH if sig == signal.SIGINT else []))
     try:
-        job.wait_for_first_checkpoint()
+        job.wait_for_first_checkpoint() if sig == signal.SIGINT else job.wait_for_steps(1)
         owner = json.loads((job.run / ".lock").read_text())
         assert (owner["pid"], owner["host"]) == (job.proc.pid, socket.gethostname())
         line = (
@@ -123,13 +136,26 @@ def test_second_start_is_refused_and_a_signal_ends_the_job_cleanly(tmp_path, sig
             assert (result.exit_code, result.stderr) == (2, line)
         running = job.session()
         assert len(running) >= (6 if sig == signal.SIGINT else 4), running  # + a reward worker per rank
-        os.killpg(job.proc.pid, sig) if sig == signal.SIGINT else os.kill(job.proc.pid, sig)
+        if sig == signal.SIGINT:
+            os.killpg(job.proc.pid, sig)
+            while "SIGINT: finishing the step in progress" not in job.stderr():
+                time.sleep(0.05)
+            os.killpg(job.proc.pid, sig)  # the second: at once
+        else:
+            os.kill(job.proc.pid, sig)
         code = job.end(sig.name)
     finally:
         job.proc.kill()
     err = job.stderr()
     assert code == 128 + sig  # 130, 143
-    assert last_lines(err, "interrupted") == [f"interrupted ({sig.name}) {job.hint()}"]
+    asked = f"{sig.name}: finishing the step in progress and saving a checkpoint (within stop_grace_s=120 s)"
+    assert last_lines(err, sig.name) == [f"{asked}; a second {sig.name} stops at once"]
+    if sig == signal.SIGINT:
+        assert last_lines(err, "interrupted") == [f"interrupted (SIGINT) {job.hint()}"]
+        assert "stopped" not in err
+    else:
+        line = f"stopped (SIGTERM) after the step in progress, checkpoint saved {job.hint(checkpointed=True)}"
+        assert last_lines(err, "stopped") == [line]
     assert "Traceback" not in err and "error:" not in err
     assert job.left() == []
     assert job.tmp_left() == []
@@ -137,7 +163,7 @@ def test_second_start_is_refused_and_a_signal_ends_the_job_cleanly(tmp_path, sig
 
 @pytest.mark.bad_input
 def test_a_killed_rank_is_named_and_leaves_no_process(tmp_path):
-    job = Job(tmp_path, *LONG, *MATH)
+    job = Job(tmp_path, *LONG, EVERY, *MATH)
     try:
         job.wait_for_first_checkpoint()
         os.kill(job.ranks()[1].pid, signal.SIGKILL)
@@ -208,7 +234,7 @@ def test_kill_9_of_the_leader_leaves_no_process(tmp_path):
     worker, and megatron's checkpoint writers during a save), whose end also ends the shared
     resource tracker. No rank keeps a Manager process of megatron's saver any more
     (megatron_patches/save_results_queue.py): a rank's only lasting child is its reward worker."""
-    job = Job(tmp_path, *LONG, *MATH)
+    job = Job(tmp_path, *LONG, EVERY, *MATH)
     try:
         job.wait_for_first_checkpoint()
         for rank in job.ranks():  # what outlived the leader before: started by the ranks, not by it

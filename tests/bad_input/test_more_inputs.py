@@ -54,6 +54,8 @@ def test_invalid_utf8_in_a_dataset_names_file_and_line_or_row(tmp_path):
         ("optim.adam_beta1=-0.5", "config key 'optim.adam_beta1': -0.5 is not in [0, 1)"),
         ("optim.adam_beta2=1", "config key 'optim.adam_beta2': 1.0 is not in [0, 1)"),
         ("optim.weight_decay=-0.01", "config key 'optim.weight_decay': must be >= 0 (got -0.01)"),
+        ("stop_grace_s=-1", "config key 'stop_grace_s': must be a finite number >= 0 (got -1.0)"),
+        ("stop_grace_s=inf", "config key 'stop_grace_s': must be a finite number >= 0 (got inf)"),
         (
             "task.val_max_prompts=3",
             ("config key 'task.val_max_prompts': 3 prompts do not split over 2 data-parallel ranks"),

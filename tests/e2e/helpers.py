@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -94,6 +96,31 @@ def stopped_copy(full: Path, part: Path, step: int) -> Path:
             shutil.rmtree(d)
     (ckpts / "latest").write_text(keep + "\n")
     return part
+
+
+def signalled(run_dir: Path, *args: str, after: int, sig: int = signal.SIGINT, timeout: int = 300):
+    """``moe-rl train run_dir=RUN_DIR ARGS`` sent ``sig`` (as Ctrl-C sends SIGINT: to its process
+    group) once its metrics.jsonl holds ``after`` steps, then waited for: (exit code, stderr). The
+    job stops after the step in progress (issue 42): the signal comes while step ``after`` runs."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moe_rl.cli", "train", f"run_dir={run_dir}", *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        metrics_file, deadline = run_dir / "metrics.jsonl", time.time() + timeout
+        while not metrics_file.is_file() or len(metrics_file.read_text().splitlines()) < after:
+            assert proc.poll() is None and time.time() < deadline, proc.stderr.read()[-4000:]
+            time.sleep(0.05)
+        os.killpg(proc.pid, sig)
+        _, err = proc.communicate(timeout=timeout)
+    finally:
+        proc.kill()
+    return proc.returncode, err
 
 
 def family_checkpoint(root: Path, family: str) -> tuple[Path, dict[str, torch.Tensor]]:

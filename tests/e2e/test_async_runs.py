@@ -3,7 +3,8 @@ ranks, and 2 learner ranks TP=2 + 1 rollout rank; docs/design.md 15.3). The lear
 each weight sync (``MOE_RL_TEST_LEARNER_DELAY_S``, tests only) so the rollout ranks fill their
 buffer during step 0 with W_0's requests: step 1 trains on one of them (lag 1) whatever the
 machine's load. Async is not bit-for-bit deterministic: the
-tests check bounds and counts, not values."""
+tests check bounds and counts, not values; a first SIGINT keeps every finished request in the
+checkpoint it saves (issue 42)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 
 from moe_rl.pipeline.weight_sync import DELAY_ENV
 from tests.cli_helpers import TINY
-from tests.e2e.helpers import metrics, moe_rl
+from tests.e2e.helpers import metrics, moe_rl, signalled
 
 MODE = ["rollout.mode=async", "checkpoint_every=0", *TINY]
 ASYNC = ["parallel.nproc=4", "parallel.rollout_ranks=2", "parallel.expert_parallel=2", *MODE]
@@ -45,7 +46,11 @@ def _within_max_staleness(
 
 @pytest.mark.e2e
 def test_async_trains_on_stale_requests_within_max_staleness_and_resumes_its_buffer(tmp_path):
-    part = _run(tmp_path / "run", "steps=2", *ASYNC)
+    # SIGINT while step 1 runs: the job stops after it with a checkpoint (checkpoint_every=0)
+    code, err = signalled(tmp_path / "run", "steps=3", *ASYNC, after=1)
+    assert code == 130, err[-3000:]
+    assert "stopped (SIGINT) after the step in progress, checkpoint saved at step 2;" in err.splitlines()[-1]
+    part = metrics(tmp_path / "run")
     assert sorted(part) == [0, 1]
     assert part[0]["rollout/lag_max"] == 0.0  # request 0 is generated with W_0, the learner's
     assert part[1]["rollout/lag_max"] == 1.0  # request 1 too, while the learner trained step 0

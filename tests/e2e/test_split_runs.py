@@ -1,7 +1,8 @@
 """e2e tier, issue 33: rollout ranks and learner ranks in one world (``parallel.rollout_ranks``,
 docs/design.md 15), through the real CLI. A split sync run is the colocated run of the same learner
 layout bit for bit (every metric but timings); one-step-off is deterministic, one update stale from
-its second step, and resumes exactly from a checkpoint that holds the batch in flight."""
+its second step, and resumes exactly from a checkpoint that holds the batch in flight. Both resumes
+are from the checkpoint a first SIGINT saved (issue 42): the rollout ranks stop with the learner."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 from moe_rl.config import load_config
 from moe_rl.weights.canonical import canonical_param_shapes
 from tests.cli_helpers import TINY, fails_with
-from tests.e2e.helpers import deterministic, metrics, moe_rl
+from tests.e2e.helpers import deterministic, metrics, moe_rl, signalled
 
 EP2 = ["parallel.expert_parallel=2", "checkpoint_every=0", *TINY]  # 2 learner ranks, DP 2
 SPLIT = ["parallel.nproc=4", "parallel.rollout_ranks=2"]  # + 2 rollout ranks, one per dp rank
@@ -51,8 +52,21 @@ def _wire(run: Path) -> tuple[int, int]:
 
 
 @pytest.mark.e2e
+def _stopped_at(run: Path, step: int, err: str) -> None:
+    """The job's last line after its first SIGINT: stopped, with the checkpoint of ``step``."""
+    assert err.splitlines()[-1].startswith(
+        f"stopped (SIGINT) after the step in progress, checkpoint saved at step {step}; resume with: "
+    ), err[-3000:]
+    assert (run / "checkpoints" / "latest").read_text().strip() == f"step_{step:06d}"
+
+
+@pytest.mark.e2e
 def test_split_sync_is_the_colocated_run_bit_for_bit(tmp_path, colocated_ep2):
-    split = _run(tmp_path / "split", "steps=2", *SPLIT, *EP2)
+    # SIGINT before step 0 ends (checkpoint_every=0): step 0, its checkpoint, exit 130; then resumed
+    code, err = signalled(tmp_path / "split", "steps=2", *SPLIT, *EP2, after=0)
+    assert code == 130
+    _stopped_at(tmp_path / "split", 1, err)
+    split = _run(tmp_path / "split", "resume=true")
     assert sorted(split) == [0, 1]
     for step in (0, 1):
         _same_as_colocated(split[step], colocated_ep2[step], lag=0.0)
@@ -70,8 +84,11 @@ def test_split_sync_is_the_colocated_run_bit_for_bit(tmp_path, colocated_ep2):
 def test_one_step_off_is_deterministic_one_update_stale_and_resumes_exactly(tmp_path, colocated_ep2):
     args = ["rollout.mode=one_step_off", *SPLIT, *EP2, "checkpoint_every=2"]
     full = _run(tmp_path / "full", "steps=3", *args)
-    _run(tmp_path / "part", "steps=2", *args)
-    # the part run's last checkpoint holds the batch of step 2 (generated past its last step)
+    # SIGINT while step 1 runs, no checkpoint due before the last step (checkpoint_every=100):
+    # the checkpoint of step 2 holds the batch of step 2 (generated ahead, with W_1)
+    code, err = signalled(tmp_path / "part", "steps=3", *args, "checkpoint_every=100", after=1)
+    assert code == 130
+    _stopped_at(tmp_path / "part", 2, err)
     ckpts = tmp_path / "part" / "checkpoints"
     assert sorted(p.name for p in ckpts.iterdir()) == [
         "in_flight_step_000002_dp0.pt",

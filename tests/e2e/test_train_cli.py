@@ -7,13 +7,16 @@ from __future__ import annotations
 import json
 import math
 import re
+import shlex
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import yaml
 
-from tests.e2e.helpers import assert_run_end, deterministic, metrics, moe_rl, stopped_copy
+from tests.e2e.helpers import assert_run_end, deterministic, metrics, moe_rl, signalled, stopped_copy
 
 TINY = [
     "rollout.prompts_per_step=8",
@@ -41,11 +44,18 @@ def test_resume_reproduces_uninterrupted_run(tmp_path):
     full, part = tmp_path / "full", tmp_path / "part"
     args = ["checkpoint_every=2", "algo.advantage=otb", "correction.is_level=token", *EAGER_LENGTH_LR, *TINY]
     assert_run_end(moe_rl("train", f"run_dir={full}", "steps=4", *args), full)
-    # as a run stopped after its step-2 checkpoint leaves it: the resume drops the later metrics,
-    # events and expert-load lines and must log them again, equal
-    stopped_copy(full, part, step=2)
+    # Ctrl-C while step 0 runs (issue 42): the job finishes the step, saves a checkpoint no
+    # checkpoint_every asked for, prints the command that resumes it and exits 130
+    code, err = signalled(part, "steps=4", *args, after=0)
+    again = f"moe-rl train run_dir={part} steps=4 {' '.join(args)} resume=true"
+    assert (code, err.splitlines()[-1]) == (
+        130,
+        f"stopped (SIGINT) after the step in progress, checkpoint saved at step 1; resume with: {again}  "
+        "(from the checkpoint of step 1)",
+    )
+    assert sorted(p.name for p in (part / "checkpoints").iterdir()) == ["latest", "step_000001"]
     # one command: the run's saved config.yaml is the base (OTB, the LR decay, the layout ...)
-    assert_run_end(moe_rl("train", f"run_dir={part}", "steps=4", "resume=true"), part, resumed_from=2)
+    assert_run_end(moe_rl("train", f"run_dir={part}", "steps=4", "resume=true"), part, resumed_from=1)
 
     a, b = metrics(full), metrics(part)
     assert sorted(a) == sorted(b) == [0, 1, 2, 3]
@@ -253,14 +263,31 @@ def test_external_torchrun_with_kl_to_reference(tmp_path):
         "moe_rl.cli",
         "train",
         f"run_dir={run}",
-        "steps=2",
+        "steps=3",
         "checkpoint_every=0",
         "algo.kl_coef=0.05",
         "algo.num_minibatches=1",
         *TINY,
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    # SIGTERM to torchrun's agent while step 1 runs, as Slurm's --signal sends it (issue 42): the
+    # agent passes it on, and the ranks finish the step and save its checkpoint before they end
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        while not (run / "metrics.jsonl").is_file() or not (run / "metrics.jsonl").read_text():
+            assert proc.poll() is None, proc.stderr.read()[-4000:]
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1  # torchrun's own SignalException
+    stopped = [x for x in err.splitlines() if x.startswith("stopped")]  # rank 0's line alone
+    assert stopped == [
+        f"stopped (SIGTERM) after the step in progress, checkpoint saved at step 2; resume with: "
+        f"{shlex.join(['moe-rl', 'train', *cmd[cmd.index('train') + 1 :], 'resume=true'])}  "
+        "(from the checkpoint of step 2)"
+    ], err[-4000:]
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_000002"
     recs = metrics(run)
     assert sorted(recs) == [0, 1]
     # step 0 updates from the reference weights themselves: KL(pi || ref) is exactly 0 there,
