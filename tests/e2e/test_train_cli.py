@@ -37,11 +37,23 @@ EAGER_LENGTH_LR = [
 ]
 
 
+# the default run of 4 steps the ``default_run`` session fixture (tests/e2e/conftest.py) makes once:
+# the resume below and the two-node run (tests/e2e/test_multinode.py) must reproduce it
+DEFAULT_4_STEPS = [
+    "steps=4",
+    "checkpoint_every=2",
+    "algo.advantage=otb",
+    "correction.is_level=token",
+    *EAGER_LENGTH_LR,
+    *TINY,
+]
+
+
 @pytest.mark.e2e
-def test_resume_reproduces_uninterrupted_run(tmp_path):
-    full, part = tmp_path / "full", tmp_path / "part"
-    args = ["checkpoint_every=2", "algo.advantage=otb", "correction.is_level=token", *EAGER_LENGTH_LR, *TINY]
-    assert_run_end(moe_rl("train", f"run_dir={full}", "steps=4", *args), full)
+def test_resume_reproduces_uninterrupted_run(tmp_path, default_run):
+    full, proc = default_run
+    part = tmp_path / "part"
+    assert_run_end(proc, full)
     # as a run stopped after its step-2 checkpoint leaves it: the resume drops the later metrics,
     # events and expert-load lines and must log them again, equal
     stopped_copy(full, part, step=2)

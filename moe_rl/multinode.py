@@ -1,0 +1,219 @@
+"""Multi-node launch: one torchrun agent per node (scripts/torchrun_multinode.sh, scripts/slurm_train.sbatch).
+
+Node side (``python -m moe_rl.multinode``): checks what would otherwise fail late or far away
+(a node count that does not match the config's ``parallel.nproc``, a missing or unresolvable
+``MASTER_ADDR``, the rendezvous port already in use on the node that hosts it), each as one
+``error:`` line before any rank starts, then runs torch's torchrun (``torch.distributed.run``)
+with its failure report replaced by one line.
+
+Rank side (``run_rank``, from ``moe_rl.launch.launch`` under torchrun): a rank ends with its
+node's torchrun (kill -9 of it takes the ranks along, as a dead machine would), and a rank whose
+collective fails because a peer is gone names the lost node and rank: every rank has a thread
+that answers a roll call in the agents' store; the failing rank calls it, and the ranks that do
+not answer within ``ROLL_CALL_S`` are the lost ones (``NodeLostError``, one line from the CLI).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+
+from moe_rl.errors import UserError, one_line
+from moe_rl.launch import RankDiedError, end_with_launcher
+
+ROLL_CALL_S = 3.0  # how long the live ranks get to answer (their answering thread is idle)
+_NODE_ENV = "MOE_RL_NODE"  # the node's rank as the user numbered it (torchrun's GROUP_RANK may differ)
+
+
+class NodeLostError(RankDiedError):
+    """A rank's collective failed because ranks of another node are gone (``lost``: rank -> where)."""
+
+    def __init__(self, lost: dict[int, str]) -> None:  # noqa: D107 - RankDiedError's fields kept
+        ranks = ", ".join(f"rank {r} ({where})" for r, where in sorted(lost.items()))
+        RuntimeError.__init__(
+            self, f"lost {ranks}: it stopped answering (its torchrun or its machine died); the job stopped"
+        )
+        self.rank, self.exitcode = min(lost), None
+
+
+def _namespace() -> str:
+    run, restart = (
+        os.environ.get("TORCHELASTIC_RUN_ID", ""),
+        os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"),
+    )
+    return f"moe_rl/{run}/{restart}"
+
+
+def _client(timeout_s: float):
+    from torch.distributed import TCPStore
+
+    return TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
+def _answer_roll_call(store, ns: str, rank: int) -> None:
+    try:
+        store.wait([f"{ns}/roll_call"], datetime.timedelta(days=30))
+        store.set(f"{ns}/alive/{rank}", "1")
+    except Exception:  # noqa: BLE001 - the store's host is gone: nobody is calling
+        pass
+
+
+def run_rank(worker, cfg, prepared) -> None:
+    """This rank's ``worker(cfg, prepared)`` under torchrun, naming a lost node if one ends it."""
+    end_with_launcher(os.getppid())  # kill -9 of this node's torchrun ends its ranks
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    ns, store = _namespace(), None
+    if world > 1:
+        store = _client(60.0)
+        where = f"node {os.environ.get(_NODE_ENV, os.environ.get('GROUP_RANK', '?'))}, {socket.gethostname()}"
+        store.set(f"{ns}/where/{rank}", where)
+        answer = threading.Thread(target=_answer_roll_call, args=(_client(60.0), ns, rank), daemon=True)
+        answer.start()
+    try:
+        worker(cfg, prepared)
+    except UserError:
+        raise
+    except Exception:
+        lost = _roll_call(store, ns, rank, world) if store is not None else {}
+        if lost:
+            raise NodeLostError(lost) from None
+        raise
+
+
+def _roll_call(store, ns: str, rank: int, world: int) -> dict[int, str]:
+    """The ranks that do not answer within ``ROLL_CALL_S``, with where they ran."""
+    try:
+        store.set(f"{ns}/roll_call", str(rank))
+        missing = set(range(world)) - {rank}
+        deadline = time.monotonic() + ROLL_CALL_S
+        while missing and time.monotonic() < deadline:
+            missing = {r for r in missing if not store.check([f"{ns}/alive/{r}"])}
+            time.sleep(0.05)
+        return {r: store.get(f"{ns}/where/{r}").decode() for r in missing}
+    except Exception:  # noqa: BLE001 - the store is gone with the node that hosted it
+        host = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+        return {0: f"the node that hosts the rendezvous store, {host}"}
+
+
+# --- node side ---------------------------------------------------------------------------------
+
+
+def _check_master(addr: str) -> None:
+    if not addr or addr.endswith((".yaml", ".yml")) or "=" in addr:
+        raise UserError(
+            f"MASTER_ADDR is missing (got {addr!r} where it belongs): "
+            "usage: torchrun_multinode.sh NNODES NODE_RANK MASTER_ADDR [CONFIG.yaml] [key=value ...]"
+        )
+    try:
+        socket.getaddrinfo(addr, None)
+    except OSError as e:
+        raise UserError(f"MASTER_ADDR {addr!r} does not resolve on this node ({e.strerror})") from None
+
+
+def _check_port_free(port: int) -> None:
+    """The rendezvous host's store listens on ``port``: taken, torchrun would join whatever holds it."""
+    with socket.socket(socket.AF_INET6 if socket.has_ipv6 else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the store does: TIME_WAIT is free
+        try:
+            s.bind(("", port))
+        except OSError as e:
+            raise UserError(
+                f"MASTER_PORT {port} is in use on this node ({e.strerror}): another job's "
+                "rendezvous? pass a free one, the same on every node: MASTER_PORT=N"
+            ) from None
+
+
+def _check_world(args: list[str], nnodes: int, per_node: int) -> None:
+    from moe_rl.config import load_run_config
+
+    path = args[0] if args and "=" not in args[0] else None
+    cfg = load_run_config(path, args[1:] if path else args)
+    if cfg.parallel.nproc != nnodes * per_node:
+        src = path or "the embedded default"
+        raise UserError(
+            f"parallel.nproc is {cfg.parallel.nproc} ({src} and the overrides) but {nnodes} nodes x "
+            f"{per_node} ranks per node start {nnodes * per_node}: pass parallel.nproc="
+            f"{nnodes * per_node} or change the node count"
+        )
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m moe_rl.multinode")
+    p.add_argument("--nnodes", type=int, required=True)
+    p.add_argument("--node-rank", type=int, required=True)
+    p.add_argument("--per-node", type=int, required=True)
+    p.add_argument("--master-addr", default="")
+    p.add_argument("--master-port", type=int, required=True)
+    p.add_argument("--rdzv-id", required=True)
+    p.add_argument("train_args", nargs=argparse.REMAINDER)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str]) -> int:
+    a = _parse(argv)
+    train = [x for x in a.train_args if x != "--"]
+    who = f"node {a.node_rank}"
+    try:
+        _check_master(a.master_addr)
+        if a.node_rank == 0:
+            _check_port_free(a.master_port)
+        _check_world(train, a.nnodes, a.per_node)
+    except UserError as e:
+        print(f"error: {who}: {one_line(e)}", file=sys.stderr)
+        return e.exit_code
+    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    os.environ[_NODE_ENV] = str(a.node_rank)
+    # torch's own failure and signal reports would repeat the ranks' lines, worse
+    for name in list(logging.Logger.manager.loggerDict):
+        if name.startswith(("torch.distributed.elastic", "torch.distributed.run")):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+    torchrun = [
+        f"--nnodes={a.nnodes}",
+        f"--node_rank={a.node_rank}",
+        f"--nproc_per_node={a.per_node}",
+        "--rdzv_backend=c10d",
+        f"--rdzv_endpoint={a.master_addr}:{a.master_port}",
+        f"--rdzv_id={a.rdzv_id}",
+        "--max_restarts=0",
+        "-m",
+        "moe_rl.cli",
+        "train",
+        *train,
+    ]
+    try:
+        run(get_args_parser().parse_args(torchrun))
+    except ChildFailedError as e:
+        rank, failure = min(e.failures.items())
+        if failure.exitcode > 0:  # the rank printed why (one line, or a bug's traceback)
+            return failure.exitcode
+        print(f"error: {who}: {RankDiedError(rank, failure.exitcode)}", file=sys.stderr)
+        return 1
+    except SignalException as e:
+        print(f"interrupted ({signal.Signals(e.sigval).name}): {who} stopped its ranks", file=sys.stderr)
+        return 128 + int(e.sigval)
+    except Exception as e:  # noqa: BLE001 - the rendezvous: a node that never came, a lost store
+        print(
+            f"error: {who}: the rendezvous at {a.master_addr}:{a.master_port} failed: {one_line(e)}",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
