@@ -118,8 +118,9 @@ def _check_master(addr: str) -> None:
         )
     try:
         socket.getaddrinfo(addr, None)
-    except OSError as e:
-        raise UserError(f"MASTER_ADDR {addr!r} does not resolve on this node ({e.strerror})") from None
+    except (OSError, UnicodeError) as e:  # UnicodeError: an empty label ("a..b")
+        why = getattr(e, "strerror", None) or one_line(e)
+        raise UserError(f"MASTER_ADDR {addr!r} does not resolve on this node ({why})") from None
 
 
 def _check_port_free(port: int) -> None:
@@ -149,8 +150,14 @@ def _check_world(args: list[str], nnodes: int, per_node: int) -> None:
         )
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, not argparse's usage text
+        print(f"error: scripts/torchrun_multinode.sh: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
 def _parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m moe_rl.multinode")
+    p = _Parser(prog="python -m moe_rl.multinode")
     p.add_argument("--nnodes", type=int, required=True)
     p.add_argument("--node-rank", type=int, required=True)
     p.add_argument("--per-node", type=int, required=True)
