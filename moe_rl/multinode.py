@@ -6,108 +6,20 @@ Node side (``python -m moe_rl.multinode``): checks what would otherwise fail lat
 ``error:`` line before any rank starts, then runs torch's torchrun (``torch.distributed.run``)
 with its failure report replaced by one line.
 
-Rank side (``run_rank``, from ``moe_rl.launch.launch`` under torchrun): a rank ends with its
-node's torchrun (kill -9 of it takes the ranks along, as a dead machine would), and a rank whose
-collective fails because a peer is gone names the lost node and rank: every rank has a thread
-that answers a roll call in the agents' store; the failing rank calls it, and the ranks that do
-not answer within ``ROLL_CALL_S`` are the lost ones (``NodeLostError``, one line from the CLI).
+The ranks' side, a lost node named: moe_rl/node_loss.py. Torch is imported after the checks.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import logging
 import os
 import signal
 import socket
 import sys
-import threading
-import time
 
 from moe_rl.errors import UserError, one_line
-from moe_rl.launch import RankDiedError, end_with_launcher
-
-ROLL_CALL_S = 3.0  # how long the live ranks get to answer (their answering thread is idle)
-_NODE_ENV = "MOE_RL_NODE"  # the node's rank as the user numbered it (torchrun's GROUP_RANK may differ)
-
-
-class NodeLostError(RankDiedError):
-    """A rank's collective failed because ranks of another node are gone (``lost``: rank -> where)."""
-
-    def __init__(self, lost: dict[int, str]) -> None:  # noqa: D107 - RankDiedError's fields kept
-        ranks = ", ".join(f"rank {r} ({where})" for r, where in sorted(lost.items()))
-        RuntimeError.__init__(
-            self, f"lost {ranks}: it stopped answering (its torchrun or its machine died); the job stopped"
-        )
-        self.rank, self.exitcode = min(lost), None
-
-
-def _namespace() -> str:
-    run, restart = (
-        os.environ.get("TORCHELASTIC_RUN_ID", ""),
-        os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"),
-    )
-    return f"moe_rl/{run}/{restart}"
-
-
-def _client(timeout_s: float):
-    from torch.distributed import TCPStore
-
-    return TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        is_master=False,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
-
-
-def _answer_roll_call(store, ns: str, rank: int) -> None:
-    try:
-        store.wait([f"{ns}/roll_call"], datetime.timedelta(days=30))
-        store.set(f"{ns}/alive/{rank}", "1")
-    except Exception:  # noqa: BLE001 - the store's host is gone: nobody is calling
-        pass
-
-
-def run_rank(worker, cfg, prepared) -> None:
-    """This rank's ``worker(cfg, prepared)`` under torchrun, naming a lost node if one ends it."""
-    end_with_launcher(os.getppid())  # kill -9 of this node's torchrun ends its ranks
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    ns, store = _namespace(), None
-    if world > 1:
-        store = _client(60.0)
-        where = f"node {os.environ.get(_NODE_ENV, os.environ.get('GROUP_RANK', '?'))}, {socket.gethostname()}"
-        store.set(f"{ns}/where/{rank}", where)
-        answer = threading.Thread(target=_answer_roll_call, args=(_client(60.0), ns, rank), daemon=True)
-        answer.start()
-    try:
-        worker(cfg, prepared)
-    except UserError:
-        raise
-    except Exception:
-        lost = _roll_call(store, ns, rank, world) if store is not None else {}
-        if lost:
-            raise NodeLostError(lost) from None
-        raise
-
-
-def _roll_call(store, ns: str, rank: int, world: int) -> dict[int, str]:
-    """The ranks that do not answer within ``ROLL_CALL_S``, with where they ran."""
-    try:
-        store.set(f"{ns}/roll_call", str(rank))
-        missing = set(range(world)) - {rank}
-        deadline = time.monotonic() + ROLL_CALL_S
-        while missing and time.monotonic() < deadline:
-            missing = {r for r in missing if not store.check([f"{ns}/alive/{r}"])}
-            time.sleep(0.05)
-        return {r: store.get(f"{ns}/where/{r}").decode() for r in missing}
-    except Exception:  # noqa: BLE001 - the store is gone with the node that hosted it
-        host = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
-        return {0: f"the node that hosts the rendezvous store, {host}"}
-
-
-# --- node side ---------------------------------------------------------------------------------
+from moe_rl.node_loss import NODE_ENV
 
 
 def _check_master(addr: str) -> None:
@@ -184,7 +96,9 @@ def main(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
-    os.environ[_NODE_ENV] = str(a.node_rank)
+    from moe_rl.launch import RankDiedError
+
+    os.environ[NODE_ENV] = str(a.node_rank)
     # torch's own failure and signal reports would repeat the ranks' lines, worse
     for name in list(logging.Logger.manager.loggerDict):
         if name.startswith(("torch.distributed.elastic", "torch.distributed.run")):

@@ -77,6 +77,10 @@ CONF
   exit 1
   ;;
 stop)
+  if [[ -f $D/slurmctld.pid ]] && jobs=$(squeue -h -o %i 2>/dev/null) && [[ -n $jobs ]]; then
+    scancel $jobs  # a job's processes must not outlive the cluster
+    for _ in $(seq 100); do [[ -z $(squeue -h -o %i 2>/dev/null) ]] && break; sleep 0.1; done
+  fi
   stop_pidfile "$D/slurmd.pid"
   stop_pidfile "$D/slurmctld.pid"
   stop_pidfile "$D/munge/munged.pid"

@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.helpers import moe_rl
-from tests.e2e.test_train_cli import DEFAULT_4_STEPS
+from tests.e2e.helpers import DEFAULT_4_STEPS, moe_rl
 
 
 @pytest.fixture(scope="session")

@@ -14,8 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.e2e.helpers import deterministic, metrics
-from tests.e2e.test_train_cli import DEFAULT_4_STEPS
+from tests.e2e.helpers import DEFAULT_4_STEPS, deterministic, metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 
