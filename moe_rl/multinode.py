@@ -19,7 +19,7 @@ import socket
 import sys
 
 from moe_rl.errors import UserError, one_line
-from moe_rl.node_loss import NODE_ENV
+from moe_rl.node_loss import NODE_ENV, STORE_ENV, STORE_LOST_EXIT
 
 
 def _check_master(addr: str) -> None:
@@ -80,6 +80,13 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _store_lost(who: str, a: argparse.Namespace) -> str:
+    return (
+        f"error: {who}: lost node 0, which hosts the rendezvous store at {a.master_addr}:{a.master_port} "
+        "(its torchrun or its machine died); the job stopped"
+    )
+
+
 def main(argv: list[str]) -> int:
     a = _parse(argv)
     train = [x for x in a.train_args if x != "--"]
@@ -92,13 +99,18 @@ def main(argv: list[str]) -> int:
     except UserError as e:
         print(f"error: {who}: {one_line(e)}", file=sys.stderr)
         return e.exit_code
+    os.environ[NODE_ENV] = str(a.node_rank)
+    os.environ[STORE_ENV] = f"{a.master_addr}:{a.master_port}"
+    if os.environ.get("MOE_RL_DEBUG", "") in ("", "0"):
+        # c10d's C++ warnings with their stack frames when a peer's store connection drops: the
+        # one line below says it (read when libtorch loads: set before torch is imported)
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
     from moe_rl.launch import RankDiedError
 
-    os.environ[NODE_ENV] = str(a.node_rank)
     # torch's own failure and signal reports would repeat the ranks' lines, worse
     for name in list(logging.Logger.manager.loggerDict):
         if name.startswith(("torch.distributed.elastic", "torch.distributed.run")):
@@ -110,6 +122,8 @@ def main(argv: list[str]) -> int:
         "--rdzv_backend=c10d",
         f"--rdzv_endpoint={a.master_addr}:{a.master_port}",
         f"--rdzv_id={a.rdzv_id}",
+        # node 0 hosts the store (torchrun would let any node on MASTER_ADDR's host race for it)
+        f"--rdzv_conf=is_host={int(a.node_rank == 0)}",
         "--max_restarts=0",
         "-m",
         "moe_rl.cli",
@@ -120,6 +134,9 @@ def main(argv: list[str]) -> int:
         run(get_args_parser().parse_args(torchrun))
     except ChildFailedError as e:
         rank, failure = min(e.failures.items())
+        if failure.exitcode == STORE_LOST_EXIT:
+            print(_store_lost(who, a), file=sys.stderr)
+            return 1
         if failure.exitcode > 0:  # the rank printed why (one line, or a bug's traceback)
             return failure.exitcode
         print(f"error: {who}: {RankDiedError(rank, failure.exitcode)}", file=sys.stderr)
@@ -128,6 +145,9 @@ def main(argv: list[str]) -> int:
         print(f"interrupted ({signal.Signals(e.sigval).name}): {who} stopped its ranks", file=sys.stderr)
         return 128 + int(e.sigval)
     except Exception as e:  # noqa: BLE001 - the rendezvous: a node that never came, a lost store
+        if a.node_rank != 0 and "store" in str(e).lower():  # its ranks end with this agent
+            print(_store_lost(who, a), file=sys.stderr)
+            return 1
         print(
             f"error: {who}: the rendezvous at {a.master_addr}:{a.master_port} failed: {one_line(e)}",
             file=sys.stderr,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import sys
 import threading
 import time
 
@@ -17,6 +18,11 @@ from moe_rl.errors import UserError
 
 ROLL_CALL_S = 3.0  # how long the live ranks get to answer (their answering thread is idle)
 NODE_ENV = "MOE_RL_NODE"  # the node's rank as the user numbered it (torchrun's GROUP_RANK may differ)
+# the rendezvous store, which node 0's agent hosts (moe_rl/multinode.py): the roll call's; the
+# ranks' own MASTER_ADDR:MASTER_PORT store is hosted by whichever node got group rank 0
+STORE_ENV = "MOE_RL_RDZV_STORE"
+# the exit code of a rank that lost the store (node 0 died): its agent, which lost it too, says so
+STORE_LOST_EXIT = 75
 
 
 class PeersLost(RuntimeError):
@@ -39,9 +45,10 @@ def _namespace() -> str:
 def _client(timeout_s: float):
     from torch.distributed import TCPStore
 
+    host, _, port = os.environ.get(STORE_ENV, "").rpartition(":")
     return TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
+        host or os.environ["MASTER_ADDR"],
+        int(port or os.environ["MASTER_PORT"]),
         is_master=False,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
@@ -70,7 +77,13 @@ def run_rank(worker, cfg, prepared) -> None:
     except UserError:
         raise
     except Exception:
-        lost = _roll_call(store, ns, rank, world) if store is not None else {}
+        if store is None:
+            raise
+        try:
+            lost = _roll_call(store, ns, rank, world)
+        except Exception:  # noqa: BLE001 - the store is gone with node 0, which hosts it
+            sys.stderr.flush()
+            os._exit(STORE_LOST_EXIT)  # no second line: this node's agent names node 0
         if lost:
             raise PeersLost(lost) from None
         raise
@@ -78,14 +91,10 @@ def run_rank(worker, cfg, prepared) -> None:
 
 def _roll_call(store, ns: str, rank: int, world: int) -> dict[int, str]:
     """The ranks that do not answer within ``ROLL_CALL_S``, with where they ran."""
-    try:
-        store.set(f"{ns}/roll_call", str(rank))
-        missing = set(range(world)) - {rank}
-        deadline = time.monotonic() + ROLL_CALL_S
-        while missing and time.monotonic() < deadline:
-            missing = {r for r in missing if not store.check([f"{ns}/alive/{r}"])}
-            time.sleep(0.05)
-        return {r: store.get(f"{ns}/where/{r}").decode() for r in missing}
-    except Exception:  # noqa: BLE001 - the store is gone with the node that hosted it
-        host = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
-        return {0: f"the node that hosts the rendezvous store, {host}"}
+    store.set(f"{ns}/roll_call", str(rank))
+    missing = set(range(world)) - {rank}
+    deadline = time.monotonic() + ROLL_CALL_S
+    while missing and time.monotonic() < deadline:
+        missing = {r for r in missing if not store.check([f"{ns}/alive/{r}"])}
+        time.sleep(0.05)
+    return {r: store.get(f"{ns}/where/{r}").decode() for r in missing}
