@@ -17,8 +17,8 @@ from tests.cli_helpers import ROOT
 USAGE = "usage: torchrun_multinode.sh NNODES NODE_RANK MASTER_ADDR [CONFIG.yaml] [key=value ...]"
 
 
-def node(tmp_path, *args: str, port: int = 29400) -> subprocess.CompletedProcess:
-    env = {**os.environ, "GPUS_PER_NODE": "1", "MASTER_PORT": str(port), "PYTHON": sys.executable}
+def node(tmp_path, *args: str, port: int = 29400, per_node: int = 1) -> subprocess.CompletedProcess:
+    env = {**os.environ, "GPUS_PER_NODE": str(per_node), "MASTER_PORT": str(port), "PYTHON": sys.executable}
     cmd = ["bash", str(ROOT / "scripts" / "torchrun_multinode.sh"), *args]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
 
@@ -35,6 +35,13 @@ def test_node_count_that_does_not_match_parallel_nproc(tmp_path):
         node(tmp_path, "3", "1", "127.0.0.1", f"run_dir={run}"),
         "error: node 1: parallel.nproc is 2 (the embedded default and the overrides) but 3 nodes x 1 "
         "ranks per node start 3: pass parallel.nproc=3 or change the node count",
+        run,
+    )
+    # the right node count, but 2 ranks on each node
+    fails_with(
+        node(tmp_path, "2", "0", "127.0.0.1", f"run_dir={run}", per_node=2),
+        "error: node 0: parallel.nproc is 2 (the embedded default and the overrides) but 2 nodes x 2 "
+        "ranks per node start 4: pass parallel.nproc=4 or change the node count",
         run,
     )
 
