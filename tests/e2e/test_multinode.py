@@ -51,13 +51,30 @@ def wait_for(path: Path, text: str, procs: list[subprocess.Popen], timeout_s: fl
         time.sleep(0.05)
 
 
+@pytest.fixture()
+def end_nodes():
+    """Nodes a failing test leaves running are killed, with their ranks."""
+    started: list[subprocess.Popen] = []
+    yield started
+    for p in started:
+        if p.poll() is None:
+            try:
+                for child in psutil.Process(p.pid).children(recursive=True):
+                    child.kill()
+            except psutil.Error:  # gone meanwhile
+                pass
+            p.kill()
+            p.wait()
+
+
 @pytest.mark.e2e
-def test_two_nodes_train_lose_a_node_and_resume_as_one_node_does(tmp_path, default_run):
+def test_two_nodes_train_lose_a_node_and_resume_as_one_node_does(tmp_path, default_run, end_nodes):
     full, _ = default_run
     run = tmp_path / "run"
     # steps=20: node 1 is killed right after the step-2 checkpoint, long before the end
     args = [a for a in DEFAULT_4_STEPS if not a.startswith("steps=")]
     nodes = start_nodes(free_port(), f"run_dir={run}", "steps=20", *args)
+    end_nodes += nodes
     wait_for(run / "checkpoints" / "latest", "step_000002", nodes)
     os.kill(nodes[1].pid, signal.SIGKILL)  # node 1's torchrun, as a dead machine: its rank ends with it
     killed = time.monotonic()
@@ -83,6 +100,7 @@ def test_two_nodes_train_lose_a_node_and_resume_as_one_node_does(tmp_path, defau
 
     # the same two nodes resume from the step-2 checkpoint: steps 0-3 equal the one-node nproc=2 run
     resumed = start_nodes(free_port(), f"run_dir={run}", "steps=4", "resume=true")
+    end_nodes += resumed
     outs = [node.communicate(timeout=300) for node in resumed]
     assert [node.returncode for node in resumed] == [0, 0], [err[-3000:] for _, err in outs]
     # rank 0 (on node 0: the first to join the rendezvous is not always node 0) prints the end lines
