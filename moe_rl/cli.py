@@ -109,8 +109,9 @@ def train(args: tuple[str, ...]) -> None:
     """Train: moe-rl train [CONFIG.yaml] [key=value ...]  (no config: the embedded tiny CPU default).
     Resume: moe-rl train run_dir=RUN resume=true [steps=N]  (RUN/config.yaml is the base)."""
     from moe_rl import rank_server
-    from moe_rl.launch import JobInterrupted, RankDiedError, under_torchrun
-    from moe_rl.stop import handle_signals
+    from moe_rl.launch import under_torchrun
+    from moe_rl.rank_errors import RankDiedError
+    from moe_rl.stop import JobInterrupted, handle_signals
 
     cfg = _load(args)
     if not under_torchrun():
@@ -187,7 +188,7 @@ def _stop_signals_raise() -> dict:
     """SIGTERM (and SIGHUP) raise like Ctrl-C does, so that every stop unwinds: the lock is
     released, a failed start is undone, and the one-line message is printed. torch's elastic agent
     puts its own handler in place while the ranks run (``moe_rl.launch.spawn_local``)."""
-    from moe_rl.launch import JobInterrupted
+    from moe_rl.stop import JobInterrupted
 
     def stop(signum, frame):
         raise JobInterrupted(signum)

@@ -52,6 +52,7 @@ import torch
 from moe_rl import job_tmp, rank_server, stale_shm, stop
 from moe_rl.config import RunConfig
 from moe_rl.errors import UserError
+from moe_rl.rank_errors import RankDiedError, RankFailedError
 from moe_rl.stop import JobInterrupted
 
 log = logging.getLogger(__name__)
@@ -62,38 +63,6 @@ _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 LAUNCHER_DIED = signal.SIGUSR2
 PARENT_GONE_WAIT_S = 1.0  # how long a parent-death signal waits for the launcher to be gone
 _PR_SET_PDEATHSIG, _PR_SET_CHILD_SUBREAPER = 1, 36
-
-
-class RankFailedError(RuntimeError):
-    """A rank of a local job raised something that is not a user error (a bug): its traceback."""
-
-
-class RankDiedError(RuntimeError):
-    """A rank of a local job ended without a Python exception: killed by a signal, or exited.
-    ``exitcode``: multiprocessing's (-N: signal N); None when it was not seen (``_peers_dead``)."""
-
-    def __init__(self, rank: int, exitcode: int | None) -> None:
-        if exitcode is None:
-            how = "its exit status was not seen"
-        elif exitcode < 0:
-            name = signal.Signals(-exitcode).name if -exitcode in signal.valid_signals() else "?"
-            how = f"signal {-exitcode}, {name}"
-        else:
-            how = f"exit code {exitcode}, without a Python exception"
-        if self.sigkilled_by(exitcode):  # what a rank killed for memory shows; a kill -9 looks the same
-            what = "was killed by SIGKILL, likely the kernel's out-of-memory killer: host memory ran out"
-            super().__init__(f"rank {rank} {what} (or a kill -9 from outside); the job stopped")
-        else:
-            super().__init__(f"rank {rank} died ({how}); the job stopped")
-        self.rank, self.exitcode = rank, exitcode
-
-    @staticmethod
-    def sigkilled_by(exitcode: int | None) -> bool:
-        return exitcode == -signal.SIGKILL
-
-    @property
-    def sigkilled(self) -> bool:
-        return self.sigkilled_by(self.exitcode)
 
 
 def under_torchrun() -> bool:
@@ -137,8 +106,12 @@ def run_worker(cfg: RunConfig, prepared=None):
     if os.environ.get(PIN_ROLES_ENV, "") not in ("", "0"):
         pin_to_core(int(os.environ.get("LOCAL_RANK", "0")))
     elif not torch.cuda.is_available():
-        # share the CPU cores between local ranks instead of oversubscribing them
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        # share the CPU cores between local ranks instead of oversubscribing them; under torchrun
+        # OMP_NUM_THREADS when set (its agent sees its own ranks only, not other nodes' on this host)
+        threads = os.environ.get("OMP_NUM_THREADS", "") if under_torchrun() else ""
+        torch.set_num_threads(
+            int(threads) if threads.isdigit() else max(1, (os.cpu_count() or 1) // local_world)
+        )
     dist.setup_logging(int(os.environ.get("RANK", "0")))
     megatron_patches.apply_all()
     dims = dist.init_distributed(cfg.parallel, cfg.seed)
@@ -464,7 +437,10 @@ def launch(cfg: RunConfig, prepared=None) -> None:
     built (``trainer.Prepared``: the task is built once per process). Spawned local ranks build
     their own (a spawned process shares no Python objects with the launcher)."""
     if under_torchrun():
-        done = run_worker(cfg, prepared)
+        from moe_rl.node_loss import run_rank
+
+        end_with_launcher(os.getppid())  # kill -9 of this node's torchrun ends its ranks, as a dead machine
+        done = run_rank(run_worker, cfg, prepared)  # a lost node is named: NodeLostError
         if isinstance(done, stop.Stopped):  # its own signal handler asked for it (``stop.handle_signals``)
             raise JobInterrupted(done.signum, checkpoint=done.step)
         return

@@ -386,7 +386,30 @@ class MetricsWriter:
         self._file.flush()
         os.fsync(self._file.fileno())
         if self._wandb_run is not None:
-            self._wandb_run.log({**metrics, "step": int(step)})
+            try:
+                self._wandb_run.log({**metrics, "step": int(step)})
+            except Exception as e:  # noqa: BLE001 - wandb's service process is gone: the run goes on
+                self._wandb_lost(step, e)
+
+    def _wandb_lost(self, step: int, e: Exception) -> None:
+        # a SIGTERM to every process of a Slurm job step (its --signal, a preemption) ends wandb's
+        # service process too, while the ranks finish their step and save a checkpoint: a lost
+        # wandb must not lose that checkpoint
+        logger.warning(
+            "wandb stopped taking metrics at step %d (%s: %s; its service process was likely "
+            "signalled with the job); the run goes on, every step is in %s",
+            step,
+            type(e).__name__,
+            str(e).splitlines()[0] if str(e) else "",
+            self.path,
+        )
+        self._wandb_run = None  # no finish(): it would wait on the dead service
+        import wandb
+
+        try:  # its public teardown drops wandb's exit hook first, which would print the loss again
+            wandb.teardown()
+        except Exception:  # noqa: BLE001, S110 - then fails on the dead service, as said above
+            pass
 
     def log_events(self, events: list[dict]) -> None:
         """Append events (dicts with "step", e.g. an LR decay with its cause) to events.jsonl."""

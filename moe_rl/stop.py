@@ -61,15 +61,15 @@ def requested() -> int:
 
 def _on_signal(signum: int, _frame) -> None:
     global _signum
-    if _signum:  # the second: the signal's default action, at once
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
-        return
-    _signum = signum
+    _signum = _signum or signum
 
 
 def handle_signals() -> None:
-    """A rank under an external torchrun: its first SIGTERM or SIGINT only asks for the stop."""
+    """A rank under an external torchrun: its first SIGTERM or SIGINT only asks for the stop, and
+    so do the repeats: one stop reaches a rank twice there (Slurm signals every process of the job
+    step and torchrun's agent passes its own on; a terminal's Ctrl-C reaches the agent and its
+    ranks). Stopping at once is the agent's: it SIGKILLs its ranks after its shutdown timeout, and
+    a second signal ends the agent, and its ranks with it (``launch.end_with_launcher``)."""
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _on_signal)
 

@@ -1,18 +1,20 @@
 #!/usr/bin/env bash
 # Multi-node training by hand: run this on EVERY node, same arguments except NODE_RANK.
 #
-#   bash scripts/torchrun_multinode.sh NNODES NODE_RANK MASTER_ADDR CONFIG.yaml [key=value ...]
+#   bash scripts/torchrun_multinode.sh NNODES NODE_RANK MASTER_ADDR [CONFIG.yaml] [key=value ...]
 #   e.g. node 0: bash scripts/torchrun_multinode.sh 4 0 10.0.0.1 configs/qwen3_235b_a22b_4x8h100.yaml
 #        nodes 1-3: the same with NODE_RANK 1, 2, 3
 #
-# torchrun starts GPUS_PER_NODE ranks per node and sets RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR, so
-# `python -m moe_rl.cli train` runs as that rank (moe_rl/launch.py: external-torchrun mode) instead
-# of starting its own. parallel.nproc is set to the world size (the config is validated against it).
+# One torchrun agent per node (moe_rl/multinode.py runs it: c10d rendezvous on MASTER_ADDR:MASTER_PORT)
+# starts GPUS_PER_NODE ranks and sets RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR, so `python -m
+# moe_rl.cli train` runs as that rank (moe_rl/launch.py: external-torchrun mode). The config's
+# parallel.nproc must equal NNODES x GPUS_PER_NODE; that, MASTER_ADDR and a free MASTER_PORT are
+# checked before any rank starts (one `error:` line). No config: the embedded tiny CPU default.
 set -euo pipefail
-if [[ $# -lt 4 ]]; then
-  sed -n '2,5p' "$0"; exit 2
+if [[ $# -lt 2 ]]; then
+  sed -n '4,6p' "$0"; exit 2
 fi
-NNODES=$1 NODE_RANK=$2 MASTER_ADDR=$3 CONFIG=$4; shift 4
+NNODES=$1 NODE_RANK=$2 MASTER_ADDR=${3:-}; shift $(($# < 3 ? $# : 3))
 GPUS_PER_NODE=${GPUS_PER_NODE:-$(nvidia-smi -L | wc -l)}
 MASTER_PORT=${MASTER_PORT:-29500}
 cd "$(dirname "$0")/.."
@@ -24,7 +26,6 @@ export WANDB_MODE=${WANDB_MODE:-offline}
 # a first SIGTERM/Ctrl-C: the ranks finish their step and save a checkpoint; torchrun's agent
 # SIGKILLs them after this many seconds (docs/reliability.md 9: torchrun's --shutdown-timeout)
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${STOP_GRACE_S:-120}
-exec torchrun --nnodes "$NNODES" --node_rank "$NODE_RANK" --nproc_per_node "$GPUS_PER_NODE" \
-  --rdzv_backend c10d --rdzv_endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv_id "moe-rl-$MASTER_ADDR" \
-  --max_restarts 0 \
-  -m moe_rl.cli train "$CONFIG" parallel.nproc=$((NNODES * GPUS_PER_NODE)) "$@"
+exec "${PYTHON:-python}" -m moe_rl.multinode --nnodes "$NNODES" --node-rank "$NODE_RANK" \
+  --per-node "$GPUS_PER_NODE" --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" \
+  --rdzv-id "moe-rl-$MASTER_ADDR-$MASTER_PORT" -- "$@"

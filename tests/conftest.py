@@ -17,7 +17,7 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 
 
-TIERS = ("unit", "dist", "e2e", "device", "gpu", "bad_input", "vllm")
+TIERS = ("unit", "dist", "e2e", "device", "gpu", "bad_input", "vllm", "slurm")
 
 
 def pytest_configure(config):

@@ -221,3 +221,59 @@ def test_expert_load_file_is_a_vector_per_layer_and_resumes_like_the_metrics(tmp
         {"step": 1, "layers": {"1": [0.6, 0.4], "2": [1.0, 0.0]}},
         {"step": 2, "layers": {"1": [0.25, 0.75], "2": [1.0, 0.0]}},
     ]
+
+
+_WANDB_KILLED = """
+import logging, os, signal, sys, time
+from pathlib import Path
+from moe_rl.metrics import MetricsWriter
+
+logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+run = Path(sys.argv[1])
+w = MetricsWriter(run, {"a": 1}, wandb_mode="offline", wandb_project="t", rank=0)
+w.log(0, {"x": 0.0})
+me = str(os.getpid())
+def parent(p):
+    try:
+        return open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[1]
+    except FileNotFoundError:
+        return ""
+kids = [int(p) for p in os.listdir("/proc") if p.isdigit() and parent(p) == me]
+assert kids, "wandb started no service process"
+for pid in kids:  # as Slurm's --signal does: every process of the job step
+    os.kill(pid, signal.SIGTERM)
+def state(pid):
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return "gone"
+for pid in kids:
+    while state(pid) not in ("Z", "gone"):
+        time.sleep(0.05)
+time.sleep(0.5)
+for step in (1, 2):
+    w.log(step, {"x": float(step)})
+w.close()
+print("closed")
+"""
+
+
+@pytest.mark.unit
+def test_a_killed_wandb_service_costs_wandb_only(wandb_env):
+    """A SIGTERM to every process of the job (Slurm's --signal, preemption) ends wandb's service
+    process: the writer warns once, keeps every step in metrics.jsonl, and closes without waiting."""
+    import os
+    import subprocess
+    import sys
+
+    run = wandb_env / "run"
+    env = {k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}  # its own service, not this one's
+    proc = subprocess.run(
+        [sys.executable, "-c", _WANDB_KILLED, str(run)], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("closed"), proc.stderr[-3000:]
+    warned = [x for x in proc.stderr.splitlines() if "wandb stopped taking metrics" in x]
+    assert len(warned) == 1 and "at step 1 " in warned[0] and str(run / "metrics.jsonl") in warned[0]
+    assert "Traceback" not in proc.stderr  # nor at exit, from wandb's own exit hook
+    records, bad = read_metrics(run / "metrics.jsonl")
+    assert [r["x"] for r in records] == [0.0, 1.0, 2.0] and not bad

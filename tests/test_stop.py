@@ -57,13 +57,16 @@ def test_second_signal_stops_at_once_and_stopped_ranks_name_their_checkpoint(tmp
 
 @pytest.mark.unit
 def test_a_torchrun_rank_takes_its_first_signal_as_the_request(handlers):
-    """``handle_signals`` (an external torchrun): the first SIGTERM only sets the flag (the second
-    would take the signal's default action, ending the process)."""
+    """``handle_signals`` (an external torchrun): the first SIGTERM only sets the flag, and so do
+    the repeats (Slurm's and the agent's copies of one stop): the process lives on, the first kept."""
     saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         stop.handle_signals()
         signal.raise_signal(signal.SIGTERM)
         assert stop.requested() == signal.SIGTERM and stop.agreed() == signal.SIGTERM  # no group: itself
+        signal.raise_signal(signal.SIGTERM)
+        signal.raise_signal(signal.SIGINT)
+        assert stop.requested() == signal.SIGTERM
     finally:
         stop._signum = 0
         for sig, h in saved.items():

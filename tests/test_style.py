@@ -255,7 +255,17 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         ),
     ),
     # the rank server's preload imports what a rank runs (the loop) before any rank exists
-    ("entry points", ("moe_rl.launch", "moe_rl.export", "moe_rl.cli", "moe_rl.rank_server_preload")),
+    (
+        "entry points",
+        (
+            "moe_rl.launch",
+            "moe_rl.multinode",
+            "moe_rl.node_loss",
+            "moe_rl.export",
+            "moe_rl.cli",
+            "moe_rl.rank_server_preload",
+        ),
+    ),
 )
 
 

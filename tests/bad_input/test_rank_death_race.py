@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from moe_rl.launch import RankDiedError, spawn_local
+from moe_rl.launch import spawn_local
+from moe_rl.rank_errors import RankDiedError
 
 
 def _dead(pid: int) -> bool:

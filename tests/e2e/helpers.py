@@ -22,6 +22,39 @@ from tests.models import HF_FAMILY_TINY
 VOCAB = 512  # the trained tokenizer has 460 tokens: padded embeddings, as hub checkpoints have
 
 
+TINY = [
+    "rollout.prompts_per_step=8",
+    "rollout.samples_per_prompt=4",
+    "rollout.max_new_tokens=8",
+    "log.progress_bar=false",
+    "log.wandb_mode=offline",
+]
+
+
+# a response-length LR decay that triggers at almost any length change, so its state matters
+EAGER_LENGTH_LR = [
+    "optim.length_lr.enabled=true",
+    "optim.length_lr.surge_ratio=1.001",
+    "optim.length_lr.min_observations=0",
+    "optim.length_lr.patience=1",
+    "optim.length_lr.ema_alpha=1.0",
+    "optim.length_lr.cooldown_steps=0",
+    "optim.length_lr.rebase_after_trigger=false",
+]
+
+
+# the default run of 4 steps the ``default_run`` session fixture (tests/e2e/conftest.py) makes once:
+# the resume below and the two-node run (tests/e2e/test_multinode.py, test_slurm.py) must reproduce it
+DEFAULT_4_STEPS = [
+    "steps=4",
+    "checkpoint_every=2",
+    "algo.advantage=otb",
+    "correction.is_level=token",
+    *EAGER_LENGTH_LR,
+    *TINY,
+]
+
+
 def moe_rl(*args: str, check: bool = True, timeout: int = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run(

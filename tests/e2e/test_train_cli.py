@@ -16,38 +16,27 @@ import time
 import pytest
 import yaml
 
-from tests.e2e.helpers import assert_run_end, deterministic, metrics, moe_rl, signalled, stopped_copy
-
-TINY = [
-    "rollout.prompts_per_step=8",
-    "rollout.samples_per_prompt=4",
-    "rollout.max_new_tokens=8",
-    "log.progress_bar=false",
-    "log.wandb_mode=offline",
-]
-
-
-# a response-length LR decay that triggers at almost any length change, so its state matters
-EAGER_LENGTH_LR = [
-    "optim.length_lr.enabled=true",
-    "optim.length_lr.surge_ratio=1.001",
-    "optim.length_lr.min_observations=0",
-    "optim.length_lr.patience=1",
-    "optim.length_lr.ema_alpha=1.0",
-    "optim.length_lr.cooldown_steps=0",
-    "optim.length_lr.rebase_after_trigger=false",
-]
+from tests.e2e.helpers import (
+    DEFAULT_4_STEPS,
+    TINY,
+    assert_run_end,
+    deterministic,
+    metrics,
+    moe_rl,
+    signalled,
+    stopped_copy,
+)
 
 
 @pytest.mark.e2e
-def test_resume_reproduces_uninterrupted_run(tmp_path):
-    full, part = tmp_path / "full", tmp_path / "part"
-    args = ["checkpoint_every=2", "algo.advantage=otb", "correction.is_level=token", *EAGER_LENGTH_LR, *TINY]
-    assert_run_end(moe_rl("train", f"run_dir={full}", "steps=4", *args), full)
+def test_resume_reproduces_uninterrupted_run(tmp_path, default_run):
+    full, proc = default_run
+    part = tmp_path / "part"
+    assert_run_end(proc, full)
     # Ctrl-C while step 0 runs (issue 42): the job finishes the step, saves a checkpoint no
     # checkpoint_every asked for, prints the command that resumes it and exits 130
-    code, err = signalled(part, "steps=4", *args, after=0)
-    again = f"moe-rl train run_dir={part} steps=4 {' '.join(args)} resume=true"
+    code, err = signalled(part, *DEFAULT_4_STEPS, after=0)
+    again = f"moe-rl train run_dir={part} {' '.join(DEFAULT_4_STEPS)} resume=true"
     assert (code, err.splitlines()[-1]) == (
         130,
         f"stopped (SIGINT) after the step in progress, checkpoint saved at step 1; resume with: {again}  "
