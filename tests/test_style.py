@@ -198,6 +198,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "moe_rl.registry",
             "moe_rl.seeding",
             "moe_rl.quiet",
+            "moe_rl.rank_errors",
             "moe_rl.run_lock",
             "moe_rl.stale_shm",
             "moe_rl.job_tmp",
