@@ -100,6 +100,10 @@ def vllm_keys_set(v: VllmConfig) -> dict[str, str]:
 class RolloutConfig:
     engine: str = "builtin"  # builtin (CPU or small GPU models) | vllm (CUDA; rollout.vllm)
     dtype: str = "bf16"  # the built-in engine's own numeric path: bf16 | fp32
+    # the engine's linear layers (attention, dense and expert MLPs): none (in rollout.dtype) | fp8
+    # (blockwise e4m3 weights 128x128 and activations 1x128, quantized at every weight sync; the
+    # router, expert bias, embeddings, LM head and norms keep their precision; docs/vllm.md 9)
+    quantization: str = "none"
     prompts_per_step: int = 32  # global, over all data-parallel ranks
     samples_per_prompt: int = 8
     max_new_tokens: int = 12
@@ -129,6 +133,7 @@ class RolloutConfig:
         check_finite(self, "rollout")
         one_of(self.engine, "rollout.engine", ("builtin", "vllm"))
         one_of(self.dtype, "rollout.dtype", ("bf16", "fp32"))
+        one_of(self.quantization, "rollout.quantization", ("none", "fp8"))
         for name in ("prompts_per_step", "samples_per_prompt", "max_new_tokens"):
             check(getattr(self, name) >= 1, f"rollout.{name}", "must be >= 1")
         check(self.temperature > 0, "rollout.temperature", "must be > 0")

@@ -47,6 +47,12 @@ def check_vllm(cfg: RunConfig) -> None:
         logprobs_mode(r.temperature, r.top_k, r.top_p, dvp=c.dvp.on)
     except ValueError as e:
         refuse("rollout.top_p", str(e))
+    if r.quantization == "fp8" and r.dtype != "bf16":
+        refuse(
+            "rollout.quantization",
+            f"fp8 with rollout.dtype={r.dtype}: vLLM's online FP8 takes bf16 or fp16 activations; "
+            f"use rollout.dtype=bf16",
+        )
     if r.router_noise > 0:
         refuse("rollout.router_noise", "router-logit noise exists only in the built-in engine")
     if r.inflight_kv != "keep":

@@ -45,6 +45,7 @@ from moe_rl.corrections.dvp import safe_set_for
 from moe_rl.errors import RouteError
 from moe_rl.rollout.base import UpdateSource, Weights
 from moe_rl.rollout.builtin_model import DTYPES, BuiltinMoEModel, ForwardOut, KVCache, RouterNoise
+from moe_rl.rollout.fp8 import QUANTIZATIONS
 from moe_rl.routing.record import route_dtype
 from moe_rl.types import RolloutBatch, SamplingParams
 
@@ -166,6 +167,8 @@ class BuiltinEngine:
             the call's seed: a dialled-in routing mismatch for experiments; 0 = off.
         inflight_kv: what an in-flight update does to the KV cache: "keep" | "recompute"
             (module docstring; ``rollout.inflight_kv``).
+        quantization: "none" | "fp8": blockwise FP8 linear layers, emulated (``rollout.quantization``,
+            moe_rl/rollout/fp8.py), weights quantized at every load.
 
     ``version`` is the weight version of the loaded weights: 0 before the first load, then set by
     every load (``load_weights``, or an in-flight update).
@@ -180,6 +183,7 @@ class BuiltinEngine:
         device: torch.device | str = "cpu",
         router_logit_noise: float = 0.0,
         inflight_kv: str = "keep",
+        quantization: str = "none",
     ) -> None:
         if dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
@@ -191,26 +195,34 @@ class BuiltinEngine:
             raise ValueError(f"router_logit_noise must be >= 0, got {router_logit_noise}")
         if inflight_kv not in INFLIGHT_KV:
             raise ValueError(f"inflight_kv {inflight_kv!r} is not one of {INFLIGHT_KV}")
+        if quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization {quantization!r} is not one of {QUANTIZATIONS}")
         self.cfg = model_cfg
         self.pad_id = pad_id
         self.device = torch.device(device)
         self.router_logit_noise = float(router_logit_noise)
-        self.model = BuiltinMoEModel(model_cfg, DTYPES[dtype], self.device)
+        self.model = BuiltinMoEModel(model_cfg, DTYPES[dtype], self.device, fp8=quantization == "fp8")
         self.route_dtype = route_dtype(model_cfg.num_experts)
         self.inflight_kv = inflight_kv
         self.version = 0
 
-    def load_weights(self, weights: Weights, version: int | None = None) -> None:
+    def load_weights(self, weights: Weights, version: int | None = None) -> dict[str, float] | None:
         """Replace all weights in place from a dict or a stream of chunks (one chunk held at a
         time); names/shapes over all chunks must be exactly ``canonical_param_shapes(cfg)``.
 
         ``version``: the weight version they are (>= 1); default: the current version + 1. It is
-        set only once the load completed (a dict is checked whole before any copy)."""
+        set only once the load completed (a dict is checked whole before any copy). With FP8 it
+        returns the sync's ``rollout/fp8_weight_rel_err``: ||fp8(W) - W|| / ||W|| over the
+        quantized tensors (W as received); else None."""
         new = self.version + 1 if version is None else int(version)
         if new < 1:
             raise ValueError(f"weight version must be >= 1 (0 marks prompt/pad tokens), got {new}")
         self.model.load_canonical(weights)
         self.version = new
+        if not self.model.fp8_names:
+            return None
+        sq_err, sq = self.model.fp8_err
+        return {"rollout/fp8_weight_rel_err": (sq_err / sq) ** 0.5 if sq > 0 else 0.0}
 
     @torch.no_grad()
     def generate(

@@ -24,7 +24,7 @@ Shape suffix legend:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -34,8 +34,15 @@ import torch.nn.functional as F
 from moe_rl.config import ModelConfig
 from moe_rl.rollout.base import ENGINE_DTYPES, Weights, engine_dtype, weight_chunks
 from moe_rl.rollout.builtin_rope import apply_rope, rope_tables, softmax_scale
+from moe_rl.rollout.fp8 import (
+    check_quantized_names,
+    fake_quant_act,
+    identity,
+    quantize_in_place,
+    quantized_names,
+)
 from moe_rl.routing.gating import RouterSpec, route
-from moe_rl.weights.canonical import CanonicalCheck, check_canonical_weights
+from moe_rl.weights.canonical import CanonicalCheck, canonical_param_shapes, check_canonical_weights
 
 DTYPES = ENGINE_DTYPES
 # eps of the q_a / kv_a RMSNorms of MLA: transformers' DeepseekV3RMSNorm default (not rms_norm_eps)
@@ -124,9 +131,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return y.to(x.dtype)
 
 
-def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
-    """down(silu(gate(x)) * up(x)); weights [F, H], [F, H], [H, F]."""
-    return F.linear(F.silu(F.linear(x, w_gate)) * F.linear(x, w_up), w_down)
+Act = Callable[[torch.Tensor], torch.Tensor]  # what a linear layer's input goes through (FP8: fp8.py)
+
+
+def swiglu(
+    x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, aq: Act = identity
+) -> torch.Tensor:
+    """down(silu(gate(x)) * up(x)); weights [F, H], [F, H], [H, F]; ``aq`` on each matmul's input."""
+    xq = aq(x)
+    return F.linear(aq(F.silu(F.linear(xq, w_gate)) * F.linear(xq, w_up)), w_down)
 
 
 @dataclass
@@ -138,9 +151,10 @@ class SharedExpert:
     w_up_FH: torch.Tensor
     w_down_HF: torch.Tensor
     gate_1H: torch.Tensor | None = None
+    aq: Act = identity  # the SwiGLU's activation quantizer; the gate reads x unquantized
 
     def __call__(self, x_TH: torch.Tensor) -> torch.Tensor:
-        y_TH = swiglu(x_TH, self.w_gate_FH, self.w_up_FH, self.w_down_HF)
+        y_TH = swiglu(x_TH, self.w_gate_FH, self.w_up_FH, self.w_down_HF, self.aq)
         if self.gate_1H is not None:
             y_TH = torch.sigmoid(F.linear(x_TH, self.gate_1H)) * y_TH
         return y_TH
@@ -158,13 +172,15 @@ def moe_forward(
     spec: RouterSpec | None = None,
     bias_E: torch.Tensor | None = None,
     shared: SharedExpert | None = None,
+    aq: Act = identity,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-K MoE: route in fp32 (moe_rl/routing/gating.py), run experts on sorted slices.
 
     ``spec`` is the router (default: Qwen3's softmax with renormalised top-k); ``bias_E`` the
     expert bias (sigmoid scores: selects, never weights); ``shared`` the shared expert, added to
     every token. Tokens are sorted by expert so each expert runs one matmul on its contiguous
-    slice; the only Python loop is over the E experts.
+    slice; the only Python loop is over the E experts. ``aq``: the experts' activation quantizer
+    (the router reads x as it is).
 
     Args:
         x_TH: tokens in the engine dtype. router_EH: router weight (kept in fp32).
@@ -188,7 +204,7 @@ def moe_forward(
     counts = torch.bincount(flat_ids_P, minlength=num_experts).tolist()
     x_PH = x_TH[token_of_P]
     outs = [
-        swiglu(x_e, w_gate_EFH[e], w_up_EFH[e], w_down_EHF[e])
+        swiglu(x_e, w_gate_EFH[e], w_up_EFH[e], w_down_EHF[e], aq)
         for e, x_e in enumerate(x_PH.split(counts))
         if counts[e] > 0
     ]
@@ -212,11 +228,22 @@ class BuiltinMoEModel:
     """
 
     def __init__(
-        self, cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu"
+        self,
+        cfg: ModelConfig,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str = "cpu",
+        fp8: frozenset[str] | bool = False,
     ) -> None:
+        """``fp8``: True quantizes the names of the rule (``fp8.quantized``), a set exactly those
+        (refused if it holds a router, gate or expert bias); False: none."""
         if cfg.vocab_size <= 0:
             raise ValueError("model.vocab_size must be > 0 to build the built-in engine")
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
+        names = quantized_names(canonical_param_shapes(cfg)) if fp8 is True else frozenset(fp8 or ())
+        check_quantized_names(names)
+        self.fp8_names: frozenset[str] = names
+        self.aq: Act = fake_quant_act if names else identity
+        self.fp8_err = (0.0, 0.0)  # the last load's sum of squared FP8 weight errors, of squared weights
         self.moe_layers: list[int] = cfg.moe_layers
         self.router_spec = RouterSpec.from_model(cfg)
         self.w: dict[str, torch.Tensor] = {}  # canonical name -> tensor (experts stacked, below)
@@ -236,7 +263,7 @@ class BuiltinMoEModel:
         """
         if isinstance(weights, Mapping):
             check_canonical_weights(weights, self.cfg)
-        check = CanonicalCheck(self.cfg)
+        check, err = CanonicalCheck(self.cfg), (0.0, 0.0)
         for chunk in weight_chunks(weights):
             check.chunk(chunk)
             if not self.w:
@@ -246,7 +273,11 @@ class BuiltinMoEModel:
             # one vectorized copy per chunk (dtype cast included); no new engine tensors
             torch._foreach_copy_([self._slots[n] for n in names], [chunk[n].detach() for n in names])
             del chunk  # before the stream builds the next one: one chunk alive at a time
+            # every sync quantizes what the learner sent (the chunk's FP8 tensors, in place)
+            e = quantize_in_place([self._slots[n] for n in names if n in self.fp8_names])
+            err = (err[0] + e[0], err[1] + e[1])
         check.finish()
+        self.fp8_err = err
         self.loaded = True
 
     def _allocate(self, shapes: dict[str, tuple[int, ...]]) -> None:
@@ -308,7 +339,8 @@ class BuiltinMoEModel:
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
             x_BTH = rms_norm(h_BTH, self.w[p + "input_layernorm.weight"], cfg.norm_eps)
-            h_BTH = h_BTH + self._attention(i, x_BTH, cos_BTR, sin_BTR, mask_B1TS, cache, start)
+            # x feeds the attention's input projections only: quantized once for all of them
+            h_BTH = h_BTH + self._attention(i, self.aq(x_BTH), cos_BTR, sin_BTR, mask_B1TS, cache, start)
             x_BTH = rms_norm(h_BTH, self.w[p + "post_attention_layernorm.weight"], cfg.norm_eps)
             if i < cfg.first_k_dense:
                 y_BTH = swiglu(
@@ -316,6 +348,7 @@ class BuiltinMoEModel:
                     self.w[p + "mlp.gate_proj.weight"],
                     self.w[p + "mlp.up_proj.weight"],
                     self.w[p + "mlp.down_proj.weight"],
+                    self.aq,
                 )
             else:
                 y_TH, ids_TK = moe_forward(
@@ -329,6 +362,7 @@ class BuiltinMoEModel:
                     spec=self.router_spec,
                     bias_E=self.w.get(p + "mlp.gate.e_score_correction_bias"),
                     shared=self._shared_expert(p),
+                    aq=self.aq,
                 )
                 y_BTH = y_TH.view(B, T, -1)
                 ids_per_layer.append(ids_TK.view(B, T, -1))
@@ -354,6 +388,7 @@ class BuiltinMoEModel:
             self.w[s + "up_proj.weight"],
             self.w[s + "down_proj.weight"],
             self.w.get(p + "mlp.shared_expert_gate.weight"),
+            self.aq,
         )
 
     def _attention_mask(self, key_valid_BS: torch.Tensor, start: int, T: int) -> torch.Tensor:
@@ -405,7 +440,7 @@ class BuiltinMoEModel:
         out_BNTD = F.scaled_dot_product_attention(
             q_BNTD, k_BGSD, v_BGSD, attn_mask=mask_B1TS, enable_gqa=True
         )
-        return F.linear(out_BNTD.transpose(1, 2).reshape(B, T, N * D), w[p + "o_proj.weight"])
+        return F.linear(self.aq(out_BNTD.transpose(1, 2).reshape(B, T, N * D)), w[p + "o_proj.weight"])
 
     def _mla(
         self,
@@ -437,7 +472,7 @@ class BuiltinMoEModel:
             q_lat = rms_norm(
                 F.linear(x_BTH, w[p + "q_a_proj.weight"]), w[p + "q_a_layernorm.weight"], MLA_EPS
             )
-            q_BTNQ = F.linear(q_lat, w[p + "q_b_proj.weight"]).view(B, T, N, Dn + R)
+            q_BTNQ = F.linear(self.aq(q_lat), w[p + "q_b_proj.weight"]).view(B, T, N, Dn + R)
         else:
             q_BTNQ = F.linear(x_BTH, w[p + "q_proj.weight"]).view(B, T, N, Dn + R)
         q_BNTQ = q_BTNQ.transpose(1, 2)
@@ -452,10 +487,10 @@ class BuiltinMoEModel:
         else:
             lat_B1SX = lat_B1TX
         S = lat_B1SX.shape[2]
-        kv_BSNY = F.linear(lat_B1SX[:, 0, :, :C], w[p + "kv_b_proj.weight"]).view(B, S, N, Dn + Dv)
+        kv_BSNY = F.linear(self.aq(lat_B1SX[:, 0, :, :C]), w[p + "kv_b_proj.weight"]).view(B, S, N, Dn + Dv)
         kv_BNSY = kv_BSNY.transpose(1, 2)
         k_BNSQ = torch.cat((kv_BNSY[..., :Dn], lat_B1SX[..., C:].expand(B, N, S, R)), dim=-1)
         out_BNTV = F.scaled_dot_product_attention(
             q_BNTQ, k_BNSQ, kv_BNSY[..., Dn:], attn_mask=mask_B1TS, scale=softmax_scale(cfg)
         )
-        return F.linear(out_BNTV.transpose(1, 2).reshape(B, T, N * Dv), w[p + "o_proj.weight"])
+        return F.linear(self.aq(out_BNTV.transpose(1, 2).reshape(B, T, N * Dv)), w[p + "o_proj.weight"])

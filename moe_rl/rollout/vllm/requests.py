@@ -244,6 +244,12 @@ def to_rollout_batch(
     )
 
 
+# vLLM layers rollout.quantization=fp8 leaves in high precision (fnmatch over vLLM's layer names):
+# Qwen3-MoE's router is a ReplicatedLinear built with the model's quant_config, so
+# quantization="fp8_per_block" alone would quantize it; the shared-expert gate likewise.
+VLLM_FP8_IGNORE = ("*.mlp.gate", "*.mlp.shared_expert_gate")
+
+
 def engine_kwargs(
     cfg: RunConfig, model_dir: str, external: bool, cpu: bool = False, flags: frozenset[str] = frozenset()
 ) -> dict[str, Any]:
@@ -281,6 +287,9 @@ def engine_kwargs(
             kw["attention_backend"] = backend
         return kw
     kw["weight_transfer_config"] = {"backend": TRANSFER_BACKEND}  # EngineArgs makes a WeightTransferConfig
+    if r.quantization == "fp8":  # online blockwise FP8 from the synced bf16 weights; untested on GPU
+        kw["quantization"] = "fp8_per_block"
+        kw["quantization_config"] = {"ignore": list(VLLM_FP8_IGNORE)}
     if Schedule.from_config(cfg).updates_in_flight:  # loaded between steps: no forward may be in flight
         kw["async_scheduling"] = False  # (the CPU build never schedules ahead); untested on GPU
     return kw
