@@ -151,9 +151,10 @@ def resolve_environment(spec: str, kwargs: dict[str, Any]) -> Environment:
         module, _, attr = spec.partition(":")
         try:
             cls = getattr(importlib.import_module(module), attr)
-        except Exception as e:  # whatever the user's module raises on import: named, never a traceback
+        except (Exception, SystemExit) as e:  # whatever the user's module raises on import: named
+            why = str(e).splitlines()[0] if str(e) else ""
             raise ConfigError(
-                f"config key 'agent.env': {spec} does not import: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                f"config key 'agent.env': {spec} does not import: {type(e).__name__}: {why}"
             ) from None
         if not (isinstance(cls, type) and issubclass(cls, Environment)):
             raise ConfigError(

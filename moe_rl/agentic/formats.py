@@ -144,9 +144,9 @@ def tool_format(name: str, tok: CharTokenizer | HFTokenizer, template_kwargs: di
     if name == "auto":
         name = "compact" if char else "qwen3"
     if (name == "compact") != char:
+        want = "the built-in char tokenizer" if name == "compact" else "an HF tokenizer with a chat template"
         raise ConfigError(
-            f"config key 'agent.tool_format': {name} is for "
-            f"{'the built-in char tokenizer' if name == 'compact' else 'an HF tokenizer with a chat template'}; "
+            f"config key 'agent.tool_format': {name} is for {want}; "
             f"this run's tokenizer is {'the char tokenizer' if char else 'an HF tokenizer'}"
         )
     return CompactFormat(tok) if char else Qwen3Format(tok, template_kwargs)
