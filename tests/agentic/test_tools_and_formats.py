@@ -100,7 +100,8 @@ def test_compact_format_parses_calls_answers_and_malformed_turns():
 
 # Qwen3's template, cut to what matters here: tools in the system turn, tool replies as a user turn
 QWEN3_TEMPLATE = (
-    "{% if tools %}<|im_start|>system\n# Tools\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|im_end|>\n{% endif %}"
+    "{% if tools %}<|im_start|>system\n# Tools\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}"
+    "<|im_end|>\n{% endif %}"
     "{% for m in messages %}{% if m.role == 'tool' %}"
     "{% if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user{% endif %}"
     "{{ '\\n<tool_response>\\n' }}{{ m.content }}{{ '\\n</tool_response>' }}"
