@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import random
 
-from moe_rl.agentic.env import ENVIRONMENTS, Environment, TaskRow, Tool
+from moe_rl.agentic.environment import ENVIRONMENTS, Environment, TaskRow, Tool
 from moe_rl.agentic.formats import ToolFormat
 from moe_rl.agentic.tools import calculate
 from moe_rl.seeding import PROMPTS, step_seed

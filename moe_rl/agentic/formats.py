@@ -23,7 +23,7 @@ import json
 import re
 from typing import Any
 
-from moe_rl.agentic.env import AssistantMessage, Tool, ToolCall, ToolResult
+from moe_rl.agentic.environment import AssistantMessage, Tool, ToolCall, ToolResult
 from moe_rl.errors import ConfigError
 from moe_rl.tasks.hf_tokenizer import HFTokenizer
 from moe_rl.tasks.tokenizer import CharTokenizer

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from moe_rl.agentic.env import Environment, TaskRow
+from moe_rl.agentic.environment import Environment, TaskRow
 from moe_rl.agentic.formats import ToolFormat
 from moe_rl.agentic.tools import ERROR_KINDS, ToolRunner
 from moe_rl.config import AgentConfig

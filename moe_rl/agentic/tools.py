@@ -16,7 +16,7 @@ import operator
 import threading
 from collections.abc import Callable
 
-from moe_rl.agentic.env import Tool, ToolCall, ToolResult
+from moe_rl.agentic.environment import Tool, ToolCall, ToolResult
 
 ERROR_KINDS = (
     "malformed",

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from moe_rl.agentic.build import build_agent, env_rewards
 from moe_rl.agentic.loop import AgentLoop
+from moe_rl.agentic.setup import build_agent, env_rewards
 from moe_rl.config import RunConfig
 from moe_rl.config.hf_json import CONFIG as HF_CONFIG
 from moe_rl.config.hf_json import hf_keys

@@ -5,8 +5,19 @@ from __future__ import annotations
 import pytest
 
 from moe_rl.tasks.hf_tokenizer import HFTokenizer
-from tests.agentic.test_tools_and_formats import QWEN3_TEMPLATE
 from tests.hf_assets import make_tokenizer
+
+# Qwen3's template, cut to what matters here: tools in the system turn, tool replies as a user turn
+QWEN3_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n# Tools\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}"
+    "<|im_end|>\n{% endif %}"
+    "{% for m in messages %}{% if m.role == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user{% endif %}"
+    "{{ '\\n<tool_response>\\n' }}{{ m.content }}{{ '\\n</tool_response>' }}"
+    "{% if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>\n{% endif %}"
+    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from moe_rl.agentic.env import AssistantMessage, Tool, ToolCall, ToolResult
+from moe_rl.agentic.environment import AssistantMessage, Tool, ToolCall, ToolResult
 from moe_rl.agentic.formats import CompactFormat, Qwen3Format
 from moe_rl.agentic.tools import CalcError, ToolRunner, calculate
 from moe_rl.tasks.tokenizer import CharTokenizer
@@ -96,19 +96,6 @@ def test_compact_format_parses_calls_answers_and_malformed_turns():
         )
         == "1+2:"
     )
-
-
-# Qwen3's template, cut to what matters here: tools in the system turn, tool replies as a user turn
-QWEN3_TEMPLATE = (
-    "{% if tools %}<|im_start|>system\n# Tools\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}"
-    "<|im_end|>\n{% endif %}"
-    "{% for m in messages %}{% if m.role == 'tool' %}"
-    "{% if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user{% endif %}"
-    "{{ '\\n<tool_response>\\n' }}{{ m.content }}{{ '\\n</tool_response>' }}"
-    "{% if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>\n{% endif %}"
-    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 
 
 def test_qwen3_format_parses_json_calls_and_renders_replies_append_only(hf_qwen3_tok):

@@ -44,7 +44,8 @@ def test_environment_module_that_raises_or_exits_on_import(tmp_path, monkeypatch
     )
     fails_with(
         tmp_path,
-        "config key 'agent.env': not_env:Env is a type, not a subclass of moe_rl.agentic.env.Environment",
+        "config key 'agent.env': not_env:Env is a type, not a subclass of "
+        "moe_rl.agentic.environment.Environment",
         "train",
         run,
         "agent.env=not_env:Env",

@@ -12,13 +12,11 @@ place) or ends the trajectory with a reward.
 
 from __future__ import annotations
 
-import importlib
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from moe_rl.errors import ConfigError
 from moe_rl.registry import Registry
 
 
@@ -132,36 +130,3 @@ class Environment:
 
 
 ENVIRONMENTS: Registry[Callable[..., Environment]] = Registry("environment")
-
-
-def resolve_environment(spec: str, kwargs: dict[str, Any]) -> Environment:
-    """``agent.env`` -> the environment. A built-in name, or ``module:Class``; anything that does
-    not import, is no ``Environment`` subclass or whose constructor refuses ``kwargs`` is a
-    ConfigError naming ``agent.env`` (one ``error:`` line, before any rank starts)."""
-    from moe_rl.agentic import envs  # noqa: F401  (registers the built-in environments)
-
-    if ":" not in spec:
-        if spec not in ENVIRONMENTS:
-            raise ConfigError(
-                f"config key 'agent.env': unknown environment {spec!r}; known: {sorted(ENVIRONMENTS)} "
-                "or module:Class"
-            )
-        cls = ENVIRONMENTS[spec]
-    else:
-        module, _, attr = spec.partition(":")
-        try:
-            cls = getattr(importlib.import_module(module), attr)
-        except (Exception, SystemExit) as e:  # whatever the user's module raises on import: named
-            why = str(e).splitlines()[0] if str(e) else ""
-            raise ConfigError(
-                f"config key 'agent.env': {spec} does not import: {type(e).__name__}: {why}"
-            ) from None
-        if not (isinstance(cls, type) and issubclass(cls, Environment)):
-            raise ConfigError(
-                f"config key 'agent.env': {spec} is a {type(cls).__name__}, not a subclass of "
-                "moe_rl.agentic.env.Environment"
-            )
-    try:
-        return cls(**kwargs)
-    except TypeError as e:
-        raise ConfigError(f"config key 'agent.env_kwargs': {spec} refuses {sorted(kwargs)}: {e}") from None
