@@ -14,8 +14,9 @@ reply after it: a reply token is one with turn >= 1 outside the mask). Injected 
 engine at that turn's weights as prompt rows are; a row no forward computed is MISSING and routed
 natively by the learner, never expert 0.
 
-Every end is counted by reason (``agent/end/<reason>``, ``END_REASONS``): ``answer`` (a final
-answer, scored by the environment), ``max_turns`` (a tool call in turn ``agent.max_turns``),
+Every end is counted by reason (``agent/end/<reason>``, ``END_REASONS``): ``answer`` (the
+environment ended it, by default on a final answer, with its reward), ``max_turns`` (turn
+``agent.max_turns`` made a tool call, which is not run, or the environment replied to it),
 ``truncated`` (a turn hit ``agent.max_turn_tokens`` without its stop token), ``context`` (the next
 turn or reply would pass ``agent.max_total_tokens``), ``tool_budget`` (the replies would pass
 ``agent.max_tool_tokens_total``). Only ``answer`` has a non-zero reward.
@@ -128,15 +129,15 @@ class AgentLoop:
             t.end = "truncated"
             return
         message = self.fmt.parse(text, self.env.tools(t.task))
-        if message.answer:
-            t.end, t.reward = "answer", self.env.step(t.task, message, self._runner(t)).reward
-            return
-        if t.turn == self.cfg.max_turns:
+        if t.turn == self.cfg.max_turns and not message.answer:  # no turn would read the replies
             t.end = "max_turns"
             return
         result = self.env.step(t.task, message, self._runner(t))
         if result.done:
             t.end, t.reward = "answer", result.reward
+            return
+        if t.turn == self.cfg.max_turns:  # the environment answered an answer (feedback): no turn left
+            t.end = "max_turns"
             return
         t.calls += len(result.replies)
         for r_ in result.replies:

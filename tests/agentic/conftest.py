@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from moe_rl.tasks.hf_tokenizer import HFTokenizer
-from tests.hf_assets import make_tokenizer
+from tests.hf_assets import make_checkpoint, make_tokenizer, tiny_model
 
 # Qwen3's template, cut to what matters here: tools in the system turn, tool replies as a user turn
 QWEN3_TEMPLATE = (
@@ -28,3 +30,18 @@ def hf_qwen3_tok(tmp_path_factory: pytest.TempPathFactory) -> HFTokenizer:
     tok.hf.chat_template = QWEN3_TEMPLATE
     tok.has_chat_template = True
     return tok
+
+
+@pytest.fixture(scope="session")
+def hf_qwen3_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Qwen3-MoE checkpoint with the tokenizer above (the Qwen3-style template)."""
+    pytest.importorskip("transformers")
+    from transformers import AutoTokenizer
+
+    d = tmp_path_factory.mktemp("qwen3")
+    make_checkpoint(d, tiny_model(512))
+    make_tokenizer(d)
+    tok = AutoTokenizer.from_pretrained(str(d))
+    tok.chat_template = QWEN3_TEMPLATE
+    tok.save_pretrained(str(d))
+    return d
