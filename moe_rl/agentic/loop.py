@@ -60,6 +60,7 @@ class Trajectory:
     routed: int = 0  # route rows kept so far (rows of positions [0, routed))
     turn: int = 0
     tool_tokens: int = 0
+    generated: int = 0  # tokens the engine sampled, counted from its response lengths (not the mask)
     calls: int = 0
     errors: dict[str, int] = field(default_factory=dict)
     end: str = ""
@@ -123,6 +124,7 @@ class AgentLoop:
         t.append(ids, True, out.logprobs_BS[i, p : p + r].cpu().float(), version)
         t.routes.append(out.routes[i][t.routed : p + r - 1])  # append-only: only rows not kept yet
         t.routed = p + r - 1
+        t.generated += r
         text = self.fmt.tok.decode(ids)
         t.transcript.append(text)
         if not bool(out.finished_B[i]):
@@ -233,7 +235,7 @@ class AgentLoop:
                     "reward": t.reward,
                     "tool_calls": t.calls,
                     "tool_errors": t.errors,
-                    "assistant_tokens": int(torch.cat(t.sampled).sum()),
+                    "assistant_tokens": t.generated,
                     "tool_tokens": t.tool_tokens,
                     "transcript": t.transcript,
                 }

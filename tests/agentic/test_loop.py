@@ -25,7 +25,7 @@ def _run(*overrides: str):
     cfg, task = build_task(cfg, start_pool=False)
     engine = BuiltinEngine(cfg.model, pad_id=task.tokenizer.pad_id)
     engine.load_weights(load_init_weights(cfg.init_weights, cfg.model, task.tokenizer))
-    prompts = task.source.sample_step(0, 4, 0, 1, 7)
+    prompts = task.source.sample_step(0, 2, 0, 1, 7)
     sampling = sampling_params(cfg, task.tokenizer.eos_ids)
     return cfg, task, engine, prompts, sampling, task.agent.rollout(engine, prompts, 3, sampling, 11)
 
@@ -42,8 +42,8 @@ def test_trajectories_are_one_append_only_sequence_with_assistant_only_mask():
     assert bool((b.logprobs_BS[~mask_BS] == 0).all()) and bool((b.version_BS[~mask_BS] == 0).all())
     # turns: the last turn of each row is its turn count
     turns_B = turn_BS.max(1).values.float()
-    assert m["agent/turns_mean"].sum == float(turns_B.sum()) and m["agent/turns_mean"].count == 12.0
-    assert sum(m[f"agent/end/{r}"].value for r in END_REASONS) == 12.0
+    assert m["agent/turns_mean"].sum == float(turns_B.sum()) and m["agent/turns_mean"].count == 6.0
+    assert sum(m[f"agent/end/{r}"].value for r in END_REASONS) == 6.0
     # one route row per token but the last, all computed by the engine (no MISSING on this engine)
     assert [r.shape[0] for r in b.routes] == (T_B - 1).tolist()
     assert all(int(r.max()) < cfg.model.num_experts for r in b.routes)
@@ -54,7 +54,7 @@ def test_trajectories_are_one_append_only_sequence_with_assistant_only_mask():
         dataclasses.replace(sampling, max_new_tokens=8),
         seed=(11 + _TURN_SEED) % 2**63,
     )
-    for i in range(12):
+    for i in range(6):
         end1 = int(turn1.prompt_lens_B[i] + turn1.response_lens_B[i])
         assert torch.equal(b.tokens_BS[i, :end1], turn1.tokens_BS[i, :end1])
         assert torch.equal(b.routes[i][: end1 - 1], turn1.routes[i][: end1 - 1])
@@ -67,13 +67,13 @@ def test_limits_end_trajectories_with_their_reason():
     *_, b = _run("agent.max_turns=1")
     m = b.engine_metrics
     calls_or_bad = m["agent/end/max_turns"].value
-    assert m["agent/end/answer"].value + m["agent/end/truncated"].value + calls_or_bad == 12.0
+    assert m["agent/end/answer"].value + m["agent/end/truncated"].value + calls_or_bad == 6.0
     assert m["agent/tool_tokens"].value == 0 and int(b.turn_BS.max()) == 1
     *_, b = _run("agent.max_turns=3", "agent.max_tool_tokens_total=1")  # every reply is longer
     m = b.engine_metrics
     assert (
         m["agent/end/tool_budget"].value
-        == 12.0 - m["agent/end/answer"].value - m["agent/end/truncated"].value
+        == 6.0 - m["agent/end/answer"].value - m["agent/end/truncated"].value
     )
     assert m["agent/tool_tokens"].value == 0
     *_, b = _run("agent.max_total_tokens=20")  # prompt (~8) + a turn (8) fit once, then no more
