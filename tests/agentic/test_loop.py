@@ -72,8 +72,7 @@ def test_limits_end_trajectories_with_their_reason():
     *_, b = _run("agent.max_turns=3", "agent.max_tool_tokens_total=1")  # every reply is longer
     m = b.engine_metrics
     assert (
-        m["agent/end/tool_budget"].value
-        == 6.0 - m["agent/end/answer"].value - m["agent/end/truncated"].value
+        m["agent/end/tool_budget"].value == 6.0 - m["agent/end/answer"].value - m["agent/end/truncated"].value
     )
     assert m["agent/tool_tokens"].value == 0
     *_, b = _run("agent.max_total_tokens=20")  # prompt (~8) + a turn (8) fit once, then no more
