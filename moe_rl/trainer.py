@@ -166,6 +166,8 @@ def rank_task(cfg: RunConfig, dims: ParallelDims, prepared: Prepared | None) -> 
             cfg, task = build_task(cfg, start_pool=False)
         prepared = Prepared(cfg, task, mem)
     prepared.task.pool.start()
+    if prepared.task.agent is not None:  # run_dir/agent/trajectories_rank<r>.jsonl
+        prepared.task.agent.log_to(Path(cfg.run_dir) / "agent" / f"trajectories_rank{dims.rank}.jsonl")
     return prepared
 
 
@@ -180,6 +182,8 @@ def rollout_step(
         at, r.prompts_per_step // dims.dp_size, dims.dp_rank, dims.dp_size, cfg.seed
     )
     seed = step_seed(cfg.seed, at, dims.dp_rank, GENERATE)
+    if task.agent is not None:  # agent.env: conversations with tool replies (moe_rl/agentic/loop.py)
+        return prompts, task.agent.rollout(engine, prompts, r.samples_per_prompt, plan.sampling, seed, at)
     batch = engine.generate([p.prompt_ids for p in prompts], r.samples_per_prompt, plan.sampling, seed=seed)
     return prompts, batch
 

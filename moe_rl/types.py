@@ -97,6 +97,11 @@ class RolloutBatch:
     # what a remote engine reports with the batch (moe_rl/pipeline/remote_engine.py: the weight version
     # lag, the waits of both roles), logged with the step's rollout metrics; {} for a local engine
     engine_metrics: dict[str, Any] = field(default_factory=dict)
+    # multi-turn (agent.env; moe_rl/agentic/loop.py): int16 [B, S] each token's turn (0 the prompt,
+    # k the assistant turn k and the tool reply after it; response_mask_BS marks the sampled ones),
+    # and float32 [B] the environment's reward of each trajectory; None for single-turn batches
+    turn_BS: torch.Tensor | None = None
+    env_reward_B: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -238,6 +238,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "moe_rl.tasks",
             "moe_rl.monitor",
             "moe_rl.report",
+            "moe_rl.agentic",  # multi-turn environments and their loop, over the engines and tasks
         ),
     ),
     ("learner", ("moe_rl.learner",)),

@@ -30,6 +30,7 @@ What depends on the machine (CUDA, Transformer Engine, vllm installed) is checke
 starts, in ``moe_rl/preflight.py``.
 """
 
+from moe_rl.config.agent import AgentConfig
 from moe_rl.config.deprecations import DEPRECATED_KEYS
 from moe_rl.config.loader import SAVED_CONFIG, load_config, load_run_config, to_dict, to_yaml
 from moe_rl.config.model import ARCH_FIELDS, ModelConfig, ParallelConfig
@@ -50,6 +51,7 @@ from moe_rl.errors import ConfigError
 from moe_rl.maths.lr_specs import LengthLRConfig
 
 __all__ = [
+    "AgentConfig",
     "ARCH_FIELDS",
     "DEPRECATED_KEYS",
     "AlgoConfig",

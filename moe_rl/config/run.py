@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from moe_rl.checks import check, check_finite, one_of
+from moe_rl.config.agent import AgentConfig, check_agent
 from moe_rl.config.layout import check_layout, data_parallel_size
 from moe_rl.config.model import ModelConfig, ParallelConfig
 from moe_rl.config.vllm_rules import check_vllm
@@ -342,6 +343,7 @@ class RunConfig:
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     correction: CorrectionSpec = field(default_factory=CorrectionSpec)
     log: LogConfig = field(default_factory=LogConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)  # multi-turn tool environments
 
     def __post_init__(self) -> None:
         check(self.steps >= 1, "steps", "must be >= 1")
@@ -397,6 +399,8 @@ class RunConfig:
         )
         if r.engine == "vllm":
             check_vllm(self)
+        if self.agent.env:
+            check_agent(self)
         check(
             self.algo.max_tokens_per_micro_batch == 0 or p.pipeline_parallel == 1,
             "algo.max_tokens_per_micro_batch",

@@ -159,6 +159,7 @@ def mismatch_metrics(
     return {
         **offpolicy_metrics(old_logp_BS, rollout_logp_BS, mask_BS),
         "train/entropy": Mean((entropy_BS * m).sum(), m.sum()),
+        "train/loss_tokens": Sum(m.sum()),  # the tokens the loss trains (multi-turn: assistant only)
         "corr/logprob_abs_diff": Mean(diff_BS.sum(), m.sum()),
         "corr/logprob_abs_diff_max": Max(diff_BS.max()),
     }

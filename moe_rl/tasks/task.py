@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from moe_rl.agentic.loop import AgentLoop
+from moe_rl.agentic.setup import build_agent, env_rewards
 from moe_rl.config import RunConfig
 from moe_rl.config.hf_json import CONFIG as HF_CONFIG
 from moe_rl.config.hf_json import hf_keys
@@ -38,6 +40,7 @@ class Task:
     val_source: RowDataset | None
     pool: RewardPool
     text_metrics: bool  # the run scores text rewards: log reward/error_frac and reward/timeout_frac
+    agent: AgentLoop | None = None  # agent.env: the multi-turn loop that rolls out (moe_rl/agentic)
 
 
 def row_spec(cfg: RunConfig) -> RowSpec:
@@ -123,7 +126,12 @@ def build_task(cfg: RunConfig, start_pool: bool = True) -> tuple[RunConfig, Task
     tok = load_tokenizer(t.tokenizer, cfg.init_weights)
     cfg = resolve_vocab(cfg, tok)
     spec = row_spec(cfg)
-    source = build_prompt_source(t.tasks, t.min_len, t.max_len, t.dataset, t.reward, tok, spec)
+    agent = build_agent(cfg, tok) if cfg.agent.env else None  # its prompts come from the environment
+    source = (
+        agent.source
+        if agent
+        else build_prompt_source(t.tasks, t.min_len, t.max_len, t.dataset, t.reward, tok, spec)
+    )
     val = (
         RowDataset(t.val_dataset, dataclasses.replace(spec, default_reward=t.reward), tok)
         if t.val_dataset
@@ -136,12 +144,16 @@ def build_task(cfg: RunConfig, start_pool: bool = True) -> tuple[RunConfig, Task
         )
     text = not uses_token_reward(t.reward, tok) or isinstance(tok, HFTokenizer)
     pool = RewardPool(t.reward_workers if text else 0, t.reward_timeout_s)
-    return cfg, Task(tok, source, val, pool.start() if start_pool else pool, text)
+    return cfg, Task(
+        tok, source, val, pool.start() if start_pool else pool, text, agent.loop if agent else None
+    )
 
 
 def score_step(cfg: RunConfig, task: Task, prompts: list, batch) -> tuple[torch.Tensor, dict]:
     """Rewards of a rollout (plus the overlong penalty when on) and the reward metrics."""
     t = cfg.task
+    if batch.env_reward_B is not None:  # multi-turn: the environment scored each trajectory
+        return env_rewards(batch, prompts, cfg.rollout.samples_per_prompt)
     rewards_B, metrics = score(
         prompts,
         batch.response_ids(task.tokenizer.pad_id),

@@ -1,0 +1,242 @@
+"""The multi-turn loop: every trajectory is ONE token sequence, prompt then (assistant turn, tool
+reply) repeated, built append-only over the engine's ``generate`` (docs/agentic.md 2).
+
+Each turn the still-running trajectories' whole sequences go to ``generate`` (n = 1) and only what
+is new is kept: the turn's sampled tokens, their log-probs and weight versions, and the route rows
+from the last row kept so far to the new end. Earlier tokens and route rows are never replaced,
+re-rendered or re-tokenized; the tool reply is rendered and tokenized alone and appended.
+
+What the batch says about each token (``RolloutBatch``): ``response_mask_BS`` is true on sampled
+(assistant) tokens only, so the learner's loss trains only them while its forward runs over
+everything; ``turn_BS`` gives each token's turn (0 the prompt, k >= 1 assistant turn k and the tool
+reply after it: a reply token is one with turn >= 1 outside the mask). Injected tokens carry log-prob
+0 and version 0 (never used as sampled). Their route rows are the next turn's prefill, computed by the
+engine at that turn's weights as prompt rows are; a row no forward computed is MISSING and routed
+natively by the learner, never expert 0.
+
+Every end is counted by reason (``agent/end/<reason>``, ``END_REASONS``): ``answer`` (the
+environment ended it, by default on a final answer, with its reward), ``max_turns`` (turn
+``agent.max_turns`` made a tool call, which is not run, or the environment replied to it),
+``truncated`` (a turn hit ``agent.max_turn_tokens`` without its stop token), ``context`` (the next
+turn or reply would pass ``agent.max_total_tokens``), ``tool_budget`` (the replies would pass
+``agent.max_tool_tokens_total``). Only ``answer`` has a non-zero reward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from moe_rl.agentic.environment import Environment, TaskRow
+from moe_rl.agentic.formats import ToolFormat
+from moe_rl.agentic.tools import ERROR_KINDS, ToolRunner
+from moe_rl.config import AgentConfig
+from moe_rl.metrics import Max, Mean, Sum
+from moe_rl.routing.record import missing_id
+from moe_rl.types import Prompt, RolloutBatch, SamplingParams
+
+END_REASONS = ("answer", "max_turns", "truncated", "context", "tool_budget")
+_TURN_SEED = 0x9E3779B97F4A7C15  # decorrelates the turns' sampling streams
+
+
+@dataclass
+class Trajectory:
+    """One conversation as it grows: per-turn chunks of every per-token field, concatenated once."""
+
+    task: TaskRow
+    group: int
+    prompt_len: int
+    tokens: list[torch.Tensor]
+    sampled: list[torch.Tensor] = field(default_factory=list)
+    logprobs: list[torch.Tensor] = field(default_factory=list)
+    versions: list[torch.Tensor] = field(default_factory=list)
+    turns: list[torch.Tensor] = field(default_factory=list)
+    routes: list[torch.Tensor] = field(default_factory=list)
+    length: int = 0
+    routed: int = 0  # route rows kept so far (rows of positions [0, routed))
+    turn: int = 0
+    tool_tokens: int = 0
+    generated: int = 0  # tokens the engine sampled, counted from its response lengths (not the mask)
+    calls: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+    end: str = ""
+    reward: float = 0.0
+    transcript: list[str] = field(default_factory=list)
+
+    def append(self, ids: torch.Tensor, sampled: bool, logp=None, version=None) -> None:
+        n = int(ids.shape[0])
+        self.tokens.append(ids)
+        self.sampled.append(torch.full((n,), sampled, dtype=torch.bool))
+        self.logprobs.append(logp if logp is not None else torch.zeros(n, dtype=torch.float32))
+        self.versions.append(version if version is not None else torch.zeros(n, dtype=torch.int32))
+        self.turns.append(torch.full((n,), self.turn, dtype=torch.int16))
+        self.length += n
+
+
+class AgentLoop:
+    """Runs an environment's conversations on an engine (``rollout``) under ``agent.*``'s limits."""
+
+    def __init__(
+        self, env: Environment, fmt: ToolFormat, cfg: AgentConfig, max_new_tokens: int, max_seq_len: int
+    ):
+        self.env, self.fmt, self.cfg = env, fmt, cfg
+        self.turn_tokens = cfg.max_turn_tokens or max_new_tokens
+        self.max_total = cfg.max_total_tokens or max_seq_len
+        self.log_path: Path | None = None  # set: every trajectory is appended there as a JSON line
+
+    def rollout(
+        self, engine, prompts: list[Prompt], n: int, sampling: SamplingParams, seed: int, step: int = 0
+    ) -> RolloutBatch:
+        """n conversations per prompt (prompt-major, as ``generate``), turn by turn; the batch of
+        ``moe_rl/types.py`` with ``turn_BS``, the environment's rewards and the agent metrics."""
+        if sampling.return_dist or sampling.dvp.on:
+            raise ValueError("the multi-turn loop does not return full distributions (DVP, exact-KL TRM)")
+        trajs = [
+            Trajectory(p.extra["env_task"], g, len(p.prompt_ids), [])
+            for g, p in enumerate(prompts)
+            for _ in range(n)
+        ]
+        for t, p in zip(trajs, [p for p in prompts for _ in range(n)]):
+            t.append(torch.tensor(p.prompt_ids, dtype=torch.int64), False)
+        turn_sampling = dataclasses.replace(sampling, max_new_tokens=self.turn_tokens)
+        for turn in range(1, self.cfg.max_turns + 1):
+            for t in trajs:  # a turn starts only when all of it fits
+                if not t.end and t.length + self.turn_tokens > self.max_total:
+                    t.end = "context"
+            active = [t for t in trajs if not t.end]
+            if not active:
+                break
+            seqs = [torch.cat(t.tokens).tolist() for t in active]
+            out = engine.generate(seqs, 1, turn_sampling, seed=(seed + turn * _TURN_SEED) % 2**63)
+            for i, t in enumerate(active):
+                t.turn = turn
+                self._take_turn(t, out, i)
+        return self._batch(trajs, self.fmt.tok.pad_id, step)
+
+    def _take_turn(self, t: Trajectory, out: RolloutBatch, i: int) -> None:
+        p, r = int(out.prompt_lens_B[i]), int(out.response_lens_B[i])
+        ids = out.tokens_BS[i, p : p + r].cpu()
+        version = out.version_BS[i, p : p + r].cpu() if out.version_BS is not None else None
+        t.append(ids, True, out.logprobs_BS[i, p : p + r].cpu().float(), version)
+        t.routes.append(out.routes[i][t.routed : p + r - 1])  # append-only: only rows not kept yet
+        t.routed = p + r - 1
+        t.generated += r
+        text = self.fmt.tok.decode(ids)
+        t.transcript.append(text)
+        if not bool(out.finished_B[i]):
+            t.end = "truncated"
+            return
+        message = self.fmt.parse(text, self.env.tools(t.task))
+        if t.turn == self.cfg.max_turns and not message.answer:  # no turn would read the replies
+            t.end = "max_turns"
+            return
+        result = self.env.step(t.task, message, self._runner(t))
+        if result.done:
+            t.end, t.reward = "answer", result.reward
+            return
+        if t.turn == self.cfg.max_turns:  # the environment answered an answer (feedback): no turn left
+            t.end = "max_turns"
+            return
+        t.calls += len(result.replies)
+        for r_ in result.replies:
+            if r_.error:
+                t.errors[r_.error] = t.errors.get(r_.error, 0) + 1
+        reply = torch.tensor(self.fmt.reply_ids(result.replies), dtype=torch.int64)
+        n = int(reply.shape[0])
+        if self.cfg.max_tool_tokens_total and t.tool_tokens + n > self.cfg.max_tool_tokens_total:
+            t.end = "tool_budget"
+        elif t.length + n >= self.max_total:
+            t.end = "context"
+        else:
+            t.append(reply, False)
+            t.tool_tokens += n
+            t.transcript.append("".join(f"[{r_.name}] {r_.content}" for r_ in result.replies))
+
+    def _runner(self, t: Trajectory) -> ToolRunner:
+        c = self.cfg
+        return ToolRunner(self.env.tools(t.task), c.tool_timeout_s, c.max_tool_tokens, self.fmt.count_tokens)
+
+    def log_to(self, path: Path) -> None:
+        """Append every trajectory (turn texts, end, reward, counts) to ``path`` as a JSON line."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.log_path = path
+
+    def _batch(self, trajs: list[Trajectory], pad_id: int, step: int) -> RolloutBatch:
+        B = len(trajs)
+        T_B = torch.tensor([t.length for t in trajs], dtype=torch.int64)
+        S = int(T_B.max())
+
+        def padded(chunks_B: list[torch.Tensor], fill, dtype) -> torch.Tensor:
+            out = torch.full((B, S), fill, dtype=dtype)
+            for b, chunks in enumerate(chunks_B):
+                row = torch.cat(chunks).to(dtype)
+                out[b, : row.shape[0]] = row
+            return out
+
+        mask_BS = padded([t.sampled for t in trajs], False, torch.bool)
+        routes = []
+        for (
+            t
+        ) in trajs:  # rows no forward computed (none on this engine: the last token has no row) are MISSING
+            rows = torch.cat(t.routes)
+            short = t.length - 1 - rows.shape[0]
+            if short > 0:
+                rows = torch.cat([rows, rows.new_full((short, *rows.shape[1:]), missing_id(rows.dtype))])
+            routes.append(rows)
+        prompt_B = torch.tensor([t.prompt_len for t in trajs], dtype=torch.int64)
+        batch = RolloutBatch(
+            tokens_BS=padded([t.tokens for t in trajs], pad_id, torch.int64),
+            prompt_lens_B=prompt_B,
+            response_lens_B=T_B - prompt_B,
+            response_mask_BS=mask_BS,
+            logprobs_BS=padded([t.logprobs for t in trajs], 0.0, torch.float32),
+            routes=routes,
+            group_B=torch.tensor([t.group for t in trajs], dtype=torch.int64),
+            finished_B=torch.tensor([t.end == "answer" for t in trajs]),
+            version_BS=padded([t.versions for t in trajs], 0, torch.int32),
+            turn_BS=padded([t.turns for t in trajs], 0, torch.int16),
+            env_reward_B=torch.tensor([t.reward for t in trajs], dtype=torch.float32),
+            engine_metrics=self._metrics(trajs, mask_BS),
+        )
+        self._log(trajs, step)
+        return batch
+
+    def _metrics(self, trajs: list[Trajectory], mask_BS: torch.Tensor) -> dict:
+        n = float(len(trajs))
+        calls = float(sum(t.calls for t in trajs))
+        failed = {k: float(sum(t.errors.get(k, 0) for t in trajs)) for k in ERROR_KINDS}
+        turns = [float(t.turn) for t in trajs]
+        return {
+            "agent/turns_mean": Mean(sum(turns), n),
+            "agent/turns_max": Max(max(turns)),
+            "agent/tool_calls": Sum(calls),
+            "agent/tool_success_rate": Mean(calls - sum(failed.values()), calls),
+            "agent/assistant_tokens": Sum(float(mask_BS.sum())),
+            "agent/tool_tokens": Sum(float(sum(t.tool_tokens for t in trajs))),
+            **{f"agent/tool_errors/{k}": Sum(v) for k, v in failed.items()},
+            **{f"agent/end/{r}": Sum(float(sum(t.end == r for t in trajs))) for r in END_REASONS},
+        }
+
+    def _log(self, trajs: list[Trajectory], step: int) -> None:
+        if self.log_path is None:
+            return
+        with self.log_path.open("a", encoding="utf-8") as f:
+            for t in trajs:
+                rec = {
+                    "step": step,
+                    "question": t.task.question,
+                    "answer": t.task.answer,
+                    "turns": t.turn,
+                    "end": t.end,
+                    "reward": t.reward,
+                    "tool_calls": t.calls,
+                    "tool_errors": t.errors,
+                    "assistant_tokens": t.generated,
+                    "tool_tokens": t.tool_tokens,
+                    "transcript": t.transcript,
+                }
+                f.write(json.dumps(rec) + "\n")
