@@ -33,7 +33,7 @@ def test_launch_removes_stale_vllm_cpu_segments_at_start_and_end(monkeypatch, ca
     fd = os.open(used, os.O_RDWR)
     mapped = mmap.mmap(fd, 4096)  # a live run's segment: mapped by this process
 
-    def failing_job(fn, nproc, cfg):  # the ranks make their segment, then the job fails
+    def failing_job(fn, nproc, cfg, stop_grace_s):  # the ranks make their segment, then the job fails
         assert not stale.exists() and used.exists()
         left.write_bytes(b"\0" * 4096)
         raise RuntimeError("rank 1 failed")
@@ -79,7 +79,7 @@ def test_a_vllm_tp_run_is_refused_while_another_one_holds_a_segment(monkeypatch)
     fd = os.open(used, os.O_RDWR)
     mapped = mmap.mmap(fd, 4096)  # the other run's segment: mapped by this process
     started = []
-    monkeypatch.setattr(launch_mod, "spawn_local", lambda fn, nproc, cfg: started.append(nproc))
+    monkeypatch.setattr(launch_mod, "spawn_local", lambda fn, nproc, cfg, stop_grace_s: started.append(nproc))
     monkeypatch.setattr(launch_mod.torch.cuda, "is_available", lambda: False)
     try:
         cfg = load_config(None, ["rollout.engine=vllm", "rollout.vllm.tensor_parallel=2"])
