@@ -96,13 +96,14 @@ def _check(text: str) -> None:
             == bench.WINDOW[mode]
             == {
                 "sync": "learner steps 2..n",
-                "one_step_off": "learner steps 1..n-1",
-                "async": "its own time 2..n",  # the rollout rank's: wait for room, then generate
+                "one_step_off": "its own time 2..n",  # the rollout rank's: wait, then generate
+                "async": "its own time 2..n",
             }[mode]
         )
         assert 0 < generate <= 2 * f["rollout_generate"] + 1e-3
-        if mode == "async":  # the last request's generation and its wait for room (<= both steps')
-            assert generate <= window <= generate + 2 * f["rollout_wait_send"] + 1e-3
+        if mode != "sync":  # the last batch's generation and its wait (<= both steps')
+            own = f["rollout_wait_send" if mode == "async" else "rollout_wait_weights"]
+            assert generate <= window <= generate + 2 * own + 1e-3
         else:
             assert 0 < window <= 2 * f["step"] + 1e-3
         assert rollout == pytest.approx(generate / window, abs=1e-3)
