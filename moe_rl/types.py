@@ -53,6 +53,7 @@ class SamplingParams:
     # spec's safe set and report log-probs renormalised over it; DvpSpec() = off (full vocabulary)
     dvp: DvpSpec = field(default_factory=DvpSpec)
     return_dist: bool = False  # also return the full rollout distribution per generated token
+    long_tail_frac: float = 0.0  # rollout.long_tail_frac: samples that ignore the stop tokens (built-in)
 
     @property
     def logprob_support(self) -> str:

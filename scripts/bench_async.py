@@ -2,14 +2,20 @@
 loader accepts `rollout.mode=async`): the same work, in one run, interleaved, each role pinned to
 its own core; then a model of what each mode gives on a 16-GPU and a 128-GPU cluster.
 
-    python scripts/bench_async.py [--reps 3] [--steps 6] [--max-new-tokens 48] [--out DIR] [--quick]
+    python scripts/bench_async.py [--reps 3] [--steps 6] [--shape long_tail|uniform] [--max-new-tokens N]
+                                  [--out DIR] [--quick]
     python scripts/bench_async.py --reps 6 --out DIR --report-only   # the figures of a run cut short
 
 Arms (each a real `moe-rl train` subprocess; docs/design.md 15): colocated sync (2 ranks, EP=2,
 DP=2), and, with `parallel.nproc=2 parallel.rollout_ranks=1` (1 learner rank + 1 rollout rank),
-split sync, split one_step_off and split async. Every arm runs the same work: the tiny model from
-a random init (`init_weights=`: responses run to about max_new_tokens, so rollout and update times
-are comparable), the same steps, prompts, samples and max_new_tokens. `MOE_RL_PIN_ROLES=1` pins
+split sync, split one_step_off and split async. Every arm runs the same work: the same steps,
+prompts, samples and max_new_tokens, in one of two shapes (--shape): long_tail (the default), the
+warm start's short answers with 1 sample in 8 that ignores eos and runs to max_new_tokens (224;
+`rollout.long_tail_frac`), so a generation outlasts the learner's update and async differs from
+one_step_off (docs/design.md 15.3); uniform, the tiny model from a random init (`init_weights=`:
+responses run to about max_new_tokens, 48, so rollout and update times are comparable). Printed
+too: the responses of async and one_step_off with tokens of two or more weight versions
+(`rollout/mixed_version_seqs`), and async's steps/s over one_step_off's. `MOE_RL_PIN_ROLES=1` pins
 each rank to its own core with one thread (moe_rl/launch.py: the learner rank on core 0, the
 rollout rank on core 1). The repetitions are interleaved (A B C A B C ...), so drift and the
 machine's other load hit every arm alike.
@@ -27,16 +33,18 @@ timed in the same run over the learner steps that contain its work: learner busy
 wait_batch_s - weight_broadcast_wait_s) / step_s over steps 1..n (everything the learner does but
 wait for the rollout rank; <= 1 exactly, the waits are timed inside the step); rollout busy = the
 rollout_generate_s of the batches of steps 2..n over the learner steps that contain their
-generation: steps 2..n in sync (B_t is generated while the learner waits in step t), steps 1..n-1
-in one_step_off (B_t between the weight syncs at the ends of steps t-2 and t-1) and in async with
-a buffer of one (B_t starts once B_t-1 is received, in step t-1, and ends before step t receives
-it, so the learner's wait_batch_s of steps n and 1 move the ends: the noise margin, max(0,
-wait_n - wait_1) / the window, from the run's own numbers). The rollout rank generates one batch
-after another, so their sum is at most the window's: <= 1 + margin, up to the milliseconds between
-two of the learner's timed steps. Step 1's batch is left out because it may predate the window
-(one_step_off generates B_1 with W_0 while the learner starts up). share = max(learner busy,
-rollout busy); 1 = the busier role never waits; split sync, which runs the roles one after the
-other, is the no-overlap reference. The script prints per run whether share <= 1 + margin holds.
+generation: steps 2..n in sync (B_t is generated while the learner waits in step t), <= 1 up to
+the milliseconds between two of the learner's timed steps. In one_step_off and async the rollout
+rank's own time is the window: before each batch its wait (one_step_off: for the weights,
+rollout_wait_weights_s, their load included; async: for buffer room, rollout_wait_send_s), then its
+generation, one after the other, over the batches of steps 2..n: <= 1 exactly (margin 0). It was
+the learner steps 1..n-1 (async: with a noise margin of max(0, wait_n - wait_1) / the window);
+under a long tail, where the rollout rank is the slower role and its generation spans the
+learner's untimed work between two steps (metrics, logs), that window came out short (async 1.982
+against a bound of 1.977, one_step_off 1.0003 against 1). Step 1's batch is left out because it
+may predate the window (one_step_off generates B_1 with W_0 while the learner starts up). share =
+max(learner busy, rollout busy); 1 = the busier role never waits; split sync, which runs the roles
+one after the other, is the no-overlap reference. The script prints per run whether share <= 1 + margin holds.
 
 The old figure, an overlapping run's speedup over split sync divided by (t_rollout + t_update) /
 max predicted from split sync's role times, was no bound: as split sync's step is t_update +
@@ -96,12 +104,25 @@ PHASES = (
     "time/weight_broadcast_wait_s",
 )
 GOAL_FRAC, GOAL_WAIT = 0.8, 0.10
+# the overlapping modes' rollout busy over the rank's own time: before each batch it waits for this
+# (one_step_off: the weights, their load included; async: buffer room), then generates
+OWN_WAIT = {"one_step_off": "time/rollout_wait_weights_s", "async": "time/rollout_wait_send_s"}
+
+
+# --shape: long_tail (the default; docs/design.md 15.3): the warm start's short answers and 1 sample
+# in 8 that ignores eos and runs to max_new_tokens, so a generation outlasts the learner's update and
+# async's in-flight updates land inside responses; uniform (the figures of docs/measurements.md 9
+# before 2026-12-04): a random init, every response runs to about max_new_tokens
+SHAPES = {
+    "long_tail": (["model.max_seq_len=256", "rollout.long_tail_frac=0.125"], 224),
+    "uniform": (["init_weights="], 48),
+}
 
 
 def work(args) -> list[str]:
     """The work every arm does."""
     return [
-        "init_weights=",
+        *SHAPES[args.shape][0],
         f"steps={args.steps}",
         f"rollout.prompts_per_step={args.prompts}",
         f"rollout.samples_per_prompt={args.samples}",
@@ -135,9 +156,12 @@ def run_metrics(run_dir: Path) -> dict[str, float]:
         "steps_per_s": len(recs) / total,
         "tokens_per_s": sum(r["rollout/num_response_tokens"] for r in recs) / total,
     }
+    # responses with tokens of two or more weight versions (an update landed inside them)
+    out["mixed"] = sum(r.get("rollout/mixed_version_seqs", 0.0) for r in recs)
+    out["seqs"] = sum(r["rollout/num_seqs"] for r in recs)
     if "time/rollout_generate_s" in recs[0]:  # a split run: own_bound's per-step series
-        keys = ("time/step_s", "time/wait_batch_s", "time/rollout_generate_s")
-        out["per_step"] = {k: [r[k] for r in recs] for k in keys}
+        keys = ("time/step_s", "time/wait_batch_s", "time/rollout_generate_s", *OWN_WAIT.values())
+        out["per_step"] = {k: [r[k] for r in recs] for k in keys if k in recs[0]}
     for k in PHASES:
         if all(k in r for r in recs):
             out[k] = statistics.fmean(r[k] for r in recs)
@@ -156,15 +180,17 @@ def own_bound(run: dict, mode: str) -> dict[str, float]:
     """A split run against its own ideal step (the module docstring): the learner's busy fraction
     (step - wait_batch - weight_broadcast_wait) / step over steps 1..n, the rollout rank's, the
     generate time of the batches of steps 2..n over the learner steps that contain them (``mode``:
-    sync, one_step_off or async), the share (the larger) and its noise margin (async only)."""
+    sync, one_step_off; async: over its own time), the share (the larger) and the margin (0)."""
     step = run["time/step_s"]
     learner = step - run["time/wait_batch_s"] - run.get("time/weight_broadcast_wait_s", 0.0)
     per = run["per_step"]
-    steps, waits, gens = per["time/step_s"], per["time/wait_batch_s"], per["time/rollout_generate_s"]
+    steps, gens = per["time/step_s"], per["time/rollout_generate_s"]
     if len(steps) < 2:
         raise SystemExit("the bound needs 2 measured steps: --steps 3 or more")
     window = steps[1:] if mode == "sync" else steps[:-1]
-    margin = max(0.0, waits[-1] - waits[0]) / sum(window) if mode == "async" else 0.0
+    if mode in OWN_WAIT:  # the rollout rank's own time: a batch's wait (room, weights), then its generation
+        window = [g + w for g, w in zip(gens[1:], per[OWN_WAIT[mode]][1:])]
+    margin = 0.0
     rollout = sum(gens[1:]) / sum(window)
     return {
         "learner": learner / step,
@@ -176,7 +202,7 @@ def own_bound(run: dict, mode: str) -> dict[str, float]:
     }
 
 
-WINDOW = {"sync": "2..n", "one_step_off": "1..n-1", "async": "1..n-1"}
+WINDOW = {"sync": "learner steps 2..n", "one_step_off": "its own time 2..n", "async": "its own time 2..n"}
 
 
 def bound_line(name: str, m: dict, mode: str) -> str:
@@ -184,7 +210,7 @@ def bound_line(name: str, m: dict, mode: str) -> str:
     holds = b["share"] <= 1 + b["margin"]
     return (
         f"{name} own bound: learner busy {b['learner']:.4f} of its steps 1..n; rollout busy "
-        f"{b['rollout']:.4f} = generate of batches 2..n {b['generate']:.4f} s / learner steps "
+        f"{b['rollout']:.4f} = generate of batches 2..n {b['generate']:.4f} s / "
         f"{WINDOW[mode]} {b['window']:.4f} s; share of ideal {b['share']:.4f} (<= 1 + margin "
         f"{b['margin']:.4f}: {'holds' if holds else 'EXCEEDED'})"
     )
@@ -258,6 +284,17 @@ def report(runs: dict[str, list[dict[str, float]]]) -> tuple[float, float]:
             f"  {ratio_line(f'{name} slower role waiting fraction', wait)}; goal < {GOAL_WAIT:.0%}: "
             f"{'met' if w_med < GOAL_WAIT else 'not met'}"
         )
+    if "split_async" in runs and "split_one_step_off" in runs:
+        a, o = runs["split_async"], runs["split_one_step_off"]
+        mixed = ", ".join(
+            f"{n} {int(sum(m['mixed'] for m in runs[n]))}" for n in ("split_async", "split_one_step_off")
+        )
+        print(
+            f"responses with tokens of 2+ weight versions, of {int(sum(m['seqs'] for m in a))} "
+            f"per arm: {mixed}"
+        )
+        ratios = paired_ratios([m["steps_per_s"] for m in a], [m["steps_per_s"] for m in o])
+        print(f"  {ratio_line('split_async steps/s over split_one_step_off', ratios)}")
     overlapping = [n for n in runs if n not in (BASE, "colocated_sync")]
     if overlapping:
         best = max(overlapping, key=lambda n: statistics.median(m["steps_per_s"] for m in runs[n]))
@@ -328,7 +365,8 @@ def parse(argv: list[str] | None = None):
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--samples", type=int, default=4)
-    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--shape", choices=sorted(SHAPES), default="long_tail", help="the response lengths")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="default: 224 (long_tail), 48 (uniform)")
     p.add_argument("--out", default="runs/bench_async")
     p.add_argument(
         "--quick", action="store_true", help="1 repetition of 3 steps of 16 new tokens (the test's)"
@@ -345,6 +383,8 @@ def parse(argv: list[str] | None = None):
     args = p.parse_args(argv)
     if args.quick:
         args.reps, args.steps, args.max_new_tokens = 1, 3, 16
+    if args.max_new_tokens is None:
+        args.max_new_tokens = SHAPES[args.shape][1]
     return args
 
 

@@ -116,14 +116,21 @@ def test_lag_histogram_mean_and_max():
         [7 / 13, 2 / 13, 3 / 13, 1 / 13]
     )
     assert _mean(m["rollout/lag_mean"]) == pytest.approx(11 / 13) and float(m["rollout/lag_max"].value) == 3.0
+    # an update inside the response: sequences 0 (lags 1 1 0 0) and 1 (3 2 0); 2 and 3 one version
+    assert float(m["rollout/mixed_version_seqs"].value) == 2.0
+    assert _mean(m["rollout/mixed_version_frac"]) == 0.5
     assert sorted(m) == sorted(
-        [f"rollout/lag_frac/{k}" for k in range(4)] + ["rollout/lag_mean", "rollout/lag_max"]
+        [f"rollout/lag_frac/{k}" for k in range(4)]
+        + ["rollout/lag_mean", "rollout/lag_max", "rollout/mixed_version_seqs", "rollout/mixed_version_frac"]
     )
     # no versions: lag 0 only
     m0 = lag_metrics(torch.zeros_like(LAG_BS), MASK_BS, 1)
     assert _mean(m0["rollout/lag_frac/0"]) == 1.0 and _mean(m0["rollout/lag_mean"]) == 0.0
+    assert float(m0["rollout/mixed_version_seqs"].value) == 0.0
     # lags outside the response never count, whatever they hold
-    assert _mean(lag_metrics(LAG_BS + ~MASK_BS * 9, MASK_BS, 4)["rollout/lag_mean"]) == pytest.approx(11 / 13)
+    off = lag_metrics(LAG_BS + ~MASK_BS * 9, MASK_BS, 4)
+    assert _mean(off["rollout/lag_mean"]) == pytest.approx(11 / 13)
+    assert float(off["rollout/mixed_version_seqs"].value) == 2.0
     with pytest.raises(IndexError):  # num_lags must exceed every lag
         lag_metrics(LAG_BS, MASK_BS, 3)
 

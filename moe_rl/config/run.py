@@ -128,6 +128,11 @@ class RolloutConfig:
     # recompute (built-in engine: re-prefill the prefix under the new weights; its routes never
     # overwrite recorded ones)
     inflight_kv: str = "keep"
+    # a lab/bench instrument (built-in engine; docs/design.md 15.3): this fraction of each generate
+    # call's samples (at least one when > 0) ignore the stop tokens and run to max_new_tokens, as
+    # vLLM's ignore_eos does, so response lengths get the long tail a reasoning model has and the
+    # tiny warm start (answers of 3-6 tokens) lacks; 0 = off
+    long_tail_frac: float = 0.0
     vllm: VllmConfig = field(default_factory=VllmConfig)
 
     def __post_init__(self) -> None:
@@ -164,6 +169,12 @@ class RolloutConfig:
             f"(vLLM does not run): use rollout.engine=vllm, or drop them",
         )
         one_of(self.inflight_kv, "rollout.inflight_kv", ("keep", "recompute"))
+        check(0 <= self.long_tail_frac <= 1, "rollout.long_tail_frac", "must be in [0, 1]")
+        check(
+            self.long_tail_frac == 0 or self.engine == "builtin",
+            "rollout.long_tail_frac",
+            f"{self.long_tail_frac} is a built-in engine instrument; rollout.engine={self.engine} has none",
+        )
         check(
             self.inflight_kv == "keep" or self.mode == "async",
             "rollout.inflight_kv",

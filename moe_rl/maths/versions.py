@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from moe_rl.maths.ratios import SAFETY_BOUND, exact_log_ratio, kl_from_log_ratio
-from moe_rl.metrics import Max, Mean, MetricValue
+from moe_rl.metrics import Max, Mean, MetricValue, Sum
 
 
 def weight_version(updates: int) -> int:
@@ -74,13 +74,24 @@ def sum_by_lag(x_N: torch.Tensor, lag_N: torch.Tensor, num_lags: int) -> torch.T
 def lag_metrics(lag_BS: torch.Tensor, mask_BS: torch.Tensor, num_lags: int) -> dict[str, MetricValue]:
     """The staleness histogram of the generated tokens: ``rollout/lag_frac/<k>`` (fraction of
     tokens with lag k, k < ``num_lags``, which exceeds every lag), ``rollout/lag_mean``,
-    ``rollout/lag_max``."""
+    ``rollout/lag_max``; and ``rollout/mixed_version_seqs`` (Sum) / ``rollout/mixed_version_frac``
+    (Mean over sequences): the responses whose tokens come from two or more weight versions, i.e.
+    an in-flight update landed inside them (async only; 0 when every update waits for a whole
+    generate call, as in one_step_off)."""
     m_BS = mask_BS.bool()
     lag0_BS = torch.where(m_BS, lag_BS, 0)
     n = m_BS.double().sum()
+    # an empty [B, 0] batch has no tokens: amin/amax need a column
+    pad_BS = torch.nn.functional.pad(m_BS, (0, 1))  # one masked-off column
+    lag1_BS = torch.nn.functional.pad(lag_BS.long(), (0, 1))
+    lo_B = torch.where(pad_BS, lag1_BS, torch.iinfo(torch.int64).max).amin(1)
+    hi_B = torch.where(pad_BS, lag1_BS, -1).amax(1)
+    mixed = (hi_B > lo_B).double().sum()  # rows without tokens: lo max, hi -1
     count_K = sum_by_lag(m_BS.reshape(-1), lag0_BS.reshape(-1), num_lags)
     out: dict[str, MetricValue] = {f"rollout/lag_frac/{k}": Mean(count_K[k], n) for k in range(num_lags)}
     out["rollout/lag_mean"] = Mean(lag0_BS.double().sum(), n)
+    out["rollout/mixed_version_seqs"] = Sum(mixed)
+    out["rollout/mixed_version_frac"] = Mean(mixed, torch.tensor(float(m_BS.shape[0]), dtype=torch.float64))
     out["rollout/lag_max"] = Max(
         lag0_BS.max().double() if lag0_BS.numel() else torch.zeros((), dtype=torch.float64)
     )

@@ -35,6 +35,7 @@ sequence length (or KV slots), V vocabulary, L MoE layers, K top-k.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -132,6 +133,18 @@ def _to_route_dtype(
     return routes_BSLK.to(dtype)
 
 
+def _tail_rows(B: int, frac: float, seed: int, device: torch.device) -> torch.Tensor:
+    """bool [B]: the rows that ignore the stop tokens (``rollout.long_tail_frac``, a lab/bench
+    instrument): ceil(frac * B) of them, picked by ``seed`` from a generator of their own, so the
+    sampling stream is the same as without them."""
+    tail_B = torch.zeros(B, dtype=torch.bool, device=device)
+    k = math.ceil(frac * B)
+    if k:
+        pick = torch.Generator().manual_seed((seed * _NOISE_SEED_ADD + _NOISE_SEED_MUL) % 2**64)
+        tail_B[torch.randperm(B, generator=pick)[:k].to(device)] = True
+    return tail_B
+
+
 @dataclass
 class _Rollout:
     """Internal state of one generate call. Slot j of a row = KV-cache / internal position j:
@@ -153,6 +166,7 @@ class _Rollout:
     num_steps: int = 0
     gen_dist_BGV: torch.Tensor | None = None  # fp32 full log-probs per step (return_dist)
     gen_safe_BGV: torch.Tensor | None = None  # bool DVP safe set per step
+    tail_B: torch.Tensor | None = None  # bool, rows that ignore the stop tokens (long_tail_frac)
 
 
 class BuiltinEngine:
@@ -254,6 +268,7 @@ class BuiltinEngine:
                 self.router_logit_noise, torch.Generator(device=self.device).manual_seed(noise_seed)
             )
         state = self._prefill(prompts, n, sampling.max_new_tokens, noise)
+        state.tail_B = _tail_rows(state.finished_B.shape[0], sampling.long_tail_frac, seed, self.device)
         self._decode(state, sampling, sample_gen, noise, updates)
         return self._assemble(state, n, sampling)
 
@@ -363,7 +378,7 @@ class BuiltinEngine:
             st.gen_logprobs_BG[:, g] = torch.where(active_B, lp_B, 0.0)
             st.gen_version_BG[:, g] = torch.where(active_B, st.logits_version, 0)
             st.gen_valid_BG[:, g] = active_B
-            st.finished_B |= active_B & torch.isin(tok_B, stop_ids)
+            st.finished_B |= active_B & torch.isin(tok_B, stop_ids) & ~st.tail_B
             st.num_steps = g + 1
             if g == max_new - 1 or bool(st.finished_B.all()):
                 break

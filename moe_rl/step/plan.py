@@ -30,6 +30,7 @@ def sampling_params(cfg: RunConfig, stop_token_ids: tuple[int, ...] = ()) -> Sam
         stop_token_ids=tuple(stop_token_ids),
         dvp=c.dvp,
         return_dist=c.needs_full_dists or c.dvp.on,
+        long_tail_frac=r.long_tail_frac,
     )
 
 

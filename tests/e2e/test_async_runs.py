@@ -4,7 +4,9 @@ each weight sync (``MOE_RL_TEST_LEARNER_DELAY_S``, tests only) so the rollout ra
 buffer during step 0 with W_0's requests: step 1 trains on one of them (lag 1) whatever the
 machine's load. Async is not bit-for-bit deterministic: the
 tests check bounds and counts, not values; a first SIGINT keeps every finished request in the
-checkpoint it saves (issue 42)."""
+checkpoint it saves (issue 42). Under a long tail of response lengths (``LONG_TAIL``, no delay)
+generation outlasts the learner's update, so updates land inside responses and async differs from
+one_step_off (issue 42 point 6)."""
 
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ from tests.e2e.helpers import metrics, moe_rl, signalled
 MODE = ["rollout.mode=async", "checkpoint_every=0", *TINY]
 ASYNC = ["parallel.nproc=4", "parallel.rollout_ranks=2", "parallel.expert_parallel=2", *MODE]
 PER_REQUEST = 16  # 8 prompts over 2 dp ranks x 4 samples
+# the README's async shape (docs/design.md 15.3): 1 sample in 8 ignores eos and runs to 224 tokens
+LONG_TAIL = ["model.max_seq_len=256", "rollout.max_new_tokens=224", "rollout.long_tail_frac=0.125"]
 
 
 @pytest.fixture(autouse=True)
@@ -91,3 +95,42 @@ def test_async_with_a_tp2_learner_serves_both_tp_ranks_one_request(tmp_path):
     assert sorted(m) == [0, 1]
     assert [m[t]["rollout/lag_max"] for t in (0, 1)] == [0.0, 1.0]  # request 1: W_0, during step 0
     _within_max_staleness(m, 1, per_request=8 * 4, dp=1)  # all 8 prompts x 4 samples per request
+
+
+@pytest.mark.e2e
+def test_async_under_a_long_tail_lands_updates_inside_responses_and_differs_from_one_step_off(
+    tmp_path, monkeypatch
+):
+    # 1 learner + 1 rollout rank, 2 prompts x 4 samples, one optimizer step: the learner's step
+    # (~1 s) is shorter than the tail sample's 224 decode steps (~2-3 s on the shared 2 cores)
+    monkeypatch.setitem(os.environ, DELAY_ENV, "0")  # the learner at its own pace
+    shape = [
+        *MODE[1:],
+        "steps=3",
+        "parallel.nproc=2",
+        "parallel.rollout_ranks=1",
+        "parallel.expert_parallel=1",
+        "rollout.prompts_per_step=2",
+        "algo.num_minibatches=1",
+        *LONG_TAIL,
+    ]
+    a = _run(tmp_path / "async", *shape, "rollout.mode=async")
+    o = _run(tmp_path / "osoff", *shape, "rollout.mode=one_step_off")
+    assert sorted(a) == sorted(o) == [0, 1, 2]
+    for m in (a, o):
+        for r in m.values():  # the tail: 1 of 8 samples runs to max_new_tokens, the rest stop
+            assert r["rollout/response_len_max"] == 224.0 and r["rollout/truncated_frac"] >= 1 / 8
+            assert r["rollout/mixed_version_seqs"] == 8 * r["rollout/mixed_version_frac"]
+    # step 0: both train request 0, generated whole with W_0 from the same seed
+    same = ("reward/mean", "rollout/num_response_tokens", "corr/k3_kl", "train/grad_norm")
+    assert [a[0][k] for k in same] == [o[0][k] for k in same]
+    assert a[0]["rollout/mixed_version_seqs"] == o[0]["rollout/mixed_version_seqs"] == 0.0
+    # one_step_off: each later batch generated whole with the weights one update old
+    for t in (1, 2):
+        assert o[t]["rollout/mixed_version_seqs"] == 0.0 and o[t]["rollout/lag_mean"] == 1.0
+    # async: an update lands inside the tail sample (its tokens after it have lag 0)
+    mixed = [t for t in (1, 2) if a[t]["rollout/mixed_version_seqs"] >= 1]
+    assert mixed, [a[t]["rollout/mixed_version_seqs"] for t in (1, 2)]
+    for t in mixed:
+        assert 0 < a[t]["rollout/lag_frac/0"] and a[t]["rollout/lag_mean"] < 1.0 == o[t]["rollout/lag_mean"]
+        assert a[t]["rollout/lag_max"] == 1.0 and a[t]["rollout/dropped_stale"] == 0.0

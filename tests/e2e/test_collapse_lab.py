@@ -58,6 +58,17 @@ def test_lab_mode_runs_every_arm_split_with_more_seeds_for_none_and_r3():
     asy = lab.parse(["--mode", "async", "--max-staleness", "3", "--arms", "none,onpolicy", "--seeds", "7"])
     assert asy.arm_seeds == {"none": [7], "onpolicy": [7]}  # --seeds sets every arm's
     assert lab.arm_overrides("none", asy)[:5] == [*split, "rollout.mode=async", "rollout.max_staleness=3"]
+    # async runs the long tail (docs/design.md 15.3); one_step_off does not
+    assert (
+        lab.arm_overrides("none", asy)[5:8]
+        == lab.LONG_TAIL
+        == [
+            "model.max_seq_len=256",
+            "rollout.max_new_tokens=224",
+            "rollout.long_tail_frac=0.125",
+        ]
+    )
+    assert not any("long_tail" in o for o in lab.arm_overrides("r3", args))
     # the control stays colocated and in sync
     control = lab.arm_overrides("onpolicy", asy)
     assert control[-3:] == ["parallel.rollout_ranks=0", "rollout.mode=sync", "rollout.max_staleness=1"]

@@ -256,3 +256,38 @@ def test_inflight_kv_config_key() -> None:
     # and with an engine of 2 TP ranks, whose ranks agree on each update (docs/design.md 15.1)
     tp2 = [*vllm_async, "parallel.rollout_ranks=2", "parallel.expert_parallel=1"]
     assert load_config(None, [*tp2, "rollout.vllm.tensor_parallel=2"]).rollout.vllm.tensor_parallel == 2
+
+
+def test_long_tail_rows_ignore_the_stop_tokens_and_leave_the_other_rows_as_they_were(cfg, versions):
+    """rollout.long_tail_frac (a lab/bench instrument, docs/design.md 15.3): ceil(frac * B) rows,
+    picked by the seed, run to max_new_tokens past their stop tokens; every other row is the plain
+    call's (the sampling stream is unchanged), so only the tail is longer."""
+    eng = engine(cfg, versions, "keep")
+    stop = SamplingParams(max_new_tokens=12, temperature=3.0, stop_token_ids=(4, 5, 6, 7, 8))
+    plain = eng.generate(PROMPTS, 2, stop, seed=5)
+    tail_sp = SamplingParams(
+        max_new_tokens=12, temperature=3.0, stop_token_ids=(4, 5, 6, 7, 8), long_tail_frac=0.2
+    )
+    tail = eng.generate(PROMPTS, 2, tail_sp, seed=5)
+    long_B = tail.response_lens_B == 12
+    assert int((tail.response_lens_B != plain.response_lens_B).sum()) >= 1  # a tail row did stop before
+    assert int((~tail.finished_B).sum()) >= 2 and bool((tail.response_lens_B[~tail.finished_B] == 12).all())
+    rows = torch.nonzero(tail.response_lens_B != plain.response_lens_B)[:, 0]
+    assert bool(long_B[rows].all()) and rows.numel() <= 2  # ceil(0.2 * 8) = 2 rows ignore eos
+    keep = [b for b in range(8) if b not in rows.tolist()]
+    n = plain.tokens_BS.shape[1]
+    assert torch.equal(tail.tokens_BS[keep, :n], plain.tokens_BS[keep])
+    # the tail rows feed tokens where they fed pad: other expert groupings, float-close log-probs
+    assert torch.allclose(tail.logprobs_BS[keep, :n], plain.logprobs_BS[keep], atol=LOGP_ATOL, rtol=0)
+    for b in rows.tolist():  # the tail row's first tokens, up to its old stop, are the plain call's
+        m = int(plain.prompt_lens_B[b] + plain.response_lens_B[b])
+        assert torch.equal(tail.tokens_BS[b, :m], plain.tokens_BS[b, :m])
+    assert torch.equal(eng.generate(PROMPTS, 2, tail_sp, seed=5).tokens_BS, tail.tokens_BS)  # seeded
+
+
+def test_long_tail_frac_config_key() -> None:
+    assert load_config(None, []).rollout.long_tail_frac == 0.0
+    with pytest.raises(ConfigError, match=r"config key 'rollout.long_tail_frac': must be in \[0, 1\]"):
+        load_config(None, ["rollout.long_tail_frac=1.5"])
+    with pytest.raises(ConfigError, match="config key 'rollout.long_tail_frac': 0.5 is a built-in engine"):
+        load_config(None, ["rollout.long_tail_frac=0.5", "rollout.engine=vllm"])
