@@ -38,6 +38,13 @@ def _free_pair() -> int:
     raise RuntimeError("no two adjacent free ports")
 
 
+def _running(pid: int) -> bool:
+    try:  # a zombie has ended: only its parent's wait is left
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
     """A one-host cluster for this module: its environment for sbatch/squeue/sacct."""
@@ -52,7 +59,7 @@ def slurm(tmp_path_factory):
         yield env
     finally:
         subprocess.run([*local, "stop", str(d)], env=env, check=True, timeout=60)
-        running = [pid for pid in pids if Path(f"/proc/{pid}").exists()]
+        running = [pid for pid in pids if _running(pid)]
         assert running == [], f"daemons left running after stop: {running}"
 
 
