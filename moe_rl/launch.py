@@ -62,7 +62,7 @@ _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 # that nothing else in the job sends
 LAUNCHER_DIED = signal.SIGUSR2
 PARENT_GONE_WAIT_S = 1.0  # how long a parent-death signal waits for the launcher to be gone
-_PR_SET_PDEATHSIG, _PR_SET_CHILD_SUBREAPER = 1, 36
+_PR_SET_PDEATHSIG, _PR_SET_CHILD_SUBREAPER, _PR_GET_CHILD_SUBREAPER = 1, 36, 37
 
 
 def under_torchrun() -> bool:
@@ -253,11 +253,19 @@ def _prctl(option: int, arg: int) -> None:
         raise OSError(err, f"prctl({option}, {arg}) failed: {os.strerror(err)}")
 
 
-def _become_subreaper() -> None:
+def _become_subreaper(on: bool = True) -> bool:
     """Orphans of this process's descendants are re-parented to it (not to init), so that
-    ``_end_strays`` and ``_kill_descendants`` find them. Linux only; a no-op elsewhere."""
-    if sys.platform.startswith("linux"):
-        _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+    ``_end_strays`` and ``_kill_descendants`` find them; ``on=False`` undoes it. Returns whether
+    it was one before. Linux only; a no-op elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    was = ctypes.c_int(0)
+    if ctypes.CDLL(None, use_errno=True).prctl(_PR_GET_CHILD_SUBREAPER, ctypes.byref(was), 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_GET_CHILD_SUBREAPER) failed")
+    _prctl(_PR_SET_CHILD_SUBREAPER, int(on))
+    return bool(was.value)
 
 
 def end_with_launcher(launcher_pid: int, parent_pid: int | None = None) -> None:
@@ -389,7 +397,9 @@ def spawn_local(fn, nproc: int, *args, stop_grace_s: float = 0.0):
         if name.startswith(("torch.distributed.elastic", "torch.multiprocessing"))
     ]
     levels = [log.level for log in elastic_logs]
-    _become_subreaper()
+    # for the job only: a process that launches a job in-process (tests, a notebook) would
+    # otherwise inherit every orphan started after it, daemons too, and never reap them
+    was_subreaper = _become_subreaper()
     before = _descendants()
     handlers = {sig: signal.getsignal(sig) for sig in (*_STOP_SIGNALS, signal.SIGALRM)}  # the agent's
     graceful_stop = stop.GracefulStop(report_dir, stop_grace_s)
@@ -422,6 +432,8 @@ def spawn_local(fn, nproc: int, *args, stop_grace_s: float = 0.0):
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)
         _end_strays(before)
+        if not was_subreaper:
+            _become_subreaper(False)
         shutil.rmtree(report_dir, ignore_errors=True)
         job_tmp.remove_orphans()  # the ranks are gone: what they made (a vLLM engine's HF dir) is unowned
 

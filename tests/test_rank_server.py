@@ -5,6 +5,7 @@ status) are held by tests/bad_input/test_job_end.py and test_rank_death_race.py.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
 
@@ -38,6 +39,10 @@ def test_cpu_ranks_are_forked_from_the_server_with_the_launchers_environment_now
     monkeypatch.delenv("MOE_RL_TEST_UNSET")
     out = spawn_local(_rank, 2)
     assert rank_server.server_pid() == server  # it outlives the job, for the next one
+    # PR_GET_CHILD_SUBREAPER (37): the launcher was a child subreaper for the job only, so orphans
+    # started later (a daemon) go to init, not to it
+    was = ctypes.c_int(-1)
+    assert ctypes.CDLL(None).prctl(37, ctypes.byref(was), 0, 0, 0) == 0 and was.value == 0
     for rank in (0, 1):
         assert out[rank] == {
             "parent": server,
