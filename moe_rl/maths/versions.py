@@ -91,7 +91,8 @@ def lag_metrics(lag_BS: torch.Tensor, mask_BS: torch.Tensor, num_lags: int) -> d
     out: dict[str, MetricValue] = {f"rollout/lag_frac/{k}": Mean(count_K[k], n) for k in range(num_lags)}
     out["rollout/lag_mean"] = Mean(lag0_BS.double().sum(), n)
     out["rollout/mixed_version_seqs"] = Sum(mixed)
-    out["rollout/mixed_version_frac"] = Mean(mixed, torch.tensor(float(m_BS.shape[0]), dtype=torch.float64))
+    rows = torch.tensor(float(m_BS.shape[0]), dtype=torch.float64, device=m_BS.device)
+    out["rollout/mixed_version_frac"] = Mean(mixed, rows)
     out["rollout/lag_max"] = Max(
         lag0_BS.max().double() if lag0_BS.numel() else torch.zeros((), dtype=torch.float64)
     )
