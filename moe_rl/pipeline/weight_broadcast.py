@@ -225,7 +225,7 @@ class WeightSender:
         self.device = wire_device(group)
         self.chunks = self.buckets = 0
         self.received = [0] * (group.size - 1)  # bytes each rollout rank was sent
-        self.wait_s = 0.0  # the first frame's broadcast: until every receiver has joined the sync
+        self.wait_s = 0.0  # the first frame's broadcast (send_sync adds its wait for the receivers to join)
 
     @property
     def nbytes(self) -> int:
@@ -251,8 +251,8 @@ class WeightSender:
         header = plan_chunk(chunk, self.bucket_bytes, self.engine)
         data = header.encode()
         t0 = time.perf_counter()
-        # a gloo broadcast moves data only once every receiver posted its receive: the first
-        # frame's time is the root's wait for the rollout ranks (the first one's, sliced), not transfer
+        # a gloo broadcast moves data only once every receiver posted its receive: the first frame
+        # waits for receivers not yet joined (in a run they joined at send_sync's tell_last)
         self._put(_frame(self.version, CHUNK, self.chunks, len(data), self.device), dst)
         if self.chunks == 0 and dst in (None, 1):
             self.wait_s = time.perf_counter() - t0

@@ -85,6 +85,27 @@ def tell_last(group: Group, last: int | None = None) -> int:
     return int(group.broadcast(t)[0])
 
 
+def send_sync(
+    group: Group,
+    last: int | None,
+    chunks,
+    version: int,
+    engine: torch.dtype | None = None,
+    sliced: Sliced | None = None,
+) -> dict[str, float]:
+    """The root's whole split sync: ``tell_last``, then ``broadcast_weights``. The told update is
+    the sync's first message, so its broadcast is where the root waits for every rollout rank to
+    join (in one_step_off, for the batch it is generating): that time is the sync's
+    ``time/weight_broadcast_wait_s`` and is in its ``time/weight_broadcast_s``."""
+    t0 = time.perf_counter()
+    tell_last(group, last)
+    joined = time.perf_counter() - t0
+    m = broadcast_weights(chunks, group, version, engine=engine, sliced=sliced)
+    m["time/weight_broadcast_wait_s"] += joined
+    m["time/weight_broadcast_s"] += joined
+    return m
+
+
 class WeightSync:
     """A learner rank's side of the sync (see the module docstring). ``engine``: the rank's
     engine, or its ``RemoteEngine`` when split; ``learner``: anything with
@@ -182,10 +203,7 @@ class WeightSync:
         if self.delay_s and remote.next_version > 0:
             time.sleep(self.delay_s)
         if self.group is not None:  # learner rank 0: the broadcast's root
-            tell_last(self.group, last)
-            m = broadcast_weights(
-                chunks, self.group, remote.next_version, engine=self.engine_dtype, sliced=self.sliced
-            )
+            m = send_sync(self.group, last, chunks, remote.next_version, self.engine_dtype, self.sliced)
         else:
             for _ in chunks:  # the gather is collective over the learner ranks
                 pass
