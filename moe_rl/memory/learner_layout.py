@@ -9,11 +9,26 @@ replicated over expert-DP = world / (EP x ETP x PP). Uneven pipeline stages foll
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from moe_rl.config import ModelConfig, ParallelConfig
 from moe_rl.config.layout import pipeline_stage_layers
 from moe_rl.memory.sizes import attention_params
+
+
+@functools.lru_cache(maxsize=4096)
+def _stage_layers(world: int, pp: int, first: int, last: int, num_layers: int) -> tuple[int, ...]:
+    # cached: the layout search asks again for the same few splits (330k calls for one 6-node
+    # recipe, each a validated ParallelConfig: half of `choose_layout`'s time)
+    par = ParallelConfig(
+        nproc=world,
+        pipeline_parallel=pp,
+        expert_parallel=1,
+        layers_in_first_stage=first if pp > 1 else 0,
+        layers_in_last_stage=last if pp > 1 else 0,
+    )
+    return tuple(pipeline_stage_layers(num_layers, par))
 
 
 @dataclass(frozen=True)
@@ -63,14 +78,7 @@ class Layout:
         """Layers of each pipeline stage (megatron's rule); ValueError when they do not split."""
         if self.pp == 1 and (self.first or self.last):
             raise ValueError("layers in the first/last stage need pipeline_parallel > 1")
-        par = ParallelConfig(
-            nproc=self.world,
-            pipeline_parallel=self.pp,
-            expert_parallel=1,
-            layers_in_first_stage=self.first if self.pp > 1 else 0,
-            layers_in_last_stage=self.last if self.pp > 1 else 0,
-        )
-        return list(pipeline_stage_layers(num_layers, par))
+        return list(_stage_layers(self.world, self.pp, self.first, self.last, num_layers))
 
     def problems(self, m: ModelConfig) -> list[str]:
         """What megatron would refuse, one line each; empty when the layout is valid for ``m``."""
