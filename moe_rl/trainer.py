@@ -140,9 +140,13 @@ def build_learner(cfg: RunConfig, plan: StepPlan, dims: ParallelDims, tok, memor
     )
 
 
-def open_run_dir(cfg: RunConfig, dims: ParallelDims, start: int) -> MetricsWriter:
-    """The resolved config (rank 0) and the metrics sink, continued on resume."""
+def open_run_dir(cfg: RunConfig, dims: ParallelDims, start: int, task: Task) -> MetricsWriter:
+    """The resolved config (rank 0) and the metrics sink, continued on resume (the agent's
+    trajectory log too: run_dir/agent/trajectories_rank<r>.jsonl)."""
     run_dir = Path(cfg.run_dir)
+    if task.agent is not None:
+        log = run_dir / "agent" / f"trajectories_rank{dims.rank}.jsonl"
+        task.agent.log_to(log, resume_step=start if cfg.resume else None)
     if dims.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         # a resume's base (moe_rl.config.load_run_config): never left half-written
@@ -166,8 +170,6 @@ def rank_task(cfg: RunConfig, dims: ParallelDims, prepared: Prepared | None) -> 
             cfg, task = build_task(cfg, start_pool=False)
         prepared = Prepared(cfg, task, mem)
     prepared.task.pool.start()
-    if prepared.task.agent is not None:  # run_dir/agent/trajectories_rank<r>.jsonl
-        prepared.task.agent.log_to(Path(cfg.run_dir) / "agent" / f"trajectories_rank{dims.rank}.jsonl")
     return prepared
 
 
@@ -205,7 +207,7 @@ def train(cfg: RunConfig, dims: ParallelDims, prepared: Prepared | None = None) 
         start = ckpt.resume()
     with mem.span("first sync"):
         pipe.sync.first_sync(resumed=start > 0)
-    writer, bar = open_run_dir(cfg, dims, start), progress(cfg, start, dims)
+    writer, bar = open_run_dir(cfg, dims, start, task), progress(cfg, start, dims)
     mem.attach(Path(cfg.run_dir) / MEMORY_TIMELINE)
     health = HealthMonitor(cfg.log.health, cfg.model.vocab_size, active=dims.is_main)
     stop = 0  # the signal of a stop request, once the learner ranks agreed on one

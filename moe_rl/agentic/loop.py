@@ -35,7 +35,8 @@ from moe_rl.agentic.environment import Environment, TaskRow
 from moe_rl.agentic.formats import ToolFormat
 from moe_rl.agentic.tools import ERROR_KINDS, ToolRunner
 from moe_rl.config import AgentConfig
-from moe_rl.metrics import Max, Mean, Sum
+from moe_rl.fsutil import write_atomic
+from moe_rl.metrics import Max, Mean, Sum, truncate_metrics_file
 from moe_rl.routing.record import missing_id
 from moe_rl.types import Prompt, RolloutBatch, SamplingParams
 
@@ -160,9 +161,15 @@ class AgentLoop:
         c = self.cfg
         return ToolRunner(self.env.tools(t.task), c.tool_timeout_s, c.max_tool_tokens, self.fmt.count_tokens)
 
-    def log_to(self, path: Path) -> None:
-        """Append every trajectory (turn texts, end, reward, counts) to ``path`` as a JSON line."""
+    def log_to(self, path: Path, resume_step: int | None = None) -> None:
+        """Append every trajectory (turn texts, end, reward, counts) to ``path`` as a JSON line. A
+        resume at ``resume_step`` first drops the lines of steps >= it (written after the
+        checkpoint, they are generated again), so the log holds each step once."""
         path.parent.mkdir(parents=True, exist_ok=True)
+        if resume_step is None:
+            write_atomic(path, "")  # a new run: not appended to an earlier run's log
+        else:
+            truncate_metrics_file(path, resume_step)
         self.log_path = path
 
     def _batch(self, trajs: list[Trajectory], pad_id: int, step: int) -> RolloutBatch:

@@ -6,6 +6,7 @@ counted by reason."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -78,3 +79,20 @@ def test_limits_end_trajectories_with_their_reason():
     *_, b = _run("agent.max_total_tokens=20")  # prompt (~8) + a turn (8) fit once, then no more
     assert b.engine_metrics["agent/end/context"].value > 0
     assert int((b.prompt_lens_B + b.response_lens_B).max()) <= 20
+
+
+def test_a_resumed_run_logs_each_step_once(tmp_path):
+    # the steps after the checkpoint ran before the stop and run again after the resume: their
+    # first records are dropped; a new run in the same directory starts an empty log
+    cfg, task, engine, prompts, sampling, _ = _run()
+    log = tmp_path / "agent" / "trajectories_rank0.jsonl"
+    task.agent.log_to(log)
+    for step in range(3):
+        task.agent.rollout(engine, prompts, 1, sampling, 11, step=step)
+    steps = [json.loads(line)["step"] for line in log.open()]
+    assert steps == [0, 0, 1, 1, 2, 2]  # 2 prompts x 1 sample per step
+    task.agent.log_to(log, resume_step=1)  # resumed from the checkpoint of step 1
+    task.agent.rollout(engine, prompts, 1, sampling, 11, step=1)
+    assert [json.loads(line)["step"] for line in log.open()] == [0, 0, 1, 1]
+    task.agent.log_to(log)
+    assert log.read_text() == ""
