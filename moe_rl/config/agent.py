@@ -45,11 +45,6 @@ def check_agent(cfg: Any) -> None:
     yet is refused by key (docs/agentic.md 5), and its token limits fit the model."""
     a, r, m = cfg.agent, cfg.rollout, cfg.model
     check(
-        r.engine == "builtin",
-        "rollout.engine",
-        f"{r.engine}: the multi-turn loop runs on the built-in engine only for now (agent.env={a.env})",
-    )
-    check(
         cfg.parallel.rollout_ranks == 0 and r.staleness == 0,
         "parallel.rollout_ranks" if cfg.parallel.rollout_ranks else "rollout.staleness",
         f"the multi-turn loop runs colocated and synced only for now (agent.env={a.env})",

@@ -72,9 +72,14 @@ def test_environment_module_that_raises_or_exits_on_import(tmp_path, monkeypatch
             "this run's tokenizer is the char tokenizer",
         ),
         (
-            ["agent.env=calculator", "rollout.engine=vllm"],
-            "override 'rollout.engine=vllm': config key 'rollout.engine': vllm: the multi-turn loop "
-            "runs on the built-in engine only for now (agent.env=calculator)",
+            [
+                "agent.env=calculator",
+                "parallel.nproc=2",
+                "parallel.rollout_ranks=1",
+                "parallel.expert_parallel=1",
+            ],
+            "override 'parallel.rollout_ranks=1': config key 'parallel.rollout_ranks': the multi-turn "
+            "loop runs colocated and synced only for now (agent.env=calculator)",
         ),
         (
             ["agent.max_turns=0"],

