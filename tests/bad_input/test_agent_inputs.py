@@ -72,14 +72,10 @@ def test_environment_module_that_raises_or_exits_on_import(tmp_path, monkeypatch
             "this run's tokenizer is the char tokenizer",
         ),
         (
-            [
-                "agent.env=calculator",
-                "parallel.nproc=2",
-                "parallel.rollout_ranks=1",
-                "parallel.expert_parallel=1",
-            ],
-            "override 'parallel.rollout_ranks=1': config key 'parallel.rollout_ranks': the multi-turn "
-            "loop runs colocated and synced only for now (agent.env=calculator)",
+            ["agent.env=calculator", "rollout.staleness=1"],
+            "override 'rollout.staleness=1': config key 'rollout.staleness': the simulated staleness "
+            "does not take the multi-turn loop (agent.env=calculator); parallel.rollout_ranks with "
+            "rollout.mode=one_step_off or async give real staleness",
         ),
         (
             ["agent.max_turns=0"],

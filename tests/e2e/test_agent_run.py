@@ -50,3 +50,43 @@ def test_calculator_run_trains_assistant_tokens_only(tmp_path):
         assert rec["reward/mean"] == pytest.approx(sum(r["reward"] for r in mine) / 32)
         # a trajectory ends at turn 2 with a call (max_turns) or earlier/later with an answer or a cut turn
         assert all(r["turns"] == 2 for r in mine if r["end"] == "max_turns")
+
+
+@pytest.mark.e2e
+def test_calculator_on_a_rollout_rank_one_step_off(tmp_path):
+    """Split, one_step_off (1 learner rank + 1 rollout rank): the rollout rank runs the
+    conversations (and logs them), the learner trains what it sent, with the agent counts it
+    sent; every turn of batch t was sampled with W_t-1, so the lag of each turn is exactly 1 after
+    step 0 (0 at step 0), whatever turn an update would land between."""
+    run = tmp_path / "run"
+    split = ["parallel.nproc=2", "parallel.rollout_ranks=1", "parallel.expert_parallel=1"]
+    moe_rl(
+        "train",
+        f"run_dir={run}",
+        "steps=3",
+        "checkpoint_every=0",
+        "agent.env=calculator",
+        "agent.max_turns=2",
+        "rollout.mode=one_step_off",
+        *split,
+        *TINY,
+    )
+    assert sorted(p.name for p in (run / "agent").iterdir()) == ["trajectories_rank1.jsonl"]
+    recs = [json.loads(line) for line in (run / "agent" / "trajectories_rank1.jsonl").open()]
+    # batches 0..3: one_step_off generates the one past the last step too
+    assert sorted({r["step"] for r in recs}) == [0, 1, 2, 3] and len(recs) == 4 * 32
+    m = metrics(run)
+    assert sorted(m) == [0, 1, 2]
+    for step, rec in m.items():
+        mine = [r for r in recs if r["step"] == step]
+        assert (
+            rec["train/loss_tokens"]
+            == rec["agent/assistant_tokens"]
+            == sum(r["assistant_tokens"] for r in mine)
+        )
+        assert rec["agent/tool_calls"] == sum(r["tool_calls"] for r in mine)
+        assert sum(rec[f"agent/end/{reason}"] for reason in END_REASONS) == 32
+        assert rec["rollout/version_lag"] == min(step, 1)
+        for turn in (1, 2):  # turn 2 ran (a reply was appended) in these batches
+            assert rec[f"agent/lag_mean/turn{turn}"] == min(step, 1)
+        assert rec["agent/k3/turn1"] >= 0 and rec["agent/k3/turn2"] >= 0
