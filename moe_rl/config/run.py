@@ -191,10 +191,15 @@ class RoutingConfig:
     # Replay in the reference (KL) pass too, so the KL term measures the policy change and not
     # routing noise between two forwards (all peers default to not replaying: docs/design.md 6.3).
     replay_reference: bool = True
+    # A route row whose weight version differs from its token's log-prob version (its provenance,
+    # docs/design.md 5.1; counted in routing/version_mismatch_rows): replay (replayed as recorded) |
+    # native (routed natively by the learner, as MISSING rows are) | drop_sample (the sample leaves the loss)
+    stale_rows: str = "replay"
 
     def __post_init__(self) -> None:
         check_finite(self, "routing")
         one_of(self.replay, "routing.replay", ("off", "r2", "r3"))
+        one_of(self.stale_rows, "routing.stale_rows", ("replay", "native", "drop_sample"))
 
 
 @dataclass(frozen=True)

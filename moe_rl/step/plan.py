@@ -47,6 +47,7 @@ class StepPlan:
     reference: bool  # the KL term is on: a reference pass after the old one
     steps: int  # the LR schedule's length
     optim: OptimConfig  # the LR schedule
+    stale_rows: str = "replay"  # routing.stale_rows: route rows at another version than their token's
 
     @classmethod
     def from_config(cls, cfg: RunConfig, stop_token_ids: tuple[int, ...] = ()) -> StepPlan:
@@ -67,4 +68,5 @@ class StepPlan:
             loss.kl_coef > 0,
             cfg.steps,
             cfg.optim,
+            cfg.routing.stale_rows,
         )
