@@ -7,7 +7,6 @@ those rows."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
