@@ -133,6 +133,11 @@ class RolloutConfig:
     # vLLM's ignore_eos does, so response lengths get the long tail a reasoning model has and the
     # tiny warm start (answers of 3-6 tokens) lacks; 0 = off
     long_tail_frac: float = 0.0
+    # built-in engine: keep the KV and route rows of fed tokens between generate calls, so a later turn
+    # of a conversation prefills only its new tokens (docs/agentic.md 2.1). The most blocks kept (LRU;
+    # KV and routes evicted together; dropped on every weight load); 0 = off
+    prefix_cache_blocks: int = 0
+    prefix_block_tokens: int = 16  # tokens per prefix-cache block (the hash chain's unit)
     vllm: VllmConfig = field(default_factory=VllmConfig)
 
     def __post_init__(self) -> None:
@@ -169,6 +174,13 @@ class RolloutConfig:
             f"(vLLM does not run): use rollout.engine=vllm, or drop them",
         )
         one_of(self.inflight_kv, "rollout.inflight_kv", ("keep", "recompute"))
+        check(self.prefix_cache_blocks >= 0, "rollout.prefix_cache_blocks", "must be >= 0 (0: off)")
+        check(self.prefix_block_tokens >= 1, "rollout.prefix_block_tokens", "must be >= 1")
+        check(
+            self.prefix_cache_blocks == 0 or self.engine == "builtin",
+            "rollout.prefix_cache_blocks",
+            "is the built-in engine's prefix cache (vLLM's is rollout.vllm's): use rollout.engine=builtin",
+        )
         check(0 <= self.long_tail_frac <= 1, "rollout.long_tail_frac", "must be in [0, 1]")
         check(
             self.long_tail_frac == 0 or self.engine == "builtin",

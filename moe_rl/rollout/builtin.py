@@ -320,13 +320,17 @@ class BuiltinEngine:
         positions_UP = (valid_UP.long().cumsum(1) - 1).clamp(min=0)
         # The last sampled token is never fed back, so P + max_new - 1 slots suffice.
         cache_U = KVCache.allocate(self.cfg, U, P + max_new - 1, self.model.dtype, dev)
-        out = self.model.forward(
-            prompt_UP, positions_UP, valid_UP, cache_U, last_logits_only=True, noise=noise
+        ids_UPLK, logits_UV, ver_UP, src_UP = self._prefill_forward(
+            prompts, prompt_UP, positions_UP, valid_UP, cache_U, noise
         )
         B, L, K = U * n, len(self.cfg.moe_layers), self.cfg.moe_router_topk
         routes_BSLK = torch.zeros((B, P + max_new - 1, L, K), dtype=torch.int32, device=dev)
-        routes_BSLK[:, :P] = out.expert_ids_BTLK.repeat_interleave(n, dim=0)
+        routes_BSLK[:, :P] = ids_UPLK.repeat_interleave(n, dim=0)
         route_version_BS = torch.full((B, P + max_new - 1), self.version, dtype=torch.int32, device=dev)
+        route_source_BS = torch.full_like(route_version_BS, COMPUTED, dtype=torch.uint8)
+        if ver_UP is not None:  # a prefix cache's hits keep the version that filled them
+            route_version_BS[:, :P] = ver_UP.repeat_interleave(n, dim=0)
+            route_source_BS[:, :P] = src_UP.repeat_interleave(n, dim=0)
         return _Rollout(
             prompt_BP=prompt_UP.repeat_interleave(n, dim=0),
             prompt_valid_BP=valid_UP.repeat_interleave(n, dim=0),
@@ -335,8 +339,8 @@ class BuiltinEngine:
             cache=cache_U.repeat_rows(n),
             routes_BSLK=routes_BSLK,
             route_version_BS=route_version_BS,
-            route_source_BS=torch.full_like(route_version_BS, COMPUTED, dtype=torch.uint8),
-            logits_BV=out.logits[:, -1].repeat_interleave(n, dim=0),
+            route_source_BS=route_source_BS,
+            logits_BV=logits_UV.repeat_interleave(n, dim=0),
             logits_version=self.version,
             gen_tokens_BG=torch.full((B, max_new), self.pad_id, dtype=torch.long, device=dev),
             gen_logprobs_BG=torch.zeros((B, max_new), dtype=torch.float32, device=dev),
@@ -344,6 +348,14 @@ class BuiltinEngine:
             gen_valid_BG=torch.zeros((B, max_new), dtype=torch.bool, device=dev),
             finished_B=torch.zeros(B, dtype=torch.bool, device=dev),
         )
+
+    def _prefill_forward(self, prompts, prompt_UP, positions_UP, valid_UP, cache_U, noise):
+        """The prompts' forward into ``cache_U``: (expert ids [U, P, L, K], last logits [U, V], and
+        the rows' versions and sources [U, P], None: all computed now). A prefix cache overrides it."""
+        out = self.model.forward(
+            prompt_UP, positions_UP, valid_UP, cache_U, last_logits_only=True, noise=noise
+        )
+        return out.expert_ids_BTLK, out.logits[:, -1], None, None
 
     def _decode(
         self,
