@@ -133,9 +133,8 @@ class RolloutConfig:
     # vLLM's ignore_eos does, so response lengths get the long tail a reasoning model has and the
     # tiny warm start (answers of 3-6 tokens) lacks; 0 = off
     long_tail_frac: float = 0.0
-    # built-in engine: keep the KV and route rows of fed tokens between generate calls, so a later turn
-    # of a conversation prefills only its new tokens (docs/agentic.md 2.1). The most blocks kept (LRU;
-    # KV and routes evicted together; dropped on every weight load); 0 = off
+    # built-in engine's prefix cache (docs/agentic.md 2.1): the most blocks of KV + route rows kept between
+    # generate calls (LRU, KV and routes evicted together; dropped on every weight load); 0 = off
     prefix_cache_blocks: int = 0
     prefix_block_tokens: int = 16  # tokens per prefix-cache block (the hash chain's unit)
     vllm: VllmConfig = field(default_factory=VllmConfig)
@@ -203,9 +202,8 @@ class RoutingConfig:
     # Replay in the reference (KL) pass too, so the KL term measures the policy change and not
     # routing noise between two forwards (all peers default to not replaying: docs/design.md 6.3).
     replay_reference: bool = True
-    # A route row whose weight version differs from its token's log-prob version (its provenance,
-    # docs/design.md 5.1; counted in routing/version_mismatch_rows): replay (replayed as recorded) |
-    # native (routed natively by the learner, as MISSING rows are) | drop_sample (the sample leaves the loss)
+    # a route row at another weight version than its token's log-prob (docs/design.md 5.1): replay (as
+    # recorded) | native (routed natively, as MISSING rows are) | drop_sample (the sample leaves the loss)
     stale_rows: str = "replay"
 
     def __post_init__(self) -> None:
