@@ -148,15 +148,21 @@ class RolloutBatch:
 
 
 def with_version(batch: RolloutBatch, version: int) -> RolloutBatch:
-    """``batch`` with every generated token at weight ``version`` (an engine that does not track
-    versions: all its tokens come from the weights it was last synced with); a batch that already
-    carries versions is returned as it is."""
+    """``batch`` with every generated token, and every route row with provenance, at weight
+    ``version`` (an engine that does not track versions: all its tokens come from the weights it
+    was last synced with); a batch that already carries versions is returned as it is."""
     if batch.version_BS is not None:
         return batch
     version_BS = torch.where(
         batch.response_mask_BS, torch.tensor(version, dtype=torch.int32, device=batch.tokens_BS.device), 0
     ).to(torch.int32)
-    return dataclasses.replace(batch, version_BS=version_BS)
+    prov = batch.route_prov
+    if prov is not None:  # the route rows too: an engine's own count would read as stale rows
+        prov = [
+            dataclasses.replace(p, version_N=torch.where(p.version_N > 0, version, 0).to(torch.int32))
+            for p in prov
+        ]
+    return dataclasses.replace(batch, version_BS=version_BS, route_prov=prov)
 
 
 @dataclass(frozen=True)

@@ -178,7 +178,8 @@ class RolloutConfig:
         check(
             self.prefix_cache_blocks == 0 or self.engine == "builtin",
             "rollout.prefix_cache_blocks",
-            f"{self.prefix_cache_blocks}: the built-in engine's prefix cache, and rollout.engine={self.engine}",
+            f"{self.prefix_cache_blocks}: the built-in engine's prefix cache, and "
+            f"rollout.engine={self.engine}",
         )
         check(0 <= self.long_tail_frac <= 1, "rollout.long_tail_frac", "must be in [0, 1]")
         check(

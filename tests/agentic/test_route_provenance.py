@@ -7,6 +7,8 @@ those rows."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -18,6 +20,7 @@ from moe_rl.routing.record import RouteHeader, missing_id
 from moe_rl.step.plan import sampling_params
 from moe_rl.step.prepare import rollout_routes, stale_routes
 from moe_rl.tasks.task import build_task
+from moe_rl.types import with_version
 from moe_rl.weights.warmstart import load_init_weights
 
 pytestmark = pytest.mark.unit
@@ -104,3 +107,13 @@ def test_stale_rows_policy_on_an_update_between_turns(updated_run, policy):
     else:
         assert torch.equal(out.response_mask_BS, b.response_mask_BS)
     assert not bool((routes.prov.source_N == NONE).any())
+
+
+def test_a_restamped_batch_restamps_its_route_rows(updated_run):
+    """A schedule that replaces the engine's own versions (``with_version``: simulated staleness, a
+    rollout rank's batch) stamps the route rows too, so none reads as stale; MISSING rows stay 0."""
+    cfg, b = updated_run
+    r = with_version(dataclasses.replace(b, version_BS=None), 7)
+    assert all(p.version_N.unique().tolist() == [7] for p in r.route_prov)
+    _, _, m = stale_routes(r, rollout_routes(r, RouteHeader.for_model(cfg.model)), "native")
+    assert m["routing/version_mismatch_rows"].value == 0.0

@@ -88,7 +88,8 @@ def test_environment_module_that_raises_or_exits_on_import(tmp_path, monkeypatch
         ),
         (
             ["rollout.prefix_block_tokens=0"],
-            "override 'rollout.prefix_block_tokens=0': config key 'rollout.prefix_block_tokens': must be >= 1",
+            "override 'rollout.prefix_block_tokens=0': config key 'rollout.prefix_block_tokens': "
+            "must be >= 1",
         ),
         (
             ["rollout.engine=vllm", "rollout.prefix_cache_blocks=8"],
