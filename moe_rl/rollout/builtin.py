@@ -472,11 +472,11 @@ class BuiltinEngine:
         routes_all = _to_route_dtype(st.routes_BSLK, shift_B, self.cfg, self.route_dtype)
         starts, totals = shift_B.tolist(), total_B.tolist()
         routes = [routes_all[b, starts[b] : starts[b] + totals[b] - 1].clone() for b in range(B)]
-        ver_BS, src_BS = st.route_version_BS.cpu(), st.route_source_BS.cpu()
+        ver_BS, how_BS = st.route_version_BS.cpu(), st.route_source_BS.cpu()
         prov = [  # turn 0: the agent loop stamps its turn on the rows it keeps
             Provenance(
                 ver_BS[b, a : a + t - 1].clone(),
-                src_BS[b, a : a + t - 1].clone(),
+                how_BS[b, a : a + t - 1].clone(),
                 torch.zeros(t - 1, dtype=torch.int16),
             )
             for b, (a, t) in enumerate(zip(starts, totals))
