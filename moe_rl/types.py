@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from moe_rl.corrections.correction_specs import DvpSpec
+from moe_rl.routing.provenance import Provenance
 from moe_rl.routing.record import RouteBatch
 
 
@@ -103,6 +104,9 @@ class RolloutBatch:
     # and float32 [B] the environment's reward of each trajectory; None for single-turn batches
     turn_BS: torch.Tensor | None = None
     env_reward_B: torch.Tensor | None = None
+    # per route row (as ``routes``): the weight version, source and turn behind it
+    # (moe_rl/routing/provenance.py); None: the engine records no provenance (vLLM)
+    route_prov: list[Provenance] | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -119,7 +123,9 @@ class RolloutBatch:
             for f in dataclasses.fields(self)
             if isinstance(getattr(self, f.name), torch.Tensor)
         }
-        return dataclasses.replace(self, routes=[self.routes[i] for i in idx_B.tolist()], **picked)
+        idx = idx_B.tolist()
+        prov = None if self.route_prov is None else [self.route_prov[i] for i in idx]
+        return dataclasses.replace(self, routes=[self.routes[i] for i in idx], route_prov=prov, **picked)
 
     def response_ids(self, pad_id: int) -> torch.Tensor:
         """The generated tokens of each sequence, left-aligned and right-padded: int64 [B, R]
@@ -142,15 +148,21 @@ class RolloutBatch:
 
 
 def with_version(batch: RolloutBatch, version: int) -> RolloutBatch:
-    """``batch`` with every generated token at weight ``version`` (an engine that does not track
-    versions: all its tokens come from the weights it was last synced with); a batch that already
-    carries versions is returned as it is."""
+    """``batch`` with every generated token, and every route row with provenance, at weight
+    ``version`` (an engine that does not track versions: all its tokens come from the weights it
+    was last synced with); a batch that already carries versions is returned as it is."""
     if batch.version_BS is not None:
         return batch
     version_BS = torch.where(
         batch.response_mask_BS, torch.tensor(version, dtype=torch.int32, device=batch.tokens_BS.device), 0
     ).to(torch.int32)
-    return dataclasses.replace(batch, version_BS=version_BS)
+    prov = batch.route_prov
+    if prov is not None:  # the route rows too: an engine's own count would read as stale rows
+        prov = [
+            dataclasses.replace(p, version_N=torch.where(p.version_N > 0, version, 0).to(torch.int32))
+            for p in prov
+        ]
+    return dataclasses.replace(batch, version_BS=version_BS, route_prov=prov)
 
 
 @dataclass(frozen=True)

@@ -219,6 +219,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "moe_rl.corrections",
             "moe_rl.types",
             "moe_rl.routing.record",
+            "moe_rl.routing.provenance",  # the route record's per-row provenance (issue 44.4)
             "moe_rl.metrics",
             "moe_rl.timing",
             "moe_rl.health",

@@ -37,6 +37,7 @@ from moe_rl.agentic.tools import ERROR_KINDS, ToolRunner
 from moe_rl.config import AgentConfig
 from moe_rl.fsutil import write_atomic
 from moe_rl.metrics import Max, Mean, Sum, truncate_metrics_file
+from moe_rl.routing.provenance import Provenance
 from moe_rl.routing.record import missing_id
 from moe_rl.types import Prompt, RolloutBatch, SamplingParams
 
@@ -57,6 +58,7 @@ class Trajectory:
     versions: list[torch.Tensor] = field(default_factory=list)
     turns: list[torch.Tensor] = field(default_factory=list)
     routes: list[torch.Tensor] = field(default_factory=list)
+    prov: list[Provenance] = field(default_factory=list)  # beside ``routes``, row for row
     length: int = 0
     routed: int = 0  # route rows kept so far (rows of positions [0, routed))
     turn: int = 0
@@ -138,6 +140,8 @@ class AgentLoop:
         version = out.version_BS[i, p : p + r].cpu() if out.version_BS is not None else None
         t.append(ids, True, out.logprobs_BS[i, p : p + r].cpu().float(), version)
         t.routes.append(out.routes[i][t.routed : p + r - 1])  # append-only: only rows not kept yet
+        if out.route_prov is not None:
+            t.prov.append(out.route_prov[i].slice(t.routed, p + r - 1).with_turn(t.turn))
         t.routed = p + r - 1
         t.generated += r
         text = self.fmt.tok.decode(ids)
@@ -199,7 +203,7 @@ class AgentLoop:
             return out
 
         mask_BS = padded([t.sampled for t in trajs], False, torch.bool)
-        routes = []
+        routes, provs = [], []
         for (
             t
         ) in trajs:  # rows no forward computed (none on this engine: the last token has no row) are MISSING
@@ -208,6 +212,8 @@ class AgentLoop:
             if short > 0:
                 rows = torch.cat([rows, rows.new_full((short, *rows.shape[1:]), missing_id(rows.dtype))])
             routes.append(rows)
+            if t.prov:
+                provs.append(Provenance.cat([*t.prov, Provenance.none(max(short, 0))]))
         prompt_B = torch.tensor([t.prompt_len for t in trajs], dtype=torch.int64)
         batch = RolloutBatch(
             tokens_BS=padded([t.tokens for t in trajs], pad_id, torch.int64),
@@ -216,6 +222,7 @@ class AgentLoop:
             response_mask_BS=mask_BS,
             logprobs_BS=padded([t.logprobs for t in trajs], 0.0, torch.float32),
             routes=routes,
+            route_prov=provs if len(provs) == len(trajs) else None,
             group_B=torch.tensor([t.group for t in trajs], dtype=torch.int64),
             finished_B=torch.tensor([t.end == "answer" for t in trajs]),
             version_BS=padded([t.versions for t in trajs], 0, torch.int32),

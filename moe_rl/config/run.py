@@ -133,6 +133,10 @@ class RolloutConfig:
     # vLLM's ignore_eos does, so response lengths get the long tail a reasoning model has and the
     # tiny warm start (answers of 3-6 tokens) lacks; 0 = off
     long_tail_frac: float = 0.0
+    # built-in engine's prefix cache (docs/agentic.md 2.1): the most blocks of KV + route rows kept between
+    # generate calls (LRU, KV and routes evicted together; dropped on every weight load); 0 = off
+    prefix_cache_blocks: int = 0
+    prefix_block_tokens: int = 16  # tokens per prefix-cache block (the hash chain's unit)
     vllm: VllmConfig = field(default_factory=VllmConfig)
 
     def __post_init__(self) -> None:
@@ -169,6 +173,14 @@ class RolloutConfig:
             f"(vLLM does not run): use rollout.engine=vllm, or drop them",
         )
         one_of(self.inflight_kv, "rollout.inflight_kv", ("keep", "recompute"))
+        check(self.prefix_cache_blocks >= 0, "rollout.prefix_cache_blocks", "must be >= 0 (0: off)")
+        check(self.prefix_block_tokens >= 1, "rollout.prefix_block_tokens", "must be >= 1")
+        check(
+            self.prefix_cache_blocks == 0 or self.engine == "builtin",
+            "rollout.prefix_cache_blocks",
+            f"{self.prefix_cache_blocks}: the built-in engine's prefix cache, and "
+            f"rollout.engine={self.engine}",
+        )
         check(0 <= self.long_tail_frac <= 1, "rollout.long_tail_frac", "must be in [0, 1]")
         check(
             self.long_tail_frac == 0 or self.engine == "builtin",
@@ -191,10 +203,14 @@ class RoutingConfig:
     # Replay in the reference (KL) pass too, so the KL term measures the policy change and not
     # routing noise between two forwards (all peers default to not replaying: docs/design.md 6.3).
     replay_reference: bool = True
+    # a route row at another weight version than its token's log-prob (docs/design.md 5.1): replay (as
+    # recorded) | native (routed natively, as MISSING rows are) | drop_sample (the sample leaves the loss)
+    stale_rows: str = "replay"
 
     def __post_init__(self) -> None:
         check_finite(self, "routing")
         one_of(self.replay, "routing.replay", ("off", "r2", "r3"))
+        one_of(self.stale_rows, "routing.stale_rows", ("replay", "native", "drop_sample"))
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,7 @@ from moe_rl.errors import RouteError
 from moe_rl.rollout.base import UpdateSource, Weights
 from moe_rl.rollout.builtin_model import DTYPES, BuiltinMoEModel, ForwardOut, KVCache, RouterNoise
 from moe_rl.rollout.fp8 import QUANTIZATIONS
+from moe_rl.routing.provenance import COMPUTED, REPREFILL, Provenance
 from moe_rl.routing.record import route_dtype
 from moe_rl.types import RolloutBatch, SamplingParams
 
@@ -156,6 +157,8 @@ class _Rollout:
     prompt_positions_BP: torch.Tensor  # int64 RoPE positions of the prompt slots (re-prefill)
     cache: KVCache
     routes_BSLK: torch.Tensor  # int32, row j = ids computed when slot j was the input
+    route_version_BS: torch.Tensor  # int32, the weight version of the forward that computed row j
+    route_source_BS: torch.Tensor  # uint8, COMPUTED, or REPREFILL for a re-prefill's row
     logits_BV: torch.Tensor  # fp32, next-token logits
     logits_version: int  # the weight version of the forward that computed logits_BV
     gen_tokens_BG: torch.Tensor  # int64
@@ -317,12 +320,17 @@ class BuiltinEngine:
         positions_UP = (valid_UP.long().cumsum(1) - 1).clamp(min=0)
         # The last sampled token is never fed back, so P + max_new - 1 slots suffice.
         cache_U = KVCache.allocate(self.cfg, U, P + max_new - 1, self.model.dtype, dev)
-        out = self.model.forward(
-            prompt_UP, positions_UP, valid_UP, cache_U, last_logits_only=True, noise=noise
+        ids_UPLK, logits_UV, ver_UP, src_UP = self._prefill_forward(
+            prompts, prompt_UP, positions_UP, valid_UP, cache_U, noise
         )
         B, L, K = U * n, len(self.cfg.moe_layers), self.cfg.moe_router_topk
         routes_BSLK = torch.zeros((B, P + max_new - 1, L, K), dtype=torch.int32, device=dev)
-        routes_BSLK[:, :P] = out.expert_ids_BTLK.repeat_interleave(n, dim=0)
+        routes_BSLK[:, :P] = ids_UPLK.repeat_interleave(n, dim=0)
+        route_version_BS = torch.full((B, P + max_new - 1), self.version, dtype=torch.int32, device=dev)
+        route_source_BS = torch.full_like(route_version_BS, COMPUTED, dtype=torch.uint8)
+        if ver_UP is not None:  # a prefix cache's hits keep the version that filled them
+            route_version_BS[:, :P] = ver_UP.repeat_interleave(n, dim=0)
+            route_source_BS[:, :P] = src_UP.repeat_interleave(n, dim=0)
         return _Rollout(
             prompt_BP=prompt_UP.repeat_interleave(n, dim=0),
             prompt_valid_BP=valid_UP.repeat_interleave(n, dim=0),
@@ -330,7 +338,9 @@ class BuiltinEngine:
             prompt_positions_BP=positions_UP.repeat_interleave(n, dim=0),
             cache=cache_U.repeat_rows(n),
             routes_BSLK=routes_BSLK,
-            logits_BV=out.logits[:, -1].repeat_interleave(n, dim=0),
+            route_version_BS=route_version_BS,
+            route_source_BS=route_source_BS,
+            logits_BV=logits_UV.repeat_interleave(n, dim=0),
             logits_version=self.version,
             gen_tokens_BG=torch.full((B, max_new), self.pad_id, dtype=torch.long, device=dev),
             gen_logprobs_BG=torch.zeros((B, max_new), dtype=torch.float32, device=dev),
@@ -338,6 +348,14 @@ class BuiltinEngine:
             gen_valid_BG=torch.zeros((B, max_new), dtype=torch.bool, device=dev),
             finished_B=torch.zeros(B, dtype=torch.bool, device=dev),
         )
+
+    def _prefill_forward(self, prompts, prompt_UP, positions_UP, valid_UP, cache_U, noise):
+        """The prompts' forward into ``cache_U``: (expert ids [U, P, L, K], last logits [U, V], and
+        the rows' versions and sources [U, P], None: all computed now). A prefix cache overrides it."""
+        out = self.model.forward(
+            prompt_UP, positions_UP, valid_UP, cache_U, last_logits_only=True, noise=noise
+        )
+        return out.expert_ids_BTLK, out.logits[:, -1], None, None
 
     def _decode(
         self,
@@ -385,6 +403,7 @@ class BuiltinEngine:
             slot = P + g
             if self._apply_update(updates) and self.inflight_kv == "recompute":
                 out = self._reprefill(st, g, key_valid_BS[:, : slot + 1], noise)
+                st.route_source_BS[:, slot] = REPREFILL
             else:
                 out = self.model.forward(
                     st.gen_tokens_BG[:, g : g + 1],
@@ -396,6 +415,7 @@ class BuiltinEngine:
             # Only the row of the token fed now: the re-prefill's rows of earlier slots are dropped,
             # so each earlier row stays from the forward that produced the next token's log-prob.
             st.routes_BSLK[:, slot] = out.expert_ids_BTLK[:, -1]
+            st.route_version_BS[:, slot] = self.version
             st.logits_BV = out.logits[:, -1]
             st.logits_version = self.version
 
@@ -452,6 +472,15 @@ class BuiltinEngine:
         routes_all = _to_route_dtype(st.routes_BSLK, shift_B, self.cfg, self.route_dtype)
         starts, totals = shift_B.tolist(), total_B.tolist()
         routes = [routes_all[b, starts[b] : starts[b] + totals[b] - 1].clone() for b in range(B)]
+        ver_BS, how_BS = st.route_version_BS.cpu(), st.route_source_BS.cpu()
+        prov = [  # turn 0: the agent loop stamps its turn on the rows it keeps
+            Provenance(
+                ver_BS[b, a : a + t - 1].clone(),
+                how_BS[b, a : a + t - 1].clone(),
+                torch.zeros(t - 1, dtype=torch.int16),
+            )
+            for b, (a, t) in enumerate(zip(starts, totals))
+        ]
         return RolloutBatch(
             tokens_BS=tokens_BS,
             prompt_lens_B=st.prompt_lens_B.clone(),
@@ -459,6 +488,7 @@ class BuiltinEngine:
             response_mask_BS=response_mask_BS,
             logprobs_BS=logprobs_BS.float(),
             routes=routes,
+            route_prov=prov,
             version_BS=version_BS.to(torch.int32),
             group_B=torch.arange(B, device=self.device) // n,
             finished_B=st.finished_B.clone(),

@@ -24,9 +24,13 @@ def build_engine(cfg: RunConfig, pad_id: int, device: torch.device | str = "cpu"
         # the trainer's ranks all generate at once (SPMD): a call several engines ask is shared out
         return VllmEngine(cfg, cfg.model, pad_id=pad_id, colocated=dims is not None)
     from moe_rl.rollout.builtin import BuiltinEngine
+    from moe_rl.rollout.prefix_cache import PrefixCachedEngine
 
-    return BuiltinEngine(
+    r = cfg.rollout
+    cached = {"max_blocks": r.prefix_cache_blocks, "block_tokens": r.prefix_block_tokens}
+    return (PrefixCachedEngine if r.prefix_cache_blocks else BuiltinEngine)(
         cfg.model,
+        **(cached if r.prefix_cache_blocks else {}),
         dtype=cfg.rollout.dtype,
         pad_id=pad_id,
         device=device,

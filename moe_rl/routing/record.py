@@ -31,6 +31,7 @@ from safetensors.torch import save as st_save
 
 from moe_rl.config import ARCH_FIELDS, ModelConfig
 from moe_rl.errors import RouteError
+from moe_rl.routing.provenance import Provenance, check_provenance
 
 
 def route_dtype(num_experts: int) -> torch.dtype:
@@ -74,6 +75,7 @@ class RouteRecord:
     prompt_len: int
     start: int  # token position of row 0 (multi-turn: rows before it were sent earlier)
     header: RouteHeader
+    prov: Provenance | None = None  # per row: version, source, turn (moe_rl/routing/provenance.py)
 
     @property
     def num_rows(self) -> int:
@@ -84,13 +86,15 @@ class RouteRecord:
 class RouteBatch:
     """Route records of many samples, jagged: rows of all samples concatenated, no padding.
 
-    ids_NLK: [sum(rows_B), L, K] route dtype; rows_B / start_B / prompt_len_B: int64 [B]."""
+    ids_NLK: [sum(rows_B), L, K] route dtype; rows_B / start_B / prompt_len_B: int64 [B]; prov:
+    the rows' provenance, concatenated as the ids (None: the engine records none)."""
 
     ids_NLK: torch.Tensor
     rows_B: torch.Tensor
     start_B: torch.Tensor
     prompt_len_B: torch.Tensor
     header: RouteHeader
+    prov: Provenance | None = None
 
     @property
     def num_samples(self) -> int:
@@ -136,12 +140,20 @@ class RouteBatch:
                     f"sample {b}: route shape {tuple(ids.shape)}, expected [rows, {L} MoE layers, "
                     f"{K}] (MoE layers {list(header.layer_ids)})"
                 )
+            if (r.prov is None) != (records[0].prov is None):
+                raise RouteError(f"sample {b}: route provenance on some samples of the batch only")
+            if r.prov is not None and r.prov.num_rows != r.num_rows:
+                raise RouteError(
+                    f"sample {b}: route provenance of {r.prov.num_rows} rows for {r.num_rows} rows"
+                )
+        prov = None if records[0].prov is None else Provenance.cat([r.prov for r in records])
         return cls(
             torch.cat([r.ids_TLK for r in records]),
             torch.tensor([r.num_rows for r in records], dtype=torch.int64),
             torch.tensor([r.start for r in records], dtype=torch.int64),
             torch.tensor([r.prompt_len for r in records], dtype=torch.int64),
             header,
+            prov,
         )
 
     def select(self, idx_B: torch.Tensor) -> RouteBatch:
@@ -151,15 +163,18 @@ class RouteBatch:
             torch.arange(int(rows_B.sum()), device=rows_B.device)
             - torch.repeat_interleave(torch.cumsum(rows_B, 0) - rows_B, rows_B)
         )
+        prov = None if self.prov is None else self.prov.index(row_N.to(self.prov.version_N.device))
         return RouteBatch(
-            self.ids_NLK[row_N], rows_B, self.start_B[idx_B], self.prompt_len_B[idx_B], self.header
+            self.ids_NLK[row_N], rows_B, self.start_B[idx_B], self.prompt_len_B[idx_B], self.header, prov
         )
 
     def records(self) -> list[RouteRecord]:
-        chunks = torch.split(self.ids_NLK, self.rows_B.tolist())
+        rows = self.rows_B.tolist()
+        chunks = torch.split(self.ids_NLK, rows)
+        provs = [None] * len(rows) if self.prov is None else self.prov.split(rows)
         return [
-            RouteRecord(ids, int(p), int(s), self.header)
-            for ids, p, s in zip(chunks, self.prompt_len_B.tolist(), self.start_B.tolist())
+            RouteRecord(ids, int(p), int(s), self.header, pv)
+            for ids, p, s, pv in zip(chunks, self.prompt_len_B.tolist(), self.start_B.tolist(), provs)
         ]
 
 
@@ -173,6 +188,10 @@ def save_records(records: list[RouteRecord]) -> bytes:
     rows = torch.tensor([r.num_rows for r in records], dtype=torch.int64)
     meta = torch.tensor([[r.prompt_len, r.start] for r in records], dtype=torch.int64)
     tensors = {"ids": torch.cat([r.ids_TLK for r in records]).contiguous(), "rows": rows, "meta": meta}
+    if any(r.prov is not None for r in records):
+        if any(r.prov is None for r in records):
+            raise ValueError("records of one batch carry provenance all or none")
+        tensors.update(Provenance.cat([r.prov for r in records]).tensors())
     return st_save(tensors, metadata={"header": json.dumps(dataclasses.asdict(header))})
 
 
@@ -187,6 +206,9 @@ def load_records(blob: bytes, name: str = "route records") -> list[RouteRecord]:
         h = json.loads(json.loads(blob[8 : 8 + n_header])["__metadata__"]["header"])
         header = RouteHeader(tuple(h["layer_ids"]), h["num_experts"], h["top_k"], h["fingerprint"])
         ids, rows, meta = tensors["ids"], tensors["rows"], tensors["meta"]
+        prov = None
+        if "prov_version" in tensors:
+            prov = Provenance(tensors["prov_version"], tensors["prov_source"], tensors["prov_turn"])
     except (SafetensorError, ValueError, KeyError, TypeError, IndexError) as e:  # a foreign or cut blob
         raise RouteError(
             f"{name}: not a complete route-record blob ({type(e).__name__}: "
@@ -202,8 +224,14 @@ def load_records(blob: bytes, name: str = "route records") -> list[RouteRecord]:
             f"{name}: row counts {rows.tolist()} (sum {int(rows.sum())}) do not match "
             f"{ids.shape[0]} id rows and meta {tuple(meta.shape)}"
         )
+    if prov is not None and any(t.dim() != 1 or t.shape[0] != ids.shape[0] for t in prov.tensors().values()):
+        raise RouteError(
+            f"{name}: provenance of {[tuple(t.shape) for t in prov.tensors().values()]} entries "
+            f"for {ids.shape[0]} id rows"
+        )
     chunks = torch.split(ids, rows.tolist())
-    records = [RouteRecord(c, int(m[0]), int(m[1]), header) for c, m in zip(chunks, meta)]
+    provs = [None] * len(chunks) if prov is None else prov.split(rows.tolist())
+    records = [RouteRecord(c, int(m[0]), int(m[1]), header, pv) for c, m, pv in zip(chunks, meta, provs)]
     RouteBatch.from_records(records)  # dtype and shape, per sample
     return records
 
@@ -288,7 +316,9 @@ def from_vllm(
 def validate(batch: RouteBatch, num_tokens_B: torch.Tensor, header: RouteHeader) -> None:
     """Strict ingest check; RouteError names the first bad sample, layer and row.
 
-    ``num_tokens_B[b]`` is sample b's prompt + response length."""
+    ``num_tokens_B[b]`` is sample b's prompt + response length. Provenance, when the batch has it,
+    is checked too (``check_provenance``: one entry per row, sources, versions, NONE exactly on
+    MISSING rows)."""
     B = batch.num_samples
     if int(num_tokens_B.shape[0]) != B:
         raise RouteError(f"{B} route records for {int(num_tokens_B.shape[0])} samples")
@@ -321,6 +351,8 @@ def validate(batch: RouteBatch, num_tokens_B: torch.Tensor, header: RouteHeader)
     sample_N, row_N = batch.sample_N, batch.position_N
     missing = missing_id(header.dtype)
     present_NLK = ids_NLK != missing
+    if batch.prov is not None:
+        check_provenance(batch.prov, present_NLK.any(-1).any(-1), sample_N, row_N)
     bad = present_NLK & (ids_NLK >= header.num_experts)
     _raise_first(
         bad.any(-1),

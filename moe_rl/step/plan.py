@@ -48,6 +48,7 @@ class StepPlan:
     steps: int  # the LR schedule's length
     optim: OptimConfig  # the LR schedule
     agent_turns: int = 0  # agent.env: agent.max_turns (the lag and k3 by turn, docs/agentic.md 6)
+    stale_rows: str = "replay"  # routing.stale_rows: route rows at another version than their token's
 
     @classmethod
     def from_config(cls, cfg: RunConfig, stop_token_ids: tuple[int, ...] = ()) -> StepPlan:
@@ -69,4 +70,5 @@ class StepPlan:
             cfg.steps,
             cfg.optim,
             cfg.agent.max_turns if cfg.agent.env else 0,
+            cfg.routing.stale_rows,
         )

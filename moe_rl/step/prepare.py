@@ -35,26 +35,51 @@ from moe_rl.maths.versions import (
 )
 from moe_rl.metrics import Max, Mean, Sum
 from moe_rl.monitor.router_grad import rollout_flip_aliases
-from moe_rl.routing.record import RouteBatch, RouteHeader, validate
+from moe_rl.routing.provenance import Provenance, apply_stale_policy
+from moe_rl.routing.record import RouteBatch, RouteHeader, missing_id, validate
 from moe_rl.step import drift
 from moe_rl.step.plan import StepPlan
 from moe_rl.types import RolloutBatch, TrainBatch
 
 
 def rollout_routes(batch: RolloutBatch, header: RouteHeader) -> RouteBatch:
-    """The engine's per-sample route tensors as one jagged batch, checked at ingest. Route records
-    live on the host (a few bytes per token; the replay layout is index arithmetic done there and
-    moved to the router's device once per micro-batch): one copy per step from an engine on a GPU."""
+    """The engine's per-sample route tensors (and their provenance) as one jagged batch, checked at
+    ingest. Route records live on the host (a few bytes per token; the replay layout is index
+    arithmetic done there and moved to the router's device once per micro-batch): one copy per step
+    from an engine on a GPU."""
     prompt_lens_B = batch.prompt_lens_B.cpu()
+    prov = None if batch.route_prov is None else Provenance.cat(batch.route_prov)
     routes = RouteBatch(
         torch.cat(batch.routes).cpu(),
         torch.tensor([r.shape[0] for r in batch.routes], dtype=torch.int64, device="cpu"),
         torch.zeros_like(prompt_lens_B),
         prompt_lens_B.clone(),
         header,
+        prov,
     )
     validate(routes, prompt_lens_B + batch.response_lens_B.cpu(), header)
     return routes
+
+
+def stale_routes(
+    batch: RolloutBatch, routes: RouteBatch, policy: str
+) -> tuple[RolloutBatch, RouteBatch, dict]:
+    """``routing.stale_rows`` (``apply_stale_policy``) on the checked routes: the batch (a dropped
+    sample's response mask cleared: it leaves the loss), the routes to replay, and the counts."""
+    version_BS = None if batch.version_BS is None else batch.version_BS.cpu()
+    ids_NLK, keep_B, metrics = apply_stale_policy(
+        routes.ids_NLK,
+        routes.prov,
+        routes.sample_N,
+        routes.position_N,
+        version_BS,
+        policy,
+        missing_id(routes.header.dtype),
+    )
+    if not bool(keep_B.all()):
+        mask_BS = batch.response_mask_BS & keep_B.to(batch.response_mask_BS.device)[:, None]
+        batch = dataclasses.replace(batch, response_mask_BS=mask_BS)
+    return batch, dataclasses.replace(routes, ids_NLK=ids_NLK), metrics
 
 
 class OldPass(NamedTuple):
@@ -65,6 +90,7 @@ class OldPass(NamedTuple):
     out: LogprobOutput
     lag_BS: torch.Tensor  # int64 [B, S], each generated token's version lag (0 elsewhere)
     num_lags: int  # 1 + the largest lag over the data-parallel ranks: the per-lag metrics' keys
+    route_metrics: dict = {}  # routing.stale_rows' counts (``stale_routes``)
 
 
 def version_lags(batch: RolloutBatch, learner_version: int, dp_group) -> tuple[torch.Tensor, int]:
@@ -90,6 +116,8 @@ def old_logprobs(plan: StepPlan, learner: Learner, batch: RolloutBatch, learner_
     weights (step t: ``weight_version(t)`` = t + 1), against which ``batch.version_BS`` gives
     each token's lag."""
     batch = batch.to(learner.device)
+    routes = rollout_routes(batch, learner.route_header)
+    batch, routes, route_metrics = stale_routes(batch, routes, plan.stale_rows)
     inputs = drift.token_inputs(plan.correction, plan.support, batch)
     lags_BS, num_lags = version_lags(batch, learner_version, learner.dims.dp_group)
     seq_lens_B = batch.prompt_lens_B + batch.response_lens_B
@@ -98,12 +126,12 @@ def old_logprobs(plan: StepPlan, learner: Learner, batch: RolloutBatch, learner_
         seq_lens_B,
         safe_BSV=inputs.safe_BSV,
         rollout_dist_BSV=inputs.rollout_dist_BSV,
-        routes=rollout_routes(batch, learner.route_header),
+        routes=routes,
         route_lag_BS=route_lag_BS(lags_BS, batch.prompt_lens_B, seq_lens_B),
     )
     old_plan = dataclasses.replace(plan.replay.old_pass, num_lags=num_lags)  # router flips by lag
     out = learner.forward_logprobs(tb, plan.sampling.temperature, plan.micro_batch_size, old_plan)
-    return OldPass(batch, tb, out, lags_BS, num_lags)
+    return OldPass(batch, tb, out, lags_BS, num_lags, route_metrics)
 
 
 def prepare_batch(
@@ -119,6 +147,7 @@ def prepare_batch(
     adv_inputs = {"logp_BS": st.logp_BS, "sum_pi_sq_BS": st.sum_pi_sq_BS, "is_weights_BS": corr.is_weights_BS}
     adv_BS, metrics = estimate_advantages(plan.advantage, rewards_B, batch.group_B, mask_BS, adv_inputs)
     metrics.update(routing.metrics)
+    metrics.update(old.route_metrics)
     if plan.replay.monitor:
         metrics.update(rollout_flip_aliases(routing.metrics))
     metrics.update(variance_proxies(adv_BS, mask_BS, st.sum_pi_sq_BS, st.logp_BS, corr.is_weights_BS))

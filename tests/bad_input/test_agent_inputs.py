@@ -78,6 +78,26 @@ def test_environment_module_that_raises_or_exits_on_import(tmp_path, monkeypatch
             "rollout.mode=one_step_off or async give real staleness",
         ),
         (
+            ["routing.stale_rows=keep"],
+            "override 'routing.stale_rows=keep': config key 'routing.stale_rows': 'keep' is not one of "
+            "['drop_sample', 'native', 'replay']",
+        ),
+        (
+            ["rollout.prefix_cache_blocks=-1"],
+            "override 'rollout.prefix_cache_blocks=-1': config key 'rollout.prefix_cache_blocks': "
+            "must be >= 0 (0: off)",
+        ),
+        (
+            ["rollout.prefix_block_tokens=0"],
+            "override 'rollout.prefix_block_tokens=0': config key 'rollout.prefix_block_tokens': "
+            "must be >= 1",
+        ),
+        (
+            ["rollout.engine=vllm", "rollout.prefix_cache_blocks=8"],
+            "override 'rollout.prefix_cache_blocks=8': config key 'rollout.prefix_cache_blocks': 8: the "
+            "built-in engine's prefix cache, and rollout.engine=vllm",
+        ),
+        (
             ["agent.max_turns=0"],
             "override 'agent.max_turns=0': config key 'agent.max_turns': must be >= 1 (got 0)",
         ),

@@ -26,6 +26,11 @@ def test_calculator_run_trains_assistant_tokens_only(tmp_path):
         "checkpoint_every=0",
         "agent.env=calculator",
         "agent.max_turns=3",
+        # the prefix cache and the strictest stale-row policy ride along: colocated, no weight update
+        # lands inside a rollout, so no row is stale and nothing is dropped
+        "rollout.prefix_cache_blocks=256",
+        "rollout.prefix_block_tokens=4",
+        "routing.stale_rows=drop_sample",
         *TINY,
         "agent.max_turn_tokens=12",  # a call is up to 11 tokens and eos (TINY's 8 would cut it)
     )
@@ -41,6 +46,7 @@ def test_calculator_run_trains_assistant_tokens_only(tmp_path):
         tools = sum(r["tool_tokens"] for r in mine)
         # the loss mask is the assistant's tokens; the tool replies ride in the forward only
         assert rec["train/loss_tokens"] == rec["agent/assistant_tokens"] == assistant > 0
+        assert rec["routing/version_mismatch_rows"] == 0 and rec["routing/stale_samples_dropped"] == 0
         assert rec["agent/tool_tokens"] == tools > 0
         assert rec["rollout/num_response_tokens"] == assistant + tools
         assert rec["agent/turns_mean"] == pytest.approx(sum(r["turns"] for r in mine) / 32)

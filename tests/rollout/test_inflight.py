@@ -291,3 +291,32 @@ def test_long_tail_frac_config_key() -> None:
         load_config(None, ["rollout.long_tail_frac=1.5"])
     with pytest.raises(ConfigError, match="config key 'rollout.long_tail_frac': 0.5 is a built-in engine"):
         load_config(None, ["rollout.long_tail_frac=0.5", "rollout.engine=vllm"])
+
+
+@pytest.mark.parametrize("kv", ["keep", "recompute"])
+def test_route_provenance_names_each_rows_version_and_the_reprefilled_row(arch, arch_versions, kv) -> None:
+    """Update at poll 3: row t carries the version of the forward that fed token t (rows from
+    p + 2 on: version 2); the row of generated token 2 (sampled at version 1, fed by the first
+    version-2 forward) is the one stale row per sample (issue 44.4), and under recompute it is the
+    re-prefill's row (source REPREFILL), every other row COMPUTED."""
+    from moe_rl.routing.provenance import COMPUTED, REPREFILL, stale_rows_N
+
+    k = 3
+    eng = engine(arch, arch_versions, kv)
+    batch = eng.generate(PROMPTS, 2, SAMPLING, seed=5, updates=ScheduledUpdates({k: (2, arch_versions[2])}))
+    n_stale = 0
+    for b in range(batch.num_seqs):
+        prov, T = batch.route_prov[b], int(batch.prompt_lens_B[b] + batch.response_lens_B[b])
+        cut = int(batch.prompt_lens_B[b]) + k - 1
+        assert prov.num_rows == T - 1 and prov.turn_N.tolist() == [0] * (T - 1)
+        assert torch.equal(prov.version_N, torch.where(torch.arange(T - 1) >= cut, 2, 1).to(torch.int32))
+        src = torch.full((T - 1,), COMPUTED, dtype=torch.uint8)
+        if kv == "recompute" and cut < T - 1:
+            src[cut] = REPREFILL
+        assert torch.equal(prov.source_N, src), f"sample {b}"
+        stale = stale_rows_N(
+            prov, torch.zeros(T - 1, dtype=torch.long), torch.arange(T - 1), batch.version_BS[b : b + 1]
+        )
+        assert stale.nonzero().flatten().tolist() == ([cut] if cut < T - 1 else [])
+        n_stale += int(stale.sum())
+    assert n_stale >= 4
