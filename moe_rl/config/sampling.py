@@ -53,12 +53,6 @@ def check_dynamic_sampling(cfg: Any) -> None:
         "is not built for the multi-turn loop (agent.env) yet (docs/sampling.md 3)",
     )
     check(
-        r.samples_per_prompt >= 2,
-        key,
-        f"no group can carry signal with rollout.samples_per_prompt={r.samples_per_prompt}: "
-        "a group of one sample is always all equal",
-    )
-    check(
         r.top_k != 1,
         key,
         "no group can carry signal with rollout.top_k=1: greedy samples of one prompt are all equal",

@@ -135,6 +135,7 @@ def build_task(cfg: RunConfig, start_pool: bool = True) -> tuple[RunConfig, Task
     """The tokenizer, the prompt sources (files read and checked in full) and the reward pool."""
     t = cfg.task
     tok = load_tokenizer(t.tokenizer, cfg.init_weights)
+    check_filter_key(cfg, tok)
     cfg = resolve_vocab(cfg, tok)
     spec = row_spec(cfg)
     agent = build_agent(cfg, tok) if cfg.agent.env else None  # its prompts come from the environment
@@ -153,7 +154,6 @@ def build_task(cfg: RunConfig, start_pool: bool = True) -> tuple[RunConfig, Task
             f"{t.val_dataset}: {len(val)} validation prompts for {cfg.data_parallel} "
             "data-parallel ranks; each rank needs at least one"
         )
-    check_filter_key(cfg, tok)
     text = not uses_token_reward(t.reward, tok) or isinstance(tok, HFTokenizer)
     pool = RewardPool(t.reward_workers if text else 0, t.reward_timeout_s)
     return cfg, Task(
