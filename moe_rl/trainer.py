@@ -242,11 +242,10 @@ def train(cfg: RunConfig, dims: ParallelDims, prepared: Prepared | None = None) 
             cursor += got.rounds
             with timer.phase("rollout"):
                 batch, m_stale = stale.versioned(got.batch, step)  # version_BS: the weights it sampled with
-        rewards_B, m_reward = got.scores.rewards_B, {**got.scores.metrics, **got.metrics}
         with timer.phase("old_logprob"):
             old = old_logprobs(plan, learner, batch, learner_version=weight_version(step))
         with timer.phase("prepare"):  # corrections, advantages, this step's LR
-            train_batch, m_prep = prepare_batch(plan, learner, old, rewards_B)
+            train_batch, m_prep = prepare_batch(plan, learner, old, got.scores.rewards_B)
             lr, m_lr, events = learning_rate(plan, lr_sched, step, batch, dims.dp_group)
         with timer.phase("reference"):  # a no-op unless algo.kl_coef > 0
             train_batch = reference_logprobs(plan, learner, train_batch)
@@ -254,7 +253,7 @@ def train(cfg: RunConfig, dims: ParallelDims, prepared: Prepared | None = None) 
             m_update = update_policy(plan, learner, train_batch, lr)
         stop = agreed() if step + 1 < cfg.steps else 0  # a stop signal on any learner rank: the last step
         m_sync = pipe.sync.sync(timer.phase, step + 1 if stop else cfg.steps)  # learner -> engine (14.2)
-        local = {**m_val, **m_reward, **m_prep, **m_update, **m_lr, **m_stale, **m_sync}
+        local = {**m_val, **got.metrics, **m_prep, **m_update, **m_lr, **m_stale, **m_sync}
         local |= rollout_metrics(batch)
         m_mem = {**memory_metrics(learner.device), **moved.metrics()}
         metrics = finalize({**local, **timer.metrics(), **m_mem}, dims.dp_group)

@@ -13,9 +13,9 @@ from typing import Any
 
 from moe_rl.checks import check, check_finite, one_of
 from moe_rl.config.agent import AgentConfig, check_agent
+from moe_rl.config.dynamic_sampling import DynamicSamplingConfig, check_dynamic_sampling
 from moe_rl.config.layout import check_layout, data_parallel_size
 from moe_rl.config.model import ModelConfig, ParallelConfig
-from moe_rl.config.sampling import DynamicSamplingConfig, check_dynamic_sampling
 from moe_rl.config.vllm_rules import check_vllm
 from moe_rl.corrections.correction_specs import CorrectionSpec
 from moe_rl.maths.lr_specs import LengthLRConfig

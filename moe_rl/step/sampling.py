@@ -27,7 +27,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from moe_rl.config.sampling import DynamicSamplingConfig
+from moe_rl.config.dynamic_sampling import DynamicSamplingConfig
 from moe_rl.dist import comm_device
 from moe_rl.metrics import Max, Mean, Sum, merge_metrics
 from moe_rl.tasks.task import StepScores
@@ -94,7 +94,8 @@ def take_groups(batch: RolloutBatch, scores: StepScores, prompts: list, groups: 
 
 
 class Collected(NamedTuple):
-    """The step's batch to train (its prompts, scores) and the sampling metrics."""
+    """The step's batch to train (its prompts, scores) and its metrics: the reward metrics of every
+    round merged, and the sampling ones."""
 
     prompts: list
     batch: RolloutBatch

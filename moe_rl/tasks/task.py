@@ -164,7 +164,7 @@ def build_task(cfg: RunConfig, start_pool: bool = True) -> tuple[RunConfig, Task
 @dataclass
 class StepScores:
     """A rollout's per-sample values, [B] each: what the advantages use and what a filter may read
-    (``algo.dynamic_sampling.filter``, moe_rl/config/sampling.py)."""
+    (``algo.dynamic_sampling.filter``, moe_rl/config/dynamic_sampling.py)."""
 
     rewards_B: torch.Tensor  # the shaped reward: accuracy plus the overlong penalty when on
     accuracy_B: torch.Tensor  # the verifier's score (task.reward's, or the environment's), unshaped

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_rl.config.sampling import DynamicSamplingConfig
+from moe_rl.config.dynamic_sampling import DynamicSamplingConfig
 from moe_rl.maths.advantages import estimate_advantages
 from moe_rl.maths.policy_specs import AdvantageSpec
 from moe_rl.metrics import reduce_metrics
