@@ -124,7 +124,8 @@ def collect(
         metrics = merge_metrics(metrics, scores.metrics)  # reward/*: every sample generated
         target = target or len(prompts)
         signal_P = groups_with_signal(scores.values(ds.filter), batch.group_B, len(prompts)).cpu()
-        generated += len(prompts)
+        # the groups the batch holds (rollout.mode=async drops a group with a stale sample whole)
+        generated += int(torch.unique(batch.group_B).numel())
         with_signal += int(signal_P.sum())
         tokens += int(batch.response_lens_B.sum())
         if not ds.enabled:  # one round, trained whole
@@ -151,7 +152,7 @@ def collect(
     metrics = {
         **metrics,
         "sampling/rounds": Max(torch.tensor(float(rounds))),
-        "sampling/groups_generated": Sum(torch.tensor(float(generated))),
+        "sampling/groups_generated": Sum(torch.tensor(float(generated))),  # with samples in the batch
         "sampling/groups_kept": Sum(torch.tensor(float(trained))),  # trained groups with signal
         # all_equal: every sample of the group got one filter value (dropped when on)
         "sampling/groups_dropped_all_equal": Sum(torch.tensor(float(generated - with_signal))),
