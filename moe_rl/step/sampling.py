@@ -85,7 +85,7 @@ def concat_batches(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
 def take_groups(batch: RolloutBatch, scores: StepScores, prompts: list, groups: list[int]):
     """The sequences of ``groups`` (in that order), their scores and prompts; group ids 0.. in order."""
     n = batch.num_seqs // max(len(prompts), 1)
-    idx_B = torch.tensor([g * n + j for g in groups for j in range(n)], dtype=torch.long)
+    idx_B = torch.tensor([g * n + j for g in groups for j in range(n)], dtype=torch.long, device="cpu")
     picked = batch.select(idx_B)
     picked = dataclasses.replace(
         picked, group_B=torch.arange(len(groups), device=picked.group_B.device).repeat_interleave(n)
@@ -137,7 +137,7 @@ def collect(
         empty = (~signal_P).nonzero().flatten().tolist()
         if empty:
             dropped.append(take_groups(batch, scores, prompts, empty))
-        short = torch.tensor([float(with_signal < target)])
+        short = torch.tensor([float(with_signal < target)], device="cpu")
         if dist.is_initialized():  # every rank generates as long as one still lacks groups
             short = short.to(comm_device(dp_group))
             dist.all_reduce(short, op=dist.ReduceOp.MAX, group=dp_group)
@@ -151,14 +151,14 @@ def collect(
     trained = min(with_signal, target) if ds.enabled else with_signal
     metrics = {
         **metrics,
-        "sampling/rounds": Max(torch.tensor(float(rounds))),
-        "sampling/groups_generated": Sum(torch.tensor(float(generated))),  # with samples in the batch
-        "sampling/groups_kept": Sum(torch.tensor(float(trained))),  # trained groups with signal
+        "sampling/rounds": Max(float(rounds)),
+        "sampling/groups_generated": Sum(float(generated)),  # with samples in the batch
+        "sampling/groups_kept": Sum(float(trained)),  # trained groups with signal
         # all_equal: every sample of the group got one filter value (dropped when on)
-        "sampling/groups_dropped_all_equal": Sum(torch.tensor(float(generated - with_signal))),
-        "sampling/useful_frac": Mean(torch.tensor(float(with_signal)), torch.tensor(float(generated))),
-        "sampling/cap_reached": Max(torch.tensor(float(cap))),
-        "sampling/response_tokens_generated": Sum(torch.tensor(float(tokens))),
+        "sampling/groups_dropped_all_equal": Sum(float(generated - with_signal)),
+        "sampling/useful_frac": Mean(float(with_signal), float(generated)),
+        "sampling/cap_reached": Max(float(cap)),
+        "sampling/response_tokens_generated": Sum(float(tokens)),
     }
     return Collected(prompts, batch, scores, metrics, rounds)
 
