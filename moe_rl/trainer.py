@@ -191,8 +191,8 @@ def rollout_step(
     r, engine = cfg.rollout, pipe.engine
 
     def generate(index: int):
-        at = engine.request_for(step) if pipe.schedule.picks_requests else index
-        with timer.phase("rollout"):
+        with timer.phase("rollout"):  # async: the wait for the buffer's request counts here
+            at = engine.request_for(step) if pipe.schedule.picks_requests else index
             prompts = task.source.sample_step(
                 at, r.prompts_per_step // dims.dp_size, dims.dp_rank, dims.dp_size, cfg.seed
             )
