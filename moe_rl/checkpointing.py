@@ -63,6 +63,7 @@ class CheckpointManager:
         self.remote = engine if schedule.split and engine is not None else None
         self.in_flight = self.remote is not None and schedule.keeps_in_flight
         self.buffered = self.remote is not None and schedule.buffers_requests
+        self.data_cursor = 0  # a resume reads it from the checkpoint (trainer_state.json)
 
     def stale_path(self, step_dir_name: str) -> Path:
         return checkpoint.stale_weights_file(self.root / step_dir_name)
@@ -109,6 +110,8 @@ class CheckpointManager:
             )
         state = checkpoint.load(self.learner, path)
         self.lr_sched.load_state_dict(state["length_lr"])
+        # the data's next index (moe_rl/step/sampling.py): the step's, unless dynamic sampling drew more
+        self.data_cursor = int(state.get("data_cursor", state["step"]))
         if self.stale is not None and self.stale.k:
             self.stale.load_state_dict(_load_named(stale), self.learner.device)
         log.info("resumed from %s (step %d)", path, state["step"])
@@ -118,8 +121,9 @@ class CheckpointManager:
         """After step ``step`` (0-based): every ``checkpoint_every`` steps, and after the last."""
         return checkpoint_due(step, self.cfg.checkpoint_every, self.cfg.steps)
 
-    def save(self, step: int) -> None:
-        """The state after step ``step`` (0-based): a resumed run starts at ``step + 1``."""
+    def save(self, step: int, data_cursor: int | None = None) -> None:
+        """The state after step ``step`` (0-based): a resumed run starts at ``step + 1``, drawing
+        its prompts from ``data_cursor`` on (default: ``step + 1``, one round per step)."""
         name = f"step_{step + 1:06d}"
         if self.stale is not None and self.stale.k and (not dist.is_initialized() or dist.get_rank() == 0):
             self._save_stale(name)
@@ -134,7 +138,11 @@ class CheckpointManager:
             self.learner,
             self.root,
             step + 1,
-            {"seed": self.cfg.seed, "length_lr": self.lr_sched.state_dict()},
+            {
+                "seed": self.cfg.seed,
+                "length_lr": self.lr_sched.state_dict(),
+                "data_cursor": step + 1 if data_cursor is None else data_cursor,
+            },
         )
         if not dist.is_initialized() or dist.get_rank() == 0:  # after the save's last barrier
             self._prune()

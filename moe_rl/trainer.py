@@ -31,10 +31,11 @@ from moe_rl.seeding import GENERATE, step_seed
 from moe_rl.step.finalize import finalize
 from moe_rl.step.plan import StepPlan
 from moe_rl.step.prepare import old_logprobs, prepare_batch, reference_logprobs, rollout_metrics
+from moe_rl.step.sampling import Collected, collect
 from moe_rl.step.update import learning_rate, update_policy
 from moe_rl.step.validation import validation_rewards
 from moe_rl.stop import Stopped, agreed
-from moe_rl.tasks.task import Task, build_task, score_step
+from moe_rl.tasks.task import Task, build_task, step_scores
 from moe_rl.timing import MemoryTimeline, StepTimer, memory_metrics
 from moe_rl.weights.warmstart import open_init_weights
 
@@ -174,21 +175,41 @@ def rank_task(cfg: RunConfig, dims: ParallelDims, prepared: Prepared | None) -> 
 
 
 def rollout_step(
-    cfg: RunConfig, task: Task, pipe: RankPipeline, plan: StepPlan, step: int, dims: ParallelDims
-):
-    """The step's prompts and their batch: those of step ``step``, or (rollout.mode=async) of the
-    request the rollout ranks' buffer hands this dp rank (``RemoteEngine.request_for``)."""
+    cfg: RunConfig,
+    task: Task,
+    pipe: RankPipeline,
+    plan: StepPlan,
+    step: int,
+    dims: ParallelDims,
+    cursor: int,
+    timer: StepTimer,
+) -> Collected:
+    """The step's prompts, their batch and scores, in rounds from data-cursor index ``cursor`` on
+    (more than one only with algo.dynamic_sampling; moe_rl/step/sampling.py): a round's prompts are
+    those of its index, or (rollout.mode=async) of the request the rollout ranks' buffer hands this
+    dp rank (``RemoteEngine.request_for``)."""
     r, engine = cfg.rollout, pipe.engine
-    at = engine.request_for(step) if pipe.schedule.picks_requests else step
-    prompts = task.source.sample_step(
-        at, r.prompts_per_step // dims.dp_size, dims.dp_rank, dims.dp_size, cfg.seed
-    )
-    seed = step_seed(cfg.seed, at, dims.dp_rank, GENERATE)
-    if task.agent is not None and not pipe.schedule.split:  # agent.env: conversations with tool
-        # replies (moe_rl/agentic/loop.py); split, the rollout ranks run them (pipeline/rollout_ranks.py)
-        return prompts, task.agent.rollout(engine, prompts, r.samples_per_prompt, plan.sampling, seed, at)
-    batch = engine.generate([p.prompt_ids for p in prompts], r.samples_per_prompt, plan.sampling, seed=seed)
-    return prompts, batch
+
+    def generate(index: int):
+        with timer.phase("rollout"):  # async: the wait for the buffer's request counts here
+            at = engine.request_for(step) if pipe.schedule.picks_requests else index
+            prompts = task.source.sample_step(
+                at, r.prompts_per_step // dims.dp_size, dims.dp_rank, dims.dp_size, cfg.seed
+            )
+            seed = step_seed(cfg.seed, at, dims.dp_rank, GENERATE)
+            if task.agent is not None and not pipe.schedule.split:  # agent.env: conversations with
+                # tool replies (moe_rl/agentic/loop.py); split, the rollout ranks run them
+                agent = task.agent
+                return prompts, agent.rollout(engine, prompts, r.samples_per_prompt, plan.sampling, seed, at)
+            ids = [p.prompt_ids for p in prompts]
+            return prompts, engine.generate(ids, r.samples_per_prompt, plan.sampling, seed=seed)
+
+    def score(prompts, batch):
+        with timer.phase("score"):
+            return step_scores(cfg, task, prompts, batch)
+
+    ds = cfg.algo.dynamic_sampling
+    return collect(ds, generate, score, cursor, task.tokenizer.pad_id, dims.dp_group)
 
 
 # the run, to cfg.steps, or (``Stopped``) to the checkpoint a stop request ended it with
@@ -212,20 +233,20 @@ def train(cfg: RunConfig, dims: ParallelDims, prepared: Prepared | None = None) 
     mem.attach(Path(cfg.run_dir) / MEMORY_TIMELINE)
     health = HealthMonitor(cfg.log.health, cfg.model.vocab_size, active=dims.is_main)
     stop = 0  # the signal of a stop request, once the learner ranks agreed on one
+    cursor = ckpt.data_cursor  # the data's next index: the step's, unless dynamic sampling took more
     for step in range(start, cfg.steps):
         # none of the learner's state is on the device while the engine generates (the sync left it off)
         with pipe.offload.generating(step) as moved:
             m_val = validation_rewards(cfg, task, pipe.engine, step, dims.dp_rank, dims.dp_size)  # val_every
             timer = StepTimer(mem, step)  # each phase's peak RSS: run_dir/memory_timeline.jsonl
+            got = rollout_step(cfg, task, pipe, plan, step, dims, cursor, timer)  # rollout, score
+            cursor += got.rounds
             with timer.phase("rollout"):
-                prompts, batch = rollout_step(cfg, task, pipe, plan, step, dims)
-                batch, m_stale = stale.versioned(batch, step)  # version_BS: the weights it sampled with
-        with timer.phase("score"):
-            rewards_B, m_reward = score_step(cfg, task, prompts, batch)
+                batch, m_stale = stale.versioned(got.batch, step)  # version_BS: the weights it sampled with
         with timer.phase("old_logprob"):
             old = old_logprobs(plan, learner, batch, learner_version=weight_version(step))
         with timer.phase("prepare"):  # corrections, advantages, this step's LR
-            train_batch, m_prep = prepare_batch(plan, learner, old, rewards_B)
+            train_batch, m_prep = prepare_batch(plan, learner, old, got.scores.rewards_B)
             lr, m_lr, events = learning_rate(plan, lr_sched, step, batch, dims.dp_group)
         with timer.phase("reference"):  # a no-op unless algo.kl_coef > 0
             train_batch = reference_logprobs(plan, learner, train_batch)
@@ -233,7 +254,7 @@ def train(cfg: RunConfig, dims: ParallelDims, prepared: Prepared | None = None) 
             m_update = update_policy(plan, learner, train_batch, lr)
         stop = agreed() if step + 1 < cfg.steps else 0  # a stop signal on any learner rank: the last step
         m_sync = pipe.sync.sync(timer.phase, step + 1 if stop else cfg.steps)  # learner -> engine (14.2)
-        local = {**m_val, **m_reward, **m_prep, **m_update, **m_lr, **m_stale, **m_sync}
+        local = {**m_val, **got.metrics, **m_prep, **m_update, **m_lr, **m_stale, **m_sync}
         local |= rollout_metrics(batch)
         m_mem = {**memory_metrics(learner.device), **moved.metrics()}
         metrics = finalize({**local, **timer.metrics(), **m_mem}, dims.dp_group)
@@ -244,7 +265,7 @@ def train(cfg: RunConfig, dims: ParallelDims, prepared: Prepared | None = None) 
         bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", step_s=f"{metrics['time/step_s']:.2f}")
         if ckpt.due(step) or stop:
             with mem.span("checkpoint", step), pipe.offload.resident():  # weights, Adam state back
-                ckpt.save(step)
+                ckpt.save(step, cursor)
         if stop:
             break
     pipe.offload.finish()

@@ -41,19 +41,18 @@ def test_step_timer_adds_phases_and_the_whole_step():
 @pytest.mark.unit
 def test_the_loop_times_each_stage_apart_and_the_learner_time_counts_its_passes():
     tree = ast.parse((Path(__file__).resolve().parents[1] / "moe_rl" / "trainer.py").read_text())
-    train = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "train")
-    calls = sorted(
-        (
-            n
-            for n in ast.walk(train)
-            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "phase"
-        ),
-        key=lambda n: n.lineno,
-    )
+    funcs = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+    train = funcs["train"]
+
+    def phases(fn):
+        calls = (n for n in ast.walk(fn) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute))
+        return [c.args[0].value for c in sorted(calls, key=lambda n: n.lineno) if c.func.attr == "phase"]
+
+    # a step's rounds (one unless algo.dynamic_sampling: docs/sampling.md) each generate, then score
+    assert phases(funcs["rollout_step"]) == ["rollout", "score"]
     # old_logprob is the old pass alone (scripts and memory.summarize_run read time/<phase>_s)
-    assert [c.args[0].value for c in calls] == [
-        "rollout",
-        "score",
+    assert phases(train) == [
+        "rollout",  # the rollout's weight versions (rollout.staleness)
         "old_logprob",
         "prepare",
         "reference",

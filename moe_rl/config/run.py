@@ -13,6 +13,7 @@ from typing import Any
 
 from moe_rl.checks import check, check_finite, one_of
 from moe_rl.config.agent import AgentConfig, check_agent
+from moe_rl.config.dynamic_sampling import DynamicSamplingConfig, check_dynamic_sampling
 from moe_rl.config.layout import check_layout, data_parallel_size
 from moe_rl.config.model import ModelConfig, ParallelConfig
 from moe_rl.config.vllm_rules import check_vllm
@@ -299,6 +300,8 @@ class AlgoConfig:
     # > 0: micro-batches formed by token count instead (sequences sorted by length, bucketed so each
     # micro-batch holds at most this many padded tokens; a longer sequence gets one of its own)
     max_tokens_per_micro_batch: int = 0
+    # DAPO's dynamic sampling: drop groups without signal, generate until the step is full (docs/sampling.md)
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
 
     def __post_init__(self) -> None:
         check_finite(self, "algo")
@@ -430,6 +433,7 @@ class RunConfig:
             check_vllm(self)
         if self.agent.env:
             check_agent(self)
+        check_dynamic_sampling(self)
         check(
             self.algo.max_tokens_per_micro_batch == 0 or p.pipeline_parallel == 1,
             "algo.max_tokens_per_micro_batch",

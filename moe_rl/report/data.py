@@ -51,6 +51,8 @@ PANELS = (
 # step curves next to the heatmaps: reward, correction and mismatch metrics (when logged)
 CURVES = (
     ("reward/mean", "Reward"),
+    # docs/sampling.md: on every run; with algo.dynamic_sampling the rounds raise what is trained
+    ("sampling/useful_frac", "Useful fraction: prompt groups with signal / groups generated"),
     ("val/reward/mean", "Validation reward, greedy (log.val_every)"),
     ("val/reward_sampled/mean", "Validation reward, sampled"),
     ("rollout/truncated_frac", "Responses that hit rollout.max_new_tokens"),

@@ -23,7 +23,7 @@ from moe_rl.config.hf_json import hf_keys
 from moe_rl.errors import ConfigError, DataError
 from moe_rl.tasks.dataset import GeneratedTasks, PromptSource
 from moe_rl.tasks.hf_tokenizer import HFTokenizer, TokenizerError, check_vocab_fits, load_tokenizer
-from moe_rl.tasks.rewards import overlong_penalty, score, uses_token_reward
+from moe_rl.tasks.rewards import exact_match, overlong_penalty, score, uses_token_reward
 from moe_rl.tasks.rows import RowDataset, RowSpec
 from moe_rl.tasks.text_rewards import RewardPool
 from moe_rl.tasks.tokenizer import CharTokenizer
@@ -121,10 +121,22 @@ def resolve_vocab(cfg: RunConfig, tok: CharTokenizer | HFTokenizer) -> RunConfig
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab))
 
 
+def check_filter_key(cfg: RunConfig, tok) -> None:
+    """``algo.dynamic_sampling.filter`` names a value this task's reward produces (``StepScores``)."""
+    ds = cfg.algo.dynamic_sampling
+    if ds.enabled and ds.filter == "exact_match" and not isinstance(tok, CharTokenizer):
+        raise ConfigError(
+            f"config key 'algo.dynamic_sampling.filter': 'exact_match' is produced for the character "
+            f"tokenizer's tasks only, not with task.tokenizer={cfg.task.tokenizer!r} and "
+            f"task.reward={cfg.task.reward!r}; filter on 'accuracy' (the reward's own score)"
+        )
+
+
 def build_task(cfg: RunConfig, start_pool: bool = True) -> tuple[RunConfig, Task]:
     """The tokenizer, the prompt sources (files read and checked in full) and the reward pool."""
     t = cfg.task
     tok = load_tokenizer(t.tokenizer, cfg.init_weights)
+    check_filter_key(cfg, tok)
     cfg = agent_warmstart(resolve_vocab(cfg, tok))  # agent.env: the warm start that calls tools
     spec = row_spec(cfg)
     agent = build_agent(cfg, tok) if cfg.agent.env else None  # its prompts come from the environment
@@ -150,29 +162,78 @@ def build_task(cfg: RunConfig, start_pool: bool = True) -> tuple[RunConfig, Task
     )
 
 
-def score_step(cfg: RunConfig, task: Task, prompts: list, batch) -> tuple[torch.Tensor, dict]:
-    """Rewards of a rollout (plus the overlong penalty when on) and the reward metrics."""
+@dataclass
+class StepScores:
+    """A rollout's per-sample values, [B] each: what the advantages use and what a filter may read
+    (``algo.dynamic_sampling.filter``, moe_rl/config/dynamic_sampling.py)."""
+
+    rewards_B: torch.Tensor  # the shaped reward: accuracy plus the overlong penalty when on
+    accuracy_B: torch.Tensor  # the verifier's score (task.reward's, or the environment's), unshaped
+    exact_match_B: torch.Tensor | None  # the character tokenizer's tasks only, else None
+    metrics: dict
+
+    def values(self, key: str) -> torch.Tensor:
+        """The per-sample values named ``key`` (one of ``FILTER_KEYS``)."""
+        out = {"accuracy": self.accuracy_B, "exact_match": self.exact_match_B, "reward": self.rewards_B}[key]
+        if out is None:  # build_task refuses this before any rank starts
+            raise ValueError(f"this task's reward produces no {key!r} values")
+        return out
+
+    def select(self, idx_B: torch.Tensor) -> StepScores:
+        """The samples ``idx_B`` (metrics unchanged: they describe everything scored)."""
+        em = self.exact_match_B
+        em = em[idx_B] if em is not None else None
+        return StepScores(self.rewards_B[idx_B], self.accuracy_B[idx_B], em, self.metrics)
+
+
+def step_scores(cfg: RunConfig, task: Task, prompts: list, batch) -> StepScores:
+    """Rewards of a rollout (plus the overlong penalty when on), its unshaped accuracy, and the
+    reward metrics."""
     t = cfg.task
     if batch.env_reward_B is not None:  # multi-turn: the environment scored each trajectory
-        return env_rewards(batch, prompts, cfg.rollout.samples_per_prompt)
-    rewards_B, metrics = score(
+        rewards_B, metrics = env_rewards(batch, prompts, cfg.rollout.samples_per_prompt)
+        return StepScores(rewards_B, rewards_B, None, metrics)
+    response_ids_BS = batch.response_ids(task.tokenizer.pad_id)
+    accuracy_B, metrics = score(
         prompts,
-        batch.response_ids(task.tokenizer.pad_id),
+        response_ids_BS,
         task.tokenizer,
         cfg.rollout.samples_per_prompt,
         task_names=task.source.task_names,
         pool=task.pool,
         text_metrics=task.text_metrics,
     )
+    exact_B = None
+    if isinstance(task.tokenizer, CharTokenizer):
+        tok = task.tokenizer
+        answers_BA = tok.pad([tok.encode(p.answer) for p in prompts]).to(response_ids_BS.device)
+        answers_BA = answers_BA.repeat_interleave(cfg.rollout.samples_per_prompt, dim=0)
+        exact_B, _ = exact_match(response_ids_BS, answers_BA, tok.eos_id, tok.pad_id)
+    rewards_B = accuracy_B
     if t.overlong_buffer > 0:
         penalty_B, m_pen = overlong_penalty(
             batch.response_lens_B, cfg.rollout.max_new_tokens, t.overlong_buffer, t.overlong_penalty
         )
-        rewards_B = rewards_B + penalty_B.to(rewards_B.device)
+        rewards_B = accuracy_B + penalty_B.to(accuracy_B.device)
         metrics.update(m_pen)
     if isinstance(task.source, RowDataset):
         metrics["rollout/prompts_dropped_too_long"] = task.source.num_dropped
-    return rewards_B, metrics
+    return StepScores(rewards_B, accuracy_B, exact_B, metrics)
 
 
-__all__ = ["Task", "TokenizerError", "build_task", "resolve_vocab", "row_spec", "score_step"]
+def score_step(cfg: RunConfig, task: Task, prompts: list, batch) -> tuple[torch.Tensor, dict]:
+    """Rewards of a rollout (plus the overlong penalty when on) and the reward metrics."""
+    s = step_scores(cfg, task, prompts, batch)
+    return s.rewards_B, s.metrics
+
+
+__all__ = [
+    "StepScores",
+    "Task",
+    "TokenizerError",
+    "build_task",
+    "resolve_vocab",
+    "row_spec",
+    "score_step",
+    "step_scores",
+]

@@ -16,7 +16,9 @@ import pytest
 from tests.dist_harness import run_ranks
 from tests.e2e.helpers import metrics
 
-PRESETS = sorted((Path(__file__).resolve().parents[2] / "configs" / "corrections").glob("*.yaml"))
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+PRESETS = sorted((CONFIGS / "corrections").glob("*.yaml"))
+SAMPLING = sorted((CONFIGS / "sampling").glob("*.yaml"))  # dynamic sampling (docs/sampling.md)
 ARGS = [
     "steps=2",
     "checkpoint_every=0",
@@ -50,7 +52,7 @@ def _train_each(rank: int, runs: dict[str, str]) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("presets")
-    out = {str(p): root / p.stem for p in PRESETS}
+    out = {str(p): root / p.stem for p in [*PRESETS, *SAMPLING]}
     run_ranks(_train_each, 2, {k: str(v) for k, v in out.items()})
     return {Path(k).stem: v for k, v in out.items()}
 
@@ -72,3 +74,18 @@ def test_correction_preset_trains(runs: dict[str, Path], preset: Path) -> None:
     if "trm:" in text:
         assert 0.0 <= rec["corr/trm_accept_rate"] <= 1.0
         assert rec["corr/trm_alarm"] == float(rec["corr/trm_accept_rate"] < 0.7)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("preset", SAMPLING, ids=lambda p: p.stem)
+def test_sampling_preset_trains_only_groups_with_signal(runs: dict[str, Path], preset: Path) -> None:
+    """Every trained group's accuracies differ (so no minibatch is all-zero advantages and none is
+    skipped) unless the rounds' cap was reached, which the step then says."""
+    for rec in metrics(runs[preset.stem]).values():
+        rounds, dropped = rec["sampling/rounds"], rec["sampling/groups_dropped_all_equal"]
+        assert rec["sampling/groups_generated"] == 8 * rounds and 1 <= rounds <= 4  # max_rounds
+        assert rec["sampling/useful_frac"] == pytest.approx((8 * rounds - dropped) / (8 * rounds))
+        assert rec["rollout/num_seqs"] == 32  # the configured 8 groups x 4 samples, whatever the rounds
+        if rec["sampling/cap_reached"] == 0:
+            assert (rec["sampling/groups_kept"], rec["train/skipped_minibatches"]) == (8, 0)
+        assert rec["reward/overlong_frac"] >= 0  # the shaping ran; the filter read the accuracy

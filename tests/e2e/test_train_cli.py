@@ -167,15 +167,22 @@ def test_zero_signal_run_checkpoints_and_resumes(tmp_path):
     rows = [{"prompt": f"R{a}{b}:", "answer": "9" * 40, "task": "never"} for a in range(10) for b in range(2)]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     full, part = tmp_path / "full", tmp_path / "part"
-    args = [f"task.dataset={data}", "checkpoint_every=2", *TINY]
+    # dynamic sampling reaches its cap at every step: 2 rounds, all 16 groups dropped, trained anyway
+    ds = ["algo.dynamic_sampling.enabled=true", "algo.dynamic_sampling.max_rounds=2"]
+    args = [f"task.dataset={data}", "checkpoint_every=2", *ds, *TINY]
     moe_rl("train", f"run_dir={full}", "steps=3", *args)
     stopped_copy(full, part, step=2)  # as a run stopped after its step-2 checkpoint leaves it
     moe_rl("train", f"run_dir={part}", "steps=3", "resume=true", *args)
+    state = json.loads((part / "checkpoints" / "step_000002" / "trainer_state.json").read_text())
+    assert state["data_cursor"] == 4  # 2 steps x 2 rounds: the resume draws from index 4 on
     a, b = metrics(full), metrics(part)
     assert sorted(a) == sorted(b) == [0, 1, 2]
     for step in range(3):
         assert a[step]["reward/mean"] == 0.0 and a[step]["train/grad_norm"] == 0.0
         assert a[step]["train/skipped_minibatches"] == 4  # algo.num_minibatches, every one skipped
+        assert a[step]["sampling/rounds"] == 2 and a[step]["sampling/cap_reached"] == 1
+        assert a[step]["sampling/groups_dropped_all_equal"] == 16 and a[step]["sampling/groups_kept"] == 0
+        assert a[step]["sampling/useful_frac"] == 0 and a[step]["rollout/num_seqs"] == 32
         assert deterministic(a[step]) == deterministic(b[step]), f"step {step} differs after resume"
     assert sorted(p.name for p in (full / "checkpoints").iterdir()) == [
         "latest",

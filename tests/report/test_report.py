@@ -378,7 +378,7 @@ def _small_run(path: Path, shared: int = 0) -> Path:
     (path / "config.yaml").write_text(to_yaml(dataclasses.replace(RunConfig(), steps=3, model=model)))
     recs = []
     for step in range(3):
-        rec = {"step": step, "reward/mean": 0.25 * step}
+        rec = {"step": step, "reward/mean": 0.25 * step, "sampling/useful_frac": (0.5, 0.625, 0.75)[step]}
         for lid in (0, 1):
             rec[f"router_grad/zero_frac/layer{lid}"] = 0.5  # (E - K) / E: names the MoE layers
             rec[f"router_grad/update_flip_frac/layer{lid}"] = 0.0
@@ -414,6 +414,13 @@ def test_figures_by_their_numbers(tmp_path):
     lo, hi = fig.axes[0].get_xlim()
     assert lo <= 0 and hi >= 2 and hi - lo >= 2
     assert _visible_ticks(fig.axes[0]) == [0.0, 1.0, 2.0]
+    plt.close(fig)
+    # the useful-fraction panel (docs/sampling.md): groups with signal / groups generated, per step
+    title = dict(data.CURVES)["sampling/useful_frac"]
+    fig = figures.curve_figure([run], "sampling/useful_frac", title)
+    (line,) = fig.axes[0].lines
+    assert (list(line.get_xdata()), list(line.get_ydata())) == ([0, 1, 2], [0.5, 0.625, 0.75])
+    assert fig.axes[0].get_title() == title
     plt.close(fig)
     # all-zero data on a free scale: 0..1, not a 1e-12 span; constant 0.3: 0..0.3
     for name, clim in (("update_flip_frac", (0.0, 1.0)), ("margin_p50", (0.0, 0.3))):
