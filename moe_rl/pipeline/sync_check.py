@@ -80,13 +80,21 @@ class SyncCheck:
     def wrap(self, weights: Weights) -> Weights:
         """The learner's stream, checksummed as it passes (a new sync: the last one's sums go)."""
         self.sent, self.seconds = {}, 0.0
-        return self._summed(weights) if self.on else weights
+        if not self.on:
+            return weights
+        if isinstance(weights, Mapping):  # a dict stays one (an engine checks a dict whole first)
+            self._sum(weights)
+            return weights
+        return self._summed(weights)
+
+    def _sum(self, chunk: Mapping[str, torch.Tensor]) -> None:
+        t0 = time.perf_counter()  # the checksums alone, not the stream's gathers
+        self.sent.update({n: checksum(expected(n, t, self.dtype, self.fp8)) for n, t in chunk.items()})
+        self.seconds += time.perf_counter() - t0
 
     def _summed(self, weights: Weights):
         for chunk in weight_chunks(weights):
-            t0 = time.perf_counter()  # the checksums alone, not the stream's gathers
-            self.sent.update({n: checksum(expected(n, t, self.dtype, self.fp8)) for n, t in chunk.items()})
-            self.seconds += time.perf_counter() - t0
+            self._sum(chunk)
             yield chunk
 
     def sent_ints(self) -> dict[str, int]:

@@ -52,6 +52,15 @@ def test_a_clean_sync_passes_bit_for_bit(dtype: str, quantization: str) -> None:
         assert int(check.sent[EXPERT0]) != int(checksum(w[EXPERT0].bfloat16()))
 
 
+def test_a_dict_sync_stays_a_dict_and_is_checked() -> None:
+    """A whole dict (rollout.staleness's kept sets) is handed on as the same dict, summed first."""
+    engine, check = _setup("bf16", "fp8")
+    w = random_canonical_weights(CFG, 2)
+    assert check.wrap(w) is w and sorted(check.sent) == sorted(w)
+    engine.load_weights(w)
+    check.verify(engine, 2)
+
+
 def _fails(engine, check, name: str) -> None:
     with pytest.raises(SyncCheckError) as e:
         check.verify(engine, 2)
