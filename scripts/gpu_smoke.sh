@@ -81,6 +81,9 @@ if $PY -c "import transformer_engine.pytorch, vllm" 2>/dev/null; then
   SLICE=configs/gpu_smoke_30b_slice.yaml
   run slice30b_offload "$SLICE" parallel.offload_during_rollout=true
   run slice30b_resident "$SLICE" parallel.offload_during_rollout=false
+  # FP8 rollouts (issue 45; untested on GPU): vLLM 0.33's blockwise FP8 from the synced bf16 weights,
+  # R3, and the checked sync (its probe k3 and time/sync_check_s land in the run's metrics)
+  run slice30b_fp8_r3 "$SLICE" rollout.quantization=fp8 routing.replay=r3 rollout.sync_check=true
 else
   echo "=== slice30b_*: skipped (transformer_engine and vllm must both import)"
 fi

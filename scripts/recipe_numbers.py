@@ -4,6 +4,7 @@ recipe table from moe_rl/memory/'s estimate; tests/test_configs.py recomputes ea
     python scripts/recipe_numbers.py          # rewrite in place
     python scripts/recipe_numbers.py --check  # exit 1 when a number differs
     python scripts/recipe_numbers.py --table  # the per-phase table of docs/design.md 14.3
+    python scripts/recipe_numbers.py --fp8    # FP8 rollouts against bf16: docs/gpu.md's FP8 table
 
 The layout and vLLM TP are the config's own: the script writes what they give, it does not choose
 them (``moe-rl estimate CONFIG --rank 3`` ranks the layouts)."""
@@ -135,11 +136,75 @@ def table() -> str:
     return "\n".join(rows)
 
 
+FP8 = "rollout.quantization=fp8"
+
+
+def fp8_row(path: Path) -> str:
+    """One recipe with ``rollout.quantization=fp8`` against its bf16 engine, at the recipe's layout:
+    the engine's weights a GPU, the KV tokens its budget leaves, the rollout peak, and whether the
+    FP8 run fits on one node fewer; or vLLM's refusal (a vLLM TP whose shards split a block)."""
+    from moe_rl.errors import ConfigError
+    from moe_rl.memory.estimate import unfit_phase
+
+    cfg, nodes = load_config(path), int(path.stem.split("_")[-1].split("x")[0])
+    label = next(v for k, v in LABELS.items() if path.name.startswith(k))
+    vtp = cfg.rollout.vllm.tensor_parallel
+    refused, tp, fcfg = "", vtp, None
+    while tp >= 1 and fcfg is None:  # the recipe's vLLM TP, else the largest divisor of it that tiles
+        try:
+            fcfg = load_config(path, [FP8, f"rollout.vllm.tensor_parallel={tp}"])
+        except ConfigError as e:
+            refused = refused or str(e).split(": ", 2)[-1].split(";")[0]
+            tp = max((d for d in range(1, tp) if vtp % d == 0), default=0)
+    if fcfg is None:
+        return f"| {label} | {nodes} x 8 | vLLM TP {vtp}: {refused}; no TP tiles |||||"
+    engine = f"vLLM TP {vtp}" if not refused else f"vLLM TP {vtp}: {refused}; TP {tp} tiles"
+    b, f = estimate(replace(cfg, rollout=replace(cfg.rollout, vllm=fcfg.rollout.vllm))), estimate(fcfg)
+    fewer = "-"
+    if nodes > 1:
+        try:
+            ranked = fewer_nodes_fp8(path, nodes - 1, tp)
+            fewer = "yes" if any(r.fits for r in ranked) else "no"
+        except ConfigError:
+            fewer = f"refused (TP {tp} on {nodes - 1} nodes)"
+    return (
+        f"| {label} | {nodes} x 8 | {engine} | {b['vllm_weights_gib']:.1f} -> {f['vllm_weights_gib']:.1f} | "
+        f"{b['vllm_kv_tokens']:,.0f} -> {f['vllm_kv_tokens']:,.0f} | {b['rollout_peak_gib']:.1f} -> "
+        f"{f['rollout_peak_gib']:.1f} | {_fit(unfit_phase(fcfg, f))} | {fewer} |"
+    )
+
+
+def _fit(phase: str | None) -> str:
+    return "fits" if phase is None else f"does not fit ({phase})"
+
+
+def fewer_nodes_fp8(path: Path, fewer: int, vtp: int):
+    free = [f"parallel.nproc={fewer * 8}", "parallel.pipeline_parallel=1", "parallel.tensor_parallel=1"]
+    free += ["parallel.expert_parallel=1", "parallel.expert_tensor_parallel=0", "algo.num_minibatches=1"]
+    free += ["parallel.layers_in_first_stage=0", "parallel.layers_in_last_stage=0"]
+    free += [f"rollout.prompts_per_step={fewer * 32}", f"rollout.vllm.tensor_parallel={vtp}", FP8]
+    return rank_layouts(load_config(path, free), fewer, 8)
+
+
+def fp8_table() -> str:
+    rows = [
+        "| recipe | nodes | FP8 engine | vLLM weights a GPU (GiB) at its TP, bf16 -> FP8 | vLLM KV tokens | "
+        "rollout peak (GiB) | FP8 at the recipe's learner layout | FP8 on one node fewer (any layout) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    rows += [fp8_row(p) for p in sorted((ROOT / "configs").glob("*x8h100.yaml"))]
+    return "\n".join(rows)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--table", action="store_true")
+    ap.add_argument("--fp8", action="store_true")
     a = ap.parse_args()
+    if a.fp8:
+        print(fp8_table())
+        return 0
     if a.table:
         print(table())
         return 0

@@ -106,6 +106,11 @@ class RolloutConfig:
     # (blockwise e4m3 weights 128x128 and activations 1x128, quantized at every weight sync; the
     # router, expert bias, embeddings, LM head and norms keep their precision; docs/vllm.md 9)
     quantization: str = "none"
+    # after every weight sync, check the engine's weights against what the learner sent (a checksum
+    # per tensor; FP8: of the dequantized blocks) and score a fixed probe batch on both sides
+    # (sync/probe_k3, colocated); a mismatch fails the job naming the tensor (docs/design.md 14.4).
+    # Off by default: it cost more than 2% of a step on the CPU runs measured (time/sync_check_s)
+    sync_check: bool = False
     prompts_per_step: int = 32  # global, over all data-parallel ranks
     samples_per_prompt: int = 8
     max_new_tokens: int = 12

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from moe_rl.config.fp8_rules import fp8_block_refusal
 from moe_rl.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -53,6 +54,10 @@ def check_vllm(cfg: RunConfig) -> None:
             f"fp8 with rollout.dtype={r.dtype}: vLLM's online FP8 takes bf16 or fp16 activations; "
             f"use rollout.dtype=bf16",
         )
+    if r.quantization == "fp8":
+        bad = fp8_block_refusal(cfg.model, v.tensor_parallel)
+        if bad is not None:
+            refuse(*bad)
     if r.router_noise > 0:
         refuse("rollout.router_noise", "router-logit noise exists only in the built-in engine")
     if r.inflight_kv != "keep":

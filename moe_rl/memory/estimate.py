@@ -8,7 +8,7 @@ from moe_rl.memory.device import MARGIN_GIB, stage_memory
 from moe_rl.memory.host import cpu_adam_seconds, stage_host, vllm_asleep
 from moe_rl.memory.learner_layout import Layout
 from moe_rl.memory.phases import PEAK_PHASES, engine_weight_bytes, first_unfit, phase_bytes
-from moe_rl.memory.sizes import GiB, kv_cache_bytes_per_token, param_counts
+from moe_rl.memory.sizes import GiB, engine_fp8_bytes, kv_cache_bytes_per_token, param_counts
 from moe_rl.memory.sync import PCIE_GBS, peer_sync_range, sync_traffic
 
 
@@ -45,7 +45,9 @@ def estimate(
     resident_max = max(s["rollout_resident"] for s in stages)
     vllm = cfg.rollout.engine == "vllm"
     vllm_budget = v.gpu_memory_utilization * gpu_gib * GiB if vllm else 0.0
-    vllm_weights = c["total"] * (2 if cfg.rollout.dtype == "bf16" else 4) / v.tensor_parallel
+    wb = 2 if cfg.rollout.dtype == "bf16" else 4
+    whole = engine_fp8_bytes(m, wb) if cfg.rollout.quantization == "fp8" else c["total"] * wb
+    vllm_weights = whole / v.tensor_parallel  # FP8: e4m3 linear weights + their block scales
     kv_per_token = kv_cache_bytes_per_token(m, v.tensor_parallel)  # bf16
     kv_bytes = max(0.0, vllm_budget - vllm_weights - 2 * GiB)
     host_ranks = [stage_host(cfg, lay, s) for s in stages]

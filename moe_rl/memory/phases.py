@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from moe_rl.config import RunConfig
 from moe_rl.config.schedule import Schedule
-from moe_rl.memory.sizes import GiB, param_counts
+from moe_rl.memory.sizes import GiB, engine_fp8_bytes, param_counts
 
 COLOCATED_ORDER = ("train", "offload", "engine_wake", "sync", "learner_out", "kv_wake", "generate")
 # the phases whose device peak is checked (learner_out and kv_wake lie below sync and generate)
@@ -43,7 +43,10 @@ PEAK_PHASES = ("train", "sync", "generate", "async")
 def engine_weight_bytes(cfg: RunConfig) -> float:
     """One engine rank's weights: vLLM's TP shard, or the built-in engine's whole model."""
     wb = 2 if cfg.rollout.dtype == "bf16" else 4
-    total = param_counts(cfg.model)["total"] * wb
+    if cfg.rollout.quantization == "fp8":  # e4m3 linear weights + their block scales
+        total = float(engine_fp8_bytes(cfg.model, wb))
+    else:
+        total = param_counts(cfg.model)["total"] * wb
     return total / cfg.rollout.vllm.tensor_parallel if cfg.rollout.engine == "vllm" else total
 
 

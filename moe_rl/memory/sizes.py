@@ -90,3 +90,44 @@ def mfu(
     """Model FLOPs utilisation: achieved (6N per trained token + 2N per forward-only token) / peak."""
     flops = train_flops_per_token(m) * trained_tokens + forward_flops_per_token(m) * forward_tokens
     return flops / (seconds * num_gpus * peak_tflops * 1e12)
+
+
+def _blocks(rows: int, cols: int, block: int = 128) -> int:
+    return -(-rows // block) * -(-cols // block)
+
+
+def fp8_linear_shapes(m: ModelConfig) -> list[tuple[int, int, int]]:
+    """(count, rows, cols) of the linear weights ``rollout.quantization=fp8`` holds in e4m3
+    (moe_rl/rollout/fp8.py's rule: attention / MLA projections, dense, expert and shared-expert
+    SwiGLU; never the router, expert bias, shared-expert gate, embeddings, LM head or norms)."""
+    H, L, E = m.hidden_size, m.num_layers, m.num_experts
+    n_moe = len(m.moe_layers)
+    out: list[tuple[int, int, int]] = []
+    if m.mla:
+        N, qk = m.num_attention_heads, m.qk_nope_head_dim + m.qk_rope_head_dim
+        if m.q_lora_rank > 0:
+            out += [(L, m.q_lora_rank, H), (L, N * qk, m.q_lora_rank)]
+        else:
+            out += [(L, N * qk, H)]
+        out += [(L, m.kv_lora_rank + m.qk_rope_head_dim, H)]
+        out += [(L, N * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank), (L, H, N * m.v_head_dim)]
+    else:
+        q, kv = m.num_attention_heads * m.head_dim, m.num_query_groups * m.head_dim
+        out += [(L, q, H), (2 * L, kv, H), (L, H, q)]
+    if m.first_k_dense:
+        out += [(2 * m.first_k_dense, m.ffn_hidden_size, H), (m.first_k_dense, H, m.ffn_hidden_size)]
+    F, S = m.moe_ffn_hidden_size, m.moe_shared_expert_ffn_hidden_size
+    out += [(2 * n_moe * E, F, H), (n_moe * E, H, F)]
+    if S:
+        out += [(2 * n_moe, S, H), (n_moe, H, S)]
+    return out
+
+
+def engine_fp8_bytes(m: ModelConfig, bytes_per_value: int = 2) -> int:
+    """An FP8 engine's weights, whole model: 1 byte per quantized element plus one fp32 scale per
+    128x128 block (a partial edge block counts as one), the other parameters at ``bytes_per_value``
+    (rollout.dtype)."""
+    shapes = fp8_linear_shapes(m)
+    quantized = sum(n * r * c for n, r, c in shapes)
+    scales = sum(n * _blocks(r, c) for n, r, c in shapes)
+    return quantized + 4 * scales + (param_counts(m)["total"] - quantized) * bytes_per_value

@@ -45,6 +45,7 @@ from moe_rl.metrics import Max
 from moe_rl.pipeline.offload_timeline import OffloadTimeline, Phase
 from moe_rl.pipeline.placement import Group
 from moe_rl.pipeline.simulated_staleness import SimulatedStaleness
+from moe_rl.pipeline.sync_check import SyncCheck, check_received, receive_sums, send_checksums, verify_held
 from moe_rl.pipeline.weight_broadcast import (
     SYNC_METRICS,
     PendingWeights,
@@ -55,6 +56,8 @@ from moe_rl.pipeline.weight_broadcast import (
 )
 from moe_rl.rollout.base import ENGINE_DTYPES, Weights, weight_chunks
 from moe_rl.rollout.factory import engine_tp
+from moe_rl.rollout.fp8 import quantized_names
+from moe_rl.weights.canonical import canonical_param_shapes
 from moe_rl.weights.engine_shard import EngineShard, engine_shard, placed
 from moe_rl.weights.slice_stream import ShardOf
 
@@ -124,8 +127,14 @@ class WeightSync:
         engines: ShardOf | None = None,
         model: ModelConfig | None = None,
         steps: int | None = None,
+        check: SyncCheck | None = None,
+        micro_batch_size: int = 1,
     ) -> None:
         self.schedule, self.engine, self.learner, self.stale = schedule, engine, learner, stale
+        # rollout.sync_check (sync_check.py): the learner's checksums of each sync, the engine's
+        # verified against them, the probe batch scored (colocated); None or off: unchecked
+        self.check = check or SyncCheck(torch.float32, frozenset(), False, 1)
+        self.micro_batch_size, self.syncs = micro_batch_size, 0
         self.steps = steps  # split: the run's last update, told to the rollout ranks (``tell_last``)
         self.timeline = timeline or OffloadTimeline(engine)  # what leaves and wakes around the sync
         self.group = group  # split: the sync group (learner rank 0 only; None on the others)
@@ -149,8 +158,23 @@ class WeightSync:
         sliced = split_slices(cfg, dims.placement.split.rollout_ranks) if schedule.split else None
         dtype = ENGINE_DTYPES[cfg.rollout.dtype]
         engines = None if schedule.split else colocated_slices(cfg)
+        fp8 = cfg.rollout.quantization == "fp8"
+        names = quantized_names(canonical_param_shapes(cfg.model)) if fp8 else frozenset()
+        check = SyncCheck(dtype, names, cfg.rollout.sync_check, cfg.model.vocab_size)
         return cls(
-            schedule, engine, learner, stale, group, dtype, timeline, sliced, engines, cfg.model, cfg.steps
+            schedule,
+            engine,
+            learner,
+            stale,
+            group,
+            dtype,
+            timeline,
+            sliced,
+            engines,
+            cfg.model,
+            cfg.steps,
+            check,
+            cfg.algo.micro_batch_size,
         )
 
     def first_sync(self, resumed: bool) -> dict:
@@ -164,12 +188,15 @@ class WeightSync:
         metrics: a split run's broadcast (maxima over the dp ranks), none from an engine in this
         process."""
         with self.timeline.syncing(phase):
+            self.syncs += 1
             if self.engines is not None and not self.stale.k and not self.schedule.split:
-                return self.load_slices()
+                return self.load_slices()  # vLLM TP > 1 colocated: unchecked (docs/vllm.md 9)
             weights = self.weights(resumed)
             if self.schedule.split:
                 return self.broadcast(weights, self.steps if last is None else last)
-            return self.engine.load_weights(weights) or {}
+            m = self.engine.load_weights(self.check.wrap(weights)) or {}
+            self.check.verify(self.engine, self.syncs)
+            return {**m, **self.check.probe(self.engine, self.learner, self.micro_batch_size)}
 
     def weights(self, resumed: bool = False) -> Weights:
         """On policy the learner's stream; with rollout.staleness=k the kept set of k updates ago
@@ -202,14 +229,22 @@ class WeightSync:
         chunks = weight_chunks(weights)
         if self.delay_s and remote.next_version > 0:
             time.sleep(self.delay_s)
+        check = self.check
         if self.group is not None:  # learner rank 0: the broadcast's root
+            chunks = check.wrap(chunks)
             m = send_sync(self.group, last, chunks, remote.next_version, self.engine_dtype, self.sliced)
+            if check.on:  # each rollout rank checks its engine against them (check_received)
+                send_checksums(self.group, check.sent_ints())
         else:
             for _ in chunks:  # the gather is collective over the learner ranks
                 pass
             m = dict.fromkeys(SYNC_METRICS, 0.0)
+            check.seconds = 0.0
         remote.synced()
-        return {k: Max(torch.tensor(float(m[k]), dtype=torch.float64)) for k in SYNC_METRICS}
+        out = {k: Max(torch.tensor(float(m[k]), dtype=torch.float64)) for k in SYNC_METRICS}
+        if check.on:
+            out["time/sync_check_s"] = Max(torch.tensor(check.seconds, dtype=torch.float64))
+        return out
 
 
 class RolloutRankWeights:
@@ -226,8 +261,10 @@ class RolloutRankWeights:
         engine_group=None,
         shard: EngineShard | None = None,
         model: ModelConfig | None = None,
+        check: bool = False,
     ) -> None:
         self.schedule, self.group, self.engine, self.engine_group = schedule, group, engine, engine_group
+        self.check = check  # rollout.sync_check: the root's checksums follow each sync (sync_check.py)
         self.shard = shard if shard is not None and not shard.whole else None
         self.model = model
         self.version = -1  # the learner update the engine holds (-1: none yet)
@@ -240,7 +277,7 @@ class RolloutRankWeights:
         p = dims.placement
         engine_group = engine.group if engine_tp(cfg) > 1 else None
         shard = engine_shard(cfg, p.split.role_rank(p.rank))
-        return cls(schedule, p.sync, engine, engine_group, shard, cfg.model)
+        return cls(schedule, p.sync, engine, engine_group, shard, cfg.model, cfg.rollout.sync_check)
 
     def receive(self) -> float:
         """Join the next weight sync and apply it; seconds waited + applied."""
@@ -257,6 +294,8 @@ class RolloutRankWeights:
             self.engine.load_weights(chunks, version=weight_version(version))
         else:
             self.engine.load_weights(chunks)
+        if self.check:
+            check_received(self.group, self.engine, version)
         self.version = version
         return time.perf_counter() - t0
 
@@ -271,6 +310,7 @@ class RolloutRankWeights:
             shard=self.shard,
             model=self.model,
             told=True,
+            checked=self.engine if self.check else None,
         )
 
 
@@ -300,8 +340,12 @@ class BackgroundWeights:
         shard: EngineShard | None = None,
         model: ModelConfig | None = None,
         told: bool = False,
+        checked=None,
     ) -> None:
         self.sync, self.applied, self.last = sync, applied, last  # applied: updates the engine holds
+        # rollout.sync_check: the engine checked against the root's checksums of each update it
+        # takes, at the first tick after its load (the root's sums of update u: sums[u])
+        self.checked, self.sums, self.handed = checked, {}, None
         self.told = told
         self.group = group
         self.shard, self.model = (shard, model) if shard is not None and not shard.whole else (None, None)
@@ -318,7 +362,10 @@ class BackgroundWeights:
             while True:
                 if self.told:
                     self.last = tell_last(self.sync)
-                if self.pending.receive(self.sync, sliced=self.shard is not None) >= self.last:
+                updates = self.pending.receive(self.sync, sliced=self.shard is not None)
+                if self.checked is not None:
+                    self.sums = {updates: receive_sums(self.sync)}  # newest wins, as staged
+                if updates >= self.last:
                     break
         except BaseException as e:  # raised in the main thread at its next tick
             self.error = e
@@ -326,6 +373,9 @@ class BackgroundWeights:
     def tick(self) -> None:
         if self.error is not None:
             raise self.error
+        if self.handed is not None and self.checked.version == weight_version(self.handed[0]):
+            verify_held(self.checked, self.handed[1], self.handed[0])  # the engine loaded it
+            self.handed = None
         staged = self.pending.take()
         if staged is not None:
             self.staged = staged  # newest wins: an engine may skip a version, never go back
@@ -337,10 +387,14 @@ class BackgroundWeights:
             return None
         if self.staged is None:
             return None
+        if self.checked is not None and self.staged[0] not in self.sums:
+            return None  # its checksums follow the weights: handed over with them, at a later poll
         (updates, named), self.staged = self.staged, None
         if updates <= self.applied:
             raise RuntimeError(f"weight sync of update {updates} after update {self.applied}: out of order")
         self.applied = updates
+        if self.checked is not None:
+            self.handed = (updates, self.sums[updates])
         if self.shard is not None:
             named = placed(named, self.shard, self.model)
         return weight_version(updates), named

@@ -241,6 +241,24 @@ class BuiltinEngine:
         sq_err, sq = self.model.fp8_err
         return {"rollout/fp8_weight_rel_err": (sq_err / sq) ** 0.5 if sq > 0 else 0.0}
 
+    def held_weights(self) -> dict[str, torch.Tensor]:
+        """Every canonical tensor as the engine holds it now (views of its own tensors, experts
+        inside their stacks; FP8: the dequantized values): the checked sync's engine side."""
+        return dict(self.model._slots)
+
+    @torch.no_grad()
+    def token_logprobs(self, tokens_BS: torch.Tensor) -> torch.Tensor:
+        """fp32 [B, S]: column t the log-prob of token t given tokens < t (column 0: 0), one
+        no-cache forward at temperature 1 (the checked sync's probe)."""
+        tokens_BS = tokens_BS.to(self.device)
+        B, S = tokens_BS.shape
+        pos_BS = torch.arange(S, device=self.device).expand(B, S)
+        valid_BS = torch.ones((B, S), dtype=torch.bool, device=self.device)
+        logp_BSV = self.model.forward(tokens_BS, pos_BS, valid_BS).logits.log_softmax(-1)
+        out_BS = torch.zeros((B, S), dtype=torch.float32, device=self.device)
+        out_BS[:, 1:] = logp_BSV[:, :-1].gather(-1, tokens_BS[:, 1:, None])[..., 0]
+        return out_BS
+
     @torch.no_grad()
     def generate(
         self,

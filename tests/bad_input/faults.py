@@ -9,6 +9,8 @@ the other rank goes on into its collectives.
     save     the checkpoint save (the other rank is inside the save's collectives)
     generate the rank's second ``engine.generate`` of the process (the built-in engine; with
              ``parallel.offload_during_rollout`` the learner is offloaded around it)
+    stale_load  the rank's second ``engine.load_weights`` leaves ``STALE`` as it was (a load that
+             skipped one tensor, raising nothing; KIND is not used): the checked sync's fault
 
 KIND: ``bug`` raises RuntimeError (a bug: the CLI shows the rank's traceback), ``user`` raises
 RouteError (a user error: one line, exit code 2), ``sigint`` sends SIGINT to the process group of
@@ -25,6 +27,7 @@ import sys
 import time
 
 MESSAGE = "injected fault"
+STALE = "model.layers.1.self_attn.o_proj.weight"
 
 
 def _fault(where: str, kind: str):
@@ -54,6 +57,7 @@ def _inject(where: str, kind: str) -> None:
         "step": (trainer, "update_policy"),
         "save": (checkpointing.checkpoint, "save"),
         "generate": (BuiltinEngine, "generate"),
+        "stale_load": (BuiltinEngine, "load_weights"),
     }
     if where not in places:
         raise ValueError(f"unknown fault place {where!r}")
@@ -62,6 +66,9 @@ def _inject(where: str, kind: str) -> None:
         raise AttributeError(f"{module.__name__} has no {name!r} to inject a fault into")
     if where == "generate":
         setattr(module, name, _on_second_call(getattr(module, name), _fault(where, kind)))
+        return
+    if where == "stale_load":
+        setattr(module, name, _stale_on_second_load(getattr(module, name)))
         return
     setattr(module, name, _fault(where, kind))
 
@@ -74,6 +81,25 @@ def _on_second_call(real, fail):
         return fail(*args, **kwargs) if len(calls) == 2 else real(*args, **kwargs)
 
     return generate
+
+
+def _stale_on_second_load(real):
+    calls = []
+
+    def load_weights(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) != 2:
+            return real(self, *args, **kwargs)
+        old = self.held_weights()[STALE].clone()
+        out = real(self, *args, **kwargs)
+        self.held_weights()[STALE].copy_(old)
+        stamp = os.environ.get("MOE_RL_FAULT_STAMP")
+        if stamp:
+            with open(stamp, "w") as f:
+                f.write(repr(time.time()))
+        return out
+
+    return load_weights
 
 
 def faulty_worker(cfg, where: str, rank: int, kind: str) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.bad_input.faults import STALE
 from tests.cli_helpers import TINY, left_in_session, run_faulted
 
 FAIL_FAST_S = 30.0
@@ -53,4 +54,23 @@ def test_a_learner_rank_that_raises_ends_the_job_naming_rank_and_role(tmp_path, 
     lines = [x for x in err.splitlines() if "injected fault" in x]
     assert lines == ["error: rank 1 (learner rank 1): sample 3, layer 1, row 7: injected fault at step"]
     assert "Traceback" not in err
+    assert left_in_session(sid) == []
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize("mode", MODES)
+def test_a_stale_tensor_on_a_rollout_rank_fails_the_checked_sync_naming_it(tmp_path, mode):
+    """rollout.sync_check=true: rank 3's (rollout rank 1's) second load leaves one tensor stale; the
+    root's checksums, broadcast after the weights, catch it on that rank (async: at the engine's
+    first poll after the load) and the job ends naming the tensor."""
+    stamp = tmp_path / "fault_time"
+    args = ["stale_load", "3", "bug", "train", f"run_dir={tmp_path / 'run'}", *SPLIT, *MODES[mode]]
+    code, err, sid = run_faulted([*args, "rollout.sync_check=true"], {"MOE_RL_FAULT_STAMP": str(stamp)})
+    assert stamp.is_file(), f"the fault never fired:\n{err[-3000:]}"
+    assert code == 1, err[-3000:]
+    line = (
+        "RankFailedError: rank 3 (rollout rank 1) failed with SyncCheckError: weight sync check failed "
+        f"at sync 1: engine tensor '{STALE}': checksum "
+    )
+    assert err.count(line) == 1, err[-3000:]
     assert left_in_session(sid) == []

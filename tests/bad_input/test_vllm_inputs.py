@@ -104,6 +104,8 @@ def test_fp8_rollouts_on_vllm_cpu_are_refused_naming_the_key(tmp_path, monkeypat
         "train",
         "rollout.engine=vllm",
         "rollout.quantization=fp8",
+        *FP8_TILED,  # a shape vLLM's FP8 blocks tile (a smaller one is refused when the config loads)
+        "model.moe_ffn_hidden_size=128",
         f"run_dir={tmp_path / 'run'}",
     )
     assert not (tmp_path / "run").exists()
@@ -122,3 +124,48 @@ def test_fp8_rollouts_with_fp32_activations_on_vllm_are_refused(tmp_path):
         "rollout.dtype=fp32",
         f"run_dir={tmp_path / 'run'}",
     )
+
+
+# a model every size of which tiles vLLM's 128 blocks at engine TP 1 (attention 4 x 128 heads, 2 kv)
+FP8_TILED = (
+    "model.hidden_size=256",
+    "model.num_attention_heads=4",
+    "model.num_query_groups=2",
+    "model.head_dim=128",
+    "model.ffn_hidden_size=256",
+)
+
+
+def test_fp8_on_vllm_with_a_shape_the_128_block_cannot_tile_names_the_key(tmp_path):
+    """The default tiny model's k_proj has 64 rows: vLLM's block FP8 refuses it when it builds the
+    layer; refused when the config loads instead (the built-in engine pads partial blocks)."""
+    fails_with(
+        tmp_path,
+        "override 'rollout.quantization=fp8': config key 'rollout.quantization': fp8: k_proj rows "
+        "(kv heads x head_dim per rank) = 64 is not a multiple of vLLM's 128x128 FP8 block; use "
+        "rollout.engine=builtin (it pads partial blocks), or rollout.quantization=none (rollout.engine=vllm)",
+        "train",
+        "rollout.engine=vllm",
+        "rollout.quantization=fp8",
+        f"run_dir={tmp_path / 'run'}",
+    )
+    assert not (tmp_path / "run").exists()
+
+
+def test_fp8_on_vllm_with_tp_shards_that_split_a_block_names_the_tp_key(tmp_path):
+    """Experts of 128 rows tile at TP 1; TP 2 splits each block in two (64 rows a rank)."""
+    fails_with(
+        tmp_path,
+        "override 'rollout.vllm.tensor_parallel=2': config key 'rollout.vllm.tensor_parallel': 2 splits "
+        "vLLM's 128x128 FP8 blocks: model.moe_ffn_hidden_size per rank = 64 is not a multiple of 128; use "
+        "a tensor_parallel that keeps it one, or rollout.quantization=none (rollout.engine=vllm)",
+        "train",
+        "rollout.engine=vllm",
+        "rollout.quantization=fp8",
+        *FP8_TILED,
+        "model.moe_ffn_hidden_size=128",
+        "parallel.nproc=2",
+        "rollout.vllm.tensor_parallel=2",
+        f"run_dir={tmp_path / 'run'}",
+    )
+    assert not (tmp_path / "run").exists()

@@ -144,8 +144,8 @@ def test_jsonl_dataset_run(tmp_path):
     ]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     run = tmp_path / "run"
-    fp8 = "rollout.quantization=fp8"
-    moe_rl("train", f"run_dir={run}", "steps=2", "checkpoint_every=0", f"task.dataset={data}", fp8, *TINY)
+    fp8 = ("rollout.quantization=fp8", "rollout.sync_check=true")
+    moe_rl("train", f"run_dir={run}", "steps=2", "checkpoint_every=0", f"task.dataset={data}", *fp8, *TINY)
     recs = metrics(run)
     assert sorted(recs) == [0, 1]
     for rec in recs.values():  # one task in the file: its per-task reward is the step's reward
@@ -155,6 +155,20 @@ def test_jsonl_dataset_run(tmp_path):
         # log-probs, under FP8, still score the samples the learner scores
         assert 0.024 < rec["rollout/fp8_weight_rel_err"] < 0.029
         assert 0 < rec["corr/k3_kl"] < 0.05 and rec["routing/flip_router_frac"] < 0.2
+        # the checked sync passed every sync; its probe batch, scored by engine and learner, differs
+        # by FP8 alone (the same weights): a k3 of the size of the rollout's own
+        assert 0 < rec["sync/probe_k3"] < 0.05
+        assert (
+            0 < rec["time/sync_check_s"] < rec["time/step_s"]
+            and 0 < rec["time/sync_probe_s"] < rec["time/step_s"]
+        )
+        print(
+            "sync check",
+            rec["sync/probe_k3"],
+            rec["time/sync_check_s"],
+            rec["time/sync_probe_s"],
+            rec["time/step_s"],
+        )
     assert "quantization: fp8" in (run / "config.yaml").read_text()
 
 

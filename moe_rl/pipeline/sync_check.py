@@ -1,0 +1,172 @@
+"""The checked weight sync (``rollout.sync_check``, on by default; docs/design.md 14.4).
+
+After every sync the engine's weights are compared with what the learner sent, tensor by tensor:
+the learner checksums each tensor of its stream as the engine must hold it (engine dtype; FP8:
+quantize -> dequantize recomputed on the learner, ``moe_rl/weights/checksum.py``), the engine
+checksums what it holds after the load. A tensor whose checksums differ (a wrong layout such as
+a permuted expert order, a chunk the engine dropped, a tensor its load left stale) or that one side
+lacks fails the job with one line naming it (``SyncCheckError``).
+
+Colocated, the engine is in this process: the check runs right after the load, and a fixed probe
+batch (``PROBE_ROWS`` token sequences from a fixed seed) is scored by the engine and by the learner
+(one forward-only pass, inside the sync phase while the learner's weights are on the device); its
+``sync/probe_k3`` = mean_t(rho - 1 - log rho), rho = pi_learner / pi_engine, is logged (the max over
+the data-parallel ranks). Split (``parallel.rollout_ranks``), the root broadcasts its checksums
+after the weights (``send_checksums``) and each rollout rank checks its engine after its load
+(``check_received``); the probe is colocated only.
+
+Engines that expose their weights (``held_weights``: the built-in engine) are checked; one that does
+not (vLLM) is checked on the learner side only, which a reviewer should read as unchecked
+(docs/vllm.md 9).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+
+import torch
+
+from moe_rl.metrics import Max
+from moe_rl.pipeline.placement import Group
+from moe_rl.pipeline.weight_broadcast import wire_device
+from moe_rl.rollout.base import Weights, weight_chunks
+from moe_rl.types import TrainBatch
+from moe_rl.weights.checksum import as_ints, checksum, checksums, expected, first_mismatch
+
+PROBE_ROWS, PROBE_LEN, PROBE_SEED = 4, 16, 0x9B0B  # the fixed probe batch: rows x tokens, its seed
+
+
+class SyncCheckError(RuntimeError):
+    """The engine's weights after a sync are not what the learner sent (one line, naming a tensor)."""
+
+
+def mismatch_error(
+    name: str, sent: Mapping[str, int], held: Mapping[str, int], version: int
+) -> SyncCheckError:
+    """The one-line error for tensor ``name``."""
+    if name not in sent:
+        what = "the learner sent no such tensor (a missed bucket)"
+    elif name not in held:
+        what = "the engine holds no such tensor"
+    else:
+        what = (
+            f"checksum {held[name]} != sent {sent[name]} (a wrong layout, a dropped chunk or a stale tensor)"
+        )
+    return SyncCheckError(f"weight sync check failed at sync {version}: engine tensor {name!r}: {what}")
+
+
+def probe_tokens(vocab_size: int) -> torch.Tensor:
+    """The fixed probe batch: int64 [PROBE_ROWS, PROBE_LEN], the same at every sync and on every rank."""
+    g = torch.Generator().manual_seed(PROBE_SEED)
+    return torch.randint(0, vocab_size, (PROBE_ROWS, PROBE_LEN), generator=g, dtype=torch.int64)
+
+
+def probe_k3(learner_logp_BS: torch.Tensor, engine_logp_BS: torch.Tensor) -> float:
+    """mean_t(rho - 1 - log rho), log rho = learner - engine, over the scored columns 1..S-1."""
+    log_rho = learner_logp_BS[:, 1:].double() - engine_logp_BS[:, 1:].double().to(learner_logp_BS.device)
+    return float((log_rho.exp() - 1 - log_rho).mean())
+
+
+class SyncCheck:
+    """A learner rank's side. ``dtype``: the engine's (``rollout.dtype``); ``fp8``: the names the
+    engine holds in FP8 (empty without ``rollout.quantization=fp8``); ``on``: ``rollout.sync_check``."""
+
+    def __init__(self, dtype: torch.dtype, fp8: frozenset[str], on: bool, vocab_size: int) -> None:
+        self.dtype, self.fp8, self.on, self.vocab_size = dtype, fp8, on, vocab_size
+        self.sent: dict[str, torch.Tensor] = {}
+        self.seconds = 0.0  # this sync's checksum and probe time, both sides
+
+    def wrap(self, weights: Weights) -> Weights:
+        """The learner's stream, checksummed as it passes (a new sync: the last one's sums go)."""
+        self.sent, self.seconds = {}, 0.0
+        if not self.on:
+            return weights
+        if isinstance(weights, Mapping):  # a dict stays one (an engine checks a dict whole first)
+            self._sum(weights)
+            return weights
+        return self._summed(weights)
+
+    def _sum(self, chunk: Mapping[str, torch.Tensor]) -> None:
+        t0 = time.perf_counter()  # the checksums alone, not the stream's gathers
+        self.sent.update({n: checksum(expected(n, t, self.dtype, self.fp8)) for n, t in chunk.items()})
+        self.seconds += time.perf_counter() - t0
+
+    def _summed(self, weights: Weights):
+        for chunk in weight_chunks(weights):
+            self._sum(chunk)
+            yield chunk
+
+    def sent_ints(self) -> dict[str, int]:
+        return as_ints(self.sent)
+
+    def verify(self, engine, version: int) -> None:
+        """Colocated: the engine's held weights against the sums of the stream just sent."""
+        held_weights = getattr(engine, "held_weights", None)
+        if not self.on or held_weights is None:
+            return
+        t0 = time.perf_counter()
+        sent, held = self.sent_ints(), as_ints(checksums(held_weights()))
+        self.seconds += time.perf_counter() - t0
+        name = first_mismatch(sent, held)
+        if name is not None:
+            raise mismatch_error(name, sent, held, version)
+
+    def probe(self, engine, learner, micro_batch_size: int) -> dict:
+        """Colocated: the probe batch's engine-vs-learner k3 and this sync's check time."""
+        if not self.on:
+            return {}
+        score = getattr(engine, "token_logprobs", None)
+        m = {}
+        if score is not None:
+            t0 = time.perf_counter()
+            tokens = probe_tokens(self.vocab_size)
+            seq_lens = torch.full((PROBE_ROWS,), PROBE_LEN, dtype=torch.int64)
+            out = learner.forward_logprobs(TrainBatch(tokens, seq_lens), 1.0, micro_batch_size)
+            k3 = probe_k3(out.stats.logp_BS, score(tokens))
+            m["sync/probe_k3"] = Max(torch.tensor(k3, dtype=torch.float64))
+            m["time/sync_probe_s"] = Max(torch.tensor(time.perf_counter() - t0, dtype=torch.float64))
+        m["time/sync_check_s"] = Max(torch.tensor(self.seconds, dtype=torch.float64))
+        return m
+
+
+def send_checksums(group: Group, sent: Mapping[str, int]) -> None:
+    """Split, the root: after the weights, the count and the checksums (sorted names) to every
+    rollout rank."""
+    names = sorted(sent)
+    device = wire_device(group)
+    group.broadcast(torch.tensor([len(names)], dtype=torch.int64, device=device))
+    group.broadcast(torch.tensor([sent[n] for n in names], dtype=torch.int64, device=device))
+
+
+def receive_sums(group: Group) -> list[int]:
+    """Split, a rollout rank: the root's checksums of the sync just received (``send_checksums``)."""
+    device = wire_device(group)
+    count = int(group.broadcast(torch.zeros(1, dtype=torch.int64, device=device))[0])
+    return group.broadcast(torch.zeros(count, dtype=torch.int64, device=device)).cpu().tolist()
+
+
+def verify_held(engine, sums: list[int], version: int) -> None:
+    """The engine's held weights (sorted names) against the root's ``sums``; engines that do not
+    expose them (vLLM, docs/vllm.md 9) are not checked here."""
+    held_weights = getattr(engine, "held_weights", None)
+    if held_weights is None:
+        return
+    held = as_ints(checksums(held_weights()))
+    names = sorted(held)
+    if len(names) != len(sums):
+        raise SyncCheckError(
+            f"weight sync check failed at sync {version}: the learner sent {len(sums)} tensors, "
+            f"the engine holds {len(names)}"
+        )
+    sent = dict(zip(names, sums))
+    name = first_mismatch(sent, held)
+    if name is not None:
+        raise mismatch_error(name, sent, held, version)
+
+
+def check_received(group: Group, engine, version: int) -> float:
+    """Split, a rollout rank after its load: the root's checksums against its engine's; seconds."""
+    t0 = time.perf_counter()
+    verify_held(engine, receive_sums(group), version)
+    return time.perf_counter() - t0
