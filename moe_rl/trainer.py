@@ -29,6 +29,7 @@ from moe_rl.preflight import check_gpus, check_launch
 from moe_rl.preflight import check_run_dir as check_run_directory
 from moe_rl.seeding import GENERATE, step_seed
 from moe_rl.step.finalize import finalize
+from moe_rl.step.mismatch_split import split_step
 from moe_rl.step.plan import StepPlan
 from moe_rl.step.prepare import old_logprobs, prepare_batch, reference_logprobs, rollout_metrics
 from moe_rl.step.update import learning_rate, update_policy
@@ -223,6 +224,8 @@ def train(cfg: RunConfig, dims: ParallelDims, prepared: Prepared | None = None) 
             rewards_B, m_reward = score_step(cfg, task, prompts, batch)
         with timer.phase("old_logprob"):
             old = old_logprobs(plan, learner, batch, learner_version=weight_version(step))
+        with timer.phase("mismatch_split"):  # the extra forward, every log.mismatch_split_every steps
+            m_split = split_step(plan, learner, old, step)
         with timer.phase("prepare"):  # corrections, advantages, this step's LR
             train_batch, m_prep = prepare_batch(plan, learner, old, rewards_B)
             lr, m_lr, events = learning_rate(plan, lr_sched, step, batch, dims.dp_group)
@@ -232,7 +235,7 @@ def train(cfg: RunConfig, dims: ParallelDims, prepared: Prepared | None = None) 
             m_update = update_policy(plan, learner, train_batch, lr)
         stop = agreed() if step + 1 < cfg.steps else 0  # a stop signal on any learner rank: the last step
         m_sync = pipe.sync.sync(timer.phase, step + 1 if stop else cfg.steps)  # learner -> engine (14.2)
-        local = {**m_val, **m_reward, **m_prep, **m_update, **m_lr, **m_stale, **m_sync}
+        local = {**m_val, **m_reward, **m_prep, **m_split, **m_update, **m_lr, **m_stale, **m_sync}
         local |= rollout_metrics(batch)
         m_mem = {**memory_metrics(learner.device), **moved.metrics()}
         metrics = finalize({**local, **timer.metrics(), **m_mem}, dims.dp_group)

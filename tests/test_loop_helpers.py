@@ -55,6 +55,7 @@ def test_the_loop_times_each_stage_apart_and_the_learner_time_counts_its_passes(
         "rollout",
         "score",
         "old_logprob",
+        "mismatch_split",
         "prepare",
         "reference",
         "update",

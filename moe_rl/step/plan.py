@@ -47,6 +47,7 @@ class StepPlan:
     reference: bool  # the KL term is on: a reference pass after the old one
     steps: int  # the LR schedule's length
     optim: OptimConfig  # the LR schedule
+    mismatch_split_every: int = 0  # log.mismatch_split_every: the split's extra forward (0 = never)
 
     @classmethod
     def from_config(cls, cfg: RunConfig, stop_token_ids: tuple[int, ...] = ()) -> StepPlan:
@@ -67,4 +68,5 @@ class StepPlan:
             loss.kl_coef > 0,
             cfg.steps,
             cfg.optim,
+            cfg.log.mismatch_split_every,
         )
