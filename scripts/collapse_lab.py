@@ -277,9 +277,10 @@ def arm_table(results: dict[str, list[outcome.Outcome]]) -> str:
     """Markdown: one row per arm, mean ± sample std over seeds (collapses counted)."""
     head = (
         "| arm | seeds | start reward | final reward | collapsed | collapse step | peak k3 KL "
-        "| grad-norm spikes | router flips | TRM acceptance | skipped updates |"
+        "| grad-norm spikes | router flips | TRM acceptance | skipped updates | k3 native | k3 replayed "
+        "| flip share |"
     )
-    rows = [head, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    rows = [head, "|---|" + "---:|" * 13]
     for arm, outs in results.items():
         steps = [float(o.collapse_step) for o in outs if o.collapse_step is not None]
         collapsed = collapsed_count(outs)
@@ -297,6 +298,9 @@ def arm_table(results: dict[str, list[outcome.Outcome]]) -> str:
                     _mean_spread([o.mean_flip for o in outs]),
                     _mean_spread([o.trm_accept for o in outs]),
                     _mean_spread([o.skipped_updates for o in outs]),
+                    _mean_spread([o.k3_native for o in outs]),
+                    _mean_spread([o.k3_replayed for o in outs]),
+                    _mean_spread([o.flip_share for o in outs]),
                 ]
             )
             + " |"
@@ -426,10 +430,14 @@ def parse(argv: list[str] | None = None):
         )
     if args.engine == "vllm" or args.mismatch == "fp8":  # the engine's own numerics: no dialled-in noise
         if args.map_noise or (args.router_noise or 0.0) > 0:
-            what = "--engine vllm" if args.engine == "vllm" else "--mismatch fp8"
+            what = (
+                "--engine vllm the mismatch is vLLM's"
+                if args.engine == "vllm"
+                else "--mismatch fp8 the mismatch is the engine's"
+            )
             ap.error(
                 "--router-noise/--map-noise: router-logit noise exists only in the built-in engine; "
-                f"with {what} the mismatch is the engine's own numerics (use --dtype, --staleness)"
+                f"with {what} own numerics (use --dtype, --staleness)"
             )
         args.router_noise = 0.0
     elif args.router_noise is None:
