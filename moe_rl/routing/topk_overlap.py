@@ -22,7 +22,7 @@ def topk_agreement(a_NK: torch.Tensor, b_NK: torch.Tensor) -> tuple[torch.Tensor
 
 # Top-K margin buckets of the flip counts (docs/math.md 7.2): [0, 1e-3), [1e-3, 1e-2), [1e-2, 1e-1),
 # [1e-1, inf); 1e-1 is log.router_margin_eps's default, 1e-2 to 1e-3 the bf16 resolution of a logit
-# of size 1 to 0.25 (|h| 2^-8)
+# of size 2.5 to 0.25 (|h| 2^-8)
 MARGIN_EDGES = (1e-3, 1e-2, 1e-1)
 MARGIN_BUCKETS = ("lt1e-3", "1e-3_1e-2", "1e-2_1e-1", "ge1e-1")
 
