@@ -196,8 +196,7 @@ def train(cfg: RunConfig, dims: ParallelDims, prepared: Prepared | None = None) 
     if dims.is_rollout:  # parallel.rollout_ranks: this rank only generates (docs/design.md 15)
         return serve_rollouts(cfg, dims, prepared.task if prepared else None)
     ready = rank_task(cfg, dims, prepared)
-    cfg, task, mem = ready.cfg, ready.task, ready.memory
-    tok = task.tokenizer
+    cfg, task, mem, tok = ready.cfg, ready.task, ready.memory, ready.task.tokenizer
     plan = StepPlan.from_config(cfg, tok.eos_ids)  # the step's every choice, made once
     learner = build_learner(cfg, plan, dims, tok, mem)
     pipe = pipeline_of(cfg, dims, learner, tok.pad_id, mem)  # engine, offload timeline, weight sync
@@ -224,8 +223,7 @@ def train(cfg: RunConfig, dims: ParallelDims, prepared: Prepared | None = None) 
             rewards_B, m_reward = score_step(cfg, task, prompts, batch)
         with timer.phase("old_logprob"):
             old = old_logprobs(plan, learner, batch, learner_version=weight_version(step))
-        with timer.phase("mismatch_split"):  # the extra forward, every log.mismatch_split_every steps
-            m_split = split_step(plan, learner, old, step)
+        m_split = split_step(plan, learner, old, step, timer.phase)  # log.mismatch_split_every
         with timer.phase("prepare"):  # corrections, advantages, this step's LR
             train_batch, m_prep = prepare_batch(plan, learner, old, rewards_B)
             lr, m_lr, events = learning_rate(plan, lr_sched, step, batch, dims.dp_group)

@@ -13,6 +13,8 @@ Shape suffixes: B sequences, S positions.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from moe_rl.corrections.masked import masked_mean
@@ -51,14 +53,16 @@ def mismatch_split(
     }
 
 
-def split_step(plan: StepPlan, learner: Learner, old: OldPass, step: int) -> dict:
+def split_step(plan: StepPlan, learner: Learner, old: OldPass, step: int, phase=None) -> dict:
     """The split's metrics on the steps it is due (none on the others): the old pass's log-probs are
-    one side, one extra no-grad forward over the same batch the other."""
+    one side, one extra no-grad forward over the same batch the other, timed as ``phase``
+    ("mismatch_split": ``time/mismatch_split_s``, on the steps it runs) when given."""
     if not split_due(plan, step):
         return {}
     replayed_old = plan.replay.old_pass.mode is PassMode.REPLAY
     other = PassPlan(PassMode.OBSERVE if replayed_old else PassMode.REPLAY, prefix="mismatch/extra_")
-    extra = learner.forward_logprobs(old.tb, plan.sampling.temperature, plan.micro_batch_size, other)
+    with phase("mismatch_split") if phase else contextlib.nullcontext():
+        extra = learner.forward_logprobs(old.tb, plan.sampling.temperature, plan.micro_batch_size, other)
     old_logp_BS, extra_logp_BS = old.out.stats.logp_BS, extra.stats.logp_BS
     native, replayed = (extra_logp_BS, old_logp_BS) if replayed_old else (old_logp_BS, extra_logp_BS)
     return mismatch_split(old.batch.logprobs_BS, native, replayed, old.batch.response_mask_BS)
