@@ -398,7 +398,6 @@ def test_collapse_lab_one_step_off_runs_split_and_tables_k_of_n(tmp_path):
         0,
     )
     assert (cfg["rollout"]["quantization"], cfg["rollout"]["router_noise"]) == ("fp8", 0.0)
-    assert rs[0]["rollout/fp8_weight_rel_err"] > 0  # the engine really rounded its weights
     s0 = rs[0]  # the split at step 0: replay off, so the old pass is the native side
     assert s0["mismatch/k3_native"] == pytest.approx(s0["corr/k3_kl"], rel=1e-12)
     assert s0["mismatch/k3_native"] > 0 and s0["mismatch/k3_replayed"] > 0  # FP8 experts: not all routing
