@@ -29,6 +29,7 @@ from moe_rl.preflight import check_gpus, check_launch
 from moe_rl.preflight import check_run_dir as check_run_directory
 from moe_rl.seeding import GENERATE, step_seed
 from moe_rl.step.finalize import finalize
+from moe_rl.step.mismatch_split import split_step
 from moe_rl.step.plan import StepPlan
 from moe_rl.step.prepare import old_logprobs, prepare_batch, reference_logprobs, rollout_metrics
 from moe_rl.step.sampling import Collected, collect
@@ -217,8 +218,7 @@ def train(cfg: RunConfig, dims: ParallelDims, prepared: Prepared | None = None) 
     if dims.is_rollout:  # parallel.rollout_ranks: this rank only generates (docs/design.md 15)
         return serve_rollouts(cfg, dims, prepared.task if prepared else None)
     ready = rank_task(cfg, dims, prepared)
-    cfg, task, mem = ready.cfg, ready.task, ready.memory
-    tok = task.tokenizer
+    cfg, task, mem, tok = ready.cfg, ready.task, ready.memory, ready.task.tokenizer
     plan = StepPlan.from_config(cfg, tok.eos_ids)  # the step's every choice, made once
     learner = build_learner(cfg, plan, dims, tok, mem)
     pipe = pipeline_of(cfg, dims, learner, tok.pad_id, mem)  # engine, offload timeline, weight sync
@@ -245,6 +245,7 @@ def train(cfg: RunConfig, dims: ParallelDims, prepared: Prepared | None = None) 
                 batch, m_stale = stale.versioned(got.batch, step)  # version_BS: the weights it sampled with
         with timer.phase("old_logprob"):
             old = old_logprobs(plan, learner, batch, learner_version=weight_version(step))
+        m_split = split_step(plan, learner, old, step, timer.phase)  # log.mismatch_split_every
         with timer.phase("prepare"):  # corrections, advantages, this step's LR
             train_batch, m_prep = prepare_batch(plan, learner, old, got.scores.rewards_B)
             lr, m_lr, events = learning_rate(plan, lr_sched, step, batch, dims.dp_group)
@@ -254,7 +255,7 @@ def train(cfg: RunConfig, dims: ParallelDims, prepared: Prepared | None = None) 
             m_update = update_policy(plan, learner, train_batch, lr)
         stop = agreed() if step + 1 < cfg.steps else 0  # a stop signal on any learner rank: the last step
         m_sync = pipe.sync.sync(timer.phase, step + 1 if stop else cfg.steps)  # learner -> engine (14.2)
-        local = {**m_val, **got.metrics, **m_prep, **m_update, **m_lr, **m_stale, **m_sync}
+        local = {**m_val, **got.metrics, **m_prep, **m_split, **m_update, **m_lr, **m_stale, **m_sync}
         local |= rollout_metrics(batch)
         m_mem = {**memory_metrics(learner.device), **moved.metrics()}
         metrics = finalize({**local, **timer.metrics(), **m_mem}, dims.dp_group)

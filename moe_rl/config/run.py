@@ -111,6 +111,10 @@ class RolloutConfig:
     # (sync/probe_k3, colocated); a mismatch fails the job naming the tensor (docs/design.md 14.4).
     # Off by default: it cost more than 2% of a step on the CPU runs measured (time/sync_check_s)
     sync_check: bool = False
+    # with quantization=fp8, which linear layers take it: all_linear (every rule name above) |
+    # experts (the routed experts' projections only; attention, dense and shared-expert MLPs keep
+    # rollout.dtype; the built-in engine only; docs/vllm.md 9)
+    quantize: str = "all_linear"
     prompts_per_step: int = 32  # global, over all data-parallel ranks
     samples_per_prompt: int = 8
     max_new_tokens: int = 12
@@ -150,6 +154,10 @@ class RolloutConfig:
         one_of(self.engine, "rollout.engine", ("builtin", "vllm"))
         one_of(self.dtype, "rollout.dtype", ("bf16", "fp32"))
         one_of(self.quantization, "rollout.quantization", ("none", "fp8"))
+        one_of(self.quantize, "rollout.quantize", ("all_linear", "experts"))
+        if self.quantize != "all_linear":  # nothing is ignored silently
+            check(self.quantization == "fp8", "rollout.quantize", "needs rollout.quantization=fp8")
+            check(self.engine == "builtin", "rollout.quantize", "experts: the built-in engine only")
         for name in ("prompts_per_step", "samples_per_prompt", "max_new_tokens"):
             check(getattr(self, name) >= 1, f"rollout.{name}", "must be >= 1")
         check(self.temperature > 0, "rollout.temperature", "must be > 0")
@@ -349,6 +357,9 @@ class LogConfig:
     progress_bar: bool = True
     router_monitor: bool = True  # per-layer router-gradient monitor of the update passes
     router_margin_eps: float = 0.1  # Top-K margin under which a token counts as near the boundary
+    # every N steps, one extra no-grad learner forward splits the rollout -> learner k3 into the
+    # flipped routes' part and the rest (mismatch/k3_*, docs/math.md 7.4); 0 = off
+    mismatch_split_every: int = 10
     health: HealthConfig = field(default_factory=HealthConfig)  # entropy / gradient alarms
     val_every: int = 0  # validation reward (greedy and sampled) on task.val_dataset every N steps; 0 = off
 
@@ -356,6 +367,7 @@ class LogConfig:
         check_finite(self, "log")
         one_of(self.wandb_mode, "log.wandb_mode", ("offline", "online", "disabled"))
         check(self.val_every >= 0, "log.val_every", "must be >= 0")
+        check(self.mismatch_split_every >= 0, "log.mismatch_split_every", "must be >= 0")
 
 
 @dataclass(frozen=True)

@@ -89,7 +89,7 @@ def summarize_run(
 # the trainer's memory-timeline spans (moe_rl/timing.py) behind each device phase of the estimate
 # (moe_rl/memory/phases.py PEAK_PHASES; a colocated run has no async phase)
 SPANS_OF_PHASE = {
-    "train": ("old_logprob", "prepare", "reference", "update"),
+    "train": ("old_logprob", "mismatch_split", "prepare", "reference", "update"),
     "sync": ("first sync", "sync"),
     "generate": ("rollout",),
 }

@@ -212,3 +212,47 @@ def curve_figure(runs: list[Run], key: str, title: str) -> Figure | None:
     elif len(runs) > 1:
         ax.legend(fontsize=7)
     return fig
+
+
+SPLIT_TITLE = (
+    "Mismatch split: k3 with the learner's native routes vs the engine's replayed; "
+    "the gap is the flipped routes' part (log.mismatch_split_every)"
+)
+
+
+def mismatch_split(runs: list[Run]) -> bytes | None:
+    return _png(mismatch_split_figure(runs))
+
+
+def mismatch_split_figure(runs: list[Run]) -> Figure | None:
+    """Per run, over the steps the split was logged: ``mismatch/k3_native`` and
+    ``mismatch/k3_replayed``, the band between them shaded (``mismatch/k3_flip_part``: what routing
+    replay removes; the replayed line is what it cannot). One panel per run on a shared y axis;
+    None if no run logged the split."""
+    logged = [r for r in runs if r.has("mismatch/k3_native")]
+    if not logged:
+        return None
+    ncols = min(len(logged), HEATMAP_COLUMNS)
+    nrows = -(-len(logged) // ncols)
+    fig, axes = plt.subplots(
+        nrows, ncols, figsize=(4.2 * ncols + 0.6, 2.4 * nrows), squeeze=False, sharey=True
+    )
+    for ax in axes.flat[len(logged) :]:
+        ax.set_visible(False)
+    for ax, run in zip(axes.flat, logged):
+        native_T, replayed_T = run.series("mismatch/k3_native"), run.series("mismatch/k3_replayed")
+        ok_T = np.isfinite(native_T) & np.isfinite(replayed_T)
+        steps_T = run.steps_T[ok_T]
+        dots = {"marker": "o", "markersize": 3} if ok_T.sum() < SPARSE else {}
+        ax.fill_between(steps_T, replayed_T[ok_T], native_T[ok_T], color="tab:red", alpha=0.2, lw=0)
+        ax.plot(steps_T, native_T[ok_T], color="tab:red", lw=1.0, label="native routes", **dots)
+        ax.plot(steps_T, replayed_T[ok_T], color="tab:blue", lw=1.0, label="engine's routes replayed", **dots)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel("step", fontsize=8)
+        ax.tick_params(labelsize=8)
+        ax.grid(alpha=0.3)
+        ax.set_title(run.name, fontsize=9)
+    axes.flat[0].set_ylabel("k3 KL, rollout to learner", fontsize=8)
+    axes.flat[0].legend(fontsize=7)
+    fig.suptitle(SPLIT_TITLE, fontsize=10, x=0.02, y=1 + 0.08 / nrows, ha="left")
+    return fig

@@ -33,7 +33,9 @@ DEFINITIONS = (
     f"earlier steps (from step {SPIKE_MIN_HISTORY} on). Peak k3: max corr/k3_kl (rollout vs learner). "
     f"TRM acceptance: mean corr/trm_accept_rate (only runs with TRM on). Skipped updates: minibatches "
     f"whose gradient was exactly 0 on every rank, so the optimizer did not step (sum of "
-    f"train/skipped_minibatches)."
+    f"train/skipped_minibatches). k3 native / replayed: mean mismatch/k3_native and "
+    f"mismatch/k3_replayed over the steps the mismatch split was logged (log.mismatch_split_every); "
+    f"flip share: 1 - replayed / native, the part of the mismatch the flipped routes cause."
 )
 
 
@@ -49,6 +51,13 @@ class Outcome:
     mean_flip: float  # routing/flip_router_frac, mean over steps
     trm_accept: float  # NaN when TRM is off
     skipped_updates: float  # minibatches without an optimizer step; NaN when not logged
+    k3_native: float = math.nan  # mismatch/k3_native, mean over the steps the split was logged
+    k3_replayed: float = math.nan  # mismatch/k3_replayed, likewise
+
+    @property
+    def flip_share(self) -> float:
+        """The part of the k3 mismatch the flipped routes cause (NaN without the split)."""
+        return 1.0 - self.k3_replayed / self.k3_native if self.k3_native > 0 else math.nan
 
     @property
     def collapsed(self) -> bool:
@@ -122,4 +131,6 @@ def outcome(steps_T: np.ndarray, series) -> Outcome:
         mean_flip=_stat(series("routing/flip_router_frac"), np.mean),
         trm_accept=_stat(series("corr/trm_accept_rate"), np.mean),
         skipped_updates=_stat(series("train/skipped_minibatches"), np.sum),
+        k3_native=_stat(series("mismatch/k3_native"), np.mean),
+        k3_replayed=_stat(series("mismatch/k3_replayed"), np.mean),
     )

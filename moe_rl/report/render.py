@@ -94,6 +94,15 @@ def build(runs: list[Run]) -> dict:
             "metric": "expert_load.jsonl",
         }
     )
+    figs.append(
+        {
+            "stem": "mismatch_split",
+            "title": figures.SPLIT_TITLE,
+            "kind": "curve",
+            "png": figures.mismatch_split(runs),
+            "metric": "mismatch/k3_native, mismatch/k3_replayed",
+        }
+    )
     for key, title in data.CURVES:
         png = figures.curve(runs, key, title)
         figs.append(

@@ -46,7 +46,7 @@ from moe_rl.corrections.dvp import safe_set_for
 from moe_rl.errors import RouteError
 from moe_rl.rollout.base import UpdateSource, Weights
 from moe_rl.rollout.builtin_model import DTYPES, BuiltinMoEModel, ForwardOut, KVCache, RouterNoise
-from moe_rl.rollout.fp8 import QUANTIZATIONS
+from moe_rl.rollout.fp8 import QUANTIZATIONS, SCOPES
 from moe_rl.routing.provenance import COMPUTED, REPREFILL, Provenance
 from moe_rl.routing.record import route_dtype
 from moe_rl.types import RolloutBatch, SamplingParams
@@ -186,6 +186,7 @@ class BuiltinEngine:
             (module docstring; ``rollout.inflight_kv``).
         quantization: "none" | "fp8": blockwise FP8 linear layers, emulated (``rollout.quantization``,
             moe_rl/rollout/fp8.py), weights quantized at every load.
+        quantize: with fp8, which linear layers: "all_linear" | "experts" (``rollout.quantize``).
 
     ``version`` is the weight version of the loaded weights: 0 before the first load, then set by
     every load (``load_weights``, or an in-flight update).
@@ -201,6 +202,7 @@ class BuiltinEngine:
         router_logit_noise: float = 0.0,
         inflight_kv: str = "keep",
         quantization: str = "none",
+        quantize: str = "all_linear",
     ) -> None:
         if dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
@@ -214,11 +216,15 @@ class BuiltinEngine:
             raise ValueError(f"inflight_kv {inflight_kv!r} is not one of {INFLIGHT_KV}")
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization {quantization!r} is not one of {QUANTIZATIONS}")
+        if quantize not in SCOPES:
+            raise ValueError(f"quantize {quantize!r} is not one of {SCOPES}")
         self.cfg = model_cfg
         self.pad_id = pad_id
         self.device = torch.device(device)
         self.router_logit_noise = float(router_logit_noise)
-        self.model = BuiltinMoEModel(model_cfg, DTYPES[dtype], self.device, fp8=quantization == "fp8")
+        self.model = BuiltinMoEModel(
+            model_cfg, DTYPES[dtype], self.device, fp8=quantization == "fp8" and quantize
+        )
         self.route_dtype = route_dtype(model_cfg.num_experts)
         self.inflight_kv = inflight_kv
         self.version = 0

@@ -38,6 +38,7 @@ from moe_rl.rollout.fp8 import (
     check_quantized_names,
     fake_quant_act,
     identity,
+    is_expert,
     quantize_in_place,
     quantized_names,
 )
@@ -232,17 +233,20 @@ class BuiltinMoEModel:
         cfg: ModelConfig,
         dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str = "cpu",
-        fp8: frozenset[str] | bool = False,
+        fp8: frozenset[str] | bool | str = False,
     ) -> None:
-        """``fp8``: True quantizes the names of the rule (``fp8.quantized``), a set exactly those
-        (refused if it holds a router, gate or expert bias); False: none."""
+        """``fp8``: True (all_linear) or a scope (``SCOPES``) quantizes the rule's names, a set exactly
+        those (refused if it holds a router, gate or expert bias); False: none."""
         if cfg.vocab_size <= 0:
             raise ValueError("model.vocab_size must be > 0 to build the built-in engine")
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
-        names = quantized_names(canonical_param_shapes(cfg)) if fp8 is True else frozenset(fp8 or ())
+        scope = "all_linear" if fp8 is True else fp8 if isinstance(fp8, str) else None
+        names = quantized_names(canonical_param_shapes(cfg), scope) if scope else frozenset(fp8 or ())
         check_quantized_names(names)
         self.fp8_names: frozenset[str] = names
-        self.aq: Act = fake_quant_act if names else identity
+        # a matmul reads quantized activations iff its weight is FP8: experts, and everything else
+        self.aq: Act = fake_quant_act if any(not is_expert(n) for n in names) else identity
+        self.aq_experts: Act = fake_quant_act if any(map(is_expert, names)) else identity
         self.fp8_err = (0.0, 0.0)  # the last load's sum of squared FP8 weight errors, of squared weights
         self.moe_layers: list[int] = cfg.moe_layers
         self.router_spec = RouterSpec.from_model(cfg)
@@ -362,7 +366,7 @@ class BuiltinMoEModel:
                     spec=self.router_spec,
                     bias_E=self.w.get(p + "mlp.gate.e_score_correction_bias"),
                     shared=self._shared_expert(p),
-                    aq=self.aq,
+                    aq=self.aq_experts,
                 )
                 y_BTH = y_TH.view(B, T, -1)
                 ids_per_layer.append(ids_TK.view(B, T, -1))

@@ -37,4 +37,5 @@ def build_engine(cfg: RunConfig, pad_id: int, device: torch.device | str = "cpu"
         router_logit_noise=cfg.rollout.router_noise,
         inflight_kv=cfg.rollout.inflight_kv,
         quantization=cfg.rollout.quantization,
+        quantize=cfg.rollout.quantize,
     )

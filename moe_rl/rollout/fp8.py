@@ -31,6 +31,9 @@ BLOCK = 128  # weight blocks BLOCK x BLOCK, activation groups 1 x BLOCK
 # a block whose amax is below this is scaled as if it were this (an all-zero block stays zero)
 MIN_AMAX = 1e-12
 QUANTIZATIONS = ("none", "fp8")  # rollout.quantization
+# rollout.quantize: which linear layers FP8 takes; experts = the routed experts' projections only
+# (attention, dense MLPs and shared experts keep rollout.dtype), as an MoE-only FP8 checkpoint has
+SCOPES = ("all_linear", "experts")
 
 # The linear projections whose ``.weight`` the rule quantizes (canonical module names: attention,
 # MLA, and the SwiGLU of dense MLPs, routed experts and shared experts).
@@ -58,21 +61,30 @@ HIGH_PRECISION_SUFFIXES = (
 )
 
 
-def quantized(name: str) -> bool:
+def quantized(name: str, scope: str = "all_linear") -> bool:
     """The rule: canonical tensor ``name`` is held in FP8 iff it is the weight of a linear
-    projection inside a decoder layer (``LINEAR_MODULES``)."""
+    projection inside a decoder layer (``LINEAR_MODULES``) and, with ``scope`` experts, of a
+    routed expert (``model.layers.<i>.mlp.experts.<e>.``)."""
+    if scope not in SCOPES:
+        raise ValueError(f"FP8 scope {scope!r} is not one of {SCOPES}")
     parts = name.split(".")
     return (
         len(parts) >= 4
         and parts[:2] == ["model", "layers"]
         and parts[-1] == "weight"
         and parts[-2] in LINEAR_MODULES
+        and (scope == "all_linear" or parts[3:5] == ["mlp", "experts"])
     )
 
 
-def quantized_names(names: Iterable[str]) -> frozenset[str]:
+def quantized_names(names: Iterable[str], scope: str = "all_linear") -> frozenset[str]:
     """The names of ``names`` the rule quantizes."""
-    return frozenset(n for n in names if quantized(n))
+    return frozenset(n for n in names if quantized(n, scope))
+
+
+def is_expert(name: str) -> bool:
+    """A routed expert's tensor (its matmuls read the experts' activation quantizer)."""
+    return ".mlp.experts." in name
 
 
 def check_quantized_names(names: Iterable[str]) -> None:

@@ -5,7 +5,9 @@ pass ends, over all its micro-batches and layers in a few vectorized ops.
 On rows whose target came from a record: per layer, the fraction whose native expert set differs
 from the given one (``flip_router_frac``) and overlap@K; per token, whether any layer differs and
 how many (``flip_token_frac``, ``flip_layers_per_token``); with ``num_lags`` the (token, layer)
-flip rate split by each row's version lag (``flip_frac_lag<k>``, docs/math.md 2.7). The same
+flip rate split by each row's version lag (``flip_frac_lag<k>``, docs/math.md 2.7); with
+``margins`` split by the learner's Top-K margin (``flip_frac_margin_<bucket>``, and each bucket's
+share of the pairs ``margin_frac_<bucket>``, docs/math.md 7.2). The same
 comparison against the old pass's native routes is the router monitor's update-induced flip rate
 (``router_grad/update_flip_*``).
 
@@ -33,7 +35,7 @@ from moe_rl.metrics import Mean
 from moe_rl.routing.record import RouteBatch, RouteHeader
 from moe_rl.routing.row_layout import unlayout
 from moe_rl.routing.server import ReplayError
-from moe_rl.routing.topk_overlap import topk_agreement
+from moe_rl.routing.topk_overlap import MARGIN_BUCKETS, flips_by_margin, topk_agreement
 
 
 @dataclass(frozen=True)
@@ -77,13 +79,20 @@ class AgreementCollector:
         self.begin_pass("routing/", False)
 
     def begin_pass(
-        self, prefix: str, keep_native: bool, old_prefix: str = "router_grad/update_", num_lags: int = 0
+        self,
+        prefix: str,
+        keep_native: bool,
+        old_prefix: str = "router_grad/update_",
+        num_lags: int = 0,
+        margins: bool = False,
     ) -> None:
         """``num_lags`` > 0: every micro-batch with targets comes with its rows' version lags
-        (each < num_lags) and the flips against the targets are also split by lag."""
+        (each < num_lags) and the flips against the targets are also split by lag; ``margins``:
+        with its rows' Top-K margins, and the flips are also split by margin bucket."""
         self.prefix, self.old_prefix, self.keep_native = prefix, old_prefix, keep_native
-        self.num_lags = num_lags
+        self.num_lags, self.margins = num_lags, margins
         self._target_lags: list[torch.Tensor] = []
+        self._target_margins: list[torch.Tensor] = []  # float [N, L] per micro-batch with targets
         self._native: list[tuple[torch.Tensor, torch.Tensor]] = []  # (native [N, L, K], seq_lens_B)
         self._vs_target: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # native, target, rec_N
         self._vs_old: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
@@ -93,11 +102,17 @@ class AgreementCollector:
         self._group_violations: list[tuple[torch.Tensor, torch.Tensor]] = []  # (violating, replayed)
 
     def add(
-        self, native_NLK: torch.Tensor, seq_lens_B: torch.Tensor, target=None, old=None, target_lag=None
+        self,
+        native_NLK: torch.Tensor,
+        seq_lens_B: torch.Tensor,
+        target=None,
+        old=None,
+        target_lag=None,
+        margin_NL=None,
     ) -> None:
         """One micro-batch: this rank's native routes, and (target_NLK, recorded_N) pairs to
         compare them with (both already this rank's rows); ``target_lag``: int [N] the rows'
-        version lags (with ``num_lags``)."""
+        version lags (with ``num_lags``); ``margin_NL``: the rows' Top-K margins (with ``margins``)."""
         if self.keep_native:
             self._native.append((native_NLK, seq_lens_B))
         if target is not None:
@@ -106,6 +121,10 @@ class AgreementCollector:
                 if target_lag is None:
                     raise ReplayError("flips by version lag: a micro-batch came without its rows' lags")
                 self._target_lags.append(target_lag)
+            if self.margins:
+                if margin_NL is None:
+                    raise ReplayError("flips by margin: a micro-batch came without its rows' margins")
+                self._target_margins.append(margin_NL)
         if old is not None:
             self._vs_old.append((native_NLK, *old))
 
@@ -131,6 +150,8 @@ class AgreementCollector:
                 self._vs_target, f"{self.prefix}flip_router_frac", per_layer, f"{self.prefix}overlap_at_k"
             )
             tokens.append((self.prefix, differs_NL))
+            if self.margins:  # this stage's layers: summed over the stages with the per-layer sums
+                per_layer.update(self._flips_by_margin(differs_NL))
         if self._vs_old:
             tokens.append(
                 (self.old_prefix, self._compare(self._vs_old, f"{self.old_prefix}flip_frac", per_layer))
@@ -164,6 +185,20 @@ class AgreementCollector:
             flips_K.device
         )
         return {f"{self.prefix}flip_frac_lag{k}": Mean(flips_K[k], pairs_K[k]) for k in range(self.num_lags)}
+
+    def _flips_by_margin(self, differs_NL: torch.Tensor) -> dict:
+        """Flip rate per margin bucket ((token, layer) pairs of recorded rows), and the bucket's share
+        of all pairs."""
+        device = differs_NL.device
+        rec_N = torch.cat([r for _, _, r in self._vs_target]).to(device)
+        margin_NL = torch.cat(self._target_margins).to(device)[rec_N]
+        flips_M, pairs_M = flips_by_margin(differs_NL, margin_NL)
+        total = pairs_M.sum()
+        out = {}
+        for m, name in enumerate(MARGIN_BUCKETS):
+            out[f"{self.prefix}flip_frac_margin_{name}"] = Mean(flips_M[m], pairs_M[m])
+            out[f"{self.prefix}margin_frac_{name}"] = Mean(pairs_M[m], total)
+        return out
 
     def _compare(self, parts, name: str, out: dict, overlap_name: str | None = None) -> torch.Tensor:
         """Per-layer flip rates (and overlap@K) on recorded rows of every micro-batch; returns

@@ -77,6 +77,19 @@ def group_mask(select_TE: torch.Tensor, spec: RouterSpec) -> torch.Tensor:
     return chosen_TG[:, :, None].expand(T, G, E // G).reshape(T, E)
 
 
+def topk_margin(select_TE: torch.Tensor, spec: RouterSpec) -> torch.Tensor:
+    """fp32 [T]: h_(K) - h_(K+1) of the selection scores (docs/math.md 7.2), both within the token's
+    selected groups; +inf where no (K+1)-th candidate exists (K = E, or the groups hold only K)."""
+    select_TE = select_TE.detach().float()
+    if spec.grouped:
+        select_TE = select_TE.masked_fill(~group_mask(select_TE, spec), float("-inf"))
+    K, E = spec.top_k, select_TE.shape[-1]
+    if K >= E:
+        return torch.full(select_TE.shape[:1], float("inf"), device=select_TE.device)
+    top_TK = select_TE.topk(K + 1, dim=-1, sorted=True).values
+    return (top_TK[:, K - 1] - top_TK[:, K]).nan_to_num(nan=float("inf"))  # -inf - -inf: no candidate
+
+
 def gates(scores_TE: torch.Tensor, ids_TK: torch.Tensor, spec: RouterSpec) -> torch.Tensor:
     """fp32 gate weights [T, K] of the experts ``ids_TK`` (chosen natively or replayed)."""
     if spec.score_function == "softmax" and spec.norm_topk_prob:

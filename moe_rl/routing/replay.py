@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_rl.routing.agreement import AgreementCollector, RoutingOutcome, SeqShard
-from moe_rl.routing.gating import RouterSpec, group_violations
+from moe_rl.routing.gating import RouterSpec, group_violations, topk_margin
 from moe_rl.routing.record import RouteBatch, RouteHeader
 from moe_rl.routing.replay_plan import PassMode, PassPlan
 from moe_rl.routing.row_layout import layout, token_rows
@@ -122,6 +122,7 @@ class RouteReplay:
         self._targets = self._old = None  # this micro-batch's (targets_NLK, recorded_N) for comparison
         self._target_lag: torch.Tensor | None = None  # its rows' version lags (flips by lag)
         self._native: list[torch.Tensor | None] = []
+        self._margin: list[torch.Tensor | None] = []  # per layer, with targets and ``plan.margins``
         self._real_N: torch.Tensor | None = None  # this micro-batch's rows that are real tokens (monitor)
         self._shared_out: dict[int, torch.Tensor] = {}  # a layer's shared-expert output, until its MoE output
 
@@ -133,7 +134,7 @@ class RouteReplay:
         p = _Pass(plan, monitor and self.monitor is not None)
         if plan is not None:
             self.server.begin_pass(self.recompute and with_backward and plan.mode is PassMode.REPLAY)
-            self.collector.begin_pass(plan.prefix, plan.records, num_lags=plan.num_lags)
+            self.collector.begin_pass(plan.prefix, plan.records, num_lags=plan.num_lags, margins=plan.margins)
         self._pass = p
         try:
             yield p
@@ -175,6 +176,7 @@ class RouteReplay:
     ) -> None:
         B = int(seq_lens_B.shape[0])
         self._native = [None] * len(self.layer_ids)
+        self._margin = [None] * len(self.layer_ids)
         self._targets = self._old = self._target_lag = None
         lens_B = seq_lens_B.cpu()  # the layout is index arithmetic on the CPU, moved once below
         if old_routes is not None:
@@ -220,14 +222,17 @@ class RouteReplay:
         unrouted = [lid for lid, n in zip(self.layer_ids, self._native) if n is None]
         if unrouted:
             raise ReplayError(f"layers {unrouted}: never routed this micro-batch")
+        margins = self._pass.plan.margins and self._targets is not None
         self.collector.add(
             torch.stack(self._native, 1),
             seq_lens_B.cpu(),
             self._targets,
             self._old,
             target_lag=self._target_lag,
+            margin_NL=torch.stack(self._margin, 1) if margins else None,
         )
         self._native = [None] * len(self.layer_ids)
+        self._margin = [None] * len(self.layer_ids)
 
     @property
     def device(self) -> torch.device:
@@ -295,6 +300,8 @@ class RouteReplay:
         if self._targets is None:  # recording or comparing without routes to replay
             return native_probs, native_NK
         target_NK = self.server.serve(hook.idx, scores.shape[0], recompute=not forward)
+        if forward and p.plan.margins:  # the learner's own margin: how close this flip was
+            self._margin[hook.idx] = topk_margin(scores, self.group_spec)
         if p.plan.mode is not PassMode.REPLAY:
             return native_probs, native_NK
         idx_NK = torch.where(target_NK >= 0, target_NK, native_NK)

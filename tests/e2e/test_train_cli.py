@@ -345,6 +345,23 @@ def test_routing_replay_modes_through_the_cli(tmp_path, mode):
     if mode == "r2":
         # step 0's first minibatch runs with the old policy's weights: its native routes are the record
         assert metrics(run)[0]["routing/update_flip_router_frac"] < rec["routing/flip_router_frac"]
+    # the mismatch split at step 0 (log.mismatch_split_every=10): the old pass is one side (r2: native
+    # routes; r3: the engine's replayed), one extra forward the other; the parts add up
+    s0 = metrics(run)[0]
+    side = "replayed" if mode == "r3" else "native"
+    assert s0[f"mismatch/k3_{side}"] == pytest.approx(s0["corr/k3_kl"], rel=1e-12)
+    native, replayed = s0["mismatch/k3_native"], s0["mismatch/k3_replayed"]
+    assert s0["mismatch/k3_flip_part"] == pytest.approx(native - replayed, rel=1e-9)
+    assert s0["mismatch/k3_flip_share"] == pytest.approx((native - replayed) / native, rel=1e-9)
+    assert s0["mismatch/k3_flip_share"] > 0.5  # router noise: a routing mismatch, mostly removed by replay
+    assert "mismatch/k3_native" not in rec  # step 1: not due
+    # flips by the learner's Top-K margin: the buckets partition the (token, layer) pairs, and their
+    # flips add up to the flip rate
+    buckets = ("lt1e-3", "1e-3_1e-2", "1e-2_1e-1", "ge1e-1")
+    share = [s0[f"routing/margin_frac_{b}"] for b in buckets]
+    assert sum(share) == pytest.approx(1.0, rel=1e-9)
+    flips = [s0[f"routing/flip_frac_margin_{b}"] or 0.0 for b in buckets]  # null: an empty bucket
+    assert sum(f * p for f, p in zip(flips, share)) == pytest.approx(s0["routing/flip_router_frac"], rel=1e-9)
 
 
 @pytest.mark.e2e

@@ -521,3 +521,35 @@ def test_a_full_disk_leaves_no_partial_report(tmp_path, monkeypatch):
     write_report([run_dir])
     assert len(list((run_dir / "report" / "figures").iterdir())) == 5
     report_on_a_full_disk()
+
+
+@pytest.mark.unit
+def test_the_mismatch_split_figure_draws_both_sides_on_the_steps_it_was_logged(tmp_path):
+    """The split logged on steps 0 and 2 (log.mismatch_split_every=2): one panel per run that logged
+    it, native and replayed lines through those steps only, the band between them filled; a run
+    without it gets no panel, and no run with it: no figure (listed as not logged)."""
+    import matplotlib.pyplot as plt
+
+    from moe_rl.report import figures
+
+    split_dir, plain_dir = _small_run(tmp_path / "split"), _small_run(tmp_path / "plain")
+    recs = [json.loads(x) for x in (split_dir / "metrics.jsonl").read_text().splitlines()]
+    for rec in recs:
+        if rec["step"] % 2 == 0:
+            rec.update({"mismatch/k3_native": 0.004 + rec["step"] * 1e-3, "mismatch/k3_replayed": 0.001})
+    _load_lines(split_dir / "metrics.jsonl", recs)
+    split, plain = load_run(split_dir), load_run(plain_dir)
+    assert figures.mismatch_split_figure([plain]) is None
+    fig = figures.mismatch_split_figure([plain, split])
+    (ax,) = [a for a in fig.axes if a.get_visible()]
+    assert ax.get_title() == "split"
+    native, replayed = ax.lines
+    assert (list(native.get_xdata()), list(native.get_ydata())) == ([0, 2], [0.004, 0.006])
+    assert (list(replayed.get_xdata()), list(replayed.get_ydata())) == ([0, 2], [0.001, 0.001])
+    (band,) = ax.collections  # between replayed (below) and native (above)
+    ys = band.get_paths()[0].vertices[:, 1]
+    assert ys.min() == pytest.approx(0.001) and ys.max() == pytest.approx(0.006)
+    plt.close(fig)
+    html = write_report([split_dir], tmp_path / "out")
+    assert (html.parent / "figures" / "mismatch_split.png").is_file()
+    assert figures.SPLIT_TITLE not in html.read_text().split("Not logged by these runs")[-1]

@@ -150,8 +150,11 @@ def test_a_quantized_router_gate_or_expert_bias_is_refused_by_name(forced: str) 
     )
 
 
-def _engines(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> tuple[BuiltinEngine, BuiltinEngine]:
-    plain, fp8 = (BuiltinEngine(cfg, pad_id=0, quantization=q) for q in ("none", "fp8"))
+def _engines(
+    cfg: ModelConfig, weights: dict[str, torch.Tensor], scope: str = "all_linear"
+) -> tuple[BuiltinEngine, BuiltinEngine]:
+    plain = BuiltinEngine(cfg, pad_id=0)
+    fp8 = BuiltinEngine(cfg, pad_id=0, quantization="fp8", quantize=scope)
     plain.load_weights(weights)
     fp8.load_weights(weights)
     return plain, fp8
@@ -231,13 +234,17 @@ class _LinearSpy:
         return F.linear(x, w, b)
 
 
+@pytest.mark.parametrize("scope", ["all_linear", "experts"])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_every_fp8_matmul_reads_a_quantized_input_and_no_other_does(family: str, monkeypatch) -> None:
+def test_every_fp8_matmul_reads_a_quantized_input_and_no_other_does(
+    family: str, scope: str, monkeypatch
+) -> None:
     """A forward of the FP8 engine: each matmul with a quantized weight takes an input that came
-    out of the activation quantizer, and each other matmul (router, shared-expert gate, LM head)
-    an input that did not."""
+    out of the activation quantizer, and each other matmul (router, shared-expert gate, LM head;
+    with ``rollout.quantize=experts`` also attention, dense and shared-expert MLPs) an input that
+    did not."""
     cfg = FAMILIES[family]
-    _, fp8 = _engines(cfg, random_canonical_weights(cfg, 9))
+    _, fp8 = _engines(cfg, random_canonical_weights(cfg, 9), scope)
     m, made, outputs = fp8.model, set(), []
     spy = _LinearSpy(made)
 
@@ -248,7 +255,8 @@ def test_every_fp8_matmul_reads_a_quantized_input_and_no_other_does(family: str,
         return y
 
     monkeypatch.setattr(builtin_model, "F", spy)
-    m.aq = aq
+    m.aq = aq if m.aq is fake_quant_act else m.aq
+    m.aq_experts = aq if m.aq_experts is fake_quant_act else m.aq_experts
     quantized_ptrs = {m._slots[n].data_ptr() for n in m.fp8_names}
     T = 6
     m.forward(torch.arange(1, T + 1)[None], torch.arange(T)[None], torch.ones(1, T, dtype=torch.bool))
@@ -257,7 +265,11 @@ def test_every_fp8_matmul_reads_a_quantized_input_and_no_other_does(family: str,
     assert fp8_inputs and all(fp8_inputs)
     assert not any(other_inputs)
     routers = cfg.num_layers - cfg.first_k_dense
-    assert len(other_inputs) == routers * (2 if cfg.moe_shared_expert_gate else 1) + 1  # + the LM head
+    if scope == "all_linear":
+        assert len(other_inputs) == routers * (2 if cfg.moe_shared_expert_gate else 1) + 1  # + the LM head
+    else:  # the routed experts' three projections per layer are the only FP8 weights
+        assert m.fp8_names == {n for n in canonical_param_shapes(cfg) if ".mlp.experts." in n and "proj" in n}
+        assert len(m.fp8_names) == routers * cfg.num_experts * 3 and m.aq is builtin_model.identity
 
 
 def test_fp8_changes_the_engine_logits_by_a_few_percent(cfg: ModelConfig) -> None:
@@ -271,3 +283,17 @@ def test_fp8_changes_the_engine_logits_by_a_few_percent(cfg: ModelConfig) -> Non
 def test_quantization_is_checked_by_the_engine(cfg: ModelConfig) -> None:
     with pytest.raises(ValueError, match="quantization 'int4' is not one of"):
         BuiltinEngine(dataclasses.replace(cfg), pad_id=0, quantization="int4")
+    with pytest.raises(ValueError, match=r"quantize 'router' is not one of \('all_linear', 'experts'\)"):
+        BuiltinEngine(cfg, pad_id=0, quantization="fp8", quantize="router")
+
+
+def test_experts_only_fp8_changes_the_logits_less_than_all_linear(cfg: ModelConfig) -> None:
+    """Same weights and tokens: the experts-only engine's logits sit strictly between the
+    unquantized engine's and the all-linear one's distance (fewer tensors rounded)."""
+    w = random_canonical_weights(cfg, 10)
+    plain, every = _engines(cfg, w)
+    _, experts = _engines(cfg, w, "experts")
+    toks = torch.randint(1, cfg.vocab_size, (4, 10), generator=torch.Generator().manual_seed(11))
+    pos, valid = torch.arange(10).expand(4, 10), torch.ones(4, 10, dtype=torch.bool)
+    a, b, c = (e.model.forward(toks, pos, valid).logits for e in (plain, every, experts))
+    assert 0 < float((a - c).norm()) < float((a - b).norm())

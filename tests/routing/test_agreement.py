@@ -155,3 +155,48 @@ def test_flips_by_version_lag_split_the_router_flips_by_each_rows_lag():
     c.begin_pass("routing/", keep_native=False, num_lags=2)
     with pytest.raises(ReplayError, match="without its rows' lags"):
         c.add(native2, torch.tensor([2]), target=(target2, torch.tensor([True, False])))
+
+
+@pytest.mark.unit
+def test_topk_margin_is_the_gap_between_the_kth_and_next_selection_score():
+    from moe_rl.routing.gating import RouterSpec, topk_margin
+
+    select = torch.tensor([[3.0, 1.0, 2.5, 0.0], [1.0, 1.0, 1.0, 0.5]])
+    assert topk_margin(select, RouterSpec(2)).tolist() == [1.5, 0.0]  # 2.5 - 1.0; a tie is 0
+    assert topk_margin(select, RouterSpec(4)).tolist() == [float("inf")] * 2  # no (K+1)-th expert
+    # 2 groups of 2, one chosen (its best two summed): the K+1-th must lie in the chosen group
+    grouped = RouterSpec(1, num_groups=2, group_topk=1)
+    assert topk_margin(torch.tensor([[3.0, 0.5, 2.75, 2.5]]), grouped).tolist() == [0.25]  # group 1 (5.25)
+    assert topk_margin(torch.tensor([[3.0, 0.5, 0.25, 0.125]]), grouped).tolist() == [2.5]  # group 0 (3.5)
+
+
+@pytest.mark.unit
+def test_flips_by_margin_bucket_match_hand_counts():
+    """Margins on each bucket's edges go up (buckets [0, 1e-3), [1e-3, 1e-2), [1e-2, 1e-1), [1e-1, inf))."""
+    c = AgreementCollector(HEADER, [0, 1], SeqShard())
+    c.begin_pass("routing/", keep_native=False, margins=True)
+    # 4 tokens (one sequence of 5: rows 0-3 recorded, row 4 not), 2 layers
+    native = _nlk([[0, 1]] * 5, [[0, 1]] * 5)
+    target = _nlk([[0, 2], [0, 1], [1, 0], [0, 3], [2, 3]], [[0, 1], [3, 2], [0, 1], [1, 2], [0, 1]])
+    # flips: layer 0 rows 0, 3 (row 4 not recorded); layer 1 rows 1, 3
+    margin = torch.tensor([[5e-4, 1e-3], [1e-3, 5e-4], [0.05, 0.1], [0.2, float("inf")], [0.0, 0.0]])
+    c.add(native, torch.tensor([5]), target=(target, torch.tensor([True] * 4 + [False])), margin_NL=margin)
+    m = {k: _mean(v) for k, v in c.finish().metrics.items()}
+    # pairs per bucket: lt1e-3 {(0,0) flip, (1,1) flip}; 1e-3_1e-2 {(0,1), (1,0)}; 1e-2_1e-1 {(2,0)};
+    # ge1e-1 {(2,1), (3,0) flip, (3,1) flip}
+    assert [m[f"routing/flip_frac_margin_{b}"] for b in ("lt1e-3", "1e-3_1e-2", "1e-2_1e-1", "ge1e-1")] == [
+        1.0,
+        0.0,
+        0.0,
+        2 / 3,
+    ]
+    assert [m[f"routing/margin_frac_{b}"] for b in ("lt1e-3", "1e-3_1e-2", "1e-2_1e-1", "ge1e-1")] == [
+        2 / 8,
+        2 / 8,
+        1 / 8,
+        3 / 8,
+    ]
+    assert m["routing/flip_router_frac"] == 4 / 8
+    with pytest.raises(ReplayError, match="flips by margin: a micro-batch came without its rows' margins"):
+        c.begin_pass("routing/", keep_native=False, margins=True)
+        c.add(native, torch.tensor([5]), target=(target, torch.tensor([True] * 5)))
