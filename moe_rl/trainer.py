@@ -144,7 +144,7 @@ def open_run_dir(cfg: RunConfig, dims: ParallelDims, start: int, task: Task) -> 
     """The resolved config (rank 0) and the metrics sink, continued on resume (the agent's
     trajectory log too: run_dir/agent/trajectories_rank<r>.jsonl)."""
     run_dir = Path(cfg.run_dir)
-    if task.agent is not None:
+    if task.agent is not None and not cfg.parallel.rollout_ranks:  # split: the rollout ranks log
         log = run_dir / "agent" / f"trajectories_rank{dims.rank}.jsonl"
         task.agent.log_to(log, resume_step=start if cfg.resume else None)
     if dims.is_main:
@@ -184,7 +184,8 @@ def rollout_step(
         at, r.prompts_per_step // dims.dp_size, dims.dp_rank, dims.dp_size, cfg.seed
     )
     seed = step_seed(cfg.seed, at, dims.dp_rank, GENERATE)
-    if task.agent is not None:  # agent.env: conversations with tool replies (moe_rl/agentic/loop.py)
+    if task.agent is not None and not pipe.schedule.split:  # agent.env: conversations with tool
+        # replies (moe_rl/agentic/loop.py); split, the rollout ranks run them (pipeline/rollout_ranks.py)
         return prompts, task.agent.rollout(engine, prompts, r.samples_per_prompt, plan.sampling, seed, at)
     batch = engine.generate([p.prompt_ids for p in prompts], r.samples_per_prompt, plan.sampling, seed=seed)
     return prompts, batch

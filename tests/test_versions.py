@@ -15,6 +15,7 @@ from moe_rl.maths.versions import (
     check_versions,
     k3_by_lag,
     lag_BS,
+    lag_k3_by_turn,
     lag_metrics,
     route_lag_BS,
     sum_by_lag,
@@ -162,6 +163,31 @@ def test_k3_by_lag_is_the_k3_of_each_lags_tokens():
     # a lag no token has: 0 / 0 (NaN once reduced)
     empty = k3_by_lag(rollout_BS, rollout_BS, torch.zeros_like(LAG_BS), MASK_BS, 2)["mismatch/k3_lag1"]
     assert (float(empty.sum), float(empty.count)) == (0.0, 0.0)
+
+
+@pytest.mark.unit
+def test_lag_and_k3_by_turn_count_each_assistant_turns_sampled_tokens():
+    # two conversations: prompt (turn 0), turn 1, a tool reply (turn 1, not sampled), turn 2; an
+    # update landed between the turns of row 0 (lag 1 then 0) and inside turn 2 of row 1
+    mask_BS = torch.tensor([[0, 1, 1, 0, 0, 1, 1], [0, 0, 1, 0, 1, 1, 1]], dtype=torch.bool)
+    turn_BS = torch.tensor([[0, 1, 1, 1, 1, 2, 2], [0, 0, 1, 1, 2, 2, 2]])
+    lag_BS = torch.tensor([[0, 1, 1, 7, 7, 0, 0], [0, 0, 2, 9, 1, 1, 0]])  # off the mask: ignored
+    rollout_BS = torch.full((2, 7), -1.0, dtype=torch.float64)
+    d_BS = torch.tensor([[9, 0.1, 0.2, 9, 9, 0.3, 0.0], [9, 9, 0.5, 9, -0.4, 0.0, 0.2]], dtype=torch.float64)
+    m = lag_k3_by_turn(rollout_BS + d_BS, rollout_BS, lag_BS, turn_BS, mask_BS, 3)
+
+    def k3(d):
+        return math.exp(d) - 1 - d
+
+    assert sorted(m) == [f"agent/{k}/turn{t}" for k in ("k3", "lag_mean") for t in (1, 2, 3)]
+    assert _mean(m["agent/lag_mean/turn1"]) == pytest.approx((1 + 1 + 2) / 3)
+    assert _mean(m["agent/lag_mean/turn2"]) == pytest.approx((0 + 0 + 1 + 1 + 0) / 5)
+    assert _mean(m["agent/k3/turn1"]) == pytest.approx((k3(0.1) + k3(0.2) + k3(0.5)) / 3, rel=1e-12)
+    assert _mean(m["agent/k3/turn2"]) == pytest.approx((k3(0.3) + k3(-0.4) + k3(0.2)) / 5, rel=1e-12)
+    assert (float(m["agent/k3/turn3"].sum), float(m["agent/k3/turn3"].count)) == (
+        0.0,
+        0.0,
+    )  # NaN once reduced
 
 
 @pytest.mark.unit

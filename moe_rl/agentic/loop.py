@@ -90,10 +90,20 @@ class AgentLoop:
         self.log_path: Path | None = None  # set: every trajectory is appended there as a JSON line
 
     def rollout(
-        self, engine, prompts: list[Prompt], n: int, sampling: SamplingParams, seed: int, step: int = 0
+        self,
+        engine,
+        prompts: list[Prompt],
+        n: int,
+        sampling: SamplingParams,
+        seed: int,
+        step: int = 0,
+        updates=None,
     ) -> RolloutBatch:
         """n conversations per prompt (prompt-major, as ``generate``), turn by turn; the batch of
-        ``moe_rl/types.py`` with ``turn_BS``, the environment's rewards and the agent metrics."""
+        ``moe_rl/types.py`` with ``turn_BS``, the environment's rewards and the agent metrics.
+        ``updates``: async's in-flight weight updates (an ``UpdateSource``), handed to every
+        turn's ``generate``: an update may land within a turn or between two, and each token
+        keeps the version it was sampled with (``version_BS``)."""
         if sampling.return_dist or sampling.dvp.on:
             raise ValueError("the multi-turn loop does not return full distributions (DVP, exact-KL TRM)")
         trajs = [
@@ -112,7 +122,11 @@ class AgentLoop:
             if not active:
                 break
             seqs = [torch.cat(t.tokens).tolist() for t in active]
-            out = engine.generate(seqs, 1, turn_sampling, seed=(seed + turn * _TURN_SEED) % 2**63)
+            turn_seed = (seed + turn * _TURN_SEED) % 2**63
+            if updates is None:
+                out = engine.generate(seqs, 1, turn_sampling, seed=turn_seed)
+            else:
+                out = engine.generate(seqs, 1, turn_sampling, seed=turn_seed, updates=updates)
             for i, t in enumerate(active):
                 t.turn = turn
                 self._take_turn(t, out, i)

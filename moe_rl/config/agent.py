@@ -45,14 +45,10 @@ def check_agent(cfg: Any) -> None:
     yet is refused by key (docs/agentic.md 5), and its token limits fit the model."""
     a, r, m = cfg.agent, cfg.rollout, cfg.model
     check(
-        r.engine == "builtin",
-        "rollout.engine",
-        f"{r.engine}: the multi-turn loop runs on the built-in engine only for now (agent.env={a.env})",
-    )
-    check(
-        cfg.parallel.rollout_ranks == 0 and r.staleness == 0,
-        "parallel.rollout_ranks" if cfg.parallel.rollout_ranks else "rollout.staleness",
-        f"the multi-turn loop runs colocated and synced only for now (agent.env={a.env})",
+        r.staleness == 0,
+        "rollout.staleness",
+        f"the simulated staleness does not take the multi-turn loop (agent.env={a.env}); "
+        "parallel.rollout_ranks with rollout.mode=one_step_off or async give real staleness",
     )
     check(
         a.max_total_tokens <= m.max_seq_len,

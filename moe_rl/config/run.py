@@ -349,7 +349,9 @@ class RunConfig:
     # seconds a first SIGINT/SIGTERM/SIGHUP gives the job to finish its step and save a checkpoint
     # before it is stopped without one; 0 = stop at once (docs/reliability.md 9)
     stop_grace_s: float = 120.0
-    init_weights: str = "builtin:warmstart"  # safetensors file, "builtin:warmstart", "hf:DIR" or "" (random)
+    # safetensors file, "builtin:warmstart" (with agent.env: builtin:warmstart_agent, the one that calls
+    # tools, docs/agentic.md 7), "builtin:warmstart_agent", "hf:DIR" or "" (random)
+    init_weights: str = "builtin:warmstart"
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

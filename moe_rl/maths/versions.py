@@ -119,6 +119,33 @@ def k3_by_lag(
     return {f"mismatch/k3_lag{k}": Mean(sum_K[k], count_K[k]) for k in range(num_lags)}
 
 
+def lag_k3_by_turn(
+    train_logp_BS: torch.Tensor,
+    rollout_logp_BS: torch.Tensor,
+    lag_BS: torch.Tensor,
+    turn_BS: torch.Tensor,
+    mask_BS: torch.Tensor,
+    num_turns: int,
+) -> dict[str, MetricValue]:
+    """Multi-turn: ``agent/lag_mean/turn<k>`` and ``agent/k3/turn<k>`` (``corr/k3_kl`` as in
+    ``k3_by_lag``) over the sampled tokens of assistant turn k = 1..``num_turns``: an update that
+    lands between two turns shows as a later turn's larger lag; NaN after reduction where no
+    token is of turn k."""
+    m_BS = mask_BS.bool() & (turn_BS >= 1) & (turn_BS <= num_turns)
+    f64 = torch.float64
+    log_ratio_BS = torch.where(m_BS, exact_log_ratio(train_logp_BS.to(f64), rollout_logp_BS.to(f64)), 0.0)
+    k3_BS = torch.where(m_BS, kl_from_log_ratio(log_ratio_BS.clamp(-SAFETY_BOUND, SAFETY_BOUND), "k3"), 0.0)
+    turn0_N = torch.where(m_BS, turn_BS.long(), 0).reshape(-1)  # turn 0: the prompt, never sampled
+    count_K = sum_by_lag(m_BS.reshape(-1), turn0_N, num_turns + 1)
+    lag_K = sum_by_lag(torch.where(m_BS, lag_BS, 0).reshape(-1), turn0_N, num_turns + 1)
+    k3_K = sum_by_lag(k3_BS.reshape(-1), turn0_N, num_turns + 1)
+    out: dict[str, MetricValue] = {}
+    for k in range(1, num_turns + 1):
+        out[f"agent/lag_mean/turn{k}"] = Mean(lag_K[k], count_K[k])
+        out[f"agent/k3/turn{k}"] = Mean(k3_K[k], count_K[k])
+    return out
+
+
 def route_lag_BS(lag_BS: torch.Tensor, prompt_lens_B: torch.Tensor, seq_lens_B: torch.Tensor) -> torch.Tensor:
     """int64 [B, S], column t: the lag of route row t = the lag of token max(t + 1, P_b) (the
     pass whose input row t was; the prompt rows are the prefill's, which produced token P_b), for

@@ -188,6 +188,7 @@ class RemoteEngine:
             )
         lag = self.version - msg.version
         metrics = {
+            **msg.batch.engine_metrics,  # the rollout rank's own (agent.env: the agent/* counts)
             # async: the lag of the request's prefill, the most over the dp ranks (they differ)
             "rollout/version_lag": Max(torch.tensor(float(lag))) if buffered else float(lag),
             "time/wait_batch_s": Max(torch.tensor(waited)),

@@ -28,6 +28,7 @@ import logging
 import queue
 import threading
 import time
+from pathlib import Path
 
 from moe_rl.config import RunConfig, Schedule
 from moe_rl.dist import ParallelDims
@@ -81,20 +82,18 @@ class _Server:
         """Step ``step``'s batch of dp rank ``d`` (its prompts and seed); async: with in-flight
         updates from ``updates``, stamped with the update count its prefill ran with."""
         r, t0 = self.cfg.rollout, time.perf_counter()
-        prompts = [
-            p.prompt_ids
-            for p in self.task.source.sample_step(
-                step, r.prompts_per_step // self.dp, d, self.dp, self.cfg.seed
-            )
-        ]
+        rows = self.task.source.sample_step(step, r.prompts_per_step // self.dp, d, self.dp, self.cfg.seed)
+        prompts = [p.prompt_ids for p in rows]
         seed = step_seed(self.cfg.seed, step, d, GENERATE)
         version = self.version
-        if updates is None:
-            batch = self.engine.generate(prompts, r.samples_per_prompt, self.sampling, seed=seed)
+        agent, n = self.task.agent, r.samples_per_prompt
+        if agent is not None:  # agent.env: the conversations run here, turn by turn
+            batch = agent.rollout(self.engine, rows, n, self.sampling, seed, step, updates=updates)
+        elif updates is None:
+            batch = self.engine.generate(prompts, n, self.sampling, seed=seed)
         else:
-            batch = self.engine.generate(
-                prompts, r.samples_per_prompt, self.sampling, seed=seed, updates=updates
-            )
+            batch = self.engine.generate(prompts, n, self.sampling, seed=seed, updates=updates)
+        if updates is not None:
             # every sequence's first token comes from the prefill: the oldest version of the request
             version = int(batch.version_BS[batch.response_mask_BS].min()) - 1
             self.weights.version = updates.applied
@@ -175,7 +174,7 @@ def _room(
         time.sleep(0.002)
 
 
-def _serve_async(s: _Server) -> None:
+def _serve_async(s: _Server, log: Path) -> None:
     """rollout.mode=async (moe_rl/pipeline/request_buffer.py): request after request, round robin over
     the served dp ranks that have buffer room, weights applied between decode steps; a fence to
     every served dp rank after the sync that precedes a checkpoint; stop at the final weights."""
@@ -191,6 +190,10 @@ def _serve_async(s: _Server) -> None:
                     f"the learner ranks of data-parallel rank {d} resume at requests {sorted(got)}"
                 )
             nxt[d] = got.pop()
+    if s.task.agent is not None and s.sends:
+        # a resume generates the requests after each dp rank's saved ones again (several served
+        # dp ranks: their lines from the earliest on are dropped, a later one's buffered ones too)
+        s.task.agent.log_to(log, resume_step=min(nxt.values()) if start > 0 else None)
     updates = s.weights.background()
     bound, out = buffer_bound(cfg.rollout.max_staleness), {d: _Outbox() for d in s.served}
     turn = 0
@@ -231,8 +234,14 @@ def serve_rollouts(cfg: RunConfig, dims: ParallelDims, task: Task | None = None)
     s = _Server(cfg, dims, task)
     waited = s.load()
     start = s.version
+    log = Path(cfg.run_dir) / "agent" / f"trajectories_rank{dims.placement.rank}.jsonl"  # world rank
     if s.schedule.buffers_requests:
-        return _serve_async(s)
+        return _serve_async(s, log)
+    if task.agent is not None and s.sends:  # the conversations are logged where they run
+        # a resume regenerates from `start` (one_step_off: from start + 1, batch `start` is in
+        # the learner's checkpoint)
+        redo = start + 1 if s.schedule.runs_ahead else start
+        task.agent.log_to(log, resume_step=redo if start > 0 else None)
     if not s.schedule.runs_ahead:
         while (step := s.version) < s.weights.last:  # the engine holds W_step
             works = s.send(s.generate(step, waited))

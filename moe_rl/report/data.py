@@ -54,6 +54,8 @@ CURVES = (
     ("val/reward/mean", "Validation reward, greedy (log.val_every)"),
     ("val/reward_sampled/mean", "Validation reward, sampled"),
     ("rollout/truncated_frac", "Responses that hit rollout.max_new_tokens"),
+    ("agent/tool_success_rate", "Tool calls without an error reply (agent.env)"),
+    ("agent/turns_mean", "Assistant turns per trajectory (agent.env)"),
     ("reward/overlong_penalty_mean", "DAPO overlong penalty (mean)"),
     ("routing/flip_token_frac", "Tokens with a rollout-vs-learner flip in any layer"),
     ("router_grad/update_flip_token_frac", "Tokens with an update-induced flip in any layer"),
@@ -249,6 +251,8 @@ def headline(run: Run) -> list[tuple[str, float | str]]:
     for label, key in (
         ("validation reward, greedy", "val/reward/mean"),
         ("validation reward, sampled", "val/reward_sampled/mean"),
+        ("tool-call success rate", "agent/tool_success_rate"),  # multi-turn runs only
+        ("assistant turns per trajectory", "agent/turns_mean"),
     ):
         val_T = run.series(key)
         logged = val_T[np.isfinite(val_T)]

@@ -47,6 +47,7 @@ class StepPlan:
     reference: bool  # the KL term is on: a reference pass after the old one
     steps: int  # the LR schedule's length
     optim: OptimConfig  # the LR schedule
+    agent_turns: int = 0  # agent.env: agent.max_turns (the lag and k3 by turn, docs/agentic.md 6)
 
     @classmethod
     def from_config(cls, cfg: RunConfig, stop_token_ids: tuple[int, ...] = ()) -> StepPlan:
@@ -67,4 +68,5 @@ class StepPlan:
             loss.kl_coef > 0,
             cfg.steps,
             cfg.optim,
+            cfg.agent.max_turns if cfg.agent.env else 0,
         )

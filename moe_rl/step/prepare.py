@@ -25,7 +25,14 @@ from moe_rl.dist import comm_device
 from moe_rl.learner.learner import Learner, LogprobOutput
 from moe_rl.maths.advantages import estimate_advantages
 from moe_rl.maths.variance import variance_proxies
-from moe_rl.maths.versions import check_versions, k3_by_lag, lag_BS, lag_metrics, route_lag_BS
+from moe_rl.maths.versions import (
+    check_versions,
+    k3_by_lag,
+    lag_BS,
+    lag_k3_by_turn,
+    lag_metrics,
+    route_lag_BS,
+)
 from moe_rl.metrics import Max, Mean, Sum
 from moe_rl.monitor.router_grad import rollout_flip_aliases
 from moe_rl.routing.record import RouteBatch, RouteHeader, validate
@@ -132,6 +139,11 @@ def prepare_batch(
     # by version lag (docs/math.md 2.7): the staleness histogram and the rollout -> old k3 per lag
     metrics.update(lag_metrics(old.lag_BS, mask_BS, old.num_lags))
     metrics.update(k3_by_lag(st.logp_BS, batch.logprobs_BS, old.lag_BS, mask_BS, old.num_lags))
+    if plan.agent_turns and batch.turn_BS is not None:  # the same, by assistant turn
+        turn_BS = batch.turn_BS.to(mask_BS.device)
+        metrics.update(
+            lag_k3_by_turn(st.logp_BS, batch.logprobs_BS, old.lag_BS, turn_BS, mask_BS, plan.agent_turns)
+        )
     return tb, metrics
 
 

@@ -27,6 +27,7 @@ from moe_rl.tasks.rewards import overlong_penalty, score, uses_token_reward
 from moe_rl.tasks.rows import RowDataset, RowSpec
 from moe_rl.tasks.text_rewards import RewardPool
 from moe_rl.tasks.tokenizer import CharTokenizer
+from moe_rl.weights.warmstart import agent_warmstart
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +125,7 @@ def build_task(cfg: RunConfig, start_pool: bool = True) -> tuple[RunConfig, Task
     """The tokenizer, the prompt sources (files read and checked in full) and the reward pool."""
     t = cfg.task
     tok = load_tokenizer(t.tokenizer, cfg.init_weights)
-    cfg = resolve_vocab(cfg, tok)
+    cfg = agent_warmstart(resolve_vocab(cfg, tok))  # agent.env: the warm start that calls tools
     spec = row_spec(cfg)
     agent = build_agent(cfg, tok) if cfg.agent.env else None  # its prompts come from the environment
     source = (

