@@ -162,13 +162,6 @@ def test_jsonl_dataset_run(tmp_path):
             0 < rec["time/sync_check_s"] < rec["time/step_s"]
             and 0 < rec["time/sync_probe_s"] < rec["time/step_s"]
         )
-        print(
-            "sync check",
-            rec["sync/probe_k3"],
-            rec["time/sync_check_s"],
-            rec["time/sync_probe_s"],
-            rec["time/step_s"],
-        )
     assert "quantization: fp8" in (run / "config.yaml").read_text()
 
 
