@@ -16,6 +16,7 @@ from moe_rl.config.agent import AgentConfig, check_agent
 from moe_rl.config.dynamic_sampling import DynamicSamplingConfig, check_dynamic_sampling
 from moe_rl.config.layout import check_layout, data_parallel_size
 from moe_rl.config.model import ModelConfig, ParallelConfig
+from moe_rl.config.split_rules import check_split
 from moe_rl.config.vllm_rules import check_vllm
 from moe_rl.corrections.correction_specs import CorrectionSpec
 from moe_rl.maths.lr_specs import LengthLRConfig
@@ -489,35 +490,3 @@ class RunConfig:
         """The policy loss's spec: ``algo``'s clip and KL term, ``correction.dual_clip_c``."""
         a = self.algo
         return PolicyLossSpec(a.clip_low, a.clip_high, self.correction.dual_clip_c, a.kl_coef, a.kl_estimator)
-
-
-def check_split(cfg: RunConfig) -> None:
-    """parallel.rollout_ranks > 0 (docs/design.md 15): what the split loop cannot run, each refused
-    naming its key."""
-    p, r, c = cfg.parallel, cfg.rollout, cfg.correction
-    tp = r.vllm.tensor_parallel if r.engine == "vllm" else 1
-    engines, dp = p.rollout_ranks // tp, cfg.data_parallel
-    if not (r.engine == "vllm" and p.rollout_ranks % tp):  # else the vLLM rule names it
-        check(
-            dp % engines == 0,
-            "parallel.rollout_ranks",
-            f"{engines} rollout engine(s) do not split the {dp} learner data-parallel ranks: each engine "
-            f"serves whole dp ranks (dp rank d: engine d % {engines}), so the engines must divide the "
-            f"learner's data-parallel size",
-        )
-    check(
-        not p.offload_during_rollout,
-        "parallel.offload_during_rollout",
-        "frees the device for a colocated engine; with parallel.rollout_ranks the learner ranks host none",
-    )
-    check(
-        cfg.log.val_every == 0,
-        "log.val_every",
-        "validation runs on a colocated engine; with parallel.rollout_ranks set log.val_every=0",
-    )
-    check(
-        r.mode == "sync" or not (c.mode == "bypass" and c.bypass_loss == "reinforce"),
-        "correction.bypass_loss",
-        f"reinforce has no ratio: it assumes samples from the current policy, and rollout.mode={r.mode} "
-        f"samples from an older one; use correction.bypass_loss=ppo_clip or correction.mode=decoupled",
-    )
