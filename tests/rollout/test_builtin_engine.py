@@ -12,8 +12,9 @@ import torch
 from moe_rl.config import ModelConfig
 from moe_rl.corrections.correction_specs import DvpSpec
 from moe_rl.rollout.base import RolloutEngine
-from moe_rl.rollout.builtin import BuiltinEngine, filter_logits, sample_next
+from moe_rl.rollout.builtin import BuiltinEngine
 from moe_rl.rollout.builtin_model import ForwardOut
+from moe_rl.rollout.token_sampling import filter_logits, sample_next
 from moe_rl.types import RolloutBatch, SamplingParams
 from moe_rl.weights.canonical import random_canonical_weights
 

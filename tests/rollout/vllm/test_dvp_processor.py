@@ -67,7 +67,7 @@ def _dvp_logits(rows: int, vocab: int, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("rule, threshold", DVP_CASES)
 @pytest.mark.parametrize("temperature", [0.6, 1.0, 1.7])
 def test_dvp_safe_mask_equals_the_builtin_engine(rule, threshold, temperature):
-    from moe_rl.rollout.builtin import sample_next
+    from moe_rl.rollout.token_sampling import sample_next
 
     for vocab, seed in ((40, 0), (997, 1)):
         z_RV = _dvp_logits(256, vocab, seed)
@@ -101,7 +101,7 @@ def test_apply_dvp_masks_each_row_by_its_own_request_and_leaves_the_rest():
 def test_processed_logprob_after_the_mask_is_the_builtin_safe_set_logprob(rule, threshold):
     """vLLM's order (sampler.py apply_sampling_params): custom processors, then logits / T, then
     processed log-probs; the sampled token's value equals what the built-in engine reports."""
-    from moe_rl.rollout.builtin import sample_next
+    from moe_rl.rollout.token_sampling import sample_next
 
     T = 0.8
     z_RV = _dvp_logits(128, 64, 5)
