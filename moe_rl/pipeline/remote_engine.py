@@ -31,6 +31,7 @@ from moe_rl.maths.versions import weight_version
 from moe_rl.metrics import Max, Sum
 from moe_rl.pipeline.placement import exchange_dp_ranks
 from moe_rl.pipeline.request_buffer import RESUME_TAG, Fence, drop_limit, take_fresh
+from moe_rl.routing.provenance import Provenance
 from moe_rl.types import RolloutBatch, SamplingParams, with_version
 
 BATCH_TAG = 1  # the bridge's tag for batches (rollout -> learner)
@@ -55,11 +56,16 @@ class RolloutMessage:
     def state_dict(self) -> dict:
         """Tensors, lists and numbers only (``torch.load(weights_only=True)`` reads it back)."""
         b = {f.name: getattr(self.batch, f.name) for f in dataclasses.fields(self.batch)}
+        if b["route_prov"] is not None:  # the route rows' provenance as plain tensors
+            b["route_prov"] = [p.tensors() for p in b["route_prov"]]
         return {**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, "batch": b}
 
     @classmethod
     def from_state_dict(cls, state: dict) -> RolloutMessage:
-        return cls(**{**state, "batch": RolloutBatch(**state["batch"])})
+        b = dict(state["batch"])
+        if b.get("route_prov") is not None:
+            b["route_prov"] = [Provenance.from_tensors(t) for t in b["route_prov"]]
+        return cls(**{**state, "batch": RolloutBatch(**b)})
 
 
 class RemoteEngine:

@@ -81,6 +81,10 @@ class Provenance:
         """The three tensors under their names in a saved record blob."""
         return {"prov_version": self.version_N, "prov_source": self.source_N, "prov_turn": self.turn_N}
 
+    @classmethod
+    def from_tensors(cls, t: dict[str, torch.Tensor]) -> Provenance:
+        return cls(t["prov_version"], t["prov_source"], t["prov_turn"])
+
 
 def check_provenance(
     prov: Provenance, present_N: torch.Tensor, sample_N: torch.Tensor, row_N: torch.Tensor
