@@ -28,7 +28,7 @@ import torch
 
 from moe_rl.config import Schedule
 from moe_rl.maths.versions import weight_version
-from moe_rl.metrics import Max, Sum
+from moe_rl.metrics import Max, Mean, Min, Std, Sum
 from moe_rl.pipeline.placement import exchange_dp_ranks
 from moe_rl.pipeline.request_buffer import RESUME_TAG, Fence, drop_limit, take_fresh
 from moe_rl.routing.provenance import Provenance
@@ -58,6 +58,8 @@ class RolloutMessage:
         b = {f.name: getattr(self.batch, f.name) for f in dataclasses.fields(self.batch)}
         if b["route_prov"] is not None:  # the route rows' provenance as plain tensors
             b["route_prov"] = [p.tensors() for p in b["route_prov"]]
+        # the rollout rank's metrics (agent.env: Sum/Mean/Max of the agent counts) as (kind, fields)
+        b["engine_metrics"] = {k: _plain_metric(v) for k, v in b["engine_metrics"].items()}
         return {**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, "batch": b}
 
     @classmethod
@@ -65,7 +67,25 @@ class RolloutMessage:
         b = dict(state["batch"])
         if b.get("route_prov") is not None:
             b["route_prov"] = [Provenance.from_tensors(t) for t in b["route_prov"]]
+        b["engine_metrics"] = {k: _metric_of(v) for k, v in b.get("engine_metrics", {}).items()}
         return cls(**{**state, "batch": RolloutBatch(**b)})
+
+
+_METRIC_KINDS = {c.__name__: c for c in (Mean, Std, Sum, Max, Min)}
+
+
+def _plain_metric(v):
+    """A metric value as ``torch.load(weights_only=True)`` reads it: a number or tensor as it is,
+    a reduction kind as (its name, its fields)."""
+    if type(v).__name__ in _METRIC_KINDS and dataclasses.is_dataclass(v):
+        return (type(v).__name__, [getattr(v, f.name) for f in dataclasses.fields(v)])
+    return v
+
+
+def _metric_of(v):
+    if isinstance(v, tuple) and len(v) == 2 and v[0] in _METRIC_KINDS:
+        return _METRIC_KINDS[v[0]](*v[1])
+    return v
 
 
 class RemoteEngine:

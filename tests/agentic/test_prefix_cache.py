@@ -23,7 +23,8 @@ LOGP_ATOL = 2e-5  # fp32, another batch shape (as tests/rollout/test_inflight.py
 
 @pytest.fixture(scope="module")
 def runs():
-    cfg = load_config(None, ["agent.env=calculator", "rollout.max_new_tokens=8", "agent.max_turns=3"])
+    # the agent warm start's calls take up to 12 tokens: 8 would cut every call and no turn 2 runs
+    cfg = load_config(None, ["agent.env=calculator", "rollout.max_new_tokens=12", "agent.max_turns=3"])
     cfg, task = build_task(cfg, start_pool=False)
     weights = load_init_weights(cfg.init_weights, cfg.model, task.tokenizer)
     prompts = task.source.sample_step(0, 2, 0, 1, 7)

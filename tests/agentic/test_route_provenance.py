@@ -42,7 +42,8 @@ class UpdateBeforeTurn:
 
 @pytest.fixture(scope="module")
 def updated_run():
-    cfg = load_config(None, ["agent.env=calculator", "rollout.max_new_tokens=8", "agent.max_turns=3"])
+    # the agent warm start's calls take up to 12 tokens: 8 would cut every call and no turn 2 runs
+    cfg = load_config(None, ["agent.env=calculator", "rollout.max_new_tokens=12", "agent.max_turns=3"])
     cfg, task = build_task(cfg, start_pool=False)
     engine = BuiltinEngine(cfg.model, pad_id=task.tokenizer.pad_id)
     w1 = load_init_weights(cfg.init_weights, cfg.model, task.tokenizer)
@@ -132,12 +133,14 @@ def test_provenance_survives_the_buffer_and_its_checkpoint_pickle(updated_run):
 
 def test_provenance_survives_the_async_buffer_checkpoint(updated_run, tmp_path):
     """A buffered batch is checkpointed as plain tensors (``RolloutMessage.state_dict``, read back
-    with ``torch.load(weights_only=True)``): the provenance comes back equal."""
+    with ``torch.load(weights_only=True)``): the provenance and the agent metrics come back equal
+    (async runs the agent loop on its rollout ranks)."""
     _, b = updated_run
-    # a rollout rank's batch carries no metric objects (the loop's agent metrics are; split and
-    # async schedules refuse agent.env for now)
-    msg = RolloutMessage(3, 0, 5, [[1, 2]], 3, 2, dataclasses.replace(b, engine_metrics={}), {"wait_s": 0.5})
+    # the loop's agent metrics (Sum, Mean, Max objects) ride along and come back equal
+    assert {type(v).__name__ for v in b.engine_metrics.values()} >= {"Sum", "Mean", "Max"}
+    msg = RolloutMessage(3, 0, 5, [[1, 2]], 3, 2, b, {"wait_s": 0.5})
     torch.save(msg.state_dict(), tmp_path / "buffer.pt")
     back = RolloutMessage.from_state_dict(torch.load(tmp_path / "buffer.pt", weights_only=True))
+    assert back.batch.engine_metrics == b.engine_metrics
     for mine, theirs in zip(back.batch.route_prov, b.route_prov, strict=True):
         assert all(torch.equal(x, y) for x, y in zip(mine.tensors().values(), theirs.tensors().values()))
