@@ -79,7 +79,10 @@ def concat_batches(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
     for b in batches:
         metrics = merge_metrics(metrics, b.engine_metrics)
     routes = [r for b in batches for r in b.routes]
-    return dataclasses.replace(first, routes=routes, engine_metrics=metrics, **fields)
+    # the route rows' provenance (per sample, beside its routes): all batches carry it or none
+    provs = [b.route_prov for b in batches]
+    prov = None if any(p is None for p in provs) else [p for ps in provs for p in ps]
+    return dataclasses.replace(first, routes=routes, route_prov=prov, engine_metrics=metrics, **fields)
 
 
 def take_groups(batch: RolloutBatch, scores: StepScores, prompts: list, groups: list[int]):

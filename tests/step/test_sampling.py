@@ -4,6 +4,8 @@ default)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -11,6 +13,7 @@ from moe_rl.config.dynamic_sampling import DynamicSamplingConfig
 from moe_rl.maths.advantages import estimate_advantages
 from moe_rl.maths.policy_specs import AdvantageSpec
 from moe_rl.metrics import reduce_metrics
+from moe_rl.routing.provenance import Provenance
 from moe_rl.step.sampling import collect, concat_batches, groups_with_signal
 from moe_rl.tasks.task import StepScores
 from moe_rl.types import RolloutBatch
@@ -59,6 +62,16 @@ def test_concat_pads_each_field_and_renumbers_groups():
     assert not out.response_mask_BS[:4, 5:].any() and out.logprobs_BS[:4, 5:].eq(0).all()
     assert out.group_B.tolist() == [0] * 4 + [1] * 4 + [2] * 4
     assert [int(r[0, 0, 0]) for r in out.routes] == list(range(4)) + list(range(8))
+    # the route rows' provenance goes with its routes, sample for sample (else ingest refuses the batch)
+    assert out.route_prov is None  # none given
+    a, b = (
+        dataclasses.replace(
+            x, route_prov=[Provenance.computed(torch.full((r.shape[0],), v)) for r in x.routes]
+        )
+        for x, v in ((a, 1), (b, 2))
+    )
+    out = concat_batches([a, b], pad_id=-1)
+    assert [(p.num_rows, int(p.version_N[0])) for p in out.route_prov] == [(4, 1)] * 4 + [(6, 2)] * 8
 
 
 def scores_of(acc_P: list[list[float]], penalty: float = 0.0) -> StepScores:
