@@ -174,7 +174,7 @@ def _room(
         time.sleep(0.002)
 
 
-def _serve_async(s: _Server, log: Path) -> None:
+def _serve_async(s: _Server, trajectories: Path) -> None:
     """rollout.mode=async (moe_rl/pipeline/request_buffer.py): request after request, round robin over
     the served dp ranks that have buffer room, weights applied between decode steps; a fence to
     every served dp rank after the sync that precedes a checkpoint; stop at the final weights."""
@@ -193,7 +193,7 @@ def _serve_async(s: _Server, log: Path) -> None:
     if s.task.agent is not None and s.sends:
         # a resume generates the requests after each dp rank's saved ones again (several served
         # dp ranks: their lines from the earliest on are dropped, a later one's buffered ones too)
-        s.task.agent.log_to(log, resume_step=min(nxt.values()) if start > 0 else None)
+        s.task.agent.log_to(trajectories, resume_step=min(nxt.values()) if start > 0 else None)
     updates = s.weights.background()
     bound, out = buffer_bound(cfg.rollout.max_staleness), {d: _Outbox() for d in s.served}
     turn = 0
@@ -234,14 +234,14 @@ def serve_rollouts(cfg: RunConfig, dims: ParallelDims, task: Task | None = None)
     s = _Server(cfg, dims, task)
     waited = s.load()
     start = s.version
-    log = Path(cfg.run_dir) / "agent" / f"trajectories_rank{dims.placement.rank}.jsonl"  # world rank
+    trajectories = Path(cfg.run_dir) / "agent" / f"trajectories_rank{dims.placement.rank}.jsonl"
     if s.schedule.buffers_requests:
-        return _serve_async(s, log)
+        return _serve_async(s, trajectories)
     if task.agent is not None and s.sends:  # the conversations are logged where they run
         # a resume regenerates from `start` (one_step_off: from start + 1, batch `start` is in
         # the learner's checkpoint)
         redo = start + 1 if s.schedule.runs_ahead else start
-        task.agent.log_to(log, resume_step=redo if start > 0 else None)
+        task.agent.log_to(trajectories, resume_step=redo if start > 0 else None)
     if not s.schedule.runs_ahead:
         while (step := s.version) < s.weights.last:  # the engine holds W_step
             works = s.send(s.generate(step, waited))
