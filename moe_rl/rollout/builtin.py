@@ -442,7 +442,7 @@ class BuiltinEngine:
             Provenance(
                 ver_BS[b, a : a + t - 1].clone(),
                 how_BS[b, a : a + t - 1].clone(),
-                torch.zeros(t - 1, dtype=torch.int16),
+                torch.zeros(t - 1, dtype=torch.int16, device="cpu"),
             )
             for b, (a, t) in enumerate(zip(starts, totals))
         ]

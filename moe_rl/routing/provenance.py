@@ -42,16 +42,16 @@ class Provenance:
         n = int(version_N.shape[0])
         return cls(
             version_N.to(torch.int32),
-            torch.full((n,), COMPUTED, dtype=torch.uint8),
-            torch.full((n,), turn, dtype=torch.int16),
+            torch.full((n,), COMPUTED, dtype=torch.uint8, device=version_N.device),
+            torch.full((n,), turn, dtype=torch.int16, device=version_N.device),
         )
 
     @classmethod
     def none(cls, n: int) -> Provenance:
         return cls(
-            torch.zeros(n, dtype=torch.int32),
-            torch.zeros(n, dtype=torch.uint8),
-            torch.zeros(n, dtype=torch.int16),
+            torch.zeros(n, dtype=torch.int32, device="cpu"),  # route records live on the host
+            torch.zeros(n, dtype=torch.uint8, device="cpu"),
+            torch.zeros(n, dtype=torch.int16, device="cpu"),
         )
 
     @property
@@ -76,6 +76,10 @@ class Provenance:
     def split(self, rows: list[int]) -> list[Provenance]:
         parts = zip(*(torch.split(getattr(self, f), rows) for f in ("version_N", "source_N", "turn_N")))
         return [Provenance(*p) for p in parts]
+
+    def cpu(self) -> Provenance:
+        """On the host, as route records live (a no-op where it is already there)."""
+        return Provenance(self.version_N.cpu(), self.source_N.cpu(), self.turn_N.cpu())
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The three tensors under their names in a saved record blob."""
@@ -162,7 +166,7 @@ def apply_stale_policy(
         if sample_N.numel()
         else 0
     )
-    keep_B = torch.ones(B, dtype=torch.bool)
+    keep_B = torch.ones(B, dtype=torch.bool, device="cpu")  # beside the host route records
     if prov is None or version_BS is None:
         return ids_NLK, keep_B, {}
     stale_N = stale_rows_N(prov, sample_N, row_N, version_BS)

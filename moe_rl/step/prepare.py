@@ -48,7 +48,7 @@ def rollout_routes(batch: RolloutBatch, header: RouteHeader) -> RouteBatch:
     arithmetic done there and moved to the router's device once per micro-batch): one copy per step
     from an engine on a GPU."""
     prompt_lens_B = batch.prompt_lens_B.cpu()
-    prov = None if batch.route_prov is None else Provenance.cat(batch.route_prov)
+    prov = None if batch.route_prov is None else Provenance.cat(batch.route_prov).cpu()
     routes = RouteBatch(
         torch.cat(batch.routes).cpu(),
         torch.tensor([r.shape[0] for r in batch.routes], dtype=torch.int64, device="cpu"),
