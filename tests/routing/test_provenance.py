@@ -9,32 +9,19 @@ import re
 import pytest
 import torch
 
-from moe_rl.config import ModelConfig
 from moe_rl.routing.provenance import COMPUTED, NONE, PREFIX_HIT, Provenance, apply_stale_policy
 from moe_rl.routing.record import (
     RouteBatch,
     RouteError,
-    RouteHeader,
-    RouteRecord,
     load_records,
     missing_id,
     save_records,
     validate,
 )
+from tests.routing.route_helpers import HEADER
+from tests.routing.route_helpers import random_routes as _random_routes
 
 pytestmark = pytest.mark.unit
-HEADER = RouteHeader.for_model(
-    ModelConfig(vocab_size=50, num_layers=4, first_k_dense=1, num_experts=8, moe_router_topk=2)
-)
-
-
-def _random_routes(num_tokens: list[int], seed: int = 0) -> RouteBatch:
-    g = torch.Generator().manual_seed(seed)
-    recs = []
-    for t in num_tokens:
-        ids = torch.rand(t - 1, 3, 8, generator=g).argsort(-1)[..., :2]  # distinct per row
-        recs.append(RouteRecord(ids.to(torch.uint8), prompt_len=2, start=0, header=HEADER))
-    return RouteBatch.from_records(recs)
 
 
 def _with_prov(routes: RouteBatch) -> RouteBatch:

@@ -24,18 +24,8 @@ from moe_rl.routing.record import (
 )
 from moe_rl.routing.row_layout import layout, pad_routes, token_rows, unlayout
 from moe_rl.routing.topk_overlap import topk_agreement
-
-CFG = ModelConfig(vocab_size=50, num_layers=4, first_k_dense=1, num_experts=8, moe_router_topk=2)
-HEADER = RouteHeader.for_model(CFG)
-
-
-def _random_routes(num_tokens: list[int], seed: int = 0) -> RouteBatch:
-    g = torch.Generator().manual_seed(seed)
-    recs = []
-    for t in num_tokens:
-        ids = torch.rand(t - 1, 3, 8, generator=g).argsort(-1)[..., :2]  # distinct per row
-        recs.append(RouteRecord(ids.to(torch.uint8), prompt_len=2, start=0, header=HEADER))
-    return RouteBatch.from_records(recs)
+from tests.routing.route_helpers import CFG, HEADER
+from tests.routing.route_helpers import random_routes as _random_routes
 
 
 @pytest.mark.unit
