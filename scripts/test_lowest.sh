@@ -6,11 +6,14 @@
 # torch goes in first with pip and without its dependencies: pip takes the CPU wheel on this
 # machine's disk, 2.13.0 is also torch's floor, so uv keeps it (it never downloads a CUDA torch
 # here; checked below) and resolves torch's own dependencies (jinja2, ...) to their floors too.
+# `--install-only` makes and checks the venv and stops (.ci/run does that in the background during
+# the main suite, then runs this script with MOE_RL_LOWEST_VENV_READY=1: the tests only).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${LOWEST_VENV:-.venv-lowest}
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
+if [ "${MOE_RL_LOWEST_VENV_READY:-0}" != 1 ]; then
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --no-deps "torch==2.13.0"
 "$VENV/bin/python" -m pip install -q "uv>=0.9,<1"
@@ -43,5 +46,7 @@ print("lowest-direct:", ", ".join(rows))
 assert not above, ("direct dependencies above their floor (another package requires more; raise the "
                    "floor in pyproject.toml to the installed version):\n  " + "\n  ".join(above))
 PY
+fi
+[ "${1:-}" = "--install-only" ] && exit 0
 export WANDB_MODE=offline
 PYTHONPATH="$PWD" "$VENV/bin/python" -m pytest -m unit -p no:cacheprovider -q "$@"
