@@ -14,6 +14,7 @@ import torch
 from moe_rl.config import load_config
 from moe_rl.config.verify import verify_every
 from moe_rl.health import HealthMonitor
+from moe_rl.maths.versions import route_turn_BS
 from moe_rl.metrics import reduce_metrics
 from moe_rl.rollout.prefix_cache import PrefixCachedEngine
 from moe_rl.routing.provenance import NONE, PREFIX_HIT
@@ -64,6 +65,17 @@ def test_a_clean_stitched_trace_equals_the_full_prefill(run):
     assert all(v[f"routing/verify_mismatch_frac/turn{k}"] == 0.0 for k in (1, 2))
     # the run's default: on, every 10 steps, for an agent run on the built-in engine
     assert verify_every(cfg) == 10
+
+
+def test_route_turns_from_the_batch_are_the_provenance_turns(run):
+    # the flips by turn bucket rows by route_turn_BS (vLLM's records carry no provenance)
+    batch = run[6]
+    T_B = batch.prompt_lens_B + batch.response_lens_B
+    turn_BS = route_turn_BS(batch.turn_BS, batch.response_mask_BS, T_B)
+    for b, p in enumerate(batch.route_prov):
+        has_N = p.source_N != NONE
+        assert torch.equal(turn_BS[b, : p.num_rows][has_N], p.turn_N.long()[has_N])
+    assert int(turn_BS.max()) >= 2
 
 
 def test_full_return_compares_prefix_hit_rows_too(run):
