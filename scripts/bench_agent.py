@@ -6,8 +6,9 @@ The calculator environment's conversations on the built-in engine with its prefi
 run's defaults), one process, 1 thread. Interleaved reps (append, full, then full, append, ...):
   (a) the rollout of a step with append-only routes and provenance (the loop) against the same
       rollout where every turn takes and replaces the whole sequence's routes (``route_return=full``,
-      as verl's loop does): the median of the paired time ratios with its interval
-      (scripts/bench_stats.py). Only the rollout differs: both give the learner the same batch;
+      as verl's loop does): the median of the paired wall-time and CPU-time ratios with their
+      intervals (scripts/bench_stats.py; on a loaded machine the CPU time is the work, the wall time
+      mostly the wait). Only the rollout differs: both give the learner the same batch;
   (b) route bytes per trajectory (ids and provenance taken from the engine, all turns) by the
       number of turns, for both: linear against quadratic;
   (c) the verifier at its defaults (routing.verify: 4 samples every 10 steps): its seconds against
@@ -53,7 +54,7 @@ def _bytes_by_turns(path: Path) -> dict[int, list[int]]:
 
 
 def main(args) -> None:
-    from moe_rl.config.verify import verify_every
+    from moe_rl.config.route_verify import verify_every
     from moe_rl.metrics import reduce_metrics
     from moe_rl.routing.verify import VerifyPlan, verify_batch
 
@@ -63,6 +64,7 @@ def main(args) -> None:
     layers = tuple(cfg.model.moe_layers)
     default_plan = VerifyPlan(every, v.samples, v.margin, layers, args.turns)
     times: dict[str, list[float]] = {"append": [], "full": []}
+    cpu: dict[str, list[float]] = {"append": [], "full": []}  # this process's CPU s: the work, under load
     verify_s, clean = [], {0.0: [0.0, 0.0], v.margin: [0.0, 0.0]}
     tmp = Path(tempfile.mkdtemp(prefix="bench_agent_"))
     for mode in times:
@@ -72,9 +74,10 @@ def main(args) -> None:
         for mode in ("append", "full") if rep % 2 == 0 else ("full", "append"):
             loop.route_return, loop.log_path = mode, tmp / f"{mode}.jsonl"
             engine.prefix.clear()  # each arm starts cold, as a step after a weight sync does
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             batch = loop.rollout(engine, prompts, args.samples, sampling, seed=rep)
             times[mode].append(time.perf_counter() - t0)
+            cpu[mode].append(time.process_time() - c0)
             if mode == "append":
                 m = reduce_metrics(verify_batch(engine, batch, default_plan, seed=rep))
                 verify_s.append(m["time/verify_s"])
@@ -88,6 +91,7 @@ def main(args) -> None:
             f"verify s {verify_s[-1]:.4f}"
         )
     print(ratio_line("rollout time full / append:", paired_ratios(times["full"], times["append"])))
+    print(ratio_line("rollout CPU time full / append:", paired_ratios(cpu["full"], cpu["append"])))
     app, full = _bytes_by_turns(tmp / "append.jsonl"), _bytes_by_turns(tmp / "full.jsonl")
     print("route bytes per trajectory by turns (mean): turns | append | full | full / append")
     for k in sorted(set(app) & set(full)):

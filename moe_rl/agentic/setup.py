@@ -15,7 +15,7 @@ from moe_rl.agentic.envs import EnvPromptSource
 from moe_rl.agentic.formats import tool_format
 from moe_rl.agentic.loop import AgentLoop
 from moe_rl.config import RunConfig
-from moe_rl.config.verify import verify_every
+from moe_rl.config.route_verify import verify_every
 from moe_rl.errors import ConfigError
 from moe_rl.metrics import Mean, Std
 from moe_rl.routing.verify import VerifyPlan

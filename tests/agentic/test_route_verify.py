@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from moe_rl.config import load_config
-from moe_rl.config.verify import verify_every
+from moe_rl.config.route_verify import verify_every
 from moe_rl.health import HealthMonitor
 from moe_rl.maths.versions import route_turn_BS
 from moe_rl.metrics import reduce_metrics
