@@ -6,6 +6,11 @@ near 0 (collapsed onto one token), or whose gradient norm is exactly 0 in every 
 events go: ``events.jsonl`` (``MetricsWriter.log_events``), the rank-0 log, and the report's event
 list. The alarm re-arms once its condition clears. Plain Python over the step's reduced metrics:
 no torch.distributed.
+
+The route verifier's alarm (``route_verify``, ``routing.verify.alarm_frac``; docs/agentic.md 9) has
+no patience: it is checked on the steps the verifier ran, and each one whose
+``routing/verify_mismatch_frac`` exceeds the threshold raises one event naming the layer and the
+turn with the worst mismatch fraction.
 """
 
 from __future__ import annotations
@@ -21,9 +26,12 @@ log = logging.getLogger(__name__)
 class HealthMonitor:
     """Counts consecutive steps per condition; ``observe`` returns the events of this step."""
 
-    def __init__(self, cfg: HealthConfig, vocab_size: int, active: bool = True) -> None:
-        """``active``: the rank that reports (rank 0; the metrics are the same on every rank)."""
-        self.cfg, self.active = cfg, active
+    def __init__(
+        self, cfg: HealthConfig, vocab_size: int, active: bool = True, verify_alarm_frac: float | None = None
+    ) -> None:
+        """``active``: the rank that reports (rank 0; the metrics are the same on every rank);
+        ``verify_alarm_frac``: ``routing.verify.alarm_frac`` (None: no verifier alarm)."""
+        self.cfg, self.active, self.verify_alarm_frac = cfg, active, verify_alarm_frac
         self.uniform = math.log(vocab_size)
         self.count: dict[str, int] = {}
 
@@ -72,4 +80,30 @@ class HealthMonitor:
                 }
                 log.warning("health alarm at step %d: %s", step, event["cause"])
                 events.append(event)
+        verify = self._verify_event(step, metrics)
+        if verify is not None:
+            log.warning("health alarm at step %d: %s", step, verify["cause"])
+            events.append(verify)
         return events
+
+    def _verify_event(self, step: int, metrics: dict[str, float]) -> dict | None:
+        """The route verifier's alarm of this step, or None (no verify ran, or under the threshold)."""
+        frac, limit = metrics.get("routing/verify_mismatch_frac"), self.verify_alarm_frac
+        if limit is None or frac is None or not frac > limit:  # NaN (nothing compared): silent
+            return None
+
+        def worst(kind: str) -> str:
+            prefix = f"routing/verify_mismatch_frac/{kind}"
+            vals = {k[len(prefix) :]: v for k, v in metrics.items() if k.startswith(prefix) and v == v}
+            k = max(vals, key=vals.get) if vals else "?"
+            return f"{kind} {k} ({vals.get(k, float('nan')):.4g})"
+
+        return {
+            "step": step,
+            "event": "health",
+            "alarm": "route_verify",
+            "severity": "warning",
+            "cause": f"stitched routes differ from one full prefill on {frac:.4g} of the compared "
+            f"(row, layer) pairs > {limit:g} (routing.verify.alarm_frac); worst {worst('layer')}, "
+            f"worst {worst('turn')}",
+        }

@@ -231,7 +231,7 @@ def train(cfg: RunConfig, dims: ParallelDims, prepared: Prepared | None = None) 
         pipe.sync.first_sync(resumed=start > 0)
     writer, bar = open_run_dir(cfg, dims, start, task), progress(cfg, start, dims)
     mem.attach(Path(cfg.run_dir) / MEMORY_TIMELINE)
-    health = HealthMonitor(cfg.log.health, cfg.model.vocab_size, active=dims.is_main)
+    health = HealthMonitor(cfg.log.health, cfg.model.vocab_size, dims.is_main, cfg.routing.verify.alarm_frac)
     stop = 0  # the signal of a stop request, once the learner ranks agreed on one
     cursor = ckpt.data_cursor  # the data's next index: the step's, unless dynamic sampling took more
     for step in range(start, cfg.steps):

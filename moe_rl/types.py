@@ -195,6 +195,8 @@ class TrainBatch:
     old_routes: RouteBatch | None = None
     # int64, column t: the version lag of route row t (the old pass's router flips by lag)
     route_lag_BS: torch.Tensor | None = None
+    # int64, column t: the agent turn whose engine call computed route row t (the flips by turn)
+    route_turn_BS: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

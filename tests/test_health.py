@@ -72,3 +72,31 @@ def test_health_config_is_validated_and_alarms_reach_the_report(tmp_path):
     assert health_warnings(tmp_path / "events.jsonl") == [
         f"{tmp_path.name}: health alarm grad_norm_zero at step 7: why"
     ]
+
+
+@pytest.mark.unit
+def test_route_verify_alarm_names_the_worst_layer_and_turn_on_each_verified_step():
+    mon = HealthMonitor(HealthConfig(patience=3), 50, verify_alarm_frac=0.01)
+    nan = float("nan")
+    bad = {
+        "routing/verify_mismatch_frac": 0.25,
+        "routing/verify_mismatch_frac/layer0": 0.0,
+        "routing/verify_mismatch_frac/layer3": 0.5,
+        "routing/verify_mismatch_frac/turn1": 0.0,
+        "routing/verify_mismatch_frac/turn2": 0.4,
+        "routing/verify_mismatch_frac/turn3": nan,  # no row of turn 3 compared
+    }
+    (event,) = mon.observe(10, bad)  # no patience: the verifier runs every N steps only
+    assert event == {
+        "step": 10,
+        "event": "health",
+        "alarm": "route_verify",
+        "severity": "warning",
+        "cause": "stitched routes differ from one full prefill on 0.25 of the compared (row, layer) "
+        "pairs > 0.01 (routing.verify.alarm_frac); worst layer 3 (0.5), worst turn 2 (0.4)",
+    }
+    assert [e["step"] for e in mon.observe(20, bad)] == [20]
+    assert mon.observe(11, {"train/entropy": 1.0}) == []  # no verify this step
+    assert mon.observe(30, {**bad, "routing/verify_mismatch_frac": 0.01}) == []  # at the threshold
+    assert mon.observe(40, {"routing/verify_mismatch_frac": nan}) == []  # nothing compared
+    assert HealthMonitor(HealthConfig(), 50).observe(10, bad) == []  # no threshold given: no alarm

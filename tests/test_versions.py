@@ -18,6 +18,7 @@ from moe_rl.maths.versions import (
     lag_k3_by_turn,
     lag_metrics,
     route_lag_BS,
+    route_turn_BS,
     sum_by_lag,
 )
 from moe_rl.pipeline.request_buffer import staleness_filter
@@ -284,3 +285,18 @@ def test_the_colocated_loop_stamps_the_version_of_the_weight_set_it_synced():
     assert torch.equal(batch.version_BS, torch.where(MASK_BS, 2, 0).int()) and "rollout/policy_lag" in m
     lags = lag_BS(batch.version_BS, MASK_BS, weight_version(3))
     assert torch.equal(lags, torch.where(MASK_BS, 2, 0))  # k = 2 updates behind
+
+
+@pytest.mark.unit
+def test_route_row_turn_is_the_turn_whose_engine_call_fed_the_token():
+    # prompt p p | turn 1: a a (sampled) r r (reply) | turn 2: b b b | pad; and a short one
+    turn_BS = torch.tensor([[0, 0, 1, 1, 1, 1, 2, 2, 2, 0], [0, 0, 0, 1, 1, 1, 2, 2, 0, 0]])
+    mask_BS = torch.tensor([[0, 0, 1, 1, 0, 0, 1, 1, 1, 0], [0, 0, 0, 1, 1, 0, 1, 1, 0, 0]], dtype=torch.bool)
+    out = route_turn_BS(turn_BS, mask_BS, torch.tensor([9, 8]))
+    # rows 0-1 (prompt): turn 1's prefill; row 2 (a, then a): turn 1's decode; row 3 (the last a)
+    # and rows 4-5 (the reply): turn 2's prefill; rows 6-7: turn 2's decode; the last token: no row
+    assert out.tolist() == [[1, 1, 1, 2, 2, 2, 2, 2, 0, 0], [1, 1, 1, 1, 2, 2, 2, 0, 0, 0]]
+    # a turn followed by the next turn's tokens with no reply between: still the next call's
+    t2 = torch.tensor([[0, 1, 1, 2, 2]])
+    m2 = torch.tensor([[0, 1, 1, 1, 1]], dtype=torch.bool)
+    assert route_turn_BS(t2, m2, torch.tensor([5])).tolist() == [[1, 1, 2, 2, 0]]

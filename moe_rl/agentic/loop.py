@@ -20,6 +20,11 @@ environment ended it, by default on a final answer, with its reward), ``max_turn
 ``truncated`` (a turn hit ``agent.max_turn_tokens`` without its stop token), ``context`` (the next
 turn or reply would pass ``agent.max_total_tokens``), ``tool_budget`` (the replies would pass
 ``agent.max_tool_tokens_total``). Only ``answer`` has a non-zero reward.
+
+``route_return``: ``append`` (the loop) or ``full``, the contrast scripts/bench_agent.py measures
+(as verl's loop does: every turn takes the whole sequence's rows and replaces the kept ones, so
+route bytes grow with turns squared). ``verify`` (``routing.verify``): on the steps it is due, a
+sample of the batch is checked against one full prefill (moe_rl/routing/verify.py).
 """
 
 from __future__ import annotations
@@ -37,11 +42,13 @@ from moe_rl.agentic.tools import ERROR_KINDS, ToolRunner
 from moe_rl.config import AgentConfig
 from moe_rl.fsutil import write_atomic
 from moe_rl.metrics import Max, Mean, Sum, truncate_metrics_file
-from moe_rl.routing.provenance import Provenance
+from moe_rl.routing.provenance import PROV_BYTES, Provenance
 from moe_rl.routing.record import missing_id
+from moe_rl.routing.verify import VerifyPlan, verify_batch
 from moe_rl.types import Prompt, RolloutBatch, SamplingParams
 
 END_REASONS = ("answer", "max_turns", "truncated", "context", "tool_budget")
+ROUTE_RETURNS = ("append", "full")  # AgentLoop.route_return (module docstring)
 _TURN_SEED = 0x9E3779B97F4A7C15  # decorrelates the turns' sampling streams
 
 
@@ -61,6 +68,7 @@ class Trajectory:
     prov: list[Provenance] = field(default_factory=list)  # beside ``routes``, row for row
     length: int = 0
     routed: int = 0  # route rows kept so far (rows of positions [0, routed))
+    route_bytes: int = 0  # bytes of route rows and their provenance taken from the engine, all turns
     turn: int = 0
     tool_tokens: int = 0
     generated: int = 0  # tokens the engine sampled, counted from its response lengths (not the mask)
@@ -90,6 +98,8 @@ class AgentLoop:
         self.turn_tokens = cfg.max_turn_tokens or max_new_tokens
         self.max_total = cfg.max_total_tokens or max_seq_len
         self.log_path: Path | None = None  # set: every trajectory is appended there as a JSON line
+        self.verify: VerifyPlan | None = None  # routing.verify (moe_rl/routing/verify.py)
+        self.route_return = "append"
 
     def rollout(
         self,
@@ -132,16 +142,25 @@ class AgentLoop:
             for i, t in enumerate(active):
                 t.turn = turn
                 self._take_turn(t, out, i)
-        return self._batch(trajs, self.fmt.tok.pad_id, step)
+        batch = self._batch(trajs, self.fmt.tok.pad_id, step)
+        if self.verify is not None and self.verify.due(step):  # the engine still holds the last weights
+            batch.engine_metrics.update(verify_batch(engine, batch, self.verify, seed))
+        return batch
 
     def _take_turn(self, t: Trajectory, out: RolloutBatch, i: int) -> None:
         p, r = int(out.prompt_lens_B[i]), int(out.response_lens_B[i])
         ids = out.tokens_BS[i, p : p + r].cpu()
         version = out.version_BS[i, p : p + r].cpu() if out.version_BS is not None else None
         t.append(ids, True, out.logprobs_BS[i, p : p + r].cpu().float(), version)
-        t.routes.append(out.routes[i][t.routed : p + r - 1])  # append-only: only rows not kept yet
+        first = t.routed if self.route_return == "append" else 0  # append-only: only rows not kept yet
+        if first == 0:  # "full" (the bench's contrast) replaces every kept row with this turn's
+            t.routes, t.prov = [], []
+        rows = out.routes[i][first : p + r - 1]
+        t.routes.append(rows)
+        t.route_bytes += rows.numel() * rows.element_size()
         if out.route_prov is not None:
-            t.prov.append(out.route_prov[i].slice(t.routed, p + r - 1).with_turn(t.turn))
+            t.prov.append(out.route_prov[i].slice(first, p + r - 1).with_turn(t.turn))
+            t.route_bytes += PROV_BYTES * int(rows.shape[0])
         t.routed = p + r - 1
         t.generated += r
         text = self.fmt.tok.decode(ids)
@@ -245,6 +264,7 @@ class AgentLoop:
             "agent/tool_success_rate": Mean(calls - sum(failed.values()), calls),
             "agent/assistant_tokens": Sum(float(mask_BS.sum())),
             "agent/tool_tokens": Sum(float(sum(t.tool_tokens for t in trajs))),
+            "agent/route_bytes": Sum(float(sum(t.route_bytes for t in trajs))),
             **{f"agent/tool_errors/{k}": Sum(v) for k, v in failed.items()},
             **{f"agent/end/{r}": Sum(float(sum(t.end == r for t in trajs))) for r in END_REASONS},
         }
@@ -265,6 +285,7 @@ class AgentLoop:
                     "tool_errors": t.errors,
                     "assistant_tokens": t.generated,
                     "tool_tokens": t.tool_tokens,
+                    "route_bytes": t.route_bytes,
                     "transcript": t.transcript,
                 }
                 f.write(json.dumps(rec) + "\n")

@@ -15,8 +15,10 @@ from moe_rl.agentic.envs import EnvPromptSource
 from moe_rl.agentic.formats import tool_format
 from moe_rl.agentic.loop import AgentLoop
 from moe_rl.config import RunConfig
+from moe_rl.config.route_verify import verify_every
 from moe_rl.errors import ConfigError
 from moe_rl.metrics import Mean, Std
+from moe_rl.routing.verify import VerifyPlan
 from moe_rl.types import Prompt, RolloutBatch
 
 
@@ -30,6 +32,11 @@ def build_agent(cfg: RunConfig, tok) -> Agent:
     env = resolve_environment(a.env, dict(a.env_kwargs))
     fmt = tool_format(a.tool_format, tok, dict(cfg.task.chat_template_kwargs))
     loop = AgentLoop(env, fmt, a, cfg.rollout.max_new_tokens, cfg.model.max_seq_len)
+    v = cfg.routing.verify
+    every = verify_every(cfg)
+    if every:
+        layers = tuple(cfg.model.moe_layers)
+        loop.verify = VerifyPlan(every, v.samples, v.margin, layers, a.max_turns)
     return Agent(loop, EnvPromptSource(env, fmt))
 
 

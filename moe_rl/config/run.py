@@ -16,6 +16,7 @@ from moe_rl.config.agent import AgentConfig, check_agent
 from moe_rl.config.dynamic_sampling import DynamicSamplingConfig, check_dynamic_sampling
 from moe_rl.config.layout import check_layout, data_parallel_size
 from moe_rl.config.model import ModelConfig, ParallelConfig
+from moe_rl.config.route_verify import VerifyConfig, check_verify
 from moe_rl.config.split_rules import check_split
 from moe_rl.config.vllm_rules import check_vllm
 from moe_rl.corrections.correction_specs import CorrectionSpec
@@ -221,6 +222,7 @@ class RoutingConfig:
     # a route row at another weight version than its token's log-prob (docs/design.md 5.1): replay (as
     # recorded) | native (routed natively, as MISSING rows are) | drop_sample (the sample leaves the loss)
     stale_rows: str = "replay"
+    verify: VerifyConfig = field(default_factory=VerifyConfig)  # the route verifier (config/route_verify.py)
 
     def __post_init__(self) -> None:
         check_finite(self, "routing")
@@ -452,6 +454,7 @@ class RunConfig:
         if self.agent.env:
             check_agent(self)
         check_dynamic_sampling(self)
+        check_verify(self)
         check(
             self.algo.max_tokens_per_micro_batch == 0 or p.pipeline_parallel == 1,
             "algo.max_tokens_per_micro_batch",

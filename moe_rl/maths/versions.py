@@ -155,3 +155,18 @@ def route_lag_BS(lag_BS: torch.Tensor, prompt_lens_B: torch.Tensor, seq_lens_B: 
     src_BS = torch.maximum(pos_S[None, :] + 1, prompt_lens_B.to(lag_BS.device)[:, None]).clamp(max=S - 1)
     rows_BS = pos_S[None, :] < (seq_lens_B.to(lag_BS.device) - 1)[:, None]
     return torch.where(rows_BS, lag_BS.long().gather(1, src_BS), 0)
+
+
+def route_turn_BS(turn_BS: torch.Tensor, mask_BS: torch.Tensor, seq_lens_B: torch.Tensor) -> torch.Tensor:
+    """int64 [B, S], column t: the agent turn whose engine call computed route row t (the flips by
+    turn), for t < T_b - 1; 0 elsewhere. Token t was fed by the call of its own turn when it and
+    token t + 1 are sampled tokens of one turn (a decode step), else by the next call: the prompt
+    by turn 1's prefill, a turn's last sampled token and its tool reply by the next turn's. The same
+    as the rows' provenance turn (docs/design.md 5.1), from the batch alone (vLLM's records carry
+    none). ``mask_BS``: the sampled tokens (the response mask before any sample was dropped)."""
+    m_BS, t_BS = mask_BS.bool(), turn_BS.long()
+    same_BS = torch.zeros_like(m_BS)
+    same_BS[:, :-1] = m_BS[:, :-1] & m_BS[:, 1:] & (t_BS[:, :-1] == t_BS[:, 1:])
+    S = turn_BS.shape[1]
+    rows_BS = torch.arange(S, device=turn_BS.device)[None, :] < (seq_lens_B.to(turn_BS.device) - 1)[:, None]
+    return torch.where(rows_BS, t_BS + 1 - same_BS.long(), 0)

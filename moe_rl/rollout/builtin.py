@@ -207,6 +207,22 @@ class BuiltinEngine:
         return out_BS
 
     @torch.no_grad()
+    def prefill_routes(self, seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The route verifier's reference (moe_rl/routing/verify.py): one no-cache forward over each
+        whole sequence at the loaded weights (no router noise, no prefix cache), right-padded in one
+        batch: (expert ids int64 [B, S, L, K], Top-K margins fp32 [B, S, L]) of every position, on
+        the host. Row t is token t's, as in a route record."""
+        lens_B = torch.tensor([len(s) for s in seqs], dtype=torch.long, device=self.device)
+        S = int(lens_B.max())
+        tokens_BS = torch.full((len(seqs), S), self.pad_id, dtype=torch.long, device=self.device)
+        for b, s in enumerate(seqs):  # one row copy per sequence
+            tokens_BS[b, : len(s)] = torch.tensor(s, dtype=torch.long, device=self.device)
+        valid_BS = torch.arange(S, device=self.device)[None, :] < lens_B[:, None]
+        pos_BS = torch.arange(S, device=self.device).expand(len(seqs), S)
+        out = self.model.forward(tokens_BS, pos_BS, valid_BS, last_logits_only=True, margins=True)
+        return out.expert_ids_BTLK.cpu(), out.margin_BTL.cpu()
+
+    @torch.no_grad()
     def generate(
         self,
         prompts: list[list[int]],

@@ -9,12 +9,10 @@ The architecture matches megatron-core's GPTModel with the local spec (and HF tr
 so the training-inference mismatch that rollout correction handles is real on a laptop.
 
 Every forward records the Top-K expert ids of every MoE layer for every processed token: the raw
-material of the route record (docs/design.md 5; vLLM's ``routed_experts``,
-docs/gpu_stack.md 1.2).
+material of the route record (docs/design.md 5; vLLM's ``routed_experts``, docs/gpu_stack.md 1.2).
 
-Weights come in the canonical (HF Qwen3-MoE hub) names listed by
-:func:`moe_rl.weights.canonical.canonical_param_shapes`; the learner exports exactly that dict
-with all experts gathered.
+Weights come in the canonical (HF Qwen3-MoE hub) names listed by ``canonical_param_shapes``
+(moe_rl/weights/canonical.py); the learner exports exactly that dict with all experts gathered.
 
 Shape suffix legend:
     B sequences, T query tokens of one forward call, S key positions (KV cache slots),
@@ -42,7 +40,7 @@ from moe_rl.rollout.fp8 import (
     quantize_in_place,
     quantized_names,
 )
-from moe_rl.routing.gating import RouterSpec, route
+from moe_rl.routing.gating import RouterSpec, route, topk_margin
 from moe_rl.weights.canonical import CanonicalCheck, canonical_param_shapes, check_canonical_weights
 
 DTYPES = ENGINE_DTYPES
@@ -50,9 +48,7 @@ DTYPES = ENGINE_DTYPES
 MLA_EPS = 1e-6
 
 
-# --------------------------------------------------------------------------------------------
-# KV cache and forward outputs
-# --------------------------------------------------------------------------------------------
+# -- KV cache and forward outputs ---------------------------------------------------------------
 
 
 @dataclass
@@ -103,10 +99,12 @@ class KVCache:
 
 
 class ForwardOut(NamedTuple):
-    """logits: fp32 [B, T, V] (or [B, 1, V] with last_logits_only); expert_ids_BTLK: int64."""
+    """logits: fp32 [B, T, V] (or [B, 1, V] with last_logits_only); expert_ids_BTLK: int64;
+    margin_BTL: fp32 Top-K margins of the selection scores (``forward(margins=True)``), else None."""
 
     logits: torch.Tensor
     expert_ids_BTLK: torch.Tensor
+    margin_BTL: torch.Tensor | None = None
 
 
 @dataclass
@@ -120,9 +118,7 @@ class RouterNoise:
     generator: torch.Generator
 
 
-# --------------------------------------------------------------------------------------------
-# Numeric building blocks
-# --------------------------------------------------------------------------------------------
+# -- Numeric building blocks ----------------------------------------------------------------------
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -174,6 +170,7 @@ def moe_forward(
     bias_E: torch.Tensor | None = None,
     shared: SharedExpert | None = None,
     aq: Act = identity,
+    margins: list | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-K MoE: route in fp32 (moe_rl/routing/gating.py), run experts on sorted slices.
 
@@ -181,7 +178,7 @@ def moe_forward(
     expert bias (sigmoid scores: selects, never weights); ``shared`` the shared expert, added to
     every token. Tokens are sorted by expert so each expert runs one matmul on its contiguous
     slice; the only Python loop is over the E experts. ``aq``: the experts' activation quantizer
-    (the router reads x as it is).
+    (the router reads x as it is). ``margins``: a list, gets the tokens' Top-K margins [T] appended.
 
     Args:
         x_TH: tokens in the engine dtype. router_EH: router weight (kept in fp32).
@@ -196,7 +193,9 @@ def moe_forward(
         logits_TE = logits_TE + noise.std * torch.randn(
             logits_TE.shape, generator=noise.generator, device=logits_TE.device
         )
-    gates_TK, ids_TK, _ = route(logits_TE, spec, bias_E)
+    gates_TK, ids_TK, select_TE = route(logits_TE, spec, bias_E)
+    if margins is not None:
+        margins.append(topk_margin(select_TE, spec))
     gates_TK = gates_TK.to(x_TH.dtype)
 
     flat_ids_P = ids_TK.reshape(-1)
@@ -216,9 +215,7 @@ def moe_forward(
     return y_TH, ids_TK
 
 
-# --------------------------------------------------------------------------------------------
-# The model
-# --------------------------------------------------------------------------------------------
+# -- The model --------------------------------------------------------------------------------------
 
 
 class BuiltinMoEModel:
@@ -314,6 +311,7 @@ class BuiltinMoEModel:
         cache: KVCache | None = None,
         last_logits_only: bool = False,
         noise: RouterNoise | None = None,
+        margins: bool = False,
     ) -> ForwardOut:
         """One forward over T new tokens per row; with a cache, appends to it and attends to it.
 
@@ -324,10 +322,9 @@ class BuiltinMoEModel:
                 cache (slots [0, S) after this call's append), else S = T. Attention is causal
                 in slot order and restricted to valid keys (a token always sees itself, so pad
                 rows stay finite).
-            cache: None for a no-cache forward over the whole sequence.
-            last_logits_only: compute the lm_head on the last position only (prefill).
-        Returns:
-            ForwardOut(logits fp32 [B, T or 1, V], expert_ids_BTLK int64 [B, T, L_moe, K]).
+            cache: None for a no-cache forward over the whole sequence. last_logits_only: the
+                lm_head on the last position only (prefill). margins: the Top-K margins too.
+        Returns: ForwardOut(logits fp32 [B, T or 1, V], expert_ids_BTLK int64 [B, T, L_moe, K]).
         """
         if not self.loaded:
             raise RuntimeError("BuiltinMoEModel: no weights loaded (call load_weights first)")
@@ -340,6 +337,7 @@ class BuiltinMoEModel:
         cos_BTR, sin_BTR = rope_tables(positions_BT, cfg)
         h_BTH = F.embedding(tokens_BT, self.w["model.embed_tokens.weight"])
         ids_per_layer: list[torch.Tensor] = []
+        margin_per_layer: list[torch.Tensor] | None = [] if margins else None
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
             x_BTH = rms_norm(h_BTH, self.w[p + "input_layernorm.weight"], cfg.norm_eps)
@@ -367,6 +365,7 @@ class BuiltinMoEModel:
                     bias_E=self.w.get(p + "mlp.gate.e_score_correction_bias"),
                     shared=self._shared_expert(p),
                     aq=self.aq_experts,
+                    margins=margin_per_layer,
                 )
                 y_BTH = y_TH.view(B, T, -1)
                 ids_per_layer.append(ids_TK.view(B, T, -1))
@@ -380,7 +379,8 @@ class BuiltinMoEModel:
         # tied embeddings (model.tie_word_embeddings): the lm_head is the embedding matrix itself
         lm_head_VH = self.w.get("lm_head.weight", self.w["model.embed_tokens.weight"])
         logits_BTV = F.linear(h_BTH, lm_head_VH).float()
-        return ForwardOut(logits_BTV, torch.stack(ids_per_layer, dim=2))
+        margin_BTL = torch.stack(margin_per_layer, 1).view(B, T, -1) if margins else None
+        return ForwardOut(logits_BTV, torch.stack(ids_per_layer, dim=2), margin_BTL)
 
     def _shared_expert(self, p: str) -> SharedExpert | None:
         """Layer prefix ``p``'s shared expert, or None when the model has none."""

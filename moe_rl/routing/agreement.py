@@ -85,13 +85,15 @@ class AgreementCollector:
         old_prefix: str = "router_grad/update_",
         num_lags: int = 0,
         margins: bool = False,
+        num_turns: int = 0,
     ) -> None:
         """``num_lags`` > 0: every micro-batch with targets comes with its rows' version lags
         (each < num_lags) and the flips against the targets are also split by lag; ``margins``:
         with its rows' Top-K margins, and the flips are also split by margin bucket."""
         self.prefix, self.old_prefix, self.keep_native = prefix, old_prefix, keep_native
-        self.num_lags, self.margins = num_lags, margins
+        self.num_lags, self.margins, self.num_turns = num_lags, margins, num_turns
         self._target_lags: list[torch.Tensor] = []
+        self._target_turns: list[torch.Tensor] = []
         self._target_margins: list[torch.Tensor] = []  # float [N, L] per micro-batch with targets
         self._native: list[tuple[torch.Tensor, torch.Tensor]] = []  # (native [N, L, K], seq_lens_B)
         self._vs_target: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # native, target, rec_N
@@ -109,6 +111,7 @@ class AgreementCollector:
         old=None,
         target_lag=None,
         margin_NL=None,
+        target_turn=None,
     ) -> None:
         """One micro-batch: this rank's native routes, and (target_NLK, recorded_N) pairs to
         compare them with (both already this rank's rows); ``target_lag``: int [N] the rows'
@@ -121,6 +124,10 @@ class AgreementCollector:
                 if target_lag is None:
                     raise ReplayError("flips by version lag: a micro-batch came without its rows' lags")
                 self._target_lags.append(target_lag)
+            if self.num_turns:
+                if target_turn is None:
+                    raise ReplayError("flips by turn: a micro-batch came without its rows' turns")
+                self._target_turns.append(target_turn)
             if self.margins:
                 if margin_NL is None:
                     raise ReplayError("flips by margin: a micro-batch came without its rows' margins")
@@ -171,20 +178,27 @@ class AgreementCollector:
             sharded[f"{prefix}flip_token_frac"] = Mean(differs_NL.any(1).float().sum(), n)
             sharded[f"{prefix}flip_layers_per_token"] = Mean(differs_NL.float().sum(), n)
         if self.num_lags and self._vs_target:  # tokens[0]: the targets', joined over the stages
-            sharded.update(self._flips_by_lag(tokens[0][1]))
+            sharded.update(self._flips_by(tokens[0][1], self._target_lags, self.num_lags, "flip_frac_lag"))
+        if self.num_turns and self._vs_target:  # turn 0 holds no row: its count is dropped
+            by_turn = self._flips_by(tokens[0][1], self._target_turns, self.num_turns + 1, "")
+            sharded.update(
+                {
+                    f"agent/flip_frac/turn{k}": by_turn[f"{self.prefix}{k}"]
+                    for k in range(1, self.num_turns + 1)
+                }
+            )
         metrics.update(self._sum_sequence_shards(sharded))
         return RoutingOutcome(metrics, self._recorded(natives) if self.keep_native else None)
 
-    def _flips_by_lag(self, differs_NL: torch.Tensor) -> dict:
-        """(token, layer) pairs that differ from the targets, over the recorded rows of each lag
-        (every MoE layer of the model: ``differs_NL`` is joined over the stages)."""
+    def _flips_by(self, differs_NL: torch.Tensor, keys: list[torch.Tensor], num: int, name: str) -> dict:
+        """(token, layer) pairs that differ from the targets, over the recorded rows of each value
+        k < ``num`` of ``keys`` (their lags, or turns), as ``{prefix}{name}<k>`` (every MoE layer
+        of the model: ``differs_NL`` is joined over the stages)."""
         rec_N = torch.cat([r for _, _, r in self._vs_target]).cpu()
-        lag_N = torch.cat(self._target_lags).cpu()[rec_N]
-        flips_K = sum_by_lag(differs_NL.sum(1), lag_N, self.num_lags)
-        pairs_K = sum_by_lag(torch.full_like(lag_N, differs_NL.shape[1]), lag_N, self.num_lags).to(
-            flips_K.device
-        )
-        return {f"{self.prefix}flip_frac_lag{k}": Mean(flips_K[k], pairs_K[k]) for k in range(self.num_lags)}
+        key_N = torch.cat(keys).cpu()[rec_N]
+        flips_K = sum_by_lag(differs_NL.sum(1), key_N, num)
+        pairs_K = sum_by_lag(torch.full_like(key_N, differs_NL.shape[1]), key_N, num).to(flips_K.device)
+        return {f"{self.prefix}{name}{k}": Mean(flips_K[k], pairs_K[k]) for k in range(num)}
 
     def _flips_by_margin(self, differs_NL: torch.Tensor) -> dict:
         """Flip rate per margin bucket ((token, layer) pairs of recorded rows), and the bucket's share

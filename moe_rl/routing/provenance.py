@@ -27,6 +27,7 @@ from moe_rl.metrics import Sum
 NONE, COMPUTED, PREFIX_HIT, REPREFILL = 0, 1, 2, 3
 SOURCE_NAMES = ("none", "computed", "prefix_hit", "reprefill")
 STALE_ROWS = ("replay", "native", "drop_sample")  # routing.stale_rows
+PROV_BYTES = 7  # per row: int32 version, uint8 source, int16 turn
 
 
 @dataclass

@@ -121,6 +121,7 @@ class RouteReplay:
         self._in_forward = False
         self._targets = self._old = None  # this micro-batch's (targets_NLK, recorded_N) for comparison
         self._target_lag: torch.Tensor | None = None  # its rows' version lags (flips by lag)
+        self._target_turn: torch.Tensor | None = None  # its rows' agent turns (flips by turn)
         self._native: list[torch.Tensor | None] = []
         self._margin: list[torch.Tensor | None] = []  # per layer, with targets and ``plan.margins``
         self._real_N: torch.Tensor | None = None  # this micro-batch's rows that are real tokens (monitor)
@@ -134,7 +135,13 @@ class RouteReplay:
         p = _Pass(plan, monitor and self.monitor is not None)
         if plan is not None:
             self.server.begin_pass(self.recompute and with_backward and plan.mode is PassMode.REPLAY)
-            self.collector.begin_pass(plan.prefix, plan.records, num_lags=plan.num_lags, margins=plan.margins)
+            self.collector.begin_pass(
+                plan.prefix,
+                plan.records,
+                num_lags=plan.num_lags,
+                margins=plan.margins,
+                num_turns=plan.num_turns,
+            )
         self._pass = p
         try:
             yield p
@@ -159,6 +166,8 @@ class RouteReplay:
             self._begin_micro_batch(p.plan, mb.routes, mb.old_routes, mb.seq_lens_B, seq_len)
             if p.plan.num_lags and self._targets is not None:
                 self._target_lag = self._row_lags(mb.route_lag_BS, seq_len)
+            if p.plan.num_turns and self._targets is not None:
+                self._target_turn = self._row_lags(mb.route_turn_BS, seq_len, "turn")
         try:
             yield
             if p is not None and p.plan is not None:
@@ -177,7 +186,7 @@ class RouteReplay:
         B = int(seq_lens_B.shape[0])
         self._native = [None] * len(self.layer_ids)
         self._margin = [None] * len(self.layer_ids)
-        self._targets = self._old = self._target_lag = None
+        self._targets = self._old = self._target_lag = self._target_turn = None
         lens_B = seq_lens_B.cpu()  # the layout is index arithmetic on the CPU, moved once below
         if old_routes is not None:
             if old_routes.num_samples != B:
@@ -200,11 +209,11 @@ class RouteReplay:
         self._targets = (targets_NLK, self.sp.local_rows(rec_N))
         self.collector.add_missing(counts)
 
-    def _row_lags(self, route_lag_BS: torch.Tensor | None, seq_len: int) -> torch.Tensor:
-        """This rank's rows' version lags, laid out like the targets (row s * B + b: token s of
-        sequence b)."""
+    def _row_lags(self, route_lag_BS: torch.Tensor | None, seq_len: int, what: str = "lag") -> torch.Tensor:
+        """This rank's rows' version lags (or turns), laid out like the targets (row s * B + b: token
+        s of sequence b)."""
         if route_lag_BS is None or route_lag_BS.shape[1] != seq_len:
-            raise ReplayError("flips by version lag were asked for but the micro-batch has no route_lag_BS")
+            raise ReplayError(f"flips by {what} were asked for but the micro-batch has no route_{what}_BS")
         return self.sp.local_rows(token_rows(route_lag_BS.cpu()))
 
     def _local(self, t_NLK: torch.Tensor) -> torch.Tensor:
@@ -229,6 +238,7 @@ class RouteReplay:
             self._targets,
             self._old,
             target_lag=self._target_lag,
+            target_turn=self._target_turn,
             margin_NL=torch.stack(self._margin, 1) if margins else None,
         )
         self._native = [None] * len(self.layer_ids)

@@ -38,13 +38,16 @@ class PassPlan:
     under ``prefix``. ``num_lags`` > 0 also splits the flips against the given routes by the
     version lag of each row (``{prefix}flip_frac_lag<k>``, k < num_lags; the batch carries
     ``route_lag_BS``). ``margins``: the flips against the given routes are also counted by the
-    learner's Top-K margin (``{prefix}flip_frac_margin_<bucket>``, routing/topk_overlap.py)."""
+    learner's Top-K margin (``{prefix}flip_frac_margin_<bucket>``, routing/topk_overlap.py).
+    ``num_turns`` > 0 (agent runs): by the turn whose engine call computed each row
+    (``agent/flip_frac/turn<k>``, k = 1..num_turns; the batch carries ``route_turn_BS``)."""
 
     mode: PassMode
     keep_native: bool = False
     prefix: str = "routing/"
     num_lags: int = 0
     margins: bool = False
+    num_turns: int = 0
 
     @property
     def records(self) -> bool:

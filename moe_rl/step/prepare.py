@@ -32,6 +32,7 @@ from moe_rl.maths.versions import (
     lag_k3_by_turn,
     lag_metrics,
     route_lag_BS,
+    route_turn_BS,
 )
 from moe_rl.metrics import Max, Mean, Sum
 from moe_rl.monitor.router_grad import rollout_flip_aliases
@@ -116,11 +117,14 @@ def old_logprobs(plan: StepPlan, learner: Learner, batch: RolloutBatch, learner_
     weights (step t: ``weight_version(t)`` = t + 1), against which ``batch.version_BS`` gives
     each token's lag."""
     batch = batch.to(learner.device)
+    seq_lens_B = batch.prompt_lens_B + batch.response_lens_B
+    turns = plan.agent_turns if batch.turn_BS is not None else 0
+    # before a dropped sample's mask is cleared: the turns of its rows come from it
+    turn_BS = route_turn_BS(batch.turn_BS, batch.response_mask_BS, seq_lens_B) if turns else None
     routes = rollout_routes(batch, learner.route_header)
     batch, routes, route_metrics = stale_routes(batch, routes, plan.stale_rows)
     inputs = drift.token_inputs(plan.correction, plan.support, batch)
     lags_BS, num_lags = version_lags(batch, learner_version, learner.dims.dp_group)
-    seq_lens_B = batch.prompt_lens_B + batch.response_lens_B
     tb = TrainBatch(
         batch.tokens_BS,
         seq_lens_B,
@@ -128,8 +132,10 @@ def old_logprobs(plan: StepPlan, learner: Learner, batch: RolloutBatch, learner_
         rollout_dist_BSV=inputs.rollout_dist_BSV,
         routes=routes,
         route_lag_BS=route_lag_BS(lags_BS, batch.prompt_lens_B, seq_lens_B),
+        route_turn_BS=turn_BS,
     )
-    old_plan = dataclasses.replace(plan.replay.old_pass, num_lags=num_lags)  # router flips by lag
+    # router flips by lag, and by turn in agent runs
+    old_plan = dataclasses.replace(plan.replay.old_pass, num_lags=num_lags, num_turns=turns)
     out = learner.forward_logprobs(tb, plan.sampling.temperature, plan.micro_batch_size, old_plan)
     return OldPass(batch, tb, out, lags_BS, num_lags, route_metrics)
 
@@ -163,6 +169,7 @@ def prepare_batch(
         # the update passes compare their routing with the old pass's (update-induced flips)
         old_routes=routing.recorded if plan.replay.monitor else None,
         route_lag_BS=None,  # the old pass's flips by lag are measured; the update's are not split
+        route_turn_BS=None,
     )
     metrics.update(mismatch_metrics(st.logp_BS, batch.logprobs_BS, st.entropy_BS, mask_BS))
     # by version lag (docs/math.md 2.7): the staleness histogram and the rollout -> old k3 per lag

@@ -34,6 +34,13 @@ class UpdateBeforeTurn:
     def __init__(self, engine: BuiltinEngine, turn: int, version: int, weights) -> None:
         self.engine, self.turn, self.update, self.calls = engine, turn, (version, weights), 0
 
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    def prefill_routes(self, seqs):  # the route verifier's prefill (it runs at step 0 by default)
+        return self.engine.prefill_routes(seqs)
+
     def generate(self, prompts, n, sampling, seed):
         self.calls += 1
         updates = ScheduledUpdates({0: self.update}) if self.calls == self.turn else None
@@ -62,6 +69,10 @@ def updated_run():
 def test_rows_keep_the_version_and_turn_that_computed_them(updated_run):
     cfg, b = updated_run
     T_B = (b.prompt_lens_B + b.response_lens_B).tolist()
+    # the verifier ran after the rollout, at version 2: turn 1's rows (version 1) are not compared
+    m = b.engine_metrics
+    assert float(m["routing/verify_rows_other_version"].value) > 0
+    assert float(m["routing/verify_mismatch_frac"].sum) == 0.0
     turn_BS = b.turn_BS.long()
     reached_2 = 0
     for i, prov in enumerate(b.route_prov):

@@ -98,6 +98,17 @@ def test_environment_module_that_raises_or_exits_on_import(tmp_path, monkeypatch
             "built-in engine's prefix cache, and rollout.engine=vllm",
         ),
         (
+            ["agent.env=calculator", "rollout.engine=vllm", "routing.verify.every=5"],
+            "override 'routing.verify.every=5': config key 'routing.verify.every': 5: the verifier's "
+            "full prefill is built for the built-in engine only; rollout.engine=vllm is not yet "
+            "(docs/agentic.md 9)",
+        ),
+        (
+            ["routing.verify.every=5"],
+            "override 'routing.verify.every=5': config key 'routing.verify.every': 5: the verifier "
+            "checks multi-turn route traces: set agent.env",
+        ),
+        (
             ["agent.max_turns=0"],
             "override 'agent.max_turns=0': config key 'agent.max_turns': must be >= 1 (got 0)",
         ),

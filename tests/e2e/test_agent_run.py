@@ -31,6 +31,7 @@ def test_calculator_run_trains_assistant_tokens_only(tmp_path):
         "rollout.prefix_cache_blocks=256",
         "rollout.prefix_block_tokens=4",
         "routing.stale_rows=drop_sample",
+        "routing.verify.every=1",  # the route verifier on both steps (its default: every 10)
         *TINY,
         "agent.max_turn_tokens=12",  # a call is up to 11 tokens and eos (TINY's 8 would cut it)
     )
@@ -48,6 +49,12 @@ def test_calculator_run_trains_assistant_tokens_only(tmp_path):
         assert rec["train/loss_tokens"] == rec["agent/assistant_tokens"] == assistant > 0
         assert rec["routing/version_mismatch_rows"] == 0 and rec["routing/stale_samples_dropped"] == 0
         assert rec["agent/tool_tokens"] == tools > 0
+        assert rec["agent/route_bytes"] == sum(r["route_bytes"] for r in mine) > 0
+        # the verifier: 4 trajectories per rank through one full prefill, clean (no alarm); the
+        # learner's flips by the turn whose call computed the row
+        assert rec["routing/verify_samples"] == 8 and rec["routing/verify_rows_compared"] > 0
+        assert rec["routing/verify_mismatch_frac"] <= 0.01 and rec["routing/verify_rows_other_version"] == 0
+        assert 0 <= rec["agent/flip_frac/turn1"] <= 1 and 0 <= rec["agent/flip_frac/turn2"] <= 1
         assert rec["rollout/num_response_tokens"] == assistant + tools
         assert rec["agent/turns_mean"] == pytest.approx(sum(r["turns"] for r in mine) / 32)
         assert rec["agent/turns_max"] == 3.0  # two tool replies were read
@@ -66,6 +73,9 @@ def test_calculator_run_trains_assistant_tokens_only(tmp_path):
         # the agent warm start: measured 0.966/0.883 and 0.406/0.406 here (docs/agentic.md 7); the
         # single-turn file (init_weights=its path) fails it: 0 of 64 calls ran at step 0
         assert rec["agent/tool_success_rate"] >= 0.8 and rec["reward/mean"] >= 0.1
+    assert (
+        "route_verify" not in (run / "events.jsonl").read_text() if (run / "events.jsonl").exists() else True
+    )
     # the report's summary: the first and last step's tool-call success rate and turns
     heads = dict(data.headline(data.load_run(run)))
     for label, key in (
@@ -114,3 +124,5 @@ def test_calculator_on_a_rollout_rank_one_step_off(tmp_path):
         for turn in (1, 2):  # turn 2 ran (a reply was appended) in these batches
             assert rec[f"agent/lag_mean/turn{turn}"] == min(step, 1)
         assert rec["agent/k3/turn1"] >= 0 and rec["agent/k3/turn2"] >= 0
+        # the verifier on the rollout rank, at its default interval (every 10 steps: step 0 only)
+        assert ("routing/verify_samples" in rec) == (step == 0)

@@ -158,6 +158,38 @@ def test_flips_by_version_lag_split_the_router_flips_by_each_rows_lag():
 
 
 @pytest.mark.unit
+def test_flips_by_turn_split_the_router_flips_by_each_rows_turn():
+    c = AgreementCollector(HEADER, [0, 1], SeqShard())
+    c.begin_pass("routing/", keep_native=False, num_lags=1, num_turns=2)
+    # the micro-batches above; recorded rows (mb1, 0) turn 1, (mb1, 1) turn 2, (mb2, 0) turn 1
+    native1 = _nlk([[0, 1], [2, 3], [0, 1]], [[0, 1], [0, 1], [2, 3]])
+    target1 = _nlk([[1, 0], [2, 1], [3, 2]], [[0, 1], [2, 3], [0, 1]])
+    rec1 = torch.tensor([True, True, False])
+    zero1, zero2 = torch.zeros(3, dtype=torch.int64), torch.zeros(2, dtype=torch.int64)
+    c.add(
+        native1,
+        torch.tensor([3]),
+        target=(target1, rec1),
+        target_lag=zero1,
+        target_turn=torch.tensor([1, 2, 0]),
+    )
+    native2 = _nlk([[1, 2], [0, 3]], [[3, 2], [0, 1]])
+    target2 = _nlk([[1, 3], [0, 1]], [[2, 3], [0, 2]])
+    rec2 = torch.tensor([True, False])
+    c.add(
+        native2, torch.tensor([2]), target=(target2, rec2), target_lag=zero2, target_turn=torch.tensor([1, 1])
+    )
+    m = c.finish().metrics
+    # turn 1: (mb1, 0) agrees in both layers, (mb2, 0) flips in 1 -> 1 of 4; turn 2: (mb1, 1) 2 of 2
+    assert (float(m["agent/flip_frac/turn1"].sum), float(m["agent/flip_frac/turn1"].count)) == (1.0, 4.0)
+    assert (float(m["agent/flip_frac/turn2"].sum), float(m["agent/flip_frac/turn2"].count)) == (2.0, 2.0)
+    assert not [k for k in m if k.endswith("turn0") or k.endswith("turn3")]
+    c.begin_pass("routing/", keep_native=False, num_turns=2)
+    with pytest.raises(ReplayError, match="without its rows' turns"):
+        c.add(native2, torch.tensor([2]), target=(target2, rec2))
+
+
+@pytest.mark.unit
 def test_topk_margin_is_the_gap_between_the_kth_and_next_selection_score():
     from moe_rl.routing.gating import RouterSpec, topk_margin
 
