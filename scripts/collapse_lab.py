@@ -88,8 +88,7 @@ from moe_rl.report.lab_table import (  # noqa: E402 (after the sys.path line)
     series_table,
 )
 from moe_rl.report.render import write_report  # noqa: E402 (after the sys.path line)
-from moe_rl.tasks.hf_tokenizer import load_tokenizer  # noqa: E402 (after the sys.path line)
-from moe_rl.tasks.task import resolve_vocab  # noqa: E402 (after the sys.path line)
+from moe_rl.tasks.task import build_task  # noqa: E402 (after the sys.path line)
 
 PRESETS = ROOT / "configs" / "corrections"
 CONTROL = "onpolicy"
@@ -205,10 +204,10 @@ def train_args(arm: str, seed: int, run_dir: Path, args) -> list[str]:
 
 def resolved_config(argv: list[str]) -> RunConfig:
     """The config a run of ``argv`` writes to its config.yaml: the CLI's loader (first argument a
-    file unless it has '='), then the trainer's resolution (model.vocab_size from the tokenizer)."""
+    file unless it has '='), then the trainer's own resolution (``build_task``: model.vocab_size
+    from the tokenizer; with agent.env, init_weights the agent warm start)."""
     path, overrides = (argv[0], argv[1:]) if argv and "=" not in argv[0] else (None, argv)
-    cfg = load_config(path, overrides)
-    return resolve_vocab(cfg, load_tokenizer(cfg.task.tokenizer, cfg.init_weights))
+    return build_task(load_config(path, overrides), start_pool=False)[0]
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:

@@ -155,6 +155,10 @@ def test_lab_agent_task_runs_async_multi_turn_with_provenance_masking_arms():
     )
     control = load_config(None, lab.arm_overrides("onpolicy", args))  # colocated, in sync, fp32
     assert (control.agent.env, control.rollout.mode, control.parallel.rollout_ranks) == ("calculator", "sync", 0)
+    # the config the lab compares a finished run against is the one the run writes: with agent.env
+    # the default init_weights is the agent warm start (else no multi-turn run was ever reused)
+    run_dir = Path("/tmp/x/none_s0")
+    assert lab.resolved_config(lab.train_args("none", 0, run_dir, args)).init_weights == "builtin:warmstart_agent"
     assert lab.parse(["--agent", "calculator", "--mode", "one_step_off"]).mode == "one_step_off"
     assert lab.parse(["--agent", "calculator", "--minibatches", "8"]).minibatches == 8
 
