@@ -360,7 +360,7 @@ def parse(argv: list[str] | None = None):
         "--minibatches",
         type=int,
         default=None,
-        help=f"algo.num_minibatches (optimizer steps per RL step); default 8, {AGENT_MINIBATCHES} with --agent",
+        help=f"algo.num_minibatches (optimizer steps per RL step); 8, {AGENT_MINIBATCHES} with --agent",
     )
     ap.add_argument(
         "--staleness",
@@ -418,7 +418,9 @@ def parse(argv: list[str] | None = None):
             ap.error("--agent: the lab's multi-turn task runs on the built-in engine (its route provenance)")
         args.mode = args.mode or "async"  # the staleness must be real: the loop refuses rollout.staleness
         if args.staleness:
-            ap.error("--staleness: the multi-turn loop takes no simulated staleness; --mode gives real staleness")
+            ap.error(
+                "--staleness: the multi-turn loop takes no simulated staleness; --mode gives real staleness"
+            )
         if args.router_noise is None and args.mismatch == "router_noise":
             args.router_noise = AGENT_NOISE
     if args.steps is None:

@@ -127,7 +127,9 @@ AGENT_COLUMNS = (
         total,
         "trajectories whose tokens carry two weight versions (an update landed inside), summed",
     ),
-    SeriesColumn("tool success, start", "agent/tool_success_rate", first, "agent/tool_success_rate at step 0"),
+    SeriesColumn(
+        "tool success, start", "agent/tool_success_rate", first, "agent/tool_success_rate at step 0"
+    ),
     SeriesColumn(
         "tool success, final",
         "agent/tool_success_rate",
@@ -135,7 +137,10 @@ AGENT_COLUMNS = (
         f"its mean over the last {outcome.FINAL_WINDOW} steps",
     ),
     SeriesColumn(
-        "turns, final", "agent/turns_mean", mean_last, f"agent/turns_mean over the last {outcome.FINAL_WINDOW}"
+        "turns, final",
+        "agent/turns_mean",
+        mean_last,
+        f"agent/turns_mean over the last {outcome.FINAL_WINDOW}",
     ),
 )
 
@@ -145,7 +150,9 @@ SAMPLING_COLUMNS = (
     SeriesColumn(
         "useful fraction", "sampling/useful_frac", mean_all, "sampling/useful_frac, mean over steps"
     ),
-    SeriesColumn("cap reached", "sampling/cap_reached", total, "steps that hit algo.dynamic_sampling.max_rounds"),
+    SeriesColumn(
+        "cap reached", "sampling/cap_reached", total, "steps that hit algo.dynamic_sampling.max_rounds"
+    ),
     SeriesColumn(
         "generated tokens",
         "sampling/response_tokens_generated",

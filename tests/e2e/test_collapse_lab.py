@@ -154,11 +154,18 @@ def test_lab_agent_task_runs_async_multi_turn_with_provenance_masking_arms():
         12,
     )
     control = load_config(None, lab.arm_overrides("onpolicy", args))  # colocated, in sync, fp32
-    assert (control.agent.env, control.rollout.mode, control.parallel.rollout_ranks) == ("calculator", "sync", 0)
+    assert (control.agent.env, control.rollout.mode, control.parallel.rollout_ranks) == (
+        "calculator",
+        "sync",
+        0,
+    )
     # the config the lab compares a finished run against is the one the run writes: with agent.env
     # the default init_weights is the agent warm start (else no multi-turn run was ever reused)
     run_dir = Path("/tmp/x/none_s0")
-    assert lab.resolved_config(lab.train_args("none", 0, run_dir, args)).init_weights == "builtin:warmstart_agent"
+    assert (
+        lab.resolved_config(lab.train_args("none", 0, run_dir, args)).init_weights
+        == "builtin:warmstart_agent"
+    )
     assert lab.parse(["--agent", "calculator", "--mode", "one_step_off"]).mode == "one_step_off"
     assert lab.parse(["--agent", "calculator", "--minibatches", "8"]).minibatches == 8
 
@@ -178,7 +185,10 @@ def test_series_table_reduces_each_run_then_spreads_over_seeds():
         return SimpleNamespace(series=lambda key: np.array(cols.get(key, [nan] * len(stale)), dtype=float))
 
     runs = {
-        "r3_drop": [run([0, 11, 0, 4], [0, 3, 0, 1], [0.5, 0.6, 0.7, 0.8]), run([2, 0, 0, 0], [1, 0, 0, 0], [0.9] * 4)]
+        "r3_drop": [
+            run([0, 11, 0, 4], [0, 3, 0, 1], [0.5, 0.6, 0.7, 0.8]),
+            run([2, 0, 0, 0], [1, 0, 0, 0], [0.9] * 4),
+        ]
     }
     row = series_table(runs, AGENT_COLUMNS).splitlines()[2]
     # stale rows 15 and 2; steps with stale rows 2 and 1; dropped 4 and 1; mixed-version: never logged;
@@ -504,8 +514,10 @@ def test_collapse_lab_multi_turn_one_step_off_runs_split_and_tables_k_of_n(tmp_p
     assert cells[1:3] == ["1", f"{rs[0]['reward/mean']:.3g}"] and cells[4] == "n/a"  # 2 steps: not judged
     # the multi-turn table: stale rows, steps with them, dropped, mixed-version; tool success at step 0
     multi = table[table.index("Multi-turn (agent.env):") :].splitlines()
-    assert multi[2] == "| arm | seeds | stale rows | steps with stale rows | samples dropped | mixed-version " \
+    assert (
+        multi[2] == "| arm | seeds | stale rows | steps with stale rows | samples dropped | mixed-version "
         "samples | tool success, start | tool success, final | turns, final |"
+    )
     cells = [c.strip() for c in multi[4].strip().strip("|").split("|")]
     turns = sum(r["agent/turns_mean"] for r in rs) / 2
     assert cells == ["r3_drop", "1", "0", "0", "0", "0"] + [
