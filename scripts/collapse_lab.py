@@ -7,7 +7,7 @@ N-run report and a table of outcomes per arm.
                                    [--staleness 0] [--engine builtin | vllm]
                                    [--mode one_step_off | async [--max-staleness K]]
                                    [--mismatch router_noise | fp8 [--quantize all_linear | experts]]
-                                   [--set key=value ...] [--rerun] [--ci]
+                                   [--agent calculator] [--set key=value ...] [--rerun] [--ci]
     python scripts/collapse_lab.py --arms none,r3 --map-noise 0.3,1.0,1.5 --map-lr 2e-4,3e-4   # map.md
 
 The defaults are the documented collapsing setting (docs/collapse_lab.md 2): the default grid
@@ -48,6 +48,15 @@ sets every arm's). The control, if asked for, stays colocated and in sync.
 no router noise (--router-noise > 0 and --map-noise are refused). Default arms none, r3, token_tis,
 r3_token_tis; default seeds 0-4 for none and r3, 0,1,2 for the others. The control drops the FP8.
 
+--agent calculator: the multi-turn task (docs/agentic.md: the calculator environment, the agent
+warm start, 12-token turns, 16 prompts x 4 samples) on a split run, async unless --mode says
+one_step_off, so the learner's updates land between (and inside) a trajectory's turns and route
+rows go stale (``routing/version_mismatch_rows``). Default arms none, r3 and r3_drop (R3 with
+``routing.stale_rows=drop_sample``; r3_native: ``native``), seeds 0-4 for none and r3, 0,1,2 for
+the others; router noise 0.5, 2 minibatches, 40 steps. The table adds the stale rows, dropped
+samples and tool calls per arm. With --set algo.dynamic_sampling.enabled=true (any grid) it adds
+dynamic sampling's rounds and generated tokens.
+
 --ci: one collapsing arm (none) and one rescued arm (r3), one seed, 3 steps of a small batch
 with rollout.staleness=2 unless given; checks only that the machinery runs (runs, report, table),
 nothing about learning.
@@ -57,10 +66,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -72,9 +79,16 @@ from moe_rl.config import RunConfig, load_config, to_dict  # noqa: E402 (after t
 from moe_rl.errors import ConfigError, RunDirError, UserError, one_line  # noqa: E402 (after the sys.path line)
 from moe_rl.preflight import check_launch  # noqa: E402 (after the sys.path line)
 from moe_rl.report import data, outcome  # noqa: E402 (after the sys.path line)
+from moe_rl.report.lab_table import (  # noqa: E402 (after the sys.path line)
+    AGENT_COLUMNS,
+    SAMPLING_COLUMNS,
+    arm_table,
+    collapsed_count,
+    mean_spread,
+    series_table,
+)
 from moe_rl.report.render import write_report  # noqa: E402 (after the sys.path line)
-from moe_rl.tasks.hf_tokenizer import load_tokenizer  # noqa: E402 (after the sys.path line)
-from moe_rl.tasks.task import resolve_vocab  # noqa: E402 (after the sys.path line)
+from moe_rl.tasks.task import build_task  # noqa: E402 (after the sys.path line)
 
 PRESETS = ROOT / "configs" / "corrections"
 CONTROL = "onpolicy"
@@ -88,6 +102,11 @@ ARMS = {
     "trm_avg": [str(PRESETS / "trm_avg.yaml")],
     "r3_trm": [str(PRESETS / "trm_max.yaml"), "routing.replay=r3"],
     "r3_token_tis": [str(PRESETS / "token_tis.yaml"), "routing.replay=r3"],
+    # R3 with provenance-based masking (docs/design.md 5.1): a route row whose weight version is not
+    # its token's (an update landed between two turns, or inside one) takes its sample out of the
+    # loss, or is routed natively
+    "r3_drop": ["routing.replay=r3", "routing.stale_rows=drop_sample"],
+    "r3_native": ["routing.replay=r3", "routing.stale_rows=native"],
     "dvp": [str(PRESETS / "dvp.yaml")],
     CONTROL: [],
 }
@@ -102,6 +121,17 @@ SPLIT = ["parallel.nproc=2", "parallel.rollout_ranks=1", "parallel.expert_parall
 # without a tail every generation ends before the next update and async is one_step_off exactly
 LONG_TAIL = ["model.max_seq_len=256", "rollout.max_new_tokens=224", "rollout.long_tail_frac=0.125"]
 CI_ARMS = ["none", "r3"]
+# --agent: the multi-turn task (docs/agentic.md), by default fully async so updates land between
+# (and inside) the turns of a trajectory, which is what makes route rows stale
+AGENT_ARMS = ["none", "r3", "r3_drop"]
+AGENT_NOISE = 0.5  # the lab's 1.5 breaks the agent warm start's calls: step-0 reward 0 (collapse_lab.md 5)
+AGENT_STEPS = 40  # about a minute a run on the 2 cores; the uncorrected runs fall within 10-20 steps
+AGENT_MINIBATCHES = 2  # a learner step shorter than a multi-turn batch: updates land inside it
+AGENT_BATCH = [
+    "agent.max_turn_tokens=12",  # a calculator call is up to 11 tokens and eos
+    "rollout.prompts_per_step=16",
+    "rollout.samples_per_prompt=4",
+]
 VLLM_ARMS = ["none", "r3"]  # --engine vllm: the real engine's mismatch, uncorrected vs replayed
 CI_BATCH = [
     "rollout.prompts_per_step=8",
@@ -119,8 +149,9 @@ def arm_overrides(arm: str, args) -> list[str]:
     engine-side mismatch."""
     vllm = ["rollout.engine=vllm"] if args.engine == "vllm" else []
     split = [*SPLIT, f"rollout.mode={args.mode}"] if args.mode else []
-    if args.mode == "async":
-        split += [f"rollout.max_staleness={args.max_staleness}", *LONG_TAIL]
+    if args.mode == "async":  # the multi-turn task's tail is its turns: a tail sample would be cut
+        split += [f"rollout.max_staleness={args.max_staleness}", *([] if args.agent else LONG_TAIL)]
+    agent = [f"agent.env={args.agent}", *AGENT_BATCH] if args.agent else []
     fp8 = ["rollout.quantization=fp8", f"rollout.quantize={args.quantize}"] if args.mismatch == "fp8" else []
     mismatch = [
         *vllm,
@@ -141,6 +172,7 @@ def arm_overrides(arm: str, args) -> list[str]:
     # the control's resets come last: no --set brings a mismatch back into it
     return [
         *ARMS[arm],
+        *agent,
         *mismatch,
         f"optim.lr={args.lr}",
         f"algo.num_minibatches={args.minibatches}",
@@ -172,10 +204,10 @@ def train_args(arm: str, seed: int, run_dir: Path, args) -> list[str]:
 
 def resolved_config(argv: list[str]) -> RunConfig:
     """The config a run of ``argv`` writes to its config.yaml: the CLI's loader (first argument a
-    file unless it has '='), then the trainer's resolution (model.vocab_size from the tokenizer)."""
+    file unless it has '='), then the trainer's own resolution (``build_task``: model.vocab_size
+    from the tokenizer; with agent.env, init_weights the agent warm start)."""
     path, overrides = (argv[0], argv[1:]) if argv and "=" not in argv[0] else (None, argv)
-    cfg = load_config(path, overrides)
-    return resolve_vocab(cfg, load_tokenizer(cfg.task.tokenizer, cfg.init_weights))
+    return build_task(load_config(path, overrides), start_pool=False)[0]
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:
@@ -259,55 +291,6 @@ def run_one(run_dir: Path, argv: list[str], verdict: str) -> Path:
     return run_dir
 
 
-def _mean_spread(xs: list[float]) -> str:
-    xs = [x for x in xs if math.isfinite(x)]
-    if not xs:
-        return "-"
-    if len(xs) == 1:
-        return f"{xs[0]:.3g}"
-    return f"{statistics.mean(xs):.3g} ± {statistics.stdev(xs):.2g}"
-
-
-def collapsed_count(outs: list[outcome.Outcome]) -> str:
-    """ "k of n" seeds collapsed, or "n/a" when a run is too short to tell."""
-    return f"{sum(o.collapsed for o in outs)} of {len(outs)}" if all(o.judged for o in outs) else "n/a"
-
-
-def arm_table(results: dict[str, list[outcome.Outcome]]) -> str:
-    """Markdown: one row per arm, mean ± sample std over seeds (collapses counted)."""
-    head = (
-        "| arm | seeds | start reward | final reward | collapsed | collapse step | peak k3 KL "
-        "| grad-norm spikes | router flips | TRM acceptance | skipped updates | k3 native | k3 replayed "
-        "| flip share |"
-    )
-    rows = [head, "|---|" + "---:|" * 13]
-    for arm, outs in results.items():
-        steps = [float(o.collapse_step) for o in outs if o.collapse_step is not None]
-        collapsed = collapsed_count(outs)
-        rows.append(
-            " | ".join(
-                [
-                    f"| {arm}",
-                    str(len(outs)),
-                    _mean_spread([o.start_reward for o in outs]),
-                    _mean_spread([o.final_reward for o in outs]),
-                    collapsed,
-                    _mean_spread(steps) if steps else "-",
-                    _mean_spread([o.peak_k3 for o in outs]),
-                    _mean_spread([float(o.grad_spikes) for o in outs]),
-                    _mean_spread([o.mean_flip for o in outs]),
-                    _mean_spread([o.trm_accept for o in outs]),
-                    _mean_spread([o.skipped_updates for o in outs]),
-                    _mean_spread([o.k3_native for o in outs]),
-                    _mean_spread([o.k3_replayed for o in outs]),
-                    _mean_spread([o.flip_share for o in outs]),
-                ]
-            )
-            + " |"
-        )
-    return "\n".join(rows) + "\n"
-
-
 class _Parser(argparse.ArgumentParser):
     """A bad flag is one `error:` line and exit 2 (the CLI's contract), not usage + message."""
 
@@ -346,7 +329,7 @@ def _check_out(ap: _Parser, out: str) -> None:
 def parse(argv: list[str] | None = None):
     ap = _Parser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="runs/lab", help="one directory for every run, the report and the table")
-    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--steps", type=int, default=None, help=f"default 100, {AGENT_STEPS} with --agent")
     ap.add_argument(
         "--seeds",
         default=None,
@@ -374,7 +357,10 @@ def parse(argv: list[str] | None = None):
     ap.add_argument("--dtype", default="bf16", help="rollout.dtype of the engine (bf16 | fp32)")
     ap.add_argument("--lr", type=float, default=4e-4, help="optim.lr")
     ap.add_argument(
-        "--minibatches", type=int, default=8, help="algo.num_minibatches (optimizer steps per RL step)"
+        "--minibatches",
+        type=int,
+        default=None,
+        help=f"algo.num_minibatches (optimizer steps per RL step); 8, {AGENT_MINIBATCHES} with --agent",
     )
     ap.add_argument(
         "--staleness",
@@ -419,8 +405,28 @@ def parse(argv: list[str] | None = None):
         default=None,
         help="rollout.quantize with --mismatch fp8: every linear layer (default) or the routed experts only",
     )
+    ap.add_argument(
+        "--agent",
+        choices=("calculator",),
+        default=None,
+        help="a multi-turn task: agent.env (the agent warm start), rollout.mode async unless --mode",
+    )
     ap.add_argument("--ci", action="store_true", help="none + r3, one seed, 3 steps of a small batch")
     args = ap.parse_args(argv)
+    if args.agent:
+        if args.engine == "vllm":
+            ap.error("--agent: the lab's multi-turn task runs on the built-in engine (its route provenance)")
+        args.mode = args.mode or "async"  # the staleness must be real: the loop refuses rollout.staleness
+        if args.staleness:
+            ap.error(
+                "--staleness: the multi-turn loop takes no simulated staleness; --mode gives real staleness"
+            )
+        if args.router_noise is None and args.mismatch == "router_noise":
+            args.router_noise = AGENT_NOISE
+    if args.steps is None:
+        args.steps = AGENT_STEPS if args.agent else 100
+    if args.minibatches is None:
+        args.minibatches = AGENT_MINIBATCHES if args.agent else 8
     if args.quantize is not None and args.mismatch != "fp8":
         ap.error("--quantize: only with --mismatch fp8")
     args.quantize = args.quantize or "all_linear"
@@ -450,7 +456,9 @@ def parse(argv: list[str] | None = None):
         ap.error(f"--max-staleness: must be >= 0 (got {args.max_staleness})")
     if args.arms is None:
         default = (
-            MODE_ARMS
+            AGENT_ARMS
+            if args.agent
+            else MODE_ARMS
             if args.mode
             else FP8_ARMS
             if args.mismatch == "fp8"
@@ -475,7 +483,7 @@ def parse(argv: list[str] | None = None):
         ap.error("--steps must be >= 1 and --seeds must name at least one seed")
     args.arm_seeds = {
         arm: _numbers(ap, "--seeds", MODE_SEEDS[arm], int)
-        if (args.mode or args.mismatch == "fp8") and not given_seeds and arm in MODE_SEEDS
+        if (args.mode or args.agent or args.mismatch == "fp8") and not given_seeds and arm in MODE_SEEDS
         else args.seed_list
         for arm in args.arm_list
     }
@@ -485,15 +493,28 @@ def parse(argv: list[str] | None = None):
     return args
 
 
-def run_grid(jobs: list[tuple[str, int, Path, list[str], str]]) -> dict[str, list[outcome.Outcome]]:
-    """Every run of ``plan_grid``'s list, trained or reused; their outcomes per arm."""
+def run_grid(jobs: list[tuple[str, int, Path, list[str], str]]) -> dict[str, list[data.Run]]:
+    """Every run of ``plan_grid``'s list, trained or reused, read back, per arm."""
     dirs: dict[str, list[Path]] = {}
     for arm, _, run_dir, argv, verdict in jobs:
         dirs.setdefault(arm, []).append(run_one(run_dir, argv, verdict))
-    return {
-        arm: [outcome.outcome(r.steps_T, r.series) for r in map(data.load_run, ds)]
-        for arm, ds in dirs.items()
-    }
+    return {arm: [data.load_run(d) for d in ds] for arm, ds in dirs.items()}
+
+
+def outcomes(runs: dict[str, list[data.Run]]) -> dict[str, list[outcome.Outcome]]:
+    return {arm: [outcome.outcome(r.steps_T, r.series) for r in rs] for arm, rs in runs.items()}
+
+
+def extra_tables(runs: dict[str, list[data.Run]]) -> str:
+    """The multi-turn task's table (stale rows, tool calls) and dynamic sampling's (rounds,
+    generated tokens), each where some run logged it."""
+    logged = [r for rs in runs.values() for r in rs]
+    text = ""
+    if any(r.has("agent/turns_mean") for r in logged):
+        text += f"Multi-turn (agent.env):\n\n{series_table(runs, AGENT_COLUMNS)}\n"
+    if any(r.cfg("algo.dynamic_sampling.enabled", False) for r in logged):
+        text += f"Dynamic sampling:\n\n{series_table(runs, SAMPLING_COLUMNS)}\n"
+    return text
 
 
 def collapse_map(args) -> None:
@@ -519,11 +540,11 @@ def collapse_map(args) -> None:
     for noise in noises:
         cells = []
         for lr in lrs:
-            res = run_grid(plans[noise, lr])
+            res = outcomes(run_grid(plans[noise, lr]))
             cells.append(
                 "; ".join(
                     f"{arm} {collapsed_count(outs)} collapsed, final "
-                    f"{_mean_spread([o.final_reward for o in outs])}"
+                    f"{mean_spread([o.final_reward for o in outs])}"
                     for arm, outs in res.items()
                 )
             )
@@ -553,7 +574,7 @@ def lab(args) -> None:
         return
     jobs = plan_grid(args)
     out.mkdir(parents=True, exist_ok=True)
-    results = run_grid(jobs)
+    runs = run_grid(jobs)
     html = write_report(
         [Path(args.out).resolve() / f"{arm}_s{s}" for arm in args.arm_list for s in args.arm_seeds[arm]],
         out / "report",
@@ -562,10 +583,11 @@ def lab(args) -> None:
     seeds = ", ".join(f"{arm} {len(args.arm_seeds[arm])}" for arm in args.arm_list)
     text = (
         f"# Collapse lab: {len(args.arm_list)} arms ({seeds} seeds), {args.steps} steps"
+        + (f", agent.env={args.agent}" if args.agent else "")
         + (f", rollout.mode={args.mode}" if args.mode else "")
         + "\n\n"
-        f"Mismatch settings (every arm but `{CONTROL}`): `{settings}`\n\n{arm_table(results)}\n"
-        f"{outcome.DEFINITIONS} Spread: sample standard deviation over seeds.\n"
+        f"Mismatch settings (every arm but `{CONTROL}`): `{settings}`\n\n{arm_table(outcomes(runs))}\n"
+        f"{outcome.DEFINITIONS} Spread: sample standard deviation over seeds.\n\n{extra_tables(runs)}"
     )
     (out / "table.md").write_text(text)
     print(text)

@@ -79,7 +79,14 @@ def stale_routes(
     )
     if not bool(keep_B.all()):
         mask_BS = batch.response_mask_BS & keep_B.to(batch.response_mask_BS.device)[:, None]
-        batch = dataclasses.replace(batch, response_mask_BS=mask_BS)
+        # the cleared tokens are no longer generated ones: version 0, as every other masked position
+        # (check_versions' rule; an async run's first dropped sample failed it)
+        v_BS = batch.version_BS
+        batch = dataclasses.replace(
+            batch,
+            response_mask_BS=mask_BS,
+            version_BS=None if v_BS is None else torch.where(mask_BS, v_BS, torch.zeros_like(v_BS)),
+        )
     return batch, dataclasses.replace(routes, ids_NLK=ids_NLK), metrics
 
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from moe_rl.config import load_config
+from moe_rl.maths.versions import check_versions
 from moe_rl.pipeline.remote_engine import RolloutMessage
 from moe_rl.rollout.base import ScheduledUpdates
 from moe_rl.rollout.builtin import BuiltinEngine
@@ -118,6 +119,10 @@ def test_stale_rows_policy_on_an_update_between_turns(updated_run, policy):
     if policy == "drop_sample":
         assert m["routing/stale_samples_dropped"].value == float(n_stale)
         assert torch.equal(out.response_mask_BS.any(1), ~went_on_B & b.response_mask_BS.any(1))
+        # a dropped sample's tokens are no longer generated ones: version 0, so the batch still
+        # passes the version check the old-log-prob pass runs next
+        assert torch.equal(out.version_BS, torch.where(out.response_mask_BS, b.version_BS, 0))
+        check_versions(out.version_BS, out.response_mask_BS, learner_version=2)
     else:
         assert torch.equal(out.response_mask_BS, b.response_mask_BS)
     assert not bool((routes.prov.source_N == NONE).any())

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import yaml
 
@@ -39,7 +40,7 @@ def test_lab_defaults_are_the_documented_setting_and_all_means_every_arm():
     # the control drops every engine-side mismatch, after any --set
     ctl = lab.arm_overrides("onpolicy", lab.parse(["--set", "rollout.router_noise=0.7"]))
     assert ctl[-3:] == ["rollout.router_noise=0.0", "rollout.dtype=fp32", "rollout.staleness=0"]
-    assert lab.parse(["--arms", "all"]).arm_list == list(lab.ARMS) and len(lab.ARMS) == 11
+    assert lab.parse(["--arms", "all"]).arm_list == list(lab.ARMS) and len(lab.ARMS) == 13
     with pytest.raises(SystemExit):
         lab.parse(["--arms", "none,bogus"])
 
@@ -113,6 +114,86 @@ def test_lab_fp8_mismatch_has_no_router_noise_and_the_control_drops_fp8():
     assert not any(
         "quantiz" in o for o in lab.arm_overrides("none", lab.parse([]))
     )  # router noise: as before
+
+
+@pytest.mark.unit
+def test_lab_agent_task_runs_async_multi_turn_with_provenance_masking_arms():
+    lab = _lab()
+    args = lab.parse(["--agent", "calculator"])
+    assert (args.arm_list, args.mode, args.router_noise, args.minibatches, args.steps) == (
+        ["none", "r3", "r3_drop"],
+        "async",
+        0.5,
+        2,
+        40,
+    )
+    assert args.arm_seeds == {"none": [0, 1, 2, 3, 4], "r3": [0, 1, 2, 3, 4], "r3_drop": [0, 1, 2]}
+    split = ["parallel.nproc=2", "parallel.rollout_ranks=1", "parallel.expert_parallel=1"]
+    # no long tail: a multi-turn trajectory's turns are its length, and a tail sample would be cut
+    assert lab.arm_overrides("r3_drop", args) == [
+        "routing.replay=r3",
+        "routing.stale_rows=drop_sample",
+        "agent.env=calculator",
+        "agent.max_turn_tokens=12",
+        "rollout.prompts_per_step=16",
+        "rollout.samples_per_prompt=4",
+        *split,
+        "rollout.mode=async",
+        "rollout.max_staleness=1",
+        "rollout.router_noise=0.5",
+        "rollout.dtype=bf16",
+        "rollout.staleness=0",
+        "optim.lr=0.0004",
+        "algo.num_minibatches=2",
+    ]
+    cfg = load_config(None, lab.arm_overrides("r3_native", args))
+    assert (cfg.routing.replay, cfg.routing.stale_rows, cfg.agent.env, cfg.agent.max_turn_tokens) == (
+        "r3",
+        "native",
+        "calculator",
+        12,
+    )
+    control = load_config(None, lab.arm_overrides("onpolicy", args))  # colocated, in sync, fp32
+    assert (control.agent.env, control.rollout.mode, control.parallel.rollout_ranks) == (
+        "calculator",
+        "sync",
+        0,
+    )
+    # the config the lab compares a finished run against is the one the run writes: with agent.env
+    # the default init_weights is the agent warm start (else no multi-turn run was ever reused)
+    run_dir = Path("/tmp/x/none_s0")
+    assert (
+        lab.resolved_config(lab.train_args("none", 0, run_dir, args)).init_weights
+        == "builtin:warmstart_agent"
+    )
+    assert lab.parse(["--agent", "calculator", "--mode", "one_step_off"]).mode == "one_step_off"
+    assert lab.parse(["--agent", "calculator", "--minibatches", "8"]).minibatches == 8
+
+
+@pytest.mark.unit
+def test_series_table_reduces_each_run_then_spreads_over_seeds():
+    from moe_rl.report.lab_table import AGENT_COLUMNS, series_table
+
+    nan = float("nan")
+
+    def run(stale, dropped, success):
+        cols = {
+            "routing/version_mismatch_rows": stale,
+            "routing/stale_samples_dropped": dropped,
+            "agent/tool_success_rate": success,
+        }
+        return SimpleNamespace(series=lambda key: np.array(cols.get(key, [nan] * len(stale)), dtype=float))
+
+    runs = {
+        "r3_drop": [
+            run([0, 11, 0, 4], [0, 3, 0, 1], [0.5, 0.6, 0.7, 0.8]),
+            run([2, 0, 0, 0], [1, 0, 0, 0], [0.9] * 4),
+        ]
+    }
+    row = series_table(runs, AGENT_COLUMNS).splitlines()[2]
+    # stale rows 15 and 2; steps with stale rows 2 and 1; dropped 4 and 1; mixed-version: never logged;
+    # tool success at step 0: 0.5 and 0.9, over the last 10 steps: 0.65 and 0.9; turns: never logged
+    assert row == "| r3_drop | 2 | 8.5 ± 9.2 | 1.5 ± 0.71 | 2.5 ± 2.1 | - | 0.7 ± 0.28 | 0.775 ± 0.18 | - |"
 
 
 @pytest.mark.unit
@@ -278,7 +359,7 @@ def test_lab_bad_fp8_flags_are_one_error_line(tmp_path, capsys):
         (
             ["--arms", "none,bogus"],
             "--arms: unknown ['bogus']; known: none,r2,r3,token_tis,seq_mis,trm_max,trm_avg,"
-            "r3_trm,r3_token_tis,dvp,onpolicy",
+            "r3_trm,r3_token_tis,r3_drop,r3_native,dvp,onpolicy",
         ),
         (["--steps", "x"], "argument --steps: invalid int value: 'x'"),
         (
@@ -286,6 +367,15 @@ def test_lab_bad_fp8_flags_are_one_error_line(tmp_path, capsys):
             "--max-staleness: only with --mode async (one_step_off is exactly one update stale)",
         ),
         (["--mode", "async", "--max-staleness", "-1"], "--max-staleness: must be >= 0 (got -1)"),
+        (
+            ["--agent", "calculator", "--staleness", "2"],
+            "--staleness: the multi-turn loop takes no simulated staleness; --mode gives real staleness",
+        ),
+        (
+            ["--agent", "calculator", "--engine", "vllm"],
+            "--agent: the lab's multi-turn task runs on the built-in engine (its route provenance)",
+        ),
+        (["--agent", "lookup"], "argument --agent: invalid choice: 'lookup' (choose from 'calculator')"),
         (
             ["--engine", "vllm", "--router-noise", "0.5"],
             "--router-noise/--map-noise: router-logit noise exists only in the built-in engine; "
@@ -373,12 +463,15 @@ def test_collapse_lab_ci_grid_runs_and_reports(tmp_path):
 
 
 @pytest.mark.e2e
-def test_collapse_lab_one_step_off_runs_split_and_tables_k_of_n(tmp_path):
+def test_collapse_lab_multi_turn_one_step_off_runs_split_and_tables_k_of_n(tmp_path):
+    """The multi-turn task (--agent) on the split one_step_off schedule, R3 with drop_sample, FP8
+    rollouts: one run carries the lab's split, its FP8 mismatch and its agent table. one_step_off
+    samples every turn of a batch with one weight version, so no route row is stale."""
     out = tmp_path / "lab"
     batch = [f"--set={x}" for x in script_module("collapse_lab").CI_BATCH]
     # FP8 rollouts one update stale: two mismatch sources the split sees together
-    cmd = ["--mode", "one_step_off", "--mismatch", "fp8", "--arms", "none", "--seeds", "0", "--steps", "2"]
-    cmd += ["--out", str(out)]
+    cmd = ["--agent", "calculator", "--mode", "one_step_off", "--mismatch", "fp8", "--arms", "r3_drop"]
+    cmd += ["--seeds", "0", "--steps", "2", "--out", str(out)]
     proc = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "collapse_lab.py"), *cmd, *batch],
         check=False,
@@ -388,21 +481,47 @@ def test_collapse_lab_one_step_off_runs_split_and_tables_k_of_n(tmp_path):
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    rs = [json.loads(x) for x in (out / "none_s0" / "metrics.jsonl").read_text().splitlines()]
+    run = out / "r3_drop_s0"
+    rs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     # really split and one update stale: batch 0 from W_0, batch 1 from W_0 while W_1 trains
     assert [(r["step"], r["rollout/version_lag"]) for r in rs] == [(0, 0.0), (1, 1.0)]
-    cfg = yaml.safe_load((out / "none_s0" / "config.yaml").read_text())
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
     assert (cfg["parallel"]["rollout_ranks"], cfg["rollout"]["mode"], cfg["rollout"]["staleness"]) == (
         1,
         "one_step_off",
         0,
     )
     assert (cfg["rollout"]["quantization"], cfg["rollout"]["router_noise"]) == ("fp8", 0.0)
-    s0 = rs[0]  # the split at step 0: replay off, so the old pass is the native side
-    assert s0["mismatch/k3_native"] == pytest.approx(s0["corr/k3_kl"], rel=1e-12)
+    assert (cfg["agent"]["env"], cfg["agent"]["max_turn_tokens"], cfg["init_weights"]) == (
+        "calculator",
+        12,
+        "builtin:warmstart_agent",
+    )
+    assert (cfg["routing"]["replay"], cfg["routing"]["stale_rows"]) == ("r3", "drop_sample")
+    for r in rs:  # multi-turn, trained on the assistant tokens; one version per batch: nothing stale
+        assert r["agent/turns_max"] >= 2 and r["agent/tool_calls"] > 0
+        assert r["train/loss_tokens"] == r["agent/assistant_tokens"] > 0
+        assert r["routing/version_mismatch_rows"] == 0 == r["routing/stale_samples_dropped"]
+    s0 = rs[0]  # the split at step 0: R3 on, so the old pass is the replayed side
+    assert s0["mismatch/k3_replayed"] == pytest.approx(s0["corr/k3_kl"], rel=1e-12)
     assert s0["mismatch/k3_native"] > 0 and s0["mismatch/k3_replayed"] > 0  # FP8 experts: not all routing
     table = (out / "table.md").read_text()
-    assert table.startswith("# Collapse lab: 1 arms (none 1 seeds), 2 steps, rollout.mode=one_step_off\n")
-    row = next(line for line in table.splitlines() if line.startswith("| none |"))
+    assert table.startswith(
+        "# Collapse lab: 1 arms (r3_drop 1 seeds), 2 steps, agent.env=calculator, rollout.mode=one_step_off\n"
+    )
+    row = next(line for line in table.splitlines() if line.startswith("| r3_drop | 1 | "))
     cells = [c.strip() for c in row.strip().strip("|").split("|")]
     assert cells[1:3] == ["1", f"{rs[0]['reward/mean']:.3g}"] and cells[4] == "n/a"  # 2 steps: not judged
+    # the multi-turn table: stale rows, steps with them, dropped, mixed-version; tool success at step 0
+    multi = table[table.index("Multi-turn (agent.env):") :].splitlines()
+    assert (
+        multi[2] == "| arm | seeds | stale rows | steps with stale rows | samples dropped | mixed-version "
+        "samples | tool success, start | tool success, final | turns, final |"
+    )
+    cells = [c.strip() for c in multi[4].strip().strip("|").split("|")]
+    turns = sum(r["agent/turns_mean"] for r in rs) / 2
+    assert cells == ["r3_drop", "1", "0", "0", "0", "0"] + [
+        f"{rs[0]['agent/tool_success_rate']:.3g}",
+        f"{(rs[0]['agent/tool_success_rate'] + rs[1]['agent/tool_success_rate']) / 2:.3g}",
+        f"{turns:.3g}",
+    ]
