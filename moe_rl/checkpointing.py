@@ -134,14 +134,14 @@ class CheckpointManager:
         """After step ``step`` (0-based): every ``checkpoint_every`` steps, and after the last."""
         return checkpoint_due(step, self.cfg.checkpoint_every, self.cfg.steps)
 
-    def save(self, step: int, data_cursor: int | None = None, partials: dict | None = None) -> None:
+    def save(self, step: int, data_cursor: int | None = None, partials=None) -> None:
         """The state after step ``step`` (0-based): a resumed run starts at ``step + 1``, drawing
         its prompts from ``data_cursor`` on (default: ``step + 1``, one round per step), with the
-        dp rank's pending groups ``partials`` (``Pending.state_dict``; algo.over_sampling)."""
+        dp rank's pending groups ``partials`` (a ``Pending``; written with algo.over_sampling)."""
         name = f"step_{step + 1:06d}"
         dims = self.learner.dims
-        if partials is not None and dims.tp_rank == 0 and dims.pp_rank == 0:
-            self._write(self.partials_path(name), partials)
+        if self.cfg.algo.over_sampling.on and dims.tp_rank == 0 and dims.pp_rank == 0:
+            self._write(self.partials_path(name), partials.state_dict())
         if self.stale is not None and self.stale.k and (not dist.is_initialized() or dist.get_rank() == 0):
             self._save_stale(name)
         if self.in_flight:  # every learner rank receives them: its next batches

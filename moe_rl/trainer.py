@@ -31,7 +31,7 @@ from moe_rl.preflight import check_run_dir as check_run_directory
 from moe_rl.seeding import GENERATE, step_seed
 from moe_rl.step.finalize import finalize
 from moe_rl.step.mismatch_split import split_step
-from moe_rl.step.over_sampling import OverSamplingPlan, Pending, collect_over
+from moe_rl.step.oversample import OverSamplingPlan, Pending, collect_over
 from moe_rl.step.plan import StepPlan
 from moe_rl.step.prepare import old_logprobs, prepare_batch, reference_logprobs, rollout_metrics
 from moe_rl.step.sampling import Collected, collect
@@ -192,8 +192,9 @@ def rollout_step(
     """The step's prompts, their batch and scores, in rounds from data-cursor index ``cursor`` on
     (more than one only with algo.dynamic_sampling; moe_rl/step/sampling.py): a round's prompts are
     those of its index, or (rollout.mode=async) of the request the rollout ranks' buffer hands this
-    dp rank (``RemoteEngine.request_for``). With algo.over_sampling, the rounds start more groups and
-    abort the rest (moe_rl/step/over_sampling.py): ``pending``, the partial rollouts carried between steps."""
+    dp rank (``RemoteEngine.request_for``), with the version of the weights it was sampled with on
+    each token (``SimulatedStaleness.versioned``). With algo.over_sampling, the rounds start more groups and
+    abort the rest (moe_rl.step.oversample.py): ``pending``, the partial rollouts carried between steps."""
     r, engine = cfg.rollout, pipe.engine
 
     def generate(index: int):
@@ -214,9 +215,12 @@ def rollout_step(
         with timer.phase("score"):
             return step_scores(cfg, task, prompts, batch)
 
-    ds, pad = cfg.algo.dynamic_sampling, task.tokenizer.pad_id
+    ds, pad, stale = cfg.algo.dynamic_sampling, task.tokenizer.pad_id, pipe.sync.stale
     if not cfg.algo.over_sampling.on:
-        return collect(ds, generate, score, cursor, pad, dims.dp_group), pending
+        got = collect(ds, generate, score, cursor, pad, dims.dp_group)
+        with timer.phase("rollout"):  # version_BS: the weights it sampled with
+            batch, m_stale = stale.versioned(got.batch, step)
+        return got._replace(batch=batch, metrics={**got.metrics, **m_stale}), pending
 
     def draw(index: int, count: int) -> list:
         return task.source.sample_step(index, count, dims.dp_rank, dims.dp_size, cfg.seed)
@@ -225,15 +229,16 @@ def rollout_step(
         with timer.phase("rollout"):
             seed = step_seed(cfg.seed, index, dims.dp_rank, GENERATE)
             got = engine.generate(ids, 1, plan.sampling, seed=seed, abort=abort)
-            return with_version(
-                dataclasses.replace(got, version_BS=None), pipe.sync.stale.engine_version(step)
-            )
+            return with_version(dataclasses.replace(got, version_BS=None), stale.engine_version(step))
 
-    need, stale = r.prompts_per_step // dims.dp_size, r.max_staleness
+    need, bound = r.prompts_per_step // dims.dp_size, r.max_staleness
     os_plan = OverSamplingPlan(
-        cfg.algo.over_sampling, ds, need, r.samples_per_prompt, r.max_new_tokens, stale, pad
+        cfg.algo.over_sampling, ds, need, r.samples_per_prompt, r.max_new_tokens, bound, pad
     )
-    return collect_over(os_plan, flat, draw, score, cursor, pending, weight_version(step), dims.dp_group)
+    got, pending = collect_over(
+        os_plan, flat, draw, score, cursor, pending, weight_version(step), dims.dp_group
+    )
+    return got._replace(metrics={**got.metrics, **stale.metrics()}), pending
 
 
 # the run, to cfg.steps, or (``Stopped``) to the checkpoint a stop request ended it with
@@ -247,7 +252,6 @@ def train(cfg: RunConfig, dims: ParallelDims, prepared: Prepared | None = None) 
     pipe = pipeline_of(cfg, dims, learner, tok.pad_id, mem)  # engine, offload timeline, weight sync
     lr_sched = LengthLRScheduler(cfg.optim.length_lr)
     stale = pipe.sync.stale  # rollout.staleness=k: the engine's weights k updates behind
-    os_on = cfg.algo.over_sampling.on
     ckpt = CheckpointManager(cfg, learner, lr_sched, stale, pipe.engine)
     with mem.span("resume"):
         start = ckpt.resume()
@@ -264,12 +268,8 @@ def train(cfg: RunConfig, dims: ParallelDims, prepared: Prepared | None = None) 
         with pipe.offload.generating(step) as moved:
             m_val = validation_rewards(cfg, task, pipe.engine, step, dims.dp_rank, dims.dp_size)  # val_every
             timer = StepTimer(mem, step)  # each phase's peak RSS: run_dir/memory_timeline.jsonl
-            got, pending = rollout_step(
-                cfg, task, pipe, plan, step, dims, cursor, timer, pending
-            )  # rollout, score
-            cursor += got.rounds
-            with timer.phase("rollout"):  # version_BS: the weights it sampled with (over-sampling: stamped)
-                batch, m_stale = (got.batch, stale.metrics()) if os_on else stale.versioned(got.batch, step)
+            got, pending = rollout_step(cfg, task, pipe, plan, step, dims, cursor, timer, pending)
+            cursor, batch = cursor + got.rounds, got.batch  # version_BS: the weights it sampled with
         with timer.phase("old_logprob"):
             old = old_logprobs(plan, learner, batch, learner_version=weight_version(step))
         m_split = split_step(plan, learner, old, step, timer.phase)  # log.mismatch_split_every
@@ -282,7 +282,7 @@ def train(cfg: RunConfig, dims: ParallelDims, prepared: Prepared | None = None) 
             m_update = update_policy(plan, learner, train_batch, lr)
         stop = agreed() if step + 1 < cfg.steps else 0  # a stop signal on any learner rank: the last step
         m_sync = pipe.sync.sync(timer.phase, step + 1 if stop else cfg.steps)  # learner -> engine (14.2)
-        local = {**m_val, **got.metrics, **m_prep, **m_split, **m_update, **m_lr, **m_stale, **m_sync}
+        local = {**m_val, **got.metrics, **m_prep, **m_split, **m_update, **m_lr, **m_sync}
         local |= rollout_metrics(batch)
         m_mem = {**memory_metrics(learner.device), **moved.metrics()}
         metrics = finalize({**local, **timer.metrics(), **m_mem}, dims.dp_group)
@@ -293,7 +293,7 @@ def train(cfg: RunConfig, dims: ParallelDims, prepared: Prepared | None = None) 
         bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", step_s=f"{metrics['time/step_s']:.2f}")
         if ckpt.due(step) or stop:
             with mem.span("checkpoint", step), pipe.offload.resident():  # weights, Adam state back
-                ckpt.save(step, cursor, pending.state_dict() if os_on else None)
+                ckpt.save(step, cursor, pending)
         if stop:
             break
     pipe.offload.finish()

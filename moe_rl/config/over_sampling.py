@@ -85,3 +85,10 @@ def check_over_sampling(cfg: Any) -> None:
         "0 drops every partial rollout: a resumed response's earlier tokens are 1 version old when it "
         "trains; use rollout.max_staleness >= 1, or algo.over_sampling.on_abort=drop",
     )
+    check(
+        not os_.partial or r.max_staleness > r.staleness,
+        "rollout.max_staleness",
+        f"{r.max_staleness} drops every partial rollout with rollout.staleness={r.staleness}: a resumed "
+        f"response's earlier tokens lag {r.staleness + 1} versions when it trains; use rollout.max_staleness "
+        f">= {r.staleness + 1}",
+    )

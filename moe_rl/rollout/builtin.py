@@ -83,7 +83,7 @@ def _tail_rows(B: int, frac: float, seed: int, device: torch.device) -> torch.Te
     k = math.ceil(frac * B)
     if k:
         pick = torch.Generator().manual_seed((seed * _NOISE_SEED_ADD + _NOISE_SEED_MUL) % 2**64)
-        tail_B[torch.randperm(B, generator=pick)[:k].to(device)] = True
+        tail_B[torch.randperm(B, generator=pick, device="cpu")[:k].to(device)] = True
     return tail_B
 
 
@@ -228,7 +228,7 @@ class BuiltinEngine:
         forwards (module docstring). None: no polls, the weights stay as loaded.
 
         ``abort``: per-row token budgets and an early stop checked every ``abort.every`` decode
-        steps (``EarlyAbort``; over-sampling, moe_rl/step/over_sampling.py).
+        steps (``EarlyAbort``; over-sampling, moe_rl.step.oversample.py).
         """
         self._check_request(prompts, n, sampling)
         self._apply_update(updates)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from moe_rl.rollout.base import EarlyAbort
-from tests.step.over_sampling_helpers import MAX_NEW, SAMPLING, make_engine
+from tests.step.oversample_helpers import MAX_NEW, SAMPLING, make_engine
 
 pytestmark = pytest.mark.unit
 

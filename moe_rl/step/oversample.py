@@ -31,18 +31,20 @@ import torch.distributed as dist
 from moe_rl.config.dynamic_sampling import DynamicSamplingConfig
 from moe_rl.config.over_sampling import OverSamplingConfig
 from moe_rl.dist import comm_device
+from moe_rl.maths.versions import lag_BS
 from moe_rl.metrics import Max, Mean, Sum, merge_metrics
-from moe_rl.pipeline.request_buffer import staleness_filter
 from moe_rl.rollout.base import EarlyAbort
 from moe_rl.routing.provenance import REPREFILL, Provenance
 from moe_rl.step.sampling import (
     Collected,
     Score,
-    _cat_scores,
-    _fill,
+    cat_scores,
     concat_batches,
+    fill_groups,
     groups_with_signal,
     pad_to,
+    take_groups,
+    useful_tokens,
 )
 from moe_rl.types import Prompt, RolloutBatch
 
@@ -108,37 +110,27 @@ class Pending:
         return len(self.prompts)
 
     def state_dict(self) -> dict:
-        """Tensors, lists and numbers only (``torch.load(weights_only=True)`` reads it back)."""
-        from moe_rl.pipeline.remote_engine import RolloutMessage
-
+        """Tensors, lists and numbers only (``torch.load(weights_only=True)`` reads it back); the
+        batch's route provenance as plain tensors, its engine metrics left out (logged already)."""
         if self.batch is None:
             return {"prompts": []}
-        msg = RolloutMessage(0, 0, 0, [], 0, 0, self.batch.to("cpu"), {})
+        b = self.batch.to("cpu")
+        fields = {f.name: getattr(b, f.name) for f in dataclasses.fields(b) if f.name != "engine_metrics"}
+        fields["route_prov"] = None if b.route_prov is None else [p.tensors() for p in b.route_prov]
         return {
             "prompts": [dataclasses.asdict(p) for p in self.prompts],
-            "batch": msg.state_dict()["batch"],
+            "batch": fields,
             "done_B": self.done_B.cpu(),
         }
 
     @classmethod
     def from_state_dict(cls, state: dict) -> Pending:
-        from moe_rl.pipeline.remote_engine import RolloutMessage
-
         if not state["prompts"]:
             return cls([])
-        msg = RolloutMessage.from_state_dict(
-            {
-                "step": 0,
-                "dp_rank": 0,
-                "seed": 0,
-                "prompts": [],
-                "n": 0,
-                "version": 0,
-                "waits": {},
-                "batch": state["batch"],
-            }
-        )
-        return cls([Prompt(**p) for p in state["prompts"]], msg.batch, state["done_B"])
+        fields = dict(state["batch"])
+        if fields.get("route_prov") is not None:
+            fields["route_prov"] = [Provenance.from_tensors(t) for t in fields["route_prov"]]
+        return cls([Prompt(**p) for p in state["prompts"]], RolloutBatch(**fields), state["done_B"])
 
 
 def _rows(n: int, groups: list[int]) -> torch.Tensor:
@@ -266,11 +258,12 @@ def _drop_stale(plan: OverSamplingPlan, pending: Pending, version: int) -> tuple
     b = pending.batch
     if b is None or not plan.cfg.partial:
         return pending, 0
-    keep_B, _ = staleness_filter(b.version_BS, b.response_mask_BS, version, plan.max_staleness, b.group_B)
-    if bool(keep_B.all()):
+    lag_B = lag_BS(b.version_BS, b.response_mask_BS, version).amax(1).cpu()
+    keep_G = ~(lag_B > plan.max_staleness).view(-1, plan.n).any(1)  # a group with a stale sample: whole
+    if bool(keep_G.all()):
         return pending, 0
-    groups = keep_B.cpu().view(-1, plan.n)[:, 0].nonzero().flatten().tolist()
-    return _pending(plan, b, pending.prompts, pending.done_B, groups), int((~keep_B).sum())
+    groups = keep_G.nonzero().flatten().tolist()
+    return _pending(plan, b, pending.prompts, pending.done_B, groups), int((~keep_G).sum()) * plan.n
 
 
 def _pending(
@@ -304,8 +297,6 @@ def collect_over(
     """The step's rounds from data-cursor index ``cursor`` on (module doc), with the partial
     rollouts ``pending`` from the last step; ``version``: the weights this step generates with.
     Returns what the step trains on, and the groups pending for the next step."""
-    from moe_rl.step.sampling import take_groups
-
     os_, ds, n = plan.cfg, plan.ds, plan.n
     t = _Tally()
     pending, stale = _drop_stale(plan, pending, version)
@@ -374,9 +365,9 @@ def collect_over(
             dist.all_reduce(short, op=dist.ReduceOp.MAX, group=dp_group)
         if not short.item() or rounds >= ds.max_rounds:
             break
-    parts = _fill(kept, dropped_eq, plan.need) if ds.enabled else kept
+    parts = fill_groups(kept, dropped_eq, plan.need) if ds.enabled else kept
     batch = concat_batches([p[0] for p in parts], plan.pad_id)
-    scores = _cat_scores([p[1] for p in parts], metrics)
+    scores = cat_scores([p[1] for p in parts], metrics)
     metrics = {**metrics, **_metrics(plan, t, batch, scores, version, rounds, have, pending)}
     return Collected([q for p in parts for q in p[2]], batch, scores, metrics, rounds), pending
 
@@ -386,10 +377,7 @@ def _metrics(
 ) -> dict:
     c, f64 = t.c, torch.float64
     lens_B = batch.response_lens_B.cpu().double()
-    signal_P = groups_with_signal(
-        scores.values(plan.ds.filter), batch.group_B, batch.num_seqs // plan.n
-    ).cpu()
-    useful = lens_B[signal_P.repeat_interleave(plan.n)].sum()
+    useful = useful_tokens(batch, scores, plan.ds.filter).cpu()
     mask_BS = batch.response_mask_BS.cpu()
     older_BS = mask_BS & (batch.version_BS.cpu() < version)  # tokens sampled at an earlier step
     lag = torch.where(older_BS, version - batch.version_BS.cpu().long(), 0).sum().double()

@@ -1,4 +1,4 @@
-"""Over-sampling with early abort and partial rollouts (moe_rl/step/over_sampling.py) over the real
+"""Over-sampling with early abort and partial rollouts (moe_rl.step.oversample.py) over the real
 built-in engine: a resumed response keeps every earlier token's log-prob, version and route row
 (the re-prefill's rows discarded but the one that fed the first resumed token); drop counts and the
 length bias; the staleness bound; an exact resume of the pending groups through their checkpoint
@@ -14,13 +14,13 @@ import torch
 from moe_rl.metrics import reduce_metrics
 from moe_rl.rollout.base import EarlyAbort
 from moe_rl.routing.provenance import COMPUTED, REPREFILL
-from moe_rl.step.over_sampling import Pending, collect_over, resume_rows
+from moe_rl.step.oversample import Pending, collect_over, resume_rows
 from moe_rl.step.sampling import groups_with_signal
-from tests.step.over_sampling_helpers import (
+from tests.step.oversample_helpers import (
     MAX_NEW,
-    N,
     PAD_ID,
     SAMPLING,
+    N,
     draw,
     generator,
     make_engine,

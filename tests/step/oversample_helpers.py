@@ -1,4 +1,4 @@
-"""Shared pieces of the over-sampling tests (tests/step/test_over_sampling.py): a tiny built-in engine
+"""Shared pieces of the over-sampling tests (tests/step/test_oversample.py): a tiny built-in engine
 whose responses have a long tail, a deterministic score, and the step's callables over them."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 from moe_rl.config.dynamic_sampling import DynamicSamplingConfig
 from moe_rl.config.over_sampling import OverSamplingConfig
 from moe_rl.rollout.builtin import BuiltinEngine
-from moe_rl.step.over_sampling import OverSamplingPlan
+from moe_rl.step.oversample import OverSamplingPlan
 from moe_rl.tasks.task import StepScores
 from moe_rl.types import Prompt, SamplingParams, with_version
 from moe_rl.weights.canonical import random_canonical_weights
