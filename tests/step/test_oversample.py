@@ -146,11 +146,12 @@ def test_a_partial_older_than_max_staleness_is_dropped_and_counted():
 
 
 def test_with_dynamic_sampling_the_abort_waits_for_groups_with_signal():
-    p = plan(factor=2.0, on_abort="drop", need=3, dynamic=True)
+    p = plan(factor=3.0, on_abort="drop", need=2, dynamic=True)
     got, _, m = _step(p, make_engine(1), 0, Pending([]))
-    signal_P = groups_with_signal(got.scores.accuracy_B, got.batch.group_B, 3)
+    signal_P = groups_with_signal(got.scores.accuracy_B, got.batch.group_B, 2)
     assert m["sampling/cap_reached"] == 0 and bool(signal_P.all())  # every trained group has signal
-    assert m["sampling/groups_kept"] == 3
+    assert m["sampling/rounds"] == 1  # the abort waited for groups with signal: one round held them
+    assert m["sampling/groups_kept"] == 2
     assert m["sampling/useful_frac"] == pytest.approx(
         (m["sampling/groups_generated"] - m["sampling/groups_dropped_all_equal"])
         / m["sampling/groups_generated"]
