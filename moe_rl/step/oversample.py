@@ -344,11 +344,10 @@ def collect_over(
                 kept.append(take_groups(cb, cs, cp, take))
             if decided_eq:
                 dropped_eq.append(take_groups(cb, cs, cp, decided_eq))
-            decided = len(take) + len(decided_eq) + (0 if os_.partial else len(surplus))
-            t.add(
-                generated=decided,
-                with_signal=int(signal_P[take].sum()) + (0 if os_.partial else len(surplus)),
-            )
+            # decided this round: trained, dropped as all-equal, and (drop) the surplus; a pending
+            # surplus group is counted when a later step decides it
+            decided = take + decided_eq + ([] if os_.partial else surplus)
+            t.add(generated=len(decided), with_signal=int(signal_P[decided].sum()))
             have += len(take)
         rest += (~complete_G).nonzero().flatten().tolist()
         rest.sort()
