@@ -64,9 +64,14 @@ class CheckpointManager:
         self.in_flight = self.remote is not None and schedule.keeps_in_flight
         self.buffered = self.remote is not None and schedule.buffers_requests
         self.data_cursor = 0  # a resume reads it from the checkpoint (trainer_state.json)
+        self.partials: dict = {"prompts": []}  # algo.over_sampling's pending groups (partials_*.pt)
 
     def stale_path(self, step_dir_name: str) -> Path:
         return checkpoint.stale_weights_file(self.root / step_dir_name)
+
+    def partials_path(self, step_dir_name: str) -> Path:
+        """Beside checkpoint ``step_dir_name``: this dp rank's pending groups (algo.over_sampling)."""
+        return self.root / f"partials_{step_dir_name}_dp{self.learner.dims.dp_rank}.pt"
 
     def in_flight_path(self, step_dir_name: str) -> Path:
         return checkpoint.in_flight_file(self.root / step_dir_name, self.learner.dims.dp_rank)
@@ -114,6 +119,14 @@ class CheckpointManager:
         self.data_cursor = int(state.get("data_cursor", state["step"]))
         if self.stale is not None and self.stale.k:
             self.stale.load_state_dict(_load_named(stale), self.learner.device)
+        if self.cfg.algo.over_sampling.on:
+            partials = self.partials_path(path.name)
+            if not partials.is_file():
+                raise RunDirError(
+                    f"resume=true with algo.over_sampling but {partials} (the groups pending when the "
+                    f"checkpoint was saved) is missing: resume with the over-sampling it was saved with"
+                )
+            self.partials = _load_named(partials)
         log.info("resumed from %s (step %d)", path, state["step"])
         return int(state["step"])
 
@@ -121,17 +134,20 @@ class CheckpointManager:
         """After step ``step`` (0-based): every ``checkpoint_every`` steps, and after the last."""
         return checkpoint_due(step, self.cfg.checkpoint_every, self.cfg.steps)
 
-    def save(self, step: int, data_cursor: int | None = None) -> None:
+    def save(self, step: int, data_cursor: int | None = None, partials=None) -> None:
         """The state after step ``step`` (0-based): a resumed run starts at ``step + 1``, drawing
-        its prompts from ``data_cursor`` on (default: ``step + 1``, one round per step)."""
+        its prompts from ``data_cursor`` on (default: ``step + 1``, one round per step), with the
+        dp rank's pending groups ``partials`` (a ``Pending``; written with algo.over_sampling)."""
         name = f"step_{step + 1:06d}"
+        dims = self.learner.dims
+        if self.cfg.algo.over_sampling.on and dims.tp_rank == 0 and dims.pp_rank == 0:
+            self._write(self.partials_path(name), partials.state_dict())
         if self.stale is not None and self.stale.k and (not dist.is_initialized() or dist.get_rank() == 0):
             self._save_stale(name)
         if self.in_flight:  # every learner rank receives them: its next batches
             state = (
                 self.remote.take_buffered() if self.buffered else self.remote.take_in_flight().state_dict()
             )
-            dims = self.learner.dims
             if dims.tp_rank == 0 and dims.pp_rank == 0:
                 self._write(self.in_flight_path(name), state)
         checkpoint.save(
@@ -169,7 +185,7 @@ class CheckpointManager:
     def _prune(self) -> None:
         """The stale weight sets and in-flight batches of checkpoints the last save pruned."""
         kept = {p.name for p in self.root.glob("step_*") if p.is_dir()}
-        for prefix in ("stale_weights_", "in_flight_"):
+        for prefix in ("stale_weights_", "in_flight_", "partials_"):
             for old in self.root.glob(f"{prefix}step_*.pt"):
                 if old.name.removeprefix(prefix)[:11] not in kept:
                     old.unlink(missing_ok=True)

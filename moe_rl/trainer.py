@@ -5,6 +5,7 @@ components (the step's in ``moe_rl/step``, resolved once into a ``StepPlan``; th
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from moe_rl.preflight import check_run_dir as check_run_directory
 from moe_rl.seeding import GENERATE, step_seed
 from moe_rl.step.finalize import finalize
 from moe_rl.step.mismatch_split import split_step
+from moe_rl.step.oversample import OverSamplingPlan, Pending, collect_over
 from moe_rl.step.plan import StepPlan
 from moe_rl.step.prepare import old_logprobs, prepare_batch, reference_logprobs, rollout_metrics
 from moe_rl.step.sampling import Collected, collect
@@ -38,6 +40,7 @@ from moe_rl.step.validation import validation_rewards
 from moe_rl.stop import Stopped, agreed
 from moe_rl.tasks.task import Task, build_task, step_scores
 from moe_rl.timing import MemoryTimeline, StepTimer, memory_metrics
+from moe_rl.types import with_version
 from moe_rl.weights.warmstart import open_init_weights
 
 log = logging.getLogger(__name__)
@@ -184,11 +187,14 @@ def rollout_step(
     dims: ParallelDims,
     cursor: int,
     timer: StepTimer,
-) -> Collected:
+    pending: Pending,
+) -> tuple[Collected, Pending]:
     """The step's prompts, their batch and scores, in rounds from data-cursor index ``cursor`` on
     (more than one only with algo.dynamic_sampling; moe_rl/step/sampling.py): a round's prompts are
     those of its index, or (rollout.mode=async) of the request the rollout ranks' buffer hands this
-    dp rank (``RemoteEngine.request_for``)."""
+    dp rank (``RemoteEngine.request_for``), with the version of the weights it was sampled with on
+    each token (``SimulatedStaleness.versioned``). With algo.over_sampling, the rounds start more groups and
+    abort the rest (moe_rl.step.oversample.py): ``pending``, the partial rollouts carried between steps."""
     r, engine = cfg.rollout, pipe.engine
 
     def generate(index: int):
@@ -209,8 +215,30 @@ def rollout_step(
         with timer.phase("score"):
             return step_scores(cfg, task, prompts, batch)
 
-    ds = cfg.algo.dynamic_sampling
-    return collect(ds, generate, score, cursor, task.tokenizer.pad_id, dims.dp_group)
+    ds, pad, stale = cfg.algo.dynamic_sampling, task.tokenizer.pad_id, pipe.sync.stale
+    if not cfg.algo.over_sampling.on:
+        got = collect(ds, generate, score, cursor, pad, dims.dp_group)
+        with timer.phase("rollout"):  # version_BS: the weights it sampled with
+            batch, m_stale = stale.versioned(got.batch, step)
+        return got._replace(batch=batch, metrics={**got.metrics, **m_stale}), pending
+
+    def draw(index: int, count: int) -> list:
+        return task.source.sample_step(index, count, dims.dp_rank, dims.dp_size, cfg.seed)
+
+    def flat(ids: list, index: int, abort):  # one row per sample; tokens stamped as versioned() does
+        with timer.phase("rollout"):
+            seed = step_seed(cfg.seed, index, dims.dp_rank, GENERATE)
+            got = engine.generate(ids, 1, plan.sampling, seed=seed, abort=abort)
+            return with_version(dataclasses.replace(got, version_BS=None), stale.engine_version(step))
+
+    need, bound = r.prompts_per_step // dims.dp_size, r.max_staleness
+    os_plan = OverSamplingPlan(
+        cfg.algo.over_sampling, ds, need, r.samples_per_prompt, r.max_new_tokens, bound, pad
+    )
+    got, pending = collect_over(
+        os_plan, flat, draw, score, cursor, pending, weight_version(step), dims.dp_group
+    )
+    return got._replace(metrics={**got.metrics, **stale.metrics()}), pending
 
 
 # the run, to cfg.steps, or (``Stopped``) to the checkpoint a stop request ended it with
@@ -234,15 +262,14 @@ def train(cfg: RunConfig, dims: ParallelDims, prepared: Prepared | None = None) 
     health = HealthMonitor(cfg.log.health, cfg.model.vocab_size, dims.is_main, cfg.routing.verify.alarm_frac)
     stop = 0  # the signal of a stop request, once the learner ranks agreed on one
     cursor = ckpt.data_cursor  # the data's next index: the step's, unless dynamic sampling took more
+    pending = Pending.from_state_dict(ckpt.partials)  # algo.over_sampling's partial rollouts
     for step in range(start, cfg.steps):
         # none of the learner's state is on the device while the engine generates (the sync left it off)
         with pipe.offload.generating(step) as moved:
             m_val = validation_rewards(cfg, task, pipe.engine, step, dims.dp_rank, dims.dp_size)  # val_every
             timer = StepTimer(mem, step)  # each phase's peak RSS: run_dir/memory_timeline.jsonl
-            got = rollout_step(cfg, task, pipe, plan, step, dims, cursor, timer)  # rollout, score
-            cursor += got.rounds
-            with timer.phase("rollout"):
-                batch, m_stale = stale.versioned(got.batch, step)  # version_BS: the weights it sampled with
+            got, pending = rollout_step(cfg, task, pipe, plan, step, dims, cursor, timer, pending)
+            cursor, batch = cursor + got.rounds, got.batch  # version_BS: the weights it sampled with
         with timer.phase("old_logprob"):
             old = old_logprobs(plan, learner, batch, learner_version=weight_version(step))
         m_split = split_step(plan, learner, old, step, timer.phase)  # log.mismatch_split_every
@@ -255,7 +282,7 @@ def train(cfg: RunConfig, dims: ParallelDims, prepared: Prepared | None = None) 
             m_update = update_policy(plan, learner, train_batch, lr)
         stop = agreed() if step + 1 < cfg.steps else 0  # a stop signal on any learner rank: the last step
         m_sync = pipe.sync.sync(timer.phase, step + 1 if stop else cfg.steps)  # learner -> engine (14.2)
-        local = {**m_val, **got.metrics, **m_prep, **m_split, **m_update, **m_lr, **m_stale, **m_sync}
+        local = {**m_val, **got.metrics, **m_prep, **m_split, **m_update, **m_lr, **m_sync}
         local |= rollout_metrics(batch)
         m_mem = {**memory_metrics(learner.device), **moved.metrics()}
         metrics = finalize({**local, **timer.metrics(), **m_mem}, dims.dp_group)
@@ -266,7 +293,7 @@ def train(cfg: RunConfig, dims: ParallelDims, prepared: Prepared | None = None) 
         bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", step_s=f"{metrics['time/step_s']:.2f}")
         if ckpt.due(step) or stop:
             with mem.span("checkpoint", step), pipe.offload.resident():  # weights, Adam state back
-                ckpt.save(step, cursor)
+                ckpt.save(step, cursor, pending)
         if stop:
             break
     pipe.offload.finish()

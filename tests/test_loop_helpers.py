@@ -48,11 +48,12 @@ def test_the_loop_times_each_stage_apart_and_the_learner_time_counts_its_passes(
         calls = (n for n in ast.walk(fn) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute))
         return [c.args[0].value for c in sorted(calls, key=lambda n: n.lineno) if c.func.attr == "phase"]
 
-    # a step's rounds (one unless algo.dynamic_sampling: docs/sampling.md) each generate, then score
-    assert phases(funcs["rollout_step"]) == ["rollout", "score"]
+    # a step's rounds (one unless algo.dynamic_sampling: docs/sampling.md) each generate, then score;
+    # then the rollout's weight versions (rollout.staleness); algo.over_sampling's flat generate call
+    # (docs/sampling.md 6) is rollout time too
+    assert phases(funcs["rollout_step"]) == ["rollout", "score", "rollout", "rollout"]
     # old_logprob is the old pass alone (scripts and memory.summarize_run read time/<phase>_s)
     assert phases(train) == [
-        "rollout",  # the rollout's weight versions (rollout.staleness)
         "old_logprob",
         "prepare",
         "reference",

@@ -17,6 +17,7 @@ from moe_rl.config.dynamic_sampling import DynamicSamplingConfig, check_dynamic_
 from moe_rl.config.layout import check_layout, data_parallel_size
 from moe_rl.config.model import ModelConfig, ParallelConfig
 from moe_rl.config.route_verify import VerifyConfig, check_verify
+from moe_rl.config.over_sampling import OverSamplingConfig, check_over_sampling
 from moe_rl.config.split_rules import check_split
 from moe_rl.config.vllm_rules import check_vllm
 from moe_rl.corrections.correction_specs import CorrectionSpec
@@ -133,7 +134,8 @@ class RolloutConfig:
     # stale) | async (the engines fill a bounded buffer continuously; weights reach them between decode steps)
     mode: str = "sync"
     # async: a sample with a token more than this many weight versions older than the learner's is
-    # dropped (counted in rollout/dropped_stale); at most MAX_STALENESS (64); refused with another mode
+    # dropped (counted in rollout/dropped_stale); at most MAX_STALENESS (64); algo.over_sampling's
+    # partial rollouts: the same bound (sampling/partial_dropped_stale); refused with another mode
     max_staleness: int = 1
     # async: the KV cache when a weight update lands between decode steps (docs/design.md 15.1): keep
     # (PipelineRL: earlier tokens keep the old weights' keys/values; no extra compute; vLLM: keep only) |
@@ -174,12 +176,6 @@ class RolloutConfig:
             "rollout.max_staleness",
             f"must be <= {MAX_STALENESS} (got {self.max_staleness}): a rollout rank buffers up to that "
             f"many requests ahead of the learner",
-        )
-        check(
-            self.mode == "async" or self.max_staleness == RolloutConfig.max_staleness,
-            "rollout.max_staleness",
-            f"{self.max_staleness} acts only with rollout.mode=async (the staleness filter), and "
-            f"rollout.mode={self.mode} has none: drop the key, or use rollout.mode=async",
         )
         changed = vllm_keys_set(self.vllm)
         check(
@@ -318,6 +314,8 @@ class AlgoConfig:
     max_tokens_per_micro_batch: int = 0
     # DAPO's dynamic sampling: drop groups without signal, generate until the step is full (docs/sampling.md)
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
+    # over-sampling with early abort; aborted responses dropped or resumed (docs/sampling.md 6)
+    over_sampling: OverSamplingConfig = field(default_factory=OverSamplingConfig)
 
     def __post_init__(self) -> None:
         check_finite(self, "algo")
@@ -455,6 +453,7 @@ class RunConfig:
             check_agent(self)
         check_dynamic_sampling(self)
         check_verify(self)
+        check_over_sampling(self)
         check(
             self.algo.max_tokens_per_micro_batch == 0 or p.pipeline_parallel == 1,
             "algo.max_tokens_per_micro_batch",

@@ -53,6 +53,8 @@ CURVES = (
     ("reward/mean", "Reward"),
     # docs/sampling.md: on every run; with algo.dynamic_sampling the rounds raise what is trained
     ("sampling/useful_frac", "Useful fraction: prompt groups with signal / groups generated"),
+    # docs/sampling.md 5-6: response tokens trained in groups with signal / tokens generated
+    ("sampling/useful_token_frac", "Useful token fraction: tokens in trained groups with signal / generated"),
     ("val/reward/mean", "Validation reward, greedy (log.val_every)"),
     ("val/reward_sampled/mean", "Validation reward, sampled"),
     ("rollout/truncated_frac", "Responses that hit rollout.max_new_tokens"),

@@ -9,7 +9,8 @@ model).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -49,6 +50,24 @@ def weight_chunks(weights: Weights) -> Iterator[Mapping[str, torch.Tensor]]:
         yield weights
     else:
         yield from weights
+
+
+@dataclass(frozen=True)
+class EarlyAbort:
+    """A generate call that may stop before every row is done (``algo.over_sampling``,
+    docs/sampling.md 6): the built-in engine checks ``enough`` every ``every`` decode steps, and
+    when it says so returns at once, the rows not done yet cut where they are (not finished, and
+    shorter than their budget: the caller tells them from rows that hit it).
+
+    budget_B: int64 [B] or None: the most tokens row b may generate in this call (a resumed
+        partial: what ``max_new_tokens`` leaves it); None: ``max_new_tokens`` for every row.
+    enough(done_B, peek): done_B bool [B] (the row emitted a stop token or used its budget), peek()
+        the batch so far (as ``generate`` would return it now); true: abort the rest.
+    """
+
+    every: int
+    enough: Callable[[torch.Tensor, Callable[[], RolloutBatch]], bool]
+    budget_B: torch.Tensor | None = None
 
 
 @runtime_checkable

@@ -42,7 +42,7 @@ import torch
 
 from moe_rl.config import ModelConfig
 from moe_rl.errors import RouteError
-from moe_rl.rollout.base import UpdateSource, Weights
+from moe_rl.rollout.base import EarlyAbort, UpdateSource, Weights
 from moe_rl.rollout.builtin_model import DTYPES, BuiltinMoEModel, ForwardOut, KVCache, RouterNoise
 from moe_rl.rollout.fp8 import QUANTIZATIONS, SCOPES
 from moe_rl.rollout.token_sampling import sample_next
@@ -83,7 +83,7 @@ def _tail_rows(B: int, frac: float, seed: int, device: torch.device) -> torch.Te
     k = math.ceil(frac * B)
     if k:
         pick = torch.Generator().manual_seed((seed * _NOISE_SEED_ADD + _NOISE_SEED_MUL) % 2**64)
-        tail_B[torch.randperm(B, generator=pick)[:k].to(device)] = True
+        tail_B[torch.randperm(B, generator=pick, device="cpu")[:k].to(device)] = True
     return tail_B
 
 
@@ -230,6 +230,7 @@ class BuiltinEngine:
         sampling: SamplingParams,
         seed: int,
         updates: UpdateSource | None = None,
+        abort: EarlyAbort | None = None,
     ) -> RolloutBatch:
         """Sample n responses per prompt, all B = len(prompts) * n sequences in one batch.
 
@@ -241,6 +242,9 @@ class BuiltinEngine:
         ``updates``: polled once before each forward pass (never after the last one, so an update
         that no forward would use stays with the source); an update is applied whole between two
         forwards (module docstring). None: no polls, the weights stay as loaded.
+
+        ``abort``: per-row token budgets and an early stop checked every ``abort.every`` decode
+        steps (``EarlyAbort``; over-sampling, moe_rl.step.oversample.py).
         """
         self._check_request(prompts, n, sampling)
         self._apply_update(updates)
@@ -253,7 +257,7 @@ class BuiltinEngine:
             )
         state = self._prefill(prompts, n, sampling.max_new_tokens, noise)
         state.tail_B = _tail_rows(state.finished_B.shape[0], sampling.long_tail_frac, seed, self.device)
-        self._decode(state, sampling, sample_gen, noise, updates)
+        self._decode(state, sampling, sample_gen, noise, updates, abort, n)
         return self._assemble(state, n, sampling)
 
     def _apply_update(self, updates: UpdateSource | None) -> bool:
@@ -345,9 +349,12 @@ class BuiltinEngine:
         gen: torch.Generator,
         noise: RouterNoise | None,
         updates: UpdateSource | None = None,
+        abort: EarlyAbort | None = None,
+        n: int = 1,
     ) -> None:
         """Sample, record, feed back; one token for every row per step, finished rows feed pad.
-        Before each forward, ``updates`` is polled (``_apply_update``)."""
+        Before each forward, ``updates`` is polled (``_apply_update``). ``abort``: a row stops at its
+        budget (``capped_B``), and the loop at the first check ``abort.enough`` accepts."""
         B, P = st.prompt_BP.shape
         max_new = sampling.max_new_tokens
         stop_ids = torch.tensor(sampling.stop_token_ids, dtype=torch.long, device=self.device)
@@ -359,6 +366,8 @@ class BuiltinEngine:
             st.gen_dist_BGV = torch.zeros((B, max_new, V), dtype=torch.float32, device=self.device)
         if sampling.dvp.on:
             st.gen_safe_BGV = torch.zeros((B, max_new, V), dtype=torch.bool, device=self.device)
+        capped_B = torch.zeros_like(st.finished_B)  # used its budget (abort.budget_B)
+        budget_B = None if abort is None or abort.budget_B is None else abort.budget_B.to(self.device)
         for g in range(max_new):
             tok_B, lp_B, dist_BV, safe_BV = sample_next(
                 st.logits_BV,
@@ -372,15 +381,23 @@ class BuiltinEngine:
                 st.gen_dist_BGV[:, g] = dist_BV
             if st.gen_safe_BGV is not None:
                 st.gen_safe_BGV[:, g] = safe_BV
-            active_B = ~st.finished_B
+            active_B = ~st.finished_B & ~capped_B
             st.gen_tokens_BG[:, g] = torch.where(active_B, tok_B, self.pad_id)
             st.gen_logprobs_BG[:, g] = torch.where(active_B, lp_B, 0.0)
             st.gen_version_BG[:, g] = torch.where(active_B, st.logits_version, 0)
             st.gen_valid_BG[:, g] = active_B
             st.finished_B |= active_B & torch.isin(tok_B, stop_ids) & ~st.tail_B
             st.num_steps = g + 1
-            if g == max_new - 1 or bool(st.finished_B.all()):
+            if budget_B is not None:
+                capped_B |= active_B & (g + 1 >= budget_B)
+            if g == max_new - 1 or bool((st.finished_B | capped_B).all()):
                 break
+            if abort is not None and (g + 1) % abort.every == 0:  # one host sync per check; the
+                # peek never fills a prefix cache (its blocks are stored from the returned batch)
+                if abort.enough(
+                    st.finished_B | capped_B, lambda: BuiltinEngine._assemble(self, st, n, sampling)
+                ):
+                    break
             slot = P + g
             if self._apply_update(updates) and self.inflight_kv == "recompute":
                 out = self._reprefill(st, g, key_valid_BS[:, : slot + 1], noise)

@@ -162,6 +162,7 @@ def collect(
         "sampling/useful_frac": Mean(float(with_signal), float(generated)),
         "sampling/cap_reached": Max(float(cap)),
         "sampling/response_tokens_generated": Sum(float(tokens)),
+        "sampling/useful_token_frac": Mean(useful_tokens(batch, scores, ds.filter), float(tokens)),
     }
     return Collected(prompts, batch, scores, metrics, rounds)
 
@@ -190,3 +191,16 @@ def _cat_scores(parts: list[StepScores], metrics: dict) -> StepScores:
         torch.cat(exact) if all(e is not None for e in exact) else None,
         metrics,
     )
+
+
+def useful_tokens(batch: RolloutBatch, scores: StepScores, filter_key: str) -> torch.Tensor:
+    """The response tokens of ``batch``'s groups with signal (group ids 0..P-1, n rows each): over
+    the tokens generated, the useful token fraction (docs/sampling.md 5)."""
+    num_groups = int(batch.group_B.max()) + 1 if batch.num_seqs else 0
+    signal_P = groups_with_signal(scores.values(filter_key), batch.group_B, num_groups)
+    signal_B = signal_P[batch.group_B.to(signal_P.device).long()]
+    return (batch.response_lens_B.to(signal_B.device) * signal_B).sum().double()
+
+
+# public names for over-sampling's rounds (moe_rl/step/oversample.py), which train what these build
+fill_groups, cat_scores = _fill, _cat_scores

@@ -62,3 +62,34 @@ def test_a_filter_key_the_reward_does_not_produce(tmp_path):
         f"task.tokenizer=hf:{tok}",
     )
     assert not (tmp_path / "run").exists()  # before any rank started
+
+
+OS = "algo.over_sampling.factor=2"
+OS_KEY = f"override '{OS}': config key 'algo.over_sampling.factor'"
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize(
+    "overrides, line",
+    [
+        (
+            ["algo.over_sampling.factor=0.5"],
+            "override 'algo.over_sampling.factor=0.5': config key 'algo.over_sampling.factor': 0.5 is "
+            "below 1: a round starts at least the prompts the step needs",
+        ),
+        (
+            [OS, "algo.over_sampling.on_abort=partial", "rollout.max_staleness=0"],
+            "override 'rollout.max_staleness=0': config key 'rollout.max_staleness': 0 drops every partial "
+            "rollout: a resumed response's earlier tokens are 1 version old when it trains; use "
+            "rollout.max_staleness >= 1, or algo.over_sampling.on_abort=drop",
+        ),
+        (
+            [OS, "rollout.engine=vllm"],
+            f"{OS_KEY}: aborts and resumes requests in the built-in engine only: vLLM's abort and resume "
+            "are not built yet (docs/sampling.md 6)",
+        ),
+    ],
+)
+def test_over_sampling_keys(tmp_path, overrides, line):
+    fails_with(tmp_path, line, "train", f"run_dir={tmp_path / 'run'}", *overrides)
+    assert not (tmp_path / "run").exists()  # before any rank started

@@ -2,10 +2,11 @@
 an explicit device lands on ``meta`` (tests/device_check.py), so it cannot meet the model's
 tensors: what a forgotten device does on a GPU, caught without one.
 
-Covers the rollout (with dynamic sampling's rounds), old-log-prob, reference and update passes
-(replay off, r2, r3), the router monitor, the rollout corrections (IS, rejection, TRM sample and
-exact, DVP), metrics, checkpoint save and resume; and one tensor-parallel run (TP=2: sequence
-parallelism, vocabulary-parallel log-probs, TP-sliced replay). MOE_RL_DEVICE_LIST=1 lists every
+Covers the rollout (dynamic sampling's rounds, over-sampling's abort and partial rollouts),
+old-log-prob, reference and update passes (replay off, r2, r3), the router monitor, the rollout
+corrections (IS, rejection, TRM sample and exact, DVP), metrics, checkpoint save and resume; and
+one tensor-parallel run (TP=2: sequence parallelism, vocabulary-parallel log-probs, TP-sliced
+replay). MOE_RL_DEVICE_LIST=1 lists every
 site instead of failing at the first."""
 
 from __future__ import annotations
@@ -17,8 +18,17 @@ import pytest
 from tests.dist_harness import run_ranks
 
 RUNS = {
-    # dynamic sampling's rounds, and the data cursor the resumed run below restores (docs/sampling.md)
-    "off": ["routing.replay=off", "checkpoint_every=1", "algo.dynamic_sampling.enabled=true"],
+    # dynamic sampling's rounds, and the data cursor the resumed run below restores (docs/sampling.md);
+    # over-sampling's abort, resumed partial rollouts and their checkpoint (docs/sampling.md 6)
+    "off": [
+        "routing.replay=off",
+        "checkpoint_every=1",
+        "algo.dynamic_sampling.enabled=true",
+        "algo.over_sampling.factor=2",
+        "algo.over_sampling.on_abort=partial",
+        "algo.over_sampling.check_every=2",
+        "rollout.long_tail_frac=0.05",
+    ],
     "r2": [
         "routing.replay=r2",
         "algo.kl_coef=0.01",
