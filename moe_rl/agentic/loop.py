@@ -35,6 +35,7 @@ from moe_rl.agentic.environment import Environment, TaskRow
 from moe_rl.agentic.formats import ToolFormat
 from moe_rl.agentic.tools import ERROR_KINDS, ToolRunner
 from moe_rl.config import AgentConfig
+from moe_rl.errors import RouteError
 from moe_rl.fsutil import write_atomic
 from moe_rl.metrics import Max, Mean, Sum, truncate_metrics_file
 from moe_rl.routing.provenance import Provenance
@@ -125,23 +126,31 @@ class AgentLoop:
                 break
             seqs = [torch.cat(t.tokens).tolist() for t in active]
             turn_seed = (seed + turn * _TURN_SEED) % 2**63
-            if updates is None:
-                out = engine.generate(seqs, 1, turn_sampling, seed=turn_seed)
-            else:
-                out = engine.generate(seqs, 1, turn_sampling, seed=turn_seed, updates=updates)
+            kw: dict = {} if updates is None else {"updates": updates}
+            omit = getattr(engine, "omits_route_prefix", False)
+            if omit:  # ask only for the route rows not kept yet (vLLM: routed_experts_prompt_start)
+                kw["route_starts"] = [t.routed for t in active]
+            out = engine.generate(seqs, 1, turn_sampling, seed=turn_seed, **kw)
             for i, t in enumerate(active):
                 t.turn = turn
-                self._take_turn(t, out, i)
+                self._take_turn(t, out, i, t.routed if omit else 0)
         return self._batch(trajs, self.fmt.tok.pad_id, step)
 
-    def _take_turn(self, t: Trajectory, out: RolloutBatch, i: int) -> None:
+    def _take_turn(self, t: Trajectory, out: RolloutBatch, i: int, sent_from: int = 0) -> None:
+        """``sent_from``: the first row the engine sent (``route_starts``; 0: it sent every row)."""
         p, r = int(out.prompt_lens_B[i]), int(out.response_lens_B[i])
         ids = out.tokens_BS[i, p : p + r].cpu()
         version = out.version_BS[i, p : p + r].cpu() if out.version_BS is not None else None
         t.append(ids, True, out.logprobs_BS[i, p : p + r].cpu().float(), version)
-        t.routes.append(out.routes[i][t.routed : p + r - 1])  # append-only: only rows not kept yet
+        a, b = t.routed - sent_from, p + r - 1 - sent_from  # append-only: only rows not kept yet
+        if out.routes[i].shape[0] != p + r - 1 - sent_from:
+            raise RouteError(
+                f"agent turn {t.turn}: the engine sent {out.routes[i].shape[0]} route rows from "
+                f"position {sent_from} for {p + r} tokens"
+            )
+        t.routes.append(out.routes[i][a:b])
         if out.route_prov is not None:
-            t.prov.append(out.route_prov[i].slice(t.routed, p + r - 1).with_turn(t.turn))
+            t.prov.append(out.route_prov[i].slice(a, b).with_turn(t.turn))
         t.routed = p + r - 1
         t.generated += r
         text = self.fmt.tok.decode(ids)
