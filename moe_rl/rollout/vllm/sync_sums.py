@@ -71,6 +71,7 @@ class VllmLayout:
         rules = [*_RULES, _MLA_QKV_A if model.mla else _QKV]
         self.rules = [(re.compile(p), out, how) for p, out, how in rules]
         self.parts: dict[str, dict[int, torch.Tensor]] = {}
+        self.need: dict[str, int] = {}  # each waiting fused tensor's part count
 
     def _target(self, name: str) -> tuple[str, int, int, str] | None:
         """(fused name, part index, parts, how) of a family-named tensor, or None (kept as is)."""
@@ -99,7 +100,7 @@ class VllmLayout:
                 continue
             fused, index, parts, how = target
             got = self.parts.setdefault(fused, {})
-            got[index] = t
+            got[index], self.need[fused] = t, parts
             if len(got) == parts:
                 ordered = [got[i] for i in range(parts)]
                 if how == "expert" and fused.endswith("w13_weight"):
@@ -114,7 +115,9 @@ class VllmLayout:
     def finish(self) -> None:
         if self.parts:
             name, got = next(iter(self.parts.items()))
-            raise KeyError(f"weight sync check: {name!r} got {len(got)} of its parts from the learner")
+            raise KeyError(
+                f"weight sync check: {name!r} got {len(got)} of its {self.need[name]} parts from the learner"
+            )
 
 
 def layout_for(cfg: RunConfig) -> Callable[[], VllmLayout]:
