@@ -131,12 +131,15 @@ class SyncCheck:
             return {}
         score = getattr(engine, "token_logprobs", None)
         m = {}
-        if score is not None:
-            t0 = time.perf_counter()
-            tokens = probe_tokens(self.vocab_size)
+        t0 = time.perf_counter()
+        tokens = probe_tokens(self.vocab_size)
+        # None: the engine cannot score now (vLLM on GPU whose KV cache sleeps through the sync),
+        # the same on every rank, so the learner's collective forward is skipped on all of them
+        engine_logp = score(tokens) if score is not None else None
+        if engine_logp is not None:
             seq_lens = torch.full((PROBE_ROWS,), PROBE_LEN, dtype=torch.int64)
             out = learner.forward_logprobs(TrainBatch(tokens, seq_lens), 1.0, micro_batch_size)
-            k3 = probe_k3(out.stats.logp_BS, score(tokens))
+            k3 = probe_k3(out.stats.logp_BS, engine_logp)
             m["sync/probe_k3"] = Max(torch.tensor(k3, dtype=torch.float64))
             m["time/sync_probe_s"] = Max(torch.tensor(time.perf_counter() - t0, dtype=torch.float64))
         m["time/sync_check_s"] = Max(torch.tensor(self.seconds, dtype=torch.float64))

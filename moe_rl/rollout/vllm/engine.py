@@ -295,11 +295,11 @@ class VllmEngine:
     def held_checksums(self) -> dict[str, int] | None:  # rollout.sync_check: the last sync's
         return self.held
 
-    def token_logprobs(self, tokens_BS: torch.Tensor) -> torch.Tensor:
-        """The checked sync's probe: ``sync_sums.probe_logprobs`` on this engine."""
+    def token_logprobs(self, tokens_BS: torch.Tensor) -> torch.Tensor | None:
+        """The checked sync's probe (``sync_sums.probe_logprobs``); None while the KV cache sleeps."""
         import vllm
 
-        return probe_logprobs(self.llm, vllm.SamplingParams, tokens_BS)
+        return None if self.asleep else probe_logprobs(self.llm, vllm.SamplingParams, tokens_BS)
 
     def _poll(self, updates: UpdateSource, started: bool) -> int | None:
         """The step loop's poll (inflight.run_steps): load the source's update whole, keeping the
