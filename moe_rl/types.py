@@ -105,7 +105,7 @@ class RolloutBatch:
     turn_BS: torch.Tensor | None = None
     env_reward_B: torch.Tensor | None = None
     # per route row (as ``routes``): the weight version, source and turn behind it
-    # (moe_rl/routing/provenance.py); None: the engine records no provenance (vLLM)
+    # (moe_rl/routing/provenance.py; both engines fill it); None: an engine that records none
     route_prov: list[Provenance] | None = None
 
     @property

@@ -3,8 +3,11 @@ reply) repeated, built append-only over the engine's ``generate`` (docs/agentic.
 
 Each turn the still-running trajectories' whole sequences go to ``generate`` (n = 1) and only what
 is new is kept: the turn's sampled tokens, their log-probs and weight versions, and the route rows
-from the last row kept so far to the new end. Earlier tokens and route rows are never replaced,
-re-rendered or re-tokenized; the tool reply is rendered and tokenized alone and appended.
+from the last row kept so far to the new end. An engine with ``omits_route_prefix`` (vLLM) is asked
+for those rows only (``route_starts``: the rows kept; docs/vllm.md 10), so a conversation's route
+bytes grow with its length, not with the square of its turns. Earlier tokens and route rows are
+never replaced, re-rendered or re-tokenized; the tool reply is rendered and tokenized alone and
+appended.
 
 What the batch says about each token (``RolloutBatch``): ``response_mask_BS`` is true on sampled
 (assistant) tokens only, so the learner's loss trains only them while its forward runs over
@@ -40,6 +43,7 @@ from moe_rl.agentic.environment import Environment, TaskRow
 from moe_rl.agentic.formats import ToolFormat
 from moe_rl.agentic.tools import ERROR_KINDS, ToolRunner
 from moe_rl.config import AgentConfig
+from moe_rl.errors import RouteError
 from moe_rl.fsutil import write_atomic
 from moe_rl.metrics import Max, Mean, Sum, truncate_metrics_file
 from moe_rl.routing.provenance import PROV_BYTES, Provenance
@@ -135,31 +139,39 @@ class AgentLoop:
                 break
             seqs = [torch.cat(t.tokens).tolist() for t in active]
             turn_seed = (seed + turn * _TURN_SEED) % 2**63
-            if updates is None:
-                out = engine.generate(seqs, 1, turn_sampling, seed=turn_seed)
-            else:
-                out = engine.generate(seqs, 1, turn_sampling, seed=turn_seed, updates=updates)
+            kw: dict = {} if updates is None else {"updates": updates}
+            omit = getattr(engine, "omits_route_prefix", False) and self.route_return == "append"
+            if omit:  # ask only for the route rows not kept yet (vLLM: routed_experts_prompt_start)
+                kw["route_starts"] = [t.routed for t in active]
+            out = engine.generate(seqs, 1, turn_sampling, seed=turn_seed, **kw)
             for i, t in enumerate(active):
                 t.turn = turn
-                self._take_turn(t, out, i)
+                self._take_turn(t, out, i, t.routed if omit else 0)
         batch = self._batch(trajs, self.fmt.tok.pad_id, step)
         if self.verify is not None and self.verify.due(step):  # the engine still holds the last weights
             batch.engine_metrics.update(verify_batch(engine, batch, self.verify, seed))
         return batch
 
-    def _take_turn(self, t: Trajectory, out: RolloutBatch, i: int) -> None:
+    def _take_turn(self, t: Trajectory, out: RolloutBatch, i: int, sent_from: int = 0) -> None:
+        """``sent_from``: the first row the engine sent (``route_starts``; 0: it sent every row)."""
         p, r = int(out.prompt_lens_B[i]), int(out.response_lens_B[i])
         ids = out.tokens_BS[i, p : p + r].cpu()
         version = out.version_BS[i, p : p + r].cpu() if out.version_BS is not None else None
         t.append(ids, True, out.logprobs_BS[i, p : p + r].cpu().float(), version)
+        if out.routes[i].shape[0] != p + r - 1 - sent_from:
+            raise RouteError(
+                f"agent turn {t.turn}: the engine sent {out.routes[i].shape[0]} route rows from "
+                f"position {sent_from} for {p + r} tokens"
+            )
         first = t.routed if self.route_return == "append" else 0  # append-only: only rows not kept yet
         if first == 0:  # "full" (the bench's contrast) replaces every kept row with this turn's
             t.routes, t.prov = [], []
-        rows = out.routes[i][first : p + r - 1]
+        a, b = first - sent_from, p + r - 1 - sent_from  # rows [first, p + r - 1) of the sequence
+        rows = out.routes[i][a:b]
         t.routes.append(rows)
         t.route_bytes += rows.numel() * rows.element_size()
         if out.route_prov is not None:
-            t.prov.append(out.route_prov[i].slice(first, p + r - 1).with_turn(t.turn))
+            t.prov.append(out.route_prov[i].slice(a, b).with_turn(t.turn))
             t.route_bytes += PROV_BYTES * int(rows.shape[0])
         t.routed = p + r - 1
         t.generated += r

@@ -15,9 +15,10 @@ the data-parallel ranks). Split (``parallel.rollout_ranks``), the root broadcast
 after the weights (``send_checksums``) and each rollout rank checks its engine after its load
 (``check_received``); the probe is colocated only.
 
-Engines that expose their weights (``held_weights``: the built-in engine) are checked; one that does
-not (vLLM) is checked on the learner side only, which a reviewer should read as unchecked
-(docs/vllm.md 9).
+Engines that expose their weights (``held_weights``: the built-in engine) or their checksums of
+them (``held_checksums``: vLLM, computed in its worker over what it received, in its own layout,
+which the learner computes with ``layout``: moe_rl/rollout/vllm/sync_sums.py) are checked; the
+probe needs ``token_logprobs`` (both engines). vLLM with TP > 1 loads slices and is unchecked.
 """
 
 from __future__ import annotations
@@ -70,10 +71,15 @@ def probe_k3(learner_logp_BS: torch.Tensor, engine_logp_BS: torch.Tensor) -> flo
 
 class SyncCheck:
     """A learner rank's side. ``dtype``: the engine's (``rollout.dtype``); ``fp8``: the names the
-    engine holds in FP8 (empty without ``rollout.quantization=fp8``); ``on``: ``rollout.sync_check``."""
+    engine holds in FP8 (empty without ``rollout.quantization=fp8``); ``on``: ``rollout.sync_check``.
+    ``layout``: a new converter per sync from the canonical stream to the engine's own layout
+    (vLLM: ``rollout.vllm.sync_sums.layout_for``; its ``feed(chunk)`` returns the engine tensors a
+    chunk completed, ``finish()`` raises on parts that never came); None: the canonical layout."""
 
-    def __init__(self, dtype: torch.dtype, fp8: frozenset[str], on: bool, vocab_size: int) -> None:
-        self.dtype, self.fp8, self.on, self.vocab_size = dtype, fp8, on, vocab_size
+    def __init__(
+        self, dtype: torch.dtype, fp8: frozenset[str], on: bool, vocab_size: int, layout=None
+    ) -> None:
+        self.dtype, self.fp8, self.on, self.vocab_size, self.layout = dtype, fp8, on, vocab_size, layout
         self.sent: dict[str, torch.Tensor] = {}
         self.seconds = 0.0  # this sync's checksum and probe time, both sides
 
@@ -82,32 +88,39 @@ class SyncCheck:
         self.sent, self.seconds = {}, 0.0
         if not self.on:
             return weights
+        conv = self.layout() if self.layout is not None else None
         if isinstance(weights, Mapping):  # a dict stays one (an engine checks a dict whole first)
-            self._sum(weights)
+            self._sum(weights, conv)
+            if conv is not None:
+                conv.finish()
             return weights
-        return self._summed(weights)
+        return self._summed(weights, conv)
 
-    def _sum(self, chunk: Mapping[str, torch.Tensor]) -> None:
+    def _sum(self, chunk: Mapping[str, torch.Tensor], conv) -> None:
         t0 = time.perf_counter()  # the checksums alone, not the stream's gathers
-        self.sent.update({n: checksum(expected(n, t, self.dtype, self.fp8)) for n, t in chunk.items()})
+        if conv is not None:  # the engine's layout; its dtypes are the converter's
+            self.sent.update({n: checksum(t) for n, t in conv.feed(chunk).items()})
+        else:
+            self.sent.update({n: checksum(expected(n, t, self.dtype, self.fp8)) for n, t in chunk.items()})
         self.seconds += time.perf_counter() - t0
 
-    def _summed(self, weights: Weights):
+    def _summed(self, weights: Weights, conv):
         for chunk in weight_chunks(weights):
-            self._sum(chunk)
+            self._sum(chunk, conv)
             yield chunk
+        if conv is not None:
+            conv.finish()
 
     def sent_ints(self) -> dict[str, int]:
         return as_ints(self.sent)
 
     def verify(self, engine, version: int) -> None:
         """Colocated: the engine's held weights against the sums of the stream just sent."""
-        held_weights = getattr(engine, "held_weights", None)
-        if not self.on or held_weights is None:
+        if not self.on or (held := held_sums(engine)) is None:
             return
         t0 = time.perf_counter()
-        sent, held = self.sent_ints(), as_ints(checksums(held_weights()))
-        self.seconds += time.perf_counter() - t0
+        sent = self.sent_ints()
+        self.seconds += time.perf_counter() - t0 + getattr(engine, "held_seconds", 0.0)
         name = first_mismatch(sent, held)
         if name is not None:
             raise mismatch_error(name, sent, held, version)
@@ -118,12 +131,15 @@ class SyncCheck:
             return {}
         score = getattr(engine, "token_logprobs", None)
         m = {}
-        if score is not None:
-            t0 = time.perf_counter()
-            tokens = probe_tokens(self.vocab_size)
+        t0 = time.perf_counter()
+        tokens = probe_tokens(self.vocab_size)
+        # None: the engine cannot score now (vLLM on GPU whose KV cache sleeps through the sync),
+        # the same on every rank, so the learner's collective forward is skipped on all of them
+        engine_logp = score(tokens) if score is not None else None
+        if engine_logp is not None:
             seq_lens = torch.full((PROBE_ROWS,), PROBE_LEN, dtype=torch.int64)
             out = learner.forward_logprobs(TrainBatch(tokens, seq_lens), 1.0, micro_batch_size)
-            k3 = probe_k3(out.stats.logp_BS, score(tokens))
+            k3 = probe_k3(out.stats.logp_BS, engine_logp)
             m["sync/probe_k3"] = Max(torch.tensor(k3, dtype=torch.float64))
             m["time/sync_probe_s"] = Max(torch.tensor(time.perf_counter() - t0, dtype=torch.float64))
         m["time/sync_check_s"] = Max(torch.tensor(self.seconds, dtype=torch.float64))
@@ -146,13 +162,22 @@ def receive_sums(group: Group) -> list[int]:
     return group.broadcast(torch.zeros(count, dtype=torch.int64, device=device)).cpu().tolist()
 
 
-def verify_held(engine, sums: list[int], version: int) -> None:
-    """The engine's held weights (sorted names) against the root's ``sums``; engines that do not
-    expose them (vLLM, docs/vllm.md 9) are not checked here."""
+def held_sums(engine) -> dict[str, int] | None:
+    """The engine's checksums of what it holds after the sync just done: its own
+    (``held_checksums``: vLLM, computed in its worker, docs/vllm.md 11), or those of its
+    ``held_weights`` (the built-in engine); None for an engine that exposes neither."""
+    if (own := getattr(engine, "held_checksums", None)) is not None:
+        return own()
     held_weights = getattr(engine, "held_weights", None)
-    if held_weights is None:
+    return None if held_weights is None else as_ints(checksums(held_weights()))
+
+
+def verify_held(engine, sums: list[int], version: int) -> None:
+    """The engine's held weights (sorted names) against the root's ``sums``; an engine that
+    exposes none (``held_sums``) is not checked here."""
+    held = held_sums(engine)
+    if held is None:
         return
-    held = as_ints(checksums(held_weights()))
     names = sorted(held)
     if len(names) != len(sums):
         raise SyncCheckError(
@@ -169,4 +194,4 @@ def check_received(group: Group, engine, version: int) -> float:
     """Split, a rollout rank after its load: the root's checksums against its engine's; seconds."""
     t0 = time.perf_counter()
     verify_held(engine, receive_sums(group), version)
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0 + getattr(engine, "held_seconds", 0.0)  # vLLM: its worker's too

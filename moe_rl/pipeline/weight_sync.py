@@ -57,6 +57,7 @@ from moe_rl.pipeline.weight_broadcast import (
 from moe_rl.rollout.base import ENGINE_DTYPES, Weights, weight_chunks
 from moe_rl.rollout.factory import engine_tp
 from moe_rl.rollout.fp8 import quantized_names
+from moe_rl.rollout.vllm.sync_sums import layout_for
 from moe_rl.weights.canonical import canonical_param_shapes
 from moe_rl.weights.engine_shard import EngineShard, engine_shard, placed
 from moe_rl.weights.slice_stream import ShardOf
@@ -160,7 +161,8 @@ class WeightSync:
         engines = None if schedule.split else colocated_slices(cfg)
         fp8 = cfg.rollout.quantization == "fp8"
         names = quantized_names(canonical_param_shapes(cfg.model)) if fp8 else frozenset()
-        check = SyncCheck(dtype, names, cfg.rollout.sync_check, cfg.model.vocab_size)
+        layout = layout_for(cfg) if cfg.rollout.engine == "vllm" else None  # vLLM's own layout
+        check = SyncCheck(dtype, names, cfg.rollout.sync_check, cfg.model.vocab_size, layout)
         return cls(
             schedule,
             engine,

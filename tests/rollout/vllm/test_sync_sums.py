@@ -1,0 +1,115 @@
+"""moe_rl/rollout/vllm/sync_sums.py (the learner's side of the checked sync on vLLM, in vLLM's
+layout) and requests.route_provenance (the route rows' provenance from vLLM's outputs). The real
+vLLM worker's side: tests/vllm/test_vllm_cpu_turns.py."""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from moe_rl.rollout.vllm.requests import route_provenance
+from moe_rl.rollout.vllm.sync_sums import VOCAB_PAD, VllmLayout, engine_name
+from moe_rl.routing.provenance import COMPUTED, PREFIX_HIT
+from moe_rl.weights.canonical import random_canonical_weights
+from moe_rl.weights.hf import hf_names
+from tests.models import HF_FAMILY_TINY, hf_tiny
+
+pytestmark = pytest.mark.unit
+
+FAMILIES = {
+    "qwen3_moe": lambda: hf_tiny(),
+    "mixtral": lambda: hf_tiny(first_k_dense=0, qk_layernorm=False, hf_family="mixtral"),
+    **HF_FAMILY_TINY,
+}
+
+
+def _chunks(w: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    """The learner's stream shape: one chunk per decoder layer, its experts split over two chunks."""
+    by_layer: dict[str, list[dict]] = {}
+    for k, t in w.items():
+        layer = k.split(".")[2] if k.startswith("model.layers.") else k
+        parts = by_layer.setdefault(layer, [{}, {}])
+        parts[int(".experts.1." in k or ".experts.3." in k)][k] = t
+    return [c for parts in by_layer.values() for c in parts if c]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_the_layout_fuses_every_tensor_once_as_vllm_loads_it(family):
+    """Every canonical tensor lands in exactly one engine tensor (numels add up, the vocabulary
+    padded to a multiple of 64 with zeros), whatever chunk its parts came in; fused q/k/v,
+    gate/up and stacked experts hold their parts in vLLM's order."""
+    cfg = FAMILIES[family]()
+    w = random_canonical_weights(cfg, seed=2)
+    conv = VllmLayout(cfg, torch.bfloat16)
+    out: dict[str, torch.Tensor] = {}
+    for c in _chunks(w):
+        got = conv.feed(c)
+        assert not set(got) & set(out)
+        out.update(got)
+    conv.finish()
+    pad = sum(
+        (-w[k].shape[0] % VOCAB_PAD) * w[k].shape[1]
+        for k in ("model.embed_tokens.weight", "lm_head.weight")
+        if k in w
+    )
+    assert sum(t.numel() for t in out.values()) == sum(t.numel() for t in w.values()) + pad
+    assert all(
+        t.dtype == (torch.float32 if n.endswith("e_score_correction_bias") else torch.bfloat16)
+        for n, t in out.items()
+    )
+    hf = {hf_names(cfg)[k]: t.to(torch.bfloat16) for k, t in w.items()}
+    fused = [n for n in out if n.endswith("w13_weight")]
+    assert len(fused) == sum(
+        1 for k in hf if k.endswith(("experts.0.gate_proj.weight", "experts.0.w1.weight"))
+    )
+    for n in fused:
+        p = n.removesuffix(".w13_weight")
+        gate, up = ("w1", "w3") if family == "mixtral" else ("gate_proj", "up_proj")
+        for e in (0, cfg.num_experts - 1):
+            assert torch.equal(
+                out[n][e], torch.cat([hf[f"{p}.{e}.{gate}.weight"], hf[f"{p}.{e}.{up}.weight"]])
+            )
+    if not cfg.mla:
+        q = "model.layers.0.self_attn."
+        qkv = torch.cat([hf[q + "q_proj.weight"], hf[q + "k_proj.weight"], hf[q + "v_proj.weight"]])
+        assert torch.equal(out[q + "qkv_proj.weight"], qkv)
+    embed = out["model.embed_tokens.weight"]
+    assert embed.shape[0] % VOCAB_PAD == 0 and not embed[cfg.vocab_size :].any()
+
+
+def test_a_fused_tensor_missing_parts_is_named_and_worker_names_drop_routed_experts():
+    cfg = hf_tiny()
+    w = random_canonical_weights(cfg, seed=2)
+    conv = VllmLayout(cfg, torch.bfloat16)
+    conv.feed({k: t for k, t in w.items() if "layers.1.mlp.experts.2." not in k})
+    with pytest.raises(
+        KeyError, match=r"'model\.layers\.1\.mlp\.experts\.w13_weight' got 14 of its 16 parts"
+    ):
+        conv.finish()
+    assert (
+        engine_name("model.layers.3.mlp.experts.routed_experts.w2_weight")
+        == "model.layers.3.mlp.experts.w2_weight"
+    )
+    untied = VllmLayout(dataclasses.replace(cfg, tie_word_embeddings=False), torch.float32, untie=True)
+    got = untied.feed({"model.embed_tokens.weight": w["model.embed_tokens.weight"]})
+    assert torch.equal(got["lm_head.weight"], got["model.embed_tokens.weight"])
+
+
+def test_route_provenance_marks_cached_prompt_rows_and_stamps_each_rows_forward():
+    """Prompt 6 tokens, 3 generated, 4 of the prompt a prefix-cache hit, rows from position 2 asked:
+    rows 2-3 hits at the call's start version, rows 4-5 the prefill's (the first generated
+    token's version), rows 6-7 generated tokens 7-8's; without versions, all at the start version."""
+    out = SimpleNamespace(
+        prompt_token_ids=[1, 2, 3, 4, 5, 6],
+        num_cached_tokens=4,
+        outputs=[SimpleNamespace(token_ids=[7, 8, 9], finish_reason="stop")],
+    )
+    version_BS = torch.tensor([[0, 0, 0, 0, 0, 0, 5, 6, 7]], dtype=torch.int32)
+    (p,) = route_provenance([out], [2], version_BS, 4)
+    assert p.source_N.tolist() == [PREFIX_HIT, PREFIX_HIT, COMPUTED, COMPUTED, COMPUTED, COMPUTED]
+    assert p.version_N.tolist() == [4, 4, 5, 5, 6, 7] and p.turn_N.tolist() == [0] * 6
+    (q,) = route_provenance([out], [5], None, 3)
+    assert q.source_N.tolist() == [COMPUTED] * 3 and q.version_N.tolist() == [3, 3, 3]
