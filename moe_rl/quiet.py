@@ -105,6 +105,8 @@ VLLM_RECORDS: dict[str, tuple[str, ...]] = {
     ),
     # a tiny or odd GEMM shape oneDNN has no kernel for: torch's linear computes it instead
     "vllm.model_executor.layers.utils": ("Failed to create oneDNN linear, fallback to torch linear.",),
+    # hosts with AVX-512 BF16 only: the SSM (mamba) state's dtype, which no family moe-rl runs has
+    "vllm.platforms.cpu": ("Reset SSM cache type to float32 for accelerated GDN mamba",),
 }
 
 _ROUTED_EXPERTS = re.compile(r".+\.experts\.routed_experts\.(w13|w2)_weight")
