@@ -126,11 +126,24 @@ def test_rounds_go_on_until_the_step_has_its_groups_with_signal():
     assert m["sampling/groups_dropped_all_equal"] == 6 and m["sampling/useful_frac"] == 6 / 12
     assert m["sampling/cap_reached"] == 0 and m["sampling/response_tokens_generated"] == 3 * 16 * 4
     # no group of the trained batch has all-zero advantages, for every group estimator
-    for name in ("grpo", "rloo"):
+    assert group_advantage_peaks(got).gt(0.1).all()
+
+
+ESTIMATORS = ("grpo", "rloo", "otb", "otb_multiturn")
+
+
+def group_advantage_peaks(got) -> torch.Tensor:
+    """[estimator, group]: the largest |advantage| of each trained group, by each group estimator
+    (GRPO, RLOO, the Optimal Token Baseline and its multi-turn form) on the collected batch."""
+    b = got.batch
+    extra = {"logp_BS": b.logprobs_BS, "sum_pi_sq_BS": torch.full(b.logprobs_BS.shape, 0.5)}
+    peaks = []
+    for name in ESTIMATORS:
         adv_BS, _ = estimate_advantages(
-            AdvantageSpec(name, True), got.scores.rewards_B, got.batch.group_B, got.batch.response_mask_BS, {}
+            AdvantageSpec(name, True), got.scores.rewards_B, b.group_B, b.response_mask_BS, extra
         )
-        assert adv_BS.abs().view(4, N * 6).amax(dim=1).gt(0).all(), name
+        peaks.append(adv_BS.abs().view(-1, N * b.tokens_BS.shape[1]).amax(dim=1))
+    return torch.stack(peaks)
 
 
 def test_at_the_cap_the_step_trains_what_it_has_topped_up_and_says_so():
@@ -139,6 +152,10 @@ def test_at_the_cap_the_step_trains_what_it_has_topped_up_and_says_so():
     # 3 groups with signal, then the first dropped ones to the step's 4 groups
     assert got.prompts == ["p10.1", "p10.3", "p11.2", "p10.0"]
     assert (m["sampling/groups_kept"], m["sampling/cap_reached"], m["sampling/useful_frac"]) == (3, 1, 3 / 8)
+    # each estimator: the 3 groups with signal train, the topped-up one's advantages are ~0 (OTB's
+    # are r * eps / (W + eps), not an exact 0: docs/math.md 6.2)
+    peaks = group_advantage_peaks(got)
+    assert peaks[:, :3].gt(0.1).all() and peaks[:, 3].lt(1e-6).all()
 
 
 def test_off_one_round_trained_whole_and_counted():
