@@ -110,6 +110,8 @@ def run(ds: DynamicSamplingConfig, rounds=ROUNDS, penalty=0.0):
 def test_rounds_go_on_until_the_step_has_its_groups_with_signal():
     got, drawn, m = run(DynamicSamplingConfig(enabled=True, max_rounds=4))
     assert drawn == [10, 11, 12] and got.rounds == 3  # the cursor advances by 3
+    # no group of the trained batch has all-zero advantages, for every group estimator
+    assert group_advantage_peaks(got).gt(0.1).all()
     # the first 4 groups with signal, in generation order; the surplus (12.2) is not trained
     assert got.prompts == ["p10.1", "p10.3", "p11.2", "p12.0"]
     assert got.batch.group_B.tolist() == [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4
@@ -125,8 +127,6 @@ def test_rounds_go_on_until_the_step_has_its_groups_with_signal():
     assert (m["sampling/rounds"], m["sampling/groups_generated"], m["sampling/groups_kept"]) == (3, 12, 4)
     assert m["sampling/groups_dropped_all_equal"] == 6 and m["sampling/useful_frac"] == 6 / 12
     assert m["sampling/cap_reached"] == 0 and m["sampling/response_tokens_generated"] == 3 * 16 * 4
-    # no group of the trained batch has all-zero advantages, for every group estimator
-    assert group_advantage_peaks(got).gt(0.1).all()
 
 
 ESTIMATORS = ("grpo", "rloo", "otb", "otb_multiturn")
@@ -149,13 +149,13 @@ def group_advantage_peaks(got) -> torch.Tensor:
 def test_at_the_cap_the_step_trains_what_it_has_topped_up_and_says_so():
     got, drawn, m = run(DynamicSamplingConfig(enabled=True, max_rounds=2))
     assert drawn == [10, 11] and got.rounds == 2
-    # 3 groups with signal, then the first dropped ones to the step's 4 groups
-    assert got.prompts == ["p10.1", "p10.3", "p11.2", "p10.0"]
-    assert (m["sampling/groups_kept"], m["sampling/cap_reached"], m["sampling/useful_frac"]) == (3, 1, 3 / 8)
     # each estimator: the 3 groups with signal train, the topped-up one's advantages are ~0 (OTB's
     # are r * eps / (W + eps), not an exact 0: docs/math.md 6.2)
     peaks = group_advantage_peaks(got)
     assert peaks[:, :3].gt(0.1).all() and peaks[:, 3].lt(1e-6).all()
+    # 3 groups with signal, then the first dropped ones to the step's 4 groups
+    assert got.prompts == ["p10.1", "p10.3", "p11.2", "p10.0"]
+    assert (m["sampling/groups_kept"], m["sampling/cap_reached"], m["sampling/useful_frac"]) == (3, 1, 3 / 8)
 
 
 def test_off_one_round_trained_whole_and_counted():
