@@ -278,9 +278,15 @@ def check_resume(cfg: RunConfig) -> None:
     saved_cfg = load_config(saved_path)
     saved, new = to_dict(saved_cfg), to_dict(cfg)
     fields = RESUME_FIELDS + (IN_FLIGHT_FIELDS if _keeps_in_flight(saved_cfg) else ())
+    changes = []  # (key, was, now)
     for key in fields:
         section, name = key.split(".")
-        was, now = saved[section][name], new[section][name]
+        changes.append((key, saved[section][name], new[section][name]))
+    # split sync / one_step_off: without dynamic sampling the rollout ranks generate each step's own
+    # data index, which after dynamic rounds (a data cursor ahead of the step) would repeat prompts
+    if Schedule.from_config(saved_cfg).rounds_on_request and not cfg.algo.dynamic_sampling.enabled:
+        changes.append(("algo.dynamic_sampling.enabled", "true", "false"))
+    for key, was, now in changes:
         if was != now:
             raise CheckpointError(
                 f"resume=true: {key}={now} but the run in {run_dir} was made with "

@@ -145,13 +145,14 @@ def build_learner(cfg: RunConfig, plan: StepPlan, dims: ParallelDims, tok, memor
     )
 
 
-def open_run_dir(cfg: RunConfig, dims: ParallelDims, start: int, task: Task) -> MetricsWriter:
+def open_run_dir(cfg: RunConfig, dims: ParallelDims, start: int, task: Task, cursor: int) -> MetricsWriter:
     """The resolved config (rank 0) and the metrics sink, continued on resume (the agent's
-    trajectory log too: run_dir/agent/trajectories_rank<r>.jsonl)."""
+    trajectory log too: run_dir/agent/trajectories_rank<r>.jsonl, its lines by data index: a
+    resume drops those from the data cursor on)."""
     run_dir = Path(cfg.run_dir)
     if task.agent is not None and not cfg.parallel.rollout_ranks:  # split: the rollout ranks log
         log = run_dir / "agent" / f"trajectories_rank{dims.rank}.jsonl"
-        task.agent.log_to(log, resume_step=start if cfg.resume else None)
+        task.agent.log_to(log, resume_step=cursor if cfg.resume else None)
     if dims.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         # a resume's base (moe_rl.config.load_run_config): never left half-written
@@ -192,14 +193,15 @@ def rollout_step(
     """The step's prompts, their batch and scores, in rounds from data-cursor index ``cursor`` on
     (more than one only with algo.dynamic_sampling; moe_rl/step/sampling.py): a round's prompts are
     those of its index, or (rollout.mode=async) of the request the rollout ranks' buffer hands this
-    dp rank (``RemoteEngine.request_for``), with the version of the weights it was sampled with on
-    each token (``SimulatedStaleness.versioned``). With algo.over_sampling, the rounds start more groups and
-    abort the rest (moe_rl.step.oversample.py): ``pending``, the partial rollouts carried between steps."""
+    dp rank; split, the rollout ranks are asked for it (``RemoteEngine.request_for``, ``end_rounds``);
+    with the version of the weights it was sampled with on each token (``SimulatedStaleness.versioned``).
+    With algo.over_sampling (colocated only), the rounds start more groups and abort the rest
+    (moe_rl/step/oversample.py): ``pending``, the partial rollouts carried between steps."""
     r, engine = cfg.rollout, pipe.engine
 
     def generate(index: int):
         with timer.phase("rollout"):  # async: the wait for the buffer's request counts here
-            at = engine.request_for(step) if pipe.schedule.picks_requests else index
+            at = engine.request_for(step, index) if pipe.schedule.split else index
             prompts = task.source.sample_step(
                 at, r.prompts_per_step // dims.dp_size, dims.dp_rank, dims.dp_size, cfg.seed
             )
@@ -218,6 +220,8 @@ def rollout_step(
     ds, pad, stale = cfg.algo.dynamic_sampling, task.tokenizer.pad_id, pipe.sync.stale
     if not cfg.algo.over_sampling.on:
         got = collect(ds, generate, score, cursor, pad, dims.dp_group)
+        if pipe.schedule.split:  # the rollout ranks join the weight sync next (one_step_off: after a round)
+            engine.end_rounds(cursor + got.rounds)
         with timer.phase("rollout"):  # version_BS: the weights it sampled with
             batch, m_stale = stale.versioned(got.batch, step)
         return got._replace(batch=batch, metrics={**got.metrics, **m_stale}), pending
@@ -257,7 +261,7 @@ def train(cfg: RunConfig, dims: ParallelDims, prepared: Prepared | None = None) 
         start = ckpt.resume()
     with mem.span("first sync"):
         pipe.sync.first_sync(resumed=start > 0)
-    writer, bar = open_run_dir(cfg, dims, start, task), progress(cfg, start, dims)
+    writer, bar = open_run_dir(cfg, dims, start, task, ckpt.data_cursor), progress(cfg, start, dims)
     mem.attach(Path(cfg.run_dir) / MEMORY_TIMELINE)
     health = HealthMonitor(cfg.log.health, cfg.model.vocab_size, dims.is_main, cfg.routing.verify.alarm_frac)
     stop = 0  # the signal of a stop request, once the learner ranks agreed on one

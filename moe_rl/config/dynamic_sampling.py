@@ -40,20 +40,10 @@ def check_dynamic_sampling(cfg: Any) -> None:
     ds, r = cfg.algo.dynamic_sampling, cfg.rollout
     if not ds.enabled:
         return
-    key = "algo.dynamic_sampling.enabled"
-    check(
-        cfg.parallel.rollout_ranks == 0,
-        key,
-        "runs with colocated engines only: with parallel.rollout_ranks the rollout ranks generate "
-        "one request per step and cannot be asked for more groups (docs/sampling.md 3)",
-    )
-    check(
-        not cfg.agent.env,
-        key,
-        "is not built for the multi-turn loop (agent.env) yet (docs/sampling.md 3)",
-    )
+    # every schedule takes it (docs/sampling.md 3): colocated and async draw their rounds as
+    # they draw a step's batch; split sync and one_step_off ask the rollout ranks for each round
     check(
         r.top_k != 1,
-        key,
+        "algo.dynamic_sampling.enabled",
         "no group can carry signal with rollout.top_k=1: greedy samples of one prompt are all equal",
     )

@@ -16,8 +16,8 @@ from moe_rl.config.agent import AgentConfig, check_agent
 from moe_rl.config.dynamic_sampling import DynamicSamplingConfig, check_dynamic_sampling
 from moe_rl.config.layout import check_layout, data_parallel_size
 from moe_rl.config.model import ModelConfig, ParallelConfig
-from moe_rl.config.route_verify import VerifyConfig, check_verify
 from moe_rl.config.over_sampling import OverSamplingConfig, check_over_sampling
+from moe_rl.config.route_verify import VerifyConfig, check_verify
 from moe_rl.config.split_rules import check_split
 from moe_rl.config.vllm_rules import check_vllm
 from moe_rl.corrections.correction_specs import CorrectionSpec

@@ -37,6 +37,8 @@ class Schedule:
     kind: ScheduleKind
     max_staleness: int = 0  # async: the staleness filter's bound (rollout.max_staleness)
     simulated_staleness: int = 0  # colocated: rollout.staleness=k (moe_rl/pipeline/simulated_staleness.py)
+    # algo.dynamic_sampling with split sync / one_step_off: the learner asks for each round
+    dynamic_rounds: bool = False
 
     @classmethod
     def from_config(cls, cfg: RunConfig) -> Schedule:
@@ -47,7 +49,10 @@ class Schedule:
             return cls(ScheduleKind.COLOCATED_SYNC, simulated_staleness=r.staleness)
         kinds = {"sync": ScheduleKind.SPLIT_SYNC, "one_step_off": ScheduleKind.ONE_STEP_OFF}
         kind = kinds.get(r.mode, ScheduleKind.ASYNC)
-        return cls(kind, max_staleness=r.max_staleness if kind is ScheduleKind.ASYNC else 0)
+        rounds = cfg.algo.dynamic_sampling.enabled and kind is not ScheduleKind.ASYNC
+        return cls(
+            kind, max_staleness=r.max_staleness if kind is ScheduleKind.ASYNC else 0, dynamic_rounds=rounds
+        )
 
     @property
     def mode(self) -> str:
@@ -95,3 +100,11 @@ class Schedule:
         """A step trains on the request the buffer hands it (its own step index, prompts and seed:
         ``RemoteEngine.request_for``), not on the prompts of its own step."""
         return self.buffers_requests
+
+    @property
+    def rounds_on_request(self) -> bool:
+        """Split sync / one_step_off with ``algo.dynamic_sampling``: the learner asks the rollout
+        ranks for each generation round of a step by its data index (``RoundRequest``) and tells
+        them when the step's rounds are done (one_step_off: with the next step's first round, to
+        generate while it trains); async needs no asking: each round takes the buffer's next request."""
+        return self.dynamic_rounds

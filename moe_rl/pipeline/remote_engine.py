@@ -15,7 +15,15 @@ Async (``moe_rl/pipeline/request_buffer.py``): ``request_for`` takes the dp rank
 staleness filter keeps (the step trains on that request's prompts and seed), ``generate`` hands it
 on with the engine's per-token versions; ``take_buffered`` receives, at a checkpoint, every
 finished request up to the rollout rank's fence, and ``resume`` queues the saved ones first and
-tells the rollout rank which request index to generate next."""
+tells the rollout rank which request index to generate next.
+
+Dynamic sampling (``algo.dynamic_sampling``, split sync / one_step_off: ``Schedule.rounds_on_request``):
+the learner asks the rollout rank for each generation round of a step by its data index
+(``request_for`` sends a ``RoundRequest``) and, once the step has its rounds, tells it the weight
+sync comes next (``end_rounds``); one_step_off asks in that same message for the next step's first
+round (the next data index), which the rollout rank generates with the weights it holds while the
+learner trains. The step's later rounds are generated with the weights the learner holds (lag 0).
+So a step's rounds take consecutive data indices in both schedules, as a colocated run's do."""
 
 from __future__ import annotations
 
@@ -35,6 +43,7 @@ from moe_rl.routing.provenance import Provenance
 from moe_rl.types import RolloutBatch, SamplingParams, with_version
 
 BATCH_TAG = 1  # the bridge's tag for batches (rollout -> learner)
+ROUND_TAG = 4  # the bridge's tag for round requests (learner -> rollout, ``RoundRequest``)
 log = logging.getLogger(__name__)
 
 
@@ -69,6 +78,16 @@ class RolloutMessage:
             b["route_prov"] = [Provenance.from_tensors(t) for t in b["route_prov"]]
         b["engine_metrics"] = {k: _metric_of(v) for k, v in b.get("engine_metrics", {}).items()}
         return cls(**{**state, "batch": RolloutBatch(**b)})
+
+
+@dataclass(frozen=True)
+class RoundRequest:
+    """Learner -> rollout rank (``Schedule.rounds_on_request``): generate data index ``index``
+    (None: nothing) with the weights held now and send it; ``then_sync``: the step's rounds are
+    done, the learner's weight sync comes next."""
+
+    index: int | None
+    then_sync: bool = False
 
 
 _METRIC_KINDS = {c.__name__: c for c in (Mean, Std, Sum, Max, Min)}
@@ -108,6 +127,11 @@ class RemoteEngine:
         self.taken: tuple[RolloutMessage, dict, float] | None = None
         self.restored: dict = {}
         self.resume_works: list = []
+        # rounds on request: the data index asked last; the one asked ahead (one_step_off: the next
+        # step's first round, or a resume's in-flight batch); whether the step's rounds have begun
+        self.asked: int | None = None
+        self.ahead: int | None = None
+        self.in_step = False
 
     def resume(self, start: int, in_flight: RolloutMessage | None, buffered: dict | None = None) -> None:
         """Continue at step ``start`` (its weights are synced next), with the batch a one-step-off
@@ -138,6 +162,11 @@ class RemoteEngine:
     def synced(self) -> None:
         """The sync owner broadcast the next version (``moe_rl/pipeline/weight_sync.py``)."""
         self.version, self.next_version = self.next_version, self.next_version + 1
+
+    @property
+    def _plain(self) -> bool:
+        """One batch a step, from one weight version: ``rollout/version_lag`` is a plain number."""
+        return not (self.schedule.buffers_requests or self.schedule.rounds_on_request)
 
     def _receive(self) -> RolloutMessage:
         return self.bridge.recv_object(self.src, BATCH_TAG)
@@ -178,9 +207,17 @@ class RemoteEngine:
         self.next_request = msg.step + 1
         return msg
 
-    def request_for(self, step: int) -> int:
-        """The step index whose prompts and seed step ``step`` trains on: ``step``, or (async) that
-        of the dp rank's next request the staleness filter keeps (stale ones are dropped)."""
+    def request_for(self, step: int, index: int | None = None) -> int:
+        """The data index whose prompts and seed a generation round of step ``step`` trains on:
+        ``step``; (async) that of the dp rank's next request the staleness filter keeps (stale ones
+        are dropped); (rounds on request) ``index``, asked of the rollout rank unless it is the
+        step's first round and one_step_off generated it ahead."""
+        if self.schedule.rounds_on_request:
+            ahead = not self.in_step and (self.ahead is not None or self.pending is not None)
+            if not ahead:
+                self._ask(RoundRequest(index))
+            self.asked, self.ahead, self.in_step = index, None, True
+            return index
         if not self.schedule.picks_requests:
             return step
         t0 = time.perf_counter()
@@ -194,6 +231,20 @@ class RemoteEngine:
         self.taken = (msg, metrics, time.perf_counter() - t0)
         return msg.step
 
+    def end_rounds(self, cursor: int) -> None:
+        """Rounds on request: the step has its rounds (the data cursor is at ``cursor``); the rollout
+        rank joins the weight sync next, one_step_off after generating data index ``cursor`` (the
+        next step's first round) with the weights it holds. A no-op otherwise."""
+        if self.schedule.rounds_on_request:
+            self.ahead = cursor if self.schedule.runs_ahead else None
+            self._ask(RoundRequest(self.ahead, then_sync=True))
+            self.in_step = False
+
+    def _ask(self, req: RoundRequest) -> None:
+        # the rollout rank waits for it: the send completes at once (its works must be kept anyway)
+        for w in self.bridge.send_object(req, self.src, ROUND_TAG):
+            w.wait()
+
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams, seed: int) -> RolloutBatch:
         t0 = time.perf_counter()
         extra: dict = {}
@@ -204,7 +255,7 @@ class RemoteEngine:
         else:
             msg, self.pending = self.pending or self._receive(), None
             waited = time.perf_counter() - t0
-        expected = msg.step if buffered else self.version
+        expected = msg.step if buffered else self.asked if self.schedule.rounds_on_request else self.version
         got = (msg.step, msg.dp_rank, msg.seed, msg.n, msg.prompts)
         if got != (expected, self.dp_rank, seed, n, prompts):
             raise RuntimeError(
@@ -215,8 +266,9 @@ class RemoteEngine:
         lag = self.version - msg.version
         metrics = {
             **msg.batch.engine_metrics,  # the rollout rank's own (agent.env: the agent/* counts)
-            # async: the lag of the request's prefill, the most over the dp ranks (they differ)
-            "rollout/version_lag": Max(torch.tensor(float(lag))) if buffered else float(lag),
+            # async: the lag of the request's prefill, the most over the dp ranks (they differ); rounds
+            # on request: the most over the step's rounds (one_step_off: the first is 1, later ones 0)
+            "rollout/version_lag": float(lag) if self._plain else Max(torch.tensor(float(lag))),
             "time/wait_batch_s": Max(torch.tensor(waited)),
             **{k: Max(torch.tensor(v)) for k, v in msg.waits.items()},
             **extra,

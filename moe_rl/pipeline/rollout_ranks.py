@@ -17,6 +17,10 @@ follows the run's ``Schedule`` (``moe_rl/config/schedule.py``); the weights come
 - async: request after request with in-flight weight updates, a bounded number unreceived per dp
   rank (request_buffer.py; docs/design.md 15.3).
 
+- with algo.dynamic_sampling (sync and one_step_off, ``Schedule.rounds_on_request``): the learner
+  asks for each generation round by its data index and says when the weight sync comes
+  (``RoundRequest``, remote_engine.py); the rank generates what it is asked with the weights it holds.
+
 The step a run starts at is the version of the first weight sync (a resume's checkpoint step); the
 run ends at the update the learner tells with each sync (``tell_last``: ``steps``, or sooner after a
 stop request, moe_rl/stop.py), where the rank ends as at the run's end: its checkpoint takes what a
@@ -34,7 +38,7 @@ from moe_rl.config import RunConfig, Schedule
 from moe_rl.dist import ParallelDims
 from moe_rl.pipeline.offload_timeline import OffloadTimeline
 from moe_rl.pipeline.placement import exchange_dp_ranks
-from moe_rl.pipeline.remote_engine import BATCH_TAG, RolloutMessage
+from moe_rl.pipeline.remote_engine import BATCH_TAG, ROUND_TAG, RolloutMessage, RoundRequest
 from moe_rl.pipeline.request_buffer import CHOICE_TAG, RESUME_TAG, Fence, buffer_bound, checkpoint_due
 from moe_rl.pipeline.weight_sync import BackgroundWeights, RolloutRankWeights
 from moe_rl.rollout.factory import build_engine, engine_tp
@@ -100,6 +104,21 @@ class _Server:
         self.timeline.after_generate()
         waits = {**waits, "time/rollout_generate_s": time.perf_counter() - t0}
         return RolloutMessage(step, d, seed, prompts, r.samples_per_prompt, version, batch, waits)
+
+    def round_request(self) -> RoundRequest:
+        """The learner's next ``RoundRequest``: one from every learner rank of every served dp rank,
+        all the same (their rounds are agreed); an engine's TP peers get it from its first rank."""
+        if not self.sends:
+            return self.bridge.recv_object(self.first, CHOICE_TAG)
+        got = {self.bridge.recv_object(dst, ROUND_TAG) for d in self.served for dst in self.dests[d]}
+        if len(got) != 1:
+            raise RuntimeError(
+                f"the learner ranks served by one rollout rank ask for different rounds: {got}"
+            )
+        req = got.pop()
+        for peer in self.peers:
+            _wait(self.bridge.send_object(req, peer, CHOICE_TAG))
+        return req
 
     def send(self, msgs: list[RolloutMessage]) -> list:
         """Start sending each message to every learner rank of its dp rank; the works to wait on."""
@@ -226,6 +245,31 @@ def _serve_async(s: _Server, trajectories: Path) -> None:
         o.close()
 
 
+def _serve_rounds(s: _Server, trajectories: Path, waited: float) -> None:
+    """Rounds on request (``Schedule.rounds_on_request``): generate each data index the learner asks
+    for with the weights held now, join the weight sync when told, stop at the run's last update.
+    A batch's send is waited on at the next request: the learner asks again only after it took
+    every batch it asked for (one_step_off's next-step round: at the start of that step)."""
+    agent, resumed = (s.task.agent if s.sends else None), s.version > 0
+    if agent is not None and not resumed:
+        agent.log_to(trajectories)
+    works: list = []
+    while True:
+        req = s.round_request()
+        _wait(works)  # a gloo work is waited on once
+        works = []
+        if req.index is not None:
+            if agent is not None and resumed:  # a resume generates from the first index it is asked for
+                agent.log_to(trajectories, resume_step=req.index)
+                resumed = False
+            works, waited = s.send(s.generate(req.index, waited)), 0.0
+        if req.then_sync:
+            waited = s.load()
+            if s.version >= s.weights.last:
+                break
+    _wait(works)  # one_step_off: the batch past the last step, the learner's last checkpoint takes it
+
+
 def serve_rollouts(cfg: RunConfig, dims: ParallelDims, task: Task | None = None) -> None:
     """A rollout rank's whole run (see the module docstring); ``task``: preflight's, when it ran in
     this process (an external torchrun)."""
@@ -237,6 +281,8 @@ def serve_rollouts(cfg: RunConfig, dims: ParallelDims, task: Task | None = None)
     trajectories = Path(cfg.run_dir) / "agent" / f"trajectories_rank{dims.placement.rank}.jsonl"
     if s.schedule.buffers_requests:
         return _serve_async(s, trajectories)
+    if s.schedule.rounds_on_request:
+        return _serve_rounds(s, trajectories, waited)
     if task.agent is not None and s.sends:  # the conversations are logged where they run
         # a resume regenerates from `start` (one_step_off: from start + 1, batch `start` is in
         # the learner's checkpoint)

@@ -119,10 +119,12 @@ def collect(
     dropped: list = []  # the same of the groups without
     target = generated = with_signal = tokens = 0
     metrics: dict = {}
+    engine_metrics: dict = {}  # the engines' own (agent/*, a split run's waits): every round's, once
     rounds = 0
     while True:
         prompts, batch = generate(cursor + rounds)
         rounds += 1
+        engine_metrics = merge_metrics(engine_metrics, batch.engine_metrics)
         scores = score(prompts, batch)
         metrics = merge_metrics(metrics, scores.metrics)  # reward/*: every sample generated
         target = target or len(prompts)
@@ -148,7 +150,8 @@ def collect(
             break
     cap = ds.enabled and with_signal < target
     parts = kept if not ds.enabled else _fill(kept, dropped, target)
-    batch = concat_batches([p[0] for p in parts], pad_id)
+    # a round split into kept and dropped groups would count its engine metrics once per part
+    batch = dataclasses.replace(concat_batches([p[0] for p in parts], pad_id), engine_metrics=engine_metrics)
     scores = _cat_scores([p[1] for p in parts], metrics)
     prompts = [q for p in parts for q in p[2]]
     trained = min(with_signal, target) if ds.enabled else with_signal

@@ -2,7 +2,8 @@
 launcher, before any rank starts: one ``error:`` line, exit code 2, nothing on disk changed (the
 saved config.yaml is not rewritten), and ``moe_rl.launch.launch`` never called. Refused: a changed
 ``rollout.mode`` (a one_step_off / async checkpoint holds the batches in flight, sync has none) or
-``parallel.rollout_ranks``, the in-flight batch's shape, a missing or truncated in-flight file, and
+``parallel.rollout_ranks``, the in-flight batch's shape, dynamic sampling turned off on a split run
+that asked for its rounds (issue 46), a missing or truncated in-flight file, and
 the checkpoint's own files (``checkpoint.check_files``, as ``export-hf`` checks them).
 
 The checkpoints are ``fake_run``'s (config.yaml + trainer_state.json + the in-flight files as
@@ -16,6 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from moe_rl.config import load_run_config
+from moe_rl.errors import CheckpointError
+from moe_rl.preflight import check_resume
 from tests.cli_helpers import fails_with, fake_run
 
 pytestmark = pytest.mark.bad_input
@@ -70,6 +74,19 @@ def test_a_one_step_off_checkpoint_refuses_another_mode_or_shape(tmp_path, no_la
         tmp_path, run, _changed(run, "rollout.samples_per_prompt", 4, 8), "rollout.samples_per_prompt=4"
     )
     assert no_launch == []
+
+
+def test_a_dynamic_one_step_off_checkpoint_refuses_to_go_on_without_it(tmp_path):
+    # its data cursor is ahead of its step: the rollout ranks would draw each step's own index again
+    # (in-process: the check the CLI's preflight runs, as the refusals above show it does)
+    run, key = tmp_path / "run", "algo.dynamic_sampling.enabled"
+    fake_run(run, 30, **ONE_STEP_OFF, **{key: "true"})
+    resume = [f"run_dir={run}", "resume=true", "steps=40"]
+    with pytest.raises(CheckpointError) as e:
+        check_resume(load_run_config(None, [*resume, f"{key}=false"]))
+    assert str(e.value) == _changed(run, key, "false", "true")
+    with pytest.raises(CheckpointError, match="step_000030"):  # kept on: past this check (no .metadata)
+        check_resume(load_run_config(None, resume))
 
 
 def test_a_missing_or_truncated_resume_file_is_named_before_any_rank(tmp_path, no_launch):

@@ -1,6 +1,7 @@
 """bad_input tier, issue 46 (dynamic sampling, docs/sampling.md): a filter key the reward does not
-produce, a cap below one round, a target no round can reach, and the schedules and loop it is not
-built for: each one ``error:`` line naming the key, before any rank starts (exit code 2)."""
+produce, a cap below one round, and greedy sampling (no group can carry signal): each one ``error:``
+line naming the key, before any rank starts (exit code 2). Every schedule and the multi-turn loop
+take it (docs/sampling.md 3)."""
 
 from __future__ import annotations
 
@@ -31,15 +32,6 @@ KEY = f"override '{ON}': config key 'algo.dynamic_sampling.enabled'"
             [ON, "rollout.top_k=1"],
             f"{KEY}: no group can carry signal with rollout.top_k=1: "
             "greedy samples of one prompt are all equal",
-        ),
-        (
-            [ON, "parallel.rollout_ranks=1", "parallel.nproc=3", "rollout.mode=async"],
-            f"{KEY}: runs with colocated engines only: with parallel.rollout_ranks the rollout ranks "
-            "generate one request per step and cannot be asked for more groups (docs/sampling.md 3)",
-        ),
-        (
-            [ON, "agent.env=calculator"],
-            f"{KEY}: is not built for the multi-turn loop (agent.env) yet (docs/sampling.md 3)",
         ),
     ],
 )

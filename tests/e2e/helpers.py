@@ -168,3 +168,32 @@ def family_checkpoint(root: Path, family: str) -> tuple[Path, dict[str, torch.Te
     model.to(torch.bfloat16).save_pretrained(str(out))
     make_tokenizer(out)
     return out, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+# algo.dynamic_sampling in the split, async and agent runs (docs/sampling.md): every step trains its
+# configured groups, with signal unless the cap says so
+DYNAMIC = ["algo.dynamic_sampling.enabled=true", "algo.dynamic_sampling.max_rounds=3"]
+
+
+def dynamic_rounds(m: dict[int, dict], groups: int) -> list[int]:
+    """Each step of a run with ``DYNAMIC`` (rewards unshaped: the filter's accuracy is the reward)
+    generated ``groups`` groups a round and trained ``groups``: with signal, or (the cap reached)
+    topped up with groups without, which ``adv/zero_std_group_frac`` (the trained groups whose
+    rewards are all equal) counts exactly. Returns each step's rounds: the data cursor's advance."""
+    for step, r in m.items():
+        rounds, kept = r["sampling/rounds"], r["sampling/groups_kept"]
+        assert rounds >= 1 and r["sampling/groups_generated"] == rounds * groups, step
+        assert kept == groups or r["sampling/cap_reached"] == 1.0, step
+        assert r["adv/zero_std_group_frac"] == (groups - kept) / groups, step
+        assert r["sampling/groups_generated"] - r["sampling/groups_dropped_all_equal"] >= kept, step
+        assert r["rollout/num_seqs"] == groups * 4, step  # TINY: 4 samples a prompt
+    rounds = [int(m[t]["sampling/rounds"]) for t in sorted(m)]
+    # about half the groups carry signal at TINY's shape: a step's one round almost never suffices
+    assert sum(rounds) > len(rounds), rounds
+    return rounds
+
+
+def data_cursor(run_dir: Path, step: int) -> int:
+    """The data cursor the checkpoint of ``step`` saved (trainer_state.json)."""
+    state = run_dir / "checkpoints" / f"step_{step:06d}" / "trainer_state.json"
+    return json.loads(state.read_text())["data_cursor"]

@@ -13,7 +13,7 @@ import yaml
 
 from moe_rl.agentic.loop import END_REASONS
 from moe_rl.report import data
-from tests.e2e.helpers import TINY, metrics, moe_rl
+from tests.e2e.helpers import DYNAMIC, TINY, dynamic_rounds, metrics, moe_rl
 
 
 @pytest.mark.e2e
@@ -87,10 +87,12 @@ def test_calculator_run_trains_assistant_tokens_only(tmp_path):
 
 @pytest.mark.e2e
 def test_calculator_on_a_rollout_rank_one_step_off(tmp_path):
-    """Split, one_step_off (1 learner rank + 1 rollout rank): the rollout rank runs the
-    conversations (and logs them), the learner trains what it sent, with the agent counts it
-    sent; every turn of batch t was sampled with W_t-1, so the lag of each turn is exactly 1 after
-    step 0 (0 at step 0), whatever turn an update would land between."""
+    """Split, one_step_off (1 learner rank + 1 rollout rank), sampling dynamically (issue 46): the
+    rollout rank runs the conversations of every round (and logs them by data index), the
+    environment's rewards decide which groups are dropped, the learner trains what it kept, with
+    the agent counts of every round; every turn of a step's first round was sampled with W_t-1
+    (lag exactly 1 after step 0, whatever turn an update would land between), its other rounds'
+    with W_t (lag 0)."""
     run = tmp_path / "run"
     split = ["parallel.nproc=2", "parallel.rollout_ranks=1", "parallel.expert_parallel=1"]
     moe_rl(
@@ -104,25 +106,30 @@ def test_calculator_on_a_rollout_rank_one_step_off(tmp_path):
         "rollout.mode=one_step_off",
         *split,
         *TINY,
+        *DYNAMIC,
     )
     assert sorted(p.name for p in (run / "agent").iterdir()) == ["trajectories_rank1.jsonl"]
     recs = [json.loads(line) for line in (run / "agent" / "trajectories_rank1.jsonl").open()]
-    # batches 0..3: one_step_off generates the one past the last step too
-    assert sorted({r["step"] for r in recs}) == [0, 1, 2, 3] and len(recs) == 4 * 32
     m = metrics(run)
     assert sorted(m) == [0, 1, 2]
+    rounds = dynamic_rounds(m, 8)
+    starts = [sum(rounds[:t]) for t in range(4)]  # step t's rounds: data indices starts[t]..
+    # every data index once, consecutive: one_step_off generates the one past the last step too
+    assert [r["step"] for r in recs] == [i for i in range(starts[3] + 1) for _ in range(32)]
     for step, rec in m.items():
-        mine = [r for r in recs if r["step"] == step]
-        assert (
-            rec["train/loss_tokens"]
-            == rec["agent/assistant_tokens"]
-            == sum(r["assistant_tokens"] for r in mine)
-        )
+        mine = [r for r in recs if starts[step] <= r["step"] < starts[step + 1]]
+        assert rec["agent/assistant_tokens"] == sum(r["assistant_tokens"] for r in mine)
+        assert rec["train/loss_tokens"] <= rec["agent/assistant_tokens"]  # the kept groups'
         assert rec["agent/tool_calls"] == sum(r["tool_calls"] for r in mine)
-        assert sum(rec[f"agent/end/{reason}"] for reason in END_REASONS) == 32
+        assert sum(rec[f"agent/end/{reason}"] for reason in END_REASONS) == 32 * rounds[step]
+        assert rec["reward/mean"] == pytest.approx(sum(r["reward"] for r in mine) / len(mine))
+        # the environment's reward filters: groups of 4 consecutive records whose rewards are equal
+        equal = [len({r["reward"] for r in mine[g : g + 4]}) == 1 for g in range(0, len(mine), 4)]
+        assert rec["sampling/groups_dropped_all_equal"] == sum(equal)
         assert rec["rollout/version_lag"] == min(step, 1)
         for turn in (1, 2):  # turn 2 ran (a reply was appended) in these batches
-            assert rec[f"agent/lag_mean/turn{turn}"] == min(step, 1)
+            lag = rec[f"agent/lag_mean/turn{turn}"]
+            assert lag == min(step, 1) if rounds[step] == 1 else 0 <= lag <= 1
         assert rec["agent/k3/turn1"] >= 0 and rec["agent/k3/turn2"] >= 0
         # the verifier on the rollout rank, at its default interval (every 10 steps: step 0 only)
         assert ("routing/verify_samples" in rec) == (step == 0)

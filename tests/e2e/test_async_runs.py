@@ -6,7 +6,8 @@ machine's load. Async is not bit-for-bit deterministic: the
 tests check bounds and counts, not values; a first SIGINT keeps every finished request in the
 checkpoint it saves (issue 42). Under a long tail of response lengths (``LONG_TAIL``, no delay)
 generation outlasts the learner's update, so updates land inside responses and async differs from
-one_step_off (issue 42 point 6)."""
+one_step_off (issue 42 point 6). The first test's run samples dynamically (issue 46): each round
+takes the buffer's next fresh request, and the groups without signal are dropped before the update."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import torch
 
 from moe_rl.pipeline.weight_sync import DELAY_ENV
 from tests.cli_helpers import TINY
-from tests.e2e.helpers import metrics, moe_rl, signalled
+from tests.e2e.helpers import DYNAMIC, dynamic_rounds, metrics, moe_rl, signalled
 
 MODE = ["rollout.mode=async", "checkpoint_every=0", *TINY]
 ASYNC = ["parallel.nproc=4", "parallel.rollout_ranks=2", "parallel.expert_parallel=2", *MODE]
@@ -51,7 +52,7 @@ def _within_max_staleness(
 @pytest.mark.e2e
 def test_async_trains_on_stale_requests_within_max_staleness_and_resumes_its_buffer(tmp_path):
     # SIGINT while step 1 runs: the job stops after it with a checkpoint (checkpoint_every=0)
-    code, err = signalled(tmp_path / "run", "steps=3", *ASYNC, after=1)
+    code, err = signalled(tmp_path / "run", "steps=3", *ASYNC, *DYNAMIC, after=1)
     assert code == 130, err[-3000:]
     assert "stopped (SIGINT) after the step in progress, checkpoint saved at step 2;" in err.splitlines()[-1]
     part = metrics(tmp_path / "run")
@@ -62,11 +63,19 @@ def test_async_trains_on_stale_requests_within_max_staleness_and_resumes_its_buf
     ckpts = tmp_path / "run" / "checkpoints"
     saved = [torch.load(ckpts / f"in_flight_step_000002_dp{d}.pt", weights_only=True) for d in (0, 1)]
     saved_samples = sum(int(m["batch"]["tokens_BS"].shape[0]) for s in saved for m in s["buffered"])
+    firsts = []  # per dp rank: the first buffered request's index
     for s in saved:  # requests in order, the next index after the last one received
         steps = [m["step"] for m in s["buffered"]]
-        assert steps == list(range(2, 2 + len(steps))) and s["next_request"] == 2 + len(steps)
+        firsts.append(s["next_request"] - len(steps))
+        assert steps == list(range(firsts[-1], s["next_request"]))
+    # the requests before the buffered ones were each trained (a round) or dropped stale, none lost
+    taken = sum(
+        2 * r + part[t]["rollout/dropped_stale_batches"] for t, r in enumerate(dynamic_rounds(part, 8))
+    )
+    assert sum(firsts) == taken
     resumed = _run(tmp_path / "run", "steps=3", "resume=true")
     assert sorted(resumed) == [0, 1, 2]
+    dynamic_rounds(resumed, 8)
     assert resumed[2]["rollout/restored_samples"] == saved_samples > 0
     assert resumed[2]["rollout/restored_batches"] == saved_samples / PER_REQUEST
     _within_max_staleness(resumed, 1)

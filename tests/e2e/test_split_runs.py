@@ -2,7 +2,9 @@
 docs/design.md 15), through the real CLI. A split sync run is the colocated run of the same learner
 layout bit for bit (every metric but timings); one-step-off is deterministic, one update stale from
 its second step, and resumes exactly from a checkpoint that holds the batch in flight. Both resumes
-are from the checkpoint a first SIGINT saved (issue 42): the rollout ranks stop with the learner."""
+are from the checkpoint a first SIGINT saved (issue 42): the rollout ranks stop with the learner.
+The EP=2 runs sample dynamically (issue 46, docs/sampling.md 3): the learner asks the rollout ranks
+for each round; the split sync run is still the colocated run bit for bit, the data cursor included."""
 
 from __future__ import annotations
 
@@ -14,9 +16,9 @@ import pytest
 from moe_rl.config import load_config
 from moe_rl.weights.canonical import canonical_param_shapes
 from tests.cli_helpers import TINY, fails_with
-from tests.e2e.helpers import deterministic, metrics, moe_rl, signalled
+from tests.e2e.helpers import DYNAMIC, data_cursor, deterministic, dynamic_rounds, metrics, moe_rl, signalled
 
-EP2 = ["parallel.expert_parallel=2", "checkpoint_every=0", *TINY]  # 2 learner ranks, DP 2
+EP2 = ["parallel.expert_parallel=2", "checkpoint_every=0", *TINY, *DYNAMIC]  # 2 learner ranks, DP 2
 SPLIT = ["parallel.nproc=4", "parallel.rollout_ranks=2"]  # + 2 rollout ranks, one per dp rank
 ROLLOUT_TIMES = ("time/wait_batch_s", "time/rollout_wait_weights_s", "time/rollout_generate_s")
 
@@ -68,6 +70,8 @@ def test_split_sync_is_the_colocated_run_bit_for_bit(tmp_path, colocated_ep2):
     _stopped_at(tmp_path / "split", 1, err)
     split = _run(tmp_path / "split", "resume=true")
     assert sorted(split) == [0, 1]
+    # the resume drew from the cursor step 0's rounds left (the metrics equal the colocated run's)
+    assert data_cursor(tmp_path / "split", 1) == dynamic_rounds(split, 8)[0]
     for step in (0, 1):
         _same_as_colocated(split[step], colocated_ep2[step], lag=0.0)
         assert all(split[step][k] >= 0 for k in ROLLOUT_TIMES)
@@ -101,7 +105,14 @@ def test_one_step_off_is_deterministic_one_update_stale_and_resumes_exactly(tmp_
     assert sorted(full) == sorted(part) == [0, 1, 2]
     for step in range(3):
         assert deterministic(full[step]) == deterministic(part[step]), f"step {step} differs after resume"
+    # the step's first round was generated ahead (W_t-1: lag 1), its others with W_t (lag 0)
     assert [full[t]["rollout/version_lag"] for t in range(3)] == [0.0, 1.0, 1.0]
+    rounds = dynamic_rounds(full, 8)
+    assert max(rounds) >= 2  # extra rounds ran (they take the next data indices, as colocated)
+    # the checkpoint's cursor: past step 0's and 1's rounds and before the batch in flight
+    assert data_cursor(tmp_path / "part", 2) == rounds[0] + rounds[1]
+    for t in (1, 2):  # the first round's tokens one update behind, the others' none
+        assert 0 <= full[t]["rollout/lag_mean"] <= 1 and (rounds[t] > 1 or full[t]["rollout/lag_mean"] == 1)
     # step 0 is generated with W_0 as in the sync run; step 1's batch too (W_0, one update stale):
     # the same prompts, scored against a learner one update ahead, so the mismatch is the update's
     _same_as_colocated(full[0], colocated_ep2[0], lag=0.0)

@@ -39,3 +39,17 @@ def test_schedule_carries_the_staleness_knobs_it_uses():
     assert Schedule.from_config(load_config(None, SPLIT)).max_staleness == 0
     with pytest.raises(ConfigError, match="'rollout.max_staleness': 3 acts only with rollout.mode=async"):
         load_config(None, [*SPLIT, "rollout.max_staleness=3"])
+
+
+@pytest.mark.unit
+def test_split_sync_and_one_step_off_ask_for_dynamic_sampling_rounds():
+    """algo.dynamic_sampling (docs/sampling.md 3): the learner asks the rollout ranks for each round
+    under split sync and one_step_off; colocated has its own engine, async takes buffered requests."""
+    on = "algo.dynamic_sampling.enabled=true"
+    asks = {
+        mode: Schedule.from_config(load_config(None, [*SPLIT, f"rollout.mode={mode}", on])).rounds_on_request
+        for mode in ("sync", "one_step_off", "async")
+    }
+    assert asks == {"sync": True, "one_step_off": True, "async": False}
+    assert not Schedule.from_config(load_config(None, [on])).rounds_on_request
+    assert not Schedule.from_config(load_config(None, SPLIT)).rounds_on_request  # off: never asked

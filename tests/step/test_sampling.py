@@ -5,17 +5,19 @@ default)."""
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from moe_rl.config import load_config
 from moe_rl.config.dynamic_sampling import DynamicSamplingConfig
 from moe_rl.maths.advantages import estimate_advantages
 from moe_rl.maths.policy_specs import AdvantageSpec
-from moe_rl.metrics import reduce_metrics
+from moe_rl.metrics import Sum, reduce_metrics
 from moe_rl.routing.provenance import Provenance
 from moe_rl.step.sampling import collect, concat_batches, groups_with_signal
-from moe_rl.tasks.task import StepScores
+from moe_rl.tasks.task import StepScores, step_scores
 from moe_rl.types import RolloutBatch
 
 pytestmark = pytest.mark.unit
@@ -110,6 +112,8 @@ def run(ds: DynamicSamplingConfig, rounds=ROUNDS, penalty=0.0):
 def test_rounds_go_on_until_the_step_has_its_groups_with_signal():
     got, drawn, m = run(DynamicSamplingConfig(enabled=True, max_rounds=4))
     assert drawn == [10, 11, 12] and got.rounds == 3  # the cursor advances by 3
+    # no group of the trained batch has all-zero advantages, for every group estimator
+    assert group_advantage_peaks(got).gt(0.1).all()
     # the first 4 groups with signal, in generation order; the surplus (12.2) is not trained
     assert got.prompts == ["p10.1", "p10.3", "p11.2", "p12.0"]
     assert got.batch.group_B.tolist() == [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4
@@ -125,17 +129,32 @@ def test_rounds_go_on_until_the_step_has_its_groups_with_signal():
     assert (m["sampling/rounds"], m["sampling/groups_generated"], m["sampling/groups_kept"]) == (3, 12, 4)
     assert m["sampling/groups_dropped_all_equal"] == 6 and m["sampling/useful_frac"] == 6 / 12
     assert m["sampling/cap_reached"] == 0 and m["sampling/response_tokens_generated"] == 3 * 16 * 4
-    # no group of the trained batch has all-zero advantages, for every group estimator
-    for name in ("grpo", "rloo"):
+
+
+ESTIMATORS = ("grpo", "rloo", "otb", "otb_multiturn")
+
+
+def group_advantage_peaks(got) -> torch.Tensor:
+    """[estimator, group]: the largest |advantage| of each trained group, by each group estimator
+    (GRPO, RLOO, the Optimal Token Baseline and its multi-turn form) on the collected batch."""
+    b = got.batch
+    extra = {"logp_BS": b.logprobs_BS, "sum_pi_sq_BS": torch.full(b.logprobs_BS.shape, 0.5)}
+    peaks = []
+    for name in ESTIMATORS:
         adv_BS, _ = estimate_advantages(
-            AdvantageSpec(name, True), got.scores.rewards_B, got.batch.group_B, got.batch.response_mask_BS, {}
+            AdvantageSpec(name, True), got.scores.rewards_B, b.group_B, b.response_mask_BS, extra
         )
-        assert adv_BS.abs().view(4, N * 6).amax(dim=1).gt(0).all(), name
+        peaks.append(adv_BS.abs().view(-1, N * b.tokens_BS.shape[1]).amax(dim=1))
+    return torch.stack(peaks)
 
 
 def test_at_the_cap_the_step_trains_what_it_has_topped_up_and_says_so():
     got, drawn, m = run(DynamicSamplingConfig(enabled=True, max_rounds=2))
     assert drawn == [10, 11] and got.rounds == 2
+    # each estimator: the 3 groups with signal train, the topped-up one's advantages are ~0 (OTB's
+    # are r * eps / (W + eps), not an exact 0: docs/math.md 6.2)
+    peaks = group_advantage_peaks(got)
+    assert peaks[:, :3].gt(0.1).all() and peaks[:, 3].lt(1e-6).all()
     # 3 groups with signal, then the first dropped ones to the step's 4 groups
     assert got.prompts == ["p10.1", "p10.3", "p11.2", "p10.0"]
     assert (m["sampling/groups_kept"], m["sampling/cap_reached"], m["sampling/useful_frac"]) == (3, 1, 3 / 8)
@@ -159,3 +178,37 @@ def test_the_filter_reads_accuracy_not_the_shaped_reward():
     assert drawn == [10, 11, 12] and m["sampling/groups_dropped_all_equal"] == 6
     _, drawn, m = run(DynamicSamplingConfig(enabled=True, filter="reward"), penalty=-0.01)
     assert drawn == [10] and m["sampling/groups_dropped_all_equal"] == 0
+
+
+def test_multi_turn_rounds_filter_on_the_environments_reward_and_keep_their_columns():
+    """agent.env (moe_rl/agentic/loop.py): the environment's reward (``env_reward_B``, scored by
+    the real ``step_scores``) decides the groups; the turn column, per-token versions and the
+    route rows' provenance follow their sequences; the loop's own counts cover every round once."""
+    cfg = load_config(None, [f"rollout.samples_per_prompt={N}"])
+    env = {20: ROUNDS[10], 21: ROUNDS[13], 22: ROUNDS[11], 23: ROUNDS[12]}  # 21: no group with signal
+
+    def generate(index):
+        b = rollout(4, 6, 1000 * index)
+        turn_BS = torch.zeros_like(b.tokens_BS, dtype=torch.int16)
+        turn_BS[:, 2:] = 1 + index % 2  # the response: turn 1 (even index) or 2
+        return [SimpleNamespace(task="calc", index=index)] * 4, dataclasses.replace(
+            b,
+            env_reward_B=torch.tensor(env[index]).flatten().float(),
+            turn_BS=turn_BS,
+            version_BS=b.response_mask_BS.int() * (index - 19),  # W_index-20: version index - 19
+            route_prov=[Provenance.computed(torch.full((r.shape[0],), index)) for r in b.routes],
+            engine_metrics={"agent/tool_calls": Sum(float(index))},
+        )
+
+    got = collect(
+        DynamicSamplingConfig(enabled=True), generate, lambda p, b: step_scores(cfg, None, p, b), 20, -1
+    )
+    m = reduce_metrics(got.metrics)
+    assert got.rounds == 4 and m["sampling/groups_dropped_all_equal"] == 2 + 4 + 3 + 1
+    index_B = got.batch.tokens_BS[:, 0] // 1000  # the round each trained sequence came from
+    assert index_B.tolist() == [20] * 8 + [22] * 4 + [23] * 4
+    assert got.scores.accuracy_B.equal(got.batch.env_reward_B)
+    assert got.batch.turn_BS[:, 2:].eq((1 + index_B % 2)[:, None]).all()
+    assert got.batch.version_BS[:, 2:].eq((index_B - 19)[:, None]).all()
+    assert [int(p.version_N[0]) for p in got.batch.route_prov] == index_B.tolist()
+    assert reduce_metrics(got.batch.engine_metrics)["agent/tool_calls"] == 20 + 21 + 22 + 23
