@@ -12,10 +12,12 @@ site instead of failing at the first."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
 from tests.dist_harness import run_ranks
+from tests.e2e.helpers import deterministic, metrics
 
 RUNS = {
     # dynamic sampling's rounds, and the data cursor the resumed run below restores (docs/sampling.md);
@@ -55,21 +57,28 @@ COMMON = [
 
 
 def _worker(rank: int, root: str, redirect: bool = True) -> dict:
+    import torch.distributed
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
     from moe_rl import dist, trainer
     from moe_rl.config import load_config
     from tests.device_check import strict_device
+    from tests.e2e.helpers import stopped_copy
 
     caught = {}
     dims = None
     for name, overrides in [
         *RUNS.items(),
+        ("off_from1", [*RUNS["off"], "resume=true"]),  # step 1 again, from the first checkpoint's partials
         ("off_resumed", [*RUNS["off"], "resume=true", "steps=3"]),
         ("tp2", TP2),
     ]:
         run_dir = f"{root}/{name.removesuffix('_resumed')}"
+        if name == "off_from1":  # "off" as a run stopped after its first checkpoint (step_000001) leaves it
+            if rank == 0:
+                stopped_copy(Path(root, "off"), Path(run_dir), 1)
+            torch.distributed.barrier()
         cfg = trainer.preflight(
             load_config(None, [*COMMON, *overrides, f"run_dir={run_dir}"]), check_run_dir=False
         )
@@ -95,5 +104,10 @@ def test_training_steps_create_every_tensor_where_it_is_used(tmp_path):
         # moe-rl's factories only where a device was left out, which must now be nowhere
         sites = sorted(set().union(*caught.values()))
         assert sites == [], f"rank {rank}: tensors made without a device at\n" + "\n".join(sites)
-        assert sorted(caught) == sorted([*RUNS, "off_resumed", "tp2"])
+        assert sorted(caught) == sorted([*RUNS, "off_from1", "off_resumed", "tp2"])
     assert (tmp_path / "off" / "checkpoints" / "step_000003").is_dir()  # the resumed run saved its step
+    # over-sampling's partial rollouts resume exactly (issue 46 point 2): step 1 resumed from the first
+    # checkpoint, its pending groups read back, equals the uninterrupted run's step 1, metric for metric
+    full, again = metrics(tmp_path / "off")[1], metrics(tmp_path / "off_from1")[1]
+    assert again["sampling/resumed"] > 0 and again["sampling/resumed"] == full["sampling/resumed"]
+    assert deterministic(again) == deterministic(full)
