@@ -11,6 +11,10 @@ the compact tool format (``moe_rl/agentic/demos.py``), and measured through the 
 loop: it stops once the sampled tool-call success rate reaches ``--target-tools`` and the sampled
 calculator reward ``--target`` (docs/agentic.md 7).
 
+``--model KEY=VALUE`` (repeatable, single-turn only) makes the same warm start for another
+architecture (``model.KEY``, e.g. ``num_experts=64``); a run loads it with ``init_weights=FILE``
+and the same ``model.*`` overrides (docs/collapse_lab.md 4 uses it for the fine-grained FP8 lab).
+
 Deterministic for a given --seed on the same software stack.
 """
 
@@ -20,6 +24,7 @@ import argparse
 import dataclasses
 import logging
 import os
+import sys
 import time
 
 import torch
@@ -90,7 +95,20 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--eval-every", type=int, default=None, help="default 10 | 20")
     ap.add_argument("--eval-prompts", type=int, default=128, help="--agent: trajectories per environment")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--model",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a model.KEY override (repeatable), e.g. num_experts=32: a warm start for another "
+        "architecture, loaded with init_weights=FILE and the same model.* keys",
+    )
     args = ap.parse_args()
+    if args.agent and args.model:  # the agent warm start starts from the shipped (default) file
+        sys.stderr.write(
+            "error: --model: only without --agent (it starts from the default-architecture file)\n"
+        )
+        raise SystemExit(2)
     # (single-turn | --agent): the agent's turns are each 5-12 tokens that must all be right, so a
     # smaller entropy bonus; evaluated every 20 steps, as the shipped file was made
     for name, single, agent in (("target", 0.2, 0.3), ("entropy_bonus", 0.25, 0.05), ("lr", 1e-3, 2e-3)):
@@ -103,12 +121,27 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+def run_config(model_overrides: list[str]):
+    """The default RunConfig with ``model.KEY=VALUE`` overrides, through the real config loader (an
+    unknown key or a bad value is a ConfigError naming it)."""
+    from moe_rl.config import load_config
+
+    return load_config(None, [f"model.{kv}" for kv in model_overrides])
+
+
 def main() -> None:
     args = parse_args()
+    from moe_rl.errors import UserError, one_line
+
+    try:
+        base = run_config(args.model)
+    except UserError as e:  # before anything starts: one line, exit 2
+        sys.stderr.write(f"error: --model: {one_line(e)}\n")
+        raise SystemExit(2) from None
 
     import megatron_patches
     from moe_rl import dist
-    from moe_rl.config import ParallelConfig, RunConfig
+    from moe_rl.config import ParallelConfig
     from moe_rl.learner.learner import Learner
     from moe_rl.rollout.builtin import BuiltinEngine
     from moe_rl.tasks.task import resolve_vocab as resolve
@@ -126,7 +159,7 @@ def main() -> None:
     )
     megatron_patches.apply_all()
     tok = CharTokenizer()
-    cfg = resolve(RunConfig(), tok)
+    cfg = resolve(base, tok)
     if args.agent:  # room for a lookup trajectory (max_seq_len is no architecture field)
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, max_seq_len=128))
     par = ParallelConfig(nproc=1, expert_parallel=1)
