@@ -44,8 +44,8 @@ Printed per arm but plain: each figure over plain's, as the median of the paired
 ratios with its interval (scripts/bench_stats.py). Goals: no step of dynamic, drop or partial
 trains a zero-signal group unless the cap says so; partial's step time below plain's (the median
 of the paired step-time ratios < 1). --quick: 1 repetition of 2 steps, 4 prompts x 4 samples, 2
-minibatches, at most 24 new tokens (the test's, with --arms plain,partial: each launch costs about
-15 s of startup, and partial runs the code of every figure and both goals).
+minibatches, at most 24 new tokens (the test's, with --arms plain,partial: each launch costs its
+startup, and partial runs the code of every figure and both goals).
 """
 
 from __future__ import annotations
