@@ -140,7 +140,8 @@ class WeightSync:
     ) -> None:
         self.schedule, self.engine, self.learner, self.stale = schedule, engine, learner, stale
         # rollout.sync_check (sync_check.py): the learner's checksums of each sync, the engine's
-        # verified against them, the probe batch scored (colocated); None or off: unchecked
+        # verified against them, the probe batch scored (split: the k3 on the rollout ranks);
+        # None or off: unchecked
         self.check = check or SyncCheck(torch.float32, frozenset(), False, 1)
         self.micro_batch_size, self.syncs = micro_batch_size, 0
         self.steps = steps  # split: the run's last update, told to the rollout ranks (``tell_last``)
