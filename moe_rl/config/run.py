@@ -111,8 +111,8 @@ class RolloutConfig:
     quantization: str = "none"
     # after every weight sync, check the engine's weights against what the learner sent (a checksum
     # per tensor; FP8: of the dequantized blocks; vLLM: of what its worker received, in its own
-    # layout, docs/vllm.md 11) and score a fixed probe batch on both sides (sync/probe_k3,
-    # colocated); a mismatch fails the job naming the tensor (docs/design.md 14.4).
+    # layout, docs/vllm.md 11) and score a fixed probe batch on both sides (sync/probe_k3; split:
+    # on the rollout rank after its load); a mismatch fails the job naming the tensor (docs/design.md 14.4).
     # Off by default: it cost more than 2% of a step on the CPU runs measured (time/sync_check_s)
     sync_check: bool = False
     # with quantization=fp8, which linear layers take it: all_linear (every rule name above) |

@@ -28,6 +28,7 @@ one-step-off or async rank has in flight."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -101,7 +102,11 @@ class _Server:
             # every sequence's first token comes from the prefill: the oldest version of the request
             version = int(batch.version_BS[batch.response_mask_BS].min()) - 1
             self.weights.version = updates.applied
+            if (probed := updates.take_probe()) is not None:  # rollout.sync_check, the engine idle
+                self.weights.score(*probed)
         self.timeline.after_generate()
+        if self.weights.probe:  # rollout.sync_check: the last probe's k3 (sync_check.py)
+            batch = dataclasses.replace(batch, engine_metrics={**batch.engine_metrics, **self.weights.probe})
         waits = {**waits, "time/rollout_generate_s": time.perf_counter() - t0}
         return RolloutMessage(step, d, seed, prompts, r.samples_per_prompt, version, batch, waits)
 

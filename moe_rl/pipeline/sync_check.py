@@ -1,4 +1,4 @@
-"""The checked weight sync (``rollout.sync_check``, on by default; docs/design.md 14.4).
+"""The checked weight sync (``rollout.sync_check``, off by default; docs/design.md 14.4).
 
 After every sync the engine's weights are compared with what the learner sent, tensor by tensor:
 the learner checksums each tensor of its stream as the engine must hold it (engine dtype; FP8:
@@ -7,18 +7,28 @@ checksums what it holds after the load. A tensor whose checksums differ (a wrong
 a permuted expert order, a chunk the engine dropped, a tensor its load left stale) or that one side
 lacks fails the job with one line naming it (``SyncCheckError``).
 
-Colocated, the engine is in this process: the check runs right after the load, and a fixed probe
-batch (``PROBE_ROWS`` token sequences from a fixed seed) is scored by the engine and by the learner
-(one forward-only pass, inside the sync phase while the learner's weights are on the device); its
-``sync/probe_k3`` = mean_t(rho - 1 - log rho), rho = pi_learner / pi_engine, is logged (the max over
-the data-parallel ranks). Split (``parallel.rollout_ranks``), the root broadcasts its checksums
-after the weights (``send_checksums``) and each rollout rank checks its engine after its load
-(``check_received``); the probe is colocated only.
+Then a fixed probe batch (``PROBE_ROWS`` token sequences from a fixed seed) is scored by the engine
+and by the learner with the same weights, and ``sync/probe_k3`` = mean_t(rho - 1 - log rho),
+rho = pi_learner / pi_engine, is logged (the max over the data-parallel ranks). Colocated, the
+engine is in this process: the check runs right after the load and the probe inside the sync phase
+(one forward-only learner pass while its weights are on the device); the value on step t's metrics
+is of W_{t+1}, the weights that step's sync loaded. Split (``parallel.rollout_ranks``), the root
+broadcasts after the weights its checksums and its probe log-probs (``send_checksums``: the learner
+ranks run the probe forward together, PROBE_ROWS x PROBE_LEN fp32 travel), and each rollout rank,
+after its load, checks its engine (``check_received``) and scores the probe with the weights just
+loaded (``probe_engine``); it computes the k3 and sends it with every batch after it (the
+``RolloutMessage``'s engine metrics, with ``sync/probe_version``: the learner update it is of).
+Sync and one_step_off: the weights that step's batch was generated with (one_step_off: one update
+behind the learner). Async: the engine takes updates between decode steps and may skip one; it is
+checked at its first poll after the load and probed once its request ends (the engine idle, still
+holding that update), so a step's value is of the newest update its rollout rank had loaded when
+it sent the batch.
 
 Engines that expose their weights (``held_weights``: the built-in engine) or their checksums of
 them (``held_checksums``: vLLM, computed in its worker over what it received, in its own layout,
 which the learner computes with ``layout``: moe_rl/rollout/vllm/sync_sums.py) are checked; the
-probe needs ``token_logprobs`` (both engines). vLLM with TP > 1 loads slices and is unchecked.
+probe needs ``token_logprobs`` (both engines; vLLM: ``prompt_logprobs``, None while its KV cache
+sleeps, then no probe). vLLM with TP > 1 loads slices and is unchecked.
 """
 
 from __future__ import annotations
@@ -129,37 +139,59 @@ class SyncCheck:
         """Colocated: the probe batch's engine-vs-learner k3 and this sync's check time."""
         if not self.on:
             return {}
-        score = getattr(engine, "token_logprobs", None)
         m = {}
         t0 = time.perf_counter()
-        tokens = probe_tokens(self.vocab_size)
         # None: the engine cannot score now (vLLM on GPU whose KV cache sleeps through the sync),
         # the same on every rank, so the learner's collective forward is skipped on all of them
-        engine_logp = score(tokens) if score is not None else None
+        engine_logp = engine_logprobs(engine, self.vocab_size)
         if engine_logp is not None:
-            seq_lens = torch.full((PROBE_ROWS,), PROBE_LEN, dtype=torch.int64)
-            out = learner.forward_logprobs(TrainBatch(tokens, seq_lens), 1.0, micro_batch_size)
-            k3 = probe_k3(out.stats.logp_BS, engine_logp)
+            k3 = probe_k3(self.learner_logp(learner, micro_batch_size), engine_logp)
             m["sync/probe_k3"] = Max(torch.tensor(k3, dtype=torch.float64))
             m["time/sync_probe_s"] = Max(torch.tensor(time.perf_counter() - t0, dtype=torch.float64))
         m["time/sync_check_s"] = Max(torch.tensor(self.seconds, dtype=torch.float64))
         return m
 
+    def learner_logp(self, learner, micro_batch_size: int) -> torch.Tensor:
+        """The learner's log-probs of the probe batch, fp32 [PROBE_ROWS, PROBE_LEN] on the host
+        (column 0: 0); one forward-only pass, collective over the learner ranks."""
+        tokens = probe_tokens(self.vocab_size)
+        seq_lens = torch.full((PROBE_ROWS,), PROBE_LEN, dtype=torch.int64)
+        out = learner.forward_logprobs(TrainBatch(tokens, seq_lens), 1.0, micro_batch_size)
+        return out.stats.logp_BS.detach().float().cpu()
 
-def send_checksums(group: Group, sent: Mapping[str, int]) -> None:
-    """Split, the root: after the weights, the count and the checksums (sorted names) to every
-    rollout rank."""
+
+def engine_logprobs(engine, vocab_size: int) -> torch.Tensor | None:
+    """The engine's log-probs of the probe batch with the weights it holds now; None for an
+    engine that cannot score (no ``token_logprobs``, or vLLM on GPU asleep)."""
+    score = getattr(engine, "token_logprobs", None)
+    return score(probe_tokens(vocab_size)) if score is not None else None
+
+
+def probe_engine(engine, learner_logp: torch.Tensor, vocab_size: int) -> float | None:
+    """Split, a rollout rank: the probe's k3 of its engine (the weights it holds now) against the
+    learner's log-probs of the same weights (``receive_sums``); None where the engine cannot score."""
+    engine_logp = engine_logprobs(engine, vocab_size)
+    return None if engine_logp is None else probe_k3(learner_logp, engine_logp.cpu())
+
+
+def send_checksums(group: Group, sent: Mapping[str, int], learner_logp: torch.Tensor) -> None:
+    """Split, the root: after the weights, the count and the checksums (sorted names), then the
+    learner's probe log-probs (fp32 [PROBE_ROWS, PROBE_LEN]) to every rollout rank."""
     names = sorted(sent)
     device = wire_device(group)
     group.broadcast(torch.tensor([len(names)], dtype=torch.int64, device=device))
     group.broadcast(torch.tensor([sent[n] for n in names], dtype=torch.int64, device=device))
+    group.broadcast(learner_logp.to(device=device, dtype=torch.float32).contiguous())
 
 
-def receive_sums(group: Group) -> list[int]:
-    """Split, a rollout rank: the root's checksums of the sync just received (``send_checksums``)."""
+def receive_sums(group: Group) -> tuple[list[int], torch.Tensor]:
+    """Split, a rollout rank: the root's checksums of the sync just received and its probe
+    log-probs (``send_checksums``)."""
     device = wire_device(group)
     count = int(group.broadcast(torch.zeros(1, dtype=torch.int64, device=device))[0])
-    return group.broadcast(torch.zeros(count, dtype=torch.int64, device=device)).cpu().tolist()
+    sums = group.broadcast(torch.zeros(count, dtype=torch.int64, device=device)).cpu().tolist()
+    logp = group.broadcast(torch.zeros((PROBE_ROWS, PROBE_LEN), dtype=torch.float32, device=device))
+    return sums, logp.cpu()
 
 
 def held_sums(engine) -> dict[str, int] | None:
@@ -190,8 +222,12 @@ def verify_held(engine, sums: list[int], version: int) -> None:
         raise mismatch_error(name, sent, held, version)
 
 
-def check_received(group: Group, engine, version: int) -> float:
-    """Split, a rollout rank after its load: the root's checksums against its engine's; seconds."""
+def check_received(group: Group, engine, version: int) -> tuple[float, torch.Tensor]:
+    """Split, a rollout rank after its load: the root's checksums against its engine's; seconds,
+    and the learner's probe log-probs of the weights just loaded (``probe_engine`` scores them)."""
     t0 = time.perf_counter()
-    verify_held(engine, receive_sums(group), version)
-    return time.perf_counter() - t0 + getattr(engine, "held_seconds", 0.0)  # vLLM: its worker's too
+    sums, learner_logp = receive_sums(group)
+    verify_held(engine, sums, version)
+    return time.perf_counter() - t0 + getattr(
+        engine, "held_seconds", 0.0
+    ), learner_logp  # vLLM: its worker's too

@@ -45,7 +45,14 @@ from moe_rl.metrics import Max
 from moe_rl.pipeline.offload_timeline import OffloadTimeline, Phase
 from moe_rl.pipeline.placement import Group
 from moe_rl.pipeline.simulated_staleness import SimulatedStaleness
-from moe_rl.pipeline.sync_check import SyncCheck, check_received, receive_sums, send_checksums, verify_held
+from moe_rl.pipeline.sync_check import (
+    SyncCheck,
+    check_received,
+    probe_engine,
+    receive_sums,
+    send_checksums,
+    verify_held,
+)
 from moe_rl.pipeline.weight_broadcast import (
     SYNC_METRICS,
     PendingWeights,
@@ -133,7 +140,8 @@ class WeightSync:
     ) -> None:
         self.schedule, self.engine, self.learner, self.stale = schedule, engine, learner, stale
         # rollout.sync_check (sync_check.py): the learner's checksums of each sync, the engine's
-        # verified against them, the probe batch scored (colocated); None or off: unchecked
+        # verified against them, the probe batch scored (split: the k3 on the rollout ranks);
+        # None or off: unchecked
         self.check = check or SyncCheck(torch.float32, frozenset(), False, 1)
         self.micro_batch_size, self.syncs = micro_batch_size, 0
         self.steps = steps  # split: the run's last update, told to the rollout ranks (``tell_last``)
@@ -235,17 +243,23 @@ class WeightSync:
         if self.group is not None:  # learner rank 0: the broadcast's root
             chunks = check.wrap(chunks)
             m = send_sync(self.group, last, chunks, remote.next_version, self.engine_dtype, self.sliced)
-            if check.on:  # each rollout rank checks its engine against them (check_received)
-                send_checksums(self.group, check.sent_ints())
         else:
             for _ in chunks:  # the gather is collective over the learner ranks
                 pass
             m = dict.fromkeys(SYNC_METRICS, 0.0)
             check.seconds = 0.0
-        remote.synced()
         out = {k: Max(torch.tensor(float(m[k]), dtype=torch.float64)) for k in SYNC_METRICS}
         if check.on:
+            # the probe batch under the weights just sent (every learner rank: the forward is
+            # collective); each rollout rank checks its engine against the sums, scores the probe
+            # after its load and sends the k3 back with its batches (sync_check.py)
+            t0 = time.perf_counter()
+            logp = check.learner_logp(self.learner, self.micro_batch_size)
+            out["time/sync_probe_s"] = Max(torch.tensor(time.perf_counter() - t0, dtype=torch.float64))
+            if self.group is not None:
+                send_checksums(self.group, check.sent_ints(), logp)
             out["time/sync_check_s"] = Max(torch.tensor(check.seconds, dtype=torch.float64))
+        remote.synced()
         return out
 
 
@@ -264,9 +278,12 @@ class RolloutRankWeights:
         shard: EngineShard | None = None,
         model: ModelConfig | None = None,
         check: bool = False,
+        vocab_size: int = 0,
     ) -> None:
         self.schedule, self.group, self.engine, self.engine_group = schedule, group, engine, engine_group
-        self.check = check  # rollout.sync_check: the root's checksums follow each sync (sync_check.py)
+        # rollout.sync_check: the root's checksums and probe log-probs follow each sync
+        # (sync_check.py); ``probe``: the last probe's metrics, sent with every batch after it
+        self.check, self.vocab_size, self.probe = check, vocab_size, {}
         self.shard = shard if shard is not None and not shard.whole else None
         self.model = model
         self.version = -1  # the learner update the engine holds (-1: none yet)
@@ -279,7 +296,8 @@ class RolloutRankWeights:
         p = dims.placement
         engine_group = engine.group if engine_tp(cfg) > 1 else None
         shard = engine_shard(cfg, p.split.role_rank(p.rank))
-        return cls(schedule, p.sync, engine, engine_group, shard, cfg.model, cfg.rollout.sync_check)
+        check, vocab = cfg.rollout.sync_check, cfg.model.vocab_size
+        return cls(schedule, p.sync, engine, engine_group, shard, cfg.model, check, vocab)
 
     def receive(self) -> float:
         """Join the next weight sync and apply it; seconds waited + applied."""
@@ -296,10 +314,21 @@ class RolloutRankWeights:
             self.engine.load_weights(chunks, version=weight_version(version))
         else:
             self.engine.load_weights(chunks)
-        if self.check:
-            check_received(self.group, self.engine, version)
         self.version = version
+        if self.check:
+            self.score(version, check_received(self.group, self.engine, version)[1])
         return time.perf_counter() - t0
+
+    def score(self, version: int, learner_logp: torch.Tensor) -> None:
+        """rollout.sync_check: the probe batch on the engine, which holds update ``version`` (checked),
+        against the learner's log-probs of it; kept as the metrics the next batches carry."""
+        k3 = probe_engine(self.engine, learner_logp, self.vocab_size)
+        if k3 is not None:
+            f64 = torch.float64
+            self.probe = {
+                "sync/probe_k3": Max(torch.tensor(k3, dtype=f64)),
+                "sync/probe_version": Max(torch.tensor(float(version), dtype=f64)),
+            }
 
     def background(self) -> BackgroundWeights:
         """Async: every sync after the one the engine holds, up to the run's last update (told with
@@ -346,8 +375,10 @@ class BackgroundWeights:
     ) -> None:
         self.sync, self.applied, self.last = sync, applied, last  # applied: updates the engine holds
         # rollout.sync_check: the engine checked against the root's checksums of each update it
-        # takes, at the first tick after its load (the root's sums of update u: sums[u])
-        self.checked, self.sums, self.handed = checked, {}, None
+        # takes, at the first tick after its load (the root's sums and probe log-probs of update
+        # u: sums[u]); ``probed``: (u, the learner's log-probs) once that check passed, for the
+        # probe the rollout rank scores when the engine is next idle (``take_probe``)
+        self.checked, self.sums, self.handed, self.probed = checked, {}, None, None
         self.told = told
         self.group = group
         self.shard, self.model = (shard, model) if shard is not None and not shard.whole else (None, None)
@@ -376,8 +407,9 @@ class BackgroundWeights:
         if self.error is not None:
             raise self.error
         if self.handed is not None and self.checked.version == weight_version(self.handed[0]):
-            verify_held(self.checked, self.handed[1], self.handed[0])  # the engine loaded it
-            self.handed = None
+            updates, (sums, learner_logp) = self.handed
+            verify_held(self.checked, sums, updates)  # the engine loaded it
+            self.handed, self.probed = None, (updates, learner_logp)
         staged = self.pending.take()
         if staged is not None:
             self.staged = staged  # newest wins: an engine may skip a version, never go back
@@ -400,6 +432,14 @@ class BackgroundWeights:
         if self.shard is not None:
             named = placed(named, self.shard, self.model)
         return weight_version(updates), named
+
+    def take_probe(self) -> tuple[int, torch.Tensor] | None:
+        """rollout.sync_check: (the update the engine loaded last, the learner's probe log-probs of
+        it) once its checksums passed, handed out once; the engine still holds it until its next
+        poll, so the rollout rank scores the probe between requests."""
+        self.tick()  # the check of an update the engine's last poll loaded
+        probed, self.probed = self.probed, None
+        return probed
 
     @property
     def final(self) -> bool:

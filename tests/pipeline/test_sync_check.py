@@ -10,7 +10,16 @@ import math
 import pytest
 import torch
 
-from moe_rl.pipeline.sync_check import SyncCheck, SyncCheckError, mismatch_error, probe_k3, probe_tokens
+from moe_rl.pipeline.sync_check import (
+    SyncCheck,
+    SyncCheckError,
+    engine_logprobs,
+    mismatch_error,
+    probe_engine,
+    probe_k3,
+    probe_tokens,
+    verify_held,
+)
 from moe_rl.rollout.base import ENGINE_DTYPES
 from moe_rl.rollout.builtin import BuiltinEngine
 from moe_rl.rollout.fp8 import fake_quant_weight, quantized_names
@@ -137,3 +146,25 @@ def test_probe_k3_is_the_mean_of_rho_minus_one_minus_log_rho() -> None:
     assert probe_k3(learner, engine) == pytest.approx((math.exp(0.5) - 1 - 0.5) / 2, rel=1e-12)
     tokens = probe_tokens(CFG.vocab_size)
     assert tokens.shape == (4, 16) and torch.equal(tokens, probe_tokens(CFG.vocab_size))
+
+
+def test_a_rollout_ranks_probe_sees_a_wrong_tensor_which_the_checksum_names_first() -> None:
+    """Split (a rollout rank, ``RolloutRankWeights.receive``): after its load the engine is checked
+    against the root's sums (sorted names), then scores the probe against the learner's log-probs
+    of the same weights (here an fp32 engine holding them: the probe's reference). A clean load
+    scores k3 = 0 exactly; a permuted expert order fails the checksum naming the tensor, and the
+    probe alone (were it unchecked) sees it as a k3 far above the fp32 rounding of a clean sync."""
+    w = random_canonical_weights(CFG, 2)
+    reference = BuiltinEngine(CFG, dtype="fp32", pad_id=0)
+    reference.load_weights(w)
+    learner_logp = engine_logprobs(reference, CFG.vocab_size)
+    engine, check = _setup("fp32")
+    engine.load_weights(check.wrap(_chunks(w)))
+    sums = [v for _, v in sorted(check.sent_ints().items())]
+    verify_held(engine, sums, 2)
+    assert probe_engine(engine, learner_logp, CFG.vocab_size) == 0.0
+    stacked = engine.model.w["model.layers.1.mlp.experts.gate_proj"]
+    stacked.copy_(stacked.roll(1, dims=0))  # expert e holds expert e - 1's weights
+    with pytest.raises(SyncCheckError, match=f"at sync 2: engine tensor {EXPERT0!r}: checksum "):
+        verify_held(engine, sums, 2)
+    assert probe_engine(engine, learner_logp, CFG.vocab_size) > 0.05  # measured 0.094
