@@ -36,7 +36,8 @@ def test_max_staleness_is_bounded_and_async_only(tmp_path):
         _train_fails(
             tmp_path,
             f"override 'rollout.max_staleness=3': config key 'rollout.max_staleness': 3 acts only with "
-            f"rollout.mode=async (the staleness filter), and rollout.mode={mode} has none: drop the key, "
+            f"rollout.mode=async (the staleness filter) or algo.over_sampling.on_abort=partial (the partial "
+            f"rollouts' bound), and rollout.mode={mode} has none: drop the key, "
             f"or use rollout.mode=async",
             *SPLIT,
             f"rollout.mode={mode}",
