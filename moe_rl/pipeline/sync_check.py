@@ -28,7 +28,11 @@ Engines that expose their weights (``held_weights``: the built-in engine) or the
 them (``held_checksums``: vLLM, computed in its worker over what it received, in its own layout,
 which the learner computes with ``layout``: moe_rl/rollout/vllm/sync_sums.py) are checked; the
 probe needs ``token_logprobs`` (both engines; vLLM: ``prompt_logprobs``, None while its KV cache
-sleeps, then no probe). vLLM with TP > 1 loads slices and is unchecked.
+sleeps, then no probe). vLLM with TP > 1 on rollout ranks: each TP rank's worker holds its shard, so
+the root computes each TP rank's sums in that rank's layout (``layout(tp_rank)``: its slices, fused
+as its vLLM parameters hold them) and sends every row; each rank checks its own row (per shard,
+not gathered: the rank's slices are what it was sent, and rebuilding vLLM's full tensors from the
+fused shards would need the inverse of every fusion). Colocated vLLM with TP > 1 is unchecked.
 """
 
 from __future__ import annotations
@@ -53,9 +57,9 @@ class SyncCheckError(RuntimeError):
 
 
 def mismatch_error(
-    name: str, sent: Mapping[str, int], held: Mapping[str, int], version: int
+    name: str, sent: Mapping[str, int], held: Mapping[str, int], version: int, where: str = ""
 ) -> SyncCheckError:
-    """The one-line error for tensor ``name``."""
+    """The one-line error for tensor ``name`` (``where``: the engine shard's, e.g. " (TP rank 1 of 2)")."""
     if name not in sent:
         what = "the learner sent no such tensor (a missed bucket)"
     elif name not in held:
@@ -64,7 +68,9 @@ def mismatch_error(
         what = (
             f"checksum {held[name]} != sent {sent[name]} (a wrong layout, a dropped chunk or a stale tensor)"
         )
-    return SyncCheckError(f"weight sync check failed at sync {version}: engine tensor {name!r}: {what}")
+    return SyncCheckError(
+        f"weight sync check failed at sync {version}: engine tensor {name!r}{where}: {what}"
+    )
 
 
 def probe_tokens(vocab_size: int) -> torch.Tensor:
@@ -84,45 +90,57 @@ class SyncCheck:
     engine holds in FP8 (empty without ``rollout.quantization=fp8``); ``on``: ``rollout.sync_check``.
     ``layout``: a new converter per sync from the canonical stream to the engine's own layout
     (vLLM: ``rollout.vllm.sync_sums.layout_for``; its ``feed(chunk)`` returns the engine tensors a
-    chunk completed, ``finish()`` raises on parts that never came); None: the canonical layout."""
+    chunk completed, ``finish()`` raises on parts that never came); None: the canonical layout.
+    ``tp``: the engine ranks' TP size when each holds a shard (split vLLM TP > 1): one layout
+    per TP rank (``layout(r)``), ``sent_rows`` their sums; 1: ``sent`` alone."""
 
     def __init__(
-        self, dtype: torch.dtype, fp8: frozenset[str], on: bool, vocab_size: int, layout=None
+        self, dtype: torch.dtype, fp8: frozenset[str], on: bool, vocab_size: int, layout=None, tp: int = 1
     ) -> None:
         self.dtype, self.fp8, self.on, self.vocab_size, self.layout = dtype, fp8, on, vocab_size, layout
-        self.sent: dict[str, torch.Tensor] = {}
+        self.tp = tp
+        self.rows: list[dict[str, torch.Tensor]] = [{}]  # per TP rank: its tensors' sums
         self.seconds = 0.0  # this sync's checksum and probe time, both sides
+        self.agreed = 0  # tensors whose sums agreed at the last verify (sync/check_tensors)
+
+    @property
+    def sent(self) -> dict[str, torch.Tensor]:
+        """The sums of the sync just sent (TP rank 0's where each rank holds a shard)."""
+        return self.rows[0]
 
     def wrap(self, weights: Weights) -> Weights:
         """The learner's stream, checksummed as it passes (a new sync: the last one's sums go)."""
-        self.sent, self.seconds = {}, 0.0
+        self.rows, self.seconds = [{}], 0.0
         if not self.on:
             return weights
-        conv = self.layout() if self.layout is not None else None
-        if isinstance(weights, Mapping):  # a dict stays one (an engine checks a dict whole first)
-            self._sum(weights, conv)
-            if conv is not None:
-                conv.finish()
-            return weights
-        return self._summed(weights, conv)
-
-    def _sum(self, chunk: Mapping[str, torch.Tensor], conv) -> None:
-        t0 = time.perf_counter()  # the checksums alone, not the stream's gathers
-        if conv is not None:  # the engine's layout; its dtypes are the converter's
-            self.sent.update({n: checksum(t) for n, t in conv.feed(chunk).items()})
+        if self.layout is None:
+            convs = [None]
         else:
-            self.sent.update({n: checksum(expected(n, t, self.dtype, self.fp8)) for n, t in chunk.items()})
+            convs = [self.layout(r) for r in range(self.tp)] if self.tp > 1 else [self.layout()]
+        self.rows = [{} for _ in convs]
+        if isinstance(weights, Mapping):  # a dict stays one (an engine checks a dict whole first)
+            self._sum(weights, convs)
+            _finish(convs)
+            return weights
+        return self._summed(weights, convs)
+
+    def _sum(self, chunk: Mapping[str, torch.Tensor], convs: list) -> None:
+        t0 = time.perf_counter()  # the checksums alone, not the stream's gathers
+        for sent, conv in zip(self.rows, convs):
+            if conv is not None:  # the engine's layout; its dtypes are the converter's
+                sent.update({n: checksum(t) for n, t in conv.feed(chunk).items()})
+            else:
+                sent.update({n: checksum(expected(n, t, self.dtype, self.fp8)) for n, t in chunk.items()})
         self.seconds += time.perf_counter() - t0
 
-    def _summed(self, weights: Weights, conv):
+    def _summed(self, weights: Weights, convs: list):
         for chunk in weight_chunks(weights):
-            self._sum(chunk, conv)
+            self._sum(chunk, convs)
             yield chunk
-        if conv is not None:
-            conv.finish()
+        _finish(convs)
 
-    def sent_ints(self) -> dict[str, int]:
-        return as_ints(self.sent)
+    def sent_ints(self, tp_rank: int = 0) -> dict[str, int]:
+        return as_ints(self.rows[tp_rank])
 
     def verify(self, engine, version: int) -> None:
         """Colocated: the engine's held weights against the sums of the stream just sent."""
@@ -134,6 +152,7 @@ class SyncCheck:
         name = first_mismatch(sent, held)
         if name is not None:
             raise mismatch_error(name, sent, held, version)
+        self.agreed = len(held)
 
     def probe(self, engine, learner, micro_batch_size: int) -> dict:
         """Colocated: the probe batch's engine-vs-learner k3 and this sync's check time."""
@@ -149,6 +168,8 @@ class SyncCheck:
             m["sync/probe_k3"] = Max(torch.tensor(k3, dtype=torch.float64))
             m["time/sync_probe_s"] = Max(torch.tensor(time.perf_counter() - t0, dtype=torch.float64))
         m["time/sync_check_s"] = Max(torch.tensor(self.seconds, dtype=torch.float64))
+        if self.agreed:
+            m["sync/check_tensors"] = Max(torch.tensor(float(self.agreed), dtype=torch.float64))
         return m
 
     def learner_logp(self, learner, micro_batch_size: int) -> torch.Tensor:
@@ -158,6 +179,12 @@ class SyncCheck:
         seq_lens = torch.full((PROBE_ROWS,), PROBE_LEN, dtype=torch.int64)
         out = learner.forward_logprobs(TrainBatch(tokens, seq_lens), 1.0, micro_batch_size)
         return out.stats.logp_BS.detach().float().cpu()
+
+
+def _finish(convs: list) -> None:
+    for conv in convs:
+        if conv is not None:
+            conv.finish()
 
 
 def engine_logprobs(engine, vocab_size: int) -> torch.Tensor | None:
@@ -174,24 +201,30 @@ def probe_engine(engine, learner_logp: torch.Tensor, vocab_size: int) -> float |
     return None if engine_logp is None else probe_k3(learner_logp, engine_logp.cpu())
 
 
-def send_checksums(group: Group, sent: Mapping[str, int], learner_logp: torch.Tensor) -> None:
-    """Split, the root: after the weights, the count and the checksums (sorted names), then the
-    learner's probe log-probs (fp32 [PROBE_ROWS, PROBE_LEN]) to every rollout rank."""
-    names = sorted(sent)
+def send_checksums(group: Group, rows: list[Mapping[str, int]], learner_logp: torch.Tensor) -> None:
+    """Split, the root: after the weights, the number of rows (one per TP rank where each engine
+    rank holds a shard, else one) and of sums per row, the rows' checksums (each by sorted names),
+    then the learner's probe log-probs (fp32 [PROBE_ROWS, PROBE_LEN]) to every rollout rank."""
+    names = [sorted(sent) for sent in rows]
+    if len({len(n) for n in names}) != 1:
+        raise ValueError(f"weight sync check: the TP ranks' sums differ in count: {[len(n) for n in names]}")
     device = wire_device(group)
-    group.broadcast(torch.tensor([len(names)], dtype=torch.int64, device=device))
-    group.broadcast(torch.tensor([sent[n] for n in names], dtype=torch.int64, device=device))
+    group.broadcast(torch.tensor([len(rows), len(names[0])], dtype=torch.int64, device=device))
+    sums_RN = [[sent[n] for n in row] for sent, row in zip(rows, names)]
+    group.broadcast(torch.tensor(sums_RN, dtype=torch.int64, device=device).reshape(-1))
     group.broadcast(learner_logp.to(device=device, dtype=torch.float32).contiguous())
 
 
-def receive_sums(group: Group) -> tuple[list[int], torch.Tensor]:
-    """Split, a rollout rank: the root's checksums of the sync just received and its probe
-    log-probs (``send_checksums``)."""
+def receive_sums(group: Group, tp_rank: int = 0) -> tuple[list[int], torch.Tensor]:
+    """Split, a rollout rank: the root's checksums of the sync just received (the row of TP rank
+    ``tp_rank`` where the root sent one per TP rank) and its probe log-probs (``send_checksums``)."""
     device = wire_device(group)
-    count = int(group.broadcast(torch.zeros(1, dtype=torch.int64, device=device))[0])
-    sums = group.broadcast(torch.zeros(count, dtype=torch.int64, device=device)).cpu().tolist()
+    rows, count = group.broadcast(torch.zeros(2, dtype=torch.int64, device=device)).tolist()
+    sums_RN = group.broadcast(torch.zeros(rows * count, dtype=torch.int64, device=device)).view(rows, count)
     logp = group.broadcast(torch.zeros((PROBE_ROWS, PROBE_LEN), dtype=torch.float32, device=device))
-    return sums, logp.cpu()
+    if rows > 1 and tp_rank >= rows:
+        raise ValueError(f"weight sync check: sums for {rows} TP ranks, this is TP rank {tp_rank}")
+    return sums_RN[tp_rank if rows > 1 else 0].cpu().tolist(), logp.cpu()
 
 
 def held_sums(engine) -> dict[str, int] | None:
@@ -204,30 +237,39 @@ def held_sums(engine) -> dict[str, int] | None:
     return None if held_weights is None else as_ints(checksums(held_weights()))
 
 
-def verify_held(engine, sums: list[int], version: int) -> None:
-    """The engine's held weights (sorted names) against the root's ``sums``; an engine that
-    exposes none (``held_sums``) is not checked here."""
+def verify_held(engine, sums: list[int], version: int, where: str = "") -> int:
+    """The engine's held weights (sorted names) against the root's ``sums``; the number of tensors
+    that agreed (0: an engine that exposes none, ``held_sums``, is not checked here). ``where``:
+    the engine shard's words for the error (``shard_words``)."""
     held = held_sums(engine)
     if held is None:
-        return
+        return 0
     names = sorted(held)
     if len(names) != len(sums):
         raise SyncCheckError(
             f"weight sync check failed at sync {version}: the learner sent {len(sums)} tensors, "
-            f"the engine holds {len(names)}"
+            f"the engine{where} holds {len(names)}"
         )
     sent = dict(zip(names, sums))
     name = first_mismatch(sent, held)
     if name is not None:
-        raise mismatch_error(name, sent, held, version)
+        raise mismatch_error(name, sent, held, version, where)
+    return len(names)
 
 
-def check_received(group: Group, engine, version: int) -> tuple[float, torch.Tensor]:
-    """Split, a rollout rank after its load: the root's checksums against its engine's; seconds,
-    and the learner's probe log-probs of the weights just loaded (``probe_engine`` scores them)."""
+def shard_words(tp_rank: int, tp: int) -> str:
+    """How an error names the engine shard: " (TP rank 1 of 2)"; nothing for a whole engine."""
+    return f" (TP rank {tp_rank} of {tp})" if tp > 1 else ""
+
+
+def check_received(
+    group: Group, engine, version: int, tp_rank: int = 0, tp: int = 1
+) -> tuple[float, torch.Tensor, int]:
+    """Split, a rollout rank after its load (TP rank ``tp_rank`` of ``tp`` where each engine rank
+    holds a shard): the root's checksums against its engine's; seconds (vLLM: its worker's
+    checksums too), the learner's probe log-probs of the weights just loaded (``probe_engine``
+    scores them) and the number of tensors that agreed."""
     t0 = time.perf_counter()
-    sums, learner_logp = receive_sums(group)
-    verify_held(engine, sums, version)
-    return time.perf_counter() - t0 + getattr(
-        engine, "held_seconds", 0.0
-    ), learner_logp  # vLLM: its worker's too
+    sums, learner_logp = receive_sums(group, tp_rank)
+    agreed = verify_held(engine, sums, version, shard_words(tp_rank, tp))
+    return time.perf_counter() - t0 + getattr(engine, "held_seconds", 0.0), learner_logp, agreed

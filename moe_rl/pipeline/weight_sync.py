@@ -51,6 +51,7 @@ from moe_rl.pipeline.sync_check import (
     probe_engine,
     receive_sums,
     send_checksums,
+    shard_words,
     verify_held,
 )
 from moe_rl.pipeline.weight_broadcast import (
@@ -170,7 +171,8 @@ class WeightSync:
         fp8 = cfg.rollout.quantization == "fp8"
         names = quantized_names(canonical_param_shapes(cfg.model)) if fp8 else frozenset()
         layout = layout_for(cfg) if cfg.rollout.engine == "vllm" else None  # vLLM's own layout
-        check = SyncCheck(dtype, names, cfg.rollout.sync_check, cfg.model.vocab_size, layout)
+        tp = engine_tp(cfg) if sliced is not None else 1  # split vLLM TP > 1: sums per TP rank's shard
+        check = SyncCheck(dtype, names, cfg.rollout.sync_check, cfg.model.vocab_size, layout, tp)
         return cls(
             schedule,
             engine,
@@ -257,7 +259,7 @@ class WeightSync:
             logp = check.learner_logp(self.learner, self.micro_batch_size)
             out["time/sync_probe_s"] = Max(torch.tensor(time.perf_counter() - t0, dtype=torch.float64))
             if self.group is not None:
-                send_checksums(self.group, check.sent_ints(), logp)
+                send_checksums(self.group, [check.sent_ints(r) for r in range(len(check.rows))], logp)
             out["time/sync_check_s"] = Max(torch.tensor(check.seconds, dtype=torch.float64))
         remote.synced()
         return out
@@ -316,19 +318,29 @@ class RolloutRankWeights:
             self.engine.load_weights(chunks)
         self.version = version
         if self.check:
-            self.score(version, check_received(self.group, self.engine, version)[1])
+            tp_rank, tp = (self.shard.tp_rank, self.shard.tp_size) if self.shard is not None else (0, 1)
+            check_s, learner_logp, agreed = check_received(self.group, self.engine, version, tp_rank, tp)
+            self.score(version, learner_logp, agreed, check_s)
         return time.perf_counter() - t0
 
-    def score(self, version: int, learner_logp: torch.Tensor) -> None:
-        """rollout.sync_check: the probe batch on the engine, which holds update ``version`` (checked),
-        against the learner's log-probs of it; kept as the metrics the next batches carry."""
+    def score(
+        self, version: int, learner_logp: torch.Tensor, agreed: int = 0, check_s: float | None = None
+    ) -> None:
+        """rollout.sync_check: the probe batch on the engine, which holds update ``version`` (checked:
+        ``agreed`` tensors, in ``check_s`` seconds), against the learner's log-probs of it; kept as
+        the metrics the next batches carry (this rank's: with TP > 1 its own shard's)."""
+        f64 = torch.float64
+        t0 = time.perf_counter()
         k3 = probe_engine(self.engine, learner_logp, self.vocab_size)
+        m = {"sync/check_tensors": Max(torch.tensor(float(agreed), dtype=f64))} if agreed else {}
+        if check_s is not None:
+            m["time/sync_rollout_check_s"] = Max(torch.tensor(check_s, dtype=f64))
         if k3 is not None:
-            f64 = torch.float64
-            self.probe = {
-                "sync/probe_k3": Max(torch.tensor(k3, dtype=f64)),
-                "sync/probe_version": Max(torch.tensor(float(version), dtype=f64)),
-            }
+            m["sync/probe_k3"] = Max(torch.tensor(k3, dtype=f64))
+            m["sync/probe_version"] = Max(torch.tensor(float(version), dtype=f64))
+            m["time/sync_rollout_probe_s"] = Max(torch.tensor(time.perf_counter() - t0, dtype=f64))
+        if m:
+            self.probe = m
 
     def background(self) -> BackgroundWeights:
         """Async: every sync after the one the engine holds, up to the run's last update (told with
@@ -382,6 +394,7 @@ class BackgroundWeights:
         self.told = told
         self.group = group
         self.shard, self.model = (shard, model) if shard is not None and not shard.whole else (None, None)
+        self.tp_rank = self.shard.tp_rank if self.shard is not None else 0  # its row of the sums
         self.pending = PendingWeights()
         self.staged: tuple[int, dict] | None = None
         self.error: BaseException | None = None
@@ -396,8 +409,8 @@ class BackgroundWeights:
                 if self.told:
                     self.last = tell_last(self.sync)
                 updates = self.pending.receive(self.sync, sliced=self.shard is not None)
-                if self.checked is not None:
-                    self.sums = {updates: receive_sums(self.sync)}  # newest wins, as staged
+                if self.checked is not None:  # newest wins, as staged
+                    self.sums = {updates: receive_sums(self.sync, self.tp_rank)}
                 if updates >= self.last:
                     break
         except BaseException as e:  # raised in the main thread at its next tick
@@ -408,8 +421,9 @@ class BackgroundWeights:
             raise self.error
         if self.handed is not None and self.checked.version == weight_version(self.handed[0]):
             updates, (sums, learner_logp) = self.handed
-            verify_held(self.checked, sums, updates)  # the engine loaded it
-            self.handed, self.probed = None, (updates, learner_logp)
+            where = shard_words(self.tp_rank, self.shard.tp_size if self.shard is not None else 1)
+            agreed = verify_held(self.checked, sums, updates, where)  # the engine loaded it
+            self.handed, self.probed = None, (updates, learner_logp, agreed)
         staged = self.pending.take()
         if staged is not None:
             self.staged = staged  # newest wins: an engine may skip a version, never go back
@@ -433,10 +447,10 @@ class BackgroundWeights:
             named = placed(named, self.shard, self.model)
         return weight_version(updates), named
 
-    def take_probe(self) -> tuple[int, torch.Tensor] | None:
+    def take_probe(self) -> tuple[int, torch.Tensor, int] | None:
         """rollout.sync_check: (the update the engine loaded last, the learner's probe log-probs of
-        it) once its checksums passed, handed out once; the engine still holds it until its next
-        poll, so the rollout rank scores the probe between requests."""
+        it, the tensors that agreed) once its checksums passed, handed out once; the engine still
+        holds it until its next poll, so the rollout rank scores the probe between requests."""
         self.tick()  # the check of an update the engine's last poll loaded
         probed, self.probed = self.probed, None
         return probed

@@ -11,6 +11,8 @@ the other rank goes on into its collectives.
              ``parallel.offload_during_rollout`` the learner is offloaded around it)
     stale_load  the rank's second ``engine.load_weights`` leaves ``STALE`` as it was (a load that
              skipped one tensor, raising nothing; KIND is not used): the checked sync's fault
+    stale_vllm  the same on a vLLM engine: from the rank's second load on its worker is handed
+             ``STALE`` as at the first (tests/vllm/helpers.py; KIND is not used)
 
 KIND: ``bug`` raises RuntimeError (a bug: the CLI shows the rank's traceback), ``user`` raises
 RouteError (a user error: one line, exit code 2), ``sigint`` sends SIGINT to the process group of
@@ -51,6 +53,7 @@ def _fault(where: str, kind: str):
 def _inject(where: str, kind: str) -> None:
     from moe_rl import checkpointing, trainer
     from moe_rl.rollout.builtin import BuiltinEngine
+    from moe_rl.rollout.vllm import engine as vllm_engine  # imports without vllm (vllm: lazily)
 
     places = {
         "startup": (trainer, "Learner"),
@@ -58,6 +61,7 @@ def _inject(where: str, kind: str) -> None:
         "save": (checkpointing.checkpoint, "save"),
         "generate": (BuiltinEngine, "generate"),
         "stale_load": (BuiltinEngine, "load_weights"),
+        "stale_vllm": (vllm_engine, "sync_chunks"),
     }
     if where not in places:
         raise ValueError(f"unknown fault place {where!r}")
@@ -69,6 +73,11 @@ def _inject(where: str, kind: str) -> None:
         return
     if where == "stale_load":
         setattr(module, name, _stale_on_second_load(getattr(module, name)))
+        return
+    if where == "stale_vllm":
+        from tests.vllm.helpers import stale_from_second_load
+
+        setattr(module, name, stale_from_second_load(getattr(module, name), STALE))
         return
     setattr(module, name, _fault(where, kind))
 
@@ -114,9 +123,19 @@ def main() -> None:
     from moe_rl import cli, launch
 
     where, rank, kind = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-    launch.launch = lambda cfg, prepared=None: launch.spawn_local(  # launch's own signature
-        faulty_worker, cfg.parallel.nproc, cfg, where, rank, kind
-    )
+
+    def faulty_launch(cfg, prepared=None) -> None:  # launch's own signature
+        from moe_rl import stale_shm
+
+        # as launch: the vLLM TP segments a faulted (or earlier killed) run leaves are removed
+        # before and after, so they block no later vLLM TP run (moe_rl/stale_shm.py)
+        stale_shm.clear()
+        try:
+            launch.spawn_local(faulty_worker, cfg.parallel.nproc, cfg, where, rank, kind)
+        finally:
+            stale_shm.clear()
+
+    launch.launch = faulty_launch
     sys.argv = ["moe-rl", *sys.argv[4:]]
     cli.main()
 

@@ -156,10 +156,13 @@ def test_split_sync_with_a_tp2_learner_is_the_colocated_tp2_run(tmp_path):
     split = _run(
         tmp_path / "split", "parallel.nproc=3", "parallel.rollout_ranks=1", "rollout.sync_check=true", *tp2
     )
+    cfg = load_config(str(tmp_path / "split" / "config.yaml"), [])
     for step in (0, 1):  # one rollout rank serves the one dp rank: both TP ranks get its batch
         rec = dict(split[step])
         # step t's batch was generated with W_t (the first sync's W_0 at step 0): its probe too;
         # measured 5.6e-14 and 1.4e-13 (fp32 engine vs the TP=2 learner: summation order alone)
         assert rec.pop("sync/probe_version") == step
         assert 0 <= rec.pop("sync/probe_k3") < 1e-9
+        # the built-in engine holds the canonical tensors: every one of them agreed
+        assert rec.pop("sync/check_tensors") == len(canonical_param_shapes(cfg.model))
         _same_as_colocated(rec, colocated[step], lag=0.0)

