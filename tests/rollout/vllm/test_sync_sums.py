@@ -98,6 +98,42 @@ def test_a_fused_tensor_missing_parts_is_named_and_worker_names_drop_routed_expe
     assert torch.equal(got["lm_head.weight"], got["model.embed_tokens.weight"])
 
 
+def test_a_tp_ranks_layout_is_its_slices_fused_as_its_vllm_parameters_hold_them():
+    """TP=2 (vLLM on rollout ranks, each worker one shard): rank r's ``qkv_proj`` is its q, k and v
+    slices (4 heads, 2 KV groups: one each), its ``w13_weight`` each expert's gate then up slice
+    [E, 2F/2, H], ``o_proj`` and ``w2_weight`` the input-dim halves (the two ranks' side by side are
+    the whole), norms and router whole on both; the vocabulary (40, padded to 64) splits 32 + 32:
+    rank 1 holds rows 32-39 then 24 zero rows. Both ranks hold the same names."""
+    from moe_rl.weights.engine_shard import EngineShard
+
+    cfg = hf_tiny()
+    w = random_canonical_weights(cfg, seed=2)
+    out = []
+    for r in (0, 1):
+        conv = VllmLayout(cfg, torch.float32, shard=EngineShard(tp_size=2, tp_rank=r))
+        out.append({k: t for c in _chunks(w) for k, t in conv.feed(c).items()})
+        conv.finish()
+    assert sorted(out[0]) == sorted(out[1]) == sorted(VllmLayout(cfg, torch.float32).feed(w))
+    a = "model.layers.1.self_attn."
+    q, k, v = (w[a + f"{x}_proj.weight"] for x in "qkv")
+    for r in (0, 1):
+        half = slice(r * q.shape[0] // 2, (r + 1) * q.shape[0] // 2)
+        kv = slice(r * k.shape[0] // 2, (r + 1) * k.shape[0] // 2)
+        assert torch.equal(out[r][a + "qkv_proj.weight"], torch.cat([q[half], k[kv], v[kv]]))
+        m = "model.layers.1.mlp."
+        F = w[m + "experts.3.gate_proj.weight"].shape[0] // 2
+        f = slice(r * F, (r + 1) * F)
+        gate, up = w[m + "experts.3.gate_proj.weight"], w[m + "experts.3.up_proj.weight"]
+        assert torch.equal(out[r][m + "experts.w13_weight"][3], torch.cat([gate[f], up[f]]))
+        assert torch.equal(out[r][m + "gate.weight"], w[m + "gate.weight"])
+    for name in (a + "o_proj.weight", "model.layers.1.mlp.experts.w2_weight"):
+        whole = VllmLayout(cfg, torch.float32).feed(w)[name]
+        assert torch.equal(torch.cat([out[0][name], out[1][name]], dim=-1), whole)
+    embed = [out[r]["model.embed_tokens.weight"] for r in (0, 1)]
+    assert embed[0].shape[0] == embed[1].shape[0] == 32
+    assert torch.equal(embed[1][:8], w["model.embed_tokens.weight"][32:]) and not embed[1][8:].any()
+
+
 def test_route_provenance_marks_cached_prompt_rows_and_stamps_each_rows_forward():
     """Prompt 6 tokens, 3 generated, 4 of the prompt a prefix-cache hit, rows from position 2 asked:
     rows 2-3 hits at the call's start version, rows 4-5 the prefill's (the first generated
