@@ -73,10 +73,11 @@ def check_over_sampling(cfg: Any) -> None:
         "request per step, to the end (docs/sampling.md 6)",
     )
     check(
-        r.engine == "builtin",
+        r.engine == "builtin" or r.vllm.tensor_parallel == 1,
         key,
-        "aborts and resumes requests in the built-in engine only: vLLM's abort and resume are not "
-        "built yet (docs/sampling.md 6)",
+        f"aborts vLLM's requests on engines of rollout.vllm.tensor_parallel=1 only (got "
+        f"{r.vllm.tensor_parallel}): the aborted requests' route rows are read on the rank that runs "
+        f"them (docs/sampling.md 6)",
     )
     check(not cfg.agent.env, key, "is not built for the multi-turn loop (agent.env) yet (docs/sampling.md 6)")
     check(
