@@ -80,11 +80,11 @@ def resume_rows(old: RolloutBatch, cont: RolloutBatch, pad_id: int) -> RolloutBa
     # cont's first route row (T - 1 rows when whole), then the first one kept: old's last token's
     first = ((cont.prompt_lens_B + cont.response_lens_B).cpu() - 1).tolist()
     at = [e - 1 - (t - len(c)) for c, e, t in zip(cont.routes, ends, first)]
-    if any(a < 0 for a in at):
-        bad = next(r for r, a in enumerate(at) if a < 0)
+    bad = [r for r, (a, c) in enumerate(zip(at, cont.routes)) if not 0 <= a < len(c)]
+    if bad:
         raise ValueError(
-            f"resume_rows: row {bad}'s continuation starts its route record after position "
-            f"{ends[bad] - 1} (old's last token), whose row must be the re-prefill's"
+            f"resume_rows: row {bad[0]}'s continuation has no route row for position "
+            f"{ends[bad[0]] - 1} (old's last token), whose row must be the re-prefill's"
         )
     routes = [torch.cat([o[: e - 1], c[a:]]) for o, c, e, a in zip(old.routes, cont.routes, ends, at)]
     prov = None
