@@ -103,6 +103,9 @@ VLLM_RECORDS: dict[str, tuple[str, ...]] = {
         "Chat template warmup failed",
         "Using None for EOS token id because tokenizer is not initialized",  # stop ids are ours
     ),
+    # our step loop (async, over-sampling) hands LLMEngine.add_request token-id prompts, as
+    # LLM.generate's own path did before its renderer; vLLM deprecates that form, it still works
+    "vllm.v1.engine.input_processor": ("Passing raw prompts to InputProcessor is deprecated",),
     # a tiny or odd GEMM shape oneDNN has no kernel for: torch's linear computes it instead
     "vllm.model_executor.layers.utils": ("Failed to create oneDNN linear, fallback to torch linear.",),
     # hosts with AVX-512 BF16 only: the SSM (mamba) state's dtype, which no family moe-rl runs has

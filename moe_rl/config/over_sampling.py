@@ -23,7 +23,9 @@ class OverSamplingConfig:
     # length bias: sampling/dropped_len_mean vs sampling/kept_len_mean) | partial (kept, resumed at the
     # next step under the new weights; dropped once older than rollout.max_staleness versions)
     on_abort: str = "drop"
-    check_every: int = 4  # decode steps between the engine's checks for enough complete groups
+    check_every: int = (
+        4  # decode steps (vLLM: engine steps) between the engine's checks for enough complete groups
+    )
 
     def __post_init__(self) -> None:
         check(
@@ -73,10 +75,11 @@ def check_over_sampling(cfg: Any) -> None:
         "request per step, to the end (docs/sampling.md 6)",
     )
     check(
-        r.engine == "builtin",
+        r.engine == "builtin" or r.vllm.tensor_parallel == 1,
         key,
-        "aborts and resumes requests in the built-in engine only: vLLM's abort and resume are not "
-        "built yet (docs/sampling.md 6)",
+        f"aborts vLLM's requests on engines of rollout.vllm.tensor_parallel=1 only (got "
+        f"{r.vllm.tensor_parallel}): the aborted requests' route rows are read on the rank that runs "
+        f"them (docs/sampling.md 6)",
     )
     check(not cfg.agent.env, key, "is not built for the multi-turn loop (agent.env) yet (docs/sampling.md 6)")
     check(

@@ -63,11 +63,18 @@ class EarlyAbort:
         partial: what ``max_new_tokens`` leaves it); None: ``max_new_tokens`` for every row.
     enough(done_B, peek): done_B bool [B] (the row emitted a stop token or used its budget), peek()
         the batch so far (as ``generate`` would return it now); true: abort the rest.
+    route_starts: list[int] or None: the route rows of prompt b the caller holds already (a resumed
+        partial: all but the row of its last token); an engine with ``omits_route_prefix`` (vLLM)
+        returns rows from there on, the built-in engine all rows (``resume_rows`` takes either).
+
+    vLLM checks every ``every`` engine steps (its first step prefills and samples each request's
+    first token, as the built-in engine's first decode step), once every request has a token.
     """
 
     every: int
     enough: Callable[[torch.Tensor, Callable[[], RolloutBatch]], bool]
     budget_B: torch.Tensor | None = None
+    route_starts: list[int] | None = None
 
 
 @runtime_checkable

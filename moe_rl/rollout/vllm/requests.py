@@ -21,6 +21,7 @@ import torch
 from moe_rl.config import RunConfig, Schedule
 from moe_rl.config.vllm_rules import logprobs_mode
 from moe_rl.quiet import debug_on
+from moe_rl.rollout.vllm.abort import CutCompletion
 from moe_rl.rollout.vllm.dvp_processor import DVP_PROCESSOR, dvp_request_args, dvp_safe_sets
 from moe_rl.rollout.vllm.env import cpu_attention_backend, cpu_enforce_eager
 from moe_rl.rollout.vllm.transfer import TRANSFER_BACKEND
@@ -114,7 +115,8 @@ def _sampled_logprobs(logprobs: list[dict], token_ids: list[int], sample: int) -
 
 
 # vLLM's finish reasons (FINISH_REASON_STRINGS) that end a complete sample -> finished_B; the
-# others ("abort", "error", "repetition") and None (unfinished) are refused
+# others ("abort", "error", "repetition") and None (unfinished) are refused, except from a request
+# our early abort cut (abort.CutOutput: finished_B False)
 FINISHED = {"stop": True, "length": False}
 
 
@@ -131,7 +133,7 @@ def _completion(out: Any, sample: int) -> tuple[list[int], list[int], Any]:
         raise RouteError(f"sample {sample}: vLLM returned no prompt_token_ids")
     gen = [int(t) for t in _field(c, "token_ids", sample)]
     reason = _field(c, "finish_reason", sample)
-    if reason not in FINISHED:
+    if reason not in FINISHED and not isinstance(c, CutCompletion):  # cut by our abort: unfinished
         raise RouteError(
             f"sample {sample}: vLLM finish_reason {reason!r}; a complete sample ends with one of "
             f"{sorted(FINISHED)} (aborted, failed or unfinished request?)"
@@ -274,7 +276,7 @@ def to_rollout_batch(
             )
         prompts.append(prompt)
         gens.append(gen)
-        finished.append(FINISHED[c.finish_reason])
+        finished.append(FINISHED.get(c.finish_reason, False))  # None: cut by the early abort
     prompt_lens_B = torch.tensor([len(p) for p in prompts], dtype=torch.int64)
     response_lens_B = torch.tensor([len(g) for g in gens], dtype=torch.int64)
     S = int((prompt_lens_B + response_lens_B).max())
@@ -367,7 +369,8 @@ def engine_kwargs(
     if r.quantization == "fp8":  # online blockwise FP8 from the synced bf16 weights; untested on GPU
         kw["quantization"] = "fp8_per_block"
         kw["quantization_config"] = {"ignore": list(VLLM_FP8_IGNORE)}
-    if Schedule.from_config(cfg).updates_in_flight:  # loaded between steps: no forward may be in flight
+    # loaded, or aborted (algo.over_sampling), between steps: no forward may be in flight
+    if Schedule.from_config(cfg).updates_in_flight or cfg.algo.over_sampling.on:
         kw["async_scheduling"] = False  # (the CPU build never schedules ahead); untested on GPU
     return kw
 

@@ -222,6 +222,26 @@ def test_only_stop_or_length_make_a_complete_sample(rollout, cfg, reason):
 
 
 @pytest.mark.unit
+def test_a_request_cut_by_the_early_abort_decodes_unfinished_with_its_rows_so_far(rollout, cfg):
+    """vLLM's last CUMULATIVE output of an unfinished request (finish_reason None, no
+    routed_experts: refused above) joined with the rows it streamed (abort.cut_output) decodes as
+    the sample it is so far: finished_B False, tokens, log-probs and routes as given."""
+    from moe_rl.rollout.vllm.abort import cut_output
+
+    outs = [as_vllm(rollout, cfg, b) for b in range(9)]
+    whole = decode(outs, cfg)
+    c = outs[6].outputs[0]  # it stopped: cut here, it reads as unfinished
+    rows, c.routed_experts, c.finish_reason = c.routed_experts, None, None
+    outs[6] = cut_output(outs[6], rows, 0, 6)
+    got = decode(outs, cfg)
+    assert whole.finished_B.tolist() == FINISHED_B and got.finished_B.tolist() == [False] * 9
+    assert torch.equal(got.tokens_BS, whole.tokens_BS) and torch.equal(got.logprobs_BS, whole.logprobs_BS)
+    assert all(torch.equal(x, y) for x, y in zip(got.routes, whole.routes))
+    with pytest.raises(RouteError, match=r"^sample 6 \(vLLM request 6\), cut by the early abort: "):
+        cut_output(outs[6], rows[:-1], 0, 6)
+
+
+@pytest.mark.unit
 def test_one_completion_per_request_and_prompt_ids_required(rollout, cfg):
     outs = [as_vllm(rollout, cfg, b) for b in range(3)]
     outs[0].outputs = outs[0].outputs * 2
