@@ -243,7 +243,8 @@ class _Tally:
 
     def __init__(self) -> None:
         self.c = dict.fromkeys(
-            ("generated", "with_signal", "tokens", "aborted", "resumed", "stale", "dropped", "dropped_len"),
+            ("generated", "with_signal", "kept", "surplus", "tokens", "aborted", "resumed", "stale")
+            + ("dropped", "dropped_len"),
             0.0,
         )
 
@@ -344,10 +345,11 @@ def collect_over(
                 kept.append(take_groups(cb, cs, cp, take))
             if decided_eq:
                 dropped_eq.append(take_groups(cb, cs, cp, decided_eq))
-            # decided this round: trained, dropped as all-equal, and (drop) the surplus; a pending
-            # surplus group is counted when a later step decides it
-            decided = take + decided_eq + ([] if os_.partial else surplus)
+            # decided this round: trained, and dropped as all-equal (the surplus apart: drop counts it
+            # in sampling/dropped_surplus, partial when a later step decides it), as colocated rounds
+            decided = take + decided_eq
             t.add(generated=len(decided), with_signal=int(signal_P[decided].sum()))
+            t.add(kept=int(signal_P[take].sum()), surplus=0 if os_.partial else len(surplus))
             have += len(take)
         rest += (~complete_G).nonzero().flatten().tolist()
         rest.sort()
@@ -383,7 +385,8 @@ def _metrics(
     return {
         "sampling/rounds": Max(float(rounds)),
         "sampling/groups_generated": Sum(c["generated"]),
-        "sampling/groups_kept": Sum(float(have)),
+        "sampling/groups_kept": Sum(c["kept"]),  # trained groups with signal
+        "sampling/dropped_surplus": Sum(c["surplus"]),
         "sampling/groups_dropped_all_equal": Sum(c["generated"] - c["with_signal"]),
         "sampling/useful_frac": Mean(c["with_signal"], c["generated"]),
         "sampling/cap_reached": Max(float(plan.ds.enabled and have < plan.need)),
