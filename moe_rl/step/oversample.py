@@ -24,6 +24,7 @@ import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -222,7 +223,12 @@ class _Round:
         return dataclasses.replace(batch, group_B=group_B), [*p.prompts, *self.new], torch.cat(done)[perm_B]
 
     def _done(self, b: RolloutBatch) -> torch.Tensor:
-        return (b.finished_B | (b.response_lens_B >= self.max_new)).cpu()
+        return _done(b, self.max_new)
+
+
+def _done(b: RolloutBatch, max_new: int) -> torch.Tensor:
+    """bool [B]: the row stopped, or used rollout.max_new_tokens (a resumed one: with its earlier tokens)."""
+    return (b.finished_B | (b.response_lens_B >= max_new)).cpu()
 
 
 @dataclass(frozen=True)
@@ -236,6 +242,16 @@ class OverSamplingPlan:
     max_new: int  # rollout.max_new_tokens: a resumed response's budget counts its earlier tokens
     max_staleness: int  # rollout.max_staleness: the oldest version lag a pending group may carry
     pad_id: int
+
+    @classmethod
+    def from_config(cls, cfg, dp_size: int, pad_id: int) -> OverSamplingPlan:
+        """A data-parallel rank's plan (``cfg``: the ``RunConfig``), on a learner or a rollout rank."""
+        r = cfg.rollout
+        need = r.prompts_per_step // dp_size
+        return cls(
+            cfg.algo.over_sampling, cfg.algo.dynamic_sampling, need, r.samples_per_prompt, r.max_new_tokens,
+            r.max_staleness, pad_id,
+        )  # fmt: skip
 
 
 class _Tally:
@@ -285,50 +301,105 @@ def _signal(plan: OverSamplingPlan, score: Score, batch: RolloutBatch, prompts: 
     return b, s, p, signal_P
 
 
-def collect_over(
+class RoundOut(NamedTuple):
+    """One round's groups as the engine left them, group-major (the pending ones first): what the
+    step decides on (``collect_over``), wherever the round was generated."""
+
+    batch: RolloutBatch
+    prompts: list
+    done_B: torch.Tensor  # bool [B]: the row stopped or used rollout.max_new_tokens
+    tokens: float  # response tokens sampled in this round
+    resumed: int  # pending responses continued in this round
+
+
+RunRound = Callable[[int, int, Pending], RoundOut]  # (data index, groups wanted, pending) -> round
+
+
+def round_count(plan: OverSamplingPlan, want: int, pending: Pending) -> int:
+    """New prompt groups a round starts: ``ceil(factor * need)`` with the pending ones, at least the
+    ``want`` groups the step still lacks; none when the pending complete groups fill the step."""
+    count = max(math.ceil(plan.cfg.factor * plan.need) - pending.num_groups, want - pending.num_groups, 0)
+    if pending.batch is not None and int(pending.done_B.view(-1, plan.n).all(1).sum()) >= want:
+        return 0  # the pending complete groups fill the step: no prompt is started for nothing
+    return count
+
+
+def generate_round(
     plan: OverSamplingPlan,
     generate: Generate,
     draw: Draw,
+    score: Score,
+    index: int,
+    want: int,
+    pending: Pending,
+) -> RoundOut:
+    """Round ``index``: the pending groups and ``round_count`` new ones in one generate call whose
+    ``EarlyAbort`` stops it once ``want`` groups are complete (with signal under dynamic sampling).
+    Where the engine runs: the rank itself (colocated) or its rollout rank (split)."""
+    n, ds = plan.n, plan.ds
+    count = round_count(plan, want, pending)
+    rnd = _Round(pending, draw(index, count) if count else [], n, plan.max_new, plan.pad_id)
+
+    def enough(done_B: torch.Tensor, peek) -> bool:
+        complete_G = rnd.complete_G(done_B)
+        if int(complete_G.sum()) < want:
+            return False
+        if not ds.enabled:
+            return True
+        b, p, d = rnd.groups(peek())
+        groups = d.view(-1, n).all(1).nonzero().flatten().tolist()
+        return int(_signal(plan, score, b, p, groups)[3].sum()) >= want
+
+    out, tokens = None, 0.0
+    if rnd.ids:
+        out = generate(rnd.ids, index, EarlyAbort(plan.cfg.check_every, enough, rnd.budget_B))
+        tokens = float(out.response_lens_B.sum())
+    batch, prompts, done_B = rnd.groups(out)
+    return RoundOut(batch, prompts, done_B, tokens, int(rnd.resume_R.numel()))
+
+
+def fresh_round(plan: OverSamplingPlan, batch: RolloutBatch, prompts: list) -> RoundOut:
+    """A round of new prompts only (nothing pending), as ``generate_round`` returned it on the rank
+    that generated it: the learner's view of a rollout rank's round (on_abort=drop)."""
+    return RoundOut(batch, prompts, _done(batch, plan.max_new), float(batch.response_lens_B.sum()), 0)
+
+
+def collect_over(
+    plan: OverSamplingPlan,
+    generate: Generate | None,
+    draw: Draw | None,
     score: Score,
     cursor: int,
     pending: Pending,
     version: int,
     dp_group=None,
+    run_round: RunRound | None = None,
 ) -> tuple[Collected, Pending]:
     """The step's rounds from data-cursor index ``cursor`` on (module doc), with the partial
     rollouts ``pending`` from the last step; ``version``: the weights this step generates with.
-    Returns what the step trains on, and the groups pending for the next step."""
+    Each round is ``generate_round`` over ``generate`` and ``draw``, or ``run_round`` (split: the
+    rollout rank ran it). Returns what the step trains on, and the groups pending for the next step."""
     os_, ds, n = plan.cfg, plan.ds, plan.n
+    if run_round is None:
+
+        def run_round(index: int, want: int, pending: Pending) -> RoundOut:
+            return generate_round(plan, generate, draw, score, index, want, pending)
+
     t = _Tally()
     pending, stale = _drop_stale(plan, pending, version)
     t.add(stale=stale)
     kept: list = []  # (batch, scores, prompts) of trained groups, in order
     dropped_eq: list = []  # complete groups without signal (dynamic sampling)
     metrics: dict = {}
+    engine_metrics: dict = {}  # the engine's own (a split run's waits): every round's, once
     have = rounds = 0
     while True:
         index, want = cursor + rounds, plan.need - have
         rounds += 1
-        count = max(math.ceil(os_.factor * plan.need) - pending.num_groups, want - pending.num_groups, 0)
-        if pending.batch is not None and int(pending.done_B.view(-1, n).all(1).sum()) >= want:
-            count = 0  # the pending complete groups fill the step: no prompt is started for nothing
-        rnd = _Round(pending, draw(index, count) if count else [], n, plan.max_new, plan.pad_id)
-
-        def enough(done_B: torch.Tensor, peek, rnd=rnd, want=want) -> bool:
-            complete_G = rnd.complete_G(done_B)
-            if int(complete_G.sum()) < want:
-                return False
-            if not ds.enabled:
-                return True
-            b, p, d = rnd.groups(peek())
-            groups = d.view(-1, n).all(1).nonzero().flatten().tolist()
-            return int(_signal(plan, score, b, p, groups)[3].sum()) >= want
-
-        out = None
-        if rnd.ids:
-            out = generate(rnd.ids, index, EarlyAbort(os_.check_every, enough, rnd.budget_B))
-            t.add(tokens=out.response_lens_B.sum(), resumed=rnd.resume_R.numel())
-        batch, prompts, done_B = rnd.groups(out)
+        got = run_round(index, want, pending)
+        engine_metrics = merge_metrics(engine_metrics, got.batch.engine_metrics)
+        t.add(tokens=got.tokens, resumed=got.resumed)
+        batch, prompts, done_B = got.batch, got.prompts, got.done_B
         complete_G = done_B.view(-1, n).all(1)
         t.add(aborted=(~done_B).sum())
         cand = complete_G.nonzero().flatten().tolist()
@@ -367,7 +438,10 @@ def collect_over(
         if not short.item() or rounds >= ds.max_rounds:
             break
     parts = fill_groups(kept, dropped_eq, plan.need) if ds.enabled else kept
-    batch = concat_batches([p[0] for p in parts], plan.pad_id)
+    # a round split into kept and dropped groups would count its engine metrics once per part
+    batch = dataclasses.replace(
+        concat_batches([p[0] for p in parts], plan.pad_id), engine_metrics=engine_metrics
+    )
     scores = cat_scores([p[1] for p in parts], metrics)
     metrics = {**metrics, **_metrics(plan, t, batch, scores, version, rounds, have, pending)}
     return Collected([q for p in parts for q in p[2]], batch, scores, metrics, rounds), pending

@@ -75,6 +75,17 @@ OS_KEY = f"override '{OS}': config key 'algo.over_sampling.factor'"
             "rollout: a resumed response's earlier tokens are 1 version old when it trains; use "
             "rollout.max_staleness >= 1, or algo.over_sampling.on_abort=drop",
         ),
+        (  # split sync and one_step_off take it (tests/e2e/test_split_runs.py), async does not
+            [OS, "parallel.nproc=3", "parallel.rollout_ranks=1", "rollout.mode=async"],
+            f"{OS_KEY}: is not built for rollout.mode=async: each round is the buffer's next request, "
+            "generated to the end (docs/sampling.md 6); use rollout.mode=sync or one_step_off",
+        ),
+        (
+            [OS, "parallel.nproc=3", "parallel.rollout_ranks=1", "algo.over_sampling.on_abort=partial"],
+            "override 'algo.over_sampling.on_abort=partial': config key 'algo.over_sampling.on_abort': "
+            "partial runs with colocated engines only (parallel.rollout_ranks=0): the pending groups are "
+            "not carried on rollout ranks yet (docs/sampling.md 6); use algo.over_sampling.on_abort=drop",
+        ),
         (
             [OS, "rollout.engine=vllm"],
             f"{OS_KEY}: aborts and resumes requests in the built-in engine only: vLLM's abort and resume "
