@@ -324,6 +324,14 @@ def serve_rollouts(cfg: RunConfig, dims: ParallelDims, task: Task | None = None)
     if task is None:
         cfg, task = build_task(cfg, start_pool=False)  # the same prompts as the learner ranks
     s = _Server(cfg, dims, task)
+    try:
+        _serve(s, dims)
+    finally:  # over-sampling's abort scores its peeks here (dynamic sampling): its reward workers
+        task.pool.close()
+
+
+def _serve(s: _Server, dims: ParallelDims) -> None:
+    cfg, task = s.cfg, s.task
     waited = s.load()
     start = s.version
     trajectories = Path(cfg.run_dir) / "agent" / f"trajectories_rank{dims.placement.rank}.jsonl"

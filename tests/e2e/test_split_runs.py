@@ -103,6 +103,8 @@ def test_one_step_off_is_deterministic_one_update_stale_and_resumes_exactly(tmp_
         "in_flight_step_000002_dp0.pt",
         "in_flight_step_000002_dp1.pt",
         "latest",
+        "partials_step_000002_dp0.pt",  # algo.over_sampling's pending groups (none with drop)
+        "partials_step_000002_dp1.pt",
         "step_000002",
     ]
     _refused_before_any_rank(tmp_path, ckpts)
