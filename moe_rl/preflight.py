@@ -282,10 +282,17 @@ def check_resume(cfg: RunConfig) -> None:
     for key in fields:
         section, name = key.split(".")
         changes.append((key, saved[section][name], new[section][name]))
-    # split sync / one_step_off: without dynamic sampling the rollout ranks generate each step's own
-    # data index, which after dynamic rounds (a data cursor ahead of the step) would repeat prompts
-    if Schedule.from_config(saved_cfg).rounds_on_request and not cfg.algo.dynamic_sampling.enabled:
-        changes.append(("algo.dynamic_sampling.enabled", "true", "false"))
+    # split sync / one_step_off: without rounds on request (dynamic or over-sampling) the rollout ranks
+    # generate each step's own data index, which after dynamic rounds (a data cursor ahead of the
+    # step) would repeat prompts
+    was_ds, was_os = saved_cfg.algo.dynamic_sampling.enabled, saved_cfg.algo.over_sampling.factor
+    if Schedule.from_config(saved_cfg).rounds_on_request and not Schedule.from_config(cfg).rounds_on_request:
+        off = ("algo.dynamic_sampling.enabled", "true", "false")
+        changes.append(
+            off if was_ds else ("algo.over_sampling.factor", was_os, cfg.algo.over_sampling.factor)
+        )
+    if _keeps_in_flight(saved_cfg):  # the batch in flight holds the round's over-sampled groups
+        changes.append(("algo.over_sampling.factor", was_os, cfg.algo.over_sampling.factor))
     for key, was, now in changes:
         if was != now:
             raise CheckpointError(

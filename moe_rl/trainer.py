@@ -31,7 +31,7 @@ from moe_rl.preflight import check_run_dir as check_run_directory
 from moe_rl.seeding import GENERATE, step_seed
 from moe_rl.step.finalize import finalize
 from moe_rl.step.mismatch_split import split_step
-from moe_rl.step.oversample import OverSamplingPlan, Pending, collect_over
+from moe_rl.step.oversample import OverSamplingPlan, Pending, RoundOut, collect_over, fresh_round, round_count
 from moe_rl.step.plan import StepPlan
 from moe_rl.step.prepare import old_logprobs, prepare_batch, reference_logprobs, rollout_metrics
 from moe_rl.step.sampling import Collected, collect
@@ -195,8 +195,9 @@ def rollout_step(
     those of its index, or (rollout.mode=async) of the request the rollout ranks' buffer hands this
     dp rank; split, the rollout ranks are asked for it (``RemoteEngine.request_for``, ``end_rounds``);
     with the version of the weights it was sampled with on each token (``SimulatedStaleness.versioned``).
-    With algo.over_sampling (colocated only), the rounds start more groups and abort the rest
-    (moe_rl/step/oversample.py): ``pending``, the partial rollouts carried between steps."""
+    With algo.over_sampling, the rounds start more groups and abort the rest (moe_rl/step/oversample.py;
+    split: on the rollout rank, asked for each round with the groups still wanted): ``pending``, the
+    partial rollouts carried between steps (colocated only)."""
     r, engine = cfg.rollout, pipe.engine
 
     def generate(index: int):
@@ -235,13 +236,30 @@ def rollout_step(
             got = engine.generate(ids, 1, plan.sampling, seed=seed, abort=abort)
             return with_version(dataclasses.replace(got, version_BS=None), stale.engine_version(step))
 
-    need, bound = r.prompts_per_step // dims.dp_size, r.max_staleness
-    os_plan = OverSamplingPlan(
-        cfg.algo.over_sampling, ds, need, r.samples_per_prompt, r.max_new_tokens, bound, pad
-    )
+    os_plan = OverSamplingPlan.from_config(cfg, dims.dp_size, pad)
+
+    def remote(index: int, want: int, pending: Pending) -> RoundOut:  # split: the rollout rank's round
+        with timer.phase("rollout"):
+            engine.request_for(step, index, want=want)
+            new = draw(index, round_count(os_plan, want, pending))
+            seed = step_seed(cfg.seed, index, dims.dp_rank, GENERATE)
+            got = engine.generate([p.prompt_ids for p in new], r.samples_per_prompt, plan.sampling, seed=seed)
+            return fresh_round(os_plan, got, new)
+
+    split = pipe.schedule.split
     got, pending = collect_over(
-        os_plan, flat, draw, score, cursor, pending, weight_version(step), dims.dp_group
+        os_plan,
+        flat,
+        draw,
+        score,
+        cursor,
+        pending,
+        weight_version(step),
+        dims.dp_group,
+        remote if split else None,
     )
+    if split:  # the rollout ranks join the weight sync next (one_step_off: after the next step's first round)
+        engine.end_rounds(cursor + got.rounds, want=os_plan.need)
     return got._replace(metrics={**got.metrics, **stale.metrics()}), pending
 
 

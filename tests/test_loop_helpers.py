@@ -50,8 +50,9 @@ def test_the_loop_times_each_stage_apart_and_the_learner_time_counts_its_passes(
 
     # a step's rounds (one unless algo.dynamic_sampling: docs/sampling.md) each generate, then score;
     # then the rollout's weight versions (rollout.staleness); algo.over_sampling's flat generate call
-    # (docs/sampling.md 6) is rollout time too
-    assert phases(funcs["rollout_step"]) == ["rollout", "score", "rollout", "rollout"]
+    # (docs/sampling.md 6) is rollout time too, and so is a split run's over-sampled round (asked
+    # for and received from the rollout rank)
+    assert phases(funcs["rollout_step"]) == ["rollout", "score", "rollout", "rollout", "rollout"]
     # old_logprob is the old pass alone (scripts and memory.summarize_run read time/<phase>_s)
     assert phases(train) == [
         "old_logprob",

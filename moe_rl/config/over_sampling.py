@@ -68,11 +68,25 @@ def check_over_sampling(cfg: Any) -> None:
             )
         return
     key = "algo.over_sampling.factor"
+    split = cfg.parallel.rollout_ranks > 0
     check(
-        cfg.parallel.rollout_ranks == 0,
+        not split or r.mode != "async",
         key,
-        "runs with colocated engines only: with parallel.rollout_ranks the rollout ranks generate one "
-        "request per step, to the end (docs/sampling.md 6)",
+        "is not built for rollout.mode=async: each round is the buffer's next request, generated to "
+        "the end (docs/sampling.md 6); use rollout.mode=sync or one_step_off",
+    )
+    check(
+        not split or not os_.partial,
+        "algo.over_sampling.on_abort",
+        "partial runs with colocated engines only (parallel.rollout_ranks=0): the pending groups are not "
+        "carried on rollout ranks yet (docs/sampling.md 6); use algo.over_sampling.on_abort=drop",
+    )
+    check(
+        not split or r.engine == "builtin",
+        key,
+        "on rollout ranks (parallel.rollout_ranks > 0) runs the built-in engine only: vLLM's request "
+        "abort is built and tested colocated (docs/sampling.md 6); use rollout.engine=builtin, or "
+        "parallel.rollout_ranks=0",
     )
     check(
         r.engine == "builtin" or r.vllm.tensor_parallel == 1,

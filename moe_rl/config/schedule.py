@@ -37,7 +37,8 @@ class Schedule:
     kind: ScheduleKind
     max_staleness: int = 0  # async: the staleness filter's bound (rollout.max_staleness)
     simulated_staleness: int = 0  # colocated: rollout.staleness=k (moe_rl/pipeline/simulated_staleness.py)
-    # algo.dynamic_sampling with split sync / one_step_off: the learner asks for each round
+    # algo.dynamic_sampling or algo.over_sampling with split sync / one_step_off: the learner asks
+    # for each round
     dynamic_rounds: bool = False
 
     @classmethod
@@ -49,7 +50,8 @@ class Schedule:
             return cls(ScheduleKind.COLOCATED_SYNC, simulated_staleness=r.staleness)
         kinds = {"sync": ScheduleKind.SPLIT_SYNC, "one_step_off": ScheduleKind.ONE_STEP_OFF}
         kind = kinds.get(r.mode, ScheduleKind.ASYNC)
-        rounds = cfg.algo.dynamic_sampling.enabled and kind is not ScheduleKind.ASYNC
+        by_round = cfg.algo.dynamic_sampling.enabled or cfg.algo.over_sampling.on
+        rounds = by_round and kind is not ScheduleKind.ASYNC
         return cls(
             kind, max_staleness=r.max_staleness if kind is ScheduleKind.ASYNC else 0, dynamic_rounds=rounds
         )
@@ -103,7 +105,8 @@ class Schedule:
 
     @property
     def rounds_on_request(self) -> bool:
-        """Split sync / one_step_off with ``algo.dynamic_sampling``: the learner asks the rollout
+        """Split sync / one_step_off with ``algo.dynamic_sampling`` or ``algo.over_sampling`` (whose
+        rounds abort once the dp rank's step has the groups it asks for): the learner asks the rollout
         ranks for each generation round of a step by its data index (``RoundRequest``) and tells
         them when the step's rounds are done (one_step_off: with the next step's first round, to
         generate while it trains); async needs no asking: each round takes the buffer's next request."""

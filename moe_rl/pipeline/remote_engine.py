@@ -23,7 +23,10 @@ the learner asks the rollout rank for each generation round of a step by its dat
 sync comes next (``end_rounds``); one_step_off asks in that same message for the next step's first
 round (the next data index), which the rollout rank generates with the weights it holds while the
 learner trains. The step's later rounds are generated with the weights the learner holds (lag 0).
-So a step's rounds take consecutive data indices in both schedules, as a colocated run's do."""
+So a step's rounds take consecutive data indices in both schedules, as a colocated run's do.
+With algo.over_sampling (on_abort=drop) the rounds are asked for the same way, each with the groups
+the dp rank still lacks (``RoundRequest.want``): the rollout rank starts the round's groups and
+aborts the rest, and the learner decides on the whole round (moe_rl/step/oversample.py)."""
 
 from __future__ import annotations
 
@@ -84,10 +87,12 @@ class RolloutMessage:
 class RoundRequest:
     """Learner -> rollout rank (``Schedule.rounds_on_request``): generate data index ``index``
     (None: nothing) with the weights held now and send it; ``then_sync``: the step's rounds are
-    done, the learner's weight sync comes next."""
+    done, the learner's weight sync comes next; ``want``: with algo.over_sampling, the groups the
+    dp rank's step still lacks (the round's early abort waits for that many; 0 otherwise)."""
 
     index: int | None
     then_sync: bool = False
+    want: int = 0
 
 
 _METRIC_KINDS = {c.__name__: c for c in (Mean, Std, Sum, Max, Min)}
@@ -207,15 +212,15 @@ class RemoteEngine:
         self.next_request = msg.step + 1
         return msg
 
-    def request_for(self, step: int, index: int | None = None) -> int:
+    def request_for(self, step: int, index: int | None = None, want: int = 0) -> int:
         """The data index whose prompts and seed a generation round of step ``step`` trains on:
         ``step``; (async) that of the dp rank's next request the staleness filter keeps (stale ones
         are dropped); (rounds on request) ``index``, asked of the rollout rank unless it is the
-        step's first round and one_step_off generated it ahead."""
+        step's first round and one_step_off generated it ahead (``want``: ``RoundRequest``'s)."""
         if self.schedule.rounds_on_request:
             ahead = not self.in_step and (self.ahead is not None or self.pending is not None)
             if not ahead:
-                self._ask(RoundRequest(index))
+                self._ask(RoundRequest(index, want=want))
             self.asked, self.ahead, self.in_step = index, None, True
             return index
         if not self.schedule.picks_requests:
@@ -231,13 +236,14 @@ class RemoteEngine:
         self.taken = (msg, metrics, time.perf_counter() - t0)
         return msg.step
 
-    def end_rounds(self, cursor: int) -> None:
+    def end_rounds(self, cursor: int, want: int = 0) -> None:
         """Rounds on request: the step has its rounds (the data cursor is at ``cursor``); the rollout
         rank joins the weight sync next, one_step_off after generating data index ``cursor`` (the
-        next step's first round) with the weights it holds. A no-op otherwise."""
+        next step's first round, ``want`` groups wanted: a whole step's) with the weights it holds. A
+        no-op otherwise."""
         if self.schedule.rounds_on_request:
             self.ahead = cursor if self.schedule.runs_ahead else None
-            self._ask(RoundRequest(self.ahead, then_sync=True))
+            self._ask(RoundRequest(self.ahead, then_sync=True, want=want if self.schedule.runs_ahead else 0))
             self.in_step = False
 
     def _ask(self, req: RoundRequest) -> None:

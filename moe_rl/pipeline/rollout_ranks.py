@@ -17,9 +17,11 @@ follows the run's ``Schedule`` (``moe_rl/config/schedule.py``); the weights come
 - async: request after request with in-flight weight updates, a bounded number unreceived per dp
   rank (request_buffer.py; docs/design.md 15.3).
 
-- with algo.dynamic_sampling (sync and one_step_off, ``Schedule.rounds_on_request``): the learner
-  asks for each generation round by its data index and says when the weight sync comes
-  (``RoundRequest``, remote_engine.py); the rank generates what it is asked with the weights it holds.
+- with algo.dynamic_sampling or algo.over_sampling (sync and one_step_off,
+  ``Schedule.rounds_on_request``): the learner asks for each generation round by its data index and
+  says when the weight sync comes (``RoundRequest``, remote_engine.py); the rank generates what it is
+  asked with the weights it holds; over-sampled, it starts the round's groups and aborts the rest once
+  the dp rank has the groups it asked for (``generate_round``, moe_rl/step/oversample.py).
 
 The step a run starts at is the version of the first weight sync (a resume's checkpoint step); the
 run ends at the update the learner tells with each sync (``tell_last``: ``steps``, or sooner after a
@@ -44,8 +46,10 @@ from moe_rl.pipeline.request_buffer import CHOICE_TAG, RESUME_TAG, Fence, buffer
 from moe_rl.pipeline.weight_sync import BackgroundWeights, RolloutRankWeights
 from moe_rl.rollout.factory import build_engine, engine_tp
 from moe_rl.seeding import GENERATE, step_seed
+from moe_rl.step.oversample import OverSamplingPlan, Pending, generate_round
 from moe_rl.step.plan import StepPlan
-from moe_rl.tasks.task import Task, build_task
+from moe_rl.tasks.task import Task, build_task, step_scores
+from moe_rl.types import RolloutBatch
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +73,12 @@ class _Server:
         # what the sync sends this rank: the whole model, or (vLLM TP > 1) its engine shard's slices
         self.weights = RolloutRankWeights.from_config(cfg, self.schedule, dims, self.engine)
         self.timeline = OffloadTimeline(self.engine)  # no learner here: the engine sleeps between calls
+        # algo.over_sampling: the rounds' plan (the learner asks for each round, RoundRequest.want)
+        self.over = (
+            OverSamplingPlan.from_config(cfg, self.dp, task.tokenizer.pad_id)
+            if cfg.algo.over_sampling.on
+            else None
+        )
 
     @property
     def version(self) -> int:
@@ -79,9 +89,40 @@ class _Server:
         """Join the next weight sync and apply it (never while sampling); seconds waited + applied."""
         return self.weights.receive()
 
-    def generate(self, step: int, waited_s: float) -> list[RolloutMessage]:
-        """Step ``step``'s batch of every served dp rank, with the weights loaded now."""
-        return [self.request(d, step, {"time/rollout_wait_weights_s": waited_s}) for d in self.served]
+    def generate(
+        self, step: int, waited_s: float, wants: dict[int, int] | None = None
+    ) -> list[RolloutMessage]:
+        """Step ``step``'s batch of every served dp rank, with the weights loaded now; ``wants``
+        (algo.over_sampling): each dp rank's groups still wanted."""
+        waits = {"time/rollout_wait_weights_s": waited_s}
+        if wants is not None and self.over is not None:
+            return [self.over_round(d, step, wants[d], waits) for d in self.served]
+        return [self.request(d, step, waits) for d in self.served]
+
+    def over_round(self, d: int, index: int, want: int, waits: dict[str, float]) -> RolloutMessage:
+        """Data index ``index``'s over-sampled round of dp rank ``d``, aborted once ``want`` groups are
+        complete: the colocated round's code (``generate_round``) on this rank's engine, nothing
+        pending (on_abort=drop); the learner decides on it as on its own (``fresh_round``)."""
+        r, t0, plan = self.cfg.rollout, time.perf_counter(), self.over
+        seed = step_seed(self.cfg.seed, index, d, GENERATE)
+
+        def flat(ids: list, at: int, abort) -> RolloutBatch:  # one row per sample, as the trainer's
+            return self.engine.generate(ids, 1, self.sampling, seed=seed, abort=abort)
+
+        def draw(at: int, count: int) -> list:
+            return self.task.source.sample_step(at, count, d, self.dp, self.cfg.seed)
+
+        def score(prompts: list, batch: RolloutBatch):  # the abort's peek (dynamic sampling)
+            return step_scores(self.cfg, self.task, prompts, batch)
+
+        got = generate_round(plan, flat, draw, score, index, want, Pending([]))
+        self.timeline.after_generate()
+        waits = {**waits, "time/rollout_generate_s": time.perf_counter() - t0}
+        prompts = [p.prompt_ids for p in got.prompts]
+        batch = dataclasses.replace(
+            got.batch, engine_metrics={**got.batch.engine_metrics, **self.weights.probe}
+        )
+        return RolloutMessage(index, d, seed, prompts, r.samples_per_prompt, self.version, batch, waits)
 
     def request(self, d: int, step: int, waits: dict[str, float], updates=None) -> RolloutMessage:
         """Step ``step``'s batch of dp rank ``d`` (its prompts and seed); async: with in-flight
@@ -110,20 +151,22 @@ class _Server:
         waits = {**waits, "time/rollout_generate_s": time.perf_counter() - t0}
         return RolloutMessage(step, d, seed, prompts, r.samples_per_prompt, version, batch, waits)
 
-    def round_request(self) -> RoundRequest:
-        """The learner's next ``RoundRequest``: one from every learner rank of every served dp rank,
-        all the same (their rounds are agreed); an engine's TP peers get it from its first rank."""
+    def round_request(self) -> tuple[RoundRequest, dict[int, int]]:
+        """The learner's next ``RoundRequest`` and each served dp rank's ``want``: one request from
+        every learner rank of every served dp rank, the same round (their rounds are agreed), the
+        same ``want`` within a dp rank; an engine's TP peers get them from its first rank."""
         if not self.sends:
             return self.bridge.recv_object(self.first, CHOICE_TAG)
-        got = {self.bridge.recv_object(dst, ROUND_TAG) for d in self.served for dst in self.dests[d]}
-        if len(got) != 1:
+        got = {d: {self.bridge.recv_object(dst, ROUND_TAG) for dst in self.dests[d]} for d in self.served}
+        rounds = {(q.index, q.then_sync) for reqs in got.values() for q in reqs}
+        if len(rounds) != 1 or any(len(reqs) != 1 for reqs in got.values()):
             raise RuntimeError(
                 f"the learner ranks served by one rollout rank ask for different rounds: {got}"
             )
-        req = got.pop()
+        out = (next(iter(got[self.served[0]])), {d: next(iter(reqs)).want for d, reqs in got.items()})
         for peer in self.peers:
-            _wait(self.bridge.send_object(req, peer, CHOICE_TAG))
-        return req
+            _wait(self.bridge.send_object(out, peer, CHOICE_TAG))
+        return out
 
     def send(self, msgs: list[RolloutMessage]) -> list:
         """Start sending each message to every learner rank of its dp rank; the works to wait on."""
@@ -260,14 +303,14 @@ def _serve_rounds(s: _Server, trajectories: Path, waited: float) -> None:
         agent.log_to(trajectories)
     works: list = []
     while True:
-        req = s.round_request()
+        req, wants = s.round_request()
         _wait(works)  # a gloo work is waited on once
         works = []
         if req.index is not None:
             if agent is not None and resumed:  # a resume generates from the first index it is asked for
                 agent.log_to(trajectories, resume_step=req.index)
                 resumed = False
-            works, waited = s.send(s.generate(req.index, waited)), 0.0
+            works, waited = s.send(s.generate(req.index, waited, wants)), 0.0
         if req.then_sync:
             waited = s.load()
             if s.version >= s.weights.last:
@@ -281,6 +324,14 @@ def serve_rollouts(cfg: RunConfig, dims: ParallelDims, task: Task | None = None)
     if task is None:
         cfg, task = build_task(cfg, start_pool=False)  # the same prompts as the learner ranks
     s = _Server(cfg, dims, task)
+    try:
+        _serve(s, dims)
+    finally:  # over-sampling's abort scores its peeks here (dynamic sampling): its reward workers
+        task.pool.close()
+
+
+def _serve(s: _Server, dims: ParallelDims) -> None:
+    cfg, task = s.cfg, s.task
     waited = s.load()
     start = s.version
     trajectories = Path(cfg.run_dir) / "agent" / f"trajectories_rank{dims.placement.rank}.jsonl"

@@ -24,6 +24,7 @@ import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -236,7 +237,12 @@ class _Round:
         return dataclasses.replace(batch, group_B=group_B), [*p.prompts, *self.new], torch.cat(done)[perm_B]
 
     def _done(self, b: RolloutBatch) -> torch.Tensor:
-        return (b.finished_B | (b.response_lens_B >= self.max_new)).cpu()
+        return _done(b, self.max_new)
+
+
+def _done(b: RolloutBatch, max_new: int) -> torch.Tensor:
+    """bool [B]: the row stopped, or used rollout.max_new_tokens (a resumed one: with its earlier tokens)."""
+    return (b.finished_B | (b.response_lens_B >= max_new)).cpu()
 
 
 @dataclass(frozen=True)
@@ -251,13 +257,24 @@ class OverSamplingPlan:
     max_staleness: int  # rollout.max_staleness: the oldest version lag a pending group may carry
     pad_id: int
 
+    @classmethod
+    def from_config(cls, cfg, dp_size: int, pad_id: int) -> OverSamplingPlan:
+        """A data-parallel rank's plan (``cfg``: the ``RunConfig``), on a learner or a rollout rank."""
+        r = cfg.rollout
+        need = r.prompts_per_step // dp_size
+        return cls(
+            cfg.algo.over_sampling, cfg.algo.dynamic_sampling, need, r.samples_per_prompt, r.max_new_tokens,
+            r.max_staleness, pad_id,
+        )  # fmt: skip
+
 
 class _Tally:
     """The step's counts, summed over rounds (the metrics at the end)."""
 
     def __init__(self) -> None:
         self.c = dict.fromkeys(
-            ("generated", "with_signal", "tokens", "aborted", "resumed", "stale", "dropped", "dropped_len"),
+            ("generated", "with_signal", "kept", "surplus", "tokens", "aborted", "resumed", "stale")
+            + ("dropped", "dropped_len"),
             0.0,
         )
 
@@ -298,52 +315,107 @@ def _signal(plan: OverSamplingPlan, score: Score, batch: RolloutBatch, prompts: 
     return b, s, p, signal_P
 
 
-def collect_over(
+class RoundOut(NamedTuple):
+    """One round's groups as the engine left them, group-major (the pending ones first): what the
+    step decides on (``collect_over``), wherever the round was generated."""
+
+    batch: RolloutBatch
+    prompts: list
+    done_B: torch.Tensor  # bool [B]: the row stopped or used rollout.max_new_tokens
+    tokens: float  # response tokens sampled in this round
+    resumed: int  # pending responses continued in this round
+
+
+RunRound = Callable[[int, int, Pending], RoundOut]  # (data index, groups wanted, pending) -> round
+
+
+def round_count(plan: OverSamplingPlan, want: int, pending: Pending) -> int:
+    """New prompt groups a round starts: ``ceil(factor * need)`` with the pending ones, at least the
+    ``want`` groups the step still lacks; none when the pending complete groups fill the step."""
+    count = max(math.ceil(plan.cfg.factor * plan.need) - pending.num_groups, want - pending.num_groups, 0)
+    if pending.batch is not None and int(pending.done_B.view(-1, plan.n).all(1).sum()) >= want:
+        return 0  # the pending complete groups fill the step: no prompt is started for nothing
+    return count
+
+
+def generate_round(
     plan: OverSamplingPlan,
     generate: Generate,
     draw: Draw,
+    score: Score,
+    index: int,
+    want: int,
+    pending: Pending,
+) -> RoundOut:
+    """Round ``index``: the pending groups and ``round_count`` new ones in one generate call whose
+    ``EarlyAbort`` stops it once ``want`` groups are complete (with signal under dynamic sampling).
+    Where the engine runs: the rank itself (colocated) or its rollout rank (split)."""
+    n, ds = plan.n, plan.ds
+    count = round_count(plan, want, pending)
+    rnd = _Round(pending, draw(index, count) if count else [], n, plan.max_new, plan.pad_id)
+
+    def enough(done_B: torch.Tensor, peek) -> bool:
+        complete_G = rnd.complete_G(done_B)
+        if int(complete_G.sum()) < want:
+            return False
+        if not ds.enabled:
+            return True
+        b, p, d = rnd.groups(peek())
+        groups = d.view(-1, n).all(1).nonzero().flatten().tolist()
+        return int(_signal(plan, score, b, p, groups)[3].sum()) >= want
+
+    out, tokens = None, 0.0
+    if rnd.ids:
+        out = generate(
+            rnd.ids, index, EarlyAbort(plan.cfg.check_every, enough, rnd.budget_B, rnd.route_starts)
+        )
+        tokens = float(out.response_lens_B.sum())
+    batch, prompts, done_B = rnd.groups(out)
+    return RoundOut(batch, prompts, done_B, tokens, int(rnd.resume_R.numel()))
+
+
+def fresh_round(plan: OverSamplingPlan, batch: RolloutBatch, prompts: list) -> RoundOut:
+    """A round of new prompts only (nothing pending), as ``generate_round`` returned it on the rank
+    that generated it: the learner's view of a rollout rank's round (on_abort=drop)."""
+    return RoundOut(batch, prompts, _done(batch, plan.max_new), float(batch.response_lens_B.sum()), 0)
+
+
+def collect_over(
+    plan: OverSamplingPlan,
+    generate: Generate | None,
+    draw: Draw | None,
     score: Score,
     cursor: int,
     pending: Pending,
     version: int,
     dp_group=None,
+    run_round: RunRound | None = None,
 ) -> tuple[Collected, Pending]:
     """The step's rounds from data-cursor index ``cursor`` on (module doc), with the partial
     rollouts ``pending`` from the last step; ``version``: the weights this step generates with.
-    Returns what the step trains on, and the groups pending for the next step."""
+    Each round is ``generate_round`` over ``generate`` and ``draw``, or ``run_round`` (split: the
+    rollout rank ran it). Returns what the step trains on, and the groups pending for the next step."""
     os_, ds, n = plan.cfg, plan.ds, plan.n
+    if run_round is None:
+
+        def run_round(index: int, want: int, pending: Pending) -> RoundOut:
+            return generate_round(plan, generate, draw, score, index, want, pending)
+
     t = _Tally()
     pending, stale = _drop_stale(plan, pending, version)
     t.add(stale=stale)
     kept: list = []  # (batch, scores, prompts) of trained groups, in order
     dropped_eq: list = []  # complete groups without signal (dynamic sampling)
     metrics: dict = {}
+    engine_metrics: dict = {}  # the engine's own (a split run's waits): every round's, once
     have = rounds = 0
     while True:
         index, want = cursor + rounds, plan.need - have
         rounds += 1
-        count = max(math.ceil(os_.factor * plan.need) - pending.num_groups, want - pending.num_groups, 0)
-        if pending.batch is not None and int(pending.done_B.view(-1, n).all(1).sum()) >= want:
-            count = 0  # the pending complete groups fill the step: no prompt is started for nothing
-        rnd = _Round(pending, draw(index, count) if count else [], n, plan.max_new, plan.pad_id)
-
-        def enough(done_B: torch.Tensor, peek, rnd=rnd, want=want) -> bool:
-            complete_G = rnd.complete_G(done_B)
-            if int(complete_G.sum()) < want:
-                return False
-            if not ds.enabled:
-                return True
-            b, p, d = rnd.groups(peek())
-            groups = d.view(-1, n).all(1).nonzero().flatten().tolist()
-            return int(_signal(plan, score, b, p, groups)[3].sum()) >= want
-
-        out = None
-        if rnd.ids:
-            out = generate(
-                rnd.ids, index, EarlyAbort(os_.check_every, enough, rnd.budget_B, rnd.route_starts)
-            )
-            t.add(tokens=out.response_lens_B.sum(), resumed=rnd.resume_R.numel())
-        batch, prompts, done_B = rnd.groups(out)
+        got = run_round(index, want, pending)
+        engine_metrics = merge_metrics(engine_metrics, got.batch.engine_metrics)
+        t.add(tokens=got.tokens, resumed=got.resumed)
+        batch, prompts, done_B = got.batch, got.prompts, got.done_B
         complete_G = done_B.view(-1, n).all(1)
         t.add(aborted=(~done_B).sum())
         cand = complete_G.nonzero().flatten().tolist()
@@ -360,10 +432,11 @@ def collect_over(
                 kept.append(take_groups(cb, cs, cp, take))
             if decided_eq:
                 dropped_eq.append(take_groups(cb, cs, cp, decided_eq))
-            # decided this round: trained, dropped as all-equal, and (drop) the surplus; a pending
-            # surplus group is counted when a later step decides it
-            decided = take + decided_eq + ([] if os_.partial else surplus)
+            # decided this round: trained, and dropped as all-equal (the surplus apart: drop counts it
+            # in sampling/dropped_surplus, partial when a later step decides it), as colocated rounds
+            decided = take + decided_eq
             t.add(generated=len(decided), with_signal=int(signal_P[decided].sum()))
+            t.add(kept=int(signal_P[take].sum()), surplus=0 if os_.partial else len(surplus))
             have += len(take)
         rest += (~complete_G).nonzero().flatten().tolist()
         rest.sort()
@@ -381,7 +454,10 @@ def collect_over(
         if not short.item() or rounds >= ds.max_rounds:
             break
     parts = fill_groups(kept, dropped_eq, plan.need) if ds.enabled else kept
-    batch = concat_batches([p[0] for p in parts], plan.pad_id)
+    # a round split into kept and dropped groups would count its engine metrics once per part
+    batch = dataclasses.replace(
+        concat_batches([p[0] for p in parts], plan.pad_id), engine_metrics=engine_metrics
+    )
     scores = cat_scores([p[1] for p in parts], metrics)
     metrics = {**metrics, **_metrics(plan, t, batch, scores, version, rounds, have, pending)}
     return Collected([q for p in parts for q in p[2]], batch, scores, metrics, rounds), pending
@@ -399,7 +475,8 @@ def _metrics(
     return {
         "sampling/rounds": Max(float(rounds)),
         "sampling/groups_generated": Sum(c["generated"]),
-        "sampling/groups_kept": Sum(float(have)),
+        "sampling/groups_kept": Sum(c["kept"]),  # trained groups with signal
+        "sampling/dropped_surplus": Sum(c["surplus"]),
         "sampling/groups_dropped_all_equal": Sum(c["generated"] - c["with_signal"]),
         "sampling/useful_frac": Mean(c["with_signal"], c["generated"]),
         "sampling/cap_reached": Max(float(plan.ds.enabled and have < plan.need)),

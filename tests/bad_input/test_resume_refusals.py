@@ -3,8 +3,9 @@ launcher, before any rank starts: one ``error:`` line, exit code 2, nothing on d
 saved config.yaml is not rewritten), and ``moe_rl.launch.launch`` never called. Refused: a changed
 ``rollout.mode`` (a one_step_off / async checkpoint holds the batches in flight, sync has none) or
 ``parallel.rollout_ranks``, the in-flight batch's shape, dynamic sampling turned off on a split run
-that asked for its rounds (issue 46), a missing or truncated in-flight file, and
-the checkpoint's own files (``checkpoint.check_files``, as ``export-hf`` checks them).
+that asked for its rounds (issue 46) and an over-sampled batch in flight's factor, a missing or
+truncated in-flight file, and the checkpoint's own files (``checkpoint.check_files``, as
+``export-hf`` checks them).
 
 The checkpoints are ``fake_run``'s (config.yaml + trainer_state.json + the in-flight files as
 ``torch.save`` writes them); a real one_step_off checkpoint is refused the same way in
@@ -86,6 +87,20 @@ def test_a_dynamic_one_step_off_checkpoint_refuses_to_go_on_without_it(tmp_path)
         check_resume(load_run_config(None, [*resume, f"{key}=false"]))
     assert str(e.value) == _changed(run, key, "false", "true")
     with pytest.raises(CheckpointError, match="step_000030"):  # kept on: past this check (no .metadata)
+        check_resume(load_run_config(None, resume))
+
+
+def test_an_over_sampled_one_step_off_checkpoint_keeps_its_factor(tmp_path):
+    # its batch in flight holds factor x the step's groups (the rollout rank's round, issue 46): the
+    # learner would draw another count of prompts; turned off, the rounds would no longer be asked for
+    run, key = tmp_path / "run", "algo.over_sampling.factor"
+    fake_run(run, 30, **ONE_STEP_OFF, **{key: 2})
+    resume = [f"run_dir={run}", "resume=true", "steps=40"]
+    for now in (3, 1):
+        with pytest.raises(CheckpointError) as e:
+            check_resume(load_run_config(None, [*resume, f"{key}={now}"]))
+        assert str(e.value) == _changed(run, key, float(now), 2.0)
+    with pytest.raises(CheckpointError, match="step_000030"):  # kept: past this check (no .metadata)
         check_resume(load_run_config(None, resume))
 
 

@@ -75,6 +75,23 @@ OS_KEY = f"override '{OS}': config key 'algo.over_sampling.factor'"
             "rollout: a resumed response's earlier tokens are 1 version old when it trains; use "
             "rollout.max_staleness >= 1, or algo.over_sampling.on_abort=drop",
         ),
+        (  # split sync and one_step_off take it (tests/e2e/test_split_runs.py), async does not
+            [OS, "parallel.nproc=3", "parallel.rollout_ranks=1", "rollout.mode=async"],
+            f"{OS_KEY}: is not built for rollout.mode=async: each round is the buffer's next request, "
+            "generated to the end (docs/sampling.md 6); use rollout.mode=sync or one_step_off",
+        ),
+        (
+            [OS, "parallel.nproc=3", "parallel.rollout_ranks=1", "algo.over_sampling.on_abort=partial"],
+            "override 'algo.over_sampling.on_abort=partial': config key 'algo.over_sampling.on_abort': "
+            "partial runs with colocated engines only (parallel.rollout_ranks=0): the pending groups are "
+            "not carried on rollout ranks yet (docs/sampling.md 6); use algo.over_sampling.on_abort=drop",
+        ),
+        (
+            [OS, "parallel.nproc=3", "parallel.rollout_ranks=1", "rollout.engine=vllm"],
+            f"{OS_KEY}: on rollout ranks (parallel.rollout_ranks > 0) runs the built-in engine only: vLLM's "
+            "request abort is built and tested colocated (docs/sampling.md 6); use rollout.engine=builtin, "
+            "or parallel.rollout_ranks=0",
+        ),
         (
             [OS, "rollout.engine=vllm", "rollout.vllm.tensor_parallel=2"],
             f"{OS_KEY}: aborts vLLM's requests on engines of rollout.vllm.tensor_parallel=1 only (got 2): "

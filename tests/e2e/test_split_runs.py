@@ -3,8 +3,10 @@ docs/design.md 15), through the real CLI. A split sync run is the colocated run 
 layout bit for bit (every metric but timings); one-step-off is deterministic, one update stale from
 its second step, and resumes exactly from a checkpoint that holds the batch in flight. Both resumes
 are from the checkpoint a first SIGINT saved (issue 42): the rollout ranks stop with the learner.
-The EP=2 runs sample dynamically (issue 46, docs/sampling.md 3): the learner asks the rollout ranks
-for each round; the split sync run is still the colocated run bit for bit, the data cursor included."""
+The EP=2 runs sample dynamically and over-sample with early abort (issue 46, docs/sampling.md 3 and
+6): the learner asks the rollout ranks for each round and the groups it still lacks, the rollout rank
+starts twice those and aborts the rest once enough have signal; the split sync run is still the
+colocated run bit for bit, the data cursor, the aborts and the drop counts included."""
 
 from __future__ import annotations
 
@@ -18,7 +20,8 @@ from moe_rl.weights.canonical import canonical_param_shapes
 from tests.cli_helpers import TINY, fails_with
 from tests.e2e.helpers import DYNAMIC, data_cursor, deterministic, dynamic_rounds, metrics, moe_rl, signalled
 
-EP2 = ["parallel.expert_parallel=2", "checkpoint_every=0", *TINY, *DYNAMIC]  # 2 learner ranks, DP 2
+# 2 learner ranks, DP 2; a round starts 2 x 4 groups per dp rank (on_abort=drop)
+EP2 = ["parallel.expert_parallel=2", "checkpoint_every=0", *TINY, *DYNAMIC, "algo.over_sampling.factor=2"]
 SPLIT = ["parallel.nproc=4", "parallel.rollout_ranks=2"]  # + 2 rollout ranks, one per dp rank
 ROLLOUT_TIMES = ("time/wait_batch_s", "time/rollout_wait_weights_s", "time/rollout_generate_s")
 
@@ -71,7 +74,9 @@ def test_split_sync_is_the_colocated_run_bit_for_bit(tmp_path, colocated_ep2):
     split = _run(tmp_path / "split", "resume=true")
     assert sorted(split) == [0, 1]
     # the resume drew from the cursor step 0's rounds left (the metrics equal the colocated run's)
-    assert data_cursor(tmp_path / "split", 1) == dynamic_rounds(split, 8)[0]
+    assert data_cursor(tmp_path / "split", 1) == dynamic_rounds(split, 8, factor=2)[0]
+    # the rollout ranks' early abort cut responses (the counts equal the colocated run's, below)
+    assert sum(split[t]["sampling/aborted"] for t in (0, 1)) > 0
     for step in (0, 1):
         _same_as_colocated(split[step], colocated_ep2[step], lag=0.0)
         assert all(split[step][k] >= 0 for k in ROLLOUT_TIMES)
@@ -98,6 +103,8 @@ def test_one_step_off_is_deterministic_one_update_stale_and_resumes_exactly(tmp_
         "in_flight_step_000002_dp0.pt",
         "in_flight_step_000002_dp1.pt",
         "latest",
+        "partials_step_000002_dp0.pt",  # algo.over_sampling's pending groups (none with drop)
+        "partials_step_000002_dp1.pt",
         "step_000002",
     ]
     _refused_before_any_rank(tmp_path, ckpts)
@@ -107,7 +114,8 @@ def test_one_step_off_is_deterministic_one_update_stale_and_resumes_exactly(tmp_
         assert deterministic(full[step]) == deterministic(part[step]), f"step {step} differs after resume"
     # the step's first round was generated ahead (W_t-1: lag 1), its others with W_t (lag 0)
     assert [full[t]["rollout/version_lag"] for t in range(3)] == [0.0, 1.0, 1.0]
-    rounds = dynamic_rounds(full, 8)
+    rounds = dynamic_rounds(full, 8, factor=2)
+    assert sum(full[t]["sampling/aborted"] for t in range(3)) > 0  # the rollout ranks' early abort
     assert max(rounds) >= 2  # extra rounds ran (they take the next data indices, as colocated)
     # the checkpoint's cursor: past step 0's and 1's rounds and before the batch in flight
     assert data_cursor(tmp_path / "part", 2) == rounds[0] + rounds[1]
@@ -132,6 +140,14 @@ def _refused_before_any_rank(tmp_path: Path, ckpts: Path) -> None:
         f"run_dir=",
         *resume,
         "rollout.mode=sync",
+    )
+    fails_with(  # the batch in flight holds the rollout rank's round of 2 x the step's groups
+        tmp_path,
+        f"resume=true: algo.over_sampling.factor=3.0 but the run in {run} was made with "
+        f"algo.over_sampling.factor=2.0 ({run}/config.yaml); a checkpoint cannot change it: use "
+        f"algo.over_sampling.factor=2.0 or a new run_dir=",
+        *resume,
+        "algo.over_sampling.factor=3",
     )
     dp1 = ckpts / "in_flight_step_000002_dp1.pt"
     whole = dp1.read_bytes()

@@ -13,6 +13,7 @@ import torch
 from moe_rl.config import Schedule, ScheduleKind
 from moe_rl.pipeline.placement import Placement, Split
 from moe_rl.pipeline.remote_engine import ROUND_TAG, RemoteEngine, RolloutMessage, RoundRequest
+from moe_rl.pipeline.rollout_ranks import _Server
 from moe_rl.types import RolloutBatch
 
 pytestmark = pytest.mark.unit
@@ -110,3 +111,41 @@ def test_one_step_off_asks_for_the_next_steps_first_round_with_the_sync():
 def test_a_round_request_is_one_hashable_value():
     # the rollout rank checks that every learner rank it serves asked for the same round
     assert len({RoundRequest(3), RoundRequest(3), RoundRequest(3, then_sync=True)}) == 2
+
+
+def test_over_sampling_asks_each_round_with_the_groups_still_wanted():
+    # algo.over_sampling (split sync / one_step_off): the rollout rank's round aborts once the dp
+    # rank has `want` groups; one_step_off's next-step round wants a whole step's
+    for kind, ahead_want in ((ScheduleKind.SPLIT_SYNC, 0), (ScheduleKind.ONE_STEP_OFF, 4)):
+        engine, bridge = learner(kind)
+        for index, want in ((0, 4), (1, 3)):
+            assert engine.request_for(7, index, want=want) == index
+            engine.generate([[index]], 1, None, seed=100 + index)
+        engine.end_rounds(2, want=4)
+        sent = [r for tag, r in bridge.sent if tag == ROUND_TAG]
+        assert [(r.index, r.then_sync, r.want) for r in sent] == [
+            (0, False, 4),
+            (1, False, 3),
+            (2 if ahead_want else None, True, ahead_want),
+        ]
+
+
+def test_a_rollout_rank_serving_two_dp_ranks_takes_each_ones_want():
+    """``_Server.round_request`` over the requests of 2 dp ranks x 2 learner ranks: one round, each
+    dp rank's own ``want``; learner ranks that disagree on the round are refused, naming them."""
+
+    def server(reqs: dict[int, RoundRequest]) -> SimpleNamespace:
+        bridge = SimpleNamespace(recv_object=lambda src, tag: reqs[src], send_object=None)
+        return SimpleNamespace(
+            sends=True, bridge=bridge, served=[0, 1], dests={0: [0, 1], 1: [2, 3]}, peers=[]
+        )
+
+    same = {r: RoundRequest(5, want=4 if r < 2 else 2) for r in range(4)}
+    req, wants = _Server.round_request(server(same))
+    assert (req.index, req.then_sync, wants) == (5, False, {0: 4, 1: 2})
+    split = {**same, 3: RoundRequest(6, want=2)}
+    with pytest.raises(RuntimeError, match="the learner ranks served by one rollout rank ask for different"):
+        _Server.round_request(server(split))
+    within = {**same, 3: RoundRequest(5, want=1)}  # one dp rank's learner ranks want different counts
+    with pytest.raises(RuntimeError, match="ask for different rounds"):
+        _Server.round_request(server(within))

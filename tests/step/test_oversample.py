@@ -93,7 +93,7 @@ def test_drop_trains_the_first_complete_groups_and_counts_the_rest():
     got, pending, m = _step(plan(factor=2.0, on_abort="drop", need=4), engine, 0, Pending([]))
     assert pending.batch is None and got.batch.num_seqs == 4 * N
     assert bool((got.batch.finished_B | (got.batch.response_lens_B == MAX_NEW)).all())  # trained: complete
-    assert m["sampling/groups_kept"] == 4 and m["sampling/dropped_aborted"] == 4 * N  # 8 started
+    assert m["sampling/dropped_aborted"] == 4 * N  # 8 started: 4 trained
     assert m["sampling/aborted"] >= 1  # the abort cut at least one response
     assert m["sampling/kept_len_mean"] == pytest.approx(got.batch.response_lens_B.float().mean().item())
     # the length bias the drop shows: the dropped responses (cut where they were) run longer here
@@ -103,6 +103,21 @@ def test_drop_trains_the_first_complete_groups_and_counts_the_rest():
     signal_P = groups_with_signal(got.scores.accuracy_B, got.batch.group_B, 4)
     useful = got.batch.response_lens_B.view(4, N)[signal_P].sum()
     assert m["sampling/useful_token_frac"] == pytest.approx(float(useful) / generated)
+
+
+def test_without_dynamic_sampling_the_counts_are_of_trained_groups_with_signal():
+    """sampling/groups_kept is the trained groups with signal, as on the colocated rounds without
+    over-sampling (docs/sampling.md 5); the surplus complete groups the drop throws away are counted
+    apart, not as generated groups with or without signal."""
+    got, _, m = _step(plan(factor=2.0, on_abort="drop", need=4), make_engine(1), 0, Pending([]))
+    signal = int(groups_with_signal(got.scores.accuracy_B, got.batch.group_B, 4).sum())
+    assert signal == 3  # the seeded round trains one group without signal: the counts differ
+    assert m["sampling/groups_kept"] == signal
+    assert m["sampling/groups_generated"] == 4 and m["sampling/groups_dropped_all_equal"] == 4 - signal
+    assert m["sampling/useful_frac"] == signal / 4
+    # 8 groups started: 4 trained, 2 complete beyond them (surplus), 2 cut by the abort
+    assert m["sampling/dropped_surplus"] == 2 and m["sampling/dropped_aborted"] == (8 - 4) * N
+    assert 8 - 4 - m["sampling/dropped_surplus"] <= m["sampling/aborted"]
 
 
 def _run(p, first: int, steps: int, pending: Pending):
