@@ -74,7 +74,7 @@ def check_fp8_keys(r: RolloutConfig) -> None:
         ("fp8_granularity", r.fp8_granularity, "block"),
     ):
         if value != default:
-            check(r.quantization == "fp8", f"rollout.{key}", f"{value} needs rollout.quantization=fp8")
+            check(r.quantization == "fp8", f"rollout.{key}", "needs rollout.quantization=fp8")
             check(r.engine == "builtin", f"rollout.{key}", f"{value}: the built-in engine only")
     check(
         r.kv_cache_dtype == "auto" or r.engine == "builtin",

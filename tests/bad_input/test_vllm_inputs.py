@@ -139,7 +139,7 @@ def test_experts_only_fp8_without_fp8_or_on_vllm_is_refused(tmp_path, given, mes
     [
         (
             ["rollout.fp8_granularity=tensor"],
-            "'rollout.fp8_granularity': tensor needs rollout.quantization=fp8",
+            "'rollout.fp8_granularity': needs rollout.quantization=fp8",
         ),
         (
             ["rollout.fp8_granularity=row"],
