@@ -19,7 +19,7 @@ from moe_rl.checks import check, one_of
 
 if TYPE_CHECKING:
     from moe_rl.config import ModelConfig
-    from moe_rl.config.run import RolloutConfig
+    from moe_rl.config import RolloutConfig
 
 FP8_BLOCK = 128  # moe_rl/rollout/fp8.py BLOCK (no torch here)
 
