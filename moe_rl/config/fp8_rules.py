@@ -18,8 +18,7 @@ from typing import TYPE_CHECKING
 from moe_rl.checks import check, one_of
 
 if TYPE_CHECKING:
-    from moe_rl.config import ModelConfig
-    from moe_rl.config import RolloutConfig
+    from moe_rl.config import ModelConfig, RolloutConfig
 
 FP8_BLOCK = 128  # moe_rl/rollout/fp8.py BLOCK (no torch here)
 
