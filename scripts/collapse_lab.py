@@ -163,6 +163,8 @@ def arm_overrides(arm: str, args) -> list[str]:
     ]
     control = (
         (["rollout.quantize=all_linear", "rollout.quantization=none"] if fp8 else [])
+        # a --set of either FP8 option (rollout.fp8_granularity, rollout.kv_cache_dtype) stays out too
+        + ["rollout.fp8_granularity=block", "rollout.kv_cache_dtype=auto"]
         + ["rollout.engine=builtin", "rollout.router_noise=0.0", "rollout.dtype=fp32", "rollout.staleness=0"]
         # max_staleness back to its default: with sync it is refused (the config loader)
         + (["parallel.rollout_ranks=0", "rollout.mode=sync", "rollout.max_staleness=1"] if args.mode else [])

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from moe_rl.checks import check, one_of
+
 if TYPE_CHECKING:
-    from moe_rl.config import ModelConfig
+    from moe_rl.config import ModelConfig, RolloutConfig
 
 FP8_BLOCK = 128  # moe_rl/rollout/fp8.py BLOCK (no torch here)
 
@@ -57,3 +59,29 @@ def fp8_block_refusal(m: ModelConfig, tp: int) -> tuple[str, str] | None:
                 f"use rollout.engine=builtin (it pads partial blocks), or rollout.quantization=none"
             )
     return None
+
+
+def check_fp8_keys(r: RolloutConfig) -> None:
+    """The rollout's FP8 keys: known values, none that FP8 off would ignore silently, and the
+    built-in engine's emulations (per-tensor scales, FP8 KV cache) refused on vLLM, unwired there."""
+    one_of(r.quantization, "rollout.quantization", ("none", "fp8"))
+    one_of(r.quantize, "rollout.quantize", ("all_linear", "experts"))
+    one_of(r.fp8_granularity, "rollout.fp8_granularity", ("block", "tensor"))
+    one_of(r.kv_cache_dtype, "rollout.kv_cache_dtype", ("auto", "fp8_e4m3"))
+    for key, value, default in (
+        ("quantize", r.quantize, "all_linear"),
+        ("fp8_granularity", r.fp8_granularity, "block"),
+    ):
+        if value != default:
+            check(r.quantization == "fp8", f"rollout.{key}", "needs rollout.quantization=fp8")
+            check(r.engine == "builtin", f"rollout.{key}", f"{value}: the built-in engine only")
+    check(
+        r.kv_cache_dtype == "auto" or r.engine == "builtin",
+        "rollout.kv_cache_dtype",
+        f"{r.kv_cache_dtype}: the built-in engine's emulation only (not wired into vLLM)",
+    )
+    check(
+        r.fp8_granularity == "block" or not r.sync_check,
+        "rollout.sync_check",
+        "true with rollout.fp8_granularity=tensor: the check recomputes blockwise FP8 only",
+    )

@@ -14,6 +14,7 @@ from typing import Any
 from moe_rl.checks import check, check_finite, one_of
 from moe_rl.config.agent import AgentConfig, check_agent
 from moe_rl.config.dynamic_sampling import DynamicSamplingConfig, check_dynamic_sampling
+from moe_rl.config.fp8_rules import check_fp8_keys
 from moe_rl.config.layout import check_layout, data_parallel_size
 from moe_rl.config.model import ModelConfig, ParallelConfig
 from moe_rl.config.over_sampling import OverSamplingConfig, check_over_sampling
@@ -119,6 +120,13 @@ class RolloutConfig:
     # experts (the routed experts' projections only; attention, dense and shared-expert MLPs keep
     # rollout.dtype; the built-in engine only; docs/vllm.md 9)
     quantize: str = "all_linear"
+    # with quantization=fp8, the scales: block (DeepSeek's 128x128 weight blocks, 1x128 dynamic
+    # activation groups) | tensor (vLLM's plain quantization="fp8": one scale per merged weight,
+    # one dynamic scale per activation tensor; built-in engine only; docs/vllm.md 9)
+    fp8_granularity: str = "block"
+    # the engine's KV cache: auto (rollout.dtype) | fp8_e4m3 (keys and values stored in e4m3 with
+    # vLLM's default scale 1.0, as vLLM's kv_cache_dtype="fp8_e4m3"; built-in engine only)
+    kv_cache_dtype: str = "auto"
     prompts_per_step: int = 32  # global, over all data-parallel ranks
     samples_per_prompt: int = 8
     max_new_tokens: int = 12
@@ -158,11 +166,7 @@ class RolloutConfig:
         check_finite(self, "rollout")
         one_of(self.engine, "rollout.engine", ("builtin", "vllm"))
         one_of(self.dtype, "rollout.dtype", ("bf16", "fp32"))
-        one_of(self.quantization, "rollout.quantization", ("none", "fp8"))
-        one_of(self.quantize, "rollout.quantize", ("all_linear", "experts"))
-        if self.quantize != "all_linear":  # nothing is ignored silently
-            check(self.quantization == "fp8", "rollout.quantize", "needs rollout.quantization=fp8")
-            check(self.engine == "builtin", "rollout.quantize", "experts: the built-in engine only")
+        check_fp8_keys(self)
         for name in ("prompts_per_step", "samples_per_prompt", "max_new_tokens"):
             check(getattr(self, name) >= 1, f"rollout.{name}", "must be >= 1")
         check(self.temperature > 0, "rollout.temperature", "must be > 0")

@@ -118,6 +118,14 @@ def send_sync(
     return m
 
 
+def fp8_names(cfg: RunConfig) -> frozenset[str]:
+    """The names the engine holds in FP8, as the sync check recomputes them: the rule's set for
+    ``rollout.quantize``'s scope (experts: the routed experts only), empty without FP8."""
+    if cfg.rollout.quantization != "fp8":
+        return frozenset()
+    return quantized_names(canonical_param_shapes(cfg.model), cfg.rollout.quantize)
+
+
 class WeightSync:
     """A learner rank's side of the sync (see the module docstring). ``engine``: the rank's
     engine, or its ``RemoteEngine`` when split; ``learner``: anything with
@@ -168,8 +176,7 @@ class WeightSync:
         sliced = split_slices(cfg, dims.placement.split.rollout_ranks) if schedule.split else None
         dtype = ENGINE_DTYPES[cfg.rollout.dtype]
         engines = None if schedule.split else colocated_slices(cfg)
-        fp8 = cfg.rollout.quantization == "fp8"
-        names = quantized_names(canonical_param_shapes(cfg.model)) if fp8 else frozenset()
+        names = fp8_names(cfg)
         layout = layout_for(cfg) if cfg.rollout.engine == "vllm" else None  # vLLM's own layout
         tp = engine_tp(cfg) if sliced is not None else 1  # split vLLM TP > 1: sums per TP rank's shard
         check = SyncCheck(dtype, names, cfg.rollout.sync_check, cfg.model.vocab_size, layout, tp)

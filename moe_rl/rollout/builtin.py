@@ -128,6 +128,7 @@ class BuiltinEngine:
         quantization: "none" | "fp8": blockwise FP8 linear layers, emulated (``rollout.quantization``,
             moe_rl/rollout/fp8.py), weights quantized at every load.
         quantize: with fp8, which linear layers: "all_linear" | "experts" (``rollout.quantize``).
+        fp8_granularity, kv_cache_dtype: ``rollout.fp8_granularity`` / ``rollout.kv_cache_dtype``.
 
     ``version`` is the weight version of the loaded weights: 0 before the first load, then set by
     every load (``load_weights``, or an in-flight update).
@@ -144,6 +145,8 @@ class BuiltinEngine:
         inflight_kv: str = "keep",
         quantization: str = "none",
         quantize: str = "all_linear",
+        fp8_granularity: str = "block",
+        kv_cache_dtype: str = "auto",
     ) -> None:
         if dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
@@ -163,8 +166,9 @@ class BuiltinEngine:
         self.pad_id = pad_id
         self.device = torch.device(device)
         self.router_logit_noise = float(router_logit_noise)
+        fp8 = quantization == "fp8" and quantize
         self.model = BuiltinMoEModel(
-            model_cfg, DTYPES[dtype], self.device, fp8=quantization == "fp8" and quantize
+            model_cfg, DTYPES[dtype], self.device, fp8, fp8_granularity, kv_cache_dtype
         )
         self.route_dtype = route_dtype(model_cfg.num_experts)
         self.inflight_kv = inflight_kv

@@ -33,13 +33,19 @@ from moe_rl.config import ModelConfig
 from moe_rl.rollout.base import ENGINE_DTYPES, Weights, engine_dtype, weight_chunks
 from moe_rl.rollout.builtin_rope import apply_rope, rope_tables, softmax_scale
 from moe_rl.rollout.fp8 import (
+    GRANULARITIES,
+    KV_CACHE_DTYPES,
     check_quantized_names,
     fake_quant_act,
+    fake_quant_act_tensor,
+    fake_quant_kv,
     identity,
     is_expert,
     quantize_in_place,
+    quantize_tensor_in_place,
     quantized_names,
 )
+from moe_rl.rollout.kv_cache import KVCache  # noqa: F401 (its home before; importers use both)
 from moe_rl.routing.gating import RouterSpec, route, topk_margin
 from moe_rl.weights.canonical import CanonicalCheck, canonical_param_shapes, check_canonical_weights
 
@@ -48,54 +54,7 @@ DTYPES = ENGINE_DTYPES
 MLA_EPS = 1e-6
 
 
-# -- KV cache and forward outputs ---------------------------------------------------------------
-
-
-@dataclass
-class KVCache:
-    """Preallocated keys/values of every layer; slots [0, length) are filled.
-
-    All rows share the slot index (prompts are left-padded, decode steps are aligned), so one
-    ``length`` serves the batch; which slots a row may attend to is the caller's key mask.
-    GQA: k / v, one tensor per layer, [B, G, S_max, D] in the engine dtype.
-    MLA: k holds the latent per layer, [B, 1, S_max, C + R] (C = kv_lora_rank normalised latent,
-    then the R = qk_rope_head_dim roped shared key, what vLLM's MLA cache keeps); v is empty. Keys
-    and values are re-expanded from it each step: MLA's cache is the point of MLA.
-    """
-
-    k: list[torch.Tensor]
-    v: list[torch.Tensor]
-    length: int = 0
-
-    @classmethod
-    def allocate(
-        cls, cfg: ModelConfig, batch: int, capacity: int, dtype: torch.dtype, device: torch.device | str
-    ) -> KVCache:
-        if cfg.mla:
-            shape = (batch, 1, capacity, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
-            return cls(
-                k=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)], v=[]
-            )
-        shape = (batch, cfg.num_query_groups, capacity, cfg.head_dim)
-        return cls(
-            k=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)],
-            v=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)],
-        )
-
-    @property
-    def capacity(self) -> int:
-        return int(self.k[0].shape[2])
-
-    def repeat_rows(self, n: int) -> KVCache:
-        """A cache with every row repeated n times in place (row b -> rows b*n .. b*n+n-1).
-
-        Lets the engine prefill each distinct prompt once and fan it out to its n samples.
-        """
-        return KVCache(
-            k=[t.repeat_interleave(n, dim=0) for t in self.k],
-            v=[t.repeat_interleave(n, dim=0) for t in self.v],
-            length=self.length,
-        )
+# -- forward outputs ---------------------------------------------------------------
 
 
 class ForwardOut(NamedTuple):
@@ -202,13 +161,16 @@ def moe_forward(
     order_P = torch.argsort(flat_ids_P, stable=True)
     token_of_P = order_P // top_k
     counts = torch.bincount(flat_ids_P, minlength=num_experts).tolist()
-    x_PH = x_TH[token_of_P]
-    outs = [
-        swiglu(x_e, w_gate_EFH[e], w_up_EFH[e], w_down_EHF[e], aq)
-        for e, x_e in enumerate(x_PH.split(counts))
-        if counts[e] > 0
-    ]
-    y_PH = torch.cat(outs) * gates_TK.reshape(-1)[order_P, None]
+    # the quantizer sees all routed pairs at once (per-tensor FP8: one scale, as vLLM's fused MoE)
+    used = [e for e in range(num_experts) if counts[e] > 0]
+    sizes = [counts[e] for e in used]
+    x_slices = aq(x_TH[token_of_P]).split(sizes)
+    h_PF = torch.cat(
+        [F.silu(F.linear(x, w_gate_EFH[e])) * F.linear(x, w_up_EFH[e]) for e, x in zip(used, x_slices)]
+    )
+    h_slices = aq(h_PF).split(sizes)
+    y_PH = torch.cat([F.linear(h, w_down_EHF[e]) for e, h in zip(used, h_slices)])
+    y_PH = y_PH * gates_TK.reshape(-1)[order_P, None]
     y_TH = torch.zeros_like(x_TH).index_add_(0, token_of_P, y_PH)
     if shared is not None:
         y_TH = y_TH + shared(x_TH)
@@ -231,9 +193,15 @@ class BuiltinMoEModel:
         dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str = "cpu",
         fp8: frozenset[str] | bool | str = False,
+        fp8_granularity: str = "block",
+        kv_cache_dtype: str = "auto",
     ) -> None:
         """``fp8``: True (all_linear) or a scope (``SCOPES``) quantizes the rule's names, a set exactly
-        those (refused if it holds a router, gate or expert bias); False: none."""
+        those (refused if it holds a router, gate or expert bias); False: none. ``fp8_granularity``:
+        block (128x128 / 1x128) | tensor (vLLM's per-tensor ``fp8``); ``kv_cache_dtype``: auto |
+        fp8_e4m3 (keys and values stored in e4m3, fp8.py)."""
+        if fp8_granularity not in GRANULARITIES or kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"FP8 granularity / KV cache dtype {fp8_granularity!r} / {kv_cache_dtype!r}")
         if cfg.vocab_size <= 0:
             raise ValueError("model.vocab_size must be > 0 to build the built-in engine")
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
@@ -242,8 +210,11 @@ class BuiltinMoEModel:
         check_quantized_names(names)
         self.fp8_names: frozenset[str] = names
         # a matmul reads quantized activations iff its weight is FP8: experts, and everything else
-        self.aq: Act = fake_quant_act if any(not is_expert(n) for n in names) else identity
-        self.aq_experts: Act = fake_quant_act if any(map(is_expert, names)) else identity
+        act = fake_quant_act if fp8_granularity == "block" else fake_quant_act_tensor
+        self.aq: Act = act if any(not is_expert(n) for n in names) else identity
+        self.aq_experts: Act = act if any(map(is_expert, names)) else identity
+        self.per_tensor = fp8_granularity == "tensor"  # weights quantized once the load is whole
+        self.kvq: Act = fake_quant_kv if kv_cache_dtype == "fp8_e4m3" else identity
         self.fp8_err = (0.0, 0.0)  # the last load's sum of squared FP8 weight errors, of squared weights
         self.moe_layers: list[int] = cfg.moe_layers
         self.router_spec = RouterSpec.from_model(cfg)
@@ -275,9 +246,12 @@ class BuiltinMoEModel:
             torch._foreach_copy_([self._slots[n] for n in names], [chunk[n].detach() for n in names])
             del chunk  # before the stream builds the next one: one chunk alive at a time
             # every sync quantizes what the learner sent (the chunk's FP8 tensors, in place)
-            e = quantize_in_place([self._slots[n] for n in names if n in self.fp8_names])
-            err = (err[0] + e[0], err[1] + e[1])
+            if not self.per_tensor:
+                e = quantize_in_place([self._slots[n] for n in names if n in self.fp8_names])
+                err = (err[0] + e[0], err[1] + e[1])
         check.finish()
+        if self.per_tensor:  # a merged weight's scale needs all its parts (q/k/v may span chunks)
+            err = quantize_tensor_in_place({n: self._slots[n] for n in sorted(self.fp8_names)})
         self.fp8_err = err
         self.loaded = True
 
@@ -434,7 +408,9 @@ class BuiltinMoEModel:
             q_BTND = rms_norm(q_BTND, w[p + "q_norm.weight"], cfg.norm_eps)
             k_BTGD = rms_norm(k_BTGD, w[p + "k_norm.weight"], cfg.norm_eps)
         q_BNTD = apply_rope(q_BTND.transpose(1, 2), cos_BTR, sin_BTR)
-        k_BGTD = apply_rope(k_BTGD.transpose(1, 2), cos_BTR, sin_BTR)
+        # FP8 KV cache: what attention reads is what the cache stores (this call's tokens too)
+        k_BGTD = self.kvq(apply_rope(k_BTGD.transpose(1, 2), cos_BTR, sin_BTR))
+        v_BGTD = self.kvq(v_BGTD)
         if cache is not None:
             cache.k[i][:, :, start : start + T] = k_BGTD
             cache.v[i][:, :, start : start + T] = v_BGTD
@@ -484,7 +460,7 @@ class BuiltinMoEModel:
         kv_BTX = F.linear(x_BTH, w[p + "kv_a_proj_with_mqa.weight"])
         lat_BTC = rms_norm(kv_BTX[..., :C], w[p + "kv_a_layernorm.weight"], MLA_EPS)
         kr_B1TR = apply_rope(kv_BTX[..., None, C:].transpose(1, 2), cos_BTR, sin_BTR, True)
-        lat_B1TX = torch.cat((lat_BTC[:, None], kr_B1TR), dim=-1)
+        lat_B1TX = self.kvq(torch.cat((lat_BTC[:, None], kr_B1TR), dim=-1))
         if cache is not None:
             cache.k[i][:, :, start : start + T] = lat_B1TX
             lat_B1SX = cache.k[i][:, :, : start + T]

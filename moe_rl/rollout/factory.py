@@ -38,4 +38,6 @@ def build_engine(cfg: RunConfig, pad_id: int, device: torch.device | str = "cpu"
         inflight_kv=cfg.rollout.inflight_kv,
         quantization=cfg.rollout.quantization,
         quantize=cfg.rollout.quantize,
+        fp8_granularity=cfg.rollout.fp8_granularity,
+        kv_cache_dtype=cfg.rollout.kv_cache_dtype,
     )

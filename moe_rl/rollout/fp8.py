@@ -13,6 +13,14 @@ experts). The router weight, the expert bias, the shared-expert gate, embeddings
 norms and biases stay in high precision; :func:`check_quantized_names` refuses, by name, a set
 that contains a router, gate or expert bias (docs/vllm.md 9).
 
+``rollout.fp8_granularity=tensor`` is vLLM's plain ``quantization="fp8"`` instead (online, from a bf16
+checkpoint): one fp32 scale per weight *as vLLM holds it*, i.e. per merged layer (q/k/v share one
+scale, as do gate/up; vLLM's ``scaled_fp8_quant`` over the merged ``qkv_proj`` / ``gate_up_proj``, and
+per expert for the stacked experts' ``w13`` / ``w2``), and one dynamic scale per activation tensor
+(amax over every token of the matmul's input: a token's rounding depends on its batch, as in vLLM).
+``rollout.kv_cache_dtype=fp8_e4m3`` stores attention keys and values in e4m3 (:func:`fake_quant_kv`)
+with vLLM's default scale 1.0 (no calibrated ``k_scale``/``v_scale`` in a bf16 checkpoint).
+
 A dimension that 128 does not divide ends in a partial block (or group): it is padded with zeros
 to the block size for the amax and cropped after, so an edge block's scale is its own real
 elements' amax / 448, as DeepSeek's ``per_block_cast_to_fp8`` pads.
@@ -34,6 +42,12 @@ QUANTIZATIONS = ("none", "fp8")  # rollout.quantization
 # rollout.quantize: which linear layers FP8 takes; experts = the routed experts' projections only
 # (attention, dense MLPs and shared experts keep rollout.dtype), as an MoE-only FP8 checkpoint has
 SCOPES = ("all_linear", "experts")
+GRANULARITIES = ("block", "tensor")  # rollout.fp8_granularity
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")  # rollout.kv_cache_dtype (vLLM's names; auto: the engine dtype)
+KV_SCALE = 1.0  # vLLM's k_scale / v_scale when the checkpoint has none (calculate_kv_scales off)
+# vLLM merges these canonical projections into one weight, and per-tensor FP8 gives it ONE scale
+MERGED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj"}
+MERGED["up_proj"] = "gate_up_proj"
 
 # The linear projections whose ``.weight`` the rule quantizes (canonical module names: attention,
 # MLA, and the SwiGLU of dense MLPs, routed experts and shared experts).
@@ -159,6 +173,46 @@ def fake_quant_act(x: torch.Tensor) -> torch.Tensor:
     groups = xp.reshape(*xp.shape[:-1], xp.shape[-1] // BLOCK, BLOCK)
     scale = groups.abs().amax(dim=-1, keepdim=True).clamp(min=MIN_AMAX) / E4M3_MAX
     return _qdq(groups, scale).reshape(xp.shape)[..., :K].to(x.dtype)
+
+
+def fake_quant_act_tensor(x: torch.Tensor) -> torch.Tensor:
+    """Activations ``x`` through e4m3 with ONE dynamic scale for the whole tensor (amax / 448 over
+    every token and channel), back in ``x``'s dtype: vLLM's per-tensor dynamic activation scheme."""
+    scale = x.float().abs().amax().clamp(min=MIN_AMAX) / E4M3_MAX
+    return _qdq(x.float(), scale).to(x.dtype)
+
+
+def merged_name(name: str) -> str:
+    """The weight vLLM holds canonical ``name`` in (q/k/v -> qkv_proj, gate/up -> gate_up_proj);
+    per-tensor FP8 gives every name of one merged weight the same scale."""
+    parts = name.split(".")
+    if len(parts) >= 2 and parts[-2] in MERGED:
+        parts[-2] = MERGED[parts[-2]]
+    return ".".join(parts)
+
+
+def quantize_tensor_in_place(named: dict[str, torch.Tensor]) -> tuple[float, float]:
+    """Per-tensor FP8 of ``named`` in place: one scale per merged weight (:func:`merged_name`),
+    amax over all its parts / 448; returns (sum of squared errors, sum of squares) as
+    :func:`quantize_in_place`. A loop over tensors (as ``quantize_in_place``), none over values."""
+    amax: dict[str, torch.Tensor] = {}
+    for name, w in named.items():
+        a = w.float().abs().amax()
+        key = merged_name(name)
+        amax[key] = torch.maximum(amax[key], a) if key in amax else a
+    sq_err = sq = 0.0
+    for name, w in named.items():
+        q = _qdq(w.float(), amax[merged_name(name)].clamp(min=MIN_AMAX) / E4M3_MAX)
+        sq_err += float((q - w.float()).pow(2).sum())
+        sq += float(w.float().pow(2).sum())
+        w.copy_(q.to(w.dtype))
+    return sq_err, sq
+
+
+def fake_quant_kv(x: torch.Tensor) -> torch.Tensor:
+    """Keys or values as an FP8 KV cache stores and reads them: x / KV_SCALE -> e4m3 -> * KV_SCALE,
+    in ``x``'s dtype (values past +-448 saturate, as vLLM's scaled convert does)."""
+    return _qdq(x.float(), torch.tensor(KV_SCALE)).to(x.dtype)
 
 
 def identity(x: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from moe_rl.rollout.vllm.env import installed_vllm
-from tests.cli_helpers import ROOT, fails_with, snapshot, write
+from tests.cli_helpers import ROOT, fails_with, run_cli, snapshot, write
 
 pytestmark = [
     pytest.mark.bad_input,
@@ -131,6 +131,41 @@ def test_experts_only_fp8_without_fp8_or_on_vllm_is_refused(tmp_path, given, mes
         *given,
         f"run_dir={tmp_path / 'run'}",
     )
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    "given, message",
+    [
+        (
+            ["rollout.fp8_granularity=tensor"],
+            "'rollout.fp8_granularity': needs rollout.quantization=fp8",
+        ),
+        (
+            ["rollout.fp8_granularity=row"],
+            "'rollout.fp8_granularity': 'row' is not one of ['block', 'tensor']",
+        ),
+        (
+            ["rollout.engine=vllm", "rollout.quantization=fp8", "rollout.fp8_granularity=tensor"],
+            "'rollout.fp8_granularity': tensor: the built-in engine only",
+        ),
+        (
+            ["rollout.engine=vllm", "rollout.kv_cache_dtype=fp8_e4m3"],
+            "'rollout.kv_cache_dtype': fp8_e4m3: the built-in engine's emulation only (not wired into vLLM)",
+        ),
+        (
+            ["rollout.quantization=fp8", "rollout.fp8_granularity=tensor", "rollout.sync_check=true"],
+            "'rollout.sync_check': true with rollout.fp8_granularity=tensor: the check recomputes "
+            "blockwise FP8 only",
+        ),
+    ],
+)
+def test_per_tensor_fp8_and_fp8_kv_cache_are_never_ignored(tmp_path, given, message):
+    """vLLM's per-tensor FP8 and FP8 KV cache are the built-in engine's emulations: a bad value, one
+    without FP8, on vLLM or with the blockwise-only sync check is one line before any rank starts."""
+    code, out, err = run_cli(tmp_path, "train", *given, f"run_dir={tmp_path / 'run'}")
+    assert (code, out, len(err.splitlines())) == (2, "", 1), err
+    assert err.startswith("error: override '") and f"config key {message}" in err, err
     assert not (tmp_path / "run").exists()
 
 

@@ -114,6 +114,20 @@ def test_lab_fp8_mismatch_has_no_router_noise_and_the_control_drops_fp8():
     assert not any(
         "quantiz" in o for o in lab.arm_overrides("none", lab.parse([]))
     )  # router noise: as before
+    # vLLM's per-tensor FP8 and FP8 KV cache by --set: every arm but the control runs them
+    given = [
+        "--mismatch",
+        "fp8",
+        "--set",
+        "rollout.fp8_granularity=tensor",
+        "--set",
+        "rollout.kv_cache_dtype=fp8_e4m3",
+    ]
+    none, ctl = (
+        load_config(None, lab.arm_overrides(a, lab.parse(given))).rollout for a in ("none", "onpolicy")
+    )
+    assert (none.quantization, none.fp8_granularity, none.kv_cache_dtype) == ("fp8", "tensor", "fp8_e4m3")
+    assert (ctl.quantization, ctl.fp8_granularity, ctl.kv_cache_dtype) == ("none", "block", "auto")
 
 
 @pytest.mark.unit

@@ -5,11 +5,13 @@ tensor left unquantized) fails with one line naming the tensor."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
+from moe_rl.config import load_config
 from moe_rl.pipeline.sync_check import (
     SyncCheck,
     SyncCheckError,
@@ -20,6 +22,7 @@ from moe_rl.pipeline.sync_check import (
     probe_tokens,
     verify_held,
 )
+from moe_rl.pipeline.weight_sync import fp8_names
 from moe_rl.rollout.base import ENGINE_DTYPES
 from moe_rl.rollout.builtin import BuiltinEngine
 from moe_rl.rollout.fp8 import fake_quant_weight, quantized_names
@@ -168,3 +171,20 @@ def test_a_rollout_ranks_probe_sees_a_wrong_tensor_which_the_checksum_names_firs
     with pytest.raises(SyncCheckError, match=f"at sync 2: engine tensor {EXPERT0!r}: checksum "):
         verify_held(engine, sums, 2)
     assert probe_engine(engine, learner_logp, CFG.vocab_size) > 0.05  # measured 0.094
+
+
+@pytest.mark.parametrize("quantize", ["all_linear", "experts"])
+def test_the_checks_fp8_names_are_the_engines_for_either_scope(quantize: str) -> None:
+    """The checked sync recomputes FP8 for exactly the names the engine quantizes: with
+    rollout.quantize=experts the routed experts' projections only (it used to take every linear
+    layer, so a clean experts-only sync failed on the first attention tensor), and a clean sync
+    through that set passes."""
+    cfg = load_config(None, ["rollout.quantization=fp8", f"rollout.quantize={quantize}"])
+    cfg = dataclasses.replace(cfg, model=CFG)
+    engine = BuiltinEngine(CFG, pad_id=0, quantization="fp8", quantize=quantize)
+    names = fp8_names(cfg)
+    assert names == engine.model.fp8_names
+    assert all(".mlp.experts." in n for n in names) == (quantize == "experts")
+    check = SyncCheck(ENGINE_DTYPES["bf16"], names, True, CFG.vocab_size)
+    engine.load_weights(check.wrap(_chunks(random_canonical_weights(CFG, 2))))
+    check.verify(engine, 1)  # raises on any mismatch
