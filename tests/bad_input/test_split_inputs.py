@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from moe_rl.config import load_run_config
 from tests.cli_helpers import fails_with
 
 SPLIT = ["parallel.nproc=4", "parallel.rollout_ranks=2"]
@@ -60,6 +61,19 @@ def test_vllm_tensor_parallel_must_divide_the_rollout_ranks(tmp_path):
         "rollout.engine=vllm",
         "rollout.vllm.tensor_parallel=4",
     )
+
+
+@pytest.mark.bad_input
+def test_the_checked_sync_on_colocated_vllm_tp2_is_refused_and_on_rollout_ranks_taken(tmp_path):
+    line = (
+        "override 'rollout.sync_check=true': config key 'rollout.sync_check': true with colocated engines "
+        "of rollout.vllm.tensor_parallel=2: the check is built per shard on rollout ranks only "
+        "(parallel.rollout_ranks > 0); use tensor_parallel=1 or rollout ranks (rollout.engine=vllm)"
+    )
+    vllm_tp2 = ["rollout.engine=vllm", "rollout.vllm.tensor_parallel=2", "rollout.sync_check=true"]
+    _fails(tmp_path, line, "parallel.nproc=2", *vllm_tp2)
+    cfg = load_run_config(None, [*SPLIT, *vllm_tp2])  # the same keys on 2 rollout ranks load
+    assert (cfg.parallel.rollout_ranks, cfg.rollout.vllm.tensor_parallel) == (2, 2)
 
 
 @pytest.mark.bad_input
