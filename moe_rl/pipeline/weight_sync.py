@@ -73,6 +73,9 @@ from moe_rl.weights.slice_stream import ShardOf
 # tests only: seconds the learner sleeps before each weight sync but the first (async: lets the
 # rollout ranks run ahead deterministically enough that batches arrive stale)
 DELAY_ENV = "MOE_RL_TEST_LEARNER_DELAY_S"
+# tests only: seconds each in-flight poll of an async rollout rank sleeps (one per decode step), so a
+# long response outlasts the learner's update whatever the machine's load
+POLL_DELAY_ENV = "MOE_RL_TEST_POLL_DELAY_S"
 
 
 def split_slices(cfg: RunConfig, rollout_ranks: int) -> Sliced | None:
@@ -400,6 +403,7 @@ class BackgroundWeights:
         self.checked, self.sums, self.handed, self.probed = checked, {}, None, None
         self.told = told
         self.group = group
+        self.poll_delay_s = float(os.environ.get(POLL_DELAY_ENV, "0"))
         self.shard, self.model = (shard, model) if shard is not None and not shard.whole else (None, None)
         self.tp_rank = self.shard.tp_rank if self.shard is not None else 0  # its row of the sums
         self.pending = PendingWeights()
@@ -436,6 +440,8 @@ class BackgroundWeights:
             self.staged = staged  # newest wins: an engine may skip a version, never go back
 
     def poll(self) -> tuple[int, dict] | None:
+        if self.poll_delay_s:
+            time.sleep(self.poll_delay_s)
         self.tick()
         newest = self.staged[0] if self.staged is not None else self.applied
         if self.group is not None and not _all_hold(self.group, newest):

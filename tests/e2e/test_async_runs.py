@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_rl.pipeline.weight_sync import DELAY_ENV
+from moe_rl.pipeline.weight_sync import DELAY_ENV, POLL_DELAY_ENV
 from tests.cli_helpers import TINY
 from tests.e2e.helpers import DYNAMIC, dynamic_rounds, metrics, moe_rl, signalled
 
@@ -111,8 +111,11 @@ def test_async_under_a_long_tail_lands_updates_inside_responses_and_differs_from
     tmp_path, monkeypatch
 ):
     # 1 learner + 1 rollout rank, 2 prompts x 4 samples, one optimizer step: the learner's step
-    # (~1 s) is shorter than the tail sample's 224 decode steps (~2-3 s on the shared 2 cores)
+    # (0.5-0.8 s quiet) is shorter than the tail sample's 224 decode steps (0.77 s quiet: too close
+    # under load, a fresh-clone CI once saw no update land), each made 10 ms slower by a sleep that
+    # takes no CPU from the learner (+2.2 s)
     monkeypatch.setitem(os.environ, DELAY_ENV, "0")  # the learner at its own pace
+    monkeypatch.setitem(os.environ, POLL_DELAY_ENV, "0.01")
     shape = [
         *MODE[1:],
         "steps=3",
