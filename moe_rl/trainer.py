@@ -31,7 +31,15 @@ from moe_rl.preflight import check_run_dir as check_run_directory
 from moe_rl.seeding import GENERATE, step_seed
 from moe_rl.step.finalize import finalize
 from moe_rl.step.mismatch_split import split_step
-from moe_rl.step.oversample import OverSamplingPlan, Pending, RoundOut, collect_over, fresh_round, round_count
+from moe_rl.step.oversample import (
+    OverSamplingPlan,
+    Pending,
+    RoundOut,
+    collect_over,
+    drop_stale,
+    remote_round,
+    round_count,
+)
 from moe_rl.step.plan import StepPlan
 from moe_rl.step.prepare import old_logprobs, prepare_batch, reference_logprobs, rollout_metrics
 from moe_rl.step.sampling import Collected, collect
@@ -197,7 +205,7 @@ def rollout_step(
     with the version of the weights it was sampled with on each token (``SimulatedStaleness.versioned``).
     With algo.over_sampling, the rounds start more groups and abort the rest (moe_rl/step/oversample.py;
     split: on the rollout rank, asked for each round with the groups still wanted): ``pending``, the
-    partial rollouts carried between steps (colocated only)."""
+    partial rollouts carried between steps (kept here; split, sent with each round's request)."""
     r, engine = cfg.rollout, pipe.engine
 
     def generate(index: int):
@@ -240,11 +248,16 @@ def rollout_step(
 
     def remote(index: int, want: int, pending: Pending) -> RoundOut:  # split: the rollout rank's round
         with timer.phase("rollout"):
-            engine.request_for(step, index, want=want)
-            new = draw(index, round_count(os_plan, want, pending))
+            engine.request_for(step, index, want=want, pending=sent(pending))
+            rows = [*pending.prompts, *draw(index, round_count(os_plan, want, pending))]
             seed = step_seed(cfg.seed, index, dims.dp_rank, GENERATE)
-            got = engine.generate([p.prompt_ids for p in new], r.samples_per_prompt, plan.sampling, seed=seed)
-            return fresh_round(os_plan, got, new)
+            got = engine.generate(
+                [p.prompt_ids for p in rows], r.samples_per_prompt, plan.sampling, seed=seed
+            )
+            return remote_round(os_plan, got, rows, pending)
+
+    def sent(pending: Pending) -> dict | None:  # on_abort=drop: never any
+        return pending.state_dict() if pending.batch is not None else None
 
     split = pipe.schedule.split
     got, pending = collect_over(
@@ -258,8 +271,10 @@ def rollout_step(
         dims.dp_group,
         remote if split else None,
     )
-    if split:  # the rollout ranks join the weight sync next (one_step_off: after the next step's first round)
-        engine.end_rounds(cursor + got.rounds, want=os_plan.need)
+    if split:  # the rollout ranks join the weight sync next (one_step_off: after the next step's first
+        # round, which resumes the groups pending now that the next step keeps: docs/sampling.md 6)
+        ahead = drop_stale(os_plan, pending, weight_version(step + 1))[0]
+        engine.end_rounds(cursor + got.rounds, want=os_plan.need, pending=sent(ahead))
     return got._replace(metrics={**got.metrics, **stale.metrics()}), pending
 
 

@@ -76,12 +76,6 @@ def check_over_sampling(cfg: Any) -> None:
         "the end (docs/sampling.md 6); use rollout.mode=sync or one_step_off",
     )
     check(
-        not split or not os_.partial,
-        "algo.over_sampling.on_abort",
-        "partial runs with colocated engines only (parallel.rollout_ranks=0): the pending groups are not "
-        "carried on rollout ranks yet (docs/sampling.md 6); use algo.over_sampling.on_abort=drop",
-    )
-    check(
         not split or r.engine == "builtin",
         key,
         "on rollout ranks (parallel.rollout_ranks > 0) runs the built-in engine only: vLLM's request "
@@ -108,4 +102,13 @@ def check_over_sampling(cfg: Any) -> None:
         f"{r.max_staleness} drops every partial rollout with rollout.staleness={r.staleness}: a resumed "
         f"response's earlier tokens lag {r.staleness + 1} versions when it trains; use rollout.max_staleness "
         f">= {r.staleness + 1}",
+    )
+    # one_step_off: a step's first round is generated ahead with W_t-1, so what it leaves pending lags
+    # 2 versions when the next step trains it (docs/sampling.md 6)
+    check(
+        not os_.partial or r.mode != "one_step_off" or r.max_staleness >= 2,
+        "rollout.max_staleness",
+        f"{r.max_staleness} drops every partial rollout of a step's first round with rollout.mode="
+        "one_step_off: that round is generated ahead with the weights one update behind, so a response "
+        "it leaves pending lags 2 versions when the next step trains it; use rollout.max_staleness >= 2",
     )

@@ -144,7 +144,8 @@ class RolloutConfig:
     mode: str = "sync"
     # async: a sample with a token more than this many weight versions older than the learner's is
     # dropped (counted in rollout/dropped_stale); at most MAX_STALENESS (64); algo.over_sampling's
-    # partial rollouts: the same bound (sampling/partial_dropped_stale); refused with another mode
+    # partial rollouts: the same bound (sampling/partial_dropped_stale; >= 2 with one_step_off);
+    # refused with another mode
     max_staleness: int = 1
     # async: the KV cache when a weight update lands between decode steps (docs/design.md 15.1): keep
     # (PipelineRL: earlier tokens keep the old weights' keys/values; no extra compute; vLLM: keep only) |

@@ -24,16 +24,19 @@ sync comes next (``end_rounds``); one_step_off asks in that same message for the
 round (the next data index), which the rollout rank generates with the weights it holds while the
 learner trains. The step's later rounds are generated with the weights the learner holds (lag 0).
 So a step's rounds take consecutive data indices in both schedules, as a colocated run's do.
-With algo.over_sampling (on_abort=drop) the rounds are asked for the same way, each with the groups
-the dp rank still lacks (``RoundRequest.want``): the rollout rank starts the round's groups and
-aborts the rest, and the learner decides on the whole round (moe_rl/step/oversample.py)."""
+With algo.over_sampling the rounds are asked for the same way, each with the groups the dp rank
+still lacks (``RoundRequest.want``) and (on_abort=partial) its pending groups (``RoundRequest.pending``:
+the learner keeps and checkpoints them): the rollout rank resumes those, starts the round's new
+groups and aborts the rest, and the learner decides on the whole round (moe_rl/step/oversample.py).
+One_step_off's next-step round carries the groups pending after this step (those the next step would
+not drop as stale): they resume with W_t, ahead, as the round's new groups start."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -64,6 +67,9 @@ class RolloutMessage:
     # the rollout rank's seconds: waiting for the weights of this batch, generating it, and
     # waiting for the learner to take its previous batch
     waits: dict[str, float]
+    # the batch's tokens carry their weight versions (an over-sampled round: a resumed row's earlier
+    # tokens are older than the round's), kept by the learner; else stamped there with ``version``
+    versioned: bool = False
 
     def state_dict(self) -> dict:
         """Tensors, lists and numbers only (``torch.load(weights_only=True)`` reads it back)."""
@@ -88,11 +94,14 @@ class RoundRequest:
     """Learner -> rollout rank (``Schedule.rounds_on_request``): generate data index ``index``
     (None: nothing) with the weights held now and send it; ``then_sync``: the step's rounds are
     done, the learner's weight sync comes next; ``want``: with algo.over_sampling, the groups the
-    dp rank's step still lacks (the round's early abort waits for that many; 0 otherwise)."""
+    dp rank's step still lacks (the round's early abort waits for that many; 0 otherwise);
+    ``pending``: with on_abort=partial, the dp rank's pending groups the round resumes first
+    (``Pending.state_dict``; the learner keeps them, the rollout rank only continues them)."""
 
     index: int | None
     then_sync: bool = False
     want: int = 0
+    pending: dict | None = field(default=None, compare=False)  # a dp rank's learner ranks send the same
 
 
 _METRIC_KINDS = {c.__name__: c for c in (Mean, Std, Sum, Max, Min)}
@@ -212,15 +221,15 @@ class RemoteEngine:
         self.next_request = msg.step + 1
         return msg
 
-    def request_for(self, step: int, index: int | None = None, want: int = 0) -> int:
+    def request_for(self, step: int, index: int | None = None, want: int = 0, pending=None) -> int:
         """The data index whose prompts and seed a generation round of step ``step`` trains on:
         ``step``; (async) that of the dp rank's next request the staleness filter keeps (stale ones
         are dropped); (rounds on request) ``index``, asked of the rollout rank unless it is the
-        step's first round and one_step_off generated it ahead (``want``: ``RoundRequest``'s)."""
+        step's first round and one_step_off generated it ahead (``want``, ``pending``: ``RoundRequest``'s)."""
         if self.schedule.rounds_on_request:
             ahead = not self.in_step and (self.ahead is not None or self.pending is not None)
             if not ahead:
-                self._ask(RoundRequest(index, want=want))
+                self._ask(RoundRequest(index, want=want, pending=pending))
             self.asked, self.ahead, self.in_step = index, None, True
             return index
         if not self.schedule.picks_requests:
@@ -236,14 +245,18 @@ class RemoteEngine:
         self.taken = (msg, metrics, time.perf_counter() - t0)
         return msg.step
 
-    def end_rounds(self, cursor: int, want: int = 0) -> None:
+    def end_rounds(self, cursor: int, want: int = 0, pending=None) -> None:
         """Rounds on request: the step has its rounds (the data cursor is at ``cursor``); the rollout
         rank joins the weight sync next, one_step_off after generating data index ``cursor`` (the
-        next step's first round, ``want`` groups wanted: a whole step's) with the weights it holds. A
-        no-op otherwise."""
+        next step's first round, ``want`` groups wanted: a whole step's, ``pending`` resumed in it)
+        with the weights it holds. A no-op otherwise."""
         if self.schedule.rounds_on_request:
-            self.ahead = cursor if self.schedule.runs_ahead else None
-            self._ask(RoundRequest(self.ahead, then_sync=True, want=want if self.schedule.runs_ahead else 0))
+            ahead = self.schedule.runs_ahead
+            self.ahead = cursor if ahead else None
+            req = RoundRequest(
+                self.ahead, then_sync=True, want=want if ahead else 0, pending=pending if ahead else None
+            )
+            self._ask(req)
             self.in_step = False
 
     def _ask(self, req: RoundRequest) -> None:
@@ -279,7 +292,7 @@ class RemoteEngine:
             **{k: Max(torch.tensor(v)) for k, v in msg.waits.items()},
             **extra,
         }
-        if self.schedule.engine_stamps_versions:  # in-flight updates move them
+        if self.schedule.engine_stamps_versions or msg.versioned:  # in-flight updates, resumed rows
             return dataclasses.replace(msg.batch, engine_metrics=metrics)
         # version_BS: the weights the batch was generated with (W_u is version u + 1, docs/math.md 2.7)
         batch = with_version(dataclasses.replace(msg.batch, version_BS=None), weight_version(msg.version))

@@ -21,7 +21,9 @@ follows the run's ``Schedule`` (``moe_rl/config/schedule.py``); the weights come
   ``Schedule.rounds_on_request``): the learner asks for each generation round by its data index and
   says when the weight sync comes (``RoundRequest``, remote_engine.py); the rank generates what it is
   asked with the weights it holds; over-sampled, it starts the round's groups and aborts the rest once
-  the dp rank has the groups it asked for (``generate_round``, moe_rl/step/oversample.py).
+  the dp rank has the groups it asked for (``generate_round``, moe_rl/step/oversample.py); with
+  on_abort=partial the request carries the dp rank's pending groups (the learner keeps and
+  checkpoints them), resumed first in the round.
 
 The step a run starts at is the version of the first weight sync (a resume's checkpoint step); the
 run ends at the update the learner tells with each sync (``tell_last``: ``steps``, or sooner after a
@@ -39,6 +41,7 @@ from pathlib import Path
 
 from moe_rl.config import RunConfig, Schedule
 from moe_rl.dist import ParallelDims
+from moe_rl.maths.versions import weight_version
 from moe_rl.pipeline.offload_timeline import OffloadTimeline
 from moe_rl.pipeline.placement import exchange_dp_ranks
 from moe_rl.pipeline.remote_engine import BATCH_TAG, ROUND_TAG, RolloutMessage, RoundRequest
@@ -49,7 +52,7 @@ from moe_rl.seeding import GENERATE, step_seed
 from moe_rl.step.oversample import OverSamplingPlan, Pending, generate_round
 from moe_rl.step.plan import StepPlan
 from moe_rl.tasks.task import Task, build_task, step_scores
-from moe_rl.types import RolloutBatch
+from moe_rl.types import RolloutBatch, with_version
 
 log = logging.getLogger(__name__)
 
@@ -90,24 +93,28 @@ class _Server:
         return self.weights.receive()
 
     def generate(
-        self, step: int, waited_s: float, wants: dict[int, int] | None = None
+        self, step: int, waited_s: float, reqs: dict[int, RoundRequest] | None = None
     ) -> list[RolloutMessage]:
-        """Step ``step``'s batch of every served dp rank, with the weights loaded now; ``wants``
-        (algo.over_sampling): each dp rank's groups still wanted."""
+        """Step ``step``'s batch of every served dp rank, with the weights loaded now; ``reqs``
+        (algo.over_sampling): each dp rank's request (the groups still wanted, the pending ones)."""
         waits = {"time/rollout_wait_weights_s": waited_s}
-        if wants is not None and self.over is not None:
-            return [self.over_round(d, step, wants[d], waits) for d in self.served]
+        if reqs is not None and self.over is not None:
+            return [self.over_round(d, step, reqs[d], waits) for d in self.served]
         return [self.request(d, step, waits) for d in self.served]
 
-    def over_round(self, d: int, index: int, want: int, waits: dict[str, float]) -> RolloutMessage:
-        """Data index ``index``'s over-sampled round of dp rank ``d``, aborted once ``want`` groups are
-        complete: the colocated round's code (``generate_round``) on this rank's engine, nothing
-        pending (on_abort=drop); the learner decides on it as on its own (``fresh_round``)."""
+    def over_round(self, d: int, index: int, req: RoundRequest, waits: dict[str, float]) -> RolloutMessage:
+        """Data index ``index``'s over-sampled round of dp rank ``d``, aborted once ``req.want`` groups
+        are complete: the colocated round's code (``generate_round``) on this rank's engine, with the
+        partial rollouts the learner sent (``req.pending``; on_abort=partial), its tokens stamped with
+        this rank's weight version (a resumed row's earlier tokens keep theirs); the learner decides
+        on it as on its own (``remote_round``)."""
         r, t0, plan = self.cfg.rollout, time.perf_counter(), self.over
         seed = step_seed(self.cfg.seed, index, d, GENERATE)
+        version = weight_version(self.version)
 
         def flat(ids: list, at: int, abort) -> RolloutBatch:  # one row per sample, as the trainer's
-            return self.engine.generate(ids, 1, self.sampling, seed=seed, abort=abort)
+            got = self.engine.generate(ids, 1, self.sampling, seed=seed, abort=abort)
+            return with_version(dataclasses.replace(got, version_BS=None), version)
 
         def draw(at: int, count: int) -> list:
             return self.task.source.sample_step(at, count, d, self.dp, self.cfg.seed)
@@ -115,14 +122,16 @@ class _Server:
         def score(prompts: list, batch: RolloutBatch):  # the abort's peek (dynamic sampling)
             return step_scores(self.cfg, self.task, prompts, batch)
 
-        got = generate_round(plan, flat, draw, score, index, want, Pending([]))
+        pending = Pending.from_state_dict(req.pending or {"prompts": []})
+        got = generate_round(plan, flat, draw, score, index, req.want, pending)
         self.timeline.after_generate()
         waits = {**waits, "time/rollout_generate_s": time.perf_counter() - t0}
         prompts = [p.prompt_ids for p in got.prompts]
         batch = dataclasses.replace(
             got.batch, engine_metrics={**got.batch.engine_metrics, **self.weights.probe}
         )
-        return RolloutMessage(index, d, seed, prompts, r.samples_per_prompt, self.version, batch, waits)
+        n = r.samples_per_prompt
+        return RolloutMessage(index, d, seed, prompts, n, self.version, batch, waits, versioned=True)
 
     def request(self, d: int, step: int, waits: dict[str, float], updates=None) -> RolloutMessage:
         """Step ``step``'s batch of dp rank ``d`` (its prompts and seed); async: with in-flight
@@ -151,10 +160,11 @@ class _Server:
         waits = {**waits, "time/rollout_generate_s": time.perf_counter() - t0}
         return RolloutMessage(step, d, seed, prompts, r.samples_per_prompt, version, batch, waits)
 
-    def round_request(self) -> tuple[RoundRequest, dict[int, int]]:
-        """The learner's next ``RoundRequest`` and each served dp rank's ``want``: one request from
-        every learner rank of every served dp rank, the same round (their rounds are agreed), the
-        same ``want`` within a dp rank; an engine's TP peers get them from its first rank."""
+    def round_request(self) -> tuple[RoundRequest, dict[int, RoundRequest]]:
+        """The learner's next ``RoundRequest`` and each served dp rank's: one request from every
+        learner rank of every served dp rank, the same round (their rounds are agreed), the same
+        ``want`` within a dp rank (and the same pending groups: a dp rank's learner ranks hold the
+        same); an engine's TP peers get them from its first rank."""
         if not self.sends:
             return self.bridge.recv_object(self.first, CHOICE_TAG)
         got = {d: {self.bridge.recv_object(dst, ROUND_TAG) for dst in self.dests[d]} for d in self.served}
@@ -163,7 +173,7 @@ class _Server:
             raise RuntimeError(
                 f"the learner ranks served by one rollout rank ask for different rounds: {got}"
             )
-        out = (next(iter(got[self.served[0]])), {d: next(iter(reqs)).want for d, reqs in got.items()})
+        out = (next(iter(got[self.served[0]])), {d: next(iter(reqs)) for d, reqs in got.items()})
         for peer in self.peers:
             _wait(self.bridge.send_object(out, peer, CHOICE_TAG))
         return out
@@ -303,14 +313,14 @@ def _serve_rounds(s: _Server, trajectories: Path, waited: float) -> None:
         agent.log_to(trajectories)
     works: list = []
     while True:
-        req, wants = s.round_request()
+        req, reqs = s.round_request()
         _wait(works)  # a gloo work is waited on once
         works = []
         if req.index is not None:
             if agent is not None and resumed:  # a resume generates from the first index it is asked for
                 agent.log_to(trajectories, resume_step=req.index)
                 resumed = False
-            works, waited = s.send(s.generate(req.index, waited, wants)), 0.0
+            works, waited = s.send(s.generate(req.index, waited, reqs)), 0.0
         if req.then_sync:
             waited = s.load()
             if s.version >= s.weights.last:

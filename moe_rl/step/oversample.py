@@ -283,7 +283,7 @@ class _Tally:
             self.c[k] += float(v)
 
 
-def _drop_stale(plan: OverSamplingPlan, pending: Pending, version: int) -> tuple[Pending, int]:
+def drop_stale(plan: OverSamplingPlan, pending: Pending, version: int) -> tuple[Pending, int]:
     """The pending groups without a token more than ``max_staleness`` versions behind ``version``
     (the round's weights, which the learner trains them against), and the samples dropped."""
     b = pending.batch
@@ -374,10 +374,16 @@ def generate_round(
     return RoundOut(batch, prompts, done_B, tokens, int(rnd.resume_R.numel()))
 
 
-def fresh_round(plan: OverSamplingPlan, batch: RolloutBatch, prompts: list) -> RoundOut:
-    """A round of new prompts only (nothing pending), as ``generate_round`` returned it on the rank
-    that generated it: the learner's view of a rollout rank's round (on_abort=drop)."""
-    return RoundOut(batch, prompts, _done(batch, plan.max_new), float(batch.response_lens_B.sum()), 0)
+def remote_round(plan: OverSamplingPlan, batch: RolloutBatch, prompts: list, pending: Pending) -> RoundOut:
+    """The learner's view of a round a rollout rank generated with ``generate_round`` from
+    ``pending`` (sent with the request): ``batch`` and ``prompts`` group-major, the pending groups
+    first. Its tokens are those beyond the pending rows' (the resumed rows' continuations and the new
+    rows), its resumed rows the pending unfinished ones: the counts ``generate_round`` returns there."""
+    b = pending.batch
+    held = 0.0 if b is None else float(b.response_lens_B.sum())
+    resumed = 0 if b is None else int((~pending.done_B).sum())
+    tokens = float(batch.response_lens_B.sum()) - held
+    return RoundOut(batch, prompts, _done(batch, plan.max_new), tokens, resumed)
 
 
 def collect_over(
@@ -402,7 +408,7 @@ def collect_over(
             return generate_round(plan, generate, draw, score, index, want, pending)
 
     t = _Tally()
-    pending, stale = _drop_stale(plan, pending, version)
+    pending, stale = drop_stale(plan, pending, version)
     t.add(stale=stale)
     kept: list = []  # (batch, scores, prompts) of trained groups, in order
     dropped_eq: list = []  # complete groups without signal (dynamic sampling)

@@ -80,11 +80,14 @@ OS_KEY = f"override '{OS}': config key 'algo.over_sampling.factor'"
             f"{OS_KEY}: is not built for rollout.mode=async: each round is the buffer's next request, "
             "generated to the end (docs/sampling.md 6); use rollout.mode=sync or one_step_off",
         ),
-        (
-            [OS, "parallel.nproc=3", "parallel.rollout_ranks=1", "algo.over_sampling.on_abort=partial"],
-            "override 'algo.over_sampling.on_abort=partial': config key 'algo.over_sampling.on_abort': "
-            "partial runs with colocated engines only (parallel.rollout_ranks=0): the pending groups are "
-            "not carried on rollout ranks yet (docs/sampling.md 6); use algo.over_sampling.on_abort=drop",
+        (  # split sync and one_step_off keep partials (tests/e2e/test_split_runs.py); one_step_off's
+            # first round is generated ahead: its partials lag 2 when they train
+            [OS, "parallel.nproc=3", "parallel.rollout_ranks=1", "rollout.mode=one_step_off"]
+            + ["algo.over_sampling.on_abort=partial", "rollout.max_staleness=1"],
+            "override 'rollout.max_staleness=1': config key 'rollout.max_staleness': 1 drops every partial "
+            "rollout of a step's first round with rollout.mode=one_step_off: that round is generated ahead "
+            "with the weights one update behind, so a response it leaves pending lags 2 versions when the "
+            "next step trains it; use rollout.max_staleness >= 2",
         ),
         (
             [OS, "parallel.nproc=3", "parallel.rollout_ranks=1", "rollout.engine=vllm"],

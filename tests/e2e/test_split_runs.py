@@ -5,8 +5,12 @@ its second step, and resumes exactly from a checkpoint that holds the batch in f
 are from the checkpoint a first SIGINT saved (issue 42): the rollout ranks stop with the learner.
 The EP=2 runs sample dynamically and over-sample with early abort (issue 46, docs/sampling.md 3 and
 6): the learner asks the rollout ranks for each round and the groups it still lacks, the rollout rank
-starts twice those and aborts the rest once enough have signal; the split sync run is still the
-colocated run bit for bit, the data cursor, the aborts and the drop counts included."""
+starts twice those and aborts the rest once enough have signal. They keep what was cut as partial
+rollouts (on_abort=partial): the learner holds the pending groups and sends them with each round's
+request, the rollout rank resumes them first; the split sync run is still the colocated run bit for
+bit, the data cursor, the aborts and the resumed counts included, and one_step_off resumes exactly
+from a checkpoint holding pending groups. (on_abort=drop on rollout ranks is the same round with
+nothing pending: its learner-side decision is the colocated code, tests/step/test_oversample.py.)"""
 
 from __future__ import annotations
 
@@ -14,14 +18,17 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from moe_rl.config import load_config
 from moe_rl.weights.canonical import canonical_param_shapes
 from tests.cli_helpers import TINY, fails_with
 from tests.e2e.helpers import DYNAMIC, data_cursor, deterministic, dynamic_rounds, metrics, moe_rl, signalled
 
-# 2 learner ranks, DP 2; a round starts 2 x 4 groups per dp rank (on_abort=drop)
+# 2 learner ranks, DP 2; a round holds 2 x 4 groups per dp rank, the pending ones first; one_step_off's
+# first round is generated ahead, so what it leaves pending lags 2 versions when it trains
 EP2 = ["parallel.expert_parallel=2", "checkpoint_every=0", *TINY, *DYNAMIC, "algo.over_sampling.factor=2"]
+EP2 += ["algo.over_sampling.on_abort=partial", "rollout.max_staleness=2", "algo.over_sampling.check_every=1"]
 SPLIT = ["parallel.nproc=4", "parallel.rollout_ranks=2"]  # + 2 rollout ranks, one per dp rank
 ROLLOUT_TIMES = ("time/wait_batch_s", "time/rollout_wait_weights_s", "time/rollout_generate_s")
 
@@ -74,9 +81,11 @@ def test_split_sync_is_the_colocated_run_bit_for_bit(tmp_path, colocated_ep2):
     split = _run(tmp_path / "split", "resume=true")
     assert sorted(split) == [0, 1]
     # the resume drew from the cursor step 0's rounds left (the metrics equal the colocated run's)
-    assert data_cursor(tmp_path / "split", 1) == dynamic_rounds(split, 8, factor=2)[0]
-    # the rollout ranks' early abort cut responses (the counts equal the colocated run's, below)
+    assert data_cursor(tmp_path / "split", 1) == dynamic_rounds(split, 8, factor=2, partial=True)[0]
+    # the rollout ranks' early abort cut responses, and step 1's rounds resumed what step 0 left
+    # pending, sent by the learner across the resume's checkpoint (the counts equal the colocated run's)
     assert sum(split[t]["sampling/aborted"] for t in (0, 1)) > 0
+    assert split[0]["sampling/pending"] > 0 and split[1]["sampling/resumed"] > 0
     for step in (0, 1):
         _same_as_colocated(split[step], colocated_ep2[step], lag=0.0)
         assert all(split[step][k] >= 0 for k in ROLLOUT_TIMES)
@@ -103,10 +112,12 @@ def test_one_step_off_is_deterministic_one_update_stale_and_resumes_exactly(tmp_
         "in_flight_step_000002_dp0.pt",
         "in_flight_step_000002_dp1.pt",
         "latest",
-        "partials_step_000002_dp0.pt",  # algo.over_sampling's pending groups (none with drop)
-        "partials_step_000002_dp1.pt",
+        "partials_step_000002_dp0.pt",  # algo.over_sampling's pending groups, and the batch in
+        "partials_step_000002_dp1.pt",  # flight (step 2's first round) resumed some of them
         "step_000002",
     ]
+    held = [torch.load(ckpts / f"partials_step_000002_dp{d}.pt", weights_only=True) for d in (0, 1)]
+    assert sum(len(h["prompts"]) for h in held) > 0
     _refused_before_any_rank(tmp_path, ckpts)
     part = _run(tmp_path / "part", "steps=3", "resume=true")
     assert sorted(full) == sorted(part) == [0, 1, 2]
@@ -114,18 +125,23 @@ def test_one_step_off_is_deterministic_one_update_stale_and_resumes_exactly(tmp_
         assert deterministic(full[step]) == deterministic(part[step]), f"step {step} differs after resume"
     # the step's first round was generated ahead (W_t-1: lag 1), its others with W_t (lag 0)
     assert [full[t]["rollout/version_lag"] for t in range(3)] == [0.0, 1.0, 1.0]
-    rounds = dynamic_rounds(full, 8, factor=2)
+    rounds = dynamic_rounds(full, 8, factor=2, partial=True)
+    assert part[2]["sampling/resumed"] > 0 and full[2]["sampling/resumed"] == part[2]["sampling/resumed"]
     assert sum(full[t]["sampling/aborted"] for t in range(3)) > 0  # the rollout ranks' early abort
     assert max(rounds) >= 2  # extra rounds ran (they take the next data indices, as colocated)
     # the checkpoint's cursor: past step 0's and 1's rounds and before the batch in flight
     assert data_cursor(tmp_path / "part", 2) == rounds[0] + rounds[1]
-    for t in (1, 2):  # the first round's tokens one update behind, the others' none
-        assert 0 <= full[t]["rollout/lag_mean"] <= 1 and (rounds[t] > 1 or full[t]["rollout/lag_mean"] == 1)
+    for t in (1, 2):  # the first round's new tokens one update behind, the others' none; a partial
+        # rollout's earlier tokens up to rollout.max_staleness=2 (one left pending by a first round)
+        r = full[t]
+        assert r["rollout/lag_max"] <= 2 and (rounds[t] > 1 or r["rollout/lag_frac/0"] == 0), t
     # step 0 is generated with W_0 as in the sync run; step 1's batch too (W_0, one update stale):
-    # the same prompts, scored against a learner one update ahead, so the mismatch is the update's
+    # the same prompts, scored against a learner one update ahead, so the mismatch is the update's:
+    # its tokens one update behind against the sync run's tokens of the current weights (the sync
+    # run's step 1 trains partials of step 0 too: they lag 1 there)
     _same_as_colocated(full[0], colocated_ep2[0], lag=0.0)
     assert full[1]["rollout/num_seqs"] == colocated_ep2[1]["rollout/num_seqs"] == 32.0
-    assert full[1]["corr/k3_kl"] > 10 * colocated_ep2[1]["corr/k3_kl"]
+    assert full[1]["mismatch/k3_lag1"] > 10 * colocated_ep2[1]["mismatch/k3_lag0"]
 
 
 def _refused_before_any_rank(tmp_path: Path, ckpts: Path) -> None:

@@ -119,14 +119,21 @@ def test_over_sampling_asks_each_round_with_the_groups_still_wanted():
     for kind, ahead_want in ((ScheduleKind.SPLIT_SYNC, 0), (ScheduleKind.ONE_STEP_OFF, 4)):
         engine, bridge = learner(kind)
         for index, want in ((0, 4), (1, 3)):
-            assert engine.request_for(7, index, want=want) == index
+            assert engine.request_for(7, index, want=want, pending={"prompts": [index]}) == index
             engine.generate([[index]], 1, None, seed=100 + index)
-        engine.end_rounds(2, want=4)
+        engine.end_rounds(2, want=4, pending={"prompts": [2]})
         sent = [r for tag, r in bridge.sent if tag == ROUND_TAG]
         assert [(r.index, r.then_sync, r.want) for r in sent] == [
             (0, False, 4),
             (1, False, 3),
             (2 if ahead_want else None, True, ahead_want),
+        ]
+        # on_abort=partial: each round resumes the pending groups it was sent; the sync's request
+        # only when it asks for a round (one_step_off's next-step round)
+        assert [r.pending for r in sent] == [
+            {"prompts": [0]},
+            {"prompts": [1]},
+            {"prompts": [2]} if ahead_want else None,
         ]
 
 
@@ -140,9 +147,14 @@ def test_a_rollout_rank_serving_two_dp_ranks_takes_each_ones_want():
             sends=True, bridge=bridge, served=[0, 1], dests={0: [0, 1], 1: [2, 3]}, peers=[]
         )
 
-    same = {r: RoundRequest(5, want=4 if r < 2 else 2) for r in range(4)}
-    req, wants = _Server.round_request(server(same))
-    assert (req.index, req.then_sync, wants) == (5, False, {0: 4, 1: 2})
+    # on_abort=partial: each dp rank's pending groups travel in its request, outside its identity
+    same = {r: RoundRequest(5, want=4 if r < 2 else 2, pending={"prompts": [r // 2]}) for r in range(4)}
+    req, reqs = _Server.round_request(server(same))
+    assert (req.index, req.then_sync) == (5, False)
+    assert {d: (q.want, q.pending) for d, q in reqs.items()} == {
+        0: (4, {"prompts": [0]}),
+        1: (2, {"prompts": [1]}),
+    }
     split = {**same, 3: RoundRequest(6, want=2)}
     with pytest.raises(RuntimeError, match="the learner ranks served by one rollout rank ask for different"):
         _Server.round_request(server(split))

@@ -15,7 +15,7 @@ import torch
 from moe_rl.metrics import reduce_metrics
 from moe_rl.rollout.base import EarlyAbort
 from moe_rl.routing.provenance import COMPUTED, REPREFILL
-from moe_rl.step.oversample import Pending, collect_over, resume_rows
+from moe_rl.step.oversample import Pending, collect_over, generate_round, remote_round, resume_rows
 from moe_rl.step.sampling import groups_with_signal
 from tests.step.oversample_helpers import (
     MAX_NEW,
@@ -120,12 +120,19 @@ def test_without_dynamic_sampling_the_counts_are_of_trained_groups_with_signal()
     assert 8 - 4 - m["sampling/dropped_surplus"] <= m["sampling/aborted"]
 
 
-def _run(p, first: int, steps: int, pending: Pending):
+def _run(p, first: int, steps: int, pending: Pending, split: bool = False):
     """Steps ``first`` .. ``steps - 1`` from ``pending``, the weights moving on after each (step t
-    generates with version t + 1); each step's batch, metrics and the groups it left pending."""
+    generates with version t + 1); each step's batch, metrics and the groups it left pending.
+    ``split``: each round as on a rollout rank (``_remote``)."""
     engine, out = make_engine(first + 1), []
     for step in range(first, steps):
-        got, pending, m = _step(p, engine, step, pending)
+        if split:
+            got, pending = collect_over(
+                p, None, None, score, step, pending, engine.version, None, _remote(p, engine)
+            )
+            m = reduce_metrics(got.metrics)
+        else:
+            got, pending, m = _step(p, engine, step, pending)
         out.append((got, m, pending))
         engine.load_weights(weights(step + 2), version=step + 2)
     return out
@@ -162,6 +169,33 @@ def test_partial_rollouts_resume_under_new_weights_and_resume_exactly():
             1 if older.any() else pytest.approx(float("nan"), nan_ok=True)
         )
         assert ma["sampling/partial_dropped_stale"] % N == 0  # whole groups
+
+
+def _remote(p, engine):
+    """A split run's round (parallel.rollout_ranks): the learner sends its pending groups in the
+    request (their checkpoint form: ``RoundRequest.pending``), the rollout rank runs
+    ``generate_round`` with them and sends the round back, the learner reads it (``remote_round``)."""
+
+    def run_round(index: int, want: int, pending: Pending):
+        got = generate_round(p, generator(engine), draw, score, index, want, _checkpointed(pending))
+        return remote_round(p, got.batch, got.prompts, pending)
+
+    return run_round
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_split_partial_rounds_are_the_colocated_rounds(dynamic):
+    # the rollout rank resumes the learner's pending groups: every batch, pending group and count
+    # (resumed, tokens generated, aborted) as colocated; with dynamic sampling over several rounds
+    p = plan(factor=2.0, on_abort="partial", need=4, dynamic=dynamic)
+    here, there = _run(p, 0, 3, Pending([])), _run(p, 0, 3, Pending([]), split=True)
+    assert sum(m["sampling/resumed"] for _, m, _ in there) > 0
+    for (a, ma, pa), (b, mb, pb) in zip(here, there):
+        for f in ("tokens_BS", "logprobs_BS", "version_BS", "response_mask_BS", "group_B"):
+            assert torch.equal(getattr(a.batch, f), getattr(b.batch, f)), f
+        assert all(torch.equal(x, y) for x, y in zip(a.batch.routes, b.batch.routes))
+        assert ma == pytest.approx(mb, nan_ok=True, rel=0, abs=0)
+        assert pa.prompts == pb.prompts
 
 
 def test_a_partial_older_than_max_staleness_is_dropped_and_counted():
