@@ -5,7 +5,7 @@ step time (issue 46 point 4; docs/sampling.md 8).
     python scripts/bench_sampling.py [--reps 3] [--steps 6] [--factor 2] [--arms plain,dynamic,drop,partial]
                                      [--out DIR] [--quick]
     python scripts/bench_sampling.py --reps 3 --steps 5 --out DIR --report-only  # a run cut short
-    /work/venv-vllm/bin/python scripts/bench_sampling.py --engine vllm [...]  # vLLM (its venv's python)
+    .venv-vllm/bin/python scripts/bench_sampling.py --engine vllm [...]  # vLLM: a venv with vllm
 
 Arms (each a real colocated `moe-rl train` subprocess, 2 ranks, the built-in engine, GRPO from the
 warm start), repetitions interleaved (A B C D, A B C D, ...) so drift and the machine's other load

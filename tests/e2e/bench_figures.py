@@ -80,7 +80,9 @@ def ratio(text: str, label: str) -> float:
     return float(re.search(rf"{re.escape(label)} {NUM} \(median\)", text).group(1))
 
 
-def check_printed_figures(text: str, out: Path, names: tuple[str, ...], samples: int, minibatches: int) -> dict:
+def check_printed_figures(
+    text: str, out: Path, names: tuple[str, ...], samples: int, minibatches: int
+) -> dict:
     """Every figure printed for each arm equals its recomputation (to its printed rounding); the
     recomputed figures by arm."""
     figs = {}

