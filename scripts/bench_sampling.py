@@ -316,7 +316,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"no complete repetition in {out}")
     ok = report(runs)
     if not args.report_only:
-        print(load.line(2))
+        print(load.line(1 if args.engine == "vllm" else 2))  # the ranks of one arm
     print(f"goals: {'all met' if ok else 'not all met'}")
 
 
