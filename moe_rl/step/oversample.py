@@ -215,7 +215,10 @@ class _Round:
         parts, done, order = [], [], []
         if p.batch is not None:
             kept_B = p.done_B.clone()
-            parts.append(p.batch.select(kept_B))
+            kept = p.batch.select(kept_B)
+            if out is not None and out.version_BS is None:  # vLLM's peek: stamped after the call
+                kept = dataclasses.replace(kept, version_BS=None)
+            parts.append(kept)
             done.append(torch.ones(int(kept_B.sum()), dtype=torch.bool, device="cpu"))
             order.append(kept_B.nonzero().flatten())
             if R:

@@ -221,3 +221,36 @@ def test_with_dynamic_sampling_the_abort_waits_for_groups_with_signal():
         (m["sampling/groups_generated"] - m["sampling/groups_dropped_all_equal"])
         / m["sampling/groups_generated"]
     )
+
+
+def test_a_peek_without_versions_as_vllm_gives_the_same_steps():
+    """vLLM's peek carries no version_BS (its round's call stamps them when it returns): under
+    dynamic sampling the abort's check joins it with the pending complete rows (which have them),
+    and the steps must be those of a versioned peek (the built-in engine's)."""
+
+    def vllm_like(engine):
+        generate = generator(engine)
+
+        def call(ids, index, abort):
+            def enough(done_B, peek):
+                return abort.enough(done_B, lambda: dataclasses.replace(peek(), version_BS=None))
+
+            return generate(ids, index, dataclasses.replace(abort, enough=enough))
+
+        return call
+
+    p = plan(factor=2.0, on_abort="partial", need=2, dynamic=True)
+    runs = []
+    for gen in (generator, vllm_like):
+        engine, pending, out = make_engine(1), Pending([]), []
+        for step in range(3):
+            got, pending = collect_over(p, gen(engine), draw, score, step, pending, engine.version)
+            out.append((got, reduce_metrics(got.metrics), pending))
+            engine.load_weights(weights(step + 2), version=step + 2)
+        runs.append(out)
+    # the case of the fix: a step began with pending rows already complete (surplus groups)
+    assert any(pend.batch is not None and bool(pend.done_B.any()) for _, _, pend in runs[0][:-1])
+    for (a, ma, _), (b, mb, _) in zip(*runs):
+        for f in ("tokens_BS", "logprobs_BS", "version_BS", "group_B"):
+            assert torch.equal(getattr(a.batch, f), getattr(b.batch, f)), f
+        assert ma == pytest.approx(mb, nan_ok=True)
