@@ -1,20 +1,18 @@
 """Over-sampling with early abort and partial rollouts (``algo.over_sampling``, docs/sampling.md 6).
 
-A round starts ``ceil(factor * need)`` prompt groups (``need``: the groups the step trains, this
-data-parallel rank's share), the partial rollouts pending from the last step among them, in one
-generate call (flat: one row per sample, n = 1) whose ``EarlyAbort`` checks every
-``check_every`` decode steps whether enough groups are complete (every sample stopped or used
-``rollout.max_new_tokens``; under ``algo.dynamic_sampling``: complete with signal, scored on a peek)
-and then aborts the rest. The step trains on the first ``need`` complete groups in order (pending
-ones first: they are the oldest). The other groups are dropped (``on_abort=drop``: counted, with the
-length bias) or kept pending (``partial``): at the next round their unfinished samples are resumed
-under the engine's weights then, each re-prefilled from prompt + response so far
-(``resume_rows``): every earlier token keeps the log-prob and version it was sampled with, every
-earlier route row its recorded ids and provenance, and the row of the last earlier token (the input
-of the first resumed token's forward) is the re-prefill's, ``REPREFILL``. A pending group with a
-token more than ``rollout.max_staleness`` versions behind the round's weights is dropped whole.
-The pending groups are resume state (``Pending.state_dict``, checkpointed per dp rank).
-
+A round starts ``ceil(factor * need)`` prompt groups (``need``: the groups the step trains, this data-
+parallel rank's share), the partial rollouts pending from the last step among them, in one generate call
+(flat: one row per sample, n = 1) whose ``EarlyAbort`` checks every ``check_every`` decode steps whether
+enough groups are complete (every sample stopped or used ``rollout.max_new_tokens``; under
+``algo.dynamic_sampling``: complete with signal, scored on a peek) and then aborts the rest. The step
+trains on the first ``need`` complete groups in order (pending ones first: they are the oldest). The
+other groups are dropped (``on_abort=drop``: counted, with the length bias) or kept pending
+(``partial``): at the next round their unfinished samples are resumed under the engine's weights then,
+each re-prefilled from prompt + response so far (``resume_rows``): every earlier token keeps the log-prob
+and version it was sampled with, every earlier route row its ids and provenance, and the last earlier
+token's row (the input of the first resumed token's forward) is the re-prefill's, ``REPREFILL``. A
+pending group with a token more than ``rollout.max_staleness`` versions behind the round's weights is
+dropped whole. The pending groups are resume state (``Pending.state_dict``, checkpointed per dp rank).
 Shape suffixes: B sequences, S positions, R resumed rows, G groups.
 """
 
@@ -216,9 +214,8 @@ class _Round:
         if p.batch is not None:
             kept_B = p.done_B.clone()
             kept = p.batch.select(kept_B)
-            if out is not None and out.version_BS is None:  # vLLM's peek: stamped after the call
-                kept = dataclasses.replace(kept, version_BS=None)
-            parts.append(kept)
+            peek = out is not None and out.version_BS is None  # vLLM's peek: stamped after the call
+            parts.append(dataclasses.replace(kept, version_BS=None) if peek else kept)
             done.append(torch.ones(int(kept_B.sum()), dtype=torch.bool, device="cpu"))
             order.append(kept_B.nonzero().flatten())
             if R:
