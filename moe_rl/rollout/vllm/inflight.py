@@ -91,8 +91,14 @@ def run_steps(
             started, steps = True, steps + 1
             if abort is not None and steps % abort.every == 0 and len(latest) == len(ids):
                 done = [bool(latest[r].finished) for r in ids]
-                if not all(done) and abort.enough(done, snapshot):
-                    outs = snapshot()
+                taken: list[list[Any]] = []  # no engine step between the peek and the abort: one read
+
+                def peek() -> list[Any]:
+                    taken[:] = taken or [snapshot()]
+                    return taken[0]
+
+                if not all(done) and abort.enough(done, peek):
+                    outs = peek()
                     engine.abort_request([r for r, d in zip(ids, done) if not d])
                     return outs, updates
     except BaseException:  # leave no request of ours running in the engine

@@ -135,6 +135,27 @@ def test_the_abort_waits_for_every_first_token_then_cuts_the_unfinished_with_the
 
 
 @pytest.mark.unit
+def test_a_check_that_peeks_then_aborts_reads_each_unfinished_request_once():
+    """No engine step lies between the peek (dynamic sampling scores it) and the abort: the abort
+    returns the peek's outputs, each unfinished request's rows read once, not twice."""
+    engine, reads, peeked = _Engine([2, 6, 7], admit=1), [], []
+    rows = _rows(engine)
+
+    def counted(internal_id: str):
+        reads.append(internal_id)
+        return rows(internal_id)
+
+    def enough(done, snapshot) -> bool:
+        peeked.append(snapshot())
+        return True
+
+    requests = [(f"r{b}", {}, None) for b in range(3)]
+    outputs, _ = run_steps(engine, requests, lambda s: None, StepAbort(2, enough, counted, (0, 0, 0)))
+    assert sorted(reads) == ["r1-internal", "r2-internal"]
+    assert all(a is b for a, b in zip(outputs, peeked[0], strict=True))
+
+
+@pytest.mark.unit
 def test_a_cut_request_whose_rows_do_not_match_its_tokens_is_a_route_error_naming_it():
     engine = _Engine([5, 5], admit=2)
     abort = StepAbort(2, lambda done, snap: True, _rows(engine, extra=1), (0, 0))
