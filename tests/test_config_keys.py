@@ -214,8 +214,13 @@ def test_rejection_spec_parses_into_options_and_bounds():
             ),
         ),
         (
-            "[{option: token_k1, upper: nan}]",
+            "[{option: token_k1, upper: .nan}]",
             "config key 'correction.rejection[0].upper': nan is not a finite number",
+        ),
+        (  # YAML's nan is text: not coerced to a float
+            "[{option: token_k1, upper: nan}]",
+            "config key 'correction.rejection[0].upper': 'nan' is str, not taken as typed "
+            "(a number key takes an integer or a float; nothing is coerced)",
         ),
     ],
 )
@@ -347,3 +352,45 @@ def test_registries_hold_the_names_configs_accept():
     assert trm.TRM_REFERENCES is names.TRM_REFERENCE_NAMES
     assert trm.LENGTH_NEUTRAL is names.LENGTH_NEUTRAL_NAMES
     assert trm.TRM_KL_SOURCES is names.TRM_KL_SOURCE_NAMES
+
+
+_BOOL = "a boolean key takes true or false"
+
+
+@pytest.mark.parametrize(
+    "item, shown, kind, hint",
+    [
+        ('rollout.sync_check="false"', "'false'", "str", _BOOL),
+        ("rollout.sync_check=1", "1", "int", _BOOL),
+        ("rollout.sync_check=0", "0", "int", _BOOL),
+        ("resume=2", "2", "int", _BOOL),
+        ('steps="4"', "'4'", "str", "an integer key takes an integer"),
+        ('optim.lr="0.5"', "'0.5'", "str", "a number key takes an integer or a float"),
+        ("optim.lr=true", "True", "bool", "a number key takes an integer or a float"),
+    ],
+)
+def test_a_value_of_another_type_is_refused_not_coerced(item, shown, kind, hint):
+    key = item.split("=")[0]
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [item])
+    assert str(e.value) == (
+        f"override {item!r}: config key '{key}': {shown} is {kind}, not taken as typed "
+        f"({hint}; nothing is coerced)"
+    )
+
+
+def test_values_of_the_keys_type_are_taken_and_a_file_is_named(tmp_path):
+    cfg = load_config(None, ["rollout.sync_check=true", "steps=4", "optim.lr=1", "resume=no"])
+    assert (cfg.rollout.sync_check, cfg.steps, cfg.optim.lr, cfg.resume) == (True, 4, 1.0, False)
+    assert type(cfg.optim.lr) is float  # an integer for a number key is the number
+    path = tmp_path / "c.yaml"
+    path.write_text('rollout:\n  sync_check: "false"\n')
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert str(e.value) == (
+        f"{path}: config key 'rollout.sync_check': 'false' is str, not taken as typed "
+        f"({_BOOL}; nothing is coerced)"
+    )
+    path.write_text("correction:\n  rejection:\n    - {option: token_k1, upper: '2.0'}\n")
+    with pytest.raises(ConfigError, match=r"'correction.rejection\[0\].upper': '2.0' is str"):
+        load_config(path)

@@ -23,6 +23,7 @@ from moe_rl.config.deprecations import (
 from moe_rl.config.hf_json import CONFIG as HF_CONFIG
 from moe_rl.config.hf_model import load_hf_config
 from moe_rl.config.run import RunConfig
+from moe_rl.config.strict_types import refuse_coercion
 from moe_rl.corrections.correction_specs import RejectionSpec
 from moe_rl.errors import ConfigError, RunDirError
 
@@ -171,12 +172,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             tree = rename_tree(OmegaConf.to_container(_read_yaml(path)), legacy_rs, where)
             if isinstance(tree.get("model"), dict):
                 file_model_keys = set(tree["model"])
-            merged = _writable(OmegaConf.merge(merged, _check_rules(OmegaConf.create(tree))))
+            layer = _check_rules(OmegaConf.create(tree))
+            refuse_coercion(merged, layer)
+            merged = _writable(OmegaConf.merge(merged, layer))
         base = merged
         refuse_old_and_new_overrides(overrides)
         for item in overrides:  # merged one at a time, so an error names its own override
             where = f"override {item!r}"
             layer = _override(base, item, legacy_rs)
+            refuse_coercion(base, layer)
             merged = merged if layer is None else _writable(OmegaConf.merge(merged, layer))
         if legacy_rs:  # the input that set rs or rs_bounds last is named in an error
             where = legacy_rs["where"]
