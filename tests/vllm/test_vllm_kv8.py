@@ -2,7 +2,7 @@
 attention stores keys and values in e4m3, docs/vllm.md 9), against the module's bf16-cache engine
 (the session fixture ``run``, tests/vllm/cpu_run.py: its log-probs of the same sequences with the
 same synced weights) and against the built-in engine's emulation (``fake_quant_kv``) on the same
-weights and tokens. One engine start of its own (~20-30 s on 2 cores): an FP8 cache is fixed
+weights and tokens. One engine start of its own (0.7-6 s measured in the tier): an FP8 cache is fixed
 when vLLM allocates it, so no existing engine can take it. Run: MOE_RL_REQUIRE_VLLM=1 pytest
 tests/vllm/test_vllm_kv8.py."""
 
