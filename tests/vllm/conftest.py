@@ -25,8 +25,9 @@ def vllm_module():
 @pytest.fixture(scope="session")
 def run(tmp_path_factory):
     """One vLLM engine for test_vllm_cpu.py and test_vllm_cpu_turns.py (it costs ~30 s to start on
-    2 cores): ``tests/vllm/cpu_run.module_run``. The later module changes its weights (the checked
-    sync's breaks, the agent warm start), so it runs after the first (file order)."""
+    2 cores): ``tests/vllm/cpu_run.module_run``; test_vllm_kv8.py reads its bf16-cache scores.
+    The later module changes its weights (the checked sync's breaks, the agent warm start), so it
+    runs after the first (file order)."""
     from tests.vllm.cpu_run import module_run
 
     return module_run(tmp_path_factory)

