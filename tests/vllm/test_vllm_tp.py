@@ -4,7 +4,9 @@ in-process engine asking for both ranks' prompts, same seeds). Both in fp32: TP 
 row-parallel matmuls across ranks in another order, a ~1e-6 difference in the logits that bf16
 rounding could turn into a flipped route or token; in fp32 the sampled tokens and the routes
 come out identical (so no forced decoding is needed to compare them), the log-probs within 1e-5.
-Also after a weight sync (every TP rank reloads its shard). ~4 min on the shared 2-core machine."""
+Also after a weight sync (every TP rank reloads its shard), and the checked sync colocated
+(``rollout.sync_check``: each TP rank checked against its shard's sums). ~4 min on the shared
+2-core machine."""
 
 from __future__ import annotations
 

@@ -117,7 +117,8 @@ def checked_syncs(engine, cfg, rank: int) -> dict:
     (each rank's engine worker loads its shard's slices; the rank sums that shard's layout as it
     hands them, ``sync_check_for``) and checks them. On TP rank 1 the second load hands its worker
     ``STALE`` as at the first (tests/vllm/helpers.py). Returns the tensors agreed at the first
-    sync, the error of the second (None: it passed), and the parameters vLLM's worker holds."""
+    sync, the errors the checks raised (none where every sync passed) and the parameters vLLM's
+    worker holds."""
     from moe_rl.config.schedule import Schedule
     from moe_rl.pipeline.simulated_staleness import SimulatedStaleness
     from moe_rl.pipeline.sync_check import SyncCheckError
@@ -132,15 +133,13 @@ def checked_syncs(engine, cfg, rank: int) -> dict:
     real = vllm_engine.sync_chunks
     if rank == 1:
         vllm_engine.sync_chunks = stale_from_second_load(real, STALE)
-    check = sync_check_for(cfg, False, rank)
+    check, schedule = sync_check_for(cfg, False, rank), Schedule.from_config(cfg)
     out: dict = {"errors": []}
     try:
         for v, seed in ((1, 3), (2, 4)):
             learner = _Slices(random_canonical_weights(cfg.model, seed=seed), cfg.model)
-            sync = WeightSync(
-                Schedule.from_config(cfg), engine, learner, SimulatedStaleness(0), engines=colocated_slices(cfg),
-                model=cfg.model, check=check,
-            )  # fmt: skip
+            stale, engines = SimulatedStaleness(0), colocated_slices(cfg)
+            sync = WeightSync(schedule, engine, learner, stale, engines=engines, model=cfg.model, check=check)
             sync.load_slices()
             try:
                 check.verify(engine, v)
