@@ -82,13 +82,6 @@ def check_vllm(cfg: RunConfig) -> None:
             f"{v.tensor_parallel} does not divide {which} {engine_ranks} "
             f"(each engine spans consecutive ranks)",
         )
-    if r.sync_check and v.tensor_parallel > 1 and not p.rollout_ranks:
-        refuse(  # split TP > 1 is checked per shard (docs/vllm.md 11); colocated engines load slices unsummed
-            "rollout.sync_check",
-            f"true with colocated engines of rollout.vllm.tensor_parallel={v.tensor_parallel}: the check is "
-            f"built per shard on rollout ranks only (parallel.rollout_ranks > 0); use tensor_parallel=1 or "
-            f"rollout ranks",
-        )
     if cfg.model.num_attention_heads % v.tensor_parallel:
         refuse(
             "rollout.vllm.tensor_parallel",

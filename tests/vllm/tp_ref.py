@@ -84,6 +84,70 @@ def vllm_side(rank: int, world: int, tp: int, out_path: str, colocated: bool = F
     raw_sp = vllm.SamplingParams(max_tokens=MAX_NEW, seed=5, logprobs=0, detokenize=False)
     outs = engine.llm.generate([{"prompt_token_ids": p} for p in ALL_PROMPTS], raw_sp, use_tqdm=False)
     out["raw"] = [(list(o.outputs[0].token_ids), o.outputs[0].routed_experts.copy()) for o in outs]
+    if world > 1 and tp > 1:
+        out["checked"] = checked_syncs(engine, cfg, rank)
     out_path = out_path % rank if "%d" in out_path else out_path
     torch.save(out, out_path)
     return out_path
+
+
+class _Slices:
+    """What a colocated learner rank's stream hands ``WeightSync.load_slices``: per layer piece, the
+    slices its own engine rank holds (``iter_canonical_layers(engines=...)``, here cut from whole
+    weights in process: no megatron learner runs in this harness)."""
+
+    def __init__(self, weights: dict, model) -> None:
+        self.weights, self.model = weights, model
+
+    def iter_canonical_layers(self, engines):
+        import torch.distributed as dist
+
+        from moe_rl.weights.engine_shard import engine_slice
+
+        shard, layers = engines(dist.get_rank()), {}
+        for name, t in self.weights.items():  # one chunk per decoder layer, the rest last
+            key = int(name.split(".")[2]) if name.startswith("model.layers.") else self.model.num_layers
+            layers.setdefault(key, {})[name] = t
+        for key in sorted(layers):
+            yield engine_slice(layers[key], shard, self.model)
+
+
+def checked_syncs(engine, cfg, rank: int) -> dict:
+    """Colocated TP = 2 with ``rollout.sync_check``: two syncs through ``WeightSync.load_slices``
+    (each rank's engine worker loads its shard's slices; the rank sums that shard's layout as it
+    hands them, ``sync_check_for``) and checks them. On TP rank 1 the second load hands its worker
+    ``STALE`` as at the first (tests/vllm/helpers.py). Returns the tensors agreed at the first
+    sync, the errors the checks raised (none where every sync passed) and the parameters vLLM's
+    worker holds."""
+    from moe_rl.config.schedule import Schedule
+    from moe_rl.pipeline.simulated_staleness import SimulatedStaleness
+    from moe_rl.pipeline.sync_check import SyncCheckError
+    from moe_rl.pipeline.weight_sync import WeightSync, colocated_slices, sync_check_for
+    from moe_rl.rollout.vllm import engine as vllm_engine
+    from moe_rl.weights.canonical import random_canonical_weights
+    from tests.bad_input.faults import STALE
+    from tests.vllm.helpers import stale_from_second_load
+
+    cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, sync_check=True))
+    engine.cfg = cfg  # the worker sums what it receives (VllmEngine._reload)
+    real = vllm_engine.sync_chunks
+    if rank == 1:
+        vllm_engine.sync_chunks = stale_from_second_load(real, STALE)
+    check, schedule = sync_check_for(cfg, False, rank), Schedule.from_config(cfg)
+    out: dict = {"errors": []}
+    try:
+        for v, seed in ((1, 3), (2, 4)):
+            learner = _Slices(random_canonical_weights(cfg.model, seed=seed), cfg.model)
+            stale, engines = SimulatedStaleness(0), colocated_slices(cfg)
+            sync = WeightSync(schedule, engine, learner, stale, engines=engines, model=cfg.model, check=check)
+            sync.load_slices()
+            try:
+                check.verify(engine, v)
+                out.setdefault("agreed", check.agreed)
+            except SyncCheckError as e:
+                out["errors"].append(str(e))
+    finally:
+        vllm_engine.sync_chunks = real
+    count = engine.llm.collective_rpc(lambda w: len(list(w.model_runner.model.named_parameters())))
+    out["vllm_params"] = count[0]  # this rank's worker (external_launcher: one per process)
+    return out

@@ -134,6 +134,42 @@ def test_a_tp_ranks_layout_is_its_slices_fused_as_its_vllm_parameters_hold_them(
     assert torch.equal(embed[1][:8], w["model.embed_tokens.weight"][32:]) and not embed[1][8:].any()
 
 
+def test_a_colocated_tp_rank_sums_the_slices_it_hands_its_worker_as_the_split_root_sums_its_row():
+    """Colocated vLLM TP=2 (``sync_check_for``, split False): rank r sums what ``load_slices`` hands
+    its own worker (its slices ``placed`` in full-shape zero tensors) in TP rank r's layout, the
+    same sums the split root computes for TP rank r's row from whole tensors; the two rows differ.
+    A worker holding one tensor other than sent fails the check naming it and the shard."""
+    from moe_rl.config import load_config
+    from moe_rl.pipeline.sync_check import SyncCheckError
+    from moe_rl.pipeline.weight_sync import sync_check_for
+    from moe_rl.weights.engine_shard import engine_shard, engine_slice, placed
+
+    keys = [
+        "rollout.engine=vllm",
+        "parallel.nproc=2",
+        "rollout.vllm.tensor_parallel=2",
+        "rollout.sync_check=true",
+    ]
+    cfg = load_config(None, [*keys, "rollout.dtype=fp32"])
+    cfg = dataclasses.replace(cfg, model=hf_tiny())
+    w = random_canonical_weights(cfg.model, seed=4)
+    root = sync_check_for(cfg, True, 0)
+    list(root.wrap(iter(_chunks(w))))
+    rows = [root.sent_ints(r) for r in (0, 1)]
+    assert sorted(rows[0]) == sorted(rows[1]) and rows[0] != rows[1]
+    for r in (0, 1):
+        check, shard = sync_check_for(cfg, False, r), engine_shard(cfg, r)
+        list(check.wrap(placed(engine_slice(c, shard, cfg.model), shard, cfg.model) for c in _chunks(w)))
+        assert check.sent_ints() == rows[r]
+    held = dict(rows[1], **{"model.layers.1.self_attn.o_proj.weight": 7})
+    with pytest.raises(SyncCheckError) as e:
+        check.verify(SimpleNamespace(held_checksums=lambda: held), 3)
+    assert str(e.value).startswith(
+        "weight sync check failed at sync 3: engine tensor 'model.layers.1.self_attn.o_proj.weight' "
+        f"(TP rank 1 of 2): checksum 7 != sent {rows[1]['model.layers.1.self_attn.o_proj.weight']} "
+    )
+
+
 def test_route_provenance_marks_cached_prompt_rows_and_stamps_each_rows_forward():
     """Prompt 6 tokens, 3 generated, 4 of the prompt a prefix-cache hit, rows from position 2 asked:
     rows 2-3 hits at the call's start version, rows 4-5 the prefill's (the first generated
