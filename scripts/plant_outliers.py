@@ -1,0 +1,79 @@
+"""Plant real-LLM-like activation outliers in a warm start, computing the same function.
+
+    python scripts/plant_outliers.py --in builtin:warmstart --out WS2 --alpha 1024 --where norm --channels 4
+
+``--where norm``: ``--channels`` hidden channels of every layer's RMSNorm weight times ``--alpha`` and
+the same input columns of every linear layer reading that norm times 1/alpha (outlier features,
+LLM.int8()/SmoothQuant); ``--where down``: that many intermediate channels of every SwiGLU MLP, up_proj
+rows times alpha and down_proj columns times 1/alpha (massive activations in the down_proj input,
+Sun et al. 2024). ``--alpha`` is a power of two, so bf16 and fp32 logits stay bit-identical and only
+a quantizer (FP8) sees the difference (moe_rl/weights/outliers.py). The output is the same
+safetensors warm-start format (``scripts/make_warmstart.py``), with the original's architecture
+metadata: a run loads it with ``init_weights=WS2`` and the same ``model.*`` keys
+(docs/collapse_lab.md 4, "real-model outliers, planted").
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "--in", dest="src", default="builtin:warmstart", help="a warm-start file or builtin:warmstart"
+    )
+    ap.add_argument("--out", required=True, help="the planted warm start (.safetensors)")
+    ap.add_argument("--alpha", type=float, required=True, help="the outlier factor, a power of two")
+    ap.add_argument("--where", choices=("norm", "down"), required=True)
+    ap.add_argument("--channels", type=int, default=4, help="how many channels (same indices in every layer)")
+    ap.add_argument("--seed", type=int, default=0, help="draws the channels")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    from safetensors import safe_open
+
+    from moe_rl.config import ModelConfig
+    from moe_rl.errors import UserError, one_line
+    from moe_rl.tasks.tokenizer import CharTokenizer
+    from moe_rl.weights.outliers import plant_outliers
+    from moe_rl.weights.warmstart import _ASSETS, builtin_path, open_init_weights, save_init_weights
+
+    def fail(msg: str) -> None:
+        sys.stderr.write(f"error: {msg}\n")
+        raise SystemExit(2)
+
+    path = builtin_path(args.src) if args.src in _ASSETS else Path(args.src)
+    if not path.is_file():
+        fail(f"--in {args.src}: no such file")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+        fields = {f.name for f in dataclasses.fields(ModelConfig)}
+        model = ModelConfig(**{k: v for k, v in json.loads(meta["model"]).items() if k in fields})
+        tok = CharTokenizer()
+        stored = open_init_weights(str(path), model, tok)
+        planted, info = plant_outliers(
+            stored.read_all(), model, args.alpha, args.where, args.channels, args.seed
+        )
+    except KeyError:
+        fail(f"--in {path}: no 'model' metadata (not a warm start written by scripts/make_warmstart.py)")
+    except (UserError, ValueError) as e:
+        fail(f"--in {path}: {one_line(e) if isinstance(e, UserError) else e}")
+    made = json.loads(meta.get("info", "{}"))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    save_init_weights(args.out, planted, model, tok, {**made, "outliers": info, "planted_from": str(path)})
+    print(
+        f"wrote {args.out}: {args.where} outliers x{args.alpha:g} in channels {info['channels']} "
+        f"({info['scaled_up']} tensors x alpha, {info['scaled_down']} x 1/alpha)"
+    )
+
+
+if __name__ == "__main__":
+    main()
