@@ -25,7 +25,10 @@ from pathlib import Path
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
-        "--in", dest="src", default="builtin:warmstart", help="a warm-start file or builtin:warmstart"
+        "--in",
+        dest="src",
+        default="builtin:warmstart",
+        help="a warm-start file (scripts/make_warmstart.py) or builtin:warmstart",
     )
     ap.add_argument("--out", required=True, help="the planted warm start (.safetensors)")
     ap.add_argument("--alpha", type=float, required=True, help="the outlier factor, a power of two")
@@ -43,13 +46,13 @@ def main(argv=None) -> None:
     from moe_rl.errors import UserError, one_line
     from moe_rl.tasks.tokenizer import CharTokenizer
     from moe_rl.weights.outliers import plant_outliers
-    from moe_rl.weights.warmstart import _ASSETS, builtin_path, open_init_weights, save_init_weights
+    from moe_rl.weights.warmstart import BUILTIN, builtin_path, open_init_weights, save_init_weights
 
     def fail(msg: str) -> None:
         sys.stderr.write(f"error: {msg}\n")
         raise SystemExit(2)
 
-    path = builtin_path(args.src) if args.src in _ASSETS else Path(args.src)
+    path = builtin_path(BUILTIN) if args.src == BUILTIN else Path(args.src)
     if not path.is_file():
         fail(f"--in {args.src}: no such file")
     try:

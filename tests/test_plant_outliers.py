@@ -4,8 +4,6 @@ bf16 on the built-in engine, while its planted activation channels are exactly a
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 
@@ -15,7 +13,7 @@ from moe_rl.rollout.fp8 import fake_quant_act_tensor
 from moe_rl.tasks.task import resolve_vocab
 from moe_rl.tasks.tokenizer import CharTokenizer
 from moe_rl.weights.outliers import plant_outliers
-from moe_rl.weights.warmstart import BUILTIN, info, load_init_weights, open_init_weights
+from moe_rl.weights.warmstart import BUILTIN, builtin_path, info, load_init_weights, open_init_weights
 from tests.script_module import script_module
 
 TOK = CharTokenizer()
@@ -69,7 +67,7 @@ def test_same_logits_and_alpha_times_the_channel_max(shipped, where, planted_cal
         if call % 4 in planted_call:
             want_C[ch_C] = alpha
         assert torch.equal(a1_C, a0_C * want_C), (where, call)
-    # the outlier is visible: the largest channel max over the median channel max, < 12 before, 1.1e3-2.3e3 after
+    # the outlier is visible: largest over median channel max, < 12 before, 1.1e3-2.3e3 after
     ratio = [float(a.max() / a.median()) for a in rec1[planted_call[0] :: 4]]
     assert min(ratio) > 500 and max(float(a.max() / a.median()) for a in rec0) < 15
 
@@ -120,7 +118,7 @@ def test_bad_input(shipped):
 
 
 @pytest.mark.unit
-def test_script_writes_a_loadable_warm_start(shipped, tmp_path, monkeypatch, capsys):
+def test_script_writes_a_loadable_warm_start(shipped, tmp_path, capsys):
     ps = script_module("plant_outliers")
     out = tmp_path / "ws_down16.safetensors"
     ps.main(["--in", BUILTIN, "--out", str(out), "--alpha", "16", "--where", "down", "--channels", "2"])
@@ -128,7 +126,9 @@ def test_script_writes_a_loadable_warm_start(shipped, tmp_path, monkeypatch, cap
     loaded = open_init_weights(str(out), CFG, TOK).read_all()  # init_weights=FILE's own check
     assert loaded.keys() == planted.keys() and all(torch.equal(loaded[k], planted[k]) for k in planted)
     meta = info(out)
-    assert meta["outliers"] == done and meta["sft_steps"] == info(open_path()).get("sft_steps") == 80
+    assert (
+        meta["outliers"] == done and meta["sft_steps"] == info(builtin_path(BUILTIN)).get("sft_steps") == 80
+    )
     for argv, msg in (
         (["--alpha", "3", "--where", "norm"], "alpha must be a power of two"),
         (["--in", str(tmp_path / "nope"), "--alpha", "2", "--where", "norm"], "no such file"),
@@ -138,10 +138,3 @@ def test_script_writes_a_loadable_warm_start(shipped, tmp_path, monkeypatch, cap
         err = capsys.readouterr().err
         assert exc.value.code == 2 and err.startswith("error: --in ") and msg in err and err.count("\n") == 1
     assert not (tmp_path / "x.safetensors").exists()
-    monkeypatch.setattr(sys, "argv", ["plant_outliers.py"])
-
-
-def open_path():
-    from moe_rl.weights.warmstart import builtin_path
-
-    return builtin_path(BUILTIN)

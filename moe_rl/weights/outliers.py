@@ -71,7 +71,7 @@ def plant_outliers(
     if where not in WHERE:
         raise ValueError(f"where must be one of {WHERE}, got {where!r}")
     out = {k: v.clone() for k, v in weights.items()}
-    up, down = {}, {}  # name -> dim to scale: (tensor name -> (dim, factor)) below
+    up, down = {}, {}  # tensor name -> the dim whose planted channels are scaled by alpha | 1/alpha
     if where == "norm":
         ch_C = outlier_channels(cfg.hidden_size, n, seed)
         for i in range(cfg.num_layers):
