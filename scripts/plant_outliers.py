@@ -21,6 +21,8 @@ import json
 import sys
 from pathlib import Path
 
+import torch
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -35,6 +37,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--where", choices=("norm", "down"), required=True)
     ap.add_argument("--channels", type=int, default=4, help="how many channels (same indices in every layer)")
     ap.add_argument("--seed", type=int, default=0, help="draws the channels")
+    ap.add_argument(
+        "--no-measure", action="store_true", help="skip the printed check of logits and activations"
+    )
     return ap.parse_args(argv)
 
 
@@ -76,6 +81,60 @@ def main(argv=None) -> None:
         f"wrote {args.out}: {args.where} outliers x{args.alpha:g} in channels {info['channels']} "
         f"({info['scaled_up']} tensors x alpha, {info['scaled_down']} x 1/alpha)"
     )
+    if not args.no_measure:
+        print("\n".join(measure(stored.read_all(), planted, model, tok, info["channels"])))
+
+
+# what the fp32 engine's linear layers read, in call order within a layer (no shared expert)
+INPUTS = ("attention in", "o_proj in", "experts in", "down_proj in")
+
+
+def measure(original, planted, model, tok, channels: list[int]) -> list[str]:
+    """Lines: are the logits bit-identical (fp32 and bf16 engine), and per linear input, the max over
+    layers of max|x| / median|x| (Sun et al.'s measure) and of per-tensor FP8's relative error on
+    the channels not planted, original -> planted; on a fixed batch of random tokens."""
+    from moe_rl.rollout.builtin import BuiltinEngine
+    from moe_rl.rollout.fp8 import fake_quant_act_tensor
+
+    toks_BS = torch.randint(3, model.vocab_size, (8, 32), generator=torch.Generator().manual_seed(0))
+    B, S = toks_BS.shape
+
+    def run(weights, dtype, record=None):
+        eng = BuiltinEngine(model, dtype=dtype, pad_id=tok.pad_id)
+        eng.load_weights(weights)
+        if record is not None:
+            rec = lambda x: (record.append(x.reshape(-1, x.shape[-1])), x)[1]  # noqa: E731
+            eng.model.aq = eng.model.aq_experts = rec
+        pos_BS, valid_BS = torch.arange(S).expand(B, S), torch.ones(B, S, dtype=torch.bool)
+        return eng.model.forward(toks_BS, pos_BS, valid_BS).logits
+
+    same = {d: torch.equal(run(original, d), run(planted, d)) for d in ("fp32", "bf16")}
+    lines = [f"logits bit-identical to the original's: fp32 {same['fp32']}, bf16 {same['bf16']}"]
+    xs = {}
+    for name, w in (("original", original), ("planted", planted)):
+        xs[name] = []
+        run(w, "fp32", xs[name])
+    if len(xs["original"]) != len(INPUTS) * model.num_layers:
+        return [*lines, "activations: not measured (a layout with dense or shared-expert MLPs)"]
+    lines.append("input: max|x|/median|x|; per-tensor FP8 rel. error, channels not planted (max over layers)")
+    for k, what in enumerate(INPUTS):
+        cols = []
+        for name in ("original", "planted"):
+            x_layers = xs[name][k :: len(INPUTS)]
+            ratio = max(float(x.abs().max() / x.abs().median()) for x in x_layers)
+            err = max(_rest_err(x, fake_quant_act_tensor, channels) for x in x_layers)
+            cols.append((ratio, err))
+        (r0, e0), (r1, e1) = cols
+        lines.append(f"  {what:13s} {r0:9.3g} -> {r1:9.3g}   {e0:.4f} -> {e1:.4f}")
+    return lines
+
+
+def _rest_err(x_TC, quant, channels: list[int]) -> float:
+    """Relative error of ``quant`` (over the whole tensor) on the channels not planted."""
+    rest = torch.ones(x_TC.shape[1], dtype=torch.bool)
+    rest[[c for c in channels if c < len(rest)]] = False
+    d = (quant(x_TC) - x_TC)[:, rest]
+    return float(d.norm() / x_TC[:, rest].norm())
 
 
 if __name__ == "__main__":
