@@ -122,6 +122,13 @@ def test_script_writes_a_loadable_warm_start(shipped, tmp_path, capsys):
     ps = script_module("plant_outliers")
     out = tmp_path / "ws_down16.safetensors"
     ps.main(["--in", BUILTIN, "--out", str(out), "--alpha", "16", "--where", "down", "--channels", "2"])
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[1] == "logits bit-identical to the original's: fp32 True, bf16 True"
+    # the down_proj input's max/median grows (16x its planted channels), the others' stay
+    ratios = {ln.split()[0]: ln.split()[2:5:2] for ln in printed[3:]}
+    assert (
+        ratios["attention"][0] == ratios["attention"][1] and ratios["down_proj"][0] != ratios["down_proj"][1]
+    )
     planted, done = plant_outliers(shipped, CFG, 16, "down", 2)
     loaded = open_init_weights(str(out), CFG, TOK).read_all()  # init_weights=FILE's own check
     assert loaded.keys() == planted.keys() and all(torch.equal(loaded[k], planted[k]) for k in planted)
