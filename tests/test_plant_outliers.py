@@ -145,3 +145,34 @@ def test_script_writes_a_loadable_warm_start(shipped, tmp_path, capsys):
         err = capsys.readouterr().err
         assert exc.value.code == 2 and err.startswith("error: --in ") and msg in err and err.count("\n") == 1
     assert not (tmp_path / "x.safetensors").exists()
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe", "qwen2_moe", "dense_first"])
+def test_every_family_keeps_its_logits(family):
+    """MLA (q_a / kv_a read the norm), shared experts and their gate, dense first layers: every
+    reader is found, so fp32 and bf16 logits stay bit-identical with both kinds of outliers."""
+    from moe_rl.weights.canonical import random_canonical_weights
+    from tests.models import TINY_MOE_L3, deepseek_v3_tiny, glm4_moe_tiny, qwen2_moe_tiny
+
+    cfg = {
+        "deepseek_v3": deepseek_v3_tiny,
+        "glm4_moe": glm4_moe_tiny,
+        "qwen2_moe": qwen2_moe_tiny,
+        "dense_first": lambda: TINY_MOE_L3,
+    }[family]()
+    weights = random_canonical_weights(cfg, 0)
+    toks_BS = torch.randint(3, cfg.vocab_size, (4, 12), generator=torch.Generator().manual_seed(0))
+    pos_BS, valid_BS = torch.arange(12).expand(4, 12), torch.ones(4, 12, dtype=torch.bool)
+
+    def logits(w, dtype):
+        eng = BuiltinEngine(cfg, dtype=dtype, pad_id=0)
+        eng.load_weights(w)
+        return eng.model.forward(toks_BS, pos_BS, valid_BS).logits
+
+    for where in ("norm", "down"):
+        planted, done = plant_outliers(weights, cfg, 1024.0, where, 3)
+        changed = [k for k in weights if not torch.equal(planted[k], weights[k])]
+        assert len(changed) == done["scaled_up"] + done["scaled_down"]
+        for dtype in ("fp32", "bf16"):
+            assert torch.equal(logits(planted, dtype), logits(weights, dtype)), (where, dtype)
