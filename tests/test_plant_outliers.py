@@ -12,6 +12,7 @@ from moe_rl.rollout.builtin import BuiltinEngine
 from moe_rl.rollout.fp8 import fake_quant_act_tensor
 from moe_rl.tasks.task import resolve_vocab
 from moe_rl.tasks.tokenizer import CharTokenizer
+from moe_rl.weights import outliers
 from moe_rl.weights.outliers import plant_outliers
 from moe_rl.weights.warmstart import BUILTIN, builtin_path, info, load_init_weights, open_init_weights
 from tests.script_module import script_module
@@ -73,12 +74,17 @@ def test_same_logits_and_alpha_times_the_channel_max(shipped, where, planted_cal
 
 
 @pytest.mark.unit
-def test_a_broken_plant_changes_the_logits(shipped):
+def test_a_broken_plant_changes_the_logits(shipped, monkeypatch):
     planted, _ = plant_outliers(shipped, CFG, 1024.0, "norm", 4)
     # scale only the norms: the readers keep their columns, so channel d comes out 1024x too large
     norms_only = {k: planted[k] if "layernorm" in k else v for k, v in shipped.items()}
     ref_BSV, _ = forward(shipped, "fp32")
     assert (forward(norms_only, "fp32")[0] - ref_BSV).abs().max() > 1.0
+    # why alpha must be a power of two: x3 then /3 rounds, fp32 a little and bf16 visibly (0.29)
+    monkeypatch.setattr(outliers, "check_alpha", lambda alpha: None)
+    by3, _ = plant_outliers(shipped, CFG, 3.0, "norm", 4)
+    assert 0 < (forward(by3, "fp32")[0] - ref_BSV).abs().max() < 1e-4
+    assert (forward(by3, "bf16")[0] - forward(shipped, "bf16")[0]).abs().max() > 0.1
 
 
 @pytest.mark.unit
