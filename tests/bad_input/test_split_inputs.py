@@ -72,11 +72,11 @@ def test_the_checked_sync_on_vllm_tp2_is_taken_colocated_and_on_rollout_ranks(tm
         cfg = load_run_config(None, [*layout, *vllm_tp2])
         assert (cfg.rollout.sync_check, cfg.rollout.vllm.tensor_parallel) == (True, 2)
         assert cfg.parallel.rollout_ranks == (2 if layout == SPLIT else 0)
-    line = (
-        "override 'rollout.sync_check=banana': config key 'rollout.sync_check': Value 'banana' is not a "
-        "valid bool (type str)"
+    line = (  # a quoted "false" is text: refused, not read as false
+        "override 'rollout.sync_check=\"false\"': config key 'rollout.sync_check': 'false' is str, not "
+        "taken as typed (a boolean key takes true or false; nothing is coerced)"
     )
-    _fails(tmp_path, line, "parallel.nproc=2", *vllm_tp2[:2], "rollout.sync_check=banana")
+    _fails(tmp_path, line, "parallel.nproc=2", *vllm_tp2[:2], 'rollout.sync_check="false"')
 
 
 @pytest.mark.bad_input
