@@ -156,7 +156,9 @@ def test_the_checked_sync_checks_each_colocated_tp_rank_and_names_a_stale_shard(
     assert error.startswith(head) and "\n" not in error, error
 
 
-FAIL_FAST_S = 30.0  # the fault to the job's end (tests/bad_input/test_split_faults.py's bound; seen ~4 s)
+FAIL_FAST_S = (
+    30.0  # the fault to the job's end (tests/bad_input/test_split_faults.py's bound; seen 0.9-1.4 s)
+)
 
 
 def test_a_stale_tensor_on_colocated_tp_rank_1_ends_the_launched_job_naming_it_and_its_shard(tmp_path):
