@@ -1,5 +1,6 @@
 """moe_rl/rollout/vllm/sync_sums.py (the learner's side of the checked sync on vLLM, in vLLM's
-layout) and requests.route_provenance (the route rows' provenance from vLLM's outputs). The real
+layout; colocated TP ranks on the on-policy sliced stream and on ``rollout.staleness``'s whole
+kept weight sets) and requests.route_provenance (the route rows' provenance from vLLM's outputs). The real
 vLLM worker's side: tests/vllm/test_vllm_cpu_turns.py."""
 
 from __future__ import annotations
@@ -249,10 +250,10 @@ class _TpWorker:
         return self.held
 
 
-def _stale_sync(r: int, engine) -> tuple[object, object, list[dict]]:
-    """Rank ``r`` of colocated vLLM TP=2 with ``rollout.staleness=1`` and the check on: a
-    ``WeightSync`` as the trainer builds it (its ``SyncCheck`` from ``sync_check_for``), its learner
-    and one sync's metrics per update 0-2 (the engine gets W_0, W_0, W_1)."""
+def _stale_sync(r: int, engine) -> tuple:
+    """Rank ``r`` of colocated vLLM TP=2 with ``rollout.staleness=1`` and the check on: its
+    ``WeightSync`` as the trainer builds it (the ``SyncCheck`` from ``sync_check_for``), the learner
+    (set ``u`` before each sync) and the check."""
     from moe_rl.config import load_config
     from moe_rl.config.schedule import Schedule
     from moe_rl.pipeline.simulated_staleness import SimulatedStaleness
