@@ -76,13 +76,6 @@ def check_over_sampling(cfg: Any) -> None:
         "the end (docs/sampling.md 6); use rollout.mode=sync or one_step_off",
     )
     check(
-        not split or r.engine == "builtin",
-        key,
-        "on rollout ranks (parallel.rollout_ranks > 0) runs the built-in engine only: vLLM's request "
-        "abort is built and tested colocated (docs/sampling.md 6); use rollout.engine=builtin, or "
-        "parallel.rollout_ranks=0",
-    )
-    check(
         r.engine == "builtin" or r.vllm.tensor_parallel == 1,
         key,
         f"aborts vLLM's requests on engines of rollout.vllm.tensor_parallel=1 only (got "

