@@ -2,7 +2,8 @@
 to a boolean and ``"4"`` to an integer, so a quoted ``"false"`` would turn a key on or off silently.
 Each input layer (the YAML file, each override) is checked against the typed defaults before it
 is merged: a boolean key takes true or false, an integer key an integer (not 4.6, not "4", not a
-boolean), a number key an integer or a float. Strings are left to the keys' own validation
+boolean), a number key an integer or a float (or inf / nan, left to the keys' own finiteness
+checks, which name them). Strings are left to the keys' own validation
 (``routing.replay: off`` is read as a boolean by YAML and refused there with a hint to quote it)."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from omegaconf.nodes import BooleanNode, FloatNode, IntegerNode
 
 from moe_rl.errors import ConfigError
 
+_NON_FINITE = ("inf", "infinity", "nan")
 _HINTS = {
     BooleanNode: "a boolean key takes true or false",
     IntegerNode: "an integer key takes an integer",
@@ -29,6 +31,10 @@ def _taken(node: Any, value: Any) -> bool:
         return isinstance(value, bool)
     if isinstance(node, IntegerNode):
         return isinstance(value, int) and not isinstance(value, bool)
+    if isinstance(
+        value, str
+    ):  # YAML 1.1 spells them .inf/.nan; inf and nan reach the keys' finiteness checks
+        return value.strip().lower().lstrip("+-") in _NON_FINITE
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 

@@ -46,7 +46,11 @@ from tests.cli_helpers import ROOT, fails_with, fake_run, run_cli, snapshot, wri
             "Did you mean: 'temperature'?",
         ),
         ("optim:\n  lr: .inf\n", "{p}: config key 'optim.lr': inf is not a finite number"),
-        ("resume: maybe\n", "{p}: config key 'resume': Value 'maybe' is not a valid bool (type str)"),
+        (
+            "resume: maybe\n",
+            "{p}: config key 'resume': 'maybe' is str, not taken as typed (a boolean key takes true or "
+            "false; nothing is coerced)",
+        ),
         (
             b"steps: 3\nseed: \xff\n",
             "{p}: cannot read the YAML config (UnicodeDecodeError: "
@@ -80,14 +84,12 @@ def test_config_path_that_is_a_directory_or_missing(tmp_path):
         (
             ["model.hidden_size=big", "rollout.temperature=0.5"],
             "override 'model.hidden_size=big': config key 'model.hidden_size': "
-            "Value 'big' of type 'str' could not "
-            "be converted to Integer",
+            "'big' is str, not taken as typed (an integer key takes an integer; nothing is coerced)",
         ),
         (
             ["rollout.temperature=0.5", "model.hidden_size=big"],
             "override 'model.hidden_size=big': config key 'model.hidden_size': "
-            "Value 'big' of type 'str' could not "
-            "be converted to Integer",
+            "'big' is str, not taken as typed (an integer key takes an integer; nothing is coerced)",
         ),
         (["optim.lr=inf"], "override 'optim.lr=inf': config key 'optim.lr': inf is not a finite number"),
         (
@@ -270,7 +272,8 @@ def test_resume_takes_the_saved_config_as_its_base(tmp_path):
     assert "num_experts: 8\n" in out and "steps: 60\n" in out  # the defaults under the file
     fails_with(
         tmp_path,
-        "override 'resume=maybe': config key 'resume': Value 'maybe' is not a valid bool (type str)",
+        "override 'resume=maybe': config key 'resume': 'maybe' is str, not taken as typed (a boolean key "
+        "takes true or false; nothing is coerced)",
         "config",
         f"run_dir={run}",
         "resume=maybe",
