@@ -31,9 +31,7 @@ def _taken(node: Any, value: Any) -> bool:
         return isinstance(value, bool)
     if isinstance(node, IntegerNode):
         return isinstance(value, int) and not isinstance(value, bool)
-    if isinstance(
-        value, str
-    ):  # YAML 1.1 spells them .inf/.nan; inf and nan reach the keys' finiteness checks
+    if isinstance(value, str):  # YAML spells .inf/.nan; inf and nan text reach the finiteness checks
         return value.strip().lower().lstrip("+-") in _NON_FINITE
     return isinstance(value, int | float) and not isinstance(value, bool)
 
@@ -58,9 +56,8 @@ def refuse_coercion(base: DictConfig, layer: Any, prefix: str = "") -> None:
             refuse_coercion(node, value, f"{name}.")
         elif isinstance(value, ListConfig) and isinstance(node, ListConfig):
             element = _element_base(node)
-            for i, item in enumerate(value):
-                if element is not None:
-                    refuse_coercion(element, item, f"{name}[{i}].")
+            for i, item in enumerate(value if element is not None else ()):
+                refuse_coercion(element, item, f"{name}[{i}].")
         elif value is not None and type(node) in _HINTS and not _taken(node, value):
             raise ConfigError(
                 f"config key '{name}': {value!r} is {type(value).__name__}, not taken as typed "
